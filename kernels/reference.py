@@ -1,0 +1,20 @@
+"""Torch reference ops under Megatron-core's names, so its users can swap ours in.
+
+router_topk(logits, topk, *, score_function, use_pre_softmax, num_groups, group_topk,
+            scaling_factor, expert_bias) -> (probs [T, E], routing_map [T, E] bool)
+permute(tokens, routing_map, probs=None, num_out_tokens=None)
+    -> (permuted_tokens [N, H], permuted_probs [N] | None, row_id_map [T, E] int32)
+unpermute(permuted_tokens, row_id_map, restore_shape, probs=None, routing_map=None) -> [T, H]
+sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None) -> (output, probs | None)
+router_topk_with_counts(logits, topk, **same) -> (probs, routing_map, tokens_per_expert [E] int64)
+
+Output order is expert-major, ascending source token within an expert.
+"""
+
+from .permutation import permute_torch as permute
+from .permutation import unpermute_torch as unpermute
+from .router_topk import router_topk_torch as router_topk
+from .router_topk import router_topk_with_counts_torch as router_topk_with_counts
+from .sort_chunks import sort_chunks_by_idxs_torch as sort_chunks_by_idxs
+
+__all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs"]

@@ -1,0 +1,133 @@
+"""Router top-k: score function + (group-limited) top-k selection, Megatron-core semantics.
+
+Owns the torch reference `router_topk_torch`, which returns the same outputs as
+Megatron-core's `topk_routing_with_score_function` (dense probs and a bool routing map), and
+`expert_token_counts`, the per-expert routed-token counts used by the aux loss and the
+aux-loss-free expert-bias update.
+
+Shape legend: T tokens, E experts, K top-k, G expert groups.
+
+Precision: logits are converted to fp32 for the score function, every intermediate is fp32,
+the returned probs are cast back to the logits' dtype (as Megatron-core does).
+Ties: the lower expert index wins (torch.topk order).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def check_router_args(num_experts: int, topk: int, score_function: str,
+                      num_groups: Optional[int], group_topk: Optional[int]) -> None:
+    """Raise ValueError naming the argument when the routing settings are inconsistent."""
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function={score_function!r}: allowed {SCORE_FUNCTIONS}")
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"topk={topk}: must be in [1, num_experts={num_experts}]")
+    if group_topk:
+        if not num_groups or num_experts % num_groups:
+            raise ValueError(f"num_groups={num_groups}: must divide num_experts={num_experts}")
+        if not 1 <= group_topk <= num_groups:
+            raise ValueError(f"group_topk={group_topk}: must be in [1, num_groups={num_groups}]")
+        if topk % group_topk:
+            raise ValueError(f"topk={topk}: must be divisible by group_topk={group_topk}")
+        if topk // group_topk > num_experts // num_groups:
+            raise ValueError(f"topk/group_topk={topk // group_topk}: exceeds experts per group "
+                             f"{num_experts // num_groups}")
+        if topk > group_topk * (num_experts // num_groups):
+            raise ValueError(f"topk={topk}: more than the experts of the {group_topk} kept groups")
+
+
+def _group_limited_topk(scores_TE: torch.Tensor, topk: int, num_groups: int,
+                        group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek group-limited top-k: keep the `group_topk` best groups, then top-k among them.
+
+    A group's score is the sum of its best (topk // group_topk) expert scores.
+    """
+    num_tokens, num_experts = scores_TE.shape
+    per_group = num_experts // num_groups
+    group_scores_TG = (scores_TE.view(num_tokens, num_groups, per_group)
+                       .topk(topk // group_topk, dim=-1)[0].sum(dim=-1))
+    group_idx = torch.topk(group_scores_TG, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask_TG = torch.zeros_like(group_scores_TG).scatter_(1, group_idx, 1)
+    score_mask_TE = (group_mask_TG.unsqueeze(-1).expand(num_tokens, num_groups, per_group)
+                     .reshape(num_tokens, num_experts))
+    masked_TE = scores_TE.masked_fill(~score_mask_TE.bool(), float("-inf"))
+    return torch.topk(masked_TE, k=topk, dim=-1)
+
+
+def _select_topk(scores_TE, topk, num_groups, group_topk):
+    if group_topk:
+        return _group_limited_topk(scores_TE, topk, num_groups, group_topk)
+    return torch.topk(scores_TE, k=topk, dim=1)
+
+
+def router_topk_torch(
+    logits_TE: torch.Tensor,
+    topk: int,
+    *,
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    scaling_factor: Optional[float] = None,
+    expert_bias: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route tokens: logits [T, E] -> (probs [T, E] zeros where not routed, routing_map [T, E] bool).
+
+    softmax, pre: softmax over E in fp32, then top-k of the scores.
+    softmax, post: top-k of the logits, then softmax over the k chosen.
+    sigmoid: sigmoid scores in fp32; with `expert_bias` [E] the top-k is chosen on
+    scores + bias but the unbiased scores are returned; for k > 1 the chosen scores are
+    normalized by their sum (+1e-20).
+    `scaling_factor` multiplies the final probs. Differentiable w.r.t. logits. Syncs no host.
+    """
+    num_tokens, num_experts = logits_TE.shape
+    check_router_args(num_experts, topk, score_function, num_groups, group_topk)
+    if score_function == "softmax":
+        if use_pre_softmax:
+            scores_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+            probs_TK, top_idx_TK = _select_topk(scores_TE, topk, num_groups, group_topk)
+        else:
+            top_logits_TK, top_idx_TK = _select_topk(logits_TE.float(), topk, num_groups,
+                                                      group_topk)
+            probs_TK = torch.softmax(top_logits_TK, dim=-1, dtype=torch.float32)
+    else:
+        scores_TE = torch.sigmoid(logits_TE.float())
+        if expert_bias is not None:
+            _, top_idx_TK = _select_topk(scores_TE + expert_bias.float(), topk, num_groups,
+                                         group_topk)
+            probs_TK = torch.gather(scores_TE, 1, top_idx_TK)
+        else:
+            probs_TK, top_idx_TK = _select_topk(scores_TE, topk, num_groups, group_topk)
+        if topk > 1:
+            probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    if scaling_factor:
+        probs_TK = probs_TK * scaling_factor
+    probs_TK = probs_TK.to(logits_TE.dtype)
+    probs_TE = torch.zeros_like(logits_TE).scatter(1, top_idx_TK, probs_TK)
+    routing_map_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter(1, top_idx_TK, True)
+    return probs_TE, routing_map_TE
+
+
+def router_topk_with_counts_torch(logits_TE: torch.Tensor, topk: int, **routing_kwargs):
+    """`router_topk_torch` plus the per-expert routed-token counts [E] int64 (aux loss, bias)."""
+    probs_TE, routing_map_TE = router_topk_torch(logits_TE, topk, **routing_kwargs)
+    return probs_TE, routing_map_TE, expert_token_counts(routing_map_TE)
+
+
+def expert_token_counts(routing_map_TE: torch.Tensor) -> torch.Tensor:
+    """Tokens routed to each expert: [T, E] bool -> [E] int64 (on the map's device, no sync)."""
+    return routing_map_TE.sum(dim=0, dtype=torch.int64)
+
+
+def aux_loss_scores(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
+    """Scores the Switch aux loss uses: softmax over E, or sum-normalized sigmoid (fp32)."""
+    if score_function == "softmax":
+        return torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+    scores_TE = torch.sigmoid(logits_TE.float())
+    return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
