@@ -1,0 +1,68 @@
+"""Expert-parallel communication: the all-to-alls of the MoE dispatcher, differentiable.
+
+Owns `ExpertComm` (the EP process group plus the comm mode) and the autograd function whose
+forward is an all_to_all_single and whose backward is the reverse all-to-all. These calls run
+on whatever stream/thread the caller is on; choosing that is the executor's business.
+
+Comm modes (config `--comm-mode`, benchmarks only): `real`, or `local_copy`, which replaces
+each all-to-all by a local copy of the same bytes, as if every rank received what it sent: the
+compute-only baseline of the overlap benchmark (the split-size exchange still syncs the host).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class ExpertComm:
+    """All-to-all over the expert-parallel group."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], size: int, mode: str = "real"):
+        self.group = group
+        self.size = size
+        self.mode = mode
+
+    def all_to_all(self, input_NH: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int]) -> torch.Tensor:
+        """Rows input_splits[r] go to rank r; rows output_splits[r] arrive from rank r.
+
+        Syncs no host; blocks the calling stream (GPU) or thread (CPU) until done.
+        """
+        if self.size == 1 or self.mode == "local_copy":
+            return input_NH.clone()
+        input_NH = input_NH.contiguous()
+        output = input_NH.new_empty((sum(output_splits),) + tuple(input_NH.shape[1:]))
+        dist.all_to_all_single(output, input_NH, output_splits, input_splits, group=self.group)
+        return output
+
+    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        """Per-expert send counts [E] -> counts received [ep, E_local] (row = source rank)."""
+        send_RL = counts_E.view(self.size, -1).contiguous()
+        if self.size == 1 or self.mode == "local_copy":
+            return send_RL.clone()
+        recv_RL = torch.empty_like(send_RL)
+        dist.all_to_all_single(recv_RL, send_RL, group=self.group)
+        return recv_RL
+
+
+class AllToAll(torch.autograd.Function):
+    """Differentiable all_to_all_single: backward sends grads back along the reverse splits."""
+
+    @staticmethod
+    def forward(ctx, comm: ExpertComm, input_NH: torch.Tensor, output_splits: list[int],
+                input_splits: list[int]) -> torch.Tensor:
+        ctx.comm, ctx.output_splits, ctx.input_splits = comm, output_splits, input_splits
+        return comm.all_to_all(input_NH, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input = ctx.comm.all_to_all(grad_output, ctx.input_splits, ctx.output_splits)
+        return None, grad_input, None, None
+
+
+def all_to_all(comm: ExpertComm, input_NH: torch.Tensor, output_splits: list[int],
+               input_splits: list[int]) -> torch.Tensor:
+    return AllToAll.apply(comm, input_NH, output_splits, input_splits)

@@ -1,0 +1,121 @@
+"""GEMMs whose weight gradient can be split off the critical path: dense and grouped (experts).
+
+Owns the autograd functions `linear` and `grouped_gemm` and `accumulate_weight_grad`. Their
+backward computes the input grad at once and offers the weight-grad GEMM to a
+`WeightGradQueue` (when one is given): deferred, it runs later at the plan's `W` action;
+otherwise inline. Both paths run the same GEMM and the same fp32 accumulation into
+`param.main_grad`, so deferring changes no bit of any gradient.
+
+Shape legend: N rows (tokens), I input features, O output features, E local experts.
+
+Grouped GEMM: rows are sorted by expert; `offsets_E` (int32, device) holds the cumulative row
+end of each expert. `torch._grouped_mm` is used where it runs (CUDA, or CPU for aligned
+shapes); otherwise a loop of matmuls over the host-side `counts` (a correct fallback).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """param.main_grad += grad (fp32 buffer), or into param.grad when no buffer is attached."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(grad)
+    elif param.grad is None:
+        param.grad = grad.to(param.dtype).clone()
+    else:
+        param.grad.add_(grad)
+
+
+def _run_or_defer(queue, work) -> None:
+    if queue is None or not queue.defer(work):
+        work()
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NI, weight_OI, queue):
+        ctx.save_for_backward(x_NI, weight_OI)
+        ctx.queue = queue
+        return x_NI @ weight_OI.t()
+
+    @staticmethod
+    def backward(ctx, grad_NO):
+        x_NI, weight_OI = ctx.saved_tensors
+        grad_x_NI = grad_NO @ weight_OI if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            def weight_grad_work(grad_NO=grad_NO, x_NI=x_NI, weight_OI=weight_OI):
+                grad_2d = grad_NO.reshape(-1, grad_NO.shape[-1])
+                accumulate_weight_grad(weight_OI, grad_2d.t() @ x_NI.reshape(-1, x_NI.shape[-1]))
+            _run_or_defer(ctx.queue, weight_grad_work)
+        return grad_x_NI, None, None
+
+
+def linear(x_NI: torch.Tensor, weight_OI: torch.nn.Parameter, queue=None) -> torch.Tensor:
+    """y = x @ W^T (no bias), with a deferrable weight grad."""
+    return _Linear.apply(x_NI, weight_OI, queue)
+
+
+def _grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if a.is_cuda:
+        return True
+    elem = a.element_size()
+    dims = list(a.shape[1:]) + list(b.shape[-1:])
+    return all((d * elem) % 16 == 0 for d in dims) and a.dtype == torch.float32
+
+
+def _mm_grouped(a_NI, b_EIO, offsets_E, counts):
+    """Row-grouped A [N, I] x per-group B [E, I, O] -> [N, O]."""
+    if _grouped_mm_runs(a_NI, b_EIO):
+        return torch._grouped_mm(a_NI, b_EIO, offs=offsets_E)
+    pieces = torch.split(a_NI, counts)
+    return torch.cat([p @ b_EIO[e] for e, p in enumerate(pieces)], dim=0)
+
+
+def _mm_weight_grad(x_NI, grad_NO, offsets_E, counts, num_experts):
+    """Per group x_g^T @ grad_g -> [E, I, O] (zero for empty groups)."""
+    x_IN = x_NI.t()
+    if _grouped_mm_runs(x_IN, grad_NO) and x_NI.shape[0] > 0:
+        return torch._grouped_mm(x_IN, grad_NO, offs=offsets_E)
+    xs, gs = torch.split(x_NI, counts), torch.split(grad_NO, counts)
+    out = x_NI.new_zeros((num_experts, x_NI.shape[1], grad_NO.shape[1]))
+    for e in range(num_experts):
+        if counts[e]:
+            out[e] = xs[e].t() @ gs[e]
+    return out
+
+
+class _GroupedGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NI, weight_EIO, offsets_E, counts, queue):
+        ctx.save_for_backward(x_NI, weight_EIO, offsets_E)
+        ctx.counts, ctx.queue = counts, queue
+        return _mm_grouped(x_NI, weight_EIO, offsets_E, counts)
+
+    @staticmethod
+    def backward(ctx, grad_NO):
+        x_NI, weight_EIO, offsets_E = ctx.saved_tensors
+        counts = ctx.counts
+        grad_NO = grad_NO.contiguous()
+        grad_x_NI = _mm_grouped(grad_NO, weight_EIO.transpose(1, 2), offsets_E, counts)
+        if ctx.needs_input_grad[1]:
+            def weight_grad_work(x_NI=x_NI, grad_NO=grad_NO, weight_EIO=weight_EIO):
+                accumulate_weight_grad(weight_EIO, _mm_weight_grad(
+                    x_NI, grad_NO, offsets_E, counts, weight_EIO.shape[0]))
+            _run_or_defer(ctx.queue, weight_grad_work)
+        return grad_x_NI, None, None, None, None
+
+
+def grouped_gemm(x_NI: torch.Tensor, weight_EIO: torch.nn.Parameter, offsets_E: torch.Tensor,
+                 counts: list[int], queue=None) -> torch.Tensor:
+    """Rows of expert e (counts[e] of them, in order) times weight[e]; deferrable weight grad."""
+    return _GroupedGemm.apply(x_NI, weight_EIO, offsets_E, counts, queue)
+
+
+def expert_offsets(counts_E: torch.Tensor) -> torch.Tensor:
+    """Cumulative row ends per expert, int32, as torch._grouped_mm wants them."""
+    return torch.cumsum(counts_E, 0).to(torch.int32)

@@ -1,0 +1,256 @@
+"""The decoder-only MoE language model, exposed as node callables.
+
+Owns the model: embedding; layers of [RMSNorm, causal GQA self-attention with rotary
+embeddings (torch SDPA), residual, RMSNorm, MoE or dense SwiGLU MLP, residual]; final norm;
+output head; cross-entropy. It knows nothing of schedules: each layer exposes its nodes
+(`NodeSpec`s) and `forward` simply runs them in order under one autograd graph.
+
+Nodes of an MoE layer (overlap.md):
+  attn     (compute) norm, attention, residual, pre-MLP norm, shared expert, router, permute
+  dispatch (comm)    split-size exchange (the one host sync), all-to-all of tokens and probs
+  mlp      (compute) sort by local expert, grouped SwiGLU experts, unsort
+  combine  (comm)    all-to-all back, unpermute, + shared expert output, + residual
+A dense layer has `attn` (norm, attention, residual, pre-MLP norm) and `mlp` (MLP + residual).
+Plus `embed` (tokens -> hidden) and `loss` (final norm, head, cross-entropy).
+
+Shape legend: B microbatch sequences, S sequence length, T = B*S tokens, H hidden, V vocab,
+Q query heads, G key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epoverlap_kernels import MoEOps
+
+from .comm import ExpertComm
+from .config import RunConfig
+from .linear import linear
+from .moe import AllToAllDispatcher, GroupedSwiGLUExperts, Router, SwiGLU, param_seed, \
+    seeded_normal_
+from .nodes import COMM, COMPUTE, NodeSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        x32 = x_TH.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return normed.to(x_TH.dtype) * self.weight
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float, device) -> tuple:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles_SD = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    return angles_SD.cos(), angles_SD.sin()
+
+
+def apply_rotary(x_BQSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor):
+    """Rotate the two halves of each head (GPT-NeoX layout), in fp32."""
+    x1, x2 = x_BQSD.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos_SD - x2 * sin_SD, x2 * cos_SD + x1 * sin_SD], dim=-1)
+    return rotated.to(x_BQSD.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary embeddings."""
+
+    def __init__(self, cfg: RunConfig, layer: int, *, dtype, device, queue):
+        super().__init__()
+        m = cfg.model
+        self.heads, self.kv_heads, self.head_dim = m.num_attention_heads, m.kv_heads, m.head_dim
+        self.seq_length, self.queue = m.seq_length, queue
+        qkv_out = (self.heads + 2 * self.kv_heads) * self.head_dim
+        self.qkv = nn.Parameter(torch.empty(qkv_out, m.hidden_size, dtype=dtype, device=device))
+        self.proj = nn.Parameter(torch.empty(m.hidden_size, self.heads * self.head_dim,
+                                             dtype=dtype, device=device))
+        seed, std = cfg.train.seed, m.init_method_std
+        seeded_normal_(self.qkv, std, param_seed(seed, "qkv", layer))
+        seeded_normal_(self.proj, std / math.sqrt(2 * m.num_layers), param_seed(seed, "proj",
+                                                                                 layer))
+        cos_SD, sin_SD = rotary_tables(m.seq_length, m.head_dim, m.rotary_base, device)
+        self.register_buffer("cos_SD", cos_SD, persistent=False)
+        self.register_buffer("sin_SD", sin_SD, persistent=False)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        seq, dim = self.seq_length, self.head_dim
+        batch = x_TH.shape[0] // seq
+        qkv_TX = linear(x_TH, self.qkv, self.queue)
+        q, k, v = qkv_TX.split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], -1)
+        q_BQSD = q.view(batch, seq, self.heads, dim).transpose(1, 2)
+        k_BGSD = k.view(batch, seq, self.kv_heads, dim).transpose(1, 2)
+        v_BGSD = v.view(batch, seq, self.kv_heads, dim).transpose(1, 2)
+        q_BQSD = apply_rotary(q_BQSD, self.cos_SD, self.sin_SD)
+        k_BGSD = apply_rotary(k_BGSD, self.cos_SD, self.sin_SD)
+        out_BQSD = F.scaled_dot_product_attention(q_BQSD, k_BGSD, v_BGSD, is_causal=True,
+                                                  enable_gqa=self.kv_heads != self.heads)
+        out_TX = out_BQSD.transpose(1, 2).reshape(batch * seq, self.heads * dim)
+        return linear(out_TX, self.proj, self.queue)
+
+
+class TransformerLayer(nn.Module):
+    """One decoder layer; MoE or dense. Exposes its nodes through `node_specs`."""
+
+    def __init__(self, cfg: RunConfig, layer: int, is_moe: bool, comm: ExpertComm,
+                 ep_rank: int, ops: MoEOps, *, dtype, device, queue):
+        super().__init__()
+        m, moe, seed = cfg.model, cfg.moe, cfg.train.seed
+        std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
+        self.layer, self.is_moe = layer, is_moe
+        self.input_norm = RMSNorm(m.hidden_size, m.norm_epsilon, dtype, device)
+        self.attention = Attention(cfg, layer, dtype=dtype, device=device, queue=queue)
+        self.pre_mlp_norm = RMSNorm(m.hidden_size, m.norm_epsilon, dtype, device)
+        mlp_kwargs = dict(seed=seed, std=std, out_std=out_std, dtype=dtype, device=device,
+                          queue=queue)
+        self.shared_expert = self.router = self.experts = self.dense_mlp = None
+        if not is_moe:
+            self.dense_mlp = SwiGLU(m.hidden_size, m.ffn_hidden_size, name=f"mlp{layer}",
+                                    **mlp_kwargs)
+            return
+        ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
+        self.router = Router(moe, m.hidden_size, layer, ops, seed=seed, std=std, dtype=dtype,
+                             device=device, aux_loss_scale=1.0 / cfg.train.num_microbatches)
+        self.experts = GroupedSwiGLUExperts(moe, m.hidden_size, ffn, layer, ep_rank, comm.size,
+                                            **mlp_kwargs)
+        if moe.moe_shared_expert_intermediate_size:
+            self.shared_expert = SwiGLU(m.hidden_size, moe.moe_shared_expert_intermediate_size,
+                                        name=f"shared{layer}", **mlp_kwargs)
+        self.dispatcher = AllToAllDispatcher(comm, moe.num_experts, moe.moe_router_topk, ops,
+                                             device)
+
+    # ----------------------------------------------------------------- node callables
+    def attn_forward(self, hidden):
+        residual = hidden + self.attention(self.input_norm(hidden))
+        normed = self.pre_mlp_norm(residual)
+        if not self.is_moe:
+            return {"residual": residual, "normed": normed}
+        out = {"residual": residual}
+        if self.shared_expert is not None:
+            out["shared_out"] = self.shared_expert(normed)
+        probs, routing_map, counts = self.router(normed)
+        permuted, permuted_probs, row_id_map = self.dispatcher.preprocess(normed, probs,
+                                                                          routing_map)
+        out.update(permuted_tokens=permuted, permuted_probs=permuted_probs,
+                   expert_counts=counts, row_id_map=row_id_map)
+        return out
+
+    def dispatch_forward(self, permuted_tokens, permuted_probs, expert_counts):
+        recv, recv_probs, meta = self.dispatcher.dispatch(permuted_tokens, permuted_probs,
+                                                          expert_counts)
+        return {"recv_tokens": recv, "recv_probs": recv_probs, "meta": meta}
+
+    def moe_mlp_forward(self, recv_tokens, recv_probs, meta):
+        tokens, probs = self.dispatcher.sort_by_expert(recv_tokens, recv_probs, meta)
+        out = self.experts(tokens, probs, meta.recv_counts_RL.sum(dim=0),
+                           meta.tokens_per_local_expert)
+        return {"expert_out": self.dispatcher.unsort(out, meta)}
+
+    def combine_forward(self, expert_out, meta, row_id_map, residual, shared_out=None):
+        moe_out = self.dispatcher.combine(expert_out, meta, row_id_map)
+        if shared_out is not None:
+            moe_out = moe_out + shared_out
+        return {"hidden": residual + moe_out}
+
+    def dense_mlp_forward(self, normed, residual):
+        return {"hidden": residual + self.dense_mlp(normed)}
+
+    def node_specs(self) -> list[NodeSpec]:
+        L = self.layer
+        hidden_in, hidden_out = f"hidden.L{L}", f"hidden.L{L + 1}"
+
+        def v(name):
+            return f"L{L}.{name}"
+        if not self.is_moe:
+            return [
+                NodeSpec("attn", L, COMPUTE, self.attn_forward, {"hidden": hidden_in},
+                         {"residual": v("residual"), "normed": v("normed")}, True),
+                NodeSpec("mlp", L, COMPUTE, self.dense_mlp_forward,
+                         {"normed": v("normed"), "residual": v("residual")},
+                         {"hidden": hidden_out}, True)]
+        attn_out = {k: v(k) for k in ("residual", "permuted_tokens", "permuted_probs",
+                                      "expert_counts", "row_id_map")}
+        combine_in = {k: v(k) for k in ("expert_out", "meta", "row_id_map", "residual")}
+        if self.shared_expert is not None:
+            attn_out["shared_out"] = combine_in["shared_out"] = v("shared_out")
+        return [
+            NodeSpec("attn", L, COMPUTE, self.attn_forward, {"hidden": hidden_in}, attn_out, True),
+            NodeSpec("dispatch", L, COMM, self.dispatch_forward,
+                     {k: v(k) for k in ("permuted_tokens", "permuted_probs", "expert_counts")},
+                     {k: v(k) for k in ("recv_tokens", "recv_probs", "meta")}),
+            NodeSpec("mlp", L, COMPUTE, self.moe_mlp_forward,
+                     {k: v(k) for k in ("recv_tokens", "recv_probs", "meta")},
+                     {"expert_out": v("expert_out")}, True),
+            NodeSpec("combine", L, COMM, self.combine_forward, combine_in,
+                     {"hidden": hidden_out})]
+
+
+class MoEModel(nn.Module):
+    """Embedding, layers, final norm, output head, cross-entropy loss."""
+
+    def __init__(self, cfg: RunConfig, comm: ExpertComm, ep_rank: int, ops: MoEOps, *,
+                 dtype: torch.dtype, device: torch.device, wgrad_queue=None):
+        super().__init__()
+        m, seed = cfg.model, cfg.train.seed
+        self.cfg = cfg
+        self.embedding = nn.Parameter(torch.empty(m.vocab_size, m.hidden_size, dtype=dtype,
+                                                  device=device))
+        seeded_normal_(self.embedding, m.init_method_std, param_seed(seed, "embedding"))
+        pattern = cfg.moe_layer_pattern()
+        self.layers = nn.ModuleList(
+            TransformerLayer(cfg, layer, pattern[layer], comm, ep_rank, ops, dtype=dtype,
+                             device=device, queue=wgrad_queue) for layer in range(m.num_layers))
+        self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, dtype, device)
+        self.head = nn.Parameter(torch.empty(m.vocab_size, m.hidden_size, dtype=dtype,
+                                             device=device))
+        seeded_normal_(self.head, m.init_method_std, param_seed(seed, "head"))
+
+    def embed_forward(self, tokens):
+        return {"hidden": F.embedding(tokens.reshape(-1), self.embedding)}
+
+    def loss_forward(self, hidden, labels):
+        logits_TV = linear(self.final_norm(hidden), self.head)
+        return {"loss": F.cross_entropy(logits_TV.float(), labels.reshape(-1))}
+
+    def node_specs(self) -> list[NodeSpec]:
+        """Every node in forward order."""
+        last = f"hidden.L{len(self.layers)}"
+        specs = [NodeSpec("embed", None, COMPUTE, self.embed_forward, {"tokens": "tokens"},
+                          {"hidden": "hidden.L0"})]
+        for layer in self.layers:
+            specs.extend(layer.node_specs())
+        specs.append(NodeSpec("loss", None, COMPUTE, self.loss_forward,
+                              {"hidden": last, "labels": "labels"}, {"loss": "loss"}))
+        return specs
+
+    def layout(self) -> list[tuple[str, ...]]:
+        """Node names of each layer, in forward order (what plan builders need)."""
+        return [tuple(s.name for s in layer.node_specs()) for layer in self.layers]
+
+    def routers(self) -> list[Router]:
+        return [layer.router for layer in self.layers if layer.router is not None]
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Plain autograd forward through the same node callables, in order. -> loss."""
+        values = {"tokens": tokens, "labels": labels}
+        for spec in self.node_specs():
+            out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})
+            values.update({spec.outputs[local]: value for local, value in out.items()})
+        return values["loss"]
+
+
+def model_dtype(cfg: RunConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.train.bf16 else torch.float32
+
+
+def count_parameters(model: MoEModel, ep_size: int) -> dict:
+    """Total parameters of the global model (experts counted over all EP ranks), and active."""
+    dense = sum(p.numel() for p in model.parameters() if not getattr(p, "is_expert", False))
+    expert_local = sum(p.numel() for p in model.parameters() if getattr(p, "is_expert", False))
+    return {"dense": dense, "expert_global": expert_local * ep_size, "expert_local": expert_local}

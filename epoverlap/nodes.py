@@ -1,0 +1,99 @@
+"""Nodes: pieces of a layer cut out of autograd, so a scheduler can run them in any legal order.
+
+Owns `NodeSpec` (what a model exposes: a callable with named inputs and outputs and the lane
+kind of the work it does) and `NodeRun` (one forward of one node for one microbatch: detached
+inputs, forward under autograd, backward run on the node's own outputs only, grads returned
+for its inputs, state dropped after backward). No autograd edge ever crosses a node boundary.
+
+Values between nodes are named. A node's callable receives its inputs as keyword arguments
+with *local* names and returns a dict with local output names; `NodeSpec.inputs` / `outputs`
+map local names to the microbatch-wide value names (for example "hidden.L2" or "L2.residual").
+Every differentiable value has exactly one consumer, so grads never need summing across nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+COMPUTE = "compute"
+COMM = "comm"
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A node a model exposes. `layer` is None for the embedding and loss nodes."""
+
+    name: str
+    layer: Optional[int]
+    lane: str
+    fn: Callable[..., dict]
+    inputs: dict  # local name -> value name
+    outputs: dict  # local name -> value name
+    has_weights: bool = False  # owns weight-grad work that can be deferred
+
+    @property
+    def key(self) -> tuple[Optional[int], str]:
+        return (self.layer, self.name)
+
+    def label(self) -> str:
+        return self.name if self.layer is None else f"{self.name}.L{self.layer}"
+
+
+def _is_grad_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+class NodeRun:
+    """One forward + backward of one node for one microbatch."""
+
+    def __init__(self, spec: NodeSpec):
+        self.spec = spec
+        self._inputs: Optional[dict] = None
+        self._outputs: Optional[dict] = None
+
+    def forward(self, values: dict) -> dict:
+        """Run the node on `values` (value name -> value); return value name -> output."""
+        local_inputs = {}
+        for local, name in self.spec.inputs.items():
+            value = values[name]
+            if _is_grad_tensor(value):
+                value = value.detach().requires_grad_(True)
+            local_inputs[local] = value
+        with torch.enable_grad():
+            local_outputs = self.spec.fn(**local_inputs)
+        if set(local_outputs) != set(self.spec.outputs):
+            raise RuntimeError(f"node {self.spec.label()} returned {sorted(local_outputs)}, "
+                               f"declared {sorted(self.spec.outputs)}")
+        self._inputs, self._outputs = local_inputs, local_outputs
+        return {self.spec.outputs[local]: _detach(value) for local, value in local_outputs.items()}
+
+    def backward(self, grads: dict) -> dict:
+        """Backprop the node given grads of its outputs (value name -> grad, missing = none).
+
+        Returns value name -> grad for each differentiable input; frees the node's state.
+        """
+        if self._outputs is None:
+            raise RuntimeError(f"backward of node {self.spec.label()} before its forward")
+        tensors, seeds = [], []
+        for local, value in self._outputs.items():
+            grad = grads.get(self.spec.outputs[local])
+            if _is_grad_tensor(value) and grad is not None:
+                tensors.append(value)
+                seeds.append(grad)
+        if tensors:
+            torch.autograd.backward(tensors, seeds)
+        input_grads = {self.spec.inputs[local]: value.grad
+                       for local, value in self._inputs.items()
+                       if _is_grad_tensor(value)}
+        self._inputs = self._outputs = None
+        return input_grads
+
+
+def _detach(value: Any) -> Any:
+    """Outputs leave the node without their autograd history (the consumer re-attaches)."""
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        return value.detach().requires_grad_(True)
+    return value

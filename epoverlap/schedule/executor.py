@@ -1,0 +1,260 @@
+"""The executor: interprets a plan on two lanes. The only module that touches streams/events.
+
+Owns `Executor` and the lane backends: `SerialLanes` (everything in order on the calling
+thread and current stream: the sequential reference), `CudaStreamLanes` (the compute lane is
+the current CUDA stream, the comm lane a second stream, optionally high priority) and
+`ThreadLanes` (CPU: the comm lane is one worker thread that runs comm nodes in order, like a
+stream, so a gloo all-to-all really runs while the main thread computes).
+
+Two lanes, one event per microbatch (overlap.md). For a layer pair, forward of F with backward
+of B:
+
+    comm:    | B.combine |          | F.dispatch ...... B.dispatch |        | F.combine |
+    compute: |           | F.attn   | B.mlp | W.mlp |     F.mlp     |        | B.attn | W.attn
+                 ^ hidden behind F.attn       ^ hidden behind W.mlp and F.mlp     ^ hidden by B.attn
+
+Every F/B node of microbatch m waits on m's event (CUDA: `wait_event`; threads: the future of
+m's last comm node) before it runs and records it after, so one microbatch's nodes form a chain
+across the lanes while the two microbatches' chains share nothing and overlap freely. `W`
+actions run on the compute lane and neither wait on nor record the event: nothing waits on
+them. A tensor handed from one lane to the other is marked used on the consumer's stream
+(`record_stream`), so the caching allocator cannot hand its memory out early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..nodes import COMM, COMPUTE, NodeRun, NodeSpec
+from .plan import Action
+from .wgrad import WeightGradQueue
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if hasattr(value, "tensors"):
+        return list(value.tensors())
+    return []
+
+
+class SerialLanes:
+    """Both lanes in program order on the caller's thread and stream (no overlap)."""
+
+    def submit(self, lane: str, microbatch: int, task: Callable[[], None], chain: bool) -> None:
+        task()
+
+    def hand_over(self, value, to_lane: str) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def lane_context(self, lane: str):
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadLanes(SerialLanes):
+    """CPU: compute on the calling thread, comm on one worker thread (a FIFO, like a stream)."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoverlap-comm")
+        self._pending: dict[int, Future] = {}
+
+    def submit(self, lane, microbatch, task, chain):
+        if lane == COMM:
+            self._pending[microbatch] = self._pool.submit(task)
+            return
+        if chain:
+            self._wait(microbatch)
+        task()
+
+    def _wait(self, microbatch: int) -> None:
+        future = self._pending.pop(microbatch, None)
+        if future is not None:
+            future.result()  # re-raises the comm node's exception here
+
+    def drain(self):
+        for microbatch in list(self._pending):
+            self._wait(microbatch)
+
+    def close(self):
+        self._pool.shutdown(wait=True)
+
+
+class CudaStreamLanes(SerialLanes):
+    """GPU: compute lane = the current stream, comm lane = a side stream; one event per mb."""
+
+    def __init__(self, device: torch.device, high_priority_comm: bool = True):
+        self.compute_stream = torch.cuda.current_stream(device)
+        priority = torch.cuda.Stream.priority_range()[1] if high_priority_comm else 0
+        self.comm_stream = torch.cuda.Stream(device=device, priority=priority)
+        self._events: dict[int, torch.cuda.Event] = {}
+
+    def stream(self, lane: str) -> torch.cuda.Stream:
+        return self.comm_stream if lane == COMM else self.compute_stream
+
+    def lane_context(self, lane):
+        return torch.cuda.stream(self.stream(lane))
+
+    def submit(self, lane, microbatch, task, chain):
+        stream = self.stream(lane)
+        event = self._events.setdefault(microbatch, torch.cuda.Event())
+        with torch.cuda.stream(stream):
+            if chain:
+                stream.wait_event(event)
+            task()
+            if chain:
+                event.record(stream)
+
+    def hand_over(self, value, to_lane):
+        stream = self.stream(to_lane)
+        for tensor in _tensors_in(value):
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
+
+    def drain(self):
+        self.compute_stream.wait_stream(self.comm_stream)
+        self._events.clear()
+
+
+class _MicrobatchState:
+    """Values, grads and live node runs of one microbatch, with the lane that produced each."""
+
+    def __init__(self, inputs: dict):
+        self.values = dict(inputs)
+        self.value_lane = {name: COMPUTE for name in inputs}
+        self.grads: dict = {}
+        self.grad_lane: dict = {}
+        self.runs: dict = {}
+        self.uses: dict = {}  # value name -> consumers that have not run their forward yet
+
+
+class Executor:
+    """Runs a plan over a model's nodes. One instance per training run."""
+
+    def __init__(self, specs: Sequence[NodeSpec], lanes: SerialLanes,
+                 wgrad_queue: Optional[WeightGradQueue] = None, recorder=None):
+        self.specs = {spec.key: spec for spec in specs}
+        self.lanes = lanes
+        self.wgrad_queue = wgrad_queue or WeightGradQueue(enabled=False)
+        self.recorder = recorder
+        self._consumers = self._count_consumers(specs)
+
+    @staticmethod
+    def _count_consumers(specs) -> dict:
+        counts: dict = {}
+        for spec in specs:
+            for name in spec.inputs.values():
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def run(self, plan: Sequence[Action], microbatch_inputs: Sequence[dict],
+            loss_scale: float) -> list[torch.Tensor]:
+        """Execute `plan`; return each microbatch's (detached) loss. Grads land in the params."""
+        states = [_MicrobatchState(inputs) for inputs in microbatch_inputs]
+        losses: list[Optional[torch.Tensor]] = [None] * len(states)
+        try:
+            for action in plan:
+                self._submit(action, states[action.microbatch], losses, loss_scale)
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                self.lanes.drain()
+            raise
+        self.lanes.drain()
+        self.wgrad_queue.check_empty()
+        return losses
+
+    def _submit(self, action: Action, state: _MicrobatchState, losses: list,
+                loss_scale: float) -> None:
+        spec = self.specs[action.node_key]
+        lane = COMPUTE if action.kind == "W" else spec.lane
+        work = {"F": self._forward, "B": self._backward, "W": self._wgrad}[action.kind]
+
+        def task():
+            with self._span(action, lane):
+                work(action, spec, state, losses, loss_scale)
+        self.lanes.submit(lane, action.microbatch, task, chain=action.kind != "W")
+
+    def _span(self, action: Action, lane: str):
+        if self.recorder is None:
+            return contextlib.nullcontext()
+        return self.recorder.span(action, lane)
+
+    def _forward(self, action, spec: NodeSpec, state: _MicrobatchState, losses, loss_scale):
+        inputs = {}
+        for name in spec.inputs.values():
+            value = state.values[name]
+            if state.value_lane[name] != spec.lane:
+                self.lanes.hand_over(value, spec.lane)
+            inputs[name] = value
+        run = NodeRun(spec)
+        outputs = run.forward(inputs)
+        state.runs[spec.key] = run
+        for name, value in outputs.items():
+            state.values[name] = value
+            state.value_lane[name] = spec.lane
+        if "loss" in outputs:
+            losses[action.microbatch] = outputs["loss"].detach()
+        self._drop_consumed_values(spec, state)
+
+    def _drop_consumed_values(self, spec: NodeSpec, state: _MicrobatchState) -> None:
+        for name in spec.inputs.values():
+            state.uses[name] = state.uses.get(name, self._consumers[name]) - 1
+            if state.uses[name] == 0:
+                state.values.pop(name, None)
+
+    def _backward(self, action, spec: NodeSpec, state: _MicrobatchState, losses, loss_scale):
+        grads = {}
+        for name in spec.outputs.values():
+            if name == "loss":
+                grads[name] = torch.full_like(losses[action.microbatch], loss_scale)
+            elif name in state.grads:
+                if state.grad_lane[name] != spec.lane:
+                    self.lanes.hand_over(state.grads[name], spec.lane)
+                grads[name] = state.grads.pop(name)
+        run = state.runs.pop(spec.key)
+        collect = (self.wgrad_queue.collecting(self._wgrad_key(action)) if spec.has_weights
+                   else contextlib.nullcontext())
+        with collect:
+            input_grads = run.backward(grads)
+        for name, grad in input_grads.items():
+            if grad is not None:
+                state.grads[name] = grad
+                state.grad_lane[name] = spec.lane
+
+    def _wgrad(self, action, spec, state, losses, loss_scale):
+        self.wgrad_queue.run(self._wgrad_key(action))
+
+    @staticmethod
+    def _wgrad_key(action: Action) -> tuple:
+        return (action.microbatch, action.layer, action.node)
+
+
+class StepTimer:
+    """Wall time of a step, synchronizing the device first (no sync inside the step)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def make_lanes(device: torch.device, overlap: bool, high_priority_comm: bool = True):
+    """The lane backend for a run: serial without overlap, streams on GPU, a thread on CPU."""
+    if not overlap:
+        return SerialLanes()
+    if device.type == "cuda":
+        return CudaStreamLanes(device, high_priority_comm)
+    return ThreadLanes()

@@ -1,0 +1,629 @@
+"""Overlap timeline tool: `epoverlap-timeline DIR [--out-dir OUT] [--step N] [--no-png] [--torch-trace F]`.
+
+This module owns everything that reads span files (epoverlap/spans.py, docs/span-format.md) or
+torch.profiler Chrome traces and turns them into overlap figures:
+  - interval math: pure functions on lists of (start, end) intervals (union, intersect,
+    subtract, measure, gaps);
+  - metrics: per rank and step, per layer, mean over steps, and per torch trace (by kernel);
+  - a merged Chrome/Perfetto trace (timeline_trace.json), a PNG Gantt chart (timeline.png),
+    a printed summary and timeline_summary.json, all written to --out-dir (default DIR).
+
+Metric definitions (all in microseconds, per rank and step, window = [0, step_time_us]):
+  compute_busy_us  measure(union(compute-lane spans))
+  comm_us          measure(union(comm-lane spans))
+  exposed_comm_us  measure(union(comm) minus union(compute)): comm time with no compute running
+  hidden_comm_us   measure(union(comm) intersect union(compute)) = comm_us - exposed_comm_us
+  overlap_ratio    hidden_comm_us / comm_us; defined as 1.0 when comm_us == 0 (nothing exposed)
+  idle_us, idle_gaps  measure and count of the pieces of the window where neither lane is busy
+Per layer the busy times use only that layer's spans, but exposure is measured against ALL of the
+rank's compute (comm hidden behind another layer's compute counts as hidden). Spans with no layer
+(embed, loss) form the layer `null`. The mean-over-steps row averages each field over the steps;
+its overlap_ratio is sum(hidden) / sum(comm) over those steps (1.0 when there is no comm).
+
+Run as `epoverlap-timeline`, `python -m tools.timeline` or `python tools/timeline.py`; imports
+only `epoverlap` (absolute), the standard library and matplotlib (for the PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from epoverlap.spans import RankSpans, Span, SpanFileError, StepSpans, read_span_directory
+
+Interval = tuple[float, float]
+
+TRACE_FILE = "timeline_trace.json"
+PNG_FILE = "timeline.png"
+SUMMARY_FILE = "timeline_summary.json"
+SUMMARY_FORMAT = "epoverlap-timeline-summary"
+SUMMARY_VERSION = 1
+LANE_TIDS = {"compute": 0, "comm": 1}
+STEP_TID = 2
+# Reserved Chrome trace-viewer colour names (`cname`), cycled by microbatch.
+TRACE_PALETTE = (
+    "thread_state_runnable",
+    "thread_state_running",
+    "thread_state_iowait",
+    "thread_state_uninterruptible",
+    "background_memory_dump",
+    "detailed_memory_dump",
+    "thread_state_unknown",
+    "olive",
+    "light_memory_dump",
+    "yellow",
+)
+EXPOSED_COLOR = "#d62728"
+DEFINITIONS = {
+    "compute_busy_us": "measure of the union of compute-lane spans (kernels)",
+    "comm_us": "measure of the union of comm-lane spans (NCCL kernels)",
+    "exposed_comm_us": "measure(union(comm) minus union(compute)) on the same rank",
+    "hidden_comm_us": "measure(union(comm) intersect union(compute)) = comm_us - exposed_comm_us",
+    "overlap_ratio": "hidden_comm_us / comm_us; 1.0 when comm_us == 0",
+    "idle_us": "time in the window [0, step_time_us] when neither lane is busy",
+    "idle_gaps": "number of maximal idle intervals in the window (leading/trailing included)",
+    "layers": "busy times from that layer's spans only; exposure against ALL compute of the rank",
+    "mean_over_steps": "field means over steps; overlap_ratio = sum(hidden) / sum(comm)",
+}
+
+
+class InputError(ValueError):
+    """Bad input for the tool (bad torch trace, unknown step, ...); the message names the file."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Interval math: lists of (start, end) pairs; results are sorted, disjoint, non-touching and of
+# positive length ("normalized").
+# ----------------------------------------------------------------------------------------------
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Merge overlapping or touching intervals; zero-length intervals vanish."""
+    merged: list[Interval] = []
+    for start, end in sorted((s, e) for s, e in intervals if e > s):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
+    """The points covered by both a and b."""
+    left, right = union(a), union(b)
+    out: list[Interval] = []
+    i = j = 0
+    while i < len(left) and j < len(right):
+        start, end = max(left[i][0], right[j][0]), min(left[i][1], right[j][1])
+        if end > start:
+            out.append((start, end))
+        if left[i][1] < right[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
+    """The points covered by a and not by b."""
+    cut = union(b)
+    out: list[Interval] = []
+    for start, end in union(a):
+        cursor = start
+        for cut_start, cut_end in cut:
+            if cut_end <= cursor or cut_start >= end:
+                continue
+            if cut_start > cursor:
+                out.append((cursor, cut_start))
+            cursor = max(cursor, cut_end)
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+def measure(intervals: Iterable[Interval]) -> float:
+    """Total length covered (overlaps counted once)."""
+    return sum(end - start for start, end in union(intervals))
+
+
+def gaps(intervals: Iterable[Interval], start: float, end: float) -> list[Interval]:
+    """The pieces of [start, end] covered by none of `intervals`."""
+    return subtract([(start, end)], intervals)
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommOverlap:
+    """How much of the comm time ran with compute running beside it."""
+
+    compute_busy_us: float
+    comm_us: float
+    exposed_comm_us: float
+    hidden_comm_us: float
+    overlap_ratio: float
+
+
+@dataclass(frozen=True)
+class WindowMetrics:
+    """CommOverlap plus idle time, for one window (a rank's step, or a profiler trace)."""
+
+    step_time_us: float
+    overlap: CommOverlap
+    idle_us: float
+    idle_gaps: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step_time_us": self.step_time_us, **asdict(self.overlap),
+                "idle_us": self.idle_us, "idle_gaps": self.idle_gaps}
+
+
+def comm_overlap(
+    compute: Iterable[Interval], comm: Iterable[Interval], hiding: Iterable[Interval] | None = None
+) -> CommOverlap:
+    """Busy times of `compute` and `comm`; exposure of `comm` against `hiding` (default compute)."""
+    compute_u, comm_u = union(compute), union(comm)
+    hiding_u = compute_u if hiding is None else union(hiding)
+    comm_us = measure(comm_u)
+    hidden_us = measure(intersect(comm_u, hiding_u))
+    exposed_us = measure(subtract(comm_u, hiding_u))
+    ratio = hidden_us / comm_us if comm_us > 0 else 1.0
+    return CommOverlap(measure(compute_u), comm_us, exposed_us, hidden_us, ratio)
+
+
+def window_metrics(
+    compute: Sequence[Interval], comm: Sequence[Interval], start: float, end: float
+) -> WindowMetrics:
+    """Overlap and idle figures for the window [start, end]."""
+    idle = gaps(list(compute) + list(comm), start, end)
+    return WindowMetrics(end - start, comm_overlap(compute, comm), measure(idle), len(idle))
+
+
+def _lane_intervals(spans: Iterable[Span], lane: str) -> list[Interval]:
+    return [(span.start_us, span.end_us) for span in spans if span.lane == lane]
+
+
+def step_metrics(step: StepSpans) -> WindowMetrics:
+    """A rank's figures for one step over the window [0, step_time_us]."""
+    compute = _lane_intervals(step.spans, "compute")
+    comm = _lane_intervals(step.spans, "comm")
+    return window_metrics(compute, comm, 0.0, step.step_time_us)
+
+
+def layer_metrics(step: StepSpans) -> dict[int | None, CommOverlap]:
+    """Per layer (None = spans with no layer): that layer's busy times, exposure vs ALL compute."""
+    all_compute = _lane_intervals(step.spans, "compute")
+    layers = sorted({span.layer for span in step.spans}, key=lambda l: (l is None, l or 0))
+    out = {}
+    for layer in layers:
+        own = [span for span in step.spans if span.layer == layer]
+        out[layer] = comm_overlap(
+            _lane_intervals(own, "compute"), _lane_intervals(own, "comm"), hiding=all_compute
+        )
+    return out
+
+
+def mean_over_steps(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Mean of each numeric field; overlap_ratio recomputed as sum(hidden) / sum(comm)."""
+    keys = [key for key, value in rows[0].items() if isinstance(value, (int, float))]
+    mean = {key: sum(row.get(key, 0.0) for row in rows) / len(rows) for key in keys}
+    comm = sum(row["comm_us"] for row in rows)
+    mean["overlap_ratio"] = sum(row["hidden_comm_us"] for row in rows) / comm if comm > 0 else 1.0
+    return mean
+
+
+def span_summary(ranks: list[RankSpans], steps: list[int]) -> dict[str, Any]:
+    """The JSON-ready figures of the chosen steps: per step, rank and layer; means over steps."""
+    per_step = []
+    for step_number in steps:
+        rows = []
+        for rank_spans in ranks:
+            step = _find_step(rank_spans, step_number)
+            layers = [{"layer": layer, **asdict(figures)}
+                      for layer, figures in layer_metrics(step).items()]
+            rows.append({"rank": rank_spans.rank, **step_metrics(step).as_dict(), "layers": layers})
+        per_step.append({"step": step_number, "ranks": rows})
+    summary: dict[str, Any] = {"steps": per_step}
+    if len(steps) > 1:
+        summary["mean_over_steps"] = [_rank_mean(per_step, index) for index in range(len(ranks))]
+    return summary
+
+
+def _rank_mean(per_step: list[dict[str, Any]], index: int) -> dict[str, Any]:
+    rows = [step["ranks"][index] for step in per_step]
+    layer_keys = []
+    for row in rows:
+        layer_keys += [entry["layer"] for entry in row["layers"] if entry["layer"] not in layer_keys]
+    layers = []
+    for key in layer_keys:
+        entries = [_layer_entry(row, key) for row in rows]
+        layers.append({"layer": key, **{k: v for k, v in mean_over_steps(entries).items()
+                                        if k != "layer"}})
+    return {"rank": rows[0]["rank"], **{k: v for k, v in mean_over_steps(rows).items()
+                                        if k != "rank"}, "layers": layers}
+
+
+def _layer_entry(row: dict[str, Any], layer: int | None) -> dict[str, Any]:
+    for entry in row["layers"]:
+        if entry["layer"] == layer:
+            return entry
+    zero = asdict(CommOverlap(0.0, 0.0, 0.0, 0.0, 1.0))
+    return {"layer": layer, **zero}
+
+
+def _find_step(rank_spans: RankSpans, step_number: int) -> StepSpans:
+    for step in rank_spans.steps:
+        if step.step == step_number:
+            return step
+    raise InputError(f"{rank_spans.path}: no step {step_number}")
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.profiler Chrome traces: kernels whose name contains "nccl" are comm, other kernels compute
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    start_us: float
+    end_us: float
+    stream: str
+    device: str
+    is_comm: bool
+
+
+def torch_trace_paths(arguments: Sequence[str]) -> list[Path]:
+    """Expand --torch-trace arguments: files as given, directories to their *.json(.gz) files."""
+    own_outputs = {TRACE_FILE, SUMMARY_FILE}
+    paths: list[Path] = []
+    for argument in arguments:
+        path = Path(argument)
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.name.endswith((".json", ".json.gz"))
+                           and p.name not in own_outputs and not p.name.startswith("spans-rank"))
+            if not found:
+                raise InputError(f"{path}: no *.json or *.json.gz trace files in this directory")
+            paths += found
+        else:
+            paths.append(path)
+    return paths
+
+
+def read_torch_trace(path: Path) -> tuple[int | None, list[Kernel]]:
+    """(rank from distributedInfo if any, GPU kernels) of a trace given as an object or a list."""
+    try:
+        opener = gzip.open if path.name.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as handle:
+            document = json.load(handle)
+    except (OSError, EOFError) as error:
+        raise InputError(f"{path}: cannot read torch trace: {error}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InputError(f"{path}: not valid JSON (truncated or corrupt?): {error}") from None
+    events = document.get("traceEvents") if isinstance(document, dict) else document
+    if not isinstance(events, list):
+        raise InputError(f"{path}: expected {{'traceEvents': [...]}} or a list of trace events")
+    kernels = [_kernel(event, path) for event in events if _is_kernel(event)]
+    if not kernels:
+        raise InputError(
+            f"{path}: no GPU kernel events (\"cat\": \"kernel\"); was the profiler run with "
+            "ProfilerActivity.CUDA?"
+        )
+    info = document.get("distributedInfo") if isinstance(document, dict) else None
+    rank = info.get("rank") if isinstance(info, dict) else None
+    return (rank if isinstance(rank, int) else None), kernels
+
+
+def _is_kernel(event: Any) -> bool:
+    return (isinstance(event, dict) and str(event.get("cat", "")).lower() == "kernel"
+            and event.get("ph", "X") == "X")
+
+
+def _kernel(event: dict, path: Path) -> Kernel:
+    name, ts, dur = event.get("name", ""), event.get("ts"), event.get("dur")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ts, dur)):
+        raise InputError(f"{path}: kernel event {name!r} lacks numeric 'ts'/'dur'")
+    args = event.get("args") if isinstance(event.get("args"), dict) else {}
+    stream = args.get("stream", event.get("tid"))
+    device = args.get("device", event.get("pid"))
+    is_comm = "nccl" in str(name).lower()
+    return Kernel(str(name), float(ts), float(ts) + float(dur), str(stream), str(device), is_comm)
+
+
+def kernel_metrics(kernels: Sequence[Kernel]) -> dict[str, Any]:
+    """Window (first kernel start .. last kernel end) metrics, plus busy time per stream."""
+    start = min(kernel.start_us for kernel in kernels)
+    end = max(kernel.end_us for kernel in kernels)
+    compute = [(k.start_us - start, k.end_us - start) for k in kernels if not k.is_comm]
+    comm = [(k.start_us - start, k.end_us - start) for k in kernels if k.is_comm]
+    figures = window_metrics(compute, comm, 0.0, end - start).as_dict()
+    figures["window_us"] = figures.pop("step_time_us")
+    streams = []
+    for stream in sorted({k.stream for k in kernels}, key=_natural_key):
+        own = [k for k in kernels if k.stream == stream]
+        comm_count = sum(k.is_comm for k in own)
+        kind = "comm" if comm_count == len(own) else "compute" if comm_count == 0 else "mixed"
+        busy = measure((k.start_us - start, k.end_us - start) for k in own)
+        streams.append({"stream": stream, "kind": kind, "busy_us": busy, "kernels": len(own),
+                        "nccl_kernels": comm_count})
+    return {**figures, "streams": streams}
+
+
+def torch_trace_summary(arguments: Sequence[str]) -> list[dict[str, Any]]:
+    """One entry per (trace file, device) with kernel metrics; rank from the trace or file order."""
+    entries = []
+    for index, path in enumerate(torch_trace_paths(arguments)):
+        rank, kernels = read_torch_trace(path)
+        devices = sorted({kernel.device for kernel in kernels}, key=_natural_key)
+        for device in devices:
+            own = [kernel for kernel in kernels if kernel.device == device]
+            entries.append({"file": str(path), "rank": index if rank is None else rank,
+                            "device": device, **kernel_metrics(own)})
+    return entries
+
+
+def _natural_key(text: str) -> tuple[int, Any]:
+    return (0, int(text)) if text.lstrip("-").isdigit() else (1, text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chrome / Perfetto trace of the span files
+# ----------------------------------------------------------------------------------------------
+
+
+def chrome_trace(ranks: list[RankSpans], steps: list[int], source: str) -> dict[str, Any]:
+    """One process per rank, one thread per lane (+ a step track), steps laid end to end."""
+    events: list[dict[str, Any]] = []
+    for rank_spans in ranks:
+        events += _rank_metadata(rank_spans.rank)
+        offset = 0.0
+        for step_number in steps:
+            step = _find_step(rank_spans, step_number)
+            events.append(_step_event(rank_spans.rank, step, offset))
+            events += [_span_event(rank_spans.rank, step.step, span, offset) for span in step.spans]
+            offset += step.step_time_us
+    other = {"source": source, "clock": ranks[0].clock, "world_size": ranks[0].world_size}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _rank_metadata(rank: int) -> list[dict[str, Any]]:
+    def meta(name: str, tid: int, args: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "ph": "M", "pid": rank, "tid": tid, "args": args}
+
+    events = [meta("process_name", 0, {"name": f"rank {rank}"}),
+              meta("process_sort_index", 0, {"sort_index": rank})]
+    for lane, tid in [*LANE_TIDS.items(), ("step", STEP_TID)]:
+        events += [meta("thread_name", tid, {"name": lane}),
+                   meta("thread_sort_index", tid, {"sort_index": tid})]
+    return events
+
+
+def _span_event(rank: int, step: int, span: Span, offset: float) -> dict[str, Any]:
+    return {
+        "name": span.action, "cat": f"{span.lane},{span.phase}", "ph": "X",
+        "ts": offset + span.start_us, "dur": span.end_us - span.start_us,
+        "pid": rank, "tid": LANE_TIDS[span.lane],
+        "cname": TRACE_PALETTE[span.microbatch % len(TRACE_PALETTE)],
+        "args": {"microbatch": span.microbatch, "layer": span.layer, "node": span.node,
+                 "phase": span.phase, "lane": span.lane, "step": step},
+    }
+
+
+def _step_event(rank: int, step: StepSpans, offset: float) -> dict[str, Any]:
+    return {"name": f"step {step.step}", "cat": "step", "ph": "X", "ts": offset,
+            "dur": step.step_time_us, "pid": rank, "tid": STEP_TID, "cname": "grey",
+            "args": {"step": step.step, "step_time_us": step.step_time_us}}
+
+
+# ----------------------------------------------------------------------------------------------
+# PNG Gantt chart of one step
+# ----------------------------------------------------------------------------------------------
+
+
+def draw_gantt(ranks: list[RankSpans], step_number: int, path: Path) -> None:
+    """One row per (rank, lane); comm split into hidden (hatched) and exposed (red) parts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch
+
+    colors = plt.get_cmap("tab10").colors
+    steps = [_find_step(rank_spans, step_number) for rank_spans in ranks]
+    width = max(step.step_time_us for step in steps) or 1.0
+    figure, axes = plt.subplots(figsize=(14, 1.2 + 0.45 * 2 * len(ranks)))
+    labels, exposed_by_rank, microbatches = [], [], set()
+    for row_pair, (rank_spans, step) in enumerate(zip(ranks, steps)):
+        compute_y, comm_y = -2 * row_pair, -2 * row_pair - 1
+        all_compute = union(_lane_intervals(step.spans, "compute"))
+        for span in step.spans:
+            microbatches.add(span.microbatch)
+            color = colors[span.microbatch % len(colors)]
+            own = [(span.start_us, span.end_us)]
+            if span.lane == "compute":
+                _bars(axes, own, compute_y, color)
+            else:
+                _bars(axes, intersect(own, all_compute), comm_y, color, hatch="///", alpha=0.55)
+                _bars(axes, subtract(own, all_compute), comm_y, EXPOSED_COLOR)
+            if span.duration_us > 0.04 * width:
+                axes.text((span.start_us + span.end_us) / 2, compute_y if span.lane == "compute"
+                          else comm_y, span.action, ha="center", va="center", fontsize=6)
+        exposed = step_metrics(step).overlap.exposed_comm_us
+        exposed_by_rank.append(exposed)
+        labels += [(compute_y, f"rank {rank_spans.rank} compute"),
+                   (comm_y, f"rank {rank_spans.rank} comm (exposed {exposed:.1f} us)")]
+    axes.set_yticks([y for y, _ in labels], [text for _, text in labels])
+    axes.set_xlim(0, width)
+    axes.set_xlabel("time since step start (us)")
+    worst = max(range(len(ranks)), key=lambda i: exposed_by_rank[i])
+    axes.set_title(f"step {step_number}: exposed comm {sum(exposed_by_rank):.1f} us summed over "
+                   f"{len(ranks)} rank(s), max {exposed_by_rank[worst]:.1f} us on rank "
+                   f"{ranks[worst].rank}")
+    handles = [Patch(color=colors[mb % len(colors)], label=f"microbatch {mb}")
+               for mb in sorted(microbatches)]
+    handles += [Patch(facecolor="white", edgecolor="black", hatch="///", label="comm, hidden"),
+                Patch(color=EXPOSED_COLOR, label="comm, exposed")]
+    axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _bars(axes: Any, intervals: list[Interval], y: float, color: Any, **style: Any) -> None:
+    if intervals:
+        axes.broken_barh([(s, e - s) for s, e in intervals], (y - 0.4, 0.8), facecolors=color,
+                         edgecolor="black", linewidth=0.3, **style)
+
+
+# ----------------------------------------------------------------------------------------------
+# Printed tables
+# ----------------------------------------------------------------------------------------------
+
+_RANK_COLUMNS = ("step_time_us", "compute_busy_us", "comm_us", "exposed_comm_us",
+                 "hidden_comm_us", "overlap_ratio", "idle_us", "idle_gaps")
+_LAYER_COLUMNS = ("compute_busy_us", "comm_us", "exposed_comm_us", "hidden_comm_us",
+                  "overlap_ratio")
+
+
+def _cell(value: Any, column: str) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if column == "overlap_ratio" else f"{value:.1f}"
+    return "-" if value is None else str(value)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [list(header)] + [[_cell(v, c) for v, c in zip(row, header)] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
+
+
+def format_span_summary(summary: dict[str, Any]) -> str:
+    """Per-rank table (every step, then means) and per-(rank, layer) table of the last block."""
+    rows = [[step["step"], row["rank"], *(row[c] for c in _RANK_COLUMNS)]
+            for step in summary["steps"] for row in step["ranks"]]
+    layer_source = summary["steps"][-1]["ranks"]
+    layer_title = f"per layer, step {summary['steps'][-1]['step']}"
+    if "mean_over_steps" in summary:
+        rows += [["mean", row["rank"], *(row[c] for c in _RANK_COLUMNS)]
+                 for row in summary["mean_over_steps"]]
+        layer_source, layer_title = summary["mean_over_steps"], "per layer, mean over steps"
+    names = [c.removesuffix("_us") for c in _RANK_COLUMNS]
+    text = "per rank (times in us)\n" + _table(["step", "rank", *names], rows)
+    layer_rows = [[row["rank"], "-" if e["layer"] is None else e["layer"],
+                   *(e[c] for c in _LAYER_COLUMNS)] for row in layer_source for e in row["layers"]]
+    names = [c.removesuffix("_us") for c in _LAYER_COLUMNS]
+    return text + f"\n\n{layer_title} (times in us; exposure vs all compute of the rank)\n" + \
+        _table(["rank", "layer", *names], layer_rows)
+
+
+def format_torch_summary(entries: list[dict[str, Any]]) -> str:
+    columns = ("window_us", *_RANK_COLUMNS[1:])
+    rows = [[e["rank"], e["device"], *(e[c] for c in columns)] for e in entries]
+    text = "torch traces, GPU kernels (times in us)\n" + _table(
+        ["rank", "device", *(c.removesuffix("_us") for c in columns)], rows)
+    stream_rows = [[e["rank"], e["device"], s["stream"], s["kind"], s["busy_us"], s["kernels"]]
+                   for e in entries for s in e["streams"]]
+    return text + "\n\nper stream\n" + _table(
+        ["rank", "device", "stream", "kind", "busy", "kernels"], stream_rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="epoverlap-timeline",
+        description="Merge per-rank span files into a Perfetto trace, a PNG Gantt chart and an "
+                    "overlap summary; or measure overlap from torch.profiler traces.")
+    parser.add_argument("directory", nargs="?", help="directory of spans-rankNNNNN.json files")
+    parser.add_argument("--out-dir", help="where to write outputs (default: DIR)")
+    parser.add_argument("--step", type=int, help="only this step (default: all; PNG: last step)")
+    parser.add_argument("--no-png", action="store_true", help="skip the PNG Gantt chart")
+    parser.add_argument("--torch-trace", action="append", default=[], metavar="FILE",
+                        help="torch.profiler Chrome trace (one per rank) or a directory of them; "
+                             "repeatable")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the tool; 0 on success, 2 with a one-line message on bad input."""
+    args = parse_args(argv)
+    try:
+        return _run(args)
+    except (SpanFileError, InputError) as error:
+        print(f"epoverlap-timeline: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"epoverlap-timeline: error: {error.filename or ''}: {error.strerror or error}",
+              file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.directory is None and not args.torch_trace:
+        raise InputError("give a span directory (DIR) and/or --torch-trace FILE")
+    default_out = args.directory or Path(args.torch_trace[0]).resolve().parent
+    out_dir = Path(args.out_dir or default_out)
+    summary: dict[str, Any] = {"format": SUMMARY_FORMAT, "version": SUMMARY_VERSION,
+                               "definitions": DEFINITIONS}
+    torch_entries = torch_trace_summary(args.torch_trace) if args.torch_trace else None
+    if args.directory is not None:
+        summary["spans"] = _run_spans(args, out_dir)
+    if torch_entries is not None:
+        print(f"epoverlap-timeline: read {len(torch_entries)} torch trace(s)\n")
+        print(format_torch_summary(torch_entries) + "\n")
+        summary["torch_traces"] = torch_entries
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {out_dir / SUMMARY_FILE}")
+    return 0
+
+
+def _run_spans(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    ranks = read_span_directory(args.directory)
+    steps = [step.step for step in ranks[0].steps]
+    if not steps:
+        raise InputError(f"{args.directory}: the span files hold no steps")
+    if args.step is not None:
+        if args.step not in steps:
+            raise InputError(f"{args.directory}: no step {args.step} (steps recorded: "
+                             f"{steps[0]}..{steps[-1]}, {len(steps)} in all)")
+        steps = [args.step]
+    shown = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]}"
+    print(f"epoverlap-timeline: read {args.directory}: {len(ranks)} rank(s), clock "
+          f"{ranks[0].clock}, {shown}\n")
+    figures = span_summary(ranks, steps)
+    print(format_span_summary(figures) + "\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trace = chrome_trace(ranks, steps, str(args.directory))
+    (out_dir / TRACE_FILE).write_text(json.dumps(trace) + "\n", encoding="utf-8")
+    print(f"wrote {out_dir / TRACE_FILE} (open in ui.perfetto.dev or chrome://tracing)")
+    if not args.no_png:
+        _write_png(ranks, steps[-1], out_dir / PNG_FILE)
+    return {"directory": str(args.directory), "world_size": ranks[0].world_size,
+            "clock": ranks[0].clock, **figures}
+
+
+def _write_png(ranks: list[RankSpans], step: int, path: Path) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("epoverlap-timeline: PNG skipped: matplotlib is not installed "
+              "(pip install matplotlib, or pass --no-png)", file=sys.stderr)
+        return
+    draw_gantt(ranks, step, path)
+    print(f"wrote {path} (step {step})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
