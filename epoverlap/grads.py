@@ -23,6 +23,8 @@ from .distributed import ParallelGroups
 
 
 def _fold_into_main_grad(param: torch.Tensor) -> None:
+    if param.grad is None:  # a deferrable GEMM already wrote main_grad and returned no grad
+        return
     param.main_grad.add_(param.grad)
     param.grad = None
 

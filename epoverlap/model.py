@@ -254,3 +254,21 @@ def count_parameters(model: MoEModel, ep_size: int) -> dict:
     dense = sum(p.numel() for p in model.parameters() if not getattr(p, "is_expert", False))
     expert_local = sum(p.numel() for p in model.parameters() if getattr(p, "is_expert", False))
     return {"dense": dense, "expert_global": expert_local * ep_size, "expert_local": expert_local}
+
+
+def training_flops_per_token(cfg: RunConfig) -> float:
+    """Matmul + attention FLOPs per token of one training step (3x forward; causal attention)."""
+    m, moe = cfg.model, cfg.moe
+    attn_params = m.hidden_size * (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim \
+        + m.num_attention_heads * m.head_dim * m.hidden_size
+    attn_scores = 2 * m.seq_length * m.num_attention_heads * m.head_dim
+    forward = 2 * m.vocab_size * m.hidden_size
+    for is_moe in cfg.moe_layer_pattern():
+        if is_moe:
+            ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
+            mlp = m.hidden_size * moe.num_experts + moe.moe_router_topk * 3 * m.hidden_size * ffn
+            mlp += 3 * m.hidden_size * (moe.moe_shared_expert_intermediate_size or 0)
+        else:
+            mlp = 3 * m.hidden_size * m.ffn_hidden_size
+        forward += 2 * (attn_params + mlp) + attn_scores
+    return 3.0 * forward

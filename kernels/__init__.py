@@ -9,8 +9,9 @@ Installed under the import name `epoverlap_kernels` (the source folder is `kerne
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 KERNEL_BACKENDS = ("torch", "triton")
 
@@ -27,14 +28,43 @@ class MoEOps:
     sort_chunks_by_idxs: Callable
 
 
+def triton_unavailable_reason() -> Optional[str]:
+    """None when the Triton kernels can run here (CUDA present, or TRITON_INTERPRET=1), else why.
+
+    Without either, the first kernel launch would fail with "0 active drivers"; callers check
+    this instead. TRITON_INTERPRET only counts if it was set before the kernels were decorated
+    (imported).
+    """
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return "no CUDA device and TRITON_INTERPRET is not set: use --kernel-backend torch"
+    loaded = sys.modules.get(f"{__name__}.permutation_triton")
+    if loaded is not None and type(loaded._permute_kernel).__name__ != "InterpretedFunction":
+        return ("no CUDA device, and TRITON_INTERPRET=1 was set after the Triton kernels were "
+                "imported: set it before importing epoverlap_kernels.triton_ops")
+    return None
+
+
 def make_moe_ops(backend: str) -> MoEOps:
-    """The op table for `backend` ('torch' or 'triton')."""
+    """The op table for `backend` ('torch' or 'triton').
+
+    Raises ValueError for an unknown backend, or for 'triton' where it cannot run (the reason
+    from `triton_unavailable_reason`).
+    """
     if backend == "torch":
         from . import reference
         return MoEOps("torch", reference.router_topk,
                       reference.router_topk_with_counts, reference.permute, reference.unpermute,
                       reference.sort_chunks_by_idxs)
     if backend == "triton":
+        reason = triton_unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"kernel backend 'triton': {reason}")
         from . import triton_ops
         return MoEOps("triton", triton_ops.router_topk,
                       triton_ops.router_topk_with_counts, triton_ops.permute, triton_ops.unpermute,

@@ -21,6 +21,10 @@ Kernels (all deterministic: no float atomics, fixed summation orders):
   `_unpermute_bwd_kernel`: one program per token: grad rows = grad_out x merging prob, and the
     merging probs' grad <grad_out, row> accumulated over hidden blocks in a fixed order.
 
+Loops with run-time bounds are `while` loops: the Triton 3.6 interpreter cannot take `range()` of
+a run-time scalar under numpy >= 2.4 (it calls int() on a 1-element array); compiled code is the
+same either way.
+
 Graph safety: with `num_out_tokens` given nothing syncs the host and every shape is static. Rows
 >= N are never written (a map that routes more than N pairs, Transformer Engine issue 3346, is
 reported by `check_count_fits`: a device assert on CUDA, ValueError on CPU).
@@ -37,7 +41,11 @@ import triton.language as tl
 from . import triton_utils
 from .triton_utils import check_int32_rows, copy_config, map_tile
 
-_NO_ROW = 2147483647  # larger than every row id: "no more rows" in the row walk
+# The row walk: a token's rows are visited in ascending row order, which is expert order
+# (rows are expert-major), by repeatedly taking the smallest row id above the previous one;
+# _NO_ROW (above every row id) ends the walk. Inlined, not a helper: the interpreter pays per
+# call of a jit function.
+_NO_ROW = tl.constexpr(2147483647)
 
 
 # ----------------------------------------------------------------------------- row-id map
@@ -70,10 +78,12 @@ def _map_prefix_kernel(
     BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     total = tl.zeros((), dtype=tl.int32)
-    for e0 in range(0, E, BLOCK_E):
+    e0 = 0
+    while e0 < E:  # `while`, not `range`: see the module docstring
         e = e0 + tl.arange(0, BLOCK_E)
         col_sum = tl.zeros((BLOCK_E,), dtype=tl.int32)
-        for b0 in range(0, B, BLOCK_B):
+        b0 = 0
+        while b0 < B:
             b = b0 + tl.arange(0, BLOCK_B)
             mask = (b[:, None] < B) & (e[None, :] < E)
             offs = b[:, None] * E + e[None, :]
@@ -81,10 +91,12 @@ def _map_prefix_kernel(
             prefix = tl.cumsum(counts, axis=0) - counts + col_sum[None, :]
             tl.store(block_offsets_ptr + offs, prefix, mask=mask)
             col_sum += tl.sum(counts, axis=0)
+            b0 += BLOCK_B
         start = tl.cumsum(col_sum, axis=0) - col_sum + total
         tl.store(expert_start_ptr + e, start, mask=e < E)
         tl.store(tokens_per_expert_ptr + e, col_sum.to(tl.int64), mask=e < E)
         total += tl.sum(col_sum, axis=0)
+        e0 += BLOCK_E
     tl.store(total_ptr, total)
 
 
@@ -146,16 +158,10 @@ def build_row_id_map_triton(routing_map_TE: torch.Tensor):
 
 @triton.jit
 def _load_token_rows(row_id_map_ptr, t, E, N, BLOCK_E: tl.constexpr):
-    """Token t's rows [BLOCK_E] (-1: not routed, or at/after N: never touched)."""
+    """Token t's row ids [BLOCK_E] (-1: not routed, or at/after N: never touched)."""
     e = tl.arange(0, BLOCK_E)
-    rows = tl.load(row_id_map_ptr + t.to(tl.int64) * E + e, mask=e < E, other=-1)
-    return tl.where(rows < N, rows, -1)
-
-
-@triton.jit
-def _next_row(rows, prev):
-    """Smallest row id of `rows` above `prev` (_NO_ROW when none): walks rows in expert order."""
-    return tl.min(tl.where(rows > prev, rows, 2147483647), axis=0)
+    row_ids = tl.load(row_id_map_ptr + t.to(tl.int64) * E + e, mask=e < E, other=-1)
+    return tl.where(row_ids < N, row_ids, -1)
 
 
 @triton.jit
@@ -184,18 +190,21 @@ def _permute_kernel(
     t, pid_h = tl.program_id(0), tl.program_id(1)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < H
-    rows = _load_token_rows(row_id_map_ptr, t, E, N, BLOCK_E)
+    row_ids = _load_token_rows(row_id_map_ptr, t, E, N, BLOCK_E)
     x = tl.load(tokens_ptr + t.to(tl.int64) * H + h, mask=h_mask)
-    r = _next_row(rows, -1)
-    while r < 2147483647:
+    r = tl.min(tl.where(row_ids >= 0, row_ids, _NO_ROW), axis=0)
+    while r < _NO_ROW:
         tl.store(out_ptr + r.to(tl.int64) * H + h, x, mask=h_mask)
-        r = _next_row(rows, r)
+        r = tl.min(tl.where(row_ids > r, row_ids, _NO_ROW), axis=0)
     if HAS_PROBS:
         if pid_h == 0:
             e = tl.arange(0, BLOCK_E)
             p = tl.load(probs_ptr + t.to(tl.int64) * E + e, mask=e < E, other=0.0)
-            tl.store(out_probs_ptr + rows, p, mask=rows >= 0)
-            _zero_tail_rows(out_probs_ptr, total_ptr, t, T, N, 1, 0, True, 1)
+            tl.store(out_probs_ptr + row_ids, p, mask=row_ids >= 0)
+            r = tl.load(total_ptr) + t
+            while r < N:
+                tl.store(out_probs_ptr + r, 0.0)
+                r += T
     _zero_tail_rows(out_ptr, total_ptr, t, T, N, H, h, h_mask, BLOCK_H)
 
 
@@ -205,11 +214,11 @@ def _launch_permute(tokens_TH, row_id_map_TE, total_1, num_rows, probs_TE=None, 
     num_experts = row_id_map_TE.shape[1]
     out_NH = tokens_TH.new_empty(num_rows, hidden)
     out_probs_N = None if probs_TE is None else probs_TE.new_empty(num_rows)
-    if num_tokens == 0 or hidden == 0:
+    if num_tokens == 0:
         out_NH.zero_()
         return out_NH, None if out_probs_N is None else out_probs_N.zero_()
     config = config or copy_config(hidden, tokens_TH.element_size())
-    grid = (num_tokens, triton.cdiv(hidden, config.block_h))
+    grid = (num_tokens, max(1, triton.cdiv(hidden, config.block_h)))
     _permute_kernel[grid](
         tokens_TH, row_id_map_TE, probs_TE if probs_TE is not None else tokens_TH, out_NH,
         out_probs_N if out_probs_N is not None else out_NH, total_1,
@@ -237,21 +246,21 @@ def _unpermute_kernel(
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < H
     e = tl.arange(0, BLOCK_E)
-    rows = _load_token_rows(row_id_map_ptr, t, E, N, BLOCK_E)
+    row_ids = _load_token_rows(row_id_map_ptr, t, E, N, BLOCK_E)
     if HAS_PROBS:
         p = tl.load(probs_ptr + t.to(tl.int64) * E + e, mask=e < E, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    r = _next_row(rows, -1)
-    while r < 2147483647:
+    r = tl.min(tl.where(row_ids >= 0, row_ids, _NO_ROW), axis=0)
+    while r < _NO_ROW:
         x = tl.load(rows_ptr + r.to(tl.int64) * H + h, mask=h_mask, other=0.0).to(tl.float32)
         if HAS_PROBS:
-            x = x * tl.sum(tl.where(rows == r, p, 0.0), axis=0)
+            x = x * tl.sum(tl.where(row_ids == r, p, 0.0), axis=0)
         acc += x
-        r = _next_row(rows, r)
+        r = tl.min(tl.where(row_ids > r, row_ids, _NO_ROW), axis=0)
     tl.store(out_ptr + t.to(tl.int64) * H + h, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
     if GATHER_ROW_VALS:
         if pid_h == 0:
-            vals = tl.load(row_vals_ptr + rows, mask=rows >= 0, other=0.0)
+            vals = tl.load(row_vals_ptr + row_ids, mask=row_ids >= 0, other=0.0)
             tl.store(out_vals_ptr + t.to(tl.int64) * E + e, vals, mask=e < E)
 
 
@@ -261,10 +270,10 @@ def _launch_unpermute(rows_NH, row_id_map_TE, probs_TE=None, row_vals_N=None, co
     num_tokens, num_experts = row_id_map_TE.shape
     out_TH = rows_NH.new_empty(num_tokens, hidden)
     out_vals_TE = None if row_vals_N is None else row_vals_N.new_empty(num_tokens, num_experts)
-    if num_tokens == 0 or hidden == 0:
+    if num_tokens == 0:
         return out_TH, out_vals_TE
     config = config or copy_config(hidden, rows_NH.element_size())
-    grid = (num_tokens, triton.cdiv(hidden, config.block_h))
+    grid = (num_tokens, max(1, triton.cdiv(hidden, config.block_h)))
     _unpermute_kernel[grid](
         rows_NH, row_id_map_TE, probs_TE if probs_TE is not None else rows_NH, out_TH,
         row_vals_N if row_vals_N is not None else rows_NH,
@@ -290,23 +299,25 @@ def _unpermute_bwd_kernel(
 ):
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
-    rows = _load_token_rows(row_id_map_ptr, t, E, N, BLOCK_E)
+    row_ids = _load_token_rows(row_id_map_ptr, t, E, N, BLOCK_E)
     p = tl.load(probs_ptr + t.to(tl.int64) * E + e, mask=e < E, other=0.0).to(tl.float32)
     dots = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    h0 = 0
+    while h0 < H:
         h = h0 + tl.arange(0, BLOCK_H)
         h_mask = h < H
         g = tl.load(grad_out_ptr + t.to(tl.int64) * H + h, mask=h_mask, other=0.0).to(tl.float32)
-        r = _next_row(rows, -1)
-        while r < 2147483647:
-            is_r = rows == r
+        r = tl.min(tl.where(row_ids >= 0, row_ids, _NO_ROW), axis=0)
+        while r < _NO_ROW:
+            is_r = row_ids == r
             scaled = g * tl.sum(tl.where(is_r, p, 0.0), axis=0)
             tl.store(grad_rows_ptr + r.to(tl.int64) * H + h,
                      scaled.to(grad_rows_ptr.dtype.element_ty), mask=h_mask)
             x = tl.load(rows_ptr + r.to(tl.int64) * H + h, mask=h_mask, other=0.0)
             dots = tl.where(is_r, dots + tl.sum(g * x.to(tl.float32), axis=0), dots)
-            r = _next_row(rows, r)
+            r = tl.min(tl.where(row_ids > r, row_ids, _NO_ROW), axis=0)
         _zero_tail_rows(grad_rows_ptr, total_ptr, t, T, N, H, h, h_mask, BLOCK_H)
+        h0 += BLOCK_H
     tl.store(grad_probs_ptr + t.to(tl.int64) * E + e,
              dots.to(grad_probs_ptr.dtype.element_ty), mask=e < E)
 
@@ -317,7 +328,7 @@ def _launch_unpermute_bwd(grad_out_TH, rows_NH, row_id_map_TE, probs_TE, config=
     num_tokens, num_experts = row_id_map_TE.shape
     grad_rows_NH = grad_out_TH.new_empty(num_rows, hidden)
     grad_probs_TE = probs_TE.new_empty(num_tokens, num_experts)
-    if num_tokens == 0 or hidden == 0:
+    if num_tokens == 0:
         return grad_rows_NH.zero_(), grad_probs_TE.zero_()
     total_1 = (row_id_map_TE >= 0).sum().to(torch.int32).reshape(1)
     config = config or copy_config(hidden, grad_out_TH.element_size())

@@ -19,6 +19,8 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Callable, Hashable, Iterator, Optional
 
+import torch
+
 
 class WeightGradQueue:
     """Deferred weight-grad work, keyed by the node (microbatch, layer, node name) it belongs to."""
@@ -50,8 +52,9 @@ class WeightGradQueue:
     def run(self, key: Hashable) -> int:
         """Run (and drop) the work queued under `key`, oldest first. Returns how many ran."""
         work_items = self._pending.pop(key, [])
-        for work in work_items:
-            work()
+        with torch.no_grad():  # as inside the backward it was taken from: build no graph
+            for work in work_items:
+                work()
         return len(work_items)
 
     def pending_keys(self) -> list:

@@ -1,0 +1,255 @@
+"""Router top-k in Triton: score function + (group-limited) top-k + probs in one launch.
+
+Owns `router_topk_triton` / `router_topk_with_counts_triton`, drop-in replacements of the torch
+references in router_topk.py (same arguments, same outputs, same autograd), and their kernels:
+  `_router_fwd_kernel`: one program per BLOCK_T tokens holding whole rows of E scores: score
+    function in fp32, optional expert bias and group limit, iterative top-k (max, then the lowest
+    index holding it: ties go to the lower expert, as torch.topk), probs, routing map, and
+    (optionally) per-expert token counts by integer atomics (deterministic).
+  `_router_bwd_kernel`: grad of the logits through the chosen probs (softmax pre/post, sigmoid
+    with sum normalization, scaling factor), scores recomputed from the logits.
+
+Shape legend: T tokens, E experts, G expert groups.
+
+Precision: fp32 inside, probs cast to the logits' dtype (as the reference). The routing map
+matches the reference bit for bit whenever the scores have no near-ties; probs and grads agree to
+fp32 rounding (different summation order of the softmax denominator, exp implementation).
+No host sync, static shapes, deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .router_topk import check_router_args
+from .triton_utils import router_tile
+
+SOFTMAX_PRE, SOFTMAX_POST, SIGMOID = 0, 1, 2
+
+
+@triton.jit
+def _topk_mask(sel, valid, cols, K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """[BT, BE] mask of the K largest `sel` among `valid` per row; ties: lower column wins.
+
+    Also returns the sum of the chosen values, added in selection order (largest first).
+    """
+    chosen = valid & (cols < 0)  # all False, the tile's shape
+    total = tl.zeros((sel.shape[0],), dtype=tl.float32)
+    for _ in range(K):
+        open_ = valid & (chosen == 0)
+        cand = tl.where(open_, sel, float("-inf"))
+        best = tl.max(cand, axis=1)
+        col = tl.min(tl.where(open_ & (cand == best[:, None]), cols, BLOCK_E), axis=1)
+        chosen = chosen | (cols == col[:, None])
+        total += best
+    return chosen, total
+
+
+@triton.jit
+def _row_max(x, mask):
+    """[BT, 1] max of x over `mask` per row; 0 for rows with nothing (no inf - inf = NaN)."""
+    m = tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None]
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _group_limit(sel, valid, cols, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr,
+                 PER_GROUP: tl.constexpr, PER_GROUP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_G: tl.constexpr):
+    """Experts of the GROUP_TOPK best groups ([BT, BE] mask); a group's score is the sum of its
+    PER_GROUP_K best `sel`. Ties between groups: lower group wins."""
+    group_of = cols // PER_GROUP
+    gcols = tl.arange(0, BLOCK_G)[None, :]
+    group_score = tl.zeros((sel.shape[0], BLOCK_G), dtype=tl.float32) + float("-inf")
+    for g in range(NUM_GROUPS):
+        _, score = _topk_mask(sel, valid & (group_of == g), cols, PER_GROUP_K, BLOCK_E)
+        group_score = tl.where(gcols == g, score[:, None], group_score)
+    kept_g, _ = _topk_mask(group_score, gcols < NUM_GROUPS, gcols, GROUP_TOPK, BLOCK_G)
+    keep = valid & (cols < 0)
+    for g in range(NUM_GROUPS):
+        g_kept = tl.max(tl.where((gcols == g) & kept_g, 1, 0), axis=1)
+        keep = keep | ((group_of == g) & (g_kept[:, None] > 0))
+    return valid & keep
+
+
+@triton.jit
+def _router_fwd_kernel(
+    logits_ptr,       # [T, E] in: router logits (any float dtype)
+    bias_ptr,         # [E] fp32 in: expert bias, added for the choice only (if HAS_BIAS)
+    probs_ptr,        # [T, E] out: probs in the logits' dtype, 0 where not routed
+    routing_map_ptr,  # [T, E] uint8 out: 1 where routed (bool storage)
+    counts_ptr,       # [E] int64 in/out: += routed tokens per expert (if WITH_COUNTS)
+    T, E, scale,
+    K: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, WITH_COUNTS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr, PER_GROUP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    cols = tl.arange(0, BLOCK_E)[None, :]
+    valid = (rows < T) & (cols < E)
+    offs = rows.to(tl.int64) * E + cols
+    x = tl.load(logits_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    if SCORE == 0:  # softmax over E, then top-k of the scores
+        ex = tl.where(valid, tl.exp(x - _row_max(x, valid)), 0.0)
+        scores = ex / tl.sum(ex, axis=1)[:, None]
+    elif SCORE == 1:  # top-k of the logits, softmax over the k
+        scores = x
+    else:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    sel = scores
+    if HAS_BIAS:
+        sel = scores + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)
+    if GROUP_TOPK > 0:
+        valid = _group_limit(sel, valid, cols, NUM_GROUPS, GROUP_TOPK, PER_GROUP,
+                             K // GROUP_TOPK, BLOCK_E, BLOCK_G)
+    chosen, _ = _topk_mask(sel, valid, cols, K, BLOCK_E)
+    if SCORE == 1:
+        ex = tl.where(chosen, tl.exp(x - _row_max(x, chosen)), 0.0)
+        probs = ex / tl.sum(ex, axis=1)[:, None]
+    else:
+        probs = tl.where(chosen, scores, 0.0)
+        if SCORE == 2 and K > 1:
+            probs = probs / (tl.sum(probs, axis=1)[:, None] + 1e-20)
+    probs = probs * scale
+    in_rows = (rows < T) & (cols < E)
+    tl.store(probs_ptr + offs, probs.to(probs_ptr.dtype.element_ty), mask=in_rows)
+    tl.store(routing_map_ptr + offs, chosen.to(tl.uint8), mask=in_rows)
+    if WITH_COUNTS:
+        counts = tl.sum(chosen.to(tl.int32), axis=0)
+        e = tl.arange(0, BLOCK_E)
+        tl.atomic_add(counts_ptr + e, counts.to(tl.int64), mask=e < E)
+
+
+@triton.jit
+def _router_bwd_kernel(
+    grad_probs_ptr,   # [T, E] in: grad of the dense probs (logits' dtype)
+    logits_ptr,       # [T, E] in: the forward's logits
+    routing_map_ptr,  # [T, E] uint8 in: the forward's choice
+    grad_logits_ptr,  # [T, E] out: grad of the logits (logits' dtype)
+    T, E, scale,
+    K: tl.constexpr, SCORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    cols = tl.arange(0, BLOCK_E)[None, :]
+    valid = (rows < T) & (cols < E)
+    offs = rows.to(tl.int64) * E + cols
+    x = tl.load(logits_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    chosen = tl.load(routing_map_ptr + offs, mask=valid, other=0) != 0
+    g = tl.load(grad_probs_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    g = tl.where(chosen, g, 0.0) * scale
+    if SCORE == 0:  # d softmax over E
+        ex = tl.where(valid, tl.exp(x - _row_max(x, valid)), 0.0)
+        s = ex / tl.sum(ex, axis=1)[:, None]
+        grad = s * (g - tl.sum(g * s, axis=1)[:, None])
+    elif SCORE == 1:  # d softmax over the chosen
+        ex = tl.where(chosen, tl.exp(x - _row_max(x, chosen)), 0.0)
+        p = ex / tl.sum(ex, axis=1)[:, None]
+        grad = p * (g - tl.sum(g * p, axis=1)[:, None])
+    else:  # d sigmoid, through the sum normalization when K > 1
+        s = 1.0 / (1.0 + tl.exp(-x))
+        if K > 1:
+            denom = tl.sum(tl.where(chosen, s, 0.0), axis=1)[:, None] + 1e-20
+            g = g / denom - tl.sum(g * tl.where(chosen, s, 0.0), axis=1)[:, None] / (denom * denom)
+        grad = tl.where(chosen, g * s * (1.0 - s), 0.0)
+    tl.store(grad_logits_ptr + offs, grad.to(grad_logits_ptr.dtype.element_ty), mask=valid)
+
+
+def _score_code(score_function: str, use_pre_softmax: bool) -> int:
+    if score_function == "softmax":
+        return SOFTMAX_PRE if use_pre_softmax else SOFTMAX_POST
+    return SIGMOID
+
+
+class _RouterTopkTriton(torch.autograd.Function):
+    """(probs [T, E], routing_map [T, E] bool, counts [E] int64 | None); grad flows to logits."""
+
+    @staticmethod
+    def forward(ctx, logits_TE, bias_E, topk, score, group, scale, with_counts):
+        num_tokens, num_experts = logits_TE.shape
+        block_t, block_e, num_warps = router_tile(num_experts)
+        probs_TE = torch.empty_like(logits_TE)
+        routing_map_TE = torch.empty(num_tokens, num_experts, dtype=torch.bool,
+                                     device=logits_TE.device)
+        counts_E = (torch.zeros(num_experts, dtype=torch.int64, device=logits_TE.device)
+                    if with_counts else None)
+        num_groups, group_topk = group
+        if num_tokens:
+            _router_fwd_kernel[(triton.cdiv(num_tokens, block_t),)](
+                logits_TE, bias_E if bias_E is not None else logits_TE, probs_TE,
+                routing_map_TE.view(torch.uint8), counts_E if with_counts else logits_TE,
+                num_tokens, num_experts, scale,
+                K=topk, SCORE=score, HAS_BIAS=bias_E is not None, WITH_COUNTS=with_counts,
+                NUM_GROUPS=num_groups, GROUP_TOPK=group_topk,
+                PER_GROUP=num_experts // max(num_groups, 1),
+                BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(num_groups),
+                num_warps=num_warps)
+        ctx.save_for_backward(logits_TE, routing_map_TE)
+        ctx.settings = (topk, score, scale)
+        ctx.mark_non_differentiable(routing_map_TE)
+        if with_counts:
+            ctx.mark_non_differentiable(counts_E)
+        return probs_TE, routing_map_TE, counts_E
+
+    @staticmethod
+    def backward(ctx, grad_probs_TE, _grad_map, _grad_counts):
+        logits_TE, routing_map_TE = ctx.saved_tensors
+        topk, score, scale = ctx.settings
+        num_tokens, num_experts = logits_TE.shape
+        block_t, block_e, num_warps = router_tile(num_experts)
+        grad_logits_TE = torch.empty_like(logits_TE)
+        if num_tokens:
+            _router_bwd_kernel[(triton.cdiv(num_tokens, block_t),)](
+                grad_probs_TE.contiguous(), logits_TE, routing_map_TE.view(torch.uint8),
+                grad_logits_TE, num_tokens, num_experts, scale,
+                K=topk, SCORE=score, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps)
+        return grad_logits_TE, None, None, None, None, None, None
+
+
+def _route(logits_TE, topk, with_counts, *, score_function="softmax", use_pre_softmax=False,
+           num_groups=None, group_topk=None, scaling_factor=None, expert_bias=None):
+    if logits_TE.dim() != 2:
+        raise ValueError(f"logits must be [T, E], got shape {tuple(logits_TE.shape)}")
+    num_experts = logits_TE.shape[1]
+    check_router_args(num_experts, topk, score_function, num_groups, group_topk)
+    if expert_bias is not None and tuple(expert_bias.shape) != (num_experts,):
+        raise ValueError(f"expert_bias shape {tuple(expert_bias.shape)}: must be ({num_experts},)")
+    score = _score_code(score_function, use_pre_softmax)
+    bias_E = None
+    if score == SIGMOID and expert_bias is not None:
+        bias_E = expert_bias.detach().to(torch.float32).contiguous()
+    group = (num_groups, group_topk) if group_topk else (0, 0)
+    scale = float(scaling_factor) if scaling_factor else 1.0
+    return _RouterTopkTriton.apply(logits_TE.contiguous(), bias_E, topk, score, group, scale,
+                                   with_counts)
+
+
+def router_topk_triton(
+    logits_TE: torch.Tensor,
+    topk: int,
+    *,
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    scaling_factor: Optional[float] = None,
+    expert_bias: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route tokens: logits [T, E] -> (probs [T, E] zeros where not routed, routing_map [T, E] bool).
+
+    Same contract as `router_topk.router_topk_torch` (see there for the score functions).
+    One launch forward, one backward. Differentiable w.r.t. logits. Syncs no host.
+    """
+    probs_TE, routing_map_TE, _ = _route(
+        logits_TE, topk, False, score_function=score_function, use_pre_softmax=use_pre_softmax,
+        num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
+        expert_bias=expert_bias)
+    return probs_TE, routing_map_TE
+
+
+def router_topk_with_counts_triton(logits_TE: torch.Tensor, topk: int, **routing_kwargs):
+    """`router_topk_triton` plus tokens per expert [E] int64, counted in the same launch."""
+    return _route(logits_TE, topk, True, **routing_kwargs)

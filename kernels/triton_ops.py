@@ -1,0 +1,23 @@
+"""Triton implementations of the routing ops under Megatron-core's names (the "triton" backend).
+
+router_topk(logits, topk, *, score_function, use_pre_softmax, num_groups, group_topk,
+            scaling_factor, expert_bias) -> (probs [T, E], routing_map [T, E] bool)
+router_topk_with_counts(logits, topk, **same) -> (probs, routing_map, tokens_per_expert [E] int64)
+permute(tokens, routing_map, probs=None, num_out_tokens=None)
+    -> (permuted_tokens [N, H], permuted_probs [N] | None, row_id_map [T, E] int32)
+unpermute(permuted_tokens, row_id_map, restore_shape=None, probs=None, routing_map=None) -> [T, H]
+sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None) -> (output, probs | None)
+
+Same signatures, outputs and row-id map format as `reference` (the torch backend), so a model
+switches backends by config alone (`make_moe_ops`). Every op is differentiable like its
+reference, deterministic, and syncs no host when `num_out_tokens` is given. Needs CUDA or
+TRITON_INTERPRET=1 (see `epoverlap_kernels.triton_unavailable_reason`).
+"""
+
+from .permutation_triton import permute_triton as permute
+from .permutation_triton import unpermute_triton as unpermute
+from .router_topk_triton import router_topk_triton as router_topk
+from .router_topk_triton import router_topk_with_counts_triton as router_topk_with_counts
+from .sort_chunks_triton import sort_chunks_by_idxs_triton as sort_chunks_by_idxs
+
+__all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs"]
