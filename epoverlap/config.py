@@ -364,16 +364,17 @@ def _validate_model(m: ModelConfig) -> None:
 
 def _validate_layer_pattern(num_layers: int, moe: MoEConfig) -> None:
     freq = moe.moe_layer_freq.strip()
+    is_list = "," in freq or freq.startswith("[")
     try:
-        if "," in freq or freq.startswith("["):
-            items = [int(x) for x in freq.strip("[]").split(",") if x.strip()]
-            ok = len(items) == num_layers and set(items) <= {0, 1}
-            _require(ok, "moe_layer_freq", freq,
-                     f"a 0/1 list needs exactly --num-layers={num_layers} entries")
-        else:
-            _require(int(freq) >= 1, "moe_layer_freq", freq, "must be >= 1")
+        items = [int(x) for x in freq.strip("[]").split(",") if x.strip()] if is_list \
+            else [int(freq)]
     except ValueError:
         raise ConfigError("--moe-layer-freq", freq, "an integer N or a 0/1 list") from None
+    if is_list:
+        _require(len(items) == num_layers and set(items) <= {0, 1}, "moe_layer_freq", freq,
+                 f"a 0/1 list needs exactly --num-layers={num_layers} entries")
+    else:
+        _require(items[0] >= 1, "moe_layer_freq", freq, "must be >= 1")
     _require(0 <= moe.moe_first_k_dense_replace <= num_layers, "moe_first_k_dense_replace",
              moe.moe_first_k_dense_replace, f"must be in [0, --num-layers={num_layers}]")
 

@@ -1,0 +1,128 @@
+"""Per-rank bodies of the gloo multi-process tests (importable, so spawn can pickle them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from epoverlap.comm import ExpertComm
+from epoverlap.config import parse_config
+from epoverlap.distributed import destroy_distributed, init_distributed
+from epoverlap.moe import AllToAllDispatcher
+from epoverlap.train import Trainer
+from epoverlap_kernels import make_moe_ops
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
+        "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+        "--micro-batch-size", "2", "--num-microbatches", "4", "--moe-aux-loss-coeff", "0.01",
+        "--data", "synthetic", "--deterministic", "--dist-timeout-minutes", "3",
+        "--lr-warmup-iters", "2", "--log-interval", "1000"]
+
+MODES = {
+    "sequential": [],
+    "overlap": ["--overlap-moe-expert-parallel-comm"],
+    "overlap_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
+    "early_release_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+                            "--overlap-plan", "combined_1f1b_early_release"],
+}
+
+
+def _route_to_first_experts(router):
+    """Make every token pick experts 0..k-1 (all on EP rank 0): other ranks receive nothing."""
+    original = router._logits
+
+    def biased(x_TH):
+        logits = original(x_TH)
+        bias = torch.zeros(logits.shape[1], dtype=logits.dtype)
+        bias[: router.moe.moe_router_topk] = 100.0
+        return logits + bias
+    router._logits = biased
+
+
+def dispatch_round_trip(rank, world_size, ep, topk, extreme):
+    """Preprocess, dispatch, sort, identity experts, unsort, combine: returns k * input."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=3)
+    try:
+        num_experts, tokens, hidden = 8, 13 + rank, 6
+        gen = torch.Generator().manual_seed(100 + rank)
+        x_TH = torch.randn(tokens, hidden, generator=gen)
+        logits = torch.randn(tokens, num_experts, generator=gen)
+        if extreme:
+            logits[:, :topk] += 100.0
+        ops = make_moe_ops("torch")
+        probs, routing_map = ops.router_topk(logits, topk)
+        dispatcher = AllToAllDispatcher(ExpertComm(groups.ep_group, ep), num_experts, topk, ops,
+                                        groups.device)
+        permuted, permuted_probs, row_id_map = dispatcher.preprocess(x_TH, probs, routing_map)
+        recv, recv_probs, meta = dispatcher.dispatch(permuted, permuted_probs,
+                                                     routing_map.sum(0))
+        sorted_rows, _ = dispatcher.sort_by_expert(recv, recv_probs, meta)
+        out_TH = dispatcher.combine(dispatcher.unsort(sorted_rows, meta), meta, row_id_map)
+        expected = torch.zeros_like(x_TH)
+        for _ in range(topk):
+            expected = expected + x_TH
+        return torch.equal(out_TH, expected), int(recv.shape[0])
+    finally:
+        destroy_distributed()
+
+
+def _trainer(ep, argv):
+    cfg = parse_config(TINY + ["--expert-model-parallel-size", str(ep)] + argv)
+    return cfg
+
+
+def mode_grads_and_losses(rank, world_size, ep, out_dir, steps):
+    """For each mode: bits of one step's reduced grads, and a --log-json of `steps` steps."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=3)
+    results = {}
+    try:
+        for mode, flags in MODES.items():
+            log = str(Path(out_dir) / f"{mode}.jsonl")
+            trainer = Trainer(_trainer(ep, flags + ["--train-iters", str(steps),
+                                                    "--log-json", log]), groups,
+                              log=lambda msg: None)
+            try:
+                trainer.run_microbatches(step=1)
+                trainer.grads.reduce()
+                grads = (trainer.grads.dense_flat.clone(), trainer.grads.expert_flat.clone())
+                trainer.train()
+            finally:
+                trainer.close()
+            results[mode] = grads
+        return results
+    finally:
+        destroy_distributed()
+
+
+def ep_losses(rank, world_size, ep, steps):
+    """Losses of a few steps with expert parallel size `ep` (same global model and data)."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=3)
+    try:
+        trainer = Trainer(_trainer(ep, ["--train-iters", str(steps)]), groups,
+                          log=lambda msg: None)
+        try:
+            return [r.loss for r in trainer.train()]
+        finally:
+            trainer.close()
+    finally:
+        destroy_distributed()
+
+
+def extreme_routing_training(rank, world_size, ep, flags):
+    """Train with every token routed to EP rank 0's experts; returns losses and rows received."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=2)
+    try:
+        trainer = Trainer(_trainer(ep, flags + ["--train-iters", "2"]), groups,
+                          log=lambda msg: None)
+        for router in trainer.model.routers():
+            _route_to_first_experts(router)
+        try:
+            results = trainer.train()
+            counts = trainer.model.routers()[0].step_counts.tolist()
+            return [r.loss for r in results], counts
+        finally:
+            trainer.close()
+    finally:
+        destroy_distributed()

@@ -1,0 +1,150 @@
+"""Config: presets, layer patterns, and every validation rule naming its flag (pure CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from epoverlap.config import (PRESETS, build_parser, moe_layer_pattern, parse_config,
+                              validate_config)
+from epoverlap.errors import ConfigError
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--num-experts", "8", "--moe-router-topk", "2", "--train-iters", "5"]
+
+
+def check(argv, world_size=2, cuda=False):
+    validate_config(parse_config(BASE + argv), world_size, cuda)
+
+
+def rejected(argv, world_size=2, cuda=False) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        check(argv, world_size, cuda)
+    return info.value
+
+
+def test_defaults_and_presets_validate():
+    check([])
+    for name in PRESETS:
+        validate_config(parse_config(["--preset", name, "--data", "synthetic"]), 4, False)
+
+
+def test_preset_then_explicit_flag_wins():
+    cfg = parse_config(["--preset", "tiny", "--hidden-size", "96"])
+    assert cfg.model.hidden_size == 96
+    assert cfg.model.num_layers == PRESETS["tiny"]["num_layers"]
+
+
+@pytest.mark.parametrize("argv, world, flag, fragment", [
+    (["--expert-model-parallel-size", "3"], 4, "--expert-model-parallel-size", "world size 4"),
+    (["--expert-model-parallel-size", "4", "--num-experts", "6"], 4, "--num-experts",
+     "divisible by --expert-model-parallel-size=4"),
+    (["--moe-router-topk", "9"], 2, "--moe-router-topk", "[1, --num-experts=8]"),
+    (["--num-attention-heads", "5"], 2, "--num-attention-heads", "divide --hidden-size=64"),
+    (["--num-query-groups", "3"], 2, "--num-query-groups", "divide --num-attention-heads=4"),
+    (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 2,
+     "--moe-router-num-groups", "divide --num-experts=8"),
+    (["--moe-router-num-groups", "4", "--moe-router-group-topk", "5"], 2,
+     "--moe-router-group-topk", "[1, --moe-router-num-groups=4]"),
+    (["--moe-router-num-groups", "4", "--moe-router-group-topk", "3"], 2, "--moe-router-topk",
+     "divisible by --moe-router-group-topk=3"),
+    (["--moe-router-num-groups", "4"], 2, "--moe-router-group-topk", "both or neither"),
+    (["--moe-router-score-function", "relu"], 2, "--moe-router-score-function", "softmax"),
+    (["--moe-router-enable-expert-bias"], 2, "--moe-router-enable-expert-bias", "sigmoid"),
+    (["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"], 2,
+     "--moe-router-pre-softmax", "softmax"),
+    (["--moe-router-dtype", "fp16"], 2, "--moe-router-dtype", "fp32"),
+    (["--moe-layer-freq", "1,0,1"], 2, "--moe-layer-freq", "--num-layers=2"),
+    (["--moe-layer-freq", "x"], 2, "--moe-layer-freq", "0/1 list"),
+    (["--moe-first-k-dense-replace", "3"], 2, "--moe-first-k-dense-replace", "[0, --num-layers"),
+    (["--overlap-moe-expert-parallel-comm"], 2, "--overlap-moe-expert-parallel-comm",
+     "--expert-model-parallel-size > 1"),
+    (["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2",
+      "--moe-first-k-dense-replace", "2"], 2, "--overlap-moe-expert-parallel-comm",
+     "at least one MoE layer"),
+    (["--delay-wgrad-compute"], 2, "--delay-wgrad-compute",
+     "requires --overlap-moe-expert-parallel-comm"),
+    (["--overlap-plan", "zigzag"], 2, "--overlap-plan", "combined_1f1b"),
+    (["--comm-mode", "fake"], 2, "--comm-mode", "local_copy"),
+    (["--kernel-backend", "cuda"], 2, "--kernel-backend", "triton"),
+    (["--device", "tpu"], 2, "--device", "cpu"),
+    (["--device", "cuda"], 2, "--device", "no CUDA device"),
+    (["--bf16"], 2, "--bf16", "CUDA device"),
+    (["--micro-batch-size", "0"], 2, "--micro-batch-size", ">= 1"),
+    (["--seq-length", "1"], 2, "--seq-length", ">= 2"),
+    (["--lr", "0"], 2, "--lr", "> 0"),
+    (["--min-lr", "1"], 2, "--min-lr", "--lr="),
+    (["--clip-grad", "-1"], 2, "--clip-grad", ">= 0"),
+    (["--data", "/no/such/file"], 2, "--data", "no such file"),
+    (["--profile-steps", "3"], 2, "--profile-steps", "START:END"),
+    (["--profile-steps", "4:2", "--profile-dir", "x"], 2, "--profile-steps", "START <= END"),
+    (["--profile-steps", "2:3"], 2, "--profile-steps", "--profile-dir"),
+    (["--profile-dir", "x"], 2, "--profile-dir", "--profile-steps"),
+    (["--num-experts", "0", "--expert-model-parallel-size", "2"], 2,
+     "--expert-model-parallel-size", "without --num-experts"),
+    (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn"], 2, "--cuda-graph-impl",
+     "not implemented"),
+    (["--cuda-graph-impl", "local", "--cuda-graph-modules", "mamba"], 2,
+     "--cuda-graph-modules", "Mamba"),
+])
+def test_each_bad_value_names_its_flag(argv, world, flag, fragment):
+    error = rejected(argv, world)
+    message = str(error)
+    assert message.startswith(flag + "="), message
+    assert fragment.lower() in message.lower(), message
+    assert "\n" not in message
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    error = rejected(["--kernel-backend", "triton"])
+    assert "TRITON_INTERPRET" in str(error)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check(["--kernel-backend", "triton"])
+
+
+def test_deprecated_cuda_graph_flag_is_migrated_with_a_warning():
+    warnings = []
+    cfg = parse_config(BASE + ["--enable-cuda-graph"], warn=warnings.append)
+    assert cfg.cuda_graph.impl == "local"
+    assert any("--cuda-graph-impl local" in w for w in warnings)
+
+
+def test_moe_layer_pattern():
+    cfg = parse_config(BASE + ["--num-layers", "4", "--moe-layer-freq", "2"])
+    assert cfg.moe_layer_pattern() == [True, False, True, False]
+    cfg = parse_config(BASE + ["--num-layers", "4", "--moe-first-k-dense-replace", "1"])
+    assert cfg.moe_layer_pattern() == [False, True, True, True]
+    cfg = parse_config(BASE + ["--num-layers", "3", "--moe-layer-freq", "0,1,1"])
+    assert moe_layer_pattern(3, cfg.moe) == [False, True, True]
+
+
+def test_resolved_device_and_backend():
+    cfg = parse_config(BASE)
+    assert cfg.resolved_device(False) == "cpu"
+    assert cfg.resolved_kernel_backend("cpu") == "torch"
+    assert cfg.resolved_kernel_backend("cuda") == "triton"
+
+
+def test_cli_flag_list_is_frozen():
+    """The CLI surface must not drift silently: update this list on purpose."""
+    flags = sorted(opt for action in build_parser()._actions for opt in action.option_strings
+                   if opt.startswith("--"))
+    assert flags == sorted([
+        "--help", "--preset", "--num-layers", "--hidden-size", "--ffn-hidden-size",
+        "--num-attention-heads", "--num-query-groups", "--seq-length", "--rotary-base",
+        "--init-method-std", "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size",
+        "--moe-shared-expert-intermediate-size", "--moe-router-score-function",
+        "--moe-router-pre-softmax", "--moe-router-num-groups", "--moe-router-group-topk",
+        "--moe-router-topk-scaling-factor", "--moe-router-enable-expert-bias",
+        "--moe-router-bias-update-rate", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
+        "--moe-router-dtype", "--moe-layer-freq", "--moe-first-k-dense-replace",
+        "--moe-router-force-load-balancing", "--expert-model-parallel-size",
+        "--dist-timeout-minutes", "--micro-batch-size", "--num-microbatches", "--train-iters",
+        "--lr", "--min-lr", "--lr-warmup-iters", "--weight-decay", "--adam-beta1",
+        "--adam-beta2", "--adam-eps", "--clip-grad", "--seed", "--bf16", "--deterministic",
+        "--device", "--skip-optimizer-step", "--overlap-moe-expert-parallel-comm",
+        "--delay-wgrad-compute", "--overlap-plan", "--comm-mode", "--kernel-backend", "--data",
+        "--log-interval", "--log-json", "--profile-steps", "--profile-dir", "--profile-torch",
+        "--cuda-graph-impl", "--cuda-graph-modules", "--cuda-graph-warmup-steps",
+        "--inference-cuda-graph-scope", "--enable-cuda-graph", "--external-cuda-graph",
+        "--cuda-graph-scope"])

@@ -1,0 +1,127 @@
+"""Schedule plans as data: round trips, golden plans, and the validator (pure CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from epoverlap.schedule.plan import (Action, PlanError, build_plan, combined_1f1b_plan,
+                                     format_plan, parse_plan, plan_to_string, sequential_plan,
+                                     validate_plan)
+
+MOE = ("attn", "dispatch", "mlp", "combine")
+DENSE = ("attn", "mlp")
+
+
+@pytest.mark.parametrize("text", ["F3.attn.L2", "B2.dispatch.L5", "W2.mlp.L5", "F0.embed",
+                                  "B1.loss"])
+def test_action_round_trip(text):
+    assert str(Action.parse(text)) == text
+
+
+@pytest.mark.parametrize("text", ["X1.attn.L0", "F.attn", "F1.attn.2", "F1"])
+def test_bad_action_strings_are_rejected(text):
+    with pytest.raises(ValueError, match="not an action"):
+        Action.parse(text)
+
+
+def test_lanes_and_phases():
+    assert Action.parse("F1.dispatch.L0").lane == "comm"
+    assert Action.parse("B1.combine.L0").lane == "comm"
+    assert Action.parse("W1.mlp.L0").lane == "compute"
+    assert Action.parse("W1.mlp.L0").phase == "wgrad"
+
+
+def test_golden_sequential():
+    plan = sequential_plan([MOE], 2)
+    assert plan_to_string(plan) == (
+        "F0.embed F0.attn.L0 F0.dispatch.L0 F0.mlp.L0 F0.combine.L0 F0.loss "
+        "B0.loss B0.combine.L0 B0.mlp.L0 B0.dispatch.L0 B0.attn.L0 B0.embed "
+        "F1.embed F1.attn.L0 F1.dispatch.L0 F1.mlp.L0 F1.combine.L0 F1.loss "
+        "B1.loss B1.combine.L0 B1.mlp.L0 B1.dispatch.L0 B1.attn.L0 B1.embed")
+
+
+def test_golden_combined_1f1b_with_delayed_wgrad():
+    plan = combined_1f1b_plan([MOE, MOE], 2, delay_wgrad=True)
+    assert plan_to_string(plan) == (
+        # F0 alone
+        "F0.embed F0.attn.L0 F0.dispatch.L0 F0.mlp.L0 F0.combine.L0 "
+        "F0.attn.L1 F0.dispatch.L1 F0.mlp.L1 F0.combine.L1 F0.loss "
+        # F1 paired with B0, layer 0 of F with layer 1 of B, in the overlap.md order
+        "B0.loss F1.embed "
+        "B0.combine.L1 F1.attn.L0 B0.mlp.L1 F1.dispatch.L0 W0.mlp.L1 B0.dispatch.L1 "
+        "F1.mlp.L0 F1.combine.L0 B0.attn.L1 W0.attn.L1 "
+        "B0.combine.L0 F1.attn.L1 B0.mlp.L0 F1.dispatch.L1 W0.mlp.L0 B0.dispatch.L0 "
+        "F1.mlp.L1 F1.combine.L1 B0.attn.L0 W0.attn.L0 "
+        "F1.loss B0.embed "
+        # B1 alone
+        "B1.loss B1.combine.L1 B1.mlp.L1 W1.mlp.L1 B1.dispatch.L1 B1.attn.L1 W1.attn.L1 "
+        "B1.combine.L0 B1.mlp.L0 W1.mlp.L0 B1.dispatch.L0 B1.attn.L0 W1.attn.L0 B1.embed")
+
+
+def test_golden_early_release_moves_attention_backward_before_forward_mlp():
+    plan = plan_to_string(build_plan("combined_1f1b_early_release", [MOE], 2))
+    assert ("B0.combine.L0 F1.attn.L0 B0.mlp.L0 F1.dispatch.L0 B0.dispatch.L0 B0.attn.L0 "
+            "F1.mlp.L0 F1.combine.L0") in plan
+
+
+def test_golden_printed_grid():
+    grid = format_plan(parse_plan("F0.embed F0.attn.L0 F0.dispatch.L0"))
+    assert grid.splitlines()[2:] == [
+        "      0 | F0.embed       |",
+        "      1 | F0.attn.L0     |",
+        "      2 |                | F0.dispatch.L0"]
+
+
+@pytest.mark.parametrize("layout", [[MOE], [DENSE, MOE], [MOE, DENSE, MOE, MOE]])
+@pytest.mark.parametrize("name", ["sequential", "combined_1f1b", "combined_1f1b_early_release"])
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+@pytest.mark.parametrize("delay", [False, True])
+def test_every_builder_makes_valid_plans(layout, name, microbatches, delay):
+    plan = build_plan(name, layout, microbatches, delay)
+    validate_plan(plan, layout, microbatches, delay)
+    assert len(plan) == len(set(plan))
+
+
+def _error(text, layout=(MOE,), microbatches=1, delay=False) -> PlanError:
+    with pytest.raises(PlanError) as info:
+        validate_plan(parse_plan(text), list(layout), microbatches, delay)
+    return info.value
+
+
+def test_validator_marks_the_bad_step():
+    error = _error("F0.embed F0.attn.L0 F0.mlp.L0")
+    assert error.step == 2
+    assert "needs F0 of dispatch.L0 first" in str(error)
+    marked = [line for line in str(error).splitlines() if line.startswith(">>")]
+    assert len(marked) == 1 and "F0.mlp.L0" in marked[0] and "<--" in marked[0]
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("F0.embed B0.loss", "backward before its forward"),
+    ("F0.embed B0.embed", "needs B0 of attn.L0 first"),
+    ("F0.embed F0.embed", "runs twice"),
+    ("F0.embed F0.attn.L3", "unknown node attn in layer 3"),
+    ("F1.embed", "microbatch 1 outside"),
+    ("F0.embed F0.attn.L0 W0.attn.L0", "W action while weight-grad deferral is off"),
+])
+def test_validator_rejections(text, reason):
+    assert reason in str(_error(text))
+
+
+def test_validator_rejects_backward_out_of_order():
+    seq = plan_to_string(sequential_plan([MOE], 1))
+    swapped = seq.replace("B0.combine.L0 B0.mlp.L0", "B0.mlp.L0 B0.combine.L0")
+    assert "needs B0 of combine.L0 first" in str(_error(swapped))
+
+
+def test_validator_rejects_missing_and_misplaced_weight_grads():
+    seq = plan_to_string(sequential_plan([MOE], 1, delay_wgrad=True))
+    assert "W0.mlp.L0 never runs" in str(_error(seq.replace(" W0.mlp.L0", ""), delay=True))
+    early = seq.replace(" W0.mlp.L0", "").replace("B0.mlp.L0", "W0.mlp.L0 B0.mlp.L0")
+    assert "weight grad before its backward" in str(_error(early, delay=True))
+    assert "no weight grads" in str(_error("F0.embed W0.dispatch.L0", delay=True))
+
+
+def test_incomplete_plan_is_rejected():
+    assert "B0.embed never runs" in str(_error(
+        plan_to_string(sequential_plan([MOE], 1)).split(" B0.loss")[0]))
