@@ -436,7 +436,8 @@ def draw_gantt(ranks: list[RankSpans], step_number: int, path: Path) -> None:
     from matplotlib import pyplot as plt
     from matplotlib.patches import Patch
 
-    colors = plt.get_cmap("tab10").colors
+    # tab10 without its red (index 3), which marks exposed comm
+    colors = tuple(c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 3)
     steps = [_find_step(rank_spans, step_number) for rank_spans in ranks]
     width = max(step.step_time_us for step in steps) or 1.0
     figure, axes = plt.subplots(figsize=(14, 1.2 + 0.45 * 2 * len(ranks)))

@@ -1,0 +1,124 @@
+"""Launch tier: the main job under torchrun on 2 CPU ranks, a two-node launch on one machine,
+CLI errors, the loss-comparison tool and the timeline tool on a real profiled run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_helpers import free_port
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+QUICK = ["--preset", "tiny", "--hidden-size", "64", "--seq-length", "64",
+         "--num-microbatches", "2", "--train-iters", "12", "--lr-warmup-iters", "2",
+         "--dist-timeout-minutes", "3"]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)  # the main job picks the torch backend on CPU itself
+    return env
+
+
+def _run(cmd, timeout=300, cwd=None):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(),
+                          cwd=cwd or REPO)
+
+
+def _torchrun(nproc, *flags):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", "epoverlap.train", *flags]
+
+
+def _losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def test_main_job_on_two_cpu_ranks_reduces_the_loss(tmp_path):
+    log = tmp_path / "losses.jsonl"
+    result = _run(_torchrun(2, *QUICK, "--expert-model-parallel-size", "2",
+                            "--overlap-moe-expert-parallel-comm", "--log-json", str(log)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step   12/12" in result.stdout
+    losses = _losses(log)
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
+
+
+def test_launcher_defaults_pass_through_user_flags():
+    from epoverlap.launch import default_train_args, split_nproc
+    args = default_train_args(2, False, ["--preset", "small", "--train-iters", "3"])
+    assert args == ["--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
+                    "--preset", "small", "--train-iters", "3"]
+    assert default_train_args(1, True, []) == ["--preset", "tiny",
+                                               "--expert-model-parallel-size", "1", "--bf16"]
+    assert split_nproc(["--nproc", "4", "--bf16"]) == (4, ["--bf16"])
+
+
+def test_two_node_launch_on_one_machine_runs_to_the_end(tmp_path):
+    port = free_port()
+    common = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+              "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+              "--rdzv-id=epoverlap-test", "-m", "epoverlap.train", *QUICK,
+              "--train-iters", "4", "--expert-model-parallel-size", "2",
+              "--overlap-moe-expert-parallel-comm"]
+    nodes = [subprocess.Popen(common, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=_env(), cwd=REPO) for _ in range(2)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    assert any("step    4/4" in out for out, _ in outputs)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--expert-model-parallel-size", "4"], "--expert-model-parallel-size=4: must divide"),
+    (["--moe-router-topk", "99"], "--moe-router-topk=99: must be in [1, --num-experts=8]"),
+    (["--delay-wgrad-compute"], "--delay-wgrad-compute=True: requires"),
+])
+def test_bad_flags_exit_2_with_one_line_and_no_traceback(flags, message):
+    result = _run([sys.executable, "-m", "epoverlap.train", "--preset", "tiny", *flags])
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_overlap_on_and_off_write_identical_losses_per_compare_tool(tmp_path):
+    logs = []
+    for name, extra in (("off", []), ("on", ["--overlap-moe-expert-parallel-comm",
+                                             "--delay-wgrad-compute"])):
+        log = tmp_path / f"{name}.jsonl"
+        result = _run(_torchrun(2, *QUICK, "--train-iters", "6", "--deterministic",
+                                "--expert-model-parallel-size", "2", "--log-json", str(log),
+                                *extra))
+        assert result.returncode == 0, result.stderr[-3000:]
+        logs.append(str(log))
+    compare = _run(["epoverlap-compare-losses", *logs])
+    assert compare.returncode == 0, compare.stdout + compare.stderr
+    assert compare.stdout.startswith("identical (6 steps)")
+
+
+def test_profiled_run_gives_trace_png_and_table(tmp_path):
+    spans, out = tmp_path / "spans", tmp_path / "timeline"
+    result = _run(_torchrun(2, *QUICK, "--train-iters", "3", "--expert-model-parallel-size", "2",
+                            "--overlap-moe-expert-parallel-comm", "--profile-steps", "2:3",
+                            "--profile-dir", str(spans)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in spans.iterdir()) == ["spans-rank00000.json",
+                                                       "spans-rank00001.json"]
+    timeline = _run(["epoverlap-timeline", str(spans), "--out-dir", str(out)])
+    assert timeline.returncode == 0, timeline.stdout + timeline.stderr
+    trace = json.loads((out / "timeline_trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e.get("name") for e in events}
+    assert "F1.dispatch.L0" in names and "B0.combine.L1" in names
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "timeline_summary.json").read_text())
+    assert summary
+    assert "exposed" in timeline.stdout.lower()
