@@ -24,6 +24,11 @@ class ExpertComm:
         self.group = group
         self.size = size
         self.mode = mode
+        self.trace: Optional[list] = None  # set to [] to record every all-to-all's shape
+
+    def _record(self, output_splits, input_splits, row_shape, dtype) -> None:
+        if self.trace is not None:
+            self.trace.append((list(output_splits), list(input_splits), tuple(row_shape), dtype))
 
     def all_to_all(self, input_NH: torch.Tensor, output_splits: list[int],
                    input_splits: list[int]) -> torch.Tensor:
@@ -31,6 +36,7 @@ class ExpertComm:
 
         Syncs no host; blocks the calling stream (GPU) or thread (CPU) until done.
         """
+        self._record(output_splits, input_splits, input_NH.shape[1:], input_NH.dtype)
         if self.size == 1 or self.mode == "local_copy":
             return input_NH.clone()
         input_NH = input_NH.contiguous()
@@ -41,6 +47,8 @@ class ExpertComm:
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Per-expert send counts [E] -> counts received [ep, E_local] (row = source rank)."""
         send_RL = counts_E.view(self.size, -1).contiguous()
+        ones = [send_RL.shape[1]] * self.size
+        self._record(ones, ones, (), send_RL.dtype)
         if self.size == 1 or self.mode == "local_copy":
             return send_RL.clone()
         recv_RL = torch.empty_like(send_RL)

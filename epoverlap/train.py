@@ -119,12 +119,13 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def run_microbatches(self, step: int) -> list[torch.Tensor]:
+    def run_microbatches(self, step: int, inputs: Optional[list[dict]] = None
+                         ) -> list[torch.Tensor]:
         """Forward + backward of every microbatch; grads land in the main_grad buffers."""
         self.grads.zero()
         for router in self.model.routers():
             router.reset_step_stats()
-        inputs = self.microbatches(step)
+        inputs = self.microbatches(step) if inputs is None else inputs
         return self.executor.run(self.plan, inputs, 1.0 / self.cfg.train.num_microbatches)
 
     def _reduce_stats(self, losses: list[torch.Tensor]) -> tuple[float, float, float]:

@@ -1,0 +1,281 @@
+"""EP overlap benchmark: how much of the all-to-all time the combined 1F1B schedule hides.
+
+    torchrun --standalone --nproc-per-node N tools/bench_overlap.py [--shapes a,b] \
+        [--out-dir DIR] [--warmup 2] [--iters 5] [--profile-shapes a,b]
+
+Runs on any number of ranks (EP = the world size); GPUs with NCCL (bf16), or CPU with gloo.
+For each shape it builds a fresh model per mode and times the forward-backward of all
+microbatches (median over --iters after --warmup; the max over ranks):
+  T_seq   sequential schedule (no overlap)
+  T_ovl   combined 1F1B with the all-to-alls on the comm stream
+  T_wgrad T_ovl plus delayed weight-grad compute
+  T_comp  the combined 1F1B schedule with every all-to-all replaced by a local copy of the same
+          bytes (compute only)
+  T_comm  the all-to-alls of one step alone, replayed back to back with the recorded sizes
+and reports T_comm/T_comp (the ratio of the shape), T_seq/T_ovl, T_ovl/max(T_comp, T_comm),
+exposed comm (T_ovl - T_comp), the full step time (plus grad reduction) and tokens/s/GPU, and
+peak memory per mode next to one microbatch's activations (peak_seq - static).
+Spans of one profiled step per mode go to OUT/spans/<shape>/<mode>/ (epoverlap-timeline).
+Prints a markdown table last; OUT/bench_overlap.json holds every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from epoverlap.config import parse_config, validate_config
+from epoverlap.distributed import destroy_distributed, init_distributed
+from epoverlap.train import Trainer, setup_environment
+
+COMMON = ["--skip-optimizer-step", "--moe-router-force-load-balancing", "--data", "synthetic",
+          "--log-interval", "100000", "--train-iters", "1000"]
+MEGATRON = ["--preset", "megatron-cmp"]
+SHAPES = {
+    # smoke shape (seconds)
+    "quick": ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
+              "--seq-length", "256", "--num-experts", "8", "--moe-router-topk", "2",
+              "--moe-ffn-hidden-size", "256", "--micro-batch-size", "2",
+              "--num-microbatches", "4"],
+    # candidate shapes with all-to-all time near compute time (the ratio is measured)
+    "ratio_h4096_k8_f256": ["--num-layers", "4", "--hidden-size", "4096",
+                            "--num-attention-heads", "32", "--num-query-groups", "8",
+                            "--seq-length", "2048", "--num-experts", "16",
+                            "--moe-router-topk", "8", "--moe-ffn-hidden-size", "256",
+                            "--micro-batch-size", "1", "--num-microbatches", "4"],
+    "ratio_h4096_k8_f512": ["--num-layers", "4", "--hidden-size", "4096",
+                            "--num-attention-heads", "32", "--num-query-groups", "8",
+                            "--seq-length", "2048", "--num-experts", "16",
+                            "--moe-router-topk", "8", "--moe-ffn-hidden-size", "512",
+                            "--micro-batch-size", "1", "--num-microbatches", "4"],
+    # the three Megatron-core configurations of environment.md
+    "megatron_e32_k4_mbs2x8": MEGATRON,
+    "megatron_e32_k4_mbs8x4": MEGATRON + ["--micro-batch-size", "8", "--num-microbatches", "4"],
+    "megatron_e8_k8_f4096_mbs8x4": MEGATRON + ["--num-experts", "8", "--moe-router-topk", "8",
+                                               "--moe-ffn-hidden-size", "4096",
+                                               "--micro-batch-size", "8",
+                                               "--num-microbatches", "4"],
+    # one DeepSeek-V3-like layer: hidden 7168, 256 experts, top-8, FFN 2048, 4096 tokens/rank
+    "dsv3_layer": ["--num-layers", "1", "--hidden-size", "7168", "--num-attention-heads", "56",
+                   "--num-query-groups", "8", "--seq-length", "4096", "--num-experts", "256",
+                   "--moe-router-topk", "8", "--moe-ffn-hidden-size", "2048",
+                   "--micro-batch-size", "1", "--num-microbatches", "4"],
+}
+OVERLAP = ["--overlap-moe-expert-parallel-comm"]
+MODES = {"seq": [], "ovl": OVERLAP, "ovl_wgrad": OVERLAP + ["--delay-wgrad-compute"],
+         "comp": OVERLAP + ["--comm-mode", "local_copy"]}
+# Megatron-core 0.16.1 step times (ms) measured on H200s (environment.md): (off, on)
+MEGATRON_MS = {
+    ("megatron_e32_k4_mbs2x8", 2): (452.6, 543.0), ("megatron_e32_k4_mbs8x4", 2): (374.2, 395.5),
+    ("megatron_e8_k8_f4096_mbs8x4", 2): (1046.0, 1026.0),
+    ("megatron_e32_k4_mbs2x8", 4): (369.9, 533.2), ("megatron_e32_k4_mbs8x4", 4): (385.0, 402.9),
+    ("megatron_e8_k8_f4096_mbs8x4", 4): (1070.6, 1048.3),
+}
+
+
+def _sync(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _max_over_ranks(value: float) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64,
+                          device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor)
+
+
+def _memory(device) -> float:
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict:
+    """Median forward-backward and full-step time of one mode, peak memory, optional trace."""
+    trainer = Trainer(parse_config(argv), groups, log=lambda msg: None)
+    device = groups.device
+    try:
+        inputs = trainer.microbatches(1)
+        static = _memory(device)
+        for _ in range(args.warmup):
+            trainer.run_microbatches(1, inputs)
+            trainer.grads.reduce()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        fb, full = [], []
+        for _ in range(args.iters):
+            dist.barrier()
+            start = _sync(device)
+            trainer.run_microbatches(1, inputs)
+            mid = _sync(device)
+            trainer.grads.reduce()
+            full.append(_sync(device) - start)
+            fb.append(mid - start)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
+        result = {"fb_ms": _max_over_ranks(statistics.median(fb) * 1e3),
+                  "step_ms": _max_over_ranks(statistics.median(full) * 1e3),
+                  "peak_gib": _max_over_ranks(peak), "static_gib": _max_over_ranks(static)}
+        if profile_dir is not None:
+            trainer.recorder.begin_step(1)
+            trainer.run_microbatches(1, inputs)
+            trainer.recorder.end_step()
+            trainer.recorder.write(str(profile_dir))
+        if want_trace:
+            trainer.comm.trace = []
+            trainer.run_microbatches(1, inputs)
+            result["trace"], trainer.comm.trace = trainer.comm.trace, None
+        tokens = groups.world_size * len(inputs) * inputs[0]["tokens"].numel()
+        result["tokens_per_s_per_gpu"] = tokens / (result["step_ms"] / 1e3) / groups.world_size
+        return result
+    finally:
+        trainer.close()
+        del trainer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def replay_comm_ms(trace, groups, args) -> float:
+    """The recorded all-to-alls alone, back to back on one stream (median of --iters)."""
+    device = groups.device
+    def elems(shape):
+        return int(torch.tensor(shape).prod()) if shape else 1
+    biggest = max(max(sum(out), sum(inp)) * elems(shape) for out, inp, shape, _ in trace)
+    buffers = {dtype: (torch.zeros(biggest, dtype=dtype, device=device),
+                       torch.zeros(biggest, dtype=dtype, device=device))
+               for dtype in {rec[3] for rec in trace}}
+
+    def run_all():
+        for out_splits, in_splits, shape, dtype in trace:
+            width = elems(shape)
+            send, recv = buffers[dtype]
+            send_view = send[: sum(in_splits) * width].view(-1, width)
+            recv_view = recv[: sum(out_splits) * width].view(-1, width)
+            dist.all_to_all_single(recv_view, send_view, out_splits, in_splits,
+                                   group=groups.ep_group)
+    run_all()
+    times = []
+    for _ in range(args.iters):
+        dist.barrier()
+        start = _sync(device)
+        run_all()
+        times.append(_sync(device) - start)
+    return _max_over_ranks(statistics.median(times) * 1e3)
+
+
+def bench_shape(name, groups, args, log) -> dict:
+    base = SHAPES[name] + COMMON + ["--expert-model-parallel-size", str(groups.world_size)]
+    if torch.cuda.is_available():
+        base.append("--bf16")
+    modes = ["seq", "ovl", "ovl_wgrad"] if name.startswith("megatron") else list(MODES)
+    results = {"shape": name, "flags": base}
+    for mode in modes:
+        profile = (Path(args.out_dir) / "spans" / name / mode
+                   if name in args.profile_shapes and mode != "comp" else None)
+        results[mode] = measure_mode(groups, base + MODES[mode], args, profile,
+                                     want_trace=(mode == "ovl" and "comp" in modes))
+        log(f"[bench_overlap] {name} {mode}: fb {results[mode]['fb_ms']:.2f} ms, step "
+            f"{results[mode]['step_ms']:.2f} ms, peak {results[mode]['peak_gib']:.2f} GiB")
+    if "comp" in modes:
+        results["comm"] = {"fb_ms": replay_comm_ms(results["ovl"].pop("trace"), groups, args)}
+        log(f"[bench_overlap] {name} comm alone: {results['comm']['fb_ms']:.2f} ms")
+    return results
+
+
+def derived(r: dict) -> dict:
+    """The ratios the issue asks for, from one shape's raw results."""
+    out = {}
+    seq, ovl = r["seq"]["fb_ms"], r["ovl"]["fb_ms"]
+    out["seq_over_ovl"] = seq / ovl
+    out["seq_over_ovl_wgrad"] = seq / r["ovl_wgrad"]["fb_ms"]
+    if "comp" in r:
+        comp, comm = r["comp"]["fb_ms"], r["comm"]["fb_ms"]
+        out.update(ratio=comm / comp, ovl_over_ideal=ovl / max(comp, comm),
+                   wgrad_over_ideal=r["ovl_wgrad"]["fb_ms"] / max(comp, comm),
+                   exposed_ovl_ms=ovl - comp, exposed_wgrad_ms=r["ovl_wgrad"]["fb_ms"] - comp,
+                   exposed_seq_ms=seq - comp)
+    act = r["seq"]["peak_gib"] - r["seq"]["static_gib"]
+    out["one_mb_activations_gib"] = act
+    out["extra_peak_ovl_gib"] = r["ovl"]["peak_gib"] - r["seq"]["peak_gib"]
+    return out
+
+
+def markdown(all_results: list, world: int) -> str:
+    lines = ["| shape | T_comm/T_comp | T_seq ms | T_ovl ms | T_ovl+wgrad ms | T_comp ms | "
+             "T_comm ms | T_seq/T_ovl | T_ovl/max | T_wgrad/max | exposed ovl ms | "
+             "exposed wgrad ms | peak seq/ovl/wgrad GiB | 1-mb act GiB |",
+             "| --- " * 14 + "|"]
+    for r in all_results:
+        d, f = r["derived"], lambda x: f"{x:.2f}"
+        comp = "comp" in r
+        lines.append(" | ".join([
+            f"| {r['shape']}", f(d["ratio"]) if comp else "-", f(r["seq"]["fb_ms"]),
+            f(r["ovl"]["fb_ms"]), f(r["ovl_wgrad"]["fb_ms"]),
+            f(r["comp"]["fb_ms"]) if comp else "-", f(r["comm"]["fb_ms"]) if comp else "-",
+            f(d["seq_over_ovl"]), f(d["ovl_over_ideal"]) if comp else "-",
+            f(d["wgrad_over_ideal"]) if comp else "-", f(d["exposed_ovl_ms"]) if comp else "-",
+            f(d["exposed_wgrad_ms"]) if comp else "-",
+            f"{r['seq']['peak_gib']:.1f}/{r['ovl']['peak_gib']:.1f}/"
+            f"{r['ovl_wgrad']['peak_gib']:.1f}", f(d["one_mb_activations_gib"])]) + " |")
+    lines += ["", "| Megatron-core config | ours seq step ms (tok/s/GPU) | ours ovl | ours "
+              "ovl+wgrad | Megatron off | Megatron on |", "| --- " * 6 + "|"]
+    for r in all_results:
+        if (r["shape"], world) not in MEGATRON_MS:
+            continue
+        off, on = MEGATRON_MS[(r["shape"], world)]
+        cells = [f"{r[m]['step_ms']:.1f} ({r[m]['tokens_per_s_per_gpu'] / 1e3:.1f}k)"
+                 for m in ("seq", "ovl", "ovl_wgrad")]
+        lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {off} | {on} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="quick")
+    parser.add_argument("--profile-shapes", default="")
+    parser.add_argument("--out-dir", default="runs/bench_overlap")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    args = parser.parse_args(argv)
+    args.profile_shapes = [s for s in args.profile_shapes.split(",") if s]
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        print(f"bench_overlap: unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+        return 2
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    probe = parse_config(SHAPES[shapes[0]] + COMMON + OVERLAP +
+                         ["--expert-model-parallel-size", str(world)])
+    validate_config(probe, world, torch.cuda.is_available())
+    setup_environment(probe, print)
+    groups = init_distributed(world, "cuda" if torch.cuda.is_available() else "cpu")
+    log = print if groups.rank == 0 else (lambda msg: None)
+    all_results = []
+    try:
+        for name in shapes:
+            result = bench_shape(name, groups, args, log)
+            result["derived"] = derived(result)
+            all_results.append(result)
+    finally:
+        destroy_distributed()
+    if groups.rank == 0:
+        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+        Path(args.out_dir, "bench_overlap.json").write_text(json.dumps(
+            {"world": world, "results": all_results}, indent=2, default=str))
+        print(f"\nbench_overlap: {world} rank(s), "
+              f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+        print(markdown(all_results, world))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
