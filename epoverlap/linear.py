@@ -70,6 +70,8 @@ def _grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _mm_grouped(a_NI, b_EIO, offsets_E, counts):
     """Row-grouped A [N, I] x per-group B [E, I, O] -> [N, O]."""
+    if a_NI.shape[0] == 0:  # a rank that received no token
+        return a_NI.new_empty((0, b_EIO.shape[-1]))
     if _grouped_mm_runs(a_NI, b_EIO):
         return torch._grouped_mm(a_NI, b_EIO, offs=offsets_E)
     pieces = torch.split(a_NI, counts)

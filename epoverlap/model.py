@@ -89,8 +89,11 @@ class Attention(nn.Module):
         v_BGSD = v.view(batch, seq, self.kv_heads, dim).transpose(1, 2)
         q_BQSD = apply_rotary(q_BQSD, self.cos_SD, self.sin_SD)
         k_BGSD = apply_rotary(k_BGSD, self.cos_SD, self.sin_SD)
-        out_BQSD = F.scaled_dot_product_attention(q_BQSD, k_BGSD, v_BGSD, is_causal=True,
-                                                  enable_gqa=self.kv_heads != self.heads)
+        if self.kv_heads != self.heads:  # expand K/V so every SDPA backend (flash) applies
+            group = self.heads // self.kv_heads
+            k_BGSD = k_BGSD.repeat_interleave(group, dim=1)
+            v_BGSD = v_BGSD.repeat_interleave(group, dim=1)
+        out_BQSD = F.scaled_dot_product_attention(q_BQSD, k_BGSD, v_BGSD, is_causal=True)
         out_TX = out_BQSD.transpose(1, 2).reshape(batch * seq, self.heads * dim)
         return linear(out_TX, self.proj, self.queue)
 

@@ -66,7 +66,11 @@ def switch_aux_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, topk: int,
 
 
 class Router(nn.Module):
-    """Gate linear + score function + top-k, with Switch aux loss, z-loss and expert bias."""
+    """Gate linear + score function + top-k, with Switch aux loss, z-loss and expert bias.
+
+    The gate's weight grad is computed inline, never deferred: the gate is tiny (E x H) and
+    its grad also carries the aux-loss terms, so deferring it would move no real work.
+    """
 
     def __init__(self, moe: MoEConfig, hidden: int, layer: int, ops: MoEOps, *, seed: int,
                  std: float, dtype: torch.dtype, device: torch.device, aux_loss_scale: float):

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# All GPU checks and timings of the project in one device call, by part:
+#   tools/gpu_suite.sh smoke     install, versions, a fast pass over every GPU path
+#   tools/gpu_suite.sh kernels   kernel GPU tests + kernel benchmark
+#   tools/gpu_suite.sh train     GPU pytest tier (1 and N GPUs) + baseline training throughput
+#   tools/gpu_suite.sh overlap   overlap benchmark on NGPUS (default 2) GPUs, with spans
+#   tools/gpu_suite.sh scale     bitwise check + overlap benchmark on all visible GPUs
+# Everything is written under ${OUT:-runs/gpu} (logs, JSON, span files, one tarball) and the
+# short tables are printed last. Multicast stays off (see KINDS.md).
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+PART=${1:-smoke}
+OUTDIR=${OUT:-runs/gpu}
+WORK=/tmp/epoverlap-gpu
+mkdir -p "$OUTDIR" "$WORK"
+NGPUS=${NGPUS:-2}
+ALL_GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+SUMMARY="$WORK/summary.txt"
+: > "$SUMMARY"
+
+versions() {
+  python3 - <<'EOF'
+import torch, triton, datetime, platform
+nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
+print(f"date {datetime.date.today()} | torch {torch.__version__} | triton {triton.__version__} "
+      f"| nccl {nccl} | python {platform.python_version()} | "
+      f"{torch.cuda.device_count()} x {torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
+EOF
+}
+
+step() {  # step NAME CMD... : run, log, record pass/fail
+  local name=$1; shift
+  local start=$SECONDS
+  echo "=== $name: $*"
+  "$@" > "$WORK/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$WORK/$name.log"
+  echo "$name: rc=$rc ($((SECONDS - start)) s)" | tee -a "$SUMMARY"
+}
+
+pip install -q --no-deps --no-build-isolation -e . > "$WORK/install.log" 2>&1 || cat "$WORK/install.log"
+versions | tee "$WORK/versions.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader >> "$WORK/versions.txt" 2>&1
+
+case "$PART" in
+  smoke)
+    step kernel_tests_smoke python3 -m pytest tests/kernels -m gpu -q -x -k "not slow" --maxfail=3
+    step gpu_tests python3 -m pytest tests/test_gpu.py -q -x
+    step bench_overlap_quick torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py \
+      --shapes quick --profile-shapes quick --out-dir "$WORK/bench_quick" --iters 2 --warmup 1
+    ;;
+  kernels)
+    step kernel_tests python3 -m pytest tests/kernels -m gpu -q
+    step bench_kernels python3 tools/bench_kernels.py --out "$WORK/bench_kernels.md"
+    ;;
+  train)
+    step gpu_tests python3 -m pytest tests/test_gpu.py -q
+    step bench_train python3 tools/bench_train.py --gpus "1,$NGPUS" --preset small --iters 20 \
+      --out "$WORK/bench_train.md"
+    ;;
+  overlap)
+    step bench_overlap torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py \
+      --shapes "${SHAPES:-ratio_h4096_k8_f256,ratio_h4096_k8_f512,megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4,dsv3_layer}" \
+      --profile-shapes "${PROFILE:-ratio_h4096_k8_f256,ratio_h4096_k8_f512}" --out-dir "$WORK/bench_overlap"
+    ;;
+  scale)
+    step bitwise torchrun --standalone --nproc-per-node="$ALL_GPUS" tools/check_bitwise.py --steps 20 \
+      --out "$WORK/bitwise.json"
+    step bench_overlap torchrun --standalone --nproc-per-node="$ALL_GPUS" tools/bench_overlap.py \
+      --shapes "${SHAPES:-ratio_h4096_k8_f256,ratio_h4096_k8_f512,megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4,dsv3_layer}" \
+      --profile-shapes "${PROFILE:-ratio_h4096_k8_f256}" --out-dir "$WORK/bench_overlap"
+    ;;
+  *) echo "unknown part $PART"; exit 2 ;;
+esac
+
+tar czf "$OUTDIR/gpu_$PART.tgz" -C "$WORK" . 2>/dev/null
+echo; echo "===== summary ($PART)"; cat "$WORK/versions.txt"; cat "$SUMMARY"
+for table in "$WORK"/bench_kernels.md "$WORK"/bench_train.md; do [ -f "$table" ] && cat "$table"; done
+for log in "$WORK"/bench_overlap*.log "$WORK"/bitwise.log; do
+  [ -f "$log" ] && sed -n '/^bench_overlap: /,$p;/^bitwise check/,$p' "$log"
+done
+exit 0
