@@ -1,7 +1,9 @@
 """epoverlap_kernels: MoE token-routing ops (router top-k, permute, unpermute, chunk sort).
 
-Each op has a torch reference and a Triton kernel side by side (one file per op). The
-implementation is chosen once, by building an `MoEOps` table from the config's kernel backend;
+Each op has a torch reference and a Triton kernel side by side (`router_topk.py` /
+`router_topk_triton.py`, `permutation.py` / `permutation_triton.py`, `sort_chunks.py` /
+`sort_chunks_triton.py`; `triton_ops.py` gathers the Triton ones). The implementation is chosen
+once, by building an `MoEOps` table from the config's kernel backend;
 model code calls `ops.permute(...)` and never branches on the backend itself.
 
 Installed under the import name `epoverlap_kernels` (the source folder is `kernels/`).

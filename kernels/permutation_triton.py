@@ -11,9 +11,10 @@ of the map build.
 Kernels (all deterministic: no float atomics, fixed summation orders):
   row-id map, three passes reading only the T*E routing flags (no atomics):
     1. `_map_block_counts_kernel`: per (token block, expert) routed count.
-    2. `_map_prefix_kernel` (one program): exclusive prefix of the block counts per expert,
-       expert start rows, tokens per expert, total routed count.
-    3. `_map_write_kernel`: block-local exclusive cumsum + block prefix + expert start.
+    2. `_map_prefix_kernel` (a program per 32 experts): exclusive prefix of the block counts
+       over the token blocks, and tokens per expert.
+    3. `_map_write_kernel`: block-local exclusive cumsum + block prefix + expert start (the
+       exclusive prefix of tokens per expert, recomputed per program: E values), total count.
   `_permute_kernel`: one program per (token, hidden block): load the row once, store it to each
     of the token's rows (and its probs); also zeroes rows past the routed count.
   `_unpermute_kernel`: one program per (token, hidden block): sum the token's rows in expert
@@ -39,7 +40,7 @@ import triton
 import triton.language as tl
 
 from . import triton_utils
-from .triton_utils import check_int32_rows, copy_config, map_tile
+from .triton_utils import check_int32_rows, map_tile, row_walk_config
 
 # The row walk: a token's rows are visited in ascending row order, which is expert order
 # (rows are expert-major), by repeatedly taking the smallest row id above the previous one;
@@ -69,56 +70,65 @@ def _map_block_counts_kernel(
 
 @triton.jit
 def _map_prefix_kernel(
-    block_counts_ptr,   # [B, E] int32 in: per-block counts (pass 1)
-    block_offsets_ptr,  # [B, E] int32 out: routed tokens of expert e in blocks < b
-    expert_start_ptr,   # [E] int32 out: first row of expert e
+    block_counts_ptr,       # [B, E] int32 in: per-block counts (pass 1)
+    block_offsets_ptr,      # [B, E] int32 out: routed tokens of expert e in blocks < b
     tokens_per_expert_ptr,  # [E] int64 out: routed tokens per expert
-    total_ptr,          # [1] int32 out: routed (token, expert) pairs
     B, E,
     BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    total = tl.zeros((), dtype=tl.int32)
-    e0 = 0
-    while e0 < E:  # `while`, not `range`: see the module docstring
-        e = e0 + tl.arange(0, BLOCK_E)
-        col_sum = tl.zeros((BLOCK_E,), dtype=tl.int32)
-        b0 = 0
-        while b0 < B:
-            b = b0 + tl.arange(0, BLOCK_B)
-            mask = (b[:, None] < B) & (e[None, :] < E)
-            offs = b[:, None] * E + e[None, :]
-            counts = tl.load(block_counts_ptr + offs, mask=mask, other=0)
-            prefix = tl.cumsum(counts, axis=0) - counts + col_sum[None, :]
-            tl.store(block_offsets_ptr + offs, prefix, mask=mask)
-            col_sum += tl.sum(counts, axis=0)
-            b0 += BLOCK_B
-        start = tl.cumsum(col_sum, axis=0) - col_sum + total
-        tl.store(expert_start_ptr + e, start, mask=e < E)
-        tl.store(tokens_per_expert_ptr + e, col_sum.to(tl.int64), mask=e < E)
-        total += tl.sum(col_sum, axis=0)
-        e0 += BLOCK_E
-    tl.store(total_ptr, total)
+    """One program per BLOCK_E experts: exclusive prefix over the token blocks."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    col_sum = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    b0 = 0
+    while b0 < B:  # `while`, not `range`: see the module docstring
+        b = b0 + tl.arange(0, BLOCK_B)
+        mask = (b[:, None] < B) & (e[None, :] < E)
+        offs = b[:, None] * E + e[None, :]
+        counts = tl.load(block_counts_ptr + offs, mask=mask, other=0)
+        prefix = tl.cumsum(counts, axis=0) - counts + col_sum[None, :]
+        tl.store(block_offsets_ptr + offs, prefix, mask=mask)
+        col_sum += tl.sum(counts, axis=0)
+        b0 += BLOCK_B
+    tl.store(tokens_per_expert_ptr + e, col_sum.to(tl.int64), mask=e < E)
 
 
 @triton.jit
 def _map_write_kernel(
-    routing_map_ptr,    # [T, E] uint8 in: routing flags
-    block_offsets_ptr,  # [B, E] int32 in: pass 2
-    expert_start_ptr,   # [E] int32 in: pass 2
-    row_id_map_ptr,     # [T, E] int32 out: dest row of (t, e), -1 if not routed
+    routing_map_ptr,        # [T, E] uint8 in: routing flags
+    block_offsets_ptr,      # [B, E] int32 in: pass 2
+    tokens_per_expert_ptr,  # [E] int64 in: pass 2 (the expert start rows are its prefix)
+    row_id_map_ptr,         # [T, E] int32 out: dest row of (t, e), -1 if not routed
+    total_ptr,              # [1] int32 out: routed (token, expert) pairs (program (0, 0))
     T, E,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid_t, pid_e = tl.program_id(0), tl.program_id(1)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    before = tl.zeros((), dtype=tl.int32)  # rows of the experts below this expert block
+    e0 = 0
+    while e0 < pid_e * BLOCK_E:
+        prev_e = e0 + tl.arange(0, BLOCK_E)
+        before += tl.sum(tl.load(tokens_per_expert_ptr + prev_e, mask=prev_e < E, other=0)
+                         .to(tl.int32), axis=0)
+        e0 += BLOCK_E
+    per_expert = tl.load(tokens_per_expert_ptr + e, mask=e < E, other=0).to(tl.int32)
+    start = tl.cumsum(per_expert, axis=0) - per_expert + before
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     mask = (t[:, None] < T) & (e[None, :] < E)
     offs = t[:, None].to(tl.int64) * E + e[None, :]
     routed = (tl.load(routing_map_ptr + offs, mask=mask, other=0) != 0).to(tl.int32)
-    base = (tl.load(block_offsets_ptr + pid_t * E + e, mask=e < E, other=0)
-            + tl.load(expert_start_ptr + e, mask=e < E, other=0))
+    base = tl.load(block_offsets_ptr + pid_t * E + e, mask=e < E, other=0) + start
     dest = tl.cumsum(routed, axis=0) - routed + base[None, :]
     tl.store(row_id_map_ptr + offs, tl.where(routed != 0, dest, -1), mask=mask)
+    if (pid_t == 0) & (pid_e == 0):
+        total = tl.zeros((), dtype=tl.int32)
+        e0 = 0
+        while e0 < E:
+            all_e = e0 + tl.arange(0, BLOCK_E)
+            total += tl.sum(tl.load(tokens_per_expert_ptr + all_e, mask=all_e < E, other=0)
+                            .to(tl.int32), axis=0)
+            e0 += BLOCK_E
+        tl.store(total_ptr, total)
 
 
 def build_row_id_map_triton(routing_map_TE: torch.Tensor):
@@ -136,21 +146,21 @@ def build_row_id_map_triton(routing_map_TE: torch.Tensor):
     row_id_map_TE = torch.empty(num_tokens, num_experts, dtype=torch.int32, device=device)
     counts_BE = torch.empty(num_blocks, num_experts, dtype=torch.int32, device=device)
     offsets_BE = torch.empty_like(counts_BE)
-    expert_start_E = torch.empty(num_experts, dtype=torch.int32, device=device)
     tokens_per_expert_E = torch.empty(num_experts, dtype=torch.int64, device=device)
-    total_1 = torch.zeros(1, dtype=torch.int32, device=device)
+    total_1 = torch.empty(1, dtype=torch.int32, device=device)  # written by pass 3
     if num_tokens == 0 or num_experts == 0:
-        tokens_per_expert_E.zero_()
-        return row_id_map_TE, tokens_per_expert_E, total_1
+        return row_id_map_TE, tokens_per_expert_E.zero_(), total_1.zero_()
     grid = (num_blocks, triton.cdiv(num_experts, block_e))
+    warps = 8 if block_t >= 128 else 4  # tall tiles (few experts): a long scan per column
     _map_block_counts_kernel[grid](flags_TE, counts_BE, num_tokens, num_experts,
-                                   BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
-    block_b = max(1, min(256, 4096 // block_e))
-    _map_prefix_kernel[(1,)](counts_BE, offsets_BE, expert_start_E, tokens_per_expert_E, total_1,
-                             num_blocks, num_experts, BLOCK_B=block_b, BLOCK_E=block_e,
-                             num_warps=8)
-    _map_write_kernel[grid](flags_TE, offsets_BE, expert_start_E, row_id_map_TE, num_tokens,
-                            num_experts, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+                                   BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
+    prefix_e = min(block_e, 32)  # experts per pass-2 program: E / 32 programs scan in parallel
+    _map_prefix_kernel[(triton.cdiv(num_experts, prefix_e),)](
+        counts_BE, offsets_BE, tokens_per_expert_E, num_blocks, num_experts,
+        BLOCK_B=max(1, min(512, 4096 // prefix_e)), BLOCK_E=prefix_e, num_warps=4)
+    _map_write_kernel[grid](flags_TE, offsets_BE, tokens_per_expert_E, row_id_map_TE, total_1,
+                            num_tokens, num_experts, BLOCK_T=block_t, BLOCK_E=block_e,
+                            num_warps=warps)
     return row_id_map_TE, tokens_per_expert_E, total_1
 
 
@@ -208,16 +218,23 @@ def _permute_kernel(
     _zero_tail_rows(out_ptr, total_ptr, t, T, N, H, h, h_mask, BLOCK_H)
 
 
-def _launch_permute(tokens_TH, row_id_map_TE, total_1, num_rows, probs_TE=None, config=None):
-    """permuted [N, H] (+ permuted probs [N]) from a row-id map. Skips rows >= N."""
+def _launch_permute(tokens_TH, row_id_map_TE, total_1, num_rows, probs_TE=None, config=None,
+                    out_NH=None, out_probs_N=None):
+    """permuted [N, H] (+ permuted probs [N]) from a row-id map. Skips rows >= N.
+
+    `out_NH` / `out_probs_N`: optional preallocated contiguous outputs (tests use views of a
+    larger buffer to check that nothing past N is written).
+    """
     num_tokens, hidden = tokens_TH.shape
     num_experts = row_id_map_TE.shape[1]
-    out_NH = tokens_TH.new_empty(num_rows, hidden)
-    out_probs_N = None if probs_TE is None else probs_TE.new_empty(num_rows)
+    if out_NH is None:
+        out_NH = tokens_TH.new_empty(num_rows, hidden)
+    if out_probs_N is None and probs_TE is not None:
+        out_probs_N = probs_TE.new_empty(num_rows)
     if num_tokens == 0:
         out_NH.zero_()
         return out_NH, None if out_probs_N is None else out_probs_N.zero_()
-    config = config or copy_config(hidden, tokens_TH.element_size())
+    config = config or row_walk_config(hidden, tokens_TH.element_size())
     grid = (num_tokens, max(1, triton.cdiv(hidden, config.block_h)))
     _permute_kernel[grid](
         tokens_TH, row_id_map_TE, probs_TE if probs_TE is not None else tokens_TH, out_NH,
@@ -272,7 +289,7 @@ def _launch_unpermute(rows_NH, row_id_map_TE, probs_TE=None, row_vals_N=None, co
     out_vals_TE = None if row_vals_N is None else row_vals_N.new_empty(num_tokens, num_experts)
     if num_tokens == 0:
         return out_TH, out_vals_TE
-    config = config or copy_config(hidden, rows_NH.element_size())
+    config = config or row_walk_config(hidden, rows_NH.element_size())
     grid = (num_tokens, max(1, triton.cdiv(hidden, config.block_h)))
     _unpermute_kernel[grid](
         rows_NH, row_id_map_TE, probs_TE if probs_TE is not None else rows_NH, out_TH,
@@ -331,7 +348,7 @@ def _launch_unpermute_bwd(grad_out_TH, rows_NH, row_id_map_TE, probs_TE, config=
     if num_tokens == 0:
         return grad_rows_NH.zero_(), grad_probs_TE.zero_()
     total_1 = (row_id_map_TE >= 0).sum().to(torch.int32).reshape(1)
-    config = config or copy_config(hidden, grad_out_TH.element_size())
+    config = config or row_walk_config(hidden, grad_out_TH.element_size())
     _unpermute_bwd_kernel[(num_tokens,)](
         grad_out_TH, rows_NH, row_id_map_TE, probs_TE, grad_rows_NH, grad_probs_TE, total_1,
         num_tokens, num_experts, hidden, num_rows,

@@ -9,7 +9,7 @@ Shape legend: T tokens, E experts, K top-k, G expert groups.
 
 Precision: logits are converted to fp32 for the score function, every intermediate is fp32,
 the returned probs are cast back to the logits' dtype (as Megatron-core does).
-Ties: the lower expert index wins (torch.topk order).
+Ties: the lower expert index wins (a stable sort; torch.topk's tie order is unspecified).
 """
 
 from __future__ import annotations
@@ -42,6 +42,17 @@ def check_router_args(num_experts: int, topk: int, score_function: str,
             raise ValueError(f"topk={topk}: more than the experts of the {group_topk} kept groups")
 
 
+def _topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k over the last dim, largest first; ties: the lower index wins.
+
+    torch.topk leaves tie order unspecified (on CPU it does not prefer the lower index), so a
+    stable descending sort is used: the tie rule is then the same on every device and backend,
+    which matters for bf16 logits, where ties are common.
+    """
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def _group_limited_topk(scores_TE: torch.Tensor, topk: int, num_groups: int,
                         group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek group-limited top-k: keep the `group_topk` best groups, then top-k among them.
@@ -52,18 +63,18 @@ def _group_limited_topk(scores_TE: torch.Tensor, topk: int, num_groups: int,
     per_group = num_experts // num_groups
     group_scores_TG = (scores_TE.view(num_tokens, num_groups, per_group)
                        .topk(topk // group_topk, dim=-1)[0].sum(dim=-1))
-    group_idx = torch.topk(group_scores_TG, k=group_topk, dim=-1, sorted=False)[1]
+    group_idx = _topk(group_scores_TG, group_topk)[1]
     group_mask_TG = torch.zeros_like(group_scores_TG).scatter_(1, group_idx, 1)
     score_mask_TE = (group_mask_TG.unsqueeze(-1).expand(num_tokens, num_groups, per_group)
                      .reshape(num_tokens, num_experts))
     masked_TE = scores_TE.masked_fill(~score_mask_TE.bool(), float("-inf"))
-    return torch.topk(masked_TE, k=topk, dim=-1)
+    return _topk(masked_TE, topk)
 
 
 def _select_topk(scores_TE, topk, num_groups, group_topk):
     if group_topk:
         return _group_limited_topk(scores_TE, topk, num_groups, group_topk)
-    return torch.topk(scores_TE, k=topk, dim=1)
+    return _topk(scores_TE, topk)
 
 
 def router_topk_torch(

@@ -4,7 +4,7 @@ Owns `router_topk_triton` / `router_topk_with_counts_triton`, drop-in replacemen
 references in router_topk.py (same arguments, same outputs, same autograd), and their kernels:
   `_router_fwd_kernel`: one program per BLOCK_T tokens holding whole rows of E scores: score
     function in fp32, optional expert bias and group limit, iterative top-k (max, then the lowest
-    index holding it: ties go to the lower expert, as torch.topk), probs, routing map, and
+    index holding it: ties go to the lower expert, as in the reference), probs, routing map, and
     (optionally) per-expert token counts by integer atomics (deterministic).
   `_router_bwd_kernel`: grad of the logits through the chosen probs (softmax pre/post, sigmoid
     with sum normalization, scaling factor), scores recomputed from the logits.
@@ -37,7 +37,7 @@ def _topk_mask(sel, valid, cols, K: tl.constexpr, BLOCK_E: tl.constexpr):
 
     Also returns the sum of the chosen values, added in selection order (largest first).
     """
-    chosen = valid & (cols < 0)  # all False, the tile's shape
+    chosen = tl.zeros(sel.shape, dtype=tl.int1)
     total = tl.zeros((sel.shape[0],), dtype=tl.float32)
     for _ in range(K):
         open_ = valid & (chosen == 0)
@@ -54,6 +54,13 @@ def _row_max(x, mask):
     """[BT, 1] max of x over `mask` per row; 0 for rows with nothing (no inf - inf = NaN)."""
     m = tl.max(tl.where(mask, x, float("-inf")), axis=1)[:, None]
     return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _denominator(ex):
+    """Softmax denominator [BT, 1]. >= 1 on real rows (the max term is exp(0) = 1), so the
+    clamp only turns padding rows' 0 / 0 into 0 / 1."""
+    return tl.maximum(tl.sum(ex, axis=1)[:, None], 1.0)
 
 
 @triton.jit
@@ -95,7 +102,7 @@ def _router_fwd_kernel(
     x = tl.load(logits_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
     if SCORE == 0:  # softmax over E, then top-k of the scores
         ex = tl.where(valid, tl.exp(x - _row_max(x, valid)), 0.0)
-        scores = ex / tl.sum(ex, axis=1)[:, None]
+        scores = ex / _denominator(ex)
     elif SCORE == 1:  # top-k of the logits, softmax over the k
         scores = x
     else:
@@ -109,7 +116,7 @@ def _router_fwd_kernel(
     chosen, _ = _topk_mask(sel, valid, cols, K, BLOCK_E)
     if SCORE == 1:
         ex = tl.where(chosen, tl.exp(x - _row_max(x, chosen)), 0.0)
-        probs = ex / tl.sum(ex, axis=1)[:, None]
+        probs = ex / _denominator(ex)
     else:
         probs = tl.where(chosen, scores, 0.0)
         if SCORE == 2 and K > 1:
@@ -143,11 +150,11 @@ def _router_bwd_kernel(
     g = tl.where(chosen, g, 0.0) * scale
     if SCORE == 0:  # d softmax over E
         ex = tl.where(valid, tl.exp(x - _row_max(x, valid)), 0.0)
-        s = ex / tl.sum(ex, axis=1)[:, None]
+        s = ex / _denominator(ex)
         grad = s * (g - tl.sum(g * s, axis=1)[:, None])
     elif SCORE == 1:  # d softmax over the chosen
         ex = tl.where(chosen, tl.exp(x - _row_max(x, chosen)), 0.0)
-        p = ex / tl.sum(ex, axis=1)[:, None]
+        p = ex / _denominator(ex)
         grad = p * (g - tl.sum(g * p, axis=1)[:, None])
     else:  # d sigmoid, through the sum normalization when K > 1
         s = 1.0 / (1.0 + tl.exp(-x))
@@ -238,7 +245,7 @@ def router_topk_triton(
     scaling_factor: Optional[float] = None,
     expert_bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Route tokens: logits [T, E] -> (probs [T, E] zeros where not routed, routing_map [T, E] bool).
+    """Route tokens: logits [T, E] -> (probs [T, E], 0 where not routed; routing_map [T, E] bool).
 
     Same contract as `router_topk.router_topk_torch` (see there for the score functions).
     One launch forward, one backward. Differentiable w.r.t. logits. Syncs no host.

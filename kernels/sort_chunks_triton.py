@@ -102,8 +102,9 @@ def chunk_src_rows_triton(split_sizes_C: torch.Tensor, sorted_idxs_C: torch.Tens
     num_chunks = split_sizes_C.numel()
     device = split_sizes_C.device
     src_rows_N = torch.empty(num_rows, dtype=torch.int32, device=device)
-    total_1 = torch.zeros(1, dtype=torch.int32, device=device)
+    total_1 = torch.empty(1, dtype=torch.int32, device=device)  # written by program 0
     if num_rows == 0 or num_chunks == 0:
+        total_1 = split_sizes_C.sum().to(torch.int32).reshape(1)
         return torch.arange(num_rows, dtype=torch.int32, device=device), total_1
     block_c = min(next_pow2(num_chunks), 128)
     block_r = 128 if block_c <= 64 else 64

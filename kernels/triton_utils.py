@@ -10,7 +10,6 @@ on CPU).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,11 +23,6 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def interpreting() -> bool:
-    """True when Triton kernels run on the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @dataclass(frozen=True)
 class CopyConfig:
     """Tiles of the row-copy kernels: BLOCK_H hidden elements per program, its warps."""
@@ -38,18 +32,30 @@ class CopyConfig:
 
 
 def copy_config(hidden: int, elem_size: int) -> CopyConfig:
-    """BLOCK_H / num_warps for copying rows of `hidden` elements of `elem_size` bytes.
+    """BLOCK_H / num_warps for a plain tiled row copy (the chunk sort).
 
     The largest power-of-two block of at most 8 KiB whose padding wastes <= 1/8 of the row
-    (hidden 7168 bf16 -> 1024, hidden 4096 bf16 -> 4096); warps so that each thread moves one or
-    two 16-byte vectors per row.
+    (hidden 7168 bf16 -> 1024, hidden 4096 bf16 -> 4096); 4 warps up to 4 KiB, else 8, so each
+    thread moves one or two 16-byte vectors per row.
     """
     max_block = max(8192 // elem_size, 16)
     block = min(next_pow2(hidden), max_block)
     while block > 256 and (-hidden % block) * 8 > hidden:
         block //= 2
-    num_warps = max(1, min(8, block * elem_size // 512))
-    return CopyConfig(block, num_warps)
+    return CopyConfig(block, 4 if block * elem_size <= 4096 else 8)
+
+
+def row_walk_config(hidden: int, elem_size: int) -> CopyConfig:
+    """BLOCK_H / num_warps for permute / unpermute, whose programs walk a token's row ids.
+
+    The walk (one reduction over E per routed row) is paid per program, so a whole row per
+    program when it fits in 16 KiB (hidden 7168 bf16 -> 8192, 1/8 of the lanes masked), else
+    the plain copy tiles.
+    """
+    whole = next_pow2(hidden)
+    if whole * elem_size <= 16384:
+        return CopyConfig(whole, 4 if whole * elem_size <= 4096 else 8)
+    return copy_config(hidden, elem_size)
 
 
 def rows_per_copy_program(block_h: int, elem_size: int) -> int:
@@ -58,9 +64,9 @@ def rows_per_copy_program(block_h: int, elem_size: int) -> int:
 
 
 def map_tile(num_experts: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_E) of the row-id map passes: whole experts tile, ~8K flags per program."""
+    """(BLOCK_T, BLOCK_E) of the row-id map passes: ~4K routing flags per program."""
     block_e = min(next_pow2(num_experts), 1024)
-    return max(1, min(1024, 8192 // block_e)), block_e
+    return max(1, min(512, 4096 // block_e)), block_e
 
 
 def router_tile(num_experts: int) -> tuple[int, int, int]:

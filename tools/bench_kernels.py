@@ -1,0 +1,330 @@
+"""Benchmark the Triton routing kernels against the torch reference and the copy bandwidth.
+
+Run on one GPU:  python tools/bench_kernels.py [--out PATH] [--sweep] [--shapes dsv3,mixtral]
+          (or:   python -m tools.bench_kernels ...)
+Without CUDA it prints why and exits 0 (the kernels' CPU tests run under pytest instead).
+
+For each shape and op, forward and backward: correctness against the torch reference first,
+then the median time (triton.testing.do_bench, L2 flushed between runs), the achieved GB/s
+from the bytes formula below, that as a fraction of the device-to-device copy bandwidth
+measured in the same run (one 1 GiB tensor copy, bytes read + written), and the speedup over
+the torch reference. The last thing printed is a markdown table (also written to --out).
+`--sweep` adds kernel-only times of the row kernels for other (BLOCK_H, num_warps) tiles.
+
+Bytes formulas (T tokens, E experts, H hidden, K top-k, N = T*K rows, C chunks;
+s / p / f = bytes per token element / prob / logit; the routing map is 1 byte per flag):
+  router fwd      T*E*f (logits) + T*E*f (probs) + T*E (routing map) + 8*E (counts)
+  router bwd      T*E*f (grad probs) + T*E*f (logits) + T*E (map) + T*E*f (grad logits)
+  row map         T*E (routing map) + 4*T*E (int32 row-id map)
+  permute fwd     T*E + 4*T*E (map build) + T*H*s + N*H*s (rows) + T*E*p + N*p (probs)
+  permute bwd     N*H*s + T*H*s (rows) + 4*T*E (map) + N*p + T*E*p (probs)
+  unpermute fwd   N*H*s + T*H*s (rows) + 4*T*E (map) + T*E*p (merging probs)
+  unpermute bwd   T*H*s + 2*N*H*s (grad out; fwd rows for the probs grad; grad rows)
+                  + 4*T*E (map) + 2*T*E*p (probs, grad probs)
+  sort_chunks     2*N*H*s + 2*N*p (rows, probs; forward and backward alike)
+"Permute fwd" is end to end from the routing map: the row-map build is included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+PEERS = "Transformer Engine 2.20 Triton permute, one H200: DSv3 shape permute 0.297 ms + row map " \
+        "0.218 ms (49% of copy end to end), unpermute 0.264 ms (94%)"
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    tokens: int
+    hidden: int
+    experts: int
+    topk: int
+    router: dict = field(default_factory=dict)
+    ranks: int = 8  # chunk sort: chunks = ranks x local experts
+
+
+SHAPES = {
+    "dsv3": Shape("dsv3", 8192, 7168, 256, 8, dict(score_function="sigmoid", num_groups=8,
+                                                   group_topk=4, scaling_factor=2.5, bias=True)),
+    "mixtral": Shape("mixtral", 8192, 4096, 8, 2, dict(score_function="softmax"), ranks=4),
+}
+
+
+@dataclass
+class Row:
+    shape: str
+    op: str
+    direction: str
+    triton_ms: float
+    torch_ms: float
+    nbytes: int
+
+    def cells(self, copy_gbps: float) -> list[str]:
+        gbps = self.nbytes / self.triton_ms / 1e6
+        return [self.shape, self.op, self.direction, f"{self.triton_ms:.4f}", f"{gbps:.0f}",
+                f"{100 * gbps / copy_gbps:.0f}%", f"{self.torch_ms:.4f}",
+                f"{self.torch_ms / self.triton_ms:.1f}x"]
+
+
+def bench(fn: Callable, rep_ms: int) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms,
+                                   return_mode="median")
+
+
+def copy_bandwidth_gbps(rep_ms: int) -> float:
+    """Device-to-device copy of 1 GiB: (read + written bytes) / median time."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), rep_ms)
+    return 2 * (1 << 30) / ms / 1e6
+
+
+def _check(name: str, got, want, exact: bool) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g is None and w is None:
+            continue
+        if exact or g.dtype in (torch.bool, torch.int32, torch.int64):
+            if not torch.equal(g, w):
+                raise SystemExit(f"{name}: output {i} differs from the torch reference")
+        else:
+            torch.testing.assert_close(g.float(), w.float(), rtol=2 ** -7, atol=1e-4,
+                                       msg=lambda m, i=i: f"{name}: output {i}: {m}")
+
+
+def _grad_fn(outputs, inputs, grads):
+    return lambda: torch.autograd.grad(outputs, inputs, grads, retain_graph=True)
+
+
+def _randn(shape, dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(shape, device="cuda", generator=gen).to(dtype)
+
+
+def _router_logits(shape: Shape, gen: torch.Generator):
+    """Tie-free logits (distinct per row, groups in disjoint value ranges) and settings.
+
+    With ties or near-ties the two backends may legitimately pick different experts; these
+    inputs keep the routing maps comparable bit for bit (speed does not depend on values).
+    """
+    settings = dict(shape.router)
+    t, e = shape.tokens, shape.experts
+    groups = settings.get("num_groups") or 1
+    per = e // groups
+    group_rank = torch.rand(t, groups, device="cuda", generator=gen).argsort(dim=1)
+    inner = torch.rand(t, groups, per, device="cuda", generator=gen).argsort(dim=2)
+    rank = (group_rank[:, :, None] * per + inner).reshape(t, e)
+    if settings.pop("bias", False):  # constant per group, steps of 2: no near-ties either
+        group = torch.arange(e, device="cuda") // per
+        settings["expert_bias"] = 2.0 * (group % 3 - 1).float()
+    return (rank.float() - e / 2) / 32, settings
+
+
+def _routing_inputs(shape: Shape):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits, settings = _router_logits(shape, gen)
+    scores = torch.rand(shape.tokens, shape.experts, device="cuda", generator=gen)
+    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(
+        1, scores.topk(shape.topk, dim=1).indices, True)
+    tokens = torch.randn(shape.tokens, shape.hidden, device="cuda", generator=gen).bfloat16()
+    probs = (torch.rand(scores.shape, device="cuda", generator=gen) * routing_map).bfloat16()
+    return settings, logits, routing_map, tokens, probs
+
+
+def bench_router(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
+    settings, logits, *_ = _routing_inputs(shape)
+    t, e, f = shape.tokens, shape.experts, logits.element_size()
+    grad = _randn(logits.shape, logits.dtype, 2)
+    results = {}
+    for backend, impl in ops.items():
+        x = logits.clone().requires_grad_()
+        out = impl.router_topk_with_counts(x, shape.topk, **settings)
+        fwd = bench(lambda impl=impl: impl.router_topk_with_counts(logits, shape.topk,
+                                                                **settings), rep_ms)
+        grad_fn = _grad_fn(out[0], x, grad)
+        results[backend] = (list(out) + list(grad_fn()), fwd, bench(grad_fn, rep_ms))
+    tri, ref = results["triton"], results["torch"]
+    _check(f"{shape.name} router", tri[0], ref[0], exact=False)
+    return [Row(shape.name, "router_topk", "fwd", tri[1], ref[1], 2 * t * e * f + t * e + 8 * e),
+            Row(shape.name, "router_topk", "bwd", tri[2], ref[2], 3 * t * e * f + t * e)]
+
+
+def bench_row_map(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
+    from epoverlap_kernels.permutation import build_row_id_map
+    from epoverlap_kernels.permutation_triton import build_row_id_map_triton
+    _, _, routing_map, _, _ = _routing_inputs(shape)
+    _check(f"{shape.name} row map", [build_row_id_map_triton(routing_map)[0]],
+           [build_row_id_map(routing_map)], exact=True)
+    tri = bench(lambda: build_row_id_map_triton(routing_map), rep_ms)
+    ref = bench(lambda: build_row_id_map(routing_map), rep_ms)
+    return [Row(shape.name, "row_id_map", "fwd", tri, ref, 5 * shape.tokens * shape.experts)]
+
+
+def bench_permute(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
+    _, _, routing_map, tokens, probs = _routing_inputs(shape)
+    t, e, h, n = shape.tokens, shape.experts, shape.hidden, shape.tokens * shape.topk
+    s, p = tokens.element_size(), probs.element_size()
+    results = {}
+    for backend, impl in ops.items():
+        x, pr = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+        out = impl.permute(x, routing_map, pr, num_out_tokens=n)
+        fwd = bench(lambda impl=impl: impl.permute(tokens, routing_map, probs, num_out_tokens=n),
+                    rep_ms)
+        grads = [_randn(out[0].shape, out[0].dtype, 3), _randn(out[1].shape, out[1].dtype, 4)]
+        grad_fn = _grad_fn(out[:2], [x, pr], grads)
+        results[backend] = (out, grad_fn(), fwd, bench(grad_fn, rep_ms))
+    tri, ref = results["triton"], results["torch"]
+    _check(f"{shape.name} permute", list(tri[0]) + list(tri[1]), list(ref[0]) + list(ref[1]),
+           exact=True)
+    return [Row(shape.name, "permute", "fwd", tri[2], ref[2],
+                5 * t * e + (t + n) * h * s + t * e * p + n * p),
+            Row(shape.name, "permute", "bwd", tri[3], ref[3],
+                (n + t) * h * s + 4 * t * e + n * p + t * e * p)]
+
+
+def bench_unpermute(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
+    _, _, routing_map, tokens, probs = _routing_inputs(shape)
+    t, e, h, n = shape.tokens, shape.experts, shape.hidden, shape.tokens * shape.topk
+    rows, _, row_map = ops["torch"].permute(tokens, routing_map, num_out_tokens=n)
+    s, p = rows.element_size(), probs.element_size()
+    results = {}
+    for backend, impl in ops.items():
+        r, m = rows.clone().requires_grad_(), probs.clone().requires_grad_()
+        out = impl.unpermute(r, row_map, probs=m)
+        fwd = bench(lambda impl=impl: impl.unpermute(rows, row_map, probs=probs), rep_ms)
+        grad_fn = _grad_fn(out, [r, m], _randn(out.shape, out.dtype, 5))
+        results[backend] = ([out], grad_fn(), fwd, bench(grad_fn, rep_ms))
+    tri, ref = results["triton"], results["torch"]
+    _check(f"{shape.name} unpermute", tri[0] + list(tri[1]), ref[0] + list(ref[1]), exact=False)
+    return [Row(shape.name, "unpermute+probs", "fwd", tri[2], ref[2],
+                (n + t) * h * s + 4 * t * e + t * e * p),
+            Row(shape.name, "unpermute+probs", "bwd", tri[3], ref[3],
+                (t + 2 * n) * h * s + 4 * t * e + 2 * t * e * p)]
+
+
+def _chunk_inputs(shape: Shape):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    n = shape.tokens * shape.topk
+    local = max(1, shape.experts // shape.ranks)
+    weights = torch.rand(shape.ranks * local, device="cuda", generator=gen) + 0.5
+    counts = (weights / weights.sum() * n).long()
+    counts[0] += n - counts.sum()  # splits sum to N exactly
+    order = torch.tensor([r * local + e for e in range(local) for r in range(shape.ranks)],
+                         device="cuda")
+    rows = torch.randn(n, shape.hidden, device="cuda", generator=gen).bfloat16()
+    probs = torch.rand(n, device="cuda", generator=gen).bfloat16()
+    return rows, counts, order, probs
+
+
+def bench_sort_chunks(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
+    rows, counts, order, probs = _chunk_inputs(shape)
+    nbytes = 2 * rows.numel() * rows.element_size() + 2 * probs.numel() * probs.element_size()
+    results = {}
+    for backend, impl in ops.items():
+        r, pr = rows.clone().requires_grad_(), probs.clone().requires_grad_()
+        out = impl.sort_chunks_by_idxs(r, counts, order, pr)
+        fwd = bench(lambda impl=impl: impl.sort_chunks_by_idxs(rows, counts, order, probs),
+                    rep_ms)
+        grads = [_randn(out[0].shape, out[0].dtype, 6), _randn(out[1].shape, out[1].dtype, 7)]
+        grad_fn = _grad_fn(out, [r, pr], grads)
+        results[backend] = (list(out), list(grad_fn()), fwd, bench(grad_fn, rep_ms))
+    tri, ref = results["triton"], results["torch"]
+    _check(f"{shape.name} sort_chunks", tri[0] + tri[1], ref[0] + ref[1], exact=True)
+    return [Row(shape.name, "sort_chunks", "fwd", tri[2], ref[2], nbytes),
+            Row(shape.name, "sort_chunks", "bwd", tri[3], ref[3], nbytes)]
+
+
+def sweep_tiles(shape: Shape, rep_ms: int) -> list[str]:
+    """Kernel-only times of the row kernels for other tiles (to tune triton_utils)."""
+    from epoverlap_kernels import permutation_triton as pt
+    from epoverlap_kernels import sort_chunks_triton as st
+    from epoverlap_kernels.triton_utils import CopyConfig, copy_config, row_walk_config
+    _, _, routing_map, tokens, probs = _routing_inputs(shape)
+    n = shape.tokens * shape.topk
+    row_map, _, total = pt.build_row_id_map_triton(routing_map)
+    rows = pt._launch_permute(tokens, row_map, total, n)[0]
+    src_rows, _ = st.chunk_src_rows_triton(*_chunk_inputs(shape)[1:3], n)
+    kernels = {
+        "permute": (lambda c: pt._launch_permute(tokens, row_map, total, n, probs, config=c),
+                    row_walk_config),
+        "unpermute+probs": (lambda c: pt._launch_unpermute(rows, row_map, probs, config=c),
+                            row_walk_config),
+        "unpermute bwd": (lambda c: pt._launch_unpermute_bwd(tokens, rows, row_map, probs,
+                                                             config=c), row_walk_config),
+        "sort_chunks": (lambda c: st._launch_move_rows(rows, src_rows, None, False, config=c),
+                        copy_config)}
+    lines = []
+    for name, (launch, default) in kernels.items():
+        chosen = default(shape.hidden, 2)
+        for block_h in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                config = CopyConfig(block_h, warps)
+                ms = bench(lambda launch=launch, config=config: launch(config), rep_ms)
+                mark = " (default)" if config == chosen else ""
+                lines.append(f"| {shape.name} | {name} | {block_h} | {warps} | {ms:.4f}{mark} |")
+    return lines
+
+
+def table(rows: list[Row], copy_gbps: float) -> str:
+    head = ["shape", "op", "dir", "triton ms", "GB/s", "of copy", "torch ms", "speedup"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r.cells(copy_gbps)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def run(args) -> str:
+    import triton
+    from epoverlap_kernels import make_moe_ops
+    ops = {"triton": make_moe_ops("triton"), "torch": make_moe_ops("torch")}
+    copy_gbps = copy_bandwidth_gbps(args.rep_ms)
+    header = (f"GPU: {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
+              f"{triton.__version__} | copy bandwidth {copy_gbps:.0f} GB/s (read + written)")
+    print(header, flush=True)
+    rows: list[Row] = []
+    for name in args.shapes.split(","):
+        for step in (bench_router, bench_row_map, bench_permute, bench_unpermute,
+                     bench_sort_chunks):
+            new = step(SHAPES[name], ops, args.rep_ms)
+            rows += new
+            print("\n".join(table(new, copy_gbps).splitlines()[2:]), flush=True)
+            torch.cuda.empty_cache()
+    text = f"{header}\n\n{table(rows, copy_gbps)}\n"
+    if args.sweep:
+        sweep = ["| shape | kernel | BLOCK_H | num_warps | ms |", "|---|---|---|---|---|"]
+        for name in args.shapes.split(","):
+            sweep += sweep_tiles(SHAPES[name], args.rep_ms)
+        text += "\nTile sweep (kernel only):\n\n" + "\n".join(sweep) + "\n"
+    return text
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the markdown table to this file")
+    parser.add_argument("--shapes", default="dsv3,mixtral", help=f"from {sorted(SHAPES)}")
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench time per measurement")
+    parser.add_argument("--sweep", action="store_true", help="also time other row-kernel tiles")
+    args = parser.parse_args(argv)
+    unknown = set(args.shapes.split(",")) - set(SHAPES)
+    if unknown:
+        parser.error(f"--shapes {args.shapes!r}: unknown {sorted(unknown)}; "
+                     f"allowed {sorted(SHAPES)}")
+    if not torch.cuda.is_available():
+        print("bench_kernels: no CUDA device here, nothing to benchmark (run it on a GPU "
+              "machine; the kernels' CPU tests are `python -m pytest tests/kernels`)")
+        return 0
+    text = run(args)
+    print("\n" + text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
