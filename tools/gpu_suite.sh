@@ -29,11 +29,13 @@ print(f"date {datetime.date.today()} | torch {torch.__version__} | triton {trito
 EOF
 }
 
-step() {  # step NAME CMD... : run, log, record pass/fail
+TWO_GPUS=$(python3 -c "print(','.join(str(i) for i in range(min($ALL_GPUS, $NGPUS))))")
+
+step() {  # step NAME CMD... : run (bounded by STEP_TIMEOUT s), log, record the exit code
   local name=$1; shift
   local start=$SECONDS
   echo "=== $name: $*"
-  "$@" > "$WORK/$name.log" 2>&1
+  timeout "${STEP_TIMEOUT:-580}" "$@" > "$WORK/$name.log" 2>&1
   local rc=$?
   tail -n 25 "$WORK/$name.log"
   echo "$name: rc=$rc ($((SECONDS - start)) s)" | tee -a "$SUMMARY"
@@ -45,22 +47,24 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader >> "$WO
 
 case "$PART" in
   smoke)
-    step kernel_tests_smoke python3 -m pytest tests/kernels -m gpu -q -x -k "not slow" --maxfail=3
-    step gpu_tests python3 -m pytest tests/test_gpu.py -q -x
-    step bench_overlap_quick torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py \
-      --shapes quick --profile-shapes quick --out-dir "$WORK/bench_quick" --iters 2 --warmup 1
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=200 step gpu_tests python3 -m pytest tests/test_gpu.py -q -x
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=120 step bench_overlap_quick torchrun --standalone \
+      --nproc-per-node="$NGPUS" tools/bench_overlap.py --shapes quick,ratio_h4096_k8_f256 \
+      --profile-shapes quick --out-dir "$WORK/bench_quick" --iters 3 --warmup 1
+    STEP_TIMEOUT=150 step kernel_tests python3 -m pytest tests/kernels -m gpu -q -x
+    STEP_TIMEOUT=100 step bench_kernels python3 tools/bench_kernels.py --out "$WORK/bench_kernels.md"
     ;;
   kernels)
     step kernel_tests python3 -m pytest tests/kernels -m gpu -q
     step bench_kernels python3 tools/bench_kernels.py --out "$WORK/bench_kernels.md"
     ;;
   train)
-    step gpu_tests python3 -m pytest tests/test_gpu.py -q
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS step gpu_tests python3 -m pytest tests/test_gpu.py -q
     step bench_train python3 tools/bench_train.py --gpus "1,$NGPUS" --preset small --iters 20 \
       --out "$WORK/bench_train.md"
     ;;
   overlap)
-    step bench_overlap torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py \
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS step bench_overlap torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py \
       --shapes "${SHAPES:-ratio_h4096_k8_f256,ratio_h4096_k8_f512,megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4,dsv3_layer}" \
       --profile-shapes "${PROFILE:-ratio_h4096_k8_f256,ratio_h4096_k8_f512}" --out-dir "$WORK/bench_overlap"
     ;;
