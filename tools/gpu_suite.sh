@@ -42,6 +42,12 @@ step() {  # step NAME CMD... : run (bounded by STEP_TIMEOUT s), log, record the 
 }
 
 pip install -q --no-deps --no-build-isolation -e . > "$WORK/install.log" 2>&1 || cat "$WORK/install.log"
+# The import names epoverlap_kernels / epoverlap_tools map to kernels/ and tools/; make them
+# importable even where the editable install's path hook is not picked up.
+mkdir -p "$WORK/path"
+ln -sfn "$PWD/kernels" "$WORK/path/epoverlap_kernels"
+ln -sfn "$PWD/tools" "$WORK/path/epoverlap_tools"
+export PYTHONPATH="$PWD:$WORK/path${PYTHONPATH:+:$PYTHONPATH}"
 versions | tee "$WORK/versions.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader >> "$WORK/versions.txt" 2>&1
 
@@ -78,7 +84,7 @@ case "$PART" in
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 
-tar czf "$OUTDIR/gpu_$PART.tgz" -C "$WORK" . 2>/dev/null
+tar czf "$OUTDIR/gpu_$PART.tgz" -C "$WORK" --exclude=./path . 2>/dev/null
 echo; echo "===== summary ($PART)"; cat "$WORK/versions.txt"; cat "$SUMMARY"
 for table in "$WORK"/bench_kernels.md "$WORK"/bench_train.md; do [ -f "$table" ] && cat "$table"; done
 for log in "$WORK"/bench_overlap*.log "$WORK"/bitwise.log; do
