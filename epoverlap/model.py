@@ -35,15 +35,15 @@ from .nodes import COMM, COMPUTE, NodeSpec
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, dtype, device):
+    """RMSNorm through the op table (fused Triton kernel on GPU, torch reference on CPU)."""
+
+    def __init__(self, hidden: int, eps: float, ops: MoEOps, dtype, device):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        x32 = x_TH.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.to(x_TH.dtype) * self.weight
+        return self.ops.rms_norm(x_TH, self.weight, self.eps)
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: float, device) -> tuple:
@@ -52,19 +52,13 @@ def rotary_tables(seq_len: int, head_dim: int, base: float, device) -> tuple:
     return angles_SD.cos(), angles_SD.sin()
 
 
-def apply_rotary(x_BQSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor):
-    """Rotate the two halves of each head (GPT-NeoX layout), in fp32."""
-    x1, x2 = x_BQSD.float().chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos_SD - x2 * sin_SD, x2 * cos_SD + x1 * sin_SD], dim=-1)
-    return rotated.to(x_BQSD.dtype)
-
-
 class Attention(nn.Module):
     """Causal grouped-query self-attention with rotary embeddings."""
 
-    def __init__(self, cfg: RunConfig, layer: int, *, dtype, device, queue):
+    def __init__(self, cfg: RunConfig, layer: int, ops: MoEOps, *, dtype, device, queue):
         super().__init__()
         m = cfg.model
+        self.ops = ops
         self.heads, self.kv_heads, self.head_dim = m.num_attention_heads, m.kv_heads, m.head_dim
         self.seq_length, self.queue = m.seq_length, queue
         qkv_out = (self.heads + 2 * self.kv_heads) * self.head_dim
@@ -87,8 +81,8 @@ class Attention(nn.Module):
         q_BQSD = q.view(batch, seq, self.heads, dim).transpose(1, 2)
         k_BGSD = k.view(batch, seq, self.kv_heads, dim).transpose(1, 2)
         v_BGSD = v.view(batch, seq, self.kv_heads, dim).transpose(1, 2)
-        q_BQSD = apply_rotary(q_BQSD, self.cos_SD, self.sin_SD)
-        k_BGSD = apply_rotary(k_BGSD, self.cos_SD, self.sin_SD)
+        q_BQSD = self.ops.rotary(q_BQSD, self.cos_SD, self.sin_SD)
+        k_BGSD = self.ops.rotary(k_BGSD, self.cos_SD, self.sin_SD)
         if self.kv_heads != self.heads:  # expand K/V so every SDPA backend (flash) applies
             group = self.heads // self.kv_heads
             k_BGSD = k_BGSD.repeat_interleave(group, dim=1)
@@ -107,11 +101,11 @@ class TransformerLayer(nn.Module):
         m, moe, seed = cfg.model, cfg.moe, cfg.train.seed
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         self.layer, self.is_moe = layer, is_moe
-        self.input_norm = RMSNorm(m.hidden_size, m.norm_epsilon, dtype, device)
-        self.attention = Attention(cfg, layer, dtype=dtype, device=device, queue=queue)
-        self.pre_mlp_norm = RMSNorm(m.hidden_size, m.norm_epsilon, dtype, device)
+        self.input_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
+        self.attention = Attention(cfg, layer, ops, dtype=dtype, device=device, queue=queue)
+        self.pre_mlp_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
         mlp_kwargs = dict(seed=seed, std=std, out_std=out_std, dtype=dtype, device=device,
-                          queue=queue)
+                          queue=queue, ops=ops)
         self.shared_expert = self.router = self.experts = self.dense_mlp = None
         if not is_moe:
             self.dense_mlp = SwiGLU(m.hidden_size, m.ffn_hidden_size, name=f"mlp{layer}",
@@ -209,7 +203,7 @@ class MoEModel(nn.Module):
         self.layers = nn.ModuleList(
             TransformerLayer(cfg, layer, pattern[layer], comm, ep_rank, ops, dtype=dtype,
                              device=device, queue=wgrad_queue) for layer in range(m.num_layers))
-        self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, dtype, device)
+        self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
         self.head = nn.Parameter(torch.empty(m.vocab_size, m.hidden_size, dtype=dtype,
                                              device=device))
         seeded_normal_(self.head, m.init_method_std, param_seed(seed, "head"))

@@ -142,17 +142,17 @@ class SwiGLU(nn.Module):
     """Dense SwiGLU MLP (dense layers and shared experts): down(silu(gate(x)) * up(x))."""
 
     def __init__(self, hidden: int, ffn: int, *, seed: int, name: str, std: float,
-                 out_std: float, dtype, device, queue=None):
+                 out_std: float, dtype, device, ops: MoEOps, queue=None):
         super().__init__()
-        self.queue = queue
+        self.queue, self.ops = queue, ops
         self.fc1 = nn.Parameter(torch.empty(2 * ffn, hidden, dtype=dtype, device=device))
         self.fc2 = nn.Parameter(torch.empty(hidden, ffn, dtype=dtype, device=device))
         seeded_normal_(self.fc1, std, param_seed(seed, name, "fc1"))
         seeded_normal_(self.fc2, out_std, param_seed(seed, name, "fc2"))
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        gate_TF, up_TF = linear(x_TH, self.fc1, self.queue).chunk(2, dim=-1)
-        return linear(F.silu(gate_TF) * up_TF, self.fc2, self.queue)
+        act_TF = self.ops.swiglu(linear(x_TH, self.fc1, self.queue))
+        return linear(act_TF, self.fc2, self.queue)
 
 
 class GroupedSwiGLUExperts(nn.Module):
@@ -160,10 +160,10 @@ class GroupedSwiGLUExperts(nn.Module):
 
     def __init__(self, moe: MoEConfig, hidden: int, ffn: int, layer: int, ep_rank: int,
                  ep_size: int, *, seed: int, std: float, out_std: float, dtype, device,
-                 queue=None):
+                 ops: MoEOps, queue=None):
         super().__init__()
         local = moe.num_experts // ep_size
-        self.queue = queue
+        self.queue, self.ops = queue, ops
         self.fc1 = nn.Parameter(torch.empty(local, hidden, 2 * ffn, dtype=dtype, device=device))
         self.fc2 = nn.Parameter(torch.empty(local, ffn, hidden, dtype=dtype, device=device))
         for e in range(local):  # seeded by the *global* expert index: same model for any EP
@@ -177,9 +177,8 @@ class GroupedSwiGLUExperts(nn.Module):
     def forward(self, x_MH, probs_M, counts_L: torch.Tensor, counts_host: list[int]):
         offsets_L = expert_offsets(counts_L)
         h_M2F = grouped_gemm(x_MH, self.fc1, offsets_L, counts_host, self.queue)
-        gate_MF, up_MF = h_M2F.chunk(2, dim=-1)
-        act_MF = (F.silu(gate_MF.float()) * up_MF.float() * probs_M.float().unsqueeze(-1))
-        return grouped_gemm(act_MF.to(x_MH.dtype), self.fc2, offsets_L, counts_host, self.queue)
+        act_MF = self.ops.swiglu(h_M2F, probs_M)  # probs applied here, in fp32
+        return grouped_gemm(act_MF, self.fc2, offsets_L, counts_host, self.queue)
 
 
 @dataclass

@@ -1,8 +1,10 @@
-"""epoverlap_kernels: MoE token-routing ops (router top-k, permute, unpermute, chunk sort).
+"""epoverlap_kernels: MoE token-routing ops (router top-k, permute, unpermute, chunk sort) and
+the fused elementwise ops of the layers around them (RMSNorm, rotary, SwiGLU).
 
 Each op has a torch reference and a Triton kernel side by side (`router_topk.py` /
 `router_topk_triton.py`, `permutation.py` / `permutation_triton.py`, `sort_chunks.py` /
-`sort_chunks_triton.py`; `triton_ops.py` gathers the Triton ones). The implementation is chosen
+`sort_chunks_triton.py`, `rmsnorm.py`, `rotary.py`, `swiglu.py` and their `*_triton.py`;
+`triton_ops.py` gathers the Triton ones). The implementation is chosen
 once, by building an `MoEOps` table from the config's kernel backend;
 model code calls `ops.permute(...)` and never branches on the backend itself.
 
@@ -20,7 +22,8 @@ KERNEL_BACKENDS = ("torch", "triton")
 
 @dataclass(frozen=True)
 class MoEOps:
-    """One implementation of every routing op, with Megatron-core compatible signatures."""
+    """One implementation of every op: the routing ops with Megatron-core compatible signatures,
+    and rms_norm(x, weight, eps), rotary(x_BNSD, cos_SD2, sin_SD2), swiglu(h_M2F, probs_M=None)."""
 
     backend: str
     router_topk: Callable
@@ -28,6 +31,9 @@ class MoEOps:
     permute: Callable
     unpermute: Callable
     sort_chunks_by_idxs: Callable
+    rms_norm: Callable
+    rotary: Callable
+    swiglu: Callable
 
 
 def triton_unavailable_reason() -> Optional[str]:
@@ -62,7 +68,8 @@ def make_moe_ops(backend: str) -> MoEOps:
         from . import reference
         return MoEOps("torch", reference.router_topk,
                       reference.router_topk_with_counts, reference.permute, reference.unpermute,
-                      reference.sort_chunks_by_idxs)
+                      reference.sort_chunks_by_idxs, rms_norm=reference.rms_norm,
+                      rotary=reference.rotary, swiglu=reference.swiglu)
     if backend == "triton":
         reason = triton_unavailable_reason()
         if reason is not None:
@@ -70,5 +77,6 @@ def make_moe_ops(backend: str) -> MoEOps:
         from . import triton_ops
         return MoEOps("triton", triton_ops.router_topk,
                       triton_ops.router_topk_with_counts, triton_ops.permute, triton_ops.unpermute,
-                      triton_ops.sort_chunks_by_idxs)
+                      triton_ops.sort_chunks_by_idxs, rms_norm=triton_ops.rms_norm,
+                      rotary=triton_ops.rotary, swiglu=triton_ops.swiglu)
     raise ValueError(f"kernel backend {backend!r}: allowed {KERNEL_BACKENDS}")

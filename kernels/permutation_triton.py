@@ -6,29 +6,43 @@ row-id map format: int32 [T, E], dest row or -1, expert-major rows, ascending to
 expert; see permutation.py).
 
 Shape legend: T tokens, E experts, H hidden, N permuted rows (num_out_tokens), B token blocks
-of the map build.
+of the map build, BT tokens per row-walk program.
 
-Kernels (all deterministic: no float atomics, fixed summation orders):
-  row-id map, three passes reading only the T*E routing flags (no atomics):
-    1. `_map_block_counts_kernel`: per (token block, expert) routed count.
-    2. `_map_prefix_kernel` (a program per 32 experts): exclusive prefix of the block counts
-       over the token blocks, and tokens per expert.
-    3. `_map_write_kernel`: block-local exclusive cumsum + block prefix + expert start (the
-       exclusive prefix of tokens per expert, recomputed per program: E values), total count.
-  `_permute_kernel`: one program per (token, hidden block): load the row once, store it to each
-    of the token's rows (and its probs); also zeroes rows past the routed count.
-  `_unpermute_kernel`: one program per (token, hidden block): sum the token's rows in expert
-    order in fp32 (times the merging probs), one store. Also the permute's backward.
-  `_unpermute_bwd_kernel`: one program per token: grad rows = grad_out x merging prob, and the
-    merging probs' grad <grad_out, row> accumulated over hidden blocks in a fixed order.
+Kernels (all deterministic: no atomics, fixed summation orders):
+  row-id map, reading only the T*E routing flags. Small maps (T x E <= 64K flags):
+    `_map_small_kernel`, one launch: each program counts the whole map (column totals and its
+    prefix), then writes its token block. Else two passes:
+    1. `_map_count_kernel`: per (token block, expert) routed count [B, E].
+    2. `_map_write_kernel`: each program reads the (small, ~128 x E) count matrix for its
+       prefix (routed tokens of its experts in earlier blocks, and the expert start rows: the
+       exclusive prefix over experts of the column totals), then block-local cumsums -> row
+       ids. Also tokens per expert, the routed total, and, on CUDA with num_out_tokens given,
+       the bound check as a device assert (no extra launch).
+  `_permute_kernel`: one program per (BT tokens, hidden block): load the rows once, store them
+    to each of the tokens' rows (and their probs); also zeroes rows past the routed count.
+  `_unpermute_kernel`: one program per (BT tokens, hidden block): sum each token's rows in
+    expert order in fp32 (times the merging probs), one store. Also the permute's backward.
+  `_unpermute_bwd_kernel`: one program per BT tokens: grad rows = grad_out x merging prob, and
+    the merging probs' grad <grad_out, row> accumulated over hidden blocks in a fixed order.
+
+The row walk: a token's rows are visited in ascending row order, which is expert order (rows
+are expert-major), by repeatedly taking the smallest row id above the previous one; 2147483647
+(above every row id) ends a token's walk. The walks that read rows load the next row before
+using the current one, so two row loads per token are in flight (sums keep their order).
 
 Loops with run-time bounds are `while` loops: the Triton 3.6 interpreter cannot take `range()` of
 a run-time scalar under numpy >= 2.4 (it calls int() on a 1-element array); compiled code is the
-same either way.
+same either way. The kernels reference no module-level constants (Triton re-checks every global
+a kernel uses on each launch, ~4 us of host time).
 
 Graph safety: with `num_out_tokens` given nothing syncs the host and every shape is static. Rows
 >= N are never written (a map that routes more than N pairs, Transformer Engine issue 3346, is
-reported by `check_count_fits`: a device assert on CUDA, ValueError on CPU).
+reported: by a device assert in the map kernel on CUDA, by a ValueError on CPU).
+
+Launches (CUDA, num_out_tokens given): permute forward 2 for small maps (map + bound check,
+copy), else 3 (map count, map write + bound check, copy), no torch ops; its backward 1;
+unpermute forward 1; its backward 1 (the rows past the routed count are zeroed with the count
+recorded by the permute that built the map; 2 small torch ops more for a map built elsewhere).
 """
 
 from __future__ import annotations
@@ -40,147 +54,215 @@ import triton
 import triton.language as tl
 
 from . import triton_utils
-from .triton_utils import check_int32_rows, map_tile, row_walk_config
+from .triton_utils import (DEVICE_ASSERT_OPTIONS, cdiv, check_int32_rows, map_tiles, next_pow2,
+                           permute_config, row_walk_config)
 
-# The row walk: a token's rows are visited in ascending row order, which is expert order
-# (rows are expert-major), by repeatedly taking the smallest row id above the previous one;
-# _NO_ROW (above every row id) ends the walk. Inlined, not a helper: the interpreter pays per
-# call of a jit function.
-_NO_ROW = tl.constexpr(2147483647)
+_ROUTED_ATTR = "_epoverlap_routed_count"  # (total_1 [1] int32, map _version) set by permute
 
 
 # ----------------------------------------------------------------------------- row-id map
 
 @triton.jit
-def _map_block_counts_kernel(
-    routing_map_ptr,   # [T, E] uint8 in: routing flags (bool storage)
-    block_counts_ptr,  # [B, E] int32 out: routed tokens of token block b for expert e
+def _map_count_kernel(
+    routing_map_ptr,  # [T, E] uint8 in: routing flags (bool storage)
+    counts_ptr,       # [B, E] int32 out: routed tokens of token block b for expert e
     T, E,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    SUB_T: tl.constexpr, NUM_SUB: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    pid_t, pid_e = tl.program_id(0), tl.program_id(1)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    pid_b, pid_e = tl.program_id(0), tl.program_id(1)
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    mask = (t[:, None] < T) & (e[None, :] < E)
-    flags = tl.load(routing_map_ptr + t[:, None].to(tl.int64) * E + e[None, :], mask=mask,
-                    other=0)
-    counts = tl.sum((flags != 0).to(tl.int32), axis=0)
-    tl.store(block_counts_ptr + pid_t * E + e, counts, mask=e < E)
-
-
-@triton.jit
-def _map_prefix_kernel(
-    block_counts_ptr,       # [B, E] int32 in: per-block counts (pass 1)
-    block_offsets_ptr,      # [B, E] int32 out: routed tokens of expert e in blocks < b
-    tokens_per_expert_ptr,  # [E] int64 out: routed tokens per expert
-    B, E,
-    BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
-):
-    """One program per BLOCK_E experts: exclusive prefix over the token blocks."""
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    col_sum = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    b0 = 0
-    while b0 < B:  # `while`, not `range`: see the module docstring
-        b = b0 + tl.arange(0, BLOCK_B)
-        mask = (b[:, None] < B) & (e[None, :] < E)
-        offs = b[:, None] * E + e[None, :]
-        counts = tl.load(block_counts_ptr + offs, mask=mask, other=0)
-        prefix = tl.cumsum(counts, axis=0) - counts + col_sum[None, :]
-        tl.store(block_offsets_ptr + offs, prefix, mask=mask)
-        col_sum += tl.sum(counts, axis=0)
-        b0 += BLOCK_B
-    tl.store(tokens_per_expert_ptr + e, col_sum.to(tl.int64), mask=e < E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for s in tl.static_range(NUM_SUB):
+        t = (pid_b * NUM_SUB + s) * SUB_T + tl.arange(0, SUB_T)
+        mask = (t[:, None] < T) & (e[None, :] < E)
+        flags = tl.load(routing_map_ptr + t[:, None].to(tl.int64) * E + e[None, :], mask=mask,
+                        other=0)
+        counts += tl.sum((flags != 0).to(tl.int32), axis=0)
+    tl.store(counts_ptr + pid_b * E + e, counts, mask=e < E)
 
 
 @triton.jit
 def _map_write_kernel(
     routing_map_ptr,        # [T, E] uint8 in: routing flags
-    block_offsets_ptr,      # [B, E] int32 in: pass 2
-    tokens_per_expert_ptr,  # [E] int64 in: pass 2 (the expert start rows are its prefix)
+    counts_ptr,             # [B, E] int32 in: pass 1
     row_id_map_ptr,         # [T, E] int32 out: dest row of (t, e), -1 if not routed
-    total_ptr,              # [1] int32 out: routed (token, expert) pairs (program (0, 0))
-    T, E,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    tokens_per_expert_ptr,  # [E] int64 out: routed tokens per expert (programs of block 0)
+    total_ptr,              # [1] int32 out: routed (token, expert) pairs (program (0, last))
+    T, E, B, N,
+    SUB_T: tl.constexpr, NUM_SUB: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+    CHECK_N: tl.constexpr,  # device-assert total <= N (CUDA, num_out_tokens given)
 ):
-    pid_t, pid_e = tl.program_id(0), tl.program_id(1)
+    pid_b, pid_e = tl.program_id(0), tl.program_id(1)
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    before = tl.zeros((), dtype=tl.int32)  # rows of the experts below this expert block
+    # Rows of the experts in earlier expert blocks (only when E > BLOCK_E).
+    before = tl.zeros((), dtype=tl.int32)
     e0 = 0
     while e0 < pid_e * BLOCK_E:
         prev_e = e0 + tl.arange(0, BLOCK_E)
-        before += tl.sum(tl.load(tokens_per_expert_ptr + prev_e, mask=prev_e < E, other=0)
-                         .to(tl.int32), axis=0)
+        b0 = 0
+        while b0 < B:
+            b = b0 + tl.arange(0, BLOCK_B)
+            tile = tl.load(counts_ptr + b[:, None] * E + prev_e[None, :],
+                           mask=(b[:, None] < B) & (prev_e[None, :] < E), other=0)
+            before += tl.sum(tl.sum(tile, axis=1), axis=0)
+            b0 += BLOCK_B
         e0 += BLOCK_E
-    per_expert = tl.load(tokens_per_expert_ptr + e, mask=e < E, other=0).to(tl.int32)
-    start = tl.cumsum(per_expert, axis=0) - per_expert + before
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask = (t[:, None] < T) & (e[None, :] < E)
-    offs = t[:, None].to(tl.int64) * E + e[None, :]
-    routed = (tl.load(routing_map_ptr + offs, mask=mask, other=0) != 0).to(tl.int32)
-    base = tl.load(block_offsets_ptr + pid_t * E + e, mask=e < E, other=0) + start
-    dest = tl.cumsum(routed, axis=0) - routed + base[None, :]
-    tl.store(row_id_map_ptr + offs, tl.where(routed != 0, dest, -1), mask=mask)
-    if (pid_t == 0) & (pid_e == 0):
-        total = tl.zeros((), dtype=tl.int32)
-        e0 = 0
-        while e0 < E:
-            all_e = e0 + tl.arange(0, BLOCK_E)
-            total += tl.sum(tl.load(tokens_per_expert_ptr + all_e, mask=all_e < E, other=0)
-                            .to(tl.int32), axis=0)
-            e0 += BLOCK_E
+    # Column totals of this expert block, and their part in token blocks before this one.
+    col_total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    col_before = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    b0 = 0
+    while b0 < B:
+        b = b0 + tl.arange(0, BLOCK_B)
+        tile = tl.load(counts_ptr + b[:, None] * E + e[None, :],
+                       mask=(b[:, None] < B) & (e[None, :] < E), other=0)
+        col_total += tl.sum(tile, axis=0)
+        col_before += tl.sum(tl.where(b[:, None] < pid_b, tile, 0), axis=0)
+        b0 += BLOCK_B
+    base = tl.cumsum(col_total, axis=0) - col_total + before + col_before
+    for s in tl.static_range(NUM_SUB):
+        t = (pid_b * NUM_SUB + s) * SUB_T + tl.arange(0, SUB_T)
+        mask = (t[:, None] < T) & (e[None, :] < E)
+        offs = t[:, None].to(tl.int64) * E + e[None, :]
+        routed = (tl.load(routing_map_ptr + offs, mask=mask, other=0) != 0).to(tl.int32)
+        dest = tl.cumsum(routed, axis=0) - routed + base[None, :]
+        tl.store(row_id_map_ptr + offs, tl.where(routed != 0, dest, -1), mask=mask)
+        base += tl.sum(routed, axis=0)
+    if pid_b == 0:
+        tl.store(tokens_per_expert_ptr + e, col_total.to(tl.int64), mask=e < E)
+        if pid_e == tl.num_programs(1) - 1:  # the last expert block knows every column total
+            total = before + tl.sum(col_total, axis=0)
+            tl.store(total_ptr, total)
+            if CHECK_N:
+                tl.device_assert(total <= N, "permute: routing map routes more (token, expert) "
+                                 "pairs than num_out_tokens; refusing to write out of bounds")
+
+
+@triton.jit
+def _map_small_kernel(
+    routing_map_ptr,        # [T, E] uint8 in: routing flags
+    row_id_map_ptr,         # [T, E] int32 out: dest row of (t, e), -1 if not routed
+    tokens_per_expert_ptr,  # [E] int64 out: routed tokens per expert (program 0)
+    total_ptr,              # [1] int32 out: routed (token, expert) pairs (program 0)
+    T, E, N,
+    COUNT_T: tl.constexpr, SUB_T: tl.constexpr, NUM_SUB: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHECK_N: tl.constexpr,  # device-assert total <= N (CUDA, num_out_tokens given)
+):
+    """Small maps in one launch: each program counts the whole (small) map itself, in
+    COUNT_T x BLOCK_E tiles, for the column totals and its prefix, then writes its token block
+    of NUM_SUB x SUB_T tokens (the count matrix of the two-pass build, without the pass)."""
+    pid_b = tl.program_id(0)
+    block_start = pid_b * NUM_SUB * SUB_T
+    e = tl.arange(0, BLOCK_E)
+    col_total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    col_before = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    t0 = 0
+    while t0 < T:  # `while`: unrolled, the compiler keeps every tile's bytes live and spills
+        t = t0 + tl.arange(0, COUNT_T)
+        flags = tl.load(routing_map_ptr + t[:, None].to(tl.int64) * E + e[None, :],
+                        mask=(t[:, None] < T) & (e[None, :] < E), other=0)
+        routed = (flags != 0).to(tl.int32)
+        col_total += tl.sum(routed, axis=0)
+        col_before += tl.sum(tl.where(t[:, None] < block_start, routed, 0), axis=0)
+        t0 += COUNT_T
+    base = tl.cumsum(col_total, axis=0) - col_total + col_before
+    for s in tl.static_range(NUM_SUB):
+        t = block_start + s * SUB_T + tl.arange(0, SUB_T)
+        mask = (t[:, None] < T) & (e[None, :] < E)
+        offs = t[:, None].to(tl.int64) * E + e[None, :]
+        routed = (tl.load(routing_map_ptr + offs, mask=mask, other=0) != 0).to(tl.int32)
+        dest = tl.cumsum(routed, axis=0) - routed + base[None, :]
+        tl.store(row_id_map_ptr + offs, tl.where(routed != 0, dest, -1), mask=mask)
+        base += tl.sum(routed, axis=0)
+    if pid_b == 0:
+        tl.store(tokens_per_expert_ptr + e, col_total.to(tl.int64), mask=e < E)
+        total = tl.sum(col_total, axis=0)
         tl.store(total_ptr, total)
+        if CHECK_N:
+            tl.device_assert(total <= N, "permute: routing map routes more (token, expert) "
+                             "pairs than num_out_tokens; refusing to write out of bounds")
 
 
-def build_row_id_map_triton(routing_map_TE: torch.Tensor):
+def build_row_id_map_triton(routing_map_TE: torch.Tensor, num_out_tokens: Optional[int] = None,
+                            *, tiles: Optional[triton_utils.MapTiles] = None):
     """[T, E] bool -> (row_id_map [T, E] int32, tokens_per_expert [E] int64, total [1] int32).
 
-    Same map as `permutation.build_row_id_map`; three launches, no atomics, no host sync.
+    Same map as `permutation.build_row_id_map`; one launch for small maps (T x E <= 64K
+    flags), else two; no atomics, no host sync. With `num_out_tokens` on CUDA, the (last)
+    launch also device-asserts total <= num_out_tokens (elsewhere the caller checks on the
+    host: see `triton_utils.device_asserts`). `tiles` overrides `map_tiles` (tests).
     """
     flags_TE = routing_map_TE if routing_map_TE.dtype == torch.bool else routing_map_TE.bool()
     flags_TE = flags_TE.contiguous().view(torch.uint8)
     num_tokens, num_experts = flags_TE.shape
     check_int32_rows(num_tokens * num_experts, "tokens x experts")
-    block_t, block_e = map_tile(num_experts)
-    num_blocks = triton.cdiv(num_tokens, block_t)
     device = flags_TE.device
     row_id_map_TE = torch.empty(num_tokens, num_experts, dtype=torch.int32, device=device)
-    counts_BE = torch.empty(num_blocks, num_experts, dtype=torch.int32, device=device)
-    offsets_BE = torch.empty_like(counts_BE)
     tokens_per_expert_E = torch.empty(num_experts, dtype=torch.int64, device=device)
-    total_1 = torch.empty(1, dtype=torch.int32, device=device)  # written by pass 3
+    total_1 = torch.empty(1, dtype=torch.int32, device=device)  # written by the (last) launch
     if num_tokens == 0 or num_experts == 0:
         return row_id_map_TE, tokens_per_expert_E.zero_(), total_1.zero_()
-    grid = (num_blocks, triton.cdiv(num_experts, block_e))
-    warps = 8 if block_t >= 128 else 4  # tall tiles (few experts): a long scan per column
-    _map_block_counts_kernel[grid](flags_TE, counts_BE, num_tokens, num_experts,
-                                   BLOCK_T=block_t, BLOCK_E=block_e, num_warps=warps)
-    prefix_e = min(block_e, 32)  # experts per pass-2 program: E / 32 programs scan in parallel
-    _map_prefix_kernel[(triton.cdiv(num_experts, prefix_e),)](
-        counts_BE, offsets_BE, tokens_per_expert_E, num_blocks, num_experts,
-        BLOCK_B=max(1, min(512, 4096 // prefix_e)), BLOCK_E=prefix_e, num_warps=4)
-    _map_write_kernel[grid](flags_TE, offsets_BE, tokens_per_expert_E, row_id_map_TE, total_1,
-                            num_tokens, num_experts, BLOCK_T=block_t, BLOCK_E=block_e,
-                            num_warps=warps)
+    tiles = tiles or map_tiles(num_tokens, num_experts)
+    check = num_out_tokens is not None and triton_utils.device_asserts(flags_TE)
+    limit = num_out_tokens if check else 0
+    if tiles.single:
+        _map_small_kernel[(tiles.num_blocks,)](
+            flags_TE, row_id_map_TE, tokens_per_expert_E, total_1, num_tokens, num_experts,
+            limit, COUNT_T=tiles.count_t, SUB_T=tiles.sub_t, NUM_SUB=tiles.num_sub,
+            BLOCK_E=tiles.block_e, CHECK_N=check, num_warps=tiles.num_warps,
+            **(DEVICE_ASSERT_OPTIONS if check else {}))
+        return row_id_map_TE, tokens_per_expert_E, total_1
+    counts_BE = torch.empty(tiles.num_blocks, num_experts, dtype=torch.int32, device=device)
+    grid = (tiles.num_blocks, cdiv(num_experts, tiles.block_e))
+    _map_count_kernel[grid](flags_TE, counts_BE, num_tokens, num_experts, SUB_T=tiles.sub_t,
+                            NUM_SUB=tiles.num_sub, BLOCK_E=tiles.block_e,
+                            num_warps=tiles.num_warps)
+    _map_write_kernel[grid](
+        flags_TE, counts_BE, row_id_map_TE, tokens_per_expert_E, total_1,
+        num_tokens, num_experts, tiles.num_blocks, limit,
+        SUB_T=tiles.sub_t, NUM_SUB=tiles.num_sub, BLOCK_E=tiles.block_e, BLOCK_B=tiles.block_b,
+        CHECK_N=check, num_warps=tiles.num_warps, **(DEVICE_ASSERT_OPTIONS if check else {}))
     return row_id_map_TE, tokens_per_expert_E, total_1
+
+
+def _recorded_routed_count(row_id_map_TE: torch.Tensor) -> Optional[torch.Tensor]:
+    """The routed count [1] int32 that `permute_triton` recorded on the map it built, unless the
+    map was modified in place since (or was built elsewhere): then None."""
+    recorded = getattr(row_id_map_TE, _ROUTED_ATTR, None)
+    if recorded is not None and recorded[1] == row_id_map_TE._version:
+        return recorded[0]
+    return None
+
+
+def _routed_count(row_id_map_TE: torch.Tensor) -> torch.Tensor:
+    """Routed pairs of a row-id map, [1] int32 on its device, without a host sync: the recorded
+    count (no launch), else two small torch ops."""
+    recorded = _recorded_routed_count(row_id_map_TE)
+    if recorded is not None:
+        return recorded
+    return (row_id_map_TE >= 0).sum(dtype=torch.int32).reshape(1)
 
 
 # ----------------------------------------------------------------------------- row walk
 
 @triton.jit
-def _load_token_rows(row_id_map_ptr, t, E, N, BLOCK_E: tl.constexpr):
-    """Token t's row ids [BLOCK_E] (-1: not routed, or at/after N: never touched)."""
+def _load_token_rows(row_id_map_ptr, t, t_ok, E, N, BLOCK_E: tl.constexpr):
+    """Row ids [BT, BLOCK_E] of tokens t [BT] (-1: not routed, padding, or at/after N)."""
     e = tl.arange(0, BLOCK_E)
-    row_ids = tl.load(row_id_map_ptr + t.to(tl.int64) * E + e, mask=e < E, other=-1)
+    row_ids = tl.load(row_id_map_ptr + t[:, None].to(tl.int64) * E + e[None, :],
+                      mask=t_ok[:, None] & (e[None, :] < E), other=-1)
     return tl.where(row_ids < N, row_ids, -1)
 
 
 @triton.jit
-def _zero_tail_rows(out_ptr, total_ptr, t, T, N, H, h, h_mask, BLOCK_H: tl.constexpr):
+def _zero_tail_rows(out_ptr, total, t, t_ok, T, N, H, h, h_mask, BLOCK_T: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
     """Zero rows total + t, total + t + T, ... < N (rows past the routed count) at columns h."""
-    r = tl.load(total_ptr) + t
-    zeros = tl.zeros((BLOCK_H,), dtype=out_ptr.dtype.element_ty)
-    while r < N:
-        tl.store(out_ptr + r.to(tl.int64) * H + h, zeros, mask=h_mask)
+    r = tl.where(t_ok, total + t, N)
+    zeros = tl.zeros((BLOCK_T, BLOCK_H), dtype=out_ptr.dtype.element_ty)
+    while tl.min(r, axis=0) < N:
+        tl.store(out_ptr + r[:, None].to(tl.int64) * H + h[None, :], zeros,
+                 mask=(r < N)[:, None] & h_mask[None, :])
         r += T
 
 
@@ -195,27 +277,35 @@ def _permute_kernel(
     out_probs_ptr,   # [N] out: permuted probs (written if HAS_PROBS)
     total_ptr,       # [1] int32 in: routed pairs (map build)
     T, E, H, N,
-    BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, HAS_PROBS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
 ):
-    t, pid_h = tl.program_id(0), tl.program_id(1)
+    pid_t, pid_h = tl.program_id(0), tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < H
-    row_ids = _load_token_rows(row_id_map_ptr, t, E, N, BLOCK_E)
-    x = tl.load(tokens_ptr + t.to(tl.int64) * H + h, mask=h_mask)
-    r = tl.min(tl.where(row_ids >= 0, row_ids, _NO_ROW), axis=0)
-    while r < _NO_ROW:
-        tl.store(out_ptr + r.to(tl.int64) * H + h, x, mask=h_mask)
-        r = tl.min(tl.where(row_ids > r, row_ids, _NO_ROW), axis=0)
+    row_ids = _load_token_rows(row_id_map_ptr, t, t_ok, E, N, BLOCK_E)
+    total = tl.load(total_ptr)
+    x = tl.load(tokens_ptr + t[:, None].to(tl.int64) * H + h[None, :],
+                mask=t_ok[:, None] & h_mask[None, :])
+    r = tl.min(tl.where(row_ids >= 0, row_ids, 2147483647), axis=1)
+    while tl.min(r, axis=0) < 2147483647:
+        tl.store(out_ptr + r[:, None].to(tl.int64) * H + h[None, :], x,
+                 mask=(r < 2147483647)[:, None] & h_mask[None, :])
+        r = tl.min(tl.where(row_ids > r[:, None], row_ids, 2147483647), axis=1)
     if HAS_PROBS:
         if pid_h == 0:
             e = tl.arange(0, BLOCK_E)
-            p = tl.load(probs_ptr + t.to(tl.int64) * E + e, mask=e < E, other=0.0)
+            p = tl.load(probs_ptr + t[:, None].to(tl.int64) * E + e[None, :],
+                        mask=t_ok[:, None] & (e[None, :] < E), other=0.0)
             tl.store(out_probs_ptr + row_ids, p, mask=row_ids >= 0)
-            r = tl.load(total_ptr) + t
-            while r < N:
-                tl.store(out_probs_ptr + r, 0.0)
-                r += T
-    _zero_tail_rows(out_ptr, total_ptr, t, T, N, H, h, h_mask, BLOCK_H)
+            tail = tl.where(t_ok, total + t, N)
+            while tl.min(tail, axis=0) < N:
+                tl.store(out_probs_ptr + tail, tl.zeros((BLOCK_T,), out_probs_ptr.dtype.element_ty),
+                         mask=tail < N)
+                tail += T
+    _zero_tail_rows(out_ptr, total, t, t_ok, T, N, H, h, h_mask, BLOCK_T, BLOCK_H)
 
 
 def _launch_permute(tokens_TH, row_id_map_TE, total_1, num_rows, probs_TE=None, config=None,
@@ -234,13 +324,13 @@ def _launch_permute(tokens_TH, row_id_map_TE, total_1, num_rows, probs_TE=None, 
     if num_tokens == 0:
         out_NH.zero_()
         return out_NH, None if out_probs_N is None else out_probs_N.zero_()
-    config = config or row_walk_config(hidden, tokens_TH.element_size())
-    grid = (num_tokens, max(1, triton.cdiv(hidden, config.block_h)))
+    config = config or permute_config(hidden, tokens_TH.element_size(), num_experts)
+    grid = (cdiv(num_tokens, config.block_t), max(1, cdiv(hidden, config.block_h)))
     _permute_kernel[grid](
         tokens_TH, row_id_map_TE, probs_TE if probs_TE is not None else tokens_TH, out_NH,
         out_probs_N if out_probs_N is not None else out_NH, total_1,
         num_tokens, num_experts, hidden, num_rows,
-        BLOCK_H=config.block_h, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_T=config.block_t, BLOCK_H=config.block_h, BLOCK_E=next_pow2(num_experts),
         HAS_PROBS=probs_TE is not None, num_warps=config.num_warps)
     return out_NH, out_probs_N
 
@@ -256,29 +346,41 @@ def _unpermute_kernel(
     row_vals_ptr,    # [N] in: per-row values gathered back to [T, E] (if GATHER_ROW_VALS)
     out_vals_ptr,    # [T, E] out: row_vals[row of (t, e)], 0 if not routed (if GATHER_ROW_VALS)
     T, E, H, N,
-    BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, HAS_PROBS: tl.constexpr,
-    GATHER_ROW_VALS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+    HAS_PROBS: tl.constexpr, GATHER_ROW_VALS: tl.constexpr,
 ):
-    t, pid_h = tl.program_id(0), tl.program_id(1)
+    pid_t, pid_h = tl.program_id(0), tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = h < H
     e = tl.arange(0, BLOCK_E)
-    row_ids = _load_token_rows(row_id_map_ptr, t, E, N, BLOCK_E)
+    row_ids = _load_token_rows(row_id_map_ptr, t, t_ok, E, N, BLOCK_E)
     if HAS_PROBS:
-        p = tl.load(probs_ptr + t.to(tl.int64) * E + e, mask=e < E, other=0.0).to(tl.float32)
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    r = tl.min(tl.where(row_ids >= 0, row_ids, _NO_ROW), axis=0)
-    while r < _NO_ROW:
-        x = tl.load(rows_ptr + r.to(tl.int64) * H + h, mask=h_mask, other=0.0).to(tl.float32)
+        p = tl.load(probs_ptr + t[:, None].to(tl.int64) * E + e[None, :],
+                    mask=t_ok[:, None] & (e[None, :] < E), other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    r = tl.min(tl.where(row_ids >= 0, row_ids, 2147483647), axis=1)
+    x = tl.load(rows_ptr + r[:, None].to(tl.int64) * H + h[None, :],
+                mask=(r < 2147483647)[:, None] & h_mask[None, :], other=0.0)
+    while tl.min(r, axis=0) < 2147483647:
+        # the next rows' load is issued before this row is used: two loads in flight
+        r_next = tl.min(tl.where(row_ids > r[:, None], row_ids, 2147483647), axis=1)
+        x_next = tl.load(rows_ptr + r_next[:, None].to(tl.int64) * H + h[None, :],
+                         mask=(r_next < 2147483647)[:, None] & h_mask[None, :], other=0.0)
+        xf = x.to(tl.float32)
         if HAS_PROBS:
-            x = x * tl.sum(tl.where(row_ids == r, p, 0.0), axis=0)
-        acc += x
-        r = tl.min(tl.where(row_ids > r, row_ids, _NO_ROW), axis=0)
-    tl.store(out_ptr + t.to(tl.int64) * H + h, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
+            xf = xf * tl.sum(tl.where(row_ids == r[:, None], p, 0.0), axis=1)[:, None]
+        acc += xf  # tokens whose walk ended add an exact +0
+        r = r_next
+        x = x_next
+    tl.store(out_ptr + t[:, None].to(tl.int64) * H + h[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & h_mask[None, :])
     if GATHER_ROW_VALS:
         if pid_h == 0:
             vals = tl.load(row_vals_ptr + row_ids, mask=row_ids >= 0, other=0.0)
-            tl.store(out_vals_ptr + t.to(tl.int64) * E + e, vals, mask=e < E)
+            tl.store(out_vals_ptr + t[:, None].to(tl.int64) * E + e[None, :], vals,
+                     mask=t_ok[:, None] & (e[None, :] < E))
 
 
 def _launch_unpermute(rows_NH, row_id_map_TE, probs_TE=None, row_vals_N=None, config=None):
@@ -290,13 +392,13 @@ def _launch_unpermute(rows_NH, row_id_map_TE, probs_TE=None, row_vals_N=None, co
     if num_tokens == 0:
         return out_TH, out_vals_TE
     config = config or row_walk_config(hidden, rows_NH.element_size())
-    grid = (num_tokens, max(1, triton.cdiv(hidden, config.block_h)))
+    grid = (cdiv(num_tokens, config.block_t), max(1, cdiv(hidden, config.block_h)))
     _unpermute_kernel[grid](
         rows_NH, row_id_map_TE, probs_TE if probs_TE is not None else rows_NH, out_TH,
         row_vals_N if row_vals_N is not None else rows_NH,
         out_vals_TE if out_vals_TE is not None else out_TH,
         num_tokens, num_experts, hidden, num_rows,
-        BLOCK_H=config.block_h, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_T=config.block_t, BLOCK_H=config.block_h, BLOCK_E=next_pow2(num_experts),
         HAS_PROBS=probs_TE is not None, GATHER_ROW_VALS=row_vals_N is not None,
         num_warps=config.num_warps)
     return out_TH, out_vals_TE
@@ -312,34 +414,48 @@ def _unpermute_bwd_kernel(
     grad_probs_ptr,  # [T, E] out: <grad_out[t], rows[row(t, e)]>, 0 if not routed
     total_ptr,       # [1] int32 in: routed pairs
     T, E, H, N,
-    BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
     e = tl.arange(0, BLOCK_E)
-    row_ids = _load_token_rows(row_id_map_ptr, t, E, N, BLOCK_E)
-    p = tl.load(probs_ptr + t.to(tl.int64) * E + e, mask=e < E, other=0.0).to(tl.float32)
-    dots = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    row_ids = _load_token_rows(row_id_map_ptr, t, t_ok, E, N, BLOCK_E)
+    p = tl.load(probs_ptr + t[:, None].to(tl.int64) * E + e[None, :],
+                mask=t_ok[:, None] & (e[None, :] < E), other=0.0).to(tl.float32)
+    total = tl.load(total_ptr)
+    first = tl.min(tl.where(row_ids >= 0, row_ids, 2147483647), axis=1)
+    dots = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     h0 = 0
     while h0 < H:
         h = h0 + tl.arange(0, BLOCK_H)
         h_mask = h < H
-        g = tl.load(grad_out_ptr + t.to(tl.int64) * H + h, mask=h_mask, other=0.0).to(tl.float32)
-        r = tl.min(tl.where(row_ids >= 0, row_ids, _NO_ROW), axis=0)
-        while r < _NO_ROW:
-            is_r = row_ids == r
-            scaled = g * tl.sum(tl.where(is_r, p, 0.0), axis=0)
-            tl.store(grad_rows_ptr + r.to(tl.int64) * H + h,
-                     scaled.to(grad_rows_ptr.dtype.element_ty), mask=h_mask)
-            x = tl.load(rows_ptr + r.to(tl.int64) * H + h, mask=h_mask, other=0.0)
-            dots = tl.where(is_r, dots + tl.sum(g * x.to(tl.float32), axis=0), dots)
-            r = tl.min(tl.where(row_ids > r, row_ids, _NO_ROW), axis=0)
-        _zero_tail_rows(grad_rows_ptr, total_ptr, t, T, N, H, h, h_mask, BLOCK_H)
+        g = tl.load(grad_out_ptr + t[:, None].to(tl.int64) * H + h[None, :],
+                    mask=t_ok[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+        r = first
+        x = tl.load(rows_ptr + r[:, None].to(tl.int64) * H + h[None, :],
+                    mask=(r < 2147483647)[:, None] & h_mask[None, :], other=0.0)
+        while tl.min(r, axis=0) < 2147483647:
+            # the next rows' load is issued before this row is used: two loads in flight
+            r_next = tl.min(tl.where(row_ids > r[:, None], row_ids, 2147483647), axis=1)
+            x_next = tl.load(rows_ptr + r_next[:, None].to(tl.int64) * H + h[None, :],
+                             mask=(r_next < 2147483647)[:, None] & h_mask[None, :], other=0.0)
+            is_r = row_ids == r[:, None]
+            scaled = g * tl.sum(tl.where(is_r, p, 0.0), axis=1)[:, None]
+            tl.store(grad_rows_ptr + r[:, None].to(tl.int64) * H + h[None, :],
+                     scaled.to(grad_rows_ptr.dtype.element_ty),
+                     mask=(r < 2147483647)[:, None] & h_mask[None, :])
+            dot = tl.sum(g * x.to(tl.float32), axis=1)
+            dots = tl.where(is_r, dots + dot[:, None], dots)
+            r = r_next
+            x = x_next
+        _zero_tail_rows(grad_rows_ptr, total, t, t_ok, T, N, H, h, h_mask, BLOCK_T, BLOCK_H)
         h0 += BLOCK_H
-    tl.store(grad_probs_ptr + t.to(tl.int64) * E + e,
-             dots.to(grad_probs_ptr.dtype.element_ty), mask=e < E)
+    tl.store(grad_probs_ptr + t[:, None].to(tl.int64) * E + e[None, :],
+             dots.to(grad_probs_ptr.dtype.element_ty), mask=t_ok[:, None] & (e[None, :] < E))
 
 
-def _launch_unpermute_bwd(grad_out_TH, rows_NH, row_id_map_TE, probs_TE, config=None):
+def _launch_unpermute_bwd(grad_out_TH, rows_NH, row_id_map_TE, probs_TE, config=None,
+                          total_1=None):
     """(grad rows [N, H], grad merging probs [T, E]) of the unpermute with merging probs."""
     num_rows, hidden = rows_NH.shape
     num_tokens, num_experts = row_id_map_TE.shape
@@ -347,12 +463,13 @@ def _launch_unpermute_bwd(grad_out_TH, rows_NH, row_id_map_TE, probs_TE, config=
     grad_probs_TE = probs_TE.new_empty(num_tokens, num_experts)
     if num_tokens == 0:
         return grad_rows_NH.zero_(), grad_probs_TE.zero_()
-    total_1 = (row_id_map_TE >= 0).sum().to(torch.int32).reshape(1)
+    if total_1 is None:
+        total_1 = _routed_count(row_id_map_TE)
     config = config or row_walk_config(hidden, grad_out_TH.element_size())
-    _unpermute_bwd_kernel[(num_tokens,)](
+    _unpermute_bwd_kernel[(cdiv(num_tokens, config.block_t),)](
         grad_out_TH, rows_NH, row_id_map_TE, probs_TE, grad_rows_NH, grad_probs_TE, total_1,
         num_tokens, num_experts, hidden, num_rows,
-        BLOCK_H=config.block_h, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_T=config.block_t, BLOCK_H=config.block_h, BLOCK_E=next_pow2(num_experts),
         num_warps=config.num_warps)
     return grad_rows_NH, grad_probs_TE
 
@@ -364,15 +481,23 @@ class _PermuteTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tokens_TH, probs_TE, row_id_map_TE, total_1, num_rows):
+        ctx.set_materialize_grads(False)  # no zero-filled grads for unused outputs
         ctx.save_for_backward(row_id_map_TE)
         ctx.has_probs = probs_TE is not None
+        ctx.tokens_meta = (tokens_TH.shape, tokens_TH.dtype, tokens_TH.device)
         return _launch_permute(tokens_TH, row_id_map_TE, total_1, num_rows, probs_TE)
 
     @staticmethod
     def backward(ctx, grad_permuted_NH, grad_permuted_probs_N):
         (row_id_map_TE,) = ctx.saved_tensors
-        if not ctx.has_probs or grad_permuted_probs_N is None:
+        if not ctx.has_probs:
             grad_permuted_probs_N = None
+        if grad_permuted_NH is None:
+            if grad_permuted_probs_N is None:
+                return None, None, None, None, None
+            shape, dtype, device = ctx.tokens_meta
+            grad_permuted_NH = torch.zeros(grad_permuted_probs_N.shape[0], shape[1],
+                                           dtype=dtype, device=device)
         grad_tokens_TH, grad_probs_TE = _launch_unpermute(
             grad_permuted_NH.contiguous(), row_id_map_TE,
             row_vals_N=None if grad_permuted_probs_N is None
@@ -384,22 +509,23 @@ class _UnpermuteTriton(torch.autograd.Function):
     """unpermute forward; backward: grad rows = permute of grad_out x probs, grad probs = dots."""
 
     @staticmethod
-    def forward(ctx, rows_NH, probs_TE, row_id_map_TE):
+    def forward(ctx, rows_NH, probs_TE, row_id_map_TE, total_1):
         ctx.save_for_backward(rows_NH, probs_TE, row_id_map_TE)
+        ctx.total_1 = total_1
         return _launch_unpermute(rows_NH, row_id_map_TE, probs_TE)[0]
 
     @staticmethod
     def backward(ctx, grad_out_TH):
         rows_NH, probs_TE, row_id_map_TE = ctx.saved_tensors
         grad_out_TH = grad_out_TH.contiguous()
+        total_1 = ctx.total_1 if ctx.total_1 is not None else _routed_count(row_id_map_TE)
         if probs_TE is None:
-            total_1 = (row_id_map_TE >= 0).sum().to(torch.int32).reshape(1)
             grad_rows_NH, _ = _launch_permute(grad_out_TH, row_id_map_TE, total_1,
                                               rows_NH.shape[0])
-            return grad_rows_NH, None, None
+            return grad_rows_NH, None, None, None
         grad_rows_NH, grad_probs_TE = _launch_unpermute_bwd(grad_out_TH, rows_NH, row_id_map_TE,
-                                                            probs_TE)
-        return grad_rows_NH, grad_probs_TE, None
+                                                            probs_TE, total_1=total_1)
+        return grad_rows_NH, grad_probs_TE, None, None
 
 
 def permute_triton(
@@ -415,14 +541,19 @@ def permute_triton(
     num_out_tokens is given. Differentiable in tokens and probs.
     """
     _check_permute_args(tokens_TH, routing_map_TE, probs_TE)
-    row_id_map_TE, _, total_1 = build_row_id_map_triton(routing_map_TE)
+    if num_out_tokens is not None:
+        check_int32_rows(num_out_tokens, "num_out_tokens")
+    row_id_map_TE, _, total_1 = build_row_id_map_triton(routing_map_TE, num_out_tokens)
     if num_out_tokens is None:
         num_out_tokens = int(total_1[0])
-    check_int32_rows(num_out_tokens, "num_out_tokens")
-    triton_utils.check_count_fits(
-        total_1, num_out_tokens,
-        f"permute: routing map routes more (token, expert) pairs than num_out_tokens="
-        f"{num_out_tokens}; refusing to write out of bounds")
+        check_int32_rows(num_out_tokens, "num_out_tokens")
+    elif not triton_utils.device_asserts(row_id_map_TE):  # CUDA: asserted by the map kernel
+        triton_utils.check_count_fits(
+            total_1, num_out_tokens,
+            f"permute: routing map routes more (token, expert) pairs than num_out_tokens="
+            f"{num_out_tokens}; refusing to write out of bounds")
+    # The unpermute of this map reads its routed count from here (see `_routed_count`).
+    setattr(row_id_map_TE, _ROUTED_ATTR, (total_1, row_id_map_TE._version))
     probs_TE = None if probs_TE is None else probs_TE.contiguous()
     permuted_NH, permuted_probs_N = _PermuteTriton.apply(
         tokens_TH.contiguous(), probs_TE, row_id_map_TE, total_1, num_out_tokens)
@@ -451,9 +582,10 @@ def unpermute_triton(
                          f"{tuple(row_id_map_TE.shape)}")
     if permuted_NH.dim() != 2:
         raise ValueError(f"permuted_tokens must be [N, H], got shape {tuple(permuted_NH.shape)}")
+    total_1 = _recorded_routed_count(row_id_map_TE)  # for the backward's zeroed tail rows
     return _UnpermuteTriton.apply(permuted_NH.contiguous(),
                                   None if probs is None else probs.contiguous(),
-                                  row_id_map_TE.to(torch.int32).contiguous())
+                                  row_id_map_TE.to(torch.int32).contiguous(), total_1)
 
 
 def _check_permute_args(tokens_TH, routing_map_TE, probs_TE) -> None:

@@ -7,14 +7,21 @@ permute(tokens, routing_map, probs=None, num_out_tokens=None)
 unpermute(permuted_tokens, row_id_map, restore_shape, probs=None, routing_map=None) -> [T, H]
 sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None) -> (output, probs | None)
 router_topk_with_counts(logits, topk, **same) -> (probs, routing_map, tokens_per_expert [E] int64)
+rms_norm(x [..., H], weight [H], eps) -> [..., H]
+rotary(x [B, N, S, D], cos [S, D/2], sin [S, D/2]) -> [B, N, S, D]
+swiglu(h [M, 2F], probs [M] | None = None) -> [M, F]
 
 Output order is expert-major, ascending source token within an expert.
 """
 
 from .permutation import permute_torch as permute
 from .permutation import unpermute_torch as unpermute
+from .rmsnorm import rms_norm_torch as rms_norm
+from .rotary import rotary_torch as rotary
 from .router_topk import router_topk_torch as router_topk
 from .router_topk import router_topk_with_counts_torch as router_topk_with_counts
 from .sort_chunks import sort_chunks_by_idxs_torch as sort_chunks_by_idxs
+from .swiglu import swiglu_torch as swiglu
 
-__all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs"]
+__all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs",
+           "rms_norm", "rotary", "swiglu"]

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .router_topk import check_router_args
-from .triton_utils import router_tile
+from .triton_utils import cdiv, next_pow2, router_tile
 
 SOFTMAX_PRE, SOFTMAX_POST, SIGMOID = 0, 1, 2
 
@@ -176,6 +176,9 @@ class _RouterTopkTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_TE, bias_E, topk, score, group, scale, with_counts):
+        # The map and counts take no grad: without this, autograd would zero-fill a [T, E] and
+        # an [E] grad for them (two launches) before every backward.
+        ctx.set_materialize_grads(False)
         num_tokens, num_experts = logits_TE.shape
         block_t, block_e, num_warps = router_tile(num_experts)
         probs_TE = torch.empty_like(logits_TE)
@@ -185,14 +188,14 @@ class _RouterTopkTriton(torch.autograd.Function):
                     if with_counts else None)
         num_groups, group_topk = group
         if num_tokens:
-            _router_fwd_kernel[(triton.cdiv(num_tokens, block_t),)](
+            _router_fwd_kernel[(cdiv(num_tokens, block_t),)](
                 logits_TE, bias_E if bias_E is not None else logits_TE, probs_TE,
                 routing_map_TE.view(torch.uint8), counts_E if with_counts else logits_TE,
                 num_tokens, num_experts, scale,
                 K=topk, SCORE=score, HAS_BIAS=bias_E is not None, WITH_COUNTS=with_counts,
                 NUM_GROUPS=num_groups, GROUP_TOPK=group_topk,
                 PER_GROUP=num_experts // max(num_groups, 1),
-                BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=triton.next_power_of_2(num_groups),
+                BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=next_pow2(num_groups),
                 num_warps=num_warps)
         ctx.save_for_backward(logits_TE, routing_map_TE)
         ctx.settings = (topk, score, scale)
@@ -203,13 +206,15 @@ class _RouterTopkTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_probs_TE, _grad_map, _grad_counts):
+        if grad_probs_TE is None:  # the probs were not used
+            return None, None, None, None, None, None, None
         logits_TE, routing_map_TE = ctx.saved_tensors
         topk, score, scale = ctx.settings
         num_tokens, num_experts = logits_TE.shape
         block_t, block_e, num_warps = router_tile(num_experts)
         grad_logits_TE = torch.empty_like(logits_TE)
         if num_tokens:
-            _router_bwd_kernel[(triton.cdiv(num_tokens, block_t),)](
+            _router_bwd_kernel[(cdiv(num_tokens, block_t),)](
                 grad_probs_TE.contiguous(), logits_TE, routing_map_TE.view(torch.uint8),
                 grad_logits_TE, num_tokens, num_experts, scale,
                 K=topk, SCORE=score, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps)

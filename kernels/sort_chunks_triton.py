@@ -10,8 +10,9 @@ outputs: output chunk j is input chunk sorted_idxs[j]) and its two kernels:
 Shape legend: N rows, H hidden, C chunks.
 
 No host sync on CUDA, static shapes (N rows in, N rows out), deterministic (pure copies).
-Rows past sum(split_sizes) stay in place. A split-size total above N is reported by
-`check_count_fits` (device assert on CUDA, ValueError on CPU) and never read or written past N.
+Rows past sum(split_sizes) stay in place. A split-size total above N is reported (on CUDA by a
+device assert in `_chunk_src_rows_kernel`, no extra launch; on CPU by a ValueError) and never
+read or written past N. Launches: forward 2, backward 1.
 Loops with run-time bounds are `while` loops (see permutation_triton.py).
 """
 
@@ -24,7 +25,8 @@ import triton
 import triton.language as tl
 
 from . import triton_utils
-from .triton_utils import check_int32_rows, copy_config, next_pow2, rows_per_copy_program
+from .triton_utils import (DEVICE_ASSERT_OPTIONS, cdiv, check_int32_rows, copy_config, next_pow2,
+                           rows_per_copy_program)
 
 
 @triton.jit
@@ -35,6 +37,7 @@ def _chunk_src_rows_kernel(
     total_ptr,        # [1] int32 out: sum of the split sizes (written by program 0)
     C, N,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    CHECK_N: tl.constexpr,  # device-assert sum(split_sizes) <= N (CUDA)
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     chunk = tl.zeros((BLOCK_R,), dtype=tl.int32)      # output chunk holding row r
@@ -65,6 +68,9 @@ def _chunk_src_rows_kernel(
     tl.store(src_rows_ptr + r, src, mask=r < N)
     if tl.program_id(0) == 0:
         tl.store(total_ptr, running)
+        if CHECK_N:
+            tl.device_assert(running <= N, "sort_chunks_by_idxs: split_sizes sum to more than "
+                             "the input's rows")
 
 
 @triton.jit
@@ -98,7 +104,11 @@ def _move_rows_kernel(
 
 def chunk_src_rows_triton(split_sizes_C: torch.Tensor, sorted_idxs_C: torch.Tensor,
                           num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output row -> input row [N] int32, split-size total [1] int32); one launch, no sync."""
+    """(output row -> input row [N] int32, split-size total [1] int32); one launch, no sync.
+
+    On CUDA the launch also device-asserts total <= N; elsewhere the caller checks the total
+    (`triton_utils.check_count_fits`).
+    """
     num_chunks = split_sizes_C.numel()
     device = split_sizes_C.device
     src_rows_N = torch.empty(num_rows, dtype=torch.int32, device=device)
@@ -108,9 +118,11 @@ def chunk_src_rows_triton(split_sizes_C: torch.Tensor, sorted_idxs_C: torch.Tens
         return torch.arange(num_rows, dtype=torch.int32, device=device), total_1
     block_c = min(next_pow2(num_chunks), 128)
     block_r = 128 if block_c <= 64 else 64
-    _chunk_src_rows_kernel[(triton.cdiv(num_rows, block_r),)](
+    check = triton_utils.device_asserts(src_rows_N)
+    _chunk_src_rows_kernel[(cdiv(num_rows, block_r),)](
         split_sizes_C, sorted_idxs_C, src_rows_N, total_1, num_chunks, num_rows,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+        BLOCK_R=block_r, BLOCK_C=block_c, CHECK_N=check, num_warps=4,
+        **(DEVICE_ASSERT_OPTIONS if check else {}))
     return src_rows_N, total_1
 
 
@@ -123,7 +135,7 @@ def _launch_move_rows(input_NH, src_rows_N, probs_N, scatter, config=None):
         return out_NH, out_probs_N
     config = config or copy_config(hidden, input_NH.element_size())
     block_r = rows_per_copy_program(config.block_h, input_NH.element_size())
-    grid = (triton.cdiv(num_rows, block_r), max(1, triton.cdiv(hidden, config.block_h)))
+    grid = (cdiv(num_rows, block_r), max(1, cdiv(hidden, config.block_h)))
     _move_rows_kernel[grid](
         input_NH, src_rows_N, out_NH, probs_N if probs_N is not None else input_NH,
         out_probs_N if out_probs_N is not None else out_NH, num_rows, hidden,
@@ -137,12 +149,19 @@ class _SortChunksTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_NH, probs_N, src_rows_N):
+        ctx.set_materialize_grads(False)  # no zero-filled grads for unused outputs
         ctx.save_for_backward(src_rows_N)
+        ctx.input_meta = (input_NH.shape, input_NH.dtype, input_NH.device)
         return _launch_move_rows(input_NH, src_rows_N, probs_N, scatter=False)
 
     @staticmethod
     def backward(ctx, grad_out_NH, grad_probs_N):
         (src_rows_N,) = ctx.saved_tensors
+        if grad_out_NH is None:
+            if grad_probs_N is None:
+                return None, None, None
+            shape, dtype, device = ctx.input_meta
+            grad_out_NH = torch.zeros(shape, dtype=dtype, device=device)
         grad_in_NH, grad_in_probs_N = _launch_move_rows(
             grad_out_NH.contiguous(), src_rows_N,
             None if grad_probs_N is None else grad_probs_N.contiguous(), scatter=True)
@@ -172,8 +191,10 @@ def sort_chunks_by_idxs_triton(
     device = input_NH.device
     src_rows_N, total_1 = chunk_src_rows_triton(
         split_sizes_C.to(device).contiguous(), sorted_idxs_C.to(device).contiguous(), num_rows)
-    triton_utils.check_count_fits(
-        total_1, num_rows, f"sort_chunks_by_idxs: split_sizes sum to more than the input's "
-        f"{num_rows} rows")
+    if not triton_utils.device_asserts(src_rows_N) or num_rows == 0 or sorted_idxs_C.numel() == 0:
+        # (CUDA with a kernel launched: asserted there)
+        triton_utils.check_count_fits(
+            total_1, num_rows, f"sort_chunks_by_idxs: split_sizes sum to more than the input's "
+            f"{num_rows} rows")
     return _SortChunksTriton.apply(input_NH.contiguous(),
                                    None if probs_N is None else probs_N.contiguous(), src_rows_N)

@@ -7,6 +7,9 @@ permute(tokens, routing_map, probs=None, num_out_tokens=None)
     -> (permuted_tokens [N, H], permuted_probs [N] | None, row_id_map [T, E] int32)
 unpermute(permuted_tokens, row_id_map, restore_shape=None, probs=None, routing_map=None) -> [T, H]
 sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None) -> (output, probs | None)
+rms_norm(x [..., H], weight [H], eps) -> [..., H]
+rotary(x [B, N, S, D], cos [S, D/2], sin [S, D/2]) -> [B, N, S, D]
+swiglu(h [M, 2F], probs [M] | None = None) -> [M, F]
 
 Same signatures, outputs and row-id map format as `reference` (the torch backend), so a model
 switches backends by config alone (`make_moe_ops`). Every op is differentiable like its
@@ -16,8 +19,12 @@ TRITON_INTERPRET=1 (see `epoverlap_kernels.triton_unavailable_reason`).
 
 from .permutation_triton import permute_triton as permute
 from .permutation_triton import unpermute_triton as unpermute
+from .rmsnorm_triton import rms_norm_triton as rms_norm
+from .rotary_triton import rotary_triton as rotary
 from .router_topk_triton import router_topk_triton as router_topk
 from .router_topk_triton import router_topk_with_counts_triton as router_topk_with_counts
 from .sort_chunks_triton import sort_chunks_by_idxs_triton as sort_chunks_by_idxs
+from .swiglu_triton import swiglu_triton as swiglu
 
-__all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs"]
+__all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs",
+           "rms_norm", "rotary", "swiglu"]

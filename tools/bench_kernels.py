@@ -8,8 +8,13 @@ For each shape and op, forward and backward: correctness against the torch refer
 then the median time (triton.testing.do_bench, L2 flushed between runs), the achieved GB/s
 from the bytes formula below, that as a fraction of the device-to-device copy bandwidth
 measured in the same run (one 1 GiB tensor copy, bytes read + written), and the speedup over
-the torch reference. The last thing printed is a markdown table (also written to --out).
-`--sweep` adds kernel-only times of the row kernels for other (BLOCK_H, num_warps) tiles.
+the torch reference. The eager time includes whatever host time the call spends past the
+~60 us that do_bench's L2 flush gives it, so for the Triton ops two more columns tell host- from
+GPU-bound: "graph ms" (the same call captured in a CUDA graph and replayed, L2 flushed: GPU time
+only, launch gaps included) with its fraction of copy, and "host us" (median wall time of one
+call from an idle GPU, no sync: the Python + launch cost). The last thing printed is a markdown
+table (also written to --out). `--sweep` adds kernel-only times of the row kernels for other
+(BLOCK_H, num_warps, BLOCK_T) tiles and of the row-map build's two variants.
 
 Bytes formulas (T tokens, E experts, H hidden, K top-k, N = T*K rows, C chunks;
 s / p / f = bytes per token element / prob / logit; the routing map is 1 byte per flag):
@@ -23,12 +28,19 @@ s / p / f = bytes per token element / prob / logit; the routing map is 1 byte pe
                   + 4*T*E (map) + 2*T*E*p (probs, grad probs)
   sort_chunks     2*N*H*s + 2*N*p (rows, probs; forward and backward alike)
 "Permute fwd" is end to end from the routing map: the row-map build is included.
+The formulas count compulsory DRAM traffic (each input read once, each output written once):
+scratch (the map build's per-block counts) and L2 re-reads (each one-launch map program counts
+the whole small map) are not counted. The unpermute benchmarks use the map built by the Triton
+permute (bit-identical to the torch one, checked), as the runtime does: it carries its routed
+count, which the unpermute backward needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -64,11 +76,18 @@ class Row:
     triton_ms: float
     torch_ms: float
     nbytes: int
+    graph_ms: Optional[float] = None  # the Triton call replayed from a CUDA graph
+    host_us: Optional[float] = None   # the Triton call's host time
 
     def cells(self, copy_gbps: float) -> list[str]:
         gbps = self.nbytes / self.triton_ms / 1e6
+        graph = ["n/a", "n/a"]
+        if self.graph_ms:
+            graph_gbps = self.nbytes / self.graph_ms / 1e6
+            graph = [f"{self.graph_ms:.4f}", f"{100 * graph_gbps / copy_gbps:.0f}%"]
+        host = "n/a" if self.host_us is None else f"{self.host_us:.0f}"
         return [self.shape, self.op, self.direction, f"{self.triton_ms:.4f}", f"{gbps:.0f}",
-                f"{100 * gbps / copy_gbps:.0f}%", f"{self.torch_ms:.4f}",
+                f"{100 * gbps / copy_gbps:.0f}%", *graph, host, f"{self.torch_ms:.4f}",
                 f"{self.torch_ms / self.triton_ms:.1f}x"]
 
 
@@ -76,6 +95,43 @@ def bench(fn: Callable, rep_ms: int) -> float:
     import triton.testing
     return triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms,
                                    return_mode="median")
+
+
+def graph_ms(setup: Callable[[], Callable], rep_ms: int) -> Optional[float]:
+    """GPU-only time of a call: `setup()` runs on a side stream (a backward's forward must run
+    there too, so its kernels land on the capturing stream) and returns the call, which is warmed
+    up, captured in a CUDA graph and replayed under `bench` (L2 flushed before each replay).
+    None, with the reason printed, if the capture fails."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):
+            fn = setup()
+            fn()
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+        torch.cuda.synchronize()
+        return bench(graph.replay, max(10, rep_ms // 4))  # a replay varies little: short
+    except Exception as err:  # report, keep benchmarking the rest
+        torch.cuda.synchronize()
+        print(f"  (graph capture failed: {type(err).__name__}: {str(err)[:300]})", flush=True)
+        return None
+
+
+def host_us(fn: Callable, calls: int = 40) -> float:
+    """Median wall time of one call of `fn` issued to an idle GPU (no sync inside the timing):
+    what the call costs the host (Python, autograd, launches)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
 
 
 def copy_bandwidth_gbps(rep_ms: int) -> float:
@@ -151,8 +207,18 @@ def bench_router(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
         results[backend] = (list(out) + list(grad_fn()), fwd, bench(grad_fn, rep_ms))
     tri, ref = results["triton"], results["torch"]
     _check(f"{shape.name} router", tri[0], ref[0], exact=False)
-    return [Row(shape.name, "router_topk", "fwd", tri[1], ref[1], 2 * t * e * f + t * e + 8 * e),
-            Row(shape.name, "router_topk", "bwd", tri[2], ref[2], 3 * t * e * f + t * e)]
+    impl = ops["triton"]
+
+    def fwd():
+        return lambda: impl.router_topk_with_counts(logits, shape.topk, **settings)
+
+    def bwd():
+        x = logits.clone().requires_grad_()
+        return _grad_fn(impl.router_topk_with_counts(x, shape.topk, **settings)[0], x, grad)
+    return [Row(shape.name, "router_topk", "fwd", tri[1], ref[1], 2 * t * e * f + t * e + 8 * e,
+                graph_ms(fwd, rep_ms), host_us(fwd())),
+            Row(shape.name, "router_topk", "bwd", tri[2], ref[2], 3 * t * e * f + t * e,
+                graph_ms(bwd, rep_ms), host_us(bwd()))]
 
 
 def bench_row_map(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
@@ -163,7 +229,11 @@ def bench_row_map(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
            [build_row_id_map(routing_map)], exact=True)
     tri = bench(lambda: build_row_id_map_triton(routing_map), rep_ms)
     ref = bench(lambda: build_row_id_map(routing_map), rep_ms)
-    return [Row(shape.name, "row_id_map", "fwd", tri, ref, 5 * shape.tokens * shape.experts)]
+
+    def fwd():
+        return lambda: build_row_id_map_triton(routing_map)
+    return [Row(shape.name, "row_id_map", "fwd", tri, ref, 5 * shape.tokens * shape.experts,
+                graph_ms(fwd, rep_ms), host_us(fwd()))]
 
 
 def bench_permute(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
@@ -182,16 +252,30 @@ def bench_permute(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
     tri, ref = results["triton"], results["torch"]
     _check(f"{shape.name} permute", list(tri[0]) + list(tri[1]), list(ref[0]) + list(ref[1]),
            exact=True)
+    impl = ops["triton"]
+    grads = [_randn((n, h), tokens.dtype, 3), _randn((n,), probs.dtype, 4)]
+
+    def fwd():
+        return lambda: impl.permute(tokens, routing_map, probs, num_out_tokens=n)
+
+    def bwd():
+        x, pr = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+        out = impl.permute(x, routing_map, pr, num_out_tokens=n)
+        return _grad_fn(out[:2], [x, pr], grads)
     return [Row(shape.name, "permute", "fwd", tri[2], ref[2],
-                5 * t * e + (t + n) * h * s + t * e * p + n * p),
+                5 * t * e + (t + n) * h * s + t * e * p + n * p,
+                graph_ms(fwd, rep_ms), host_us(fwd())),
             Row(shape.name, "permute", "bwd", tri[3], ref[3],
-                (n + t) * h * s + 4 * t * e + n * p + t * e * p)]
+                (n + t) * h * s + 4 * t * e + n * p + t * e * p,
+                graph_ms(bwd, rep_ms), host_us(bwd()))]
 
 
 def bench_unpermute(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
     _, _, routing_map, tokens, probs = _routing_inputs(shape)
     t, e, h, n = shape.tokens, shape.experts, shape.hidden, shape.tokens * shape.topk
-    rows, _, row_map = ops["torch"].permute(tokens, routing_map, num_out_tokens=n)
+    rows, _, row_map = ops["triton"].permute(tokens, routing_map, num_out_tokens=n)
+    _check(f"{shape.name} unpermute's row map", [row_map],
+           [ops["torch"].permute(tokens, routing_map, num_out_tokens=n)[2]], exact=True)
     s, p = rows.element_size(), probs.element_size()
     results = {}
     for backend, impl in ops.items():
@@ -202,10 +286,20 @@ def bench_unpermute(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
         results[backend] = ([out], grad_fn(), fwd, bench(grad_fn, rep_ms))
     tri, ref = results["triton"], results["torch"]
     _check(f"{shape.name} unpermute", tri[0] + list(tri[1]), ref[0] + list(ref[1]), exact=False)
+    impl = ops["triton"]
+    grad = _randn((t, h), rows.dtype, 5)
+
+    def fwd():
+        return lambda: impl.unpermute(rows, row_map, probs=probs)
+
+    def bwd():
+        r, m = rows.clone().requires_grad_(), probs.clone().requires_grad_()
+        return _grad_fn(impl.unpermute(r, row_map, probs=m), [r, m], grad)
     return [Row(shape.name, "unpermute+probs", "fwd", tri[2], ref[2],
-                (n + t) * h * s + 4 * t * e + t * e * p),
+                (n + t) * h * s + 4 * t * e + t * e * p, graph_ms(fwd, rep_ms), host_us(fwd())),
             Row(shape.name, "unpermute+probs", "bwd", tri[3], ref[3],
-                (t + 2 * n) * h * s + 4 * t * e + 2 * t * e * p)]
+                (t + 2 * n) * h * s + 4 * t * e + 2 * t * e * p, graph_ms(bwd, rep_ms),
+                host_us(bwd()))]
 
 
 def _chunk_inputs(shape: Shape):
@@ -236,43 +330,80 @@ def bench_sort_chunks(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
         results[backend] = (list(out), list(grad_fn()), fwd, bench(grad_fn, rep_ms))
     tri, ref = results["triton"], results["torch"]
     _check(f"{shape.name} sort_chunks", tri[0] + tri[1], ref[0] + ref[1], exact=True)
-    return [Row(shape.name, "sort_chunks", "fwd", tri[2], ref[2], nbytes),
-            Row(shape.name, "sort_chunks", "bwd", tri[3], ref[3], nbytes)]
+    impl = ops["triton"]
+    grads = [_randn(rows.shape, rows.dtype, 6), _randn(probs.shape, probs.dtype, 7)]
+
+    def fwd():
+        return lambda: impl.sort_chunks_by_idxs(rows, counts, order, probs)
+
+    def bwd():
+        r, pr = rows.clone().requires_grad_(), probs.clone().requires_grad_()
+        return _grad_fn(impl.sort_chunks_by_idxs(r, counts, order, pr), [r, pr], grads)
+    return [Row(shape.name, "sort_chunks", "fwd", tri[2], ref[2], nbytes, graph_ms(fwd, rep_ms),
+                host_us(fwd())),
+            Row(shape.name, "sort_chunks", "bwd", tri[3], ref[3], nbytes, graph_ms(bwd, rep_ms),
+                host_us(bwd()))]
 
 
 def sweep_tiles(shape: Shape, rep_ms: int) -> list[str]:
-    """Kernel-only times of the row kernels for other tiles (to tune triton_utils)."""
+    """Kernel-only times of the row kernels for other tiles, and of both row-map builds (to
+    tune triton_utils)."""
     from epoverlap_kernels import permutation_triton as pt
     from epoverlap_kernels import sort_chunks_triton as st
-    from epoverlap_kernels.triton_utils import CopyConfig, copy_config, row_walk_config
+    from epoverlap_kernels.triton_utils import (CopyConfig, MapTiles, cdiv, copy_config,
+                                                map_tiles, next_pow2, permute_config,
+                                                row_walk_config)
     _, _, routing_map, tokens, probs = _routing_inputs(shape)
-    n = shape.tokens * shape.topk
+    n, t, e, h = shape.tokens * shape.topk, shape.tokens, shape.experts, shape.hidden
     row_map, _, total = pt.build_row_id_map_triton(routing_map)
     rows = pt._launch_permute(tokens, row_map, total, n)[0]
     src_rows, _ = st.chunk_src_rows_triton(*_chunk_inputs(shape)[1:3], n)
     kernels = {
         "permute": (lambda c: pt._launch_permute(tokens, row_map, total, n, probs, config=c),
-                    row_walk_config),
+                    permute_config(h, 2, e), True),
         "unpermute+probs": (lambda c: pt._launch_unpermute(rows, row_map, probs, config=c),
-                            row_walk_config),
+                            row_walk_config(h, 2), True),
         "unpermute bwd": (lambda c: pt._launch_unpermute_bwd(tokens, rows, row_map, probs,
-                                                             config=c), row_walk_config),
+                                                             config=c, total_1=total),
+                          row_walk_config(h, 2), True),
         "sort_chunks": (lambda c: st._launch_move_rows(rows, src_rows, None, False, config=c),
-                        copy_config)}
+                        copy_config(h, 2), False),
+        "sort_chunks bwd": (lambda c: st._launch_move_rows(rows, src_rows, None, True, config=c),
+                            copy_config(h, 2), False)}
     lines = []
-    for name, (launch, default) in kernels.items():
-        chosen = default(shape.hidden, 2)
+    for name, (launch, chosen, multi_token) in kernels.items():
         for block_h in (1024, 2048, 4096, 8192):
             for warps in (4, 8, 16):
-                config = CopyConfig(block_h, warps)
-                ms = bench(lambda launch=launch, config=config: launch(config), rep_ms)
-                mark = " (default)" if config == chosen else ""
-                lines.append(f"| {shape.name} | {name} | {block_h} | {warps} | {ms:.4f}{mark} |")
+                for block_t in ((1, 2, 4) if multi_token else (1,)):
+                    if block_t * block_h * 2 > 32768 or block_h > 2 * next_pow2(h):
+                        continue
+                    config = CopyConfig(block_h, warps, block_t)
+                    ms = bench(lambda launch=launch, config=config: launch(config), rep_ms)
+                    mark = " (default)" if config == chosen else ""
+                    lines.append(f"| {shape.name} | {name} | {block_h} | {warps} | {block_t} | "
+                                 f"{ms:.4f}{mark} |")
+    default = map_tiles(t, e)
+    variants = {"default": default}
+    if default.single:  # the two-pass build at the same token blocks
+        variants["two-pass"] = MapTiles(default.sub_t, default.num_sub, default.block_e,
+                                        default.num_blocks, min(next_pow2(default.num_blocks),
+                                                                4096 // default.block_e),
+                                        default.num_warps)
+    elif t * min(next_pow2(e), 1024) <= 262144 and e <= 1024:  # one launch, bigger re-count
+        block_e = next_pow2(e)
+        sub_t = max(1, min(512, 4096 // block_e))
+        variants["one-launch"] = MapTiles(sub_t, 1, block_e, cdiv(t, sub_t), 1, 8, True,
+                                          max(1, 16384 // block_e))
+    for name, tiles in variants.items():
+        ms = bench(lambda tiles=tiles: pt.build_row_id_map_triton(routing_map, tiles=tiles),
+                   rep_ms)
+        lines.append(f"| {shape.name} | row map {name} | {tiles} | | | {ms:.4f} |")
     return lines
 
 
 def table(rows: list[Row], copy_gbps: float) -> str:
-    head = ["shape", "op", "dir", "triton ms", "GB/s", "of copy", "torch ms", "speedup"]
+    head = ["shape", "op", "dir", "triton ms", "GB/s", "of copy", "graph ms", "graph of copy",
+            "host us", "torch ms", "speedup"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r.cells(copy_gbps)) + " |" for r in rows]
     return "\n".join(lines)
@@ -296,7 +427,8 @@ def run(args) -> str:
             torch.cuda.empty_cache()
     text = f"{header}\n\n{table(rows, copy_gbps)}\n"
     if args.sweep:
-        sweep = ["| shape | kernel | BLOCK_H | num_warps | ms |", "|---|---|---|---|---|"]
+        sweep = ["| shape | kernel | BLOCK_H | num_warps | BLOCK_T | ms |",
+                 "|---|---|---|---|---|---|"]
         for name in args.shapes.split(","):
             sweep += sweep_tiles(SHAPES[name], args.rep_ms)
         text += "\nTile sweep (kernel only):\n\n" + "\n".join(sweep) + "\n"

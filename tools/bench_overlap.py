@@ -46,17 +46,24 @@ SHAPES = {
               "--seq-length", "256", "--num-experts", "8", "--moe-router-topk", "2",
               "--moe-ffn-hidden-size", "256", "--micro-batch-size", "2",
               "--num-microbatches", "4"],
-    # candidate shapes with all-to-all time near compute time (the ratio is measured)
-    "ratio_h4096_k8_f256": ["--num-layers", "4", "--hidden-size", "4096",
+    # candidate shapes with all-to-all time near compute time (the ratio is measured): top-8
+    # routing with small experts keeps the all-to-all bytes per FLOP high, and 8k-16k tokens
+    # per microbatch keep each kernel long enough that the GPU, not the host, is the bottleneck
+    "ratio_h2048_k8_f128": ["--num-layers", "2", "--hidden-size", "2048",
+                            "--num-attention-heads", "16", "--num-query-groups", "4",
+                            "--seq-length", "1024", "--num-experts", "32",
+                            "--moe-router-topk", "8", "--moe-ffn-hidden-size", "128",
+                            "--micro-batch-size", "16", "--num-microbatches", "4"],
+    "ratio_h2048_k8_f256": ["--num-layers", "2", "--hidden-size", "2048",
+                            "--num-attention-heads", "16", "--num-query-groups", "4",
+                            "--seq-length", "1024", "--num-experts", "32",
+                            "--moe-router-topk", "8", "--moe-ffn-hidden-size", "256",
+                            "--micro-batch-size", "16", "--num-microbatches", "4"],
+    "ratio_h4096_k8_f256": ["--num-layers", "2", "--hidden-size", "4096",
                             "--num-attention-heads", "32", "--num-query-groups", "8",
                             "--seq-length", "2048", "--num-experts", "16",
                             "--moe-router-topk", "8", "--moe-ffn-hidden-size", "256",
-                            "--micro-batch-size", "1", "--num-microbatches", "4"],
-    "ratio_h4096_k8_f512": ["--num-layers", "4", "--hidden-size", "4096",
-                            "--num-attention-heads", "32", "--num-query-groups", "8",
-                            "--seq-length", "2048", "--num-experts", "16",
-                            "--moe-router-topk", "8", "--moe-ffn-hidden-size", "512",
-                            "--micro-batch-size", "1", "--num-microbatches", "4"],
+                            "--micro-batch-size", "4", "--num-microbatches", "4"],
     # the three Megatron-core configurations of environment.md
     "megatron_e32_k4_mbs2x8": MEGATRON,
     "megatron_e32_k4_mbs8x4": MEGATRON + ["--micro-batch-size", "8", "--num-microbatches", "4"],

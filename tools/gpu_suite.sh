@@ -71,15 +71,15 @@ case "$PART" in
     ;;
   overlap)
     CUDA_VISIBLE_DEVICES=$TWO_GPUS step bench_overlap torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py \
-      --shapes "${SHAPES:-ratio_h4096_k8_f256,ratio_h4096_k8_f512,megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4,dsv3_layer}" \
-      --profile-shapes "${PROFILE:-ratio_h4096_k8_f256,ratio_h4096_k8_f512}" --out-dir "$WORK/bench_overlap"
+      --shapes "${SHAPES:-ratio_h2048_k8_f128,ratio_h2048_k8_f256,ratio_h4096_k8_f256,megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4,dsv3_layer}" \
+      --profile-shapes "${PROFILE:-ratio_h2048_k8_f128,ratio_h2048_k8_f256}" --out-dir "$WORK/bench_overlap"
     ;;
   scale)
     step bitwise torchrun --standalone --nproc-per-node="$ALL_GPUS" tools/check_bitwise.py --steps 20 \
       --out "$WORK/bitwise.json"
     step bench_overlap torchrun --standalone --nproc-per-node="$ALL_GPUS" tools/bench_overlap.py \
-      --shapes "${SHAPES:-ratio_h4096_k8_f256,ratio_h4096_k8_f512,megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4,dsv3_layer}" \
-      --profile-shapes "${PROFILE:-ratio_h4096_k8_f256}" --out-dir "$WORK/bench_overlap"
+      --shapes "${SHAPES:-ratio_h2048_k8_f128,ratio_h2048_k8_f256,ratio_h4096_k8_f256,megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4,dsv3_layer}" \
+      --profile-shapes "${PROFILE:-ratio_h2048_k8_f128}" --out-dir "$WORK/bench_overlap"
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac

@@ -6,7 +6,8 @@ ops make (PTX + cubin with the bundled ptxas) and stops it from running, and the
 CPU tensors with the benchmark shapes' hidden sizes, expert counts and dtypes, so the launch
 configs (tiles, warps, constexprs, divisibility specializations) are the GPU's. Prints one line
 per compiled kernel: registers, local memory (spills), and the count of 16-byte global loads and
-stores in the PTX. Outputs of the ops are garbage (nothing runs); only compilation is checked.
+stores in the PTX ("debug" marks a kernel compiled with its device asserts, as CUDA launches the
+bound checks). Outputs of the ops are garbage (nothing runs); only compilation is checked.
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ def _install_fake_driver(records: list[dict], context: dict) -> None:
         seen.add((name, str(key)))
         src = triton.compiler.ASTSource(fn.jit_function, compile["signature"],
                                         compile["constants"], compile["configs"][0])
+        launch_options = json.loads(compile["specialization_data"])["options"]
         options = {k: compile[k] for k in ("num_warps", "num_stages", "num_ctas")}
+        options.update({k: launch_options[k] for k in ("debug", "sanitize_overflow")})
         kernel = triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32), options=options)
-        records.append(dict(_describe(name, compile, kernel), shape=context.get("shape")))
+        records.append(dict(_describe(name, compile, kernel), shape=context.get("shape"),
+                            debug=options["debug"]))
         return True  # compiled only: never launch
 
     driver.set_active(_Sm90Driver())
@@ -91,6 +95,7 @@ def _exercise_ops(context: dict) -> None:
     from epoverlap_kernels import triton_utils
 
     triton_utils.check_count_fits = lambda *args: None  # nothing runs: the counts are garbage
+    triton_utils.device_asserts = lambda tensor: True  # compile the CUDA launch configs
 
     shapes = [(7168, 256, 8, dict(score_function="sigmoid", num_groups=8, group_topk=4,
                                   scaling_factor=2.5, expert_bias=torch.zeros(256))),
@@ -104,7 +109,11 @@ def _exercise_ops(context: dict) -> None:
 
 def _exercise_shape(ops, context, tokens, hidden, experts, topk, dtype, router_kwargs) -> None:
     import torch
+    from epoverlap_kernels.permutation_triton import build_row_id_map_triton
     context["shape"] = f"H{hidden}-E{experts}-k{topk}-{str(dtype).split('.')[-1]}"
+    # the map kernels' tiles depend on T: build the benchmark's 8192-token map too
+    build_row_id_map_triton(torch.zeros(8192, experts, dtype=torch.bool),
+                            num_out_tokens=8192 * topk)
     logits = torch.randn(tokens, experts, dtype=dtype, requires_grad=True)
     probs, routing_map, _ = ops.router_topk_with_counts(logits, topk, **router_kwargs)
     probs.sum().backward()
@@ -135,7 +144,8 @@ def main(argv: list[str]) -> int:
         return 0
     for r in records:
         consts = ", ".join(f"{k}={v}" for k, v in r["constants"].items())
-        print(f"{r['shape']:<22} {r['kernel']:<24} warps={r['num_warps']} regs={r['regs']} "
+        debug = " debug" if r["debug"] else ""
+        print(f"{r['shape']:<22} {r['kernel']:<24} warps={r['num_warps']}{debug} regs={r['regs']} "
               f"local={r['local_bytes']} v4ld={r['v4_loads']} v4st={r['v4_stores']} "
               f"[{consts}] {r['signature']}")
     return 0

@@ -1,7 +1,8 @@
 """GPU tests of the Triton kernels (compiled, not interpreted): both benchmark shapes and a few
 odd ones, every dtype, forward and backward against the torch reference, determinism, no host
-sync (torch.cuda.set_sync_debug_mode("error")), CUDA-graph capture, the num_out_tokens bound
-(kernel-level sentinel check, and the device assert in a subprocess), offsets past 2^31.
+sync (torch.cuda.set_sync_debug_mode("error")), CUDA-graph capture, the num_out_tokens and
+split-size bounds (kernel-level sentinel check, and the in-kernel device asserts in a
+subprocess), offsets past 2^31.
 
 Run on a GPU machine: python -m pytest tests/kernels -m gpu -q
 """
@@ -282,13 +283,33 @@ print("NO ERROR")
 """
 
 
-def test_too_small_num_out_tokens_is_a_device_assert():
-    """A device-side assert poisons the CUDA context, so it runs in its own process."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _OVERFLOW_SCRIPT], capture_output=True,
+_OVERFLOW_SORT_SCRIPT = """
+import torch
+from epoverlap_kernels import make_moe_ops
+ops = make_moe_ops("triton")
+rows = torch.randn(10, 256, device="cuda")
+ops.sort_chunks_by_idxs(rows, torch.tensor([3, 4, 5], device="cuda"),
+                        torch.tensor([2, 0, 1], device="cuda"))  # splits sum to 12 > 10 rows
+torch.cuda.synchronize()
+print("NO ERROR")
+"""
+
+
+@pytest.mark.parametrize("script,what", [
+    (_OVERFLOW_SCRIPT, "num_out_tokens"),       # asserted in the row-id map kernel
+    (_OVERFLOW_SORT_SCRIPT, "split_sizes"),     # asserted in the chunk-map kernel
+])
+def test_out_of_bounds_is_a_device_assert(script, what):
+    """The bound checks are Triton device asserts inside the kernels that compute the counts
+    (no extra launch). A device-side assert poisons the CUDA context: own process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DEBUG")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True,
                           text=True, env=env, timeout=300, cwd=Path(__file__).parents[2])
     assert proc.returncode != 0 and "NO ERROR" not in proc.stdout
-    assert "assert" in (proc.stderr + proc.stdout).lower(), proc.stderr[-2000:]
+    output = proc.stderr + proc.stdout
+    assert "assert" in output.lower(), output[-2000:]
+    if "Assertion" in output:  # the device printed the kernel's message: it names the bound
+        assert what in output, output[-2000:]
 
 
 def test_offsets_past_int32():

@@ -5,11 +5,12 @@ Small T (the CPU interpreter pays per program and per op)."""
 import pytest
 import torch
 
+from epoverlap_kernels import permutation_triton
 from epoverlap_kernels.permutation import build_row_id_map, permute_torch, unpermute_torch
 from epoverlap_kernels.permutation_triton import (_launch_permute, _launch_unpermute,
-                                                  build_row_id_map_triton, permute_triton,
-                                                  unpermute_triton)
-from epoverlap_kernels.triton_utils import CopyConfig
+                                                  _launch_unpermute_bwd, build_row_id_map_triton,
+                                                  permute_triton, unpermute_triton)
+from epoverlap_kernels.triton_utils import CopyConfig, MapTiles, cdiv, map_tiles, next_pow2
 
 from kernel_test_utils import (DTYPES, INTERPRETED, assert_bits_equal, assert_same_run,
                                close_tolerance, generator, random_like_rows, random_probs,
@@ -21,6 +22,7 @@ CASES = {
     "k1_e5_h33": (11, 5, 1, 33, 0, (0, 4)),
     "k8_e20_h24": (9, 20, 8, 24, 1, (7, 19)),
     "k3_e12_h300": (10, 12, 3, 300, 3, ()),
+    "k5_e40_h24": (7, 40, 5, 24, 1, (2, 39)),  # > 32 experts: one token per permute program
 }
 
 
@@ -34,8 +36,9 @@ def _case(name, dtype, device, seed=0):
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,topk,padding", [
-    (13, 6, 2, 2), (40, 1030, 5, 3),  # E above one BLOCK_E tile; several token blocks
-    (700, 3, 1, 0), (5, 9, 9, 5),     # several token blocks; nothing routed at all
+    (13, 6, 2, 2), (40, 1030, 5, 3),  # one program; E above one BLOCK_E tile (two passes)
+    (700, 3, 1, 0), (5, 9, 9, 5),     # one program, several rows; nothing routed at all
+    (600, 256, 8, 7),                 # two passes: 38 token blocks, 3 prefix tiles
 ])
 def test_row_id_map_matches_reference(triton_device, num_tokens, num_experts, topk, padding):
     routing_map_TE = random_routing_map(num_tokens, num_experts, topk, 4, num_padding=padding,
@@ -44,6 +47,42 @@ def test_row_id_map_matches_reference(triton_device, num_tokens, num_experts, to
     assert_bits_equal(row_id_map_TE, build_row_id_map(routing_map_TE), "row_id_map")
     assert_bits_equal(counts_E, routing_map_TE.sum(0), "tokens_per_expert")
     assert int(total_1[0]) == int(routing_map_TE.sum())
+
+
+def _forced_tiles(num_tokens, sub_t, num_sub, block_e, block_b=1, count_t=1, single=False):
+    return MapTiles(sub_t, num_sub, block_e, cdiv(num_tokens, sub_t * num_sub), block_b, 4,
+                    single, count_t)
+
+
+@pytest.mark.parametrize("tiles", [
+    dict(sub_t=8, num_sub=2, block_e=16, block_b=4),  # 19 blocks, 5 prefix tiles
+    dict(sub_t=16, num_sub=2, block_e=4, block_b=4),  # 3 expert blocks, 3 prefix tiles
+    dict(sub_t=32, num_sub=3, block_e=16, count_t=64, single=True),  # 4 blocks, 5 count tiles
+])
+def test_row_id_map_every_tiling(triton_device, tiles):
+    """Both map builds (one launch / two passes) at tilings the defaults do not pick here."""
+    routing_map_TE = random_routing_map(300, 12, 3, 6, num_padding=4, empty_experts=(5,),
+                                        device=triton_device)
+    forced = _forced_tiles(300, **tiles)
+    row_id_map_TE, counts_E, total_1 = build_row_id_map_triton(routing_map_TE, tiles=forced)
+    assert_bits_equal(row_id_map_TE, build_row_id_map(routing_map_TE), "row_id_map")
+    assert_bits_equal(counts_E, routing_map_TE.sum(0), "tokens_per_expert")
+    assert int(total_1[0]) == int(routing_map_TE.sum())
+
+
+def test_map_tiles_bounds():
+    """One program only for small maps; the two-pass count matrix stays ~128 blocks."""
+    mixtral, dsv3 = map_tiles(8192, 8), map_tiles(8192, 256)
+    assert mixtral.single and mixtral.num_blocks == 16 and mixtral.count_t == 2048
+    assert not dsv3.single and dsv3.num_blocks == 128 and dsv3.block_t == 64
+    for num_tokens, num_experts in [(1, 1), (13, 6), (8192, 64), (65536, 256), (100, 3000)]:
+        tiles = map_tiles(num_tokens, num_experts)
+        assert tiles.block_e == min(next_pow2(num_experts), 1024)
+        assert tiles.num_blocks == cdiv(num_tokens, tiles.block_t)
+        if tiles.single:  # each program re-counts the whole map: keep it small
+            assert num_experts <= tiles.block_e and num_tokens * tiles.block_e <= 65536
+        else:
+            assert tiles.num_blocks <= 256
 
 
 def test_row_id_map_all_on_one_expert(triton_device):
@@ -196,21 +235,32 @@ def test_grads_bit_exact_copies(triton_device):
         torch.testing.assert_close(grads[1], grads[0])
 
 
-@pytest.mark.parametrize("block_h", [32, 128])
-def test_hidden_split_across_programs(triton_device, block_h):
-    """Hidden sizes that are not a multiple of the block: several programs per row."""
+@pytest.mark.parametrize("block_h,block_t", [(64, 1), (128, 4), (512, 2)])
+def test_hidden_split_across_programs(triton_device, block_h, block_t):
+    """Hidden sizes that are not a multiple of the block (several programs per row), and
+    several tokens per program (the last program partly past T); rows past the routed count."""
     tokens_TH, routing_map_TE, probs_TE, num_out = _case("k3_e12_h300", torch.float16,
                                                         triton_device)
+    num_out += 3  # rows past the routed count: zeroed by permute, zero grads by unpermute
     row_id_map_TE, _, total_1 = build_row_id_map_triton(routing_map_TE)
-    config = CopyConfig(block_h, 1)
+    config = CopyConfig(block_h, 1, block_t)
     out_NH, out_N = _launch_permute(tokens_TH, row_id_map_TE, total_1, num_out, probs_TE,
                                     config=config)
     ref = permute_torch(tokens_TH, routing_map_TE, probs_TE, num_out_tokens=num_out)
     assert_bits_equal(out_NH, ref[0], "permuted")
+    assert_bits_equal(out_N, ref[1], "permuted probs")
     back_TH, _ = _launch_unpermute(out_NH, row_id_map_TE, config=config)
     want_TH = unpermute_torch(ref[0], ref[2])
-    torch.testing.assert_close(back_TH, want_TH, **close_tolerance(torch.float16,
-                                                                   interpreted=INTERPRETED))
+    tol = close_tolerance(torch.float16, interpreted=INTERPRETED)
+    torch.testing.assert_close(back_TH, want_TH, **tol)
+    merge_TE = probs_TE * 0.5 + 0.25
+    grad_TH = random_like_rows(tokens_TH.shape[0], 300, torch.float16, 12, triton_device)
+    got = _launch_unpermute_bwd(grad_TH, ref[0], row_id_map_TE, merge_TE, config=config)
+    rows_NH = ref[0].clone().requires_grad_()
+    merge_ref_TE = merge_TE.clone().requires_grad_()
+    unpermute_torch(rows_NH, ref[2], probs=merge_ref_TE).backward(grad_TH)
+    assert_bits_equal(got[0], rows_NH.grad, "grad rows")  # grad_out x prob, one rounding
+    torch.testing.assert_close(got[1], merge_ref_TE.grad, rtol=2 ** -8, atol=1e-3)
 
 
 def test_deterministic(triton_device):
@@ -233,3 +283,35 @@ def test_bad_arguments():
         permute_triton(torch.zeros(4, 8), torch.zeros(3, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="restore_shape"):
         unpermute_triton(torch.zeros(4, 8), torch.zeros(3, 2, dtype=torch.int32), (5, 8))
+
+
+def test_unpermute_reads_the_routed_count_recorded_by_permute(triton_device, monkeypatch):
+    """The map from permute_triton carries its routed count: the unpermute backward zeroes the
+    rows past it without counting the map (no launch); after an in-place change of the map,
+    or for a map built elsewhere, it counts (and matches the reference either way)."""
+    tokens_TH, routing_map_TE, probs_TE, num_out = _case("k2_e6_h40", torch.float32,
+                                                        triton_device)
+    _, _, row_id_map_TE = permute_triton(tokens_TH, routing_map_TE, num_out_tokens=num_out + 4)
+    counted = []
+    original = permutation_triton._routed_count
+
+    def spy(map_TE):
+        counted.append(True)
+        return original(map_TE)
+    monkeypatch.setattr(permutation_triton, "_routed_count", spy)
+    rows_NH = random_like_rows(num_out + 4, 40, torch.float32, 3, triton_device)
+    grad_TH = random_like_rows(tokens_TH.shape[0], 40, torch.float32, 4, triton_device)
+    grads = []
+    for map_TE in (row_id_map_TE, build_row_id_map(routing_map_TE)):
+        for merge in (None, probs_TE):
+            r_NH = rows_NH.clone().requires_grad_()
+            unpermute_triton(r_NH, map_TE, probs=merge).backward(grad_TH)
+            ref_NH = rows_NH.clone().requires_grad_()
+            unpermute_torch(ref_NH, map_TE, probs=merge).backward(grad_TH)
+            assert_bits_equal(r_NH.grad, ref_NH.grad, "grad rows")
+            assert not r_NH.grad[int(routing_map_TE.sum()):].any()
+            grads.append(len(counted))
+    assert grads == [0, 0, 1, 2]  # counted only for the map built elsewhere
+    assert permutation_triton._recorded_routed_count(row_id_map_TE) is not None
+    row_id_map_TE.add_(0)  # an in-place change: the recorded count no longer applies
+    assert permutation_triton._recorded_routed_count(row_id_map_TE) is None
