@@ -15,7 +15,8 @@ microbatches (median over --iters after --warmup; the max over ranks):
 and reports T_comm/T_comp (the ratio of the shape), T_seq/T_ovl, T_ovl/max(T_comp, T_comm),
 exposed comm (T_ovl - T_comp), the full step time (plus grad reduction) and tokens/s/GPU, and
 peak memory per mode next to one microbatch's activations (peak_seq - static).
-Spans of one profiled step per mode go to OUT/spans/<shape>/<mode>/ (epoverlap-timeline).
+Spans of one profiled step per mode go to OUT/spans/<shape>/<mode>/ (epoverlap-timeline);
+with --torch-trace also OUT/spans/<shape>/torch-trace-<mode>-rank<R>.json (kernel level).
 Prints a markdown table last; OUT/bench_overlap.json holds every number.
 """
 
@@ -132,10 +133,7 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
                   "step_ms": _max_over_ranks(statistics.median(full) * 1e3),
                   "peak_gib": _max_over_ranks(peak), "static_gib": _max_over_ranks(static)}
         if profile_dir is not None:
-            trainer.recorder.begin_step(1)
-            trainer.run_microbatches(1, inputs)
-            trainer.recorder.end_step()
-            trainer.recorder.write(str(profile_dir))
+            _profile_step(trainer, inputs, profile_dir, args.torch_trace)
         if want_trace:
             trainer.comm.trace = []
             trainer.run_microbatches(1, inputs)
@@ -149,6 +147,26 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _profile_step(trainer, inputs, profile_dir: Path, torch_trace: bool) -> None:
+    """Spans of one step (and, with --torch-trace, a torch.profiler trace of the same step)."""
+    profiler = None
+    if torch_trace:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities)
+        profiler.start()
+    trainer.recorder.begin_step(1)
+    trainer.run_microbatches(1, inputs)
+    trainer.recorder.end_step()
+    if profiler is not None:
+        profiler.stop()
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(
+            str(profile_dir.parent / f"torch-trace-{profile_dir.name}-rank{trainer.groups.rank}.json"))
+    trainer.recorder.write(str(profile_dir))
 
 
 def replay_comm_ms(trace, groups, args) -> float:
@@ -187,7 +205,7 @@ def bench_shape(name, groups, args, log) -> dict:
     results = {"shape": name, "flags": base}
     for mode in modes:
         profile = (Path(args.out_dir) / "spans" / name / mode
-                   if name in args.profile_shapes and mode != "comp" else None)
+                   if name in args.profile_shapes else None)
         results[mode] = measure_mode(groups, base + MODES[mode], args, profile,
                                      want_trace=(mode == "ovl" and "comp" in modes))
         log(f"[bench_overlap] {name} {mode}: fb {results[mode]['fb_ms']:.2f} ms, step "
@@ -252,6 +270,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default="runs/bench_overlap")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--torch-trace", action="store_true",
+                        help="also write a torch.profiler trace of each profiled step")
     args = parser.parse_args(argv)
     args.profile_shapes = [s for s in args.profile_shapes.split(",") if s]
     shapes = [s for s in args.shapes.split(",") if s]

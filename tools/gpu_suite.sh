@@ -5,6 +5,7 @@
 #   tools/gpu_suite.sh kernels   kernel GPU tests + kernel benchmark
 #   tools/gpu_suite.sh train     GPU pytest tier (1 and N GPUs) + baseline training throughput
 #   tools/gpu_suite.sh overlap   overlap benchmark on NGPUS (default 2) GPUs, with spans
+#   tools/gpu_suite.sh trace     one shape, spans of every mode + torch.profiler traces
 #   tools/gpu_suite.sh scale     bitwise check + overlap benchmark on all visible GPUs
 # Everything is written under ${OUT:-runs/gpu} (logs, JSON, span files, one tarball) and the
 # short tables are printed last. Multicast stays off (see KINDS.md).
@@ -88,6 +89,11 @@ case "$PART" in
     step bench_overlap torchrun --standalone --nproc-per-node="$ALL_GPUS" tools/bench_overlap.py \
       --shapes "${SHAPES:-ratio_h2048_k8_f128,ratio_h2048_k8_f256,ratio_h4096_k8_f256,megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4,dsv3_layer}" \
       --profile-shapes "${PROFILE:-ratio_h2048_k8_f128}" --out-dir "$WORK/bench_overlap" --iters 4
+    ;;
+  trace)  # spans of every mode + torch.profiler kernel traces of one shape, 2 GPUs
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS step bench_overlap torchrun --standalone --nproc-per-node="$NGPUS" \
+      tools/bench_overlap.py --shapes "${SHAPES:-ratio_h2048_k8_f128}" \
+      --profile-shapes "${SHAPES:-ratio_h2048_k8_f128}" --torch-trace --out-dir "$WORK/bench_overlap" --iters 6
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
