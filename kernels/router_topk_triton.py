@@ -3,9 +3,13 @@
 Owns `router_topk_triton` / `router_topk_with_counts_triton`, drop-in replacements of the torch
 references in router_topk.py (same arguments, same outputs, same autograd), and their kernels:
   `_router_fwd_kernel`: one program per BLOCK_T tokens holding whole rows of E scores: score
-    function in fp32, optional expert bias and group limit, iterative top-k (max, then the lowest
-    index holding it: ties go to the lower expert, as in the reference), probs, routing map, and
-    (optionally) per-expert token counts by integer atomics (deterministic).
+    function in fp32, optional expert bias and group limit, iterative top-k, probs, routing map,
+    and (optionally) per-expert token counts by integer atomics (deterministic). Each candidate
+    is one int64 sort key (order-preserving image of its fp32 value, then the reversed expert
+    index), so one max per chosen expert gives both the best value and the lowest expert holding
+    it: ties go to the lower expert, -0.0 ties +0.0 and NaN ranks above +inf, as in the
+    reference's stable sort. Group limit: when E is a power of two (no padding: E == BLOCK_E) the
+    row is viewed as [G, E / G] and all groups are scored at once; else one masked pass per group.
   `_router_bwd_kernel`: grad of the logits through the chosen probs (softmax pre/post, sigmoid
     with sum normalization, scaling factor), scores recomputed from the logits.
 
@@ -13,8 +17,8 @@ Shape legend: T tokens, E experts, G expert groups.
 
 Precision: fp32 inside, probs cast to the logits' dtype (as the reference). The routing map
 matches the reference bit for bit whenever the scores have no near-ties; probs and grads agree to
-fp32 rounding (different summation order of the softmax denominator, exp implementation).
-No host sync, static shapes, deterministic.
+fp32 rounding (different summation order of the softmax denominator and of the sigmoid
+normalization, exp implementation). No host sync, static shapes, deterministic.
 """
 
 from __future__ import annotations
@@ -29,24 +33,44 @@ from .router_topk import check_router_args
 from .triton_utils import cdiv, next_pow2, router_tile
 
 SOFTMAX_PRE, SOFTMAX_POST, SIGMOID = 0, 1, 2
+KEY_NONE = tl.constexpr(-(2**63))  # sort key of a non-candidate: below every real key
 
 
 @triton.jit
-def _topk_mask(sel, valid, cols, K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """[BT, BE] mask of the K largest `sel` among `valid` per row; ties: lower column wins.
+def _sort_key(x, idx, BLOCK: tl.constexpr):
+    """int64 keys ordering fp32 `x` by value, then by lower `idx` (0 <= idx < BLOCK).
 
-    Also returns the sum of the chosen values, added in selection order (largest first).
+    High word: an order-preserving int32 image of x (-0.0 and +0.0 map to the same image, as they
+    compare equal; NaNs, all alike, above +inf, as torch's sort puts them); low word:
+    BLOCK - 1 - idx. Keys of distinct idx are distinct, and every key (-inf's too) is above
+    KEY_NONE, so one `tl.max` finds the best value and the lowest index holding it.
     """
-    chosen = tl.zeros(sel.shape, dtype=tl.int1)
-    total = tl.zeros((sel.shape[0],), dtype=tl.float32)
+    b = x.to(tl.int32, bitcast=True)
+    b = tl.where(x != x, 0x7FFFFFFF, tl.where(b >= 0, b, -(b & 0x7FFFFFFF)))
+    return (b.to(tl.int64) << 32) | (BLOCK - 1 - idx)
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 value a `_sort_key` key was made of (-0.0 as +0.0); -inf for KEY_NONE."""
+    hi = (key >> 32).to(tl.int32)
+    v = tl.where(hi >= 0, hi, -hi).to(tl.float32, bitcast=True)
+    return tl.where(key == KEY_NONE, float("-inf"), tl.where(hi >= 0, v, -v))
+
+
+@triton.jit
+def _topk_keys(keys, K: tl.constexpr):
+    """Take the K largest `_sort_key` keys along the last axis: they are replaced by KEY_NONE in
+    the returned keys (so chosen = keys != returned keys). One reduction per step; a step that
+    finds only KEY_NONE takes nothing. Also returns the sum of the taken values (-inf for a step
+    that took nothing) in selection order, largest first, over the other axes.
+    """
+    total = tl.zeros(keys.shape[:-1], dtype=tl.float32)
     for _ in range(K):
-        open_ = valid & (chosen == 0)
-        cand = tl.where(open_, sel, float("-inf"))
-        best = tl.max(cand, axis=1)
-        col = tl.min(tl.where(open_ & (cand == best[:, None]), cols, BLOCK_E), axis=1)
-        chosen = chosen | (cols == col[:, None])
-        total += best
-    return chosen, total
+        best = tl.max(keys, axis=len(keys.shape) - 1)
+        keys = tl.where(keys == tl.expand_dims(best, len(keys.shape) - 1), KEY_NONE, keys)
+        total += _key_value(best)
+    return keys, total
 
 
 @triton.jit
@@ -64,23 +88,36 @@ def _denominator(ex):
 
 
 @triton.jit
-def _group_limit(sel, valid, cols, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr,
+def _group_limit(keys, cols, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr,
                  PER_GROUP: tl.constexpr, PER_GROUP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_G: tl.constexpr):
-    """Experts of the GROUP_TOPK best groups ([BT, BE] mask); a group's score is the sum of its
-    PER_GROUP_K best `sel`. Ties between groups: lower group wins."""
-    group_of = cols // PER_GROUP
-    gcols = tl.arange(0, BLOCK_G)[None, :]
-    group_score = tl.zeros((sel.shape[0], BLOCK_G), dtype=tl.float32) + float("-inf")
-    for g in range(NUM_GROUPS):
-        _, score = _topk_mask(sel, valid & (group_of == g), cols, PER_GROUP_K, BLOCK_E)
-        group_score = tl.where(gcols == g, score[:, None], group_score)
-    kept_g, _ = _topk_mask(group_score, gcols < NUM_GROUPS, gcols, GROUP_TOPK, BLOCK_G)
-    keep = valid & (cols < 0)
-    for g in range(NUM_GROUPS):
-        g_kept = tl.max(tl.where((gcols == g) & kept_g, 1, 0), axis=1)
-        keep = keep | ((group_of == g) & (g_kept[:, None] > 0))
-    return valid & keep
+                 BLOCK_G: tl.constexpr, GROUPS_3D: tl.constexpr):
+    """`keys` [BT, BE] with KEY_NONE outside the GROUP_TOPK best groups; a group's score is the
+    sum of its PER_GROUP_K best values (largest first). Ties between groups: lower group wins.
+
+    GROUPS_3D (BLOCK_E == NUM_GROUPS * PER_GROUP, powers of two): the row viewed as
+    [NUM_GROUPS, PER_GROUP], all groups at once. Else one masked pass over the row per group.
+    """
+    if GROUPS_3D:
+        keys_3 = tl.reshape(keys, (keys.shape[0], NUM_GROUPS, PER_GROUP))
+        _, group_score = _topk_keys(keys_3, PER_GROUP_K)
+        gcols = tl.arange(0, NUM_GROUPS)[None, :]
+        group_keys = _sort_key(group_score, gcols, NUM_GROUPS)
+        kept_g = group_keys != _topk_keys(group_keys, GROUP_TOPK)[0]
+        keep = tl.reshape(tl.broadcast_to(kept_g[:, :, None], keys_3.shape), keys.shape)
+    else:
+        group_of = cols // PER_GROUP
+        gcols = tl.arange(0, BLOCK_G)[None, :]
+        group_score = tl.zeros((keys.shape[0], BLOCK_G), dtype=tl.float32)
+        for g in range(NUM_GROUPS):
+            _, score = _topk_keys(tl.where(group_of == g, keys, KEY_NONE), PER_GROUP_K)
+            group_score = tl.where(gcols == g, score[:, None], group_score)
+        group_keys = tl.where(gcols < NUM_GROUPS, _sort_key(group_score, gcols, BLOCK_G), KEY_NONE)
+        kept_g = group_keys != _topk_keys(group_keys, GROUP_TOPK)[0]
+        keep = tl.zeros(keys.shape, dtype=tl.int1)
+        for g in range(NUM_GROUPS):
+            g_kept = tl.max(tl.where((gcols == g) & kept_g, 1, 0), axis=1)
+            keep = keep | ((group_of == g) & (g_kept[:, None] > 0))
+    return tl.where(keep, keys, KEY_NONE)
 
 
 @triton.jit
@@ -94,6 +131,7 @@ def _router_fwd_kernel(
     K: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, WITH_COUNTS: tl.constexpr,
     NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr, PER_GROUP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+    GROUPS_3D: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
     cols = tl.arange(0, BLOCK_E)[None, :]
@@ -109,11 +147,14 @@ def _router_fwd_kernel(
         scores = 1.0 / (1.0 + tl.exp(-x))
     sel = scores
     if HAS_BIAS:
-        sel = scores + tl.load(bias_ptr + cols, mask=cols < E, other=0.0)
+        # loaded as a [BT, BE] tile (+ 0 * rows): a [1, BE] load made the compiler lay the
+        # whole tile out with warps across the columns, each row reduction through shared memory
+        sel = scores + tl.load(bias_ptr + cols + 0 * rows, mask=valid, other=0.0)
+    keys = tl.where(valid, _sort_key(sel, cols, BLOCK_E), KEY_NONE)
     if GROUP_TOPK > 0:
-        valid = _group_limit(sel, valid, cols, NUM_GROUPS, GROUP_TOPK, PER_GROUP,
-                             K // GROUP_TOPK, BLOCK_E, BLOCK_G)
-    chosen, _ = _topk_mask(sel, valid, cols, K, BLOCK_E)
+        keys = _group_limit(keys, cols, NUM_GROUPS, GROUP_TOPK, PER_GROUP, K // GROUP_TOPK,
+                            BLOCK_E, BLOCK_G, GROUPS_3D)
+    chosen = keys != _topk_keys(keys, K)[0]
     if SCORE == 1:
         ex = tl.where(chosen, tl.exp(x - _row_max(x, chosen)), 0.0)
         probs = ex / _denominator(ex)
@@ -128,7 +169,9 @@ def _router_fwd_kernel(
     if WITH_COUNTS:
         counts = tl.sum(chosen.to(tl.int32), axis=0)
         e = tl.arange(0, BLOCK_E)
-        tl.atomic_add(counts_ptr + e, counts.to(tl.int64), mask=e < E)
+        # relaxed (no fences: only the sum matters), and none for experts this tile never chose
+        tl.atomic_add(counts_ptr + e, counts.to(tl.int64), mask=(e < E) & (counts > 0),
+                      sem="relaxed")
 
 
 @triton.jit
@@ -165,6 +208,12 @@ def _router_bwd_kernel(
     tl.store(grad_logits_ptr + offs, grad.to(grad_logits_ptr.dtype.element_ty), mask=valid)
 
 
+def _groups_3d(num_experts: int, num_groups: int, block_e: int) -> bool:
+    """Whether the group limit can view a row as [groups, experts per group]: no padding
+    (E a power of two, hence so are the group count and size, which divide it)."""
+    return num_groups > 0 and num_experts == block_e
+
+
 def _score_code(score_function: str, use_pre_softmax: bool) -> int:
     if score_function == "softmax":
         return SOFTMAX_PRE if use_pre_softmax else SOFTMAX_POST
@@ -196,7 +245,7 @@ class _RouterTopkTriton(torch.autograd.Function):
                 NUM_GROUPS=num_groups, GROUP_TOPK=group_topk,
                 PER_GROUP=num_experts // max(num_groups, 1),
                 BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=next_pow2(num_groups),
-                num_warps=num_warps)
+                GROUPS_3D=_groups_3d(num_experts, num_groups, block_e), num_warps=num_warps)
         ctx.save_for_backward(logits_TE, routing_map_TE)
         ctx.settings = (topk, score, scale)
         ctx.mark_non_differentiable(routing_map_TE)
