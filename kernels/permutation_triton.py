@@ -27,8 +27,11 @@ Kernels (all deterministic: no atomics, fixed summation orders):
 
 The row walk: a token's rows are visited in ascending row order, which is expert order (rows
 are expert-major), by repeatedly taking the smallest row id above the previous one; 2147483647
-(above every row id) ends a token's walk. The walks that read rows load the next row before
-using the current one, so two row loads per token are in flight (sums keep their order).
+(above every row id) ends a token's walk. The backward walk loads the next row before using the
+current one, so two row loads per token are in flight; the forward does so only when its config
+says `prefetch` (measured on H200: the second row tile's registers cost the forward more
+occupancy than the extra load in flight gains, at both benchmark shapes). Sums keep their order
+either way.
 
 Loops with run-time bounds are `while` loops: the Triton 3.6 interpreter cannot take `range()` of
 a run-time scalar under numpy >= 2.4 (it calls int() on a 1-element array); compiled code is the
@@ -347,7 +350,7 @@ def _unpermute_kernel(
     out_vals_ptr,    # [T, E] out: row_vals[row of (t, e)], 0 if not routed (if GATHER_ROW_VALS)
     T, E, H, N,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-    HAS_PROBS: tl.constexpr, GATHER_ROW_VALS: tl.constexpr,
+    HAS_PROBS: tl.constexpr, GATHER_ROW_VALS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid_t, pid_h = tl.program_id(0), tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -361,19 +364,24 @@ def _unpermute_kernel(
                     mask=t_ok[:, None] & (e[None, :] < E), other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     r = tl.min(tl.where(row_ids >= 0, row_ids, 2147483647), axis=1)
-    x = tl.load(rows_ptr + r[:, None].to(tl.int64) * H + h[None, :],
-                mask=(r < 2147483647)[:, None] & h_mask[None, :], other=0.0)
+    if PREFETCH:
+        x = tl.load(rows_ptr + r[:, None].to(tl.int64) * H + h[None, :],
+                    mask=(r < 2147483647)[:, None] & h_mask[None, :], other=0.0)
     while tl.min(r, axis=0) < 2147483647:
-        # the next rows' load is issued before this row is used: two loads in flight
         r_next = tl.min(tl.where(row_ids > r[:, None], row_ids, 2147483647), axis=1)
-        x_next = tl.load(rows_ptr + r_next[:, None].to(tl.int64) * H + h[None, :],
-                         mask=(r_next < 2147483647)[:, None] & h_mask[None, :], other=0.0)
+        if PREFETCH:  # the next rows' load is issued before this row is used
+            x_next = tl.load(rows_ptr + r_next[:, None].to(tl.int64) * H + h[None, :],
+                             mask=(r_next < 2147483647)[:, None] & h_mask[None, :], other=0.0)
+        else:
+            x = tl.load(rows_ptr + r[:, None].to(tl.int64) * H + h[None, :],
+                        mask=(r < 2147483647)[:, None] & h_mask[None, :], other=0.0)
         xf = x.to(tl.float32)
         if HAS_PROBS:
             xf = xf * tl.sum(tl.where(row_ids == r[:, None], p, 0.0), axis=1)[:, None]
         acc += xf  # tokens whose walk ended add an exact +0
         r = r_next
-        x = x_next
+        if PREFETCH:
+            x = x_next
     tl.store(out_ptr + t[:, None].to(tl.int64) * H + h[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & h_mask[None, :])
     if GATHER_ROW_VALS:
@@ -400,7 +408,7 @@ def _launch_unpermute(rows_NH, row_id_map_TE, probs_TE=None, row_vals_N=None, co
         num_tokens, num_experts, hidden, num_rows,
         BLOCK_T=config.block_t, BLOCK_H=config.block_h, BLOCK_E=next_pow2(num_experts),
         HAS_PROBS=probs_TE is not None, GATHER_ROW_VALS=row_vals_N is not None,
-        num_warps=config.num_warps)
+        PREFETCH=config.prefetch, num_warps=config.num_warps)
     return out_TH, out_vals_TE
 
 

@@ -39,12 +39,14 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class CopyConfig:
-    """Tiles of the row-copy kernels: BLOCK_H hidden elements per program, its warps, and
-    BLOCK_T tokens per program (the row-walk kernels; 1 elsewhere)."""
+    """Tiles of the row-copy kernels: BLOCK_H hidden elements per program, its warps,
+    BLOCK_T tokens per program (the row-walk kernels; 1 elsewhere), and whether the unpermute
+    forward keeps the next row's load in flight (`prefetch`; the other kernels ignore it)."""
 
     block_h: int
     num_warps: int
     block_t: int = 1
+    prefetch: bool = False
 
 
 @functools.lru_cache(maxsize=256)

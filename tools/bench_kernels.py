@@ -377,11 +377,13 @@ def sweep_tiles(shape: Shape, rep_ms: int) -> list[str]:
                 for block_t in ((1, 2, 4) if multi_token else (1,)):
                     if block_t * block_h * 2 > 32768 or block_h > 2 * next_pow2(h):
                         continue
-                    config = CopyConfig(block_h, warps, block_t)
-                    ms = bench(lambda launch=launch, config=config: launch(config), rep_ms)
-                    mark = " (default)" if config == chosen else ""
-                    lines.append(f"| {shape.name} | {name} | {block_h} | {warps} | {block_t} | "
-                                 f"{ms:.4f}{mark} |")
+                    for prefetch in ((False, True) if name == "unpermute+probs" else (False,)):
+                        config = CopyConfig(block_h, warps, block_t, prefetch)
+                        ms = bench(lambda launch=launch, config=config: launch(config), rep_ms)
+                        mark = " (default)" if config == chosen else ""
+                        label = name + (" prefetch" if prefetch else "")
+                        lines.append(f"| {shape.name} | {label} | {block_h} | {warps} | "
+                                     f"{block_t} | {ms:.4f}{mark} |")
     default = map_tiles(t, e)
     variants = {"default": default}
     if default.single:  # the two-pass build at the same token blocks

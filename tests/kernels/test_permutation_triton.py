@@ -315,3 +315,19 @@ def test_unpermute_reads_the_routed_count_recorded_by_permute(triton_device, mon
     assert permutation_triton._recorded_routed_count(row_id_map_TE) is not None
     row_id_map_TE.add_(0)  # an in-place change: the recorded count no longer applies
     assert permutation_triton._recorded_routed_count(row_id_map_TE) is None
+
+
+@pytest.mark.parametrize("block_t", [1, 2])
+def test_unpermute_prefetch_variants_identical(triton_device, block_t):
+    """The forward with the next row's load in flight sums in the same order: same bits."""
+    tokens_TH, routing_map_TE, probs_TE, num_out = _case("k3_e12_h300", torch.float16,
+                                                        triton_device)
+    row_id_map_TE, _, total_1 = build_row_id_map_triton(routing_map_TE)
+    rows_NH, _ = _launch_permute(tokens_TH, row_id_map_TE, total_1, num_out)
+    outs = [_launch_unpermute(rows_NH, row_id_map_TE, probs_TE,
+                              config=CopyConfig(128, 1, block_t, prefetch))[0]
+            for prefetch in (False, True)]
+    assert_bits_equal(outs[0], outs[1], "unpermute with and without prefetch")
+    want_TH = unpermute_torch(rows_NH, row_id_map_TE, probs=probs_TE)
+    torch.testing.assert_close(outs[0], want_TH,
+                               **close_tolerance(torch.float16, interpreted=INTERPRETED))
