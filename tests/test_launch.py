@@ -122,3 +122,29 @@ def test_profiled_run_gives_trace_png_and_table(tmp_path):
     summary = json.loads((out / "timeline_summary.json").read_text())
     assert summary
     assert "exposed" in timeline.stdout.lower()
+
+
+def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_path):
+    """The overlap benchmark end to end on gloo: every mode timed, the comm replay, and the
+    profiled steps' timeline figures beside the benchmark's exposed comm."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "tools" / "bench_overlap.py"), "--shapes", "quick", "--profile-shapes",
+           "quick", "--out-dir", str(tmp_path), "--iters", "1", "--warmup", "0",
+           "--profile-steps", "2"]
+    result = _run(cmd, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_overlap.json").read_text())
+    assert report["world"] == 2
+    shape = report["results"][0]
+    for mode in ("seq", "ovl", "ovl_wgrad", "comp"):
+        assert shape[mode]["fb_ms"] > 0
+        assert len(list((tmp_path / "spans" / "quick" / mode).glob("*"))) == 2  # one per rank
+        figures = shape["timeline"][mode]
+        assert 0 <= figures["exposed_ms"] <= figures["exposed_max_rank_ms"] <= figures["step_ms"]
+        assert figures["comm_ms"] > 0
+    assert shape["comm"]["fb_ms"] > 0
+    derived = shape["derived"]
+    assert derived["timeline_net_exposed_ovl_ms"] == (shape["timeline"]["ovl"]["exposed_ms"]
+                                                   - shape["timeline"]["comp"]["exposed_ms"])
+    assert derived["ratio"] == shape["comm"]["fb_ms"] / shape["comp"]["fb_ms"]
+    assert "| quick | ovl |" in result.stdout

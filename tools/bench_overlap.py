@@ -15,8 +15,12 @@ microbatches (median over --iters after --warmup; the max over ranks):
 and reports T_comm/T_comp (the ratio of the shape), T_seq/T_ovl, T_ovl/max(T_comp, T_comm),
 exposed comm (T_ovl - T_comp), the full step time (plus grad reduction) and tokens/s/GPU, and
 peak memory per mode next to one microbatch's activations (peak_seq - static).
-Spans of one profiled step per mode go to OUT/spans/<shape>/<mode>/ (epoverlap-timeline);
-with --torch-trace also OUT/spans/<shape>/torch-trace-<mode>-rank<R>.json (kernel level).
+For the shapes in --profile-shapes, --profile-steps more steps per mode run with span recording
+(after a barrier, like the timed ones) into OUT/spans/<shape>/<mode>/ (epoverlap-timeline), and
+the timeline's exposed comm of the overlapped run (mean over profiled steps and ranks) is put
+next to the benchmark's T_ovl - T_comp, with the profiled steps' own time (the recording's cost).
+With --torch-trace also OUT/spans/<shape>/torch-trace-<mode>-rank<R>.json (kernel level; the
+profiler slows these host-bound steps, so the span figures are then not comparable).
 Prints a markdown table last; OUT/bench_overlap.json holds every number.
 """
 
@@ -133,7 +137,7 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
                   "step_ms": _max_over_ranks(statistics.median(full) * 1e3),
                   "peak_gib": _max_over_ranks(peak), "static_gib": _max_over_ranks(static)}
         if profile_dir is not None:
-            _profile_step(trainer, inputs, profile_dir, args.torch_trace)
+            _profile_steps(trainer, inputs, profile_dir, args)
         if want_trace:
             trainer.comm.trace = []
             trainer.run_microbatches(1, inputs)
@@ -149,18 +153,23 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
             torch.cuda.empty_cache()
 
 
-def _profile_step(trainer, inputs, profile_dir: Path, torch_trace: bool) -> None:
-    """Spans of one step (and, with --torch-trace, a torch.profiler trace of the same step)."""
+def _profile_steps(trainer, inputs, profile_dir: Path, args) -> None:
+    """Spans of --profile-steps steps (and, with --torch-trace, a torch.profiler trace of them),
+    each started like a timed step: after a barrier with the device idle."""
     profiler = None
-    if torch_trace:
+    if args.torch_trace:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         profiler = torch.profiler.profile(activities=activities)
         profiler.start()
-    trainer.recorder.begin_step(1)
-    trainer.run_microbatches(1, inputs)
-    trainer.recorder.end_step()
+    for step in range(1, args.profile_steps + 1):
+        dist.barrier()
+        _sync(trainer.groups.device)
+        trainer.recorder.begin_step(step)
+        trainer.run_microbatches(1, inputs)
+        trainer.recorder.end_step()
+        trainer.grads.reduce()
     if profiler is not None:
         profiler.stop()
         profile_dir.mkdir(parents=True, exist_ok=True)
@@ -213,7 +222,31 @@ def bench_shape(name, groups, args, log) -> dict:
     if "comp" in modes:
         results["comm"] = {"fb_ms": replay_comm_ms(results["ovl"].pop("trace"), groups, args)}
         log(f"[bench_overlap] {name} comm alone: {results['comm']['fb_ms']:.2f} ms")
+    if name in args.profile_shapes:
+        dist.barrier()  # every rank's span files are written
+        if groups.rank == 0:
+            results["timeline"] = timeline_figures(Path(args.out_dir) / "spans" / name, modes)
     return results
+
+
+def timeline_figures(spans_root: Path, modes: list) -> dict:
+    """Per mode, the timeline tool's figures of the profiled steps, mean over steps and ranks
+    (and the worst rank's exposed comm): what `epoverlap-timeline` prints for that directory."""
+    from epoverlap.spans import read_span_directory
+    from epoverlap_tools.timeline import span_summary
+
+    out = {}
+    for mode in modes:
+        ranks = read_span_directory(spans_root / mode)
+        summary = span_summary(ranks, [step.step for step in ranks[0].steps])
+        per_rank = summary.get("mean_over_steps") or summary["steps"][0]["ranks"]
+        exposed = [row["exposed_comm_us"] / 1e3 for row in per_rank]
+        out[mode] = {"step_ms": statistics.mean(row["step_time_us"] for row in per_rank) / 1e3,
+                     "exposed_ms": statistics.mean(exposed), "exposed_max_rank_ms": max(exposed),
+                     "comm_ms": statistics.mean(row["comm_us"] for row in per_rank) / 1e3,
+                     "compute_busy_ms": statistics.mean(row["compute_busy_us"]
+                                                        for row in per_rank) / 1e3}
+    return out
 
 
 def derived(r: dict) -> dict:
@@ -228,6 +261,18 @@ def derived(r: dict) -> dict:
                    wgrad_over_ideal=r["ovl_wgrad"]["fb_ms"] / max(comp, comm),
                    exposed_ovl_ms=ovl - comp, exposed_wgrad_ms=r["ovl_wgrad"]["fb_ms"] - comp,
                    exposed_seq_ms=seq - comp)
+    if "timeline" in r and "comp" in r:
+        # T_comp still runs a comm-lane node per all-to-all (the local copy; the count exchange
+        # still syncs the host), and T_ovl - T_comp subtracts their exposure too: the timeline's
+        # matching figure is the overlapped run's exposed comm minus the compute-only run's.
+        timeline = r["timeline"]
+        for mode in ("ovl", "ovl_wgrad"):
+            bench_exposed = r[mode]["fb_ms"] - r["comp"]["fb_ms"]
+            net = timeline[mode]["exposed_ms"] - timeline["comp"]["exposed_ms"]
+            out[f"timeline_exposed_{mode}_ms"] = timeline[mode]["exposed_ms"]
+            out[f"timeline_net_exposed_{mode}_ms"] = net
+            out[f"timeline_net_vs_bench_{mode}"] = (net / bench_exposed if bench_exposed > 0
+                                                    else float("nan"))
     act = r["seq"]["peak_gib"] - r["seq"]["static_gib"]
     out["one_mb_activations_gib"] = act
     out["extra_peak_ovl_gib"] = r["ovl"]["peak_gib"] - r["seq"]["peak_gib"]
@@ -260,6 +305,19 @@ def markdown(all_results: list, world: int) -> str:
         cells = [f"{r[m]['step_ms']:.1f} ({r[m]['tokens_per_s_per_gpu'] / 1e3:.1f}k)"
                  for m in ("seq", "ovl", "ovl_wgrad")]
         lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {off} | {on} |")
+    profiled = [r for r in all_results if "timeline" in r]
+    if profiled:
+        lines += ["", "| profiled shape | mode | bench fb ms | profiled step ms | bench exposed "
+                  "(T_mode - T_comp) ms | timeline exposed ms (mean / worst rank) | timeline "
+                  "net exposed (mode - comp) ms | timeline comm ms |", "| --- " * 8 + "|"]
+    for r in profiled:
+        comp_exposed = r["timeline"].get("comp", {}).get("exposed_ms")
+        for mode, t in r["timeline"].items():
+            bench = (f"{r[mode]['fb_ms'] - r['comp']['fb_ms']:.2f}" if "comp" in r else "-")
+            net = f"{t['exposed_ms'] - comp_exposed:.2f}" if comp_exposed is not None else "-"
+            lines.append(f"| {r['shape']} | {mode} | {r[mode]['fb_ms']:.2f} | {t['step_ms']:.2f} "
+                         f"| {bench} | {t['exposed_ms']:.2f} / {t['exposed_max_rank_ms']:.2f} | "
+                         f"{net} | {t['comm_ms']:.2f} |")
     return "\n".join(lines)
 
 
@@ -270,6 +328,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default="runs/bench_overlap")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--profile-steps", type=int, default=3,
+                        help="profiled steps per mode of the --profile-shapes")
     parser.add_argument("--torch-trace", action="store_true",
                         help="also write a torch.profiler trace of each profiled step")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All GPU checks and timings of the project in one device call, by part:
 #   tools/gpu_suite.sh smoke     install, versions, a fast pass over every GPU path
-#   tools/gpu_suite.sh all2      kernels + train parts in one call
+#   tools/gpu_suite.sh all2      kernel tests + kernel benchmark (tile sweep) + baseline throughput
 #   tools/gpu_suite.sh kernels   kernel GPU tests + kernel benchmark
 #   tools/gpu_suite.sh train     GPU pytest tier (1 and N GPUs) + baseline training throughput
 #   tools/gpu_suite.sh overlap   overlap benchmark on NGPUS (default 2) GPUs, with spans
@@ -62,12 +62,11 @@ case "$PART" in
     STEP_TIMEOUT=150 step kernel_tests python3 -m pytest tests/kernels -m gpu -q -x
     STEP_TIMEOUT=100 step bench_kernels python3 tools/bench_kernels.py --out "$WORK/bench_kernels.md"
     ;;
-  all2)  # kernels + train in one call
+  all2)  # kernel tests, kernel benchmark with the tile sweep, baseline training throughput
     STEP_TIMEOUT=200 step kernel_tests python3 -m pytest tests/kernels -m gpu -q
-    STEP_TIMEOUT=90 step bench_kernels python3 tools/bench_kernels.py --out "$WORK/bench_kernels.md"
-    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=150 step gpu_tests python3 -m pytest tests/test_gpu.py -q
-    STEP_TIMEOUT=130 step bench_train python3 tools/bench_train.py --gpus "1,$NGPUS" --preset small \
-      --iters 20 --out "$WORK/bench_train.md"
+    STEP_TIMEOUT=150 step bench_kernels python3 tools/bench_kernels.py --sweep --out "$WORK/bench_kernels.md"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=160 step bench_train python3 tools/bench_train.py \
+      --gpus "1,$NGPUS" --preset small --iters 30 --out "$WORK/bench_train.md"
     ;;
   kernels)
     step kernel_tests python3 -m pytest tests/kernels -m gpu -q
@@ -81,7 +80,8 @@ case "$PART" in
   overlap)
     CUDA_VISIBLE_DEVICES=$TWO_GPUS step bench_overlap torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py \
       --shapes "${SHAPES:-ratio_h2048_k8_f128,ratio_h2048_k8_f256,ratio_h4096_k8_f256,megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4,dsv3_layer}" \
-      --profile-shapes "${PROFILE:-ratio_h2048_k8_f128,ratio_h2048_k8_f256}" --out-dir "$WORK/bench_overlap" --iters 4
+      --profile-shapes "${PROFILE:-ratio_h2048_k8_f128,ratio_h2048_k8_f256}" --out-dir "$WORK/bench_overlap" \
+      --iters "${ITERS:-6}" --profile-steps "${PROFILE_STEPS:-4}"
     ;;
   scale)
     step bitwise torchrun --standalone --nproc-per-node="$ALL_GPUS" tools/check_bitwise.py --steps 20 \
