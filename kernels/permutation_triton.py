@@ -58,7 +58,7 @@ import triton.language as tl
 
 from . import triton_utils
 from .triton_utils import (DEVICE_ASSERT_OPTIONS, cdiv, check_int32_rows, map_tiles, next_pow2,
-                           permute_config, row_walk_config)
+                           permute_config, unpermute_config)
 
 _ROUTED_ATTR = "_epoverlap_routed_count"  # (total_1 [1] int32, map _version) set by permute
 
@@ -399,7 +399,7 @@ def _launch_unpermute(rows_NH, row_id_map_TE, probs_TE=None, row_vals_N=None, co
     out_vals_TE = None if row_vals_N is None else row_vals_N.new_empty(num_tokens, num_experts)
     if num_tokens == 0:
         return out_TH, out_vals_TE
-    config = config or row_walk_config(hidden, rows_NH.element_size())
+    config = config or unpermute_config(hidden, rows_NH.element_size(), num_experts, False)
     grid = (cdiv(num_tokens, config.block_t), max(1, cdiv(hidden, config.block_h)))
     _unpermute_kernel[grid](
         rows_NH, row_id_map_TE, probs_TE if probs_TE is not None else rows_NH, out_TH,
@@ -473,7 +473,8 @@ def _launch_unpermute_bwd(grad_out_TH, rows_NH, row_id_map_TE, probs_TE, config=
         return grad_rows_NH.zero_(), grad_probs_TE.zero_()
     if total_1 is None:
         total_1 = _routed_count(row_id_map_TE)
-    config = config or row_walk_config(hidden, grad_out_TH.element_size())
+    config = config or unpermute_config(hidden, grad_out_TH.element_size(), num_experts,
+                                        True)
     _unpermute_bwd_kernel[(cdiv(num_tokens, config.block_t),)](
         grad_out_TH, rows_NH, row_id_map_TE, probs_TE, grad_rows_NH, grad_probs_TE, total_1,
         num_tokens, num_experts, hidden, num_rows,

@@ -70,8 +70,8 @@ def row_walk_config(hidden: int, elem_size: int) -> CopyConfig:
 
     The walk (one reduction over E per routed row) is paid per program, so a whole row per
     program when it fits in 16 KiB (hidden 7168 bf16 -> 8192, 1/8 of the lanes masked), else
-    the plain copy tiles. One token per program (BLOCK_T 1): the unpermute kernels keep an fp32
-    accumulator and two row tiles in registers, a second token would halve their occupancy.
+    the plain copy tiles; one token per program (`permute_config` and `unpermute_config`
+    refine it per kernel).
     """
     whole = next_pow2(hidden)
     if whole * elem_size <= 16384:
@@ -97,6 +97,28 @@ def permute_config(hidden: int, elem_size: int, num_experts: int) -> CopyConfig:
     block_t = max(1, min(8, PERMUTE_TILE_BYTES // (config.block_h * elem_size)))
     warps = 4 if block_t * config.block_h * elem_size <= 4096 else 8
     return CopyConfig(config.block_h, warps, block_t)
+
+
+@functools.lru_cache(maxsize=256)
+def unpermute_config(hidden: int, elem_size: int, num_experts: int,
+                     backward: bool) -> CopyConfig:
+    """Tiles of the unpermute kernels (forward: also the permute's backward; backward: with the
+    merging probs' grad), from the H200 tile sweep of tools/bench_kernels.py --sweep.
+
+    4 warps: the fp32 accumulator and the row tile of a whole row per program in 8 warps left
+    the SMs short of resident programs (DSv3 forward 0.276 -> 0.261 ms, backward 0.578 ->
+    0.543 ms at 4 warps). The backward holds a grad row and a data row: at most 8 KiB of a
+    row per program. With at most 32 experts, BLOCK_T tokens per program give each program
+    enough rows in flight (Mixtral forward 4 tokens 0.072 -> 0.059 ms, backward 2 tokens
+    0.124 -> 0.098 ms).
+    """
+    block_h = row_walk_config(hidden, elem_size).block_h
+    if backward:
+        block_h = min(block_h, max(16, 8192 // elem_size))
+    block_t = 1
+    if num_experts <= PERMUTE_MAX_EXPERTS_MULTI_TOKEN:
+        block_t = max(1, min(2 if backward else 4, 32768 // (block_h * elem_size)))
+    return CopyConfig(block_h, 4, block_t)
 
 
 def rows_per_copy_program(block_h: int, elem_size: int) -> int:

@@ -352,7 +352,7 @@ def sweep_tiles(shape: Shape, rep_ms: int) -> list[str]:
     from epoverlap_kernels import sort_chunks_triton as st
     from epoverlap_kernels.triton_utils import (CopyConfig, MapTiles, cdiv, copy_config,
                                                 map_tiles, next_pow2, permute_config,
-                                                row_walk_config)
+                                                unpermute_config)
     _, _, routing_map, tokens, probs = _routing_inputs(shape)
     n, t, e, h = shape.tokens * shape.topk, shape.tokens, shape.experts, shape.hidden
     row_map, _, total = pt.build_row_id_map_triton(routing_map)
@@ -362,10 +362,10 @@ def sweep_tiles(shape: Shape, rep_ms: int) -> list[str]:
         "permute": (lambda c: pt._launch_permute(tokens, row_map, total, n, probs, config=c),
                     permute_config(h, 2, e), True),
         "unpermute+probs": (lambda c: pt._launch_unpermute(rows, row_map, probs, config=c),
-                            row_walk_config(h, 2), True),
+                            unpermute_config(h, 2, e, False), True),
         "unpermute bwd": (lambda c: pt._launch_unpermute_bwd(tokens, rows, row_map, probs,
                                                              config=c, total_1=total),
-                          row_walk_config(h, 2), True),
+                          unpermute_config(h, 2, e, True), True),
         "sort_chunks": (lambda c: st._launch_move_rows(rows, src_rows, None, False, config=c),
                         copy_config(h, 2), False),
         "sort_chunks bwd": (lambda c: st._launch_move_rows(rows, src_rows, None, True, config=c),
