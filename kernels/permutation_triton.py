@@ -399,7 +399,8 @@ def _launch_unpermute(rows_NH, row_id_map_TE, probs_TE=None, row_vals_N=None, co
     out_vals_TE = None if row_vals_N is None else row_vals_N.new_empty(num_tokens, num_experts)
     if num_tokens == 0:
         return out_TH, out_vals_TE
-    config = config or unpermute_config(hidden, rows_NH.element_size(), num_experts, False)
+    config = config or unpermute_config(hidden, rows_NH.element_size(), num_experts, False,
+                                        gather=row_vals_N is not None)
     grid = (cdiv(num_tokens, config.block_t), max(1, cdiv(hidden, config.block_h)))
     _unpermute_kernel[grid](
         rows_NH, row_id_map_TE, probs_TE if probs_TE is not None else rows_NH, out_TH,

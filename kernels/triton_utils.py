@@ -100,8 +100,8 @@ def permute_config(hidden: int, elem_size: int, num_experts: int) -> CopyConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def unpermute_config(hidden: int, elem_size: int, num_experts: int,
-                     backward: bool) -> CopyConfig:
+def unpermute_config(hidden: int, elem_size: int, num_experts: int, backward: bool,
+                     gather: bool = False) -> CopyConfig:
     """Tiles of the unpermute kernels (forward: also the permute's backward; backward: with the
     merging probs' grad), from the H200 tile sweep of tools/bench_kernels.py --sweep.
 
@@ -111,8 +111,17 @@ def unpermute_config(hidden: int, elem_size: int, num_experts: int,
     row per program. With at most 32 experts, BLOCK_T tokens per program give each program
     enough rows in flight (Mixtral forward 4 tokens 0.072 -> 0.059 ms, backward 2 tokens
     0.124 -> 0.098 ms).
+
+    `gather` (the permute's backward: no merging probs, the permuted probs' grad gathered back
+    to [T, E]): without the fp32 probs tile in registers there is room for the next row's load
+    in flight (DSv3 0.355 -> 0.277 ms); with <= 32 experts, 4 KiB row blocks of 4 tokens
+    (Mixtral 0.070 -> 0.057 ms).
     """
     block_h = row_walk_config(hidden, elem_size).block_h
+    if gather:
+        if num_experts <= PERMUTE_MAX_EXPERTS_MULTI_TOKEN:
+            return CopyConfig(min(block_h, max(16, 4096 // elem_size)), 4, 4)
+        return CopyConfig(block_h, 4, 1, prefetch=True)
     if backward:
         block_h = min(block_h, max(16, 8192 // elem_size))
     block_t = 1

@@ -345,7 +345,12 @@ def bench_sort_chunks(shape: Shape, ops: dict, rep_ms: int) -> list[Row]:
                 host_us(bwd()))]
 
 
-def sweep_tiles(shape: Shape, rep_ms: int) -> list[str]:
+SWEEP_OPS = ("permute", "permute bwd", "unpermute+probs", "unpermute bwd", "sort_chunks",
+             "sort_chunks bwd", "row map")
+PREFETCH_OPS = ("permute bwd", "unpermute+probs")  # the kernels with a `prefetch` variant
+
+
+def sweep_tiles(shape: Shape, rep_ms: int, ops: tuple = SWEEP_OPS) -> list[str]:
     """Kernel-only times of the row kernels for other tiles, and of both row-map builds (to
     tune triton_utils)."""
     from epoverlap_kernels import permutation_triton as pt
@@ -358,9 +363,13 @@ def sweep_tiles(shape: Shape, rep_ms: int) -> list[str]:
     row_map, _, total = pt.build_row_id_map_triton(routing_map)
     rows = pt._launch_permute(tokens, row_map, total, n)[0]
     src_rows, _ = st.chunk_src_rows_triton(*_chunk_inputs(shape)[1:3], n)
+    row_vals = rows[:, 0].contiguous()  # stands in for the permuted probs' grad
     kernels = {
         "permute": (lambda c: pt._launch_permute(tokens, row_map, total, n, probs, config=c),
                     permute_config(h, 2, e), True),
+        "permute bwd": (lambda c: pt._launch_unpermute(rows, row_map, row_vals_N=row_vals,
+                                                       config=c),
+                        unpermute_config(h, 2, e, False, gather=True), True),
         "unpermute+probs": (lambda c: pt._launch_unpermute(rows, row_map, probs, config=c),
                             unpermute_config(h, 2, e, False), True),
         "unpermute bwd": (lambda c: pt._launch_unpermute_bwd(tokens, rows, row_map, probs,
@@ -372,18 +381,22 @@ def sweep_tiles(shape: Shape, rep_ms: int) -> list[str]:
                             copy_config(h, 2), False)}
     lines = []
     for name, (launch, chosen, multi_token) in kernels.items():
+        if name not in ops:
+            continue
         for block_h in (1024, 2048, 4096, 8192):
             for warps in (4, 8, 16):
                 for block_t in ((1, 2, 4) if multi_token else (1,)):
                     if block_t * block_h * 2 > 32768 or block_h > 2 * next_pow2(h):
                         continue
-                    for prefetch in ((False, True) if name == "unpermute+probs" else (False,)):
+                    for prefetch in ((False, True) if name in PREFETCH_OPS else (False,)):
                         config = CopyConfig(block_h, warps, block_t, prefetch)
                         ms = bench(lambda launch=launch, config=config: launch(config), rep_ms)
                         mark = " (default)" if config == chosen else ""
                         label = name + (" prefetch" if prefetch else "")
                         lines.append(f"| {shape.name} | {label} | {block_h} | {warps} | "
                                      f"{block_t} | {ms:.4f}{mark} |")
+    if "row map" not in ops:
+        return lines
     default = map_tiles(t, e)
     variants = {"default": default}
     if default.single:  # the two-pass build at the same token blocks
@@ -420,7 +433,7 @@ def run(args) -> str:
               f"{triton.__version__} | copy bandwidth {copy_gbps:.0f} GB/s (read + written)")
     print(header, flush=True)
     rows: list[Row] = []
-    for name in args.shapes.split(","):
+    for name in ([] if args.skip_table else args.shapes.split(",")):
         for step in (bench_router, bench_row_map, bench_permute, bench_unpermute,
                      bench_sort_chunks):
             new = step(SHAPES[name], ops, args.rep_ms)
@@ -432,7 +445,7 @@ def run(args) -> str:
         sweep = ["| shape | kernel | BLOCK_H | num_warps | BLOCK_T | ms |",
                  "|---|---|---|---|---|---|"]
         for name in args.shapes.split(","):
-            sweep += sweep_tiles(SHAPES[name], args.rep_ms)
+            sweep += sweep_tiles(SHAPES[name], args.rep_ms, args.sweep_ops)
         text += "\nTile sweep (kernel only):\n\n" + "\n".join(sweep) + "\n"
     return text
 
@@ -443,7 +456,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--shapes", default="dsv3,mixtral", help=f"from {sorted(SHAPES)}")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench time per measurement")
     parser.add_argument("--sweep", action="store_true", help="also time other row-kernel tiles")
+    parser.add_argument("--sweep-ops", default=",".join(SWEEP_OPS),
+                        help=f"comma list of the kernels to sweep, from {', '.join(SWEEP_OPS)}")
+    parser.add_argument("--skip-table", action="store_true",
+                        help="only the sweep (with --sweep): skip the per-op table")
     args = parser.parse_args(argv)
+    args.sweep_ops = tuple(op for op in args.sweep_ops.split(",") if op)
+    bad_ops = set(args.sweep_ops) - set(SWEEP_OPS)
+    if bad_ops:
+        parser.error(f"--sweep-ops: unknown {sorted(bad_ops)}; allowed {', '.join(SWEEP_OPS)}")
+    if args.skip_table and not args.sweep:
+        parser.error("--skip-table: only with --sweep (there would be nothing to run)")
     unknown = set(args.shapes.split(",")) - set(SHAPES)
     if unknown:
         parser.error(f"--shapes {args.shapes!r}: unknown {sorted(unknown)}; "
