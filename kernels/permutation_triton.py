@@ -28,10 +28,11 @@ Kernels (all deterministic: no atomics, fixed summation orders):
 The row walk: a token's rows are visited in ascending row order, which is expert order (rows
 are expert-major), by repeatedly taking the smallest row id above the previous one; 2147483647
 (above every row id) ends a token's walk. The backward walk loads the next row before using the
-current one, so two row loads per token are in flight; the forward does so only when its config
-says `prefetch` (measured on H200: the second row tile's registers cost the forward more
-occupancy than the extra load in flight gains, at both benchmark shapes). Sums keep their order
-either way.
+current one, so two row loads per token are in flight; the unpermute kernel does so only when
+its config says `prefetch` (measured on H200: with merging probs the second row tile's
+registers cost more occupancy than the extra load in flight gains, at both benchmark shapes;
+as the permute's backward, without the probs tile, it gains at many experts). Sums keep
+their order either way.
 
 Loops with run-time bounds are `while` loops: the Triton 3.6 interpreter cannot take `range()` of
 a run-time scalar under numpy >= 2.4 (it calls int() on a 1-element array); compiled code is the
@@ -399,8 +400,8 @@ def _launch_unpermute(rows_NH, row_id_map_TE, probs_TE=None, row_vals_N=None, co
     out_vals_TE = None if row_vals_N is None else row_vals_N.new_empty(num_tokens, num_experts)
     if num_tokens == 0:
         return out_TH, out_vals_TE
-    config = config or unpermute_config(hidden, rows_NH.element_size(), num_experts, False,
-                                        gather=row_vals_N is not None)
+    kind = "forward" if row_vals_N is None else "permute_backward"
+    config = config or unpermute_config(hidden, rows_NH.element_size(), num_experts, kind)
     grid = (cdiv(num_tokens, config.block_t), max(1, cdiv(hidden, config.block_h)))
     _unpermute_kernel[grid](
         rows_NH, row_id_map_TE, probs_TE if probs_TE is not None else rows_NH, out_TH,
@@ -475,7 +476,7 @@ def _launch_unpermute_bwd(grad_out_TH, rows_NH, row_id_map_TE, probs_TE, config=
     if total_1 is None:
         total_1 = _routed_count(row_id_map_TE)
     config = config or unpermute_config(hidden, grad_out_TH.element_size(), num_experts,
-                                        True)
+                                        "backward")
     _unpermute_bwd_kernel[(cdiv(num_tokens, config.block_t),)](
         grad_out_TH, rows_NH, row_id_map_TE, probs_TE, grad_rows_NH, grad_probs_TE, total_1,
         num_tokens, num_experts, hidden, num_rows,

@@ -89,8 +89,8 @@ def _denominator(ex):
 
 @triton.jit
 def _group_limit(keys, cols, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr,
-                 PER_GROUP: tl.constexpr, PER_GROUP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_G: tl.constexpr, GROUPS_3D: tl.constexpr):
+                 PER_GROUP: tl.constexpr, PER_GROUP_K: tl.constexpr, BLOCK_G: tl.constexpr,
+                 GROUPS_3D: tl.constexpr):
     """`keys` [BT, BE] with KEY_NONE outside the GROUP_TOPK best groups; a group's score is the
     sum of its PER_GROUP_K best values (largest first). Ties between groups: lower group wins.
 
@@ -153,7 +153,7 @@ def _router_fwd_kernel(
     keys = tl.where(valid, _sort_key(sel, cols, BLOCK_E), KEY_NONE)
     if GROUP_TOPK > 0:
         keys = _group_limit(keys, cols, NUM_GROUPS, GROUP_TOPK, PER_GROUP, K // GROUP_TOPK,
-                            BLOCK_E, BLOCK_G, GROUPS_3D)
+                            BLOCK_G, GROUPS_3D)
     chosen = keys != _topk_keys(keys, K)[0]
     if SCORE == 1:
         ex = tl.where(chosen, tl.exp(x - _row_max(x, chosen)), 0.0)
@@ -163,9 +163,8 @@ def _router_fwd_kernel(
         if SCORE == 2 and K > 1:
             probs = probs / (tl.sum(probs, axis=1)[:, None] + 1e-20)
     probs = probs * scale
-    in_rows = (rows < T) & (cols < E)
-    tl.store(probs_ptr + offs, probs.to(probs_ptr.dtype.element_ty), mask=in_rows)
-    tl.store(routing_map_ptr + offs, chosen.to(tl.uint8), mask=in_rows)
+    tl.store(probs_ptr + offs, probs.to(probs_ptr.dtype.element_ty), mask=valid)
+    tl.store(routing_map_ptr + offs, chosen.to(tl.uint8), mask=valid)
     if WITH_COUNTS:
         counts = tl.sum(chosen.to(tl.int32), axis=0)
         e = tl.arange(0, BLOCK_E)

@@ -41,7 +41,8 @@ def cdiv(a: int, b: int) -> int:
 class CopyConfig:
     """Tiles of the row-copy kernels: BLOCK_H hidden elements per program, its warps,
     BLOCK_T tokens per program (the row-walk kernels; 1 elsewhere), and whether the unpermute
-    forward keeps the next row's load in flight (`prefetch`; the other kernels ignore it)."""
+    kernel's row walk keeps the next row's load in flight (`prefetch`; the other kernels
+    ignore it)."""
 
     block_h: int
     num_warps: int
@@ -99,11 +100,15 @@ def permute_config(hidden: int, elem_size: int, num_experts: int) -> CopyConfig:
     return CopyConfig(config.block_h, warps, block_t)
 
 
+UNPERMUTE_KINDS = ("forward", "backward", "permute_backward")
+
+
 @functools.lru_cache(maxsize=256)
-def unpermute_config(hidden: int, elem_size: int, num_experts: int, backward: bool,
-                     gather: bool = False) -> CopyConfig:
-    """Tiles of the unpermute kernels (forward: also the permute's backward; backward: with the
-    merging probs' grad), from the H200 tile sweep of tools/bench_kernels.py --sweep.
+def unpermute_config(hidden: int, elem_size: int, num_experts: int, kind: str) -> CopyConfig:
+    """Tiles of the unpermute kernels, by `kind` (UNPERMUTE_KINDS): `forward` (with merging
+    probs), `backward` (with the merging probs' grad), `permute_backward` (the forward kernel
+    without merging probs, gathering the permuted probs' grad back to [T, E]); from the H200
+    tile sweeps of tools/bench_kernels.py --sweep.
 
     4 warps: the fp32 accumulator and the row tile of a whole row per program in 8 warps left
     the SMs short of resident programs (DSv3 forward 0.276 -> 0.261 ms, backward 0.578 ->
@@ -112,16 +117,18 @@ def unpermute_config(hidden: int, elem_size: int, num_experts: int, backward: bo
     enough rows in flight (Mixtral forward 4 tokens 0.072 -> 0.059 ms, backward 2 tokens
     0.124 -> 0.098 ms).
 
-    `gather` (the permute's backward: no merging probs, the permuted probs' grad gathered back
-    to [T, E]): without the fp32 probs tile in registers there is room for the next row's load
-    in flight (DSv3 0.355 -> 0.277 ms); with <= 32 experts, 4 KiB row blocks of 4 tokens
-    (Mixtral 0.070 -> 0.057 ms).
+    `permute_backward`: without the fp32 probs tile in registers there is room for the next
+    row's load in flight (DSv3 0.355 -> 0.277 ms); with <= 32 experts, 4 KiB row blocks of 4
+    tokens (Mixtral 0.070 -> 0.057 ms).
     """
+    if kind not in UNPERMUTE_KINDS:
+        raise ValueError(f"unpermute_config kind={kind!r}: allowed {', '.join(UNPERMUTE_KINDS)}")
     block_h = row_walk_config(hidden, elem_size).block_h
-    if gather:
+    if kind == "permute_backward":
         if num_experts <= PERMUTE_MAX_EXPERTS_MULTI_TOKEN:
             return CopyConfig(min(block_h, max(16, 4096 // elem_size)), 4, 4)
         return CopyConfig(block_h, 4, 1, prefetch=True)
+    backward = kind == "backward"
     if backward:
         block_h = min(block_h, max(16, 8192 // elem_size))
     block_t = 1
