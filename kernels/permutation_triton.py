@@ -86,6 +86,31 @@ def _map_count_kernel(
 
 
 @triton.jit
+def _write_block_row_ids(routing_map_ptr, row_id_map_ptr, block_start, base, e, T, E,
+                         SUB_T: tl.constexpr, NUM_SUB: tl.constexpr):
+    """Row ids of the NUM_SUB x SUB_T tokens from `block_start`, for the experts `e`: a routed
+    (t, e) gets base[e] (the rows of e before this block) plus the routed tokens of e above t
+    in the block; -1 where not routed."""
+    for s in tl.static_range(NUM_SUB):
+        t = block_start + s * SUB_T + tl.arange(0, SUB_T)
+        mask = (t[:, None] < T) & (e[None, :] < E)
+        offs = t[:, None].to(tl.int64) * E + e[None, :]
+        routed = (tl.load(routing_map_ptr + offs, mask=mask, other=0) != 0).to(tl.int32)
+        dest = tl.cumsum(routed, axis=0) - routed + base[None, :]
+        tl.store(row_id_map_ptr + offs, tl.where(routed != 0, dest, -1), mask=mask)
+        base += tl.sum(routed, axis=0)
+
+
+@triton.jit
+def _store_routed_total(total_ptr, total, N, CHECK_N: tl.constexpr):
+    """Store the routed (token, expert) count; with CHECK_N, device-assert it fits in N."""
+    tl.store(total_ptr, total)
+    if CHECK_N:
+        tl.device_assert(total <= N, "permute: routing map routes more (token, expert) "
+                         "pairs than num_out_tokens; refusing to write out of bounds")
+
+
+@triton.jit
 def _map_write_kernel(
     routing_map_ptr,        # [T, E] uint8 in: routing flags
     counts_ptr,             # [B, E] int32 in: pass 1
@@ -123,22 +148,12 @@ def _map_write_kernel(
         col_before += tl.sum(tl.where(b[:, None] < pid_b, tile, 0), axis=0)
         b0 += BLOCK_B
     base = tl.cumsum(col_total, axis=0) - col_total + before + col_before
-    for s in tl.static_range(NUM_SUB):
-        t = (pid_b * NUM_SUB + s) * SUB_T + tl.arange(0, SUB_T)
-        mask = (t[:, None] < T) & (e[None, :] < E)
-        offs = t[:, None].to(tl.int64) * E + e[None, :]
-        routed = (tl.load(routing_map_ptr + offs, mask=mask, other=0) != 0).to(tl.int32)
-        dest = tl.cumsum(routed, axis=0) - routed + base[None, :]
-        tl.store(row_id_map_ptr + offs, tl.where(routed != 0, dest, -1), mask=mask)
-        base += tl.sum(routed, axis=0)
+    _write_block_row_ids(routing_map_ptr, row_id_map_ptr, pid_b * NUM_SUB * SUB_T, base, e, T,
+                         E, SUB_T, NUM_SUB)
     if pid_b == 0:
         tl.store(tokens_per_expert_ptr + e, col_total.to(tl.int64), mask=e < E)
         if pid_e == tl.num_programs(1) - 1:  # the last expert block knows every column total
-            total = before + tl.sum(col_total, axis=0)
-            tl.store(total_ptr, total)
-            if CHECK_N:
-                tl.device_assert(total <= N, "permute: routing map routes more (token, expert) "
-                                 "pairs than num_out_tokens; refusing to write out of bounds")
+            _store_routed_total(total_ptr, before + tl.sum(col_total, axis=0), N, CHECK_N)
 
 
 @triton.jit
@@ -170,21 +185,11 @@ def _map_small_kernel(
         col_before += tl.sum(tl.where(t[:, None] < block_start, routed, 0), axis=0)
         t0 += COUNT_T
     base = tl.cumsum(col_total, axis=0) - col_total + col_before
-    for s in tl.static_range(NUM_SUB):
-        t = block_start + s * SUB_T + tl.arange(0, SUB_T)
-        mask = (t[:, None] < T) & (e[None, :] < E)
-        offs = t[:, None].to(tl.int64) * E + e[None, :]
-        routed = (tl.load(routing_map_ptr + offs, mask=mask, other=0) != 0).to(tl.int32)
-        dest = tl.cumsum(routed, axis=0) - routed + base[None, :]
-        tl.store(row_id_map_ptr + offs, tl.where(routed != 0, dest, -1), mask=mask)
-        base += tl.sum(routed, axis=0)
+    _write_block_row_ids(routing_map_ptr, row_id_map_ptr, block_start, base, e, T, E, SUB_T,
+                         NUM_SUB)
     if pid_b == 0:
         tl.store(tokens_per_expert_ptr + e, col_total.to(tl.int64), mask=e < E)
-        total = tl.sum(col_total, axis=0)
-        tl.store(total_ptr, total)
-        if CHECK_N:
-            tl.device_assert(total <= N, "permute: routing map routes more (token, expert) "
-                             "pairs than num_out_tokens; refusing to write out of bounds")
+        _store_routed_total(total_ptr, tl.sum(col_total, axis=0), N, CHECK_N)
 
 
 def build_row_id_map_triton(routing_map_TE: torch.Tensor, num_out_tokens: Optional[int] = None,
