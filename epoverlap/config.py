@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from .cuda_graph_config import (CudaGraphConfig, add_cuda_graph_args,
+from epoverlap.graphs.config import (CudaGraphConfig, add_cuda_graph_args,
                                 cuda_graph_config_from_args, validate_cuda_graph_config)
-from .errors import ConfigError
+from epoverlap.errors import ConfigError
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")

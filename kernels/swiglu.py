@@ -4,7 +4,7 @@ Shape legend: M rows (tokens routed to this rank's experts, or tokens of a dense
 F ffn width (h holds [gate | up], 2F wide).
 
 In fp32: act = silu(gate) * up [* probs[:, None]], returned in h's dtype (the expert formula of
-epoverlap.moe). M may be 0. Differentiable in h and probs through autograd; deterministic.
+epoverlap.model.moe). M may be 0. Differentiable in h and probs through autograd; deterministic.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from epoverlap.comm import ExpertComm
+from epoverlap.parallel.comm import ExpertComm
 from epoverlap.config import parse_config
-from epoverlap.distributed import destroy_distributed, init_distributed
-from epoverlap.moe import AllToAllDispatcher
-from epoverlap.train import Trainer
+from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.model.moe import AllToAllDispatcher
+from epoverlap.training.trainer import Trainer
 from epoverlap_kernels import make_moe_ops
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",

@@ -11,7 +11,7 @@ import argparse
 
 import pytest
 
-from epoverlap.cuda_graph_config import (
+from epoverlap.graphs.config import (
     CudaGraphConfig,
     add_cuda_graph_args,
     cuda_graph_config_from_args,

@@ -26,9 +26,9 @@ def _env():
 
 
 def _single_gpu_grads(lanes_kind: str, delay: bool):
-    from epoverlap.comm import ExpertComm
+    from epoverlap.parallel.comm import ExpertComm
     from epoverlap.config import parse_config
-    from epoverlap.model import MoEModel
+    from epoverlap.model.transformer import MoEModel
     from epoverlap.schedule.executor import CudaStreamLanes, Executor, SerialLanes
     from epoverlap.schedule.plan import build_plan
     from epoverlap.schedule.wgrad import WeightGradQueue

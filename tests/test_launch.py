@@ -52,7 +52,7 @@ def test_main_job_on_two_cpu_ranks_reduces_the_loss(tmp_path):
 
 
 def test_launcher_defaults_pass_through_user_flags():
-    from epoverlap.launch import default_train_args, split_nproc
+    from epoverlap.training.launch import default_train_args, split_nproc
     args = default_train_args(2, False, ["--preset", "small", "--train-iters", "3"])
     assert args == ["--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
                     "--preset", "small", "--train-iters", "3"]

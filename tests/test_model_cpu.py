@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epoverlap.comm import ExpertComm
+from epoverlap.parallel.comm import ExpertComm
 from epoverlap.config import parse_config
-from epoverlap.linear import grouped_gemm, linear
-from epoverlap.model import MoEModel, training_flops_per_token
+from epoverlap.model.linear import grouped_gemm, linear
+from epoverlap.model.transformer import MoEModel, training_flops_per_token
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
 from epoverlap.schedule.plan import build_plan
 from epoverlap.schedule.wgrad import WeightGradQueue

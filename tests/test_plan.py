@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from epoverlap.schedule.plan import (Action, PlanError, build_plan, combined_1f1b_plan,
-                                     format_plan, parse_plan, plan_to_string, sequential_plan,
-                                     validate_plan)
+from epoverlap.model.nodes import COMM, COMPUTE, NodeKind
+from epoverlap.schedule.plan import (Action, PlanError, action_lane, build_plan,
+                                     combined_1f1b_plan, format_plan, node_kinds, parse_plan,
+                                     plan_to_string, sequential_plan, validate_plan)
 
-MOE = ("attn", "dispatch", "mlp", "combine")
-DENSE = ("attn", "mlp")
+# Written here by hand, independently of the model's NodeSpecs (test_model_cpu checks those).
+MOE = (NodeKind("attn", COMPUTE, True), NodeKind("dispatch", COMM), NodeKind("mlp", COMPUTE, True),
+       NodeKind("combine", COMM))
+DENSE = (NodeKind("attn", COMPUTE, True), NodeKind("mlp", COMPUTE, True))
 
 
 @pytest.mark.parametrize("text", ["F3.attn.L2", "B2.dispatch.L5", "W2.mlp.L5", "F0.embed",
@@ -25,10 +28,22 @@ def test_bad_action_strings_are_rejected(text):
 
 
 def test_lanes_and_phases():
-    assert Action.parse("F1.dispatch.L0").lane == "comm"
-    assert Action.parse("B1.combine.L0").lane == "comm"
-    assert Action.parse("W1.mlp.L0").lane == "compute"
+    kinds = node_kinds([MOE])
+    assert action_lane(Action.parse("F1.dispatch.L0"), kinds) == "comm"
+    assert action_lane(Action.parse("B1.combine.L0"), kinds) == "comm"
+    assert action_lane(Action.parse("W1.mlp.L0"), kinds) == "compute"
+    assert action_lane(Action.parse("B1.loss"), kinds) == "compute"
     assert Action.parse("W1.mlp.L0").phase == "wgrad"
+
+
+def test_a_node_declared_comm_lands_on_the_comm_lane_whatever_its_name():
+    layout = [(NodeKind("attn", COMPUTE, True), NodeKind("shuffle", COMM),
+               NodeKind("mlp", COMPUTE, True))]
+    plan = sequential_plan(layout, 1, delay_wgrad=True)
+    validate_plan(plan, layout, 1, delay_wgrad=True)
+    grid = format_plan(plan, layout).splitlines()
+    assert any(line.rstrip().endswith("| F0.shuffle.L0") for line in grid)
+    assert "W0.shuffle.L0" not in plan_to_string(plan)
 
 
 def test_golden_sequential():
@@ -65,7 +80,7 @@ def test_golden_early_release_moves_attention_backward_before_forward_mlp():
 
 
 def test_golden_printed_grid():
-    grid = format_plan(parse_plan("F0.embed F0.attn.L0 F0.dispatch.L0"))
+    grid = format_plan(parse_plan("F0.embed F0.attn.L0 F0.dispatch.L0"), [MOE])
     assert grid.splitlines()[2:] == [
         "      0 | F0.embed       |",
         "      1 | F0.attn.L0     |",

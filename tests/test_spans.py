@@ -1,4 +1,4 @@
-"""Span file format (epoverlap/spans.py): round trip, action parsing, and every bad-input case
+"""Span file format (epoverlap/profiling/spans.py): round trip, action parsing, and every bad-input case
 giving a SpanFileError whose message names the file (or directory) at fault."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from epoverlap.spans import (
+from epoverlap.profiling.spans import (
     SPAN_FORMAT,
     SPAN_FORMAT_VERSION,
     RankSpans,

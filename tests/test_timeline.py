@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from epoverlap.spans import Span, StepSpans, span_file_name, write_rank_span_file
+from epoverlap.profiling.spans import Span, StepSpans, span_file_name, write_rank_span_file
 from epoverlap_tools import timeline as tl
 
 REPO = Path(__file__).resolve().parents[1]

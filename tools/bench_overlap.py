@@ -39,8 +39,9 @@ import torch
 import torch.distributed as dist
 
 from epoverlap.config import parse_config, validate_config
-from epoverlap.distributed import destroy_distributed, init_distributed
-from epoverlap.train import Trainer, setup_environment
+from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.training.main import setup_environment
+from epoverlap.training.trainer import Trainer
 
 COMMON = ["--skip-optimizer-step", "--moe-router-force-load-balancing", "--data", "synthetic",
           "--log-interval", "100000", "--train-iters", "1000"]
@@ -232,7 +233,7 @@ def bench_shape(name, groups, args, log) -> dict:
 def timeline_figures(spans_root: Path, modes: list) -> dict:
     """Per mode, the timeline tool's figures of the profiled steps, mean over steps and ranks
     (and the worst rank's exposed comm): what `epoverlap-timeline` prints for that directory."""
-    from epoverlap.spans import read_span_directory
+    from epoverlap.profiling.spans import read_span_directory
     from epoverlap_tools.timeline import span_summary
 
     out = {}

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from epoverlap.config import parse_config, validate_config
-from epoverlap.distributed import destroy_distributed, init_distributed
-from epoverlap.train import Trainer, setup_environment
+from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.training.main import setup_environment
+from epoverlap.training.trainer import Trainer
 from epoverlap_tools.compare_losses import compare_loss_logs
 
 MODES = {

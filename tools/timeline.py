@@ -1,6 +1,6 @@
 """Overlap timeline tool: `epoverlap-timeline DIR [--out-dir OUT] [--step N] [--no-png] [--torch-trace F]`.
 
-This module owns everything that reads span files (epoverlap/spans.py, docs/span-format.md) or
+This module owns everything that reads span files (epoverlap/profiling/spans.py, docs/span-format.md) or
 torch.profiler Chrome traces and turns them into overlap figures:
   - interval math: pure functions on lists of (start, end) intervals (union, intersect,
     subtract, measure, gaps);
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from epoverlap.spans import RankSpans, Span, SpanFileError, StepSpans, read_span_directory
+from epoverlap.profiling.spans import RankSpans, Span, SpanFileError, StepSpans, read_span_directory
 
 Interval = tuple[float, float]
 

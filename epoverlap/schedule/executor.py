@@ -24,22 +24,27 @@ them. A tensor handed from one lane to the other is marked used on the consumer'
 from __future__ import annotations
 
 import contextlib
-import time
+import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..nodes import COMM, COMPUTE, NodeRun, NodeSpec
-from .plan import Action
-from .wgrad import WeightGradQueue
+from epoverlap.model.nodes import COMM, COMPUTE, NodeSpec
+from epoverlap.schedule.node_run import NodeRun
+from epoverlap.schedule.plan import Action
+from epoverlap.schedule.wgrad import WeightGradQueue
 
 
 def _tensors_in(value) -> list[torch.Tensor]:
+    """Tensors inside a value handed between lanes: a tensor, or the fields of a dataclass."""
     if isinstance(value, torch.Tensor):
         return [value]
-    if hasattr(value, "tensors"):
-        return list(value.tensors())
+    if dataclasses.is_dataclass(value):
+        return [f for f in (getattr(value, field.name) for field in dataclasses.fields(value))
+                if isinstance(f, torch.Tensor)]
+    if isinstance(value, (list, tuple)):
+        return [item for item in value if isinstance(item, torch.Tensor)]
     return []
 
 
@@ -54,9 +59,6 @@ class SerialLanes:
 
     def drain(self) -> None:
         pass
-
-    def lane_context(self, lane: str):
-        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass
@@ -101,9 +103,6 @@ class CudaStreamLanes(SerialLanes):
 
     def stream(self, lane: str) -> torch.cuda.Stream:
         return self.comm_stream if lane == COMM else self.compute_stream
-
-    def lane_context(self, lane):
-        return torch.cuda.stream(self.stream(lane))
 
     def submit(self, lane, microbatch, task, chain):
         stream = self.stream(lane)
@@ -202,8 +201,8 @@ class Executor:
         for name, value in outputs.items():
             state.values[name] = value
             state.value_lane[name] = spec.lane
-        if "loss" in outputs:
-            losses[action.microbatch] = outputs["loss"].detach()
+        if spec.loss is not None:
+            losses[action.microbatch] = outputs[spec.outputs[spec.loss]].detach()
         self._drop_consumed_values(spec, state)
 
     def _drop_consumed_values(self, spec: NodeSpec, state: _MicrobatchState) -> None:
@@ -214,8 +213,8 @@ class Executor:
 
     def _backward(self, action, spec: NodeSpec, state: _MicrobatchState, losses, loss_scale):
         grads = {}
-        for name in spec.outputs.values():
-            if name == "loss":
+        for local, name in spec.outputs.items():
+            if local == spec.loss:
                 grads[name] = torch.full_like(losses[action.microbatch], loss_scale)
             elif name in state.grads:
                 if state.grad_lane[name] != spec.lane:
@@ -237,18 +236,6 @@ class Executor:
     @staticmethod
     def _wgrad_key(action: Action) -> tuple:
         return (action.microbatch, action.layer, action.node)
-
-
-class StepTimer:
-    """Wall time of a step, synchronizing the device first (no sync inside the step)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
 
 
 def make_lanes(device: torch.device, overlap: bool, high_priority_comm: bool = True):

@@ -6,9 +6,10 @@ builders (`sequential_plan`, `combined_1f1b_plan` and its early-attention-memory
 variant), `validate_plan`, which rejects plans that break a dependency and prints the two-lane
 grid with the bad step marked, and `format_plan`, the two-lane grid itself.
 
-A plan needs only the model's layout: the node names of each layer in forward order, e.g.
-[("attn", "dispatch", "mlp", "combine"), ("attn", "mlp")] for an MoE then a dense layer.
-Every microbatch also has an `embed` node first and a `loss` node last.
+A plan needs only the model's layout: the `NodeKind`s (name, lane, deferrable) of each layer in
+forward order, e.g. attn/dispatch/mlp/combine for an MoE layer and attn/mlp for a dense one,
+as the model's `NodeSpec`s declare them. Every microbatch also has an `embed` node first and a
+`loss` node last (both compute, weight grads inline).
 
 Per-layer order of the combined 1F1B (forward of microbatch F, layer i, with backward of
 microbatch B, layer N-1-i; overlap.md):
@@ -23,12 +24,14 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-COMM_NODES = ("dispatch", "combine")
-WEIGHT_NODES = ("attn", "mlp")  # nodes whose weight grads can be deferred to a W action
+from epoverlap.model.nodes import COMM, COMPUTE, NodeKind
+
+EMBED = NodeKind("embed", COMPUTE)
+LOSS = NodeKind("loss", COMPUTE)
 KINDS = {"F": "forward", "B": "backward", "W": "wgrad"}
 _ACTION_RE = re.compile(r"^([FBW])(\d+)\.([a-z_]+)(?:\.L(\d+))?$")
 
-Layout = Sequence[Sequence[str]]
+Layout = Sequence[Sequence[NodeKind]]
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,6 @@ class Action:
         return cls(kind, int(mb), node, None if layer is None else int(layer))
 
     @property
-    def lane(self) -> str:
-        return "comm" if self.node in COMM_NODES and self.kind != "W" else "compute"
-
-    @property
     def phase(self) -> str:
         return KINDS[self.kind]
 
@@ -77,7 +76,7 @@ def plan_to_string(plan: Iterable[Action]) -> str:
 def _forward_microbatch(layout: Layout, mb: int) -> list[Action]:
     actions = [Action("F", mb, "embed")]
     for layer, nodes in enumerate(layout):
-        actions.extend(Action("F", mb, node, layer) for node in nodes)
+        actions.extend(Action("F", mb, node.name, layer) for node in nodes)
     return actions + [Action("F", mb, "loss")]
 
 
@@ -85,9 +84,9 @@ def _backward_microbatch(layout: Layout, mb: int, delay_wgrad: bool) -> list[Act
     actions = [Action("B", mb, "loss")]
     for layer in reversed(range(len(layout))):
         for node in reversed(layout[layer]):
-            actions.append(Action("B", mb, node, layer))
-            if delay_wgrad and node in WEIGHT_NODES:
-                actions.append(Action("W", mb, node, layer))
+            actions.append(Action("B", mb, node.name, layer))
+            if delay_wgrad and node.deferrable:
+                actions.append(Action("W", mb, node.name, layer))
     return actions + [Action("B", mb, "embed")]
 
 
@@ -100,18 +99,23 @@ def sequential_plan(layout: Layout, num_microbatches: int,
     return plan
 
 
-def _layer_pair(f_mb: Optional[int], f_layer: Optional[int], f_nodes: Sequence[str],
-                b_mb: Optional[int], b_layer: Optional[int], b_nodes: Sequence[str],
+def _layer_pair(f_mb: Optional[int], f_layer: Optional[int], f_nodes: Sequence[NodeKind],
+                b_mb: Optional[int], b_layer: Optional[int], b_nodes: Sequence[NodeKind],
                 delay_wgrad: bool, early_release: bool) -> list[Action]:
     """One layer's forward (microbatch f_mb) interleaved with one layer's backward (b_mb)."""
+    f_names = {node.name for node in f_nodes}
+    b_kinds = {node.name: node for node in b_nodes}
+
     def fwd(node):
-        return [Action("F", f_mb, node, f_layer)] if f_mb is not None and node in f_nodes else []
+        return [Action("F", f_mb, node, f_layer)] if f_mb is not None and node in f_names else []
 
     def bwd(node):
-        return [Action("B", b_mb, node, b_layer)] if b_mb is not None and node in b_nodes else []
+        return [Action("B", b_mb, node, b_layer)] if b_mb is not None and node in b_kinds else []
 
     def wgrad(node):
-        return [Action("W", b_mb, node, b_layer)] if delay_wgrad and bwd(node) else []
+        deferrable = node in b_kinds and b_kinds[node].deferrable
+        return [Action("W", b_mb, node, b_layer)] if delay_wgrad and deferrable and bwd(node) \
+            else []
 
     order = (bwd("combine") + fwd("attn") + bwd("mlp") + fwd("dispatch") + wgrad("mlp")
              + bwd("dispatch"))
@@ -160,13 +164,29 @@ def build_plan(name: str, layout: Layout, num_microbatches: int,
 
 
 # --------------------------------------------------------------------------- printing
-def format_plan(plan: Sequence[Action], mark: Optional[int] = None, note: str = "") -> str:
+def node_kinds(layout: Layout) -> dict:
+    """(layer, name) -> NodeKind for every node of a microbatch's chain, embed and loss included."""
+    kinds = {(None, EMBED.name): EMBED, (None, LOSS.name): LOSS}
+    for layer, nodes in enumerate(layout):
+        kinds.update({(layer, node.name): node for node in nodes})
+    return kinds
+
+
+def action_lane(action: Action, kinds: dict) -> str:
+    """The lane an action runs on: its node's lane, except W actions (always compute)."""
+    kind = kinds.get(action.node_key)
+    return COMM if kind is not None and kind.lane == COMM and action.kind != "W" else COMPUTE
+
+
+def format_plan(plan: Sequence[Action], layout: Layout, mark: Optional[int] = None,
+                note: str = "") -> str:
     """Two-lane grid: one row per step, the action in its lane's column; `mark` flags a row."""
+    kinds = node_kinds(layout)
     width = max([len(str(a)) for a in plan] + [8])
     lines = [f"   step | {'compute':<{width}} | comm", "  " + "-" * (width * 2 + 12)]
     for step, action in enumerate(plan):
         text = str(action)
-        cells = (text, "") if action.lane == "compute" else ("", text)
+        cells = (text, "") if action_lane(action, kinds) == COMPUTE else ("", text)
         flag = ">>" if step == mark else "  "
         row = f"{flag}{step:5d} | {cells[0]:<{width}} | {cells[1]}"
         if step == mark and note:
@@ -179,23 +199,23 @@ def format_plan(plan: Sequence[Action], mark: Optional[int] = None, note: str = 
 class PlanError(ValueError):
     """A plan that breaks a dependency; the message holds the grid with the bad step marked."""
 
-    def __init__(self, plan: Sequence[Action], step: Optional[int], reason: str):
+    def __init__(self, plan: Sequence[Action], layout: Layout, step: Optional[int], reason: str):
         self.step, self.reason = step, reason
         where = f"step {step} ({plan[step]})" if step is not None and step < len(plan) else "end"
         super().__init__(f"invalid plan at {where}: {reason}\n"
-                         + format_plan(plan, mark=step, note=reason))
+                         + format_plan(plan, layout, mark=step, note=reason))
 
 
 def _chain(layout: Layout) -> list[tuple[Optional[int], str]]:
     """Node keys of one microbatch in forward order."""
-    keys: list[tuple[Optional[int], str]] = [(None, "embed")]
+    keys: list[tuple[Optional[int], str]] = [(None, EMBED.name)]
     for layer, nodes in enumerate(layout):
-        keys.extend((layer, node) for node in nodes)
-    return keys + [(None, "loss")]
+        keys.extend((layer, node.name) for node in nodes)
+    return keys + [(None, LOSS.name)]
 
 
 def _dependency_error(action: Action, done: set, chain_index: dict, chain: list,
-                      num_microbatches: int) -> Optional[str]:
+                      kinds: dict, num_microbatches: int) -> Optional[str]:
     key = action.node_key
     if key not in chain_index:
         return f"unknown node {action.node}" + ("" if action.layer is None
@@ -213,7 +233,7 @@ def _dependency_error(action: Action, done: set, chain_index: dict, chain: list,
         if pos + 1 < len(chain) and ("B", mb, chain[pos + 1]) not in done:
             return f"needs B{mb} of {_label(chain[pos + 1])} first"
     if action.kind == "W":
-        if action.node not in WEIGHT_NODES:
+        if not kinds[key].deferrable:
             return f"node {action.node} has no weight grads to defer"
         if ("B", mb, key) not in done:
             return "weight grad before its backward"
@@ -230,18 +250,18 @@ def validate_plan(plan: Sequence[Action], layout: Layout, num_microbatches: int,
     """Raise PlanError unless the plan runs every node of every microbatch legally, once."""
     chain = _chain(layout)
     chain_index = {key: i for i, key in enumerate(chain)}
+    kinds = node_kinds(layout)
     done: set = set()
     for step, action in enumerate(plan):
         if action.kind == "W" and not delay_wgrad:
-            raise PlanError(plan, step, "W action while weight-grad deferral is off")
-        error = _dependency_error(action, done, chain_index, chain, num_microbatches)
+            raise PlanError(plan, layout, step, "W action while weight-grad deferral is off")
+        error = _dependency_error(action, done, chain_index, chain, kinds, num_microbatches)
         if error:
-            raise PlanError(plan, step, error)
+            raise PlanError(plan, layout, step, error)
         done.add((action.kind, action.microbatch, action.node_key))
     for mb in range(num_microbatches):
         for key in chain:
-            kinds = ("F", "B") + (("W",) if delay_wgrad and key[1] in WEIGHT_NODES
-                                  and key[0] is not None else ())
-            for kind in kinds:
+            actions = ("F", "B") + (("W",) if delay_wgrad and kinds[key].deferrable else ())
+            for kind in actions:
                 if (kind, mb, key) not in done:
-                    raise PlanError(plan, None, f"{kind}{mb}.{_label(key)} never runs")
+                    raise PlanError(plan, layout, None, f"{kind}{mb}.{_label(key)} never runs")

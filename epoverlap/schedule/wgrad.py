@@ -1,7 +1,7 @@
 """The weight-gradient queue: where deferred weight-grad GEMMs wait for their `W` action.
 
 Owns `WeightGradQueue`. The executor owns one instance; the model's deferrable GEMMs (see
-`epoverlap.linear`) hold a reference to it and, in their backward, offer their weight-grad
+`epoverlap.model.linear`) hold a reference to it and, in their backward, offer their weight-grad
 closure with `defer`. While the executor runs the backward of a node inside
 `collecting(key)` and deferral is enabled, the closure is stored under that key; otherwise
 `defer` returns False and the caller computes the weight grad inline. The executor runs a key's

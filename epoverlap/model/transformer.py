@@ -26,12 +26,12 @@ from torch import nn
 
 from epoverlap_kernels import MoEOps
 
-from .comm import ExpertComm
-from .config import RunConfig
-from .linear import linear
-from .moe import AllToAllDispatcher, GroupedSwiGLUExperts, Router, SwiGLU, param_seed, \
+from epoverlap.parallel.comm import ExpertComm
+from epoverlap.config import RunConfig
+from epoverlap.model.linear import linear
+from epoverlap.model.moe import AllToAllDispatcher, GroupedSwiGLUExperts, Router, SwiGLU, param_seed, \
     seeded_normal_
-from .nodes import COMM, COMPUTE, NodeSpec
+from epoverlap.model.nodes import COMM, COMPUTE, NodeSpec
 
 
 class RMSNorm(nn.Module):
@@ -223,12 +223,13 @@ class MoEModel(nn.Module):
         for layer in self.layers:
             specs.extend(layer.node_specs())
         specs.append(NodeSpec("loss", None, COMPUTE, self.loss_forward,
-                              {"hidden": last, "labels": "labels"}, {"loss": "loss"}))
+                              {"hidden": last, "labels": "labels"}, {"loss": "loss"},
+                              loss="loss"))
         return specs
 
     def layout(self) -> list[tuple[str, ...]]:
-        """Node names of each layer, in forward order (what plan builders need)."""
-        return [tuple(s.name for s in layer.node_specs()) for layer in self.layers]
+        """Node kinds of each layer, in forward order (what plan builders need)."""
+        return [tuple(s.kind for s in layer.node_specs()) for layer in self.layers]
 
     def routers(self) -> list[Router]:
         return [layer.router for layer in self.layers if layer.router is not None]

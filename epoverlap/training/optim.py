@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from .config import TrainConfig
+from epoverlap.config import TrainConfig
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .distributed import ParallelGroups
+from epoverlap.parallel.groups import ParallelGroups
 
 
 def _fold_into_main_grad(param: torch.Tensor) -> None:

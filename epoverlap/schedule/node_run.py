@@ -1,45 +1,18 @@
-"""Nodes: pieces of a layer cut out of autograd, so a scheduler can run them in any legal order.
+"""Nodes cut out of autograd, so a scheduler can run them in any legal order.
 
-Owns `NodeSpec` (what a model exposes: a callable with named inputs and outputs and the lane
-kind of the work it does) and `NodeRun` (one forward of one node for one microbatch: detached
-inputs, forward under autograd, backward run on the node's own outputs only, grads returned
-for its inputs, state dropped after backward). No autograd edge ever crosses a node boundary.
-
-Values between nodes are named. A node's callable receives its inputs as keyword arguments
-with *local* names and returns a dict with local output names; `NodeSpec.inputs` / `outputs`
-map local names to the microbatch-wide value names (for example "hidden.L2" or "L2.residual").
-Every differentiable value has exactly one consumer, so grads never need summing across nodes.
+Owns `NodeRun`: one forward of one node (`epoverlap.model.nodes.NodeSpec`) for one microbatch:
+detached inputs, forward under autograd, backward run on the node's own outputs only, grads
+returned for its inputs, state dropped after backward. No autograd edge ever crosses a node
+boundary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-COMPUTE = "compute"
-COMM = "comm"
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """A node a model exposes. `layer` is None for the embedding and loss nodes."""
-
-    name: str
-    layer: Optional[int]
-    lane: str
-    fn: Callable[..., dict]
-    inputs: dict  # local name -> value name
-    outputs: dict  # local name -> value name
-    has_weights: bool = False  # owns weight-grad work that can be deferred
-
-    @property
-    def key(self) -> tuple[Optional[int], str]:
-        return (self.layer, self.name)
-
-    def label(self) -> str:
-        return self.name if self.layer is None else f"{self.name}.L{self.layer}"
+from epoverlap.model.nodes import NodeSpec
 
 
 def _is_grad_tensor(value: Any) -> bool:

@@ -6,7 +6,7 @@ Each action the executor runs is wrapped in `recorder.span(action, lane)`:
     read back after the step, plus an NVTX range with the action's name for nsys users;
   - CPU: host clock (time.perf_counter) read on the thread that runs the action.
 After the profiled steps, `write` stores one file per rank in the `epoverlap-spans` format
-(epoverlap/spans.py, docs/span-format.md), which `epoverlap-timeline` reads.
+(epoverlap/profiling/spans.py, docs/span-format.md), which `epoverlap-timeline` reads.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .spans import Span, StepSpans, write_rank_span_file
+from epoverlap.profiling.spans import Span, StepSpans, write_rank_span_file
 
 
 class SpanRecorder:

@@ -25,9 +25,9 @@ from torch import nn
 from epoverlap_kernels import MoEOps
 from epoverlap_kernels.router_topk import aux_loss_scores
 
-from .comm import ExpertComm, all_to_all
-from .config import MoEConfig
-from .linear import expert_offsets, grouped_gemm, linear
+from epoverlap.parallel.comm import ExpertComm, all_to_all
+from epoverlap.config import MoEConfig
+from epoverlap.model.linear import expert_offsets, grouped_gemm, linear
 
 
 def seeded_normal_(tensor: torch.Tensor, std: float, seed: int) -> torch.Tensor:
@@ -189,10 +189,6 @@ class DispatchMeta:
     output_splits: list[int]  # rows received from each EP rank
     recv_counts_RL: torch.Tensor  # [R, L] device: rows received per (source rank, local expert)
     tokens_per_local_expert: list[int]  # host, summed over source ranks
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Device tensors inside (the executor marks them when they cross lanes)."""
-        return [self.recv_counts_RL]
 
 
 class AllToAllDispatcher:

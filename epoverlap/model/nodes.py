@@ -1,0 +1,52 @@
+"""What a model exposes to a scheduler: `NodeSpec`, a piece of a layer with named inputs and
+outputs, the lane its work belongs on, and whether it owns deferrable weight-grad work.
+
+Values between nodes are named. A node's callable receives its inputs as keyword arguments
+with *local* names and returns a dict with local output names; `NodeSpec.inputs` / `outputs`
+map local names to the microbatch-wide value names (for example "hidden.L2" or "L2.residual").
+Every differentiable value has exactly one consumer, so grads never need summing across nodes.
+Cutting a node out of autograd is the schedule's business (`epoverlap.schedule.node_run`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+COMPUTE = "compute"
+COMM = "comm"
+
+
+@dataclass(frozen=True)
+class NodeKind:
+    """The facts a plan needs about a node: its name, its lane, whether a W action can run its
+    weight grads later. Written once, in the model's `NodeSpec`."""
+
+    name: str
+    lane: str
+    deferrable: bool = False
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A node a model exposes. `layer` is None for the embedding and loss nodes."""
+
+    name: str
+    layer: Optional[int]
+    lane: str
+    fn: Callable[..., dict]
+    inputs: dict  # local name -> value name
+    outputs: dict  # local name -> value name
+    has_weights: bool = False  # owns weight-grad work that can be deferred
+    loss: Optional[str] = None  # local name of the scalar loss this node outputs, if any
+
+    @property
+    def kind(self) -> NodeKind:
+        return NodeKind(self.name, self.lane, self.has_weights)
+
+    @property
+    def key(self) -> tuple[Optional[int], str]:
+        return (self.layer, self.name)
+
+    def label(self) -> str:
+        return self.name if self.layer is None else f"{self.name}.L{self.layer}"
