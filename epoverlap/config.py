@@ -489,19 +489,22 @@ def _validate_profile(log: LogConfig) -> None:
              "needs --profile-dir DIR")
 
 
-def _validate_cuda_graphs(cfg: RunConfig) -> None:
+def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
     pattern = cfg.moe_layer_pattern()
     try:
         import transformer_engine  # noqa: F401
         te_available = True
     except ImportError:
         te_available = False
+    device = cfg.resolved_device(cuda_available)
     validate_cuda_graph_config(
         cfg.cuda_graph,
         overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
         has_moe_layers=any(pattern), has_dense_layers=not all(pattern),
-        preprocess_syncs_host=False, transformer_engine_available=te_available,
-        capture_implemented=False)
+        # the torch reference permute reads the routed count on the host; the Triton one not
+        preprocess_syncs_host=cfg.resolved_kernel_backend(device) == "torch",
+        dispatch_syncs_host=True,  # dropless: split sizes are read on the host before the a2a
+        transformer_engine_available=te_available, cuda_available=device == "cuda")
 
 
 def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> None:
@@ -511,7 +514,7 @@ def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> No
     _validate_train(cfg.train, cuda_available)
     _validate_overlap(cfg)
     _validate_kernels_data_log(cfg, cuda_available)
-    _validate_cuda_graphs(cfg)
+    _validate_cuda_graphs(cfg, cuda_available)
 
 
 def world_size_from_env() -> int:

@@ -80,3 +80,31 @@ def make_moe_ops(backend: str) -> MoEOps:
                       triton_ops.sort_chunks_by_idxs, rms_norm=triton_ops.rms_norm,
                       rotary=triton_ops.rotary, swiglu=triton_ops.swiglu)
     raise ValueError(f"kernel backend {backend!r}: allowed {KERNEL_BACKENDS}")
+
+
+TRITON_KERNEL_MODULES = ("permutation_triton", "rmsnorm_triton", "rotary_triton",
+                         "router_topk_triton", "sort_chunks_triton", "swiglu_triton")
+
+
+def triton_compiled_variants() -> Optional[dict[str, int]]:
+    """Compiled variants of every Triton kernel in this process: kernel name -> count.
+
+    A variant is one entry of a kernel's in-memory cache (one per distinct constexpr set and
+    argument specialization): each new one cost a compile (or a disk-cache load) on the calling
+    thread. None when the kernels were never imported or run under the interpreter (no cache).
+    Row counts are excluded from specialization (`do_not_specialize`), so after the first step
+    of a run this number stays flat; `Trainer` warns when it does not.
+    """
+    import sys
+
+    counts: dict[str, int] = {}
+    for module_name in TRITON_KERNEL_MODULES:
+        module = sys.modules.get(f"{__name__}.{module_name}")
+        if module is None:
+            continue
+        for name, obj in vars(module).items():
+            caches = getattr(obj, "device_caches", None)
+            if caches is None or not name.endswith("_kernel"):
+                continue
+            counts[name] = sum(len(entry[0]) for entry in caches.values())
+    return counts or None

@@ -66,7 +66,7 @@ _ROUTED_ATTR = "_epoverlap_routed_count"  # (total_1 [1] int32, map _version) se
 
 # ----------------------------------------------------------------------------- row-id map
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # row counts vary per step: one variant
 def _map_count_kernel(
     routing_map_ptr,  # [T, E] uint8 in: routing flags (bool storage)
     counts_ptr,       # [B, E] int32 out: routed tokens of token block b for expert e
@@ -110,7 +110,7 @@ def _store_routed_total(total_ptr, total, N, CHECK_N: tl.constexpr):
                          "pairs than num_out_tokens; refusing to write out of bounds")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "B", "N"])  # row counts vary per step: one variant
 def _map_write_kernel(
     routing_map_ptr,        # [T, E] uint8 in: routing flags
     counts_ptr,             # [B, E] int32 in: pass 1
@@ -156,7 +156,7 @@ def _map_write_kernel(
             _store_routed_total(total_ptr, before + tl.sum(col_total, axis=0), N, CHECK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N"])  # row counts vary per step: one variant
 def _map_small_kernel(
     routing_map_ptr,        # [T, E] uint8 in: routing flags
     row_id_map_ptr,         # [T, E] int32 out: dest row of (t, e), -1 if not routed
@@ -277,7 +277,7 @@ def _zero_tail_rows(out_ptr, total, t, t_ok, T, N, H, h, h_mask, BLOCK_T: tl.con
 
 # ----------------------------------------------------------------------------- permute
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N"])  # row counts vary per step: one variant
 def _permute_kernel(
     tokens_ptr,      # [T, H] in: source rows
     row_id_map_ptr,  # [T, E] int32 in: dest row of (t, e), -1 if not routed
@@ -346,7 +346,7 @@ def _launch_permute(tokens_TH, row_id_map_TE, total_1, num_rows, probs_TE=None, 
 
 # ----------------------------------------------------------------------------- unpermute
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N"])  # row counts vary per step: one variant
 def _unpermute_kernel(
     rows_ptr,        # [N, H] in: permuted rows
     row_id_map_ptr,  # [T, E] int32 in: row of (t, e), -1 if not routed
@@ -419,7 +419,7 @@ def _launch_unpermute(rows_NH, row_id_map_TE, probs_TE=None, row_vals_N=None, co
     return out_TH, out_vals_TE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N"])  # row counts vary per step: one variant
 def _unpermute_bwd_kernel(
     grad_out_ptr,    # [T, H] in: grad of the unpermute output
     rows_ptr,        # [N, H] in: the forward's permuted rows

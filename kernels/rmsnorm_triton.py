@@ -58,7 +58,7 @@ def rms_norm_tile(hidden: int) -> RowTile:
     return RowTile(block_t, block_h, min(32, max(4, block_t * block_h // 512)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # row counts vary per step: one variant
 def _rms_norm_fwd_kernel(
     x_ptr,     # [T, H] in: rows stride_x apart, unit stride along H
     w_ptr,     # [H] in: weight
@@ -80,7 +80,7 @@ def _rms_norm_fwd_kernel(
     tl.store(rstd_ptr + t, rstd, mask=t < T)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "rows_per_program"])  # row counts vary per step: one variant
 def _rms_norm_bwd_kernel(
     dy_ptr,       # [T, H] in: grad of y, rows stride_dy apart, unit stride along H
     x_ptr,        # [T, H] in: the forward's x, rows stride_x apart
@@ -123,7 +123,7 @@ def _rms_norm_bwd_kernel(
         tl.store(dw_part_ptr + pid * H + h, dw, mask=h_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # row counts vary per step: one variant
 def _rms_norm_dw_kernel(
     dw_part_ptr,  # [P, H] fp32 in: per-program partial weight grads
     dw_ptr,       # [H] out: their sum over P, the weight's dtype

@@ -120,7 +120,7 @@ def _group_limit(keys, cols, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr,
     return tl.where(keep, keys, KEY_NONE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # row counts vary per step: one variant
 def _router_fwd_kernel(
     logits_ptr,       # [T, E] in: router logits (any float dtype)
     bias_ptr,         # [E] fp32 in: expert bias, added for the choice only (if HAS_BIAS)
@@ -173,7 +173,7 @@ def _router_fwd_kernel(
                       sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # row counts vary per step: one variant
 def _router_bwd_kernel(
     grad_probs_ptr,   # [T, E] in: grad of the dense probs (logits' dtype)
     logits_ptr,       # [T, E] in: the forward's logits

@@ -29,7 +29,7 @@ from .triton_utils import (DEVICE_ASSERT_OPTIONS, cdiv, check_int32_rows, copy_c
                            rows_per_copy_program)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # row counts vary per step: one variant
 def _chunk_src_rows_kernel(
     split_sizes_ptr,  # [C] int in: rows of input chunk c (device tensor)
     sorted_idxs_ptr,  # [C] int in: output chunk j is input chunk sorted_idxs[j]
@@ -73,7 +73,7 @@ def _chunk_src_rows_kernel(
                              "the input's rows")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # row counts vary per step: one variant
 def _move_rows_kernel(
     in_ptr,         # [N, H] in
     src_rows_ptr,   # [N] int32 in: output row r <- input row src_rows[r] (a permutation)

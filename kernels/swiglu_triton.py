@@ -39,7 +39,7 @@ def swiglu_tile(ffn: int) -> tuple[int, int, int]:
     return block_m, block_f, max(4, min(8, block_m * block_f // 512))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary per step: one variant
 def _swiglu_fwd_kernel(
     h_ptr,      # [M, 2F] in: [gate | up], rows stride_h apart, unit stride along 2F
     probs_ptr,  # [M] in: per-row scale (if HAS_PROBS)
@@ -66,7 +66,7 @@ def _swiglu_fwd_kernel(
         f0 += BLOCK_F
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # row counts vary per step: one variant
 def _swiglu_bwd_kernel(
     dact_ptr,    # [M, F] in: grad of act, rows stride_dact apart, unit stride along F
     h_ptr,       # [M, 2F] in: the forward's [gate | up], rows stride_h apart

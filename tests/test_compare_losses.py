@@ -129,3 +129,19 @@ def test_runs_as_script_from_repo_root(tmp_path, how):
     done = subprocess.run([sys.executable, *how, str(a), str(a)], cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "identical (4 steps)"
+
+
+def _write_records(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_log_without_deterministic_runs_is_named_in_a_warning(tmp_path, capsys):
+    det, loose = tmp_path / "det.jsonl", tmp_path / "loose.jsonl"
+    _write_records(det, [{"step": 1, "loss": 2.5, "deterministic": True}])
+    _write_records(loose, [{"step": 1, "loss": 2.5, "deterministic": False}])
+    assert compare_loss_logs(det, det).warnings == ()
+    result = compare_loss_logs(det, loose)
+    assert result.identical and len(result.warnings) == 1 and str(loose) in result.warnings[0]
+    assert main([str(loose), str(det)]) == 0
+    err = capsys.readouterr().err
+    assert "not run with --deterministic" in err and str(loose) in err and str(det) not in err

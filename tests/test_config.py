@@ -82,6 +82,8 @@ def test_preset_then_explicit_flag_wins():
     (["--num-experts", "0", "--expert-model-parallel-size", "2"], 2,
      "--expert-model-parallel-size", "without --num-experts"),
     (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn"], 2, "--cuda-graph-impl",
+     "need a CUDA device"),
+    (["--cuda-graph-impl", "full_iteration", "--num-experts", "0"], 2, "--cuda-graph-impl",
      "not implemented"),
     (["--cuda-graph-impl", "local", "--cuda-graph-modules", "mamba"], 2,
      "--cuda-graph-modules", "Mamba"),
@@ -146,5 +148,6 @@ def test_cli_flag_list_is_frozen():
         "--delay-wgrad-compute", "--overlap-plan", "--comm-mode", "--kernel-backend", "--data",
         "--log-interval", "--log-json", "--profile-steps", "--profile-dir", "--profile-torch",
         "--cuda-graph-impl", "--cuda-graph-modules", "--cuda-graph-warmup-steps",
+        "--cuda-graph-check-inputs",
         "--inference-cuda-graph-scope", "--enable-cuda-graph", "--external-cuda-graph",
         "--cuda-graph-scope"])

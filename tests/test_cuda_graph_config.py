@@ -12,6 +12,8 @@ import argparse
 import pytest
 
 from epoverlap.graphs.config import (
+    CUDA_GRAPH_IMPLS,
+    IMPLEMENTED_IMPLS,
     CudaGraphConfig,
     add_cuda_graph_args,
     cuda_graph_config_from_args,
@@ -45,8 +47,10 @@ FACTS = dict(
     has_moe_layers=True,
     has_dense_layers=True,
     preprocess_syncs_host=False,
+    dispatch_syncs_host=False,
     transformer_engine_available=True,
-    capture_implemented=True,
+    cuda_available=True,
+    implemented_impls=CUDA_GRAPH_IMPLS,  # every rule but that one stays testable for every impl
 )
 
 
@@ -341,30 +345,67 @@ def test_rule_accepts(accepted):
 
 
 # ---------------------------------------------------------------------------------------------
-# Capture is not implemented yet
+# What capture exists, and where it can run
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("cfg", [Cfg(**LOCAL, modules=("attn",)), Cfg(**TE),
                                  Cfg(impl="full_iteration")], ids=["local", "te", "full_iteration"])
-def test_any_impl_is_refused_until_capture_is_implemented(cfg):
+def test_any_capturing_impl_is_refused_on_cpu_naming_cuda(cfg):
     with pytest.raises(ConfigError) as info:
-        validate(cfg, capture_implemented=False)
+        validate(cfg, cuda_available=False)
     assert info.value.flag == "--cuda-graph-impl"
-    assert "not implemented" in str(info.value)
-    assert "only --cuda-graph-impl none is accepted" in str(info.value)
+    assert "need a CUDA device" in str(info.value) and "--cuda-graph-impl none" in str(info.value)
 
 
-def test_defaults_pass_while_capture_is_not_implemented():
+@pytest.mark.parametrize("cfg", [Cfg(**TE), Cfg(impl="full_iteration")], ids=["te", "full"])
+def test_impls_without_capture_are_refused_with_the_one_that_exists(cfg):
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, implemented_impls=IMPLEMENTED_IMPLS)
+    assert "not implemented" in str(info.value) and "--cuda-graph-impl local" in str(info.value)
+
+
+@pytest.mark.parametrize("modules", [("attn",), ("attn", "moe_router"), ("moe_router",),
+                                     ("attn", "moe_router", "moe_preprocess"),
+                                     ("moe_router", "moe_preprocess"), ("attn", "mlp")])
+def test_local_capture_of_per_layer_regions_passes(modules):
+    validate(Cfg(**LOCAL, modules=modules), dispatch_syncs_host=True)
+
+
+@pytest.mark.parametrize("modules", [(), ("moe",), ("attn", "moe")])
+def test_whole_moe_layer_needs_a_sync_free_dispatcher(modules):
+    with pytest.raises(ConfigError) as info:
+        validate(Cfg(**LOCAL, modules=modules), dispatch_syncs_host=True)
+    assert info.value.flag == "--cuda-graph-modules" and "all-to-all" in str(info.value)
+
+
+def test_dense_only_model_may_graph_whole_layers():
+    validate(Cfg(**LOCAL), has_moe_layers=False, dispatch_syncs_host=True)
+
+
+def test_capture_needs_one_recorded_warmup_step():
+    with pytest.raises(ConfigError) as info:
+        validate(Cfg(**LOCAL, modules=("attn",), warmup_steps=0))
+    assert info.value.flag == "--cuda-graph-warmup-steps"
+
+
+def test_defaults_pass_on_cpu():
     cfg, warnings = parse([])
-    validate(cfg, capture_implemented=False)
+    validate(cfg, cuda_available=False)
     assert warnings == []
 
 
-def test_not_implemented_refusal_comes_after_every_other_rule():
+def test_cpu_refusal_comes_after_every_other_rule():
     with pytest.raises(ConfigError) as info:
-        validate(Cfg(**TE), transformer_engine_available=False, capture_implemented=False)
+        validate(Cfg(**TE), transformer_engine_available=False, cuda_available=False,
+                 implemented_impls=IMPLEMENTED_IMPLS)
     assert "not importable" in str(info.value)
+
+
+def test_check_inputs_flag_reaches_the_config():
+    cfg, _ = parse(["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
+                    "--cuda-graph-check-inputs"])
+    assert cfg.check_inputs and not parse([])[0].check_inputs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,6 +417,7 @@ FROZEN_FLAGS = [
     ("--cuda-graph-impl", "cuda_graph_impl", None, None),
     ("--cuda-graph-modules", "cuda_graph_modules", "*", None),
     ("--cuda-graph-warmup-steps", "cuda_graph_warmup_steps", None, None),
+    ("--cuda-graph-check-inputs", "cuda_graph_check_inputs", 0, False),
     ("--inference-cuda-graph-scope", "inference_cuda_graph_scope", None, None),
     ("--enable-cuda-graph", "enable_cuda_graph", 0, False),
     ("--external-cuda-graph", "external_cuda_graph", 0, False),

@@ -122,12 +122,18 @@ def test_wgrad_queue_defers_and_reports_leftovers():
     queue.check_empty()
 
 
-def test_wgrad_queue_rejects_nested_collection():
+def test_wgrad_queue_nests_collection_and_rejects_the_same_key_twice():
     queue = WeightGradQueue(enabled=True)
     with queue.collecting("a"):
+        assert queue.defer(lambda: None)
+        with queue.collecting("b"):
+            assert queue.defer(lambda: None) and queue.defer(lambda: None)
+        assert queue.defer(lambda: None)  # back to "a"
         with pytest.raises(RuntimeError, match="already collecting"):
-            with queue.collecting("b"):
+            with queue.collecting("a"):
                 pass
+    assert not queue.defer(lambda: None)
+    assert queue.run("b") == 2 and queue.run("a") == 2
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 8], [8, 0, 0], [2, 3, 3]])

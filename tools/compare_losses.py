@@ -5,6 +5,10 @@ per step, with "step" and "loss" and/or "loss_hex" = float.hex(loss)) and decidi
 runs produced bit-identical losses. Losses are compared as bits (their float.hex strings, so
 -0.0 != 0.0 and NaN == NaN), from loss_hex when present, else from loss.
 
+Each record of a run started with `--deterministic` says so (`"deterministic": true`); when
+either log does not, a warning line (stderr) names it: two correct runs that were not
+deterministic can differ, so a difference there does not show a bug.
+
 Exit status: 0 identical (prints `identical (N steps)`), 1 different (names the first differing
 step with both values in hex and decimal, or the step present in only one file), 2 unreadable or
 malformed input (one line naming the file and line).
@@ -19,7 +23,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,28 +45,36 @@ class LossComparison:
     steps_compared: int
     first_difference: tuple[int, float | None, float | None] | None
     message: str
+    warnings: tuple[str, ...] = field(default=(), compare=False)
 
 
 def read_loss_log(path: str | os.PathLike) -> dict[int, float]:
     """{step: loss} from a --log-json file. Raises LossLogError naming the file and line."""
+    return _read_log(path)[0]
+
+
+def _read_log(path: str | os.PathLike) -> tuple[dict[int, float], bool]:
+    """({step: loss}, whether every record says the run was deterministic)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise LossLogError(f"{path}: cannot read loss log: {error}") from None
     losses: dict[int, float] = {}
+    deterministic = True
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        step, loss = _parse_line(line, f"{path} line {number}")
+        step, loss, record_deterministic = _parse_line(line, f"{path} line {number}")
         if step in losses:
             raise LossLogError(f"{path} line {number}: step {step} appears more than once")
         losses[step] = loss
+        deterministic = deterministic and record_deterministic
     if not losses:
         raise LossLogError(f"{path}: no step records (empty loss log)")
-    return losses
+    return losses, deterministic
 
 
-def _parse_line(line: str, where: str) -> tuple[int, float]:
+def _parse_line(line: str, where: str) -> tuple[int, float, bool]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
@@ -72,7 +84,7 @@ def _parse_line(line: str, where: str) -> tuple[int, float]:
     step = record.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise LossLogError(f"{where}: 'step' must be an int >= 0, got {step!r}")
-    return step, _loss_of(record, where)
+    return step, _loss_of(record, where), record.get("deterministic") is True
 
 
 def _loss_of(record: dict[str, Any], where: str) -> float:
@@ -111,13 +123,17 @@ def _span(steps: Sequence[int]) -> str:
 
 def compare_loss_logs(path_a: str | os.PathLike, path_b: str | os.PathLike) -> LossComparison:
     """Compare two loss logs step by step. Raises LossLogError if either is malformed."""
-    losses_a, losses_b = read_loss_log(path_a), read_loss_log(path_b)
+    (losses_a, det_a), (losses_b, det_b) = _read_log(path_a), _read_log(path_b)
+    warnings = tuple(f"warning: {path} was not run with --deterministic: runs that are not "
+                     f"can differ without a bug" for path, det in ((path_a, det_a),
+                                                                   (path_b, det_b)) if not det)
     common = sorted(losses_a.keys() & losses_b.keys())
     differing = [step for step in common if not same_bits(losses_a[step], losses_b[step])]
     only_a = sorted(losses_a.keys() - losses_b.keys())
     only_b = sorted(losses_b.keys() - losses_a.keys())
     if not (differing or only_a or only_b):
-        return LossComparison(True, len(common), None, f"identical ({len(common)} steps)")
+        return LossComparison(True, len(common), None, f"identical ({len(common)} steps)",
+                              warnings)
     first = min(differing[:1] + only_a[:1] + only_b[:1])
     a_value, b_value = losses_a.get(first), losses_b.get(first)
     if first in differing:
@@ -130,7 +146,8 @@ def compare_loss_logs(path_a: str | os.PathLike, path_b: str | os.PathLike) -> L
     if only_a or only_b:
         parts.append(f"step sets differ: {path_a} has {_span(sorted(losses_a))}, {path_b} has "
                      f"{_span(sorted(losses_b))}")
-    return LossComparison(False, len(common), (first, a_value, b_value), "; ".join(parts))
+    return LossComparison(False, len(common), (first, a_value, b_value), "; ".join(parts),
+                          warnings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LossLogError as error:
         print(f"epoverlap-compare-losses: error: {error}", file=sys.stderr)
         return 2
+    for warning in result.warnings:
+        print(f"epoverlap-compare-losses: {warning}", file=sys.stderr)
     print(result.message)
     return 0 if result.identical else 1
 

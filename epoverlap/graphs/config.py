@@ -3,8 +3,9 @@
 This module owns the user-facing CUDA-graph surface and nothing else: `CudaGraphConfig`, the
 flags that fill it (`add_cuda_graph_args`), the migration of the deprecated flags users of
 Megatron-LM still type (`cuda_graph_config_from_args`), and every cross-field rule
-(`validate_cuda_graph_config`). Capture itself is not implemented yet; until it is, validation
-accepts only `--cuda-graph-impl none`.
+(`validate_cuda_graph_config`). Capture lives beside it (`epoverlap.graphs.capture`): the
+`local` impl of the per-layer modules; `transformer_engine` and `full_iteration` are refused
+with a line saying so.
 
 Fields (the split of the old overloaded `cuda_graph_scope`, Megatron-LM PR #4292):
 - impl: none | local | transformer_engine | full_iteration.
@@ -12,7 +13,9 @@ Fields (the split of the old overloaded `cuda_graph_scope`, Megatron-LM PR #4292
   empty = whole layer. Dense layers check attn/mlp, MoE layers check attn/moe*.
 - inference_scope: none | layer | block; kept for compatibility (we train). Default: layer with the
   local impl, none otherwise.
-- warmup_steps: eager iterations before capture (default 3).
+- warmup_steps: eager iterations before capture (default 3; at least 1 with a capturing impl:
+  the last one records what each graph reads and writes).
+- check_inputs: every replay checks its inputs' shapes, dtypes and devices (debug).
 
 Deprecated forms, still accepted, each migrated with one warning line `deprecated: old -> new`:
 
@@ -44,6 +47,8 @@ CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 INFERENCE_SCOPES = ("none", "layer", "block")
 
+# Impls epoverlap can capture with (`epoverlap.graphs.capture`); the others are refused.
+IMPLEMENTED_IMPLS = ("none", "local")
 # Impls that capture per-layer regions (the ones that read `modules`).
 PER_LAYER_IMPLS = ("local", "transformer_engine")
 # The regions that stay clear of the all-to-all when the EP overlap splits the MoE layer.
@@ -103,6 +108,7 @@ class CudaGraphConfig:
     modules: tuple[str, ...] = ()  # empty = whole layer
     warmup_steps: int = 3
     inference_scope: str = "none"
+    check_inputs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.modules, str):
@@ -124,8 +130,8 @@ class CudaGraphConfig:
 def add_cuda_graph_args(parser: argparse.ArgumentParser) -> None:
     """Register the CUDA-graph flags. Every default is None/False so that "not given" is visible;
     values are checked by `cuda_graph_config_from_args` (ConfigError), not by argparse choices."""
-    group = parser.add_argument_group("CUDA graphs", "Capture is not implemented yet: "
-                                      "only --cuda-graph-impl none is accepted.")
+    group = parser.add_argument_group("CUDA graphs", "Per-layer graphs of the pre-dispatch "
+                                      "segments (--cuda-graph-impl local), GPU only.")
     group.add_argument("--cuda-graph-impl", default=None, metavar="IMPL",
                        help=f"one of: {' '.join(CUDA_GRAPH_IMPLS)} (default: none)")
     group.add_argument("--cuda-graph-modules", nargs="*", default=None, metavar="MODULE",
@@ -133,6 +139,9 @@ def add_cuda_graph_args(parser: argparse.ArgumentParser) -> None:
                             "none listed = whole layer")
     group.add_argument("--cuda-graph-warmup-steps", type=int, default=None, metavar="N",
                        help="eager iterations before capture (default: 3)")
+    group.add_argument("--cuda-graph-check-inputs", action="store_true",
+                       help="debug: each replay checks its inputs' shapes, dtypes and devices "
+                            "and names the layer, microbatch and phase that differ")
     group.add_argument("--inference-cuda-graph-scope", default=None, metavar="SCOPE",
                        help=f"one of: {' '.join(INFERENCE_SCOPES)} "
                             "(default: layer with --cuda-graph-impl local, else none)")
@@ -178,7 +187,8 @@ def cuda_graph_config_from_args(args: argparse.Namespace, warn: Callable[[str], 
                                                impl)
     warmup = args.cuda_graph_warmup_steps
     given = {} if warmup is None else {"warmup_steps": warmup}
-    config = CudaGraphConfig(impl=impl, modules=modules, inference_scope=inference_scope, **given)
+    config = CudaGraphConfig(impl=impl, modules=modules, inference_scope=inference_scope,
+                             check_inputs=bool(args.cuda_graph_check_inputs), **given)
     for note in notes:
         warn(note)
     return config
@@ -286,8 +296,10 @@ class _ModelFacts:
     has_moe_layers: bool
     has_dense_layers: bool
     preprocess_syncs_host: bool
+    dispatch_syncs_host: bool
     transformer_engine_available: bool
-    capture_implemented: bool
+    cuda_available: bool
+    implemented_impls: tuple[str, ...]
 
     def layer_kinds(self) -> tuple[str, ...]:
         return ("dense",) * self.has_dense_layers + ("moe",) * self.has_moe_layers
@@ -295,8 +307,9 @@ class _ModelFacts:
 
 def validate_cuda_graph_config(cfg: CudaGraphConfig, *, overlap_moe_expert_parallel_comm: bool,
                                has_moe_layers: bool, has_dense_layers: bool,
-                               preprocess_syncs_host: bool, transformer_engine_available: bool,
-                               capture_implemented: bool) -> None:
+                               preprocess_syncs_host: bool, dispatch_syncs_host: bool,
+                               transformer_engine_available: bool, cuda_available: bool,
+                               implemented_impls: Sequence[str] = IMPLEMENTED_IMPLS) -> None:
     """Check every cross-field rule; raise ConfigError for the first one broken.
 
     Not checked here (this signature carries no facts for them; the runtime's config module owns
@@ -308,8 +321,10 @@ def validate_cuda_graph_config(cfg: CudaGraphConfig, *, overlap_moe_expert_paral
         has_moe_layers=has_moe_layers,
         has_dense_layers=has_dense_layers,
         preprocess_syncs_host=preprocess_syncs_host,
+        dispatch_syncs_host=dispatch_syncs_host,
         transformer_engine_available=transformer_engine_available,
-        capture_implemented=capture_implemented,
+        cuda_available=cuda_available,
+        implemented_impls=tuple(implemented_impls),
     )
     for rule in VALIDATION_RULES:
         rule(cfg, facts)
@@ -399,10 +414,32 @@ def _host_syncing_preprocess_stays_eager(cfg: CudaGraphConfig, facts: _ModelFact
         raise ConfigError("--cuda-graph-modules", cfg.modules, why)
 
 
-def _capture_is_implemented(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if not facts.capture_implemented and cfg.impl != "none":
-        raise ConfigError("--cuda-graph-impl", cfg.impl, "CUDA-graph capture is not implemented "
-                          "in epoverlap yet; only --cuda-graph-impl none is accepted")
+def _whole_moe_layer_needs_sync_free_dispatch(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
+    if cfg.impl not in PER_LAYER_IMPLS or not facts.has_moe_layers or not facts.dispatch_syncs_host:
+        return
+    if not cfg.modules or "moe" in cfg.modules:
+        raise ConfigError("--cuda-graph-modules", cfg.modules, "a graph of the whole MoE layer "
+                          "would hold the dropless all-to-all, whose split sizes are read on the "
+                          "host; list the pre-dispatch regions: attn moe_router moe_preprocess")
+
+
+def _graphs_need_cuda(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
+    if cfg.impl != "none" and not facts.cuda_available:
+        raise ConfigError("--cuda-graph-impl", cfg.impl, "CUDA graphs need a CUDA device; this "
+                          "run is on the CPU: use --cuda-graph-impl none")
+
+
+def _impl_is_implemented(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
+    if cfg.impl not in facts.implemented_impls:
+        raise ConfigError("--cuda-graph-impl", cfg.impl, "not implemented in epoverlap: use "
+                          "--cuda-graph-impl local (our own capture of the same modules)")
+
+
+def _capture_needs_a_recorded_warmup_step(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
+    if cfg.impl != "none" and cfg.warmup_steps < 1:
+        raise ConfigError("--cuda-graph-warmup-steps", cfg.warmup_steps, "at least 1 with "
+                          f"--cuda-graph-impl {cfg.impl}: the last eager step records what each "
+                          "graph reads and writes")
 
 
 VALIDATION_RULES = (
@@ -418,7 +455,10 @@ VALIDATION_RULES = (
     _ep_overlap_needs_partial_graphs,
     _ep_overlap_allows_pre_dispatch_modules,
     _host_syncing_preprocess_stays_eager,
-    _capture_is_implemented,  # keep last: every rule above stays testable with capture on
+    _whole_moe_layer_needs_sync_free_dispatch,
+    _capture_needs_a_recorded_warmup_step,
+    _impl_is_implemented,
+    _graphs_need_cuda,  # keep last: every rule above stays testable on a CPU machine
 )
 
 

@@ -133,6 +133,11 @@ class Router(nn.Module):
         self.expert_bias += self.moe.moe_router_bias_update_rate * torch.sign(
             counts.mean() - counts)
 
+    @property
+    def balancing_generator(self) -> Optional[torch.Generator]:
+        """The generator of forced-balancing logits (None unless that benchmark mode is on)."""
+        return self._balancing_rng
+
     def reset_step_stats(self) -> None:
         self.step_counts.zero_()
         self.step_aux_loss.zero_()

@@ -6,12 +6,17 @@ with *local* names and returns a dict with local output names; `NodeSpec.inputs`
 map local names to the microbatch-wide value names (for example "hidden.L2" or "L2.residual").
 Every differentiable value has exactly one consumer, so grads never need summing across nodes.
 Cutting a node out of autograd is the schedule's business (`epoverlap.schedule.node_run`).
+
+A node may also declare its forward as `Segment`s run in order over one namespace of local
+names (the node's inputs, then each segment's outputs). Segment names are the regions users
+name in `--cuda-graph-modules` (attn, moe_router, moe_preprocess, mlp): a run factory can then
+replace a contiguous range of segments by a graph replay without the model knowing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 COMPUTE = "compute"
 COMM = "comm"
@@ -28,6 +33,38 @@ class NodeKind:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A named piece of a node's forward: fn(**inputs) -> dict of outputs (local names)."""
+
+    name: str
+    fn: Callable[..., dict]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def run_segments(segments: Sequence[Segment], outputs: Sequence[str],
+                 values: dict) -> dict:
+    """Run `segments` in order over the namespace `values`; return the `outputs` picked from it."""
+    values = dict(values)
+    for segment in segments:
+        produced = segment.fn(**{name: values[name] for name in segment.inputs})
+        if set(produced) != set(segment.outputs):
+            raise RuntimeError(f"segment {segment.name} returned {sorted(produced)}, declared "
+                               f"{sorted(segment.outputs)}")
+        values.update(produced)
+    return {name: values[name] for name in outputs}
+
+
+def segmented(segments: Sequence[Segment], outputs: Sequence[str]) -> Callable[..., dict]:
+    """The node callable that runs `segments` in order and returns `outputs`."""
+    segments, outputs = tuple(segments), tuple(outputs)
+
+    def node_fn(**inputs):
+        return run_segments(segments, outputs, inputs)
+    return node_fn
+
+
+@dataclass(frozen=True)
 class NodeSpec:
     """A node a model exposes. `layer` is None for the embedding and loss nodes."""
 
@@ -39,6 +76,7 @@ class NodeSpec:
     outputs: dict  # local name -> value name
     has_weights: bool = False  # owns weight-grad work that can be deferred
     loss: Optional[str] = None  # local name of the scalar loss this node outputs, if any
+    segments: tuple[Segment, ...] = ()  # the forward as named pieces (fn runs them), if any
 
     @property
     def kind(self) -> NodeKind:

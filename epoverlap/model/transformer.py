@@ -31,7 +31,7 @@ from epoverlap.config import RunConfig
 from epoverlap.model.linear import linear
 from epoverlap.model.moe import AllToAllDispatcher, GroupedSwiGLUExperts, Router, SwiGLU, param_seed, \
     seeded_normal_
-from epoverlap.model.nodes import COMM, COMPUTE, NodeSpec
+from epoverlap.model.nodes import COMM, COMPUTE, NodeSpec, Segment, segmented
 
 
 class RMSNorm(nn.Module):
@@ -92,6 +92,24 @@ class Attention(nn.Module):
         return linear(out_TX, self.proj, self.queue)
 
 
+class _FanOut(torch.autograd.Function):
+    """`n` aliases of x for `n` consumers; the backward sums their grads in index order, so the
+    sum does not depend on which consumer's backward the autograd engine happens to run first
+    (it differs when a consumer runs inside a CUDA graph and another outside)."""
+
+    @staticmethod
+    def forward(ctx, x, n: int):
+        return tuple(x.view_as(x) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = None
+        for grad in grads:
+            if grad is not None:
+                total = grad if total is None else total + grad
+        return total, None
+
+
 class TransformerLayer(nn.Module):
     """One decoder layer; MoE or dense. Exposes its nodes through `node_specs`."""
 
@@ -122,22 +140,40 @@ class TransformerLayer(nn.Module):
         self.dispatcher = AllToAllDispatcher(comm, moe.num_experts, moe.moe_router_topk, ops,
                                              device)
 
-    # ----------------------------------------------------------------- node callables
-    def attn_forward(self, hidden):
+    # ----------------------------------------------------------------- node segments
+    def attention_segment(self, hidden):
+        """norm, attention, residual, pre-MLP norm (the `attn` region). In an MoE layer the
+        normed tokens go to three consumers (router, shared expert, permute), each through its
+        own alias whose grads are summed in that fixed order (`_FanOut`)."""
         residual = hidden + self.attention(self.input_norm(hidden))
         normed = self.pre_mlp_norm(residual)
         if not self.is_moe:
             return {"residual": residual, "normed": normed}
-        out = {"residual": residual}
+        router_in, shared_in, permute_in = _FanOut.apply(normed, 3)
+        out = {"residual": residual, "normed_router": router_in, "normed_permute": permute_in}
         if self.shared_expert is not None:
-            out["shared_out"] = self.shared_expert(normed)
-        probs, routing_map, counts = self.router(normed)
-        permuted, permuted_probs, row_id_map = self.dispatcher.preprocess(normed, probs,
-                                                                          routing_map)
-        out.update(permuted_tokens=permuted, permuted_probs=permuted_probs,
-                   expert_counts=counts, row_id_map=row_id_map)
+            out["normed_shared"] = shared_in
         return out
 
+    def router_segment(self, normed_router, normed_shared=None):
+        """Router, and the shared expert beside it (the `moe_router` region)."""
+        probs, routing_map, counts = self.router(normed_router)
+        out = {"probs": probs, "routing_map": routing_map, "expert_counts": counts}
+        if self.shared_expert is not None:
+            out["shared_out"] = self.shared_expert(normed_shared)
+        return out
+
+    def preprocess_segment(self, normed_permute, probs, routing_map):
+        """Permute token copies into expert-major rows (the `moe_preprocess` region)."""
+        permuted, permuted_probs, row_id_map = self.dispatcher.preprocess(normed_permute, probs,
+                                                                          routing_map)
+        return {"permuted_tokens": permuted, "permuted_probs": permuted_probs,
+                "row_id_map": row_id_map}
+
+    def dense_mlp_segment(self, normed, residual):
+        return {"hidden": residual + self.dense_mlp(normed)}
+
+    # ----------------------------------------------------------------- node callables
     def dispatch_forward(self, permuted_tokens, permuted_probs, expert_counts):
         recv, recv_probs, meta = self.dispatcher.dispatch(permuted_tokens, permuted_probs,
                                                           expert_counts)
@@ -155,8 +191,18 @@ class TransformerLayer(nn.Module):
             moe_out = moe_out + shared_out
         return {"hidden": residual + moe_out}
 
-    def dense_mlp_forward(self, normed, residual):
-        return {"hidden": residual + self.dense_mlp(normed)}
+    def _attn_segments(self) -> tuple[Segment, ...]:
+        if not self.is_moe:
+            return (Segment("attn", self.attention_segment, ("hidden",), ("residual", "normed")),)
+        shared = self.shared_expert is not None
+        normed = ("normed_router",) + (("normed_shared",) if shared else ()) + ("normed_permute",)
+        router_out = ("probs", "routing_map", "expert_counts") + (("shared_out",) if shared
+                                                                   else ())
+        return (Segment("attn", self.attention_segment, ("hidden",), ("residual",) + normed),
+                Segment("moe_router", self.router_segment, normed[:-1], router_out),
+                Segment("moe_preprocess", self.preprocess_segment,
+                        ("normed_permute", "probs", "routing_map"),
+                        ("permuted_tokens", "permuted_probs", "row_id_map")))
 
     def node_specs(self) -> list[NodeSpec]:
         L = self.layer
@@ -164,20 +210,25 @@ class TransformerLayer(nn.Module):
 
         def v(name):
             return f"L{L}.{name}"
+        attn_segments = self._attn_segments()
         if not self.is_moe:
+            mlp_segments = (Segment("mlp", self.dense_mlp_segment, ("normed", "residual"),
+                                    ("hidden",)),)
             return [
-                NodeSpec("attn", L, COMPUTE, self.attn_forward, {"hidden": hidden_in},
-                         {"residual": v("residual"), "normed": v("normed")}, True),
-                NodeSpec("mlp", L, COMPUTE, self.dense_mlp_forward,
+                NodeSpec("attn", L, COMPUTE, segmented(attn_segments, ("residual", "normed")),
+                         {"hidden": hidden_in}, {"residual": v("residual"), "normed": v("normed")},
+                         True, segments=attn_segments),
+                NodeSpec("mlp", L, COMPUTE, segmented(mlp_segments, ("hidden",)),
                          {"normed": v("normed"), "residual": v("residual")},
-                         {"hidden": hidden_out}, True)]
+                         {"hidden": hidden_out}, True, segments=mlp_segments)]
         attn_out = {k: v(k) for k in ("residual", "permuted_tokens", "permuted_probs",
                                       "expert_counts", "row_id_map")}
         combine_in = {k: v(k) for k in ("expert_out", "meta", "row_id_map", "residual")}
         if self.shared_expert is not None:
             attn_out["shared_out"] = combine_in["shared_out"] = v("shared_out")
         return [
-            NodeSpec("attn", L, COMPUTE, self.attn_forward, {"hidden": hidden_in}, attn_out, True),
+            NodeSpec("attn", L, COMPUTE, segmented(attn_segments, tuple(attn_out)),
+                     {"hidden": hidden_in}, attn_out, True, segments=attn_segments),
             NodeSpec("dispatch", L, COMM, self.dispatch_forward,
                      {k: v(k) for k in ("permuted_tokens", "permuted_probs", "expert_counts")},
                      {k: v(k) for k in ("recv_tokens", "recv_probs", "meta")}),

@@ -137,11 +137,26 @@ class _MicrobatchState:
         self.uses: dict = {}  # value name -> consumers that have not run their forward yet
 
 
+RunFactory = Callable[[NodeSpec, int], Callable[..., dict]]
+
+
+def eager_runs(spec: NodeSpec, microbatch: int) -> Callable[..., dict]:
+    """The default run factory: every node runs its own callable."""
+    return spec.fn
+
+
 class Executor:
-    """Runs a plan over a model's nodes. One instance per training run."""
+    """Runs a plan over a model's nodes. One instance per training run.
+
+    `run_factory(spec, microbatch)` gives the callable that runs a node's forward for one
+    microbatch (default: the spec's own; `epoverlap.graphs` returns graph replays); the
+    executor never needs to know which.
+    """
 
     def __init__(self, specs: Sequence[NodeSpec], lanes: SerialLanes,
-                 wgrad_queue: Optional[WeightGradQueue] = None, recorder=None):
+                 wgrad_queue: Optional[WeightGradQueue] = None, recorder=None,
+                 run_factory: RunFactory = eager_runs):
+        self.run_factory = run_factory
         self.specs = {spec.key: spec for spec in specs}
         self.lanes = lanes
         self.wgrad_queue = wgrad_queue or WeightGradQueue(enabled=False)
@@ -195,7 +210,7 @@ class Executor:
             if state.value_lane[name] != spec.lane:
                 self.lanes.hand_over(value, spec.lane)
             inputs[name] = value
-        run = NodeRun(spec)
+        run = NodeRun(spec, self.run_factory(spec, action.microbatch))
         outputs = run.forward(inputs)
         state.runs[spec.key] = run
         for name, value in outputs.items():

@@ -8,7 +8,7 @@ boundary.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -20,10 +20,15 @@ def _is_grad_tensor(value: Any) -> bool:
 
 
 class NodeRun:
-    """One forward + backward of one node for one microbatch."""
+    """One forward + backward of one node for one microbatch.
 
-    def __init__(self, spec: NodeSpec):
+    `fn` is what runs the forward: the spec's callable, or what a run factory made of it (for
+    example a CUDA-graph replay of some of its segments); it takes and returns the same names.
+    """
+
+    def __init__(self, spec: NodeSpec, fn: Optional[Callable[..., dict]] = None):
         self.spec = spec
+        self.fn = spec.fn if fn is None else fn
         self._inputs: Optional[dict] = None
         self._outputs: Optional[dict] = None
 
@@ -36,7 +41,7 @@ class NodeRun:
                 value = value.detach().requires_grad_(True)
             local_inputs[local] = value
         with torch.enable_grad():
-            local_outputs = self.spec.fn(**local_inputs)
+            local_outputs = self.fn(**local_inputs)
         if set(local_outputs) != set(self.spec.outputs):
             raise RuntimeError(f"node {self.spec.label()} returned {sorted(local_outputs)}, "
                                f"declared {sorted(self.spec.outputs)}")

@@ -32,15 +32,15 @@ class WeightGradQueue:
 
     @contextmanager
     def collecting(self, key: Hashable) -> Iterator[None]:
-        """Weight-grad work offered inside this block belongs to `key`."""
-        if self._collecting is not None:
-            raise RuntimeError(f"weight-grad queue already collecting for {self._collecting}, "
-                               f"cannot also collect for {key}")
-        self._collecting = key
+        """Weight-grad work offered inside this block belongs to `key`; an inner block (a graphed
+        range's own backward inside a node's) collects for its key until it ends."""
+        if key == self._collecting:
+            raise RuntimeError(f"weight-grad queue already collecting for {key}")
+        outer, self._collecting = self._collecting, key
         try:
             yield
         finally:
-            self._collecting = None
+            self._collecting = outer
 
     def defer(self, work: Callable[[], None]) -> bool:
         """Queue `work` if deferral is on and a node is collecting; else return False."""

@@ -27,11 +27,26 @@ def setup_environment(cfg: RunConfig, warn: Callable[[str], None]) -> None:
             warn("CUDA_DEVICE_MAX_CONNECTIONS=1 puts both streams on one hardware queue: "
                  "the EP overlap gain roughly halves; unset it or set it > 1")
     if cfg.train.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        if on_gpu:
-            torch.backends.cudnn.benchmark = False
+        make_deterministic(on_gpu)
     torch.manual_seed(cfg.train.seed)
+
+
+def make_deterministic(on_gpu: bool) -> None:
+    """--deterministic: every op of the training path deterministic, or the run fails loudly.
+
+    `use_deterministic_algorithms(True)` without warn_only: an op with no deterministic
+    implementation raises instead of warning, and scaled-dot-product attention leaves cuDNN
+    attention out of its choice (nondeterministic backward) and runs flash attention's
+    deterministic backward. cuBLAS gets a fixed workspace; NCCL's all-reduce a fixed algorithm
+    (ring: each element reduced in ring order, the same in every run). The Triton kernels and
+    the all-to-alls are deterministic by construction (no float atomics, copies only).
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if on_gpu:
+        os.environ.setdefault("NCCL_ALGO", "Ring")
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True)
 
 
 def _printer(rank_zero: bool, stream=sys.stdout) -> Callable[[str], None]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from epoverlap_kernels import make_moe_ops
 
 from epoverlap.config import RunConfig
+from epoverlap.graphs.capture import GraphRunner, graphed_modules
 from epoverlap.model.transformer import (MoEModel, count_parameters, model_dtype,
                                          training_flops_per_token)
 from epoverlap.parallel.comm import ExpertComm
@@ -32,6 +34,7 @@ from epoverlap.profiling.recorder import SpanRecorder
 from epoverlap.schedule.executor import Executor, make_lanes
 from epoverlap.schedule.plan import build_plan, validate_plan
 from epoverlap.schedule.wgrad import WeightGradQueue
+from epoverlap.training.compile_watch import CompileWatch
 from epoverlap.training.data import make_data_source
 from epoverlap.training.grads import GradBuffers
 from epoverlap.training.optim import MixedPrecisionAdamW, lr_at
@@ -49,12 +52,18 @@ class StepResult:
     tokens: int
     peak_mem_gib: Optional[float]
     tflops_per_gpu: float
+    deterministic: bool = False  # --deterministic: bitwise comparisons with another run hold
+    triton_variants: Optional[int] = None  # compiled Triton kernel variants so far (this rank)
 
     def to_json(self) -> dict:
         record = dict(self.__dict__)
         record["loss_hex"] = float.hex(self.loss)
         record["tokens_per_s"] = self.tokens / self.step_time_s
         return record
+
+
+def _warn_every_rank(message: str) -> None:
+    print(f"epoverlap-train: warning: {message}", file=sys.stderr, flush=True)
 
 
 def plan_name(cfg: RunConfig) -> str:
@@ -80,14 +89,43 @@ class Trainer:
         overlap = cfg.overlap.overlap_moe_expert_parallel_comm
         self.lanes = make_lanes(self.device, overlap, cfg.overlap.comm_stream_high_priority)
         self.recorder = SpanRecorder(self.device, groups.rank, groups.world_size)
+        self.graphs = self._graph_runner()
         self.executor = Executor(self.model.node_specs(), self.lanes, self.wgrad_queue,
-                                 self.recorder)
+                                 self.recorder, **({"run_factory": self.graphs}
+                                                   if self.graphs is not None else {}))
         self.plan = build_plan(plan_name(cfg), self.model.layout(), cfg.train.num_microbatches,
                                cfg.overlap.delay_wgrad_compute)
         validate_plan(self.plan, self.model.layout(), cfg.train.num_microbatches,
                       cfg.overlap.delay_wgrad_compute)
         self.data = make_data_source(cfg.data.data, cfg.model.vocab_size, cfg.train.seed)
         self.backend = backend
+        self.compile_watch = CompileWatch(cfg.cuda_graph.warmup_steps, groups.rank,
+                                          warn=_warn_every_rank)
+
+    def _graph_runner(self) -> Optional[GraphRunner]:
+        graph_cfg = self.cfg.cuda_graph
+        if graph_cfg.impl != "local":
+            return None
+        generators = [r.balancing_generator for r in self.model.routers()
+                      if r.balancing_generator is not None]
+        return GraphRunner(self.model.node_specs(), graphed_modules(graph_cfg.modules),
+                           device=self.device, queue=self.wgrad_queue, generators=generators,
+                           check_inputs=graph_cfg.check_inputs)
+
+    def _before_step(self, step: int) -> None:
+        """The last warmup step records what each graph reads and writes."""
+        if self.graphs is not None and step == self.cfg.cuda_graph.warmup_steps:
+            self.graphs.recording = True
+
+    def _after_step(self, step: int) -> None:
+        if self.graphs is None or step != self.cfg.cuda_graph.warmup_steps:
+            return
+        self.graphs.recording = False
+        self.graphs.capture(self.plan)
+        g = self.graphs
+        self.log(f"CUDA graphs: {g.graph_count()} captured after step {step} in "
+                 f"{g.capture_seconds:.2f} s; graph memory {g.pool_bytes / 2**30:.3f} GiB "
+                 f"(of it static buffers {g.buffer_bytes() / 2**30:.3f} GiB)")
 
     def describe(self) -> str:
         cfg, g = self.cfg, self.groups
@@ -171,7 +209,7 @@ class Trainer:
         tflops = training_flops_per_token(self.cfg) * tokens / elapsed / 1e12 / \
             self.groups.world_size
         return StepResult(step, loss, lr, grad_norm, aux, imbalance, elapsed, tokens, peak,
-                          tflops)
+                          tflops, deterministic=self.cfg.train.deterministic)
 
     def _profiled(self, step: int) -> bool:
         window = self.cfg.log.profile_range
@@ -183,7 +221,11 @@ class Trainer:
         torch_profiler = self._torch_profiler()
         try:
             for step in range(1, cfg.train.train_iters + 1):
+                self._before_step(step)
                 result = self.step(step)
+                self._after_step(step)
+                self.compile_watch.after_step(step)
+                result.triton_variants = self.compile_watch.total()
                 results.append(result)
                 if not math.isfinite(result.loss):
                     raise FloatingPointError(f"loss is {result.loss} at step {step}")
@@ -196,7 +238,24 @@ class Trainer:
             if torch_profiler is not None:
                 torch_profiler.stop()
         self._write_spans()
+        self._report_compiles()
         return results
+
+    def _report_compiles(self) -> None:
+        """One line: compiled Triton kernel variants per rank, and how many came after warmup."""
+        mine = torch.tensor([self.compile_watch.total() or 0, self.compile_watch.late_compiles],
+                            device=self.device)
+        per_rank = [torch.zeros_like(mine) for _ in range(self.groups.world_size)]
+        if self.groups.world_size > 1:
+            dist.all_gather(per_rank, mine)
+        else:
+            per_rank = [mine]
+        if self.compile_watch.total() is None and not any(int(r[0]) for r in per_rank):
+            return
+        totals = [int(r[0]) for r in per_rank]
+        late = sum(int(r[1]) for r in per_rank)
+        self.log(f"Triton kernel variants compiled per rank: {totals}; after the "
+                 f"{self.compile_watch.warmup_steps} warmup steps: {late}")
 
     def _open_json(self):
         path = self.cfg.log.log_json
@@ -243,5 +302,7 @@ class Trainer:
                          f"(view: epoverlap-timeline {self.cfg.log.profile_dir})")
 
     def close(self) -> None:
+        if self.graphs is not None:  # before any process group is destroyed
+            self.graphs.release()
         self.lanes.close()
         self.grads.close()

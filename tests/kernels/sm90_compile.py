@@ -22,9 +22,11 @@ from pathlib import Path
 TARGET_ARCH = 90
 
 
-def _install_fake_driver(records: list[dict], context: dict) -> None:
+def install_fake_sm90_driver(on_launch) -> None:
+    """A stand-in driver reporting sm_90, and a JIT cache hook that calls
+    `on_launch(jit_function, key, compile_info)` for each launch that misses the in-memory cache
+    and stops it from running (nothing ever launches)."""
     import torch
-    import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
@@ -42,25 +44,36 @@ def _install_fake_driver(records: list[dict], context: dict) -> None:
         def get_active_torch_device(self):
             return torch.device("cpu")
 
+    def hook(*, key, fn, compile, **_):
+        on_launch(fn.jit_function, key, compile)
+        return True  # never launch
+
+    driver.set_active(_Sm90Driver())
+    knobs.runtime.jit_cache_hook = hook
+
+
+def _install_fake_driver(records: list[dict], context: dict) -> None:
+    """Compile (PTX + cubin) each distinct launch for sm_90 and record its resource usage."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
     seen: set = set()
 
-    def hook(*, key, fn, compile, **_):
-        name = fn.jit_function.fn.__name__
+    def compile_launch(jit_function, key, compile):
+        name = jit_function.fn.__name__
         if (name, str(key)) in seen:
-            return True
+            return
         seen.add((name, str(key)))
-        src = triton.compiler.ASTSource(fn.jit_function, compile["signature"],
-                                        compile["constants"], compile["configs"][0])
+        src = triton.compiler.ASTSource(jit_function, compile["signature"], compile["constants"],
+                                        compile["configs"][0])
         launch_options = json.loads(compile["specialization_data"])["options"]
         options = {k: compile[k] for k in ("num_warps", "num_stages", "num_ctas")}
         options.update({k: launch_options[k] for k in ("debug", "sanitize_overflow")})
         kernel = triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32), options=options)
         records.append(dict(_describe(name, compile, kernel), shape=context.get("shape"),
                             debug=options["debug"]))
-        return True  # compiled only: never launch
 
-    driver.set_active(_Sm90Driver())
-    knobs.runtime.jit_cache_hook = hook
+    install_fake_sm90_driver(compile_launch)
 
 
 def _describe(name: str, compile: dict, kernel) -> dict:

@@ -233,3 +233,24 @@ def test_every_kernel_compiles_for_sm90():
                                                     "_unpermute_bwd_kernel", "_move_rows_kernel")
               and r["shape"].startswith(("H7168", "H4096")) and r["shape"].endswith("bfloat16")]
     assert len(copies) >= 8 and all(r["v4_loads"] and r["v4_stores"] for r in copies), copies
+
+
+def _variant_counts(tokens: int, received: list[int]) -> dict:
+    proc = subprocess.run([sys.executable, str(REPO / "tests/kernels/specialization_keys.py"),
+                           str(tokens), *map(str, received)], capture_output=True, text=True,
+                          cwd=REPO / "tests/kernels", timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_changing_row_counts_never_needs_a_new_kernel_variant():
+    """Dropless routing changes the rows an expert rank receives every step. Every kernel must
+    launch the same compiled variants for 1, 16 (divisible), 17, 48 ... rows as for one count:
+    a new variant is a compile stall of a large fraction of a second mid-run (issue 22)."""
+    one = _variant_counts(64, [64])
+    many = _variant_counts(64, [1, 16, 17, 48, 64, 100, 333, 1024])
+    assert {"_swiglu_fwd_kernel", "_swiglu_bwd_kernel", "_move_rows_kernel",
+            "_chunk_src_rows_kernel", "_permute_kernel", "_unpermute_kernel",
+            "_router_fwd_kernel", "_rms_norm_fwd_kernel"} <= set(one)
+    assert many == one
