@@ -147,4 +147,14 @@ def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_
     assert derived["timeline_net_exposed_ovl_ms"] == (shape["timeline"]["ovl"]["exposed_ms"]
                                                    - shape["timeline"]["comp"]["exposed_ms"])
     assert derived["ratio"] == shape["comm"]["fb_ms"] / shape["comp"]["fb_ms"]
-    assert "| quick | ovl |" in result.stdout
+    seq, ovl = shape["seq"]["fb_ms"], shape["ovl"]["fb_ms"]
+    best = max(shape["comp"]["fb_ms"], shape["comm"]["fb_ms"])
+    if seq > best:
+        assert abs(derived["realized_ovl"] - (seq - ovl) / (seq - best)) < 1e-9
+    assert "| quick | ovl |" in result.stdout and "| quick | off |" in result.stdout
+
+
+def test_bench_overlap_graphs_need_cuda_in_one_line():
+    result = _run([sys.executable, str(REPO / "tools" / "bench_overlap.py"), "--graphs"])
+    assert result.returncode == 2
+    assert "needs a CUDA device" in result.stdout and "Traceback" not in result.stderr

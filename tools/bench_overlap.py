@@ -13,8 +13,12 @@ microbatches (median over --iters after --warmup; the max over ranks):
           bytes (compute only)
   T_comm  the all-to-alls of one step alone, replayed back to back with the recorded sizes
 and reports T_comm/T_comp (the ratio of the shape), T_seq/T_ovl, T_ovl/max(T_comp, T_comm),
+the realized share of the attainable saving (T_seq - T_ovl) / (T_seq - max(T_comp, T_comm)),
 exposed comm (T_ovl - T_comp), the full step time (plus grad reduction) and tokens/s/GPU, and
 peak memory per mode next to one microbatch's activations (peak_seq - static).
+With --graphs (GPU) every mode also runs with partial CUDA graphs of the pre-dispatch segments
+(`--cuda-graph-impl local --cuda-graph-modules attn moe_router moe_preprocess`; mode names get
+a `_graph` suffix), captured after the warmup iterations (the last one records).
 For the shapes in --profile-shapes, --profile-steps more steps per mode run with span recording
 (after a barrier, like the timed ones) into OUT/spans/<shape>/<mode>/ (epoverlap-timeline), and
 the timeline's exposed comm of the overlapped run (mean over profiled steps and ranks) is put
@@ -86,13 +90,8 @@ SHAPES = {
 OVERLAP = ["--overlap-moe-expert-parallel-comm"]
 MODES = {"seq": [], "ovl": OVERLAP, "ovl_wgrad": OVERLAP + ["--delay-wgrad-compute"],
          "comp": OVERLAP + ["--comm-mode", "local_copy"]}
-# Megatron-core 0.16.1 step times (ms) measured on H200s (environment.md): (off, on)
-MEGATRON_MS = {
-    ("megatron_e32_k4_mbs2x8", 2): (452.6, 543.0), ("megatron_e32_k4_mbs8x4", 2): (374.2, 395.5),
-    ("megatron_e8_k8_f4096_mbs8x4", 2): (1046.0, 1026.0),
-    ("megatron_e32_k4_mbs2x8", 4): (369.9, 533.2), ("megatron_e32_k4_mbs8x4", 4): (385.0, 402.9),
-    ("megatron_e8_k8_f4096_mbs8x4", 4): (1070.6, 1048.3),
-}
+GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",
+          "moe_preprocess"]
 
 
 def _sync(device) -> float:
@@ -119,9 +118,18 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
     try:
         inputs = trainer.microbatches(1)
         static = _memory(device)
-        for _ in range(args.warmup):
+        for i in range(args.warmup):
+            if trainer.graphs is not None:
+                trainer.graphs.recording = i == args.warmup - 1  # the last one records
             trainer.run_microbatches(1, inputs)
             trainer.grads.reduce()
+        graph_info = {}
+        if trainer.graphs is not None:
+            trainer.graphs.recording = False
+            trainer.graphs.capture(trainer.plan)
+            graph_info = {"graphs": trainer.graphs.graph_count(),
+                          "capture_s": trainer.graphs.capture_seconds,
+                          "graph_gib": trainer.graphs.pool_bytes / 2**30}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         fb, full = [], []
@@ -136,7 +144,8 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
         result = {"fb_ms": _max_over_ranks(statistics.median(fb) * 1e3),
                   "step_ms": _max_over_ranks(statistics.median(full) * 1e3),
-                  "peak_gib": _max_over_ranks(peak), "static_gib": _max_over_ranks(static)}
+                  "peak_gib": _max_over_ranks(peak), "static_gib": _max_over_ranks(static),
+                  **graph_info}
         if profile_dir is not None:
             _profile_steps(trainer, inputs, profile_dir, args)
         if want_trace:
@@ -211,22 +220,26 @@ def bench_shape(name, groups, args, log) -> dict:
     base = SHAPES[name] + COMMON + ["--expert-model-parallel-size", str(groups.world_size)]
     if torch.cuda.is_available():
         base.append("--bf16")
-    modes = ["seq", "ovl", "ovl_wgrad"] if name.startswith("megatron") else list(MODES)
+    modes = {mode: flags for mode, flags in MODES.items()}
+    if args.graphs:
+        modes.update({f"{mode}_graph": flags + GRAPHS for mode, flags in MODES.items()})
     results = {"shape": name, "flags": base}
-    for mode in modes:
+    for mode, flags in modes.items():
         profile = (Path(args.out_dir) / "spans" / name / mode
                    if name in args.profile_shapes else None)
-        results[mode] = measure_mode(groups, base + MODES[mode], args, profile,
-                                     want_trace=(mode == "ovl" and "comp" in modes))
+        results[mode] = measure_mode(groups, base + flags, args, profile,
+                                     want_trace=(mode == "ovl"))
         log(f"[bench_overlap] {name} {mode}: fb {results[mode]['fb_ms']:.2f} ms, step "
-            f"{results[mode]['step_ms']:.2f} ms, peak {results[mode]['peak_gib']:.2f} GiB")
-    if "comp" in modes:
-        results["comm"] = {"fb_ms": replay_comm_ms(results["ovl"].pop("trace"), groups, args)}
-        log(f"[bench_overlap] {name} comm alone: {results['comm']['fb_ms']:.2f} ms")
+            f"{results[mode]['step_ms']:.2f} ms, peak {results[mode]['peak_gib']:.2f} GiB"
+            + (f", {results[mode]['graphs']} graphs, {results[mode]['graph_gib']:.3f} GiB"
+               if "graphs" in results[mode] else ""))
+    results["comm"] = {"fb_ms": replay_comm_ms(results["ovl"].pop("trace"), groups, args)}
+    log(f"[bench_overlap] {name} comm alone: {results['comm']['fb_ms']:.2f} ms")
     if name in args.profile_shapes:
         dist.barrier()  # every rank's span files are written
         if groups.rank == 0:
-            results["timeline"] = timeline_figures(Path(args.out_dir) / "spans" / name, modes)
+            results["timeline"] = timeline_figures(Path(args.out_dir) / "spans" / name,
+                                                   list(modes))
     return results
 
 
@@ -250,19 +263,30 @@ def timeline_figures(spans_root: Path, modes: list) -> dict:
     return out
 
 
+def realized_saving(t_seq: float, t_ovl: float, t_comp: float, t_comm: float) -> float:
+    """Share of the attainable saving realized: (T_seq - T_ovl) / (T_seq - max(T_comp, T_comm))."""
+    attainable = t_seq - max(t_comp, t_comm)
+    return (t_seq - t_ovl) / attainable if attainable > 0 else float("nan")
+
+
 def derived(r: dict) -> dict:
-    """The ratios the issue asks for, from one shape's raw results."""
-    out = {}
-    seq, ovl = r["seq"]["fb_ms"], r["ovl"]["fb_ms"]
-    out["seq_over_ovl"] = seq / ovl
-    out["seq_over_ovl_wgrad"] = seq / r["ovl_wgrad"]["fb_ms"]
-    if "comp" in r:
-        comp, comm = r["comp"]["fb_ms"], r["comm"]["fb_ms"]
-        out.update(ratio=comm / comp, ovl_over_ideal=ovl / max(comp, comm),
-                   wgrad_over_ideal=r["ovl_wgrad"]["fb_ms"] / max(comp, comm),
-                   exposed_ovl_ms=ovl - comp, exposed_wgrad_ms=r["ovl_wgrad"]["fb_ms"] - comp,
-                   exposed_seq_ms=seq - comp)
-    if "timeline" in r and "comp" in r:
+    """The ratios the issues ask for, from one shape's raw results (per graph setting)."""
+    out, comm = {}, r["comm"]["fb_ms"]
+    for suffix in ("", "_graph"):
+        if "seq" + suffix not in r:
+            continue
+        seq, comp = r["seq" + suffix]["fb_ms"], r["comp" + suffix]["fb_ms"]
+        for mode in ("ovl", "ovl_wgrad"):
+            t = r[mode + suffix]["fb_ms"]
+            out[f"seq_over_{mode}{suffix}"] = seq / t
+            out[f"{mode}{suffix}_over_ideal"] = t / max(comp, comm)
+            out[f"realized_{mode}{suffix}"] = realized_saving(seq, t, comp, comm)
+            out[f"exposed_{mode}{suffix}_ms"] = t - comp
+        out[f"ratio{suffix}"] = comm / comp
+    if "seq_graph" in r:
+        out["eager_seq_over_graph_ovl"] = r["seq"]["fb_ms"] / r["ovl_graph"]["fb_ms"]
+        out["eager_seq_over_graph_ovl_wgrad"] = r["seq"]["fb_ms"] / r["ovl_wgrad_graph"]["fb_ms"]
+    if "timeline" in r:
         # T_comp still runs a comm-lane node per all-to-all (the local copy; the count exchange
         # still syncs the host), and T_ovl - T_comp subtracts their exposure too: the timeline's
         # matching figure is the overlapped run's exposed comm minus the compute-only run's.
@@ -281,31 +305,38 @@ def derived(r: dict) -> dict:
 
 
 def markdown(all_results: list, world: int) -> str:
-    lines = ["| shape | T_comm/T_comp | T_seq ms | T_ovl ms | T_ovl+wgrad ms | T_comp ms | "
-             "T_comm ms | T_seq/T_ovl | T_ovl/max | T_wgrad/max | exposed ovl ms | "
-             "exposed wgrad ms | peak seq/ovl/wgrad GiB | 1-mb act GiB |",
-             "| --- " * 14 + "|"]
+    lines = ["| shape | graphs | T_comm/T_comp | T_seq ms | T_ovl ms | T_ovl+wgrad ms | "
+             "T_comp ms | T_comm ms | T_seq/T_ovl | T_seq/T_wgrad | T_ovl/max | T_wgrad/max | "
+             "realized ovl | realized wgrad | peak seq/ovl/wgrad GiB | graph GiB |",
+             "| --- " * 16 + "|"]
+    f = lambda x: f"{x:.2f}"  # noqa: E731
     for r in all_results:
-        d, f = r["derived"], lambda x: f"{x:.2f}"
-        comp = "comp" in r
-        lines.append(" | ".join([
-            f"| {r['shape']}", f(d["ratio"]) if comp else "-", f(r["seq"]["fb_ms"]),
-            f(r["ovl"]["fb_ms"]), f(r["ovl_wgrad"]["fb_ms"]),
-            f(r["comp"]["fb_ms"]) if comp else "-", f(r["comm"]["fb_ms"]) if comp else "-",
-            f(d["seq_over_ovl"]), f(d["ovl_over_ideal"]) if comp else "-",
-            f(d["wgrad_over_ideal"]) if comp else "-", f(d["exposed_ovl_ms"]) if comp else "-",
-            f(d["exposed_wgrad_ms"]) if comp else "-",
-            f"{r['seq']['peak_gib']:.1f}/{r['ovl']['peak_gib']:.1f}/"
-            f"{r['ovl_wgrad']['peak_gib']:.1f}", f(d["one_mb_activations_gib"])]) + " |")
-    lines += ["", "| Megatron-core config | ours seq step ms (tok/s/GPU) | ours ovl | ours "
-              "ovl+wgrad | Megatron off | Megatron on |", "| --- " * 6 + "|"]
-    for r in all_results:
-        if (r["shape"], world) not in MEGATRON_MS:
-            continue
-        off, on = MEGATRON_MS[(r["shape"], world)]
-        cells = [f"{r[m]['step_ms']:.1f} ({r[m]['tokens_per_s_per_gpu'] / 1e3:.1f}k)"
-                 for m in ("seq", "ovl", "ovl_wgrad")]
-        lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {off} | {on} |")
+        d = r["derived"]
+        for s in ("", "_graph"):
+            if "seq" + s not in r:
+                continue
+            lines.append(" | ".join([
+                f"| {r['shape']}", "on" if s else "off", f(d["ratio" + s]),
+                f(r["seq" + s]["fb_ms"]), f(r["ovl" + s]["fb_ms"]),
+                f(r["ovl_wgrad" + s]["fb_ms"]), f(r["comp" + s]["fb_ms"]),
+                f(r["comm"]["fb_ms"]), f(d[f"seq_over_ovl{s}"]), f(d[f"seq_over_ovl_wgrad{s}"]),
+                f(d[f"ovl{s}_over_ideal"]), f(d[f"ovl_wgrad{s}_over_ideal"]),
+                f(d[f"realized_ovl{s}"]), f(d[f"realized_ovl_wgrad{s}"]),
+                f"{r['seq' + s]['peak_gib']:.1f}/{r['ovl' + s]['peak_gib']:.1f}/"
+                f"{r['ovl_wgrad' + s]['peak_gib']:.1f}",
+                f(r["ovl_wgrad" + s].get("graph_gib", 0.0))]) + " |")
+    graphed = [r for r in all_results if "seq_graph" in r]
+    if graphed:
+        lines += ["", "| shape | eager T_seq / graphed T_ovl | eager T_seq / graphed T_wgrad | "
+                  "1-mb activations GiB | tok/s/GPU eager seq | tok/s/GPU graphed ovl+wgrad |",
+                  "| --- " * 6 + "|"]
+        for r in graphed:
+            d = r["derived"]
+            lines.append(f"| {r['shape']} | {f(d['eager_seq_over_graph_ovl'])} | "
+                         f"{f(d['eager_seq_over_graph_ovl_wgrad'])} | "
+                         f"{f(d['one_mb_activations_gib'])} | "
+                         f"{r['seq']['tokens_per_s_per_gpu'] / 1e3:.1f}k | "
+                         f"{r['ovl_wgrad_graph']['tokens_per_s_per_gpu'] / 1e3:.1f}k |")
     profiled = [r for r in all_results if "timeline" in r]
     if profiled:
         lines += ["", "| profiled shape | mode | bench fb ms | profiled step ms | bench exposed "
@@ -314,7 +345,7 @@ def markdown(all_results: list, world: int) -> str:
     for r in profiled:
         comp_exposed = r["timeline"].get("comp", {}).get("exposed_ms")
         for mode, t in r["timeline"].items():
-            bench = (f"{r[mode]['fb_ms'] - r['comp']['fb_ms']:.2f}" if "comp" in r else "-")
+            bench = f"{r[mode]['fb_ms'] - r['comp']['fb_ms']:.2f}"
             net = f"{t['exposed_ms'] - comp_exposed:.2f}" if comp_exposed is not None else "-"
             lines.append(f"| {r['shape']} | {mode} | {r[mode]['fb_ms']:.2f} | {t['step_ms']:.2f} "
                          f"| {bench} | {t['exposed_ms']:.2f} / {t['exposed_max_rank_ms']:.2f} | "
@@ -333,12 +364,17 @@ def main(argv=None) -> int:
                         help="profiled steps per mode of the --profile-shapes")
     parser.add_argument("--torch-trace", action="store_true",
                         help="also write a torch.profiler trace of each profiled step")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also run every mode with partial CUDA graphs (GPU only)")
     args = parser.parse_args(argv)
     args.profile_shapes = [s for s in args.profile_shapes.split(",") if s]
     shapes = [s for s in args.shapes.split(",") if s]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         print(f"bench_overlap: unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+        return 2
+    if args.graphs and not torch.cuda.is_available():
+        print("bench_overlap: --graphs needs a CUDA device (CUDA graphs); none is visible here")
         return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))
     probe = parse_config(SHAPES[shapes[0]] + COMMON + OVERLAP +
@@ -359,8 +395,10 @@ def main(argv=None) -> int:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
         Path(args.out_dir, "bench_overlap.json").write_text(json.dumps(
             {"world": world, "results": all_results}, indent=2, default=str))
+        p2p = os.environ.get("NCCL_P2P_DISABLE", "0")
         print(f"\nbench_overlap: {world} rank(s), "
-              f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+              f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
+              f"NCCL_P2P_DISABLE={p2p}")
         print(markdown(all_results, world))
     return 0
 

@@ -7,6 +7,11 @@
 #   tools/gpu_suite.sh overlap   overlap benchmark on NGPUS (default 2) GPUs, with spans
 #   tools/gpu_suite.sh trace     one shape, spans of every mode + torch.profiler traces
 #   tools/gpu_suite.sh scale     bitwise check + overlap benchmark on all visible GPUs
+#   tools/gpu_suite.sh verify    GPU pytest tier (graphs on one GPU first, then the CLI bitwise
+#                                runs on 2 GPUs over EPOVERLAP_GPU_STEPS steps) + kernel tests
+#   tools/gpu_suite.sh runs      200-step main-job and small-preset runs (stalls, imbalance, the
+#                                price of --deterministic) + overlap benchmark with graphs,
+#                                NVLink and NCCL_P2P_DISABLE=1
 # Everything is written under ${OUT:-runs/gpu} (logs, JSON, span files, one tarball) and the
 # short tables are printed last. Multicast stays off (see KINDS.md).
 set -u
@@ -94,6 +99,33 @@ case "$PART" in
     CUDA_VISIBLE_DEVICES=$TWO_GPUS step bench_overlap torchrun --standalone --nproc-per-node="$NGPUS" \
       tools/bench_overlap.py --shapes "${SHAPES:-ratio_h2048_k8_f128}" \
       --profile-shapes "${SHAPES:-ratio_h2048_k8_f128}" --torch-trace --out-dir "$WORK/bench_overlap" --iters 6
+    ;;
+  verify)
+    export EPOVERLAP_GPU_LOGS="$WORK/cli_logs" EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-50}
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=420 step gpu_tests python3 -m pytest \
+      tests/test_gpu.py -q -x -k "one_gpu or cli_runs or streams" --durations=8
+    STEP_TIMEOUT=150 step kernel_tests python3 -m pytest tests/kernels -m gpu -q -x
+    ;;
+  runs)
+    T="torchrun --standalone --nproc-per-node=$NGPUS -m epoverlap.train"
+    G="--cuda-graph-impl local --cuda-graph-modules attn moe_router moe_preprocess"
+    SMALL="--preset small --bf16 --expert-model-parallel-size $NGPUS --train-iters 200 --log-interval 50"
+    O="--overlap-moe-expert-parallel-comm --delay-wgrad-compute"
+    mkdir -p "$WORK/runs"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=120 step main_job_200 epoverlap-launch \
+      --train-iters 200 --log-interval 50 --log-json "$WORK/runs/main_job_200.jsonl"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=150 step small_200 $T $SMALL $O $G \
+      --log-json "$WORK/runs/small_200.jsonl"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=150 step small_200_det $T $SMALL $O $G \
+      --deterministic --log-json "$WORK/runs/small_200_det.jsonl"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=300 step bench_overlap torchrun --standalone \
+      --nproc-per-node="$NGPUS" tools/bench_overlap.py --graphs --iters "${ITERS:-4}" \
+      --shapes "${SHAPES:-ratio_h2048_k8_f128,megatron_e32_k4_mbs2x8,megatron_e8_k8_f4096_mbs8x4}" \
+      --out-dir "$WORK/bench_overlap"
+    NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=240 step bench_overlap_nop2p \
+      torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py --graphs \
+      --iters "${ITERS:-4}" --shapes "${P2P_SHAPES:-ratio_h2048_k8_f128,megatron_e32_k4_mbs2x8}" \
+      --out-dir "$WORK/bench_overlap_nop2p"
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac

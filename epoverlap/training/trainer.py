@@ -62,6 +62,10 @@ class StepResult:
         return record
 
 
+IMBALANCE_WARN_LIMIT = 4.0  # max/mean tokens per expert of the worst MoE layer
+IMBALANCE_WARN_STEPS = 20
+
+
 def _warn_every_rank(message: str) -> None:
     print(f"epoverlap-train: warning: {message}", file=sys.stderr, flush=True)
 
@@ -101,6 +105,7 @@ class Trainer:
         self.backend = backend
         self.compile_watch = CompileWatch(cfg.cuda_graph.warmup_steps, groups.rank,
                                           warn=_warn_every_rank)
+        self._imbalanced_steps = 0
 
     def _graph_runner(self) -> Optional[GraphRunner]:
         graph_cfg = self.cfg.cuda_graph
@@ -268,6 +273,7 @@ class Trainer:
         if json_file is not None:
             json_file.write(json.dumps(r.to_json()) + "\n")
             json_file.flush()
+        self._watch_imbalance(r)
         if self.groups.is_first() and (r.step % self.cfg.log.log_interval == 0
                                        or r.step == self.cfg.train.train_iters):
             mem = f" | mem {r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else ""
@@ -276,6 +282,17 @@ class Trainer:
                      f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"
                      f" | {r.step_time_s * 1e3:.1f} ms | {r.tflops_per_gpu:.3g} TFLOP/s/GPU"
                      f"{mem}")
+
+    def _watch_imbalance(self, r: StepResult) -> None:
+        """One warning when the worst layer's load imbalance stays above the limit for a while:
+        the router has collapsed onto a few experts (and the EP ranks wait on one)."""
+        limit, window = IMBALANCE_WARN_LIMIT, IMBALANCE_WARN_STEPS
+        self._imbalanced_steps = self._imbalanced_steps + 1 if r.load_imbalance > limit else 0
+        if self._imbalanced_steps == window and self.groups.is_first():
+            _warn_every_rank(f"load imbalance above {limit:g} for {window} steps (now "
+                             f"{r.load_imbalance:.2f} at step {r.step}): the router sends most "
+                             f"tokens to a few experts; raise --moe-aux-loss-coeff or use "
+                             f"--moe-router-enable-expert-bias")
 
     def _torch_profiler(self):
         window, log = self.cfg.log.profile_range, self.cfg.log
