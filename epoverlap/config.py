@@ -89,6 +89,7 @@ class ParallelConfig:
 class TrainConfig:
     micro_batch_size: int = 2
     num_microbatches: int = 4
+    global_batch_size: Optional[int] = None  # when set, for_world derives num_microbatches
     train_iters: int = 20
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -193,6 +194,16 @@ class RunConfig:
         if self.kernels.kernel_backend == "auto":
             return "triton" if device == "cuda" else "torch"
         return self.kernels.kernel_backend
+
+    def for_world(self, world_size: int) -> "RunConfig":
+        """This config with num_microbatches derived from --global-batch-size, if given (every
+        rank reads its own data: the data-parallel size is the world size)."""
+        gbs = self.train.global_batch_size
+        if gbs is None:
+            return self
+        microbatches = gbs // (self.train.micro_batch_size * world_size)
+        return dataclasses.replace(self, train=dataclasses.replace(
+            self.train, num_microbatches=microbatches))
 
     def with_vocab_size(self, vocab_size: int) -> "RunConfig":
         """This config with the model's vocabulary set (to the data's tokenizer's)."""
@@ -345,6 +356,9 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
      "collective timeout"),
     ("--micro-batch-size", "train", "micro_batch_size", int, "sequences per microbatch"),
     ("--num-microbatches", "train", "num_microbatches", int, "microbatches per step"),
+    ("--global-batch-size", "train", "global_batch_size", _opt_int,
+     "sequences per step over all ranks (Megatron's form): sets --num-microbatches to "
+     "it / (--micro-batch-size x ranks)"),
     ("--train-iters", "train", "train_iters", int, "optimizer steps"),
     ("--lr", "train", "lr", float, "peak learning rate"),
     ("--min-lr", "train", "min_lr", float, "final learning rate"),
@@ -445,6 +459,11 @@ def config_from_args(args: argparse.Namespace,
     given = apply_aliases({name: getattr(args, name) for name in dests}, FLAG_ALIASES,
                           _dest_of, notes)
     values = dict(PRESETS[args.preset]) if args.preset else {}
+    if given["global_batch_size"] is not None:
+        if given["num_microbatches"] is not None:
+            raise ConfigError("--global-batch-size", given["global_batch_size"],
+                              "give it or --num-microbatches, not both")
+        values.pop("num_microbatches", None)  # derived by RunConfig.for_world
     values.update({name: given[name] for _, _, name, _, _ in _FLAGS if given[name] is not None})
     sections: dict[str, dict] = {}
     for _, section, name, kind, _ in _FLAGS:
@@ -551,9 +570,14 @@ def _validate_moe(cfg: RunConfig, world_size: int) -> None:
         _require(value is None or value >= 1, name, value, "must be >= 1")
 
 
-def _validate_train(t: TrainConfig, cuda_available: bool) -> None:
+def _validate_train(t: TrainConfig, world_size: int, cuda_available: bool) -> None:
     for name in ("micro_batch_size", "num_microbatches", "train_iters"):
         _require(getattr(t, name) >= 1, name, getattr(t, name), "must be >= 1")
+    per_microbatch = t.micro_batch_size * world_size
+    _require(t.global_batch_size is None or (t.global_batch_size >= per_microbatch and
+                                             t.global_batch_size % per_microbatch == 0),
+             "global_batch_size", t.global_batch_size, f"must be a multiple of "
+             f"--micro-batch-size x ranks = {t.micro_batch_size} x {world_size}")
     _require(t.lr > 0, "lr", t.lr, "must be > 0")
     _require(0 <= t.min_lr <= t.lr, "min_lr", t.min_lr, f"must be in [0, --lr={t.lr}]")
     _require(t.lr_warmup_iters >= 0, "lr_warmup_iters", t.lr_warmup_iters, "must be >= 0")
@@ -697,7 +721,7 @@ def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> No
     """Check every rule; raise ConfigError naming the flag. Touches no process group."""
     _validate_model(cfg.model)
     _validate_moe(cfg, world_size)
-    _validate_train(cfg.train, cuda_available)
+    _validate_train(cfg.train, world_size, cuda_available)
     _validate_overlap(cfg)
     _validate_kernels_data_log(cfg, cuda_available)
     _validate_cuda_graphs(cfg)

@@ -98,6 +98,10 @@ def test_preset_then_explicit_flag_wins():
     (["--mock-data", "--tokenizer-model", "t.json"], 2, "--tokenizer-model",
      "HuggingFaceTokenizer"),
     (["--tensorboard-dir", "/etc/passwd/tb"], 2, "--tensorboard-dir", "writable"),
+    (["--global-batch-size", "6", "--micro-batch-size", "2"], 2, "--global-batch-size",
+     "multiple of --micro-batch-size x ranks = 2 x 2"),
+    (["--global-batch-size", "8", "--num-microbatches", "2"], 2, "--global-batch-size",
+     "not both"),
     (["--profile-steps", "3"], 2, "--profile-steps", "START:END"),
     (["--profile-steps", "4:2", "--profile-dir", "x"], 2, "--profile-steps", "START <= END"),
     (["--profile-steps", "2:3"], 2, "--profile-steps", "--profile-dir"),
@@ -163,6 +167,7 @@ def test_cli_flag_list_is_frozen():
         "--moe-router-dtype", "--moe-layer-freq", "--moe-first-k-dense-replace",
         "--moe-router-force-load-balancing", "--expert-model-parallel-size",
         "--dist-timeout-minutes", "--micro-batch-size", "--num-microbatches", "--train-iters",
+        "--global-batch-size",
         "--lr", "--min-lr", "--lr-warmup-iters", "--weight-decay", "--adam-beta1",
         "--adam-beta2", "--adam-eps", "--clip-grad", "--seed", "--bf16", "--deterministic-mode",
         "--device", "--skip-optimizer-step", "--overlap-moe-expert-parallel-comm",
@@ -199,3 +204,13 @@ def test_data_flags_parse_as_megatron_core_reads_them():
     assert parse_config(BASE).data.text_source == "stdlib"
     assert parse_config(BASE + ["--data-path", "a"]).data.split_fractions == pytest.approx(
         (0.969, 0.03, 0.001))
+
+
+def test_global_batch_size_sets_the_microbatch_count():
+    cfg = parse_config(["--preset", "tiny", "--global-batch-size", "32", "--micro-batch-size",
+                        "2"])
+    validate_config(cfg, 4, False)
+    assert cfg.for_world(4).train.num_microbatches == 4
+    assert cfg.for_world(4).for_world(4) == cfg.for_world(4)
+    assert parse_config(["--preset", "tiny"]).for_world(4).train.num_microbatches == \
+        PRESETS["tiny"]["num_microbatches"]

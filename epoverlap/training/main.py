@@ -48,6 +48,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = parse_config(argv, warn=lambda msg: warn(f"epoverlap-train: warning: {msg}"))
         validate_config(cfg, world_size_from_env(), torch.cuda.is_available())
+        cfg = cfg.for_world(world_size_from_env())
         data = open_data_source(cfg, world_size_from_env())  # files checked before any group
     except ConfigError as error:
         warn(f"epoverlap-train: error: {error}")  # every rank fails alike; rank 0 says it

@@ -90,6 +90,7 @@ class Trainer:
                  log: Callable[[str], None] = print, data=None):
         """`data`: a source from `open_data_source` (opened here when None); the model's
         vocabulary is the source's."""
+        cfg = cfg.for_world(groups.world_size)
         self.data = data if data is not None else open_data_source(cfg, groups.world_size)
         cfg = cfg.with_vocab_size(self.data.vocab_size)
         self.cfg, self.groups, self.log = cfg, groups, log
