@@ -63,8 +63,12 @@ def triton_unavailable_reason() -> Optional[str]:
 
 
 def _table(backend: str, module) -> MoEOps:
-    """The table whose every op is the function of the same name in `module`."""
-    ops = {f.name: getattr(module, f.name) for f in fields(MoEOps) if f.name != "backend"}
+    """The table of `module`'s ops, the routing ops behind Megatron-core's signatures."""
+    from .megatron_api import megatron_entries
+
+    wrapped = megatron_entries(module)
+    ops = {f.name: wrapped[f.name] if f.name in wrapped else getattr(module, f.name)
+           for f in fields(MoEOps) if f.name != "backend"}
     return MoEOps(backend, **ops)
 
 

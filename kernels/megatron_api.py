@@ -14,8 +14,9 @@ moe_utils`, with its parameter names, order and defaults (megatron-core 0.16.1):
       fused=False, router_replay=None) -> (probs [T, E], routing_map [T, E] bool)
 
 Each `*_entry(impl)` wraps one backend's shape-suffixed implementation (`permute_torch`,
-`permute_triton`, ...); `reference.py` and `triton_ops.py` export the wrapped functions, so the
-`MoEOps` table of either backend answers Megatron-core's calls, positional or by keyword.
+`permute_triton`, ...); `megatron_entries(module)` wraps those of a backend module
+(`reference` or `triton_ops`) for its `MoEOps` table, so the table of either backend answers
+Megatron-core's calls, positional or by keyword.
 
 Differences a caller can see, each stated where it applies:
 - The third output of `permute` is our row-id map (token, expert) -> row, not Megatron-core's
@@ -121,3 +122,14 @@ def topk_routing_entry(router_impl: Callable) -> Callable:
                            expert_bias=expert_bias)
 
     return topk_routing_with_score_function
+
+
+def megatron_entries(backend_module) -> dict[str, Callable]:
+    """The four entry points over `backend_module`'s permute, unpermute, sort_chunks_by_idxs
+    and router_topk, by their Megatron-core names."""
+    return {
+        "permute": permute_entry(backend_module.permute),
+        "unpermute": unpermute_entry(backend_module.unpermute),
+        "sort_chunks_by_idxs": sort_chunks_entry(backend_module.sort_chunks_by_idxs),
+        "topk_routing_with_score_function": topk_routing_entry(backend_module.router_topk),
+    }

@@ -192,8 +192,8 @@ def test_empty_folder_and_short_text_are_refused(tmp_path):
 # ------------------------------------------------------------------------------ samples
 def test_split_bounds_round_like_megatron_core():
     split = parse_split("969,30,1")
-    assert [split_bounds(1000, split, part) for part in range(3)] == [(0, 969), (969, 999),
-                                                                     (999, 1000)]
+    bounds = [split_bounds(1000, split, part) for part in range(3)]
+    assert bounds == [(0, 969), (969, 999), (999, 1000)]
     assert split_bounds(7, parse_split("1"), 0) == (0, 7)
 
 

@@ -3,9 +3,10 @@
 Owns how `--data-path`, `--split` and `--seed` turn into the token window of every global
 sample, as pure functions of those inputs (no state carried from step to step):
 
-- Split (`split_bounds`; the flag syntax is `config.parse_split`): `--split 969,30,1` cuts a dataset's documents into
-  consecutive train / valid / test ranges in those proportions (each bound rounded to the
-  nearest document, as Megatron-core does); training reads the train range.
+- Split (`split_bounds`; the flag syntax is `config.parse_split`): `--split 969,30,1` cuts a
+  dataset's documents into consecutive train / valid / test ranges in those proportions (each
+  bound rounded to the nearest document, as Megatron-core does); training reads the train
+  range.
 - Samples (`DocumentSamples`): in epoch e the train documents are concatenated in an order
   shuffled from (seed, dataset, e); sample j of the epoch is the window of seq_length + 1
   tokens starting at token j * seq_length (windows overlap by the one token that is both the
@@ -27,6 +28,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from epoverlap.data.indexed import IndexedTokens
+
 
 def split_bounds(num_documents: int, split: Sequence[float], part: int = 0) -> tuple[int, int]:
     """Document range [begin, end) of split `part` (0 train, 1 valid, 2 test)."""

@@ -4,12 +4,12 @@ from a validated config and runs optimizer steps.
 One step: the executor runs the plan (sequential, or the combined 1F1B with
 --overlap-moe-expert-parallel-comm) over all microbatches; then, only after the last backward
 and weight-grad action, grads are reduced, clipped, the expert biases updated from the
-all-reduced token counts, and the optimizer steps. Rank 0 prints one line per step (with the time left at the
-mean step time so far), with --log-json writes one JSON record per step (the loss also as
-float.hex, for bitwise comparison with `epoverlap-compare-losses`), and with
---tensorboard-dir the same scalars as TensorBoard events (`training.tensorboard`). Steps with
-recorded spans (--profile-steps) also report the first rank's comm, exposed comm and overlap
-ratio (`profiling.overlap`).
+all-reduced token counts, and the optimizer steps. Rank 0 prints one line per step (ending
+with the time left at the mean step time so far), with --log-json writes one JSON record per
+step (the loss also as float.hex, for bitwise comparison with `epoverlap-compare-losses`),
+and with --tensorboard-dir the same scalars as TensorBoard events (`training.tensorboard`).
+Steps with recorded spans (--profile-steps) also report the first rank's comm, exposed comm
+and overlap ratio (`profiling.overlap`).
 """
 
 from __future__ import annotations
