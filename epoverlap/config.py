@@ -13,13 +13,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
-from epoverlap.graphs.config import (CudaGraphConfig, add_cuda_graph_args,
-                                cuda_graph_config_from_args, validate_cuda_graph_config)
+from epoverlap.data.tokenizers import TOKENIZER_TYPES
 from epoverlap.errors import ConfigError
+from epoverlap.flag_aliases import FlagAlias, apply_aliases
+from epoverlap.graphs.config import (CudaGraphConfig, add_cuda_graph_args,
+                                     cuda_graph_config_from_args, validate_cuda_graph_config)
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
@@ -37,7 +40,7 @@ class ModelConfig:
     num_attention_heads: int = 4
     num_query_groups: Optional[int] = None
     seq_length: int = 128
-    vocab_size: int = 256
+    vocab_size: int = 256  # not a flag: the data's tokenizer sets it (main.py); 256 = bytes
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
@@ -86,6 +89,7 @@ class ParallelConfig:
 class TrainConfig:
     micro_batch_size: int = 2
     num_microbatches: int = 4
+    global_batch_size: Optional[int] = None  # when set, for_world derives num_microbatches
     train_iters: int = 20
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -97,7 +101,7 @@ class TrainConfig:
     clip_grad: float = 1.0
     seed: int = 1234
     bf16: bool = False
-    deterministic: bool = False
+    deterministic_mode: bool = False
     device: str = "auto"
     skip_optimizer_step: bool = False
 
@@ -116,9 +120,36 @@ class KernelConfig:
     kernel_backend: str = "auto"
 
 
+DEFAULT_SPLIT = "969,30,1"
+
+
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
-    data: str = "stdlib"
+    """One source: raw text (`data`, byte tokens; the default, Python's own sources), Megatron
+    indexed datasets (`data_path`, read through a tokenizer's vocabulary) or `mock_data`."""
+
+    data: Optional[str] = None
+    data_path: tuple[str, ...] = ()
+    split: Optional[str] = None
+    mock_data: bool = False
+    tokenizer_type: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None
+
+    @property
+    def text_source(self) -> Optional[str]:
+        """The raw-text source when neither --data-path nor --mock-data is given."""
+        if self.data_path or self.mock_data:
+            return None
+        return self.data or "stdlib"
+
+    @property
+    def blend(self) -> tuple[list[str], Optional[list[float]]]:
+        return parse_blend(self.data_path)
+
+    @property
+    def split_fractions(self) -> tuple[float, float, float]:
+        return parse_split(self.split or DEFAULT_SPLIT)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -127,7 +158,8 @@ class LogConfig:
     log_json: Optional[str] = None
     profile_steps: Optional[str] = None
     profile_dir: Optional[str] = None
-    profile_torch: bool = False
+    use_pytorch_profiler: bool = False
+    tensorboard_dir: Optional[str] = None
 
     @property
     def profile_range(self) -> Optional[tuple[int, int]]:
@@ -163,6 +195,21 @@ class RunConfig:
             return "triton" if device == "cuda" else "torch"
         return self.kernels.kernel_backend
 
+    def for_world(self, world_size: int) -> "RunConfig":
+        """This config with num_microbatches derived from --global-batch-size, if given (every
+        rank reads its own data: the data-parallel size is the world size)."""
+        gbs = self.train.global_batch_size
+        if gbs is None:
+            return self
+        microbatches = gbs // (self.train.micro_batch_size * world_size)
+        return dataclasses.replace(self, train=dataclasses.replace(
+            self.train, num_microbatches=microbatches))
+
+    def with_vocab_size(self, vocab_size: int) -> "RunConfig":
+        """This config with the model's vocabulary set (to the data's tokenizer's)."""
+        return dataclasses.replace(self, model=dataclasses.replace(self.model,
+                                                                   vocab_size=vocab_size))
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -179,6 +226,51 @@ def moe_layer_pattern(num_layers: int, moe: MoEConfig) -> list[bool]:
         pattern = [layer % every == 0 for layer in range(num_layers)]
     return [is_moe and layer >= moe.moe_first_k_dense_replace
             for layer, is_moe in enumerate(pattern)]
+
+
+# --------------------------------------------------------------------------- data flag syntax
+def parse_split(text: str) -> tuple[float, float, float]:
+    """"969,30,1" -> normalized (train, valid, test) proportions. Raises ValueError."""
+    parts = [p.strip() for p in re.split(r"[,/]", text) if p.strip()]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError("expected up to three comma-separated proportions, e.g. 969,30,1") \
+            from None
+    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or not values[0] > 0:
+        raise ValueError("up to three proportions >= 0 with the train one > 0, e.g. 969,30,1")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return tuple(v / total for v in values)  # type: ignore[return-value]
+
+
+def parse_blend(items: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+    """`--data-path` items -> (prefixes, weights or None). Raises ValueError.
+
+    Either prefixes only (A B ...), or weight-prefix pairs (0.3 A 0.7 B), as Megatron-core
+    reads them.
+    """
+    items = list(items)
+    if not items:
+        raise ValueError("give at least one PREFIX (of PREFIX.bin / PREFIX.idx)")
+    if len(items) % 2 == 0 and all(_is_number(w) for w in items[0::2]):
+        weights = [float(w) for w in items[0::2]]
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError("weights must be >= 0 and not all 0")
+        return items[1::2], weights
+    numbers = [item for item in items if _is_number(item)]
+    if numbers:
+        raise ValueError(f"{numbers[0]} looks like a weight: give WEIGHT PREFIX pairs for every "
+                         "dataset, or prefixes only")
+    return items, None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 # --------------------------------------------------------------------------- presets
@@ -264,6 +356,9 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
      "collective timeout"),
     ("--micro-batch-size", "train", "micro_batch_size", int, "sequences per microbatch"),
     ("--num-microbatches", "train", "num_microbatches", int, "microbatches per step"),
+    ("--global-batch-size", "train", "global_batch_size", _opt_int,
+     "sequences per step over all ranks (Megatron's form): sets --num-microbatches to "
+     "it / (--micro-batch-size x ranks)"),
     ("--train-iters", "train", "train_iters", int, "optimizer steps"),
     ("--lr", "train", "lr", float, "peak learning rate"),
     ("--min-lr", "train", "min_lr", float, "final learning rate"),
@@ -275,7 +370,7 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--clip-grad", "train", "clip_grad", float, "global grad-norm clip (0: off)"),
     ("--seed", "train", "seed", int, "random seed"),
     ("--bf16", "train", "bf16", bool, "bf16 params and compute (GPU)"),
-    ("--deterministic", "train", "deterministic", bool, "deterministic algorithms"),
+    ("--deterministic-mode", "train", "deterministic_mode", bool, "deterministic algorithms"),
     ("--device", "train", "device", str, f"one of {DEVICES}"),
     ("--skip-optimizer-step", "train", "skip_optimizer_step", bool,
      "benchmark only: forward+backward+grad reduce, no update"),
@@ -288,19 +383,49 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
      f"benchmark only: {COMM_MODES} (local_copy replaces all-to-alls by local copies)"),
     ("--kernel-backend", "kernels", "kernel_backend", str, f"one of {KERNEL_BACKENDS}"),
     ("--data", "data", "data", str,
-     "text file or folder (byte tokens), 'stdlib' (Python's own sources) or 'synthetic'"),
+     "raw text file or folder read as byte tokens, or 'stdlib' (Python's own sources; the "
+     "default when no --data-path or --mock-data is given)"),
+    ("--data-path", "data", "data_path", list,
+     "Megatron indexed datasets: PREFIX [PREFIX ...] or WEIGHT PREFIX [WEIGHT PREFIX ...] "
+     "(PREFIX.bin + PREFIX.idx; epoverlap-convert-data writes them)"),
+    ("--split", "data", "split", str,
+     f"train,valid,test proportions of each --data-path dataset's documents (default "
+     f"{DEFAULT_SPLIT}); training reads the train part"),
+    ("--mock-data", "data", "mock_data", bool,
+     "synthetic tokens (a learnable random bigram chain) instead of data"),
+    ("--tokenizer-type", "data", "tokenizer_type", str,
+     f"one of {TOKENIZER_TYPES}: the vocabulary of --data-path / --mock-data"),
+    ("--tokenizer-model", "data", "tokenizer_model", str,
+     "HuggingFaceTokenizer: a tokenizer.json or a folder holding one"),
+    ("--vocab-size", "data", "vocab_size", int,
+     "NullTokenizer: ids 0..N-1 (the model's vocabulary is N + 1, with end-of-document N)"),
     ("--log-interval", "log", "log_interval", int, "steps between log lines"),
     ("--log-json", "log", "log_json", str, "write one JSON record per step here"),
     ("--profile-steps", "log", "profile_steps", str, "START:END steps to record spans for"),
     ("--profile-dir", "log", "profile_dir", str, "where span files go"),
-    ("--profile-torch", "log", "profile_torch", bool, "also capture torch.profiler traces"),
+    ("--use-pytorch-profiler", "log", "use_pytorch_profiler", bool,
+     "also capture torch.profiler traces of the --profile-steps"),
+    ("--tensorboard-dir", "log", "tensorboard_dir", str,
+     "write TensorBoard scalars here (needs the 'tensorboard' extra)"),
 ]
 _FLAG_OF_FIELD = {name: flag for flag, _, name, _, _ in _FLAGS}
+_FIELD_OF_FLAG = {flag: name for name, flag in _FLAG_OF_FIELD.items()}
+
+# Old spellings, still accepted with one warning each (the mechanism: `flag_aliases`).
+FLAG_ALIASES = (
+    FlagAlias("--deterministic", "--deterministic-mode"),
+    FlagAlias("--profile-torch", "--use-pytorch-profiler"),
+    FlagAlias("--data", "--mock-data", True, old_value="synthetic"),
+)
 
 
 def flag_of(field_name: str) -> str:
     """The CLI flag for a config field name (for error messages)."""
     return _FLAG_OF_FIELD.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def _dest_of(flag: str) -> str:
+    return _FIELD_OF_FLAG.get(flag, flag.lstrip("-").replace("-", "_"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -313,27 +438,46 @@ def build_parser() -> argparse.ArgumentParser:
         if kind is bool:
             parser.add_argument(flag, dest=name, action="store_true", default=None,
                                 help=help_text)
+        elif kind is list:
+            parser.add_argument(flag, dest=name, nargs="+", default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
+    for alias in FLAG_ALIASES:
+        if alias.old not in _FIELD_OF_FLAG:  # a renamed switch: the old spelling stays
+            parser.add_argument(alias.old, dest=_dest_of(alias.old), action="store_true",
+                                default=None, help=f"deprecated: use {alias.new}")
     add_cuda_graph_args(parser)
     return parser
 
 
 def config_from_args(args: argparse.Namespace,
                      warn: Callable[[str], None] = lambda msg: None) -> RunConfig:
-    """Defaults <- preset <- explicit flags. No validation here (see validate_config)."""
+    """Defaults <- preset <- explicit flags (old spellings migrated, one `warn` each once the
+    whole command line is accepted). No validation here (see validate_config)."""
+    notes: list[str] = []
+    dests = [name for _, _, name, _, _ in _FLAGS] + [_dest_of(a.old) for a in FLAG_ALIASES]
+    given = apply_aliases({name: getattr(args, name) for name in dests}, FLAG_ALIASES,
+                          _dest_of, notes)
     values = dict(PRESETS[args.preset]) if args.preset else {}
-    values.update({name: getattr(args, name) for _, _, name, _, _ in _FLAGS
-                   if getattr(args, name) is not None})
+    if given["global_batch_size"] is not None:
+        if given["num_microbatches"] is not None:
+            raise ConfigError("--global-batch-size", given["global_batch_size"],
+                              "give it or --num-microbatches, not both")
+        values.pop("num_microbatches", None)  # derived by RunConfig.for_world
+    values.update({name: given[name] for _, _, name, _, _ in _FLAGS if given[name] is not None})
     sections: dict[str, dict] = {}
-    for _, section, name, _, _ in _FLAGS:
+    for _, section, name, kind, _ in _FLAGS:
         if name in values:
-            sections.setdefault(section, {})[name] = values[name]
+            value = tuple(values[name]) if kind is list else values[name]
+            sections.setdefault(section, {})[name] = value
     classes = {"model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig,
                "train": TrainConfig, "overlap": OverlapConfig, "kernels": KernelConfig,
                "data": DataConfig, "log": LogConfig}
     built = {section: cls(**sections.get(section, {})) for section, cls in classes.items()}
-    return RunConfig(**built, cuda_graph=cuda_graph_config_from_args(args, warn))
+    config = RunConfig(**built, cuda_graph=cuda_graph_config_from_args(args, notes.append))
+    for note in notes:
+        warn(note)
+    return config
 
 
 def parse_config(argv: Optional[list[str]] = None,
@@ -426,9 +570,14 @@ def _validate_moe(cfg: RunConfig, world_size: int) -> None:
         _require(value is None or value >= 1, name, value, "must be >= 1")
 
 
-def _validate_train(t: TrainConfig, cuda_available: bool) -> None:
+def _validate_train(t: TrainConfig, world_size: int, cuda_available: bool) -> None:
     for name in ("micro_batch_size", "num_microbatches", "train_iters"):
         _require(getattr(t, name) >= 1, name, getattr(t, name), "must be >= 1")
+    per_microbatch = t.micro_batch_size * world_size
+    _require(t.global_batch_size is None or (t.global_batch_size >= per_microbatch and
+                                             t.global_batch_size % per_microbatch == 0),
+             "global_batch_size", t.global_batch_size, f"must be a multiple of "
+             f"--micro-batch-size x ranks = {t.micro_batch_size} x {world_size}")
     _require(t.lr > 0, "lr", t.lr, "must be > 0")
     _require(0 <= t.min_lr <= t.lr, "min_lr", t.min_lr, f"must be in [0, --lr={t.lr}]")
     _require(t.lr_warmup_iters >= 0, "lr_warmup_iters", t.lr_warmup_iters, "must be >= 0")
@@ -465,12 +614,76 @@ def _validate_kernels_data_log(cfg: RunConfig, cuda_available: bool) -> None:
         reason = triton_unavailable_reason() if cfg.resolved_device(cuda_available) == "cpu" \
             else None
         _require(reason is None, "kernel_backend", backend, reason or "")
-    data = cfg.data.data
-    if data not in ("stdlib", "synthetic"):
-        _require(Path(data).exists(), "data", data,
-                 "no such file or folder (or use 'stdlib' / 'synthetic')")
+    _validate_data(cfg.data)
     _require(cfg.log.log_interval >= 1, "log_interval", cfg.log.log_interval, "must be >= 1")
     _validate_profile(cfg.log)
+    _validate_tensorboard(cfg.log)
+
+
+def _validate_data(d: DataConfig) -> None:
+    """Flag-level rules; the files themselves are checked by `training.data.open_data_source`."""
+    given = [flag for flag, on in (("--data", d.data is not None),
+                                   ("--data-path", bool(d.data_path)),
+                                   ("--mock-data", d.mock_data)) if on]
+    if len(given) > 1:
+        raise ConfigError(given[1], True, f"give one data source; {given[0]} is given too")
+    if d.data not in (None, "stdlib"):
+        _require(Path(d.data).exists(), "data", d.data,
+                 "no such file or folder (or use 'stdlib', --data-path or --mock-data)")
+    if d.data_path:
+        try:
+            d.blend
+        except ValueError as error:
+            raise ConfigError("--data-path", d.data_path, str(error)) from None
+        _require(d.tokenizer_type is not None, "data_path", d.data_path,
+                 "needs --tokenizer-type (NullTokenizer with --vocab-size, or "
+                 "HuggingFaceTokenizer with --tokenizer-model)")
+    if d.split is not None:
+        _require(bool(d.data_path), "split", d.split, "applies to --data-path datasets only")
+        try:
+            d.split_fractions
+        except ValueError as error:
+            raise ConfigError("--split", d.split, str(error)) from None
+    _validate_tokenizer(d)
+
+
+def _validate_tokenizer(d: DataConfig) -> None:
+    kind = d.tokenizer_type
+    if kind is not None:
+        _require(kind in TOKENIZER_TYPES, "tokenizer_type", kind,
+                 f"allowed: {', '.join(TOKENIZER_TYPES)}")
+        _require(d.text_source is None, "tokenizer_type", kind, "--data reads raw bytes "
+                 "(vocabulary 256); a tokenizer applies to --data-path and --mock-data")
+    _require(d.vocab_size is None or kind == "NullTokenizer", "vocab_size", d.vocab_size,
+             "only with --tokenizer-type NullTokenizer")
+    _require(kind != "NullTokenizer" or (d.vocab_size or 0) >= 1, "vocab_size", d.vocab_size,
+             "--tokenizer-type NullTokenizer needs --vocab-size >= 1")
+    _require(d.tokenizer_model is None or kind == "HuggingFaceTokenizer", "tokenizer_model",
+             d.tokenizer_model, "only with --tokenizer-type HuggingFaceTokenizer")
+    _require(kind != "HuggingFaceTokenizer" or bool(d.tokenizer_model), "tokenizer_model",
+             d.tokenizer_model, "--tokenizer-type HuggingFaceTokenizer needs a tokenizer.json "
+             "or a folder holding one")
+
+
+def _validate_tensorboard(log: LogConfig) -> None:
+    if log.tensorboard_dir is None:
+        return
+    try:
+        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
+    except ImportError:
+        raise ConfigError("--tensorboard-dir", log.tensorboard_dir, "needs the tensorboard "
+                          "package: pip install 'epoverlap[tensorboard]'") from None
+    _require(_writable_dir(Path(log.tensorboard_dir)), "tensorboard_dir", log.tensorboard_dir,
+             "not a writable directory (nor creatable)")
+
+
+def _writable_dir(path: Path) -> bool:
+    """True if `path` is a writable directory or could be created as one."""
+    while not path.exists():
+        if path.parent == path:
+            return False
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
 
 
 def _validate_profile(log: LogConfig) -> None:
@@ -511,7 +724,7 @@ def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> No
     """Check every rule; raise ConfigError naming the flag. Touches no process group."""
     _validate_model(cfg.model)
     _validate_moe(cfg, world_size)
-    _validate_train(cfg.train, cuda_available)
+    _validate_train(cfg.train, world_size, cuda_available)
     _validate_overlap(cfg)
     _validate_kernels_data_log(cfg, cuda_available)
     _validate_cuda_graphs(cfg, cuda_available)

@@ -4,7 +4,8 @@ the fused elementwise ops of the layers around them (RMSNorm, rotary, SwiGLU).
 Each op has a torch reference and a Triton kernel side by side (`router_topk.py` /
 `router_topk_triton.py`, `permutation.py` / `permutation_triton.py`, `sort_chunks.py` /
 `sort_chunks_triton.py`, `rmsnorm.py`, `rotary.py`, `swiglu.py` and their `*_triton.py`;
-`triton_ops.py` gathers the Triton ones). The implementation is chosen
+`triton_ops.py` gathers the Triton ones; `megatron_api.py` gives the routing ops
+Megatron-core's call signatures over either backend). The implementation is chosen
 once, by building an `MoEOps` table from the config's kernel backend;
 model code calls `ops.permute(...)` and never branches on the backend itself.
 
@@ -14,7 +15,7 @@ Installed under the import name `epoverlap_kernels` (the source folder is `kerne
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Optional
 
 KERNEL_BACKENDS = ("torch", "triton")
@@ -22,12 +23,15 @@ KERNEL_BACKENDS = ("torch", "triton")
 
 @dataclass(frozen=True)
 class MoEOps:
-    """One implementation of every op: the routing ops with Megatron-core compatible signatures,
-    and rms_norm(x, weight, eps), rotary(x_BNSD, cos_SD2, sin_SD2), swiglu(h_M2F, probs_M=None)."""
+    """One implementation of every op: the routing ops (permute, unpermute, sort_chunks_by_idxs
+    and topk_routing_with_score_function take Megatron-core's signatures and keyword names, see
+    `megatron_api`; router_topk / router_topk_with_counts are our keyword-only router), and
+    rms_norm(x, weight, eps), rotary(x_BNSD, cos_SD2, sin_SD2), swiglu(h_M2F, probs_M=None)."""
 
     backend: str
     router_topk: Callable
     router_topk_with_counts: Callable
+    topk_routing_with_score_function: Callable
     permute: Callable
     unpermute: Callable
     sort_chunks_by_idxs: Callable
@@ -58,6 +62,16 @@ def triton_unavailable_reason() -> Optional[str]:
     return None
 
 
+def _table(backend: str, module) -> MoEOps:
+    """The table of `module`'s ops, the routing ops behind Megatron-core's signatures."""
+    from .megatron_api import megatron_entries
+
+    wrapped = megatron_entries(module)
+    ops = {f.name: wrapped[f.name] if f.name in wrapped else getattr(module, f.name)
+           for f in fields(MoEOps) if f.name != "backend"}
+    return MoEOps(backend, **ops)
+
+
 def make_moe_ops(backend: str) -> MoEOps:
     """The op table for `backend` ('torch' or 'triton').
 
@@ -66,19 +80,13 @@ def make_moe_ops(backend: str) -> MoEOps:
     """
     if backend == "torch":
         from . import reference
-        return MoEOps("torch", reference.router_topk,
-                      reference.router_topk_with_counts, reference.permute, reference.unpermute,
-                      reference.sort_chunks_by_idxs, rms_norm=reference.rms_norm,
-                      rotary=reference.rotary, swiglu=reference.swiglu)
+        return _table("torch", reference)
     if backend == "triton":
         reason = triton_unavailable_reason()
         if reason is not None:
             raise ValueError(f"kernel backend 'triton': {reason}")
         from . import triton_ops
-        return MoEOps("triton", triton_ops.router_topk,
-                      triton_ops.router_topk_with_counts, triton_ops.permute, triton_ops.unpermute,
-                      triton_ops.sort_chunks_by_idxs, rms_norm=triton_ops.rms_norm,
-                      rotary=triton_ops.rotary, swiglu=triton_ops.swiglu)
+        return _table("triton", triton_ops)
     raise ValueError(f"kernel backend {backend!r}: allowed {KERNEL_BACKENDS}")
 
 

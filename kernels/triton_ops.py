@@ -1,5 +1,9 @@
 """Triton implementations of the routing ops under Megatron-core's names (the "triton" backend).
 
+The signatures below are the implementations' own; the `MoEOps` table (`make_moe_ops`) serves
+permute, unpermute, sort_chunks_by_idxs and topk_routing_with_score_function with
+Megatron-core's exact signatures and keyword names over them (`megatron_api`).
+
 router_topk(logits, topk, *, score_function, use_pre_softmax, num_groups, group_topk,
             scaling_factor, expert_bias) -> (probs [T, E], routing_map [T, E] bool)
 router_topk_with_counts(logits, topk, **same) -> (probs, routing_map, tokens_per_expert [E] int64)

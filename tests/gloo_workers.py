@@ -17,7 +17,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
         "--micro-batch-size", "2", "--num-microbatches", "4", "--moe-aux-loss-coeff", "0.01",
-        "--data", "synthetic", "--deterministic", "--dist-timeout-minutes", "3",
+        "--mock-data", "--deterministic-mode", "--dist-timeout-minutes", "3",
         "--lr-warmup-iters", "2", "--log-interval", "1000"]
 
 MODES = {

@@ -144,4 +144,4 @@ def test_a_log_without_deterministic_runs_is_named_in_a_warning(tmp_path, capsys
     assert result.identical and len(result.warnings) == 1 and str(loose) in result.warnings[0]
     assert main([str(loose), str(det)]) == 0
     err = capsys.readouterr().err
-    assert "not run with --deterministic" in err and str(loose) in err and str(det) not in err
+    assert "not run with --deterministic-mode" in err and str(loose) in err and str(det) not in err

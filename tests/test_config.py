@@ -25,7 +25,7 @@ def rejected(argv, world_size=2, cuda=False) -> ConfigError:
 def test_defaults_and_presets_validate():
     check([])
     for name in PRESETS:
-        validate_config(parse_config(["--preset", name, "--data", "synthetic"]), 4, False)
+        validate_config(parse_config(["--preset", name, "--mock-data"]), 4, False)
 
 
 def test_preset_then_explicit_flag_wins():
@@ -75,6 +75,33 @@ def test_preset_then_explicit_flag_wins():
     (["--min-lr", "1"], 2, "--min-lr", "--lr="),
     (["--clip-grad", "-1"], 2, "--clip-grad", ">= 0"),
     (["--data", "/no/such/file"], 2, "--data", "no such file"),
+    (["--data", "stdlib", "--mock-data"], 2, "--mock-data", "--data is given too"),
+    (["--data-path", "a", "--mock-data"], 2, "--mock-data", "--data-path is given too"),
+    (["--data-path", "a"], 2, "--data-path", "needs --tokenizer-type"),
+    (["--data-path", "0.3", "a", "b", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"],
+     2, "--data-path", "looks like a weight"),
+    (["--data-path", "0", "a", "0", "b", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+      "9"], 2, "--data-path", "not all 0"),
+    (["--split", "90,10"], 2, "--split", "--data-path datasets only"),
+    (["--data-path", "a", "--split", "x", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+      "9"], 2, "--split", "proportions"),
+    (["--data-path", "a", "--split", "0,1,0", "--tokenizer-type", "NullTokenizer",
+      "--vocab-size", "9"], 2, "--split", "train one > 0"),
+    (["--mock-data", "--tokenizer-type", "GPT2BPETokenizer"], 2, "--tokenizer-type",
+     "NullTokenizer"),
+    (["--tokenizer-type", "NullTokenizer", "--vocab-size", "9"], 2, "--tokenizer-type",
+     "raw bytes"),
+    (["--mock-data", "--tokenizer-type", "NullTokenizer"], 2, "--vocab-size", ">= 1"),
+    (["--mock-data", "--vocab-size", "9"], 2, "--vocab-size", "NullTokenizer"),
+    (["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer"], 2, "--tokenizer-model",
+     "tokenizer.json"),
+    (["--mock-data", "--tokenizer-model", "t.json"], 2, "--tokenizer-model",
+     "HuggingFaceTokenizer"),
+    (["--tensorboard-dir", "/etc/passwd/tb"], 2, "--tensorboard-dir", "writable"),
+    (["--global-batch-size", "6", "--micro-batch-size", "2"], 2, "--global-batch-size",
+     "multiple of --micro-batch-size x ranks = 2 x 2"),
+    (["--global-batch-size", "8", "--num-microbatches", "2"], 2, "--global-batch-size",
+     "not both"),
     (["--profile-steps", "3"], 2, "--profile-steps", "START:END"),
     (["--profile-steps", "4:2", "--profile-dir", "x"], 2, "--profile-steps", "START <= END"),
     (["--profile-steps", "2:3"], 2, "--profile-steps", "--profile-dir"),
@@ -142,12 +169,51 @@ def test_cli_flag_list_is_frozen():
         "--moe-router-dtype", "--moe-layer-freq", "--moe-first-k-dense-replace",
         "--moe-router-force-load-balancing", "--expert-model-parallel-size",
         "--dist-timeout-minutes", "--micro-batch-size", "--num-microbatches", "--train-iters",
+        "--global-batch-size",
         "--lr", "--min-lr", "--lr-warmup-iters", "--weight-decay", "--adam-beta1",
-        "--adam-beta2", "--adam-eps", "--clip-grad", "--seed", "--bf16", "--deterministic",
+        "--adam-beta2", "--adam-eps", "--clip-grad", "--seed", "--bf16", "--deterministic-mode",
         "--device", "--skip-optimizer-step", "--overlap-moe-expert-parallel-comm",
         "--delay-wgrad-compute", "--overlap-plan", "--comm-mode", "--kernel-backend", "--data",
-        "--log-interval", "--log-json", "--profile-steps", "--profile-dir", "--profile-torch",
+        "--data-path", "--split", "--mock-data", "--tokenizer-type", "--tokenizer-model",
+        "--vocab-size", "--log-interval", "--log-json", "--profile-steps", "--profile-dir",
+        "--use-pytorch-profiler", "--tensorboard-dir", "--deterministic", "--profile-torch",
         "--cuda-graph-impl", "--cuda-graph-modules", "--cuda-graph-warmup-steps",
         "--cuda-graph-check-inputs",
         "--inference-cuda-graph-scope", "--enable-cuda-graph", "--external-cuda-graph",
         "--cuda-graph-scope"])
+
+
+@pytest.mark.parametrize("old, new, field", [
+    (["--deterministic"], ["--deterministic-mode"], ("train", "deterministic_mode", True)),
+    (["--profile-torch"], ["--use-pytorch-profiler"], ("log", "use_pytorch_profiler", True)),
+    (["--data", "synthetic"], ["--mock-data"], ("data", "mock_data", True)),
+])
+def test_old_spellings_migrate_with_one_warning(old, new, field):
+    warnings = []
+    cfg = parse_config(BASE + old, warn=warnings.append)
+    section, name, value = field
+    assert getattr(getattr(cfg, section), name) == value
+    assert warnings == [f"deprecated: {' '.join(old)} -> {' '.join(new)}"]
+    assert parse_config(BASE + old + new, warn=[].append) == cfg  # agreeing forms together
+
+
+def test_data_flags_parse_as_megatron_core_reads_them():
+    cfg = parse_config(BASE + ["--data-path", "0.3", "a", "0.7", "b", "--split", "90,5,5",
+                               "--tokenizer-type", "NullTokenizer", "--vocab-size", "300"])
+    assert cfg.data.blend == (["a", "b"], [0.3, 0.7])
+    assert cfg.data.split_fractions == pytest.approx((0.9, 0.05, 0.05))
+    assert cfg.data.text_source is None
+    assert parse_config(BASE + ["--data-path", "a", "b"]).data.blend == (["a", "b"], None)
+    assert parse_config(BASE).data.text_source == "stdlib"
+    assert parse_config(BASE + ["--data-path", "a"]).data.split_fractions == pytest.approx(
+        (0.969, 0.03, 0.001))
+
+
+def test_global_batch_size_sets_the_microbatch_count():
+    cfg = parse_config(["--preset", "tiny", "--global-batch-size", "32", "--micro-batch-size",
+                        "2"])
+    validate_config(cfg, 4, False)
+    assert cfg.for_world(4).train.num_microbatches == 4
+    assert cfg.for_world(4).for_world(4) == cfg.for_world(4)
+    assert parse_config(["--preset", "tiny"]).for_world(4).train.num_microbatches == \
+        PRESETS["tiny"]["num_microbatches"]

@@ -126,7 +126,7 @@ GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_rou
 @pytest.mark.gpu
 @needs_gpu
 def test_graphed_sequential_run_on_one_gpu_equals_eager_bitwise(tmp_path):
-    flags = ["--preset", "tiny", "--bf16", "--deterministic", "--train-iters", "12"]
+    flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "12"]
     _, eager = _train(tmp_path, "eager_1gpu", 1, flags)
     out, graphed = _train(tmp_path, "graphs_1gpu", 1, flags + GRAPHS +
                           ["--cuda-graph-check-inputs"])
@@ -142,7 +142,7 @@ def test_cli_runs_are_bitwise_identical_under_deterministic(tmp_path):
     wgrad vs the same with CUDA graphs, all bitwise identical under --deterministic; and no
     Triton compile after the warmup steps although every step routes differently."""
     steps = os.environ.get("EPOVERLAP_GPU_STEPS", "30")
-    base = ["--preset", "small", "--bf16", "--deterministic", "--train-iters", steps,
+    base = ["--preset", "small", "--bf16", "--deterministic-mode", "--train-iters", steps,
             "--expert-model-parallel-size", "2", "--kernel-backend", "triton", "--seed", "3"]
     overlap = ["--overlap-moe-expert-parallel-comm"]
     wgrad = overlap + ["--delay-wgrad-compute"]

@@ -80,6 +80,8 @@ def test_two_node_launch_on_one_machine_runs_to_the_end(tmp_path):
     (["--expert-model-parallel-size", "4"], "--expert-model-parallel-size=4: must divide"),
     (["--moe-router-topk", "99"], "--moe-router-topk=99: must be in [1, --num-experts=8]"),
     (["--delay-wgrad-compute"], "--delay-wgrad-compute=True: requires"),
+    (["--data-path", "/no/such", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"],
+     "--data-path=/no/such: /no/such.idx: no such file"),
 ])
 def test_bad_flags_exit_2_with_one_line_and_no_traceback(flags, message):
     result = _run([sys.executable, "-m", "epoverlap.train", "--preset", "tiny", *flags])
@@ -94,7 +96,7 @@ def test_overlap_on_and_off_write_identical_losses_per_compare_tool(tmp_path):
     for name, extra in (("off", []), ("on", ["--overlap-moe-expert-parallel-comm",
                                              "--delay-wgrad-compute"])):
         log = tmp_path / f"{name}.jsonl"
-        result = _run(_torchrun(2, *QUICK, "--train-iters", "6", "--deterministic",
+        result = _run(_torchrun(2, *QUICK, "--train-iters", "6", "--deterministic-mode",
                                 "--expert-model-parallel-size", "2", "--log-json", str(log),
                                 *extra))
         assert result.returncode == 0, result.stderr[-3000:]
@@ -158,3 +160,38 @@ def test_bench_overlap_graphs_need_cuda_in_one_line():
     result = _run([sys.executable, str(REPO / "tools" / "bench_overlap.py"), "--graphs"])
     assert result.returncode == 2
     assert "needs a CUDA device" in result.stdout and "Traceback" not in result.stderr
+
+
+def _scalars(directory: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)}
+            for tag in events.Tags()["scalars"]}
+
+
+def test_main_job_trains_from_converted_indexed_data_and_writes_tensorboard(tmp_path):
+    """The README's two commands (convert, then train from PREFIX.bin/.idx), with TensorBoard
+    scalars and one profiled step's exposed comm read back from the event file."""
+    pytest.importorskip("tensorboard", reason="the 'tensorboard' extra is not installed")
+    prefix, board = tmp_path / "data" / "epoverlap-src", tmp_path / "tb"
+    convert = _run([sys.executable, "-m", "epoverlap_tools.convert_data", "--input",
+                    str(REPO / "epoverlap"), "--output-prefix", str(prefix), "--append-eod"])
+    assert convert.returncode == 0, convert.stderr
+    assert f"--data-path {prefix} --tokenizer-type NullTokenizer --vocab-size 256" \
+        in convert.stdout
+    result = _run(_torchrun(2, *QUICK, "--train-iters", "4", "--expert-model-parallel-size", "2",
+                            "--overlap-moe-expert-parallel-comm", "--data-path", str(prefix),
+                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+                            "--tensorboard-dir", str(board), "--profile-steps", "3:3",
+                            "--profile-dir", str(tmp_path / "spans")))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data: indexed" in result.stdout and "vocabulary 257" in result.stdout
+    assert "ETA" in result.stdout and "exposed comm" in result.stdout
+    scalars = _scalars(board)
+    for tag in ("lm loss", "learning-rate", "grad-norm", "load-imbalance", "tokens-per-sec",
+                "iteration-time", "load_balancing_loss"):
+        assert sorted(scalars[tag]) == [1, 2, 3, 4], tag
+    assert sorted(scalars["comm/exposed-comm-ms"]) == [3]
+    assert 0 < scalars["comm/exposed-comm-ms"][3] <= scalars["comm/comm-ms"][3]
+    assert scalars["lm loss"][1] > 4.0

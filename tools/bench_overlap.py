@@ -47,7 +47,7 @@ from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.main import setup_environment
 from epoverlap.training.trainer import Trainer
 
-COMMON = ["--skip-optimizer-step", "--moe-router-force-load-balancing", "--data", "synthetic",
+COMMON = ["--skip-optimizer-step", "--moe-router-force-load-balancing", "--mock-data",
           "--log-interval", "100000", "--train-iters", "1000"]
 MEGATRON = ["--preset", "megatron-cmp"]
 SHAPES = {

@@ -42,7 +42,7 @@ DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size
                  "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
                  "--moe-shared-expert-intermediate-size", "256", "--moe-aux-loss-coeff", "0.01",
                  "--moe-first-k-dense-replace", "1", "--micro-batch-size", "2",
-                 "--num-microbatches", "4", "--data", "synthetic", "--log-interval", "1000"]
+                 "--num-microbatches", "4", "--mock-data", "--log-interval", "1000"]
 
 
 def _grad_digest(trainer: Trainer) -> str:
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     args, train_flags = parser.parse_known_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     ep = args.ep or world
-    base = DEFAULT_MODEL + ["--deterministic", "--expert-model-parallel-size", str(ep)]
+    base = DEFAULT_MODEL + ["--deterministic-mode", "--expert-model-parallel-size", str(ep)]
     if torch.cuda.is_available():
         base.append("--bf16")
     base += train_flags

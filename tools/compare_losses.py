@@ -124,7 +124,7 @@ def _span(steps: Sequence[int]) -> str:
 def compare_loss_logs(path_a: str | os.PathLike, path_b: str | os.PathLike) -> LossComparison:
     """Compare two loss logs step by step. Raises LossLogError if either is malformed."""
     (losses_a, det_a), (losses_b, det_b) = _read_log(path_a), _read_log(path_b)
-    warnings = tuple(f"warning: {path} was not run with --deterministic: runs that are not "
+    warnings = tuple(f"warning: {path} was not run with --deterministic-mode: runs that are not "
                      f"can differ without a bug" for path, det in ((path_a, det_a),
                                                                    (path_b, det_b)) if not det)
     common = sorted(losses_a.keys() & losses_b.keys())

@@ -117,7 +117,7 @@ case "$PART" in
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=150 step small_200 $T $SMALL $O $G \
       --log-json "$WORK/runs/small_200.jsonl"
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=150 step small_200_det $T $SMALL $O $G \
-      --deterministic --log-json "$WORK/runs/small_200_det.jsonl"
+      --deterministic-mode --log-json "$WORK/runs/small_200_det.jsonl"
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=300 step bench_overlap torchrun --standalone \
       --nproc-per-node="$NGPUS" tools/bench_overlap.py --graphs --iters "${ITERS:-4}" \
       --shapes "${SHAPES:-ratio_h2048_k8_f128,megatron_e32_k4_mbs2x8,megatron_e8_k8_f4096_mbs8x4}" \

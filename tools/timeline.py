@@ -2,9 +2,9 @@
 
 This module owns everything that reads span files (epoverlap/profiling/spans.py, docs/span-format.md) or
 torch.profiler Chrome traces and turns them into overlap figures:
-  - interval math: pure functions on lists of (start, end) intervals (union, intersect,
-    subtract, measure, gaps);
-  - metrics: per rank and step, per layer, mean over steps, and per torch trace (by kernel);
+  - metrics: per rank and step (interval math and one step's figures live in
+    epoverlap/profiling/overlap.py, which the trainer shares), per layer, mean over steps,
+    and per torch trace (by kernel);
   - a merged Chrome/Perfetto trace (timeline_trace.json), a PNG Gantt chart (timeline.png),
     a printed summary and timeline_summary.json, all written to --out-dir (default DIR).
 
@@ -32,11 +32,12 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
+from epoverlap.profiling.overlap import (  # noqa: F401  (gaps, WindowMetrics: re-exported)
+    CommOverlap, Interval, WindowMetrics, comm_overlap, gaps, intersect, lane_intervals, measure,
+    step_metrics, subtract, union, window_metrics)
 from epoverlap.profiling.spans import RankSpans, Span, SpanFileError, StepSpans, read_span_directory
-
-Interval = tuple[float, float]
 
 TRACE_FILE = "timeline_trace.json"
 PNG_FILE = "timeline.png"
@@ -77,136 +78,19 @@ class InputError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
-# Interval math: lists of (start, end) pairs; results are sorted, disjoint, non-touching and of
-# positive length ("normalized").
+# Metrics (a step's figures: epoverlap.profiling.overlap)
 # ----------------------------------------------------------------------------------------------
-
-
-def union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Merge overlapping or touching intervals; zero-length intervals vanish."""
-    merged: list[Interval] = []
-    for start, end in sorted((s, e) for s, e in intervals if e > s):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """The points covered by both a and b."""
-    left, right = union(a), union(b)
-    out: list[Interval] = []
-    i = j = 0
-    while i < len(left) and j < len(right):
-        start, end = max(left[i][0], right[j][0]), min(left[i][1], right[j][1])
-        if end > start:
-            out.append((start, end))
-        if left[i][1] < right[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """The points covered by a and not by b."""
-    cut = union(b)
-    out: list[Interval] = []
-    for start, end in union(a):
-        cursor = start
-        for cut_start, cut_end in cut:
-            if cut_end <= cursor or cut_start >= end:
-                continue
-            if cut_start > cursor:
-                out.append((cursor, cut_start))
-            cursor = max(cursor, cut_end)
-        if cursor < end:
-            out.append((cursor, end))
-    return out
-
-
-def measure(intervals: Iterable[Interval]) -> float:
-    """Total length covered (overlaps counted once)."""
-    return sum(end - start for start, end in union(intervals))
-
-
-def gaps(intervals: Iterable[Interval], start: float, end: float) -> list[Interval]:
-    """The pieces of [start, end] covered by none of `intervals`."""
-    return subtract([(start, end)], intervals)
-
-
-# ----------------------------------------------------------------------------------------------
-# Metrics
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CommOverlap:
-    """How much of the comm time ran with compute running beside it."""
-
-    compute_busy_us: float
-    comm_us: float
-    exposed_comm_us: float
-    hidden_comm_us: float
-    overlap_ratio: float
-
-
-@dataclass(frozen=True)
-class WindowMetrics:
-    """CommOverlap plus idle time, for one window (a rank's step, or a profiler trace)."""
-
-    step_time_us: float
-    overlap: CommOverlap
-    idle_us: float
-    idle_gaps: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"step_time_us": self.step_time_us, **asdict(self.overlap),
-                "idle_us": self.idle_us, "idle_gaps": self.idle_gaps}
-
-
-def comm_overlap(
-    compute: Iterable[Interval], comm: Iterable[Interval], hiding: Iterable[Interval] | None = None
-) -> CommOverlap:
-    """Busy times of `compute` and `comm`; exposure of `comm` against `hiding` (default compute)."""
-    compute_u, comm_u = union(compute), union(comm)
-    hiding_u = compute_u if hiding is None else union(hiding)
-    comm_us = measure(comm_u)
-    hidden_us = measure(intersect(comm_u, hiding_u))
-    exposed_us = measure(subtract(comm_u, hiding_u))
-    ratio = hidden_us / comm_us if comm_us > 0 else 1.0
-    return CommOverlap(measure(compute_u), comm_us, exposed_us, hidden_us, ratio)
-
-
-def window_metrics(
-    compute: Sequence[Interval], comm: Sequence[Interval], start: float, end: float
-) -> WindowMetrics:
-    """Overlap and idle figures for the window [start, end]."""
-    idle = gaps(list(compute) + list(comm), start, end)
-    return WindowMetrics(end - start, comm_overlap(compute, comm), measure(idle), len(idle))
-
-
-def _lane_intervals(spans: Iterable[Span], lane: str) -> list[Interval]:
-    return [(span.start_us, span.end_us) for span in spans if span.lane == lane]
-
-
-def step_metrics(step: StepSpans) -> WindowMetrics:
-    """A rank's figures for one step over the window [0, step_time_us]."""
-    compute = _lane_intervals(step.spans, "compute")
-    comm = _lane_intervals(step.spans, "comm")
-    return window_metrics(compute, comm, 0.0, step.step_time_us)
 
 
 def layer_metrics(step: StepSpans) -> dict[int | None, CommOverlap]:
     """Per layer (None = spans with no layer): that layer's busy times, exposure vs ALL compute."""
-    all_compute = _lane_intervals(step.spans, "compute")
+    all_compute = lane_intervals(step.spans, "compute")
     layers = sorted({span.layer for span in step.spans}, key=lambda l: (l is None, l or 0))
     out = {}
     for layer in layers:
         own = [span for span in step.spans if span.layer == layer]
         out[layer] = comm_overlap(
-            _lane_intervals(own, "compute"), _lane_intervals(own, "comm"), hiding=all_compute
+            lane_intervals(own, "compute"), lane_intervals(own, "comm"), hiding=all_compute
         )
     return out
 
@@ -444,7 +328,7 @@ def draw_gantt(ranks: list[RankSpans], step_number: int, path: Path) -> None:
     labels, exposed_by_rank, microbatches = [], [], set()
     for row_pair, (rank_spans, step) in enumerate(zip(ranks, steps)):
         compute_y, comm_y = -2 * row_pair, -2 * row_pair - 1
-        all_compute = union(_lane_intervals(step.spans, "compute"))
+        all_compute = union(lane_intervals(step.spans, "compute"))
         for span in step.spans:
             microbatches.add(span.microbatch)
             color = colors[span.microbatch % len(colors)]

@@ -17,7 +17,9 @@ Fields (the split of the old overloaded `cuda_graph_scope`, Megatron-LM PR #4292
   the last one records what each graph reads and writes).
 - check_inputs: every replay checks its inputs' shapes, dtypes and devices (debug).
 
-Deprecated forms, still accepted, each migrated with one warning line `deprecated: old -> new`:
+Deprecated forms, still accepted, each migrated with one warning line `deprecated: old -> new`
+(the formats and the boolean flags' migration are `epoverlap.flag_aliases`, shared with every
+other renamed flag):
 
   | old                                         | new                                              |
   | ------------------------------------------- | ------------------------------------------------ |
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from epoverlap.errors import ConfigError
+from epoverlap.flag_aliases import FlagAlias, alias_conflict, apply_aliases, deprecation_note
 
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
@@ -71,10 +74,10 @@ INFERENCE_SCOPES_BY_IMPL = (
     ("transformer_engine", ("none",)),
     ("full_iteration", ("none",)),
 )
-# Deprecated boolean flags: (argparse dest, flag as typed, the impl it stands for).
+# Deprecated boolean flags and the impl each stands for (migrated by `flag_aliases`).
 DEPRECATED_IMPL_FLAGS = (
-    ("enable_cuda_graph", "--enable-cuda-graph", "local"),
-    ("external_cuda_graph", "--external-cuda-graph", "transformer_engine"),
+    FlagAlias("--enable-cuda-graph", "--cuda-graph-impl", "local"),
+    FlagAlias("--external-cuda-graph", "--cuda-graph-impl", "transformer_engine"),
 )
 
 
@@ -218,10 +221,9 @@ def _resolve_impl(args: argparse.Namespace, old_value: Optional[DeprecatedScopeV
     if old_value is None:
         return base.impl if base else "none"
     if base is not None and base.impl not in old_value.compatible_impls:
-        raise ConfigError("--cuda-graph-scope", old_value.value,
-                          f"deprecated alias of {old_value.new_flags()}, which conflicts with "
-                          f"{base.flags}; drop --cuda-graph-scope")
-    notes.append(f"deprecated: --cuda-graph-scope {old_value.value} -> {old_value.new_flags()}")
+        raise alias_conflict("--cuda-graph-scope", old_value.value, old_value.new_flags(),
+                             base.flags)
+    notes.append(deprecation_note(f"--cuda-graph-scope {old_value.value}", old_value.new_flags()))
     return old_value.impl
 
 
@@ -230,18 +232,14 @@ def _impl_from_impl_flags(args: argparse.Namespace, notes: list[str]) -> Optiona
     explicit = args.cuda_graph_impl
     if explicit is not None:
         _check_choice("--cuda-graph-impl", explicit, CUDA_GRAPH_IMPLS)
-    old = [(flag, impl) for dest, flag, impl in DEPRECATED_IMPL_FLAGS if getattr(args, dest)]
+    old = [alias.old for alias in DEPRECATED_IMPL_FLAGS if getattr(args, _dest(alias.old))]
     if len(old) > 1:
-        raise ConfigError(old[1][0], True, f"cannot be combined with {old[0][0]}; "
+        raise ConfigError(old[1], True, f"cannot be combined with {old[0]}; "
                           "pass one --cuda-graph-impl value instead")
-    if not old:
-        return _ImplSource(explicit, f"--cuda-graph-impl {explicit}") if explicit else None
-    flag, impl = old[0]
-    if explicit is not None and explicit != impl:
-        raise ConfigError(flag, True, f"deprecated alias of --cuda-graph-impl {impl}, which "
-                          f"conflicts with --cuda-graph-impl {explicit}; drop {flag}")
-    notes.append(f"deprecated: {flag} -> --cuda-graph-impl {impl}")
-    return _ImplSource(impl, flag)
+    impl = apply_aliases(vars(args), DEPRECATED_IMPL_FLAGS, _dest, notes)["cuda_graph_impl"]
+    if impl is None:
+        return None
+    return _ImplSource(impl, old[0] if old else f"--cuda-graph-impl {impl}")
 
 
 def _resolve_modules(raw_new: Optional[Sequence[str]], old_scope: _OldScope,
@@ -251,12 +249,11 @@ def _resolve_modules(raw_new: Optional[Sequence[str]], old_scope: _OldScope,
         return new if new is not None else ()
     old = old_scope.modules
     if new is not None and set(new) != set(old):
-        raise ConfigError("--cuda-graph-scope", old_scope.typed_modules,
-                          f"deprecated alias of --cuda-graph-modules {' '.join(old)}, which "
-                          f"conflicts with --cuda-graph-modules {' '.join(new) or '(empty)'}; "
-                          "drop --cuda-graph-scope")
-    notes.append(f"deprecated: --cuda-graph-scope {' '.join(old_scope.typed_modules)} -> "
-                 f"--cuda-graph-modules {' '.join(old)}")
+        raise alias_conflict("--cuda-graph-scope", old_scope.typed_modules,
+                             f"--cuda-graph-modules {' '.join(old)}",
+                             f"--cuda-graph-modules {' '.join(new) or '(empty)'}")
+    notes.append(deprecation_note(f"--cuda-graph-scope {' '.join(old_scope.typed_modules)}",
+                                  f"--cuda-graph-modules {' '.join(old)}"))
     return new if new is not None else old
 
 
@@ -274,9 +271,8 @@ def _resolve_inference_scope(explicit: Optional[str], old_value: Optional[Deprec
     implied = old_value.inference_scope if old_value else None
     if implied is not None:
         if explicit not in (None, implied):
-            raise ConfigError("--cuda-graph-scope", old_value.value,
-                              f"deprecated alias of {old_value.new_flags()}, which conflicts with "
-                              f"--inference-cuda-graph-scope {explicit}; drop --cuda-graph-scope")
+            raise alias_conflict("--cuda-graph-scope", old_value.value, old_value.new_flags(),
+                                 f"--inference-cuda-graph-scope {explicit}")
         return implied
     if explicit is not None:
         return explicit
@@ -481,6 +477,10 @@ def _check_names(flag: str, names: Sequence[str], allowed: tuple[str, ...]) -> N
 def _check_warmup_steps(steps: object) -> None:
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise ConfigError("--cuda-graph-warmup-steps", steps, "an integer >= 0")
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
 def _split_names(raw: Sequence[str]) -> tuple[str, ...]:

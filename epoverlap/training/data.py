@@ -1,14 +1,21 @@
-"""Training data: byte-level text from a file or folder, and a deterministic synthetic stream.
+"""Training data sources: raw text, Megatron indexed datasets, and mock tokens.
 
-Owns `make_data_source` and the two sources. Both are deterministic functions of
-(seed, step, data rank, microbatch): the same run gives the same batches on any machine, and
-the batches do not depend on how the world is split into expert/data parallel groups (the data
-rank is the global rank).
+Owns `open_data_source`, which turns the data flags into one source and checks its inputs
+before training (a missing, truncated, empty or too short input is a ConfigError naming the
+flag and the file), and the three sources. Each has `vocab_size` (the model's vocabulary for
+it), `description` (for the banner) and `batch(step, rank, microbatch, batch, seq)` ->
+(tokens, labels), both int64 [batch, seq]. Every batch is a pure function of the seed, the
+step, the global rank (= data rank) and the microbatch: the same on any machine and for any
+split of the world into expert- and data-parallel groups.
 
-- `TextData`: bytes of a text file, or of every text file under a folder (sorted paths), as
-  tokens 0..255; each sequence is a window at a position drawn from the seeded generator.
-  `stdlib` means the Python standard library's own source files, which every machine has.
-- `SyntheticData`: sequences from a fixed random bigram chain (learnable, so the loss falls).
+- `TextData` (`--data`, default `stdlib`): the bytes of a text file, or of every text file
+  under a folder (sorted paths), as tokens 0..255; each sequence is a window at a position
+  drawn from the seeded generator. `stdlib` is the Python standard library's own sources.
+- `IndexedData` (`--data-path`): Megatron-core `.bin/.idx` datasets through
+  `epoverlap.data` (split, epochs, shuffling, blend). Global sample i of the run is read by
+  rank (i // micro_batch_size) % world_size: microbatch m of step s covers samples
+  [(s-1) * M + m) * W * B, ... + W * B), rank r the B after r * B (Megatron-core's order).
+- `SyntheticData` (`--mock-data`): sequences from a fixed random bigram chain (learnable).
 """
 
 from __future__ import annotations
@@ -20,19 +27,31 @@ from typing import Union
 import numpy as np
 import torch
 
+from epoverlap.config import RunConfig
+from epoverlap.data.indexed import IndexedDataError, open_indexed
+from epoverlap.data.samples import BlendedSamples, DocumentSamples, split_bounds
+from epoverlap.data.tokenizers import BYTE_VOCAB, TokenizerError, build_tokenizer
+from epoverlap.errors import ConfigError
+
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".cfg", ".toml", ".yaml",
                  ".html", ".csv", ".tex", ".sh"}
 MAX_BYTES = 64 << 20
+VOCAB_CHECK_TOKENS = 1 << 20  # tokens of each dataset checked against the vocabulary at start
 
 
 def stdlib_folder() -> Path:
     return Path(os.__file__).parent
 
 
+def text_files(folder: Path) -> list[Path]:
+    """The text files under `folder` (by suffix, sorted, no site-packages)."""
+    return sorted(p for p in folder.rglob("*") if p.suffix in TEXT_SUFFIXES
+                  and "site-packages" not in p.parts and p.is_file())
+
+
 def _read_folder(folder: Path, max_bytes: int) -> bytes:
     chunks, total = [], 0
-    for path in sorted(p for p in folder.rglob("*") if p.suffix in TEXT_SUFFIXES
-                       and "site-packages" not in p.parts and p.is_file()):
+    for path in text_files(folder):
         data = path.read_bytes()
         chunks.append(data)
         total += len(data)
@@ -45,8 +64,14 @@ def _batch_seed(seed: int, step: int, rank: int, microbatch: int) -> int:
     return (((seed * 1_000_003 + step) * 10_007 + rank) * 101 + microbatch) % (2**62)
 
 
+def _inputs_and_labels(windows_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return windows_BL[:, :-1].contiguous(), windows_BL[:, 1:].contiguous()
+
+
 class TextData:
     """Byte tokens from real text."""
+
+    vocab_size = BYTE_VOCAB
 
     def __init__(self, source: Union[str, Path], seed: int, max_bytes: int = MAX_BYTES):
         path = stdlib_folder() if str(source) == "stdlib" else Path(source)
@@ -57,13 +82,10 @@ class TextData:
         self.seed = seed
 
     def batch(self, step: int, rank: int, microbatch: int, batch: int, seq: int):
-        if self.tokens.numel() < seq + 2:
-            raise ValueError(f"--data has {self.tokens.numel()} bytes, fewer than "
-                             f"--seq-length + 2 = {seq + 2}")
         gen = torch.Generator().manual_seed(_batch_seed(self.seed, step, rank, microbatch))
         starts = torch.randint(0, self.tokens.numel() - seq - 1, (batch,), generator=gen)
-        windows = torch.stack([self.tokens[s:s + seq + 1] for s in starts.tolist()])
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return _inputs_and_labels(torch.stack([self.tokens[s:s + seq + 1]
+                                               for s in starts.tolist()]))
 
 
 class SyntheticData:
@@ -72,19 +94,119 @@ class SyntheticData:
     def __init__(self, vocab: int, seed: int, branching: int = 4):
         gen = torch.Generator().manual_seed(seed)
         self.next_tokens = torch.randint(0, vocab, (vocab, branching), generator=gen)
-        self.vocab, self.seed, self.description = vocab, seed, "synthetic bigram stream"
+        self.vocab_size, self.seed = vocab, seed
+        self.description = f"mock data (bigram chain over {vocab} tokens)"
 
     def batch(self, step: int, rank: int, microbatch: int, batch: int, seq: int):
         gen = torch.Generator().manual_seed(_batch_seed(self.seed, step, rank, microbatch))
         choices = torch.randint(0, self.next_tokens.shape[1], (batch, seq), generator=gen)
         tokens = torch.empty(batch, seq + 1, dtype=torch.int64)
-        tokens[:, 0] = torch.randint(0, self.vocab, (batch,), generator=gen)
+        tokens[:, 0] = torch.randint(0, self.vocab_size, (batch,), generator=gen)
         for pos in range(seq):
             tokens[:, pos + 1] = self.next_tokens[tokens[:, pos], choices[:, pos]]
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        return _inputs_and_labels(tokens)
 
 
-def make_data_source(data: str, vocab: int, seed: int):
-    if data == "synthetic":
-        return SyntheticData(vocab, seed)
-    return TextData(data, seed)
+class IndexedData:
+    """Samples of Megatron indexed datasets, in Megatron-core's global order (module doc)."""
+
+    def __init__(self, samples: BlendedSamples, vocab_size: int, description: str, *,
+                 micro_batch_size: int, num_microbatches: int, world_size: int):
+        self.samples, self.vocab_size, self.description = samples, vocab_size, description
+        self.micro_batch_size, self.num_microbatches = micro_batch_size, num_microbatches
+        self.world_size = world_size
+
+    def batch(self, step: int, rank: int, microbatch: int, batch: int, seq: int):
+        if batch != self.micro_batch_size or seq != self.samples.datasets[0].seq_length:
+            raise ValueError(f"IndexedData was opened for micro batch {self.micro_batch_size} "
+                             f"x seq {self.samples.datasets[0].seq_length}, asked {batch} x {seq}")
+        first = (((step - 1) * self.num_microbatches + microbatch) * self.world_size + rank) \
+            * batch
+        windows_BL = np.stack([self.samples.sample(first + b) for b in range(batch)])
+        _check_vocab(windows_BL, self.vocab_size, f"samples {first}..{first + batch - 1}")
+        return _inputs_and_labels(torch.from_numpy(windows_BL))
+
+
+def _check_vocab(tokens: np.ndarray, vocab_size: int, where: str) -> None:
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        bad = int(tokens.max()) if int(tokens.max()) >= vocab_size else int(tokens.min())
+        raise ConfigError("--data-path", where, f"token id {bad} is outside the tokenizer's "
+                          f"vocabulary [0, {vocab_size}): data and --tokenizer-type / "
+                          "--vocab-size disagree")
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening and checking a source
+# ---------------------------------------------------------------------------------------------
+
+
+def open_data_source(cfg: RunConfig, world_size: int):
+    """The configured source, its inputs checked. Raises ConfigError (one line, the flag)."""
+    d, seq = cfg.data, cfg.model.seq_length
+    if d.text_source is not None:
+        return _open_text(d.text_source, cfg.train.seed, seq)
+    vocab_size = _tokenizer_vocab(cfg) if d.tokenizer_type else cfg.model.vocab_size
+    if d.mock_data:
+        return SyntheticData(vocab_size, cfg.train.seed)
+    return _open_indexed(cfg, vocab_size, world_size)
+
+
+def _open_text(source: str, seed: int, seq: int) -> TextData:
+    path = stdlib_folder() if source == "stdlib" else Path(source)
+    if path.is_dir() and not text_files(path):
+        raise ConfigError("--data", source, f"no text files under it (suffixes "
+                          f"{' '.join(sorted(TEXT_SUFFIXES))})")
+    data = TextData(source, seed)
+    if data.tokens.numel() < seq + 2:
+        raise ConfigError("--data", source, f"{data.tokens.numel()} bytes of text, fewer than "
+                          f"--seq-length + 2 = {seq + 2}")
+    return data
+
+
+def _tokenizer_vocab(cfg: RunConfig) -> int:
+    d = cfg.data
+    try:
+        return build_tokenizer(d.tokenizer_type, d.vocab_size, d.tokenizer_model).vocab_size
+    except TokenizerError as error:
+        flag, value = (("--tokenizer-model", d.tokenizer_model)
+                       if d.tokenizer_type == "HuggingFaceTokenizer"
+                       else ("--tokenizer-type", d.tokenizer_type))
+        raise ConfigError(flag, value, str(error)) from None
+
+
+def _open_indexed(cfg: RunConfig, vocab_size: int, world_size: int) -> IndexedData:
+    d, t, seq = cfg.data, cfg.train, cfg.model.seq_length
+    prefixes, weights = d.blend
+    datasets = [_train_samples(prefix, index, cfg, vocab_size)
+                for index, prefix in enumerate(prefixes)]
+    for index, dataset in enumerate(datasets):
+        if dataset.samples_per_epoch == 0 and (weights is None or weights[index] > 0):
+            begin, end = dataset.first_doc, dataset.end_doc
+            raise ConfigError("--data-path", prefixes[index], f"its train split (documents "
+                              f"[{begin}, {end}) by --split {d.split or '969,30,1'}) has "
+                              f"{dataset.num_tokens} tokens, fewer than --seq-length + 1 = "
+                              f"{seq + 1}")
+    total = t.train_iters * t.num_microbatches * world_size * t.micro_batch_size
+    samples = BlendedSamples(datasets, weights, total)
+    description = _describe(prefixes, samples, f"{d.tokenizer_type} vocabulary {vocab_size}")
+    return IndexedData(samples, vocab_size, description,
+                       micro_batch_size=t.micro_batch_size,
+                       num_microbatches=t.num_microbatches, world_size=world_size)
+
+
+def _train_samples(prefix: str, index: int, cfg: RunConfig, vocab_size: int) -> DocumentSamples:
+    try:
+        data = open_indexed(prefix)
+    except IndexedDataError as error:
+        raise ConfigError("--data-path", prefix, str(error)) from None
+    _check_vocab(np.asarray(data.tokens[:VOCAB_CHECK_TOKENS]), vocab_size,
+                 f"{prefix} (first {VOCAB_CHECK_TOKENS} tokens)")
+    documents = split_bounds(data.num_sequences, cfg.data.split_fractions)
+    return DocumentSamples(data, documents, cfg.model.seq_length, cfg.train.seed, index)
+
+
+def _describe(prefixes, samples: BlendedSamples, vocabulary: str) -> str:
+    total = sum(samples.weights)
+    parts = [f"{prefix} {weight / total:.0%}" for prefix, weight in zip(prefixes, samples.weights)]
+    tokens = sum(d.num_tokens for d in samples.datasets)
+    return f"indexed {', '.join(parts)} ({tokens / 1e6:.2f}M train tokens, {vocabulary})"

@@ -15,6 +15,7 @@ import torch
 from epoverlap.config import RunConfig, parse_config, validate_config, world_size_from_env
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.training.data import open_data_source
 from epoverlap.training.trainer import Trainer
 
 
@@ -26,7 +27,7 @@ def setup_environment(cfg: RunConfig, warn: Callable[[str], None]) -> None:
         if connections == "1":
             warn("CUDA_DEVICE_MAX_CONNECTIONS=1 puts both streams on one hardware queue: "
                  "the EP overlap gain roughly halves; unset it or set it > 1")
-    if cfg.train.deterministic:
+    if cfg.train.deterministic_mode:
         make_deterministic(on_gpu)
     torch.manual_seed(cfg.train.seed)
 
@@ -62,6 +63,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = parse_config(argv, warn=lambda msg: warn(f"epoverlap-train: warning: {msg}"))
         validate_config(cfg, world_size_from_env(), torch.cuda.is_available())
+        cfg = cfg.for_world(world_size_from_env())
+        data = open_data_source(cfg, world_size_from_env())  # files checked before any group
     except ConfigError as error:
         warn(f"epoverlap-train: error: {error}")  # every rank fails alike; rank 0 says it
         return 2
@@ -71,7 +74,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                               cfg.parallel.dist_timeout_minutes)
     trainer = None
     try:
-        trainer = Trainer(cfg, groups, log=_printer(groups.is_first()))
+        trainer = Trainer(cfg, groups, log=_printer(groups.is_first()), data=data)
         trainer.log(trainer.describe())
         trainer.train()
     finally:

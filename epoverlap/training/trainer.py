@@ -4,9 +4,12 @@ from a validated config and runs optimizer steps.
 One step: the executor runs the plan (sequential, or the combined 1F1B with
 --overlap-moe-expert-parallel-comm) over all microbatches; then, only after the last backward
 and weight-grad action, grads are reduced, clipped, the expert biases updated from the
-all-reduced token counts, and the optimizer steps. Rank 0 prints one line per step and, with
---log-json, writes one JSON record per step (the loss also as float.hex, for bitwise
-comparison with `epoverlap-compare-losses`).
+all-reduced token counts, and the optimizer steps. Rank 0 prints one line per step (ending
+with the time left at the mean step time so far), with --log-json writes one JSON record per
+step (the loss also as float.hex, for bitwise comparison with `epoverlap-compare-losses`),
+and with --tensorboard-dir the same scalars as TensorBoard events (`training.tensorboard`).
+Steps with recorded spans (--profile-steps) also report the first rank's comm, exposed comm
+and overlap ratio (`profiling.overlap`).
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ from epoverlap.model.transformer import (MoEModel, count_parameters, model_dtype
                                          training_flops_per_token)
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.parallel.groups import ParallelGroups
+from epoverlap.profiling.overlap import step_metrics
 from epoverlap.profiling.recorder import SpanRecorder
 from epoverlap.schedule.executor import Executor, make_lanes
 from epoverlap.schedule.plan import build_plan, validate_plan
 from epoverlap.schedule.wgrad import WeightGradQueue
 from epoverlap.training.compile_watch import CompileWatch
-from epoverlap.training.data import make_data_source
+from epoverlap.training.data import open_data_source
 from epoverlap.training.grads import GradBuffers
 from epoverlap.training.optim import MixedPrecisionAdamW, lr_at
+from epoverlap.training.tensorboard import TensorBoardLog
 
 
 @dataclass
@@ -52,11 +57,15 @@ class StepResult:
     tokens: int
     peak_mem_gib: Optional[float]
     tflops_per_gpu: float
-    deterministic: bool = False  # --deterministic: bitwise comparisons with another run hold
+    deterministic: bool = False  # --deterministic-mode: bitwise comparisons with another run hold
     triton_variants: Optional[int] = None  # compiled Triton kernel variants so far (this rank)
+    comm_ms: Optional[float] = None  # these three: steps with recorded spans only
+    exposed_comm_ms: Optional[float] = None
+    overlap_ratio: Optional[float] = None
 
     def to_json(self) -> dict:
-        record = dict(self.__dict__)
+        record = {k: v for k, v in self.__dict__.items()
+                  if v is not None or k == "peak_mem_gib"}
         record["loss_hex"] = float.hex(self.loss)
         record["tokens_per_s"] = self.tokens / self.step_time_s
         return record
@@ -70,6 +79,18 @@ def _warn_every_rank(message: str) -> None:
     print(f"epoverlap-train: warning: {message}", file=sys.stderr, flush=True)
 
 
+def format_duration(seconds: float) -> str:
+    """3725.2 -> '1h02m05s', 65 -> '1m05s', 7.46 -> '7.5s'."""
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
 def plan_name(cfg: RunConfig) -> str:
     return cfg.overlap.overlap_plan if cfg.overlap.overlap_moe_expert_parallel_comm \
         else "sequential"
@@ -79,7 +100,12 @@ class Trainer:
     """Everything one training run needs, built once from a validated config."""
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, data=None):
+        """`data`: a source from `open_data_source` (opened here when None); the model's
+        vocabulary is the source's."""
+        cfg = cfg.for_world(groups.world_size)
+        self.data = data if data is not None else open_data_source(cfg, groups.world_size)
+        cfg = cfg.with_vocab_size(self.data.vocab_size)
         self.cfg, self.groups, self.log = cfg, groups, log
         self.device = groups.device
         backend = cfg.resolved_kernel_backend(self.device.type)
@@ -101,7 +127,6 @@ class Trainer:
                                cfg.overlap.delay_wgrad_compute)
         validate_plan(self.plan, self.model.layout(), cfg.train.num_microbatches,
                       cfg.overlap.delay_wgrad_compute)
-        self.data = make_data_source(cfg.data.data, cfg.model.vocab_size, cfg.train.seed)
         self.backend = backend
         self.compile_watch = CompileWatch(cfg.cuda_graph.warmup_steps, groups.rank,
                                           warn=_warn_every_rank)
@@ -195,8 +220,7 @@ class Trainer:
         if profiled:
             self.recorder.begin_step(step)
         losses = self.run_microbatches(step)
-        if profiled:
-            self.recorder.end_step()
+        spans = self.recorder.end_step() if profiled else None
         self.grads.reduce()
         grad_norm = self.grads.clip(self.cfg.train.clip_grad)
         loss, aux, imbalance = self._reduce_stats(losses)
@@ -204,7 +228,13 @@ class Trainer:
         if not self.cfg.train.skip_optimizer_step:
             self.optimizer.step(lr)
         elapsed = self._sync_time() - start
-        return self._result(step, loss, lr, grad_norm, aux, imbalance, elapsed)
+        result = self._result(step, loss, lr, grad_norm, aux, imbalance, elapsed)
+        if spans is not None:
+            overlap = step_metrics(spans).overlap
+            result.comm_ms, result.exposed_comm_ms = overlap.comm_us / 1e3, \
+                overlap.exposed_comm_us / 1e3
+            result.overlap_ratio = overlap.overlap_ratio
+        return result
 
     def _result(self, step, loss, lr, grad_norm, aux, imbalance, elapsed) -> StepResult:
         t, m = self.cfg.train, self.cfg.model
@@ -214,7 +244,7 @@ class Trainer:
         tflops = training_flops_per_token(self.cfg) * tokens / elapsed / 1e12 / \
             self.groups.world_size
         return StepResult(step, loss, lr, grad_norm, aux, imbalance, elapsed, tokens, peak,
-                          tflops, deterministic=self.cfg.train.deterministic)
+                          tflops, deterministic=self.cfg.train.deterministic_mode)
 
     def _profiled(self, step: int) -> bool:
         window = self.cfg.log.profile_range
@@ -223,6 +253,7 @@ class Trainer:
     def train(self) -> list[StepResult]:
         cfg, results = self.cfg, []
         json_file = self._open_json()
+        tensorboard = self._open_tensorboard()
         torch_profiler = self._torch_profiler()
         try:
             for step in range(1, cfg.train.train_iters + 1):
@@ -234,12 +265,13 @@ class Trainer:
                 results.append(result)
                 if not math.isfinite(result.loss):
                     raise FloatingPointError(f"loss is {result.loss} at step {step}")
-                self._report(result, json_file)
+                self._report(result, json_file, tensorboard, results)
                 if torch_profiler is not None:
                     torch_profiler.step()
         finally:
-            if json_file is not None:
-                json_file.close()
+            for sink in (json_file, tensorboard):
+                if sink is not None:
+                    sink.close()
             if torch_profiler is not None:
                 torch_profiler.stop()
         self._write_spans()
@@ -261,6 +293,11 @@ class Trainer:
         late = sum(int(r[1]) for r in per_rank)
         self.log(f"Triton kernel variants compiled per rank: {totals}; after the "
                  f"{self.compile_watch.warmup_steps} warmup steps: {late}")
+    def _open_tensorboard(self) -> Optional[TensorBoardLog]:
+        directory = self.cfg.log.tensorboard_dir
+        if directory is None or not self.groups.is_first():
+            return None
+        return TensorBoardLog(directory)
 
     def _open_json(self):
         path = self.cfg.log.log_json
@@ -269,19 +306,35 @@ class Trainer:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         return open(path, "w")
 
-    def _report(self, r: StepResult, json_file) -> None:
+    def _report(self, r: StepResult, json_file, tensorboard, results: list[StepResult]) -> None:
+        record = r.to_json()
         if json_file is not None:
-            json_file.write(json.dumps(r.to_json()) + "\n")
+            json_file.write(json.dumps(record) + "\n")
             json_file.flush()
         self._watch_imbalance(r)
+
+        if tensorboard is not None:
+            tensorboard.write(record)
+        total = self.cfg.train.train_iters
         if self.groups.is_first() and (r.step % self.cfg.log.log_interval == 0
-                                       or r.step == self.cfg.train.train_iters):
+                                       or r.step == total):
             mem = f" | mem {r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else ""
-            self.log(f"step {r.step:4d}/{self.cfg.train.train_iters} | loss {r.loss:.4f} | "
+            comm = (f" | exposed comm {r.exposed_comm_ms:.2f} of {r.comm_ms:.2f} ms"
+                    if r.exposed_comm_ms is not None else "")
+            self.log(f"step {r.step:4d}/{total} | loss {r.loss:.4f} | "
                      f"lr {r.lr:.2e} | grad norm {r.grad_norm:.3f} | aux {r.aux_loss:.4f} | "
                      f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"
                      f" | {r.step_time_s * 1e3:.1f} ms | {r.tflops_per_gpu:.3g} TFLOP/s/GPU"
-                     f"{mem}")
+                     f"{mem}{comm}{self._eta(results)}")
+
+    def _eta(self, results: list[StepResult]) -> str:
+        """' | ETA 1m05s': steps left times the mean step time so far (first step left out
+        once there are others: it carries one-time setup)."""
+        left = self.cfg.train.train_iters - len(results)
+        if left <= 0:
+            return ""
+        timed = results[1:] or results
+        return f" | ETA {format_duration(left * sum(r.step_time_s for r in timed) / len(timed))}"
 
     def _watch_imbalance(self, r: StepResult) -> None:
         """One warning when the worst layer's load imbalance stays above the limit for a while:
@@ -296,7 +349,7 @@ class Trainer:
 
     def _torch_profiler(self):
         window, log = self.cfg.log.profile_range, self.cfg.log
-        if window is None or not log.profile_torch:
+        if window is None or not log.use_pytorch_profiler:
             return None
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":

@@ -1,0 +1,54 @@
+"""TensorBoard scalars of a run (`--tensorboard-dir DIR`), written by the first rank.
+
+Owns `TensorBoardLog` and the tag of each scalar, Megatron-LM's tag where it has one, so runs of
+both sit side by side in one TensorBoard:
+
+  lm loss               mean loss over microbatches and ranks
+  learning-rate         the step's learning rate
+  grad-norm             global grad norm before clipping
+  load_balancing_loss   Switch aux loss, summed over MoE layers
+  load-imbalance        max over MoE layers of (most tokens on one expert / mean per expert)
+  tokens-per-sec        tokens of the whole job per second of the step
+  iteration-time        seconds per step
+  throughput            model TFLOP/s per rank
+and, for steps recorded with --profile-steps, from the first rank's spans
+(`profiling.overlap`): comm/comm-ms, comm/exposed-comm-ms, comm/overlap-ratio.
+
+Needs the `tensorboard` package (the optional extra `tensorboard`); the x axis is the step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+SCALAR_TAGS = {  # StepResult field -> tag
+    "loss": "lm loss",
+    "lr": "learning-rate",
+    "grad_norm": "grad-norm",
+    "aux_loss": "load_balancing_loss",
+    "load_imbalance": "load-imbalance",
+    "tokens_per_s": "tokens-per-sec",
+    "step_time_s": "iteration-time",
+    "tflops_per_gpu": "throughput",
+    "comm_ms": "comm/comm-ms",
+    "exposed_comm_ms": "comm/exposed-comm-ms",
+    "overlap_ratio": "comm/overlap-ratio",
+}
+
+
+class TensorBoardLog:
+    """One event file under `directory`; `write(record)` takes a step's JSON record."""
+
+    def __init__(self, directory: str):
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer = SummaryWriter(log_dir=directory)
+
+    def write(self, record: dict) -> None:
+        for field, tag in SCALAR_TAGS.items():
+            value: Optional[float] = record.get(field)
+            if value is not None:
+                self.writer.add_scalar(tag, value, record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
