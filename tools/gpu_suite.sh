@@ -9,6 +9,9 @@
 #   tools/gpu_suite.sh scale     bitwise check + overlap benchmark on all visible GPUs
 #   tools/gpu_suite.sh verify    GPU pytest tier (graphs on one GPU first, then the CLI bitwise
 #                                runs on 2 GPUs over EPOVERLAP_GPU_STEPS steps) + kernel tests
+#   tools/gpu_suite.sh one       one GPU: graphs/streams GPU tests, kernel tests, host cost
+#                                eager vs graphed, 200-step small-preset runs (graphed, with and
+#                                without --deterministic-mode), the same command twice
 #   tools/gpu_suite.sh runs      200-step main-job and small-preset runs (stalls, imbalance, the
 #                                price of --deterministic) + overlap benchmark with graphs,
 #                                NVLink and NCCL_P2P_DISABLE=1
@@ -105,6 +108,24 @@ case "$PART" in
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=420 step gpu_tests python3 -m pytest \
       tests/test_gpu.py -q -x -k "one_gpu or cli_runs or streams" --durations=8
     STEP_TIMEOUT=150 step kernel_tests python3 -m pytest tests/kernels -m gpu -q -x
+    ;;
+  one)
+    STEP_TIMEOUT=240 step gpu_tests python3 -m pytest tests/test_gpu.py -q -x \
+      -k "one_gpu or streams or partial" --durations=8
+    STEP_TIMEOUT=150 step kernel_tests python3 -m pytest tests/kernels -m gpu -q -x
+    STEP_TIMEOUT=90 step bench_host python3 tools/bench_host.py --out "$WORK/bench_host.json"
+    T1="torchrun --standalone --nproc-per-node=1 -m epoverlap.train --preset small --bf16"
+    G="--cuda-graph-impl local --cuda-graph-modules attn moe_router moe_preprocess"
+    mkdir -p "$WORK/runs"
+    for run in small1_200_graphs:"$G" small1_200_graphs_det:"$G --deterministic-mode" \
+               small1_50_det_a:"--deterministic-mode" small1_50_det_b:"--deterministic-mode"; do
+      name=${run%%:*}; extra=${run#*:}
+      iters=200; case $name in *_50_*) iters=50;; esac
+      STEP_TIMEOUT=100 step "$name" $T1 --train-iters $iters --log-interval 50 $extra \
+        --log-json "$WORK/runs/$name.jsonl"
+    done
+    step compare_det python3 -m epoverlap_tools.compare_losses "$WORK/runs/small1_50_det_a.jsonl" \
+      "$WORK/runs/small1_50_det_b.jsonl"
     ;;
   runs)
     T="torchrun --standalone --nproc-per-node=$NGPUS -m epoverlap.train"
