@@ -109,6 +109,9 @@ case "$PART" in
       tests/test_gpu.py -q -x -k "one_gpu or cli_runs or streams" --durations=8
     STEP_TIMEOUT=150 step kernel_tests python3 -m pytest tests/kernels -m gpu -q -x
     ;;
+  tests1)  # the one-GPU pytest tier alone
+    STEP_TIMEOUT=300 step gpu_tests python3 -m pytest tests/test_gpu.py -q -m gpu --durations=8
+    ;;
   one)
     STEP_TIMEOUT=240 step gpu_tests python3 -m pytest tests/test_gpu.py -q -x \
       -k "one_gpu or streams or partial" --durations=8

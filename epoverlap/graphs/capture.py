@@ -84,14 +84,15 @@ class TensorMeta:
     shape: tuple
     dtype: torch.dtype
     requires_grad: bool
+    device: torch.device
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "TensorMeta":
-        return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad, tensor.device)
 
-    def matches(self, tensor: torch.Tensor, device: torch.device) -> bool:
+    def matches(self, tensor: torch.Tensor) -> bool:
         return (tuple(tensor.shape) == self.shape and tensor.dtype == self.dtype
-                and tensor.device == device)
+                and tensor.device == self.device)
 
 
 @dataclass
@@ -108,7 +109,7 @@ class SlotBuffers:
 
     def __init__(self, signature: RangeSignature, device: torch.device):
         def zeros(meta):
-            return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
+            return torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
         self.inputs = {n: zeros(m) for n, m in signature.inputs.items()}
         self.outputs = {n: zeros(m) for n, m in signature.outputs.items()}
         self.output_grads = {n: zeros(m) for n, m in signature.outputs.items()
@@ -181,11 +182,9 @@ class RangeGraphs:
 
     # -------------------------------------------------------------- replay
     def replay_forward(self, inputs: dict, where: str) -> list[torch.Tensor]:
-        device = self.context.device
         for name, value in inputs.items():
             static = self.slot.inputs[name]
-            if self.context.check_inputs and not self.signature.inputs[name].matches(value,
-                                                                                     device):
+            if self.context.check_inputs and not self.signature.inputs[name].matches(value):
                 raise RuntimeError(_mismatch(where, "forward input", name,
                                              self.signature.inputs[name], value))
             if value.data_ptr() != static.data_ptr():
@@ -194,14 +193,12 @@ class RangeGraphs:
         return [buf.detach() for buf in self.slot.outputs.values()]
 
     def replay_backward(self, grads: dict, where: str) -> list[Optional[torch.Tensor]]:
-        device = self.context.device
         for name, static in self.slot.output_grads.items():
             grad = grads.get(name)
             if grad is None:
                 static.zero_()
                 continue
-            if self.context.check_inputs and not self.signature.outputs[name].matches(grad,
-                                                                                      device):
+            if self.context.check_inputs and not self.signature.outputs[name].matches(grad):
                 raise RuntimeError(_mismatch(where, "output grad", name,
                                              self.signature.outputs[name], grad))
             static.copy_(grad)
@@ -214,8 +211,8 @@ class RangeGraphs:
 
 def _mismatch(where: str, what: str, name: str, meta: TensorMeta, value: torch.Tensor) -> str:
     return (f"CUDA graph {where}: {what} {name!r} is {tuple(value.shape)} {value.dtype} on "
-            f"{value.device}, the graph was captured for {meta.shape} {meta.dtype} "
-            f"(--cuda-graph-check-inputs)")
+            f"{value.device}, the graph was captured for {meta.shape} {meta.dtype} on "
+            f"{meta.device} (--cuda-graph-check-inputs)")
 
 
 class _Replay(torch.autograd.Function):
