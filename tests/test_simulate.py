@@ -184,3 +184,159 @@ def test_fit_link_recovers_latency_and_bandwidth():
     fitted = fit_link(points)
     assert fitted.latency_us == pytest.approx(truth.latency_us)
     assert fitted.bandwidth_gbs == pytest.approx(truth.bandwidth_gbs)
+
+
+# ---------------------------------------------------------------------------- recorded CPU run
+REPO = Path(__file__).resolve().parents[1]
+CPU_RUN = REPO / "tests" / "data" / "sim_cpu_tiny"
+TINY = ["--preset", "tiny"]
+
+
+def _scenario(*flags):
+    from epoverlap_tools import simulate as sim
+    return sim, sim.build_scenario(sim.parse_args([*flags, "--", *TINY]))
+
+
+@pytest.mark.parametrize("mode", ["seq", "ovl", "wgrad"])
+@pytest.mark.parametrize("link, tolerance", [("measured", 0.05), ("fit", 0.10)])
+def test_recorded_cpu_run_is_reproduced_within_tolerance(mode, link, tolerance):
+    """A real 2-rank gloo run (tests/data/sim_cpu_tiny): each step simulated from that step's
+    own compute spans, host gaps and rank start offsets, with the all-to-alls either as
+    recorded or from a link model fitted to the run's comm spans. The mean step time must
+    agree within 5% (recorded comm) or 10% (fitted link): the fitted model cannot follow the
+    step-to-step swings of a shared machine's loopback transport."""
+    sim, scenario = _scenario("--spans", str(CPU_RUN / mode), "--link", link)
+    assert scenario.overlap_lanes == THREAD
+    rows = sim.replay_steps(scenario)
+    assert [row["mode"] for row in rows] == [mode] * 3
+    measured = sum(row["measured_ms"] for row in rows)
+    simulated = sum(row["simulated_ms"] for row in rows)
+    assert abs(simulated / measured - 1) < tolerance, rows
+
+
+def test_recorded_cpu_run_figures_are_consistent():
+    sim, scenario = _scenario("--spans", str(CPU_RUN / "wgrad"), "--link", "measured")
+    results = sim.run_all(scenario)
+    assert set(results) == {"seq", "ovl", "wgrad", "comp"}
+    fig = sim.figures(results)
+    assert fig["T_ovl_ms"] < fig["T_seq_ms"]
+    assert max(fig["T_comp_ms"], fig["T_comm_ms"]) <= fig["T_ovl_ms"]
+    share = (fig["T_seq_ms"] - fig["T_ovl_ms"]) / (fig["T_seq_ms"] - max(fig["T_comp_ms"],
+                                                                         fig["T_comm_ms"]))
+    assert fig["realized_share_ovl"] == pytest.approx(share)
+    layers = sim.layer_exposure(results["ovl"], 2)
+    assert [entry["layer"] for entry in layers] == [0, 1]
+    assert all(0 <= e["exposed_comm_us"] <= e["comm_us"] for e in layers)
+
+
+# ---------------------------------------------------------------------------- FLOP model
+def test_flop_model_adds_up_to_the_projects_flops_per_token():
+    """Summed over a microbatch's actions, forward GEMM + attention FLOPs x 3 equal
+    training_flops_per_token (epoverlap/model/transformer.py) x tokens, wgrad split or not."""
+    from epoverlap.config import parse_config
+    from epoverlap.model.transformer import training_flops_per_token
+    from epoverlap_tools.sim_costs import FlopModel
+    from epoverlap_tools.simulate import model_layout
+    cfg = parse_config(["--preset", "small", "--expert-model-parallel-size", "4"])
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    layout = model_layout(cfg, 4)
+    for delay in (False, True):
+        model = FlopModel(cfg, 4, delay_wgrad=delay)
+        plan = sequential_plan(layout, 1, delay)
+        total = sum(model.work(a).gemm_flops + model.work(a).attn_flops for a in plan)
+        assert total == pytest.approx(training_flops_per_token(cfg) * tokens, rel=1e-9)
+
+
+def test_calibration_reproduces_the_target_t_comp(tmp_path, capsys):
+    from epoverlap_tools import simulate as sim
+    assert sim.main(["--flops", "--shape", "dsv3_layer", "--ep", "8", "--link", "ib",
+                     "--calibrate-t-comp", "144.89@4", "--out-dir", str(tmp_path),
+                     "--no-png"]) == 0
+    out = capsys.readouterr().out
+    assert "FLOP counts at" in out and "EP 8" in out
+    _, at_four = _scenario("--flops", "--shape", "dsv3_layer", "--ep", "4", "--link", "ib",
+                           "--calibrate-t-comp", "144.89@4")
+    comp = sim.run_mode(at_four, "comp").step_us / 1e3
+    assert comp == pytest.approx(144.89, rel=0.01)
+
+
+def test_imbalance_slows_the_collectives_and_the_hot_rank():
+    _, even = _scenario("--flops", "--shape", "dsv3_layer", "--ep", "4", "--link", "ib")
+    _, skew = _scenario("--flops", "--shape", "dsv3_layer", "--ep", "4", "--link", "ib",
+                        "--imbalance", "2")
+    for name in ("F0.dispatch.L0", "B0.dispatch.L0", "F0.combine.L0", "B0.combine.L0"):
+        action = Action.parse(name)  # the most loaded rank's bytes set every rank's time
+        assert skew.comm(0, action) == skew.comm(3, action) > 1.5 * even.comm(0, action)
+    mlp = Action.parse("F0.mlp.L0")  # layer 0, microbatch 0: rank 0 is the hot one
+    hot = skew.compute.for_plan(False)
+    assert hot(0, mlp) == pytest.approx(2 * even.compute.for_plan(False)(0, mlp))
+    assert hot(1, mlp) == pytest.approx(2 / 3 * even.compute.for_plan(False)(1, mlp))
+
+
+# ---------------------------------------------------------------------------- command line
+def test_cli_writes_png_trace_and_json(tmp_path, capsys):
+    from epoverlap_tools import simulate as sim
+    code = sim.main(["--spans", str(CPU_RUN / "ovl"), "--link", "fit", "--out-dir",
+                     str(tmp_path), "--", *TINY])
+    assert code == 0
+    out = capsys.readouterr().out
+    for needle in ("T_seq", "T_ovl", "T_comp", "T_comm", "T_ovl / max", "realized share",
+                   "exposed comm per layer", "measured vs simulated"):
+        assert needle in out
+    assert (tmp_path / "simulated.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((tmp_path / "simulated_trace.json").read_text())
+    assert {e["name"] for e in trace["traceEvents"]} >= {"F1.dispatch.L0", "B0.combine.L1"}
+    document = json.loads((tmp_path / "simulation.json").read_text())
+    assert document["ep"] == 2 and len(document["replay"]) == 3
+
+
+@pytest.mark.parametrize("flags, needle", [
+    ([], "give a duration source"),
+    (["--flops", "--link", "fit", "--", *TINY, "--expert-model-parallel-size", "2"],
+     "--link fit needs a recorded run"),
+    (["--flops", "--imbalance", "9", "--", *TINY, "--expert-model-parallel-size", "2"],
+     "--imbalance 9"),
+    (["--flops", "--", *TINY], "EP group of 2 or more"),
+    (["--flops", "--shape", "nope"], "--shape nope"),
+    (["--flops", "--ep", "3", "--", *TINY], "--num-experts"),
+    (["--spans", str(CPU_RUN / "ovl"), "--calibrate-t-comp", "5@2", "--", *TINY],
+     "needs --flops"),
+    (["--flops", "--graphed-nodes", "dispatch", "--", *TINY], "--graphed-nodes dispatch"),
+    (["--spans", str(CPU_RUN / "nothing"), "--", *TINY], "not a directory"),
+])
+def test_cli_bad_input_exits_2_with_one_line(flags, needle, tmp_path, capsys):
+    from epoverlap_tools import simulate as sim
+    assert sim.main([*flags[:1], *flags[1:], "--out-dir", str(tmp_path)]
+                    if "--" not in flags else
+                    [*flags[:flags.index("--")], "--out-dir", str(tmp_path),
+                     *flags[flags.index("--"):]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+@pytest.mark.slow
+def test_fresh_gloo_run_is_reproduced(tmp_path):
+    """Record a 2-rank overlapped gloo run now and simulate it from its own spans (recorded
+    comm): the steps agree within 20% (a generous bound for a loaded 2-core machine; the
+    committed recording above is held to 5%)."""
+    import os
+    import subprocess
+    import sys
+    spans = tmp_path / "spans"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "epoverlap.train", *TINY, "--hidden-size", "64", "--num-microbatches", "2",
+           "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
+           "--train-iters", "3", "--profile-steps", "2:3", "--profile-dir", str(spans),
+           "--dist-timeout-minutes", "3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from epoverlap_tools import simulate as sim
+    scenario = sim.build_scenario(sim.parse_args(
+        ["--spans", str(spans), "--link", "measured", "--", *TINY, "--hidden-size", "64",
+         "--num-microbatches", "2"]))
+    rows = sim.replay_steps(scenario)
+    assert len(rows) == 2 and rows[0]["mode"] == "ovl"
+    measured = sum(row["measured_ms"] for row in rows)
+    assert abs(sum(row["simulated_ms"] for row in rows) / measured - 1) < 0.20, rows

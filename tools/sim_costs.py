@@ -434,3 +434,29 @@ def recorded_plan(ranks: list[RankSpans], like_layout) -> tuple[list[Action], li
     microbatches = max(a.microbatch for a in actions) + 1
     name = "sequential" if mode == "seq" else "combined_1f1b"
     return build_plan(name, layout, microbatches, mode == "wgrad"), layout
+
+
+def cpu_gaps(ranks: list[RankSpans], plan: Sequence[Action], kinds: dict,
+             inline: bool) -> DurationTable:
+    """A CPU recording's host time outside spans, per action: how long after the host was free
+    (its previous action done and, for a compute F/B action on thread lanes, the last comm
+    action of its microbatch done) the action's span began. `inline`: a sequential run, where
+    the host also runs the comm actions."""
+    from epoverlap.schedule.plan import action_lane
+    samples = []
+    for rank_spans in ranks:
+        for step in rank_spans.steps:
+            by_name = {span.action: span for span in step.spans}
+            host, pending = 0.0, {}
+            for action in plan:
+                span = by_name.get(str(action))
+                if span is None:
+                    continue
+                if action_lane(action, kinds) == "comm" and not inline:
+                    pending[action.microbatch] = span.end_us
+                    continue
+                wait = pending.pop(action.microbatch, 0.0) if action.kind != "W" else 0.0
+                samples.append((rank_spans.rank, action, max(span.start_us - max(host, wait),
+                                                             0.0)))
+                host = span.end_us
+    return DurationTable(samples)

@@ -14,12 +14,15 @@ Owns `simulate` and the three lane models, each the timing twin of one lane back
                                FIFO) when the host reaches it; a compute F/B action first waits
                                for the last comm action handed over for its microbatch; W
                                actions do not wait
+  inline  (`SerialLanes` on a CPU)  every action, comm included, on the host thread in order
 
-and the host that issues the actions (serial and stream lanes): it walks the plan in order,
-spends `host_us` on each action, and an action cannot start before the host issued it nor end
-before the host finished issuing it (a launch-bound node lasts as long as its launches). The
-forward dispatch blocks the host until its split-size exchange is done (`sync_us` after the
-collective starts; `AllToAllDispatcher.dispatch`, the only host sync of a step).
+and the host that issues the actions. Serial and stream lanes (a GPU): the host walks the plan
+in order, spends `host_us` on each action, and an action cannot start before the host issued it
+nor end before the host finished issuing it (a launch-bound node lasts as long as its
+launches); the forward dispatch blocks the host until its split-size exchange is done
+(`sync_us` after the collective starts; `AllToAllDispatcher.dispatch`, the only host sync of a
+step). Thread and inline lanes (a CPU): the host thread runs the actions itself; `host_us` is
+its time before an action outside any span (the executor's own Python, the wait for the GIL).
 
 Every comm-lane action is an all-to-all over the EP group: it starts when every rank's comm lane
 is ready for it (the lane free, its microbatch's dependencies met) and lasts `comm_us` on each
@@ -40,8 +43,9 @@ from typing import Generator, Optional, Protocol, Sequence
 from epoverlap.model.nodes import COMM, COMPUTE
 from epoverlap.schedule.plan import Action, Layout, action_lane, node_kinds
 
-SERIAL, STREAM, THREAD = "serial", "stream", "thread"
-LANE_MODELS = (SERIAL, STREAM, THREAD)
+SERIAL, STREAM, THREAD, INLINE = "serial", "stream", "thread", "inline"
+LANE_MODELS = (SERIAL, STREAM, THREAD, INLINE)
+HOST_THREAD_LANES = (THREAD, INLINE)  # the host runs the actions (a CPU)
 
 
 class Costs(Protocol):
@@ -117,7 +121,7 @@ class _SerialRank:
         self._recorded(action, chain, end)
         return start, end
 
-    def comm_ready(self, action: Action) -> float:
+    def comm_ready(self, action: Action, host: float) -> float:
         self._issue = self.host
         return max(self.free[self._lane(COMM)], self._issue, self._wait_for(action, True))
 
@@ -165,11 +169,12 @@ class _ThreadRank:
 
     def run_compute(self, action: Action, chain: bool, dev: float, host: float):
         wait = self.pending.pop(action.microbatch, -math.inf) if chain else -math.inf
-        start = max(self.host, wait)
+        start = max(self.host, wait) + host
         self.host = start + dev
         return start, self.host
 
-    def comm_ready(self, action: Action) -> float:
+    def comm_ready(self, action: Action, host: float) -> float:
+        self.host += host
         return max(self.comm_free, self.host)  # handed over when the host reaches it
 
     def comm_done(self, action: Action, start: float, dur: float, host: float, sync: float):
@@ -182,7 +187,20 @@ class _ThreadRank:
         return max(self.host, self.comm_free)
 
 
-_RANK_MODELS = {SERIAL: _SerialRank, STREAM: _StreamRank, THREAD: _ThreadRank}
+class _InlineRank(_ThreadRank):
+    """Everything on the host thread, comm included (SerialLanes on a CPU)."""
+
+    def comm_ready(self, action: Action, host: float) -> float:
+        self.host += host
+        return self.host
+
+    def comm_done(self, action: Action, start: float, dur: float, host: float, sync: float):
+        self.host = start + dur
+        return self.host
+
+
+_RANK_MODELS = {SERIAL: _SerialRank, STREAM: _StreamRank, THREAD: _ThreadRank,
+                INLINE: _InlineRank}
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -196,16 +214,17 @@ def _rank_program(rank: int, plan: Sequence[Action], kinds: dict, costs: Costs, 
     timeline = RankTimeline(rank, t0, t0)
     for action in plan:
         lane = action_lane(action, kinds)
-        host = costs.host_us(rank, action) if lanes != THREAD else 0.0
+        host = costs.host_us(rank, action)
         if lane == COMPUTE:
             start, end = model.run_compute(action, action.kind != "W",
                                            costs.compute_us(rank, action), host)
             timeline.spans.append(SimSpan(COMPUTE, action, start, end))
             continue
-        ready = model.comm_ready(action)
+        ready = model.comm_ready(action, host)
         start = yield action, ready
         end = model.comm_done(action, start, costs.comm_us(rank, action), host,
-                              costs.sync_us(rank, action) if lanes != THREAD else 0.0)
+                              costs.sync_us(rank, action) if lanes not in HOST_THREAD_LANES
+                              else 0.0)
         timeline.spans.append(SimSpan(COMM, action, ready, end))
     timeline.end_us = model.finish()
     return timeline

@@ -42,7 +42,7 @@ from epoverlap.errors import ConfigError
 from epoverlap.profiling.spans import RankSpans, Span, SpanFileError, StepSpans, read_span_directory
 from epoverlap.schedule.plan import Action, build_plan
 from epoverlap_tools import sim_costs as sc
-from epoverlap_tools.sim_engine import SERIAL, STREAM, THREAD, SimResult, simulate
+from epoverlap_tools.sim_engine import INLINE, SERIAL, STREAM, THREAD, SimResult, simulate
 from epoverlap_tools.timeline import (InputError, chrome_trace, draw_gantt, read_chrome_trace,
                                       span_summary)
 
@@ -88,9 +88,13 @@ def model_config(args: argparse.Namespace, ep: Optional[int]):
     if ep is not None:
         flags += ["--expert-model-parallel-size", str(ep)]
     flags += ["--overlap-moe-expert-parallel-comm"]
+    cfg = parse_config(flags)
+    ep = cfg.parallel.expert_model_parallel_size
+    if ep < 2:
+        raise SimInputError(f"--ep {ep}: the simulator needs an EP group of 2 or more ranks "
+                            "(--ep or --expert-model-parallel-size)")
     try:
-        cfg = parse_config(flags)
-        validate_config(cfg, cfg.parallel.expert_model_parallel_size, cfg.train.bf16)
+        validate_config(cfg, ep, cfg.train.bf16)
     except ConfigError as error:
         raise SimInputError(str(error)) from None
     return cfg
@@ -243,14 +247,29 @@ def host_costs(path: Optional[str], graphed: Sequence[str], like_layout: list,
     return host
 
 
+def recorded_cpu_host(recorded: Optional[list[RankSpans]], layout: list) -> sc.ActionFn:
+    """A CPU recording's own host time outside spans (sc.cpu_gaps), 0 where it has none."""
+    if not recorded:
+        return sc.zero
+    plan, rec_layout = sc.recorded_plan(recorded, layout)
+    from epoverlap.schedule.plan import node_kinds
+    table = sc.cpu_gaps(recorded, plan, node_kinds(rec_layout),
+                        inline=sc.recorded_mode(recorded) == "seq")
+
+    def host(rank: int, action: Action) -> float:
+        try:
+            return table(rank, action)
+        except sc.MissingDuration:
+            return 0.0
+    return host
+
+
 # ---------------------------------------------------------------------------- scenario
 def build_scenario(args: argparse.Namespace) -> Scenario:
     recorded = read_recorded(args)
     ep = args.ep or (recorded[0].world_size if recorded else None)
     cfg = model_config(args, ep)
     ep = cfg.parallel.expert_model_parallel_size
-    if ep < 2:
-        raise SimInputError(f"--ep {ep}: the simulator needs an EP group of 2 or more ranks")
     if not 1.0 <= args.imbalance <= ep:
         raise SimInputError(f"--imbalance {args.imbalance}: allowed 1 (balanced) .. {ep} (EP)")
     shape = sc.A2aShape.from_config(cfg, ep)
@@ -264,9 +283,9 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
         THREAD if recorded and recorded[0].clock == "host" else STREAM)
     gpu = lanes != THREAD
     layout = model_layout(cfg, ep)
-    scenario = Scenario(cfg, layout, ep, shape, lanes, compute, comm, local,
-                        host=host_costs(args.host_from, args.graphed_nodes, layout,
-                                        link.sync_us) if gpu else sc.zero,
+    host = host_costs(args.host_from, args.graphed_nodes, layout, link.sync_us) if gpu else \
+        recorded_cpu_host(recorded, layout)
+    scenario = Scenario(cfg, layout, ep, shape, lanes, compute, comm, local, host=host,
                         sync=_dispatch_sync(link.sync_us if gpu else 0.0),
                         recorded=recorded, starts=_mean_offsets(recorded, ep),
                         has_wgrad=compute.wgrad_recorded, comm_measured=args.link == "measured")
@@ -360,7 +379,8 @@ def calibrated_throughput(args, cfg, shape, link) -> sc.Throughput:
 
 
 # ---------------------------------------------------------------------------- running modes
-def run_mode(scenario: Scenario, mode: str, starts=None, compute=None, comm=None) -> SimResult:
+def run_mode(scenario: Scenario, mode: str, starts=None, compute=None, comm=None,
+             host=None) -> SimResult:
     """One mode: seq (sequential plan, serial lanes), ovl, wgrad (overlap plan + W actions),
     comp (the overlap plan with every all-to-all a local copy)."""
     cfg = scenario.cfg
@@ -369,8 +389,10 @@ def run_mode(scenario: Scenario, mode: str, starts=None, compute=None, comm=None
     plan = build_plan(name, scenario.layout, cfg.train.num_microbatches, delay)
     costs = sc.NodeCosts(compute or scenario.compute.for_plan(delay),
                          scenario.comm_local if mode == "comp" else comm or scenario.comm,
-                         scenario.host, scenario.sync)
-    lanes = SERIAL if mode == "seq" else scenario.overlap_lanes
+                         host or scenario.host, scenario.sync)
+    lanes = scenario.overlap_lanes
+    if mode == "seq":
+        lanes = INLINE if lanes == THREAD else SERIAL
     return simulate(plan, scenario.layout, costs, scenario.ep, lanes, starts)
 
 
@@ -430,7 +452,9 @@ def replay_steps(scenario: Scenario) -> list[dict]:
                for r in scenario.recorded]
         compute = span_compute(one, lambda r, a: 1.0).for_plan(mode == "wgrad")
         comm = sc.aligned_comm(one).durations if scenario.comm_measured else None
-        result = run_mode(scenario, mode, aligned.offsets[step.step], compute, comm)
+        host = recorded_cpu_host(one, scenario.layout) if scenario.overlap_lanes == THREAD \
+            else None
+        result = run_mode(scenario, mode, aligned.offsets[step.step], compute, comm, host)
         measured = max(s.step_time_us for r in one for s in r.steps)
         rows.append({"step": step.step, "mode": mode, "measured_ms": measured / 1e3,
                      "simulated_ms": result.step_us / 1e3,
