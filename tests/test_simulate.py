@@ -218,7 +218,7 @@ def test_recorded_cpu_run_figures_are_consistent():
     sim, scenario = _scenario("--spans", str(CPU_RUN / "wgrad"), "--link", "measured")
     results = sim.run_all(scenario)
     assert set(results) == {"seq", "ovl", "wgrad", "comp"}
-    fig = sim.figures(results)
+    fig = sim.figures(results, sim.t_comm_us(scenario))
     assert fig["T_ovl_ms"] < fig["T_seq_ms"]
     assert max(fig["T_comp_ms"], fig["T_comm_ms"]) <= fig["T_ovl_ms"]
     share = (fig["T_seq_ms"] - fig["T_ovl_ms"]) / (fig["T_seq_ms"] - max(fig["T_comp_ms"],
@@ -247,15 +247,15 @@ def test_flop_model_adds_up_to_the_projects_flops_per_token():
         assert total == pytest.approx(training_flops_per_token(cfg) * tokens, rel=1e-9)
 
 
-def test_calibration_reproduces_the_target_t_comp(tmp_path, capsys):
+def test_calibration_reproduces_the_target_time(tmp_path, capsys):
     from epoverlap_tools import simulate as sim
     assert sim.main(["--flops", "--shape", "dsv3_layer", "--ep", "8", "--link", "ib",
-                     "--calibrate-t-comp", "144.89@4", "--out-dir", str(tmp_path),
+                     "--calibrate", "comp:144.89@4", "--out-dir", str(tmp_path),
                      "--no-png"]) == 0
     out = capsys.readouterr().out
     assert "FLOP counts at" in out and "EP 8" in out
     _, at_four = _scenario("--flops", "--shape", "dsv3_layer", "--ep", "4", "--link", "ib",
-                           "--calibrate-t-comp", "144.89@4")
+                           "--calibrate", "comp:144.89@4")
     comp = sim.run_mode(at_four, "comp").step_us / 1e3
     assert comp == pytest.approx(144.89, rel=0.01)
 
@@ -299,9 +299,12 @@ def test_cli_writes_png_trace_and_json(tmp_path, capsys):
     (["--flops", "--", *TINY], "EP group of 2 or more"),
     (["--flops", "--shape", "nope"], "--shape nope"),
     (["--flops", "--ep", "3", "--", *TINY], "--num-experts"),
-    (["--spans", str(CPU_RUN / "ovl"), "--calibrate-t-comp", "5@2", "--", *TINY],
+    (["--spans", str(CPU_RUN / "ovl"), "--calibrate", "comp:5@2", "--", *TINY],
      "needs --flops"),
     (["--flops", "--graphed-nodes", "dispatch", "--", *TINY], "--graphed-nodes dispatch"),
+    (["--flops", "--calibrate", "fast:1@2", "--", *TINY, "--expert-model-parallel-size", "2"],
+     "--calibrate fast:1@2"),
+    (["--spans", str(CPU_RUN / "ovl"), "--draw", "wgrad", "--", *TINY], "--draw wgrad"),
     (["--spans", str(CPU_RUN / "nothing"), "--", *TINY], "not a directory"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(flags, needle, tmp_path, capsys):

@@ -7,7 +7,7 @@ rules, the host, all-to-alls that couple the EP group), with durations from
 (tools/sim_costs.py):
   compute  the compute spans of a profiled run (`--spans DIR`, or `--trace` the timeline tool's
            timeline_trace.json), or FLOP counts of the model shape (`--flops`) at a throughput
-           given or calibrated on a measured T_comp (`--calibrate-t-comp MS@EP`);
+           given or calibrated on a measured time (`--calibrate comp:MS@EP`);
   comm     a link model (`--link nvlink|shm|ib`, bandwidth/latency overridable), one fitted to
            the run's own comm spans (`--link fit`), or those spans themselves (`--link
            measured`: each collective's time from its last rank's arrival);
@@ -29,18 +29,20 @@ Exit status 2 with one line on bad input.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
 from epoverlap.config import parse_config, validate_config
 from epoverlap.errors import ConfigError
+from epoverlap.model.nodes import COMM
 from epoverlap.profiling.spans import RankSpans, Span, SpanFileError, StepSpans, read_span_directory
-from epoverlap.schedule.plan import Action, build_plan
+from epoverlap.schedule.plan import Action, action_lane, build_plan, node_kinds
 from epoverlap_tools import sim_costs as sc
 from epoverlap_tools.sim_engine import INLINE, SERIAL, STREAM, THREAD, SimResult, simulate
 from epoverlap_tools.timeline import (InputError, chrome_trace, draw_gantt, read_chrome_trace,
@@ -66,6 +68,7 @@ class Scenario:
     compute: "ComputeSource"
     comm: sc.ActionFn
     comm_local: sc.ActionFn
+    wire: sc.ActionFn  # the all-to-alls alone: T_comm
     host: sc.ActionFn = sc.zero
     sync: sc.ActionFn = sc.zero
     recorded: Optional[list[RankSpans]] = None
@@ -147,7 +150,6 @@ def link_model(args: argparse.Namespace, recorded, shape: sc.A2aShape) -> sc.Lin
         link = sc.LINKS[args.link]
     overrides = {"bandwidth_gbs": args.link_bandwidth_gbs, "latency_us": args.link_latency_us,
                  "gpus_per_node": args.gpus_per_node, "sync_us": args.sync_us}
-    from dataclasses import replace
     return replace(link, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -218,22 +220,27 @@ def flop_compute(cfg, ep: int, throughput: sc.Throughput, load) -> ComputeSource
     return ComputeSource(duration, load, wgrad_recorded=True)
 
 
+@functools.lru_cache(maxsize=8)
+def _host_tables(path: str, like_layout: tuple, sync_us: float) -> tuple[dict, dict]:
+    """(host gaps, compute span means) of a GPU recording, per (phase, node) and finer."""
+    ranks = read_span_directory(path) if Path(path).is_dir() else read_chrome_trace(path)
+    if ranks[0].clock == "host":
+        raise SimInputError(f"--host-from {path}: a CPU recording (clock host) has no separate "
+                            "host; give a GPU run's spans")
+    plan, layout = sc.recorded_plan(ranks, list(like_layout))
+    return (sc.host_gaps(ranks, plan, node_kinds(layout), sync_us).means,
+            sc.compute_table(ranks).means)
+
+
 def host_costs(path: Optional[str], graphed: Sequence[str], like_layout: list,
-               sync_us: float) -> sc.ActionFn:
+               sync_us: float, scale: float = 1.0) -> sc.ActionFn:
     """Eager host launch cost per (phase, node), read from the gaps of a launch-bound GPU run
     (sc.host_gaps); a compute node the gaps do not show costs its mean span there (its
     launches were what it waited for), a comm node the mean of the comm nodes they show.
     Graphed nodes cost nothing (a graph replay)."""
     if path is None:
         return sc.zero
-    ranks = read_span_directory(path) if Path(path).is_dir() else read_chrome_trace(path)
-    if ranks[0].clock == "host":
-        raise SimInputError(f"--host-from {path}: a CPU recording (clock host) has no separate "
-                            "host; give a GPU run's spans")
-    plan, layout = sc.recorded_plan(ranks, like_layout)
-    from epoverlap.schedule.plan import node_kinds
-    gaps = sc.host_gaps(ranks, plan, node_kinds(layout), sync_us).means
-    spans = sc.compute_table(ranks).means
+    gaps, spans = _host_tables(path, tuple(like_layout), sync_us)
     comm_nodes = [v for k, v in gaps.items() if len(k) == 2 and k[1] in ("dispatch", "combine")]
     comm_default = statistics.fmean(comm_nodes) if comm_nodes else 0.0
 
@@ -242,8 +249,9 @@ def host_costs(path: Optional[str], graphed: Sequence[str], like_layout: list,
         if action.node in graphed:
             return 0.0
         if key in gaps:
-            return gaps[key]
-        return spans.get(key, comm_default if action.node in ("dispatch", "combine") else 0.0)
+            return gaps[key] * scale
+        default = comm_default if action.node in ("dispatch", "combine") else 0.0
+        return spans.get(key, default) * scale
     return host
 
 
@@ -252,7 +260,6 @@ def recorded_cpu_host(recorded: Optional[list[RankSpans]], layout: list) -> sc.A
     if not recorded:
         return sc.zero
     plan, rec_layout = sc.recorded_plan(recorded, layout)
-    from epoverlap.schedule.plan import node_kinds
     table = sc.cpu_gaps(recorded, plan, node_kinds(rec_layout),
                         inline=sc.recorded_mode(recorded) == "seq")
 
@@ -265,7 +272,8 @@ def recorded_cpu_host(recorded: Optional[list[RankSpans]], layout: list) -> sc.A
 
 
 # ---------------------------------------------------------------------------- scenario
-def build_scenario(args: argparse.Namespace) -> Scenario:
+def build_scenario(args: argparse.Namespace,
+                   throughput: Optional[sc.Throughput] = None) -> Scenario:
     recorded = read_recorded(args)
     ep = args.ep or (recorded[0].world_size if recorded else None)
     cfg = model_config(args, ep)
@@ -275,17 +283,19 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     shape = sc.A2aShape.from_config(cfg, ep)
     link = link_model(args, recorded, shape)
     load = load_factor(args.imbalance, ep)
-    throughput = calibrated_throughput(args, cfg, shape, link) if recorded is None else None
+    if recorded is None and throughput is None:
+        throughput = calibrated_throughput(args) if args.calibrate else base_throughput(args)
     compute = span_compute(recorded, load) if recorded else \
         flop_compute(cfg, ep, throughput, load)
-    comm, local, sources = comm_sources(args, recorded, shape, link, cfg, throughput)
+    comm, local, wire, sources = comm_sources(args, recorded, shape, link, cfg, throughput)
     lanes = args.lanes if args.lanes != "auto" else (
         THREAD if recorded and recorded[0].clock == "host" else STREAM)
     gpu = lanes != THREAD
     layout = model_layout(cfg, ep)
-    host = host_costs(args.host_from, args.graphed_nodes, layout, link.sync_us) if gpu else \
+    host = host_costs(args.host_from, args.graphed_nodes, layout, link.sync_us,
+                      args.host_scale) if gpu else \
         recorded_cpu_host(recorded, layout)
-    scenario = Scenario(cfg, layout, ep, shape, lanes, compute, comm, local, host=host,
+    scenario = Scenario(cfg, layout, ep, shape, lanes, compute, comm, local, wire, host=host,
                         sync=_dispatch_sync(link.sync_us if gpu else 0.0),
                         recorded=recorded, starts=_mean_offsets(recorded, ep),
                         has_wgrad=compute.wgrad_recorded, comm_measured=args.link == "measured")
@@ -307,18 +317,20 @@ def _mean_offsets(recorded, ep: int) -> Optional[list[float]]:
 
 
 def comm_sources(args, recorded, shape, link, cfg, throughput):
-    """(comm, comm as a local copy, description) for the chosen --link."""
+    """(comm-lane time, the same as a local copy, the all-to-alls alone, description) for the
+    chosen --link; the comm lane also runs the combine's unpermute (its epilogue)."""
     epilogue = (lambda a: throughput.time_us(sc.FlopModel(cfg, shape.ep).work(a))) \
         if throughput is not None else (lambda a: 0.0)
     local = lambda r, a: link.local_copy_us(shape, a) + epilogue(a)  # noqa: E731
     if args.link == "measured":
         table = sc.aligned_comm(recorded).durations
-        return table, local, ["comm: each all-to-all's own recorded time (end minus the last "
-                              "rank's arrival)"]
-    wire = lambda r, a: link.time_us(shape, a, args.imbalance) + epilogue(a)  # noqa: E731
+        return table, local, table, ["comm: each all-to-all's own recorded time (end minus "
+                                     "the last rank's arrival)"]
+    wire = lambda r, a: link.time_us(shape, a, args.imbalance)  # noqa: E731
+    comm = lambda r, a: wire(r, a) + epilogue(a)  # noqa: E731
     where = (f", {link.gpus_per_node} GPUs per node over NVLink {link.nvlink_gbs:.0f} GB/s"
              if link.gpus_per_node else "")
-    return wire, local, [f"comm: link {link.kind}: {link.bandwidth_gbs:.4g} GB/s per GPU, "
+    return comm, local, wire, [f"comm: link {link.kind}: {link.bandwidth_gbs:.4g} GB/s per GPU, "
                          f"{link.latency_us:.4g} us per call{where}; imbalance "
                          f"{args.imbalance:g}; split sizes back on the host after "
                          f"{link.sync_us:.0f} us"]
@@ -334,47 +346,44 @@ def _describe(args, recorded, throughput, lanes) -> list[str]:
                   f"{throughput.attn_tflops:.0f} TFLOP/s attention, {throughput.hbm_gbs:.0f} "
                   f"GB/s HBM")
     host = "none" if not args.host_from or lanes == THREAD else \
-        f"eager per node from {args.host_from}" + (
+        f"eager per node from {args.host_from} x {args.host_scale:g}" + (
             f", graphed: {','.join(args.graphed_nodes)}" if args.graphed_nodes else "")
     return [source, f"lanes: {lanes} (sequential plan: serial); host launch cost: {host}"]
 
 
-def calibrated_throughput(args, cfg, shape, link) -> sc.Throughput:
-    """--gemm-tflops etc., or scaled so the simulated T_comp matches --calibrate-t-comp."""
-    base = sc.Throughput(args.gemm_tflops or DEFAULT_THROUGHPUT.gemm_tflops,
+def base_throughput(args: argparse.Namespace) -> sc.Throughput:
+    return sc.Throughput(args.gemm_tflops or DEFAULT_THROUGHPUT.gemm_tflops,
                          args.attn_tflops or DEFAULT_THROUGHPUT.attn_tflops,
                          args.hbm_gbs or DEFAULT_THROUGHPUT.hbm_gbs)
-    if not args.calibrate_t_comp:
-        return base
-    try:
-        target_ms, at_ep = args.calibrate_t_comp.split("@")
-        target_us, at_ep = float(target_ms) * 1e3, int(at_ep)
-    except ValueError:
-        raise SimInputError(f"--calibrate-t-comp {args.calibrate_t_comp}: expected MS@EP, "
-                            "e.g. 144.89@4") from None
-    at_cfg = model_config(args, at_ep)
-    at_shape = sc.A2aShape.from_config(at_cfg, at_ep)
-    layout = model_layout(at_cfg, at_ep)
-    plan = build_plan(at_cfg.overlap.overlap_plan, layout, at_cfg.train.num_microbatches)
-    host = host_costs(args.host_from, args.graphed_nodes, layout, link.sync_us)
 
-    def t_comp(factor: float) -> float:
-        rate = base.scaled(factor)
-        compute = flop_compute(at_cfg, at_ep, rate, load_factor(1.0, at_ep)).for_plan(False)
-        epilogue = sc.FlopModel(at_cfg, at_ep)
-        local = lambda r, a: link.local_copy_us(at_shape, a) + rate.time_us(epilogue.work(a))
-        costs = sc.NodeCosts(compute, local, host, _dispatch_sync(link.sync_us))
-        return simulate(plan, layout, costs, at_ep, STREAM).step_us
+
+def calibrated_throughput(args: argparse.Namespace) -> sc.Throughput:
+    """The rates of --gemm-tflops etc., scaled (all by one factor) so that the simulated
+    time of --calibrate MODE:MS@EP is MS at that EP size."""
+    base = base_throughput(args)
+    try:
+        mode, rest = args.calibrate.split(":")
+        target_ms, at_ep = rest.split("@")
+        target_us, at_ep = float(target_ms) * 1e3, int(at_ep)
+        if mode not in MODES:
+            raise ValueError
+    except ValueError:
+        raise SimInputError(f"--calibrate {args.calibrate}: expected MODE:MS@EP with MODE one "
+                            f"of {', '.join(MODES)}, e.g. comp:144.89@4") from None
+    at_args = argparse.Namespace(**{**vars(args), "ep": at_ep, "calibrate": None})
+
+    def simulated_us(factor: float) -> float:
+        return run_mode(build_scenario(at_args, base.scaled(factor)), mode).step_us
     low, high = 1e-3, 1e3
-    for _ in range(60):  # T_comp falls as the rates rise: bisect the factor on a log scale
+    for _ in range(36):  # the time falls as the rates rise: bisect on a log scale
         mid = math.sqrt(low * high)
-        low, high = (mid, high) if t_comp(mid) > target_us else (low, mid)
+        low, high = (mid, high) if simulated_us(mid) > target_us else (low, mid)
     factor = math.sqrt(low * high)
-    reached = t_comp(factor)
+    reached = simulated_us(factor)
     if abs(reached - target_us) > 0.01 * target_us:
-        raise SimInputError(f"--calibrate-t-comp {args.calibrate_t_comp}: no throughput gives "
-                            f"that T_comp (closest {reached / 1e3:.2f} ms; the host launch "
-                            "costs alone may exceed it)")
+        raise SimInputError(f"--calibrate {args.calibrate}: no throughput gives that time "
+                            f"(closest {reached / 1e3:.2f} ms; the host launch costs alone may "
+                            "exceed it)")
     return base.scaled(factor)
 
 
@@ -401,10 +410,20 @@ def run_all(scenario: Scenario) -> dict[str, SimResult]:
     return {mode: run_mode(scenario, mode, scenario.starts) for mode in modes}
 
 
-def figures(results: dict[str, SimResult]) -> dict:
+def t_comm_us(scenario: Scenario) -> float:
+    """The step's all-to-alls alone, back to back (the benchmark's T_comm): per collective
+    the slowest rank's time."""
+    cfg = scenario.cfg
+    plan = build_plan(cfg.overlap.overlap_plan, scenario.layout, cfg.train.num_microbatches)
+    kinds = node_kinds(scenario.layout)
+    return sum(max(scenario.wire(r, a) for r in range(scenario.ep)) for a in plan
+               if action_lane(a, kinds) == COMM)
+
+
+def figures(results: dict[str, SimResult], t_comm: float) -> dict:
     """The headline numbers (ms) and ratios of one scenario."""
     out = {f"T_{mode}_ms": result.step_us / 1e3 for mode, result in results.items()}
-    out["T_comm_ms"] = results["ovl"].comm_busy_us / 1e3
+    out["T_comm_ms"] = t_comm / 1e3
     best = max(out["T_comp_ms"], out["T_comm_ms"])
     out["ovl_over_max"] = out["T_ovl_ms"] / best
     out["seq_over_ovl"] = out["T_seq_ms"] / out["T_ovl_ms"]
@@ -464,7 +483,7 @@ def replay_steps(scenario: Scenario) -> list[dict]:
 
 # ---------------------------------------------------------------------------- report
 def report(scenario: Scenario, results: dict[str, SimResult], replay: list[dict]) -> str:
-    cfg, fig = scenario.cfg, figures(results)
+    cfg, fig = scenario.cfg, figures(results, t_comm_us(scenario))
     lines = [f"epoverlap-simulate: EP {scenario.ep}, {cfg.model.num_layers} layer(s), "
              f"{cfg.train.num_microbatches} microbatches of {scenario.shape.tokens} tokens per "
              f"rank, hidden {scenario.shape.hidden}, top-{scenario.shape.topk}",
@@ -496,14 +515,18 @@ def report(scenario: Scenario, results: dict[str, SimResult], replay: list[dict]
     return "\n".join(lines)
 
 
-def write_outputs(scenario: Scenario, results, replay, out_dir: Path, png: bool) -> list[Path]:
+def write_outputs(scenario: Scenario, results, replay, out_dir: Path, png: bool,
+                  mode: str = "ovl") -> list[Path]:
+    """simulation.json (every figure), the trace and PNG of the `mode` step (8 ranks at most
+    in the PNG, 16 in the trace)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    shown = results.get("wgrad") if scenario.recorded is None and "wgrad" in results else None
-    mode = "wgrad" if shown is not None else "ovl"
+    if mode not in results:
+        raise SimInputError(f"--draw {mode}: this scenario has no such mode (no W durations in "
+                            "the recording)")
     ranks = as_rank_spans(results[mode], scenario.ep)
     written = [out_dir / "simulation.json", out_dir / "simulated_trace.json"]
     document = {"format": "epoverlap-simulation", "version": 1, "sources": scenario.sources,
-                "ep": scenario.ep, "figures": figures(results),
+                "ep": scenario.ep, "figures": figures(results, t_comm_us(scenario)),
                 "exposed_per_layer_ms": layer_exposure(results["ovl"], scenario.ep),
                 "replay": replay}
     written[0].write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
@@ -544,15 +567,20 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--gemm-tflops", type=float)
     parser.add_argument("--attn-tflops", type=float)
     parser.add_argument("--hbm-gbs", type=float)
-    parser.add_argument("--calibrate-t-comp", metavar="MS@EP",
-                        help="scale the rates so the simulated T_comp at EP is MS")
+    parser.add_argument("--calibrate", metavar="MODE:MS@EP", help="scale the rates so the "
+                        "simulated T_MODE (seq, ovl, wgrad, comp) at EP is MS, e.g. "
+                        "comp:144.89@4")
     parser.add_argument("--host-from", metavar="PATH", help="eager host launch cost per node "
                         "from this launch-bound run's spans (DIR or timeline trace)")
+    parser.add_argument("--host-scale", type=float, default=1.0, help="multiply the "
+                        "--host-from costs (a faster or slower host than the recording's)")
     parser.add_argument("--graphed-nodes", default="", help="comma list of nodes replayed as "
                         "CUDA graphs (no host launch cost), e.g. attn")
     parser.add_argument("--lanes", default="auto", choices=["auto", STREAM, THREAD])
     parser.add_argument("--out-dir", default="runs/simulate")
     parser.add_argument("--no-png", action="store_true")
+    parser.add_argument("--draw", default="ovl", choices=MODES,
+                        help="the simulated mode drawn in simulated.png / simulated_trace.json")
     args = parser.parse_args(argv[:split])
     args.train_flags = argv[split + 1:]
     args.graphed_nodes = [n for n in args.graphed_nodes.split(",") if n]
@@ -567,7 +595,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results = run_all(scenario)
         replay = replay_steps(scenario) if scenario.recorded else []
         print(report(scenario, results, replay))
-        for path in write_outputs(scenario, results, replay, Path(args.out_dir), not args.no_png):
+        for path in write_outputs(scenario, results, replay, Path(args.out_dir), not args.no_png,
+                                  args.draw):
             print(f"wrote {path}")
     except (SimInputError, SpanFileError, InputError, sc.MissingDuration) as error:
         print(f"epoverlap-simulate: error: {str(error).strip(chr(34))}", file=sys.stderr)
@@ -579,13 +608,13 @@ def _check_args(args: argparse.Namespace) -> None:
     if not (args.spans or args.trace or args.flops):
         raise SimInputError("give a duration source: --spans DIR, --trace FILE or --flops")
     for name in ("link_bandwidth_gbs", "link_latency_us", "sync_us", "gemm_tflops",
-                 "attn_tflops", "hbm_gbs"):
+                 "attn_tflops", "hbm_gbs", "host_scale"):
         value = getattr(args, name)
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise SimInputError(f"--{name.replace('_', '-')} {value}: must be a finite number "
                                 ">= 0")
-    if args.calibrate_t_comp and not args.flops:
-        raise SimInputError("--calibrate-t-comp needs --flops (recorded spans are measured)")
+    if args.calibrate and not args.flops:
+        raise SimInputError("--calibrate needs --flops (recorded spans are measured)")
     unknown = [n for n in args.graphed_nodes if n not in ("attn", "mlp", "embed", "loss")]
     if unknown:
         raise SimInputError(f"--graphed-nodes {','.join(unknown)}: allowed attn, mlp, embed, "
