@@ -15,8 +15,10 @@ import pytest
 
 from epoverlap.model.nodes import COMM, COMPUTE, NodeKind
 from epoverlap.schedule.plan import Action, combined_1f1b_plan, sequential_plan
+from epoverlap.profiling.spans import RankSpans, Span, StepSpans
+from epoverlap.schedule.plan import node_kinds
 from epoverlap_tools.sim_costs import (A2aShape, DurationTable, LinkModel, NodeCosts,
-                                       a2a_volume, aligned_comm, fit_link)
+                                       a2a_volume, aligned_comm, fit_link, host_gaps)
 from epoverlap_tools.sim_engine import SERIAL, STREAM, THREAD, simulate
 
 MOE_LAYER = (NodeKind("attn", COMPUTE, True), NodeKind("dispatch", COMM),
@@ -127,7 +129,6 @@ def test_all_to_all_starts_when_the_last_rank_arrives():
     # every later collective is aligned too; step times: rank 0 ends at 18+3+5+1+1+5+6+5+8+1
     end = 18 + 3 + 5 + 1 + 1 + 5 + 6 + 5 + 8 + 1
     assert result.ranks[0].step_us == end and result.ranks[1].step_us == end - 2
-    assert result.comm_busy_us == 4 * 5
 
 
 def test_host_issue_cost_and_the_dispatch_host_sync():
@@ -147,6 +148,41 @@ def test_host_issue_cost_and_the_dispatch_host_sync():
     spans = spans_of(simulate(plan, LAYOUT, costs, 1, SERIAL))
     assert spans["F0.dispatch.L0"] == (6, 12)
     assert spans["F0.mlp.L0"] == (12, 15)
+
+
+def _recording(*per_rank):
+    """Rank spans of one step (step 1) from (lane, action, start, end) rows per rank."""
+    return [RankSpans(rank, len(per_rank), "cuda:0", "cuda_event",
+                      [StepSpans(1, max(row[3] for row in rows),
+                                 [Span.from_action(*row) for row in rows])], f"rank{rank}")
+            for rank, rows in enumerate(per_rank)]
+
+
+def test_aligned_comm_finds_the_start_skew_and_each_collectives_own_time():
+    # rank 1 started its step 3 us after rank 0: on rank 0's clock its times are +3. The
+    # dispatch ends at 20 (rank 0's clock) on both; rank 1 arrived last (at 12 + 3 = 15), so
+    # the collective's own time is 5 on both ranks, though rank 0's span is 10 long
+    ranks = _recording([("comm", "F0.dispatch.L0", 10, 20), ("comm", "F0.combine.L0", 25, 30)],
+                       [("comm", "F0.dispatch.L0", 12, 17), ("comm", "F0.combine.L0", 23, 27)])
+    aligned = aligned_comm(ranks)
+    assert aligned.offsets == {1: [0.0, 3.0]}
+    dispatch, combine = Action.parse("F0.dispatch.L0"), Action.parse("F0.combine.L0")
+    assert aligned.durations(0, dispatch) == 5 and aligned.durations(1, dispatch) == 5
+    assert aligned.durations(0, combine) == 4 and aligned.durations(1, combine) == 4
+
+
+def test_host_gaps_read_the_host_cost_from_late_starts():
+    # embed runs 0..1; attn could start at 1 but starts at 3 (the host issued it at 3); the
+    # dispatch could start at 7, starts at 9; mlp could start at 14, starts at 16. So the host
+    # spent 9 - 3 = 6 on attn; on the dispatch it first waited for the split sizes (the
+    # collective started at 9, + 2 us sync = 11), then spent 16 - 11 = 5
+    ranks = _recording([("compute", "F0.embed", 0, 1), ("compute", "F0.attn.L0", 3, 7),
+                        ("comm", "F0.dispatch.L0", 9, 14), ("compute", "F0.mlp.L0", 16, 19)])
+    plan = sequential_plan(LAYOUT, 1)
+    gaps = host_gaps(ranks, plan, node_kinds(LAYOUT), sync_us=2.0, slack_us=0.5)
+    assert gaps.means[(0, "F0.attn.L0")] == 6
+    assert gaps.means[(0, "F0.dispatch.L0")] == 5
+    assert (0, "F0.embed") not in gaps.means  # it started on time: no evidence
 
 
 def test_duration_table_falls_back_to_same_node_and_phase():

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Sequence
 
 from epoverlap.profiling.spans import RankSpans
@@ -90,13 +90,6 @@ class DurationTable:
                 return self.means[key]
         raise MissingDuration(f"no measured duration for {action} (nor any {action.kind} "
                               f"{action.node})")
-
-    def scaled(self, factor: Callable[[tuple], float]) -> "DurationTable":
-        """A copy with every mean multiplied by factor(key)."""
-        table = DurationTable([])
-        table.means = {key: value * factor(key) for key, value in self.means.items()}
-        table.num_ranks = self.num_ranks
-        return table
 
 
 def _steps(rank_spans: RankSpans, steps: Optional[Sequence[int]]):

@@ -88,7 +88,6 @@ class RankTimeline:
 @dataclass
 class SimResult:
     ranks: list[RankTimeline]
-    comm_busy_us: float  # sum over collectives of their duration (max over ranks): back to back
 
     @property
     def step_us(self) -> float:
@@ -242,18 +241,15 @@ def simulate(plan: Sequence[Action], layout: Layout, costs: Costs, num_ranks: in
     programs = [_rank_program(r, plan, kinds, costs, lanes, starts[r]) for r in range(num_ranks)]
     timelines: list[Optional[RankTimeline]] = [None] * num_ranks
     pending = [_advance(p, None, timelines, r) for r, p in enumerate(programs)]
-    comm_busy = 0.0
     while any(item is not None for item in pending):
         if any(item is None for item in pending):
             raise RuntimeError("ranks disagree on the plan's collectives")
         actions = {item[0] for item in pending}
         if len(actions) != 1:
             raise RuntimeError(f"ranks wait in different collectives: {sorted(map(str, actions))}")
-        action = pending[0][0]
         start = max(item[1] for item in pending)
-        comm_busy += max(costs.comm_us(r, action) for r in range(num_ranks))
         pending = [_advance(p, start, timelines, r) for r, p in enumerate(programs)]
-    return SimResult([t for t in timelines if t is not None], comm_busy)
+    return SimResult([t for t in timelines if t is not None])
 
 
 def _advance(program: _Program, value: Optional[float], timelines: list, rank: int):

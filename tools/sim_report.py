@@ -155,7 +155,7 @@ def scaled_trace_rows() -> str:
         result = sim.run_mode(s, mode)
         rows.append([label, summary, err(result.step_us / 1e3,
                                          run["ratio_h2048_k8_f128"][mode]), cmd(flags)])
-    return table(["run", "compute scaled per layer to", f"T sim / measured ms",
+    return table(["run", "compute scaled per layer to", "T sim / measured ms",
                   "command (plus the scaling)"], rows)
 
 

@@ -185,7 +185,7 @@ class ComputeSource:
     """Compute durations for a plan with or without delayed weight grads: a B action of a
     plan without W actions also does the work a recorded W action did."""
 
-    def __init__(self, table, load, delayed_table=None, wgrad_recorded: bool = False):
+    def __init__(self, table, load, wgrad_recorded: bool = False):
         self.table, self.load = table, load  # table(rank, action, delay_wgrad) -> us
         self.wgrad_recorded = wgrad_recorded
 
@@ -348,7 +348,8 @@ def _describe(args, recorded, throughput, lanes) -> list[str]:
     host = "none" if not args.host_from or lanes == THREAD else \
         f"eager per node from {args.host_from} x {args.host_scale:g}" + (
             f", graphed: {','.join(args.graphed_nodes)}" if args.graphed_nodes else "")
-    return [source, f"lanes: {lanes} (sequential plan: serial); host launch cost: {host}"]
+    seq = INLINE if lanes == THREAD else SERIAL
+    return [source, f"lanes: {lanes} (sequential plan: {seq}); host launch cost: {host}"]
 
 
 def base_throughput(args: argparse.Namespace) -> sc.Throughput:
