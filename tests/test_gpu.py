@@ -201,3 +201,30 @@ def test_cli_runs_are_bitwise_identical_under_deterministic(tmp_path):
         assert "after the 3 warmup steps: 0" in out, (name, out[-2000:])
         variants = [r["triton_variants"] for r in logs[name]]
         assert len(set(variants[3:])) == 1, (name, variants)
+
+
+@pytest.mark.multigpu
+@needs_gpus
+def test_simulator_replays_a_recorded_overlapped_run(tmp_path):
+    """2 GPUs, the f128 ratio shape, overlapped: record 3 steps' spans, replay them with the
+    simulator (recorded compute and comm, host launch costs read from the same recording's
+    gaps). benchmarks/simulation.md measured -1% on a run of this shape; 15% is the bound."""
+    from epoverlap_tools import simulate as sim
+    from epoverlap_tools.bench_overlap import COMMON, SHAPES
+    spans = tmp_path / "spans"
+    flags = SHAPES["ratio_h2048_k8_f128"] + COMMON + [
+        "--bf16", "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
+        "--train-iters", "6", "--profile-steps", "4:6", "--profile-dir", str(spans)]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "epoverlap.train", *flags], capture_output=True, text=True, timeout=600,
+        env=_env(), cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scenario = sim.build_scenario(sim.parse_args(
+        ["--spans", str(spans), "--shape", "ratio_h2048_k8_f128", "--link", "measured",
+         "--host-from", str(spans)]))
+    rows = sim.replay_steps(scenario)
+    assert [row["mode"] for row in rows] == ["ovl"] * 3
+    measured = sum(row["measured_ms"] for row in rows)
+    simulated = sum(row["simulated_ms"] for row in rows)
+    assert abs(simulated / measured - 1) < 0.15, rows

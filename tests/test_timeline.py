@@ -238,6 +238,24 @@ def test_chrome_trace_is_valid(tmp_path, capsys):
     assert not (directory / tl.PNG_FILE).exists() and not (out_dir / tl.PNG_FILE).exists()
 
 
+def test_chrome_trace_reads_back_into_the_same_spans(tmp_path, capsys):
+    """read_chrome_trace (the simulator's --trace input) inverts chrome_trace."""
+    from epoverlap.profiling.spans import read_span_directory
+    directory = _two_rank_two_step_dir(tmp_path)
+    run_tool(capsys, directory, "--no-png", "--out-dir", tmp_path / "out")
+    back = tl.read_chrome_trace(tmp_path / "out" / tl.TRACE_FILE)
+    original = read_span_directory(directory)
+    assert [r.rank for r in back] == [0, 1] and back[0].world_size == 2
+    for got, want in zip(back, original):
+        assert [s.step for s in got.steps] == [s.step for s in want.steps]
+        for got_step, want_step in zip(got.steps, want.steps):
+            assert got_step.step_time_us == want_step.step_time_us
+            assert sorted(got_step.spans, key=str) == sorted(want_step.spans, key=str)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(tl.InputError, match="no traceEvents"):
+        tl.read_chrome_trace(tmp_path / "bad.json")
+
+
 def test_png_is_written(tmp_path, capsys):
     directory = _two_rank_two_step_dir(tmp_path)
     code, out, err = run_tool(capsys, directory)

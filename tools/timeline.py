@@ -278,6 +278,41 @@ def chrome_trace(ranks: list[RankSpans], steps: list[int], source: str) -> dict[
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
+def read_chrome_trace(path: str | Path) -> list[RankSpans]:
+    """The inverse of `chrome_trace`: a timeline_trace.json back into per-rank span records
+    (steps cut at their step markers, times relative to each step's start)."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise InputError(f"{path}: cannot read a timeline trace: {error}") from None
+    events = document.get("traceEvents") if isinstance(document, dict) else None
+    if not isinstance(events, list):
+        raise InputError(f"{path}: not a timeline trace (no traceEvents list)")
+    complete = [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
+    steps: dict[tuple[int, int], StepSpans] = {}
+    offsets: dict[tuple[int, int], float] = {}
+    for event in (e for e in complete if e.get("tid") == STEP_TID):
+        key = (event["pid"], event["args"]["step"])
+        steps[key] = StepSpans(key[1], float(event["dur"]), [])
+        offsets[key] = float(event["ts"])
+    lanes = {tid: lane for lane, tid in LANE_TIDS.items()}
+    for event in (e for e in complete if e.get("tid") in lanes):
+        key = (event["pid"], event.get("args", {}).get("step"))
+        if key not in steps:
+            raise InputError(f"{path}: span {event.get('name')!r} outside any step marker")
+        start = float(event["ts"]) - offsets[key]
+        steps[key].spans.append(Span.from_action(lanes[event["tid"]], event["name"], start,
+                                                 start + float(event["dur"])))
+    if not steps:
+        raise InputError(f"{path}: no step markers (is it a timeline_trace.json?)")
+    other = document.get("otherData", {})
+    ranks = sorted({rank for rank, _ in steps})
+    return [RankSpans(rank, other.get("world_size", len(ranks)), "trace",
+                      other.get("clock", "cuda_event"),
+                      [steps[key] for key in sorted(steps) if key[0] == rank], str(path))
+            for rank in ranks]
+
+
 def _rank_metadata(rank: int) -> list[dict[str, Any]]:
     def meta(name: str, tid: int, args: dict[str, Any]) -> dict[str, Any]:
         return {"name": name, "ph": "M", "pid": rank, "tid": tid, "args": args}
@@ -312,8 +347,9 @@ def _step_event(rank: int, step: StepSpans, offset: float) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def draw_gantt(ranks: list[RankSpans], step_number: int, path: Path) -> None:
-    """One row per (rank, lane); comm split into hidden (hatched) and exposed (red) parts."""
+def draw_gantt(ranks: list[RankSpans], step_number: int, path: Path, title: str = "") -> None:
+    """One row per (rank, lane); comm split into hidden (hatched) and exposed (red) parts.
+    `title` goes before the step's exposed-comm figures (the simulator names its scenario)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -349,7 +385,7 @@ def draw_gantt(ranks: list[RankSpans], step_number: int, path: Path) -> None:
     axes.set_xlim(0, width)
     axes.set_xlabel("time since step start (us)")
     worst = max(range(len(ranks)), key=lambda i: exposed_by_rank[i])
-    axes.set_title(f"step {step_number}: exposed comm {sum(exposed_by_rank):.1f} us summed over "
+    axes.set_title(f"{title + chr(10) if title else ''}step {step_number}: exposed comm {sum(exposed_by_rank):.1f} us summed over "
                    f"{len(ranks)} rank(s), max {exposed_by_rank[worst]:.1f} us on rank "
                    f"{ranks[worst].rank}")
     handles = [Patch(color=colors[mb % len(colors)], label=f"microbatch {mb}")

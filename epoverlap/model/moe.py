@@ -31,7 +31,10 @@ from epoverlap.model.linear import expert_offsets, grouped_gemm, linear
 
 
 def seeded_normal_(tensor: torch.Tensor, std: float, seed: int) -> torch.Tensor:
-    """Fill from a generator of its own, so init is independent of order, device count, EP."""
+    """Fill from a generator of its own, so init is independent of order, device count, EP.
+    A meta tensor (a shape-only model, e.g. the simulator's) has no values to fill."""
+    if tensor.device.type == "meta":
+        return tensor
     generator = torch.Generator(device=tensor.device)
     generator.manual_seed(seed % (2**63))
     with torch.no_grad():
@@ -90,7 +93,7 @@ class Router(nn.Module):
                                                         device=device))
         self.register_buffer("step_aux_loss", torch.zeros((), device=device))
         self._balancing_rng: Optional[torch.Generator] = None
-        if moe.moe_router_force_load_balancing:
+        if moe.moe_router_force_load_balancing and torch.device(device).type != "meta":
             self._balancing_rng = torch.Generator(device=device)
             self._balancing_rng.manual_seed(param_seed(seed, "balance", layer) % (2**63))
 
