@@ -59,6 +59,7 @@ class StepResult:
     tflops_per_gpu: float
     deterministic: bool = False  # --deterministic-mode: bitwise comparisons with another run hold
     triton_variants: Optional[int] = None  # compiled Triton kernel variants so far (this rank)
+    peak_reserved_gib: Optional[float] = None  # the caching allocator's peak (graph pools too)
     comm_ms: Optional[float] = None  # these three: steps with recorded spans only
     exposed_comm_ms: Optional[float] = None
     overlap_ratio: Optional[float] = None
@@ -239,12 +240,15 @@ class Trainer:
     def _result(self, step, loss, lr, grad_norm, aux, imbalance, elapsed) -> StepResult:
         t, m = self.cfg.train, self.cfg.model
         tokens = self.groups.world_size * t.num_microbatches * t.micro_batch_size * m.seq_length
-        peak = (torch.cuda.max_memory_allocated(self.device) / 2**30
-                if self.device.type == "cuda" else None)
+        on_gpu = self.device.type == "cuda"
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if on_gpu else None
         tflops = training_flops_per_token(self.cfg) * tokens / elapsed / 1e12 / \
             self.groups.world_size
         return StepResult(step, loss, lr, grad_norm, aux, imbalance, elapsed, tokens, peak,
-                          tflops, deterministic=self.cfg.train.deterministic_mode)
+                          tflops, deterministic=self.cfg.train.deterministic_mode,
+                          # graph pools are reserved, not allocated, while graphs replay
+                          peak_reserved_gib=(torch.cuda.max_memory_reserved(self.device) / 2**30
+                                             if on_gpu else None))
 
     def _profiled(self, step: int) -> bool:
         window = self.cfg.log.profile_range
