@@ -85,6 +85,16 @@ def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10
     timeout = datetime.timedelta(minutes=timeout_minutes)
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    return expert_parallel_groups(ep_size, device, local_rank)
+
+
+def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int = 0
+                           ) -> ParallelGroups:
+    """The EP and EDP groups of `ep_size` over the initialized world (every rank must call).
+    Called again with another size in the same world, it gives a second, independent layout
+    (tests resume one run's checkpoint at another EP size in one process group)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    backend = dist.get_backend()
     edp_size = world_size // ep_size
     ep_blocks = [list(range(b * ep_size, (b + 1) * ep_size)) for b in range(edp_size)]
     edp_strides = [list(range(e, world_size, ep_size)) for e in range(ep_size)]

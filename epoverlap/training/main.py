@@ -1,5 +1,9 @@
-"""The training command: parse and validate flags before any process-group work, set up the
-process environment, build the groups, train, and tear down on every exit path.
+"""The training command: parse and validate flags and find what --load resumes from before
+any process-group work, set up the process environment, build the groups, train, and tear down
+on every exit path.
+
+Exit status: 0 done; 2 a bad flag or an unusable checkpoint (one line naming the flag or file,
+from rank 0); 1 a NaN/Inf loss or gradient (one line naming the step, rank and parameter).
 
 `epoverlap-train` and `python -m epoverlap.train` both end here (`main`).
 """
@@ -15,6 +19,7 @@ import torch
 from epoverlap.config import RunConfig, parse_config, validate_config, world_size_from_env
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.training.checkpoint_files import find_resume_checkpoint
 from epoverlap.training.trainer import Trainer
 
 
@@ -47,18 +52,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = parse_config(argv, warn=lambda msg: warn(f"epoverlap-train: warning: {msg}"))
         validate_config(cfg, world_size_from_env(), torch.cuda.is_available())
+        resume = find_resume_checkpoint(cfg.checkpoint.load, cfg.checkpoint.save)
     except ConfigError as error:
         warn(f"epoverlap-train: error: {error}")  # every rank fails alike; rank 0 says it
         return 2
+    if cfg.checkpoint.load is not None and resume is None:
+        _printer(rank_zero)(f"checkpoint: none in {cfg.checkpoint.load} yet; starting at step 1")
     setup_environment(cfg, lambda msg: warn(f"epoverlap-train: warning: {msg}"))
     device_kind = cfg.resolved_device(torch.cuda.is_available())
     groups = init_distributed(cfg.parallel.expert_model_parallel_size, device_kind,
                               cfg.parallel.dist_timeout_minutes)
     trainer = None
     try:
-        trainer = Trainer(cfg, groups, log=_printer(groups.is_first()))
+        trainer = Trainer(cfg, groups, log=_printer(groups.is_first()), resume=resume)
         trainer.log(trainer.describe())
         trainer.train()
+    except ConfigError as error:  # a checkpoint that cannot be loaded: every rank alike
+        warn(f"epoverlap-train: error: {error}")
+        return 2
+    except FloatingPointError as error:  # NaN/Inf: every rank raises the same message
+        warn(f"epoverlap-train: error: {error}")
+        return 1
     finally:
         if trainer is not None:
             trainer.close()

@@ -4,9 +4,14 @@ from a validated config and runs optimizer steps.
 One step: the executor runs the plan (sequential, or the combined 1F1B with
 --overlap-moe-expert-parallel-comm) over all microbatches; then, only after the last backward
 and weight-grad action, grads are reduced, clipped, the expert biases updated from the
-all-reduced token counts, and the optimizer steps. Rank 0 prints one line per step and, with
---log-json, writes one JSON record per step (the loss also as float.hex, for bitwise
-comparison with `epoverlap-compare-losses`).
+all-reduced token counts, and the optimizer steps. With --check-for-nan-in-loss-and-grad the
+local losses and grads are checked before the reduction (`numerics`). Rank 0 prints one line
+per step and, with --log-json, writes one JSON record per step (the loss also as float.hex, for
+bitwise comparison with `epoverlap-compare-losses`).
+
+Checkpoints (`checkpoint`): a run built with `resume` continues after the checkpoint's step,
+saves when --save-interval says so and after the last step; its --log-json keeps the records
+up to the checkpoint's step and appends (records of the interrupted run after it are dropped).
 """
 
 from __future__ import annotations
@@ -32,8 +37,12 @@ from epoverlap.profiling.recorder import SpanRecorder
 from epoverlap.schedule.executor import Executor, make_lanes
 from epoverlap.schedule.plan import build_plan, validate_plan
 from epoverlap.schedule.wgrad import WeightGradQueue
+from epoverlap.training.checkpoint import Checkpointer
+from epoverlap.training.checkpoint_files import CheckpointRef
 from epoverlap.training.data import make_data_source
+from epoverlap.training.faults import FaultInjector
 from epoverlap.training.grads import GradBuffers
+from epoverlap.training.numerics import check_finite
 from epoverlap.training.optim import MixedPrecisionAdamW, lr_at
 
 
@@ -57,6 +66,14 @@ class StepResult:
         return record
 
 
+def _record_step(line: str) -> float:
+    """The step of a --log-json line; infinity for a line cut off mid-write."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 def plan_name(cfg: RunConfig) -> str:
     return cfg.overlap.overlap_plan if cfg.overlap.overlap_moe_expert_parallel_comm \
         else "sequential"
@@ -66,7 +83,7 @@ class Trainer:
     """Everything one training run needs, built once from a validated config."""
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, resume: Optional[CheckpointRef] = None):
         self.cfg, self.groups, self.log = cfg, groups, log
         self.device = groups.device
         backend = cfg.resolved_kernel_backend(self.device.type)
@@ -80,14 +97,17 @@ class Trainer:
         overlap = cfg.overlap.overlap_moe_expert_parallel_comm
         self.lanes = make_lanes(self.device, overlap, cfg.overlap.comm_stream_high_priority)
         self.recorder = SpanRecorder(self.device, groups.rank, groups.world_size)
-        self.executor = Executor(self.model.node_specs(), self.lanes, self.wgrad_queue,
-                                 self.recorder)
+        self.faults = FaultInjector(groups.rank)
+        self.executor = Executor(self.faults.wrap_specs(self.model.node_specs()), self.lanes,
+                                 self.wgrad_queue, self.recorder)
         self.plan = build_plan(plan_name(cfg), self.model.layout(), cfg.train.num_microbatches,
                                cfg.overlap.delay_wgrad_compute)
         validate_plan(self.plan, self.model.layout(), cfg.train.num_microbatches,
                       cfg.overlap.delay_wgrad_compute)
         self.data = make_data_source(cfg.data.data, cfg.model.vocab_size, cfg.train.seed)
         self.backend = backend
+        self.checkpointer = Checkpointer(cfg, groups, self.model, self.optimizer, log)
+        self.start_step = self.checkpointer.resume(resume)
 
     def describe(self) -> str:
         cfg, g = self.cfg, self.groups
@@ -151,9 +171,13 @@ class Trainer:
         start = self._sync_time()
         if profiled:
             self.recorder.begin_step(step)
+        self.faults.begin_step(step)
         losses = self.run_microbatches(step)
         if profiled:
             self.recorder.end_step()
+        self.faults.after_backward(self.model)
+        if self.cfg.train.check_for_nan_in_loss_and_grad:
+            check_finite(step, losses, self.model, self.grads, self.groups)
         self.grads.reduce()
         grad_norm = self.grads.clip(self.cfg.train.clip_grad)
         loss, aux, imbalance = self._reduce_stats(losses)
@@ -179,15 +203,21 @@ class Trainer:
 
     def train(self) -> list[StepResult]:
         cfg, results = self.cfg, []
+        if self.start_step >= cfg.train.train_iters:
+            self.log(f"checkpoint step {self.start_step} >= --train-iters="
+                     f"{cfg.train.train_iters}: nothing left to train")
+            return results
         json_file = self._open_json()
         torch_profiler = self._torch_profiler()
         try:
-            for step in range(1, cfg.train.train_iters + 1):
+            for step in range(self.start_step + 1, cfg.train.train_iters + 1):
                 result = self.step(step)
                 results.append(result)
                 if not math.isfinite(result.loss):
                     raise FloatingPointError(f"loss is {result.loss} at step {step}")
                 self._report(result, json_file)
+                if self.checkpointer.due(step):
+                    self.checkpointer.save(step)
                 if torch_profiler is not None:
                     torch_profiler.step()
         finally:
@@ -203,7 +233,12 @@ class Trainer:
         if path is None or not self.groups.is_first():
             return None
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "w")
+        if self.start_step == 0 or not Path(path).exists():
+            return open(path, "w")
+        kept = [line for line in Path(path).read_text().splitlines(keepends=True)
+                if _record_step(line) <= self.start_step]
+        Path(path).write_text("".join(kept))
+        return open(path, "a")
 
     def _report(self, r: StepResult, json_file) -> None:
         if json_file is not None:
@@ -220,8 +255,9 @@ class Trainer:
 
     def _torch_profiler(self):
         window, log = self.cfg.log.profile_range, self.cfg.log
-        if window is None or not log.profile_torch:
+        if window is None or not log.profile_torch or window[1] <= self.start_step:
             return None
+        first = max(window[0], self.start_step + 1)  # a resumed run starts after start_step
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -229,8 +265,8 @@ class Trainer:
         out.parent.mkdir(parents=True, exist_ok=True)
         profiler = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(wait=window[0] - 1, warmup=0,
-                                             active=window[1] - window[0] + 1, repeat=1),
+            schedule=torch.profiler.schedule(wait=first - self.start_step - 1, warmup=0,
+                                             active=window[1] - first + 1, repeat=1),
             on_trace_ready=lambda prof: prof.export_chrome_trace(str(out)))
         profiler.start()
         return profiler
