@@ -149,7 +149,7 @@ class LogConfig:
 
     @property
     def profile_range(self) -> Optional[tuple[int, int]]:
-        if not self.profile_steps:
+        if self.profile_steps is None:
             return None
         start, end = self.profile_steps.split(":")
         return int(start), int(end)
