@@ -1,7 +1,7 @@
 """Fuzz tier. Config: a few hundred random flag combinations from the CLI's own flags, choices
 and edge values; each is accepted or refused with one line naming a flag before any process
-group (no traceback), and samples of the accepted ones run one step in one process, on 2 gloo
-ranks, and through torchrun. Routing: adversarial forced routings under overlap, delayed wgrad
+group (no traceback, also through torchrun), and samples of the accepted ones run one step in
+one process and on 2 gloo ranks. Routing: adversarial forced routings under overlap, delayed wgrad
 and early release equal the sequential reference bit for bit on 2 gloo ranks, without hanging."""
 
 from __future__ import annotations
@@ -125,11 +125,9 @@ def _torchrun(argv: list[str]):
 
 
 @pytest.mark.slow
-def test_config_fuzz_through_torchrun(cases):
-    accepted = _runnable(cases, 2, 1, skip=2 * RUN_SAMPLE)[0]
-    result = _torchrun(accepted + ["--train-iters", "1"])
-    assert result.returncode == 0, (accepted, result.stderr[-3000:])
-    assert "step    1/1" in result.stdout, (accepted, result.stdout)
+def test_config_fuzz_refusal_through_torchrun_is_one_line(cases):
+    """Accepted cases run through torchrun in test_launch/test_restart; here a refused one:
+    every rank refuses, rank 0's line must come out before torchrun stops the others."""
     refused = next((argv, msg) for argv, world, status, msg in cases
                    if status == "refused" and world == 2 and "--data" not in msg)
     result = _torchrun(refused[0])  # torchrun itself exits 1 when a worker fails

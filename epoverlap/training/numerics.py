@@ -22,12 +22,14 @@ from epoverlap.training.grads import GradBuffers
 def _local_problem(losses: Sequence[torch.Tensor], model: nn.Module,
                    grads: GradBuffers) -> Optional[str]:
     """What is non-finite on this rank (checked in this order: loss, then grads), or None."""
-    bad_losses = [mb for mb, loss in enumerate(losses) if not bool(torch.isfinite(loss).all())]
+    flats = [f for f in (grads.dense_flat, grads.expert_flat) if f.numel()]
+    finite = torch.cat([torch.isfinite(torch.stack([loss.float() for loss in losses])),
+                        torch.stack([torch.isfinite(flat).all() for flat in flats])]).tolist()
+    if all(finite):  # the one host sync of a clean step
+        return None
+    bad_losses = [mb for mb, ok in enumerate(finite[:len(losses)]) if not ok]
     if bad_losses:
         return f"NaN/Inf in the loss of microbatch(es) {bad_losses}"
-    flats = [f for f in (grads.dense_flat, grads.expert_flat) if f.numel()]
-    if all(bool(torch.isfinite(flat).all()) for flat in flats):
-        return None
     bad = [name for name, p in model.named_parameters()
            if p.requires_grad and not bool(torch.isfinite(p.main_grad).all())]
     return f"NaN/Inf in the gradient of {bad[0]} (first of {len(bad)} parameter(s))"
