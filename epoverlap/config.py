@@ -29,8 +29,8 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release")
 COMM_MODES = ("real", "local_copy")
-# The allowed values of every flag that takes a name (read by help texts, validation and the
-# config fuzz test, which draws from them).
+# The allowed values of every flag that takes a name, by flag (the help texts and validation use
+# the same tuples; the config fuzz test draws from this table).
 CHOICES: dict[str, tuple[str, ...]] = {
     "--moe-router-score-function": SCORE_FUNCTIONS, "--moe-router-dtype": ROUTER_DTYPES,
     "--kernel-backend": KERNEL_BACKENDS, "--device": DEVICES, "--overlap-plan": OVERLAP_PLANS,
@@ -384,7 +384,7 @@ def _require(ok: bool, field_name: str, value: object, allowed: str) -> None:
 def _validate_finite(cfg: RunConfig) -> None:
     """Every float flag: NaN and infinity are refused (they would only surface mid-training)."""
     sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    for flag, section, name, kind, _ in _FLAGS:
+    for _, section, name, kind, _ in _FLAGS:
         value = getattr(sections[section], name)
         if kind in (float, _opt_float) and value is not None:
             _require(math.isfinite(value), name, value, "must be a finite number")

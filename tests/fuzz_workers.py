@@ -36,7 +36,7 @@ EP2_OVERLAP = ["--expert-model-parallel-size", "2", "--overlap-moe-expert-parall
 # Flags whose values are not numbers or names: paths, step ranges, layer lists.
 _FREE_FORM = {
     "--data": lambda p: ["synthetic", "stdlib", str(p / "small.txt"), str(p / "text.txt"),
-                         str(p), str(p / "missing")],
+                         str(p), str(p / "empty"), str(p / "missing")],
     "--log-json": lambda p: [str(p / "log.jsonl"), str(p)],
     "--profile-steps": lambda p: ["1:1", "1:3", "2:1", "0:1", "x", ""],
     "--profile-dir": lambda p: [str(p / "spans"), str(p / "small.txt")],

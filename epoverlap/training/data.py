@@ -20,6 +20,8 @@ from typing import Union
 import numpy as np
 import torch
 
+from epoverlap.errors import ConfigError
+
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".cfg", ".toml", ".yaml",
                  ".html", ".csv", ".tex", ".sh"}
 MAX_BYTES = 64 << 20
@@ -54,12 +56,12 @@ class TextData:
         self.description = f"{'Python stdlib sources ' if str(source) == 'stdlib' else ''}" \
                            f"{path} ({len(raw) / 1e6:.1f} MB)"
         self.tokens = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
-        self.seed = seed
+        self.seed, self.source = seed, str(source)
 
     def batch(self, step: int, rank: int, microbatch: int, batch: int, seq: int):
-        if self.tokens.numel() < seq + 2:
-            raise ValueError(f"--data has {self.tokens.numel()} bytes, fewer than "
-                             f"--seq-length + 2 = {seq + 2}")
+        if self.tokens.numel() < seq + 2:  # a folder with too little text (files: validation)
+            raise ConfigError("--data", self.source, f"has {self.tokens.numel()} bytes of text, "
+                              f"fewer than --seq-length + 2 = {seq + 2}")
         gen = torch.Generator().manual_seed(_batch_seed(self.seed, step, rank, microbatch))
         starts = torch.randint(0, self.tokens.numel() - seq - 1, (batch,), generator=gen)
         windows = torch.stack([self.tokens[s:s + seq + 1] for s in starts.tolist()])
