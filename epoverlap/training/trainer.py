@@ -10,6 +10,12 @@ step (the loss also as float.hex, for bitwise comparison with `epoverlap-compare
 and with --tensorboard-dir the same scalars as TensorBoard events (`training.tensorboard`).
 Steps with recorded spans (--profile-steps) also report the first rank's comm, exposed comm
 and overlap ratio (`profiling.overlap`).
+With --check-for-nan-in-loss-and-grad the local losses and grads are checked before the
+reduction (`numerics`).
+
+Checkpoints (`checkpoint`): a run built with `resume` continues after the checkpoint's step,
+saves when --save-interval says so and after the last step; its --log-json keeps the records
+up to the checkpoint's step and appends (records of the interrupted run after it are dropped).
 """
 
 from __future__ import annotations
@@ -38,9 +44,13 @@ from epoverlap.profiling.recorder import SpanRecorder
 from epoverlap.schedule.executor import Executor, make_lanes
 from epoverlap.schedule.plan import build_plan, validate_plan
 from epoverlap.schedule.wgrad import WeightGradQueue
+from epoverlap.training.checkpoint import Checkpointer
+from epoverlap.training.checkpoint_files import CheckpointRef
 from epoverlap.training.compile_watch import CompileWatch
 from epoverlap.training.data import open_data_source
+from epoverlap.training.faults import FaultInjector
 from epoverlap.training.grads import GradBuffers
+from epoverlap.training.numerics import check_finite
 from epoverlap.training.optim import MixedPrecisionAdamW, lr_at
 from epoverlap.training.tensorboard import TensorBoardLog
 
@@ -92,6 +102,14 @@ def format_duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+def _record_step(line: str) -> float:
+    """The step of a --log-json line; infinity for a line cut off mid-write."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 def plan_name(cfg: RunConfig) -> str:
     return cfg.overlap.overlap_plan if cfg.overlap.overlap_moe_expert_parallel_comm \
         else "sequential"
@@ -101,7 +119,8 @@ class Trainer:
     """Everything one training run needs, built once from a validated config."""
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups,
-                 log: Callable[[str], None] = print, data=None):
+                 log: Callable[[str], None] = print, data=None,
+                 resume: Optional[CheckpointRef] = None):
         """`data`: a source from `open_data_source` (opened here when None); the model's
         vocabulary is the source's."""
         cfg = cfg.for_world(groups.world_size)
@@ -120,10 +139,12 @@ class Trainer:
         overlap = cfg.overlap.overlap_moe_expert_parallel_comm
         self.lanes = make_lanes(self.device, overlap, cfg.overlap.comm_stream_high_priority)
         self.recorder = SpanRecorder(self.device, groups.rank, groups.world_size)
+        self.faults = FaultInjector(groups.rank)
         self.graphs = self._graph_runner()
-        self.executor = Executor(self.model.node_specs(), self.lanes, self.wgrad_queue,
-                                 self.recorder, **({"run_factory": self.graphs}
-                                                   if self.graphs is not None else {}))
+        self.executor = Executor(self.faults.wrap_specs(self.model.node_specs()), self.lanes,
+                                 self.wgrad_queue, self.recorder,
+                                 **({"run_factory": self.graphs} if self.graphs is not None
+                                    else {}))
         self.plan = build_plan(plan_name(cfg), self.model.layout(), cfg.train.num_microbatches,
                                cfg.overlap.delay_wgrad_compute)
         validate_plan(self.plan, self.model.layout(), cfg.train.num_microbatches,
@@ -132,24 +153,30 @@ class Trainer:
         self.compile_watch = CompileWatch(cfg.cuda_graph.warmup_steps, groups.rank,
                                           warn=_warn_every_rank)
         self._imbalanced_steps = 0
+        self.checkpointer = Checkpointer(cfg, groups, self.model, self.optimizer, log)
+        self.start_step = self.checkpointer.resume(resume)
 
     def _graph_runner(self) -> Optional[GraphRunner]:
         graph_cfg = self.cfg.cuda_graph
         if graph_cfg.impl != "local":
             return None
-        generators = [r.balancing_generator for r in self.model.routers()
-                      if r.balancing_generator is not None]
+        generators = [r.balancing_rng for r in self.model.routers()
+                      if r.balancing_rng is not None]
         return GraphRunner(self.model.node_specs(), graphed_modules(graph_cfg.modules),
                            device=self.device, queue=self.wgrad_queue, generators=generators,
                            check_inputs=graph_cfg.check_inputs)
 
+    def _is_last_warmup_step(self, step: int) -> bool:
+        """Warmup counts from the first step this run makes (a resumed run warms up again)."""
+        return step - self.start_step == self.cfg.cuda_graph.warmup_steps
+
     def _before_step(self, step: int) -> None:
         """The last warmup step records what each graph reads and writes."""
-        if self.graphs is not None and step == self.cfg.cuda_graph.warmup_steps:
+        if self.graphs is not None and self._is_last_warmup_step(step):
             self.graphs.recording = True
 
     def _after_step(self, step: int) -> None:
-        if self.graphs is None or step != self.cfg.cuda_graph.warmup_steps:
+        if self.graphs is None or not self._is_last_warmup_step(step):
             return
         self.graphs.recording = False
         self.graphs.capture(self.plan)
@@ -220,8 +247,12 @@ class Trainer:
         start = self._sync_time()
         if profiled:
             self.recorder.begin_step(step)
+        self.faults.begin_step(step)
         losses = self.run_microbatches(step)
         spans = self.recorder.end_step() if profiled else None
+        self.faults.after_backward(self.model)
+        if self.cfg.train.check_for_nan_in_loss_and_grad:
+            check_finite(step, losses, self.model, self.grads, self.groups)
         self.grads.reduce()
         grad_norm = self.grads.clip(self.cfg.train.clip_grad)
         loss, aux, imbalance = self._reduce_stats(losses)
@@ -256,20 +287,26 @@ class Trainer:
 
     def train(self) -> list[StepResult]:
         cfg, results = self.cfg, []
+        if self.start_step >= cfg.train.train_iters:
+            self.log(f"checkpoint step {self.start_step} >= --train-iters="
+                     f"{cfg.train.train_iters}: nothing left to train")
+            return results
         json_file = self._open_json()
         tensorboard = self._open_tensorboard()
         torch_profiler = self._torch_profiler()
         try:
-            for step in range(1, cfg.train.train_iters + 1):
+            for step in range(self.start_step + 1, cfg.train.train_iters + 1):
                 self._before_step(step)
                 result = self.step(step)
                 self._after_step(step)
-                self.compile_watch.after_step(step)
+                self.compile_watch.after_step(step - self.start_step)
                 result.triton_variants = self.compile_watch.total()
                 results.append(result)
                 if not math.isfinite(result.loss):
                     raise FloatingPointError(f"loss is {result.loss} at step {step}")
                 self._report(result, json_file, tensorboard, results)
+                if self.checkpointer.due(step):
+                    self.checkpointer.save(step)
                 if torch_profiler is not None:
                     torch_profiler.step()
         finally:
@@ -308,7 +345,12 @@ class Trainer:
         if path is None or not self.groups.is_first():
             return None
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "w")
+        if self.start_step == 0 or not Path(path).exists():
+            return open(path, "w")
+        kept = [line for line in Path(path).read_text().splitlines(keepends=True)
+                if _record_step(line) <= self.start_step]
+        Path(path).write_text("".join(kept))
+        return open(path, "a")
 
     def _report(self, r: StepResult, json_file, tensorboard, results: list[StepResult]) -> None:
         record = r.to_json()
@@ -353,8 +395,9 @@ class Trainer:
 
     def _torch_profiler(self):
         window, log = self.cfg.log.profile_range, self.cfg.log
-        if window is None or not log.use_pytorch_profiler:
+        if window is None or not log.use_pytorch_profiler or window[1] <= self.start_step:
             return None
+        first = max(window[0], self.start_step + 1)  # a resumed run starts after start_step
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -362,8 +405,8 @@ class Trainer:
         out.parent.mkdir(parents=True, exist_ok=True)
         profiler = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(wait=window[0] - 1, warmup=0,
-                                             active=window[1] - window[0] + 1, repeat=1),
+            schedule=torch.profiler.schedule(wait=first - self.start_step - 1, warmup=0,
+                                             active=window[1] - first + 1, repeat=1),
             on_trace_ready=lambda prof: prof.export_chrome_trace(str(out)))
         profiler.start()
         return profiler
