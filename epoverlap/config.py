@@ -26,6 +26,7 @@ from epoverlap.graphs.config import (CUDA_GRAPH_IMPLS, CUDA_GRAPH_MODULES, INFER
                                      CudaGraphConfig, add_cuda_graph_args,
                                      cuda_graph_config_from_args, validate_cuda_graph_config)
 
+MAX_LAYERS = 4096
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
@@ -542,6 +543,8 @@ def _validate_model(m: ModelConfig) -> None:
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                  "vocab_size"):
         _require(getattr(m, name) >= 1, name, getattr(m, name), "must be >= 1")
+    # layer lists are built per layer from here on: an absurd count is refused, not allocated
+    _require(m.num_layers <= MAX_LAYERS, "num_layers", m.num_layers, f"must be <= {MAX_LAYERS}")
     _require(m.seq_length >= 2, "seq_length", m.seq_length, "must be >= 2")
     _require(m.hidden_size % m.num_attention_heads == 0, "num_attention_heads",
              m.num_attention_heads, f"must divide --hidden-size={m.hidden_size}")

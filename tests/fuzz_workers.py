@@ -120,10 +120,10 @@ def run_one_step(argv: list[str], world_size: int, groups_of: Callable[[int], ob
     """Run `argv` for one step (it was accepted); "ok", or a refusal's one line, or the
     traceback of anything else (a failure). `groups_of(ep)`: the groups of that EP size."""
     try:
-        cfg, resume, data = checked_config(argv + ["--train-iters", "1"], world_size,
-                                           cuda_available=False)
+        cfg, resume = checked_config(argv + ["--train-iters", "1"], world_size,
+                                     cuda_available=False)
         trainer = Trainer(cfg, groups_of(cfg.parallel.expert_model_parallel_size),
-                          log=lambda msg: None, data=data, resume=resume)
+                          log=lambda msg: None, resume=resume)
         try:
             trainer.train()
         finally:

@@ -77,23 +77,25 @@ def _fail(error: Exception, status: int, rank_zero: bool, warn: Callable[[str], 
 
 
 def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: bool,
-                   warn: Callable[[str], None] = lambda msg: None):
-    """Everything decided before any process group: flags, their rules, the data files, what
-    --load resumes from. -> (config for this world, checkpoint to resume or None, data source).
-    Raises ConfigError (one line naming a flag, a data file or a checkpoint file)."""
+                   warn: Callable[[str], None] = lambda msg: None
+                   ) -> tuple[RunConfig, Optional[CheckpointRef]]:
+    """The decisions made from flags before any process group: their rules, what --load
+    resumes from. -> (config for this world, checkpoint to resume or None). Raises ConfigError
+    (one line naming a flag or a checkpoint file). The data files are checked next, by
+    `open_data_source`, also before any process group."""
     cfg = parse_config(argv, warn=warn)
     validate_config(cfg, world_size, cuda_available)
     cfg = cfg.for_world(world_size)
-    data = open_data_source(cfg, world_size)
-    return cfg, find_resume_checkpoint(cfg.checkpoint.load, cfg.checkpoint.save), data
+    return cfg, find_resume_checkpoint(cfg.checkpoint.load, cfg.checkpoint.save)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     rank_zero = os.environ.get("RANK", "0") == "0"
     warn = _printer(rank_zero, sys.stderr)
     try:
-        cfg, resume, data = checked_config(argv, world_size_from_env(), torch.cuda.is_available(),
-                                           lambda msg: warn(f"epoverlap-train: warning: {msg}"))
+        cfg, resume = checked_config(argv, world_size_from_env(), torch.cuda.is_available(),
+                                     lambda msg: warn(f"epoverlap-train: warning: {msg}"))
+        data = open_data_source(cfg, world_size_from_env())  # files, before any group
     except ConfigError as error:
         return _fail(error, 2, rank_zero, warn)
     if cfg.checkpoint.load is not None and resume is None:
