@@ -47,6 +47,8 @@ limited top-k (a group's score is the sum of its best k / group_topk expert scor
 probs renormalized over the chosen k (k > 1) plus 1e-20, the Switch aux loss
 E * coeff * sum_e f_e P_e (f_e = tokens routed to e / (k T), P_e = mean score of e), the z-loss
 coeff * mean_t logsumexp_t^2, token-mean cross-entropy.
+Not modelled: --moe-router-force-load-balancing (a benchmark mode: random logits), the
+per-step expert-bias update (it happens after the grads; the reference reads the bias buffer).
 
 Shape legend: B sequences, S sequence length, T = B * S tokens, H hidden, V vocab, Q query
 heads, G key/value heads, D head dim, E experts, K top-k, N groups, F ffn width.
@@ -107,7 +109,7 @@ def rms_norm(x_TH, weight_H, eps):
     return x_TH / torch.sqrt((x_TH * x_TH).mean(dim=-1, keepdim=True) + eps) * weight_H
 
 
-def rotate_half_pairs(x_BSXD, base):
+def rotary_neox(x_BSXD, base):
     """NeoX rotary on the last dim of x [B, S, heads, D] by position s."""
     seq, dim = x_BSXD.shape[1], x_BSXD.shape[-1]
     half = dim // 2
@@ -126,8 +128,8 @@ def causal_gqa_attention(x_TH, qkv_W, proj_W, hyper: ReferenceHyper, batch: int,
     k_BSGD = proj_TX[:, q_heads * dim:(q_heads + kv_heads) * dim].reshape(batch, seq, kv_heads,
                                                                            dim)
     v_BSGD = proj_TX[:, (q_heads + kv_heads) * dim:].reshape(batch, seq, kv_heads, dim)
-    q_BSQD = rotate_half_pairs(q_BSQD, hyper.rotary_base)
-    k_BSGD = rotate_half_pairs(k_BSGD, hyper.rotary_base)
+    q_BSQD = rotary_neox(q_BSQD, hyper.rotary_base)
+    k_BSGD = rotary_neox(k_BSGD, hyper.rotary_base)
     kv_of_head = torch.arange(q_heads) // (q_heads // kv_heads)
     k_BSQD, v_BSQD = k_BSGD[:, :, kv_of_head], v_BSGD[:, :, kv_of_head]
     scores_BQSS = torch.einsum("bihd,bjhd->bhij", q_BSQD, k_BSQD) / math.sqrt(dim)
