@@ -126,3 +126,25 @@ def extreme_routing_training(rank, world_size, ep, flags):
             trainer.close()
     finally:
         destroy_distributed()
+
+
+def reduced_grads_for_reference(rank, world_size, ep, argv):
+    """One step's microbatches, parameters, loss per microbatch and reduced `main_grad`s of this
+    rank (test_reference_model compares them with a float64 reference of the whole world)."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=3)
+    try:
+        trainer = Trainer(_trainer(ep, argv), groups, log=lambda msg: None)
+        try:
+            inputs = trainer.microbatches(step=1)
+            losses = trainer.run_microbatches(step=1, inputs=inputs)
+            trainer.grads.reduce()
+            named = dict(trainer.model.named_parameters())
+            return {"inputs": inputs, "losses": [float(loss) for loss in losses],
+                    "params": {n: p.detach().clone() for n, p in named.items()},
+                    "grads": {n: p.main_grad.clone() for n, p in named.items()},
+                    "expert_names": sorted(n for n, p in named.items()
+                                           if getattr(p, "is_expert", False))}
+        finally:
+            trainer.close()
+    finally:
+        destroy_distributed()
