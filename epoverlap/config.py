@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import tempfile
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 from epoverlap.graphs.config import (CudaGraphConfig, add_cuda_graph_args,
                                 cuda_graph_config_from_args, validate_cuda_graph_config)
-from epoverlap.errors import ConfigError
+from epoverlap.errors import ConfigError, alias_conflict, deprecation_note
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
@@ -27,6 +29,7 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release")
 COMM_MODES = ("real", "local_copy")
+MIN_TIMEOUT_MINUTES = 0.05
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -79,7 +82,7 @@ class MoEConfig:
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     expert_model_parallel_size: int = 1
-    dist_timeout_minutes: float = 10.0
+    distributed_timeout_minutes: float = 10.0
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -259,9 +262,12 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
      "first k layers dense"),
     ("--moe-router-force-load-balancing", "moe", "moe_router_force_load_balancing", bool,
      "benchmark only: random router logits (balanced routing)"),
-    ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", int, "EP size"),
-    ("--dist-timeout-minutes", "parallel", "dist_timeout_minutes", float,
-     "collective timeout"),
+    ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", int,
+     "EP size: experts are sharded over EP ranks and replicated over world/EP (EDP) ranks; "
+     "dense layers are data-parallel over the whole world"),
+    ("--distributed-timeout-minutes", "parallel", "distributed_timeout_minutes", float,
+     "collective timeout of every process group: a peer rank that does not answer for this "
+     "long ends the job, naming it (fractions allowed, >= 0.05)"),
     ("--micro-batch-size", "train", "micro_batch_size", int, "sequences per microbatch"),
     ("--num-microbatches", "train", "num_microbatches", int, "microbatches per step"),
     ("--train-iters", "train", "train_iters", int, "optimizer steps"),
@@ -296,6 +302,15 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--profile-torch", "log", "profile_torch", bool, "also capture torch.profiler traces"),
 ]
 _FLAG_OF_FIELD = {name: flag for flag, _, name, _, _ in _FLAGS}
+_SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig,
+             "train": TrainConfig, "overlap": OverlapConfig, "kernels": KernelConfig,
+             "data": DataConfig, "log": LogConfig}
+# Flags renamed to Megatron-core's spelling: (old flag, field). The old spelling stays a
+# deprecated alias, migrated as the CUDA-graph forms are (errors.deprecation_note/alias_conflict).
+RENAMED_FLAGS: tuple[tuple[str, str], ...] = (
+    ("--dist-timeout-minutes", "distributed_timeout_minutes"),
+)
+USAGE = "%(prog)s [--preset NAME] [FLAG VALUE ...]   (--help lists every flag)"
 
 
 def flag_of(field_name: str) -> str:
@@ -303,42 +318,113 @@ def flag_of(field_name: str) -> str:
     return _FLAG_OF_FIELD.get(field_name, "--" + field_name.replace("_", "-"))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="epoverlap-train",
-        description="Train an MoE language model with expert parallelism (and EP overlap).")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="named model/run sizes; explicit flags override")
-    for flag, _, name, kind, help_text in _FLAGS:
+class CliParser(argparse.ArgumentParser):
+    """argparse without prefix matching (`--train 1` is an error, as in Megatron-core); with
+    `printing` False (every rank but the first of a node) usage, help and errors stay silent
+    while the exit status is the same, so a torchrun job prints one usage block, not one per
+    rank."""
+
+    def __init__(self, *args, printing: bool = True, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.printing = printing
+
+    def print_usage(self, file=None) -> None:
+        if self.printing:
+            super().print_usage(file)
+
+    def print_help(self, file=None) -> None:
+        if self.printing:
+            super().print_help(file)
+
+    def exit(self, status=0, message=None):
+        super().exit(status, message if self.printing else None)
+
+
+def _default_text(section: str, name: str, kind) -> str:
+    if kind is bool:
+        return "off unless given"
+    default = {f.name: f.default for f in dataclasses.fields(_SECTIONS[section])}[name]
+    return "none" if default is None else str(default)
+
+
+def presets_help() -> str:
+    """What each preset sets, as flags (the --help epilog)."""
+    lines = ["presets (--preset NAME sets these; flags given explicitly win):"]
+    for name in sorted(PRESETS):
+        flags = " ".join(flag_of(key) if value is True else f"{flag_of(key)} {value}"
+                         for key, value in PRESETS[name].items())
+        lines += textwrap.wrap(flags, width=96, initial_indent=f"  {name:<14}",
+                               subsequent_indent=" " * 16)
+    return "\n".join(lines)
+
+
+def build_parser(prog: str = "epoverlap-train", printing: bool = True) -> CliParser:
+    parser = CliParser(
+        prog=prog, usage=USAGE, printing=printing, epilog=presets_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train an MoE language model with expert parallelism (and EP overlap). "
+                    "Defaults below are those without --preset.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, metavar="NAME",
+                        help=f"one of {', '.join(sorted(PRESETS))}: named model/run sizes "
+                             "(what each sets: the list at the end); explicit flags win")
+    for flag, section, name, kind, help_text in _FLAGS:
+        help_text = f"{help_text} (default: {_default_text(section, name, kind)})"
         if kind is bool:
             parser.add_argument(flag, dest=name, action="store_true", default=None,
                                 help=help_text)
         else:
             parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
+    for old, name in RENAMED_FLAGS:
+        kind = next(k for f, _, n, k, _ in _FLAGS if n == name)
+        parser.add_argument(old, dest=_old_dest(old), type=kind, default=None,
+                            help=f"deprecated: use {flag_of(name)}")
     add_cuda_graph_args(parser)
     return parser
 
 
+def _old_dest(old_flag: str) -> str:
+    return "deprecated_" + old_flag[2:].replace("-", "_")
+
+
+def _migrate_renamed(args: argparse.Namespace, explicit: dict, notes: list[str]) -> None:
+    """Fold the deprecated spellings of RENAMED_FLAGS into `explicit` (field -> value)."""
+    for old, name in RENAMED_FLAGS:
+        old_value = getattr(args, _old_dest(old), None)
+        if old_value is None:
+            continue
+        new = flag_of(name)
+        if name in explicit and explicit[name] != old_value:
+            raise alias_conflict(old, old_value, new, f"{new} {explicit[name]}")
+        notes.append(deprecation_note(old, new))
+        explicit[name] = old_value
+
+
 def config_from_args(args: argparse.Namespace,
                      warn: Callable[[str], None] = lambda msg: None) -> RunConfig:
-    """Defaults <- preset <- explicit flags. No validation here (see validate_config)."""
+    """Defaults <- preset <- explicit flags. No validation here (see validate_config).
+
+    Deprecation notes go to `warn` (one line each) once the whole command line is parsed."""
+    notes: list[str] = []
+    explicit = {name: getattr(args, name) for _, _, name, _, _ in _FLAGS
+                if getattr(args, name) is not None}
+    _migrate_renamed(args, explicit, notes)
     values = dict(PRESETS[args.preset]) if args.preset else {}
-    values.update({name: getattr(args, name) for _, _, name, _, _ in _FLAGS
-                   if getattr(args, name) is not None})
+    values.update(explicit)
     sections: dict[str, dict] = {}
     for _, section, name, _, _ in _FLAGS:
         if name in values:
             sections.setdefault(section, {})[name] = values[name]
-    classes = {"model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig,
-               "train": TrainConfig, "overlap": OverlapConfig, "kernels": KernelConfig,
-               "data": DataConfig, "log": LogConfig}
-    built = {section: cls(**sections.get(section, {})) for section, cls in classes.items()}
-    return RunConfig(**built, cuda_graph=cuda_graph_config_from_args(args, warn))
+    built = {section: cls(**sections.get(section, {})) for section, cls in _SECTIONS.items()}
+    config = RunConfig(**built, cuda_graph=cuda_graph_config_from_args(args, notes.append))
+    for note in notes:
+        warn(note)
+    return config
 
 
 def parse_config(argv: Optional[list[str]] = None,
-                 warn: Callable[[str], None] = lambda msg: None) -> RunConfig:
-    return config_from_args(build_parser().parse_args(argv), warn)
+                 warn: Callable[[str], None] = lambda msg: None,
+                 printing: bool = True) -> RunConfig:
+    return config_from_args(build_parser(printing=printing).parse_args(argv), warn)
 
 
 # --------------------------------------------------------------------------- validation
@@ -460,23 +546,27 @@ def _validate_kernels_data_log(cfg: RunConfig, cuda_available: bool) -> None:
     backend = cfg.kernels.kernel_backend
     _require(backend in KERNEL_BACKENDS, "kernel_backend", backend,
              f"allowed: {', '.join(KERNEL_BACKENDS)}")
-    if cfg.resolved_kernel_backend(cfg.resolved_device(cuda_available)) == "triton":
+    device = cfg.resolved_device(cuda_available)
+    if cfg.resolved_kernel_backend(device) == "triton":
         from epoverlap_kernels import triton_unavailable_reason
-        reason = triton_unavailable_reason() if cfg.resolved_device(cuda_available) == "cpu" \
-            else None
+        reason = triton_unavailable_reason()
         _require(reason is None, "kernel_backend", backend, reason or "")
     data = cfg.data.data
     if data not in ("stdlib", "synthetic"):
         _require(Path(data).exists(), "data", data,
                  "no such file or folder (or use 'stdlib' / 'synthetic')")
     _require(cfg.log.log_interval >= 1, "log_interval", cfg.log.log_interval, "must be >= 1")
-    _validate_profile(cfg.log)
+    _validate_profile(cfg.log, device)
+    if cfg.log.log_json is not None:
+        _require_writable("log_json", cfg.log.log_json, directory=False)
 
 
-def _validate_profile(log: LogConfig) -> None:
+def _validate_profile(log: LogConfig, device: str) -> None:
     if log.profile_steps is None:
         _require(log.profile_dir is None, "profile_dir", log.profile_dir,
                  "needs --profile-steps START:END")
+        _require(not log.profile_torch, "profile_torch", True,
+                 "needs --profile-steps START:END (the steps to trace)")
         return
     try:
         start, end = log.profile_range
@@ -487,6 +577,32 @@ def _validate_profile(log: LogConfig) -> None:
              "needs 1 <= START <= END (steps count from 1)")
     _require(log.profile_dir is not None, "profile_steps", log.profile_steps,
              "needs --profile-dir DIR")
+    _require_writable("profile_dir", log.profile_dir, directory=True)
+    _require(not log.profile_torch or device == "cuda", "profile_torch", True,
+             "needs a CUDA device: its traces are read for GPU kernels (epoverlap-timeline "
+             "--torch-trace); on CPU the span files of --profile-steps show both lanes")
+
+
+def _require_writable(field_name: str, path_text: str, directory: bool) -> None:
+    """`path_text` is (or can be made) a directory we can write in, or a file we can write.
+
+    Nothing is created: the nearest existing folder must take a new file (tried with a
+    temporary file, so root, read-only mounts and /proc are judged as the run would be)."""
+    path = Path(path_text)
+    if path.exists() and path.is_dir() != directory:
+        _require(False, field_name, path_text, "is a folder; give a file path" if not directory
+                 else "is a file; give a folder (created if missing)")
+    folder = path if directory else path.parent
+    nearest = folder
+    while not nearest.exists():
+        nearest = nearest.parent
+    _require(nearest.is_dir(), field_name, path_text, f"{nearest} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=nearest):
+            pass
+    except OSError as error:
+        raise ConfigError(flag_of(field_name), path_text,
+                          f"cannot create a file in {nearest} ({error.strerror})") from None
 
 
 def _validate_cuda_graphs(cfg: RunConfig) -> None:
@@ -507,6 +623,10 @@ def _validate_cuda_graphs(cfg: RunConfig) -> None:
 def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> None:
     """Check every rule; raise ConfigError naming the flag. Touches no process group."""
     _validate_model(cfg.model)
+    timeout = cfg.parallel.distributed_timeout_minutes
+    _require(timeout >= MIN_TIMEOUT_MINUTES, "distributed_timeout_minutes", timeout,
+             f"must be >= {MIN_TIMEOUT_MINUTES} (3 s): the liveness checks need a few "
+             "heartbeats within it")
     _validate_moe(cfg, world_size)
     _validate_train(cfg.train, cuda_available)
     _validate_overlap(cfg)

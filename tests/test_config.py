@@ -139,7 +139,7 @@ def test_cli_flag_list_is_frozen():
         "--moe-router-bias-update-rate", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
         "--moe-router-dtype", "--moe-layer-freq", "--moe-first-k-dense-replace",
         "--moe-router-force-load-balancing", "--expert-model-parallel-size",
-        "--dist-timeout-minutes", "--micro-batch-size", "--num-microbatches", "--train-iters",
+        "--distributed-timeout-minutes", "--dist-timeout-minutes", "--micro-batch-size", "--num-microbatches", "--train-iters",
         "--lr", "--min-lr", "--lr-warmup-iters", "--weight-decay", "--adam-beta1",
         "--adam-beta2", "--adam-eps", "--clip-grad", "--seed", "--bf16", "--deterministic",
         "--device", "--skip-optimizer-step", "--overlap-moe-expert-parallel-comm",

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 QUICK = ["--preset", "tiny", "--hidden-size", "64", "--seq-length", "64",
          "--num-microbatches", "2", "--train-iters", "12", "--lr-warmup-iters", "2",
-         "--dist-timeout-minutes", "3"]
+         "--distributed-timeout-minutes", "3"]
 
 
 def _env():
@@ -58,7 +58,7 @@ def test_launcher_defaults_pass_through_user_flags():
                     "--preset", "small", "--train-iters", "3"]
     assert default_train_args(1, True, []) == ["--preset", "tiny",
                                                "--expert-model-parallel-size", "1", "--bf16"]
-    assert split_nproc(["--nproc", "4", "--bf16"]) == (4, ["--bf16"])
+    assert split_nproc(["--nproc", "4", "--bf16"]) == ("4", ["--bf16"])
 
 
 def test_two_node_launch_on_one_machine_runs_to_the_end(tmp_path):

@@ -354,7 +354,7 @@ def main(argv=None) -> int:
             result["derived"] = derived(result)
             all_results.append(result)
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
     if groups.rank == 0:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
         Path(args.out_dir, "bench_overlap.json").write_text(json.dumps(

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                                                log_dir / f"{mode}.jsonl"))
                    for mode, flags in MODES.items()}
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
     if groups.rank != 0:
         return 0
     return _report(digests, log_dir, args, world, ep)

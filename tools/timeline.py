@@ -2,8 +2,8 @@
 
 This module owns everything that reads span files (epoverlap/profiling/spans.py, docs/span-format.md) or
 torch.profiler Chrome traces and turns them into overlap figures:
-  - interval math: pure functions on lists of (start, end) intervals (union, intersect,
-    subtract, measure, gaps);
+  - interval math (union, intersect, subtract, measure, gaps) comes from
+    epoverlap/profiling/intervals.py;
   - metrics: per rank and step, per layer, mean over steps, and per torch trace (by kernel);
   - a merged Chrome/Perfetto trace (timeline_trace.json), a PNG Gantt chart (timeline.png),
     a printed summary and timeline_summary.json, all written to --out-dir (default DIR).
@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from epoverlap.profiling.intervals import (Interval, gaps, intersect, measure, subtract,  # noqa: F401
+                                           union)
 from epoverlap.profiling.spans import RankSpans, Span, SpanFileError, StepSpans, read_span_directory
-
-Interval = tuple[float, float]
 
 TRACE_FILE = "timeline_trace.json"
 PNG_FILE = "timeline.png"
@@ -74,66 +74,6 @@ DEFINITIONS = {
 
 class InputError(ValueError):
     """Bad input for the tool (bad torch trace, unknown step, ...); the message names the file."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Interval math: lists of (start, end) pairs; results are sorted, disjoint, non-touching and of
-# positive length ("normalized").
-# ----------------------------------------------------------------------------------------------
-
-
-def union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Merge overlapping or touching intervals; zero-length intervals vanish."""
-    merged: list[Interval] = []
-    for start, end in sorted((s, e) for s, e in intervals if e > s):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """The points covered by both a and b."""
-    left, right = union(a), union(b)
-    out: list[Interval] = []
-    i = j = 0
-    while i < len(left) and j < len(right):
-        start, end = max(left[i][0], right[j][0]), min(left[i][1], right[j][1])
-        if end > start:
-            out.append((start, end))
-        if left[i][1] < right[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """The points covered by a and not by b."""
-    cut = union(b)
-    out: list[Interval] = []
-    for start, end in union(a):
-        cursor = start
-        for cut_start, cut_end in cut:
-            if cut_end <= cursor or cut_start >= end:
-                continue
-            if cut_start > cursor:
-                out.append((cursor, cut_start))
-            cursor = max(cursor, cut_end)
-        if cursor < end:
-            out.append((cursor, end))
-    return out
-
-
-def measure(intervals: Iterable[Interval]) -> float:
-    """Total length covered (overlaps counted once)."""
-    return sum(end - start for start, end in union(intervals))
-
-
-def gaps(intervals: Iterable[Interval], start: float, end: float) -> list[Interval]:
-    """The pieces of [start, end] covered by none of `intervals`."""
-    return subtract([(start, end)], intervals)
 
 
 # ----------------------------------------------------------------------------------------------

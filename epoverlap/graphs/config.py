@@ -38,7 +38,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from epoverlap.errors import ConfigError
+from epoverlap.errors import ConfigError, alias_conflict, deprecation_note
 
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
@@ -208,10 +208,9 @@ def _resolve_impl(args: argparse.Namespace, old_value: Optional[DeprecatedScopeV
     if old_value is None:
         return base.impl if base else "none"
     if base is not None and base.impl not in old_value.compatible_impls:
-        raise ConfigError("--cuda-graph-scope", old_value.value,
-                          f"deprecated alias of {old_value.new_flags()}, which conflicts with "
-                          f"{base.flags}; drop --cuda-graph-scope")
-    notes.append(f"deprecated: --cuda-graph-scope {old_value.value} -> {old_value.new_flags()}")
+        raise alias_conflict("--cuda-graph-scope", old_value.value, old_value.new_flags(),
+                             base.flags)
+    notes.append(deprecation_note(f"--cuda-graph-scope {old_value.value}", old_value.new_flags()))
     return old_value.impl
 
 
@@ -228,9 +227,9 @@ def _impl_from_impl_flags(args: argparse.Namespace, notes: list[str]) -> Optiona
         return _ImplSource(explicit, f"--cuda-graph-impl {explicit}") if explicit else None
     flag, impl = old[0]
     if explicit is not None and explicit != impl:
-        raise ConfigError(flag, True, f"deprecated alias of --cuda-graph-impl {impl}, which "
-                          f"conflicts with --cuda-graph-impl {explicit}; drop {flag}")
-    notes.append(f"deprecated: {flag} -> --cuda-graph-impl {impl}")
+        raise alias_conflict(flag, True, f"--cuda-graph-impl {impl}",
+                             f"--cuda-graph-impl {explicit}")
+    notes.append(deprecation_note(flag, f"--cuda-graph-impl {impl}"))
     return _ImplSource(impl, flag)
 
 
@@ -241,12 +240,11 @@ def _resolve_modules(raw_new: Optional[Sequence[str]], old_scope: _OldScope,
         return new if new is not None else ()
     old = old_scope.modules
     if new is not None and set(new) != set(old):
-        raise ConfigError("--cuda-graph-scope", old_scope.typed_modules,
-                          f"deprecated alias of --cuda-graph-modules {' '.join(old)}, which "
-                          f"conflicts with --cuda-graph-modules {' '.join(new) or '(empty)'}; "
-                          "drop --cuda-graph-scope")
-    notes.append(f"deprecated: --cuda-graph-scope {' '.join(old_scope.typed_modules)} -> "
-                 f"--cuda-graph-modules {' '.join(old)}")
+        raise alias_conflict("--cuda-graph-scope", old_scope.typed_modules,
+                             f"--cuda-graph-modules {' '.join(old)}",
+                             f"--cuda-graph-modules {' '.join(new) or '(empty)'}")
+    notes.append(deprecation_note(f"--cuda-graph-scope {' '.join(old_scope.typed_modules)}",
+                                  f"--cuda-graph-modules {' '.join(old)}"))
     return new if new is not None else old
 
 
@@ -264,9 +262,8 @@ def _resolve_inference_scope(explicit: Optional[str], old_value: Optional[Deprec
     implied = old_value.inference_scope if old_value else None
     if implied is not None:
         if explicit not in (None, implied):
-            raise ConfigError("--cuda-graph-scope", old_value.value,
-                              f"deprecated alias of {old_value.new_flags()}, which conflicts with "
-                              f"--inference-cuda-graph-scope {explicit}; drop --cuda-graph-scope")
+            raise alias_conflict("--cuda-graph-scope", old_value.value, old_value.new_flags(),
+                                 f"--inference-cuda-graph-scope {explicit}")
         return implied
     if explicit is not None:
         return explicit

@@ -1,7 +1,11 @@
 """The training command: parse and validate flags before any process-group work, set up the
 process environment, build the groups, train, and tear down on every exit path.
 
-`epoverlap-train` and `python -m epoverlap.train` both end here (`main`).
+`epoverlap-train` and `python -m epoverlap.train` both end here (`main`). Exit status: 0 done;
+2 bad input (one line naming the flag, before any process group exists; printed by the first
+rank of each node, the others exit quietly with the same status); 3 a peer rank died or
+stalled (one line naming the step, the process group and the silent rank(s), no traceback);
+143 stopped by SIGTERM with no silent peer; 1 anything else (with its traceback).
 """
 
 from __future__ import annotations
@@ -15,12 +19,18 @@ import torch
 from epoverlap.config import RunConfig, parse_config, validate_config, world_size_from_env
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.parallel.watch import PeerFailure, route_sigterm
+from epoverlap.training.memory import check_memory
 from epoverlap.training.trainer import Trainer
 
 
 def setup_environment(cfg: RunConfig, warn: Callable[[str], None]) -> None:
-    """Process-wide settings that must precede CUDA init: stream connections, determinism."""
+    """Process-wide settings that must precede CUDA init: stream connections, determinism,
+    NCCL's error handling (its watchdog tears a rank down when a collective exceeds the
+    timeout; the liveness monitor of parallel/watch.py names the silent peer just before)."""
     on_gpu = cfg.resolved_device(torch.cuda.is_available()) == "cuda"
+    if on_gpu:
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     if on_gpu and cfg.overlap.overlap_moe_expert_parallel_comm:
         connections = os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "8")
         if connections == "1":
@@ -34,34 +44,51 @@ def setup_environment(cfg: RunConfig, warn: Callable[[str], None]) -> None:
     torch.manual_seed(cfg.train.seed)
 
 
-def _printer(rank_zero: bool, stream=sys.stdout) -> Callable[[str], None]:
+def _printer(enabled: bool, stream=sys.stdout) -> Callable[[str], None]:
     def emit(message: str) -> None:
-        if rank_zero:
+        if enabled:
             print(message, file=stream, flush=True)
     return emit
 
 
+def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: bool,
+                   local_ranks: int, printing: bool, prog: str = "epoverlap-train"
+                   ) -> tuple[RunConfig, list[str]]:
+    """Parse and check everything that can be checked before the first collective (flags,
+    paths, the memory estimate). Raises ConfigError; argparse errors exit with status 2.
+    Returns the config and its deprecation warnings (to print once it is accepted)."""
+    notes: list[str] = []
+    cfg = parse_config(argv, warn=notes.append, printing=printing)
+    validate_config(cfg, world_size, cuda_available)
+    check_memory(cfg, world_size, cfg.resolved_device(cuda_available), local_ranks)
+    return cfg, [f"{prog}: warning: {note}" for note in notes]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    rank_zero = os.environ.get("RANK", "0") == "0"
-    warn = _printer(rank_zero, sys.stderr)
+    printing = os.environ.get("LOCAL_RANK", "0") == "0"  # one voice per node for bad input
+    warn = _printer(printing, sys.stderr)
+    cuda = torch.cuda.is_available()
     try:
-        cfg = parse_config(argv, warn=lambda msg: warn(f"epoverlap-train: warning: {msg}"))
-        validate_config(cfg, world_size_from_env(), torch.cuda.is_available())
+        cfg, warnings = checked_config(argv, world_size_from_env(), cuda,
+                                       int(os.environ.get("LOCAL_WORLD_SIZE", "1")), printing)
     except ConfigError as error:
-        warn(f"epoverlap-train: error: {error}")  # every rank fails alike; rank 0 says it
+        warn(f"epoverlap-train: error: {error}")
         return 2
+    for line in warnings:
+        warn(line)
     setup_environment(cfg, lambda msg: warn(f"epoverlap-train: warning: {msg}"))
-    device_kind = cfg.resolved_device(torch.cuda.is_available())
-    groups = init_distributed(cfg.parallel.expert_model_parallel_size, device_kind,
-                              cfg.parallel.dist_timeout_minutes)
+    groups = init_distributed(cfg.parallel.expert_model_parallel_size, cfg.resolved_device(cuda),
+                              cfg.parallel.distributed_timeout_minutes)
+    route_sigterm(groups.watch)
     trainer = None
     try:
         trainer = Trainer(cfg, groups, log=_printer(groups.is_first()))
         trainer.log(trainer.describe())
         trainer.train()
+    except PeerFailure as failure:
+        groups.watch.report(failure)  # one line, then the process exits (status 3)
     finally:
         if trainer is not None:
             trainer.close()
-        destroy_distributed()
+        destroy_distributed(groups)
     return 0
-
