@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -17,8 +16,13 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 
 
+# NVLink multicast stays off on shared GPU hosts (see tests/test_gpu.py).
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 def job_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **NO_MULTICAST)
     env.pop("TRITON_INTERPRET", None)
     return env
 
@@ -115,10 +119,6 @@ def wait_exit(pid: int, timeout_s: float) -> Optional[float]:
             return time.monotonic()
         time.sleep(0.1)
     return None
-
-
-def signal_pid(pid: int, sig: signal.Signals) -> None:
-    os.kill(pid, sig)
 
 
 def launcher_cmd(*flags: str) -> list[str]:

@@ -175,6 +175,7 @@ class CollectiveWatch:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._signal_fd: Optional[int] = None
+        self._last_failed: Optional[str] = None  # where the last transport error came from
 
     # ------------------------------------------------------------------ collectives
     @contextlib.contextmanager
@@ -190,6 +191,7 @@ class CollectiveWatch:
             entry.done = True
             if isinstance(error, PeerFailure) or not _TRANSPORT_ERROR.search(str(error)):
                 raise
+            self._last_failed = entry.where
             raise PeerFailure(self.rank, self.step,
                               f"{entry.where} failed ({short_cause(error)})") from error
         except BaseException:
@@ -208,11 +210,6 @@ class CollectiveWatch:
             return self._pending[0] if self._pending else None
 
     # ------------------------------------------------------------------ reports
-    def failure_on_signal(self, name: str) -> PeerFailure:
-        entry = self.oldest_unfinished()
-        where = f"while in the {entry.where}" if entry else "with no collective in flight"
-        return PeerFailure(self.rank, self.step, f"stopped by {name} {where}")
-
     def probe(self, failure: PeerFailure, baseline: Optional[tuple[float, list[int]]] = None
               ) -> PeerFailure:
         """Fill in who is silent: counters that did not move since `baseline` (or over a
@@ -234,20 +231,35 @@ class CollectiveWatch:
         failure.silent_for_s = time.monotonic() - start
         return failure
 
-    def report(self, failure: PeerFailure, from_signal: bool = False) -> None:
-        """Print the one line and exit (status 3, or 143 for a SIGTERM nobody explains).
-
-        Only the first report of a process prints; a second one from a signal handler returns
-        (the first goes on), from another thread it waits for the first one's exit."""
+    def report(self, failure: PeerFailure) -> None:
+        """Print the one line and exit with status 3. Only the first report of a process
+        prints; a later one (another thread) waits for the first one's exit."""
         if not self._reporting.acquire(blocking=False):
-            if from_signal:
-                return
             while True:
                 time.sleep(60)
         if failure.silent is None and failure.store_answers:
             self.probe(failure)
-        unexplained_signal = from_signal and failure.store_answers and not failure.silent
-        status = 128 + 15 if unexplained_signal else EXIT_PEER_FAILURE
+        self._emit(failure, EXIT_PEER_FAILURE)
+
+    def report_signal(self, name: str) -> None:
+        """A termination signal (the launcher stopping the job because a rank exited): probe
+        first (meanwhile this rank's own collective with a dead peer fails or stalls), then name
+        the collective this rank is in. Status 3 when some peer is silent, else 128 + SIGTERM.
+        Returns at once when a report is already under way."""
+        if not self._reporting.acquire(blocking=False):
+            return
+        failure = self.probe(PeerFailure(self.rank, self.step, ""))
+        entry = self.oldest_unfinished()
+        if entry is not None:
+            failure.what = f"stopped by {name} while in the {entry.where}"
+        elif self._last_failed is not None:
+            failure.what = f"stopped by {name} after the {self._last_failed} failed"
+        else:
+            failure.what = f"stopped by {name} with no collective in flight"
+        explained = failure.silent or not failure.store_answers
+        self._emit(failure, EXIT_PEER_FAILURE if explained else 128 + signal.SIGTERM)
+
+    def _emit(self, failure: PeerFailure, status: int) -> None:
         print(f"epoverlap-train: error: {failure}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         self._exit(status)
@@ -286,7 +298,7 @@ class CollectiveWatch:
             return not self._stop.wait(self.timing.interval_s)
         ready, _, _ = select.select([self._signal_fd], [], [], self.timing.interval_s)
         if ready and signal.SIGTERM in os.read(self._signal_fd, 64):
-            self.report(self.failure_on_signal("SIGTERM"), from_signal=True)
+            self.report_signal("SIGTERM")
         return not self._stop.is_set()
 
     def _check(self, baseline):
@@ -312,14 +324,16 @@ class CollectiveWatch:
 
 
 def route_sigterm(watch: CollectiveWatch) -> None:
-    """Report a SIGTERM through `watch` (call once, from the main thread of an entry point).
+    """Report a SIGTERM through `watch`'s monitor thread (call once, from the main thread of
+    an entry point, after `watch.start()`).
 
     torchrun's agent sends SIGTERM to every rank once one rank exits; the report says which
-    peer is silent and what this rank was waiting in, instead of dying without a word. It runs
-    on the monitor thread (woken through Python's wakeup fd), and on the main thread too if
-    that gets there first; the first one prints."""
+    peer is silent and what this rank was waiting in, instead of dying without a word. Python
+    runs signal handlers on the main thread only, which may be blocked in C++ for as long as
+    the collective timeout (a CUDA synchronize behind a stuck NCCL kernel); so the handler does
+    nothing itself, and the monitor thread, woken through Python's wakeup fd, reports."""
     def on_sigterm(signum, frame):
-        watch.report(watch.failure_on_signal("SIGTERM"), from_signal=True)
+        pass  # the monitor thread reports it (see above)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)

@@ -79,7 +79,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     setup_environment(cfg, lambda msg: warn(f"epoverlap-train: warning: {msg}"))
     groups = init_distributed(cfg.parallel.expert_model_parallel_size, cfg.resolved_device(cuda),
                               cfg.parallel.distributed_timeout_minutes)
-    route_sigterm(groups.watch)
+    if groups.world_size > 1:
+        route_sigterm(groups.watch)
     trainer = None
     try:
         trainer = Trainer(cfg, groups, log=_printer(groups.is_first()))
