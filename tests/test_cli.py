@@ -77,6 +77,8 @@ def test_no_prefix_matching_and_one_short_usage_block(entry, prog, capsys):
 
 
 def test_other_ranks_of_a_node_exit_2_quietly(monkeypatch, capsys):
+    from epoverlap.training import main as main_module
+    monkeypatch.setattr(main_module, "QUIET_RANK_PAUSE_S", 0.0)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert train_main(TINY + ["--seq-length", "100000000"]) == 2
     with pytest.raises(SystemExit) as info:
@@ -138,6 +140,6 @@ def test_under_torchrun_a_bad_flag_prints_one_usage_block():
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "-m", "epoverlap.train", "--preset", "tiny", "--train", "1"],
         capture_output=True, text=True, env=job_env(), cwd=REPO, timeout=300)
-    assert result.returncode != 0
+    assert result.returncode == 1  # torchrun's own status for any failed rank
     assert result.stderr.count("usage: epoverlap-train") == 1, result.stderr
     assert result.stderr.count("epoverlap-train: error: unrecognized arguments") == 1

@@ -3,7 +3,8 @@ process environment, build the groups, train, and tear down on every exit path.
 
 `epoverlap-train` and `python -m epoverlap.train` both end here (`main`). Exit status: 0 done;
 2 bad input (one line naming the flag, before any process group exists; printed by the first
-rank of each node, the others exit quietly with the same status); 3 a peer rank died or
+rank of each node, the others exit quietly with the same status, a few seconds later, so that
+torchrun, which stops the job when the first rank exits, does not stop the one that prints); 3 a peer rank died or
 stalled (one line naming the step, the process group and the silent rank(s), no traceback);
 143 stopped by SIGTERM with no silent peer; 1 anything else (with its traceback).
 """
@@ -11,7 +12,9 @@ stalled (one line naming the step, the process group and the silent rank(s), no 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from typing import Callable, Optional
 
 import torch
@@ -51,32 +54,55 @@ def _printer(enabled: bool, stream=sys.stdout) -> Callable[[str], None]:
     return emit
 
 
+def _bad_input(printing: bool) -> int:
+    """Status 2; a quiet rank first gives the printing one time to print (torchrun's SIGTERM,
+    once that one has exited, ends the wait with the same status)."""
+    if not printing and QUIET_RANK_PAUSE_S > 0:
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(2))
+        time.sleep(QUIET_RANK_PAUSE_S)
+    return 2
+
+
 def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: bool,
-                   local_ranks: int, printing: bool, prog: str = "epoverlap-train"
+                   local_ranks: int, printing: bool, prog: str = "epoverlap-train",
+                   before_cuda: Callable[[RunConfig], None] = lambda cfg: None
                    ) -> tuple[RunConfig, list[str]]:
     """Parse and check everything that can be checked before the first collective (flags,
     paths, the memory estimate). Raises ConfigError; argparse errors exit with status 2.
+    `before_cuda` runs between the checks that touch no CUDA and the memory check, which
+    reads the GPU's size (process settings such as CUDA_DEVICE_MAX_CONNECTIONS go first).
     Returns the config and its deprecation warnings (to print once it is accepted)."""
     notes: list[str] = []
     cfg = parse_config(argv, warn=notes.append, printing=printing)
     validate_config(cfg, world_size, cuda_available)
+    before_cuda(cfg)
     check_memory(cfg, world_size, cfg.resolved_device(cuda_available), local_ranks)
     return cfg, [f"{prog}: warning: {note}" for note in notes]
+
+
+QUIET_RANK_PAUSE_S = 5.0  # how long a rank that does not print waits before exiting 2
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     printing = os.environ.get("LOCAL_RANK", "0") == "0"  # one voice per node for bad input
     warn = _printer(printing, sys.stderr)
     cuda = torch.cuda.is_available()
+
+    def environment(cfg: RunConfig) -> None:
+        setup_environment(cfg, lambda msg: warn(f"epoverlap-train: warning: {msg}"))
     try:
         cfg, warnings = checked_config(argv, world_size_from_env(), cuda,
-                                       int(os.environ.get("LOCAL_WORLD_SIZE", "1")), printing)
+                                       int(os.environ.get("LOCAL_WORLD_SIZE", "1")), printing,
+                                       before_cuda=environment)
     except ConfigError as error:
         warn(f"epoverlap-train: error: {error}")
-        return 2
+        return _bad_input(printing)
+    except SystemExit as stop:  # argparse: usage and error printed (or --help)
+        if stop.code:
+            _bad_input(printing)
+        raise
     for line in warnings:
         warn(line)
-    setup_environment(cfg, lambda msg: warn(f"epoverlap-train: warning: {msg}"))
     groups = init_distributed(cfg.parallel.expert_model_parallel_size, cfg.resolved_device(cuda),
                               cfg.parallel.distributed_timeout_minutes)
     if groups.world_size > 1:
