@@ -219,7 +219,7 @@ def _signal_mid_step(sig: signal.Signals, victim: int, flags=QUICK_JOB, start_ti
     return job, code, (None if exited is None else exited - signalled)
 
 
-def _check_named(job: Job, code: int, survivor: int, victim: int):
+def _check_named(job: Job, code: int, survivor: int, victim: int, status: int):
     err = job.text("err")
     lines = [line for line in err.splitlines() if line.startswith("epoverlap-train: error:")]
     assert len(lines) == 1, err
@@ -227,7 +227,7 @@ def _check_named(job: Job, code: int, survivor: int, victim: int):
     assert "group (ranks 0,1)" in lines[0], lines[0]
     assert f"rank {victim} did not answer" in lines[0], lines[0]
     assert "Traceback" not in err, err
-    assert code != 0
+    assert code == status, (code, err)  # the launcher returns the first failed rank's status
     return lines[0]
 
 
@@ -235,14 +235,14 @@ def _check_named(job: Job, code: int, survivor: int, victim: int):
 def test_killed_rank_is_named_by_the_other_within_the_timeout():
     job, code, after_s = _signal_mid_step(signal.SIGKILL, victim=0)
     assert after_s is not None and after_s <= TIMEOUT_S + 15, after_s
-    _check_named(job, code, survivor=1, victim=0)
+    _check_named(job, code, survivor=1, victim=0, status=128 + signal.SIGKILL)
 
 
 @pytest.mark.slow
 def test_stopped_rank_is_named_by_the_other_within_the_timeout():
     job, code, after_s = _signal_mid_step(signal.SIGSTOP, victim=1)
     assert after_s is not None and after_s <= TIMEOUT_S + 15, after_s
-    line = _check_named(job, code, survivor=0, victim=1)
+    line = _check_named(job, code, survivor=0, victim=1, status=3)
     assert "expert-parallel group (ranks 0,1)" in line or "world group (ranks 0,1)" in line
 
 
@@ -256,4 +256,4 @@ def test_nccl_killed_rank_is_named_by_the_other_within_60_s():
     job, code, after_s = _signal_mid_step(signal.SIGKILL, victim=1, flags=flags,
                                           start_timeout_s=300)
     assert after_s is not None and after_s <= 60, (after_s, job.text("err"))
-    _check_named(job, code, survivor=0, victim=1)
+    _check_named(job, code, survivor=0, victim=1, status=128 + signal.SIGKILL)

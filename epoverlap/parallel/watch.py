@@ -4,8 +4,9 @@ line naming the step, the process group and the peer rank(s) that did not answer
 Owns `CollectiveWatch` (every collective of a run is issued inside `watch.collective(...)`),
 `Heartbeat` (each rank's counter in the rendezvous store) and `PeerFailure` (the one line).
 
-Three ways a dead or stalled peer shows, all ending in `watch.report(failure)`, which names
-the silent peers (heartbeats that did not move), prints one line and exits with status 3:
+Three ways a dead or stalled peer shows, each ending in a report (`report`, `report_signal`)
+that names the silent peers (heartbeats that did not move), prints one line and exits with
+status 3; the first report of a process is the only one that prints:
 
   1. the collective raises (gloo: "Connection closed by peer" within a second of a SIGKILL, or
      its own timeout): `collective` turns the backend error into a `PeerFailure` carrying the
@@ -184,6 +185,8 @@ class CollectiveWatch:
         entry = _InFlight(f"{group_name} group (ranks {ranks_text(ranks)}) {op}",
                           time.monotonic())
         with self._lock:
+            while self._pending and self._pending[0].done:  # host-finished: no event to query
+                self._pending.popleft()
             self._pending.append(entry)
         try:
             yield
