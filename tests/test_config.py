@@ -7,6 +7,7 @@ import pytest
 from epoverlap.config import (PRESETS, build_parser, moe_layer_pattern, parse_config,
                               validate_config)
 from epoverlap.errors import ConfigError
+from epoverlap_kernels import triton_installed
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--num-experts", "8", "--moe-router-topk", "2", "--train-iters", "5"]
@@ -94,6 +95,7 @@ def test_each_bad_value_names_its_flag(argv, world, flag, fragment):
     assert "\n" not in message
 
 
+@pytest.mark.skipif(not triton_installed(), reason="triton is not installed (the [test] extra)")
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     error = rejected(["--kernel-backend", "triton"])
