@@ -3,9 +3,15 @@
 Owns the config dataclasses (one per concern, orthogonal fields), the argparse surface with the
 flag names Megatron users type, the named presets, and `validate_config`, which checks every
 rule and raises `ConfigError` naming the flag, the value and what is allowed. Validation needs
-only the world size and whether CUDA is present, so a bad invocation exits before any process
-group work. The CUDA-graph surface (with its deprecated forms) lives in `cuda_graph_config`
-and is validated from here.
+only the world size, whether CUDA is present and the file system (output paths must be
+writable: tried with a temporary file, nothing is created), so a bad invocation exits before
+any process group work. The memory estimate, which needs the device's size, is
+training/memory.py's. The CUDA-graph surface (with its deprecated forms) lives in
+`graphs/config.py` and is validated from here; flags renamed to Megatron-core's spelling keep
+their old one as a deprecated alias (`RENAMED_FLAGS`), migrated the same way.
+
+The parser (`CliParser`) has no prefix matching, a one-line usage, each flag's default in
+--help and, at its end, what each preset sets.
 """
 
 from __future__ import annotations
@@ -354,7 +360,8 @@ def presets_help() -> str:
         flags = " ".join(flag_of(key) if value is True else f"{flag_of(key)} {value}"
                          for key, value in PRESETS[name].items())
         lines += textwrap.wrap(flags, width=96, initial_indent=f"  {name:<14}",
-                               subsequent_indent=" " * 16)
+                               subsequent_indent=" " * 16, break_on_hyphens=False,
+                               break_long_words=False)
     return "\n".join(lines)
 
 
@@ -362,7 +369,7 @@ def build_parser(prog: str = "epoverlap-train", printing: bool = True) -> CliPar
     parser = CliParser(
         prog=prog, usage=USAGE, printing=printing, epilog=presets_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Train an MoE language model with expert parallelism (and EP overlap). "
+        description="Train an MoE language model with expert parallelism (and EP overlap).\n"
                     "Defaults below are those without --preset.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, metavar="NAME",
                         help=f"one of {', '.join(sorted(PRESETS))}: named model/run sizes "

@@ -64,8 +64,8 @@ def launch_parser():
     """The training command's parser plus --nproc (so --help lists every flag)."""
     parser = build_parser(prog=PROG)
     parser.usage = "%(prog)s [--nproc N] [--preset NAME] [FLAG VALUE ...]   (--help lists every flag)"
-    parser.description = ("Start the main job: torchrun --standalone with one rank per GPU (or 2 "
-                          "CPU ranks), --preset tiny, EP over all ranks, the EP overlap on; "
+    parser.description = ("Start the main job: torchrun --standalone with one rank per GPU (or 2\n"
+                          "CPU ranks), --preset tiny, EP over all ranks, the EP overlap on;\n"
                           "flags given win over these defaults.")
     parser.add_argument("--nproc", default=None, metavar="N",
                         help="ranks to start on this machine (default: one per visible GPU, "
