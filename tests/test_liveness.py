@@ -241,7 +241,8 @@ def test_killed_rank_is_named_by_the_other_within_the_timeout():
 @pytest.mark.slow
 def test_stopped_rank_is_named_by_the_other_within_the_timeout():
     job, code, after_s = _signal_mid_step(signal.SIGSTOP, victim=1)
-    assert after_s is not None and after_s <= TIMEOUT_S + 15, after_s
+    assert after_s is not None and TIMEOUT_S / 2 <= after_s <= TIMEOUT_S + 15, after_s
+    # (not before: a stopped peer may be resumed; the timeout is how long it is waited for)
     line = _check_named(job, code, survivor=0, victim=1, status=3)
     assert "expert-parallel group (ranks 0,1)" in line or "world group (ranks 0,1)" in line
 
