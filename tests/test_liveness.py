@@ -64,6 +64,11 @@ def test_the_line_names_step_group_op_and_silent_ranks():
     alive = PeerFailure(1, 0, "world group (ranks 0-3) all_reduce failed (y)", silent=[])
     assert str(alive).startswith("rank 1: before step 1: world group")
     assert "every peer still sends heartbeats" in str(alive)
+    # two torchrun nodes: the dead rank's agent, which hosted the store, left with it
+    no_store = PeerFailure(1, 5, "expert-parallel group (ranks 0,1) all_to_all failed (z)",
+                           store_answers=False, peers=(0,))
+    assert str(no_store).endswith(": rank 0 did not answer (the group's other rank; the "
+                                  "rendezvous store is gone too, so no heartbeat tells more)")
 
 
 def test_collective_turns_a_transport_error_into_a_peer_failure_with_context():

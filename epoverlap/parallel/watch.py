@@ -82,6 +82,7 @@ class PeerFailure(RuntimeError):
     silent: Optional[list[int]] = None  # filled by the report; None: not probed yet
     silent_for_s: float = 0.0
     store_answers: bool = True
+    peers: tuple[int, ...] = ()  # the other ranks of the group in question, if any
 
     def __post_init__(self):
         RuntimeError.__init__(self, self.what)
@@ -91,9 +92,13 @@ class PeerFailure(RuntimeError):
         return f"rank {self.rank}: {step}: {self.what}: {self._who()}"
 
     def _who(self) -> str:
-        if not self.store_answers:
-            return ("the rendezvous store does not answer either (its host, the launcher or "
-                    "rank 0, is gone)")
+        if not self.store_answers:  # no heartbeat to read: the group tells what it can
+            gone = "the rendezvous store is gone too, so no heartbeat tells"
+            if len(self.peers) == 1:
+                return f"rank {self.peers[0]} did not answer (the group's other rank; {gone} more)"
+            if self.peers:
+                return f"one of ranks {ranks_text(self.peers)} did not answer ({gone} which)"
+            return f"some peer did not answer ({gone} which)"
         if self.silent is None:
             return "peers not probed"
         if not self.silent:
@@ -114,19 +119,26 @@ class Heartbeat:
         client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                timeout=datetime.timedelta(seconds=store_timeout_s))
         self._store = dist.PrefixStore(f"epoverlap/heartbeat/{restart}", client)
+        self.store_gone = False  # set at the first failed store call; no call is tried after
 
     @classmethod
     def from_env(cls, rank: int, world_size: int) -> "Heartbeat":
         return cls(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
 
     def beat(self) -> None:
-        self._store.add(str(self.rank), 1)
+        self._call(lambda: self._store.add(str(self.rank), 1))
 
     def counters(self) -> Optional[list[int]]:
         """Every rank's count, or None when the store does not answer."""
+        return self._call(lambda: [self._store.add(str(r), 0) for r in range(self.world_size)])
+
+    def _call(self, work):
+        if self.store_gone:
+            return None
         try:
-            return [self._store.add(str(r), 0) for r in range(self.world_size)]
-        except (RuntimeError, dist.DistError):
+            return work()
+        except (RuntimeError, dist.DistError):  # the store's host is gone: say it once
+            self.store_gone = True
             return None
 
 
@@ -135,6 +147,7 @@ class _InFlight:
     """One issued collective: done (CPU: the call returned) or its CUDA completion event."""
 
     where: str
+    peers: tuple[int, ...]  # the group's other ranks
     started: float
     done: bool = False
     event: Optional[torch.cuda.Event] = None
@@ -176,14 +189,14 @@ class CollectiveWatch:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._signal_fd: Optional[int] = None
-        self._last_failed: Optional[str] = None  # where the last transport error came from
+        self._last_failed: Optional[_InFlight] = None  # the last collective a transport failed
 
     # ------------------------------------------------------------------ collectives
     @contextlib.contextmanager
     def collective(self, group_name: str, ranks: Sequence[int], op: str):
         """Wrap one collective call: track it, and turn a transport error into PeerFailure."""
         entry = _InFlight(f"{group_name} group (ranks {ranks_text(ranks)}) {op}",
-                          time.monotonic())
+                          tuple(r for r in ranks if r != self.rank), time.monotonic())
         with self._lock:
             while self._pending and self._pending[0].done:  # host-finished: no event to query
                 self._pending.popleft()
@@ -194,9 +207,9 @@ class CollectiveWatch:
             entry.done = True
             if isinstance(error, PeerFailure) or not _TRANSPORT_ERROR.search(str(error)):
                 raise
-            self._last_failed = entry.where
-            raise PeerFailure(self.rank, self.step,
-                              f"{entry.where} failed ({short_cause(error)})") from error
+            self._last_failed = entry
+            raise PeerFailure(self.rank, self.step, f"{entry.where} failed "
+                              f"({short_cause(error)})", peers=entry.peers) from error
         except BaseException:
             entry.done = True
             raise
@@ -252,11 +265,13 @@ class CollectiveWatch:
         if not self._reporting.acquire(blocking=False):
             return
         failure = self.probe(PeerFailure(self.rank, self.step, ""))
-        entry = self.oldest_unfinished()
+        entry, failed = self.oldest_unfinished(), self._last_failed
         if entry is not None:
-            failure.what = f"stopped by {name} while in the {entry.where}"
-        elif self._last_failed is not None:
-            failure.what = f"stopped by {name} after the {self._last_failed} failed"
+            failure.what, failure.peers = f"stopped by {name} while in the {entry.where}", \
+                entry.peers
+        elif failed is not None:
+            failure.what, failure.peers = f"stopped by {name} after the {failed.where} failed", \
+                failed.peers
         else:
             failure.what = f"stopped by {name} with no collective in flight"
         explained = failure.silent or not failure.store_answers
@@ -320,7 +335,7 @@ class CollectiveWatch:
         entry.probed = True
         failure = self.probe(PeerFailure(
             self.rank, self.step, f"{entry.where} has waited {age:.0f} s of its "
-            f"{self.timing.timeout_s:.0f} s timeout"), baseline)
+            f"{self.timing.timeout_s:.0f} s timeout", peers=entry.peers), baseline)
         if failure.silent or not failure.store_answers:
             self.report(failure)
         return None  # nobody is silent: the backend's own timeout ends the collective
