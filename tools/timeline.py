@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from epoverlap.profiling.intervals import (Interval, gaps, intersect, measure, subtract,  # noqa: F401
-                                           union)
+from epoverlap.profiling.intervals import (  # noqa: F401 (re-exported: tools.timeline.union)
+    Interval, gaps, intersect, measure, subtract, union)
 from epoverlap.profiling.spans import RankSpans, Span, SpanFileError, StepSpans, read_span_directory
 
 TRACE_FILE = "timeline_trace.json"

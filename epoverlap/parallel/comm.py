@@ -1,8 +1,9 @@
 """Expert-parallel communication: the all-to-alls of the MoE dispatcher, differentiable.
 
-Owns `ExpertComm` (the EP group, a `groups.Group`, plus the comm mode) and the autograd function whose
-forward is an all_to_all_single and whose backward is the reverse all-to-all. These calls run
-on whatever stream/thread the caller is on; choosing that is the executor's business.
+Owns `ExpertComm` (the EP group, a `groups.Group`, plus the comm mode) and the autograd
+function whose forward is an all_to_all_single and whose backward is the reverse all-to-all.
+These calls run on whatever stream/thread the caller is on; choosing that is the executor's
+business.
 
 Comm modes (config `--comm-mode`, benchmarks only): `real`, or `local_copy`, which replaces
 each all-to-all by a local copy of the same bytes, as if every rank received what it sent: the

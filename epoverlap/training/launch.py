@@ -63,7 +63,8 @@ def split_nproc(argv: list[str]) -> tuple[Optional[str], list[str]]:
 def launch_parser():
     """The training command's parser plus --nproc (so --help lists every flag)."""
     parser = build_parser(prog=PROG)
-    parser.usage = "%(prog)s [--nproc N] [--preset NAME] [FLAG VALUE ...]   (--help lists every flag)"
+    parser.usage = ("%(prog)s [--nproc N] [--preset NAME] [FLAG VALUE ...]   "
+                    "(--help lists every flag)")
     parser.description = ("Start the main job: torchrun --standalone with one rank per GPU (or 2\n"
                           "CPU ranks), --preset tiny, EP over all ranks, the EP overlap on;\n"
                           "flags given win over these defaults.")

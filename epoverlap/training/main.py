@@ -1,12 +1,16 @@
 """The training command: parse and validate flags before any process-group work, set up the
 process environment, build the groups, train, and tear down on every exit path.
 
-`epoverlap-train` and `python -m epoverlap.train` both end here (`main`). Exit status: 0 done;
-2 bad input (one line naming the flag, before any process group exists; printed by the first
-rank of each node, the others exit quietly with the same status, a few seconds later, so that
-torchrun, which stops the job when the first rank exits, does not stop the one that prints); 3 a peer rank died or
-stalled (one line naming the step, the process group and the silent rank(s), no traceback);
-143 stopped by SIGTERM with no silent peer; 1 anything else (with its traceback).
+`epoverlap-train` and `python -m epoverlap.train` both end here (`main`). Exit status:
+  0    done;
+  2    bad input: one line naming the flag, before any process group exists, printed by the
+       first rank of each node; the others exit quietly with the same status a few seconds
+       later, so that torchrun, which stops the job once a rank exits, does not stop the one
+       that prints;
+  3    a peer rank died or stalled: one line naming the step, the process group and the
+       silent rank(s), no traceback;
+  143  stopped by SIGTERM with no silent peer;
+  1    anything else (with its traceback).
 """
 
 from __future__ import annotations

@@ -18,12 +18,14 @@ the next (the combined 1F1B forward of layer l runs beside the backward of layer
 backward adds a transient: the weight grad of the largest weight (computed in the model dtype,
 then added to its fp32 main_grad), or the grads of the loss's logits or of a comm node's
 tokens (2kH b per token), whichever is larger. Activations and transient get +5% for what the
-formulas leave out (indices, probs copies, allocation rounding). The
-estimate assumes balanced routing: a learned router that sends most tokens to one EP rank can
-need up to EP times the MoE activations there (the quick-start baseline at 2 GPUs, imbalance
-8.0 in its first steps, peaked 6% above the estimate; balanced, 2% below it). Calibrated against the peaks measured on H200s
-(benchmarks/data/bench_overlap_*.json, 7 shapes x 4 modes at 2 and 4 GPUs): the estimate is
-above every measured peak and at most about 1.4x of it (tests/test_memory.py).
+formulas leave out (indices, probs copies, allocation rounding).
+
+The estimate assumes balanced routing: a learned router that sends most tokens to one EP rank
+can need up to EP times the MoE activations there (the quick-start baseline at 2 GPUs,
+imbalance 8.0 in its first steps, peaked 6% above the estimate; balanced, 2% below it).
+Calibrated against the peaks measured on H200s (benchmarks/data/bench_overlap_*.json, 7 shapes
+x 4 modes at 2 and 4 GPUs): the estimate is above every measured peak and at most about 1.4x
+of it (tests/test_memory.py).
 """
 
 from __future__ import annotations
