@@ -110,6 +110,10 @@ def test_profiled_run_gives_trace_png_and_table(tmp_path):
                             "--overlap-moe-expert-parallel-comm", "--profile-steps", "2:3",
                             "--profile-dir", str(spans)))
     assert result.returncode == 0, result.stderr[-3000:]
+    summary = result.stdout.strip().splitlines()[-1]  # the end-of-run line
+    assert summary.startswith("done: 3 steps in ") and " tok/s | loss " in summary, summary
+    assert "GiB per rank (RSS, max over ranks)" in summary and "TFLOP/s per rank" in result.stdout
+    assert "| exposed comm " in summary and "(profiled steps 2:3, max over ranks)" in summary
     assert sorted(p.name for p in spans.iterdir()) == ["spans-rank00000.json",
                                                        "spans-rank00001.json"]
     timeline = _run(["epoverlap-timeline", str(spans), "--out-dir", str(out)])
