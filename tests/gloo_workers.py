@@ -17,7 +17,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
         "--micro-batch-size", "2", "--num-microbatches", "4", "--moe-aux-loss-coeff", "0.01",
-        "--mock-data", "--deterministic-mode", "--dist-timeout-minutes", "3",
+        "--mock-data", "--deterministic-mode", "--distributed-timeout-minutes", "3",
         "--lr-warmup-iters", "2", "--log-interval", "1000"]
 
 MODES = {
@@ -53,7 +53,7 @@ def dispatch_round_trip(rank, world_size, ep, topk, extreme):
             logits[:, :topk] += 100.0
         ops = make_moe_ops("torch")
         probs, routing_map = ops.router_topk(logits, topk)
-        dispatcher = AllToAllDispatcher(ExpertComm(groups.ep_group, ep), num_experts, topk, ops,
+        dispatcher = AllToAllDispatcher(ExpertComm(groups.ep, ep), num_experts, topk, ops,
                                         groups.device)
         permuted, permuted_probs, row_id_map = dispatcher.preprocess(x_TH, probs, routing_map)
         recv, recv_probs, meta = dispatcher.dispatch(permuted, permuted_probs,
@@ -65,7 +65,7 @@ def dispatch_round_trip(rank, world_size, ep, topk, extreme):
             expected = expected + x_TH
         return torch.equal(out_TH, expected), int(recv.shape[0])
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
 
 
 def _trainer(ep, argv):
@@ -93,7 +93,7 @@ def mode_grads_and_losses(rank, world_size, ep, out_dir, steps):
             results[mode] = grads
         return results
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
 
 
 def ep_losses(rank, world_size, ep, steps):
@@ -107,7 +107,7 @@ def ep_losses(rank, world_size, ep, steps):
         finally:
             trainer.close()
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
 
 
 def extreme_routing_training(rank, world_size, ep, flags):
@@ -125,7 +125,7 @@ def extreme_routing_training(rank, world_size, ep, flags):
         finally:
             trainer.close()
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
 
 
 def reduced_grads_for_reference(rank, world_size, ep, argv):
@@ -147,4 +147,4 @@ def reduced_grads_for_reference(rank, world_size, ep, argv):
         finally:
             trainer.close()
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)

@@ -63,9 +63,12 @@ def _grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.is_cuda:
         return True
+    # torch's CPU kernel needs every non-unit stride of both operands (and of the output, whose
+    # last dim is b's) to be a multiple of 16 bytes; a transposed operand carries its row
+    # width as a stride (the weight grad's x^T: a fuzzed --moe-ffn-hidden-size 3 found this).
     elem = a.element_size()
-    dims = list(a.shape[1:]) + list(b.shape[-1:])
-    return all((d * elem) % 16 == 0 for d in dims) and a.dtype == torch.float32
+    strides = [s for t in (a, b) for s in t.stride() if s != 1] + [b.shape[-1]]
+    return all((s * elem) % 16 == 0 for s in strides) and a.dtype == torch.float32
 
 
 def _mm_grouped(a_NI, b_EIO, offsets_E, counts):
