@@ -1,11 +1,20 @@
 """Distributed setup: the process groups, built once, in one place, and passed down.
 
-Owns `ParallelGroups` and `init_distributed` / `destroy_distributed`.
+Owns `RankLayout` (which rank holds which pipeline stage, expert shard and data shard: pure
+arithmetic), `ParallelGroups` and `init_distributed` / `destroy_distributed`.
 
-Layout: world = data-parallel x expert-parallel. Every rank is a data-parallel rank for dense
-parameters (replicated, grads averaged over the world). Expert parallel groups are blocks of
-`ep` consecutive ranks (rank r has ep_rank = r % ep); experts are sharded over the EP group and
-replicated over the expert-data-parallel (EDP) group, the ranks with the same ep_rank.
+Layout: world = pipeline-parallel (PP) x data-parallel (DP), and DP = expert-parallel (EP) x
+expert-data-parallel (EDP), in Megatron-core's default order `tp-cp-ep-dp-pp` (tp = cp = 1
+here; the first name varies fastest):
+
+    rank = ep_rank + EP x edp_rank + EP x EDP x pp_rank,   dp_rank = ep_rank + EP x edp_rank
+
+so a pipeline stage is a block of DP = world / PP consecutive ranks, the EP groups are blocks of
+EP consecutive ranks inside it, and a pipeline (the ranks that pass activations to each other)
+is the ranks with the same dp_rank, one per stage. Dense parameters of a stage are replicated
+over its DP group (grads averaged there); experts are sharded over the EP group and replicated
+over the EDP group (the ranks of the stage with the same ep_rank). Without pipeline parallelism
+the stage is the world.
 
 Backend: NCCL with one GPU per local rank when the run is on CUDA, gloo on CPU. Without torchrun
 (no RANK/WORLD_SIZE in the environment) a single-process group is created on a free port.
@@ -23,6 +32,53 @@ import torch
 import torch.distributed as dist
 
 
+@dataclass(frozen=True)
+class RankLayout:
+    """Megatron-core's rank order for a world of `world_size` = PP x EP x EDP (module doc)."""
+
+    world_size: int
+    pp_size: int = 1
+    ep_size: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.pp_size
+
+    @property
+    def edp_size(self) -> int:
+        return self.dp_size // self.ep_size
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // self.dp_size
+
+    def dp_rank(self, rank: int) -> int:
+        return rank % self.dp_size
+
+    def ep_rank(self, rank: int) -> int:
+        return rank % self.ep_size
+
+    def edp_rank(self, rank: int) -> int:
+        return self.dp_rank(rank) // self.ep_size
+
+    def pp_groups(self) -> list[list[int]]:
+        """One pipeline per dp_rank: its ranks in stage order."""
+        return [list(range(d, self.world_size, self.dp_size)) for d in range(self.dp_size)]
+
+    def dp_groups(self) -> list[list[int]]:
+        """One data-parallel group per stage (dense grads are averaged there)."""
+        return [list(range(p * self.dp_size, (p + 1) * self.dp_size))
+                for p in range(self.pp_size)]
+
+    def ep_groups(self) -> list[list[int]]:
+        return [list(range(b * self.ep_size, (b + 1) * self.ep_size))
+                for b in range(self.world_size // self.ep_size)]
+
+    def edp_groups(self) -> list[list[int]]:
+        """Per stage and ep_rank: the replicas of one expert shard."""
+        return [list(range(p * self.dp_size + e, (p + 1) * self.dp_size, self.ep_size))
+                for p in range(self.pp_size) for e in range(self.ep_size)]
+
+
 @dataclass
 class ParallelGroups:
     rank: int
@@ -36,6 +92,13 @@ class ParallelGroups:
     backend: str
     ep_group: Optional[dist.ProcessGroup]
     edp_group: Optional[dist.ProcessGroup]
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: Optional[dist.ProcessGroup] = None
+    pp_ranks: tuple[int, ...] = (0,)  # global ranks of this rank's pipeline, by stage
+    dp_size: int = 1
+    dp_rank: int = 0
+    dp_group: Optional[dist.ProcessGroup] = None  # None with one stage: the world
 
     @property
     def world_group(self) -> Optional[dist.ProcessGroup]:
@@ -68,9 +131,9 @@ def _new_groups(world_size: int, ranks_of: list[list[int]], my_rank: int):
     return mine
 
 
-def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10.0
-                     ) -> ParallelGroups:
-    """Initialize torch.distributed and build the EP and EDP groups."""
+def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10.0,
+                     pp_size: int = 1) -> ParallelGroups:
+    """Initialize torch.distributed and build the PP, DP, EP and EDP groups."""
     _ensure_env()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -85,15 +148,20 @@ def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10
     timeout = datetime.timedelta(minutes=timeout_minutes)
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
-    edp_size = world_size // ep_size
-    ep_blocks = [list(range(b * ep_size, (b + 1) * ep_size)) for b in range(edp_size)]
-    edp_strides = [list(range(e, world_size, ep_size)) for e in range(ep_size)]
-    ep_group = _new_groups(world_size, ep_blocks, rank)
-    edp_group = _new_groups(world_size, edp_strides, rank)
+    layout = RankLayout(world_size, pp_size, ep_size)
+    ep_group = _new_groups(world_size, layout.ep_groups(), rank)
+    edp_group = _new_groups(world_size, layout.edp_groups(), rank)
+    pp_group = _new_groups(world_size, layout.pp_groups(), rank) if pp_size > 1 else None
+    dp_group = _new_groups(world_size, layout.dp_groups(), rank) if pp_size > 1 else None
     return ParallelGroups(rank=rank, world_size=world_size, local_rank=local_rank,
-                          ep_size=ep_size, ep_rank=rank % ep_size, edp_size=edp_size,
-                          edp_rank=rank // ep_size, device=device, backend=backend,
-                          ep_group=ep_group, edp_group=edp_group)
+                          ep_size=ep_size, ep_rank=layout.ep_rank(rank),
+                          edp_size=layout.edp_size, edp_rank=layout.edp_rank(rank),
+                          device=device, backend=backend, ep_group=ep_group,
+                          edp_group=edp_group, pp_size=pp_size, pp_rank=layout.pp_rank(rank),
+                          pp_group=pp_group,
+                          pp_ranks=tuple(layout.pp_groups()[layout.dp_rank(rank)]),
+                          dp_size=layout.dp_size, dp_rank=layout.dp_rank(rank),
+                          dp_group=dp_group)
 
 
 def destroy_distributed() -> None:

@@ -16,6 +16,7 @@ from epoverlap.config import RunConfig, parse_config, validate_config, world_siz
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.data import open_data_source
+from epoverlap.training.stage_memory import check_stages_fit, memory_per_rank
 from epoverlap.training.trainer import Trainer
 
 
@@ -62,16 +63,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     warn = _printer(rank_zero, sys.stderr)
     try:
         cfg = parse_config(argv, warn=lambda msg: warn(f"epoverlap-train: warning: {msg}"))
-        validate_config(cfg, world_size_from_env(), torch.cuda.is_available())
-        cfg = cfg.for_world(world_size_from_env())
-        data = open_data_source(cfg, world_size_from_env())  # files checked before any group
+        world = world_size_from_env()
+        validate_config(cfg, world, torch.cuda.is_available())
+        cfg = cfg.for_world(world)
+        data = open_data_source(cfg, cfg.data_parallel_size(world))  # checked before any group
+        check_stages_fit(cfg.with_vocab_size(data.vocab_size), memory_per_rank(cfg))
     except ConfigError as error:
         warn(f"epoverlap-train: error: {error}")  # every rank fails alike; rank 0 says it
         return 2
     setup_environment(cfg, lambda msg: warn(f"epoverlap-train: warning: {msg}"))
     device_kind = cfg.resolved_device(torch.cuda.is_available())
     groups = init_distributed(cfg.parallel.expert_model_parallel_size, device_kind,
-                              cfg.parallel.dist_timeout_minutes)
+                              cfg.parallel.dist_timeout_minutes,
+                              pp_size=cfg.parallel.pipeline_model_parallel_size)
     trainer = None
     try:
         trainer = Trainer(cfg, groups, log=_printer(groups.is_first()), data=data)
