@@ -1,15 +1,17 @@
 """Pipeline schedules as data: 1F1B and interleaved 1F1B steps per stage, their cross-stage
 check, and the per-rank grid.
 
-Owns `pipeline_steps` (which forward and backward each stage runs, in order), `stage_plan`
-(those steps as node actions, through `plan.expand_steps`), `simulate_pipeline` /
-`validate_pipeline` (every stage's plan run together: each P2P transfer must meet its peer) and
-`format_pipeline` (one column per stage, one row per tick, idle ticks shown as bubbles).
+Owns `pipeline_steps` (which forward and backward each stage runs, in order), `pipeline_plans`
+(every stage's steps as node actions, through `plan.expand_steps`, transfers put in order by
+`order_transfers`), `simulate_pipeline` / `validate_pipeline` (every stage's plan run together:
+each P2P transfer must meet its peer), `format_steps` and `format_pipeline` (one column per
+stage, one row per tick of the lock-step run).
 
 The steps follow Megatron-core. With P stages, V model chunks per stage and M microbatches,
 stage p runs the forward table
 
-    for each group of microbatches (P at a time; the last group takes the remainder too):
+    for each group of microbatches (P at a time; the first group also takes the remainder
+    of M / P, so no later group is larger, as the warmup below assumes):
         for chunk v in 0..V-1: for mb in group: F(mb, v)
 
 and the backward table, the same with chunk v replaced by V-1-v. It runs `warmup` forwards
@@ -17,24 +19,29 @@ alone, then pairs forward k + warmup with backward k (the steady 1F1B), then the
 backwards alone (cooldown), where
 
     warmup = P - p - 1                            (plain 1F1B, V = 1)
-    warmup = 2 (P - p - 1) + (V - 1) P            (interleaved, V > 1)
+    warmup = 2 (P - p - 1) + (V - 1) G            (interleaved, V > 1; G the first group)
 
 capped at M x V, plus one with the EP overlap (`combined`): the last stage would otherwise pair
 F(m) with B(m) of the same microbatch, which depend on each other; one more forward in flight
 makes every pair of a step independent (Megatron-core adds the same one). With V = P = 1 the
 steps are the one-stage plans of `plan`: no warmup is the sequential plan, warmup 1 the
-combined 1F1B.
+combined 1F1B. Megatron-core refuses M that P does not divide with its default group size; the
+first group's remainder lets any M >= P run (checked for P <= 4, V <= 3, M in P..2P+1 by the
+tests).
 
 Transfers. A chunk's `send` node forward sends its output activation and its backward receives
 that activation's grad; a chunk's `recv` node does the reverse. Each transfer blocks until the
-peer issues the matching one (NCCL's send waits for the receive; on the comm lane they run in
-plan order), so both ends of a link must issue their transfers in the same order. The step
-expansion guarantees it: in every step a stage receives (the backward's grad, the forward's
-activation) before it sends (the forward's activation, the backward's grad). `simulate_pipeline`
-proves it for a given set of plans: it runs every stage's plan one action per tick, a transfer
-only when the peer's next action is the matching one, and reports a deadlock with the stuck
-actions marked. If the plans finish there, they finish on the real lanes, which only relax the
-order (the comm lane keeps the plan order of transfers, the compute lane waits on fewer things).
+peer issues the matching one (NCCL's send waits for the receive; on the comm lane transfers
+run in plan order), so both ends of a link must issue their transfers in the same order, which
+the steps alone do not give (in an interleaved warmup every stage ends a forward with a send
+at once). `order_transfers` fixes the order: it runs all stages' plans in lock-step, one action
+per tick, a transfer only when the peer's next action is the matching one, and when every
+stage waits it lets the peer of the lowest stage that offers a send take that receive now (a
+receive needs nothing local but, for a grad, its own forward's send). It is deterministic, so
+every rank derives the same plans. `simulate_pipeline` runs plans as they are and reports a
+deadlock with the stuck actions marked; plans that finish in lock-step finish on the real
+lanes too, which only relax the order (the comm lane keeps the plan order of transfers, the
+compute lane waits on fewer things).
 """
 
 from __future__ import annotations
@@ -137,10 +144,6 @@ class Simulation:
     ticks: list[list[Optional[int]]]  # per stage, per action: the tick it ran (None: never)
     stuck: dict[int, str]  # stage -> why its next action cannot run (empty: all finished)
     length: int  # ticks until the last stage finished (or got stuck)
-
-    def idle_ticks(self, stage: int) -> int:
-        """Ticks within the run during which `stage` ran nothing: its bubble."""
-        return self.length - sum(t is not None for t in self.ticks[stage])
 
 
 class _Run:
@@ -282,8 +285,9 @@ def format_steps(steps: Sequence[Step], virtual: int = 1) -> str:
 
 def format_pipeline(plans: Sequence[Sequence[Action]], stage_chunks: Sequence[Sequence[Chunk]],
                     simulation: Optional[Simulation] = None) -> str:
-    """One column per stage, one row per tick of `simulation`; comm-lane actions in [brackets],
-    '.' where a stage is idle (a bubble), '>>' where a stuck stage waits."""
+    """One column per stage, one row per tick of the lock-step run (`simulate_pipeline`):
+    comm-lane actions in [brackets], '.' where a stage waits, '>>' where a stuck one does.
+    A check of order, not a timing model: the real lanes do not wait in lock-step."""
     simulation = simulation or simulate_pipeline(plans, stage_chunks)
     kinds = [node_kinds(chunks) for chunks in stage_chunks]
     grid = [["."] * len(plans) for _ in range(simulation.length + (1 if simulation.stuck else 0))]
@@ -297,9 +301,7 @@ def format_pipeline(plans: Sequence[Sequence[Action]], stage_chunks: Sequence[Se
         grid[-1][stage] = f">> {waiting}"
     width = max([len(cell) for row in grid for cell in row] + [9])
     header = "   tick | " + " | ".join(f"{'stage ' + str(s):<{width}}" for s in range(len(plans)))
-    lines = [header, "  " + "-" * (len(header) - 2)]
+    lines = [header.rstrip(), "  " + "-" * (len(header) - 2)]
     lines += [f"  {tick:5d} | " + " | ".join(f"{cell:<{width}}" for cell in row).rstrip()
               for tick, row in enumerate(grid)]
-    idle = ", ".join(f"stage {s} {simulation.idle_ticks(s)}" for s in range(len(plans)))
-    lines.append(f"  idle ticks (bubble, one tick per action): {idle} of {simulation.length}")
     return "\n".join(lines)
