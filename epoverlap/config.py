@@ -779,6 +779,10 @@ def _validate_profile(log: LogConfig) -> None:
 
 def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
     pattern = cfg.moe_layer_pattern()
+    pp = cfg.parallel.pipeline_model_parallel_size
+    _require(cfg.cuda_graph.impl == "none" or pp == 1, "cuda_graph_impl", cfg.cuda_graph.impl,
+             f"not built with --pipeline-model-parallel-size={pp} yet (graphs capture a "
+             "one-stage plan); use --cuda-graph-impl none")
     try:
         import transformer_engine  # noqa: F401
         te_available = True
