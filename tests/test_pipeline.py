@@ -9,11 +9,13 @@ runs the same ops on the same inputs on whichever stage holds it, each parameter
 microbatches in the same order (1F1B runs each chunk's backwards in microbatch order), the
 reductions over data-parallel ranks have the same groups, and the grad norm and the loss add
 per-parameter and per-layer slots in the whole model's order (`training.grads`, `trainer`).
-Then the same through the CLI: torchrun, `--log-json`, `epoverlap-compare-losses`.
+Then the same through the CLI: torchrun, `--log-json`, `epoverlap-compare-losses`, and the
+profiled step's spans through the timeline tool (a track group per rank, bubbles marked).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from dist_helpers import run_ranks
+from epoverlap_tools import timeline
 from epoverlap_tools.compare_losses import compare_loss_logs
 from pipeline_workers import OVERLAP, TINY_PP, VIRTUAL, WGRAD, mode_results
 
@@ -95,13 +98,21 @@ def _torchrun(nproc: int, *flags: str) -> subprocess.CompletedProcess:
     (4, PP2 + EP2 + VIRTUAL + WGRAD, "ep2")])
 def test_cli_pipeline_losses_equal_one_stage_per_compare_tool(one_stage, tmp_path, nproc,
                                                               flags, reference):
-    log = tmp_path / "pipeline.jsonl"
-    result = _torchrun(nproc, *flags, "--log-json", str(log))
+    log, spans = tmp_path / "pipeline.jsonl", tmp_path / "spans"
+    result = _torchrun(nproc, *flags, "--log-json", str(log), "--profile-steps",
+                       f"{STEPS}:{STEPS}", "--profile-dir", str(spans))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"= PP 2" in result.stdout and f"step    {STEPS}/{STEPS}" in result.stdout
+    assert "= PP 2" in result.stdout and f"step    {STEPS}/{STEPS}" in result.stdout
     comparison = compare_loss_logs(one_stage[reference][0][reference]["log"], log)
     assert comparison.identical, comparison.message
     assert comparison.steps_compared == STEPS
+    assert timeline.main([str(spans), "--no-png"]) == 0  # one track group per rank
+    summary = json.loads((spans / timeline.SUMMARY_FILE).read_text())["spans"]
+    ranks = summary["steps"][0]["ranks"]
+    assert len(ranks) == nproc and all(row["bubble_us"] > 0 for row in ranks)
+    trace = json.loads((spans / timeline.TRACE_FILE).read_text())["traceEvents"]
+    nodes = {(e["pid"], e["args"]["node"]) for e in trace if e.get("cat", "").startswith("comm")}
+    assert (0, "send") in nodes and (nproc - 1, "recv") in nodes
 
 
 def test_fewer_microbatches_than_stages_exit_2_naming_the_flag():
