@@ -178,3 +178,17 @@ def test_stage_layout_reads_chunks_from_node_kinds_in_forward_order():
                                    Chunk(4, (DENSE,), RECV_KIND, LOSS)]
     assert stage_layout([(None, EMBED), (0, DENSE[0]), (0, DENSE[1]), (None, LOSS)]) == \
         [Chunk(0, (DENSE,))]
+
+
+def test_pipeline_benchmark_runs_and_analytic_bubbles():
+    """tools/bench_pipeline.py (run on GPUs by test_pipeline_gpu): its runs and the formula."""
+    from epoverlap_tools import bench_pipeline as bench
+    assert bench.analytic_bubble(2, 1, 4) == pytest.approx(1 / 5)
+    assert bench.analytic_bubble(4, 2, 8) == pytest.approx(3 / 19)
+    assert bench.analytic_bubble(1, 1, 8) == 0
+    args = bench.parse_args(["--gpus", "2", "--microbatches", "4,8", "--virtual", "1,2", "--",
+                             "--seed", "3"])
+    runs = bench.scenarios(args)
+    assert [r["name"] for r in runs][:2] == ["pp2_v1_m4_off", "pp2_v1_m4_ovl"]
+    assert runs[-1]["name"] == "ep2_m8_ovl" and "--seed" in runs[-1]["flags"]
+    assert "--num-virtual-stages-per-pipeline-rank" in runs[4]["flags"]
