@@ -1,5 +1,6 @@
-"""Parallel setup and communication: process groups (world = DP x EP) built once and passed
-down (`groups`), and the differentiable expert-parallel all-to-all (`comm`).
+"""Parallel setup and communication: process groups (world = PP x DP, DP = EP x EDP, in
+Megatron-core's order) built once and passed down (`groups`), the differentiable
+expert-parallel all-to-all and the transfers between pipeline stages (`comm`).
 
 May import: config, errors. Never imports the model or the schedule.
 """
