@@ -67,11 +67,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         validate_config(cfg, world, torch.cuda.is_available())
         cfg = cfg.for_world(world)
         data = open_data_source(cfg, cfg.data_parallel_size(world))  # checked before any group
+        setup_environment(cfg, lambda msg: warn(f"epoverlap-train: warning: {msg}"))
+        # after the environment: reading the GPU's memory size initializes CUDA
         check_stages_fit(cfg.with_vocab_size(data.vocab_size), memory_per_rank(cfg))
     except ConfigError as error:
         warn(f"epoverlap-train: error: {error}")  # every rank fails alike; rank 0 says it
         return 2
-    setup_environment(cfg, lambda msg: warn(f"epoverlap-train: warning: {msg}"))
     device_kind = cfg.resolved_device(torch.cuda.is_available())
     groups = init_distributed(cfg.parallel.expert_model_parallel_size, device_kind,
                               cfg.parallel.dist_timeout_minutes,
