@@ -1,10 +1,12 @@
 """One training run: `Trainer` builds the model, grad buffers, optimizer, executor and plan
 from a validated config and runs optimizer steps.
 
-One step: the executor runs the plan (sequential, or the combined 1F1B with
---overlap-moe-expert-parallel-comm) over all microbatches; then, only after the last backward
-and weight-grad action, grads are reduced, clipped, the expert biases updated from the
-all-reduced token counts, and the optimizer steps. Rank 0 prints one line per step (ending
+One step: the executor runs this rank's plan (sequential, or the combined 1F1B with
+--overlap-moe-expert-parallel-comm; with pipeline stages, this stage's 1F1B or interleaved
+1F1B plan, every stage's plan built and checked together at start) over all microbatches;
+then, only after the last backward and weight-grad action, grads are reduced (inside the
+stage), clipped by the whole model's norm, the expert biases updated from the all-reduced token
+counts, and the optimizer steps. Rank 0 prints one line per step (ending
 with the time left at the mean step time so far), with --log-json writes one JSON record per
 step (the loss also as float.hex, for bitwise comparison with `epoverlap-compare-losses`),
 and with --tensorboard-dir the same scalars as TensorBoard events (`training.tensorboard`).
