@@ -102,6 +102,9 @@ class MoEConfig:
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     expert_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None  # Megatron's older form of V
+    num_virtual_stages_per_pipeline_rank: Optional[int] = None  # its newer form: V itself
     distributed_timeout_minutes: float = 10.0
 
 
@@ -214,6 +217,22 @@ class RunConfig:
         """For each layer: True if it is an MoE layer."""
         return moe_layer_pattern(self.model.num_layers, self.moe)
 
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per pipeline stage (V): --num-virtual-stages-per-pipeline-rank, or
+        layers / (P x --num-layers-per-virtual-pipeline-stage); 1 without either."""
+        p = self.parallel
+        if p.num_virtual_stages_per_pipeline_rank is not None:
+            return p.num_virtual_stages_per_pipeline_rank
+        if p.num_layers_per_virtual_pipeline_stage:
+            return self.model.num_layers // (p.pipeline_model_parallel_size
+                                             * p.num_layers_per_virtual_pipeline_stage)
+        return 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Ranks that read different data: one pipeline of PP stages per DP rank."""
+        return world_size // self.parallel.pipeline_model_parallel_size
+
     def resolved_device(self, cuda_available: bool) -> str:
         if self.train.device == "auto":
             return "cuda" if cuda_available else "cpu"
@@ -225,12 +244,12 @@ class RunConfig:
         return self.kernels.kernel_backend
 
     def for_world(self, world_size: int) -> "RunConfig":
-        """This config with num_microbatches derived from --global-batch-size, if given (every
-        rank reads its own data: the data-parallel size is the world size)."""
+        """This config with num_microbatches derived from --global-batch-size, if given (each
+        data-parallel rank reads its own data: DP = world / PP)."""
         gbs = self.train.global_batch_size
         if gbs is None:
             return self
-        microbatches = gbs // (self.train.micro_batch_size * world_size)
+        microbatches = gbs // (self.train.micro_batch_size * self.data_parallel_size(world_size))
         return dataclasses.replace(self, train=dataclasses.replace(
             self.train, num_microbatches=microbatches))
 
@@ -386,10 +405,19 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
      "benchmark only: random router logits (balanced routing)"),
     ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", int,
      "EP size: experts are sharded over EP ranks and replicated over world/EP (EDP) ranks; "
-     "dense layers are data-parallel over the whole world"),
+     "dense layers are data-parallel over the stage's DP ranks"),
     ("--distributed-timeout-minutes", "parallel", "distributed_timeout_minutes", float,
      "collective timeout of every process group: a peer rank that does not answer for this "
      "long ends the job, naming it (fractions allowed, >= 0.05)"),
+    ("--pipeline-model-parallel-size", "parallel", "pipeline_model_parallel_size", int,
+     "PP size: pipeline stages (1F1B schedule; ranks laid out as Megatron-core's "
+     "tp-cp-ep-dp-pp)"),
+    ("--num-layers-per-virtual-pipeline-stage", "parallel",
+     "num_layers_per_virtual_pipeline_stage", _opt_int,
+     "layers per model chunk: interleaved 1F1B with layers / (PP x this) chunks per stage"),
+    ("--num-virtual-stages-per-pipeline-rank", "parallel",
+     "num_virtual_stages_per_pipeline_rank", _opt_int,
+     "model chunks per stage (interleaved 1F1B); the newer form of the flag above"),
     ("--micro-batch-size", "train", "micro_batch_size", int, "sequences per microbatch"),
     ("--num-microbatches", "train", "num_microbatches", int, "microbatches per step"),
     ("--global-batch-size", "train", "global_batch_size", _opt_int,
@@ -669,10 +697,55 @@ def _validate_router(moe: MoEConfig) -> None:
                  f"topk/group_topk must be <= experts per group ({per_group})")
 
 
+def _validate_pipeline(cfg: RunConfig, world_size: int) -> None:
+    """--pipeline-model-parallel-size and the virtual-stage flags: every stage and every model
+    chunk holds the same whole number of layers."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    pp = p.pipeline_model_parallel_size
+    _require(pp >= 1 and world_size % pp == 0, "pipeline_model_parallel_size", pp,
+             f"must divide the world size {world_size}")
+    _require(layers % pp == 0, "pipeline_model_parallel_size", pp,
+             f"must divide --num-layers={layers} (every stage holds as many layers)")
+    per_stage = layers // pp
+    given = [(name, getattr(p, name)) for name in ("num_layers_per_virtual_pipeline_stage",
+                                                    "num_virtual_stages_per_pipeline_rank")
+             if getattr(p, name) is not None]
+    if len(given) == 2:
+        raise ConfigError(flag_of(given[1][0]), given[1][1],
+                          f"give it or {flag_of(given[0][0])}, not both")
+    for name, value in given:
+        _require(value >= 1, name, value, "must be >= 1")
+        _require(pp > 1, name, value, "needs --pipeline-model-parallel-size > 1 (virtual "
+                 "stages interleave a pipeline)")
+        _require(per_stage % value == 0, name, value,
+                 f"must divide the {per_stage} layers of each stage (--num-layers={layers} / "
+                 f"--pipeline-model-parallel-size={pp})")
+
+
+def _validate_microbatches(cfg: RunConfig, world_size: int) -> None:
+    """A pipeline of P stages needs at least P microbatches per step (one in flight each)."""
+    pp, t = cfg.parallel.pipeline_model_parallel_size, cfg.train
+    if pp == 1:
+        return
+    if t.global_batch_size is not None:
+        dp = cfg.data_parallel_size(world_size)
+        count = t.global_batch_size // (t.micro_batch_size * dp)
+        _require(count >= pp, "global_batch_size", t.global_batch_size,
+                 f"gives {count} microbatches per step (/ --micro-batch-size x data-parallel "
+                 f"ranks = {t.micro_batch_size} x {dp}); --pipeline-model-parallel-size={pp} "
+                 f"needs at least {pp}")
+    else:
+        _require(t.num_microbatches >= pp, "num_microbatches", t.num_microbatches,
+                 f"must be >= --pipeline-model-parallel-size={pp} (every stage needs a "
+                 "microbatch in flight)")
+
+
 def _validate_moe(cfg: RunConfig, world_size: int) -> None:
     moe, ep = cfg.moe, cfg.parallel.expert_model_parallel_size
-    _require(ep >= 1 and world_size % ep == 0, "expert_model_parallel_size", ep,
-             f"must divide the world size {world_size}")
+    pp = cfg.parallel.pipeline_model_parallel_size
+    _require(ep >= 1 and world_size % (ep * pp) == 0, "expert_model_parallel_size", ep,
+             f"must divide the world size {world_size}" if pp == 1 else
+             f"EP x PP = {ep} x {pp} must divide the world size {world_size}")
     if not moe.enabled:
         _require(ep == 1, "expert_model_parallel_size", ep, "must be 1 without --num-experts")
         return
@@ -685,14 +758,14 @@ def _validate_moe(cfg: RunConfig, world_size: int) -> None:
         _require(value is None or value >= 1, name, value, "must be >= 1")
 
 
-def _validate_train(t: TrainConfig, world_size: int, cuda_available: bool) -> None:
+def _validate_train(t: TrainConfig, dp_size: int, cuda_available: bool) -> None:
     for name in ("micro_batch_size", "num_microbatches", "train_iters"):
         _require(getattr(t, name) >= 1, name, getattr(t, name), "must be >= 1")
-    per_microbatch = t.micro_batch_size * world_size
+    per_microbatch = t.micro_batch_size * dp_size
     _require(t.global_batch_size is None or (t.global_batch_size >= per_microbatch and
                                              t.global_batch_size % per_microbatch == 0),
              "global_batch_size", t.global_batch_size, f"must be a multiple of "
-             f"--micro-batch-size x ranks = {t.micro_batch_size} x {world_size}")
+             f"--micro-batch-size x ranks = {t.micro_batch_size} x {dp_size}")
     _require(t.lr > 0, "lr", t.lr, "must be > 0")
     _require(0 <= t.min_lr <= t.lr, "min_lr", t.min_lr, f"must be in [0, --lr={t.lr}]")
     _require(t.lr_warmup_iters >= 0, "lr_warmup_iters", t.lr_warmup_iters, "must be >= 0")
@@ -715,12 +788,14 @@ def _validate_overlap(cfg: RunConfig) -> None:
              f"allowed: {', '.join(OVERLAP_PLANS)}")
     _require(o.comm_mode in COMM_MODES, "comm_mode", o.comm_mode,
              f"allowed: {', '.join(COMM_MODES)}")
-    if o.overlap_moe_expert_parallel_comm:
+    if o.overlap_moe_expert_parallel_comm and cfg.parallel.pipeline_model_parallel_size == 1:
+        # with pipeline stages there are always transfers to hide (the P2P on the comm lane)
         _require(cfg.parallel.expert_model_parallel_size > 1, "overlap_moe_expert_parallel_comm",
-                 True, "requires --expert-model-parallel-size > 1 (there is no all-to-all "
-                 "to hide with EP=1)")
+                 True, "requires --expert-model-parallel-size > 1 or "
+                 "--pipeline-model-parallel-size > 1 (there is no communication to hide)")
         _require(any(cfg.moe_layer_pattern()), "overlap_moe_expert_parallel_comm", True,
-                 "requires at least one MoE layer (--num-experts, --moe-layer-freq)")
+                 "requires at least one MoE layer (--num-experts, --moe-layer-freq) or "
+                 "--pipeline-model-parallel-size > 1")
     _require(not o.delay_wgrad_compute or o.overlap_moe_expert_parallel_comm,
              "delay_wgrad_compute", True, "requires --overlap-moe-expert-parallel-comm")
 
@@ -868,6 +943,10 @@ def _require_writable(field_name: str, path_text: str, directory: bool) -> None:
 
 def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
     pattern = cfg.moe_layer_pattern()
+    pp = cfg.parallel.pipeline_model_parallel_size
+    _require(cfg.cuda_graph.impl == "none" or pp == 1, "cuda_graph_impl", cfg.cuda_graph.impl,
+             f"not built with --pipeline-model-parallel-size={pp} yet (graphs capture a "
+             "one-stage plan); use --cuda-graph-impl none")
     try:
         import transformer_engine  # noqa: F401
         te_available = True
@@ -892,8 +971,10 @@ def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> No
     _require(timeout >= MIN_TIMEOUT_MINUTES, "distributed_timeout_minutes", timeout,
              f"must be >= {MIN_TIMEOUT_MINUTES} (3 s): the liveness checks need a few "
              "heartbeats within it")
+    _validate_pipeline(cfg, world_size)
     _validate_moe(cfg, world_size)
-    _validate_train(cfg.train, world_size, cuda_available)
+    _validate_train(cfg.train, cfg.data_parallel_size(world_size), cuda_available)
+    _validate_microbatches(cfg, world_size)
     _validate_overlap(cfg)
     _validate_kernels_data_log(cfg, cuda_available)
     _validate_checkpoint(cfg.checkpoint)

@@ -128,6 +128,33 @@ def test_preset_then_explicit_flag_wins():
     (["--save-interval", "5"], 2, "--save-interval", "needs --save"),
     (["--save", "x", "--save-interval", "0"], 2, "--save-interval", ">= 1"),
     (["--save", ""], 2, "--save", "must name a folder"),
+    (["--pipeline-model-parallel-size", "3"], 4, "--pipeline-model-parallel-size",
+     "divide the world size 4"),
+    (["--pipeline-model-parallel-size", "4"], 4, "--pipeline-model-parallel-size",
+     "divide --num-layers=2"),
+    (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "4"], 4,
+     "--expert-model-parallel-size", "EP x PP = 4 x 2 must divide the world size 4"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], 2,
+     "--num-layers-per-virtual-pipeline-stage", "needs --pipeline-model-parallel-size > 1"),
+    (["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+      "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+     "--num-layers-per-virtual-pipeline-stage", "divide the 2 layers of each stage"),
+    (["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+      "--num-virtual-stages-per-pipeline-rank", "3"], 2,
+     "--num-virtual-stages-per-pipeline-rank", "divide the 2 layers of each stage"),
+    (["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+      "--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage",
+      "1"], 2, "--num-virtual-stages-per-pipeline-rank", "not both"),
+    (["--pipeline-model-parallel-size", "2", "--num-microbatches", "1"], 2,
+     "--num-microbatches", ">= --pipeline-model-parallel-size=2"),
+    (["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+      "--micro-batch-size", "2"], 4, "--global-batch-size",
+     "gives 1 microbatches per step (/ --micro-batch-size x data-parallel ranks = 2 x 2)"),
+    (["--pipeline-model-parallel-size", "2", "--global-batch-size", "6",
+      "--micro-batch-size", "2"], 4, "--global-batch-size",
+     "multiple of --micro-batch-size x ranks = 2 x 2"),
+    (["--pipeline-model-parallel-size", "2", "--cuda-graph-impl", "local",
+      "--cuda-graph-modules", "attn"], 2, "--cuda-graph-impl", "not built with"),
 ])
 def test_each_bad_value_names_its_flag(argv, world, flag, fragment):
     error = rejected(argv, world)
@@ -135,6 +162,26 @@ def test_each_bad_value_names_its_flag(argv, world, flag, fragment):
     assert message.startswith(flag + "="), message
     assert fragment.lower() in message.lower(), message
     assert "\n" not in message
+
+
+def test_pipeline_flags_resolve_virtual_stages_and_data_parallel_size():
+    pp = ["--num-layers", "8", "--pipeline-model-parallel-size", "2"]
+    assert parse_config(BASE + pp).virtual_stages == 1
+    older = parse_config(BASE + pp + ["--num-layers-per-virtual-pipeline-stage", "2"])
+    newer = parse_config(BASE + pp + ["--num-virtual-stages-per-pipeline-rank", "2"])
+    assert older.virtual_stages == newer.virtual_stages == 2
+    cfg = parse_config(BASE + pp + ["--global-batch-size", "16", "--micro-batch-size", "2"])
+    assert cfg.data_parallel_size(8) == 4
+    assert cfg.for_world(8).train.num_microbatches == 2  # 16 / (2 x 4 data-parallel ranks)
+    check(pp + ["--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
+                "--delay-wgrad-compute"], world_size=4)
+
+
+def test_with_pipeline_stages_the_overlap_needs_no_expert_parallelism():
+    """The P2P transfers are comm to hide too: PP > 1 alone allows the overlap."""
+    check(["--pipeline-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm"])
+    check(["--pipeline-model-parallel-size", "2", "--num-experts", "0",
+           "--overlap-moe-expert-parallel-comm"])
 
 
 def test_paths_that_are_files_or_folders_where_the_other_is_needed(tmp_path):
@@ -204,8 +251,10 @@ def test_cli_flag_list_is_frozen():
         "--moe-router-bias-update-rate", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
         "--moe-router-dtype", "--moe-layer-freq", "--moe-first-k-dense-replace",
         "--moe-router-force-load-balancing", "--expert-model-parallel-size",
-        "--distributed-timeout-minutes", "--dist-timeout-minutes", "--micro-batch-size",
-        "--num-microbatches", "--train-iters", "--global-batch-size",
+        "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+        "--num-virtual-stages-per-pipeline-rank", "--distributed-timeout-minutes",
+        "--dist-timeout-minutes", "--micro-batch-size", "--num-microbatches", "--train-iters",
+        "--global-batch-size",
         "--lr", "--min-lr", "--lr-warmup-iters", "--weight-decay", "--adam-beta1",
         "--adam-beta2", "--adam-eps", "--clip-grad", "--seed", "--bf16", "--deterministic-mode",
         "--device", "--skip-optimizer-step", "--overlap-moe-expert-parallel-comm",

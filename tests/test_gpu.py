@@ -53,7 +53,8 @@ def _single_gpu_grads(lanes_kind: str, delay: bool, graphs: bool = False):
     queue = WeightGradQueue(enabled=delay)
     model = MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("triton"), dtype=torch.bfloat16,
                      device=device, wgrad_queue=queue)
-    grads = GradBuffers(model, SimpleNamespace(world_size=1, ep_size=1, edp_size=1))
+    grads = GradBuffers(model, SimpleNamespace(world_size=1, ep_size=1, edp_size=1, dp_size=1,
+                                               pp_size=1))
     lanes = CudaStreamLanes(device) if lanes_kind == "streams" else SerialLanes()
     plan = build_plan("combined_1f1b" if lanes_kind == "streams" else "sequential",
                       model.layout(), 4, delay)

@@ -85,7 +85,7 @@ def _build(delay):
     queue = WeightGradQueue(enabled=delay)
     model = MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
                      device=torch.device("cpu"), wgrad_queue=queue)
-    groups = SimpleNamespace(world_size=1, ep_size=1, edp_size=1)
+    groups = SimpleNamespace(world_size=1, ep_size=1, edp_size=1, dp_size=1, pp_size=1)
     return model, queue, GradBuffers(model, groups)
 
 

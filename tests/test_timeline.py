@@ -142,6 +142,31 @@ def test_multi_rank(tmp_path, capsys):
     assert summary["spans"]["world_size"] == 3 and "mean_over_steps" not in summary["spans"]
 
 
+def test_pipeline_stages_get_their_bubbles_marked_and_their_layers_labelled(tmp_path, capsys):
+    """Two stages of a pipeline: stage 1 waits for stage 0's activation (its receive on the
+    comm lane) before it computes; the idle compute time is its bubble."""
+    stage0 = spans(("compute", "F0.embed", 0, 5), ("compute", "F0.attn.L0", 5, 20),
+                   ("comm", "F0.send.L0", 20, 25), ("compute", "B0.attn.L0", 60, 80))
+    stage1 = spans(("comm", "F0.recv.L1", 0, 25), ("compute", "F0.attn.L1", 25, 40),
+                   ("compute", "F0.loss", 40, 45), ("compute", "B0.attn.L1", 45, 55),
+                   ("comm", "B0.recv.L1", 55, 60))
+    directory = write_world(tmp_path / "spans", [{1: (80.0, stage0)}, {1: (80.0, stage1)}])
+    out_dir = tmp_path / "out"
+    code, out, err = run_tool(capsys, directory, "--out-dir", out_dir)
+    assert code == 0, err
+    summary = summary_of(out_dir)
+    assert_figures(rank_row(summary, 0, 0), bubble_us=40, bubble_fraction=0.5)
+    assert_figures(rank_row(summary, 0, 1), bubble_us=50, bubble_fraction=50 / 80)
+    assert "bubble" in out.splitlines()[3]  # the per-rank table's header
+    trace = json.loads((out_dir / tl.TRACE_FILE).read_text())["traceEvents"]
+    bubbles = [(e["pid"], e["ts"], e["dur"]) for e in trace if e.get("cat") == "bubble"]
+    assert bubbles == [(0, 20.0, 40.0), (1, 0.0, 25.0), (1, 55.0, 25.0)]
+    assert all(e["tid"] == tl.BUBBLE_TID for e in trace if e.get("cat") == "bubble")
+    labels = {e["pid"]: e["args"]["labels"] for e in trace if e["name"] == "process_labels"}
+    assert labels == {0: "L0", 1: "L1"}
+    assert (out_dir / tl.PNG_FILE).read_bytes()[:8] == PNG_MAGIC
+
+
 def test_per_layer_exposure_counts_other_layers_compute(tmp_path, capsys):
     rows = spans(
         ("compute", "F0.embed", 0, 5),
@@ -220,7 +245,7 @@ def test_chrome_trace_is_valid(tmp_path, capsys):
         trace = json.load(handle)
     events = trace["traceEvents"]
     assert all({"name", "ph", "pid", "tid"} <= event.keys() for event in events)
-    complete = [e for e in events if e["ph"] == "X" and e["cat"] != "step"]
+    complete = [e for e in events if e["ph"] == "X" and e["cat"] not in ("step", "bubble")]
     assert len(complete) == 2 * 2 * 6
     assert {e["pid"] for e in complete} == {0, 1}
     for event in complete:

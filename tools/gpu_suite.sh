@@ -12,6 +12,9 @@
 #   tools/gpu_suite.sh one       one GPU: graphs/streams GPU tests, kernel tests, host cost
 #                                eager vs graphed, 200-step small-preset runs (graphed, with and
 #                                without --deterministic-mode), the same command twice
+#   tools/gpu_suite.sh pipeline  pipeline GPU tests (PP=2 bitwise vs one GPU; PP=2 x EP=2 on 4)
+#                                + pipeline benchmark (bubble measured vs analytic, overlap
+#                                on/off, PP=NGPUS against EP=NGPUS)
 #   tools/gpu_suite.sh runs      200-step main-job and small-preset runs (stalls, imbalance, the
 #                                price of --deterministic) + overlap benchmark with graphs,
 #                                NVLink and NCCL_P2P_DISABLE=1
@@ -108,6 +111,12 @@ case "$PART" in
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=420 step gpu_tests python3 -m pytest \
       tests/test_gpu.py -q -x -k "one_gpu or cli_runs or streams" --durations=8
     STEP_TIMEOUT=150 step kernel_tests python3 -m pytest tests/kernels -m gpu -q -x
+    ;;
+  pipeline)
+    STEP_TIMEOUT=420 step pipeline_tests python3 -m pytest tests/test_pipeline_gpu.py -q
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=400 step bench_pipeline python3 \
+      tools/bench_pipeline.py --gpus "$NGPUS" --preset small --num-layers 8 --iters 12 \
+      --out-dir "$WORK/bench_pipeline"
     ;;
   tests1)  # the one-GPU pytest tier alone
     STEP_TIMEOUT=300 step gpu_tests python3 -m pytest tests/test_gpu.py -q -m gpu --durations=8

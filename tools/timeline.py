@@ -15,6 +15,11 @@ Metric definitions (all in microseconds, per rank and step, window = [0, step_ti
   hidden_comm_us   measure(union(comm) intersect union(compute)) = comm_us - exposed_comm_us
   overlap_ratio    hidden_comm_us / comm_us; defined as 1.0 when comm_us == 0 (nothing exposed)
   idle_us, idle_gaps  measure and count of the pieces of the window where neither lane is busy
+  bubble_us        measure(window minus union(compute)): the compute lane idle, as a pipeline
+                   stage is while it waits for another (plus any exposed comm and host gaps);
+                   bubble_fraction = bubble_us / step_time_us. Marked in the trace (a `bubble`
+                   track per rank) and the PNG (grey on the compute row). Each rank's trace
+                   process is labelled with the layers its spans ran (its pipeline stage).
 Per layer the busy times use only that layer's spans, but exposure is measured against ALL of the
 rank's compute (comm hidden behind another layer's compute counts as hidden). Spans with no layer
 (embed, loss) form the layer `null`. The mean-over-steps row averages each field over the steps;
@@ -37,6 +42,7 @@ from typing import Any, Sequence
 from epoverlap.profiling.overlap import (  # noqa: F401  (gaps, WindowMetrics: re-exported)
     CommOverlap, Interval, WindowMetrics, comm_overlap, gaps, intersect, lane_intervals, measure,
     step_metrics, subtract, union, window_metrics)
+from epoverlap.model.stages import describe_layers
 from epoverlap.profiling.spans import RankSpans, Span, SpanFileError, StepSpans, read_span_directory
 
 TRACE_FILE = "timeline_trace.json"
@@ -46,6 +52,8 @@ SUMMARY_FORMAT = "epoverlap-timeline-summary"
 SUMMARY_VERSION = 1
 LANE_TIDS = {"compute": 0, "comm": 1}
 STEP_TID = 2
+BUBBLE_TID = 3
+BUBBLE_COLOR = "#c7c7c7"
 # Reserved Chrome trace-viewer colour names (`cname`), cycled by microbatch.
 TRACE_PALETTE = (
     "thread_state_runnable",
@@ -68,6 +76,9 @@ DEFINITIONS = {
     "overlap_ratio": "hidden_comm_us / comm_us; 1.0 when comm_us == 0",
     "idle_us": "time in the window [0, step_time_us] when neither lane is busy",
     "idle_gaps": "number of maximal idle intervals in the window (leading/trailing included)",
+    "bubble_us": "time in the window when the compute lane is idle (pipeline bubble, exposed "
+                 "comm, host gaps)",
+    "bubble_fraction": "bubble_us / step_time_us",
     "layers": "busy times from that layer's spans only; exposure against ALL compute of the rank",
     "mean_over_steps": "field means over steps; overlap_ratio = sum(hidden) / sum(comm)",
 }
@@ -95,6 +106,19 @@ def layer_metrics(step: StepSpans) -> dict[int | None, CommOverlap]:
     return out
 
 
+def bubbles(step: StepSpans) -> list[Interval]:
+    """Where the rank's compute lane is idle in its step (module docstring: bubble_us)."""
+    return gaps(lane_intervals(step.spans, "compute"), 0.0, step.step_time_us)
+
+
+def _rank_row(rank: int, step: StepSpans) -> dict[str, Any]:
+    layers = [{"layer": layer, **asdict(figures)} for layer, figures in layer_metrics(step).items()]
+    bubble_us = measure(bubbles(step))
+    return {"rank": rank, **step_metrics(step).as_dict(), "bubble_us": bubble_us,
+            "bubble_fraction": bubble_us / step.step_time_us if step.step_time_us else 0.0,
+            "layers": layers}
+
+
 def mean_over_steps(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Mean of each numeric field; overlap_ratio recomputed as sum(hidden) / sum(comm)."""
     keys = [key for key, value in rows[0].items() if isinstance(value, (int, float))]
@@ -110,10 +134,7 @@ def span_summary(ranks: list[RankSpans], steps: list[int]) -> dict[str, Any]:
     for step_number in steps:
         rows = []
         for rank_spans in ranks:
-            step = _find_step(rank_spans, step_number)
-            layers = [{"layer": layer, **asdict(figures)}
-                      for layer, figures in layer_metrics(step).items()]
-            rows.append({"rank": rank_spans.rank, **step_metrics(step).as_dict(), "layers": layers})
+            rows.append(_rank_row(rank_spans.rank, _find_step(rank_spans, step_number)))
         per_step.append({"step": step_number, "ranks": rows})
     summary: dict[str, Any] = {"steps": per_step}
     if len(steps) > 1:
@@ -267,12 +288,14 @@ def chrome_trace(ranks: list[RankSpans], steps: list[int], source: str) -> dict[
     """One process per rank, one thread per lane (+ a step track), steps laid end to end."""
     events: list[dict[str, Any]] = []
     for rank_spans in ranks:
-        events += _rank_metadata(rank_spans.rank)
+        events += _rank_metadata(rank_spans)
         offset = 0.0
         for step_number in steps:
             step = _find_step(rank_spans, step_number)
             events.append(_step_event(rank_spans.rank, step, offset))
             events += [_span_event(rank_spans.rank, step.step, span, offset) for span in step.spans]
+            events += [_bubble_event(rank_spans.rank, step.step, start, end, offset)
+                       for start, end in bubbles(step)]
             offset += step.step_time_us
     other = {"source": source, "clock": ranks[0].clock, "world_size": ranks[0].world_size}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
@@ -313,13 +336,19 @@ def read_chrome_trace(path: str | Path) -> list[RankSpans]:
             for rank in ranks]
 
 
-def _rank_metadata(rank: int) -> list[dict[str, Any]]:
+def _rank_metadata(rank_spans: RankSpans) -> list[dict[str, Any]]:
+    rank = rank_spans.rank
+
     def meta(name: str, tid: int, args: dict[str, Any]) -> dict[str, Any]:
         return {"name": name, "ph": "M", "pid": rank, "tid": tid, "args": args}
 
+    layers = sorted({span.layer for step in rank_spans.steps for span in step.spans
+                     if span.layer is not None})
     events = [meta("process_name", 0, {"name": f"rank {rank}"}),
               meta("process_sort_index", 0, {"sort_index": rank})]
-    for lane, tid in [*LANE_TIDS.items(), ("step", STEP_TID)]:
+    if layers:
+        events.append(meta("process_labels", 0, {"labels": describe_layers(layers)}))
+    for lane, tid in [*LANE_TIDS.items(), ("step", STEP_TID), ("bubble", BUBBLE_TID)]:
         events += [meta("thread_name", tid, {"name": lane}),
                    meta("thread_sort_index", tid, {"sort_index": tid})]
     return events
@@ -334,6 +363,13 @@ def _span_event(rank: int, step: int, span: Span, offset: float) -> dict[str, An
         "args": {"microbatch": span.microbatch, "layer": span.layer, "node": span.node,
                  "phase": span.phase, "lane": span.lane, "step": step},
     }
+
+
+def _bubble_event(rank: int, step: int, start: float, end: float,
+                  offset: float) -> dict[str, Any]:
+    return {"name": "bubble", "cat": "bubble", "ph": "X", "ts": offset + start,
+            "dur": end - start, "pid": rank, "tid": BUBBLE_TID, "cname": "grey",
+            "args": {"step": step}}
 
 
 def _step_event(rank: int, step: StepSpans, offset: float) -> dict[str, Any]:
@@ -365,6 +401,7 @@ def draw_gantt(ranks: list[RankSpans], step_number: int, path: Path, title: str 
     for row_pair, (rank_spans, step) in enumerate(zip(ranks, steps)):
         compute_y, comm_y = -2 * row_pair, -2 * row_pair - 1
         all_compute = union(lane_intervals(step.spans, "compute"))
+        _bars(axes, bubbles(step), compute_y, BUBBLE_COLOR, hatch="xx", alpha=0.5)
         for span in step.spans:
             microbatches.add(span.microbatch)
             color = colors[span.microbatch % len(colors)]
@@ -391,7 +428,8 @@ def draw_gantt(ranks: list[RankSpans], step_number: int, path: Path, title: str 
     handles = [Patch(color=colors[mb % len(colors)], label=f"microbatch {mb}")
                for mb in sorted(microbatches)]
     handles += [Patch(facecolor="white", edgecolor="black", hatch="///", label="comm, hidden"),
-                Patch(color=EXPOSED_COLOR, label="comm, exposed")]
+                Patch(color=EXPOSED_COLOR, label="comm, exposed"),
+                Patch(facecolor=BUBBLE_COLOR, hatch="xx", label="compute idle (bubble)")]
     axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -410,6 +448,7 @@ def _bars(axes: Any, intervals: list[Interval], y: float, color: Any, **style: A
 
 _RANK_COLUMNS = ("step_time_us", "compute_busy_us", "comm_us", "exposed_comm_us",
                  "hidden_comm_us", "overlap_ratio", "idle_us", "idle_gaps")
+_SPAN_COLUMNS = _RANK_COLUMNS + ("bubble_us",)
 _LAYER_COLUMNS = ("compute_busy_us", "comm_us", "exposed_comm_us", "hidden_comm_us",
                   "overlap_ratio")
 
@@ -428,15 +467,15 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def format_span_summary(summary: dict[str, Any]) -> str:
     """Per-rank table (every step, then means) and per-(rank, layer) table of the last block."""
-    rows = [[step["step"], row["rank"], *(row[c] for c in _RANK_COLUMNS)]
+    rows = [[step["step"], row["rank"], *(row[c] for c in _SPAN_COLUMNS)]
             for step in summary["steps"] for row in step["ranks"]]
     layer_source = summary["steps"][-1]["ranks"]
     layer_title = f"per layer, step {summary['steps'][-1]['step']}"
     if "mean_over_steps" in summary:
-        rows += [["mean", row["rank"], *(row[c] for c in _RANK_COLUMNS)]
+        rows += [["mean", row["rank"], *(row[c] for c in _SPAN_COLUMNS)]
                  for row in summary["mean_over_steps"]]
         layer_source, layer_title = summary["mean_over_steps"], "per layer, mean over steps"
-    names = [c.removesuffix("_us") for c in _RANK_COLUMNS]
+    names = [c.removesuffix("_us") for c in _SPAN_COLUMNS]
     text = "per rank (times in us)\n" + _table(["step", "rank", *names], rows)
     layer_rows = [[row["rank"], "-" if e["layer"] is None else e["layer"],
                    *(e[c] for c in _LAYER_COLUMNS)] for row in layer_source for e in row["layers"]]

@@ -1,7 +1,8 @@
 """The model: embedding, decoder layers (attention, router, dispatcher, experts), loss, exposed
 as node callables (`NodeSpec`) that know nothing of schedules.
 
-Owns `transformer` (the model and its layers' nodes), `moe` (router, dropless dispatcher,
-experts), `linear` (GEMMs whose weight grads can be deferred) and `nodes` (the node protocol a
-scheduler sees). May import: config, errors, parallel.comm, epoverlap_kernels.
+Owns `transformer` (the model, or one pipeline stage of it, and its layers' nodes), `moe`
+(router, dropless dispatcher, experts), `linear` (GEMMs whose weight grads can be deferred),
+`nodes` (the node protocol a scheduler sees) and `stages` (which layers each pipeline stage and
+model chunk holds; pure arithmetic). May import: config, errors, parallel.comm, epoverlap_kernels.
 """

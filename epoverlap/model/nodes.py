@@ -7,6 +7,13 @@ map local names to the microbatch-wide value names (for example "hidden.L2" or "
 Every differentiable value has exactly one consumer, so grads never need summing across nodes.
 Cutting a node out of autograd is the schedule's business (`epoverlap.schedule.node_run`).
 
+Pipeline boundaries are nodes too: a `recv` node (kind p2p=RECV) at the start of a model chunk
+receives the chunk's input activation from the previous pipeline stage in its forward and sends
+that activation's grad back in its backward; a `send` node (p2p=SEND) at the end of a chunk sends
+the output activation to the next stage and receives its grad. Both run on the comm lane, and
+their backward is not autograd's: `NodeSpec.backward` takes the grads of the node's outputs and
+returns those of its inputs (local names), as a transfer's reverse direction.
+
 A node may also declare its forward as `Segment`s run in order over one namespace of local
 names (the node's inputs, then each segment's outputs). Segment names are the regions users
 name in `--cuda-graph-modules` (attn, moe_router, moe_preprocess, mlp): a run factory can then
@@ -20,16 +27,22 @@ from typing import Callable, Optional, Sequence
 
 COMPUTE = "compute"
 COMM = "comm"
+SEND = "send"  # pipeline boundary at a chunk's end: forward sends the activation, backward
+#                receives its grad
+RECV = "recv"  # pipeline boundary at a chunk's start: forward receives the activation,
+#                backward sends its grad
 
 
 @dataclass(frozen=True)
 class NodeKind:
     """The facts a plan needs about a node: its name, its lane, whether a W action can run its
-    weight grads later. Written once, in the model's `NodeSpec`."""
+    weight grads later, and whether it is a pipeline boundary (`p2p`: SEND or RECV; None for
+    every other node). Written once, in the model's `NodeSpec`."""
 
     name: str
     lane: str
     deferrable: bool = False
+    p2p: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -77,10 +90,12 @@ class NodeSpec:
     has_weights: bool = False  # owns weight-grad work that can be deferred
     loss: Optional[str] = None  # local name of the scalar loss this node outputs, if any
     segments: tuple[Segment, ...] = ()  # the forward as named pieces (fn runs them), if any
+    p2p: Optional[str] = None  # SEND or RECV for a pipeline boundary node
+    backward: Optional[Callable[..., dict]] = None  # P2P nodes: output grads -> input grads
 
     @property
     def kind(self) -> NodeKind:
-        return NodeKind(self.name, self.lane, self.has_weights)
+        return NodeKind(self.name, self.lane, self.has_weights, self.p2p)
 
     @property
     def key(self) -> tuple[Optional[int], str]:

@@ -11,7 +11,8 @@ Nodes of an MoE layer (overlap.md):
   mlp      (compute) sort by local expert, grouped SwiGLU experts, unsort
   combine  (comm)    all-to-all back, unpermute, + shared expert output, + residual
 A dense layer has `attn` (norm, attention, residual, pre-MLP norm) and `mlp` (MLP + residual).
-Plus `embed` (tokens -> hidden) and `loss` (final norm, head, cross-entropy).
+Plus `embed` (tokens -> hidden) and `loss` (final norm, head, cross-entropy), and with pipeline
+parallelism `recv` / `send` (comm) at the start / end of a stage's chunk (`model.stages`).
 
 Shape legend: B microbatch sequences, S sequence length, T = B*S tokens, H hidden, V vocab,
 Q query heads, G key/value heads, D head dim.
@@ -20,18 +21,21 @@ Q query heads, G key/value heads, D head dim.
 from __future__ import annotations
 
 import math
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from epoverlap_kernels import MoEOps
 
-from epoverlap.parallel.comm import ExpertComm
+from epoverlap.parallel.comm import ExpertComm, PipelineComm
 from epoverlap.config import RunConfig
 from epoverlap.model.linear import linear
 from epoverlap.model.moe import AllToAllDispatcher, GroupedSwiGLUExperts, Router, SwiGLU, param_seed, \
     seeded_normal_
-from epoverlap.model.nodes import COMM, COMPUTE, NodeSpec, Segment, segmented
+from epoverlap.model.nodes import COMM, COMPUTE, RECV, SEND, NodeSpec, Segment, segmented
+from epoverlap.model.stages import stage_chunks
 
 
 class RMSNorm(nn.Module):
@@ -240,24 +244,38 @@ class TransformerLayer(nn.Module):
 
 
 class MoEModel(nn.Module):
-    """Embedding, layers, final norm, output head, cross-entropy loss."""
+    """Embedding, layers, final norm, output head, cross-entropy loss: the whole model, or with
+    pipeline parallelism one stage of it (`stage`): only that stage's layers (global indices,
+    so parameter names and init are the whole model's), the embedding on the stage holding
+    layer 0, the final norm and head on the stage holding the last layer, and a `recv` / `send`
+    node at every chunk boundary to another stage (through `pipe`)."""
 
     def __init__(self, cfg: RunConfig, comm: ExpertComm, ep_rank: int, ops: MoEOps, *,
-                 dtype: torch.dtype, device: torch.device, wgrad_queue=None):
+                 dtype: torch.dtype, device: torch.device, wgrad_queue=None, stage: int = 0,
+                 pipe: Optional[PipelineComm] = None):
         super().__init__()
         m, seed = cfg.model, cfg.train.seed
-        self.cfg = cfg
-        self.embedding = nn.Parameter(torch.empty(m.vocab_size, m.hidden_size, dtype=dtype,
-                                                  device=device))
-        seeded_normal_(self.embedding, m.init_method_std, param_seed(seed, "embedding"))
+        self.cfg, self.pipe = cfg, pipe
+        self.chunks = stage_chunks(m.num_layers, cfg.parallel.pipeline_model_parallel_size,
+                                   cfg.virtual_stages, stage)
+        if len(self.chunks) > 1 or not (self.chunks[0].has_embedding
+                                        and self.chunks[0].has_loss):
+            if pipe is None:
+                raise ValueError(f"stage {stage} of a pipeline needs a PipelineComm")
+        if any(chunk.has_embedding for chunk in self.chunks):
+            self.embedding = nn.Parameter(torch.empty(m.vocab_size, m.hidden_size, dtype=dtype,
+                                                      device=device))
+            seeded_normal_(self.embedding, m.init_method_std, param_seed(seed, "embedding"))
         pattern = cfg.moe_layer_pattern()
-        self.layers = nn.ModuleList(
-            TransformerLayer(cfg, layer, pattern[layer], comm, ep_rank, ops, dtype=dtype,
-                             device=device, queue=wgrad_queue) for layer in range(m.num_layers))
-        self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
-        self.head = nn.Parameter(torch.empty(m.vocab_size, m.hidden_size, dtype=dtype,
-                                             device=device))
-        seeded_normal_(self.head, m.init_method_std, param_seed(seed, "head"))
+        self.layers = nn.ModuleDict({
+            str(layer): TransformerLayer(cfg, layer, pattern[layer], comm, ep_rank, ops,
+                                         dtype=dtype, device=device, queue=wgrad_queue)
+            for chunk in self.chunks for layer in chunk.layers})
+        if any(chunk.has_loss for chunk in self.chunks):
+            self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
+            self.head = nn.Parameter(torch.empty(m.vocab_size, m.hidden_size, dtype=dtype,
+                                                 device=device))
+            seeded_normal_(self.head, m.init_method_std, param_seed(seed, "head"))
 
     def embed_forward(self, tokens):
         return {"hidden": F.embedding(tokens.reshape(-1), self.embedding)}
@@ -266,27 +284,67 @@ class MoEModel(nn.Module):
         logits_TV = linear(self.final_norm(hidden), self.head)
         return {"loss": F.cross_entropy(logits_TV.float(), labels.reshape(-1))}
 
+    def transformer_layers(self) -> list[TransformerLayer]:
+        """This stage's layers in forward order of its chunks."""
+        return list(self.layers.values())
+
     def node_specs(self) -> list[NodeSpec]:
-        """Every node in forward order."""
-        last = f"hidden.L{len(self.layers)}"
-        specs = [NodeSpec("embed", None, COMPUTE, self.embed_forward, {"tokens": "tokens"},
-                          {"hidden": "hidden.L0"})]
-        for layer in self.layers:
-            specs.extend(layer.node_specs())
-        specs.append(NodeSpec("loss", None, COMPUTE, self.loss_forward,
-                              {"hidden": last, "labels": "labels"}, {"loss": "loss"},
-                              loss="loss"))
+        """Every node of this stage in forward order, chunk by chunk."""
+        specs = []
+        for chunk in self.chunks:
+            first, end = chunk.layers[0], chunk.layers[-1] + 1
+            specs.append(self._embed_spec() if chunk.has_embedding
+                         else self._recv_spec(first, chunk.prev_stage))
+            for layer in chunk.layers:
+                specs.extend(self.layers[str(layer)].node_specs())
+            specs.append(self._loss_spec(end) if chunk.has_loss
+                         else self._send_spec(end - 1, chunk.next_stage))
         return specs
+
+    def _embed_spec(self) -> NodeSpec:
+        return NodeSpec("embed", None, COMPUTE, self.embed_forward, {"tokens": "tokens"},
+                        {"hidden": "hidden.L0"})
+
+    def _loss_spec(self, end: int) -> NodeSpec:
+        return NodeSpec("loss", None, COMPUTE, self.loss_forward,
+                        {"hidden": f"hidden.L{end}", "labels": "labels"}, {"loss": "loss"},
+                        loss="loss")
+
+    def _recv_spec(self, layer: int, peer: int) -> NodeSpec:
+        """Layer `layer`'s input from stage `peer`; its grad goes back there."""
+        def receive():
+            return {"hidden": self.pipe.recv(peer).requires_grad_(True)}
+
+        def send_grad(hidden):
+            self.pipe.send(hidden, peer)
+            return {}
+        return NodeSpec("recv", layer, COMM, receive, {}, {"hidden": f"hidden.L{layer}"},
+                        p2p=RECV, backward=send_grad)
+
+    def _send_spec(self, layer: int, peer: int) -> NodeSpec:
+        """Layer `layer`'s output to stage `peer`; its grad comes back from there."""
+        def send(hidden):
+            self.pipe.send(hidden, peer)
+            return {}
+
+        def receive_grad():
+            return {"hidden": self.pipe.recv(peer)}
+        return NodeSpec("send", layer, COMM, send, {"hidden": f"hidden.L{layer + 1}"}, {},
+                        p2p=SEND, backward=receive_grad)
 
     def layout(self) -> list[tuple[str, ...]]:
         """Node kinds of each layer, in forward order (what plan builders need)."""
-        return [tuple(s.kind for s in layer.node_specs()) for layer in self.layers]
+        return [tuple(s.kind for s in layer.node_specs()) for layer in self.transformer_layers()]
 
     def routers(self) -> list[Router]:
-        return [layer.router for layer in self.layers if layer.router is not None]
+        return [layer.router for layer in self.transformer_layers() if layer.router is not None]
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Plain autograd forward through the same node callables, in order. -> loss."""
+        """Plain autograd forward through the same node callables, in order. -> loss.
+        The whole model only (one stage)."""
+        if self.pipe is not None:
+            raise RuntimeError("MoEModel.forward runs a whole model; a pipeline stage runs "
+                               "through the executor")
         values = {"tokens": tokens, "labels": labels}
         for spec in self.node_specs():
             out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})

@@ -1,9 +1,11 @@
-"""Expert-parallel communication: the all-to-alls of the MoE dispatcher, differentiable.
+"""Communication the model makes: the all-to-alls of the MoE dispatcher (differentiable) and
+the point-to-point transfers between pipeline stages.
 
-Owns `ExpertComm` (the EP group, a `groups.Group`, plus the comm mode) and the autograd
-function whose forward is an all_to_all_single and whose backward is the reverse all-to-all.
-These calls run on whatever stream/thread the caller is on; choosing that is the executor's
-business.
+Owns `ExpertComm` (the EP group, a `groups.Group`, plus the comm mode), the autograd function
+whose forward is an all_to_all_single and whose backward is the reverse all-to-all, and
+`PipelineComm` (send / receive one activation or grad to / from another stage of this rank's
+pipeline, the PP `Group`). These calls run on whatever stream/thread the caller is on;
+choosing that is the executor's business.
 
 Comm modes (config `--comm-mode`, benchmarks only): `real`, or `local_copy`, which replaces
 each all-to-all by a local copy of the same bytes, as if every rank received what it sent: the
@@ -76,3 +78,26 @@ class AllToAll(torch.autograd.Function):
 def all_to_all(comm: ExpertComm, input_NH: torch.Tensor, output_splits: list[int],
                input_splits: list[int]) -> torch.Tensor:
     return AllToAll.apply(comm, input_NH, output_splits, input_splits)
+
+
+class PipelineComm:
+    """Blocking send / receive of [T, H] activations and their grads between the stages of one
+    pipeline (the PP group; `ranks[s]` is stage s's global rank). A transfer waits for its peer
+    (NCCL: on the caller's stream; gloo: on the caller's thread), so both ends of a link must
+    issue their transfers in the same order: the plan sees to that (`schedule.pipeline`)."""
+
+    def __init__(self, group: Group, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device):
+        self.group, self.ranks = group, group.ranks
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+
+    def send(self, tensor_TH: torch.Tensor, stage: int) -> None:
+        if tuple(tensor_TH.shape) != self.shape:
+            raise RuntimeError(f"pipeline send of shape {tuple(tensor_TH.shape)}, expected "
+                               f"{self.shape}")
+        self.group.send(tensor_TH.detach().contiguous(), self.ranks[stage])
+
+    def recv(self, stage: int) -> torch.Tensor:
+        buffer_TH = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.group.recv(buffer_TH, self.ranks[stage])
+        return buffer_TH

@@ -1,12 +1,21 @@
 """Distributed setup: the process groups, built once, in one place, and passed down.
 
-Owns `ParallelGroups`, `Group` (a process group with its name and ranks, whose collectives go
-through the run's `CollectiveWatch`) and `init_distributed` / `destroy_distributed`.
+Owns `RankLayout` (which rank holds which pipeline stage, expert shard and data shard: pure
+arithmetic), `Group` (a process group with its name and ranks, whose collectives go through the
+run's `CollectiveWatch`), `ParallelGroups` and `init_distributed` / `destroy_distributed`.
 
-Layout: world = data-parallel x expert-parallel. Every rank is a data-parallel rank for dense
-parameters (replicated, grads averaged over the world). Expert parallel groups are blocks of
-`ep` consecutive ranks (rank r has ep_rank = r % ep); experts are sharded over the EP group and
-replicated over the expert-data-parallel (EDP) group, the ranks with the same ep_rank.
+Layout: world = pipeline-parallel (PP) x data-parallel (DP), and DP = expert-parallel (EP) x
+expert-data-parallel (EDP), in Megatron-core's default order `tp-cp-ep-dp-pp` (tp = cp = 1
+here; the first name varies fastest):
+
+    rank = ep_rank + EP x edp_rank + EP x EDP x pp_rank,   dp_rank = ep_rank + EP x edp_rank
+
+so a pipeline stage is a block of DP = world / PP consecutive ranks, the EP groups are blocks of
+EP consecutive ranks inside it, and a pipeline (the ranks that pass activations to each other)
+is the ranks with the same dp_rank, one per stage. Dense parameters of a stage are replicated
+over its DP group (grads averaged there); experts are sharded over the EP group and replicated
+over the EDP group (the ranks of the stage with the same ep_rank). Without pipeline parallelism
+the stage is the world.
 
 Backend: NCCL with one GPU per local rank when the run is on CUDA, gloo on CPU. Without torchrun
 (no RANK/WORLD_SIZE in the environment) a single-process group is created on a free port.
@@ -38,6 +47,7 @@ import torch.distributed as dist
 from epoverlap.parallel.watch import CollectiveWatch, Heartbeat
 
 WORLD, EXPERT_PARALLEL, EXPERT_DATA_PARALLEL = "world", "expert-parallel", "expert-data-parallel"
+PIPELINE, DATA_PARALLEL = "pipeline", "data-parallel"
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,65 @@ class Group:
         with self.watch.collective(self.name, self.ranks, "all_to_all"):
             dist.all_to_all_single(output, input, output_splits, input_splits, group=self.pg)
 
+    def all_gather_object(self, objects: list, obj: object) -> None:
+        with self.watch.collective(self.name, self.ranks, "all_gather_object"):
+            dist.all_gather_object(objects, obj, group=self.pg)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        with self.watch.collective(self.name, self.ranks, f"send to rank {dst}"):
+            dist.send(tensor, dst=dst, group=self.pg)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        with self.watch.collective(self.name, self.ranks, f"recv from rank {src}"):
+            dist.recv(tensor, src=src, group=self.pg)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Megatron-core's rank order for a world of `world_size` = PP x EP x EDP (module doc)."""
+
+    world_size: int
+    pp_size: int = 1
+    ep_size: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.pp_size
+
+    @property
+    def edp_size(self) -> int:
+        return self.dp_size // self.ep_size
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // self.dp_size
+
+    def dp_rank(self, rank: int) -> int:
+        return rank % self.dp_size
+
+    def ep_rank(self, rank: int) -> int:
+        return rank % self.ep_size
+
+    def edp_rank(self, rank: int) -> int:
+        return self.dp_rank(rank) // self.ep_size
+
+    def pp_groups(self) -> list[list[int]]:
+        """One pipeline per dp_rank: its ranks in stage order."""
+        return [list(range(d, self.world_size, self.dp_size)) for d in range(self.dp_size)]
+
+    def dp_groups(self) -> list[list[int]]:
+        """One data-parallel group per stage (dense grads are averaged there)."""
+        return [list(range(p * self.dp_size, (p + 1) * self.dp_size))
+                for p in range(self.pp_size)]
+
+    def ep_groups(self) -> list[list[int]]:
+        return [list(range(b * self.ep_size, (b + 1) * self.ep_size))
+                for b in range(self.world_size // self.ep_size)]
+
+    def edp_groups(self) -> list[list[int]]:
+        """Per stage and ep_rank: the replicas of one expert shard."""
+        return [list(range(p * self.dp_size + e, (p + 1) * self.dp_size, self.ep_size))
+                for p in range(self.pp_size) for e in range(self.ep_size)]
+
 
 @dataclass
 class ParallelGroups:
@@ -80,6 +149,26 @@ class ParallelGroups:
     ep: Group
     edp: Group
     watch: CollectiveWatch
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp: Optional[Group] = None  # this rank's pipeline, its ranks by stage; None with one stage
+    dp: Optional[Group] = None  # this stage's data-parallel group; with one stage: the world
+
+    def __post_init__(self):
+        if self.dp is None:
+            self.dp = self.world
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp.size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.ranks.index(self.rank)
+
+    @property
+    def pp_ranks(self) -> tuple[int, ...]:
+        return self.pp.ranks if self.pp is not None else (self.rank,)
 
     @property
     def ep_group(self) -> Optional[dist.ProcessGroup]:
@@ -136,9 +225,9 @@ def _start_watch(rank: int, world_size: int, timeout: datetime.timedelta,
     return watch
 
 
-def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10.0
-                     ) -> ParallelGroups:
-    """Initialize torch.distributed and build the EP and EDP groups."""
+def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10.0,
+                     pp_size: int = 1) -> ParallelGroups:
+    """Initialize torch.distributed and build the PP, DP, EP and EDP groups."""
     _ensure_env()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -157,28 +246,35 @@ def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10
         kwargs["store"] = store
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     watch = _start_watch(rank, world_size, timeout, backend == "nccl")
-    return expert_parallel_groups(ep_size, device, local_rank, watch=watch, timeout=timeout)
+    return expert_parallel_groups(ep_size, device, local_rank, watch=watch, timeout=timeout,
+                                  pp_size=pp_size)
 
 
 def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int = 0, *,
                            watch: CollectiveWatch,
-                           timeout: datetime.timedelta = datetime.timedelta(minutes=10)
-                           ) -> ParallelGroups:
-    """The EP and EDP groups of `ep_size` over the initialized world (every rank must call),
-    watched by `watch`. Called again with another size in the same world, it gives a second,
-    independent layout (tests resume one run's checkpoint at another EP size in one process
-    group)."""
+                           timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+                           pp_size: int = 1) -> ParallelGroups:
+    """The PP, DP, EP and EDP groups of `pp_size` stages and `ep_size` over the initialized
+    world (every rank must call), watched by `watch`. Called again with another EP size in the
+    same world, it gives a second, independent layout (tests resume one run's checkpoint at
+    another EP size in one process group)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    backend = dist.get_backend()
-    edp_size = world_size // ep_size
-    ep_blocks = [list(range(b * ep_size, (b + 1) * ep_size)) for b in range(edp_size)]
-    edp_strides = [list(range(e, world_size, ep_size)) for e in range(ep_size)]
+    layout = RankLayout(world_size, pp_size, ep_size)
+
+    def groups(name: str, ranks_of: list[list[int]]) -> Group:
+        return _new_groups(name, ranks_of, rank, timeout, watch)
+
+    world = Group(WORLD, tuple(range(world_size)), None, watch)
+    staged = pp_size > 1
     return ParallelGroups(
         rank=rank, world_size=world_size, local_rank=local_rank, ep_size=ep_size,
-        ep_rank=rank % ep_size, edp_size=edp_size, edp_rank=rank // ep_size, device=device,
-        backend=backend, watch=watch, world=Group(WORLD, tuple(range(world_size)), None, watch),
-        ep=_new_groups(EXPERT_PARALLEL, ep_blocks, rank, timeout, watch),
-        edp=_new_groups(EXPERT_DATA_PARALLEL, edp_strides, rank, timeout, watch))
+        ep_rank=layout.ep_rank(rank), edp_size=layout.edp_size, edp_rank=layout.edp_rank(rank),
+        device=device, backend=dist.get_backend(), world=world, watch=watch,
+        ep=groups(EXPERT_PARALLEL, layout.ep_groups()),
+        edp=groups(EXPERT_DATA_PARALLEL, layout.edp_groups()),
+        pp_size=pp_size, pp_rank=layout.pp_rank(rank),
+        pp=groups(PIPELINE, layout.pp_groups()) if staged else None,
+        dp=groups(DATA_PARALLEL, layout.dp_groups()) if staged else world)
 
 
 def destroy_distributed(groups: Optional[ParallelGroups] = None) -> None:

@@ -13,6 +13,10 @@ of B:
     compute: |           | F.attn   | B.mlp | W.mlp |     F.mlp     |        | B.attn | W.attn
                  ^ hidden behind F.attn       ^ hidden behind W.mlp and F.mlp     ^ hidden by B.attn
 
+Pipeline send/recv nodes are comm nodes like the all-to-alls: each transfer runs on the comm
+lane in plan order (the plan puts both ends of a link in the same order), so it overlaps the
+compute of other microbatches too.
+
 Every F/B node of microbatch m waits on m's event (CUDA: `wait_event`; threads: the future of
 m's last comm node) before it runs and records it after, so one microbatch's nodes form a chain
 across the lanes while the two microbatches' chains share nothing and overlap freely. `W`
@@ -192,7 +196,8 @@ class Executor:
 
     def run(self, plan: Sequence[Action], microbatch_inputs: Sequence[dict],
             loss_scale: float) -> list[torch.Tensor]:
-        """Execute `plan`; return each microbatch's (detached) loss. Grads land in the params."""
+        """Execute `plan`; return each microbatch's (detached) loss (None on a pipeline stage
+        without the loss head). Grads land in the params."""
         states = [_MicrobatchState(inputs) for inputs in microbatch_inputs]
         losses: list[Optional[torch.Tensor]] = [None] * len(states)
         try:

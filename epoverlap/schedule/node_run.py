@@ -3,7 +3,8 @@
 Owns `NodeRun`: one forward of one node (`epoverlap.model.nodes.NodeSpec`) for one microbatch:
 detached inputs, forward under autograd, backward run on the node's own outputs only, grads
 returned for its inputs, state dropped after backward. No autograd edge ever crosses a node
-boundary.
+boundary. A pipeline send/recv node's backward is a transfer, not autograd: its
+`NodeSpec.backward` turns the output grads into the input grads.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class NodeRun:
         """
         if self._outputs is None:
             raise RuntimeError(f"backward of node {self.spec.label()} before its forward")
+        if self.spec.backward is not None:
+            return self._transfer_backward(grads)
         tensors, seeds = [], []
         for local, value in self._outputs.items():
             grad = grads.get(self.spec.outputs[local])
@@ -68,6 +71,14 @@ class NodeRun:
                        if _is_grad_tensor(value)}
         self._inputs = self._outputs = None
         return input_grads
+
+    def _transfer_backward(self, grads: dict) -> dict:
+        spec = self.spec
+        local_grads = {local: grads[name] for local, name in spec.outputs.items()
+                       if grads.get(name) is not None}
+        input_grads = spec.backward(**local_grads)
+        self._inputs = self._outputs = None
+        return {spec.inputs[local]: grad for local, grad in input_grads.items()}
 
 
 def _detach(value: Any) -> Any:

@@ -1,21 +1,28 @@
-"""Schedules as data: the action vocabulary, pure plan builders, the validator and the printer.
+"""Schedules as data: the action vocabulary, chunks and steps, pure plan builders, the
+validator and the printer.
 
 Owns `Action` (forward / backward / weight-grad x node x microbatch x layer, printed as
-`F3.attn.L2`, `B2.dispatch.L5`, `W2.mlp.L5`, `F0.embed`, `B1.loss`, and parsed back), the plan
+`F3.attn.L2`, `B2.dispatch.L5`, `W2.mlp.L5`, `F0.embed`, `B1.loss`, `F2.send.L3`, and parsed
+back), `Chunk` (what one microbatch runs in one model chunk of a stage), `Step` (a forward and/or
+a backward of a chunk) and `expand_steps`, which turns steps into node actions; the one-stage
 builders (`sequential_plan`, `combined_1f1b_plan` and its early-attention-memory-release
-variant), `validate_plan`, which rejects plans that break a dependency and prints the two-lane
-grid with the bad step marked, and `format_plan`, the two-lane grid itself.
+variant); `validate_plan`, which rejects a stage's plan that breaks a dependency and prints the
+two-lane grid with the bad step marked; and `format_plan`, the two-lane grid itself. Pipeline
+schedules (1F1B, interleaved) make their steps in `schedule.pipeline` and expand them here.
 
-A plan needs only the model's layout: the `NodeKind`s (name, lane, deferrable) of each layer in
-forward order, e.g. attn/dispatch/mlp/combine for an MoE layer and attn/mlp for a dense one,
-as the model's `NodeSpec`s declare them. Every microbatch also has an `embed` node first and a
-`loss` node last (both compute, weight grads inline).
+A plan needs only the model's layout: the `NodeKind`s (name, lane, deferrable, p2p) of each
+layer in forward order, e.g. attn/dispatch/mlp/combine for an MoE layer and attn/mlp for a dense
+one, as the model's `NodeSpec`s declare them. A chunk starts with a head node (`embed`, or a
+pipeline `recv` of the previous stage's activation) and ends with a tail node (`loss`, or a
+pipeline `send` to the next stage); without pipeline parallelism the model is one chunk,
+`embed` + layers + `loss` (both compute, weight grads inline).
 
 Per-layer order of the combined 1F1B (forward of microbatch F, layer i, with backward of
 microbatch B, layer N-1-i; overlap.md):
    B.combine | F.attn | B.mlp | F.dispatch | W.mlp | B.dispatch | F.mlp | F.combine | B.attn | W.attn
 The early-release variant moves B.attn right after B.dispatch (frees attention activations
-before F.mlp allocates, at the cost of exposing B.dispatch and F.combine).
+before F.mlp allocates, at the cost of exposing B.dispatch and F.combine). A combined step of
+two chunks is: B's tail, F's head, the layer pairs, F's tail, B's head.
 """
 
 from __future__ import annotations
@@ -24,14 +31,15 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from epoverlap.model.nodes import COMM, COMPUTE, NodeKind
+from epoverlap.model.nodes import COMM, COMPUTE, SEND, NodeKind
 
 EMBED = NodeKind("embed", COMPUTE)
 LOSS = NodeKind("loss", COMPUTE)
 KINDS = {"F": "forward", "B": "backward", "W": "wgrad"}
 _ACTION_RE = re.compile(r"^([FBW])(\d+)\.([a-z_]+)(?:\.L(\d+))?$")
 
-Layout = Sequence[Sequence[NodeKind]]
+Layout = Sequence[Sequence[NodeKind]]  # node kinds of each layer of a one-chunk model
+NodeKey = tuple[Optional[int], str]  # (layer or None, node name)
 
 
 @dataclass(frozen=True)
@@ -72,31 +80,94 @@ def plan_to_string(plan: Iterable[Action]) -> str:
     return " ".join(str(a) for a in plan)
 
 
-# --------------------------------------------------------------------------- builders
-def _forward_microbatch(layout: Layout, mb: int) -> list[Action]:
-    actions = [Action("F", mb, "embed")]
-    for layer, nodes in enumerate(layout):
-        actions.extend(Action("F", mb, node.name, layer) for node in nodes)
-    return actions + [Action("F", mb, "loss")]
+# --------------------------------------------------------------------------- chunks, steps
+@dataclass(frozen=True)
+class Chunk:
+    """One model chunk as a microbatch runs it on a stage: `head`, the nodes of the layers
+    first_layer, first_layer + 1, ..., then `tail`. A P2P head/tail takes the layer it borders
+    as its node's layer (`recv.L4` receives layer 4's input, `send.L5` sends layer 5's output);
+    `embed` and `loss` have none."""
+
+    first_layer: int
+    layers: tuple[tuple[NodeKind, ...], ...]
+    head: NodeKind = EMBED
+    tail: NodeKind = LOSS
+
+    @property
+    def head_key(self) -> NodeKey:
+        return (self.first_layer if self.head.p2p else None, self.head.name)
+
+    @property
+    def tail_key(self) -> NodeKey:
+        last = self.first_layer + len(self.layers) - 1
+        return (last if self.tail.p2p else None, self.tail.name)
+
+    def chain(self) -> list[tuple[Optional[int], NodeKind]]:
+        """(layer, kind) of every node in forward order, head and tail included."""
+        nodes = [(self.head_key[0], self.head)]
+        for offset, kinds in enumerate(self.layers):
+            nodes += [(self.first_layer + offset, kind) for kind in kinds]
+        return nodes + [(self.tail_key[0], self.tail)]
 
 
-def _backward_microbatch(layout: Layout, mb: int, delay_wgrad: bool) -> list[Action]:
-    actions = [Action("B", mb, "loss")]
-    for layer in reversed(range(len(layout))):
-        for node in reversed(layout[layer]):
-            actions.append(Action("B", mb, node.name, layer))
-            if delay_wgrad and node.deferrable:
-                actions.append(Action("W", mb, node.name, layer))
-    return actions + [Action("B", mb, "embed")]
+StageLayout = Sequence[Chunk]  # a stage's chunks, by virtual stage index
 
 
-def sequential_plan(layout: Layout, num_microbatches: int,
-                    delay_wgrad: bool = False) -> list[Action]:
-    """The reference: each microbatch's whole forward, then its whole backward."""
-    plan: list[Action] = []
-    for mb in range(num_microbatches):
-        plan += _forward_microbatch(layout, mb) + _backward_microbatch(layout, mb, delay_wgrad)
-    return plan
+def stage_layout(nodes: Sequence[tuple[Optional[int], NodeKind]]) -> list[Chunk]:
+    """A stage's chunks from (layer, kind) of its nodes in forward order, as its model's
+    NodeSpecs declare them: each chunk runs from a head (a node of no layer, or a P2P receive)
+    through its layers' nodes to a tail (a node of no layer, or a P2P send)."""
+    chunks: list[Chunk] = []
+    head: Optional[NodeKind] = None
+    layers: list[tuple[int, list[NodeKind]]] = []
+    for layer, kind in nodes:
+        if head is None:
+            head = kind
+        elif layer is None or kind.p2p == SEND:
+            chunks.append(Chunk(layers[0][0], tuple(tuple(k) for _, k in layers), head, kind))
+            head, layers = None, []
+        elif layers and layers[-1][0] == layer:
+            layers[-1][1].append(kind)
+        else:
+            layers.append((layer, [kind]))
+    if head is not None:
+        raise ValueError(f"the nodes end inside a chunk that starts with {head.name}")
+    return chunks
+
+
+def as_chunks(layout) -> list[Chunk]:
+    """A stage's chunks; a per-layer `Layout` is the one chunk of a whole model."""
+    if layout and all(isinstance(item, Chunk) for item in layout):
+        return list(layout)
+    return [Chunk(0, tuple(tuple(kinds) for kinds in layout))]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward and/or one backward of a (microbatch, chunk index) on a stage."""
+
+    forward: Optional[tuple[int, int]] = None
+    backward: Optional[tuple[int, int]] = None
+
+    def label(self, with_chunks: bool = False) -> str:
+        """'F3+B1', or with chunks 'F3c0+B1c1'."""
+        parts = [(kind, work) for kind, work in (("F", self.forward), ("B", self.backward))
+                 if work is not None]
+        return "+".join(f"{kind}{mb}" + (f"c{chunk}" if with_chunks else "")
+                        for kind, (mb, chunk) in parts)
+
+
+def _forward_chunk(chunk: Chunk, mb: int) -> list[Action]:
+    return [Action("F", mb, kind.name, layer) for layer, kind in chunk.chain()]
+
+
+def _backward_chunk(chunk: Chunk, mb: int, delay_wgrad: bool) -> list[Action]:
+    actions = []
+    for layer, kind in reversed(chunk.chain()):
+        actions.append(Action("B", mb, kind.name, layer))
+        if delay_wgrad and kind.deferrable:
+            actions.append(Action("W", mb, kind.name, layer))
+    return actions
 
 
 def _layer_pair(f_mb: Optional[int], f_layer: Optional[int], f_nodes: Sequence[NodeKind],
@@ -127,25 +198,55 @@ def _layer_pair(f_mb: Optional[int], f_layer: Optional[int], f_nodes: Sequence[N
     return order + wgrad("attn")
 
 
-def combined_1f1b_plan(layout: Layout, num_microbatches: int, delay_wgrad: bool = False,
+def _combined_step(f_chunk: Chunk, f_mb: int, b_chunk: Chunk, b_mb: int, delay_wgrad: bool,
+                   early_release: bool) -> list[Action]:
+    """F's chunk and B's chunk node by node: forward layer i beside backward layer n-1-i."""
+    f_layers, b_layers = f_chunk.layers, b_chunk.layers
+    plan = [Action("B", b_mb, b_chunk.tail.name, b_chunk.tail_key[0]),
+            Action("F", f_mb, f_chunk.head.name, f_chunk.head_key[0])]
+    for i in range(max(len(f_layers), len(b_layers))):
+        f = (f_mb, f_chunk.first_layer + i, f_layers[i]) if i < len(f_layers) \
+            else (None, None, ())
+        j = len(b_layers) - 1 - i
+        b = (b_mb, b_chunk.first_layer + j, b_layers[j]) if j >= 0 else (None, None, ())
+        plan += _layer_pair(*f, *b, delay_wgrad, early_release)
+    return plan + [Action("F", f_mb, f_chunk.tail.name, f_chunk.tail_key[0]),
+                   Action("B", b_mb, b_chunk.head.name, b_chunk.head_key[0])]
+
+
+def expand_steps(steps: Sequence[Step], chunks: StageLayout, combined: bool,
+                 delay_wgrad: bool = False, early_release: bool = False) -> list[Action]:
+    """Steps -> node actions. `combined`: a step with both a forward and a backward interleaves
+    them node by node (the combined 1F1B); otherwise it runs the forward, then the backward."""
+    plan: list[Action] = []
+    for step in steps:
+        f_chunk = chunks[step.forward[1]] if step.forward else None
+        b_chunk = chunks[step.backward[1]] if step.backward else None
+        if combined and f_chunk and b_chunk:
+            plan += _combined_step(f_chunk, step.forward[0], b_chunk, step.backward[0],
+                                   delay_wgrad, early_release)
+            continue
+        if f_chunk:
+            plan += _forward_chunk(f_chunk, step.forward[0])
+        if b_chunk:
+            plan += _backward_chunk(b_chunk, step.backward[0], delay_wgrad)
+    return plan
+
+
+# --------------------------------------------------------------------------- one-stage builders
+def sequential_plan(layout, num_microbatches: int, delay_wgrad: bool = False) -> list[Action]:
+    """The reference: each microbatch's whole forward, then its whole backward."""
+    steps = [Step((mb, 0), (mb, 0)) for mb in range(num_microbatches)]
+    return expand_steps(steps, as_chunks(layout), False, delay_wgrad)
+
+
+def combined_1f1b_plan(layout, num_microbatches: int, delay_wgrad: bool = False,
                        early_release: bool = False) -> list[Action]:
     """F0 alone; then F(i) paired with B(i-1) layer by layer; then B(M-1) alone."""
-    num_layers = len(layout)
-    plan = _forward_microbatch(layout, 0)
-    for mb in range(1, num_microbatches + 1):
-        f_mb = mb if mb < num_microbatches else None
-        b_mb = mb - 1
-        plan.append(Action("B", b_mb, "loss"))
-        if f_mb is not None:
-            plan.append(Action("F", f_mb, "embed"))
-        for i in range(num_layers):
-            b_layer = num_layers - 1 - i
-            plan += _layer_pair(f_mb, i, layout[i], b_mb, b_layer, layout[b_layer],
-                                delay_wgrad, early_release)
-        if f_mb is not None:
-            plan.append(Action("F", f_mb, "loss"))
-        plan.append(Action("B", b_mb, "embed"))
-    return plan
+    m = num_microbatches
+    steps = ([Step((0, 0))] + [Step((mb, 0), (mb - 1, 0)) for mb in range(1, m)]
+             + [Step(None, (m - 1, 0))])
+    return expand_steps(steps, as_chunks(layout), True, delay_wgrad, early_release)
 
 
 PLAN_BUILDERS = {
@@ -156,7 +257,7 @@ PLAN_BUILDERS = {
 }
 
 
-def build_plan(name: str, layout: Layout, num_microbatches: int,
+def build_plan(name: str, layout, num_microbatches: int,
                delay_wgrad: bool = False) -> list[Action]:
     if name not in PLAN_BUILDERS:
         raise ValueError(f"plan {name!r}: allowed {', '.join(PLAN_BUILDERS)}")
@@ -164,12 +265,10 @@ def build_plan(name: str, layout: Layout, num_microbatches: int,
 
 
 # --------------------------------------------------------------------------- printing
-def node_kinds(layout: Layout) -> dict:
-    """(layer, name) -> NodeKind for every node of a microbatch's chain, embed and loss included."""
-    kinds = {(None, EMBED.name): EMBED, (None, LOSS.name): LOSS}
-    for layer, nodes in enumerate(layout):
-        kinds.update({(layer, node.name): node for node in nodes})
-    return kinds
+def node_kinds(layout) -> dict:
+    """(layer, name) -> NodeKind for every node of a stage's chunks, head and tail included."""
+    return {(layer, kind.name): kind for chunk in as_chunks(layout)
+            for layer, kind in chunk.chain()}
 
 
 def action_lane(action: Action, kinds: dict) -> str:
@@ -178,7 +277,7 @@ def action_lane(action: Action, kinds: dict) -> str:
     return COMM if kind is not None and kind.lane == COMM and action.kind != "W" else COMPUTE
 
 
-def format_plan(plan: Sequence[Action], layout: Layout, mark: Optional[int] = None,
+def format_plan(plan: Sequence[Action], layout, mark: Optional[int] = None,
                 note: str = "") -> str:
     """Two-lane grid: one row per step, the action in its lane's column; `mark` flags a row."""
     kinds = node_kinds(layout)
@@ -199,39 +298,36 @@ def format_plan(plan: Sequence[Action], layout: Layout, mark: Optional[int] = No
 class PlanError(ValueError):
     """A plan that breaks a dependency; the message holds the grid with the bad step marked."""
 
-    def __init__(self, plan: Sequence[Action], layout: Layout, step: Optional[int], reason: str):
+    def __init__(self, plan: Sequence[Action], layout, step: Optional[int], reason: str):
         self.step, self.reason = step, reason
         where = f"step {step} ({plan[step]})" if step is not None and step < len(plan) else "end"
         super().__init__(f"invalid plan at {where}: {reason}\n"
                          + format_plan(plan, layout, mark=step, note=reason))
 
 
-def _chain(layout: Layout) -> list[tuple[Optional[int], str]]:
-    """Node keys of one microbatch in forward order."""
-    keys: list[tuple[Optional[int], str]] = [(None, EMBED.name)]
-    for layer, nodes in enumerate(layout):
-        keys.extend((layer, node.name) for node in nodes)
-    return keys + [(None, LOSS.name)]
+def _chains(layout) -> list[list[NodeKey]]:
+    """Node keys of each chunk of one microbatch, in forward order."""
+    return [[(layer, kind.name) for layer, kind in chunk.chain()] for chunk in as_chunks(layout)]
 
 
-def _dependency_error(action: Action, done: set, chain_index: dict, chain: list,
-                      kinds: dict, num_microbatches: int) -> Optional[str]:
+def _dependency_error(action: Action, done: set, position: dict, kinds: dict,
+                      num_microbatches: int) -> Optional[str]:
     key = action.node_key
-    if key not in chain_index:
+    if key not in position:
         return f"unknown node {action.node}" + ("" if action.layer is None
                                                  else f" in layer {action.layer}")
     if not 0 <= action.microbatch < num_microbatches:
         return f"microbatch {action.microbatch} outside 0..{num_microbatches - 1}"
     if (action.kind, action.microbatch, key) in done:
         return "runs twice"
-    pos, mb = chain_index[key], action.microbatch
-    if action.kind == "F" and pos > 0 and ("F", mb, chain[pos - 1]) not in done:
-        return f"needs F{mb} of {_label(chain[pos - 1])} first"
+    before, after, mb = *position[key], action.microbatch
+    if action.kind == "F" and before is not None and ("F", mb, before) not in done:
+        return f"needs F{mb} of {_label(before)} first"
     if action.kind == "B":
         if ("F", mb, key) not in done:
             return "backward before its forward"
-        if pos + 1 < len(chain) and ("B", mb, chain[pos + 1]) not in done:
-            return f"needs B{mb} of {_label(chain[pos + 1])} first"
+        if after is not None and ("B", mb, after) not in done:
+            return f"needs B{mb} of {_label(after)} first"
     if action.kind == "W":
         if not kinds[key].deferrable:
             return f"node {action.node} has no weight grads to defer"
@@ -245,22 +341,27 @@ def _label(key) -> str:
     return node if layer is None else f"{node}.L{layer}"
 
 
-def validate_plan(plan: Sequence[Action], layout: Layout, num_microbatches: int,
+def validate_plan(plan: Sequence[Action], layout, num_microbatches: int,
                   delay_wgrad: bool = False) -> None:
-    """Raise PlanError unless the plan runs every node of every microbatch legally, once."""
-    chain = _chain(layout)
-    chain_index = {key: i for i, key in enumerate(chain)}
+    """Raise PlanError unless the plan runs every node of every microbatch legally, once.
+
+    Checks one stage: dependencies inside each chunk (a chunk's input from another stage is
+    the P2P nodes' business; `schedule.pipeline.validate_pipeline` checks those across stages).
+    """
+    chains = _chains(layout)
+    position = {key: (chain[i - 1] if i else None, chain[i + 1] if i + 1 < len(chain) else None)
+                for chain in chains for i, key in enumerate(chain)}
     kinds = node_kinds(layout)
     done: set = set()
     for step, action in enumerate(plan):
         if action.kind == "W" and not delay_wgrad:
             raise PlanError(plan, layout, step, "W action while weight-grad deferral is off")
-        error = _dependency_error(action, done, chain_index, chain, kinds, num_microbatches)
+        error = _dependency_error(action, done, position, kinds, num_microbatches)
         if error:
             raise PlanError(plan, layout, step, error)
         done.add((action.kind, action.microbatch, action.node_key))
     for mb in range(num_microbatches):
-        for key in chain:
+        for key in (key for chain in chains for key in chain):
             actions = ("F", "B") + (("W",) if delay_wgrad and kinds[key].deferrable else ())
             for kind in actions:
                 if (kind, mb, key) not in done:

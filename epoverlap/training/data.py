@@ -5,15 +5,17 @@ before training (a missing, truncated, empty or too short input is a ConfigError
 flag and the file), and the three sources. Each has `vocab_size` (the model's vocabulary for
 it), `description` (for the banner) and `batch(step, rank, microbatch, batch, seq)` ->
 (tokens, labels), both int64 [batch, seq]. Every batch is a pure function of the seed, the
-step, the global rank (= data rank) and the microbatch: the same on any machine and for any
-split of the world into expert- and data-parallel groups.
+step, the data-parallel rank (the global rank without pipeline parallelism; every stage of a
+pipeline reads the same batches) and the microbatch: the same on any machine and for any split
+of the world into pipeline-, expert- and data-parallel groups.
 
 - `TextData` (`--data`, default `stdlib`): the bytes of a text file, or of every text file
   under a folder (sorted paths), as tokens 0..255; each sequence is a window at a position
   drawn from the seeded generator. `stdlib` is the Python standard library's own sources.
 - `IndexedData` (`--data-path`): Megatron-core `.bin/.idx` datasets through
   `epoverlap.data` (split, epochs, shuffling, blend). Global sample i of the run is read by
-  rank (i // micro_batch_size) % world_size: microbatch m of step s covers samples
+  data-parallel rank (i // micro_batch_size) % W (W data-parallel ranks, `world_size` below:
+  the world / PP): microbatch m of step s covers samples
   [(s-1) * M + m) * W * B, ... + W * B), rank r the B after r * B (Megatron-core's order).
 - `SyntheticData` (`--mock-data`): sequences from a fixed random bigram chain (learnable).
 """

@@ -4,16 +4,20 @@ Owns `GradBuffers`. Every parameter gets `param.main_grad`, a view into one flat
 for dense parameters and one for expert parameters. The deferrable GEMMs accumulate their
 weight grads there directly; every other parameter's autograd `.grad` is folded in by a
 post-accumulate hook and released. Reduction happens once per step, after the last backward
-and the last weight-grad action:
-  dense:  sum over all ranks (data parallel = the world), divided by the world size;
-  expert: sum over the expert-data-parallel group, divided by the world size (each EP rank's
-          expert grad already sums the contributions of its whole EP group).
-The global grad norm counts replicated parameters once and sums the expert shards over EP.
+and the last weight-grad action, inside each pipeline stage (DP = the ranks of the stage; the
+world without pipeline parallelism):
+  dense:  sum over the stage's data-parallel group, divided by DP;
+  expert: sum over the expert-data-parallel group, divided by DP (each EP rank's expert grad
+          already sums the contributions of its whole EP group).
+The global grad norm counts replicated parameters once, sums the expert shards over EP and the
+stages over PP (no parameter is tied across stages). It adds per-parameter sums of squares in
+the whole model's parameter order, so it has the same bits at any pipeline size.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -37,7 +41,9 @@ class GradBuffers:
 
     def __init__(self, model: nn.Module, groups: ParallelGroups):
         self.groups = groups
-        params = [p for p in model.parameters() if p.requires_grad]
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        self.params = params
         self.dense = [p for p in params if not is_expert(p)]
         self.expert = [p for p in params if is_expert(p)]
         device = params[0].device
@@ -45,6 +51,7 @@ class GradBuffers:
         self.expert_flat = self._attach(self.expert, device)
         self._hooks = [p.register_post_accumulate_grad_hook(_fold_into_main_grad)
                        for p in params]
+        self._norm_slots, self._norm_size = _whole_model_slots([n for n, _ in named], groups)
 
     @staticmethod
     def _attach(params: list, device) -> torch.Tensor:
@@ -61,22 +68,32 @@ class GradBuffers:
 
     def reduce(self) -> None:
         """Average over data-parallel replicas (see the module docstring for the scaling)."""
-        world = self.groups.world_size
-        if world == 1:
+        dp = self.groups.dp_size
+        if dp == 1:
             return
-        self.groups.world.all_reduce(self.dense_flat)
+        self.groups.dp.all_reduce(self.dense_flat)
         if self.expert_flat.numel():
             if self.groups.edp_size > 1:
                 self.groups.edp.all_reduce(self.expert_flat)
-            self.expert_flat.div_(world)
-        self.dense_flat.div_(world)
+            self.expert_flat.div_(dp)
+        self.dense_flat.div_(dp)
 
     def global_norm(self) -> float:
-        """L2 norm of the whole (global) gradient. Collective over the EP group."""
-        expert_sq = self.expert_flat.pow(2).sum()
-        if self.groups.ep_size > 1:
-            self.groups.ep.all_reduce(expert_sq)
-        return math.sqrt(float(self.dense_flat.pow(2).sum() + expert_sq))
+        """L2 norm of the whole (global) gradient. Collective over the EP and PP groups."""
+        g = self.groups
+        squares = torch.stack([p.main_grad.pow(2).sum() for p in self.params])
+        expert = torch.tensor([is_expert(p) for p in self.params], device=squares.device)
+        dense_sq = torch.zeros(self._norm_size, device=squares.device)
+        expert_sq = torch.zeros_like(dense_sq)
+        slots = torch.tensor(self._norm_slots, device=squares.device)
+        dense_sq[slots] = torch.where(expert, 0.0, squares)
+        expert_sq[slots] = torch.where(expert, squares, 0.0)
+        if g.ep_size > 1:
+            g.ep.all_reduce(expert_sq)
+        whole_sq = dense_sq + expert_sq  # every slot is one of the two, the other is 0
+        if g.pp_size > 1:
+            g.pp.all_reduce(whole_sq)  # one stage per slot, the others 0
+        return math.sqrt(float(whole_sq.double().sum()))
 
     def clip(self, max_norm: float) -> float:
         """Scale grads so the global norm is at most max_norm (0 disables). Returns the norm."""
@@ -90,3 +107,30 @@ class GradBuffers:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def _model_order_key(name: str, position: int, stage_start: bool) -> tuple:
+    """Where a parameter sits in the whole model: before the layers (the embedding), in layer
+    n (`layers.n.`, in its layer's order), or after them (final norm, head)."""
+    match = re.match(r"layers\.(\d+)\.", name)
+    if match:
+        return (1, int(match.group(1)), position)
+    return (0 if stage_start else 2, 0, position)
+
+
+def _whole_model_slots(names: list[str], groups: ParallelGroups) -> tuple[list[int], int]:
+    """(index of each of this stage's parameters in the whole model's parameter order, number
+    of parameters of the whole model). Gathers the stages' names over the PP group."""
+    stages = [names]
+    if groups.pp_size > 1:
+        stages = [None] * groups.pp_size
+        groups.pp.all_gather_object(stages, names)
+    keyed = []
+    for stage, stage_names in enumerate(stages):
+        first_layer = next((i for i, n in enumerate(stage_names) if n.startswith("layers.")),
+                           len(stage_names))
+        keyed += [(_model_order_key(n, i, i < first_layer), stage, i)
+                  for i, n in enumerate(stage_names)]
+    order = {(stage, i): slot for slot, (_, stage, i) in enumerate(sorted(keyed))}
+    mine = groups.pp_rank if groups.pp_size > 1 else 0
+    return [order[(mine, i)] for i in range(len(names))], len(keyed)

@@ -129,7 +129,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg, resume, warnings = checked_config(
             argv, world_size_from_env(), cuda, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
             printing, before_cuda=environment)
-        data = open_data_source(cfg, world_size_from_env())  # files, before any group
+        # the data files, before any group
+        data = open_data_source(cfg, cfg.data_parallel_size(world_size_from_env()))
     except ConfigError as error:
         return _fail(error, 2, printing)
     except SystemExit as stop:  # --help (status 0), or argparse exiting by itself
@@ -141,7 +142,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg.checkpoint.load is not None and resume is None:
         _printer(printing)(f"checkpoint: none in {cfg.checkpoint.load} yet; starting at step 1")
     groups = init_distributed(cfg.parallel.expert_model_parallel_size, cfg.resolved_device(cuda),
-                              cfg.parallel.distributed_timeout_minutes)
+                              cfg.parallel.distributed_timeout_minutes,
+                              pp_size=cfg.parallel.pipeline_model_parallel_size)
     if groups.world_size > 1:
         route_sigterm(groups.watch)
     trainer = None

@@ -36,6 +36,8 @@ from typing import Optional
 
 from epoverlap.config import RunConfig
 from epoverlap.errors import ConfigError
+from epoverlap.model.stages import ChunkPlacement, stage_chunks
+from epoverlap.schedule.pipeline import microbatch_groups, warmup_forwards
 
 GIB = 2**30
 # Not in the estimate, needed beside it: CUDA context, NCCL buffers, allocator slack (GPU);
@@ -61,15 +63,20 @@ class MemoryEstimate:
         return self.states + self.activations + self.transient
 
 
-def weight_sizes(cfg: RunConfig, ep_size: int) -> list[int]:
-    """Element counts of this rank's weights: the dense ones, and its 1/EP share of every MoE
-    layer's experts (one entry per weight tensor; norms as one entry per layer)."""
+def weight_sizes(cfg: RunConfig, ep_size: int, stage: int = 0) -> list[int]:
+    """Element counts of this rank's weights on pipeline `stage`: the dense ones of its layers
+    (the embedding on the first stage, the final norm and output layer on the last), and its
+    1/EP share of every MoE layer's experts (one entry per weight tensor; norms as one entry
+    per layer)."""
     m, moe = cfg.model, cfg.moe
     h, qd, gd = m.hidden_size, m.num_attention_heads * m.head_dim, m.kv_heads * m.head_dim
-    sizes = [m.vocab_size * h, m.vocab_size * h, h]
-    for is_moe in cfg.moe_layer_pattern():
+    chunks = _stage_chunks(cfg, stage)
+    sizes = [m.vocab_size * h] if chunks[0].has_embedding else []
+    sizes += [m.vocab_size * h, h] if chunks[-1].has_loss else []
+    pattern = cfg.moe_layer_pattern()
+    for layer in (layer for chunk in chunks for layer in chunk.layers):
         sizes += [2 * h, h * (qd + 2 * gd), qd * h]
-        if not is_moe:
+        if not pattern[layer]:
             sizes += [2 * m.ffn_hidden_size * h, m.ffn_hidden_size * h]
             continue
         ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
@@ -78,6 +85,11 @@ def weight_sizes(cfg: RunConfig, ep_size: int) -> list[int]:
         shared = moe.moe_shared_expert_intermediate_size or 0
         sizes += [2 * shared * h, shared * h] if shared else []
     return sizes
+
+
+def _stage_chunks(cfg: RunConfig, stage: int) -> list[ChunkPlacement]:
+    return stage_chunks(cfg.model.num_layers, cfg.parallel.pipeline_model_parallel_size,
+                        cfg.virtual_stages, stage)
 
 
 def _layer_bytes_per_token(cfg: RunConfig, is_moe: bool, b: int) -> int:
@@ -94,25 +106,51 @@ def _layer_bytes_per_token(cfg: RunConfig, is_moe: bool, b: int) -> int:
 
 
 def estimate_memory(cfg: RunConfig, world_size: int) -> MemoryEstimate:
-    """Peak bytes one rank needs for `cfg` (see the module docstring for what is counted)."""
+    """Peak bytes one rank needs for `cfg` (see the module docstring for what is counted): the
+    largest over the pipeline stages."""
+    stages = range(cfg.parallel.pipeline_model_parallel_size)
+    return max((_stage_estimate(cfg, stage) for stage in stages), key=lambda e: e.total)
+
+
+def _stage_estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
     m, t = cfg.model, cfg.train
     b = 2 if t.bf16 else 4
-    sizes = weight_sizes(cfg, cfg.parallel.expert_model_parallel_size)
+    sizes = weight_sizes(cfg, cfg.parallel.expert_model_parallel_size, stage)
     per_param = b + 4 + (4 if t.bf16 else 0) + (0 if t.skip_optimizer_step else 8)
     tokens = t.micro_batch_size * m.seq_length
-    layers = [_layer_bytes_per_token(cfg, is_moe, b) for is_moe in cfg.moe_layer_pattern()]
-    loss = m.vocab_size * (b + 8) + 2 * m.hidden_size * b
-    one_microbatch = tokens * (m.hidden_size * b + sum(layers) + loss)
+    pattern = cfg.moe_layer_pattern()
+    chunks = _stage_chunks(cfg, stage)
+    per_chunk = [[_layer_bytes_per_token(cfg, pattern[layer], b) for layer in chunk.layers]
+                 for chunk in chunks]
+    loss = m.vocab_size * (b + 8) + 2 * m.hidden_size * b if chunks[-1].has_loss else 0
+    one_chunk = tokens * (m.hidden_size * b + max(sum(layers) for layers in per_chunk) + loss)
+    in_flight_chunks, in_flight = _chunks_in_flight(cfg, stage)
+    activations = in_flight_chunks * one_chunk
     if cfg.overlap.overlap_moe_expert_parallel_comm:
-        activations = one_microbatch + tokens * max(layers)
-        in_flight = "1 microbatch + 1 layer"
-    else:
-        activations, in_flight = one_microbatch, "1 microbatch"
-    grads_per_token = max(m.vocab_size * (8 + b), 2 * cfg.moe.moe_router_topk * m.hidden_size * b)
+        activations += tokens * max(max(layers) for layers in per_chunk)
+        in_flight += " + 1 layer"
+    grads_per_token = max(m.vocab_size * (8 + b) if loss else 0,
+                          2 * cfg.moe.moe_router_topk * m.hidden_size * b)
     transient = max(max(sizes) * b, tokens * grads_per_token)
     return MemoryEstimate(states=sum(sizes) * per_param,
                           activations=int(activations * UNCOUNTED_FACTOR),
                           transient=int(transient * UNCOUNTED_FACTOR), in_flight=in_flight)
+
+
+def _chunks_in_flight(cfg: RunConfig, stage: int) -> tuple[int, str]:
+    """(microbatch-chunks whose activations a stage holds at once, in words): one without
+    pipeline stages; the warmup forwards plus one with them (schedule.pipeline)."""
+    pp, virtual = cfg.parallel.pipeline_model_parallel_size, cfg.virtual_stages
+    if pp == 1:
+        return 1, "1 microbatch"
+    microbatches = cfg.train.num_microbatches
+    first_group = len(microbatch_groups(microbatches, pp)[0])
+    count = 1 + warmup_forwards(stage, pp, virtual, first_group, microbatches * virtual,
+                                combined=False)
+    count = min(count, microbatches * virtual)
+    held = f"{count} microbatch{'es' if count > 1 else ''}" if virtual == 1 else \
+        f"{count} microbatch-chunks"
+    return count, f"{held} on stage {stage}"
 
 
 def available_memory(device: str, local_rank: int, local_ranks: int
@@ -160,9 +198,14 @@ def check_memory(cfg: RunConfig, world_size: int, device: str, local_ranks: int)
              f"weights, grads and optimizer state {_gib(estimate.states)}; "
              f"{source}: {_gib(max(budget, 0))} per rank")
     if estimate.states > estimate.activations + estimate.transient:
+        if cfg.parallel.pipeline_model_parallel_size > 1:
+            raise ConfigError("--pipeline-model-parallel-size",
+                              cfg.parallel.pipeline_model_parallel_size,
+                              f"{sizes}; use more pipeline stages or more expert parallelism, "
+                              "or lower --hidden-size, --num-layers or --num-experts")
         raise ConfigError("--hidden-size", m.hidden_size, f"{sizes}; lower --hidden-size, "
                           "--num-layers, --num-experts or --moe-ffn-hidden-size, or raise "
-                          "--expert-model-parallel-size")
+                          "--expert-model-parallel-size or --pipeline-model-parallel-size")
     raise ConfigError("--seq-length", m.seq_length, f"{sizes}; lower --seq-length or "
                       "--micro-batch-size")
 

@@ -19,15 +19,18 @@ from epoverlap.parallel.groups import ParallelGroups
 from epoverlap.training.grads import GradBuffers
 
 
-def _local_problem(losses: Sequence[torch.Tensor], model: nn.Module,
+def _local_problem(losses: Sequence[Optional[torch.Tensor]], model: nn.Module,
                    grads: GradBuffers) -> Optional[str]:
-    """What is non-finite on this rank (checked in this order: loss, then grads), or None."""
+    """What is non-finite on this rank (checked in this order: loss, then grads), or None.
+    A pipeline stage without the loss head has None losses."""
+    own = [(mb, loss) for mb, loss in enumerate(losses) if loss is not None]
     flats = [f for f in (grads.dense_flat, grads.expert_flat) if f.numel()]
-    finite = torch.cat([torch.isfinite(torch.stack([loss.float() for loss in losses])),
-                        torch.stack([torch.isfinite(flat).all() for flat in flats])]).tolist()
+    checks = [torch.isfinite(loss.float()).reshape(1) for _, loss in own] + \
+        [torch.isfinite(flat).all().reshape(1) for flat in flats]
+    finite = torch.cat(checks).tolist() if checks else []
     if all(finite):  # the one host sync of a clean step
         return None
-    bad_losses = [mb for mb, ok in enumerate(finite[:len(losses)]) if not ok]
+    bad_losses = [mb for (mb, _), ok in zip(own, finite) if not ok]
     if bad_losses:
         return f"NaN/Inf in the loss of microbatch(es) {bad_losses}"
     bad = [name for name, p in model.named_parameters()
@@ -42,11 +45,11 @@ def check_finite(step: int, losses: Sequence[torch.Tensor], model: nn.Module,
     problems = [problem]
     if groups.world_size > 1:
         flag = torch.tensor([0.0 if problem is None else 1.0], device=groups.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        groups.world.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() == 0:
             return
         problems = [None] * groups.world_size
-        dist.all_gather_object(problems, problem)
+        groups.world.all_gather_object(problems, problem)
     elif problem is None:
         return
     where = "; ".join(f"rank {rank}: {text}" for rank, text in enumerate(problems)

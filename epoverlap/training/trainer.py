@@ -1,10 +1,12 @@
 """One training run: `Trainer` builds the model, grad buffers, optimizer, executor and plan
 from a validated config and runs optimizer steps.
 
-One step: the executor runs the plan (sequential, or the combined 1F1B with
---overlap-moe-expert-parallel-comm) over all microbatches; then, only after the last backward
-and weight-grad action, grads are reduced, clipped, the expert biases updated from the
-all-reduced token counts, and the optimizer steps. Rank 0 prints one line per step (ending
+One step: the executor runs this rank's plan (sequential, or the combined 1F1B with
+--overlap-moe-expert-parallel-comm; with pipeline stages, this stage's 1F1B or interleaved
+1F1B plan, every stage's plan built and checked together at start) over all microbatches;
+then, only after the last backward and weight-grad action, grads are reduced (inside the
+stage), clipped by the whole model's norm, the expert biases updated from the all-reduced token
+counts, and the optimizer steps. Rank 0 prints one line per step (ending
 with the time left at the mean step time so far), with --log-json writes one JSON record per
 step (the loss also as float.hex, for bitwise comparison with `epoverlap-compare-losses`),
 and with --tensorboard-dir the same scalars as TensorBoard events (`training.tensorboard`).
@@ -39,12 +41,13 @@ from epoverlap.config import RunConfig
 from epoverlap.graphs.capture import GraphRunner, graphed_modules
 from epoverlap.model.transformer import (MoEModel, count_parameters, model_dtype,
                                          training_flops_per_token)
-from epoverlap.parallel.comm import ExpertComm
+from epoverlap.parallel.comm import ExpertComm, PipelineComm
 from epoverlap.parallel.groups import ParallelGroups
 from epoverlap.profiling.overlap import step_metrics
 from epoverlap.profiling.recorder import SpanRecorder
 from epoverlap.schedule.executor import Executor, make_lanes
-from epoverlap.schedule.plan import build_plan, validate_plan
+from epoverlap.schedule.pipeline import pipeline_plans, validate_pipeline
+from epoverlap.schedule.plan import stage_layout
 from epoverlap.schedule.wgrad import WeightGradQueue
 from epoverlap.training.checkpoint import Checkpointer
 from epoverlap.training.checkpoint_files import CheckpointRef
@@ -153,7 +156,7 @@ class Trainer:
         """`data`: a source from `open_data_source` (opened here when None); the model's
         vocabulary is the source's."""
         cfg = cfg.for_world(groups.world_size)
-        self.data = data if data is not None else open_data_source(cfg, groups.world_size)
+        self.data = data if data is not None else open_data_source(cfg, groups.dp_size)
         cfg = cfg.with_vocab_size(self.data.vocab_size)
         self.cfg, self.groups, self.log = cfg, groups, log
         self.device = groups.device
@@ -162,7 +165,9 @@ class Trainer:
         self.wgrad_queue = WeightGradQueue(enabled=cfg.overlap.delay_wgrad_compute)
         self.model = MoEModel(cfg, self.comm, groups.ep_rank, make_moe_ops(backend),
                               dtype=model_dtype(cfg), device=self.device,
-                              wgrad_queue=self.wgrad_queue)
+                              wgrad_queue=self.wgrad_queue, stage=groups.pp_rank,
+                              pipe=self._pipeline_comm(cfg, groups))
+        self.params = self._whole_model_parameters()
         self.grads = GradBuffers(self.model, groups)
         self.optimizer = MixedPrecisionAdamW(self.model, cfg.train)
         overlap = cfg.overlap.overlap_moe_expert_parallel_comm
@@ -174,16 +179,47 @@ class Trainer:
                                  self.wgrad_queue, self.recorder,
                                  **({"run_factory": self.graphs} if self.graphs is not None
                                     else {}))
-        self.plan = build_plan(plan_name(cfg), self.model.layout(), cfg.train.num_microbatches,
-                               cfg.overlap.delay_wgrad_compute)
-        validate_plan(self.plan, self.model.layout(), cfg.train.num_microbatches,
-                      cfg.overlap.delay_wgrad_compute)
+        self.stage_layouts, self.stage_plans = self._build_plans()
+        self.plan = self.stage_plans[groups.pp_rank]
         self.backend = backend
         self.compile_watch = CompileWatch(cfg.cuda_graph.warmup_steps, groups.rank,
                                           warn=_warn_every_rank)
         self._imbalanced_steps = 0
         self.checkpointer = Checkpointer(cfg, groups, self.model, self.optimizer, log)
         self.start_step = self.checkpointer.resume(resume)
+
+    def _pipeline_comm(self, cfg: RunConfig, groups: ParallelGroups) -> Optional[PipelineComm]:
+        if groups.pp_size == 1:
+            return None
+        tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+        return PipelineComm(groups.pp, (tokens, cfg.model.hidden_size), model_dtype(cfg),
+                            self.device)
+
+    def _whole_model_parameters(self) -> dict:
+        """count_parameters of the whole model: this stage's, summed over the pipeline."""
+        mine = count_parameters(self.model, self.groups.ep_size)
+        if self.groups.pp_size == 1:
+            return mine
+        counts = torch.tensor(list(mine.values()), device=self.device)
+        self.groups.pp.all_reduce(counts)
+        return dict(zip(mine, counts.tolist()))
+
+    def _build_plans(self) -> tuple[list, list]:
+        """Every stage's layout (its nodes' kinds, gathered over the pipeline) and plan; the
+        plans checked together (`validate_pipeline`) before the first step."""
+        cfg, g = self.cfg, self.groups
+        mine = stage_layout([(spec.layer, spec.kind) for spec in self.model.node_specs()])
+        layouts = [mine]
+        if g.pp_size > 1:
+            layouts = [None] * g.pp_size
+            g.pp.all_gather_object(layouts, mine)
+        overlap = cfg.overlap
+        plans = pipeline_plans(layouts, cfg.train.num_microbatches,
+                               combined=overlap.overlap_moe_expert_parallel_comm,
+                               delay_wgrad=overlap.delay_wgrad_compute,
+                               early_release=plan_name(cfg) == "combined_1f1b_early_release")
+        validate_pipeline(plans, layouts, cfg.train.num_microbatches, overlap.delay_wgrad_compute)
+        return layouts, plans
 
     def _graph_runner(self) -> Optional[GraphRunner]:
         graph_cfg = self.cfg.cuda_graph
@@ -221,10 +257,13 @@ class Trainer:
 
     def describe(self) -> str:
         cfg, g = self.cfg, self.groups
-        params = count_parameters(self.model, g.ep_size)
-        total = (params["dense"] + params["expert_global"]) / 1e6
-        return (f"epoverlap: world {g.world_size} = EP {g.ep_size} x EDP {g.edp_size} (dense "
-                f"layers: DP {g.world_size}) | {g.backend}, {self.device.type} | "
+        total = (self.params["dense"] + self.params["expert_global"]) / 1e6
+        pipeline = ""
+        if g.pp_size > 1:
+            virtual = f" x {cfg.virtual_stages} virtual" if cfg.virtual_stages > 1 else ""
+            pipeline = f"PP {g.pp_size}{virtual} x "
+        return (f"epoverlap: world {g.world_size} ({g.backend}, {self.device.type}) = "
+                f"{pipeline}DP {g.dp_size} (EP {g.ep_size} x EDP {g.edp_size}) | "
                 f"{cfg.model.num_layers} layers, hidden "
                 f"{cfg.model.hidden_size}, {cfg.moe.num_experts or 0} experts top-"
                 f"{cfg.moe.moe_router_topk} | {total:.1f}M params | plan {plan_name(cfg)}"
@@ -232,7 +271,7 @@ class Trainer:
                 f"{self.backend} | {model_dtype(cfg)} | data: {self.data.description}")
 
     def microbatches(self, step: int) -> list[dict]:
-        t, rank = self.cfg.train, self.groups.rank
+        t, rank = self.cfg.train, self.groups.dp_rank  # every stage of a pipeline reads alike
         batches = []
         for mb in range(t.num_microbatches):
             tokens, labels = self.data.batch(step, rank, mb, t.micro_batch_size,
@@ -254,26 +293,42 @@ class Trainer:
         inputs = self.microbatches(step) if inputs is None else inputs
         return self.executor.run(self.plan, inputs, 1.0 / self.cfg.train.num_microbatches)
 
-    def _reduce_stats(self, losses: list[torch.Tensor]) -> tuple[float, float, float]:
-        """Mean loss and aux loss over microbatches and ranks; max expert imbalance."""
-        t = self.cfg.train
+    def _reduce_stats(self, losses: list) -> tuple[float, float, float]:
+        """Mean loss and aux loss over microbatches and data-parallel ranks; max expert
+        imbalance. Each stage fills the slots of its layers (the last stage the loss), sums
+        them over its DP group, then the stages' slots are gathered over the pipeline."""
+        t, num_layers = self.cfg.train, self.cfg.model.num_layers
         routers = self.model.routers()
-        aux = sum((r.step_aux_loss for r in routers), torch.zeros((), device=self.device))
-        stats = torch.stack([torch.stack(losses).sum().float(), aux.float()])
-        counts = torch.stack([r.step_counts for r in routers]) if routers else None
-        if self.groups.world_size > 1:
-            self.groups.world.all_reduce(stats)
-            if counts is not None:
-                self.groups.world.all_reduce(counts)
-        scale = 1.0 / (t.num_microbatches * self.groups.world_size)
+        stats = torch.zeros(1 + num_layers, device=self.device)  # loss, aux of each layer
+        counts = torch.zeros(num_layers, self.cfg.moe.num_experts or 0, dtype=torch.int64,
+                             device=self.device)
+        if any(loss is not None for loss in losses):
+            stats[0] = torch.stack(losses).sum().float()
+        for router in routers:
+            stats[1 + router.layer] = router.step_aux_loss.float()
+            counts[router.layer] = router.step_counts
+        self._sum_over_stages(stats)
+        self._sum_over_stages(counts)
+        scale = 1.0 / (t.num_microbatches * self.groups.dp_size)
+        for router in routers:
+            router.update_expert_bias(counts[router.layer])
+        moe_layers = [layer for layer, is_moe in enumerate(self.cfg.moe_layer_pattern())
+                      if is_moe]
         imbalance = 1.0
-        if counts is not None:
-            for router, layer_counts in zip(routers, counts):
-                router.update_expert_bias(layer_counts)
-            per_layer = counts.float().amax(dim=1) / counts.float().mean(dim=1).clamp(min=1e-9)
+        if moe_layers:
+            moe_counts = counts[moe_layers].float()
+            per_layer = moe_counts.amax(dim=1) / moe_counts.mean(dim=1).clamp(min=1e-9)
             imbalance = float(per_layer.max())
-        loss_sum, aux_sum = stats.tolist()
-        return loss_sum * scale, aux_sum * scale, imbalance
+        return float(stats[0]) * scale, float(stats[1:].sum()) * scale, imbalance
+
+    def _sum_over_stages(self, slots: torch.Tensor) -> None:
+        """In place: sum over the stage's DP group, then over the pipeline (where every slot
+        is one stage's and the others add 0, so the sum is exact)."""
+        g = self.groups
+        if g.dp_size > 1:
+            g.dp.all_reduce(slots)
+        if g.pp_size > 1:
+            g.pp.all_reduce(slots)
 
     def step(self, step: int) -> StepResult:
         self.groups.watch.step = step
@@ -306,7 +361,7 @@ class Trainer:
 
     def _result(self, step, loss, lr, grad_norm, aux, imbalance, elapsed) -> StepResult:
         t, m = self.cfg.train, self.cfg.model
-        tokens = self.groups.world_size * t.num_microbatches * t.micro_batch_size * m.seq_length
+        tokens = self.groups.dp_size * t.num_microbatches * t.micro_batch_size * m.seq_length
         on_gpu = self.device.type == "cuda"
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if on_gpu else None
         tflops = training_flops_per_token(self.cfg) * tokens / elapsed / 1e12 / \
