@@ -145,7 +145,7 @@ def test_executor_matches_the_independent_reference(config, run):
 
 # ----------------------------------------------------------------------------- mutations
 def _negate_rotary_sin(model):
-    for layer in model.layers:
+    for layer in model.transformer_layers():
         rotary = layer.attention.ops.rotary
         layer.attention.ops = dataclasses.replace(
             layer.attention.ops, rotary=lambda x, cos, sin, rotary=rotary: rotary(x, cos, -sin))
