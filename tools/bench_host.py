@@ -9,15 +9,22 @@ backward passes of all microbatches: the CPU time of the whole process (every th
 Python thread and autograd's) and the wall time, each as a median per step, and per layer and
 microbatch (divided by layers x microbatches). A small model keeps the GPU ahead of the host,
 so the figures are what the host spends issuing the work. Prints a markdown table last.
+
+Eager mode also gets a per-node table: the host wall time of each node action (forward F,
+backward B) as the executor issues it (median over the timed steps, summed over layers and
+microbatches, and per call), and, from one step under torch.profiler, the CUDA kernel launches
+per step, so host time per launch = host CPU per step / launches.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -62,11 +69,58 @@ def measure(groups, argv, iters: int, warmup: int) -> dict:
             cpu.append(c1 - c0)
             wall.append(time.perf_counter() - w0)
         cells = trainer.cfg.model.num_layers * trainer.cfg.train.num_microbatches
-        return {"cpu_ms": statistics.median(cpu) * 1e3, "wall_ms": statistics.median(wall) * 1e3,
-                "cpu_ms_per_layer_mb": statistics.median(cpu) * 1e3 / cells,
-                "graphs": trainer.graphs.graph_count() if trainer.graphs else 0}
+        row = {"cpu_ms": statistics.median(cpu) * 1e3, "wall_ms": statistics.median(wall) * 1e3,
+               "cpu_ms_per_layer_mb": statistics.median(cpu) * 1e3 / cells,
+               "graphs": trainer.graphs.graph_count() if trainer.graphs else 0}
+        if trainer.graphs is None:
+            row["nodes"] = per_node_host_ms(trainer, inputs, iters)
+            row["launches_per_step"] = kernel_launches(trainer, inputs)
+            row["host_us_per_launch"] = row["cpu_ms"] * 1e3 / max(row["launches_per_step"], 1)
+        return row
     finally:
         trainer.close()
+
+
+def per_node_host_ms(trainer: Trainer, inputs, iters: int) -> dict:
+    """{"F attn": (ms per step, us per call), ...}: host wall time of each node action, timed
+    around the executor's task (serial lanes: the issuing thread; the GPU stays behind)."""
+    executor, steps = trainer.executor, []
+    original = executor._span
+
+    def timed(action, lane, totals):
+        @contextlib.contextmanager
+        def span():
+            start = time.perf_counter()
+            with original(action, lane):
+                yield
+            key = f"{action.kind} {action.node}"
+            totals[key][0] += time.perf_counter() - start
+            totals[key][1] += 1
+        return span()
+    try:
+        for _ in range(iters):
+            totals = defaultdict(lambda: [0.0, 0])
+            executor._span = lambda action, lane, totals=totals: timed(action, lane, totals)
+            torch.cuda.synchronize()
+            trainer.run_microbatches(1, inputs)
+            torch.cuda.synchronize()
+            steps.append(dict(totals))
+    finally:
+        executor._span = original
+    keys = sorted(steps[0], key=lambda k: (k[0] != "F", k))
+    return {key: (statistics.median(s[key][0] for s in steps) * 1e3,
+                  statistics.median(s[key][0] / s[key][1] for s in steps) * 1e6)
+            for key in keys}
+
+
+def kernel_launches(trainer: Trainer, inputs) -> int:
+    """CUDA kernel launches of one step (every thread), counted by torch.profiler."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        trainer.run_microbatches(1, inputs)
+        torch.cuda.synchronize()
+    names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+    return sum(1 for event in prof.events() if event.name in names)
 
 
 def main(argv=None) -> int:
@@ -88,7 +142,7 @@ def main(argv=None) -> int:
         rows = {mode: measure(groups, base + extra, args.iters, args.warmup)
                 for mode, extra in (("eager", []), ("graphed", GRAPHS))}
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
     ratio = rows["eager"]["cpu_ms"] / rows["graphed"]["cpu_ms"]
     if args.out:
         Path(args.out).write_text(json.dumps({"shape": args.shape, "rows": rows,
@@ -100,6 +154,12 @@ def main(argv=None) -> int:
         print(f"| {mode} | {r['cpu_ms']:.2f} | {r['wall_ms']:.2f} | "
               f"{r['cpu_ms_per_layer_mb']:.3f} | {r['graphs']} |")
     print(f"host CPU time eager / graphed: {ratio:.2f}x")
+    eager = rows["eager"]
+    print(f"eager: {eager['launches_per_step']} CUDA kernel launches per step, "
+          f"{eager['host_us_per_launch']:.1f} us of host CPU per launch")
+    print("\n| eager node action | host ms/step | host us per call |\n| --- | --- | --- |")
+    for key, (ms, us) in eager["nodes"].items():
+        print(f"| {key} | {ms:.2f} | {us:.0f} |")
     return 0
 
 
