@@ -27,6 +27,7 @@ from epoverlap.graphs.config import (CudaGraphConfig, add_cuda_graph_args,
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+DROP_POLICIES = ("probs", "position")  # as epoverlap_kernels.capacity
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release")
 COMM_MODES = ("real", "local_copy")
@@ -73,10 +74,20 @@ class MoEConfig:
     moe_layer_freq: str = "1"
     moe_first_k_dense_replace: int = 0
     moe_router_force_load_balancing: bool = False
+    moe_expert_capacity_factor: Optional[float] = None  # negative = None (Megatron-core's reading)
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    moe_dispatch_budget: Optional[float] = None
 
     @property
     def enabled(self) -> bool:
         return bool(self.num_experts)
+
+    @property
+    def capacity_factor(self) -> Optional[float]:
+        """The capacity factor in force: None when unset or negative (dropless)."""
+        factor = self.moe_expert_capacity_factor
+        return None if factor is None or factor < 0 else factor
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -351,6 +362,16 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
      "first k layers dense"),
     ("--moe-router-force-load-balancing", "moe", "moe_router_force_load_balancing", bool,
      "benchmark only: random router logits (balanced routing)"),
+    ("--moe-expert-capacity-factor", "moe", "moe_expert_capacity_factor", _opt_float,
+     "expert capacity = ceil(tokens x topk / experts x FACTOR); routed tokens over it are "
+     "dropped and counted (Megatron-core semantics; negative or none: dropless)"),
+    ("--moe-pad-expert-input-to-capacity", "moe", "moe_pad_expert_input_to_capacity", bool,
+     "pad every expert's input to the capacity: static all-to-all sizes, no host sync"),
+    ("--moe-token-drop-policy", "moe", "moe_token_drop_policy", str,
+     f"which tokens an expert over capacity keeps: one of {DROP_POLICIES}"),
+    ("--moe-dispatch-budget", "moe", "moe_dispatch_budget", _opt_float,
+     "dropless without a host sync: fixed all-to-all buffers of FACTOR x the balanced rows "
+     "per rank; a step that overflows them is rerun with a larger budget"),
     ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", int, "EP size"),
     ("--dist-timeout-minutes", "parallel", "dist_timeout_minutes", float,
      "collective timeout"),
@@ -560,6 +581,9 @@ def _validate_moe(cfg: RunConfig, world_size: int) -> None:
              f"must divide the world size {world_size}")
     if not moe.enabled:
         _require(ep == 1, "expert_model_parallel_size", ep, "must be 1 without --num-experts")
+        for name in ("moe_expert_capacity_factor", "moe_dispatch_budget"):
+            _require(getattr(moe, name) is None, name, getattr(moe, name),
+                     "needs MoE layers (--num-experts)")
         return
     _require(moe.num_experts >= 1 and moe.num_experts % ep == 0, "num_experts", moe.num_experts,
              f"must be divisible by --expert-model-parallel-size={ep}")
@@ -568,6 +592,35 @@ def _validate_moe(cfg: RunConfig, world_size: int) -> None:
     for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         value = getattr(moe, name)
         _require(value is None or value >= 1, name, value, "must be >= 1")
+    _validate_dispatch(cfg)
+
+
+def _validate_dispatch(cfg: RunConfig) -> None:
+    """Capacity (Megatron-core's drop/pad) or the dropless budget; see epoverlap.model.moe."""
+    moe = cfg.moe
+    factor, budget = moe.moe_expert_capacity_factor, moe.moe_dispatch_budget
+    _require(moe.moe_token_drop_policy in DROP_POLICIES, "moe_token_drop_policy",
+             moe.moe_token_drop_policy, f"allowed: {', '.join(DROP_POLICIES)}")
+    _require(factor != 0, "moe_expert_capacity_factor", factor,
+             "must be > 0 (a negative value means no capacity: dropless, as Megatron-core "
+             "reads it)")
+    pad = moe.moe_pad_expert_input_to_capacity
+    _require(not pad or moe.capacity_factor is not None, "moe_pad_expert_input_to_capacity",
+             True, "needs --moe-expert-capacity-factor > 0 (the capacity to pad to)")
+    if budget is not None:
+        _require(budget > 0, "moe_dispatch_budget", budget,
+                 "must be > 0 (1.0 = the balanced share of rows per EP rank)")
+        _require(moe.capacity_factor is None, "moe_dispatch_budget", budget,
+                 "is dropless and --moe-expert-capacity-factor drops tokens: give one of them")
+    if pad:
+        from epoverlap_kernels.capacity import get_capacity
+        tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+        capacity = get_capacity(tokens * moe.moe_router_topk, moe.num_experts, factor)
+        _require(capacity <= tokens, "moe_expert_capacity_factor", factor,
+                 f"with --moe-pad-expert-input-to-capacity the capacity ({capacity}) must not "
+                 f"exceed the {tokens} tokens of a microbatch (Megatron-core's padded permute "
+                 f"fails there): use a factor <= num_experts / topk = "
+                 f"{moe.num_experts / moe.moe_router_topk:g}")
 
 
 def _validate_train(t: TrainConfig, world_size: int, cuda_available: bool) -> None:

@@ -10,10 +10,15 @@ Shape legend: N rows (tokens), I input features, O output features, E local expe
 
 Grouped GEMM: rows are sorted by expert; `offsets_E` (int32, device) holds the cumulative row
 end of each expert. `torch._grouped_mm` is used where it runs (CUDA, or CPU for aligned
-shapes); otherwise a loop of matmuls over the host-side `counts` (a correct fallback).
+shapes); otherwise a loop of matmuls over the host-side `counts` (a correct fallback). Counts
+None: only the device knows them (the budget dispatch) and rows past the last offset are
+padding, which `torch._grouped_mm` leaves unwritten; the fallback then reads the offsets on the
+host (it runs only where `_grouped_mm` does not, never on CUDA) and writes zeros there.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -68,14 +73,22 @@ def _grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all((d * elem) % 16 == 0 for d in dims) and a.dtype == torch.float32
 
 
+def _host_counts(offsets_E: torch.Tensor, num_rows: int) -> list[int]:
+    """Per-group rows from the device offsets, plus a last entry: the padding rows (a sync)."""
+    ends = offsets_E.tolist()
+    return [end - start for start, end in zip([0] + ends, ends)] + [num_rows - ends[-1]]
+
+
 def _mm_grouped(a_NI, b_EIO, offsets_E, counts):
     """Row-grouped A [N, I] x per-group B [E, I, O] -> [N, O]."""
     if a_NI.shape[0] == 0:  # a rank that received no token
         return a_NI.new_empty((0, b_EIO.shape[-1]))
     if _grouped_mm_runs(a_NI, b_EIO):
         return torch._grouped_mm(a_NI, b_EIO, offs=offsets_E)
-    pieces = torch.split(a_NI, counts)
-    return torch.cat([p @ b_EIO[e] for e, p in enumerate(pieces)], dim=0)
+    sizes = _host_counts(offsets_E, a_NI.shape[0]) if counts is None else list(counts) + [0]
+    pieces = torch.split(a_NI, sizes)
+    outs = [p @ b_EIO[e] for e, p in enumerate(pieces[:-1])]
+    return torch.cat(outs + [a_NI.new_zeros((sizes[-1], b_EIO.shape[-1]))], dim=0)
 
 
 def _mm_weight_grad(x_NI, grad_NO, offsets_E, counts, num_experts):
@@ -83,6 +96,8 @@ def _mm_weight_grad(x_NI, grad_NO, offsets_E, counts, num_experts):
     x_IN = x_NI.t()
     if _grouped_mm_runs(x_IN, grad_NO) and x_NI.shape[0] > 0:
         return torch._grouped_mm(x_IN, grad_NO, offs=offsets_E)
+    if counts is None:
+        counts = _host_counts(offsets_E, x_NI.shape[0])
     xs, gs = torch.split(x_NI, counts), torch.split(grad_NO, counts)
     out = x_NI.new_zeros((num_experts, x_NI.shape[1], grad_NO.shape[1]))
     for e in range(num_experts):
@@ -113,8 +128,9 @@ class _GroupedGemm(torch.autograd.Function):
 
 
 def grouped_gemm(x_NI: torch.Tensor, weight_EIO: torch.nn.Parameter, offsets_E: torch.Tensor,
-                 counts: list[int], queue=None) -> torch.Tensor:
-    """Rows of expert e (counts[e] of them, in order) times weight[e]; deferrable weight grad."""
+                 counts: Optional[list[int]], queue=None) -> torch.Tensor:
+    """Rows of expert e (counts[e] of them, in order) times weight[e]; deferrable weight grad.
+    counts None: see the module docstring (device-only counts, padding rows at the end)."""
     return _GroupedGemm.apply(x_NI, weight_EIO, offsets_E, counts, queue)
 
 

@@ -29,8 +29,8 @@ from epoverlap_kernels import MoEOps
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.config import RunConfig
 from epoverlap.model.linear import linear
-from epoverlap.model.moe import AllToAllDispatcher, GroupedSwiGLUExperts, Router, SwiGLU, param_seed, \
-    seeded_normal_
+from epoverlap.model.moe import (AllToAllDispatcher, DispatchBudget, DispatchMode,
+                                 GroupedSwiGLUExperts, Router, SwiGLU, param_seed, seeded_normal_)
 from epoverlap.model.nodes import COMM, COMPUTE, NodeSpec, Segment, segmented
 
 
@@ -114,7 +114,7 @@ class TransformerLayer(nn.Module):
     """One decoder layer; MoE or dense. Exposes its nodes through `node_specs`."""
 
     def __init__(self, cfg: RunConfig, layer: int, is_moe: bool, comm: ExpertComm,
-                 ep_rank: int, ops: MoEOps, *, dtype, device, queue):
+                 ep_rank: int, ops: MoEOps, *, dtype, device, queue, budget=None):
         super().__init__()
         m, moe, seed = cfg.model, cfg.moe, cfg.train.seed
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
@@ -138,7 +138,7 @@ class TransformerLayer(nn.Module):
             self.shared_expert = SwiGLU(m.hidden_size, moe.moe_shared_expert_intermediate_size,
                                         name=f"shared{layer}", **mlp_kwargs)
         self.dispatcher = AllToAllDispatcher(comm, moe.num_experts, moe.moe_router_topk, ops,
-                                             device)
+                                             device, DispatchMode.of(moe), budget)
 
     # ----------------------------------------------------------------- node segments
     def attention_segment(self, hidden):
@@ -251,9 +251,11 @@ class MoEModel(nn.Module):
                                                   device=device))
         seeded_normal_(self.embedding, m.init_method_std, param_seed(seed, "embedding"))
         pattern = cfg.moe_layer_pattern()
+        self.dispatch_budget = _dispatch_budget(cfg, comm.size, device) if any(pattern) else None
         self.layers = nn.ModuleList(
             TransformerLayer(cfg, layer, pattern[layer], comm, ep_rank, ops, dtype=dtype,
-                             device=device, queue=wgrad_queue) for layer in range(m.num_layers))
+                             device=device, queue=wgrad_queue, budget=self.dispatch_budget)
+            for layer in range(m.num_layers))
         self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
         self.head = nn.Parameter(torch.empty(m.vocab_size, m.hidden_size, dtype=dtype,
                                              device=device))
@@ -292,6 +294,15 @@ class MoEModel(nn.Module):
             out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})
             values.update({spec.outputs[local]: value for local, value in out.items()})
         return values["loss"]
+
+
+def _dispatch_budget(cfg: RunConfig, ranks: int, device) -> "DispatchBudget | None":
+    """The one budget every MoE layer's dispatcher shares (budget mode only)."""
+    factor = cfg.moe.moe_dispatch_budget
+    if factor is None:
+        return None
+    rows = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.moe.moe_router_topk
+    return DispatchBudget(factor, ranks, rows, device)
 
 
 def model_dtype(cfg: RunConfig) -> torch.dtype:

@@ -10,6 +10,14 @@ step (the loss also as float.hex, for bitwise comparison with `epoverlap-compare
 and with --tensorboard-dir the same scalars as TensorBoard events (`training.tensorboard`).
 Steps with recorded spans (--profile-steps) also report the first rank's comm, exposed comm
 and overlap ratio (`profiling.overlap`).
+
+MoE dispatch modes (`epoverlap.model.moe.DispatchMode`): with a capacity, every step reports
+the routed (token, expert) pairs dropped over all ranks and MoE layers; with the budget
+dispatch, after each forward-backward the most rows any dispatch wanted to send to one rank is
+all-reduced (one host read per step, after the step) and, if it overflowed the budget's chunk,
+the step's forward-backward is rerun from the same inputs, weights and router RNG state at the
+smallest budget level that holds it (`forward_backward`); the reruns and the budget the step's
+result came from are reported.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from epoverlap_kernels import make_moe_ops
 
 from epoverlap.config import RunConfig
 from epoverlap.graphs.capture import GraphRunner, graphed_modules
+from epoverlap.model.moe import DispatchMode
 from epoverlap.model.transformer import (MoEModel, count_parameters, model_dtype,
                                          training_flops_per_token)
 from epoverlap.parallel.comm import ExpertComm
@@ -57,6 +66,10 @@ class StepResult:
     tokens: int
     peak_mem_gib: Optional[float]
     tflops_per_gpu: float
+    dropped_tokens: Optional[int] = None  # capacity: routed pairs over capacity, all ranks/layers
+    dropped_fraction: Optional[float] = None  # of all routed (token, expert) pairs
+    dispatch_reruns: Optional[int] = None  # budget: reruns after an overflow
+    dispatch_budget: Optional[float] = None  # budget: the budget the step's result came from
     deterministic: bool = False  # --deterministic-mode: bitwise comparisons with another run hold
     triton_variants: Optional[int] = None  # compiled Triton kernel variants so far (this rank)
     comm_ms: Optional[float] = None  # these three: steps with recorded spans only
@@ -89,6 +102,16 @@ def format_duration(seconds: float) -> str:
     if hours:
         return f"{hours}h{minutes:02d}m{secs:02d}s"
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _dispatch_note(r: StepResult) -> str:
+    """' | dropped 12 (0.40%)' with a capacity; ' | reruns 1 (budget 2)' with a budget."""
+    note = ""
+    if r.dropped_tokens is not None:
+        note += f" | dropped {r.dropped_tokens} ({100 * r.dropped_fraction:.2f}%)"
+    if r.dispatch_reruns is not None:
+        note += f" | reruns {r.dispatch_reruns} (budget {r.dispatch_budget:g})"
+    return note
 
 
 def plan_name(cfg: RunConfig) -> str:
@@ -128,6 +151,8 @@ class Trainer:
         validate_plan(self.plan, self.model.layout(), cfg.train.num_microbatches,
                       cfg.overlap.delay_wgrad_compute)
         self.backend = backend
+        self.dispatch_mode = DispatchMode.of(cfg.moe)
+        self.budget = self.model.dispatch_budget
         self.compile_watch = CompileWatch(cfg.cuda_graph.warmup_steps, groups.rank,
                                           warn=_warn_every_rank)
         self._imbalanced_steps = 0
@@ -184,12 +209,66 @@ class Trainer:
 
     def run_microbatches(self, step: int, inputs: Optional[list[dict]] = None
                          ) -> list[torch.Tensor]:
-        """Forward + backward of every microbatch; grads land in the main_grad buffers."""
+        """Forward + backward of every microbatch, once, at the budget level selected (no
+        rerun: see `forward_backward`); grads land in the main_grad buffers."""
         self.grads.zero()
         for router in self.model.routers():
             router.reset_step_stats()
+        if self.budget is not None:
+            self.budget.demand_rows.zero_()
         inputs = self.microbatches(step) if inputs is None else inputs
         return self.executor.run(self.plan, inputs, 1.0 / self.cfg.train.num_microbatches)
+
+    def forward_backward(self, step: int) -> tuple[list[torch.Tensor], int]:
+        """`run_microbatches`, rerun while the budget dispatch overflowed (see the module
+        docstring). -> (losses, reruns). A rerun starts from the same inputs, weights and
+        router RNG state, so its result is the one a run at its budget level would give."""
+        inputs = self.microbatches(step)
+        generators = self._router_generators()
+        states = [g.get_state() for g in generators]
+        self._select_budget_level(0)
+        losses = self.run_microbatches(step, inputs)
+        reruns = 0
+        while (level := self._overflow_level()) is not None:
+            for generator, state in zip(generators, states):
+                generator.set_state(state)
+            self._select_budget_level(level)
+            losses = self.run_microbatches(step, inputs)
+            reruns += 1
+        return losses, reruns
+
+    def _router_generators(self) -> list[torch.Generator]:
+        return [r.balancing_generator for r in self.model.routers()
+                if r.balancing_generator is not None]
+
+    def _select_budget_level(self, level: int) -> None:
+        if self.budget is not None:
+            self.budget.level = level
+
+    def _overflow_level(self) -> Optional[int]:
+        """After a forward-backward: the budget level to rerun at, None if nothing overflowed.
+        One all-reduce (max over ranks) and one host read."""
+        budget = self.budget
+        if budget is None:
+            return None
+        demand = budget.demand_rows.clone()
+        if self.groups.world_size > 1:
+            dist.all_reduce(demand, op=dist.ReduceOp.MAX)
+        demand_rows = int(demand)
+        return None if demand_rows <= budget.chunk_rows else budget.level_for(demand_rows)
+
+    def _dropped_tokens(self) -> tuple[int, float]:
+        """Routed (token, expert) pairs dropped over capacity this step, all ranks and MoE
+        layers, and their share of all routed pairs."""
+        routers = self.model.routers()
+        dropped = sum((r.step_dropped for r in routers),
+                      torch.zeros((), dtype=torch.int64, device=self.device))
+        if self.groups.world_size > 1:
+            dist.all_reduce(dropped)
+        t, m = self.cfg.train, self.cfg.model
+        routed = (self.groups.world_size * t.num_microbatches * t.micro_batch_size
+                  * m.seq_length * self.cfg.moe.moe_router_topk * len(routers))
+        return int(dropped), int(dropped) / routed
 
     def _reduce_stats(self, losses: list[torch.Tensor]) -> tuple[float, float, float]:
         """Mean loss and aux loss over microbatches and ranks; max expert imbalance."""
@@ -219,7 +298,7 @@ class Trainer:
         start = self._sync_time()
         if profiled:
             self.recorder.begin_step(step)
-        losses = self.run_microbatches(step)
+        losses, reruns = self.forward_backward(step)
         spans = self.recorder.end_step() if profiled else None
         self.grads.reduce()
         grad_norm = self.grads.clip(self.cfg.train.clip_grad)
@@ -229,6 +308,7 @@ class Trainer:
             self.optimizer.step(lr)
         elapsed = self._sync_time() - start
         result = self._result(step, loss, lr, grad_norm, aux, imbalance, elapsed)
+        self._add_dispatch_stats(result, reruns)
         if spans is not None:
             overlap = step_metrics(spans).overlap
             result.comm_ms, result.exposed_comm_ms = overlap.comm_us / 1e3, \
@@ -245,6 +325,12 @@ class Trainer:
             self.groups.world_size
         return StepResult(step, loss, lr, grad_norm, aux, imbalance, elapsed, tokens, peak,
                           tflops, deterministic=self.cfg.train.deterministic_mode)
+
+    def _add_dispatch_stats(self, result: StepResult, reruns: int) -> None:
+        if self.dispatch_mode.drops_tokens:
+            result.dropped_tokens, result.dropped_fraction = self._dropped_tokens()
+        if self.budget is not None:
+            result.dispatch_reruns, result.dispatch_budget = reruns, self.budget.factor
 
     def _profiled(self, step: int) -> bool:
         window = self.cfg.log.profile_range
@@ -320,7 +406,7 @@ class Trainer:
                                        or r.step == total):
             mem = f" | mem {r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else ""
             comm = (f" | exposed comm {r.exposed_comm_ms:.2f} of {r.comm_ms:.2f} ms"
-                    if r.exposed_comm_ms is not None else "")
+                    if r.exposed_comm_ms is not None else "") + _dispatch_note(r)
             self.log(f"step {r.step:4d}/{total} | loss {r.loss:.4f} | "
                      f"lr {r.lr:.2e} | grad norm {r.grad_norm:.3f} | aux {r.aux_loss:.4f} | "
                      f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"
