@@ -5,7 +5,9 @@ flag names Megatron users type, the named presets, and `validate_config`, which 
 rule and raises `ConfigError` naming the flag, the value and what is allowed. Validation needs
 only the world size and whether CUDA is present, so a bad invocation exits before any process
 group work. The CUDA-graph surface (with its deprecated forms) lives in `cuda_graph_config`
-and is validated from here.
+and is validated from here, with the facts the model states about itself: whether the MoE
+dispatch reads the host (`epoverlap.model.moe.DispatchMode`, imported where the rule needs it,
+the one import of a lower layer here).
 """
 
 from __future__ import annotations
@@ -763,13 +765,14 @@ def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
     except ImportError:
         te_available = False
     device = cfg.resolved_device(cuda_available)
+    from epoverlap.model.moe import DispatchMode  # what the dispatcher says of its host reads
+    mode = DispatchMode.of(cfg.moe)
     validate_cuda_graph_config(
         cfg.cuda_graph,
         overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
         has_moe_layers=any(pattern), has_dense_layers=not all(pattern),
-        # the torch reference permute reads the routed count on the host; the Triton one not
-        preprocess_syncs_host=cfg.resolved_kernel_backend(device) == "torch",
-        dispatch_syncs_host=True,  # dropless: split sizes are read on the host before the a2a
+        preprocess_syncs_host=mode.preprocess_syncs_host(cfg.resolved_kernel_backend(device)),
+        dispatch_syncs_host=mode.dispatch_syncs_host,
         transformer_engine_available=te_available, cuda_available=device == "cuda")
 
 

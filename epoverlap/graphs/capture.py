@@ -9,7 +9,10 @@ range's forward graph, backward its backward graph, and with delayed wgrad the b
 the replay of its weight-grad graph to the plan's W action).
 
 What a range is: a maximal run of consecutive `Segment`s of one node whose names are in
-`--cuda-graph-modules` (attn, moe_router, moe_preprocess on MoE layers; attn, mlp on dense ones).
+`--cuda-graph-modules` (attn, moe_router, moe_preprocess on MoE layers; attn, mlp on dense ones;
+`moe` or the whole layer: the one-node MoE layer's segments through the dispatch, the experts
+and the combine, which a sync-free dispatch (`DispatchMode.dispatch_syncs_host` False) allows:
+the all-to-alls then have static sizes and run inside the graph).
 
 Memory (the rules of `torch.cuda.graph` pools, and how they are kept):
   * One graph per (range, microbatch, phase), all in one private pool, captured in the order
@@ -470,7 +473,26 @@ def _range_outputs(segments: Sequence[Segment], start: int, end: int,
     return tuple(n for n in _produced(segments[start:end]) if n in later)
 
 
+# --cuda-graph-modules name -> the segments it graphs (`moe`: the one-node MoE layer's
+# segments from the router to the combine; see epoverlap.model.transformer)
+MODULE_SEGMENTS = {
+    "attn": ("attn",),
+    "mlp": ("mlp",),
+    "moe_router": ("moe_router",),
+    "moe_preprocess": ("moe_preprocess",),
+    "moe": ("moe_router", "moe_preprocess", "moe_dispatch", "moe_experts", "moe_combine"),
+}
+
+
 def graphed_modules(modules: Sequence[str]) -> set:
-    """Segment names to graph: the listed modules, or every per-layer region when the list is
-    empty (the whole layer; validation allows that only where no layer holds an all-to-all)."""
-    return set(modules) if modules else {"attn", "mlp", "moe_router", "moe_preprocess"}
+    """Segment names to graph: those of the listed modules, or of every module when the list
+    is empty (the whole layer; validation allows that for MoE layers only with a sync-free
+    dispatch and no EP overlap, and then the MoE layer is one node)."""
+    return {segment for module in (modules or MODULE_SEGMENTS)
+            for segment in MODULE_SEGMENTS[module]}
+
+
+def graphs_span_moe_layer(impl: str, modules: Sequence[str]) -> bool:
+    """True when per-layer graphs reach past the dispatch (`moe` or the whole layer): the
+    model must then expose each MoE layer as one node (`one_node_moe_layers`)."""
+    return impl == "local" and (not modules or "moe" in modules)

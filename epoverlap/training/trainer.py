@@ -36,7 +36,10 @@ import torch.distributed as dist
 from epoverlap_kernels import make_moe_ops
 
 from epoverlap.config import RunConfig
-from epoverlap.graphs.capture import GraphRunner, graphed_modules
+from epoverlap.graphs.banks import GraphBanks, StepGraphs
+from epoverlap.graphs.capture import (CudaGraphBackend, GraphRunner, graphed_modules,
+                                      graphs_span_moe_layer)
+from epoverlap.graphs.full_iteration import FullIterationGraph
 from epoverlap.model.moe import DispatchMode
 from epoverlap.model.transformer import (MoEModel, count_parameters, model_dtype,
                                          training_flops_per_token)
@@ -123,9 +126,12 @@ class Trainer:
     """Everything one training run needs, built once from a validated config."""
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups,
-                 log: Callable[[str], None] = print, data=None):
+                 log: Callable[[str], None] = print, data=None,
+                 graph_backend=CudaGraphBackend):
         """`data`: a source from `open_data_source` (opened here when None); the model's
-        vocabulary is the source's."""
+        vocabulary is the source's. `graph_backend`: what captures CUDA graphs (the CPU tests
+        pass an emulation)."""
+        self.graph_backend = graph_backend
         cfg = cfg.for_world(groups.world_size)
         self.data = data if data is not None else open_data_source(cfg, groups.world_size)
         cfg = cfg.with_vocab_size(self.data.vocab_size)
@@ -136,20 +142,24 @@ class Trainer:
         self.wgrad_queue = WeightGradQueue(enabled=cfg.overlap.delay_wgrad_compute)
         self.model = MoEModel(cfg, self.comm, groups.ep_rank, make_moe_ops(backend),
                               dtype=model_dtype(cfg), device=self.device,
-                              wgrad_queue=self.wgrad_queue)
+                              wgrad_queue=self.wgrad_queue,
+                              one_node_moe_layers=self._one_node_moe_layers())
         self.grads = GradBuffers(self.model, groups)
         self.optimizer = MixedPrecisionAdamW(self.model, cfg.train)
         overlap = cfg.overlap.overlap_moe_expert_parallel_comm
         self.lanes = make_lanes(self.device, overlap, cfg.overlap.comm_stream_high_priority)
         self.recorder = SpanRecorder(self.device, groups.rank, groups.world_size)
-        self.graphs = self._graph_runner()
+        self.graphs = self._step_graphs()
+        per_layer = self.graphs is not None and not self.graphs.full_iteration
         self.executor = Executor(self.model.node_specs(), self.lanes, self.wgrad_queue,
-                                 self.recorder, **({"run_factory": self.graphs}
-                                                   if self.graphs is not None else {}))
+                                 self.recorder, **({"run_factory": self.graphs.banks}
+                                                   if per_layer else {}))
         self.plan = build_plan(plan_name(cfg), self.model.layout(), cfg.train.num_microbatches,
                                cfg.overlap.delay_wgrad_compute)
         validate_plan(self.plan, self.model.layout(), cfg.train.num_microbatches,
                       cfg.overlap.delay_wgrad_compute)
+        if self.graphs is not None:
+            self.graphs.banks.select(0)  # the base budget's bank (banks are made lazily)
         self.backend = backend
         self.dispatch_mode = DispatchMode.of(cfg.moe)
         self.budget = self.model.dispatch_budget
@@ -157,30 +167,51 @@ class Trainer:
                                           warn=_warn_every_rank)
         self._imbalanced_steps = 0
 
-    def _graph_runner(self) -> Optional[GraphRunner]:
+    def _step_graphs(self) -> Optional[StepGraphs]:
+        """CUDA graphs of this run (--cuda-graph-impl local or full_iteration), in banks by
+        budget level when they hold the dispatch (see `epoverlap.graphs.banks`)."""
         graph_cfg = self.cfg.cuda_graph
-        if graph_cfg.impl != "local":
+        if graph_cfg.impl not in ("local", "full_iteration"):
             return None
-        generators = [r.balancing_generator for r in self.model.routers()
-                      if r.balancing_generator is not None]
-        return GraphRunner(self.model.node_specs(), graphed_modules(graph_cfg.modules),
-                           device=self.device, queue=self.wgrad_queue, generators=generators,
-                           check_inputs=graph_cfg.check_inputs)
+        full = graph_cfg.impl == "full_iteration"
+        generators = self._router_generators()
+        if full:
+            def make_bank():
+                return FullIterationGraph(self.executor, self.plan, self._loss_scale(),
+                                          device=self.device, generators=generators,
+                                          backend_factory=self.graph_backend)
+        else:
+            def make_bank():
+                return GraphRunner(self.model.node_specs(), graphed_modules(graph_cfg.modules),
+                                   device=self.device, queue=self.wgrad_queue,
+                                   generators=generators, check_inputs=graph_cfg.check_inputs,
+                                   backend_factory=self.graph_backend)
+        budget = self.model.dispatch_budget
+        per_level = budget is not None and (full or self._one_node_moe_layers())
+        banks = GraphBanks(make_bank, len(budget.levels) if per_level else 1)
+        return StepGraphs(banks, graph_cfg.warmup_steps, per_level, full)
 
-    def _before_step(self, step: int) -> None:
-        """The last warmup step records what each graph reads and writes."""
-        if self.graphs is not None and step == self.cfg.cuda_graph.warmup_steps:
-            self.graphs.recording = True
+    def _one_node_moe_layers(self) -> bool:
+        graph_cfg = self.cfg.cuda_graph
+        return graphs_span_moe_layer(graph_cfg.impl, graph_cfg.modules)
+
+    def _loss_scale(self) -> float:
+        return 1.0 / self.cfg.train.num_microbatches
 
     def _after_step(self, step: int) -> None:
-        if self.graphs is None or step != self.cfg.cuda_graph.warmup_steps:
+        """Capture the graph banks this step recorded (the last warmup step records the base
+        bank; a later rerun at a new budget level records that level's)."""
+        if self.graphs is None:
             return
-        self.graphs.recording = False
-        self.graphs.capture(self.plan)
-        g = self.graphs
-        self.log(f"CUDA graphs: {g.graph_count()} captured after step {step} in "
-                 f"{g.capture_seconds:.2f} s; graph memory {g.pool_bytes / 2**30:.3f} GiB "
-                 f"(of it static buffers {g.buffer_bytes() / 2**30:.3f} GiB)")
+        for level, bank in self.graphs.capture_due(self.plan, self._select_budget_level):
+            where = (f" (budget {self.budget.levels[level]:g})" if self.graphs.per_level
+                     else "")
+            self.log(f"CUDA graphs{where}: {bank.graph_count()} captured after step {step} "
+                     f"in {bank.capture_seconds:.2f} s; graph memory "
+                     f"{bank.pool_bytes / 2**30:.3f} GiB (of it static buffers "
+                     f"{bank.buffer_bytes() / 2**30:.3f} GiB)"
+                     + (f"; {self.graphs.banks.memory_report()}"
+                        if len(self.graphs.banks.banks) > 1 else ""))
 
     def describe(self) -> str:
         cfg, g = self.cfg, self.groups
@@ -217,7 +248,12 @@ class Trainer:
         if self.budget is not None:
             self.budget.demand_rows.zero_()
         inputs = self.microbatches(step) if inputs is None else inputs
-        return self.executor.run(self.plan, inputs, 1.0 / self.cfg.train.num_microbatches)
+        if self.graphs is not None:
+            return self.graphs.run(inputs, self._run_eager)
+        return self._run_eager(inputs)
+
+    def _run_eager(self, inputs: list[dict]) -> list[torch.Tensor]:
+        return self.executor.run(self.plan, inputs, self._loss_scale())
 
     def forward_backward(self, step: int) -> tuple[list[torch.Tensor], int]:
         """`run_microbatches`, rerun while the budget dispatch overflowed (see the module
@@ -226,16 +262,25 @@ class Trainer:
         inputs = self.microbatches(step)
         generators = self._router_generators()
         states = [g.get_state() for g in generators]
-        self._select_budget_level(0)
-        losses = self.run_microbatches(step, inputs)
+        losses = self._attempt(step, inputs, level=0)
         reruns = 0
         while (level := self._overflow_level()) is not None:
             for generator, state in zip(generators, states):
                 generator.set_state(state)
-            self._select_budget_level(level)
-            losses = self.run_microbatches(step, inputs)
+            losses = self._attempt(step, inputs, level)
             reruns += 1
         return losses, reruns
+
+    def _attempt(self, step: int, inputs: list[dict], level: int) -> list[torch.Tensor]:
+        """One forward-backward at a budget level, by that level's graph bank if it has one."""
+        self._select_budget_level(level)
+        if self.graphs is None:
+            return self.run_microbatches(step, inputs)
+        self.graphs.begin_attempt(step, level)
+        try:
+            return self.run_microbatches(step, inputs)
+        finally:
+            self.graphs.end_attempt()
 
     def _router_generators(self) -> list[torch.Generator]:
         return [r.balancing_generator for r in self.model.routers()
@@ -343,7 +388,6 @@ class Trainer:
         torch_profiler = self._torch_profiler()
         try:
             for step in range(1, cfg.train.train_iters + 1):
-                self._before_step(step)
                 result = self.step(step)
                 self._after_step(step)
                 self.compile_watch.after_step(step)
