@@ -160,3 +160,29 @@ def mode_runs(rank, world_size, ep, out_dir, steps, runs):
         return results
     finally:
         destroy_distributed()
+
+
+def graphed_training(rank, world_size, ep, steps, runs):
+    """For each (name, flags): train `steps` steps with the CUDA-graph capture emulated on the
+    CPU (`test_graphs_cpu.EmulatedGraphs`); -> per run the step results (loss, reruns, budget),
+    the budget levels whose graph banks were captured, and the log lines."""
+    from test_graphs_cpu import EmulatedGraphs
+    groups = init_distributed(ep, "cpu", timeout_minutes=3)
+    results = {}
+    try:
+        for name, flags in runs:
+            cfg = parse_config(TINY + ["--expert-model-parallel-size", str(ep), "--train-iters",
+                                       str(steps), "--cuda-graph-warmup-steps", "1"] + flags)
+            lines: list[str] = []
+            trainer = Trainer(cfg, groups, log=lines.append, graph_backend=EmulatedGraphs)
+            try:
+                steps_done = trainer.train()
+                banks = (None if trainer.graphs is None else
+                         sorted(k for k, b in trainer.graphs.banks.banks.items() if b.captured))
+            finally:
+                trainer.close()
+            results[name] = ([(r.loss, r.dispatch_reruns, r.dispatch_budget) for r in steps_done],
+                             banks, lines)
+        return results
+    finally:
+        destroy_distributed()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_helpers import run_ranks
-from dispatch_workers import megatron_dispatch_equivalence, mode_runs
+from dispatch_workers import graphed_training, megatron_dispatch_equivalence, mode_runs
 
 pytestmark = pytest.mark.slow
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
@@ -99,3 +99,31 @@ def test_overflowing_budget_reruns_and_gives_the_dropless_losses(mode_results):
         dropless_grads = _bits(per_run["dropless"][0])
         assert all(torch.equal(a, b) for a, b in zip(_bits(per_run["tiny_budget"][0]),
                                                       dropless_grads))
+
+
+LAYER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe"]
+FULL_GRAPH = ["--cuda-graph-impl", "full_iteration"]
+GRAPH_RUNS = [("eager", TINY_BUDGET), ("layer_graphs", TINY_BUDGET + LAYER_GRAPHS),
+              ("eager_ovl", TINY_BUDGET + OVERLAP), ("full_ovl", TINY_BUDGET + OVERLAP + FULL_GRAPH),
+              ("padded", PADDED), ("padded_full", PADDED + FULL_GRAPH)]
+
+
+def test_graph_banks_serve_the_overflow_reruns(tmp_path):
+    """Graphs that hold the dispatch (the whole MoE layer; the full iteration with the overlap)
+    under a budget that overflows every step: the last warmup step records the base budget's
+    bank and, in its rerun, the larger budget's; both are captured after it and the later
+    steps replay them, with exactly the eager losses. A padded capacity needs one bank."""
+    for rank, runs in enumerate(run_ranks(graphed_training, 2, 2, 3, GRAPH_RUNS,
+                                          timeout_s=600)):
+        for graphed, eager in (("layer_graphs", "eager"), ("full_ovl", "eager_ovl"),
+                               ("padded_full", "padded")):
+            steps, banks, lines = runs[graphed]
+            assert steps == runs[eager][0], (rank, graphed)
+            assert runs[eager][1] is None
+            if graphed == "padded_full":
+                assert banks == [0]
+                continue
+            assert all(reruns >= 1 for _, reruns, _ in steps)
+            rerun_levels = {budget for _, _, budget in steps}
+            assert len(banks) == 1 + len(rerun_levels) and banks[0] == 0, (rank, banks)
+            assert any("CUDA graphs (budget 0.25)" in line for line in lines), lines

@@ -209,9 +209,10 @@ class Trainer:
             self.log(f"CUDA graphs{where}: {bank.graph_count()} captured after step {step} "
                      f"in {bank.capture_seconds:.2f} s; graph memory "
                      f"{bank.pool_bytes / 2**30:.3f} GiB (of it static buffers "
-                     f"{bank.buffer_bytes() / 2**30:.3f} GiB)"
-                     + (f"; {self.graphs.banks.memory_report()}"
-                        if len(self.graphs.banks.banks) > 1 else ""))
+                     f"{bank.buffer_bytes() / 2**30:.3f} GiB)")
+            if len(self.graphs.banks.banks) > 1:
+                self.log(f"CUDA graph banks by budget level: "
+                         f"{self.graphs.banks.memory_report()}")
 
     def describe(self) -> str:
         cfg, g = self.cfg, self.groups
