@@ -96,13 +96,8 @@ def _assert_bitwise(eager, graphed):
         assert torch.equal(a, b), what
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("flags", [BUDGET, PADDED], ids=["budget", "padded"])
-def test_sync_free_moe_layer_reads_nothing_on_the_host(flags):
-    """Forward and backward of one-node MoE layers under torch's sync debug mode "error": any
-    device-to-host copy or stream sync in router, permute, dispatch, experts, unsort or combine
-    raises. (The dropless dispatch would: it reads the split sizes.)"""
+def _moe_layer_pass_without_host_reads(flags):
+    """Forward and backward of a one-node MoE layer under torch's sync debug mode "error"."""
     model, _, _ = _parts(flags, one_node=True)
     layer = next(layer for layer in model.layers if layer.is_moe)
     spec = layer.node_specs()[0]
@@ -116,7 +111,24 @@ def test_sync_free_moe_layer_reads_nothing_on_the_host(flags):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert torch.isfinite(hidden.grad.float()).all()
+    return hidden.grad
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("flags", [BUDGET, PADDED], ids=["budget", "padded"])
+def test_sync_free_moe_layer_reads_nothing_on_the_host(flags):
+    """Any device-to-host copy or stream sync in router, permute, dispatch, experts, unsort or
+    combine would raise."""
+    assert torch.isfinite(_moe_layer_pass_without_host_reads(flags).float()).all()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_dropless_moe_layer_is_caught_reading_the_host():
+    """The control: the dropless dispatch reads its split sizes, and the check sees it."""
+    with pytest.raises(RuntimeError, match="synchroniz"):
+        _moe_layer_pass_without_host_reads([])
 
 
 @pytest.mark.gpu
@@ -139,6 +151,26 @@ def test_full_iteration_graph_replays_bitwise_like_eager_on_one_gpu(flags, lanes
     inside it (the comm stream joins the capture through the executor's events)."""
     _assert_bitwise(_run(flags, lanes_kind=lanes_kind, delay=delay),
                     _run(flags, graphs="full", lanes_kind=lanes_kind, delay=delay))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cli_budget_reruns_through_a_second_graph_bank_on_one_gpu(tmp_path):
+    """One GPU (EP=1: every row goes to the one rank): a budget of half the rows overflows in
+    every step and reruns at budget 1; whole-layer and full-iteration graphs capture a bank for
+    each budget after the warmup and replay them with exactly the eager losses."""
+    base = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "6",
+            "--kernel-backend", "triton", "--moe-dispatch-budget", "0.5"]
+    runs = {"eager": [], "layer": ["--cuda-graph-impl", "local"],
+            "full": ["--cuda-graph-impl", "full_iteration"]}
+    outs, logs = {}, {}
+    for name, extra in runs.items():
+        outs[name], logs[name] = _train(tmp_path, f"bank_{name}", 1, base + extra)
+    assert all(r["dispatch_reruns"] == 1 and r["dispatch_budget"] == 1 for r in logs["eager"])
+    for name in ("layer", "full"):
+        assert _identical(logs["eager"], logs[name]), name
+        assert "CUDA graph banks by budget level: bank 0" in outs[name], outs[name][-3000:]
+        assert "bank 1:" in outs[name]
 
 
 @pytest.mark.multigpu

@@ -265,7 +265,7 @@ class Trainer:
         states = [g.get_state() for g in generators]
         losses = self._attempt(step, inputs, level=0)
         reruns = 0
-        while (level := self._overflow_level()) is not None:
+        while (level := self.overflow_level()) is not None:
             for generator, state in zip(generators, states):
                 generator.set_state(state)
             losses = self._attempt(step, inputs, level)
@@ -291,7 +291,7 @@ class Trainer:
         if self.budget is not None:
             self.budget.level = level
 
-    def _overflow_level(self) -> Optional[int]:
+    def overflow_level(self) -> Optional[int]:
         """After a forward-backward: the budget level to rerun at, None if nothing overflowed.
         One all-reduce (max over ranks) and one host read."""
         budget = self.budget
