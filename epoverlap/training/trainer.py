@@ -203,16 +203,16 @@ class Trainer:
         bank; a later rerun at a new budget level records that level's)."""
         if self.graphs is None:
             return
-        for level, bank in self.graphs.capture_due(self.plan, self._select_budget_level):
+        captured = self.graphs.capture_due(self.plan, self._select_budget_level)
+        for level, bank in captured:
             where = (f" (budget {self.budget.levels[level]:g})" if self.graphs.per_level
                      else "")
             self.log(f"CUDA graphs{where}: {bank.graph_count()} captured after step {step} "
                      f"in {bank.capture_seconds:.2f} s; graph memory "
                      f"{bank.pool_bytes / 2**30:.3f} GiB (of it static buffers "
                      f"{bank.buffer_bytes() / 2**30:.3f} GiB)")
-            if len(self.graphs.banks.banks) > 1:
-                self.log(f"CUDA graph banks by budget level: "
-                         f"{self.graphs.banks.memory_report()}")
+        if captured and len(self.graphs.banks.banks) > 1:
+            self.log(f"CUDA graph banks by budget level: {self.graphs.banks.memory_report()}")
 
     def describe(self) -> str:
         cfg, g = self.cfg, self.groups
