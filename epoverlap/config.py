@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -21,9 +22,10 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from epoverlap.data.tokenizers import TOKENIZER_TYPES
-from epoverlap.errors import ConfigError
+from epoverlap.errors import ConfigError, UsageError
 from epoverlap.flag_aliases import FlagAlias, apply_aliases
-from epoverlap.graphs.config import (CudaGraphConfig, add_cuda_graph_args,
+from epoverlap.graphs.config import (CUDA_GRAPH_IMPLS, CUDA_GRAPH_MODULES, INFERENCE_SCOPES,
+                                     CudaGraphConfig, add_cuda_graph_args,
                                      cuda_graph_config_from_args, validate_cuda_graph_config)
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -33,6 +35,14 @@ DROP_POLICIES = ("probs", "position")  # as epoverlap_kernels.capacity
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release")
 COMM_MODES = ("real", "local_copy")
+# The allowed values of every flag that takes a name, by flag (the help texts and validation use
+# the same tuples; the config fuzz test draws from this table).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "--moe-router-score-function": SCORE_FUNCTIONS, "--moe-router-dtype": ROUTER_DTYPES,
+    "--kernel-backend": KERNEL_BACKENDS, "--device": DEVICES, "--overlap-plan": OVERLAP_PLANS,
+    "--comm-mode": COMM_MODES, "--cuda-graph-impl": CUDA_GRAPH_IMPLS,
+    "--cuda-graph-modules": CUDA_GRAPH_MODULES, "--inference-cuda-graph-scope": INFERENCE_SCOPES,
+}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -117,6 +127,7 @@ class TrainConfig:
     deterministic_mode: bool = False
     device: str = "auto"
     skip_optimizer_step: bool = False
+    check_for_nan_in_loss_and_grad: bool = False
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -166,6 +177,13 @@ class DataConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    save: Optional[str] = None
+    save_interval: Optional[int] = None
+    load: Optional[str] = None
+
+
+@dataclass(kw_only=True, frozen=True)
 class LogConfig:
     log_interval: int = 1
     log_json: Optional[str] = None
@@ -176,7 +194,7 @@ class LogConfig:
 
     @property
     def profile_range(self) -> Optional[tuple[int, int]]:
-        if not self.profile_steps:
+        if self.profile_steps is None:
             return None
         start, end = self.profile_steps.split(":")
         return int(start), int(end)
@@ -192,6 +210,7 @@ class RunConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
     def moe_layer_pattern(self) -> list[bool]:
@@ -298,7 +317,11 @@ PRESETS: dict[str, dict] = {
     "small": dict(num_layers=4, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
                   num_query_groups=4, seq_length=1024, num_experts=16, moe_router_topk=2,
                   moe_ffn_hidden_size=1024, moe_shared_expert_intermediate_size=1024,
-                  moe_aux_loss_coeff=1e-2, micro_batch_size=4, num_microbatches=4, train_iters=50, lr=1e-3, min_lr=1e-4,
+                  # aux 5e-2: byte-level text collapses the router at init (imbalance 8 by
+                  # step 10); 1e-2 (the Mixtral recipe) left 2.1-2.6 at step 200 on one H200,
+                  # 5e-2 1.79 (benchmarks/determinism.md)
+                  moe_aux_loss_coeff=5e-2, micro_batch_size=4, num_microbatches=4,
+                  train_iters=50, lr=1e-3, min_lr=1e-4,
                   lr_warmup_iters=5),
     # The Megatron-core comparison shape (environment.md), first row.
     "megatron-cmp": dict(num_layers=4, hidden_size=2048, ffn_hidden_size=8192,
@@ -397,6 +420,8 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--device", "train", "device", str, f"one of {DEVICES}"),
     ("--skip-optimizer-step", "train", "skip_optimizer_step", bool,
      "benchmark only: forward+backward+grad reduce, no update"),
+    ("--check-for-nan-in-loss-and-grad", "train", "check_for_nan_in_loss_and_grad", bool,
+     "stop at a NaN/Inf loss or grad (before the optimizer step), naming rank and parameter"),
     ("--overlap-moe-expert-parallel-comm", "overlap", "overlap_moe_expert_parallel_comm", bool,
      "combined 1F1B schedule hiding EP all-to-all"),
     ("--delay-wgrad-compute", "overlap", "delay_wgrad_compute", bool,
@@ -430,6 +455,12 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
      "also capture torch.profiler traces of the --profile-steps"),
     ("--tensorboard-dir", "log", "tensorboard_dir", str,
      "write TensorBoard scalars here (needs the 'tensorboard' extra)"),
+    ("--save", "checkpoint", "save", str,
+     "checkpoint folder (DIR/iter_NNNNNNN, torch.distributed.checkpoint; shared by all ranks)"),
+    ("--save-interval", "checkpoint", "save_interval", int,
+     "save every N steps (and after the last); without it, only after the last"),
+    ("--load", "checkpoint", "load", str,
+     "resume from the newest complete checkpoint in DIR (or from DIR itself); any EP size"),
 ]
 _FLAG_OF_FIELD = {name: flag for flag, _, name, _, _ in _FLAGS}
 _FIELD_OF_FLAG = {flag: name for name, flag in _FLAG_OF_FIELD.items()}
@@ -451,8 +482,15 @@ def _dest_of(flag: str) -> str:
     return _FIELD_OF_FLAG.get(flag, flag.lstrip("-").replace("-", "_"))
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose complaints (unknown flag, value of the wrong type) are one-line errors."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="epoverlap-train",
         description="Train an MoE language model with expert parallelism (and EP overlap).")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -495,7 +533,7 @@ def config_from_args(args: argparse.Namespace,
             sections.setdefault(section, {})[name] = value
     classes = {"model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig,
                "train": TrainConfig, "overlap": OverlapConfig, "kernels": KernelConfig,
-               "data": DataConfig, "log": LogConfig}
+               "data": DataConfig, "log": LogConfig, "checkpoint": CheckpointConfig}
     built = {section: cls(**sections.get(section, {})) for section, cls in classes.items()}
     config = RunConfig(**built, cuda_graph=cuda_graph_config_from_args(args, notes.append))
     for note in notes:
@@ -514,6 +552,15 @@ def _require(ok: bool, field_name: str, value: object, allowed: str) -> None:
         raise ConfigError(flag_of(field_name), value, allowed)
 
 
+def _validate_finite(cfg: RunConfig) -> None:
+    """Every float flag: NaN and infinity are refused (they would only surface mid-training)."""
+    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    for _, section, name, kind, _ in _FLAGS:
+        value = getattr(sections[section], name)
+        if kind in (float, _opt_float) and value is not None:
+            _require(math.isfinite(value), name, value, "must be a finite number")
+
+
 def _validate_model(m: ModelConfig) -> None:
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                  "vocab_size"):
@@ -523,6 +570,8 @@ def _validate_model(m: ModelConfig) -> None:
              m.num_attention_heads, f"must divide --hidden-size={m.hidden_size}")
     _require(m.head_dim % 2 == 0, "hidden_size", m.hidden_size,
              f"head dim hidden/heads={m.head_dim} must be even (rotary embeddings)")
+    _require(m.rotary_base > 0, "rotary_base", m.rotary_base, "must be > 0")
+    _require(m.init_method_std >= 0, "init_method_std", m.init_method_std, "must be >= 0")
     if m.num_query_groups is not None:
         _require(m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups == 0,
                  "num_query_groups", m.num_query_groups,
@@ -559,8 +608,12 @@ def _validate_router(moe: MoEConfig) -> None:
              "only with --moe-router-score-function sigmoid")
     _require(moe.moe_router_dtype in (None,) + ROUTER_DTYPES, "moe_router_dtype",
              moe.moe_router_dtype, f"allowed: {', '.join(ROUTER_DTYPES)}")
-    _require(moe.moe_aux_loss_coeff >= 0, "moe_aux_loss_coeff", moe.moe_aux_loss_coeff,
-             "must be >= 0")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        value = getattr(moe, name)
+        _require(value is None or value >= 0, name, value, "must be >= 0")
+    scaling = moe.moe_router_topk_scaling_factor
+    _require(scaling is None or scaling > 0, "moe_router_topk_scaling_factor", scaling,
+             "must be > 0")
     groups, group_topk = moe.moe_router_num_groups, moe.moe_router_group_topk
     _require((groups is None) == (group_topk is None), "moe_router_group_topk", group_topk,
              "set together with --moe-router-num-groups (both or neither)")
@@ -637,6 +690,11 @@ def _validate_train(t: TrainConfig, world_size: int, cuda_available: bool) -> No
     _require(0 <= t.min_lr <= t.lr, "min_lr", t.min_lr, f"must be in [0, --lr={t.lr}]")
     _require(t.lr_warmup_iters >= 0, "lr_warmup_iters", t.lr_warmup_iters, "must be >= 0")
     _require(t.clip_grad >= 0, "clip_grad", t.clip_grad, "must be >= 0 (0 disables clipping)")
+    for name in ("adam_beta1", "adam_beta2"):
+        _require(0 <= getattr(t, name) < 1, name, getattr(t, name), "must be in [0, 1)")
+    for name in ("adam_eps", "weight_decay"):
+        _require(getattr(t, name) >= 0, name, getattr(t, name), "must be >= 0")
+    _require(0 <= t.seed < 2**63, "seed", t.seed, "must be in [0, 2**63)")
     _require(t.device in DEVICES, "device", t.device, f"allowed: {', '.join(DEVICES)}")
     _require(t.device != "cuda" or cuda_available, "device", t.device,
              "no CUDA device is visible here; use --device cpu or auto")
@@ -671,6 +729,8 @@ def _validate_kernels_data_log(cfg: RunConfig, cuda_available: bool) -> None:
         _require(reason is None, "kernel_backend", backend, reason or "")
     _validate_data(cfg.data)
     _require(cfg.log.log_interval >= 1, "log_interval", cfg.log.log_interval, "must be >= 1")
+    _require(cfg.log.log_json is None or not Path(cfg.log.log_json).is_dir(), "log_json",
+             cfg.log.log_json, "is a folder; give a file path")
     _validate_profile(cfg.log)
     _validate_tensorboard(cfg.log)
 
@@ -741,11 +801,24 @@ def _writable_dir(path: Path) -> bool:
     return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
 
 
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    """Paths only; what --load holds is checked by training.checkpoint_files, also early."""
+    for name in ("save", "load"):
+        path = getattr(c, name)
+        _require(path is None or (path.strip() != "" and not Path(path).is_file()), name, path,
+                 "must name a folder (it is a file, or empty)")
+    if c.save_interval is not None:
+        _require(c.save_interval >= 1, "save_interval", c.save_interval, "must be >= 1")
+        _require(c.save is not None, "save_interval", c.save_interval, "needs --save DIR")
+
+
 def _validate_profile(log: LogConfig) -> None:
     if log.profile_steps is None:
         _require(log.profile_dir is None, "profile_dir", log.profile_dir,
                  "needs --profile-steps START:END")
         return
+    _require(log.profile_dir is None or not Path(log.profile_dir).is_file(), "profile_dir",
+             log.profile_dir, "is a file; give a folder")
     try:
         start, end = log.profile_range
     except ValueError:
@@ -778,11 +851,15 @@ def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
 
 def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> None:
     """Check every rule; raise ConfigError naming the flag. Touches no process group."""
+    _validate_finite(cfg)
     _validate_model(cfg.model)
     _validate_moe(cfg, world_size)
+    _require(cfg.parallel.dist_timeout_minutes > 0, "dist_timeout_minutes",
+             cfg.parallel.dist_timeout_minutes, "must be > 0")
     _validate_train(cfg.train, world_size, cuda_available)
     _validate_overlap(cfg)
     _validate_kernels_data_log(cfg, cuda_available)
+    _validate_checkpoint(cfg.checkpoint)
     _validate_cuda_graphs(cfg, cuda_available)
 
 

@@ -70,3 +70,12 @@ def _join(context, timeout_s: float) -> bool:
     for process in context.processes:
         process.kill()
     return False
+
+
+def single_rank_groups():
+    """The ParallelGroups of a world of one CPU process, without a process group (in-process
+    tests: nothing collective runs at world size 1)."""
+    from epoverlap.parallel.groups import ParallelGroups
+    return ParallelGroups(rank=0, world_size=1, local_rank=0, ep_size=1, ep_rank=0, edp_size=1,
+                          edp_rank=0, device=torch.device("cpu"), backend="none",
+                          ep_group=None, edp_group=None)

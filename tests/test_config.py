@@ -134,6 +134,19 @@ def test_preset_then_explicit_flag_wins():
      "--moe-dispatch-budget", "give one of them"),
     (["--num-experts", "0", "--moe-dispatch-budget", "1"], 2, "--moe-dispatch-budget",
      "needs MoE layers"),
+    (["--lr", "inf"], 2, "--lr", "finite"),
+    (["--moe-z-loss-coeff", "nan"], 2, "--moe-z-loss-coeff", "finite"),
+    (["--adam-beta1", "1"], 2, "--adam-beta1", "[0, 1)"),
+    (["--adam-eps", "-1"], 2, "--adam-eps", ">= 0"),
+    (["--weight-decay", "-0.1"], 2, "--weight-decay", ">= 0"),
+    (["--seed", str(2**63)], 2, "--seed", "2**63"),
+    (["--rotary-base", "0"], 2, "--rotary-base", "> 0"),
+    (["--moe-router-topk-scaling-factor", "0"], 2, "--moe-router-topk-scaling-factor", "> 0"),
+    (["--dist-timeout-minutes", "0"], 2, "--dist-timeout-minutes", "> 0"),
+    (["--profile-steps", ""], 2, "--profile-steps", "START:END"),
+    (["--save-interval", "5"], 2, "--save-interval", "needs --save"),
+    (["--save", "x", "--save-interval", "0"], 2, "--save-interval", ">= 1"),
+    (["--save", ""], 2, "--save", "must name a folder"),
 ])
 def test_each_bad_value_names_its_flag(argv, world, flag, fragment):
     error = rejected(argv, world)
@@ -141,6 +154,25 @@ def test_each_bad_value_names_its_flag(argv, world, flag, fragment):
     assert message.startswith(flag + "="), message
     assert fragment.lower() in message.lower(), message
     assert "\n" not in message
+
+
+def test_paths_that_are_files_or_folders_where_the_other_is_needed(tmp_path):
+    file = tmp_path / "f.txt"
+    file.write_text("ab")
+    assert "must name a folder" in str(rejected(["--load", str(file)]))
+    assert "is a folder" in str(rejected(["--log-json", str(tmp_path)]))
+    from epoverlap.training.main import checked_config
+    with pytest.raises(ConfigError) as info:  # the data files are checked with the data source
+        checked_config(["--data", str(file)], 1, cuda_available=False)
+    assert str(info.value).startswith("--data") and "2 bytes" in str(info.value)
+
+
+def test_argparse_complaints_are_one_line_naming_the_flag():
+    for argv, fragment in ((["--num-layers", "x"], "argument --num-layers: invalid int"),
+                           (["--no-such-flag"], "unrecognized arguments: --no-such-flag")):
+        with pytest.raises(ConfigError) as info:
+            parse_config(argv)
+        assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
@@ -206,6 +238,7 @@ def test_cli_flag_list_is_frozen():
         "--data-path", "--split", "--mock-data", "--tokenizer-type", "--tokenizer-model",
         "--vocab-size", "--log-interval", "--log-json", "--profile-steps", "--profile-dir",
         "--use-pytorch-profiler", "--tensorboard-dir", "--deterministic", "--profile-torch",
+        "--check-for-nan-in-loss-and-grad", "--save", "--save-interval", "--load",
         "--cuda-graph-impl", "--cuda-graph-modules", "--cuda-graph-warmup-steps",
         "--cuda-graph-check-inputs",
         "--inference-cuda-graph-scope", "--enable-cuda-graph", "--external-cuda-graph",

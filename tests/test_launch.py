@@ -56,8 +56,13 @@ def test_launcher_defaults_pass_through_user_flags():
     args = default_train_args(2, False, ["--preset", "small", "--train-iters", "3"])
     assert args == ["--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
                     "--preset", "small", "--train-iters", "3"]
+    graphs = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",
+              "moe_preprocess"]
     assert default_train_args(1, True, []) == ["--preset", "tiny",
-                                               "--expert-model-parallel-size", "1", "--bf16"]
+                                               "--expert-model-parallel-size", "1", "--bf16",
+                                               *graphs]
+    off = default_train_args(2, True, ["--cuda-graph-impl", "none"])
+    assert "--cuda-graph-modules" not in off and off[-2:] == ["--cuda-graph-impl", "none"]
     assert split_nproc(["--nproc", "4", "--bf16"]) == (4, ["--bf16"])
 
 

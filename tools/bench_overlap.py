@@ -146,9 +146,11 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
             fb.append(mid - start)
             overflows += trainer.budget is not None and trainer.overflow_level() is not None
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
+        reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0
         result = {"fb_ms": _max_over_ranks(statistics.median(fb) * 1e3),
                   "step_ms": _max_over_ranks(statistics.median(full) * 1e3),
                   "peak_gib": _max_over_ranks(peak), "static_gib": _max_over_ranks(static),
+                  "peak_reserved_gib": _max_over_ranks(reserved),
                   **graph_info}
         if trainer.budget is not None:  # attempts a training step would have rerun
             result["overflows"] = overflows
@@ -317,7 +319,7 @@ def derived(r: dict) -> dict:
 def markdown(all_results: list, world: int) -> str:
     lines = ["| shape | graphs | T_comm/T_comp | T_seq ms | T_ovl ms | T_ovl+wgrad ms | "
              "T_comp ms | T_comm ms | T_seq/T_ovl | T_seq/T_wgrad | T_ovl/max | T_wgrad/max | "
-             "realized ovl | realized wgrad | peak seq/ovl/wgrad GiB | graph GiB |",
+             "realized ovl | realized wgrad | peak reserved seq/ovl/wgrad GiB | graph GiB |",
              "| --- " * 16 + "|"]
     f = lambda x: f"{x:.2f}"  # noqa: E731
     for r in all_results:
@@ -332,8 +334,8 @@ def markdown(all_results: list, world: int) -> str:
                 f(r["comm"]["fb_ms"]), f(d[f"seq_over_ovl{s}"]), f(d[f"seq_over_ovl_wgrad{s}"]),
                 f(d[f"ovl{s}_over_ideal"]), f(d[f"ovl_wgrad{s}_over_ideal"]),
                 f(d[f"realized_ovl{s}"]), f(d[f"realized_ovl_wgrad{s}"]),
-                f"{r['seq' + s]['peak_gib']:.1f}/{r['ovl' + s]['peak_gib']:.1f}/"
-                f"{r['ovl_wgrad' + s]['peak_gib']:.1f}",
+                f"{r['seq' + s]['peak_reserved_gib']:.1f}/{r['ovl' + s]['peak_reserved_gib']:.1f}/"
+                f"{r['ovl_wgrad' + s]['peak_reserved_gib']:.1f}",
                 f(r["ovl_wgrad" + s].get("graph_gib", 0.0))]) + " |")
     graphed = [r for r in all_results if "seq_graph" in r]
     if graphed:

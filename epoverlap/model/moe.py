@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -181,6 +181,14 @@ class Router(nn.Module):
 
     The gate's weight grad is computed inline, never deferred: the gate is tiny (E x H) and
     its grad also carries the aux-loss terms, so deferring it would move no real work.
+
+    State a checkpoint keeps: `expert_bias` and `balancing_rng` (the generator of
+    --moe-router-force-load-balancing). `step_counts` / `step_aux_loss` / `step_dropped` are per-step scratch.
+
+    Test seam (no flag): `logit_bias`, when set, is called with the gate logits [T, E] and
+    returns a bias [T, E] added to them; the routing fuzz test forces adversarial routings with
+    it (all tokens to one expert, one EP rank receiving everything, ...). Grads still flow
+    through the gate.
     """
 
     def __init__(self, moe: MoEConfig, hidden: int, layer: int, ops: MoEOps, *, seed: int,
@@ -202,17 +210,20 @@ class Router(nn.Module):
                                                         device=device))
         self.register_buffer("step_aux_loss", torch.zeros((), device=device))
         self.register_buffer("step_dropped", torch.zeros((), dtype=torch.int64, device=device))
-        self._balancing_rng: Optional[torch.Generator] = None
+        self.balancing_rng: Optional[torch.Generator] = None
         if moe.moe_router_force_load_balancing and torch.device(device).type != "meta":
-            self._balancing_rng = torch.Generator(device=device)
-            self._balancing_rng.manual_seed(param_seed(seed, "balance", layer) % (2**63))
+            self.balancing_rng = torch.Generator(device=device)
+            self.balancing_rng.manual_seed(param_seed(seed, "balance", layer) % (2**63))
+        self.logit_bias: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
     def _logits(self, x_TH: torch.Tensor) -> torch.Tensor:
         logits_TE = linear(x_TH.to(self.weight.dtype), self.weight)
-        if self._balancing_rng is not None:  # benchmark mode: routing independent of the data
+        if self.balancing_rng is not None:  # benchmark mode: routing independent of the data
             noise = torch.randn(logits_TE.shape, device=logits_TE.device,
-                                generator=self._balancing_rng, dtype=logits_TE.dtype)
+                                generator=self.balancing_rng, dtype=logits_TE.dtype)
             logits_TE = logits_TE * 0 + noise
+        if self.logit_bias is not None:  # test seam: a forced routing
+            logits_TE = logits_TE + self.logit_bias(logits_TE.detach())
         z_coeff = self.moe.moe_z_loss_coeff
         if z_coeff:
             z_loss = torch.mean(torch.square(torch.logsumexp(logits_TE.float(), dim=-1))) * z_coeff
@@ -259,11 +270,6 @@ class Router(nn.Module):
         counts = global_counts_E.float()
         self.expert_bias += self.moe.moe_router_bias_update_rate * torch.sign(
             counts.mean() - counts)
-
-    @property
-    def balancing_generator(self) -> Optional[torch.Generator]:
-        """The generator of forced-balancing logits (None unless that benchmark mode is on)."""
-        return self._balancing_rng
 
     def reset_step_stats(self) -> None:
         self.step_counts.zero_()

@@ -9,6 +9,12 @@ replicated over the expert-data-parallel (EDP) group, the ranks with the same ep
 
 Backend: NCCL with one GPU per local rank when the run is on CUDA, gloo on CPU. Without torchrun
 (no RANK/WORLD_SIZE in the environment) a single-process group is created on a free port.
+
+Restarts (torchrun --max-restarts): torchrun's agent keeps one TCP store for every attempt and
+hands it to the workers without a per-attempt prefix (torch 2.13; pytorch issue #135712), so a
+restarted worker can read a dead peer's address and fail to connect. On one node every worker
+of an attempt has the same TORCHELASTIC_RESTART_COUNT, so the store is prefixed by it here; over
+several nodes the counts may differ: there, give torchrun TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
 """
 
 from __future__ import annotations
@@ -68,6 +74,17 @@ def _new_groups(world_size: int, ranks_of: list[list[int]], my_rank: int):
     return mine
 
 
+def _store_per_attempt(world_size: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """torchrun's shared store, prefixed by the restart count, on one node (module docstring)."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE") != "1":
+        return None
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"epoverlap/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                            store)
+
+
 def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10.0
                      ) -> ParallelGroups:
     """Initialize torch.distributed and build the EP and EDP groups."""
@@ -84,7 +101,20 @@ def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10
         device, backend = torch.device("cpu"), "gloo"
     timeout = datetime.timedelta(minutes=timeout_minutes)
     kwargs = {"device_id": device} if backend == "nccl" else {}
+    store = _store_per_attempt(world_size, timeout)
+    if store is not None:
+        kwargs["store"] = store
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+    return expert_parallel_groups(ep_size, device, local_rank)
+
+
+def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int = 0
+                           ) -> ParallelGroups:
+    """The EP and EDP groups of `ep_size` over the initialized world (every rank must call).
+    Called again with another size in the same world, it gives a second, independent layout
+    (tests resume one run's checkpoint at another EP size in one process group)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    backend = dist.get_backend()
     edp_size = world_size // ep_size
     ep_blocks = [list(range(b * ep_size, (b + 1) * ep_size)) for b in range(edp_size)]
     edp_strides = [list(range(e, world_size, ep_size)) for e in range(ep_size)]

@@ -79,7 +79,7 @@ class TextData:
         self.description = f"{'Python stdlib sources ' if str(source) == 'stdlib' else ''}" \
                            f"{path} ({len(raw) / 1e6:.1f} MB)"
         self.tokens = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
-        self.seed = seed
+        self.seed, self.source = seed, str(source)
 
     def batch(self, step: int, rank: int, microbatch: int, batch: int, seq: int):
         gen = torch.Generator().manual_seed(_batch_seed(self.seed, step, rank, microbatch))

@@ -1,5 +1,9 @@
-"""The training command: parse and validate flags before any process-group work, set up the
-process environment, build the groups, train, and tear down on every exit path.
+"""The training command: parse and validate flags and find what --load resumes from before
+any process-group work, set up the process environment, build the groups, train, and tear down
+on every exit path.
+
+Exit status: 0 done; 2 a bad flag or an unusable checkpoint (one line naming the flag or file,
+from rank 0); 1 a NaN/Inf loss or gradient (one line naming the step, rank and parameter).
 
 `epoverlap-train` and `python -m epoverlap.train` both end here (`main`).
 """
@@ -8,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Callable, Optional
 
 import torch
@@ -16,6 +21,7 @@ from epoverlap.config import RunConfig, parse_config, validate_config, world_siz
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.data import open_data_source
+from epoverlap.training.checkpoint_files import CheckpointRef, find_resume_checkpoint
 from epoverlap.training.trainer import Trainer
 
 
@@ -57,26 +63,55 @@ def _printer(rank_zero: bool, stream=sys.stdout) -> Callable[[str], None]:
     return emit
 
 
+# Under torchrun the agent stops every worker as soon as one exits non-zero. Every rank fails
+# alike and only rank 0 prints the line, so the other ranks wait this long first: the line is
+# out before they exit (rank 0 exits first and the agent stops them at once).
+LINE_GRACE_S = 5.0
+
+
+def _fail(error: Exception, status: int, rank_zero: bool, warn: Callable[[str], None]) -> int:
+    warn(f"epoverlap-train: error: {error}")
+    if not rank_zero and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(LINE_GRACE_S)
+    return status
+
+
+def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: bool,
+                   warn: Callable[[str], None] = lambda msg: None):
+    """Everything decided before any process group: flags, their rules, the data files, what
+    --load resumes from. -> (config for this world, checkpoint to resume or None, data source).
+    Raises ConfigError (one line naming a flag, a data file or a checkpoint file)."""
+    cfg = parse_config(argv, warn=warn)
+    validate_config(cfg, world_size, cuda_available)
+    cfg = cfg.for_world(world_size)
+    data = open_data_source(cfg, world_size)
+    return cfg, find_resume_checkpoint(cfg.checkpoint.load, cfg.checkpoint.save), data
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     rank_zero = os.environ.get("RANK", "0") == "0"
     warn = _printer(rank_zero, sys.stderr)
     try:
-        cfg = parse_config(argv, warn=lambda msg: warn(f"epoverlap-train: warning: {msg}"))
-        validate_config(cfg, world_size_from_env(), torch.cuda.is_available())
-        cfg = cfg.for_world(world_size_from_env())
-        data = open_data_source(cfg, world_size_from_env())  # files checked before any group
+        cfg, resume, data = checked_config(argv, world_size_from_env(), torch.cuda.is_available(),
+                                           lambda msg: warn(f"epoverlap-train: warning: {msg}"))
     except ConfigError as error:
-        warn(f"epoverlap-train: error: {error}")  # every rank fails alike; rank 0 says it
-        return 2
+        return _fail(error, 2, rank_zero, warn)
+    if cfg.checkpoint.load is not None and resume is None:
+        _printer(rank_zero)(f"checkpoint: none in {cfg.checkpoint.load} yet; starting at step 1")
     setup_environment(cfg, lambda msg: warn(f"epoverlap-train: warning: {msg}"))
     device_kind = cfg.resolved_device(torch.cuda.is_available())
     groups = init_distributed(cfg.parallel.expert_model_parallel_size, device_kind,
                               cfg.parallel.dist_timeout_minutes)
     trainer = None
     try:
-        trainer = Trainer(cfg, groups, log=_printer(groups.is_first()), data=data)
+        trainer = Trainer(cfg, groups, log=_printer(groups.is_first()), data=data,
+                          resume=resume)
         trainer.log(trainer.describe())
         trainer.train()
+    except ConfigError as error:  # a checkpoint that cannot be loaded: every rank alike
+        return _fail(error, 2, rank_zero, warn)
+    except FloatingPointError as error:  # NaN/Inf: every rank raises the same message
+        return _fail(error, 1, rank_zero, warn)
     finally:
         if trainer is not None:
             trainer.close()

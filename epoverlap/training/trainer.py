@@ -18,6 +18,13 @@ all-reduced (one host read per step, after the step) and, if it overflowed the b
 the step's forward-backward is rerun from the same inputs, weights and router RNG state at the
 smallest budget level that holds it (`forward_backward`); the reruns and the budget the step's
 result came from are reported.
+
+With --check-for-nan-in-loss-and-grad the local losses and grads are checked before the
+reduction (`numerics`).
+
+Checkpoints (`checkpoint`): a run built with `resume` continues after the checkpoint's step,
+saves when --save-interval says so and after the last step; its --log-json keeps the records
+up to the checkpoint's step and appends (records of the interrupted run after it are dropped).
 """
 
 from __future__ import annotations
@@ -50,9 +57,13 @@ from epoverlap.profiling.recorder import SpanRecorder
 from epoverlap.schedule.executor import Executor, make_lanes
 from epoverlap.schedule.plan import build_plan, validate_plan
 from epoverlap.schedule.wgrad import WeightGradQueue
+from epoverlap.training.checkpoint import Checkpointer
+from epoverlap.training.checkpoint_files import CheckpointRef
 from epoverlap.training.compile_watch import CompileWatch
 from epoverlap.training.data import open_data_source
+from epoverlap.training.faults import FaultInjector
 from epoverlap.training.grads import GradBuffers
+from epoverlap.training.numerics import check_finite
 from epoverlap.training.optim import MixedPrecisionAdamW, lr_at
 from epoverlap.training.tensorboard import TensorBoardLog
 
@@ -75,6 +86,7 @@ class StepResult:
     dispatch_budget: Optional[float] = None  # budget: the budget the step's result came from
     deterministic: bool = False  # --deterministic-mode: bitwise comparisons with another run hold
     triton_variants: Optional[int] = None  # compiled Triton kernel variants so far (this rank)
+    peak_reserved_gib: Optional[float] = None  # the caching allocator's peak (graph pools too)
     comm_ms: Optional[float] = None  # these three: steps with recorded spans only
     exposed_comm_ms: Optional[float] = None
     overlap_ratio: Optional[float] = None
@@ -117,6 +129,14 @@ def _dispatch_note(r: StepResult) -> str:
     return note
 
 
+def _record_step(line: str) -> float:
+    """The step of a --log-json line; infinity for a line cut off mid-write."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 def plan_name(cfg: RunConfig) -> str:
     return cfg.overlap.overlap_plan if cfg.overlap.overlap_moe_expert_parallel_comm \
         else "sequential"
@@ -127,6 +147,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups,
                  log: Callable[[str], None] = print, data=None,
+                 resume: Optional[CheckpointRef] = None,
                  graph_backend=CudaGraphBackend):
         """`data`: a source from `open_data_source` (opened here when None); the model's
         vocabulary is the source's. `graph_backend`: what captures CUDA graphs (the CPU tests
@@ -149,11 +170,12 @@ class Trainer:
         overlap = cfg.overlap.overlap_moe_expert_parallel_comm
         self.lanes = make_lanes(self.device, overlap, cfg.overlap.comm_stream_high_priority)
         self.recorder = SpanRecorder(self.device, groups.rank, groups.world_size)
+        self.faults = FaultInjector(groups.rank)
         self.graphs = self._step_graphs()
         per_layer = self.graphs is not None and not self.graphs.full_iteration
-        self.executor = Executor(self.model.node_specs(), self.lanes, self.wgrad_queue,
-                                 self.recorder, **({"run_factory": self.graphs.banks}
-                                                   if per_layer else {}))
+        self.executor = Executor(self.faults.wrap_specs(self.model.node_specs()), self.lanes,
+                                 self.wgrad_queue, self.recorder,
+                                 **({"run_factory": self.graphs.banks} if per_layer else {}))
         self.plan = build_plan(plan_name(cfg), self.model.layout(), cfg.train.num_microbatches,
                                cfg.overlap.delay_wgrad_compute)
         validate_plan(self.plan, self.model.layout(), cfg.train.num_microbatches,
@@ -166,6 +188,8 @@ class Trainer:
         self.compile_watch = CompileWatch(cfg.cuda_graph.warmup_steps, groups.rank,
                                           warn=_warn_every_rank)
         self._imbalanced_steps = 0
+        self.checkpointer = Checkpointer(cfg, groups, self.model, self.optimizer, log)
+        self.start_step = self.checkpointer.resume(resume)
 
     def _step_graphs(self) -> Optional[StepGraphs]:
         """CUDA graphs of this run (--cuda-graph-impl local or full_iteration), in banks by
@@ -277,15 +301,14 @@ class Trainer:
         self._select_budget_level(level)
         if self.graphs is None:
             return self.run_microbatches(step, inputs)
-        self.graphs.begin_attempt(step, level)
+        self.graphs.begin_attempt(step - self.start_step, level)  # warmup counts from here
         try:
             return self.run_microbatches(step, inputs)
         finally:
             self.graphs.end_attempt()
 
     def _router_generators(self) -> list[torch.Generator]:
-        return [r.balancing_generator for r in self.model.routers()
-                if r.balancing_generator is not None]
+        return [r.balancing_rng for r in self.model.routers() if r.balancing_rng is not None]
 
     def _select_budget_level(self, level: int) -> None:
         if self.budget is not None:
@@ -344,8 +367,12 @@ class Trainer:
         start = self._sync_time()
         if profiled:
             self.recorder.begin_step(step)
+        self.faults.begin_step(step)
         losses, reruns = self.forward_backward(step)
         spans = self.recorder.end_step() if profiled else None
+        self.faults.after_backward(self.model)
+        if self.cfg.train.check_for_nan_in_loss_and_grad:
+            check_finite(step, losses, self.model, self.grads, self.groups)
         self.grads.reduce()
         grad_norm = self.grads.clip(self.cfg.train.clip_grad)
         loss, aux, imbalance = self._reduce_stats(losses)
@@ -365,12 +392,15 @@ class Trainer:
     def _result(self, step, loss, lr, grad_norm, aux, imbalance, elapsed) -> StepResult:
         t, m = self.cfg.train, self.cfg.model
         tokens = self.groups.world_size * t.num_microbatches * t.micro_batch_size * m.seq_length
-        peak = (torch.cuda.max_memory_allocated(self.device) / 2**30
-                if self.device.type == "cuda" else None)
+        on_gpu = self.device.type == "cuda"
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if on_gpu else None
         tflops = training_flops_per_token(self.cfg) * tokens / elapsed / 1e12 / \
             self.groups.world_size
         return StepResult(step, loss, lr, grad_norm, aux, imbalance, elapsed, tokens, peak,
-                          tflops, deterministic=self.cfg.train.deterministic_mode)
+                          tflops, deterministic=self.cfg.train.deterministic_mode,
+                          # graph pools are reserved, not allocated, while graphs replay
+                          peak_reserved_gib=(torch.cuda.max_memory_reserved(self.device) / 2**30
+                                             if on_gpu else None))
 
     def _add_dispatch_stats(self, result: StepResult, reruns: int) -> None:
         if self.dispatch_mode.drops_tokens:
@@ -384,19 +414,25 @@ class Trainer:
 
     def train(self) -> list[StepResult]:
         cfg, results = self.cfg, []
+        if self.start_step >= cfg.train.train_iters:
+            self.log(f"checkpoint step {self.start_step} >= --train-iters="
+                     f"{cfg.train.train_iters}: nothing left to train")
+            return results
         json_file = self._open_json()
         tensorboard = self._open_tensorboard()
         torch_profiler = self._torch_profiler()
         try:
-            for step in range(1, cfg.train.train_iters + 1):
+            for step in range(self.start_step + 1, cfg.train.train_iters + 1):
                 result = self.step(step)
                 self._after_step(step)
-                self.compile_watch.after_step(step)
+                self.compile_watch.after_step(step - self.start_step)
                 result.triton_variants = self.compile_watch.total()
                 results.append(result)
                 if not math.isfinite(result.loss):
                     raise FloatingPointError(f"loss is {result.loss} at step {step}")
                 self._report(result, json_file, tensorboard, results)
+                if self.checkpointer.due(step):
+                    self.checkpointer.save(step)
                 if torch_profiler is not None:
                     torch_profiler.step()
         finally:
@@ -435,7 +471,12 @@ class Trainer:
         if path is None or not self.groups.is_first():
             return None
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "w")
+        if self.start_step == 0 or not Path(path).exists():
+            return open(path, "w")
+        kept = [line for line in Path(path).read_text().splitlines(keepends=True)
+                if _record_step(line) <= self.start_step]
+        Path(path).write_text("".join(kept))
+        return open(path, "a")
 
     def _report(self, r: StepResult, json_file, tensorboard, results: list[StepResult]) -> None:
         record = r.to_json()
@@ -480,8 +521,9 @@ class Trainer:
 
     def _torch_profiler(self):
         window, log = self.cfg.log.profile_range, self.cfg.log
-        if window is None or not log.use_pytorch_profiler:
+        if window is None or not log.use_pytorch_profiler or window[1] <= self.start_step:
             return None
+        first = max(window[0], self.start_step + 1)  # a resumed run starts after start_step
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -489,8 +531,8 @@ class Trainer:
         out.parent.mkdir(parents=True, exist_ok=True)
         profiler = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(wait=window[0] - 1, warmup=0,
-                                             active=window[1] - window[0] + 1, repeat=1),
+            schedule=torch.profiler.schedule(wait=first - self.start_step - 1, warmup=0,
+                                             active=window[1] - first + 1, repeat=1),
             on_trace_ready=lambda prof: prof.export_chrome_trace(str(out)))
         profiler.start()
         return profiler
