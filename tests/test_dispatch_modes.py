@@ -104,7 +104,8 @@ def test_overflowing_budget_reruns_and_gives_the_dropless_losses(mode_results):
 LAYER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe"]
 FULL_GRAPH = ["--cuda-graph-impl", "full_iteration"]
 GRAPH_RUNS = [("eager", TINY_BUDGET), ("layer_graphs", TINY_BUDGET + LAYER_GRAPHS),
-              ("eager_ovl", TINY_BUDGET + OVERLAP), ("full_ovl", TINY_BUDGET + OVERLAP + FULL_GRAPH),
+              ("eager_ovl", TINY_BUDGET + OVERLAP),
+              ("full_ovl", TINY_BUDGET + OVERLAP + FULL_GRAPH),
               ("padded", PADDED), ("padded_full", PADDED + FULL_GRAPH)]
 
 

@@ -183,7 +183,8 @@ class Router(nn.Module):
     its grad also carries the aux-loss terms, so deferring it would move no real work.
 
     State a checkpoint keeps: `expert_bias` and `balancing_rng` (the generator of
-    --moe-router-force-load-balancing). `step_counts` / `step_aux_loss` / `step_dropped` are per-step scratch.
+    --moe-router-force-load-balancing). `step_counts` / `step_aux_loss` / `step_dropped` are
+    per-step scratch.
 
     Test seam (no flag): `logit_bias`, when set, is called with the gate logits [T, E] and
     returns a bias [T, E] added to them; the routing fuzz test forces adversarial routings with
