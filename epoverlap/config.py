@@ -3,11 +3,17 @@
 Owns the config dataclasses (one per concern, orthogonal fields), the argparse surface with the
 flag names Megatron users type, the named presets, and `validate_config`, which checks every
 rule and raises `ConfigError` naming the flag, the value and what is allowed. Validation needs
-only the world size and whether CUDA is present, so a bad invocation exits before any process
-group work. The CUDA-graph surface (with its deprecated forms) lives in `cuda_graph_config`
-and is validated from here, with the facts the model states about itself: whether the MoE
-dispatch reads the host (`epoverlap.model.moe.DispatchMode`, imported where the rule needs it,
-the one import of a lower layer here).
+only the world size, whether CUDA is present and the file system (output paths must be
+writable: tried with a temporary file, nothing is created), so a bad invocation exits before
+any process group work. The memory estimate, which needs the device's size, is
+training/memory.py's. The CUDA-graph surface (with its deprecated forms) lives in
+`graphs/config.py` and is validated from here, with the facts the model states about itself:
+whether the MoE dispatch reads the host (`epoverlap.model.moe.DispatchMode`, imported where the
+rule needs it, the one import of a lower layer here). Flags renamed to Megatron-core's spelling
+keep their old one as a deprecated alias (`FLAG_ALIASES`, through `flag_aliases`).
+
+The parser (`CliParser`) has no prefix matching, a one-line usage, each flag's default in
+--help and, at its end, what each preset sets.
 """
 
 from __future__ import annotations
@@ -17,17 +23,20 @@ import dataclasses
 import math
 import os
 import re
+import tempfile
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from epoverlap.data.tokenizers import TOKENIZER_TYPES
-from epoverlap.errors import ConfigError, UsageError
+from epoverlap.errors import ConfigError
 from epoverlap.flag_aliases import FlagAlias, apply_aliases
 from epoverlap.graphs.config import (CUDA_GRAPH_IMPLS, CUDA_GRAPH_MODULES, INFERENCE_SCOPES,
                                      CudaGraphConfig, add_cuda_graph_args,
                                      cuda_graph_config_from_args, validate_cuda_graph_config)
 
+MAX_LAYERS = 4096
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
@@ -40,9 +49,11 @@ COMM_MODES = ("real", "local_copy")
 CHOICES: dict[str, tuple[str, ...]] = {
     "--moe-router-score-function": SCORE_FUNCTIONS, "--moe-router-dtype": ROUTER_DTYPES,
     "--kernel-backend": KERNEL_BACKENDS, "--device": DEVICES, "--overlap-plan": OVERLAP_PLANS,
-    "--comm-mode": COMM_MODES, "--cuda-graph-impl": CUDA_GRAPH_IMPLS,
+    "--comm-mode": COMM_MODES, "--moe-token-drop-policy": DROP_POLICIES,
+    "--cuda-graph-impl": CUDA_GRAPH_IMPLS,
     "--cuda-graph-modules": CUDA_GRAPH_MODULES, "--inference-cuda-graph-scope": INFERENCE_SCOPES,
 }
+MIN_TIMEOUT_MINUTES = 0.05
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -105,7 +116,7 @@ class MoEConfig:
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
     expert_model_parallel_size: int = 1
-    dist_timeout_minutes: float = 10.0
+    distributed_timeout_minutes: float = 10.0
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -397,9 +408,12 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--moe-dispatch-budget", "moe", "moe_dispatch_budget", _opt_float,
      "dropless without a host sync: fixed all-to-all buffers of FACTOR x the balanced rows "
      "per rank; a step that overflows them is rerun with a larger budget"),
-    ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", int, "EP size"),
-    ("--dist-timeout-minutes", "parallel", "dist_timeout_minutes", float,
-     "collective timeout"),
+    ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", int,
+     "EP size: experts are sharded over EP ranks and replicated over world/EP (EDP) ranks; "
+     "dense layers are data-parallel over the whole world"),
+    ("--distributed-timeout-minutes", "parallel", "distributed_timeout_minutes", float,
+     "collective timeout of every process group: a peer rank that does not answer for this "
+     "long ends the job, naming it (fractions allowed, >= 0.05)"),
     ("--micro-batch-size", "train", "micro_batch_size", int, "sequences per microbatch"),
     ("--num-microbatches", "train", "num_microbatches", int, "microbatches per step"),
     ("--global-batch-size", "train", "global_batch_size", _opt_int,
@@ -470,7 +484,12 @@ FLAG_ALIASES = (
     FlagAlias("--deterministic", "--deterministic-mode"),
     FlagAlias("--profile-torch", "--use-pytorch-profiler"),
     FlagAlias("--data", "--mock-data", True, old_value="synthetic"),
+    FlagAlias("--dist-timeout-minutes", "--distributed-timeout-minutes"),
 )
+_SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig,
+             "train": TrainConfig, "overlap": OverlapConfig, "kernels": KernelConfig,
+             "data": DataConfig, "log": LogConfig, "checkpoint": CheckpointConfig}
+USAGE = "%(prog)s [--preset NAME] [FLAG VALUE ...]   (--help lists every flag)"
 
 
 def flag_of(field_name: str) -> str:
@@ -482,20 +501,58 @@ def _dest_of(flag: str) -> str:
     return _FIELD_OF_FLAG.get(flag, flag.lstrip("-").replace("-", "_"))
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse whose complaints (unknown flag, value of the wrong type) are one-line errors."""
+class CliParser(argparse.ArgumentParser):
+    """argparse without prefix matching (`--train 1` is an error, as in Megatron-core); with
+    `printing` False (every rank but the first of a node) usage, help and errors stay silent
+    while the exit status is the same, so a torchrun job prints one usage block, not one per
+    rank."""
 
-    def error(self, message: str):
-        raise UsageError(message)
+    def __init__(self, *args, printing: bool = True, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.printing = printing
+
+    def print_usage(self, file=None) -> None:
+        if self.printing:
+            super().print_usage(file)
+
+    def print_help(self, file=None) -> None:
+        if self.printing:
+            super().print_help(file)
+
+    def exit(self, status=0, message=None):
+        super().exit(status, message if self.printing else None)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
-        prog="epoverlap-train",
-        description="Train an MoE language model with expert parallelism (and EP overlap).")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="named model/run sizes; explicit flags override")
-    for flag, _, name, kind, help_text in _FLAGS:
+def _default_text(section: str, name: str, kind) -> str:
+    if kind is bool:
+        return "off unless given"
+    default = {f.name: f.default for f in dataclasses.fields(_SECTIONS[section])}[name]
+    return "none" if default is None else str(default)
+
+
+def presets_help() -> str:
+    """What each preset sets, as flags (the --help epilog)."""
+    lines = ["presets (--preset NAME sets these; flags given explicitly win):"]
+    for name in sorted(PRESETS):
+        flags = " ".join(flag_of(key) if value is True else f"{flag_of(key)} {value}"
+                         for key, value in PRESETS[name].items())
+        lines += textwrap.wrap(flags, width=96, initial_indent=f"  {name:<14}",
+                               subsequent_indent=" " * 16, break_on_hyphens=False,
+                               break_long_words=False)
+    return "\n".join(lines)
+
+
+def build_parser(prog: str = "epoverlap-train", printing: bool = True) -> CliParser:
+    parser = CliParser(
+        prog=prog, usage=USAGE, printing=printing, epilog=presets_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train an MoE language model with expert parallelism (and EP overlap).\n"
+                    "Defaults below are those without --preset.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, metavar="NAME",
+                        help=f"one of {', '.join(sorted(PRESETS))}: named model/run sizes "
+                             "(what each sets: the list at the end); explicit flags win")
+    for flag, section, name, kind, help_text in _FLAGS:
+        help_text = f"{help_text} (default: {_default_text(section, name, kind)})"
         if kind is bool:
             parser.add_argument(flag, dest=name, action="store_true", default=None,
                                 help=help_text)
@@ -504,9 +561,15 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
     for alias in FLAG_ALIASES:
-        if alias.old not in _FIELD_OF_FLAG:  # a renamed switch: the old spelling stays
+        if alias.old in _FIELD_OF_FLAG:  # the old spelling is a flag of its own (--data)
+            continue
+        kind = next((k for f, _, _, k, _ in _FLAGS if f == alias.new), bool)
+        if kind is bool:
             parser.add_argument(alias.old, dest=_dest_of(alias.old), action="store_true",
                                 default=None, help=f"deprecated: use {alias.new}")
+        else:
+            parser.add_argument(alias.old, dest=_dest_of(alias.old), type=kind, default=None,
+                                help=f"deprecated: use {alias.new}")
     add_cuda_graph_args(parser)
     return parser
 
@@ -531,10 +594,7 @@ def config_from_args(args: argparse.Namespace,
         if name in values:
             value = tuple(values[name]) if kind is list else values[name]
             sections.setdefault(section, {})[name] = value
-    classes = {"model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig,
-               "train": TrainConfig, "overlap": OverlapConfig, "kernels": KernelConfig,
-               "data": DataConfig, "log": LogConfig, "checkpoint": CheckpointConfig}
-    built = {section: cls(**sections.get(section, {})) for section, cls in classes.items()}
+    built = {section: cls(**sections.get(section, {})) for section, cls in _SECTIONS.items()}
     config = RunConfig(**built, cuda_graph=cuda_graph_config_from_args(args, notes.append))
     for note in notes:
         warn(note)
@@ -542,8 +602,9 @@ def config_from_args(args: argparse.Namespace,
 
 
 def parse_config(argv: Optional[list[str]] = None,
-                 warn: Callable[[str], None] = lambda msg: None) -> RunConfig:
-    return config_from_args(build_parser().parse_args(argv), warn)
+                 warn: Callable[[str], None] = lambda msg: None,
+                 printing: bool = True) -> RunConfig:
+    return config_from_args(build_parser(printing=printing).parse_args(argv), warn)
 
 
 # --------------------------------------------------------------------------- validation
@@ -565,6 +626,8 @@ def _validate_model(m: ModelConfig) -> None:
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                  "vocab_size"):
         _require(getattr(m, name) >= 1, name, getattr(m, name), "must be >= 1")
+    # layer lists are built per layer from here on: an absurd count is refused, not allocated
+    _require(m.num_layers <= MAX_LAYERS, "num_layers", m.num_layers, f"must be <= {MAX_LAYERS}")
     _require(m.seq_length >= 2, "seq_length", m.seq_length, "must be >= 2")
     _require(m.hidden_size % m.num_attention_heads == 0, "num_attention_heads",
              m.num_attention_heads, f"must divide --hidden-size={m.hidden_size}")
@@ -722,16 +785,17 @@ def _validate_kernels_data_log(cfg: RunConfig, cuda_available: bool) -> None:
     backend = cfg.kernels.kernel_backend
     _require(backend in KERNEL_BACKENDS, "kernel_backend", backend,
              f"allowed: {', '.join(KERNEL_BACKENDS)}")
-    if cfg.resolved_kernel_backend(cfg.resolved_device(cuda_available)) == "triton":
+    device = cfg.resolved_device(cuda_available)
+    if cfg.resolved_kernel_backend(device) == "triton":
         from epoverlap_kernels import triton_unavailable_reason
-        reason = triton_unavailable_reason() if cfg.resolved_device(cuda_available) == "cpu" \
-            else None
+        reason = triton_unavailable_reason()
         _require(reason is None, "kernel_backend", backend, reason or "")
     _validate_data(cfg.data)
     _require(cfg.log.log_interval >= 1, "log_interval", cfg.log.log_interval, "must be >= 1")
-    _require(cfg.log.log_json is None or not Path(cfg.log.log_json).is_dir(), "log_json",
-             cfg.log.log_json, "is a folder; give a file path")
-    _validate_profile(cfg.log)
+    device = cfg.resolved_device(cuda_available)
+    _validate_profile(cfg.log, device)
+    if cfg.log.log_json is not None:
+        _require_writable("log_json", cfg.log.log_json, directory=False)
     _validate_tensorboard(cfg.log)
 
 
@@ -812,10 +876,12 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
         _require(c.save is not None, "save_interval", c.save_interval, "needs --save DIR")
 
 
-def _validate_profile(log: LogConfig) -> None:
+def _validate_profile(log: LogConfig, device: str) -> None:
     if log.profile_steps is None:
         _require(log.profile_dir is None, "profile_dir", log.profile_dir,
                  "needs --profile-steps START:END")
+        _require(not log.use_pytorch_profiler, "use_pytorch_profiler", True,
+                 "needs --profile-steps START:END (the steps to trace)")
         return
     _require(log.profile_dir is None or not Path(log.profile_dir).is_file(), "profile_dir",
              log.profile_dir, "is a file; give a folder")
@@ -828,6 +894,32 @@ def _validate_profile(log: LogConfig) -> None:
              "needs 1 <= START <= END (steps count from 1)")
     _require(log.profile_dir is not None, "profile_steps", log.profile_steps,
              "needs --profile-dir DIR")
+    _require_writable("profile_dir", log.profile_dir, directory=True)
+    _require(not log.use_pytorch_profiler or device == "cuda", "use_pytorch_profiler", True,
+             "needs a CUDA device: its traces are read for GPU kernels (epoverlap-timeline "
+             "--torch-trace); on CPU the span files of --profile-steps show both lanes")
+
+
+def _require_writable(field_name: str, path_text: str, directory: bool) -> None:
+    """`path_text` is (or can be made) a directory we can write in, or a file we can write.
+
+    Nothing is created: the nearest existing folder must take a new file (tried with a
+    temporary file, so root, read-only mounts and /proc are judged as the run would be)."""
+    path = Path(path_text)
+    if path.exists() and path.is_dir() != directory:
+        _require(False, field_name, path_text, "is a folder; give a file path" if not directory
+                 else "is a file; give a folder (created if missing)")
+    folder = path if directory else path.parent
+    nearest = folder
+    while not nearest.exists():
+        nearest = nearest.parent
+    _require(nearest.is_dir(), field_name, path_text, f"{nearest} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=nearest):
+            pass
+    except OSError as error:
+        raise ConfigError(flag_of(field_name), path_text,
+                          f"cannot create a file in {nearest} ({error.strerror})") from None
 
 
 def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
@@ -853,9 +945,11 @@ def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> No
     """Check every rule; raise ConfigError naming the flag. Touches no process group."""
     _validate_finite(cfg)
     _validate_model(cfg.model)
+    timeout = cfg.parallel.distributed_timeout_minutes
+    _require(timeout >= MIN_TIMEOUT_MINUTES, "distributed_timeout_minutes", timeout,
+             f"must be >= {MIN_TIMEOUT_MINUTES} (3 s): the liveness checks need a few "
+             "heartbeats within it")
     _validate_moe(cfg, world_size)
-    _require(cfg.parallel.dist_timeout_minutes > 0, "dist_timeout_minutes",
-             cfg.parallel.dist_timeout_minutes, "must be > 0")
     _validate_train(cfg.train, world_size, cuda_available)
     _validate_overlap(cfg)
     _validate_kernels_data_log(cfg, cuda_available)

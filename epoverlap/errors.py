@@ -3,10 +3,12 @@
 ConfigError is raised for any bad flag value or combination; its message is one line that names
 the flag (as the user typed it on the command line), the value given, and what is allowed.
 The training entry point prints that line and exits with status 2 before touching any process
-group. UsageError is argparse's complaint (an unknown flag, a value of the wrong type) in the
-same one-line form. CheckpointError is a --load that cannot be used (missing, corrupt, or
+group. (argparse's own complaints, an unknown flag or a value of the wrong type, are its usage
+line plus one error line, status 2.) CheckpointError is a --load that cannot be used (missing, corrupt, or
 written for another model): one line naming the file and the mismatch, also exit status 2.
 NonFiniteError is a NaN/Inf loss or gradient caught by --check-for-nan-in-loss-and-grad.
+
+Deprecated flag spellings are migrated in one way everywhere: `epoverlap.flag_aliases`.
 """
 
 from __future__ import annotations
@@ -20,16 +22,6 @@ class ConfigError(ValueError):
         self.value = value
         self.allowed = allowed
         super().__init__(f"{self.flag}={_show(value)}: {allowed}")
-
-
-class UsageError(ConfigError):
-    """argparse's message, e.g. `argument --num-layers: invalid int value: 'x'`."""
-
-    def __init__(self, message: str):
-        ValueError.__init__(self, message.replace("\n", " "))
-        self.flag = next((word.rstrip(":,") for word in message.split()
-                          if word.startswith("--")), "")
-        self.value, self.allowed = None, message
 
 
 class CheckpointError(ConfigError):

@@ -40,8 +40,19 @@ class MoEOps:
     swiglu: Callable
 
 
+def triton_installed() -> bool:
+    """Whether `import triton` would find it (without importing it: CPU runs never load it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ValueError:  # sys.modules["triton"] is None: imports of it are blocked
+        return False
+
+
 def triton_unavailable_reason() -> Optional[str]:
-    """None when the Triton kernels can run here (CUDA present, or TRITON_INTERPRET=1), else why.
+    """None when the Triton kernels can run here (triton installed, and CUDA present or
+    TRITON_INTERPRET=1), else why.
 
     Without either, the first kernel launch would fail with "0 active drivers"; callers check
     this instead. TRITON_INTERPRET only counts if it was set before the kernels were decorated
@@ -51,6 +62,8 @@ def triton_unavailable_reason() -> Optional[str]:
 
     import torch
 
+    if not triton_installed():
+        return "triton is not installed: pip install -e '.[triton]', or use --kernel-backend torch"
     if torch.cuda.is_available():
         return None
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):

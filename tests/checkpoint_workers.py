@@ -67,7 +67,7 @@ def two_rank_suite(rank, world_size, out_dir, faults):
 def resume_at_every_layout(ep2, out: Path) -> dict:
     """A: EP 2, overlap + delayed wgrad, 4 steps, checkpoint at 2. R: resume A@2 the same way.
     B: resume A@2 at EP 1 and save at once. D: resume B@2 (EP 1) at EP 2 and save at once."""
-    ep1 = expert_parallel_groups(1, ep2.device)
+    ep1 = expert_parallel_groups(1, ep2.device, watch=ep2.watch)
     a2 = out / "A" / iter_name(2)
     losses = {"A": run(ep2, FLAGS + OVERLAP + ["--save", str(out / "A"), "--save-interval",
                                                "2", "--log-json", str(out / "A.jsonl")])}

@@ -112,7 +112,7 @@ def megatron_dispatch_equivalence(rank, world_size, flag_sets):
     try:
         return [_both_layers(rank, world_size, groups, flags) for flags in flag_sets]
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
 
 
 def _both_layers(rank, world_size, groups, flags):
@@ -121,7 +121,7 @@ def _both_layers(rank, world_size, groups, flags):
     ops = make_moe_ops("torch")
     router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
                     device=torch.device("cpu"), aux_loss_scale=1.0)
-    ours = AllToAllDispatcher(ExpertComm(groups.ep_group, world_size), EXPERTS, TOPK, ops,
+    ours = AllToAllDispatcher(ExpertComm(groups.ep, world_size), EXPERTS, TOPK, ops,
                               groups.device, DispatchMode.of(cfg.moe))
     their_router, theirs = _megatron_parts(rank, world_size, groups.ep_group, cfg.moe)
     x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
@@ -159,7 +159,7 @@ def mode_runs(rank, world_size, ep, out_dir, steps, runs):
                                       r.dispatch_budget) for r in steps_done])
         return results
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
 
 
 def graphed_training(rank, world_size, ep, steps, runs):
@@ -185,4 +185,4 @@ def graphed_training(rank, world_size, ep, steps, runs):
                              banks, lines)
         return results
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)

@@ -75,7 +75,13 @@ def _join(context, timeout_s: float) -> bool:
 def single_rank_groups():
     """The ParallelGroups of a world of one CPU process, without a process group (in-process
     tests: nothing collective runs at world size 1)."""
-    from epoverlap.parallel.groups import ParallelGroups
+    from epoverlap.parallel.groups import (EXPERT_DATA_PARALLEL, EXPERT_PARALLEL, WORLD, Group,
+                                           ParallelGroups)
+    from epoverlap.parallel.watch import CollectiveWatch
+    watch = CollectiveWatch(0, 1, 60.0, False, None)
+    only = {name: Group(name, (0,), None, watch)
+            for name in (WORLD, EXPERT_PARALLEL, EXPERT_DATA_PARALLEL)}
     return ParallelGroups(rank=0, world_size=1, local_rank=0, ep_size=1, ep_rank=0, edp_size=1,
-                          edp_rank=0, device=torch.device("cpu"), backend="none",
-                          ep_group=None, edp_group=None)
+                          edp_rank=0, device=torch.device("cpu"), backend="none", watch=watch,
+                          world=only[WORLD], ep=only[EXPERT_PARALLEL],
+                          edp=only[EXPERT_DATA_PARALLEL])

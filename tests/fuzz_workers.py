@@ -12,6 +12,9 @@ under every overlap mode and must equal the sequential reference bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import random
 import traceback
 from pathlib import Path
@@ -100,10 +103,16 @@ def config_cases(seed: int, count: int, folder: Path) -> list[tuple[list[str], i
 
 def outcome(argv: list[str], world: int) -> tuple[str, str]:
     """("ok", "") or ("refused", the one-line message); anything else raises."""
+    usage = io.StringIO()
     try:
-        checked_config(argv, world, cuda_available=False)
+        with contextlib.redirect_stderr(usage):
+            checked_config(argv, world, cuda_available=False)
     except ConfigError as error:
         return "refused", str(error)
+    except SystemExit as stop:  # argparse's complaint: a usage line, then one error line
+        if stop.code != 2:
+            raise
+        return "refused", usage.getvalue().splitlines()[-1].split(": error: ", 1)[1]
     return "ok", ""
 
 
@@ -120,10 +129,10 @@ def run_one_step(argv: list[str], world_size: int, groups_of: Callable[[int], ob
     """Run `argv` for one step (it was accepted); "ok", or a refusal's one line, or the
     traceback of anything else (a failure). `groups_of(ep)`: the groups of that EP size."""
     try:
-        cfg, resume, data = checked_config(argv + ["--train-iters", "1"], world_size,
-                                           cuda_available=False)
+        cfg, resume, _ = checked_config(argv + ["--train-iters", "1"], world_size,
+                                        cuda_available=False)
         trainer = Trainer(cfg, groups_of(cfg.parallel.expert_model_parallel_size),
-                          log=lambda msg: None, data=data, resume=resume)
+                          log=lambda msg: None, resume=resume)
         try:
             trainer.train()
         finally:
@@ -209,7 +218,7 @@ def fuzz_on_two_ranks(rank, world_size, config_argvs: list[list[str]]):
     try:
         routing = {(name, mode): routed_grads(ep2, name, mode)
                    for name in ROUTINGS for mode in MODES}
-        layouts = {1: expert_parallel_groups(1, ep2.device), 2: ep2}
+        layouts = {1: expert_parallel_groups(1, ep2.device, watch=ep2.watch), 2: ep2}
         configs = [run_one_step(argv, world_size, layouts.__getitem__) for argv in config_argvs]
         return routing, configs
     finally:

@@ -17,7 +17,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
         "--micro-batch-size", "2", "--num-microbatches", "4", "--moe-aux-loss-coeff", "0.01",
-        "--mock-data", "--deterministic-mode", "--dist-timeout-minutes", "3",
+        "--mock-data", "--deterministic-mode", "--distributed-timeout-minutes", "3",
         "--lr-warmup-iters", "2", "--log-interval", "1000"]
 
 MODES = {
@@ -53,7 +53,7 @@ def dispatch_round_trip(rank, world_size, ep, topk, extreme):
             logits[:, :topk] += 100.0
         ops = make_moe_ops("torch")
         probs, routing_map = ops.router_topk(logits, topk)
-        dispatcher = AllToAllDispatcher(ExpertComm(groups.ep_group, ep), num_experts, topk, ops,
+        dispatcher = AllToAllDispatcher(ExpertComm(groups.ep, ep), num_experts, topk, ops,
                                         groups.device)
         permuted, permuted_probs, row_id_map = dispatcher.preprocess(x_TH, probs, routing_map)
         recv, recv_probs, meta = dispatcher.dispatch(permuted, permuted_probs,
@@ -65,7 +65,7 @@ def dispatch_round_trip(rank, world_size, ep, topk, extreme):
             expected = expected + x_TH
         return torch.equal(out_TH, expected), int(recv.shape[0])
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
 
 
 def _trainer(ep, argv):
@@ -93,7 +93,7 @@ def mode_grads_and_losses(rank, world_size, ep, out_dir, steps):
             results[mode] = grads
         return results
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
 
 
 def ep_losses(rank, world_size, ep, steps):
@@ -107,7 +107,7 @@ def ep_losses(rank, world_size, ep, steps):
         finally:
             trainer.close()
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
 
 
 def extreme_routing_training(rank, world_size, ep, flags):
@@ -125,4 +125,26 @@ def extreme_routing_training(rank, world_size, ep, flags):
         finally:
             trainer.close()
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
+
+
+def reduced_grads_for_reference(rank, world_size, ep, argv):
+    """One step's microbatches, parameters, loss per microbatch and reduced `main_grad`s of this
+    rank (test_reference_model compares them with a float64 reference of the whole world)."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=3)
+    try:
+        trainer = Trainer(_trainer(ep, argv), groups, log=lambda msg: None)
+        try:
+            inputs = trainer.microbatches(step=1)
+            losses = trainer.run_microbatches(step=1, inputs=inputs)
+            trainer.grads.reduce()
+            named = dict(trainer.model.named_parameters())
+            return {"inputs": inputs, "losses": [float(loss) for loss in losses],
+                    "params": {n: p.detach().clone() for n, p in named.items()},
+                    "grads": {n: p.main_grad.clone() for n, p in named.items()},
+                    "expert_names": sorted(n for n, p in named.items()
+                                           if getattr(p, "is_expert", False))}
+        finally:
+            trainer.close()
+    finally:
+        destroy_distributed(groups)

@@ -121,10 +121,14 @@ def test_graph_banks_serve_the_overflow_reruns(tmp_path):
             steps, banks, lines = runs[graphed]
             assert steps == runs[eager][0], (rank, graphed)
             assert runs[eager][1] is None
+            summary = next(line for line in lines if line.startswith("done: "))
             if graphed == "padded_full":
                 assert banks == [0]
+                assert " | dropped " in summary and " | reruns " not in summary, summary
                 continue
             assert all(reruns >= 1 for _, reruns, _ in steps)
+            total = sum(reruns for _, reruns, _ in steps)
+            assert summary.endswith(f" | reruns {total} (in {len(steps)} steps)"), summary
             rerun_levels = {budget for _, _, budget in steps}
             assert len(banks) == 1 + len(rerun_levels) and banks[0] == 0, (rank, banks)
             assert any("CUDA graphs (budget 0.25)" in line for line in lines), lines

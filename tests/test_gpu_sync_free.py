@@ -173,6 +173,58 @@ def test_cli_budget_reruns_through_a_second_graph_bank_on_one_gpu(tmp_path):
         assert "bank 1:" in outs[name]
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_liveness_watch_skips_captured_collectives_and_tracks_the_replay(monkeypatch):
+    """A collective captured in a CUDA graph (NCCL, one rank) is not tracked while capturing:
+    its completion event could not be queried, and the monitor thread's query (polled here
+    throughout the capture) would invalidate the capture and fail on every later tick. The
+    replay, wrapped in `Group.watched` as the trainer does, is tracked and seen finished."""
+    import threading
+    import time
+
+    from epoverlap.parallel.groups import _free_port, destroy_distributed, init_distributed
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(name, value)
+    groups = init_distributed(1, "cuda", timeout_minutes=1)
+    errors, capturing_done = [], threading.Event()
+
+    def monitor():
+        while not capturing_done.is_set():
+            try:
+                groups.watch.oldest_unfinished()
+            except RuntimeError as error:
+                errors.append(error)
+            time.sleep(0.001)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        x_N = torch.ones(256, device="cuda")
+        groups.ep.all_reduce(x_N)  # eager: tracked, finished
+        torch.cuda.synchronize()
+        poller = threading.Thread(target=monitor)
+        poller.start()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            groups.ep.all_reduce(x_N)
+            time.sleep(0.2)
+        capturing_done.set()
+        poller.join()
+        assert not errors, errors[:1]
+        assert groups.watch.oldest_unfinished() is None
+        with groups.ep.watched("all_to_all (CUDA graph replay)"):
+            graph.replay()
+        assert any("CUDA graph replay" in e.where for e in groups.watch._pending)
+        torch.cuda.synchronize()
+        assert groups.watch.oldest_unfinished() is None and x_N[0].item() == 1.0
+    finally:
+        capturing_done.set()
+        del graph
+        torch.cuda.synchronize()
+        destroy_distributed(groups)
+
+
 @pytest.mark.multigpu
 @needs_gpus
 def test_cli_sync_free_graphs_and_budget_reruns_over_nccl(tmp_path):

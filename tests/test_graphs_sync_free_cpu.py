@@ -5,6 +5,7 @@ to the eager run; the one-node layer itself equal to the four-node one."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -66,13 +67,25 @@ def _eager(flags, one_node, plan_name="sequential", lanes_cls=SerialLanes, delay
         lanes.close()
 
 
-def _graphed_layers(flags, modules):
+class CountingWatch:
+    """A `replay_watch`: counts the replays made inside it."""
+
+    def __init__(self):
+        self.replays = 0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self.replays += 1
+        yield
+
+
+def _graphed_layers(flags, modules, watch=contextlib.nullcontext):
     """Per-layer graphs of `modules` over one-node MoE layers: record, capture, replay."""
     model, queue, grads = _build(flags, one_node=graphs_span_moe_layer("local", modules))
     plan = build_plan("sequential", model.layout(), MICROBATCHES)
     runner = GraphRunner(model.node_specs(), graphed_modules(modules),
                          device=torch.device("cpu"), queue=queue,
-                         backend_factory=EmulatedGraphs, check_inputs=True)
+                         backend_factory=EmulatedGraphs, check_inputs=True, replay_watch=watch)
     executor = Executor(model.node_specs(), SerialLanes(), queue, run_factory=runner)
 
     def run(data):
@@ -128,6 +141,28 @@ def test_full_iteration_graph_replays_bitwise_like_eager(flags, plan_name, lanes
     finally:
         lanes.close()
     _assert_bitwise(_eager(flags, False, plan_name, lanes_cls, delay), graphed)
+
+
+def test_every_replay_runs_inside_the_replay_watch():
+    """The trainer passes the EP group's `Group.watched` as `replay_watch` when graphs hold the
+    dispatch: the liveness watch tracks what a replay issues (captured calls are not tracked)."""
+    layers = CountingWatch()
+    runner, _ = _graphed_layers(BUDGET, (), layers)
+    ranges = sum(len(r) for r in runner.ranges.values())  # 2 one-node MoE layers, attn + mlp
+    assert ranges == 4 and layers.replays == 2 * ranges * MICROBATCHES  # forward, backward
+    model, queue, grads = _build(BUDGET)
+    plan = build_plan("sequential", model.layout(), MICROBATCHES)
+    full = CountingWatch()
+    graph = FullIterationGraph(Executor(model.node_specs(), SerialLanes(), queue), plan,
+                               1 / MICROBATCHES, device=torch.device("cpu"),
+                               backend_factory=EmulatedGraphs, replay_watch=full)
+    graph.recording = True
+    _step(graph.run, grads, model, 1)
+    graph.recording = False
+    graph.capture()
+    assert full.replays == 0
+    _step(graph.run, grads, model, 2)
+    assert full.replays == 1
 
 
 def test_full_iteration_graph_refuses_inputs_of_another_shape():

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 QUICK = ["--preset", "tiny", "--hidden-size", "64", "--seq-length", "64",
          "--num-microbatches", "2", "--train-iters", "12", "--lr-warmup-iters", "2",
-         "--dist-timeout-minutes", "3"]
+         "--distributed-timeout-minutes", "3"]
 
 
 def _env():
@@ -63,7 +63,7 @@ def test_launcher_defaults_pass_through_user_flags():
                                                *graphs]
     off = default_train_args(2, True, ["--cuda-graph-impl", "none"])
     assert "--cuda-graph-modules" not in off and off[-2:] == ["--cuda-graph-impl", "none"]
-    assert split_nproc(["--nproc", "4", "--bf16"]) == (4, ["--bf16"])
+    assert split_nproc(["--nproc", "4", "--bf16"]) == ("4", ["--bf16"])
 
 
 def test_two_node_launch_on_one_machine_runs_to_the_end(tmp_path):
@@ -117,6 +117,10 @@ def test_profiled_run_gives_trace_png_and_table(tmp_path):
                             "--overlap-moe-expert-parallel-comm", "--profile-steps", "2:3",
                             "--profile-dir", str(spans)))
     assert result.returncode == 0, result.stderr[-3000:]
+    summary = result.stdout.strip().splitlines()[-1]  # the end-of-run line
+    assert summary.startswith("done: 3 steps in ") and " tok/s | loss " in summary, summary
+    assert "GiB per rank (RSS, max over ranks)" in summary and "TFLOP/s per rank" in result.stdout
+    assert "| exposed comm " in summary and "(profiled steps 2:3, max over ranks)" in summary
     assert sorted(p.name for p in spans.iterdir()) == ["spans-rank00000.json",
                                                        "spans-rank00001.json"]
     timeline = _run(["epoverlap-timeline", str(spans), "--out-dir", str(out)])

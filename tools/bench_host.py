@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         rows = {mode: measure(groups, base + extra, args.iters, args.warmup)
                 for mode, extra in modes.items()}
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
     ratio = rows["eager"]["cpu_ms"] / rows["graphed"]["cpu_ms"]
     if args.out:
         Path(args.out).write_text(json.dumps({"shape": args.shape, "rows": rows,

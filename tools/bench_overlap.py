@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from epoverlap.config import parse_config, validate_config
+from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.main import setup_environment
 from epoverlap.training.trainer import Trainer
@@ -393,9 +394,19 @@ def main(argv=None) -> int:
         print("bench_overlap: --graphs needs a CUDA device (CUDA graphs); none is visible here")
         return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world < 2:
+        print("bench_overlap: needs 2+ ranks (the overlap hides an all-to-all between them): "
+              "run it under torchrun, e.g. torchrun --standalone --nproc-per-node 2 "
+              "tools/bench_overlap.py", file=sys.stderr)
+        return 2
     probe = parse_config(SHAPES[shapes[0]] + COMMON + OVERLAP +
                          ["--expert-model-parallel-size", str(world)])
-    validate_config(probe, world, torch.cuda.is_available())
+    try:
+        validate_config(probe, world, torch.cuda.is_available())
+    except ConfigError as error:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"bench_overlap: error: {error}", file=sys.stderr)
+        return 2
     setup_environment(probe, print)
     groups = init_distributed(world, "cuda" if torch.cuda.is_available() else "cpu")
     log = print if groups.rank == 0 else (lambda msg: None)
@@ -406,7 +417,7 @@ def main(argv=None) -> int:
             result["derived"] = derived(result)
             all_results.append(result)
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
     if groups.rank == 0:
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
         Path(args.out_dir, "bench_overlap.json").write_text(json.dumps(

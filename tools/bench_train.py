@@ -67,6 +67,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args, extra = parser.parse_known_args(argv)
     extra = [a for a in extra if a != "--"]
+    import torch
+    if torch.cuda.device_count() < max(int(g) for g in args.gpus.split(",")):
+        print(f"bench_train: needs {args.gpus.split(',')[-1]} CUDA GPU(s) (--gpus {args.gpus}); "
+              f"{torch.cuda.device_count()} visible here, so nothing is run", file=sys.stderr)
+        return 2
     log_dir = Path(tempfile.mkdtemp(prefix="bench-train-"))
     routings = [r for r in args.routing.split(",") if r]
     unknown = [r for r in routings if r not in ROUTING_FLAGS]

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from epoverlap.config import parse_config, validate_config
+from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.main import setup_environment
 from epoverlap.training.trainer import Trainer
@@ -83,8 +84,14 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         base.append("--bf16")
     base += train_flags
-    validate_config(parse_config(base + MODES["overlap_wgrad"]), world,
-                    torch.cuda.is_available())
+    try:
+        validate_config(parse_config(base + MODES["overlap_wgrad"]), world,
+                        torch.cuda.is_available())
+    except ConfigError as error:
+        if os.environ.get("RANK", "0") == "0":
+            hint = " (run it under torchrun with 2+ ranks)" if world < 2 else ""
+            print(f"check_bitwise: error: {error}{hint}", file=sys.stderr)
+        return 2
     setup_environment(parse_config(base + MODES["overlap"]), print)
     groups = init_distributed(ep, "cuda" if torch.cuda.is_available() else "cpu")
     log_dir = Path(tempfile.mkdtemp(prefix="epoverlap-bitwise-"))
@@ -93,7 +100,7 @@ def main(argv=None) -> int:
                                                log_dir / f"{mode}.jsonl"))
                    for mode, flags in MODES.items()}
     finally:
-        destroy_distributed()
+        destroy_distributed(groups)
     if groups.rank != 0:
         return 0
     return _report(digests, log_dir, args, world, ep)

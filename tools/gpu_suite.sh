@@ -112,6 +112,33 @@ case "$PART" in
   tests1)  # the one-GPU pytest tier alone
     STEP_TIMEOUT=300 step gpu_tests python3 -m pytest tests/test_gpu.py -q -m gpu --durations=8
     ;;
+  one2)  # one GPU: the tier again, 1000 graphed steps (memory), a graphed step's timeline,
+         # resume bitwise with graphs, checkpoint save/load time at the largest bench shape
+    STEP_TIMEOUT=240 step gpu_tests python3 -m pytest tests/test_gpu.py -q -m gpu --durations=8
+    T1="torchrun --standalone --nproc-per-node=1 -m epoverlap.train --bf16"
+    G="--cuda-graph-impl local --cuda-graph-modules attn moe_router moe_preprocess"
+    R="$WORK/runs"; mkdir -p "$R"
+    STEP_TIMEOUT=150 step small1_1000_graphs $T1 --preset small $G --train-iters 1000 \
+      --log-interval 250 --log-json "$R/small1_1000_graphs.jsonl"
+    STEP_TIMEOUT=90 step small1_profiled $T1 --preset small $G --train-iters 8 \
+      --profile-steps 6:7 --profile-dir "$WORK/spans_graphed"
+    STEP_TIMEOUT=60 step timeline epoverlap-timeline "$WORK/spans_graphed" --out-dir "$WORK/timeline"
+    STEP_TIMEOUT=90 step resume_full $T1 --preset small $G --deterministic-mode --train-iters 10 \
+      --log-json "$R/resume_full.jsonl"
+    # rank 0 dies as step 7 starts (test-only fault); torchrun restarts it, it resumes from step 5
+    EPOVERLAP_TEST_FAULT=exit@7 STEP_TIMEOUT=150 step resume_restarted torchrun --standalone \
+      --nproc-per-node=1 --max-restarts=1 -m epoverlap.train --bf16 --preset small $G \
+      --deterministic-mode --train-iters 10 --save "$WORK/ckpt" --save-interval 5 \
+      --load "$WORK/ckpt" --log-json "$R/resume_split.jsonl"
+    step compare_resume python3 -m epoverlap_tools.compare_losses "$R/resume_full.jsonl" \
+      "$R/resume_split.jsonl"
+    MEGA="--preset megatron-cmp --num-experts 8 --moe-router-topk 8 --moe-ffn-hidden-size 4096 \
+      --micro-batch-size 8 --num-microbatches 4 --mock-data"
+    STEP_TIMEOUT=150 step ckpt_save $T1 $MEGA --train-iters 2 --save "$WORK/ckpt_big"
+    STEP_TIMEOUT=150 step ckpt_load $T1 $MEGA --train-iters 3 --load "$WORK/ckpt_big"
+    du -sh "$WORK/ckpt_big" | tee -a "$SUMMARY"
+    rm -rf "$WORK/ckpt_big" "$WORK/ckpt"
+    ;;
   one)
     STEP_TIMEOUT=240 step gpu_tests python3 -m pytest tests/test_gpu.py -q -x \
       -k "one_gpu or streams or partial" --durations=8

@@ -2,8 +2,8 @@
 
 This module owns everything that reads span files (epoverlap/profiling/spans.py, docs/span-format.md) or
 torch.profiler Chrome traces and turns them into overlap figures:
-  - metrics: per rank and step (interval math and one step's figures live in
-    epoverlap/profiling/overlap.py, which the trainer shares), per layer, mean over steps,
+  - metrics: per rank and step (interval math in epoverlap/profiling/intervals.py,
+    one step's figures in epoverlap/profiling/overlap.py, which the trainer shares), per layer, mean over steps,
     and per torch trace (by kernel);
   - a merged Chrome/Perfetto trace (timeline_trace.json), a PNG Gantt chart (timeline.png),
     a printed summary and timeline_summary.json, all written to --out-dir (default DIR).

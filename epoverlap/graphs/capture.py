@@ -192,7 +192,8 @@ class RangeGraphs:
                                              self.signature.inputs[name], value))
             if value.data_ptr() != static.data_ptr():
                 static.copy_(value)
-        self.forward_graph.replay()
+        with self.context.replay_watch():
+            self.forward_graph.replay()
         return [buf.detach() for buf in self.slot.outputs.values()]
 
     def replay_backward(self, grads: dict, where: str) -> list[Optional[torch.Tensor]]:
@@ -205,7 +206,8 @@ class RangeGraphs:
                 raise RuntimeError(_mismatch(where, "output grad", name,
                                              self.signature.outputs[name], grad))
             static.copy_(grad)
-        self.backward_graph.replay()
+        with self.context.replay_watch():
+            self.backward_graph.replay()
         if self.wgrad_graph is not None and not self.context.queue.defer(self.wgrad_graph.replay):
             self.wgrad_graph.replay()
         return [self.slot.input_grads[n].detach() if self.input_has_grad.get(n) else None
@@ -281,6 +283,8 @@ class CaptureContext:
     generators: tuple = ()
     check_inputs: bool = False
     backend: object = None  # CudaGraphBackend (tests: an emulation with the same methods)
+    # wraps each forward/backward replay: the EP group's watch when graphs hold the dispatch
+    replay_watch: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def capture(self, body: Callable[[], None], draws_random: bool = False):
         """A graph of `body`; generators that body may draw from are registered with it."""
@@ -292,9 +296,11 @@ class GraphRunner:
 
     def __init__(self, specs: Sequence[NodeSpec], graphed_modules: set, *,
                  device: torch.device, queue, generators: Sequence[torch.Generator] = (),
-                 check_inputs: bool = False, backend_factory=CudaGraphBackend):
+                 check_inputs: bool = False, backend_factory=CudaGraphBackend,
+                 replay_watch: Callable[[], contextlib.AbstractContextManager]
+                 = contextlib.nullcontext):
         self.context = CaptureContext(device=device, queue=queue, generators=tuple(generators),
-                                      check_inputs=check_inputs)
+                                      check_inputs=check_inputs, replay_watch=replay_watch)
         self.backend_factory = backend_factory
         self.ranges = {spec.key: graphed_ranges(spec.segments, graphed_modules)
                        for spec in specs if spec.segments}

@@ -21,8 +21,9 @@ balancing generators are registered with the graph and their states restored aft
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -35,8 +36,13 @@ class FullIterationGraph:
 
     def __init__(self, executor, plan: Sequence[Action], loss_scale: float, *,
                  device: torch.device, generators: Sequence[torch.Generator] = (),
-                 backend_factory=CudaGraphBackend):
+                 backend_factory=CudaGraphBackend,
+                 replay_watch: Callable[[], contextlib.AbstractContextManager]
+                 = contextlib.nullcontext):
+        """`replay_watch`: a context around each replay (the EP group's `Group.watched`, so the
+        liveness watch tracks the all-to-alls the graph holds)."""
         self.executor, self.plan, self.loss_scale = executor, list(plan), loss_scale
+        self.replay_watch = replay_watch
         self.device, self.generators = device, tuple(generators)
         self.backend_factory = backend_factory
         self.recording = False
@@ -66,7 +72,8 @@ class FullIterationGraph:
                                        f"{tuple(given[name].shape)}, captured for "
                                        f"{tuple(buffer.shape)}")
                 buffer.copy_(given[name])
-        self.graph.replay()
+        with self.replay_watch():
+            self.graph.replay()
         return [loss.clone() for loss in self.static_losses]
 
     def capture(self, plan: Optional[Sequence[Action]] = None) -> None:

@@ -68,9 +68,27 @@ def _grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.is_cuda:
         return True
-    elem = a.element_size()
-    dims = list(a.shape[1:]) + list(b.shape[-1:])
-    return all((d * elem) % 16 == 0 for d in dims) and a.dtype == torch.float32
+    # torch's CPU kernel needs each operand's leading dimension (the stride of its last two
+    # dims that is not the unit one) to be a multiple of 16 bytes; a transposed operand carries
+    # its row width there (the weight grad's x^T: a fuzzed --moe-ffn-hidden-size 3 found
+    # this), and a width-1 operand has two unit strides (--moe-ffn-hidden-size 1). The output's
+    # row width (b's last dim) is asked aligned too, as before: where torch would also run
+    # without it, the loop stays the path taken, so results keep their bits.
+    return (_leading_dim_aligned(a) and _leading_dim_aligned(b)
+            and (b.shape[-1] * a.element_size()) % 16 == 0 and a.dtype == torch.float32)
+
+
+def _leading_dim_aligned(t: torch.Tensor) -> bool:
+    """The last two dims are row- or column-major with the leading stride a multiple of 16
+    bytes (torch's `_grouped_mm` stride check, mirrored so the fallback runs instead)."""
+    align = 16 // t.element_size()
+    row_stride, col_stride = t.stride()[-2], t.stride()[-1]
+    rows, cols = t.shape[-2], t.shape[-1]
+    if col_stride == 1 and row_stride >= max(1, cols):
+        return row_stride % align == 0
+    if row_stride == 1 and col_stride >= max(1, rows):
+        return col_stride % align == 0
+    return False
 
 
 def _host_counts(offsets_E: torch.Tensor, num_rows: int) -> list[int]:

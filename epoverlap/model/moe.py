@@ -121,11 +121,34 @@ class DispatchMode:
         """True when the dispatch reads split sizes on the host (not capturable in a graph)."""
         return self.name in ("dropless", "capacity")
 
+    def expert_rows(self, tokens: int, topk: int, num_experts: int, ranks: int) -> int:
+        """Rows a rank's dispatch sends (and, routing balanced, its experts compute) for a
+        microbatch of `tokens` tokens: tokens x topk (dropless, capacity: at most that),
+        experts x capacity padded, with the budget ranks x chunk at the first budget level
+        that holds balanced routing (>= 1; an imbalanced step reruns larger, up to `ranks`)."""
+        rows = tokens * topk
+        if self.budget is not None:
+            level = next(b for b in budget_levels(self.budget, ranks) if b >= 1)
+            return ranks * budget_chunk_rows(level, rows, ranks)
+        if self.pad_to_capacity:
+            return padded_rows(tokens, topk, num_experts, self.capacity_factor)
+        return rows
+
     @staticmethod
     def preprocess_syncs_host(kernel_backend: str) -> bool:
         """No mode reads the host in preprocess; the torch reference permute does (its backward
         sizes a gather by the most rows any token has), the Triton one does not."""
         return kernel_backend == "torch"
+
+
+def padded_rows(tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """Permuted rows with --moe-pad-expert-input-to-capacity: every expert's capacity."""
+    return num_experts * get_capacity(tokens * topk, num_experts, capacity_factor)
+
+
+def budget_chunk_rows(budget: float, rows: int, ranks: int) -> int:
+    """Rows per destination rank at a budget: ceil(budget x rows / ranks), at most `rows`."""
+    return min(rows, math.ceil(budget * rows / ranks))
 
 
 def budget_levels(factor: float, ranks: int) -> tuple[float, ...]:
@@ -160,7 +183,7 @@ class DispatchBudget:
         return self.levels[self.level]
 
     def chunk_rows_at(self, level: int) -> int:
-        return min(self.rows, math.ceil(self.levels[level] * self.rows / self.ranks))
+        return budget_chunk_rows(self.levels[level], self.rows, self.ranks)
 
     @property
     def chunk_rows(self) -> int:
@@ -433,8 +456,7 @@ class AllToAllDispatcher:
         """Rows of the permuted tokens: experts x capacity padded, else tokens x topk (static:
         dropped pairs leave rows past the routed count at zero)."""
         if self.mode.pad_to_capacity:
-            return self.num_experts * get_capacity(num_tokens * self.topk, self.num_experts,
-                                                   self.mode.capacity_factor)
+            return padded_rows(num_tokens, self.topk, self.num_experts, self.mode.capacity_factor)
         return num_tokens * self.topk
 
     def preprocess(self, hidden_TH, probs_TE, routing_map_TE):

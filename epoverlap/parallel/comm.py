@@ -1,8 +1,9 @@
 """Expert-parallel communication: the all-to-alls of the MoE dispatcher, differentiable.
 
-Owns `ExpertComm` (the EP process group plus the comm mode) and the autograd function whose
-forward is an all_to_all_single and whose backward is the reverse all-to-all. These calls run
-on whatever stream/thread the caller is on; choosing that is the executor's business.
+Owns `ExpertComm` (the EP group, a `groups.Group`, plus the comm mode) and the autograd
+function whose forward is an all_to_all_single and whose backward is the reverse all-to-all.
+These calls run on whatever stream/thread the caller is on; choosing that is the executor's
+business.
 
 Comm modes (config `--comm-mode`, benchmarks only): `real`, or `local_copy`, which replaces
 each all-to-all by a local copy of the same bytes, as if every rank received what it sent: the
@@ -14,13 +15,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
+
+from epoverlap.parallel.groups import Group
 
 
 class ExpertComm:
-    """All-to-all over the expert-parallel group."""
+    """All-to-all over the expert-parallel group (None when size is 1)."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], size: int, mode: str = "real"):
+    def __init__(self, group: Optional[Group], size: int, mode: str = "real"):
         self.group = group
         self.size = size
         self.mode = mode
@@ -45,7 +47,7 @@ class ExpertComm:
         input_NH = input_NH.contiguous()
         rows = input_NH.shape[0] if output_splits is None else sum(output_splits)
         output = input_NH.new_empty((rows,) + tuple(input_NH.shape[1:]))
-        dist.all_to_all_single(output, input_NH, output_splits, input_splits, group=self.group)
+        self.group.all_to_all_single(output, input_NH, output_splits, input_splits)
         return output
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
@@ -56,7 +58,7 @@ class ExpertComm:
         if self.size == 1 or self.mode == "local_copy":
             return send_RL.clone()
         recv_RL = torch.empty_like(send_RL)
-        dist.all_to_all_single(recv_RL, send_RL, group=self.group)
+        self.group.all_to_all_single(recv_RL, send_RL)
         return recv_RL
 
 

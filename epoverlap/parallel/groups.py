@@ -1,6 +1,7 @@
 """Distributed setup: the process groups, built once, in one place, and passed down.
 
-Owns `ParallelGroups` and `init_distributed` / `destroy_distributed`.
+Owns `ParallelGroups`, `Group` (a process group with its name and ranks, whose collectives go
+through the run's `CollectiveWatch`) and `init_distributed` / `destroy_distributed`.
 
 Layout: world = data-parallel x expert-parallel. Every rank is a data-parallel rank for dense
 parameters (replicated, grads averaged over the world). Expert parallel groups are blocks of
@@ -15,6 +16,12 @@ hands it to the workers without a per-attempt prefix (torch 2.13; pytorch issue 
 restarted worker can read a dead peer's address and fail to connect. On one node every worker
 of an attempt has the same TORCHELASTIC_RESTART_COUNT, so the store is prefixed by it here; over
 several nodes the counts may differ: there, give torchrun TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
+
+Timeouts: every group (world, expert-parallel, expert-data-parallel) gets the configured
+collective timeout (`--distributed-timeout-minutes`); a group created without one would wait
+torch's default (30 minutes on gloo). Each group carries a `group_desc` (its name), so NCCL's
+own watchdog messages name it too. Liveness (a dead or stalled peer named in one line) is
+`watch.py`'s.
 """
 
 from __future__ import annotations
@@ -28,6 +35,40 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from epoverlap.parallel.watch import CollectiveWatch, Heartbeat
+
+WORLD, EXPERT_PARALLEL, EXPERT_DATA_PARALLEL = "world", "expert-parallel", "expert-data-parallel"
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group (None: the default one), its name and global ranks. Collectives are
+    issued through these methods so the watch knows which group and op is in flight."""
+
+    name: str
+    ranks: tuple[int, ...]
+    pg: Optional[dist.ProcessGroup]
+    watch: CollectiveWatch
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        with self.watch.collective(self.name, self.ranks, "all_reduce"):
+            dist.all_reduce(tensor, op=op, group=self.pg)
+
+    def watched(self, op: str):
+        """A context that tracks `op`, issued by no method here, as this group's collective:
+        a CUDA graph replay holding the group's collectives (captured ones run only there)."""
+        return self.watch.collective(self.name, self.ranks, op)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_splits: Optional[list[int]] = None,
+                          input_splits: Optional[list[int]] = None) -> None:
+        with self.watch.collective(self.name, self.ranks, "all_to_all"):
+            dist.all_to_all_single(output, input, output_splits, input_splits, group=self.pg)
+
 
 @dataclass
 class ParallelGroups:
@@ -40,12 +81,18 @@ class ParallelGroups:
     edp_rank: int
     device: torch.device
     backend: str
-    ep_group: Optional[dist.ProcessGroup]
-    edp_group: Optional[dist.ProcessGroup]
+    world: Group
+    ep: Group
+    edp: Group
+    watch: CollectiveWatch
 
     @property
-    def world_group(self) -> Optional[dist.ProcessGroup]:
-        return None  # the default group
+    def ep_group(self) -> Optional[dist.ProcessGroup]:
+        return self.ep.pg
+
+    @property
+    def edp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.edp.pg
 
     def is_first(self) -> bool:
         return self.rank == 0
@@ -64,13 +111,14 @@ def _ensure_env() -> None:
                       MASTER_PORT=str(_free_port()))
 
 
-def _new_groups(world_size: int, ranks_of: list[list[int]], my_rank: int):
+def _new_groups(name: str, ranks_of: list[list[int]], my_rank: int,
+                timeout: datetime.timedelta, watch: CollectiveWatch) -> Group:
     """Create every group of the partition (all ranks must call); return the one holding me."""
     mine = None
     for ranks in ranks_of:
-        group = dist.new_group(ranks)
+        pg = dist.new_group(ranks, timeout=timeout, group_desc=name)
         if my_rank in ranks:
-            mine = group
+            mine = Group(name, tuple(ranks), pg, watch)
     return mine
 
 
@@ -83,6 +131,14 @@ def _store_per_attempt(world_size: int, timeout: datetime.timedelta) -> Optional
                           is_master=False, timeout=timeout)
     return dist.PrefixStore(f"epoverlap/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}",
                             store)
+
+
+def _start_watch(rank: int, world_size: int, timeout: datetime.timedelta,
+                 on_gpu: bool) -> CollectiveWatch:
+    heartbeat = Heartbeat.from_env(rank, world_size) if world_size > 1 else None
+    watch = CollectiveWatch(rank, world_size, timeout.total_seconds(), on_gpu, heartbeat)
+    watch.start()
+    return watch
 
 
 def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10.0
@@ -105,29 +161,36 @@ def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10
     if store is not None:
         kwargs["store"] = store
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
-    return expert_parallel_groups(ep_size, device, local_rank)
+    watch = _start_watch(rank, world_size, timeout, backend == "nccl")
+    return expert_parallel_groups(ep_size, device, local_rank, watch=watch, timeout=timeout)
 
 
-def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int = 0
+def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int = 0, *,
+                           watch: CollectiveWatch,
+                           timeout: datetime.timedelta = datetime.timedelta(minutes=10)
                            ) -> ParallelGroups:
-    """The EP and EDP groups of `ep_size` over the initialized world (every rank must call).
-    Called again with another size in the same world, it gives a second, independent layout
-    (tests resume one run's checkpoint at another EP size in one process group)."""
+    """The EP and EDP groups of `ep_size` over the initialized world (every rank must call),
+    watched by `watch`. Called again with another size in the same world, it gives a second,
+    independent layout (tests resume one run's checkpoint at another EP size in one process
+    group)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     backend = dist.get_backend()
     edp_size = world_size // ep_size
     ep_blocks = [list(range(b * ep_size, (b + 1) * ep_size)) for b in range(edp_size)]
     edp_strides = [list(range(e, world_size, ep_size)) for e in range(ep_size)]
-    ep_group = _new_groups(world_size, ep_blocks, rank)
-    edp_group = _new_groups(world_size, edp_strides, rank)
-    return ParallelGroups(rank=rank, world_size=world_size, local_rank=local_rank,
-                          ep_size=ep_size, ep_rank=rank % ep_size, edp_size=edp_size,
-                          edp_rank=rank // ep_size, device=device, backend=backend,
-                          ep_group=ep_group, edp_group=edp_group)
+    return ParallelGroups(
+        rank=rank, world_size=world_size, local_rank=local_rank, ep_size=ep_size,
+        ep_rank=rank % ep_size, edp_size=edp_size, edp_rank=rank // ep_size, device=device,
+        backend=backend, watch=watch, world=Group(WORLD, tuple(range(world_size)), None, watch),
+        ep=_new_groups(EXPERT_PARALLEL, ep_blocks, rank, timeout, watch),
+        edp=_new_groups(EXPERT_DATA_PARALLEL, edp_strides, rank, timeout, watch))
 
 
-def destroy_distributed() -> None:
-    """Tear down (release every CUDA graph before this: see environment.md)."""
+def destroy_distributed(groups: Optional[ParallelGroups] = None) -> None:
+    """Tear down (release every CUDA graph before this: see environment.md); stops the
+    watch's heartbeat thread of `groups`."""
+    if groups is not None:
+        groups.watch.close()
     if dist.is_initialized():
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()

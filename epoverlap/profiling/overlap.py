@@ -1,7 +1,6 @@
-"""Communication overlap of one step from its spans: interval math and the step's figures.
+"""Communication overlap of one step from its spans: the step's figures.
 
-Owns the pure interval functions (union, intersect, subtract, measure, gaps on lists of
-(start, end) pairs) and `step_metrics` (compute busy, comm, exposed and hidden comm, overlap
+Owns `step_metrics` (on the interval math of `profiling.intervals`) (compute busy, comm, exposed and hidden comm, overlap
 ratio, idle time of one rank's step). The trainer reports them for profiled steps
 (TensorBoard), `epoverlap-timeline` (tools/timeline.py, where the metric definitions are
 written out) builds its tables on them.
@@ -12,70 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 
+from epoverlap.profiling.intervals import (  # noqa: F401  (re-exported)
+    Interval, gaps, intersect, measure, subtract, union)
 from epoverlap.profiling.spans import Span, StepSpans
-
-Interval = tuple[float, float]
-
-
-# ----------------------------------------------------------------------------------------------
-# Interval math: lists of (start, end) pairs; results are sorted, disjoint, non-touching and of
-# positive length ("normalized").
-# ----------------------------------------------------------------------------------------------
-
-
-def union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Merge overlapping or touching intervals; zero-length intervals vanish."""
-    merged: list[Interval] = []
-    for start, end in sorted((s, e) for s, e in intervals if e > s):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """The points covered by both a and b."""
-    left, right = union(a), union(b)
-    out: list[Interval] = []
-    i = j = 0
-    while i < len(left) and j < len(right):
-        start, end = max(left[i][0], right[j][0]), min(left[i][1], right[j][1])
-        if end > start:
-            out.append((start, end))
-        if left[i][1] < right[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """The points covered by a and not by b."""
-    cut = union(b)
-    out: list[Interval] = []
-    for start, end in union(a):
-        cursor = start
-        for cut_start, cut_end in cut:
-            if cut_end <= cursor or cut_start >= end:
-                continue
-            if cut_start > cursor:
-                out.append((cursor, cut_start))
-            cursor = max(cursor, cut_end)
-        if cursor < end:
-            out.append((cursor, end))
-    return out
-
-
-def measure(intervals: Iterable[Interval]) -> float:
-    """Total length covered (overlaps counted once)."""
-    return sum(end - start for start, end in union(intervals))
-
-
-def gaps(intervals: Iterable[Interval], start: float, end: float) -> list[Interval]:
-    """The pieces of [start, end] covered by none of `intervals`."""
-    return subtract([(start, end)], intervals)
-
 
 # ----------------------------------------------------------------------------------------------
 # Metrics

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from epoverlap.profiling.intervals import measure, subtract
 from epoverlap.profiling.spans import Span, StepSpans, write_rank_span_file
 
 
@@ -91,6 +92,18 @@ class SpanRecorder:
                            spans=sorted(spans, key=lambda s: s.start_us))
         self.steps.append(record)
         return record
+
+    def mean_exposed_comm_ms(self) -> Optional[float]:
+        """Comm-lane time with no compute running, mean over the recorded steps (None: none
+        recorded). The timeline tool's exposed_comm_us, in ms."""
+        if not self.steps:
+            return None
+        total_us = 0.0
+        for step in self.steps:
+            lanes = {lane: [(s.start_us, s.end_us) for s in step.spans if s.lane == lane]
+                     for lane in ("compute", "comm")}
+            total_us += measure(subtract(lanes["comm"], lanes["compute"]))
+        return total_us / len(self.steps) / 1e3
 
     def write(self, directory: str) -> Optional[Path]:
         if not self.steps:

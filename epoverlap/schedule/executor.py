@@ -60,20 +60,30 @@ class SerialLanes:
     def drain(self) -> None:
         pass
 
+    def abort(self) -> None:
+        """After a failure: drop queued work without waiting for any of it."""
+        self.drain()
+
     def close(self) -> None:
         pass
 
 
 class ThreadLanes(SerialLanes):
-    """CPU: compute on the calling thread, comm on one worker thread (a FIFO, like a stream)."""
+    """CPU: compute on the calling thread, comm on one worker thread (a FIFO, like a stream).
+
+    An exception of a comm node (a `PeerFailure` naming the step, group and op, say) is raised
+    again on the main thread by the `Future.result()` of the next wait on its microbatch."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoverlap-comm")
-        self._pending: dict[int, Future] = {}
+        self._pending: dict[int, Future] = {}  # per microbatch: its last comm node
+        self._queued: list[Future] = []  # every comm node not known to be finished
 
     def submit(self, lane, microbatch, task, chain):
         if lane == COMM:
-            self._pending[microbatch] = self._pool.submit(task)
+            future = self._pool.submit(task)
+            self._pending[microbatch] = future
+            self._queued = [f for f in self._queued if not f.done()] + [future]
             return
         if chain:
             self._wait(microbatch)
@@ -87,9 +97,18 @@ class ThreadLanes(SerialLanes):
     def drain(self):
         for microbatch in list(self._pending):
             self._wait(microbatch)
+        self._queued.clear()
+
+    def abort(self):
+        """Cancel the comm nodes not started yet; do not wait for the running one (it may be
+        blocked on a dead peer until the timeout)."""
+        for future in self._queued:
+            future.cancel()
+        self._queued.clear()
+        self._pending.clear()
 
     def close(self):
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class CudaStreamLanes(SerialLanes):
@@ -189,7 +208,7 @@ class Executor:
                 self._submit(action, states[action.microbatch], losses, loss_scale)
         except BaseException:
             with contextlib.suppress(BaseException):
-                self.lanes.drain()
+                self.lanes.abort()
             raise
         self.lanes.drain()
         self.wgrad_queue.check_empty()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from epoverlap.parallel.groups import ParallelGroups
@@ -65,10 +64,10 @@ class GradBuffers:
         world = self.groups.world_size
         if world == 1:
             return
-        dist.all_reduce(self.dense_flat)
+        self.groups.world.all_reduce(self.dense_flat)
         if self.expert_flat.numel():
             if self.groups.edp_size > 1:
-                dist.all_reduce(self.expert_flat, group=self.groups.edp_group)
+                self.groups.edp.all_reduce(self.expert_flat)
             self.expert_flat.div_(world)
         self.dense_flat.div_(world)
 
@@ -76,7 +75,7 @@ class GradBuffers:
         """L2 norm of the whole (global) gradient. Collective over the EP group."""
         expert_sq = self.expert_flat.pow(2).sum()
         if self.groups.ep_size > 1:
-            dist.all_reduce(expert_sq, group=self.groups.ep_group)
+            self.groups.ep.all_reduce(expert_sq)
         return math.sqrt(float(self.dense_flat.pow(2).sum() + expert_sq))
 
     def clip(self, max_norm: float) -> float:

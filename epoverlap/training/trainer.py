@@ -25,12 +25,15 @@ reduction (`numerics`).
 Checkpoints (`checkpoint`): a run built with `resume` continues after the checkpoint's step,
 saves when --save-interval says so and after the last step; its --log-json keeps the records
 up to the checkpoint's step and appends (records of the interrupted run after it are dropped).
+One summary line ends the run (`RunSummary`). Rates are per GPU on CUDA and per rank on CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -137,6 +140,52 @@ def _record_step(line: str) -> float:
         return math.inf
 
 
+@dataclass
+class RunSummary:
+    """The end-of-run line: steps, throughput, first and last loss, peak memory, the exposed
+    communication of the profiled steps (when --profile-steps was given) and what the MoE
+    dispatch did over the run (with a capacity: the routed pairs dropped; with a budget: the
+    reruns and the steps that needed one)."""
+
+    steps: int
+    seconds: float
+    tokens: int
+    first_loss: float
+    last_loss: float
+    peak_mem_gib: float
+    on_gpu: bool
+    exposed_comm_ms: Optional[float] = None
+    profiled: Optional[str] = None
+    dropped_tokens: Optional[int] = None  # routed pairs over capacity, all steps
+    dropped_fraction: Optional[float] = None  # of all routed pairs of the run
+    dispatch_reruns: Optional[int] = None  # budget reruns, all steps
+    rerun_steps: Optional[int] = None  # steps rerun at least once
+
+    def line(self, per_device: str) -> str:
+        memory = ("allocated" if self.on_gpu else "RSS") + ", max over ranks"
+        text = (f"done: {self.steps} steps in {self.seconds:.1f} s | "
+                f"{self.tokens / self.seconds:,.0f} tok/s | loss {self.first_loss:.4f} -> "
+                f"{self.last_loss:.4f} | peak mem {self.peak_mem_gib:.2f} GiB{per_device} "
+                f"({memory})")
+        if self.exposed_comm_ms is not None:
+            text += (f" | exposed comm {self.exposed_comm_ms:.2f} ms/step (profiled steps "
+                     f"{self.profiled}, max over ranks)")
+        if self.dropped_tokens is not None:
+            text += f" | dropped {self.dropped_tokens} ({100 * self.dropped_fraction:.2f}%)"
+        if self.dispatch_reruns is not None:
+            text += f" | reruns {self.dispatch_reruns} (in {self.rerun_steps} steps)"
+        return text
+
+    def add_dispatch_stats(self, results: list["StepResult"]) -> None:
+        """Totals of the steps' dispatch figures (each step's are already over all ranks)."""
+        if results[0].dropped_tokens is not None:
+            self.dropped_tokens = sum(r.dropped_tokens for r in results)
+            self.dropped_fraction = sum(r.dropped_fraction for r in results) / len(results)
+        if results[0].dispatch_reruns is not None:
+            self.dispatch_reruns = sum(r.dispatch_reruns for r in results)
+            self.rerun_steps = sum(1 for r in results if r.dispatch_reruns)
+
+
 def plan_name(cfg: RunConfig) -> str:
     return cfg.overlap.overlap_plan if cfg.overlap.overlap_moe_expert_parallel_comm \
         else "sequential"
@@ -159,7 +208,7 @@ class Trainer:
         self.cfg, self.groups, self.log = cfg, groups, log
         self.device = groups.device
         backend = cfg.resolved_kernel_backend(self.device.type)
-        self.comm = ExpertComm(groups.ep_group, groups.ep_size, cfg.overlap.comm_mode)
+        self.comm = ExpertComm(groups.ep, groups.ep_size, cfg.overlap.comm_mode)
         self.wgrad_queue = WeightGradQueue(enabled=cfg.overlap.delay_wgrad_compute)
         self.model = MoEModel(cfg, self.comm, groups.ep_rank, make_moe_ops(backend),
                               dtype=model_dtype(cfg), device=self.device,
@@ -199,21 +248,31 @@ class Trainer:
             return None
         full = graph_cfg.impl == "full_iteration"
         generators = self._router_generators()
+        holds_dispatch = full or self._one_node_moe_layers()
+        watch = self._replay_watch(holds_dispatch)
         if full:
             def make_bank():
                 return FullIterationGraph(self.executor, self.plan, self._loss_scale(),
                                           device=self.device, generators=generators,
-                                          backend_factory=self.graph_backend)
+                                          backend_factory=self.graph_backend,
+                                          replay_watch=watch)
         else:
             def make_bank():
                 return GraphRunner(self.model.node_specs(), graphed_modules(graph_cfg.modules),
                                    device=self.device, queue=self.wgrad_queue,
                                    generators=generators, check_inputs=graph_cfg.check_inputs,
-                                   backend_factory=self.graph_backend)
+                                   backend_factory=self.graph_backend, replay_watch=watch)
         budget = self.model.dispatch_budget
-        per_level = budget is not None and (full or self._one_node_moe_layers())
+        per_level = budget is not None and holds_dispatch
         banks = GraphBanks(make_bank, len(budget.levels) if per_level else 1)
         return StepGraphs(banks, graph_cfg.warmup_steps, per_level, full)
+
+    def _replay_watch(self, holds_dispatch: bool):
+        """What wraps each graph replay: the EP group's watch when the graphs hold the
+        all-to-alls (captured collectives are issued by the replays, see `watch.collective`)."""
+        if not holds_dispatch or self.groups.ep_size == 1:
+            return contextlib.nullcontext
+        return lambda: self.groups.ep.watched("all_to_all (CUDA graph replay)")
 
     def _one_node_moe_layers(self) -> bool:
         graph_cfg = self.cfg.cuda_graph
@@ -238,12 +297,18 @@ class Trainer:
         if captured and len(self.graphs.banks.banks) > 1:
             self.log(f"CUDA graph banks by budget level: {self.graphs.banks.memory_report()}")
 
+    @property
+    def per_device(self) -> str:
+        """The unit of per-device rates: a GPU on CUDA, a rank (process) on CPU."""
+        return "/GPU" if self.device.type == "cuda" else " per rank"
+
     def describe(self) -> str:
         cfg, g = self.cfg, self.groups
         params = count_parameters(self.model, g.ep_size)
         total = (params["dense"] + params["expert_global"]) / 1e6
-        return (f"epoverlap: world {g.world_size} ({g.backend}, {self.device.type}) = "
-                f"DP {g.world_size} x EP {g.ep_size} | {cfg.model.num_layers} layers, hidden "
+        return (f"epoverlap: world {g.world_size} = EP {g.ep_size} x EDP {g.edp_size} (dense "
+                f"layers: DP {g.world_size}) | {g.backend}, {self.device.type} | "
+                f"{cfg.model.num_layers} layers, hidden "
                 f"{cfg.model.hidden_size}, {cfg.moe.num_experts or 0} experts top-"
                 f"{cfg.moe.moe_router_topk} | {total:.1f}M params | plan {plan_name(cfg)}"
                 f"{' + delayed wgrad' if cfg.overlap.delay_wgrad_compute else ''} | kernels "
@@ -322,7 +387,7 @@ class Trainer:
             return None
         demand = budget.demand_rows.clone()
         if self.groups.world_size > 1:
-            dist.all_reduce(demand, op=dist.ReduceOp.MAX)
+            self.groups.world.all_reduce(demand, op=dist.ReduceOp.MAX)
         demand_rows = int(demand)
         return None if demand_rows <= budget.chunk_rows else budget.level_for(demand_rows)
 
@@ -333,7 +398,7 @@ class Trainer:
         dropped = sum((r.step_dropped for r in routers),
                       torch.zeros((), dtype=torch.int64, device=self.device))
         if self.groups.world_size > 1:
-            dist.all_reduce(dropped)
+            self.groups.world.all_reduce(dropped)
         t, m = self.cfg.train, self.cfg.model
         routed = (self.groups.world_size * t.num_microbatches * t.micro_batch_size
                   * m.seq_length * self.cfg.moe.moe_router_topk * len(routers))
@@ -347,9 +412,9 @@ class Trainer:
         stats = torch.stack([torch.stack(losses).sum().float(), aux.float()])
         counts = torch.stack([r.step_counts for r in routers]) if routers else None
         if self.groups.world_size > 1:
-            dist.all_reduce(stats)
+            self.groups.world.all_reduce(stats)
             if counts is not None:
-                dist.all_reduce(counts)
+                self.groups.world.all_reduce(counts)
         scale = 1.0 / (t.num_microbatches * self.groups.world_size)
         imbalance = 1.0
         if counts is not None:
@@ -361,6 +426,7 @@ class Trainer:
         return loss_sum * scale, aux_sum * scale, imbalance
 
     def step(self, step: int) -> StepResult:
+        self.groups.watch.step = step
         profiled = self._profiled(step)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -443,28 +509,51 @@ class Trainer:
                 torch_profiler.stop()
         self._write_spans()
         self._report_compiles()
+        if results:  # a resumed run may have had no step left to make
+            self.log(self.summarize(results).line(self.per_device))
         return results
 
     def _report_compiles(self) -> None:
         """One line: compiled Triton kernel variants per rank, and how many came after warmup."""
-        mine = torch.tensor([self.compile_watch.total() or 0, self.compile_watch.late_compiles],
-                            device=self.device)
-        per_rank = [torch.zeros_like(mine) for _ in range(self.groups.world_size)]
-        if self.groups.world_size > 1:
-            dist.all_gather(per_rank, mine)
-        else:
-            per_rank = [mine]
-        if self.compile_watch.total() is None and not any(int(r[0]) for r in per_rank):
+        world, rank = self.groups.world_size, self.groups.rank
+        counts = torch.zeros(2, world, dtype=torch.int64, device=self.device)
+        counts[0, rank] = self.compile_watch.total() or 0
+        counts[1, rank] = self.compile_watch.late_compiles
+        if world > 1:
+            self.groups.world.all_reduce(counts)
+        totals, late = counts[0].tolist(), int(counts[1].sum())
+        if self.compile_watch.total() is None and not any(totals):
             return
-        totals = [int(r[0]) for r in per_rank]
-        late = sum(int(r[1]) for r in per_rank)
         self.log(f"Triton kernel variants compiled per rank: {totals}; after the "
                  f"{self.compile_watch.warmup_steps} warmup steps: {late}")
+
     def _open_tensorboard(self) -> Optional[TensorBoardLog]:
         directory = self.cfg.log.tensorboard_dir
         if directory is None or not self.groups.is_first():
             return None
         return TensorBoardLog(directory)
+
+    def summarize(self, results: list[StepResult]) -> "RunSummary":
+        """The run's figures; peak memory and exposed comm are the max over ranks (a
+        collective: every rank calls it)."""
+        if self.device.type == "cuda":
+            peak = max((r.peak_mem_gib for r in results), default=0.0)
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        exposed = self.recorder.mean_exposed_comm_ms()
+        figures = torch.tensor([peak, -1.0 if exposed is None else exposed],
+                               dtype=torch.float64, device=self.device)
+        if self.groups.world_size > 1:
+            self.groups.world.all_reduce(figures, op=dist.ReduceOp.MAX)
+        peak, exposed = figures.tolist()
+        summary = RunSummary(
+            steps=len(results), seconds=sum(r.step_time_s for r in results),
+            tokens=sum(r.tokens for r in results), first_loss=results[0].loss,
+            last_loss=results[-1].loss, peak_mem_gib=peak, on_gpu=self.device.type == "cuda",
+            exposed_comm_ms=None if exposed < 0 else exposed,
+            profiled=self.cfg.log.profile_steps)
+        summary.add_dispatch_stats(results)
+        return summary
 
     def _open_json(self):
         path = self.cfg.log.log_json
@@ -496,8 +585,8 @@ class Trainer:
             self.log(f"step {r.step:4d}/{total} | loss {r.loss:.4f} | "
                      f"lr {r.lr:.2e} | grad norm {r.grad_norm:.3f} | aux {r.aux_loss:.4f} | "
                      f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"
-                     f" | {r.step_time_s * 1e3:.1f} ms | {r.tflops_per_gpu:.3g} TFLOP/s/GPU"
-                     f"{mem}{comm}{self._eta(results)}")
+                     f" | {r.step_time_s * 1e3:.1f} ms | {r.tflops_per_gpu:.3g} TFLOP/s"
+                     f"{self.per_device}{mem}{comm}{self._eta(results)}")
 
     def _eta(self, results: list[StepResult]) -> str:
         """' | ETA 1m05s': steps left times the mean step time so far (first step left out

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
+
 from epoverlap_kernels import make_moe_ops, reference, rmsnorm_triton, rotary_triton, \
     swiglu_triton
 from epoverlap_kernels.rmsnorm import rms_norm_torch

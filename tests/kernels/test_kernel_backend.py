@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
+
 import epoverlap_kernels
 from epoverlap_kernels import make_moe_ops, triton_unavailable_reason, triton_utils
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
+
 from epoverlap_kernels import make_moe_ops
 from epoverlap_kernels.permutation_triton import _launch_permute, build_row_id_map_triton
 

@@ -107,6 +107,44 @@ def test_topk_routing_matches_megatron_core(moe_utils, backend, case):
     torch.testing.assert_close(grads[0], their_grads[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", sorted(ROUTER_CASES))
+def test_reference_model_routing_and_router_losses_match_megatron_core(moe_utils, case):
+    """tests/reference_model.py (the test_reference_model reference, written from the math)
+    against megatron-core's own functions, in float64: routing, aux loss in its "megatron"
+    counting mode, z-loss. Also pins the one difference from epoverlap: megatron-core counts
+    the aux loss's tokens by a plain top-k of the aux scores, so with an expert bias or groups
+    those counts differ from the routed experts' (epoverlap counts the routed ones)."""
+    from reference_model import ReferenceHyper, route, switch_aux_loss, z_loss
+    kwargs = dict(ROUTER_CASES[case])
+    num_tokens, num_experts, topk = 64, 8, 4
+    bias_E = (torch.linspace(-0.05, 0.05, num_experts, dtype=torch.float64)
+              if kwargs.pop("bias", False) else None)
+    logits_TE = torch.randn(num_tokens, num_experts, dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(5))
+    hyper = ReferenceHyper(heads=1, kv_heads=1, topk=topk, score_function=kwargs[
+        "score_function"], pre_softmax=kwargs["use_pre_softmax"], num_groups=kwargs[
+        "num_groups"], group_topk=kwargs["group_topk"], scaling_factor=kwargs["scaling_factor"],
+        aux_loss_coeff=0.01, z_loss_coeff=0.001, norm_eps=1e-5, rotary_base=1e4,
+        aux_counts="megatron")
+    ours, theirs = _leaf(logits_TE, "cpu"), _leaf(logits_TE, "cpu")
+    chosen_TE, gate_TE, margin = route(ours, hyper, bias_E)
+    probs_TE, routing_map_TE = moe_utils.topk_routing_with_score_function(
+        theirs, topk, **kwargs, expert_bias=bias_E, fused=False, router_replay=None)
+    assert margin > 1e-6 and torch.equal(chosen_TE, routing_map_TE)
+    aux_map_TE, aux_scores_TE = moe_utils.compute_routing_scores_for_aux_loss(
+        theirs, topk, kwargs["score_function"])
+    ours_out = [gate_TE, switch_aux_loss(ours, chosen_TE, hyper), z_loss(ours, 0.001)]
+    theirs_out = [probs_TE, moe_utils.switch_load_balancing_loss_func(
+        aux_scores_TE, aux_map_TE.sum(dim=0), num_tokens, topk, num_experts, 0.01),
+        moe_utils.z_loss_func(theirs, 0.001)]
+    for seed, (mine, upstream) in enumerate(zip(ours_out, theirs_out)):  # theirs: fp32 inside
+        torch.testing.assert_close(mine, upstream.to(mine.dtype), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(_grads([mine], [ours], seed), _grads([upstream], [theirs], seed),
+                                   rtol=1e-6, atol=1e-7)
+    counts_differ = not torch.equal(aux_map_TE, routing_map_TE)
+    assert counts_differ == (bias_E is not None or kwargs["group_topk"] is not None), case
+
+
 def _routing_inputs(seed=0, num_tokens=12, num_experts=6, topk=2, hidden=24):
     routing_map_TE = random_routing_map(num_tokens, num_experts, topk, seed)
     tokens_TH = random_like_rows(num_tokens, hidden, torch.float32, seed + 1)

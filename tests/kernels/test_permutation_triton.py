@@ -5,6 +5,8 @@ Small T (the CPU interpreter pays per program and per op)."""
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
+
 from epoverlap_kernels import permutation_triton
 from epoverlap_kernels.permutation import build_row_id_map, permute_torch, unpermute_torch
 from epoverlap_kernels.permutation_triton import (_launch_permute, _launch_unpermute,

@@ -5,6 +5,8 @@ interpreter each program and op costs."""
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
+
 from epoverlap_kernels.router_topk import check_router_args, router_topk_with_counts_torch
 from epoverlap_kernels.router_topk_triton import (router_topk_triton,
                                                   router_topk_with_counts_triton)

@@ -12,6 +12,8 @@ import math
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
+
 from epoverlap_kernels import router_topk_triton as rt
 from epoverlap_kernels.router_topk import router_topk_torch
 from epoverlap_kernels.triton_utils import router_tile

@@ -1,0 +1,190 @@
+"""Memory estimate of a training run, per rank, checked against the device (or host) memory
+before anything is allocated.
+
+Owns `estimate_memory` (weights, fp32 grads, fp32 masters and AdamW state of this rank's
+parameters; activations of the microbatches in flight; the backward's transient grads) and
+`check_memory`, which refuses a run that cannot fit with one line naming the flags that drive
+the estimate.
+
+Per token of one microbatch (b = bytes of the model dtype; Q/G query/key-value heads, D head
+dim, k top-k, E experts, Fe expert FFN, V vocab), the activations kept for the backward are
+counted as the model makes them (model/transformer.py, model/moe.py):
+  attention  b x (4H + (Q+2G)D + QD + GD + 2QD [K/V expanded when G < Q] + 2QD) + 4Q + 8
+  MoE        b x (k (5H + 3Fe) + 2H + 3Fs) + 13E   (router fp32 scores, map; balanced routing)
+  dense MLP  b x (3F + 2H)
+  loss       V (b + 8) + 2H b                      (logits, fp32 copy, log-softmax)
+With a sync-free dispatch k counts the rows the dispatch moves per token instead
+(`DispatchMode.expert_rows`): experts x capacity / tokens with --moe-pad-expert-input-to-capacity
+(padding rows hold activations too), EP x chunk / tokens with --moe-dispatch-budget at the
+first budget level that holds balanced routing (a step rerun at a larger budget needs more, up
+to EP x k). A capacity without padding keeps k: it can only drop rows.
+One microbatch in flight without the overlap; with it, one microbatch plus the largest layer of
+the next (the combined 1F1B forward of layer l runs beside the backward of layer L-1-l). The
+backward adds a transient: the weight grad of the largest weight (computed in the model dtype,
+then added to its fp32 main_grad), or the grads of the loss's logits or of a comm node's
+tokens (2kH b per token), whichever is larger. Activations and transient get +5% for what the
+formulas leave out (indices, probs copies, allocation rounding).
+
+The estimate assumes balanced routing: a learned router that sends most tokens to one EP rank
+can need up to EP times the MoE activations there (the quick-start baseline at 2 GPUs,
+imbalance 8.0 in its first steps, peaked 6% above the estimate; balanced, 2% below it).
+Calibrated against the peaks measured on H200s (benchmarks/data/bench_overlap_*.json, 7 shapes
+x 4 modes at 2 and 4 GPUs): the estimate is above every measured peak and at most about 1.4x
+of it (tests/test_memory.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from epoverlap.config import RunConfig
+from epoverlap.errors import ConfigError
+from epoverlap.model.moe import DispatchMode
+
+GIB = 2**30
+# Not in the estimate, needed beside it: CUDA context, NCCL buffers, allocator slack (GPU);
+# the torch runtime of each process (CPU).
+GPU_RESERVE_BYTES = int(1.5 * GIB)
+CPU_RANK_OVERHEAD_BYTES = int(0.5 * GIB)
+# Small tensors the per-token formulas leave out (indices, probs copies, norms' rstd) and
+# allocation rounding: +5% on activations and transients.
+UNCOUNTED_FACTOR = 1.05
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank."""
+
+    states: int  # weights, fp32 grads, fp32 masters, AdamW moments
+    activations: int  # the microbatches in flight
+    transient: int  # the backward's largest temporary: a weight grad, or activation grads
+    in_flight: str  # how many microbatches are counted, in words
+
+    @property
+    def total(self) -> int:
+        return self.states + self.activations + self.transient
+
+
+def weight_sizes(cfg: RunConfig, ep_size: int) -> list[int]:
+    """Element counts of this rank's weights: the dense ones, and its 1/EP share of every MoE
+    layer's experts (one entry per weight tensor; norms as one entry per layer)."""
+    m, moe = cfg.model, cfg.moe
+    h, qd, gd = m.hidden_size, m.num_attention_heads * m.head_dim, m.kv_heads * m.head_dim
+    sizes = [m.vocab_size * h, m.vocab_size * h, h]
+    for is_moe in cfg.moe_layer_pattern():
+        sizes += [2 * h, h * (qd + 2 * gd), qd * h]
+        if not is_moe:
+            sizes += [2 * m.ffn_hidden_size * h, m.ffn_hidden_size * h]
+            continue
+        ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
+        local = moe.num_experts // ep_size
+        sizes += [moe.num_experts * h, local * h * 2 * ffn, local * ffn * h]
+        shared = moe.moe_shared_expert_intermediate_size or 0
+        sizes += [2 * shared * h, shared * h] if shared else []
+    return sizes
+
+
+def dispatch_rows_per_token(cfg: RunConfig) -> float:
+    """Rows the MoE dispatch moves per token of a microbatch (the k of the formulas)."""
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    rows = DispatchMode.of(cfg.moe).expert_rows(tokens, cfg.moe.moe_router_topk,
+                                                cfg.moe.num_experts,
+                                                cfg.parallel.expert_model_parallel_size)
+    return rows / tokens
+
+
+def _layer_bytes_per_token(cfg: RunConfig, is_moe: bool, b: int) -> int:
+    m, moe = cfg.model, cfg.moe
+    h, q, g, d = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim
+    expanded = 2 * q * d if g < q else 0
+    attn = b * (4 * h + (q + 2 * g) * d + q * d + g * d + expanded + 2 * q * d) + 4 * q + 8
+    if not is_moe:
+        return attn + b * (3 * m.ffn_hidden_size + 2 * h)
+    ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
+    shared = moe.moe_shared_expert_intermediate_size or 0
+    k, experts = dispatch_rows_per_token(cfg), moe.num_experts
+    return attn + int(b * (k * (5 * h + 3 * ffn) + 2 * h + 3 * shared)) + 13 * experts
+
+
+def estimate_memory(cfg: RunConfig, world_size: int) -> MemoryEstimate:
+    """Peak bytes one rank needs for `cfg` (see the module docstring for what is counted)."""
+    m, t = cfg.model, cfg.train
+    b = 2 if t.bf16 else 4
+    sizes = weight_sizes(cfg, cfg.parallel.expert_model_parallel_size)
+    per_param = b + 4 + (4 if t.bf16 else 0) + (0 if t.skip_optimizer_step else 8)
+    tokens = t.micro_batch_size * m.seq_length
+    layers = [_layer_bytes_per_token(cfg, is_moe, b) for is_moe in cfg.moe_layer_pattern()]
+    loss = m.vocab_size * (b + 8) + 2 * m.hidden_size * b
+    one_microbatch = tokens * (m.hidden_size * b + sum(layers) + loss)
+    if cfg.overlap.overlap_moe_expert_parallel_comm:
+        activations = one_microbatch + tokens * max(layers)
+        in_flight = "1 microbatch + 1 layer"
+    else:
+        activations, in_flight = one_microbatch, "1 microbatch"
+    rows = dispatch_rows_per_token(cfg) if cfg.moe.enabled else 0
+    grads_per_token = max(m.vocab_size * (8 + b), int(2 * rows * m.hidden_size * b))
+    transient = max(max(sizes) * b, tokens * grads_per_token)
+    return MemoryEstimate(states=sum(sizes) * per_param,
+                          activations=int(activations * UNCOUNTED_FACTOR),
+                          transient=int(transient * UNCOUNTED_FACTOR), in_flight=in_flight)
+
+
+def available_memory(device: str, local_rank: int, local_ranks: int
+                     ) -> tuple[Optional[int], str]:
+    """(bytes one rank may use, where that figure comes from); None when unknown."""
+    if device == "cuda":
+        import torch
+        total = torch.cuda.get_device_properties(local_rank).total_memory
+        return total - GPU_RESERVE_BYTES, (f"GPU {local_rank} has {total / GIB:.1f} GiB, "
+                                           f"{GPU_RESERVE_BYTES / GIB:.1f} GiB of it kept for "
+                                           "the CUDA context and NCCL")
+    available = _mem_available_bytes()
+    if available is None:
+        return None, "no /proc/meminfo"
+    share = available // max(local_ranks, 1) - CPU_RANK_OVERHEAD_BYTES
+    return share, (f"this host has {available / GIB:.1f} GiB available (/proc/meminfo) for "
+                   f"{local_ranks} rank(s), {CPU_RANK_OVERHEAD_BYTES / GIB:.1f} GiB each kept "
+                   "for the torch runtime")
+
+
+def _mem_available_bytes(path: str = "/proc/meminfo") -> Optional[int]:
+    try:
+        with open(path) as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_memory(cfg: RunConfig, world_size: int, device: str, local_ranks: int) -> None:
+    """Raise ConfigError (naming the flags that drive the estimate) when a rank cannot fit."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    budget, source = available_memory(device, local_rank, local_ranks)
+    if budget is None:
+        return
+    estimate = estimate_memory(cfg, world_size)
+    if estimate.total <= budget:
+        return
+    m, t = cfg.model, cfg.train
+    sizes = (f"needs about {_gib(estimate.total)} per rank: activations "
+             f"{_gib(estimate.activations + estimate.transient)} ({estimate.in_flight} of "
+             f"--micro-batch-size {t.micro_batch_size} x --seq-length {m.seq_length} tokens), "
+             f"weights, grads and optimizer state {_gib(estimate.states)}; "
+             f"{source}: {_gib(max(budget, 0))} per rank")
+    if estimate.states > estimate.activations + estimate.transient:
+        raise ConfigError("--hidden-size", m.hidden_size, f"{sizes}; lower --hidden-size, "
+                          "--num-layers, --num-experts or --moe-ffn-hidden-size, or raise "
+                          "--expert-model-parallel-size")
+    mode = DispatchMode.of(cfg.moe)
+    buffers = {"budget": " (or --moe-dispatch-budget, which sizes the dispatch buffers)",
+               "capacity_padded": " (or --moe-expert-capacity-factor, the padded capacity)"}
+    raise ConfigError("--seq-length", m.seq_length, f"{sizes}; lower --seq-length or "
+                      f"--micro-batch-size{buffers.get(mode.name, '') if cfg.moe.enabled else ''}")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB / 10 else f"{nbytes / GIB:.3f} GiB"

@@ -1,0 +1,145 @@
+"""The command line: every bad input is one line and exit status 2 before training starts
+(before any process group exists), from `epoverlap-train` and from `epoverlap-launch` (which
+checks before it starts a rank); one usage block per argparse error, printed by the first rank
+of a node only; --help shows defaults and what each preset sets; no prefix matching; the CPU
+path never imports triton."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from epoverlap.config import build_parser, parse_config
+from epoverlap.training import launch
+from epoverlap.training.main import main as train_main
+from job_control import REPO, job_env
+
+TINY = ["--preset", "tiny", "--data", "synthetic"]
+
+
+def _bad_inputs(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    return [
+        (["--seq-length", "100000000"], "--seq-length=100000000: needs about"),
+        (["--num-layers", "512", "--hidden-size", "8192", "--num-attention-heads", "64"],
+         "--hidden-size=8192: needs about"),
+        (["--profile-steps", "1:1", "--profile-dir", str(a_file / "spans")],
+         f"--profile-dir={a_file / 'spans'}: {a_file} is a file, not a folder"),
+        (["--profile-steps", "1:1", "--profile-dir", "/proc/epoverlap-spans"],
+         "--profile-dir=/proc/epoverlap-spans: cannot create a file in /proc"),
+        (["--log-json", str(tmp_path)], f"--log-json={tmp_path}: is a folder"),
+        (["--log-json", str(a_file / "log.jsonl")], "--log-json="),
+        (["--use-pytorch-profiler", "--profile-steps", "1:1", "--profile-dir", str(tmp_path)],
+         "--use-pytorch-profiler=True: needs a CUDA device"),
+        (["--use-pytorch-profiler"], "--use-pytorch-profiler=True: needs --profile-steps"),
+        (["--distributed-timeout-minutes", "0.01"], "--distributed-timeout-minutes=0.01: must be"),
+        (["--dist-timeout-minutes", "1", "--distributed-timeout-minutes", "2"],
+         "--dist-timeout-minutes=1.0: deprecated alias of --distributed-timeout-minutes 1.0, which "
+         "conflicts with --distributed-timeout-minutes 2.0; drop --dist-timeout-minutes"),
+    ]
+
+
+def _one_error_line(captured, prog: str, expected: str) -> None:
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"{prog}: error: ") and expected in lines[0], lines[0]
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_each_bad_input_is_one_line_and_status_2_from_the_training_command(tmp_path, capsys):
+    for flags, expected in _bad_inputs(tmp_path):
+        assert train_main(TINY + flags) == 2, flags
+        _one_error_line(capsys.readouterr(), "epoverlap-train", expected)
+
+
+def test_the_launcher_checks_every_bad_input_before_starting_ranks(tmp_path, capsys):
+    for flags, expected in _bad_inputs(tmp_path) + [
+            (["--nproc", "abc"], "--nproc=abc: a positive integer"),
+            (["--nproc", "-1"], "--nproc=-1: must be >= 1"),
+            (["--nproc", "0"], "--nproc=0: must be >= 1")]:
+        assert launch.main(flags) == 2, flags  # returns before torchrun starts anything
+        _one_error_line(capsys.readouterr(), "epoverlap-launch", expected)
+
+
+@pytest.mark.parametrize("entry, prog", [(train_main, "epoverlap-train"),
+                                         (launch.main, "epoverlap-launch")])
+def test_no_prefix_matching_and_one_short_usage_block(entry, prog, capsys):
+    with pytest.raises(SystemExit) as info:
+        entry(["--train", "1", "--num-exp", "4"])  # not --train-iters / --num-experts
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"usage: {prog} "), lines
+    assert lines[1] == f"{prog}: error: unrecognized arguments: --train 1 --num-exp 4"
+
+
+def test_other_ranks_of_a_node_exit_2_quietly(monkeypatch, capsys):
+    from epoverlap.training import main as main_module
+    monkeypatch.setattr(main_module, "QUIET_RANK_PAUSE_S", 0.0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert train_main(TINY + ["--seq-length", "100000000"]) == 2
+    with pytest.raises(SystemExit) as info:
+        train_main(["--train", "1"])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == ""
+
+
+def test_help_shows_defaults_and_what_each_preset_sets():
+    text = build_parser().format_help()
+    assert "model width (default: 128)" in " ".join(text.split())
+    assert "(default: off unless given)" in text
+    presets = text[text.index("presets (--preset NAME sets these"):]
+    tiny = presets[presets.index("  tiny"):]
+    assert tiny.split()[1:5] == ["--num-layers", "2", "--hidden-size", "128"]
+    assert "  dsv3-proxy" in presets and "--moe-router-enable-expert-bias" in presets
+    assert "--distributed-timeout-minutes" in text and "deprecated: use " in text
+
+
+def test_deprecated_timeout_flag_still_works_with_one_warning():
+    warnings = []
+    cfg = parse_config(["--dist-timeout-minutes", "3"], warn=warnings.append)
+    assert cfg.parallel.distributed_timeout_minutes == 3.0
+    assert warnings == ["deprecated: --dist-timeout-minutes -> --distributed-timeout-minutes 3.0"]
+    assert parse_config(["--dist-timeout-minutes", "3", "--distributed-timeout-minutes", "3"]
+                        ).parallel.distributed_timeout_minutes == 3.0
+
+
+NO_TRITON = textwrap.dedent("""
+    import sys
+    sys.modules["triton"] = None  # any import of triton fails
+    from epoverlap.config import parse_config, validate_config
+    from epoverlap.errors import ConfigError
+    from epoverlap.training.main import main
+    status = main(["--preset", "tiny", "--data", "synthetic", "--train-iters", "2",
+                   "--hidden-size", "64", "--seq-length", "64", "--num-microbatches", "2"])
+    try:
+        validate_config(parse_config(["--kernel-backend", "triton"]), 1, False)
+    except ConfigError as error:
+        print(error)
+    sys.exit(status)
+""")
+
+
+@pytest.mark.slow
+def test_cpu_training_never_imports_triton():
+    result = subprocess.run([sys.executable, "-c", NO_TRITON], capture_output=True, text=True,
+                            env=job_env(), cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done: 2 steps" in result.stdout
+    assert ("--kernel-backend=triton: triton is not installed: pip install -e '.[triton]'"
+            in result.stdout)
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_bad_flag_prints_one_usage_block():
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "epoverlap.train", "--preset", "tiny", "--train", "1"],
+        capture_output=True, text=True, env=job_env(), cwd=REPO, timeout=300)
+    assert result.returncode == 1  # torchrun's own status for any failed rank
+    assert result.stderr.count("usage: epoverlap-train") == 1, result.stderr
+    assert result.stderr.count("epoverlap-train: error: unrecognized arguments") == 1
