@@ -7,8 +7,10 @@ only the world size, whether CUDA is present and the file system (output paths m
 writable: tried with a temporary file, nothing is created), so a bad invocation exits before
 any process group work. The memory estimate, which needs the device's size, is
 training/memory.py's. The CUDA-graph surface (with its deprecated forms) lives in
-`graphs/config.py` and is validated from here; flags renamed to Megatron-core's spelling keep
-their old one as a deprecated alias (`FLAG_ALIASES`, through `flag_aliases`).
+`graphs/config.py` and is validated from here, with the facts the model states about itself:
+whether the MoE dispatch reads the host (`epoverlap.model.moe.DispatchMode`, imported where the
+rule needs it, the one import of a lower layer here). Flags renamed to Megatron-core's spelling
+keep their old one as a deprecated alias (`FLAG_ALIASES`, through `flag_aliases`).
 
 The parser (`CliParser`) has no prefix matching, a one-line usage, each flag's default in
 --help and, at its end, what each preset sets.
@@ -38,6 +40,7 @@ MAX_LAYERS = 4096
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+DROP_POLICIES = ("probs", "position")  # as epoverlap_kernels.capacity
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release")
 COMM_MODES = ("real", "local_copy")
@@ -46,7 +49,8 @@ COMM_MODES = ("real", "local_copy")
 CHOICES: dict[str, tuple[str, ...]] = {
     "--moe-router-score-function": SCORE_FUNCTIONS, "--moe-router-dtype": ROUTER_DTYPES,
     "--kernel-backend": KERNEL_BACKENDS, "--device": DEVICES, "--overlap-plan": OVERLAP_PLANS,
-    "--comm-mode": COMM_MODES, "--cuda-graph-impl": CUDA_GRAPH_IMPLS,
+    "--comm-mode": COMM_MODES, "--moe-token-drop-policy": DROP_POLICIES,
+    "--cuda-graph-impl": CUDA_GRAPH_IMPLS,
     "--cuda-graph-modules": CUDA_GRAPH_MODULES, "--inference-cuda-graph-scope": INFERENCE_SCOPES,
 }
 MIN_TIMEOUT_MINUTES = 0.05
@@ -93,10 +97,20 @@ class MoEConfig:
     moe_layer_freq: str = "1"
     moe_first_k_dense_replace: int = 0
     moe_router_force_load_balancing: bool = False
+    moe_expert_capacity_factor: Optional[float] = None  # negative = None (Megatron-core's reading)
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    moe_dispatch_budget: Optional[float] = None
 
     @property
     def enabled(self) -> bool:
         return bool(self.num_experts)
+
+    @property
+    def capacity_factor(self) -> Optional[float]:
+        """The capacity factor in force: None when unset or negative (dropless)."""
+        factor = self.moe_expert_capacity_factor
+        return None if factor is None or factor < 0 else factor
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -403,6 +417,16 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
      "first k layers dense"),
     ("--moe-router-force-load-balancing", "moe", "moe_router_force_load_balancing", bool,
      "benchmark only: random router logits (balanced routing)"),
+    ("--moe-expert-capacity-factor", "moe", "moe_expert_capacity_factor", _opt_float,
+     "expert capacity = ceil(tokens x topk / experts x FACTOR); routed tokens over it are "
+     "dropped and counted (Megatron-core semantics; negative or none: dropless)"),
+    ("--moe-pad-expert-input-to-capacity", "moe", "moe_pad_expert_input_to_capacity", bool,
+     "pad every expert's input to the capacity: static all-to-all sizes, no host sync"),
+    ("--moe-token-drop-policy", "moe", "moe_token_drop_policy", str,
+     f"which tokens an expert over capacity keeps: one of {DROP_POLICIES}"),
+    ("--moe-dispatch-budget", "moe", "moe_dispatch_budget", _opt_float,
+     "dropless without a host sync: fixed all-to-all buffers of FACTOR x the balanced rows "
+     "per rank; a step that overflows them is rerun with a larger budget"),
     ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", int,
      "EP size: experts are sharded over EP ranks and replicated over world/EP (EDP) ranks; "
      "dense layers are data-parallel over the stage's DP ranks"),
@@ -748,6 +772,9 @@ def _validate_moe(cfg: RunConfig, world_size: int) -> None:
              f"EP x PP = {ep} x {pp} must divide the world size {world_size}")
     if not moe.enabled:
         _require(ep == 1, "expert_model_parallel_size", ep, "must be 1 without --num-experts")
+        for name in ("moe_expert_capacity_factor", "moe_dispatch_budget"):
+            _require(getattr(moe, name) is None, name, getattr(moe, name),
+                     "needs MoE layers (--num-experts)")
         return
     _require(moe.num_experts >= 1 and moe.num_experts % ep == 0, "num_experts", moe.num_experts,
              f"must be divisible by --expert-model-parallel-size={ep}")
@@ -756,6 +783,35 @@ def _validate_moe(cfg: RunConfig, world_size: int) -> None:
     for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         value = getattr(moe, name)
         _require(value is None or value >= 1, name, value, "must be >= 1")
+    _validate_dispatch(cfg)
+
+
+def _validate_dispatch(cfg: RunConfig) -> None:
+    """Capacity (Megatron-core's drop/pad) or the dropless budget; see epoverlap.model.moe."""
+    moe = cfg.moe
+    factor, budget = moe.moe_expert_capacity_factor, moe.moe_dispatch_budget
+    _require(moe.moe_token_drop_policy in DROP_POLICIES, "moe_token_drop_policy",
+             moe.moe_token_drop_policy, f"allowed: {', '.join(DROP_POLICIES)}")
+    _require(factor != 0, "moe_expert_capacity_factor", factor,
+             "must be > 0 (a negative value means no capacity: dropless, as Megatron-core "
+             "reads it)")
+    pad = moe.moe_pad_expert_input_to_capacity
+    _require(not pad or moe.capacity_factor is not None, "moe_pad_expert_input_to_capacity",
+             True, "needs --moe-expert-capacity-factor > 0 (the capacity to pad to)")
+    if budget is not None:
+        _require(budget > 0, "moe_dispatch_budget", budget,
+                 "must be > 0 (1.0 = the balanced share of rows per EP rank)")
+        _require(moe.capacity_factor is None, "moe_dispatch_budget", budget,
+                 "is dropless and --moe-expert-capacity-factor drops tokens: give one of them")
+    if pad:
+        from epoverlap_kernels.capacity import get_capacity
+        tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+        capacity = get_capacity(tokens * moe.moe_router_topk, moe.num_experts, factor)
+        _require(capacity <= tokens, "moe_expert_capacity_factor", factor,
+                 f"with --moe-pad-expert-input-to-capacity the capacity ({capacity}) must not "
+                 f"exceed the {tokens} tokens of a microbatch (Megatron-core's padded permute "
+                 f"fails there): use a factor <= num_experts / topk = "
+                 f"{moe.num_experts / moe.moe_router_topk:g}")
 
 
 def _validate_train(t: TrainConfig, dp_size: int, cuda_available: bool) -> None:
@@ -953,13 +1009,14 @@ def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
     except ImportError:
         te_available = False
     device = cfg.resolved_device(cuda_available)
+    from epoverlap.model.moe import DispatchMode  # what the dispatcher says of its host reads
+    mode = DispatchMode.of(cfg.moe)
     validate_cuda_graph_config(
         cfg.cuda_graph,
         overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
         has_moe_layers=any(pattern), has_dense_layers=not all(pattern),
-        # the torch reference permute reads the routed count on the host; the Triton one not
-        preprocess_syncs_host=cfg.resolved_kernel_backend(device) == "torch",
-        dispatch_syncs_host=True,  # dropless: split sizes are read on the host before the a2a
+        preprocess_syncs_host=mode.preprocess_syncs_host(cfg.resolved_kernel_backend(device)),
+        dispatch_syncs_host=mode.dispatch_syncs_host,
         transformer_engine_available=te_available, cuda_available=device == "cuda")
 
 

@@ -24,8 +24,12 @@ Differences a caller can see, each stated where it applies:
   fused path also hands a row-id map around); the permuted rows are the same, in the same order.
 - `fused` is accepted and changes nothing: the backend chosen for the table is the
   implementation (there is no unfused fallback to pick).
-- `drop_and_pad=True` (capacity-padded routing) and a non-None `router_replay` raise
-  ValueError: epoverlap routes dropless and has no routing replay.
+- `drop_and_pad=True` (capacity-padded routing, `num_out_tokens` = experts x capacity) needs
+  a routing map that gives every expert exactly `capacity` tokens, as megatron-core's router
+  produces with `moe_pad_expert_input_to_capacity` (`capacity.apply_router_token_dropping`);
+  the rows are then megatron-core's, in its order. Another map raises ValueError on the CPU
+  and fails a device assert on CUDA (megatron-core would silently truncate or pad it).
+- A non-None `router_replay` raises ValueError: epoverlap has no routing replay.
 - `restore_shape` may be left out (the row-id map knows the token count); when given, it is
   checked against the map.
 - A tensor `num_out_tokens` (Megatron-core's dispatchers pass `tokens_per_expert.sum()`) is
@@ -39,10 +43,21 @@ from typing import Callable, Optional
 import torch
 
 
-def _reject_drop_and_pad(drop_and_pad: bool, op: str) -> None:
-    if drop_and_pad:
-        raise ValueError(f"{op}: drop_and_pad=True (capacity-padded routing) is not supported; "
-                         "epoverlap routes dropless (drop_and_pad=False)")
+def check_padded_routing_map(routing_map_TE: torch.Tensor, num_out_tokens: int) -> None:
+    """drop_and_pad: every expert must hold exactly num_out_tokens / experts tokens (no sync on
+    CUDA: a device assert)."""
+    num_experts = routing_map_TE.shape[1]
+    if num_out_tokens % num_experts:
+        raise ValueError(f"permute: drop_and_pad=True needs num_out_tokens={num_out_tokens} to "
+                         f"be experts x capacity ({num_experts} experts)")
+    capacity = num_out_tokens // num_experts
+    exact = (routing_map_TE.sum(dim=0) == capacity).all()
+    msg = (f"permute: drop_and_pad=True needs a routing map with exactly capacity={capacity} "
+           f"tokens per expert (moe_pad_expert_input_to_capacity routing)")
+    if routing_map_TE.is_cuda:
+        torch._assert_async(exact, msg)
+    elif not bool(exact):
+        raise ValueError(msg)
 
 
 def _host_count(num_out_tokens) -> Optional[int]:
@@ -59,8 +74,10 @@ def permute_entry(permute_impl: Callable) -> Callable:
                 drop_and_pad: bool = False):
         """Group token copies by expert (Megatron-core signature; see `megatron_api`)."""
         del fused
-        _reject_drop_and_pad(drop_and_pad, "permute")
-        return permute_impl(tokens, routing_map, probs, _host_count(num_out_tokens))
+        count = _host_count(num_out_tokens)
+        if drop_and_pad and count is not None:
+            check_padded_routing_map(routing_map, count)
+        return permute_impl(tokens, routing_map, probs, count)
 
     return permute
 
@@ -76,10 +93,9 @@ def unpermute_entry(unpermute_impl: Callable) -> Callable:
         """Sum each token's rows, weighted by `probs` [T, E] if given (Megatron-core signature).
 
         `sorted_indices` is the row-id map `permute` returned; `routing_map` is accepted and
-        unused (the map holds it).
+        unused (the map holds it), and so is `drop_and_pad` (the map covers padded rows too).
         """
-        del fused, routing_map
-        _reject_drop_and_pad(drop_and_pad, "unpermute")
+        del fused, routing_map, drop_and_pad
         return unpermute_impl(permuted_tokens, sorted_indices, restore_shape, probs)
 
     return unpermute

@@ -112,9 +112,29 @@ def test_preset_then_explicit_flag_wins():
     (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn"], 2, "--cuda-graph-impl",
      "need a CUDA device"),
     (["--cuda-graph-impl", "full_iteration", "--num-experts", "0"], 2, "--cuda-graph-impl",
-     "not implemented"),
+     "need a CUDA device"),
+    (["--cuda-graph-impl", "full_iteration"], 2, "--cuda-graph-impl", "--moe-dispatch-budget"),
+    (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe",
+      "--moe-dispatch-budget", "2"], 2, "--cuda-graph-modules",
+     "--kernel-backend triton"),
+    (["--cuda-graph-impl", "full_iteration", "--moe-expert-capacity-factor", "1",
+      "--moe-pad-expert-input-to-capacity", "--kernel-backend", "triton"], 2, "--cuda-graph-impl",
+     "need a CUDA device"),
     (["--cuda-graph-impl", "local", "--cuda-graph-modules", "mamba"], 2,
      "--cuda-graph-modules", "Mamba"),
+    (["--moe-expert-capacity-factor", "0"], 2, "--moe-expert-capacity-factor", "> 0"),
+    (["--moe-pad-expert-input-to-capacity"], 2, "--moe-pad-expert-input-to-capacity",
+     "needs --moe-expert-capacity-factor"),
+    (["--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor", "-1"], 2,
+     "--moe-pad-expert-input-to-capacity", "needs --moe-expert-capacity-factor"),
+    (["--moe-token-drop-policy", "random"], 2, "--moe-token-drop-policy", "probs, position"),
+    (["--moe-expert-capacity-factor", "5", "--moe-pad-expert-input-to-capacity"], 2,
+     "--moe-expert-capacity-factor", "num_experts / topk = 4"),
+    (["--moe-dispatch-budget", "0"], 2, "--moe-dispatch-budget", "> 0"),
+    (["--moe-dispatch-budget", "1.5", "--moe-expert-capacity-factor", "1"], 2,
+     "--moe-dispatch-budget", "give one of them"),
+    (["--num-experts", "0", "--moe-dispatch-budget", "1"], 2, "--moe-dispatch-budget",
+     "needs MoE layers"),
     (["--lr", "inf"], 2, "--lr", "finite"),
     (["--moe-z-loss-coeff", "nan"], 2, "--moe-z-loss-coeff", "finite"),
     (["--adam-beta1", "1"], 2, "--adam-beta1", "[0, 1)"),
@@ -221,6 +241,13 @@ def test_deprecated_cuda_graph_flag_is_migrated_with_a_warning():
     assert any("--cuda-graph-impl local" in w for w in warnings)
 
 
+def test_negative_capacity_factor_means_dropless_as_in_megatron_core():
+    cfg = parse_config(["--moe-expert-capacity-factor", "-1"])
+    validate_config(cfg, 2, False)
+    assert cfg.moe.capacity_factor is None
+    assert parse_config(["--moe-expert-capacity-factor", "1.25"]).moe.capacity_factor == 1.25
+
+
 def test_moe_layer_pattern():
     cfg = parse_config(BASE + ["--num-layers", "4", "--moe-layer-freq", "2"])
     assert cfg.moe_layer_pattern() == [True, False, True, False]
@@ -250,11 +277,12 @@ def test_cli_flag_list_is_frozen():
         "--moe-router-topk-scaling-factor", "--moe-router-enable-expert-bias",
         "--moe-router-bias-update-rate", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
         "--moe-router-dtype", "--moe-layer-freq", "--moe-first-k-dense-replace",
-        "--moe-router-force-load-balancing", "--expert-model-parallel-size",
-        "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
-        "--num-virtual-stages-per-pipeline-rank", "--distributed-timeout-minutes",
-        "--dist-timeout-minutes", "--micro-batch-size", "--num-microbatches", "--train-iters",
-        "--global-batch-size",
+        "--moe-router-force-load-balancing", "--moe-expert-capacity-factor",
+        "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy", "--moe-dispatch-budget",
+        "--expert-model-parallel-size", "--pipeline-model-parallel-size",
+        "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+        "--distributed-timeout-minutes", "--dist-timeout-minutes", "--micro-batch-size",
+        "--num-microbatches", "--train-iters", "--global-batch-size",
         "--lr", "--min-lr", "--lr-warmup-iters", "--weight-decay", "--adam-beta1",
         "--adam-beta2", "--adam-eps", "--clip-grad", "--seed", "--bf16", "--deterministic-mode",
         "--device", "--skip-optimizer-step", "--overlap-moe-expert-parallel-comm",

@@ -290,10 +290,10 @@ RULES = {
         (Cfg(**LOCAL, modules=("moe", "moe_router")), {}),
         (Cfg(**LOCAL, modules=("attn", "moe")), {}),
         "--cuda-graph-modules", "mutually exclusive"),
-    "ep-overlap-excludes-full_iteration": (
-        (Cfg(impl="full_iteration"), dict(overlap_moe_expert_parallel_comm=True)),
-        (Cfg(**TE, modules=("attn",)), dict(overlap_moe_expert_parallel_comm=True)),
-        "--cuda-graph-impl", "all-to-all overlap"),
+    "full_iteration-needs-sync-free-dispatch": (
+        (Cfg(impl="full_iteration"), dict(dispatch_syncs_host=True)),
+        (Cfg(impl="full_iteration"), dict(dispatch_syncs_host=True, has_moe_layers=False)),
+        "--cuda-graph-impl", "--moe-dispatch-budget"),
     "ep-overlap-rejects-whole-layer": (
         (Cfg(**LOCAL), dict(overlap_moe_expert_parallel_comm=True)),
         (Cfg(), dict(overlap_moe_expert_parallel_comm=True)),
@@ -323,7 +323,11 @@ RULES = {
     "host-sync-full_iteration": (
         (Cfg(impl="full_iteration"), dict(preprocess_syncs_host=True)),
         (Cfg(impl="full_iteration"), {}),
-        "--cuda-graph-impl", "device-to-host in preprocess"),
+        "--cuda-graph-impl", "--kernel-backend triton"),
+    "whole-moe-layer-needs-sync-free-dispatch": (
+        (Cfg(**LOCAL, modules=("attn", "moe")), dict(dispatch_syncs_host=True)),
+        (Cfg(**LOCAL, modules=("attn", "moe")), {}),
+        "--cuda-graph-modules", "--moe-pad-expert-input-to-capacity"),
 }
 
 
@@ -358,7 +362,7 @@ def test_any_capturing_impl_is_refused_on_cpu_naming_cuda(cfg):
     assert "need a CUDA device" in str(info.value) and "--cuda-graph-impl none" in str(info.value)
 
 
-@pytest.mark.parametrize("cfg", [Cfg(**TE), Cfg(impl="full_iteration")], ids=["te", "full"])
+@pytest.mark.parametrize("cfg", [Cfg(**TE)], ids=["te"])
 def test_impls_without_capture_are_refused_with_the_one_that_exists(cfg):
     with pytest.raises(ConfigError) as info:
         validate(cfg, implemented_impls=IMPLEMENTED_IMPLS)
@@ -377,6 +381,29 @@ def test_whole_moe_layer_needs_a_sync_free_dispatcher(modules):
     with pytest.raises(ConfigError) as info:
         validate(Cfg(**LOCAL, modules=modules), dispatch_syncs_host=True)
     assert info.value.flag == "--cuda-graph-modules" and "all-to-all" in str(info.value)
+
+
+@pytest.mark.parametrize("cfg", [Cfg(**LOCAL), Cfg(**LOCAL, modules=("moe",)),
+                                 Cfg(**LOCAL, modules=("attn", "moe")), Cfg(impl="full_iteration")],
+                         ids=["whole-layer", "moe", "attn-moe", "full_iteration"])
+def test_sync_free_dispatch_makes_graphs_over_the_dispatch_valid(cfg):
+    validate(cfg, dispatch_syncs_host=False, implemented_impls=IMPLEMENTED_IMPLS)
+
+
+@pytest.mark.parametrize("cfg, flag, fragment", [
+    (Cfg(**LOCAL, modules=("attn", "moe")), "--cuda-graph-modules", "moe cannot be graphed"),
+    (Cfg(**LOCAL), "--cuda-graph-modules", "whole-layer graph would capture the all-to-all"),
+], ids=["moe", "whole-layer"])
+def test_graphs_over_the_dispatch_still_exclude_the_ep_overlap(cfg, flag, fragment):
+    """Sync-free or not: a graph holding the all-to-all would swallow what the overlap hides."""
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, dispatch_syncs_host=False, overlap_moe_expert_parallel_comm=True)
+    assert info.value.flag == flag and fragment in str(info.value)
+
+
+def test_full_iteration_with_the_ep_overlap_is_valid_with_a_sync_free_dispatch():
+    validate(Cfg(impl="full_iteration"), overlap_moe_expert_parallel_comm=True,
+             dispatch_syncs_host=False, implemented_impls=IMPLEMENTED_IMPLS)
 
 
 def test_dense_only_model_may_graph_whole_layers():

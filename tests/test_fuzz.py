@@ -56,7 +56,10 @@ def _names_a_flag(message: str) -> bool:
 def test_config_fuzz_accepts_or_refuses_in_one_line_naming_a_flag(cases):
     counts = Counter(status for _, _, status, _ in cases)
     assert counts["ok"] + counts["refused"] == CASES
-    assert counts["ok"] >= 40 and counts["refused"] >= 150, counts  # both sides exercised
+    # both sides exercised; the draws shift with every flag the CLI gains (the four capacity
+    # flags took this seed from 44 accepted to 38), and the runs below sample 2 x RUN_SAMPLE
+    # small accepted cases out of them
+    assert counts["ok"] >= 30 and counts["refused"] >= 150, counts
     bad = [(argv, msg) for argv, _, status, msg in cases
            if status == "refused" and not _names_a_flag(msg)]
     assert not bad, bad[:5]

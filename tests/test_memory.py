@@ -63,6 +63,26 @@ def test_overlap_and_optimizer_state_are_counted():
     assert seq.states == no_adam.states * 16 // 8  # fp32: 4 weight + 4 grad + 8 AdamW vs 8
 
 
+def test_fixed_dispatch_buffers_are_counted():
+    """Padding to capacity and the dispatch budget move more rows than tokens x topk; a
+    capacity without padding, or a budget below the balanced share, does not (balanced)."""
+    base = ["--preset", "small", "--expert-model-parallel-size", "4"]
+
+    def moe_rows(extra):
+        cfg = parse_config(base + extra)
+        return memory.dispatch_rows_per_token(cfg), estimate_memory(cfg, 4).activations
+    topk = parse_config(base).moe.moe_router_topk
+    dropless = moe_rows([])
+    assert dropless[0] == topk
+    assert moe_rows(["--moe-expert-capacity-factor", "1"]) == dropless
+    assert moe_rows(["--moe-dispatch-budget", "0.5"]) == dropless  # reruns at 1.0 when balanced
+    for extra, rows in ((["--moe-expert-capacity-factor", "2",
+                          "--moe-pad-expert-input-to-capacity"], 2 * topk),
+                        (["--moe-dispatch-budget", "1.5"], 1.5 * topk)):
+        padded = moe_rows(extra)
+        assert padded[0] == rows and padded[1] > dropless[1], extra
+
+
 def test_mem_available_is_read_from_meminfo(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   20000000 kB\n")

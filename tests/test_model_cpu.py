@@ -154,6 +154,22 @@ def test_grouped_gemm_matches_a_loop_including_empty_experts(counts):
     assert torch.allclose(weight.grad, w_ref.grad, atol=1e-5)
 
 
+@pytest.mark.parametrize("width_in, width_out", [(16, 1), (1, 16), (3, 8), (16, 8)])
+def test_grouped_gemm_runs_any_expert_width_forward_and_backward(width_in, width_out):
+    """torch's CPU `_grouped_mm` refuses a leading dimension that is not a multiple of 16 bytes
+    (a width-1 operand has two unit strides: --moe-ffn-hidden-size 1, found by the fuzz); the
+    loop runs there instead, forward and both grads."""
+    counts = [3, 0, 5]
+    x = torch.randn(sum(counts), width_in, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(3, width_in, width_out))
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    out = grouped_gemm(x, weight, offsets, counts)
+    ref = torch.cat([p @ weight[e] for e, p in enumerate(torch.split(x, counts))])
+    assert torch.allclose(out, ref, atol=1e-5)
+    out.backward(torch.ones_like(out))
+    assert x.grad.shape == x.shape and weight.grad.shape == weight.shape
+
+
 def test_flops_formula_counts_active_experts_only():
     cfg = parse_config(SMALL)
     more_experts = parse_config(SMALL + ["--num-experts", "8"])

@@ -19,6 +19,7 @@ def test_step_records_round_trip_through_an_event_file(tmp_path):
                             peak_mem_gib=None, tflops_per_gpu=0.01)
         if step == 2:
             result.comm_ms, result.exposed_comm_ms, result.overlap_ratio = 4.0, 1.0, 0.75
+            result.dropped_tokens, result.dispatch_reruns = 12, 1
         log.write(result.to_json())
     log.close()
     events = EventAccumulator(str(tmp_path))
@@ -28,6 +29,8 @@ def test_step_records_round_trip_through_an_event_file(tmp_path):
     assert read["lm loss"] == [(1, 5.0), (2, 2.5)]
     assert read["tokens-per-sec"] == [(1, 4000.0), (2, 4000.0)]
     assert read["comm/exposed-comm-ms"] == [(2, 1.0)]
+    assert read["moe/dropped-tokens"] == [(2, 12.0)]
+    assert read["moe/dispatch-reruns"] == [(2, 1.0)]
     assert set(read) == set(SCALAR_TAGS.values())
 
 

@@ -1,16 +1,21 @@
-"""Host cost of a training step, eager vs partial CUDA graphs (one GPU; the step is host-bound).
+"""Host cost of a training step, eager vs CUDA graphs (one GPU; the step is host-bound).
 
-    python tools/bench_host.py [--iters 20] [--out FILE.json] [--shape small|bench]
+    python tools/bench_host.py [--iters 20] [--out FILE.json] [--shape small] [--sync-free]
 
-For each mode (eager, graphed: `--cuda-graph-impl local --cuda-graph-modules attn moe_router
-moe_preprocess`) it builds a fresh trainer on one GPU (EP=1, sequential plan), runs the warmup
-steps (the graphed mode records in the last one and captures), then times --iters forward +
+For each mode it builds a fresh trainer on one GPU (EP=1, sequential plan), runs the warmup
+steps (a graphed mode records in the last one and captures), then times --iters forward +
 backward passes of all microbatches: the CPU time of the whole process (every thread: the
 Python thread and autograd's) and the wall time, each as a median per step, and per layer and
 microbatch (divided by layers x microbatches). A small model keeps the GPU ahead of the host,
 so the figures are what the host spends issuing the work. Prints a markdown table last.
 
-Eager mode also gets a per-node table: the host wall time of each node action (forward F,
+Modes: eager and graphed (`--cuda-graph-impl local --cuda-graph-modules attn moe_router
+moe_preprocess`) with the dropless dispatch; with --sync-free also, over the budget dispatch
+(`--moe-dispatch-budget 1.0`, which one GPU never overflows): eager, the same partial graphs,
+whole-layer graphs (`--cuda-graph-impl local`, the MoE layer as one graphed node) and one
+full-iteration graph; and over the padded capacity (factor 1.0): eager and full-iteration.
+
+The eager mode (dropless) also gets a per-node table: the host wall time of each node action (forward F,
 backward B) as the executor issues it (median over the timed steps, summed over layers and
 microbatches, and per call), and, from one step under torch.profiler, the CUDA kernel launches
 per step, so host time per launch = host CPU per step / launches.
@@ -46,19 +51,28 @@ COMMON = ["--bf16", "--mock-data", "--skip-optimizer-step", "--log-interval", "1
           "--train-iters", "1000", "--moe-aux-loss-coeff", "0.01"]
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",
           "moe_preprocess"]
+BUDGET = ["--moe-dispatch-budget", "1.0"]
+MODES = {"eager": [], "graphed": GRAPHS}
+PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+SYNC_FREE_MODES = {"budget_eager": BUDGET, "budget_partial": BUDGET + GRAPHS,
+                   "budget_layer": BUDGET + ["--cuda-graph-impl", "local"],
+                   "budget_full": BUDGET + ["--cuda-graph-impl", "full_iteration"],
+                   "padded_eager": PADDED,
+                   "padded_full": PADDED + ["--cuda-graph-impl", "full_iteration"]}
 
 
-def measure(groups, argv, iters: int, warmup: int) -> dict:
+def measure(groups, argv, iters: int, warmup: int, per_node: bool = False) -> dict:
     trainer = Trainer(parse_config(argv), groups, log=lambda msg: None)
     try:
         inputs = trainer.microbatches(1)
+        bank = trainer.graphs.banks.active if trainer.graphs is not None else None
         for i in range(warmup):
-            if trainer.graphs is not None:
-                trainer.graphs.recording = i == warmup - 1
+            if bank is not None:
+                bank.recording = i == warmup - 1
             trainer.run_microbatches(1, inputs)
-        if trainer.graphs is not None:
-            trainer.graphs.recording = False
-            trainer.graphs.capture(trainer.plan)
+        if bank is not None:
+            bank.recording = False
+            bank.capture(trainer.plan)
         cpu, wall = [], []
         for _ in range(iters):
             torch.cuda.synchronize()
@@ -71,8 +85,8 @@ def measure(groups, argv, iters: int, warmup: int) -> dict:
         cells = trainer.cfg.model.num_layers * trainer.cfg.train.num_microbatches
         row = {"cpu_ms": statistics.median(cpu) * 1e3, "wall_ms": statistics.median(wall) * 1e3,
                "cpu_ms_per_layer_mb": statistics.median(cpu) * 1e3 / cells,
-               "graphs": trainer.graphs.graph_count() if trainer.graphs else 0}
-        if trainer.graphs is None:
+               "graphs": bank.graph_count() if bank is not None else 0}
+        if trainer.graphs is None and per_node:
             row["nodes"] = per_node_host_ms(trainer, inputs, iters)
             row["launches_per_step"] = kernel_launches(trainer, inputs)
             row["host_us_per_launch"] = row["cpu_ms"] * 1e3 / max(row["launches_per_step"], 1)
@@ -129,18 +143,23 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--sync-free", action="store_true",
+                        help="also the budget dispatch: eager, partial, whole-layer and "
+                             "full-iteration graphs")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_host: needs a CUDA device (it measures CUDA graphs against eager)")
         return 2
     base = SHAPES[args.shape] + COMMON
-    probe = parse_config(base + GRAPHS)
-    validate_config(probe, 1, True)
-    setup_environment(probe, print)
+    modes = {**MODES, **(SYNC_FREE_MODES if args.sync_free else {})}
+    for extra in modes.values():
+        validate_config(parse_config(base + extra), 1, True)
+    setup_environment(parse_config(base + GRAPHS), print)
     groups = init_distributed(1, "cuda")
     try:
-        rows = {mode: measure(groups, base + extra, args.iters, args.warmup)
-                for mode, extra in (("eager", []), ("graphed", GRAPHS))}
+        rows = {mode: measure(groups, base + extra, args.iters, args.warmup,
+                              per_node=mode == "eager")
+                for mode, extra in modes.items()}
     finally:
         destroy_distributed(groups)
     ratio = rows["eager"]["cpu_ms"] / rows["graphed"]["cpu_ms"]
@@ -160,6 +179,11 @@ def main(argv=None) -> int:
     print("\n| eager node action | host ms/step | host us per call |\n| --- | --- | --- |")
     for key, (ms, us) in eager["nodes"].items():
         print(f"| {key} | {ms:.2f} | {us:.0f} |")
+    for mode in SYNC_FREE_MODES if args.sync_free else ():
+        reference = mode.split("_")[0] + "_eager"
+        print(f"{reference} / {mode}: host CPU time "
+              f"{rows[reference]['cpu_ms'] / rows[mode]['cpu_ms']:.2f}x, wall "
+              f"{rows[reference]['wall_ms'] / rows[mode]['wall_ms']:.2f}x")
     return 0
 
 

@@ -93,6 +93,9 @@ MODES = {"seq": [], "ovl": OVERLAP, "ovl_wgrad": OVERLAP + ["--delay-wgrad-compu
          "comp": OVERLAP + ["--comm-mode", "local_copy"]}
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",
           "moe_preprocess"]
+# --sync-free: the budget dispatch eager, and under one full-iteration graph
+BUDGET = ["--moe-dispatch-budget", "1.25"]
+FULL_ITERATION = ["--cuda-graph-impl", "full_iteration"]
 
 
 def _sync(device) -> float:
@@ -119,21 +122,21 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
     try:
         inputs = trainer.microbatches(1)
         static = _memory(device)
+        bank = trainer.graphs.banks.active if trainer.graphs is not None else None
         for i in range(args.warmup):
-            if trainer.graphs is not None:
-                trainer.graphs.recording = i == args.warmup - 1  # the last one records
+            if bank is not None:
+                bank.recording = i == args.warmup - 1  # the last one records
             trainer.run_microbatches(1, inputs)
             trainer.grads.reduce()
         graph_info = {}
-        if trainer.graphs is not None:
-            trainer.graphs.recording = False
-            trainer.graphs.capture(trainer.plan)
-            graph_info = {"graphs": trainer.graphs.graph_count(),
-                          "capture_s": trainer.graphs.capture_seconds,
-                          "graph_gib": trainer.graphs.pool_bytes / 2**30}
+        if bank is not None:
+            bank.recording = False
+            bank.capture(trainer.plan)
+            graph_info = {"graphs": bank.graph_count(), "capture_s": bank.capture_seconds,
+                          "graph_gib": bank.pool_bytes / 2**30}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        fb, full = [], []
+        fb, full, overflows = [], [], 0
         for _ in range(args.iters):
             dist.barrier()
             start = _sync(device)
@@ -142,6 +145,7 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
             trainer.grads.reduce()
             full.append(_sync(device) - start)
             fb.append(mid - start)
+            overflows += trainer.budget is not None and trainer.overflow_level() is not None
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
         reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0
         result = {"fb_ms": _max_over_ranks(statistics.median(fb) * 1e3),
@@ -149,6 +153,8 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
                   "peak_gib": _max_over_ranks(peak), "static_gib": _max_over_ranks(static),
                   "peak_reserved_gib": _max_over_ranks(reserved),
                   **graph_info}
+        if trainer.budget is not None:  # attempts a training step would have rerun
+            result["overflows"] = overflows
         if profile_dir is not None:
             _profile_steps(trainer, inputs, profile_dir, args)
         if want_trace:
@@ -226,6 +232,10 @@ def bench_shape(name, groups, args, log) -> dict:
     modes = {mode: flags for mode, flags in MODES.items()}
     if args.graphs:
         modes.update({f"{mode}_graph": flags + GRAPHS for mode, flags in MODES.items()})
+    if args.sync_free:
+        for mode in ("seq", "ovl", "ovl_wgrad"):
+            modes[f"{mode}_budget"] = MODES[mode] + BUDGET
+            modes[f"{mode}_full"] = MODES[mode] + BUDGET + FULL_ITERATION
     results = {"shape": name, "flags": base}
     for mode, flags in modes.items():
         profile = (Path(args.out_dir) / "spans" / name / mode
@@ -369,6 +379,10 @@ def main(argv=None) -> int:
                         help="also write a torch.profiler trace of each profiled step")
     parser.add_argument("--graphs", action="store_true",
                         help="also run every mode with partial CUDA graphs (GPU only)")
+    parser.add_argument("--sync-free", action="store_true",
+                        help="also run seq, ovl and ovl_wgrad with the budget dispatch "
+                             "(--moe-dispatch-budget 1.25), eager and as one full-iteration "
+                             "graph (GPU only); the budget's overflows are counted")
     args = parser.parse_args(argv)
     args.profile_shapes = [s for s in args.profile_shapes.split(",") if s]
     shapes = [s for s in args.shapes.split(",") if s]
@@ -376,7 +390,7 @@ def main(argv=None) -> int:
     if unknown:
         print(f"bench_overlap: unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
         return 2
-    if args.graphs and not torch.cuda.is_available():
+    if (args.graphs or args.sync_free) and not torch.cuda.is_available():
         print("bench_overlap: --graphs needs a CUDA device (CUDA graphs); none is visible here")
         return 2
     world = int(os.environ.get("WORLD_SIZE", "1"))

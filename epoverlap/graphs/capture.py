@@ -9,7 +9,10 @@ range's forward graph, backward its backward graph, and with delayed wgrad the b
 the replay of its weight-grad graph to the plan's W action).
 
 What a range is: a maximal run of consecutive `Segment`s of one node whose names are in
-`--cuda-graph-modules` (attn, moe_router, moe_preprocess on MoE layers; attn, mlp on dense ones).
+`--cuda-graph-modules` (attn, moe_router, moe_preprocess on MoE layers; attn, mlp on dense ones;
+`moe` or the whole layer: the one-node MoE layer's segments through the dispatch, the experts
+and the combine, which a sync-free dispatch (`DispatchMode.dispatch_syncs_host` False) allows:
+the all-to-alls then have static sizes and run inside the graph).
 
 Memory (the rules of `torch.cuda.graph` pools, and how they are kept):
   * One graph per (range, microbatch, phase), all in one private pool, captured in the order
@@ -189,7 +192,8 @@ class RangeGraphs:
                                              self.signature.inputs[name], value))
             if value.data_ptr() != static.data_ptr():
                 static.copy_(value)
-        self.forward_graph.replay()
+        with self.context.replay_watch():
+            self.forward_graph.replay()
         return [buf.detach() for buf in self.slot.outputs.values()]
 
     def replay_backward(self, grads: dict, where: str) -> list[Optional[torch.Tensor]]:
@@ -202,7 +206,8 @@ class RangeGraphs:
                 raise RuntimeError(_mismatch(where, "output grad", name,
                                              self.signature.outputs[name], grad))
             static.copy_(grad)
-        self.backward_graph.replay()
+        with self.context.replay_watch():
+            self.backward_graph.replay()
         if self.wgrad_graph is not None and not self.context.queue.defer(self.wgrad_graph.replay):
             self.wgrad_graph.replay()
         return [self.slot.input_grads[n].detach() if self.input_has_grad.get(n) else None
@@ -278,6 +283,8 @@ class CaptureContext:
     generators: tuple = ()
     check_inputs: bool = False
     backend: object = None  # CudaGraphBackend (tests: an emulation with the same methods)
+    # wraps each forward/backward replay: the EP group's watch when graphs hold the dispatch
+    replay_watch: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def capture(self, body: Callable[[], None], draws_random: bool = False):
         """A graph of `body`; generators that body may draw from are registered with it."""
@@ -289,9 +296,11 @@ class GraphRunner:
 
     def __init__(self, specs: Sequence[NodeSpec], graphed_modules: set, *,
                  device: torch.device, queue, generators: Sequence[torch.Generator] = (),
-                 check_inputs: bool = False, backend_factory=CudaGraphBackend):
+                 check_inputs: bool = False, backend_factory=CudaGraphBackend,
+                 replay_watch: Callable[[], contextlib.AbstractContextManager]
+                 = contextlib.nullcontext):
         self.context = CaptureContext(device=device, queue=queue, generators=tuple(generators),
-                                      check_inputs=check_inputs)
+                                      check_inputs=check_inputs, replay_watch=replay_watch)
         self.backend_factory = backend_factory
         self.ranges = {spec.key: graphed_ranges(spec.segments, graphed_modules)
                        for spec in specs if spec.segments}
@@ -470,7 +479,26 @@ def _range_outputs(segments: Sequence[Segment], start: int, end: int,
     return tuple(n for n in _produced(segments[start:end]) if n in later)
 
 
+# --cuda-graph-modules name -> the segments it graphs (`moe`: the one-node MoE layer's
+# segments from the router to the combine; see epoverlap.model.transformer)
+MODULE_SEGMENTS = {
+    "attn": ("attn",),
+    "mlp": ("mlp",),
+    "moe_router": ("moe_router",),
+    "moe_preprocess": ("moe_preprocess",),
+    "moe": ("moe_router", "moe_preprocess", "moe_dispatch", "moe_experts", "moe_combine"),
+}
+
+
 def graphed_modules(modules: Sequence[str]) -> set:
-    """Segment names to graph: the listed modules, or every per-layer region when the list is
-    empty (the whole layer; validation allows that only where no layer holds an all-to-all)."""
-    return set(modules) if modules else {"attn", "mlp", "moe_router", "moe_preprocess"}
+    """Segment names to graph: those of the listed modules, or of every module when the list
+    is empty (the whole layer; validation allows that for MoE layers only with a sync-free
+    dispatch and no EP overlap, and then the MoE layer is one node)."""
+    return {segment for module in (modules or MODULE_SEGMENTS)
+            for segment in MODULE_SEGMENTS[module]}
+
+
+def graphs_span_moe_layer(impl: str, modules: Sequence[str]) -> bool:
+    """True when per-layer graphs reach past the dispatch (`moe` or the whole layer): the
+    model must then expose each MoE layer as one node (`one_node_moe_layers`)."""
+    return impl == "local" and (not modules or "moe" in modules)

@@ -50,8 +50,8 @@ CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 INFERENCE_SCOPES = ("none", "layer", "block")
 
-# Impls epoverlap can capture with (`epoverlap.graphs.capture`); the others are refused.
-IMPLEMENTED_IMPLS = ("none", "local")
+# Impls epoverlap can capture with (`epoverlap.graphs`); the others are refused.
+IMPLEMENTED_IMPLS = ("none", "local", "full_iteration")
 # Impls that capture per-layer regions (the ones that read `modules`).
 PER_LAYER_IMPLS = ("local", "transformer_engine")
 # The regions that stay clear of the all-to-all when the EP overlap splits the MoE layer.
@@ -377,11 +377,12 @@ def _moe_excludes_moe_router(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
                           "moe_router (its first part) are mutually exclusive: list one")
 
 
-def _ep_overlap_excludes_full_iteration(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if facts.overlap_moe_expert_parallel_comm and cfg.impl == "full_iteration":
-        raise ConfigError("--cuda-graph-impl", cfg.impl, "with the EP all-to-all overlap "
-                          "(overlap_moe_expert_parallel_comm) use local or transformer_engine with "
-                          f"--cuda-graph-modules from: {' '.join(EP_OVERLAP_MODULES)}")
+def _full_iteration_needs_sync_free_dispatch(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
+    if cfg.impl == "full_iteration" and facts.has_moe_layers and facts.dispatch_syncs_host:
+        raise ConfigError("--cuda-graph-impl", cfg.impl, "one graph over the iteration would "
+                          "hold the all-to-alls, whose split sizes this dispatch reads on the "
+                          "host; use a sync-free dispatch: --moe-dispatch-budget FACTOR, or "
+                          "--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity")
 
 
 def _ep_overlap_needs_partial_graphs(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
@@ -402,8 +403,9 @@ def _ep_overlap_allows_pre_dispatch_modules(cfg: CudaGraphConfig, facts: _ModelF
 def _host_syncing_preprocess_stays_eager(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
     if cfg.impl == "none" or not facts.has_moe_layers or not facts.preprocess_syncs_host:
         return
-    why = ("the dispatcher copies device-to-host in preprocess (capacity/padding), which cannot be "
-           "captured; graph up to moe_router (e.g. attn moe_router) or use a sync-free dispatch")
+    why = ("the torch reference permute copies device-to-host in preprocess (and the unpermute "
+           "in combine), which cannot be captured; use --kernel-backend triton, or graph up to "
+           "moe_router (e.g. attn moe_router)")
     if cfg.impl == "full_iteration":
         raise ConfigError("--cuda-graph-impl", cfg.impl, why)
     if not cfg.modules or set(cfg.modules) & set(MODULES_WITH_MOE_PREPROCESS):
@@ -415,8 +417,10 @@ def _whole_moe_layer_needs_sync_free_dispatch(cfg: CudaGraphConfig, facts: _Mode
         return
     if not cfg.modules or "moe" in cfg.modules:
         raise ConfigError("--cuda-graph-modules", cfg.modules, "a graph of the whole MoE layer "
-                          "would hold the dropless all-to-all, whose split sizes are read on the "
-                          "host; list the pre-dispatch regions: attn moe_router moe_preprocess")
+                          "would hold the all-to-all, whose split sizes this dispatch reads on "
+                          "the host; list the pre-dispatch regions (attn moe_router "
+                          "moe_preprocess) or use a sync-free dispatch: --moe-dispatch-budget, or "
+                          "--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity")
 
 
 def _graphs_need_cuda(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
@@ -447,7 +451,7 @@ VALIDATION_RULES = (
     _modules_exist_in_model,
     _moe_preprocess_needs_moe_router,
     _moe_excludes_moe_router,
-    _ep_overlap_excludes_full_iteration,
+    _full_iteration_needs_sync_free_dispatch,
     _ep_overlap_needs_partial_graphs,
     _ep_overlap_allows_pre_dispatch_modules,
     _host_syncing_preprocess_stays_eager,

@@ -10,10 +10,15 @@ Shape legend: N rows (tokens), I input features, O output features, E local expe
 
 Grouped GEMM: rows are sorted by expert; `offsets_E` (int32, device) holds the cumulative row
 end of each expert. `torch._grouped_mm` is used where it runs (CUDA, or CPU for aligned
-shapes); otherwise a loop of matmuls over the host-side `counts` (a correct fallback).
+shapes); otherwise a loop of matmuls over the host-side `counts` (a correct fallback). Counts
+None: only the device knows them (the budget dispatch) and rows past the last offset are
+padding, which `torch._grouped_mm` leaves unwritten; the fallback then reads the offsets on the
+host (it runs only where `_grouped_mm` does not, never on CUDA) and writes zeros there.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -63,12 +68,33 @@ def _grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.is_cuda:
         return True
-    # torch's CPU kernel needs every non-unit stride of both operands (and of the output, whose
-    # last dim is b's) to be a multiple of 16 bytes; a transposed operand carries its row
-    # width as a stride (the weight grad's x^T: a fuzzed --moe-ffn-hidden-size 3 found this).
-    elem = a.element_size()
-    strides = [s for t in (a, b) for s in t.stride() if s != 1] + [b.shape[-1]]
-    return all((s * elem) % 16 == 0 for s in strides) and a.dtype == torch.float32
+    # torch's CPU kernel needs each operand's leading dimension (the stride of its last two
+    # dims that is not the unit one) to be a multiple of 16 bytes; a transposed operand carries
+    # its row width there (the weight grad's x^T: a fuzzed --moe-ffn-hidden-size 3 found
+    # this), and a width-1 operand has two unit strides (--moe-ffn-hidden-size 1). The output's
+    # row width (b's last dim) is asked aligned too, as before: where torch would also run
+    # without it, the loop stays the path taken, so results keep their bits.
+    return (_leading_dim_aligned(a) and _leading_dim_aligned(b)
+            and (b.shape[-1] * a.element_size()) % 16 == 0 and a.dtype == torch.float32)
+
+
+def _leading_dim_aligned(t: torch.Tensor) -> bool:
+    """The last two dims are row- or column-major with the leading stride a multiple of 16
+    bytes (torch's `_grouped_mm` stride check, mirrored so the fallback runs instead)."""
+    align = 16 // t.element_size()
+    row_stride, col_stride = t.stride()[-2], t.stride()[-1]
+    rows, cols = t.shape[-2], t.shape[-1]
+    if col_stride == 1 and row_stride >= max(1, cols):
+        return row_stride % align == 0
+    if row_stride == 1 and col_stride >= max(1, rows):
+        return col_stride % align == 0
+    return False
+
+
+def _host_counts(offsets_E: torch.Tensor, num_rows: int) -> list[int]:
+    """Per-group rows from the device offsets, plus a last entry: the padding rows (a sync)."""
+    ends = offsets_E.tolist()
+    return [end - start for start, end in zip([0] + ends, ends)] + [num_rows - ends[-1]]
 
 
 def _mm_grouped(a_NI, b_EIO, offsets_E, counts):
@@ -77,8 +103,10 @@ def _mm_grouped(a_NI, b_EIO, offsets_E, counts):
         return a_NI.new_empty((0, b_EIO.shape[-1]))
     if _grouped_mm_runs(a_NI, b_EIO):
         return torch._grouped_mm(a_NI, b_EIO, offs=offsets_E)
-    pieces = torch.split(a_NI, counts)
-    return torch.cat([p @ b_EIO[e] for e, p in enumerate(pieces)], dim=0)
+    sizes = _host_counts(offsets_E, a_NI.shape[0]) if counts is None else list(counts) + [0]
+    pieces = torch.split(a_NI, sizes)
+    outs = [p @ b_EIO[e] for e, p in enumerate(pieces[:-1])]
+    return torch.cat(outs + [a_NI.new_zeros((sizes[-1], b_EIO.shape[-1]))], dim=0)
 
 
 def _mm_weight_grad(x_NI, grad_NO, offsets_E, counts, num_experts):
@@ -86,6 +114,8 @@ def _mm_weight_grad(x_NI, grad_NO, offsets_E, counts, num_experts):
     x_IN = x_NI.t()
     if _grouped_mm_runs(x_IN, grad_NO) and x_NI.shape[0] > 0:
         return torch._grouped_mm(x_IN, grad_NO, offs=offsets_E)
+    if counts is None:
+        counts = _host_counts(offsets_E, x_NI.shape[0])
     xs, gs = torch.split(x_NI, counts), torch.split(grad_NO, counts)
     out = x_NI.new_zeros((num_experts, x_NI.shape[1], grad_NO.shape[1]))
     for e in range(num_experts):
@@ -116,8 +146,9 @@ class _GroupedGemm(torch.autograd.Function):
 
 
 def grouped_gemm(x_NI: torch.Tensor, weight_EIO: torch.nn.Parameter, offsets_E: torch.Tensor,
-                 counts: list[int], queue=None) -> torch.Tensor:
-    """Rows of expert e (counts[e] of them, in order) times weight[e]; deferrable weight grad."""
+                 counts: Optional[list[int]], queue=None) -> torch.Tensor:
+    """Rows of expert e (counts[e] of them, in order) times weight[e]; deferrable weight grad.
+    counts None: see the module docstring (device-only counts, padding rows at the end)."""
     return _GroupedGemm.apply(x_NI, weight_EIO, offsets_E, counts, queue)
 
 

@@ -1,9 +1,28 @@
-"""The MoE layer's pieces: router, dropless all-to-all dispatcher, grouped SwiGLU experts.
+"""The MoE layer's pieces: router, all-to-all dispatcher, grouped SwiGLU experts.
 
-Owns `Router` (gate, score function, top-k, aux losses, expert bias and its per-step update),
-`AllToAllDispatcher` (preprocess, dispatch, sort-by-expert, unsort, combine: the steps the
-scheduler runs as separate nodes), `GroupedSwiGLUExperts` and `SwiGLU` (dense / shared MLP).
-The routing ops come from an `MoEOps` table chosen once by config (torch or Triton).
+Owns `Router` (gate, score function, top-k, aux losses, capacity, expert bias and its per-step
+update), `DispatchMode` (how the all-to-alls are sized, from the config), `DispatchBudget` (the
+sync-free dropless mode's buffer size and overflow record), `AllToAllDispatcher` (preprocess,
+dispatch, sort-by-expert, unsort, combine: the steps the scheduler runs as separate nodes),
+`GroupedSwiGLUExperts` and `SwiGLU` (dense / shared MLP). The routing ops come from an `MoEOps`
+table chosen once by config (torch or Triton).
+
+Dispatch modes (`DispatchMode.name`), and whether the host reads the device in the dispatch:
+  dropless         each rank sends what it routed; split sizes read on the host before the
+                   all-to-all (one sync per layer and microbatch).
+  capacity         Megatron-core's --moe-expert-capacity-factor: the router drops routed
+                   (token, expert) pairs beyond an expert's capacity (counted, `step_dropped`);
+                   the split sizes are still data dependent: read on the host.
+  capacity_padded  + --moe-pad-expert-input-to-capacity: every expert gets exactly `capacity`
+                   rows from every rank (unrouted tokens with prob 0 fill the gap), so every
+                   split size is known from shapes: no host read.
+  budget           --moe-dispatch-budget: dropless, but every rank sends every rank one chunk of
+                   a fixed size (`DispatchBudget`): equal splits, counts kept on the device; a
+                   dispatch whose rows for one rank exceed the chunk is recorded on the device
+                   (`DispatchBudget.demand_rows`) and the trainer reruns the step at a larger
+                   budget: no token is ever silently dropped, no host read inside the step.
+The preprocess never reads the host in any mode (its row count is static: tokens x topk, or
+experts x capacity padded); only the torch reference permute does (`preprocess_syncs_host`).
 
 Probabilities are applied inside the expert activation (h = silu(gate) * up * prob, in fp32),
 so the combine's unpermute sums rows without merging probs.
@@ -14,16 +33,18 @@ N = T * topk permuted rows, M rows received by this rank, F expert FFN width.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from epoverlap_kernels import MoEOps
-from epoverlap_kernels.router_topk import aux_loss_scores
+from epoverlap_kernels.capacity import apply_router_token_dropping, dropped_pairs, get_capacity
+from epoverlap_kernels.router_topk import aux_loss_scores, expert_token_counts
 
 from epoverlap.parallel.comm import ExpertComm, all_to_all
 from epoverlap.config import MoEConfig
@@ -68,6 +89,116 @@ def switch_aux_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, topk: int,
     return torch.sum(scores_TE.sum(dim=0) * counts_E.to(scores_TE.dtype)) * scale
 
 
+@dataclass(frozen=True)
+class DispatchMode:
+    """How the dispatcher sizes its all-to-alls (see the module docstring), from the config."""
+
+    capacity_factor: Optional[float] = None
+    pad_to_capacity: bool = False
+    drop_policy: str = "probs"
+    budget: Optional[float] = None
+
+    @classmethod
+    def of(cls, moe: MoEConfig) -> "DispatchMode":
+        return cls(capacity_factor=moe.capacity_factor,
+                   pad_to_capacity=moe.moe_pad_expert_input_to_capacity,
+                   drop_policy=moe.moe_token_drop_policy, budget=moe.moe_dispatch_budget)
+
+    @property
+    def name(self) -> str:
+        if self.budget is not None:
+            return "budget"
+        if self.capacity_factor is None:
+            return "dropless"
+        return "capacity_padded" if self.pad_to_capacity else "capacity"
+
+    @property
+    def drops_tokens(self) -> bool:
+        return self.capacity_factor is not None
+
+    @property
+    def dispatch_syncs_host(self) -> bool:
+        """True when the dispatch reads split sizes on the host (not capturable in a graph)."""
+        return self.name in ("dropless", "capacity")
+
+    def expert_rows(self, tokens: int, topk: int, num_experts: int, ranks: int) -> int:
+        """Rows a rank's dispatch sends (and, routing balanced, its experts compute) for a
+        microbatch of `tokens` tokens: tokens x topk (dropless, capacity: at most that),
+        experts x capacity padded, with the budget ranks x chunk at the first budget level
+        that holds balanced routing (>= 1; an imbalanced step reruns larger, up to `ranks`)."""
+        rows = tokens * topk
+        if self.budget is not None:
+            level = next(b for b in budget_levels(self.budget, ranks) if b >= 1)
+            return ranks * budget_chunk_rows(level, rows, ranks)
+        if self.pad_to_capacity:
+            return padded_rows(tokens, topk, num_experts, self.capacity_factor)
+        return rows
+
+    @staticmethod
+    def preprocess_syncs_host(kernel_backend: str) -> bool:
+        """No mode reads the host in preprocess; the torch reference permute does (its backward
+        sizes a gather by the most rows any token has), the Triton one does not."""
+        return kernel_backend == "torch"
+
+
+def padded_rows(tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """Permuted rows with --moe-pad-expert-input-to-capacity: every expert's capacity."""
+    return num_experts * get_capacity(tokens * topk, num_experts, capacity_factor)
+
+
+def budget_chunk_rows(budget: float, rows: int, ranks: int) -> int:
+    """Rows per destination rank at a budget: ceil(budget x rows / ranks), at most `rows`."""
+    return min(rows, math.ceil(budget * rows / ranks))
+
+
+def budget_levels(factor: float, ranks: int) -> tuple[float, ...]:
+    """The budgets a rerun may use: factor, 2 x factor, ... up to `ranks` (whose chunk holds
+    every row a rank routes, so it can never overflow)."""
+    levels = [factor]
+    while levels[-1] < ranks:
+        levels.append(min(levels[-1] * 2, float(ranks)))
+    return tuple(levels)
+
+
+class DispatchBudget:
+    """The buffer size of the sync-free dropless dispatch, shared by every MoE layer of a model.
+
+    Each rank sends every EP rank one chunk of `chunk_rows` rows: ceil(factor x N / ranks), at
+    most N, where N = tokens x topk of a microbatch (factor 1.0 = the balanced share). A
+    dispatch that routes more than a chunk's rows to one rank sends only the first chunk of them
+    and raises `demand_rows` (a device scalar: the most rows any dispatch of the step wanted to
+    send to one rank); after the step the trainer all-reduces it and, if it exceeds the chunk,
+    reruns the step at `level_for(demand)`, the smallest of `levels` whose chunk holds it.
+    """
+
+    def __init__(self, factor: float, ranks: int, rows_per_dispatch: int,
+                 device: torch.device):
+        self.ranks, self.rows = ranks, rows_per_dispatch
+        self.levels = budget_levels(factor, ranks)
+        self.level = 0
+        self.demand_rows = torch.zeros((), dtype=torch.int64, device=device)
+
+    @property
+    def factor(self) -> float:
+        return self.levels[self.level]
+
+    def chunk_rows_at(self, level: int) -> int:
+        return budget_chunk_rows(self.levels[level], self.rows, self.ranks)
+
+    @property
+    def chunk_rows(self) -> int:
+        return self.chunk_rows_at(self.level)
+
+    def note(self, send_R: torch.Tensor) -> None:
+        """Record on the device the most rows this dispatch routes to one rank (no sync)."""
+        torch.maximum(self.demand_rows, send_R.max(), out=self.demand_rows)
+
+    def level_for(self, demand_rows: int) -> int:
+        """The smallest level whose chunk holds `demand_rows` rows."""
+        return next(level for level in range(len(self.levels))
+                    if self.chunk_rows_at(level) >= demand_rows)
+
+
 class Router(nn.Module):
     """Gate linear + score function + top-k, with Switch aux loss, z-loss and expert bias.
 
@@ -75,7 +206,8 @@ class Router(nn.Module):
     its grad also carries the aux-loss terms, so deferring it would move no real work.
 
     State a checkpoint keeps: `expert_bias` and `balancing_rng` (the generator of
-    --moe-router-force-load-balancing). `step_counts` / `step_aux_loss` are per-step scratch.
+    --moe-router-force-load-balancing). `step_counts` / `step_aux_loss` / `step_dropped` are
+    per-step scratch.
 
     Test seam (no flag): `logit_bias`, when set, is called with the gate logits [T, E] and
     returns a bias [T, E] added to them; the routing fuzz test forces adversarial routings with
@@ -87,6 +219,7 @@ class Router(nn.Module):
                  std: float, dtype: torch.dtype, device: torch.device, aux_loss_scale: float):
         super().__init__()
         num_experts = moe.num_experts
+        self.mode = DispatchMode.of(moe)
         gate_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(moe.moe_router_dtype,
                                                                          dtype)
         self.moe, self.ops, self.layer = moe, ops, layer
@@ -100,6 +233,7 @@ class Router(nn.Module):
         self.register_buffer("step_counts", torch.zeros(num_experts, dtype=torch.int64,
                                                         device=device))
         self.register_buffer("step_aux_loss", torch.zeros((), device=device))
+        self.register_buffer("step_dropped", torch.zeros((), dtype=torch.int64, device=device))
         self.balancing_rng: Optional[torch.Generator] = None
         if moe.moe_router_force_load_balancing and torch.device(device).type != "meta":
             self.balancing_rng = torch.Generator(device=device)
@@ -122,7 +256,8 @@ class Router(nn.Module):
         return logits_TE
 
     def forward(self, x_TH: torch.Tensor):
-        """x [T, H] -> probs [T, E], routing_map [T, E] bool, counts [E] int64."""
+        """x [T, H] -> probs [T, E], routing_map [T, E] bool, counts [E] int64 (after the
+        capacity, if one is set; the aux loss sees the routing before it, as Megatron-core's)."""
         moe = self.moe
         logits_TE = self._logits(x_TH)
         probs_TE, routing_map_TE, counts_E = self.ops.router_topk_with_counts(
@@ -130,13 +265,26 @@ class Router(nn.Module):
             use_pre_softmax=moe.moe_router_pre_softmax, num_groups=moe.moe_router_num_groups,
             group_topk=moe.moe_router_group_topk,
             scaling_factor=moe.moe_router_topk_scaling_factor, expert_bias=self.expert_bias)
+        aux = None
         if moe.moe_aux_loss_coeff > 0:
             scores_TE = aux_loss_scores(logits_TE, moe.moe_router_score_function)
             aux = switch_aux_loss(scores_TE, counts_E, moe.moe_router_topk, moe.moe_aux_loss_coeff)
+        if self.mode.drops_tokens:
+            probs_TE, routing_map_TE, counts_E = self._apply_capacity(probs_TE, routing_map_TE)
+        if aux is not None:
             probs_TE = _AttachAuxLoss.apply(probs_TE, aux, self.aux_loss_scale)
             self.step_aux_loss += aux.detach()
         self.step_counts += counts_E
         return probs_TE, routing_map_TE, counts_E
+
+    def _apply_capacity(self, probs_TE, routing_map_TE):
+        """Megatron-core's token dropping (and padding); counts the dropped pairs on device."""
+        mode = self.mode
+        final_probs_TE, final_map_TE = apply_router_token_dropping(
+            probs_TE, routing_map_TE, self.moe.moe_router_topk, mode.capacity_factor,
+            drop_policy=mode.drop_policy, pad_to_capacity=mode.pad_to_capacity)
+        self.step_dropped += dropped_pairs(routing_map_TE, final_map_TE)
+        return final_probs_TE, final_map_TE, expert_token_counts(final_map_TE)
 
     @torch.no_grad()
     def update_expert_bias(self, global_counts_E: torch.Tensor) -> None:
@@ -150,6 +298,7 @@ class Router(nn.Module):
     def reset_step_stats(self) -> None:
         self.step_counts.zero_()
         self.step_aux_loss.zero_()
+        self.step_dropped.zero_()
 
 
 class SwiGLU(nn.Module):
@@ -188,70 +337,241 @@ class GroupedSwiGLUExperts(nn.Module):
         for p in (self.fc1, self.fc2):
             p.is_expert = True
 
-    def forward(self, x_MH, probs_M, counts_L: torch.Tensor, counts_host: list[int]):
+    def forward(self, x_MH, probs_M, counts_L: torch.Tensor,
+                counts_host: Optional[list[int]]):
+        """Rows sorted by local expert, counts_L [L] on the device. `counts_host` None: only the
+        device knows the counts, and rows past the last expert's are padding (the budget
+        dispatch): the GEMMs leave them unwritten, so they come out as zeros."""
         offsets_L = expert_offsets(counts_L)
         h_M2F = grouped_gemm(x_MH, self.fc1, offsets_L, counts_host, self.queue)
         act_MF = self.ops.swiglu(h_M2F, probs_M)  # probs applied here, in fp32
-        return grouped_gemm(act_MF, self.fc2, offsets_L, counts_host, self.queue)
+        out_MH = grouped_gemm(act_MF, self.fc2, offsets_L, counts_host, self.queue)
+        if counts_host is None:
+            row_M1 = torch.arange(out_MH.shape[0], device=out_MH.device).unsqueeze(1)
+            out_MH = torch.where(row_M1 < offsets_L[-1:], out_MH, out_MH.new_zeros(()))
+        return out_MH
 
 
 @dataclass
 class DispatchMeta:
-    """Host-side split sizes from the one host sync of the dispatch, plus device counts."""
+    """What the steps after the dispatch need. Split sizes are host lists where the mode reads
+    them on the host (dropless, capacity) or knows them from shapes (capacity_padded), None for
+    equal chunks; `recv_counts_RL` is always on the device."""
 
-    input_splits: list[int]  # rows sent to each EP rank
-    output_splits: list[int]  # rows received from each EP rank
+    input_splits: Optional[list[int]]  # rows sent to each EP rank
+    output_splits: Optional[list[int]]  # rows received from each EP rank
     recv_counts_RL: torch.Tensor  # [R, L] device: rows received per (source rank, local expert)
-    tokens_per_local_expert: list[int]  # host, summed over source ranks
+    tokens_per_local_expert: Optional[list[int]]  # host, summed over source ranks; None: device
+    capacity: Optional[int] = None  # capacity_padded: rows per (rank, expert)
+    chunk_rows: Optional[int] = None  # budget: rows per (source rank) chunk
+    send_index: Optional[torch.Tensor] = None  # budget [R*C]: chunk slot -> permuted row or -1
+    return_index: Optional[torch.Tensor] = None  # budget [N]: permuted row -> chunk slot or -1
+
+
+def _pick_rows(src_XH: torch.Tensor, index_Y: torch.Tensor) -> torch.Tensor:
+    """out[y] = src[index[y]], a zero row where index[y] < 0."""
+    picked_YH = src_XH.index_select(0, index_Y.clamp(min=0))
+    return torch.where((index_Y >= 0).unsqueeze(1), picked_YH, picked_YH.new_zeros(()))
+
+
+class _MoveRows(torch.autograd.Function):
+    """Rows moved by an index whose valid entries are one-to-one (`inverse` maps back): the
+    backward is the inverse move, a gather, so every grad is copied, never summed."""
+
+    @staticmethod
+    def forward(ctx, src_XH, index_Y, inverse_X):
+        ctx.save_for_backward(inverse_X)
+        return _pick_rows(src_XH, index_Y)
+
+    @staticmethod
+    def backward(ctx, grad_YH):
+        (inverse_X,) = ctx.saved_tensors
+        return _pick_rows(grad_YH, inverse_X), None, None
+
+
+def move_rows(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """`_MoveRows` for [X, H] rows or [X] values."""
+    if src.dim() == 1:
+        return _MoveRows.apply(src.unsqueeze(1), index, inverse).squeeze(1)
+    return _MoveRows.apply(src, index, inverse)
+
+
+def budget_indices(send_R: torch.Tensor, chunk_rows: int, num_rows: int):
+    """Permuted rows (expert-major, so rank r's rows are one run) <-> fixed chunks of
+    `chunk_rows` slots per rank. -> (send_index [R*C]: slot -> row or -1 (empty),
+    return_index [N]: row -> slot or -1 (cut: the rank's rows overflow the chunk))."""
+    ranks, device = send_R.numel(), send_R.device
+    end_R = torch.cumsum(send_R, 0)
+    start_R = end_R - send_R
+    slot_C = torch.arange(chunk_rows, device=device)
+    send_RC = torch.where(slot_C < send_R.unsqueeze(1), start_R.unsqueeze(1) + slot_C, -1)
+    row_N = torch.arange(num_rows, device=device)
+    rank_N = torch.searchsorted(end_R, row_N, right=True)
+    owned_N = rank_N < ranks
+    rank_N = rank_N.clamp(max=ranks - 1)
+    offset_N = row_N - start_R.index_select(0, rank_N)
+    return_N = torch.where(owned_N & (offset_N < chunk_rows), rank_N * chunk_rows + offset_N, -1)
+    return send_RC.reshape(-1), return_N
+
+
+def kept_counts(recv_RL: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """Rows of each (source rank, local expert) that fit the source's chunk (its first
+    `chunk_rows` rows, in expert order). [R, L] device."""
+    end_RL = torch.cumsum(recv_RL, 1)
+    return end_RL.clamp(max=chunk_rows) - (end_RL - recv_RL).clamp(max=chunk_rows)
 
 
 class AllToAllDispatcher:
-    """Dropless all-to-all token dispatcher, in the steps the scheduler runs as nodes."""
+    """All-to-all token dispatcher in one of the `DispatchMode`s, in the steps the scheduler
+    runs as nodes."""
 
     def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
-                 device: torch.device):
-        self.comm, self.ops, self.topk = comm, ops, topk
+                 device: torch.device, mode: DispatchMode = DispatchMode(),
+                 budget: Optional[DispatchBudget] = None):
+        if (mode.name == "budget") != (budget is not None):
+            raise ValueError(f"dispatch mode {mode.name} with budget {budget}")
+        self.comm, self.ops, self.topk, self.mode, self.budget = comm, ops, topk, mode, budget
+        self.num_experts = num_experts
         self.num_local = num_experts // comm.size
         ranks, local = comm.size, self.num_local
         # chunk order (rank, expert) -> (expert, rank), and back
-        self._to_expert_major = torch.tensor([r * local + e for e in range(local)
-                                              for r in range(ranks)], device=device)
-        self._to_rank_major = torch.tensor([e * ranks + r for r in range(ranks)
-                                            for e in range(local)], device=device)
+        self._to_expert_major = _index([r * local + e for e in range(local)
+                                        for r in range(ranks)], device)
+        self._to_rank_major = _index([e * ranks + r for r in range(ranks)
+                                      for e in range(local)], device)
+        # budget: chunks (rank, expert or padding) -> experts' chunks, then padding; and back
+        with_pad = local + 1
+        self._budget_to_expert_major = _index(
+            [r * with_pad + e for e in range(local) for r in range(ranks)]
+            + [r * with_pad + local for r in range(ranks)], device)
+        self._budget_to_rank_major = _index(
+            [(e * ranks + r) if e < local else local * ranks + r
+             for r in range(ranks) for e in range(with_pad)], device)
+
+    @property
+    def dispatch_syncs_host(self) -> bool:
+        return self.mode.dispatch_syncs_host
+
+    def permuted_rows(self, num_tokens: int) -> int:
+        """Rows of the permuted tokens: experts x capacity padded, else tokens x topk (static:
+        dropped pairs leave rows past the routed count at zero)."""
+        if self.mode.pad_to_capacity:
+            return padded_rows(num_tokens, self.topk, self.num_experts, self.mode.capacity_factor)
+        return num_tokens * self.topk
 
     def preprocess(self, hidden_TH, probs_TE, routing_map_TE):
-        """Permute token copies into expert-major rows (N = T * topk, static)."""
-        num_out = hidden_TH.shape[0] * self.topk
-        return self.ops.permute(hidden_TH, routing_map_TE, probs_TE, num_out_tokens=num_out)
+        """Permute token copies into expert-major rows (a static row count)."""
+        num_out = self.permuted_rows(hidden_TH.shape[0])
+        return self.ops.permute(hidden_TH, routing_map_TE, probs_TE, num_out_tokens=num_out,
+                                drop_and_pad=self.mode.pad_to_capacity)
 
     def dispatch(self, permuted_NH, permuted_probs_N, counts_E):
-        """Exchange split sizes (the one host sync), then all-to-all tokens and probs."""
+        """All-to-all of tokens and probs: (recv_MH, recv_probs_M, DispatchMeta)."""
+        if self.mode.name == "capacity_padded":
+            return self._dispatch_padded(permuted_NH, permuted_probs_N)
+        if self.mode.name == "budget":
+            return self._dispatch_budget(permuted_NH, permuted_probs_N, counts_E)
+        return self._dispatch_host_splits(permuted_NH, permuted_probs_N, counts_E)
+
+    def _dispatch_host_splits(self, permuted_NH, permuted_probs_N, counts_E):
+        """Exchange split sizes and read them on the host (the one host sync), then send."""
         recv_RL = self.comm.exchange_counts(counts_E)
         send_R = counts_E.view(self.comm.size, self.num_local).sum(dim=1)
         host = torch.cat([send_R, recv_RL.sum(dim=1), recv_RL.sum(dim=0)]).tolist()
         ranks = self.comm.size
         meta = DispatchMeta(input_splits=host[:ranks], output_splits=host[ranks:2 * ranks],
                             recv_counts_RL=recv_RL, tokens_per_local_expert=host[2 * ranks:])
+        routed = sum(meta.input_splits)
+        if routed != permuted_NH.shape[0]:  # capacity: the dropped pairs' rows are not sent
+            permuted_NH, permuted_probs_N = permuted_NH[:routed], permuted_probs_N[:routed]
         recv_MH = all_to_all(self.comm, permuted_NH, meta.output_splits, meta.input_splits)
         recv_probs_M = all_to_all(self.comm, permuted_probs_N, meta.output_splits,
                                   meta.input_splits)
+        return recv_MH, recv_probs_M, meta
+
+    def _dispatch_padded(self, permuted_NH, permuted_probs_N):
+        """Every (rank, expert) pair holds `capacity` rows: sizes from shapes, no host read."""
+        ranks, local = self.comm.size, self.num_local
+        capacity = permuted_NH.shape[0] // self.num_experts
+        splits = [local * capacity] * ranks
+        meta = DispatchMeta(input_splits=splits, output_splits=splits,
+                            recv_counts_RL=torch.full((ranks, local), capacity,
+                                                      dtype=torch.int64,
+                                                      device=permuted_NH.device),
+                            tokens_per_local_expert=[ranks * capacity] * local,
+                            capacity=capacity)
+        recv_MH = all_to_all(self.comm, permuted_NH, splits, splits)
+        recv_probs_M = all_to_all(self.comm, permuted_probs_N, splits, splits)
+        return recv_MH, recv_probs_M, meta
+
+    def _dispatch_budget(self, permuted_NH, permuted_probs_N, counts_E):
+        """Fixed chunks of `chunk_rows` rows per rank; counts exchanged and kept on the device;
+        a rank's rows past its chunk are cut and recorded (`DispatchBudget.note`)."""
+        budget, num_rows = self.budget, permuted_NH.shape[0]
+        if num_rows != budget.rows:
+            raise RuntimeError(f"budget dispatch of {num_rows} rows, sized for {budget.rows}")
+        chunk = budget.chunk_rows
+        recv_RL = self.comm.exchange_counts(counts_E)  # equal splits: no host read
+        send_R = counts_E.view(self.comm.size, self.num_local).sum(dim=1)
+        budget.note(send_R)
+        send_index, return_index = budget_indices(send_R, chunk, num_rows)
+        send_XH = move_rows(permuted_NH, send_index, return_index)
+        send_probs_X = move_rows(permuted_probs_N, send_index, return_index)
+        meta = DispatchMeta(input_splits=None, output_splits=None,
+                            recv_counts_RL=kept_counts(recv_RL, chunk),
+                            tokens_per_local_expert=None, chunk_rows=chunk,
+                            send_index=send_index, return_index=return_index)
+        recv_MH = all_to_all(self.comm, send_XH, None, None)
+        recv_probs_M = all_to_all(self.comm, send_probs_X, None, None)
         return recv_MH, recv_probs_M, meta
 
     def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
         """Rows arrive (source rank, local expert); the experts want (local expert, rank)."""
         if self.comm.size == 1:
             return recv_MH, recv_probs_M
+        if meta.capacity is not None:  # equal blocks: a transpose (Megatron-core's)
+            shape = (self.comm.size, self.num_local, meta.capacity)
+            return _swap_blocks(recv_MH, shape), _swap_blocks(recv_probs_M, shape)
+        if meta.chunk_rows is not None:
+            return self.ops.sort_chunks_by_idxs(recv_MH, self._budget_chunks(meta).reshape(-1),
+                                                self._budget_to_expert_major, recv_probs_M)
         return self.ops.sort_chunks_by_idxs(recv_MH, meta.recv_counts_RL.reshape(-1),
                                             self._to_expert_major, recv_probs_M)
 
     def unsort(self, expert_out_MH, meta: DispatchMeta):
         if self.comm.size == 1:
             return expert_out_MH
+        if meta.capacity is not None:
+            return _swap_blocks(expert_out_MH, (self.num_local, self.comm.size, meta.capacity))
+        if meta.chunk_rows is not None:
+            sizes = self._budget_chunks(meta).reshape(-1).index_select(
+                0, self._budget_to_expert_major)
+            return self.ops.sort_chunks_by_idxs(expert_out_MH, sizes,
+                                                self._budget_to_rank_major)[0]
         splits_LR = meta.recv_counts_RL.t().reshape(-1)
         return self.ops.sort_chunks_by_idxs(expert_out_MH, splits_LR, self._to_rank_major)[0]
+
+    @staticmethod
+    def _budget_chunks(meta: DispatchMeta) -> torch.Tensor:
+        """[R, L + 1] rows of each received chunk: per local expert, then padding."""
+        kept_RL = meta.recv_counts_RL
+        pad_R1 = meta.chunk_rows - kept_RL.sum(dim=1, keepdim=True)
+        return torch.cat([kept_RL, pad_R1], dim=1)
 
     def combine(self, expert_out_MH, meta: DispatchMeta, row_id_map_TE):
         """All-to-all back, then each token sums its rows (probs were applied by the experts)."""
         returned_NH = all_to_all(self.comm, expert_out_MH, meta.input_splits,
                                  meta.output_splits)
+        if meta.chunk_rows is not None:
+            returned_NH = move_rows(returned_NH, meta.return_index, meta.send_index)
         return self.ops.unpermute(returned_NH, row_id_map_TE)
+
+
+def _swap_blocks(rows: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Rows as blocks [A, B, C] -> [B, A, C] (a transpose of the two outer block indices)."""
+    blocks = rows.view(*shape, *rows.shape[1:]).transpose(0, 1)
+    return blocks.reshape(rows.shape)
+
+
+def _index(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)

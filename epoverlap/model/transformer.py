@@ -13,6 +13,10 @@ Nodes of an MoE layer (overlap.md):
 A dense layer has `attn` (norm, attention, residual, pre-MLP norm) and `mlp` (MLP + residual).
 Plus `embed` (tokens -> hidden) and `loss` (final norm, head, cross-entropy), and with pipeline
 parallelism `recv` / `send` (comm) at the start / end of a stage's chunk (`model.stages`).
+With `one_node_moe_layers` (CUDA graphs that span the MoE layer: `--cuda-graph-modules moe`
+or the whole layer, only without the EP overlap) an MoE layer is one compute node `moe_layer`
+whose segments are attn, moe_router, moe_preprocess, moe_dispatch, moe_experts, moe_combine:
+the same callables in the same order under one autograd graph.
 
 Shape legend: B microbatch sequences, S sequence length, T = B*S tokens, H hidden, V vocab,
 Q query heads, G key/value heads, D head dim.
@@ -32,8 +36,8 @@ from epoverlap_kernels import MoEOps
 from epoverlap.parallel.comm import ExpertComm, PipelineComm
 from epoverlap.config import RunConfig
 from epoverlap.model.linear import linear
-from epoverlap.model.moe import AllToAllDispatcher, GroupedSwiGLUExperts, Router, SwiGLU, param_seed, \
-    seeded_normal_
+from epoverlap.model.moe import (AllToAllDispatcher, DispatchBudget, DispatchMode,
+                                 GroupedSwiGLUExperts, Router, SwiGLU, param_seed, seeded_normal_)
 from epoverlap.model.nodes import COMM, COMPUTE, RECV, SEND, NodeSpec, Segment, segmented
 from epoverlap.model.stages import stage_chunks
 
@@ -118,11 +122,12 @@ class TransformerLayer(nn.Module):
     """One decoder layer; MoE or dense. Exposes its nodes through `node_specs`."""
 
     def __init__(self, cfg: RunConfig, layer: int, is_moe: bool, comm: ExpertComm,
-                 ep_rank: int, ops: MoEOps, *, dtype, device, queue):
+                 ep_rank: int, ops: MoEOps, *, dtype, device, queue, budget=None,
+                 one_node: bool = False):
         super().__init__()
         m, moe, seed = cfg.model, cfg.moe, cfg.train.seed
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
-        self.layer, self.is_moe = layer, is_moe
+        self.layer, self.is_moe, self.one_node = layer, is_moe, one_node
         self.input_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
         self.attention = Attention(cfg, layer, ops, dtype=dtype, device=device, queue=queue)
         self.pre_mlp_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
@@ -142,7 +147,7 @@ class TransformerLayer(nn.Module):
             self.shared_expert = SwiGLU(m.hidden_size, moe.moe_shared_expert_intermediate_size,
                                         name=f"shared{layer}", **mlp_kwargs)
         self.dispatcher = AllToAllDispatcher(comm, moe.num_experts, moe.moe_router_topk, ops,
-                                             device)
+                                             device, DispatchMode.of(moe), budget)
 
     # ----------------------------------------------------------------- node segments
     def attention_segment(self, hidden):
@@ -195,6 +200,20 @@ class TransformerLayer(nn.Module):
             moe_out = moe_out + shared_out
         return {"hidden": residual + moe_out}
 
+    def combine_segment(self, **inputs):
+        """`combine_forward` inside the one-node layer (its output named apart from the input)."""
+        return {"layer_out": self.combine_forward(**inputs)["hidden"]}
+
+    def _moe_segments(self) -> tuple[Segment, ...]:
+        """dispatch, experts, combine as segments of the one-node MoE layer."""
+        shared = ("shared_out",) if self.shared_expert is not None else ()
+        recv = ("recv_tokens", "recv_probs", "meta")
+        return (Segment("moe_dispatch", self.dispatch_forward,
+                        ("permuted_tokens", "permuted_probs", "expert_counts"), recv),
+                Segment("moe_experts", self.moe_mlp_forward, recv, ("expert_out",)),
+                Segment("moe_combine", self.combine_segment,
+                        ("expert_out", "meta", "row_id_map", "residual") + shared,
+                        ("layer_out",)))
     def _attn_segments(self) -> tuple[Segment, ...]:
         if not self.is_moe:
             return (Segment("attn", self.attention_segment, ("hidden",), ("residual", "normed")),)
@@ -225,6 +244,11 @@ class TransformerLayer(nn.Module):
                 NodeSpec("mlp", L, COMPUTE, segmented(mlp_segments, ("hidden",)),
                          {"normed": v("normed"), "residual": v("residual")},
                          {"hidden": hidden_out}, True, segments=mlp_segments)]
+        if self.one_node:
+            segments = attn_segments + self._moe_segments()
+            return [NodeSpec("moe_layer", L, COMPUTE, segmented(segments, ("layer_out",)),
+                             {"hidden": hidden_in}, {"layer_out": hidden_out}, True,
+                             segments=segments)]
         attn_out = {k: v(k) for k in ("residual", "permuted_tokens", "permuted_probs",
                                       "expert_counts", "row_id_map")}
         combine_in = {k: v(k) for k in ("expert_out", "meta", "row_id_map", "residual")}
@@ -252,7 +276,7 @@ class MoEModel(nn.Module):
 
     def __init__(self, cfg: RunConfig, comm: ExpertComm, ep_rank: int, ops: MoEOps, *,
                  dtype: torch.dtype, device: torch.device, wgrad_queue=None, stage: int = 0,
-                 pipe: Optional[PipelineComm] = None):
+                 pipe: Optional[PipelineComm] = None, one_node_moe_layers: bool = False):
         super().__init__()
         m, seed = cfg.model, cfg.train.seed
         self.cfg, self.pipe = cfg, pipe
@@ -267,9 +291,11 @@ class MoEModel(nn.Module):
                                                       device=device))
             seeded_normal_(self.embedding, m.init_method_std, param_seed(seed, "embedding"))
         pattern = cfg.moe_layer_pattern()
+        self.dispatch_budget = _dispatch_budget(cfg, comm.size, device) if any(pattern) else None
         self.layers = nn.ModuleDict({
             str(layer): TransformerLayer(cfg, layer, pattern[layer], comm, ep_rank, ops,
-                                         dtype=dtype, device=device, queue=wgrad_queue)
+                                         dtype=dtype, device=device, queue=wgrad_queue,
+                                         budget=self.dispatch_budget, one_node=one_node_moe_layers)
             for chunk in self.chunks for layer in chunk.layers})
         if any(chunk.has_loss for chunk in self.chunks):
             self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
@@ -350,6 +376,15 @@ class MoEModel(nn.Module):
             out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})
             values.update({spec.outputs[local]: value for local, value in out.items()})
         return values["loss"]
+
+
+def _dispatch_budget(cfg: RunConfig, ranks: int, device) -> "DispatchBudget | None":
+    """The one budget every MoE layer's dispatcher shares (budget mode only)."""
+    factor = cfg.moe.moe_dispatch_budget
+    if factor is None:
+        return None
+    rows = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.moe.moe_router_topk
+    return DispatchBudget(factor, ranks, rows, device)
 
 
 def model_dtype(cfg: RunConfig) -> torch.dtype:

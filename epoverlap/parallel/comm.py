@@ -32,11 +32,14 @@ class ExpertComm:
 
     def _record(self, output_splits, input_splits, row_shape, dtype) -> None:
         if self.trace is not None:
-            self.trace.append((list(output_splits), list(input_splits), tuple(row_shape), dtype))
+            equal = [None] * self.size
+            self.trace.append((list(output_splits or equal), list(input_splits or equal),
+                               tuple(row_shape), dtype))
 
-    def all_to_all(self, input_NH: torch.Tensor, output_splits: list[int],
-                   input_splits: list[int]) -> torch.Tensor:
-        """Rows input_splits[r] go to rank r; rows output_splits[r] arrive from rank r.
+    def all_to_all(self, input_NH: torch.Tensor, output_splits: Optional[list[int]],
+                   input_splits: Optional[list[int]]) -> torch.Tensor:
+        """Rows input_splits[r] go to rank r; rows output_splits[r] arrive from rank r. Splits
+        None: equal chunks of N / ranks rows both ways (the output has N rows).
 
         Syncs no host; blocks the calling stream (GPU) or thread (CPU) until done.
         """
@@ -44,7 +47,8 @@ class ExpertComm:
         if self.size == 1 or self.mode == "local_copy":
             return input_NH.clone()
         input_NH = input_NH.contiguous()
-        output = input_NH.new_empty((sum(output_splits),) + tuple(input_NH.shape[1:]))
+        rows = input_NH.shape[0] if output_splits is None else sum(output_splits)
+        output = input_NH.new_empty((rows,) + tuple(input_NH.shape[1:]))
         self.group.all_to_all_single(output, input_NH, output_splits, input_splits)
         return output
 
@@ -64,8 +68,9 @@ class AllToAll(torch.autograd.Function):
     """Differentiable all_to_all_single: backward sends grads back along the reverse splits."""
 
     @staticmethod
-    def forward(ctx, comm: ExpertComm, input_NH: torch.Tensor, output_splits: list[int],
-                input_splits: list[int]) -> torch.Tensor:
+    def forward(ctx, comm: ExpertComm, input_NH: torch.Tensor,
+                output_splits: Optional[list[int]],
+                input_splits: Optional[list[int]]) -> torch.Tensor:
         ctx.comm, ctx.output_splits, ctx.input_splits = comm, output_splits, input_splits
         return comm.all_to_all(input_NH, output_splits, input_splits)
 
@@ -75,8 +80,8 @@ class AllToAll(torch.autograd.Function):
         return None, grad_input, None, None
 
 
-def all_to_all(comm: ExpertComm, input_NH: torch.Tensor, output_splits: list[int],
-               input_splits: list[int]) -> torch.Tensor:
+def all_to_all(comm: ExpertComm, input_NH: torch.Tensor, output_splits: Optional[list[int]],
+               input_splits: Optional[list[int]]) -> torch.Tensor:
     return AllToAll.apply(comm, input_NH, output_splits, input_splits)
 
 

@@ -68,6 +68,11 @@ class Group:
         with self.watch.collective(self.name, self.ranks, "all_reduce"):
             dist.all_reduce(tensor, op=op, group=self.pg)
 
+    def watched(self, op: str):
+        """A context that tracks `op`, issued by no method here, as this group's collective:
+        a CUDA graph replay holding the group's collectives (captured ones run only there)."""
+        return self.watch.collective(self.name, self.ranks, op)
+
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_splits: Optional[list[int]] = None,
                           input_splits: Optional[list[int]] = None) -> None:

@@ -23,6 +23,10 @@ status 3; the first report of a process is the only one that prints:
      Python's wakeup fd), so it is handled even while the main thread is blocked in C++ (a
      CUDA synchronize behind a stuck NCCL kernel), where a Python handler would never run.
 
+Collectives captured in a CUDA graph are issued by its replays, not by the calls made while
+capturing: those are not tracked (`collective`), and the caller wraps each replay of a graph
+that holds collectives instead (`Group.watched`).
+
 A heartbeat is a counter per rank in the rendezvous store (torchrun's agent store, or rank 0's
 store), bumped by the monitor thread every `interval_s`; a process whose counter did not move
 over a window of a few intervals is stopped or dead. Only liveness goes through the store;
@@ -194,7 +198,15 @@ class CollectiveWatch:
     # ------------------------------------------------------------------ collectives
     @contextlib.contextmanager
     def collective(self, group_name: str, ranks: Sequence[int], op: str):
-        """Wrap one collective call: track it, and turn a transport error into PeerFailure."""
+        """Wrap one collective call: track it, and turn a transport error into PeerFailure.
+
+        A call made while the current CUDA stream captures a graph is not tracked: it issues
+        nothing (the graph's replays do; their callers wrap each replay, `Group.watched`), and
+        an event recorded in a capture may not be queried (the query from the monitor thread
+        would invalidate the capture and fail on every later tick)."""
+        if self.on_gpu and torch.cuda.is_current_stream_capturing():
+            yield
+            return
         entry = _InFlight(f"{group_name} group (ranks {ranks_text(ranks)}) {op}",
                           tuple(r for r in ranks if r != self.rank), time.monotonic())
         with self._lock:

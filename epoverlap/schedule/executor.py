@@ -116,13 +116,21 @@ class ThreadLanes(SerialLanes):
 
 
 class CudaStreamLanes(SerialLanes):
-    """GPU: compute lane = the current stream, comm lane = a side stream; one event per mb."""
+    """GPU: compute lane = the current stream, comm lane = a side stream; one event per mb.
+
+    The compute lane is whatever stream is current when an action is submitted (the default
+    stream, or a graph's capture stream while a full iteration is captured: the comm stream
+    then joins the capture through the events and rejoins it at `drain`)."""
 
     def __init__(self, device: torch.device, high_priority_comm: bool = True):
-        self.compute_stream = torch.cuda.current_stream(device)
+        self.device = device
         priority = torch.cuda.Stream.priority_range()[1] if high_priority_comm else 0
         self.comm_stream = torch.cuda.Stream(device=device, priority=priority)
         self._events: dict[int, torch.cuda.Event] = {}
+
+    @property
+    def compute_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
 
     def stream(self, lane: str) -> torch.cuda.Stream:
         return self.comm_stream if lane == COMM else self.compute_stream

@@ -13,6 +13,11 @@ counted as the model makes them (model/transformer.py, model/moe.py):
   MoE        b x (k (5H + 3Fe) + 2H + 3Fs) + 13E   (router fp32 scores, map; balanced routing)
   dense MLP  b x (3F + 2H)
   loss       V (b + 8) + 2H b                      (logits, fp32 copy, log-softmax)
+With a sync-free dispatch k counts the rows the dispatch moves per token instead
+(`DispatchMode.expert_rows`): experts x capacity / tokens with --moe-pad-expert-input-to-capacity
+(padding rows hold activations too), EP x chunk / tokens with --moe-dispatch-budget at the
+first budget level that holds balanced routing (a step rerun at a larger budget needs more, up
+to EP x k). A capacity without padding keeps k: it can only drop rows.
 One microbatch in flight without the overlap; with it, one microbatch plus the largest layer of
 the next (the combined 1F1B forward of layer l runs beside the backward of layer L-1-l). The
 backward adds a transient: the weight grad of the largest weight (computed in the model dtype,
@@ -38,6 +43,7 @@ from epoverlap.config import RunConfig
 from epoverlap.errors import ConfigError
 from epoverlap.model.stages import ChunkPlacement, stage_chunks
 from epoverlap.schedule.pipeline import microbatch_groups, warmup_forwards
+from epoverlap.model.moe import DispatchMode
 
 GIB = 2**30
 # Not in the estimate, needed beside it: CUDA context, NCCL buffers, allocator slack (GPU);
@@ -92,6 +98,15 @@ def _stage_chunks(cfg: RunConfig, stage: int) -> list[ChunkPlacement]:
                         cfg.virtual_stages, stage)
 
 
+def dispatch_rows_per_token(cfg: RunConfig) -> float:
+    """Rows the MoE dispatch moves per token of a microbatch (the k of the formulas)."""
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    rows = DispatchMode.of(cfg.moe).expert_rows(tokens, cfg.moe.moe_router_topk,
+                                                cfg.moe.num_experts,
+                                                cfg.parallel.expert_model_parallel_size)
+    return rows / tokens
+
+
 def _layer_bytes_per_token(cfg: RunConfig, is_moe: bool, b: int) -> int:
     m, moe = cfg.model, cfg.moe
     h, q, g, d = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim
@@ -101,8 +116,8 @@ def _layer_bytes_per_token(cfg: RunConfig, is_moe: bool, b: int) -> int:
         return attn + b * (3 * m.ffn_hidden_size + 2 * h)
     ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
     shared = moe.moe_shared_expert_intermediate_size or 0
-    k, experts = moe.moe_router_topk, moe.num_experts
-    return attn + b * (k * (5 * h + 3 * ffn) + 2 * h + 3 * shared) + 13 * experts
+    k, experts = dispatch_rows_per_token(cfg), moe.num_experts
+    return attn + int(b * (k * (5 * h + 3 * ffn) + 2 * h + 3 * shared)) + 13 * experts
 
 
 def estimate_memory(cfg: RunConfig, world_size: int) -> MemoryEstimate:
@@ -129,8 +144,9 @@ def _stage_estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
     if cfg.overlap.overlap_moe_expert_parallel_comm:
         activations += tokens * max(max(layers) for layers in per_chunk)
         in_flight += " + 1 layer"
+    rows = dispatch_rows_per_token(cfg) if cfg.moe.enabled else 0
     grads_per_token = max(m.vocab_size * (8 + b) if loss else 0,
-                          2 * cfg.moe.moe_router_topk * m.hidden_size * b)
+                          int(2 * rows * m.hidden_size * b))
     transient = max(max(sizes) * b, tokens * grads_per_token)
     return MemoryEstimate(states=sum(sizes) * per_param,
                           activations=int(activations * UNCOUNTED_FACTOR),
@@ -206,8 +222,11 @@ def check_memory(cfg: RunConfig, world_size: int, device: str, local_ranks: int)
         raise ConfigError("--hidden-size", m.hidden_size, f"{sizes}; lower --hidden-size, "
                           "--num-layers, --num-experts or --moe-ffn-hidden-size, or raise "
                           "--expert-model-parallel-size or --pipeline-model-parallel-size")
+    mode = DispatchMode.of(cfg.moe)
+    buffers = {"budget": " (or --moe-dispatch-budget, which sizes the dispatch buffers)",
+               "capacity_padded": " (or --moe-expert-capacity-factor, the padded capacity)"}
     raise ConfigError("--seq-length", m.seq_length, f"{sizes}; lower --seq-length or "
-                      "--micro-batch-size")
+                      f"--micro-batch-size{buffers.get(mode.name, '') if cfg.moe.enabled else ''}")
 
 
 def _gib(nbytes: int) -> str:

@@ -11,6 +11,8 @@ both sit side by side in one TensorBoard:
   tokens-per-sec        tokens of the whole job per second of the step
   iteration-time        seconds per step
   throughput            model TFLOP/s per rank
+  moe/dropped-tokens    routed (token, expert) pairs over capacity (--moe-expert-capacity-factor)
+  moe/dispatch-reruns   reruns of the step after a budget overflow (--moe-dispatch-budget)
 and, for steps recorded with --profile-steps, from the first rank's spans
 (`profiling.overlap`): comm/comm-ms, comm/exposed-comm-ms, comm/overlap-ratio.
 
@@ -30,6 +32,8 @@ SCALAR_TAGS = {  # StepResult field -> tag
     "tokens_per_s": "tokens-per-sec",
     "step_time_s": "iteration-time",
     "tflops_per_gpu": "throughput",
+    "dropped_tokens": "moe/dropped-tokens",
+    "dispatch_reruns": "moe/dispatch-reruns",
     "comm_ms": "comm/comm-ms",
     "exposed_comm_ms": "comm/exposed-comm-ms",
     "overlap_ratio": "comm/overlap-ratio",

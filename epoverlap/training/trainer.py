@@ -12,6 +12,15 @@ step (the loss also as float.hex, for bitwise comparison with `epoverlap-compare
 and with --tensorboard-dir the same scalars as TensorBoard events (`training.tensorboard`).
 Steps with recorded spans (--profile-steps) also report the first rank's comm, exposed comm
 and overlap ratio (`profiling.overlap`).
+
+MoE dispatch modes (`epoverlap.model.moe.DispatchMode`): with a capacity, every step reports
+the routed (token, expert) pairs dropped over all ranks and MoE layers; with the budget
+dispatch, after each forward-backward the most rows any dispatch wanted to send to one rank is
+all-reduced (one host read per step, after the step) and, if it overflowed the budget's chunk,
+the step's forward-backward is rerun from the same inputs, weights and router RNG state at the
+smallest budget level that holds it (`forward_backward`); the reruns and the budget the step's
+result came from are reported.
+
 With --check-for-nan-in-loss-and-grad the local losses and grads are checked before the
 reduction (`numerics`).
 
@@ -23,6 +32,7 @@ One summary line ends the run (`RunSummary`). Rates are per GPU on CUDA and per 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
@@ -38,7 +48,11 @@ import torch.distributed as dist
 from epoverlap_kernels import make_moe_ops
 
 from epoverlap.config import RunConfig
-from epoverlap.graphs.capture import GraphRunner, graphed_modules
+from epoverlap.graphs.banks import GraphBanks, StepGraphs
+from epoverlap.graphs.capture import (CudaGraphBackend, GraphRunner, graphed_modules,
+                                      graphs_span_moe_layer)
+from epoverlap.graphs.full_iteration import FullIterationGraph
+from epoverlap.model.moe import DispatchMode
 from epoverlap.model.transformer import (MoEModel, count_parameters, model_dtype,
                                          training_flops_per_token)
 from epoverlap.parallel.comm import ExpertComm, PipelineComm
@@ -72,6 +86,10 @@ class StepResult:
     tokens: int
     peak_mem_gib: Optional[float]
     tflops_per_gpu: float
+    dropped_tokens: Optional[int] = None  # capacity: routed pairs over capacity, all ranks/layers
+    dropped_fraction: Optional[float] = None  # of all routed (token, expert) pairs
+    dispatch_reruns: Optional[int] = None  # budget: reruns after an overflow
+    dispatch_budget: Optional[float] = None  # budget: the budget the step's result came from
     deterministic: bool = False  # --deterministic-mode: bitwise comparisons with another run hold
     triton_variants: Optional[int] = None  # compiled Triton kernel variants so far (this rank)
     peak_reserved_gib: Optional[float] = None  # the caching allocator's peak (graph pools too)
@@ -107,6 +125,16 @@ def format_duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+def _dispatch_note(r: StepResult) -> str:
+    """' | dropped 12 (0.40%)' with a capacity; ' | reruns 1 (budget 2)' with a budget."""
+    note = ""
+    if r.dropped_tokens is not None:
+        note += f" | dropped {r.dropped_tokens} ({100 * r.dropped_fraction:.2f}%)"
+    if r.dispatch_reruns is not None:
+        note += f" | reruns {r.dispatch_reruns} (budget {r.dispatch_budget:g})"
+    return note
+
+
 def _record_step(line: str) -> float:
     """The step of a --log-json line; infinity for a line cut off mid-write."""
     try:
@@ -117,8 +145,10 @@ def _record_step(line: str) -> float:
 
 @dataclass
 class RunSummary:
-    """The end-of-run line: steps, throughput, first and last loss, peak memory, and the
-    exposed communication of the profiled steps (when --profile-steps was given)."""
+    """The end-of-run line: steps, throughput, first and last loss, peak memory, the exposed
+    communication of the profiled steps (when --profile-steps was given) and what the MoE
+    dispatch did over the run (with a capacity: the routed pairs dropped; with a budget: the
+    reruns and the steps that needed one)."""
 
     steps: int
     seconds: float
@@ -129,6 +159,10 @@ class RunSummary:
     on_gpu: bool
     exposed_comm_ms: Optional[float] = None
     profiled: Optional[str] = None
+    dropped_tokens: Optional[int] = None  # routed pairs over capacity, all steps
+    dropped_fraction: Optional[float] = None  # of all routed pairs of the run
+    dispatch_reruns: Optional[int] = None  # budget reruns, all steps
+    rerun_steps: Optional[int] = None  # steps rerun at least once
 
     def line(self, per_device: str) -> str:
         memory = ("allocated" if self.on_gpu else "RSS") + ", max over ranks"
@@ -139,7 +173,20 @@ class RunSummary:
         if self.exposed_comm_ms is not None:
             text += (f" | exposed comm {self.exposed_comm_ms:.2f} ms/step (profiled steps "
                      f"{self.profiled}, max over ranks)")
+        if self.dropped_tokens is not None:
+            text += f" | dropped {self.dropped_tokens} ({100 * self.dropped_fraction:.2f}%)"
+        if self.dispatch_reruns is not None:
+            text += f" | reruns {self.dispatch_reruns} (in {self.rerun_steps} steps)"
         return text
+
+    def add_dispatch_stats(self, results: list["StepResult"]) -> None:
+        """Totals of the steps' dispatch figures (each step's are already over all ranks)."""
+        if results[0].dropped_tokens is not None:
+            self.dropped_tokens = sum(r.dropped_tokens for r in results)
+            self.dropped_fraction = sum(r.dropped_fraction for r in results) / len(results)
+        if results[0].dispatch_reruns is not None:
+            self.dispatch_reruns = sum(r.dispatch_reruns for r in results)
+            self.rerun_steps = sum(1 for r in results if r.dispatch_reruns)
 
 
 def plan_name(cfg: RunConfig) -> str:
@@ -152,9 +199,12 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups,
                  log: Callable[[str], None] = print, data=None,
-                 resume: Optional[CheckpointRef] = None):
+                 resume: Optional[CheckpointRef] = None,
+                 graph_backend=CudaGraphBackend):
         """`data`: a source from `open_data_source` (opened here when None); the model's
-        vocabulary is the source's."""
+        vocabulary is the source's. `graph_backend`: what captures CUDA graphs (the CPU tests
+        pass an emulation)."""
+        self.graph_backend = graph_backend
         cfg = cfg.for_world(groups.world_size)
         self.data = data if data is not None else open_data_source(cfg, groups.dp_size)
         cfg = cfg.with_vocab_size(self.data.vocab_size)
@@ -166,7 +216,8 @@ class Trainer:
         self.model = MoEModel(cfg, self.comm, groups.ep_rank, make_moe_ops(backend),
                               dtype=model_dtype(cfg), device=self.device,
                               wgrad_queue=self.wgrad_queue, stage=groups.pp_rank,
-                              pipe=self._pipeline_comm(cfg, groups))
+                              pipe=self._pipeline_comm(cfg, groups),
+                              one_node_moe_layers=self._one_node_moe_layers())
         self.params = self._whole_model_parameters()
         self.grads = GradBuffers(self.model, groups)
         self.optimizer = MixedPrecisionAdamW(self.model, cfg.train)
@@ -174,14 +225,18 @@ class Trainer:
         self.lanes = make_lanes(self.device, overlap, cfg.overlap.comm_stream_high_priority)
         self.recorder = SpanRecorder(self.device, groups.rank, groups.world_size)
         self.faults = FaultInjector(groups.rank)
-        self.graphs = self._graph_runner()
+        self.graphs = self._step_graphs()
+        per_layer = self.graphs is not None and not self.graphs.full_iteration
         self.executor = Executor(self.faults.wrap_specs(self.model.node_specs()), self.lanes,
                                  self.wgrad_queue, self.recorder,
-                                 **({"run_factory": self.graphs} if self.graphs is not None
-                                    else {}))
+                                 **({"run_factory": self.graphs.banks} if per_layer else {}))
         self.stage_layouts, self.stage_plans = self._build_plans()
         self.plan = self.stage_plans[groups.pp_rank]
+        if self.graphs is not None:
+            self.graphs.banks.select(0)  # the base budget's bank (banks are made lazily)
         self.backend = backend
+        self.dispatch_mode = DispatchMode.of(cfg.moe)
+        self.budget = self.model.dispatch_budget
         self.compile_watch = CompileWatch(cfg.cuda_graph.warmup_steps, groups.rank,
                                           warn=_warn_every_rank)
         self._imbalanced_steps = 0
@@ -221,34 +276,62 @@ class Trainer:
         validate_pipeline(plans, layouts, cfg.train.num_microbatches, overlap.delay_wgrad_compute)
         return layouts, plans
 
-    def _graph_runner(self) -> Optional[GraphRunner]:
+    def _step_graphs(self) -> Optional[StepGraphs]:
+        """CUDA graphs of this run (--cuda-graph-impl local or full_iteration), in banks by
+        budget level when they hold the dispatch (see `epoverlap.graphs.banks`)."""
         graph_cfg = self.cfg.cuda_graph
-        if graph_cfg.impl != "local":
+        if graph_cfg.impl not in ("local", "full_iteration"):
             return None
-        generators = [r.balancing_rng for r in self.model.routers()
-                      if r.balancing_rng is not None]
-        return GraphRunner(self.model.node_specs(), graphed_modules(graph_cfg.modules),
-                           device=self.device, queue=self.wgrad_queue, generators=generators,
-                           check_inputs=graph_cfg.check_inputs)
+        full = graph_cfg.impl == "full_iteration"
+        generators = self._router_generators()
+        holds_dispatch = full or self._one_node_moe_layers()
+        watch = self._replay_watch(holds_dispatch)
+        if full:
+            def make_bank():
+                return FullIterationGraph(self.executor, self.plan, self._loss_scale(),
+                                          device=self.device, generators=generators,
+                                          backend_factory=self.graph_backend,
+                                          replay_watch=watch)
+        else:
+            def make_bank():
+                return GraphRunner(self.model.node_specs(), graphed_modules(graph_cfg.modules),
+                                   device=self.device, queue=self.wgrad_queue,
+                                   generators=generators, check_inputs=graph_cfg.check_inputs,
+                                   backend_factory=self.graph_backend, replay_watch=watch)
+        budget = self.model.dispatch_budget
+        per_level = budget is not None and holds_dispatch
+        banks = GraphBanks(make_bank, len(budget.levels) if per_level else 1)
+        return StepGraphs(banks, graph_cfg.warmup_steps, per_level, full)
 
-    def _is_last_warmup_step(self, step: int) -> bool:
-        """Warmup counts from the first step this run makes (a resumed run warms up again)."""
-        return step - self.start_step == self.cfg.cuda_graph.warmup_steps
+    def _replay_watch(self, holds_dispatch: bool):
+        """What wraps each graph replay: the EP group's watch when the graphs hold the
+        all-to-alls (captured collectives are issued by the replays, see `watch.collective`)."""
+        if not holds_dispatch or self.groups.ep_size == 1:
+            return contextlib.nullcontext
+        return lambda: self.groups.ep.watched("all_to_all (CUDA graph replay)")
 
-    def _before_step(self, step: int) -> None:
-        """The last warmup step records what each graph reads and writes."""
-        if self.graphs is not None and self._is_last_warmup_step(step):
-            self.graphs.recording = True
+    def _one_node_moe_layers(self) -> bool:
+        graph_cfg = self.cfg.cuda_graph
+        return graphs_span_moe_layer(graph_cfg.impl, graph_cfg.modules)
+
+    def _loss_scale(self) -> float:
+        return 1.0 / self.cfg.train.num_microbatches
 
     def _after_step(self, step: int) -> None:
-        if self.graphs is None or not self._is_last_warmup_step(step):
+        """Capture the graph banks this step recorded (the last warmup step records the base
+        bank; a later rerun at a new budget level records that level's)."""
+        if self.graphs is None:
             return
-        self.graphs.recording = False
-        self.graphs.capture(self.plan)
-        g = self.graphs
-        self.log(f"CUDA graphs: {g.graph_count()} captured after step {step} in "
-                 f"{g.capture_seconds:.2f} s; graph memory {g.pool_bytes / 2**30:.3f} GiB "
-                 f"(of it static buffers {g.buffer_bytes() / 2**30:.3f} GiB)")
+        captured = self.graphs.capture_due(self.plan, self._select_budget_level)
+        for level, bank in captured:
+            where = (f" (budget {self.budget.levels[level]:g})" if self.graphs.per_level
+                     else "")
+            self.log(f"CUDA graphs{where}: {bank.graph_count()} captured after step {step} "
+                     f"in {bank.capture_seconds:.2f} s; graph memory "
+                     f"{bank.pool_bytes / 2**30:.3f} GiB (of it static buffers "
+                     f"{bank.buffer_bytes() / 2**30:.3f} GiB)")
+        if captured and len(self.graphs.banks.banks) > 1:
+            self.log(f"CUDA graph banks by budget level: {self.graphs.banks.memory_report()}")
 
     @property
     def per_device(self) -> str:
@@ -286,12 +369,79 @@ class Trainer:
 
     def run_microbatches(self, step: int, inputs: Optional[list[dict]] = None
                          ) -> list[torch.Tensor]:
-        """Forward + backward of every microbatch; grads land in the main_grad buffers."""
+        """Forward + backward of every microbatch, once, at the budget level selected (no
+        rerun: see `forward_backward`); grads land in the main_grad buffers."""
         self.grads.zero()
         for router in self.model.routers():
             router.reset_step_stats()
+        if self.budget is not None:
+            self.budget.demand_rows.zero_()
         inputs = self.microbatches(step) if inputs is None else inputs
-        return self.executor.run(self.plan, inputs, 1.0 / self.cfg.train.num_microbatches)
+        if self.graphs is not None:
+            return self.graphs.run(inputs, self._run_eager)
+        return self._run_eager(inputs)
+
+    def _run_eager(self, inputs: list[dict]) -> list[torch.Tensor]:
+        return self.executor.run(self.plan, inputs, self._loss_scale())
+
+    def forward_backward(self, step: int) -> tuple[list[torch.Tensor], int]:
+        """`run_microbatches`, rerun while the budget dispatch overflowed (see the module
+        docstring). -> (losses, reruns). A rerun starts from the same inputs, weights and
+        router RNG state, so its result is the one a run at its budget level would give."""
+        inputs = self.microbatches(step)
+        generators = self._router_generators()
+        states = [g.get_state() for g in generators]
+        losses = self._attempt(step, inputs, level=0)
+        reruns = 0
+        while (level := self.overflow_level()) is not None:
+            for generator, state in zip(generators, states):
+                generator.set_state(state)
+            losses = self._attempt(step, inputs, level)
+            reruns += 1
+        return losses, reruns
+
+    def _attempt(self, step: int, inputs: list[dict], level: int) -> list[torch.Tensor]:
+        """One forward-backward at a budget level, by that level's graph bank if it has one."""
+        self._select_budget_level(level)
+        if self.graphs is None:
+            return self.run_microbatches(step, inputs)
+        self.graphs.begin_attempt(step - self.start_step, level)  # warmup counts from here
+        try:
+            return self.run_microbatches(step, inputs)
+        finally:
+            self.graphs.end_attempt()
+
+    def _router_generators(self) -> list[torch.Generator]:
+        return [r.balancing_rng for r in self.model.routers() if r.balancing_rng is not None]
+
+    def _select_budget_level(self, level: int) -> None:
+        if self.budget is not None:
+            self.budget.level = level
+
+    def overflow_level(self) -> Optional[int]:
+        """After a forward-backward: the budget level to rerun at, None if nothing overflowed.
+        One all-reduce (max over ranks) and one host read."""
+        budget = self.budget
+        if budget is None:
+            return None
+        demand = budget.demand_rows.clone()
+        if self.groups.world_size > 1:
+            self.groups.world.all_reduce(demand, op=dist.ReduceOp.MAX)
+        demand_rows = int(demand)
+        return None if demand_rows <= budget.chunk_rows else budget.level_for(demand_rows)
+
+    def _dropped_tokens(self) -> tuple[int, float]:
+        """Routed (token, expert) pairs dropped over capacity this step, all ranks and MoE
+        layers, and their share of all routed pairs."""
+        routers = self.model.routers()
+        dropped = sum((r.step_dropped for r in routers),
+                      torch.zeros((), dtype=torch.int64, device=self.device))
+        if self.groups.world_size > 1:
+            self.groups.world.all_reduce(dropped)
+        t, m = self.cfg.train, self.cfg.model
+        routed = (self.groups.world_size * t.num_microbatches * t.micro_batch_size
+                  * m.seq_length * self.cfg.moe.moe_router_topk * len(routers))
+        return int(dropped), int(dropped) / routed
 
     def _reduce_stats(self, losses: list) -> tuple[float, float, float]:
         """Mean loss and aux loss over microbatches and data-parallel ranks; max expert
@@ -339,7 +489,7 @@ class Trainer:
         if profiled:
             self.recorder.begin_step(step)
         self.faults.begin_step(step)
-        losses = self.run_microbatches(step)
+        losses, reruns = self.forward_backward(step)
         spans = self.recorder.end_step() if profiled else None
         self.faults.after_backward(self.model)
         if self.cfg.train.check_for_nan_in_loss_and_grad:
@@ -352,6 +502,7 @@ class Trainer:
             self.optimizer.step(lr)
         elapsed = self._sync_time() - start
         result = self._result(step, loss, lr, grad_norm, aux, imbalance, elapsed)
+        self._add_dispatch_stats(result, reruns)
         if spans is not None:
             overlap = step_metrics(spans).overlap
             result.comm_ms, result.exposed_comm_ms = overlap.comm_us / 1e3, \
@@ -372,6 +523,12 @@ class Trainer:
                           peak_reserved_gib=(torch.cuda.max_memory_reserved(self.device) / 2**30
                                              if on_gpu else None))
 
+    def _add_dispatch_stats(self, result: StepResult, reruns: int) -> None:
+        if self.dispatch_mode.drops_tokens:
+            result.dropped_tokens, result.dropped_fraction = self._dropped_tokens()
+        if self.budget is not None:
+            result.dispatch_reruns, result.dispatch_budget = reruns, self.budget.factor
+
     def _profiled(self, step: int) -> bool:
         window = self.cfg.log.profile_range
         return window is not None and window[0] <= step <= window[1]
@@ -387,7 +544,6 @@ class Trainer:
         torch_profiler = self._torch_profiler()
         try:
             for step in range(self.start_step + 1, cfg.train.train_iters + 1):
-                self._before_step(step)
                 result = self.step(step)
                 self._after_step(step)
                 self.compile_watch.after_step(step - self.start_step)
@@ -445,12 +601,14 @@ class Trainer:
         if self.groups.world_size > 1:
             self.groups.world.all_reduce(figures, op=dist.ReduceOp.MAX)
         peak, exposed = figures.tolist()
-        return RunSummary(
+        summary = RunSummary(
             steps=len(results), seconds=sum(r.step_time_s for r in results),
             tokens=sum(r.tokens for r in results), first_loss=results[0].loss,
             last_loss=results[-1].loss, peak_mem_gib=peak, on_gpu=self.device.type == "cuda",
             exposed_comm_ms=None if exposed < 0 else exposed,
             profiled=self.cfg.log.profile_steps)
+        summary.add_dispatch_stats(results)
+        return summary
 
     def _open_json(self):
         path = self.cfg.log.log_json
@@ -478,7 +636,7 @@ class Trainer:
                                        or r.step == total):
             mem = f" | mem {r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else ""
             comm = (f" | exposed comm {r.exposed_comm_ms:.2f} of {r.comm_ms:.2f} ms"
-                    if r.exposed_comm_ms is not None else "")
+                    if r.exposed_comm_ms is not None else "") + _dispatch_note(r)
             self.log(f"step {r.step:4d}/{total} | loss {r.loss:.4f} | "
                      f"lr {r.lr:.2e} | grad norm {r.grad_norm:.3f} | aux {r.aux_loss:.4f} | "
                      f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"

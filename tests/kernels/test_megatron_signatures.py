@@ -255,7 +255,7 @@ def test_megatron_keyword_names_are_accepted(backend):
 def test_unsupported_megatron_modes_are_refused():
     ops = make_moe_ops("torch")
     tokens_TH, routing_map_TE, _, num_out = _routing_inputs()
-    with pytest.raises(ValueError, match="drop_and_pad=True"):
+    with pytest.raises(ValueError, match="drop_and_pad=True"):  # a dropless map is not padded
         ops.permute(tokens_TH, routing_map_TE, num_out_tokens=num_out, drop_and_pad=True)
     with pytest.raises(ValueError, match="router_replay"):
         ops.topk_routing_with_score_function(torch.zeros(4, 6), 2, router_replay=object())

@@ -1,0 +1,106 @@
+"""Graph banks: one set of captured graphs per runtime size, the one in use picked at run time.
+
+Owns `GraphBanks`. A bank is a `GraphRunner` (per-layer graphs) or a `FullIterationGraph`,
+made by a factory; the key is the budget level of the sync-free dropless dispatch
+(`epoverlap.model.moe.DispatchBudget`), because the all-to-all buffers inside graphs that hold
+the dispatch are sized by it: the base budget's bank serves every step, and a step whose
+dispatch overflowed is rerun by the bank of the level that holds it. A bank is captured the
+first time it is needed after the warmup steps (its first run is eager and records what it
+reads and writes), so a run that never overflows holds one bank. At most `max_banks` banks
+exist (the number of budget levels: log2(EP size / budget) + 1), each in its own memory pool,
+and `memory_report` says what each holds.
+
+Why budgets and not token counts: our batches have a fixed sequence length and micro-batch
+size, so the token count per microbatch never varies and banks per token-count bucket (seed
+001's dynamic sizes) would hold one bank; the budget is the size that does vary at run time.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable
+
+
+class GraphBanks:
+    """Banks by key; `select(key)` makes the bank in use (creating it, within the bound)."""
+
+    def __init__(self, make_bank: Callable[[], object], max_banks: int):
+        self.make_bank, self.max_banks = make_bank, max_banks
+        self.banks: dict = {}
+        self.key: Hashable = None
+
+    def select(self, key: Hashable):
+        if key not in self.banks:
+            if len(self.banks) >= self.max_banks:
+                raise RuntimeError(f"graph bank {key!r}: already {len(self.banks)} banks "
+                                   f"({sorted(self.banks)}), the bound is {self.max_banks}")
+            self.banks[key] = self.make_bank()
+        self.key = key
+        return self.banks[key]
+
+    @property
+    def active(self):
+        return self.banks[self.key]
+
+    def __call__(self, spec, microbatch: int):
+        """The run factory of the bank in use (per-layer graphs)."""
+        return self.active(spec, microbatch)
+
+    def memory_report(self) -> str:
+        """'budget level 0: 12 graphs, 0.010 GiB; ...' for every captured bank."""
+        parts = [f"bank {key}: {bank.graph_count()} graphs, {bank.pool_bytes / 2**30:.3f} GiB"
+                 for key, bank in sorted(self.banks.items()) if bank.captured]
+        return "; ".join(parts) or "no bank captured"
+
+    def release(self) -> None:
+        for bank in self.banks.values():
+            bank.release()
+        self.banks.clear()
+
+
+class StepGraphs:
+    """The trainer's side of its CUDA graphs: which bank an attempt of a step uses, when a bank
+    records (its first eager attempt at or after the last warmup step) and when it is captured
+    (after that step). `per_level`: one bank per budget level (graphs that hold the dispatch);
+    else one bank for every level. `full_iteration`: the bank runs the whole plan itself."""
+
+    def __init__(self, banks: GraphBanks, warmup_steps: int, per_level: bool,
+                 full_iteration: bool):
+        self.banks, self.warmup_steps = banks, warmup_steps
+        self.per_level, self.full_iteration = per_level, full_iteration
+        self._due: dict = {}  # bank key -> a budget level to capture it at
+
+    def key(self, level: int) -> int:
+        return level if self.per_level else 0
+
+    def begin_attempt(self, step: int, level: int) -> None:
+        bank = self.banks.select(self.key(level))
+        bank.recording = not bank.captured and step >= self.warmup_steps
+        if bank.recording:
+            self._due.setdefault(self.key(level), level)
+
+    def end_attempt(self) -> None:
+        self.banks.active.recording = False
+
+    def run(self, inputs, eager_run):
+        """The plan over `inputs`: by the full-iteration bank, else eagerly (the executor then
+        asks the per-layer bank in use for each node's callable)."""
+        if self.full_iteration:
+            return self.banks.active.run(inputs)
+        return eager_run(inputs)
+
+    def capture_due(self, plan, select_level) -> list[tuple[int, object]]:
+        """Capture every bank recorded in this step, each with the budget at its level
+        (`select_level(level)` sets it); -> [(level, bank)]. Leaves level 0 selected."""
+        captured = []
+        for key, level in self._due.items():
+            select_level(level)
+            bank = self.banks.select(key)
+            bank.capture(plan)
+            captured.append((level, bank))
+        self._due.clear()
+        select_level(0)
+        self.banks.select(0)
+        return captured
+
+    def release(self) -> None:
+        self.banks.release()

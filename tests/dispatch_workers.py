@@ -1,0 +1,188 @@
+"""Per-rank bodies of the dispatch-mode tests (gloo; importable, so spawn can pickle them):
+megatron-core's router and all-to-all dispatcher against ours, and training runs under the
+capacity and budget modes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from epoverlap.config import parse_config
+from epoverlap.model.linear import linear
+from epoverlap.model.moe import AllToAllDispatcher, DispatchMode, Router
+from epoverlap.parallel.comm import ExpertComm
+from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.training.trainer import Trainer
+from epoverlap_kernels import make_moe_ops
+
+from gloo_workers import TINY
+
+# names megatron-core 0.16.1's moe_utils binds only when TransformerEngine imports
+TE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+            "fused_permute_with_probs", "fused_sort_chunks_by_index",
+            "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+            "fused_unpermute", "te_general_gemm")
+TOKENS, HIDDEN, EXPERTS, TOPK = 20, 16, 8, 2
+
+
+def _megatron_modules():
+    from megatron.core.transformer.moe import moe_utils
+    for name in TE_NAMES:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    return ProcessGroupCollection, token_dispatcher, TopKRouter, TransformerConfig
+
+
+def _megatron_parts(rank, world_size, ep_group, moe):
+    """megatron-core's TopKRouter and MoEAlltoAllTokenDispatcher for `moe`, on the CPU: its
+    buffers that ask for the current CUDA device get the CPU (this process has no other use for
+    torch.cuda), and its device-to-host staging on a side stream becomes plain host reads;
+    everything else is its code."""
+    pgc, token_dispatcher, top_k_router, transformer_config = _megatron_modules()
+    torch.cuda.current_device = lambda: "cpu"
+    singles = [dist.new_group([r], backend="gloo") for r in range(world_size)]
+    mine = singles[rank]
+    groups = pgc(tp=mine, ep=ep_group, tp_ep=ep_group, expt_tp=mine, expt_dp=mine, tp_cp=mine,
+                 cp=mine, dp=mine, tp_dp_cp=mine)
+    config = transformer_config(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=EXPERTS,
+        moe_router_topk=TOPK, moe_expert_capacity_factor=moe.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=moe.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=moe.moe_token_drop_policy, moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, add_bias_linear=False,
+        use_cpu_initialization=True, moe_ffn_hidden_size=HIDDEN)
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()  # never used
+    local = EXPERTS // world_size
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher(
+        local, list(range(rank * local, (rank + 1) * local)), config, pg_collection=groups)
+    dispatcher._maybe_dtoh_and_synchronize = _host_reads(dispatcher)
+    return top_k_router(config, pg_collection=groups), dispatcher
+
+
+def _host_reads(dispatcher):
+    def read_on_host(point, tokens_per_expert=None):
+        if not dispatcher.drop_and_pad and point == dispatcher.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(dispatcher, name)
+                if isinstance(value, torch.Tensor):
+                    setattr(dispatcher, name, value.tolist())
+        return tokens_per_expert
+    return read_on_host
+
+
+def _megatron_layer(router, dispatcher, x_TH, logits_TE):
+    """megatron-core: routing, dispatch, experts that scale by 2 and apply probs, combine."""
+    probs_TE, routing_map_TE = router.routing(logits_TE.view(TOKENS, 1, EXPERTS))
+    probs = probs_TE.detach().requires_grad_()
+    rows, rows_probs = dispatcher.dispatch_preprocess(x_TH.view(TOKENS, 1, HIDDEN),
+                                                      routing_map_TE, probs)
+    rows, rows_probs = dispatcher.token_dispatch(rows, rows_probs)
+    rows, per_expert, rows_probs = dispatcher.dispatch_postprocess(rows, rows_probs)
+    expert_out = rows * rows_probs.unsqueeze(1) * 2.0
+    out = dispatcher.combine_postprocess(dispatcher.token_combine(
+        dispatcher.combine_preprocess(expert_out)))
+    return (probs, routing_map_TE, rows, rows_probs, [int(c) for c in per_expert],
+            out.view(TOKENS, HIDDEN))
+
+
+def _our_layer(router, dispatcher, x_TH):
+    probs_TE, routing_map_TE, counts_E = router(x_TH)
+    probs = probs_TE.detach().requires_grad_()
+    permuted, permuted_probs, row_id_map = dispatcher.preprocess(x_TH, probs, routing_map_TE)
+    recv, recv_probs, meta = dispatcher.dispatch(permuted, permuted_probs, counts_E)
+    rows, rows_probs = dispatcher.sort_by_expert(recv, recv_probs, meta)
+    expert_out = rows * rows_probs.unsqueeze(1) * 2.0
+    out = dispatcher.combine(dispatcher.unsort(expert_out, meta), meta, row_id_map)
+    per_expert = meta.tokens_per_local_expert or [int(c) for c in
+                                                  meta.recv_counts_RL.sum(dim=0)]
+    return probs, routing_map_TE, rows, rows_probs, per_expert, out
+
+
+def megatron_dispatch_equivalence(rank, world_size, flag_sets):
+    """For each flag set: ours and megatron-core's router + dispatcher with those flags, EP =
+    world: routing, the rows each expert receives, the combined output, and the grads of tokens
+    and probs. -> per flag set [ours, theirs]."""
+    groups = init_distributed(world_size, "cpu", timeout_minutes=3)
+    try:
+        return [_both_layers(rank, world_size, groups, flags) for flags in flag_sets]
+    finally:
+        destroy_distributed(groups)
+
+
+def _both_layers(rank, world_size, groups, flags):
+    cfg = parse_config(["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK),
+                        "--hidden-size", str(HIDDEN)] + flags)
+    ops = make_moe_ops("torch")
+    router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
+                    device=torch.device("cpu"), aux_loss_scale=1.0)
+    ours = AllToAllDispatcher(ExpertComm(groups.ep, world_size), EXPERTS, TOPK, ops,
+                              groups.device, DispatchMode.of(cfg.moe))
+    their_router, theirs = _megatron_parts(rank, world_size, groups.ep_group, cfg.moe)
+    x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
+    results = []
+    for run in (lambda x: _our_layer(router, ours, x),
+                lambda x: _megatron_layer(their_router, theirs, x, linear(x, router.weight))):
+        x = x_TH.clone().requires_grad_()
+        probs, routing_map, rows, rows_probs, per_expert, out = run(x)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+        grad_x, grad_probs = torch.autograd.grad((out * weights).sum(), [x, probs])
+        results.append([probs.detach(), routing_map, rows.detach(), rows_probs.detach(),
+                        out.detach(), grad_x, grad_probs, per_expert])
+    return results
+
+
+def mode_runs(rank, world_size, ep, out_dir, steps, runs):
+    """For each (name, flags): bits of one step's reduced grads, and `steps` steps' results
+    (--log-json under out_dir/name.jsonl)."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=3)
+    results = {}
+    try:
+        for name, flags in runs:
+            log = str(Path(out_dir) / f"{name}.jsonl")
+            cfg = parse_config(TINY + ["--expert-model-parallel-size", str(ep), "--train-iters",
+                                       str(steps), "--log-json", log] + flags)
+            trainer = Trainer(cfg, groups, log=lambda msg: None)
+            try:
+                trainer.forward_backward(step=1)
+                trainer.grads.reduce()
+                grads = (trainer.grads.dense_flat.clone(), trainer.grads.expert_flat.clone())
+                steps_done = trainer.train()
+            finally:
+                trainer.close()
+            results[name] = (grads, [(r.loss, r.dropped_tokens, r.dispatch_reruns,
+                                      r.dispatch_budget) for r in steps_done])
+        return results
+    finally:
+        destroy_distributed(groups)
+
+
+def graphed_training(rank, world_size, ep, steps, runs):
+    """For each (name, flags): train `steps` steps with the CUDA-graph capture emulated on the
+    CPU (`test_graphs_cpu.EmulatedGraphs`); -> per run the step results (loss, reruns, budget),
+    the budget levels whose graph banks were captured, and the log lines."""
+    from test_graphs_cpu import EmulatedGraphs
+    groups = init_distributed(ep, "cpu", timeout_minutes=3)
+    results = {}
+    try:
+        for name, flags in runs:
+            cfg = parse_config(TINY + ["--expert-model-parallel-size", str(ep), "--train-iters",
+                                       str(steps), "--cuda-graph-warmup-steps", "1"] + flags)
+            lines: list[str] = []
+            trainer = Trainer(cfg, groups, log=lines.append, graph_backend=EmulatedGraphs)
+            try:
+                steps_done = trainer.train()
+                banks = (None if trainer.graphs is None else
+                         sorted(k for k, b in trainer.graphs.banks.banks.items() if b.captured))
+            finally:
+                trainer.close()
+            results[name] = ([(r.loss, r.dispatch_reruns, r.dispatch_budget) for r in steps_done],
+                             banks, lines)
+        return results
+    finally:
+        destroy_distributed(groups)

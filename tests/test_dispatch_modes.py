@@ -1,0 +1,134 @@
+"""Dispatch modes on gloo (2 CPU ranks, EP=2): the capacity modes equal megatron-core's router
+and all-to-all dispatcher bit for bit; the capacity and budget modes train, overlapped and
+sequential bitwise alike; a budget too small for the routing reruns its steps and gives the
+dropless run's losses."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from dist_helpers import run_ranks
+from dispatch_workers import graphed_training, megatron_dispatch_equivalence, mode_runs
+
+pytestmark = pytest.mark.slow
+needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                    reason="megatron-core is not installed "
+                                           "(pip install -e '.[peer]')")
+
+
+MEGATRON_CASES = {
+    "dropless": [],
+    "drop-probs": ["--moe-expert-capacity-factor", "1.0"],
+    "drop-position": ["--moe-expert-capacity-factor", "0.75", "--moe-token-drop-policy",
+                      "position"],
+    "pad-probs": ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"],
+    "pad-position": ["--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity",
+                     "--moe-token-drop-policy", "position"],
+}
+
+
+@needs_megatron
+def test_router_and_dispatcher_equal_megatron_core():
+    """Routing, the rows and probs each local expert receives, the rows per expert, the
+    combined output and the grads of tokens and probs, for each case on each of 2 EP ranks."""
+    per_rank = run_ranks(megatron_dispatch_equivalence, 2, list(MEGATRON_CASES.values()))
+    names = ("probs", "routing map", "expert rows", "expert row probs", "output",
+             "token grads", "prob grads")
+    for rank, cases in enumerate(per_rank):
+        for case, (ours, theirs) in zip(MEGATRON_CASES, cases):
+            for name, mine, other in zip(names, ours, theirs):
+                assert torch.equal(mine, other), (rank, case, name)
+            assert ours[-1] == theirs[-1], (rank, case, "rows per local expert")
+        dropped = [int(ours[1].sum()) for ours, _ in cases]
+        assert dropped[1] < dropped[0] and dropped[2] < dropped[0]  # the capacity bit
+
+
+OVERLAP = ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
+CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
+PADDED = CAPACITY + ["--moe-pad-expert-input-to-capacity"]
+TINY_BUDGET = ["--moe-dispatch-budget", "0.25"]  # a quarter of the balanced share: overflows
+RUNS = [("dropless", []),
+        ("capacity", CAPACITY), ("capacity_ovl", CAPACITY + OVERLAP),
+        ("padded", PADDED), ("padded_ovl", PADDED + OVERLAP),
+        ("budget", ["--moe-dispatch-budget", "2.0"]),
+        ("tiny_budget", TINY_BUDGET), ("tiny_budget_ovl", TINY_BUDGET + OVERLAP)]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def mode_results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("modes")
+    return run_ranks(mode_runs, 2, 2, str(out_dir), STEPS, RUNS, timeout_s=600)
+
+
+def _bits(grads):
+    return [g.view(torch.int32) for g in grads]
+
+
+@pytest.mark.parametrize("mode", ["capacity", "padded", "tiny_budget"])
+def test_overlap_is_bitwise_equal_to_sequential_in_each_dispatch_mode(mode_results, mode):
+    for per_run in mode_results:
+        (sequential, seq_steps), (overlapped, ovl_steps) = per_run[mode], per_run[f"{mode}_ovl"]
+        assert all(torch.equal(a, b) for a, b in zip(_bits(sequential), _bits(overlapped)))
+        assert seq_steps == ovl_steps  # losses (bitwise), drops, reruns, budgets
+
+
+def test_capacity_modes_drop_and_count_the_same_tokens(mode_results):
+    steps = mode_results[0]
+    capacity, padded = steps["capacity"][1], steps["padded"][1]
+    assert all(dropped > 0 for _, dropped, _, _ in capacity)
+    assert [d for _, d, _, _ in capacity] == [d for _, d, _, _ in padded]
+    assert [loss for loss, *_ in capacity] == [loss for loss, *_ in padded]  # pad rows: prob 0
+    assert all(dropped is None for _, dropped, _, _ in steps["dropless"][1])
+
+
+def test_overflowing_budget_reruns_and_gives_the_dropless_losses(mode_results):
+    """Every step of the tiny budget overflows, is rerun at a budget that holds its routing,
+    and ends with exactly the dropless run's loss; the generous budget never reruns."""
+    for per_run in mode_results:
+        dropless = [loss for loss, *_ in per_run["dropless"][1]]
+        tiny = per_run["tiny_budget"][1]
+        assert all(reruns >= 1 and budget > 0.25 for _, _, reruns, budget in tiny)
+        assert [loss for loss, *_ in tiny] == dropless
+        assert all(reruns == 0 and budget == 2.0 for _, _, reruns, budget in
+                   per_run["budget"][1])
+        assert [loss for loss, *_ in per_run["budget"][1]] == dropless
+        dropless_grads = _bits(per_run["dropless"][0])
+        assert all(torch.equal(a, b) for a, b in zip(_bits(per_run["tiny_budget"][0]),
+                                                      dropless_grads))
+
+
+LAYER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe"]
+FULL_GRAPH = ["--cuda-graph-impl", "full_iteration"]
+GRAPH_RUNS = [("eager", TINY_BUDGET), ("layer_graphs", TINY_BUDGET + LAYER_GRAPHS),
+              ("eager_ovl", TINY_BUDGET + OVERLAP),
+              ("full_ovl", TINY_BUDGET + OVERLAP + FULL_GRAPH),
+              ("padded", PADDED), ("padded_full", PADDED + FULL_GRAPH)]
+
+
+def test_graph_banks_serve_the_overflow_reruns(tmp_path):
+    """Graphs that hold the dispatch (the whole MoE layer; the full iteration with the overlap)
+    under a budget that overflows every step: the last warmup step records the base budget's
+    bank and, in its rerun, the larger budget's; both are captured after it and the later
+    steps replay them, with exactly the eager losses. A padded capacity needs one bank."""
+    for rank, runs in enumerate(run_ranks(graphed_training, 2, 2, 3, GRAPH_RUNS,
+                                          timeout_s=600)):
+        for graphed, eager in (("layer_graphs", "eager"), ("full_ovl", "eager_ovl"),
+                               ("padded_full", "padded")):
+            steps, banks, lines = runs[graphed]
+            assert steps == runs[eager][0], (rank, graphed)
+            assert runs[eager][1] is None
+            summary = next(line for line in lines if line.startswith("done: "))
+            if graphed == "padded_full":
+                assert banks == [0]
+                assert " | dropped " in summary and " | reruns " not in summary, summary
+                continue
+            assert all(reruns >= 1 for _, reruns, _ in steps)
+            total = sum(reruns for _, reruns, _ in steps)
+            assert summary.endswith(f" | reruns {total} (in {len(steps)} steps)"), summary
+            rerun_levels = {budget for _, _, budget in steps}
+            assert len(banks) == 1 + len(rerun_levels) and banks[0] == 0, (rank, banks)
+            assert any("CUDA graphs (budget 0.25)" in line for line in lines), lines
