@@ -9,6 +9,8 @@
 #   tools/gpu_suite.sh scale     bitwise check + overlap benchmark on all visible GPUs
 #   tools/gpu_suite.sh verify    GPU pytest tier (graphs on one GPU first, then the CLI bitwise
 #                                runs on 2 GPUs over EPOVERLAP_GPU_STEPS steps) + kernel tests
+#   tools/gpu_suite.sh merged1   one GPU: every `gpu` (not `multigpu`) pytest test, bench_host
+#                                with the sync-free modes and the eager per-node host table
 #   tools/gpu_suite.sh one       one GPU: graphs/streams GPU tests, kernel tests, host cost
 #                                eager vs graphed, 200-step small-preset runs (graphed, with and
 #                                without --deterministic-mode), the same command twice
@@ -117,6 +119,12 @@ case "$PART" in
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=400 step bench_pipeline python3 \
       tools/bench_pipeline.py --gpus "$NGPUS" --preset small --num-layers 8 --iters 12 \
       --out-dir "$WORK/bench_pipeline"
+    ;;
+  merged1)  # one GPU after the merges: every one-GPU pytest test, host cost incl. per node
+    STEP_TIMEOUT=400 step gpu_tests_all python3 -m pytest tests -q -m "gpu and not multigpu" \
+      -p no:cacheprovider --durations=8
+    STEP_TIMEOUT=150 step bench_host python3 tools/bench_host.py --sync-free \
+      --out "$WORK/bench_host.json"
     ;;
   tests1)  # the one-GPU pytest tier alone
     STEP_TIMEOUT=300 step gpu_tests python3 -m pytest tests/test_gpu.py -q -m gpu --durations=8
