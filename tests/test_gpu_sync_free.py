@@ -100,7 +100,7 @@ def _assert_bitwise(eager, graphed):
 def _moe_layer_pass_without_host_reads(flags):
     """Forward and backward of a one-node MoE layer under torch's sync debug mode "error"."""
     model, _, _ = _parts(flags, one_node=True)
-    layer = next(layer for layer in model.layers if layer.is_moe)
+    layer = next(layer for layer in model.transformer_layers() if layer.is_moe)
     spec = layer.node_specs()[0]
     hidden = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     spec.fn(hidden=hidden)  # warm up (Triton compiles, allocations) outside the check
