@@ -136,6 +136,14 @@ def expert_token_counts(routing_map_TE: torch.Tensor) -> torch.Tensor:
     return routing_map_TE.sum(dim=0, dtype=torch.int64)
 
 
+def plain_topk_counts(scores_TE: torch.Tensor, topk: int) -> torch.Tensor:
+    """Tokens per expert of a plain top-k of `scores_TE` (no groups, no bias): the counts
+    Megatron-core's Switch aux loss uses (`compute_routing_scores_for_aux_loss`)."""
+    top_indices_TK = torch.topk(scores_TE, k=topk, dim=1).indices
+    map_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter(1, top_indices_TK, True)
+    return expert_token_counts(map_TE)
+
+
 def aux_loss_scores(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
     """Scores the Switch aux loss uses: softmax over E, or sum-normalized sigmoid (fp32)."""
     if score_function == "softmax":

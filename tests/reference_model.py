@@ -29,11 +29,11 @@ Facts taken from epoverlap's code (names, layouts, choices a reader could not gu
   * The routing prob is applied inside the expert activation: act = silu(gate) * up * prob,
     then fc2 (equal in exact arithmetic to scaling the expert output, since fc2 has no bias;
     NOT equal to scaling the expert input, Megatron's moe_apply_probs_on_input).
-  * The aux-loss token counts are those of the actual routing (after group limiting and
-    expert bias): `aux_counts="routed"`. Megatron-core since 0.13 (MR !3279 "Fix MoE Aux
-    loss", 2025-06; 0.16.1 too) counts a plain top-k of the aux scores instead, ignoring groups
-    and bias: `aux_counts="megatron"`. They differ only with groups or an expert bias (see
-    test_reference_model.py::test_aux_loss_counts_follow_the_routed_experts_not_megatron).
+  * The aux-loss token counts are, as in Megatron-core since 0.13 (MR !3279 "Fix MoE Aux
+    loss", 2025-06; 0.16.1 too), those of a plain top-k of the aux scores, ignoring groups and
+    bias: `aux_counts="megatron"`. `aux_counts="routed"` counts the actual routing (after
+    group limiting and expert bias) instead; they differ only with groups or an expert bias
+    (test_reference_model.py::test_aux_loss_counts_follow_megatron_not_the_routed_experts).
   * Loss scaling: the executor scales each microbatch's cross-entropy by 1/M (M microbatches
     per rank) and the aux / z losses' grads by the same 1/M (Router.aux_loss_scale, as
     Megatron's MoEAuxLossAutoScaler.set_loss_scale(1 / num_microbatches)); grads are then
@@ -80,10 +80,10 @@ class ReferenceHyper:
     z_loss_coeff: float
     norm_eps: float
     rotary_base: float
-    aux_counts: str = "routed"  # or "megatron": see the module docstring
+    aux_counts: str = "megatron"  # or "routed": see the module docstring
 
     @classmethod
-    def from_run_config(cls, cfg, aux_counts: str = "routed") -> "ReferenceHyper":
+    def from_run_config(cls, cfg, aux_counts: str = "megatron") -> "ReferenceHyper":
         """Read the hyperparameters off an epoverlap RunConfig (attributes only)."""
         m, moe = cfg.model, cfg.moe
         return cls(heads=m.num_attention_heads, kv_heads=m.num_query_groups or

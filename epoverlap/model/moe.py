@@ -44,7 +44,8 @@ from torch import nn
 
 from epoverlap_kernels import MoEOps
 from epoverlap_kernels.capacity import apply_router_token_dropping, dropped_pairs, get_capacity
-from epoverlap_kernels.router_topk import aux_loss_scores, expert_token_counts
+from epoverlap_kernels.router_topk import (aux_loss_scores, expert_token_counts,
+                                          plain_topk_counts)
 
 from epoverlap.parallel.comm import ExpertComm, all_to_all
 from epoverlap.config import MoEConfig
@@ -268,7 +269,8 @@ class Router(nn.Module):
         aux = None
         if moe.moe_aux_loss_coeff > 0:
             scores_TE = aux_loss_scores(logits_TE, moe.moe_router_score_function)
-            aux = switch_aux_loss(scores_TE, counts_E, moe.moe_router_topk, moe.moe_aux_loss_coeff)
+            aux = switch_aux_loss(scores_TE, self._aux_counts(scores_TE, counts_E),
+                                  moe.moe_router_topk, moe.moe_aux_loss_coeff)
         if self.mode.drops_tokens:
             probs_TE, routing_map_TE, counts_E = self._apply_capacity(probs_TE, routing_map_TE)
         if aux is not None:
@@ -276,6 +278,15 @@ class Router(nn.Module):
             self.step_aux_loss += aux.detach()
         self.step_counts += counts_E
         return probs_TE, routing_map_TE, counts_E
+
+    def _aux_counts(self, scores_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Tokens per expert for the Switch aux loss, as Megatron-core counts them: a plain
+        top-k of the aux scores. Without group-limited routing or an expert bias that is the
+        routing's own top-k (softmax and sigmoid keep the logits' order), so its counts serve."""
+        moe = self.moe
+        if not moe.moe_router_num_groups and self.expert_bias is None:
+            return counts_E
+        return plain_topk_counts(scores_TE, moe.moe_router_topk)
 
     def _apply_capacity(self, probs_TE, routing_map_TE):
         """Megatron-core's token dropping (and padding); counts the dropped pairs on device."""
