@@ -85,3 +85,18 @@ def single_rank_groups():
                           edp_rank=0, device=torch.device("cpu"), backend="none", watch=watch,
                           world=only[WORLD], ep=only[EXPERT_PARALLEL],
                           edp=only[EXPERT_DATA_PARALLEL])
+
+
+def one_process_model(cfg, backend: str, dtype, device, delay: bool = False,
+                      one_node: bool = False):
+    """(model, weight-grad queue, grad buffers) of `cfg` on one process, EP=1, for the
+    executor-level tests that drive plans themselves."""
+    from epoverlap.model.transformer import MoEModel
+    from epoverlap.parallel.comm import ExpertComm
+    from epoverlap.schedule.wgrad import WeightGradQueue
+    from epoverlap.training.grads import GradBuffers
+    from epoverlap_kernels import make_moe_ops
+    queue = WeightGradQueue(enabled=delay)
+    model = MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops(backend), dtype=dtype,
+                     device=torch.device(device), wgrad_queue=queue, one_node_moe_layers=one_node)
+    return model, queue, GradBuffers(model, single_rank_groups())

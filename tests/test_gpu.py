@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dist_helpers import one_process_model
+
 # strict --deterministic-mode needs cuBLAS's fixed workspace, set before cuBLAS starts
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 REPO = Path(__file__).resolve().parents[1]
@@ -31,17 +33,11 @@ def _single_gpu_grads(lanes_kind: str, delay: bool, graphs: bool = False):
     """Grads of one step of a 3-layer bf16 model on one GPU (EP=1: the all-to-alls are local
     copies on the comm lane). With `graphs`, an eager recording step, the capture, then the
     measured step replays partial CUDA graphs of attn, moe_router and moe_preprocess."""
-    from types import SimpleNamespace
 
     from epoverlap.config import parse_config
     from epoverlap.graphs.capture import GraphRunner
-    from epoverlap.model.transformer import MoEModel
-    from epoverlap.parallel.comm import ExpertComm
     from epoverlap.schedule.executor import CudaStreamLanes, Executor, SerialLanes
     from epoverlap.schedule.plan import build_plan
-    from epoverlap.schedule.wgrad import WeightGradQueue
-    from epoverlap.training.grads import GradBuffers
-    from epoverlap_kernels import make_moe_ops
 
     torch.use_deterministic_algorithms(True)
     cfg = parse_config(["--num-layers", "3", "--hidden-size", "256", "--num-attention-heads",
@@ -50,11 +46,7 @@ def _single_gpu_grads(lanes_kind: str, delay: bool, graphs: bool = False):
                         "--moe-shared-expert-intermediate-size", "128", "--bf16",
                         "--num-microbatches", "4", "--moe-aux-loss-coeff", "0.01"])
     device = torch.device("cuda")
-    queue = WeightGradQueue(enabled=delay)
-    model = MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("triton"), dtype=torch.bfloat16,
-                     device=device, wgrad_queue=queue)
-    grads = GradBuffers(model, SimpleNamespace(world_size=1, ep_size=1, edp_size=1, dp_size=1,
-                                               pp_size=1))
+    model, queue, grads = one_process_model(cfg, "triton", torch.bfloat16, device, delay)
     lanes = CudaStreamLanes(device) if lanes_kind == "streams" else SerialLanes()
     plan = build_plan("combined_1f1b" if lanes_kind == "streams" else "sequential",
                       model.layout(), 4, delay)

@@ -7,11 +7,11 @@ the eager losses bit for bit."""
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from dist_helpers import one_process_model
 from test_gpu import _identical, _train, needs_gpu, needs_gpus
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -26,20 +26,9 @@ MODEL = ["--num-layers", "3", "--hidden-size", "256", "--num-attention-heads", "
 
 def _parts(flags, one_node=False, delay=False):
     from epoverlap.config import parse_config
-    from epoverlap.model.transformer import MoEModel
-    from epoverlap.parallel.comm import ExpertComm
-    from epoverlap.schedule.wgrad import WeightGradQueue
-    from epoverlap.training.grads import GradBuffers
-    from epoverlap_kernels import make_moe_ops
-
     torch.use_deterministic_algorithms(True)
-    cfg = parse_config(MODEL + flags)
-    queue = WeightGradQueue(enabled=delay)
-    model = MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("triton"), dtype=torch.bfloat16,
-                     device=torch.device("cuda"), wgrad_queue=queue, one_node_moe_layers=one_node)
-    grads = GradBuffers(model, SimpleNamespace(world_size=1, ep_size=1, edp_size=1,
-                                                  dp_size=1, pp_size=1))
-    return model, queue, grads
+    return one_process_model(parse_config(MODEL + flags), "triton", torch.bfloat16, "cuda",
+                             delay, one_node)
 
 
 def _data(seed):

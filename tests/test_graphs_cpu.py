@@ -11,7 +11,6 @@ so bitwise equality with the eager run checks the liveness rules too.
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,13 +20,10 @@ from epoverlap.graphs import capture as capture_module
 from epoverlap.graphs.capture import (GraphRunner, graphed_modules, graphed_ranges,
                                       microbatch_slots)
 from epoverlap.model.nodes import Segment
-from epoverlap.model.transformer import MoEModel
-from epoverlap.parallel.comm import ExpertComm
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
 from epoverlap.schedule.plan import build_plan
-from epoverlap.schedule.wgrad import WeightGradQueue
-from epoverlap.training.grads import GradBuffers
-from epoverlap_kernels import make_moe_ops
+
+from dist_helpers import one_process_model
 
 MODEL = ["--num-layers", "3", "--hidden-size", "32", "--ffn-hidden-size", "64",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "16",
@@ -81,12 +77,7 @@ def _data(seed):
 
 
 def _build(delay):
-    cfg = parse_config(MODEL)
-    queue = WeightGradQueue(enabled=delay)
-    model = MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
-                     device=torch.device("cpu"), wgrad_queue=queue)
-    groups = SimpleNamespace(world_size=1, ep_size=1, edp_size=1, dp_size=1, pp_size=1)
-    return model, queue, GradBuffers(model, groups)
+    return one_process_model(parse_config(MODEL), "torch", torch.float32, "cpu", delay)
 
 
 def _step(executor, plan, grads, model, seed):

@@ -6,7 +6,6 @@ to the eager run; the one-node layer itself equal to the four-node one."""
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,14 +14,10 @@ from epoverlap.config import parse_config
 from epoverlap.graphs.banks import GraphBanks
 from epoverlap.graphs.capture import GraphRunner, graphed_modules, graphs_span_moe_layer
 from epoverlap.graphs.full_iteration import FullIterationGraph
-from epoverlap.model.transformer import MoEModel
-from epoverlap.parallel.comm import ExpertComm
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
 from epoverlap.schedule.plan import build_plan
-from epoverlap.schedule.wgrad import WeightGradQueue
-from epoverlap.training.grads import GradBuffers
-from epoverlap_kernels import make_moe_ops
 
+from dist_helpers import one_process_model
 from test_graphs_cpu import MICROBATCHES, MODEL, EmulatedGraphs, _assert_bitwise, _data
 
 @pytest.fixture(autouse=True, scope="module")
@@ -40,13 +35,8 @@ PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capa
 
 
 def _build(flags, one_node=False, delay=False):
-    cfg = parse_config(MODEL + flags)
-    queue = WeightGradQueue(enabled=delay)
-    model = MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
-                     device=torch.device("cpu"), wgrad_queue=queue, one_node_moe_layers=one_node)
-    grads = GradBuffers(model, SimpleNamespace(world_size=1, ep_size=1, edp_size=1,
-                                                  dp_size=1, pp_size=1))
-    return model, queue, grads
+    return one_process_model(parse_config(MODEL + flags), "torch", torch.float32, "cpu", delay,
+                             one_node)
 
 
 def _step(run, grads, model, seed):

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from epoverlap.config import parse_config
-from epoverlap.errors import ConfigError
 from epoverlap.model.nodes import COMM, RECV, SEND
 from epoverlap.model.stages import stage_chunks
 from epoverlap.model.transformer import MoEModel

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from epoverlap_kernels import MoEOps
