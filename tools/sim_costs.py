@@ -202,7 +202,7 @@ class LinkModel:
 
 
 # Per-GPU figures. nvlink: fitted to the measured all-to-all time of benchmarks/overlap.md
-# (benchmarks/simulation.md, "comm model"); shm and ib: assumptions stated there.
+# (benchmarks/scale.md, "comm model"); shm and ib: assumptions stated there.
 LINKS = {
     "nvlink": LinkModel("nvlink", bandwidth_gbs=245.0, latency_us=25.0, sync_us=60.0),
     "shm": LinkModel("shm", bandwidth_gbs=20.0, latency_us=40.0, sync_us=80.0),

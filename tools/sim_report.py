@@ -1,4 +1,4 @@
-"""The tables and the plot of benchmarks/simulation.md: `python tools/sim_report.py [--plot
+"""The tables and the plot of benchmarks/scale.md: `python tools/sim_report.py [--plot
 PNG]`.
 
 Every row is one `epoverlap-simulate` scenario, printed with its flags, run through the same
