@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -61,7 +64,9 @@ SYNC_FREE_MODES = {"budget_eager": BUDGET, "budget_partial": BUDGET + GRAPHS,
                    "padded_full": PADDED + ["--cuda-graph-impl", "full_iteration"]}
 
 
-def measure(groups, argv, iters: int, warmup: int, per_node: bool = False) -> dict:
+def measure(groups, argv, iters: int, warmup: int, per_node: int = 0) -> dict:
+    """Host and wall time per step of `argv`; with `per_node` (eager only) also the per-node
+    table, the launches per step and the `per_node` ops with the most host self time."""
     trainer = Trainer(parse_config(argv), groups, log=lambda msg: None)
     try:
         inputs = trainer.microbatches(1)
@@ -88,7 +93,7 @@ def measure(groups, argv, iters: int, warmup: int, per_node: bool = False) -> di
                "graphs": bank.graph_count() if bank is not None else 0}
         if trainer.graphs is None and per_node:
             row["nodes"] = per_node_host_ms(trainer, inputs, iters)
-            row["launches_per_step"] = kernel_launches(trainer, inputs)
+            row["launches_per_step"] = kernel_launches(trainer, inputs, top=per_node)
             row["host_us_per_launch"] = row["cpu_ms"] * 1e3 / max(row["launches_per_step"], 1)
         return row
     finally:
@@ -127,14 +132,39 @@ def per_node_host_ms(trainer: Trainer, inputs, iters: int) -> dict:
             for key in keys}
 
 
-def kernel_launches(trainer: Trainer, inputs) -> int:
-    """CUDA kernel launches of one step (every thread), counted by torch.profiler."""
+def print_python_profile(trainer: Trainer, inputs, top: int) -> None:
+    """cProfile of one eager step: the Python functions with the most own time (the host cost
+    torch.profiler cannot attribute: launchers, argument handling, the executor)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    trainer.run_microbatches(1, inputs)
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    print(text.getvalue())
+
+
+def kernel_launches(trainer: Trainer, inputs, top: int = 0) -> int:
+    """CUDA kernel launches of one step (every thread), counted by torch.profiler; with `top`,
+    also prints the ops with the most host self time (where the host time goes)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as prof:
         trainer.run_microbatches(1, inputs)
         torch.cuda.synchronize()
+    if top:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+        print_python_profile(trainer, inputs, top)
     names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
     return sum(1 for event in prof.events() if event.name in names)
+
+
+def print_node_table(eager: dict) -> None:
+    print(f"eager: {eager['launches_per_step']} CUDA kernel launches per step, "
+          f"{eager['host_us_per_launch']:.1f} us of host CPU per launch")
+    print("\n| eager node action | host ms/step | host us per call |\n| --- | --- | --- |")
+    for key, (ms, us) in eager["nodes"].items():
+        print(f"| {key} | {ms:.2f} | {us:.0f} |")
 
 
 def main(argv=None) -> int:
@@ -143,6 +173,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--top-ops", type=int, default=30,
+                        help="eager: print this many ops with the most host self time")
     parser.add_argument("--sync-free", action="store_true",
                         help="also the budget dispatch: eager, partial, whole-layer and "
                              "full-iteration graphs")
@@ -158,7 +190,7 @@ def main(argv=None) -> int:
     groups = init_distributed(1, "cuda")
     try:
         rows = {mode: measure(groups, base + extra, args.iters, args.warmup,
-                              per_node=mode == "eager")
+                              per_node=args.top_ops if mode == "eager" else 0)
                 for mode, extra in modes.items()}
     finally:
         destroy_distributed(groups)
@@ -173,17 +205,13 @@ def main(argv=None) -> int:
         print(f"| {mode} | {r['cpu_ms']:.2f} | {r['wall_ms']:.2f} | "
               f"{r['cpu_ms_per_layer_mb']:.3f} | {r['graphs']} |")
     print(f"host CPU time eager / graphed: {ratio:.2f}x")
-    eager = rows["eager"]
-    print(f"eager: {eager['launches_per_step']} CUDA kernel launches per step, "
-          f"{eager['host_us_per_launch']:.1f} us of host CPU per launch")
-    print("\n| eager node action | host ms/step | host us per call |\n| --- | --- | --- |")
-    for key, (ms, us) in eager["nodes"].items():
-        print(f"| {key} | {ms:.2f} | {us:.0f} |")
     for mode in SYNC_FREE_MODES if args.sync_free else ():
         reference = mode.split("_")[0] + "_eager"
         print(f"{reference} / {mode}: host CPU time "
               f"{rows[reference]['cpu_ms'] / rows[mode]['cpu_ms']:.2f}x, wall "
               f"{rows[reference]['wall_ms'] / rows[mode]['wall_ms']:.2f}x")
+    if "nodes" in rows["eager"]:
+        print_node_table(rows["eager"])
     return 0
 
 
