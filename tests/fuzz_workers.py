@@ -76,8 +76,8 @@ def flag_values(folder: Path) -> dict[str, list[Optional[list[str]]]]:
             choices = INTS + (["none"] if type_name.startswith("_opt") else []) + ["x"]
         elif "float" in type_name:
             choices = FLOATS + (["none"] if type_name.startswith("_opt") else []) + ["x"]
-        else:
-            choices = ["x", ""]
+        else:  # free text: a path, if anything, inside the test's folder (never the cwd)
+            choices = [str(folder / "x"), ""]
         if action.nargs in ("*", "+"):
             values[flag] = [[flag, *random.Random(i).sample(choices, k)]
                             for i, k in enumerate([0, 1, 2, 1, 2])]
