@@ -15,10 +15,10 @@ moe_preprocess`) with the dropless dispatch; with --sync-free also, over the bud
 whole-layer graphs (`--cuda-graph-impl local`, the MoE layer as one graphed node) and one
 full-iteration graph; and over the padded capacity (factor 1.0): eager and full-iteration.
 
-The eager mode (dropless) also gets a per-node table: the host wall time of each node action (forward F,
-backward B) as the executor issues it (median over the timed steps, summed over layers and
-microbatches, and per call), and, from one step under torch.profiler, the CUDA kernel launches
-per step, so host time per launch = host CPU per step / launches.
+The eager mode (dropless) also gets a per-node table: the host wall time of each node action
+(forward F, backward B) as the executor issues it (median over the timed steps, summed over
+layers and microbatches, and per call), and, from one step under torch.profiler, the CUDA
+kernel launches per step, so host time per launch = host CPU per step / launches.
 """
 
 from __future__ import annotations
@@ -100,32 +100,36 @@ def measure(groups, argv, iters: int, warmup: int, per_node: int = 0) -> dict:
         trainer.close()
 
 
+class _HostTimes:
+    """A recorder for the executor (its `span(action, lane)` protocol) that sums the host wall
+    time of each node action, keyed "F attn", "B mlp", ..."""
+
+    def __init__(self):
+        self.totals: dict = defaultdict(lambda: [0.0, 0])
+
+    @contextlib.contextmanager
+    def span(self, action, lane):
+        start = time.perf_counter()
+        yield
+        total = self.totals[f"{action.kind} {action.node}"]
+        total[0] += time.perf_counter() - start
+        total[1] += 1
+
+
 def per_node_host_ms(trainer: Trainer, inputs, iters: int) -> dict:
     """{"F attn": (ms per step, us per call), ...}: host wall time of each node action, timed
     around the executor's task (serial lanes: the issuing thread; the GPU stays behind)."""
     executor, steps = trainer.executor, []
-    original = executor._span
-
-    def timed(action, lane, totals):
-        @contextlib.contextmanager
-        def span():
-            start = time.perf_counter()
-            with original(action, lane):
-                yield
-            key = f"{action.kind} {action.node}"
-            totals[key][0] += time.perf_counter() - start
-            totals[key][1] += 1
-        return span()
+    recorder = executor.recorder
     try:
         for _ in range(iters):
-            totals = defaultdict(lambda: [0.0, 0])
-            executor._span = lambda action, lane, totals=totals: timed(action, lane, totals)
+            executor.recorder = times = _HostTimes()
             torch.cuda.synchronize()
             trainer.run_microbatches(1, inputs)
             torch.cuda.synchronize()
-            steps.append(dict(totals))
+            steps.append(dict(times.totals))
     finally:
-        executor._span = original
+        executor.recorder = recorder
     keys = sorted(steps[0], key=lambda k: (k[0] != "F", k))
     return {key: (statistics.median(s[key][0] for s in steps) * 1e3,
                   statistics.median(s[key][0] / s[key][1] for s in steps) * 1e6)

@@ -79,6 +79,10 @@ class Group:
         with self.watch.collective(self.name, self.ranks, "all_to_all"):
             dist.all_to_all_single(output, input, output_splits, input_splits, group=self.pg)
 
+    def barrier(self) -> None:
+        with self.watch.collective(self.name, self.ranks, "barrier"):
+            dist.barrier(group=self.pg)
+
     def all_gather_object(self, objects: list, obj: object) -> None:
         with self.watch.collective(self.name, self.ranks, "all_gather_object"):
             dist.all_gather_object(objects, obj, group=self.pg)
@@ -172,16 +176,8 @@ class ParallelGroups:
         return self.dp.ranks.index(self.rank)
 
     @property
-    def pp_ranks(self) -> tuple[int, ...]:
-        return self.pp.ranks if self.pp is not None else (self.rank,)
-
-    @property
     def ep_group(self) -> Optional[dist.ProcessGroup]:
         return self.ep.pg
-
-    @property
-    def edp_group(self) -> Optional[dist.ProcessGroup]:
-        return self.edp.pg
 
     def is_first(self) -> bool:
         return self.rank == 0

@@ -127,11 +127,6 @@ def _single_process_quiet():
         yield
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 class Checkpointer:
     """Saves and loads one run's training state (see the module docstring for the keys)."""
 
@@ -173,7 +168,7 @@ class Checkpointer:
         temp = files.temp_folder(save_dir, step)
         if first:
             files.prepare_temp(save_dir, step)
-        _barrier()
+        self._barrier()
         with_optimizer = bool(self.optimizer.state_of(self.trainables[0].master))
         entries = self._entries(with_optimizer)
         rank = self.groups.rank
@@ -185,10 +180,16 @@ class Checkpointer:
         if first:
             final = files.publish(temp, save_dir, step, self._meta(step, with_optimizer))
             size = files.folder_bytes(final)
-        _barrier()
+        self._barrier()
         if first:
             self.log(f"checkpoint: saved step {step} to {final} in "
                      f"{time.perf_counter() - start:.2f} s ({size / 1e6:.1f} MB)")
+
+    def _barrier(self) -> None:
+        """Every rank of the world waits here (through the watch, so a rank that never
+        arrives is named); nothing to wait for in a world of one."""
+        if self.groups.world_size > 1:
+            self.groups.world.barrier()
 
     def _meta(self, step: int, with_optimizer: bool) -> dict:
         g = self.groups
@@ -204,7 +205,7 @@ class Checkpointer:
         step = ref.step if ref is not None else 0
         if self.groups.world_size > 1:
             steps = torch.tensor([step, -step], dtype=torch.int64, device=self.groups.device)
-            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+            self.groups.world.all_reduce(steps, op=dist.ReduceOp.MAX)
             if int(steps[0]) != -int(steps[1]):
                 raise CheckpointError(self.cfg.checkpoint.load, self.cfg.checkpoint.load,
                                       f"ranks found different checkpoints (steps "

@@ -125,12 +125,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     def environment(cfg: RunConfig) -> None:
         setup_environment(cfg, lambda msg: warn(f"epoverlap-train: warning: {msg}"))
+    world = world_size_from_env()
     try:
         cfg, resume, warnings = checked_config(
-            argv, world_size_from_env(), cuda, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-            printing, before_cuda=environment)
-        # the data files, before any group
-        data = open_data_source(cfg, cfg.data_parallel_size(world_size_from_env()))
+            argv, world, cuda, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), printing,
+            before_cuda=environment)
+        data = open_data_source(cfg, cfg.data_parallel_size(world))  # files, before any group
     except ConfigError as error:
         return _fail(error, 2, printing)
     except SystemExit as stop:  # --help (status 0), or argparse exiting by itself

@@ -41,9 +41,9 @@ from typing import Optional
 
 from epoverlap.config import RunConfig
 from epoverlap.errors import ConfigError
+from epoverlap.model.moe import DispatchMode
 from epoverlap.model.stages import ChunkPlacement, stage_chunks
 from epoverlap.schedule.pipeline import microbatch_groups, warmup_forwards
-from epoverlap.model.moe import DispatchMode
 
 GIB = 2**30
 # Not in the estimate, needed beside it: CUDA context, NCCL buffers, allocator slack (GPU);
@@ -107,7 +107,8 @@ def dispatch_rows_per_token(cfg: RunConfig) -> float:
     return rows / tokens
 
 
-def _layer_bytes_per_token(cfg: RunConfig, is_moe: bool, b: int) -> int:
+def _layer_bytes_per_token(cfg: RunConfig, is_moe: bool, b: int, rows: float) -> int:
+    """Activation bytes one token leaves in a layer; `rows`: dispatch rows per token."""
     m, moe = cfg.model, cfg.moe
     h, q, g, d = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim
     expanded = 2 * q * d if g < q else 0
@@ -116,8 +117,7 @@ def _layer_bytes_per_token(cfg: RunConfig, is_moe: bool, b: int) -> int:
         return attn + b * (3 * m.ffn_hidden_size + 2 * h)
     ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
     shared = moe.moe_shared_expert_intermediate_size or 0
-    k, experts = dispatch_rows_per_token(cfg), moe.num_experts
-    return attn + int(b * (k * (5 * h + 3 * ffn) + 2 * h + 3 * shared)) + 13 * experts
+    return attn + int(b * (rows * (5 * h + 3 * ffn) + 2 * h + 3 * shared)) + 13 * moe.num_experts
 
 
 def estimate_memory(cfg: RunConfig, world_size: int) -> MemoryEstimate:
@@ -135,7 +135,8 @@ def _stage_estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
     tokens = t.micro_batch_size * m.seq_length
     pattern = cfg.moe_layer_pattern()
     chunks = _stage_chunks(cfg, stage)
-    per_chunk = [[_layer_bytes_per_token(cfg, pattern[layer], b) for layer in chunk.layers]
+    rows = dispatch_rows_per_token(cfg) if cfg.moe.enabled else 0
+    per_chunk = [[_layer_bytes_per_token(cfg, pattern[layer], b, rows) for layer in chunk.layers]
                  for chunk in chunks]
     loss = m.vocab_size * (b + 8) + 2 * m.hidden_size * b if chunks[-1].has_loss else 0
     one_chunk = tokens * (m.hidden_size * b + max(sum(layers) for layers in per_chunk) + loss)
@@ -144,7 +145,6 @@ def _stage_estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
     if cfg.overlap.overlap_moe_expert_parallel_comm:
         activations += tokens * max(max(layers) for layers in per_chunk)
         in_flight += " + 1 layer"
-    rows = dispatch_rows_per_token(cfg) if cfg.moe.enabled else 0
     grads_per_token = max(m.vocab_size * (8 + b) if loss else 0,
                           int(2 * rows * m.hidden_size * b))
     transient = max(max(sizes) * b, tokens * grads_per_token)
