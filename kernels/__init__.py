@@ -4,7 +4,8 @@ the fused elementwise ops of the layers around them (RMSNorm, rotary, SwiGLU).
 Each op has a torch reference and a Triton kernel side by side (`router_topk.py` /
 `router_topk_triton.py`, `permutation.py` / `permutation_triton.py`, `sort_chunks.py` /
 `sort_chunks_triton.py`, `rmsnorm.py`, `rotary.py`, `swiglu.py` and their `*_triton.py`;
-`triton_ops.py` gathers the Triton ones; `megatron_api.py` gives the routing ops
+`triton_ops.py` gathers the Triton ones; `launch_cache.py` is the host fast path of every
+Triton launch (the compiled kernel reused per launch key); `megatron_api.py` gives the routing ops
 Megatron-core's call signatures over either backend). The implementation is chosen
 once, by building an `MoEOps` table from the config's kernel backend;
 model code calls `ops.permute(...)` and never branches on the backend itself.
@@ -69,7 +70,8 @@ def triton_unavailable_reason() -> Optional[str]:
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return "no CUDA device and TRITON_INTERPRET is not set: use --kernel-backend torch"
     loaded = sys.modules.get(f"{__name__}.permutation_triton")
-    if loaded is not None and type(loaded._permute_kernel).__name__ != "InterpretedFunction":
+    kernel = getattr(loaded, "_permute_kernel", None)
+    if loaded is not None and type(getattr(kernel, "fn", kernel)).__name__ != "InterpretedFunction":
         return ("no CUDA device, and TRITON_INTERPRET=1 was set after the Triton kernels were "
                 "imported: set it before importing epoverlap_kernels.triton_ops")
     return None
@@ -107,6 +109,33 @@ TRITON_KERNEL_MODULES = ("permutation_triton", "rmsnorm_triton", "rotary_triton"
                          "router_topk_triton", "sort_chunks_triton", "swiglu_triton")
 
 
+def _loaded_kernels():
+    """(name, kernel) of every launched Triton kernel of the modules imported so far."""
+    import sys
+
+    for module_name in TRITON_KERNEL_MODULES:
+        module = sys.modules.get(f"{__name__}.{module_name}")
+        if module is None:
+            continue
+        for name, obj in vars(module).items():
+            if name.endswith("_kernel") and getattr(obj, "device_caches", None) is not None:
+                yield name, obj
+
+
+def set_launch_cache(enabled: bool) -> None:
+    """Turn the per-shape launch cache (`launch_cache`) of every loaded kernel on or off: off,
+    each launch takes Triton's own `JITFunction.run` (the A/B of tools/bench_host.py and
+    tools/bench_kernels.py, and the GPU tests' bitwise check)."""
+    for _, kernel in _loaded_kernels():
+        kernel.enabled = enabled
+
+
+def launch_cache_stats() -> dict[str, tuple[int, int]]:
+    """Kernel name -> (launches served by the launch cache, launches through Triton's path)."""
+    return {name: (kernel.hits, kernel.misses) for name, kernel in _loaded_kernels()
+            if hasattr(kernel, "hits")}
+
+
 def triton_compiled_variants() -> Optional[dict[str, int]]:
     """Compiled variants of every Triton kernel in this process: kernel name -> count.
 
@@ -116,16 +145,6 @@ def triton_compiled_variants() -> Optional[dict[str, int]]:
     Row counts are excluded from specialization (`do_not_specialize`), so after the first step
     of a run this number stays flat; `Trainer` warns when it does not.
     """
-    import sys
-
-    counts: dict[str, int] = {}
-    for module_name in TRITON_KERNEL_MODULES:
-        module = sys.modules.get(f"{__name__}.{module_name}")
-        if module is None:
-            continue
-        for name, obj in vars(module).items():
-            caches = getattr(obj, "device_caches", None)
-            if caches is None or not name.endswith("_kernel"):
-                continue
-            counts[name] = sum(len(entry[0]) for entry in caches.values())
+    counts = {name: sum(len(entry[0]) for entry in kernel.device_caches.values())
+              for name, kernel in _loaded_kernels()}
     return counts or None

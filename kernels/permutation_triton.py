@@ -57,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_cache import launch_cached
 from . import triton_utils
 from .triton_utils import (DEVICE_ASSERT_OPTIONS, cdiv, check_int32_rows, map_tiles, next_pow2,
                            permute_config, unpermute_config)
@@ -66,6 +67,7 @@ _ROUTED_ATTR = "_epoverlap_routed_count"  # (total_1 [1] int32, map _version) se
 
 # ----------------------------------------------------------------------------- row-id map
 
+@launch_cached
 @triton.jit(do_not_specialize=["T"])  # row counts vary per step: one variant
 def _map_count_kernel(
     routing_map_ptr,  # [T, E] uint8 in: routing flags (bool storage)
@@ -110,6 +112,7 @@ def _store_routed_total(total_ptr, total, N, CHECK_N: tl.constexpr):
                          "pairs than num_out_tokens; refusing to write out of bounds")
 
 
+@launch_cached
 @triton.jit(do_not_specialize=["T", "B", "N"])  # row counts vary per step: one variant
 def _map_write_kernel(
     routing_map_ptr,        # [T, E] uint8 in: routing flags
@@ -156,6 +159,7 @@ def _map_write_kernel(
             _store_routed_total(total_ptr, before + tl.sum(col_total, axis=0), N, CHECK_N)
 
 
+@launch_cached
 @triton.jit(do_not_specialize=["T", "N"])  # row counts vary per step: one variant
 def _map_small_kernel(
     routing_map_ptr,        # [T, E] uint8 in: routing flags
@@ -277,6 +281,7 @@ def _zero_tail_rows(out_ptr, total, t, t_ok, T, N, H, h, h_mask, BLOCK_T: tl.con
 
 # ----------------------------------------------------------------------------- permute
 
+@launch_cached
 @triton.jit(do_not_specialize=["T", "N"])  # row counts vary per step: one variant
 def _permute_kernel(
     tokens_ptr,      # [T, H] in: source rows
@@ -346,6 +351,7 @@ def _launch_permute(tokens_TH, row_id_map_TE, total_1, num_rows, probs_TE=None, 
 
 # ----------------------------------------------------------------------------- unpermute
 
+@launch_cached
 @triton.jit(do_not_specialize=["T", "N"])  # row counts vary per step: one variant
 def _unpermute_kernel(
     rows_ptr,        # [N, H] in: permuted rows
@@ -419,6 +425,7 @@ def _launch_unpermute(rows_NH, row_id_map_TE, probs_TE=None, row_vals_N=None, co
     return out_TH, out_vals_TE
 
 
+@launch_cached
 @triton.jit(do_not_specialize=["T", "N"])  # row counts vary per step: one variant
 def _unpermute_bwd_kernel(
     grad_out_ptr,    # [T, H] in: grad of the unpermute output

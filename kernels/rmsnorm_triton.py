@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_cache import launch_cached
 from .triton_utils import next_pow2
 
 MAX_HIDDEN = 32768      # a row (and its fp32 temporaries) must fit in one program's registers
@@ -58,6 +59,7 @@ def rms_norm_tile(hidden: int) -> RowTile:
     return RowTile(block_t, block_h, min(32, max(4, block_t * block_h // 512)))
 
 
+@launch_cached
 @triton.jit(do_not_specialize=["T"])  # row counts vary per step: one variant
 def _rms_norm_fwd_kernel(
     x_ptr,     # [T, H] in: rows stride_x apart, unit stride along H
@@ -80,6 +82,7 @@ def _rms_norm_fwd_kernel(
     tl.store(rstd_ptr + t, rstd, mask=t < T)
 
 
+@launch_cached
 @triton.jit(do_not_specialize=["T", "rows_per_program"])  # row counts vary per step: one variant
 def _rms_norm_bwd_kernel(
     dy_ptr,       # [T, H] in: grad of y, rows stride_dy apart, unit stride along H
@@ -123,6 +126,7 @@ def _rms_norm_bwd_kernel(
         tl.store(dw_part_ptr + pid * H + h, dw, mask=h_ok)
 
 
+@launch_cached
 @triton.jit(do_not_specialize=["P"])  # row counts vary per step: one variant
 def _rms_norm_dw_kernel(
     dw_part_ptr,  # [P, H] fp32 in: per-program partial weight grads

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_cache import launch_cached
 from .triton_utils import next_pow2
 
 
@@ -40,6 +41,7 @@ def rotary_tile(num_heads: int, half_dim: int) -> tuple[int, int, int]:
     return block_n, block_d2, min(16, max(4, block_n * block_d2 // 256))
 
 
+@launch_cached
 @triton.jit
 def _rotary_kernel(
     x_ptr,    # [B, N, S, D] in: strides stride_x*, unit stride along D

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_cache import launch_cached
 from .router_topk import check_router_args
 from .triton_utils import cdiv, next_pow2, router_tile
 
@@ -120,6 +121,7 @@ def _group_limit(keys, cols, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr,
     return tl.where(keep, keys, KEY_NONE)
 
 
+@launch_cached
 @triton.jit(do_not_specialize=["T"])  # row counts vary per step: one variant
 def _router_fwd_kernel(
     logits_ptr,       # [T, E] in: router logits (any float dtype)
@@ -173,6 +175,7 @@ def _router_fwd_kernel(
                       sem="relaxed")
 
 
+@launch_cached
 @triton.jit(do_not_specialize=["T"])  # row counts vary per step: one variant
 def _router_bwd_kernel(
     grad_probs_ptr,   # [T, E] in: grad of the dense probs (logits' dtype)

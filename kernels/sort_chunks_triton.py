@@ -24,11 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_cache import launch_cached
 from . import triton_utils
 from .triton_utils import (DEVICE_ASSERT_OPTIONS, cdiv, check_int32_rows, copy_config, next_pow2,
                            rows_per_copy_program)
 
 
+@launch_cached
 @triton.jit(do_not_specialize=["N"])  # row counts vary per step: one variant
 def _chunk_src_rows_kernel(
     split_sizes_ptr,  # [C] int in: rows of input chunk c (device tensor)
@@ -73,6 +75,7 @@ def _chunk_src_rows_kernel(
                              "the input's rows")
 
 
+@launch_cached
 @triton.jit(do_not_specialize=["N"])  # row counts vary per step: one variant
 def _move_rows_kernel(
     in_ptr,         # [N, H] in

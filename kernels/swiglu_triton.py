@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_cache import launch_cached
 from .triton_utils import next_pow2
 
 
@@ -39,6 +40,7 @@ def swiglu_tile(ffn: int) -> tuple[int, int, int]:
     return block_m, block_f, max(4, min(8, block_m * block_f // 512))
 
 
+@launch_cached
 @triton.jit(do_not_specialize=["M"])  # row counts vary per step: one variant
 def _swiglu_fwd_kernel(
     h_ptr,      # [M, 2F] in: [gate | up], rows stride_h apart, unit stride along 2F
@@ -66,6 +68,7 @@ def _swiglu_fwd_kernel(
         f0 += BLOCK_F
 
 
+@launch_cached
 @triton.jit(do_not_specialize=["M"])  # row counts vary per step: one variant
 def _swiglu_bwd_kernel(
     dact_ptr,    # [M, F] in: grad of act, rows stride_dact apart, unit stride along F

@@ -15,7 +15,11 @@ moe_preprocess`) with the dropless dispatch; with --sync-free also, over the bud
 whole-layer graphs (`--cuda-graph-impl local`, the MoE layer as one graphed node) and one
 full-iteration graph; and over the padded capacity (factor 1.0): eager and full-iteration.
 
-The eager mode (dropless) also gets a per-node table: the host wall time of each node action
+The eager mode runs twice: with the per-shape Triton launch cache (`eager`, the default path)
+and with every Triton launch through Triton's own `JITFunction.run` (`eager_triton_path`;
+skip with --no-triton-path); both print the loss of one more forward-backward of the same
+weights and inputs, which must be bit-identical. The eager mode (dropless) also gets a per-node
+table: the host wall time of each node action
 (forward F, backward B) as the executor issues it (median over the timed steps, summed over
 layers and microbatches, and per call), and, from one step under torch.profiler, the CUDA
 kernel launches per step, so host time per launch = host CPU per step / launches.
@@ -34,10 +38,12 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from epoverlap.config import parse_config, validate_config
+from epoverlap_kernels import set_launch_cache
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.main import setup_environment
 from epoverlap.training.trainer import Trainer
@@ -56,6 +62,9 @@ GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_rou
           "moe_preprocess"]
 BUDGET = ["--moe-dispatch-budget", "1.0"]
 MODES = {"eager": [], "graphed": GRAPHS}
+# the eager mode again with every Triton launch through Triton's own JITFunction.run instead of
+# the per-shape launch cache (epoverlap_kernels.launch_cache): the cache's A/B
+TRITON_PATH_MODE = "eager_triton_path"
 PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
 SYNC_FREE_MODES = {"budget_eager": BUDGET, "budget_partial": BUDGET + GRAPHS,
                    "budget_layer": BUDGET + ["--cuda-graph-impl", "local"],
@@ -64,10 +73,13 @@ SYNC_FREE_MODES = {"budget_eager": BUDGET, "budget_partial": BUDGET + GRAPHS,
                    "padded_full": PADDED + ["--cuda-graph-impl", "full_iteration"]}
 
 
-def measure(groups, argv, iters: int, warmup: int, per_node: int = 0) -> dict:
+def measure(groups, argv, iters: int, warmup: int, per_node: int = 0,
+            launch_cache: bool = True) -> dict:
     """Host and wall time per step of `argv`; with `per_node` (eager only) also the per-node
-    table, the launches per step and the `per_node` ops with the most host self time."""
+    table, the launches per step and the `per_node` ops with the most host self time (printed
+    when `per_node` > 1). `launch_cache=False`: Triton launches take Triton's own path."""
     trainer = Trainer(parse_config(argv), groups, log=lambda msg: None)
+    set_launch_cache(launch_cache)
     try:
         inputs = trainer.microbatches(1)
         bank = trainer.graphs.banks.active if trainer.graphs is not None else None
@@ -93,11 +105,21 @@ def measure(groups, argv, iters: int, warmup: int, per_node: int = 0) -> dict:
                "graphs": bank.graph_count() if bank is not None else 0}
         if trainer.graphs is None and per_node:
             row["nodes"] = per_node_host_ms(trainer, inputs, iters)
-            row["launches_per_step"] = kernel_launches(trainer, inputs, top=per_node)
+            row["launches_per_step"] = kernel_launches(trainer, inputs,
+                                                       top=per_node if per_node > 1 else 0)
             row["host_us_per_launch"] = row["cpu_ms"] * 1e3 / max(row["launches_per_step"], 1)
+        row["loss"] = _last_loss(trainer, inputs)
         return row
     finally:
+        set_launch_cache(True)
         trainer.close()
+
+
+def _last_loss(trainer: Trainer, inputs) -> float:
+    """The summed loss of one more forward-backward (no optimizer step: the same weights and
+    inputs in every mode, so the modes' figures can be compared for bit equality)."""
+    losses = trainer.run_microbatches(1, inputs)
+    return float(sum(loss.float() for loss in losses if loss is not None))
 
 
 class _HostTimes:
@@ -163,12 +185,23 @@ def kernel_launches(trainer: Trainer, inputs, top: int = 0) -> int:
     return sum(1 for event in prof.events() if event.name in names)
 
 
-def print_node_table(eager: dict) -> None:
-    print(f"eager: {eager['launches_per_step']} CUDA kernel launches per step, "
-          f"{eager['host_us_per_launch']:.1f} us of host CPU per launch")
-    print("\n| eager node action | host ms/step | host us per call |\n| --- | --- | --- |")
+def print_node_table(eager: dict, triton_path: Optional[dict]) -> None:
+    """The per-node host table of the eager mode, beside the same with Triton's own launch
+    path when that was measured."""
+    for name, row in (("eager", eager), (TRITON_PATH_MODE, triton_path)):
+        if row is not None:
+            print(f"{name}: {row['launches_per_step']} CUDA kernel launches per step, "
+                  f"{row['host_us_per_launch']:.1f} us of host CPU per launch")
+    if triton_path is None:
+        print("\n| eager node action | host ms/step | host us per call |\n| --- | --- | --- |")
+        for key, (ms, us) in eager["nodes"].items():
+            print(f"| {key} | {ms:.2f} | {us:.0f} |")
+        return
+    print("\n| eager node action | host ms/step, Triton's launch path | with the launch cache "
+          "| host us per call, Triton's path | with the cache |\n| --- | --- | --- | --- | --- |")
     for key, (ms, us) in eager["nodes"].items():
-        print(f"| {key} | {ms:.2f} | {us:.0f} |")
+        before_ms, before_us = triton_path["nodes"].get(key, (float("nan"),) * 2)
+        print(f"| {key} | {before_ms:.2f} | {ms:.2f} | {before_us:.0f} | {us:.0f} |")
 
 
 def main(argv=None) -> int:
@@ -179,6 +212,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--top-ops", type=int, default=30,
                         help="eager: print this many ops with the most host self time")
+    parser.add_argument("--no-triton-path", action="store_true",
+                        help=f"skip the {TRITON_PATH_MODE} mode (eager without the launch cache)")
     parser.add_argument("--sync-free", action="store_true",
                         help="also the budget dispatch: eager, partial, whole-layer and "
                              "full-iteration graphs")
@@ -187,14 +222,16 @@ def main(argv=None) -> int:
         print("bench_host: needs a CUDA device (it measures CUDA graphs against eager)")
         return 2
     base = SHAPES[args.shape] + COMMON
-    modes = {**MODES, **(SYNC_FREE_MODES if args.sync_free else {})}
+    modes = {**MODES, **({} if args.no_triton_path else {TRITON_PATH_MODE: []}),
+             **(SYNC_FREE_MODES if args.sync_free else {})}
     for extra in modes.values():
         validate_config(parse_config(base + extra), 1, True)
     setup_environment(parse_config(base + GRAPHS), print)
     groups = init_distributed(1, "cuda")
     try:
         rows = {mode: measure(groups, base + extra, args.iters, args.warmup,
-                              per_node=args.top_ops if mode == "eager" else 0)
+                              per_node={"eager": args.top_ops, TRITON_PATH_MODE: 1}.get(mode, 0),
+                              launch_cache=mode != TRITON_PATH_MODE)
                 for mode, extra in modes.items()}
     finally:
         destroy_distributed(groups)
@@ -204,18 +241,24 @@ def main(argv=None) -> int:
                                               "cpu_ratio": ratio}, indent=2))
     print(f"\nbench_host: {torch.cuda.get_device_name()}, shape {args.shape}")
     print("| mode | host CPU ms/step | wall ms/step | host CPU ms per layer x microbatch | "
-          "graphs |\n| --- | --- | --- | --- | --- |")
+          "graphs | loss |\n| --- | --- | --- | --- | --- | --- |")
     for mode, r in rows.items():
         print(f"| {mode} | {r['cpu_ms']:.2f} | {r['wall_ms']:.2f} | "
-              f"{r['cpu_ms_per_layer_mb']:.3f} | {r['graphs']} |")
+              f"{r['cpu_ms_per_layer_mb']:.3f} | {r['graphs']} | {r['loss']!r} |")
     print(f"host CPU time eager / graphed: {ratio:.2f}x")
     for mode in SYNC_FREE_MODES if args.sync_free else ():
         reference = mode.split("_")[0] + "_eager"
         print(f"{reference} / {mode}: host CPU time "
               f"{rows[reference]['cpu_ms'] / rows[mode]['cpu_ms']:.2f}x, wall "
               f"{rows[reference]['wall_ms'] / rows[mode]['wall_ms']:.2f}x")
+    if TRITON_PATH_MODE in rows:
+        eager, triton_path = rows["eager"], rows[TRITON_PATH_MODE]
+        same = "identical" if eager["loss"] == triton_path["loss"] else "DIFFERENT"
+        print(f"launch cache: host CPU {triton_path['cpu_ms'] / eager['cpu_ms']:.2f}x less "
+              f"than Triton's own launch path; loss {same} ({eager['loss']!r} vs "
+              f"{triton_path['loss']!r})")
     if "nodes" in rows["eager"]:
-        print_node_table(rows["eager"])
+        print_node_table(rows["eager"], rows.get(TRITON_PATH_MODE))
     return 0
 
 

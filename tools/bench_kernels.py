@@ -12,7 +12,9 @@ the torch reference. The eager time includes whatever host time the call spends 
 ~60 us that do_bench's L2 flush gives it, so for the Triton ops two more columns tell host- from
 GPU-bound: "graph ms" (the same call captured in a CUDA graph and replayed, L2 flushed: GPU time
 only, launch gaps included) with its fraction of copy, and "host us" (median wall time of one
-call from an idle GPU, no sync: the Python + launch cost). The last thing printed is a markdown
+call from an idle GPU, no sync: the Python + launch cost), once through the per-shape launch
+cache (epoverlap_kernels.launch_cache, the default) and once through Triton's own launch path,
+calls alternating. The last thing printed is a markdown
 table (also written to --out). `--sweep` adds kernel-only times of the row kernels for other
 (BLOCK_H, num_warps, BLOCK_T) tiles and of the row-map build's two variants.
 
@@ -77,7 +79,8 @@ class Row:
     torch_ms: float
     nbytes: int
     graph_ms: Optional[float] = None  # the Triton call replayed from a CUDA graph
-    host_us: Optional[float] = None   # the Triton call's host time
+    # the Triton call's host time: through the launch cache, and through Triton's own path
+    host_us: Optional[tuple[float, float]] = None
 
     def cells(self, copy_gbps: float) -> list[str]:
         gbps = self.nbytes / self.triton_ms / 1e6
@@ -85,7 +88,7 @@ class Row:
         if self.graph_ms:
             graph_gbps = self.nbytes / self.graph_ms / 1e6
             graph = [f"{self.graph_ms:.4f}", f"{100 * graph_gbps / copy_gbps:.0f}%"]
-        host = "n/a" if self.host_us is None else f"{self.host_us:.0f}"
+        host = "n/a" if self.host_us is None else "{:.0f} / {:.0f}".format(*self.host_us)
         return [self.shape, self.op, self.direction, f"{self.triton_ms:.4f}", f"{gbps:.0f}",
                 f"{100 * gbps / copy_gbps:.0f}%", *graph, host, f"{self.torch_ms:.4f}",
                 f"{self.torch_ms / self.triton_ms:.1f}x"]
@@ -121,17 +124,24 @@ def graph_ms(setup: Callable[[], Callable], rep_ms: int) -> Optional[float]:
         return None
 
 
-def host_us(fn: Callable, calls: int = 40) -> float:
+def host_us(fn: Callable, calls: int = 40) -> tuple[float, float]:
     """Median wall time of one call of `fn` issued to an idle GPU (no sync inside the timing):
-    what the call costs the host (Python, autograd, launches)."""
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+    what the call costs the host (Python, autograd, launches); (with the per-shape launch
+    cache, with every launch through Triton's own `JITFunction.run`), calls alternating."""
+    from epoverlap_kernels import set_launch_cache
+
+    times: tuple[list, list] = ([], [])
+    try:
+        for i in range(2 * calls):
+            set_launch_cache(i % 2 == 0)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            times[i % 2].append(time.perf_counter() - start)
+    finally:
+        set_launch_cache(True)
     torch.cuda.synchronize()
-    return 1e6 * statistics.median(times)
+    return 1e6 * statistics.median(times[0]), 1e6 * statistics.median(times[1])
 
 
 def copy_bandwidth_gbps(rep_ms: int) -> float:
@@ -418,7 +428,7 @@ def sweep_tiles(shape: Shape, rep_ms: int, ops: tuple = SWEEP_OPS) -> list[str]:
 
 def table(rows: list[Row], copy_gbps: float) -> str:
     head = ["shape", "op", "dir", "triton ms", "GB/s", "of copy", "graph ms", "graph of copy",
-            "host us", "torch ms", "speedup"]
+            "host us (cache / Triton path)", "torch ms", "speedup"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r.cells(copy_gbps)) + " |" for r in rows]
     return "\n".join(lines)

@@ -17,6 +17,10 @@
 #   tools/gpu_suite.sh pipeline  pipeline GPU tests (PP=2 bitwise vs one GPU; PP=2 x EP=2 on 4)
 #                                + pipeline benchmark (bubble measured vs analytic, overlap
 #                                on/off, PP=NGPUS against EP=NGPUS)
+#   tools/gpu_suite.sh launch1   one GPU: the Triton launch cache (issue 14): kernel GPU tests
+#                                (bitwise against Triton's own launch path), the one-GPU tier,
+#                                host cost per step and per node with and without it, per-call
+#                                host time of every kernel op
 #   tools/gpu_suite.sh runs      200-step main-job and small-preset runs (stalls, imbalance, the
 #                                price of --deterministic) + overlap benchmark with graphs,
 #                                NVLink and NCCL_P2P_DISABLE=1
@@ -125,6 +129,14 @@ case "$PART" in
       -p no:cacheprovider --durations=8
     STEP_TIMEOUT=150 step bench_host python3 tools/bench_host.py --sync-free \
       --out "$WORK/bench_host.json"
+    ;;
+  launch1)  # one GPU: the per-shape Triton launch cache, checked and timed
+    STEP_TIMEOUT=200 step kernel_tests python3 -m pytest tests/kernels -m gpu -q -p no:cacheprovider
+    STEP_TIMEOUT=240 step gpu_tests python3 -m pytest tests/test_gpu.py tests/test_gpu_sync_free.py \
+      -q -m "gpu and not multigpu" -p no:cacheprovider --durations=5
+    STEP_TIMEOUT=150 step bench_host python3 tools/bench_host.py --out "$WORK/bench_host.json"
+    STEP_TIMEOUT=150 step bench_kernels python3 tools/bench_kernels.py --rep-ms 50 \
+      --out "$WORK/bench_kernels.md"
     ;;
   tests1)  # the one-GPU pytest tier alone
     STEP_TIMEOUT=300 step gpu_tests python3 -m pytest tests/test_gpu.py -q -m gpu --durations=8
