@@ -11,7 +11,9 @@ measured in the same run (one 1 GiB tensor copy, bytes read + written), and the 
 the torch reference. The eager time includes whatever host time the call spends past the
 ~60 us that do_bench's L2 flush gives it, so for the Triton ops two more columns tell host- from
 GPU-bound: "graph ms" (the same call captured in a CUDA graph and replayed, L2 flushed: GPU time
-only, launch gaps included) with its fraction of copy, and "host us" (median wall time of one
+only, launch gaps included) with its fraction of copy, a graphed device-to-device copy of the same bytes (the floor for
+that much traffic at that size, launch latency included; in parentheses its share of the
+graphed op's time), and "host us" (median wall time of one
 call from an idle GPU, no sync: the Python + launch cost), once through the per-shape launch
 cache (epoverlap_kernels.launch_cache, the default) and once through Triton's own launch path,
 calls alternating. The last thing printed is a markdown
@@ -79,6 +81,9 @@ class Row:
     torch_ms: float
     nbytes: int
     graph_ms: Optional[float] = None  # the Triton call replayed from a CUDA graph
+    # a device-to-device copy of the same bytes (nbytes / 2 read, nbytes / 2 written), replayed
+    # from a CUDA graph: what a pure copy of this size costs, launch latency included
+    same_copy_ms: Optional[float] = None
     # the Triton call's host time: through the launch cache, and through Triton's own path
     host_us: Optional[tuple[float, float]] = None
 
@@ -89,8 +94,11 @@ class Row:
             graph_gbps = self.nbytes / self.graph_ms / 1e6
             graph = [f"{self.graph_ms:.4f}", f"{100 * graph_gbps / copy_gbps:.0f}%"]
         host = "n/a" if self.host_us is None else "{:.0f} / {:.0f}".format(*self.host_us)
+        same = "n/a"
+        if self.graph_ms and self.same_copy_ms:
+            same = f"{self.same_copy_ms:.4f} ({100 * self.same_copy_ms / self.graph_ms:.0f}%)"
         return [self.shape, self.op, self.direction, f"{self.triton_ms:.4f}", f"{gbps:.0f}",
-                f"{100 * gbps / copy_gbps:.0f}%", *graph, host, f"{self.torch_ms:.4f}",
+                f"{100 * gbps / copy_gbps:.0f}%", *graph, same, host, f"{self.torch_ms:.4f}",
                 f"{self.torch_ms / self.triton_ms:.1f}x"]
 
 
@@ -142,6 +150,14 @@ def host_us(fn: Callable, calls: int = 40) -> tuple[float, float]:
         set_launch_cache(True)
     torch.cuda.synchronize()
     return 1e6 * statistics.median(times[0]), 1e6 * statistics.median(times[1])
+
+
+def same_bytes_copy_ms(nbytes: int, rep_ms: int) -> Optional[float]:
+    """A graphed device-to-device copy moving `nbytes` in all (half read, half written): the
+    floor of a kernel of that traffic, its launch latency included."""
+    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return graph_ms(lambda: (lambda: dst.copy_(src)), rep_ms)
 
 
 def copy_bandwidth_gbps(rep_ms: int) -> float:
@@ -428,7 +444,8 @@ def sweep_tiles(shape: Shape, rep_ms: int, ops: tuple = SWEEP_OPS) -> list[str]:
 
 def table(rows: list[Row], copy_gbps: float) -> str:
     head = ["shape", "op", "dir", "triton ms", "GB/s", "of copy", "graph ms", "graph of copy",
-            "host us (cache / Triton path)", "torch ms", "speedup"]
+            "same-bytes copy ms (of graph ms)", "host us (cache / Triton path)", "torch ms",
+            "speedup"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r.cells(copy_gbps)) + " |" for r in rows]
     return "\n".join(lines)
@@ -447,6 +464,8 @@ def run(args) -> str:
         for step in (bench_router, bench_row_map, bench_permute, bench_unpermute,
                      bench_sort_chunks):
             new = step(SHAPES[name], ops, args.rep_ms)
+            for row in new:
+                row.same_copy_ms = same_bytes_copy_ms(row.nbytes, args.rep_ms)
             rows += new
             print("\n".join(table(new, copy_gbps).splitlines()[2:]), flush=True)
             torch.cuda.empty_cache()
