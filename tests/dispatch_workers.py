@@ -16,22 +16,16 @@ from epoverlap.parallel.comm import ExpertComm
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.trainer import Trainer
 from epoverlap_kernels import make_moe_ops
+from epoverlap_tools.bench_peer import bind_missing_te_names
 
 from gloo_workers import TINY
 
-# names megatron-core 0.16.1's moe_utils binds only when TransformerEngine imports
-TE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
-            "fused_permute_with_probs", "fused_sort_chunks_by_index",
-            "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
-            "fused_unpermute", "te_general_gemm")
 TOKENS, HIDDEN, EXPERTS, TOPK = 20, 16, 8, 2
 
 
 def _megatron_modules():
     from megatron.core.transformer.moe import moe_utils
-    for name in TE_NAMES:
-        if not hasattr(moe_utils, name):
-            setattr(moe_utils, name, None)
+    bind_missing_te_names(moe_utils)
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.moe import token_dispatcher
     from megatron.core.transformer.moe.router import TopKRouter

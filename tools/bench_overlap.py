@@ -75,6 +75,21 @@ SHAPES = {
                             "--seq-length", "2048", "--num-experts", "16",
                             "--moe-router-topk", "8", "--moe-ffn-hidden-size", "256",
                             "--micro-batch-size", "4", "--num-microbatches", "4"],
+    # near T_comm = T_comp with NCCL_P2P_DISABLE=1 (all-to-alls through host shared memory),
+    # where the overlap can halve the step. Picked with the simulator (compute from FLOP
+    # counts; the shm link at 24 GB/s per GPU, which reproduces the T_comm of 359 ms measured
+    # at ratio_h2048_k8_f128 on 2 H200s with P2P off, issue 14, where the FLOP model also gives
+    # its measured 66 ms T_comp): top-4 routing halves the bytes, 4096-wide experts multiply
+    # the expert FLOPs by 32. Predicted at EP 2: T_comm 181 ms, T_comp 171-186 ms, so
+    # T_comm/T_comp 0.97-1.06 (default rates / the rates calibrated on
+    # megatron_e8_k8_f4096_mbs8x4 in benchmarks/scale.md); 0.10 over NVLink.
+    # `epoverlap-simulate --flops --shape ratio_h2048_k4_f4096 --ep 2 --link shm
+    # --link-bandwidth-gbs 24` (on a CPU machine add `-- --kernel-backend torch`)
+    "ratio_h2048_k4_f4096": ["--num-layers", "2", "--hidden-size", "2048",
+                             "--num-attention-heads", "16", "--num-query-groups", "4",
+                             "--seq-length", "1024", "--num-experts", "32",
+                             "--moe-router-topk", "4", "--moe-ffn-hidden-size", "4096",
+                             "--micro-batch-size", "16", "--num-microbatches", "4"],
     # the three Megatron-core configurations of environment.md
     "megatron_e32_k4_mbs2x8": MEGATRON,
     "megatron_e32_k4_mbs8x4": MEGATRON + ["--micro-batch-size", "8", "--num-microbatches", "4"],
@@ -98,13 +113,14 @@ BUDGET = ["--moe-dispatch-budget", "1.25"]
 FULL_ITERATION = ["--cuda-graph-impl", "full_iteration"]
 
 
-def _sync(device) -> float:
+def sync_time(device) -> float:
+    """The host clock once the device has finished its queued work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
-def _max_over_ranks(value: float) -> float:
+def max_over_ranks(value: float) -> float:
     tensor = torch.tensor([value], dtype=torch.float64,
                           device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
@@ -139,19 +155,19 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
         fb, full, overflows = [], [], 0
         for _ in range(args.iters):
             dist.barrier()
-            start = _sync(device)
+            start = sync_time(device)
             trainer.run_microbatches(1, inputs)
-            mid = _sync(device)
+            mid = sync_time(device)
             trainer.grads.reduce()
-            full.append(_sync(device) - start)
+            full.append(sync_time(device) - start)
             fb.append(mid - start)
             overflows += trainer.budget is not None and trainer.overflow_level() is not None
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0
         reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0
-        result = {"fb_ms": _max_over_ranks(statistics.median(fb) * 1e3),
-                  "step_ms": _max_over_ranks(statistics.median(full) * 1e3),
-                  "peak_gib": _max_over_ranks(peak), "static_gib": _max_over_ranks(static),
-                  "peak_reserved_gib": _max_over_ranks(reserved),
+        result = {"fb_ms": max_over_ranks(statistics.median(fb) * 1e3),
+                  "step_ms": max_over_ranks(statistics.median(full) * 1e3),
+                  "peak_gib": max_over_ranks(peak), "static_gib": max_over_ranks(static),
+                  "peak_reserved_gib": max_over_ranks(reserved),
                   **graph_info}
         if trainer.budget is not None:  # attempts a training step would have rerun
             result["overflows"] = overflows
@@ -184,7 +200,7 @@ def _profile_steps(trainer, inputs, profile_dir: Path, args) -> None:
         profiler.start()
     for step in range(1, args.profile_steps + 1):
         dist.barrier()
-        _sync(trainer.groups.device)
+        sync_time(trainer.groups.device)
         trainer.recorder.begin_step(step)
         trainer.run_microbatches(1, inputs)
         trainer.recorder.end_step()
@@ -219,10 +235,10 @@ def replay_comm_ms(trace, groups, args) -> float:
     times = []
     for _ in range(args.iters):
         dist.barrier()
-        start = _sync(device)
+        start = sync_time(device)
         run_all()
-        times.append(_sync(device) - start)
-    return _max_over_ranks(statistics.median(times) * 1e3)
+        times.append(sync_time(device) - start)
+    return max_over_ranks(statistics.median(times) * 1e3)
 
 
 def bench_shape(name, groups, args, log) -> dict:

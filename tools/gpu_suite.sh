@@ -24,6 +24,8 @@
 #   tools/gpu_suite.sh runs      200-step main-job and small-preset runs (stalls, imbalance, the
 #                                price of --deterministic) + overlap benchmark with graphs,
 #                                NVLink and NCCL_P2P_DISABLE=1
+#   tools/gpu_suite.sh peer      Megatron-core beside us (tools/bench_peer.py) on NGPUS GPUs and
+#                                its GPU tests; needs megatron-core importable (the peer extra)
 # Everything is written under ${OUT:-runs/gpu} (logs, JSON, span files, one tarball) and the
 # short tables are printed last. Multicast stays off (see KINDS.md).
 set -u
@@ -204,8 +206,15 @@ case "$PART" in
       --out-dir "$WORK/bench_overlap"
     NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=240 step bench_overlap_nop2p \
       torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py --graphs \
-      --iters "${ITERS:-4}" --shapes "${P2P_SHAPES:-ratio_h2048_k8_f128,megatron_e32_k4_mbs2x8}" \
+      --iters "${ITERS:-4}" --shapes "${P2P_SHAPES:-ratio_h2048_k8_f128,ratio_h2048_k4_f4096,megatron_e32_k4_mbs2x8}" \
       --out-dir "$WORK/bench_overlap_nop2p"
+    ;;
+  peer)
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=300 step peer_tests python3 -m pytest \
+      tests/test_bench_peer.py -q -m "gpu or multigpu"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS step bench_peer torchrun --standalone \
+      --nproc-per-node="$NGPUS" tools/bench_peer.py --out-dir "$WORK/bench_peer" \
+      --shapes "${SHAPES:-megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4}"
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
@@ -213,7 +222,7 @@ esac
 tar czf "$OUTDIR/gpu_$PART.tgz" -C "$WORK" --exclude=./path . 2>/dev/null
 echo; echo "===== summary ($PART)"; cat "$WORK/versions.txt"; cat "$SUMMARY"
 for table in "$WORK"/bench_kernels.md "$WORK"/bench_train.md; do [ -f "$table" ] && cat "$table"; done
-for log in "$WORK"/bench_overlap*.log "$WORK"/bitwise.log; do
-  [ -f "$log" ] && sed -n '/^bench_overlap: /,$p;/^bitwise check/,$p' "$log"
+for log in "$WORK"/bench_overlap*.log "$WORK"/bench_peer.log "$WORK"/bitwise.log; do
+  [ -f "$log" ] && sed -n '/^bench_overlap: /,$p;/^bench_peer: /,$p;/^bitwise check/,$p' "$log"
 done
 exit 0

@@ -14,17 +14,12 @@ import pytest
 import torch
 
 from epoverlap_kernels import make_moe_ops
+from epoverlap_tools.bench_peer import bind_missing_te_names
 
 from kernel_test_utils import (distinct_logits, grouped_logits, random_like_rows, random_probs,
                                random_routing_map)
 
 OPS = ("permute", "unpermute", "sort_chunks_by_idxs", "topk_routing_with_score_function")
-# Names megatron-core 0.16.1's moe_utils binds only when TransformerEngine imports; bound to None
-# before use, as upstream's 0.17 does, so the module's non-fused paths run without TE.
-TE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
-            "fused_permute_with_probs", "fused_sort_chunks_by_index",
-            "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
-            "fused_unpermute", "te_general_gemm")
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +28,7 @@ def moe_utils():
         from megatron.core.transformer.moe import moe_utils as module
     except ImportError as error:
         pytest.skip(f"megatron-core is not installed (pip install -e '.[peer]'): {error}")
-    for name in TE_NAMES:
-        if not hasattr(module, name):
-            setattr(module, name, None)
+    bind_missing_te_names(module)  # as upstream's 0.17 does: the non-fused paths run without TE
     return module
 
 
