@@ -135,3 +135,32 @@ def test_gloo_groups_are_unaffected_and_a_budget_there_is_refused():
         assert backend == "gloo"
         assert recv == [0.0 + rank, 10.0 + rank]  # element r of every rank's send, r = me
         assert refusal is not None and "CTAs max 4" in refusal and "gloo" in refusal
+
+
+def test_bench_overlap_sweep_values():
+    from epoverlap_tools.bench_overlap import budget_flags, parse_budgets
+    budgets = parse_budgets("default, 16,2", 1)
+    assert budgets == [NcclCtaBudget(None, 1), NcclCtaBudget(16, 1), NcclCtaBudget(2, 1)]
+    assert parse_budgets("default", None) == [NcclCtaBudget()]
+    assert budget_flags(budgets[1]) == ["--moe-a2a-nccl-max-ctas", "16",
+                                        "--moe-a2a-nccl-min-ctas", "1"]
+    assert budget_flags(NcclCtaBudget()) == []
+    for bad in ("", "8,x", "-1"):
+        with pytest.raises(ValueError, match="--max-ctas"):
+            parse_budgets(bad, None)
+
+
+def test_bench_overlap_refuses_a_budget_on_gloo_in_one_line():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(repo / "tools" / "bench_overlap.py"),
+                             "--max-ctas", "default,8"], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, WORLD_SIZE="2", RANK="0"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "bench_overlap: error: --moe-a2a-nccl-max-ctas=8: sets the NCCL communicator of the "
+        "expert-parallel group: this run is on CPU, where the groups use gloo (no CTAs to "
+        "budget)")
