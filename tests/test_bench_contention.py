@@ -22,10 +22,21 @@ REPO = Path(__file__).resolve().parents[1]
 def test_arguments_and_their_defaults():
     args = bc.parse_args([])
     assert args.shapes == ["megatron_e32_k4_mbs2x8", "megatron_e8_k8_f4096_mbs8x4"]
-    assert args.loads == ["nccl", "sm_copy", "memcpy_d2d", "d2h_pinned"]
+    assert args.loads == ["nccl", "triton_copy", "sm_copy", "memcpy_d2d", "d2h_pinned"]
     assert args.computes == ["gemm", "grouped"]
-    assert args.budgets == [NcclCtaBudget(), NcclCtaBudget(16), NcclCtaBudget(8),
-                            NcclCtaBudget(4), NcclCtaBudget(2)]
+    assert args.budgets == [NcclCtaBudget()]  # one rank: NCCL runs no kernel to budget
+    assert args.copy_ctas == ["sms", "32", "16", "8", "4", "2"]
+    loads = bc.loads_of(args, sms=132)
+    assert [(load.kind, load.label()) for load in loads] == [
+        ("nccl", "NCCL default"), ("triton_copy", "132"), ("triton_copy", "32"),
+        ("triton_copy", "16"), ("triton_copy", "8"), ("triton_copy", "4"), ("triton_copy", "2"),
+        ("sm_copy", "-"), ("memcpy_d2d", "-"), ("d2h_pinned", "-")]
+
+
+def test_two_ranks_sweep_the_nccl_budget_by_default(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert bc.parse_args([]).budgets == [NcclCtaBudget(), NcclCtaBudget(16), NcclCtaBudget(8),
+                                         NcclCtaBudget(4), NcclCtaBudget(2)]
     args = bc.parse_args(["--max-ctas", "default,8", "--min-ctas", "1", "--loads", "nccl",
                           "--computes", "grouped", "--scale", "0.5", "--ep", "4"])
     assert args.budgets == [NcclCtaBudget(None, 1), NcclCtaBudget(8, 1)]
@@ -40,6 +51,7 @@ def test_arguments_and_their_defaults():
     (["--scale", "2"], "--scale 2.0: must be in (0, 1]"),
     (["--iters", "0"], "--iters 0: must be >= 1"),
     (["--ep", "0"], "--ep 0: must be >= 1"),
+    (["--copy-ctas", "sms,0"], "--copy-ctas 'sms,0': counts >= 1 or 'sms'"),
 ])
 def test_bad_arguments_exit_2_naming_them(capsys, argv, message):
     with pytest.raises(SystemExit) as stop:
@@ -74,16 +86,25 @@ def test_scaled_sizes_keep_whole_aligned_rows_per_expert():
 
 
 def test_beside_windows_by_hand():
-    # loads back to back from 0 to 60 with 2-us gaps; GEMMs from 5 to 45 and one at 58-70,
-    # which sticks out of the loads' span
-    loads = [(0, 10), (12, 22), (24, 34), (36, 46), (48, 60)]
-    gemms = [(5, 15), (15, 27), (27, 45), (58, 70)]
+    # loads back to back from 0 to 50.8 with 0.2-us gaps; GEMMs from 5 to 45, then one at
+    # 49-60 that the loads cover for 1.8 of its 11 us
+    loads = [(0, 10), (10.2, 20.2), (20.4, 30.4), (30.6, 40.6), (40.8, 50.8)]
+    gemms = [(5, 15), (15, 27), (27, 45), (49, 60)]
     beside = bc._beside([loads, gemms])
+    # covered: 9.8 of 10, 11.8 of 12, 17.6 of 18 (>= 90%); not 1.8 of 11
     assert beside.computes_inside == 3 and beside.compute_ms == 12  # median of 10, 12, 18
-    # loads entirely inside the GEMMs' span 5..70: 12-22, 24-34, 36-46, 48-60
-    assert beside.loads_inside == 4 and beside.comm_ms == 10  # median of 10, 10, 10, 12
-    assert beside.load_duty == pytest.approx((5 + 10 + 10 + 10 + 12) / 65)
-    assert beside.compute_duty == pytest.approx((40 + 2) / 60)  # 5..45 and 58..60 of 0..60
+    # loads covered by the GEMMs (5..45, 49..60): the middle three; 0-10 and 40.8-50.8 only
+    # for 5 and 6 of their 10 us
+    assert beside.loads_inside == 3 and beside.comm_ms == 10
+    assert beside.load_duty == pytest.approx((5 + 10 + 10 + 10 + 10) / 55)
+    assert beside.compute_duty == pytest.approx((40 + 1.8) / 50.8)
+
+
+def test_covered_walks_the_busy_intervals():
+    busy = [(0.0, 2.0), (3.0, 5.0), (8.0, 9.0)]
+    assert bc._covered(1.0, 4.0, busy) == 2.0
+    assert bc._covered(5.0, 8.0, busy) == 0.0
+    assert bc._covered(-1.0, 10.0, busy) == 5.0
 
 
 def test_the_plan_outlasts_the_gemms():
@@ -91,13 +112,16 @@ def test_the_plan_outlasts_the_gemms():
     assert gemms == 20  # 4 loads of 1 ms fit in 20 GEMMs of 0.2 ms
     assert lead == 3  # (20 x 0.05 + 1) ms of host queueing, one load each, plus one
     assert (loads - lead) * 1.0 >= gemms * 0.2 * bc.SLOWDOWN_MARGIN
-    assert bc.together_plan(0.01, 10.0, 20)[0] == 2000  # 4000 GEMMs asked for, capped
+    assert bc.together_plan(0.005, 10.0, 20)[0] == 4000  # 8000 GEMMs asked for: the cap
+    # more GEMMs asked for (a retry): more loads ahead to cover their queueing
+    assert bc.together_plan(0.2, 1.0, 20, gemms=80)[1] == 6  # (80 x 0.05 + 1) / 1 + 1
 
 
 def _row(**over):
-    row = {"shape": "s", "compute": "gemm", "load": "nccl", "budget": "max 8", "bytes": 2e9,
+    row = {"shape": "s", "compute": "gemm", "load": "nccl", "ctas": "max 8", "bytes": 2e9,
            "ran_as": "ncclDevKernel_SendRecv", "compute_alone_ms": 2.0,
-           "compute_beside_ms": 2.2, "comm_alone_ms": 4.0, "comm_beside_ms": 5.0}
+           "compute_beside_ms": 2.2, "comm_alone_ms": 4.0, "comm_beside_ms": 5.0,
+           "load_duty": 0.98}
     return bc.finish_row({**row, **over})
 
 
@@ -106,12 +130,12 @@ def test_rows_get_both_slowdowns_and_the_table_prints_them(tmp_path):
     assert row["compute_slowdown"] == pytest.approx(1.1)
     assert row["comm_slowdown"] == pytest.approx(1.25)
     assert row["comm_gbps"] == pytest.approx(500.0)  # 2e9 bytes in 4 ms
-    missing = _row(compute_beside_ms=None, load="d2h_pinned", budget="-")
+    missing = _row(compute_beside_ms=None, load="d2h_pinned", ctas="-")
     assert missing["compute_slowdown"] is None
     table = bc.markdown_table([row, missing]).splitlines()
-    assert table[0].startswith("| shape | compute | load | NCCL CTAs | compute alone ms |")
+    assert table[0].startswith("| shape | compute | load | CTAs | compute alone ms |")
     assert table[2] == ("| s | gemm | nccl | max 8 | 2.000 | 2.200 | 1.100 | 4.000 | 5.000 | "
-                        "1.250 | 500 | ncclDevKernel_SendRecv |")
+                        "1.250 | 500 | 0.98 | ncclDevKernel_SendRecv |")
     assert table[3].split(" | ")[5:7] == ["-", "-"]
     path = bc.write_report(tmp_path / "out", {"rows": [row, missing]})
     assert json.loads(path.read_text())["rows"][1]["compute_slowdown"] is None
@@ -131,8 +155,9 @@ def test_without_a_gpu_it_says_so_in_one_line():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_whole_tool_on_one_gpu_at_a_tiny_size(tmp_path):
-    """World size 1 (its own single-process NCCL group): two NCCL budgets and the three copy
-    loads beside both GEMMs, a few iterations at 5% of the tokens."""
+    """World size 1 (its own single-process NCCL group): two NCCL budgets, the CTA-limited
+    copy at two grids and the three other copies beside both GEMMs, a few iterations at 5% of
+    the tokens."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO), str(REPO / ".pathshim"), os.environ.get("PYTHONPATH", "")]))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -140,21 +165,23 @@ def test_the_whole_tool_on_one_gpu_at_a_tiny_size(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "tools" / "bench_contention.py"), "--shapes",
          "megatron_e32_k4_mbs2x8", "--scale", "0.05", "--iters", "3", "--warmup", "1",
-         "--max-ctas", "default,2", "--out-dir", str(tmp_path)],
+         "--max-ctas", "default,2", "--copy-ctas", "sms,2", "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "sizes: megatron_e32_k4_mbs2x8 (EP 2): T=208 tokens" in result.stdout
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| shape | compute | load | NCCL CTAs |") and len(table) == 12
+    assert table[0].startswith("| shape | compute | load | CTAs |") and len(table) == 16
     report = json.loads((tmp_path / bc.JSON_FILE).read_text())
     assert report["environment"]["world"] == 1
     rows = report["rows"]
-    assert [(r["load"], r["budget"]) for r in rows[::2]] == [
-        ("nccl", "NCCL default"), ("nccl", "max 2"), ("sm_copy", "-"), ("memcpy_d2d", "-"),
-        ("d2h_pinned", "-")]
-    assert [r["compute"] for r in rows] == ["gemm", "grouped"] * 5
+    sms = str(torch.cuda.get_device_properties(0).multi_processor_count)
+    assert [(r["load"], r["ctas"]) for r in rows[::2]] == [
+        ("nccl", "NCCL default"), ("nccl", "max 2"), ("triton_copy", sms), ("triton_copy", "2"),
+        ("sm_copy", "-"), ("memcpy_d2d", "-"), ("d2h_pinned", "-")]
+    assert [r["compute"] for r in rows] == ["gemm", "grouped"] * 7
     for row in rows:
         assert row["compute_alone_ms"] > 0 and row["comm_alone_ms"] > 0, row
         assert row["bytes"] == 1024 * 2048 * 2 and row["ran_as"], row
         assert row["compute_slowdown"] is None or row["compute_slowdown"] > 0, row
+        assert row["ran_as"] != "nothing on the GPU", row
         assert 0 <= row["load_duty"] <= 1.0 + 1e-6 and len(row["plan"]) == 3, row
