@@ -182,7 +182,7 @@ def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_
 def test_bench_overlap_graphs_need_cuda_in_one_line():
     result = _run([sys.executable, str(REPO / "tools" / "bench_overlap.py"), "--graphs"])
     assert result.returncode == 2
-    assert "needs a CUDA device" in result.stdout and "Traceback" not in result.stderr
+    assert "needs a CUDA device" in result.stderr and "Traceback" not in result.stderr
 
 
 def _scalars(directory: Path) -> dict[str, dict[int, float]]:

@@ -47,6 +47,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -419,7 +420,7 @@ def markdown(all_results: list, world: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="quick")
     parser.add_argument("--profile-shapes", default="")
@@ -447,45 +448,65 @@ def main(argv=None) -> int:
                              "graph (GPU only); the budget's overflows are counted")
     args = parser.parse_args(argv)
     args.profile_shapes = [s for s in args.profile_shapes.split(",") if s]
-    shapes = [s for s in args.shapes.split(",") if s]
-    unknown = [s for s in shapes if s not in SHAPES]
-    if unknown:
-        print(f"bench_overlap: unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
-        return 2
-    if (args.graphs or args.sync_free) and not torch.cuda.is_available():
-        print("bench_overlap: --graphs needs a CUDA device (CUDA graphs); none is visible here")
-        return 2
-    try:
-        budgets = parse_budgets(args.max_ctas, args.min_ctas)
-    except ValueError as error:
-        print(f"bench_overlap: error: {error}", file=sys.stderr)
-        return 2
+    args.shapes = [s for s in args.shapes.split(",") if s]
     args.extra = shlex.split(args.extra_flags)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world < 2:
-        print("bench_overlap: needs 2+ ranks (the overlap hides an all-to-all between them): "
-              "run it under torchrun, e.g. torchrun --standalone --nproc-per-node 2 "
-              "tools/bench_overlap.py", file=sys.stderr)
-        return 2
+    return args
+
+
+def checked_probe(args, world: int):
+    """The config of the first shape with the extra flags and each budget's flags, checked as
+    the training command checks them (the last one is returned); None after printing the one
+    line of a bad value (argparse prints its own)."""
     try:
-        for budget in budgets:  # the extra flags and every budget, as the training command would
-            probe = parse_config(SHAPES[shapes[0]] + COMMON + OVERLAP + args.extra +
+        for budget in args.budgets:
+            probe = parse_config(SHAPES[args.shapes[0]] + COMMON + OVERLAP + args.extra +
                                  budget_flags(budget) +
                                  ["--expert-model-parallel-size", str(world)])
             validate_config(probe, world, torch.cuda.is_available())
     except (ConfigError, SystemExit) as error:
         if os.environ.get("RANK", "0") == "0" and isinstance(error, ConfigError):
             print(f"bench_overlap: error: {error}", file=sys.stderr)
+        return None
+    return probe
+
+
+def input_error(args, world: int) -> Optional[str]:
+    """The one line for arguments this run cannot take (None: none)."""
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        return f"bench_overlap: unknown shape(s) {unknown}; known: {', '.join(SHAPES)}"
+    if (args.graphs or args.sync_free) and not torch.cuda.is_available():
+        return "bench_overlap: --graphs needs a CUDA device (CUDA graphs); none is visible here"
+    try:
+        args.budgets = parse_budgets(args.max_ctas, args.min_ctas)
+    except ValueError as error:
+        return f"bench_overlap: error: {error}"
+    if world < 2:
+        return ("bench_overlap: needs 2+ ranks (the overlap hides an all-to-all between them): "
+                "run it under torchrun, e.g. torchrun --standalone --nproc-per-node 2 "
+                "tools/bench_overlap.py")
+    return None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    error = input_error(args, world)
+    if error is not None:
+        print(error, file=sys.stderr)
+        return 2
+    probe = checked_probe(args, world)
+    if probe is None:
         return 2
     setup_environment(probe, print)
     groups = init_distributed(world, "cuda" if torch.cuda.is_available() else "cpu")
     log = print if groups.rank == 0 else (lambda msg: None)
     all_results = []
     try:
-        for budget in budgets:
+        for budget in args.budgets:  # fresh EP groups for each budget but NCCL's default
             budget_groups = groups if budget.is_default else expert_parallel_groups(
                 world, groups.device, groups.local_rank, watch=groups.watch, ep_budget=budget)
-            for name in shapes:
+            for name in args.shapes:
                 result = bench_shape(name, budget_groups, args, log, budget)
                 result["derived"] = derived(result)
                 all_results.append(result)
