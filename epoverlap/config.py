@@ -44,12 +44,15 @@ DROP_POLICIES = ("probs", "position")  # as epoverlap_kernels.capacity
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release")
 COMM_MODES = ("real", "local_copy")
+COMM_STREAM_PRIORITIES = ("high", "normal")
+NCCL_MAX_CHANNELS = 64  # NCCL's MAXCHANNELS: the most CTAs a collective may use
 # The allowed values of every flag that takes a name, by flag (the help texts and validation use
 # the same tuples; the config fuzz test draws from this table).
 CHOICES: dict[str, tuple[str, ...]] = {
     "--moe-router-score-function": SCORE_FUNCTIONS, "--moe-router-dtype": ROUTER_DTYPES,
     "--kernel-backend": KERNEL_BACKENDS, "--device": DEVICES, "--overlap-plan": OVERLAP_PLANS,
-    "--comm-mode": COMM_MODES, "--moe-token-drop-policy": DROP_POLICIES,
+    "--comm-mode": COMM_MODES, "--comm-stream-priority": COMM_STREAM_PRIORITIES,
+    "--moe-token-drop-policy": DROP_POLICIES,
     "--cuda-graph-impl": CUDA_GRAPH_IMPLS,
     "--cuda-graph-modules": CUDA_GRAPH_MODULES, "--inference-cuda-graph-scope": INFERENCE_SCOPES,
 }
@@ -120,6 +123,9 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: Optional[int] = None  # Megatron's older form of V
     num_virtual_stages_per_pipeline_rank: Optional[int] = None  # its newer form: V itself
     distributed_timeout_minutes: float = 10.0
+    # NCCL's CTA budget of the expert-parallel communicator (its all-to-alls); None: NCCL's own
+    moe_a2a_nccl_max_ctas: Optional[int] = None
+    moe_a2a_nccl_min_ctas: Optional[int] = None
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -149,8 +155,12 @@ class OverlapConfig:
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
     overlap_plan: str = "combined_1f1b"
-    comm_stream_high_priority: bool = True
+    comm_stream_priority: str = "high"  # of the comm lane's CUDA stream (the overlap's)
     comm_mode: str = "real"
+
+    @property
+    def comm_stream_high_priority(self) -> bool:
+        return self.comm_stream_priority == "high"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -433,6 +443,13 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--distributed-timeout-minutes", "parallel", "distributed_timeout_minutes", float,
      "collective timeout of every process group: a peer rank that does not answer for this "
      "long ends the job, naming it (fractions allowed, >= 0.05)"),
+    ("--moe-a2a-nccl-max-ctas", "parallel", "moe_a2a_nccl_max_ctas", _opt_int,
+     f"NCCL: at most N CTAs (SMs) for each all-to-all of the expert-parallel group (its "
+     f"communicator's max_ctas, 1..{NCCL_MAX_CHANNELS}; none: NCCL's choice); other groups "
+     "keep NCCL's defaults"),
+    ("--moe-a2a-nccl-min-ctas", "parallel", "moe_a2a_nccl_min_ctas", _opt_int,
+     f"NCCL: at least N CTAs for each all-to-all of the expert-parallel group (min_ctas, "
+     f"1..{NCCL_MAX_CHANNELS}, <= the max)"),
     ("--pipeline-model-parallel-size", "parallel", "pipeline_model_parallel_size", int,
      "PP size: pipeline stages (1F1B schedule; ranks laid out as Megatron-core's "
      "tp-cp-ep-dp-pp)"),
@@ -469,6 +486,9 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--delay-wgrad-compute", "overlap", "delay_wgrad_compute", bool,
      "split weight grads out and run them in the comm gaps"),
     ("--overlap-plan", "overlap", "overlap_plan", str, f"one of {OVERLAP_PLANS}"),
+    ("--comm-stream-priority", "overlap", "comm_stream_priority", str,
+     f"one of {COMM_STREAM_PRIORITIES}: CUDA priority of the overlap's comm stream (its "
+     "all-to-alls run there); high lets their kernels start ahead of waiting compute kernels"),
     ("--comm-mode", "overlap", "comm_mode", str,
      f"benchmark only: {COMM_MODES} (local_copy replaces all-to-alls by local copies)"),
     ("--kernel-backend", "kernels", "kernel_backend", str, f"one of {KERNEL_BACKENDS}"),
@@ -838,7 +858,7 @@ def _validate_train(t: TrainConfig, dp_size: int, cuda_available: bool) -> None:
     _require(not t.bf16 or on_gpu, "bf16", True, "needs a CUDA device (CPU runs are fp32)")
 
 
-def _validate_overlap(cfg: RunConfig) -> None:
+def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
     o = cfg.overlap
     _require(o.overlap_plan in OVERLAP_PLANS, "overlap_plan", o.overlap_plan,
              f"allowed: {', '.join(OVERLAP_PLANS)}")
@@ -854,6 +874,50 @@ def _validate_overlap(cfg: RunConfig) -> None:
                  "--pipeline-model-parallel-size > 1")
     _require(not o.delay_wgrad_compute or o.overlap_moe_expert_parallel_comm,
              "delay_wgrad_compute", True, "requires --overlap-moe-expert-parallel-comm")
+    _require(o.comm_stream_priority in COMM_STREAM_PRIORITIES, "comm_stream_priority",
+             o.comm_stream_priority, f"allowed: {', '.join(COMM_STREAM_PRIORITIES)}")
+    if o.comm_stream_priority != "high":
+        _require(o.overlap_moe_expert_parallel_comm and cfg.resolved_device(cuda_available)
+                 == "cuda", "comm_stream_priority", o.comm_stream_priority,
+                 "sets the CUDA stream of the overlap's comm lane: needs a CUDA device and "
+                 "--overlap-moe-expert-parallel-comm (without them there is no comm stream)")
+
+
+def _validate_nccl_ctas(cfg: RunConfig, cuda_available: bool) -> None:
+    """The expert-parallel communicator's CTA budget: NCCL only, and only where it has
+    all-to-alls to shape (EP > 1). Refused rather than ignored on gloo."""
+    p = cfg.parallel
+    given = [(name, getattr(p, name)) for name in ("moe_a2a_nccl_max_ctas",
+                                                    "moe_a2a_nccl_min_ctas")
+             if getattr(p, name) is not None]
+    for name, value in given:
+        _require(1 <= value <= NCCL_MAX_CHANNELS, name, value,
+                 f"must be in [1, {NCCL_MAX_CHANNELS}] (NCCL's most CTAs per collective)")
+        _require(cfg.resolved_device(cuda_available) == "cuda", name, value,
+                 "sets the NCCL communicator of the expert-parallel group: this run is on "
+                 "CPU, where the groups use gloo (no CTAs to budget)")
+        _require(p.expert_model_parallel_size > 1, name, value,
+                 "needs --expert-model-parallel-size > 1 (with EP 1 there is no all-to-all)")
+        reason = nccl_config_unavailable()
+        _require(reason is None, name, value, reason or "")
+    if len(given) == 2:
+        _require(p.moe_a2a_nccl_min_ctas <= p.moe_a2a_nccl_max_ctas, "moe_a2a_nccl_min_ctas",
+                 p.moe_a2a_nccl_min_ctas,
+                 f"must be <= --moe-a2a-nccl-max-ctas={p.moe_a2a_nccl_max_ctas}")
+
+
+def nccl_config_unavailable() -> Optional[str]:
+    """Why this torch build cannot configure an NCCL communicator's CTAs (None: it can).
+    `ProcessGroupNCCL.Options().config` (an ncclConfig_t with max_ctas / min_ctas) exists in
+    builds with NCCL >= 2.17, torch 2.1 onwards (2.11 and 2.13 included)."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_nccl_available():
+        return "this torch build has no NCCL"
+    config = getattr(dist.ProcessGroupNCCL.Options(), "config", None)
+    if config is None or not all(hasattr(config, f) for f in ("max_ctas", "min_ctas")):
+        return ("this torch build's NCCL takes no communicator config (needs NCCL >= 2.17): "
+                "set NCCL_MAX_CTAS / NCCL_MIN_CTAS in the environment instead (every group)")
+    return None
 
 
 def _validate_kernels_data_log(cfg: RunConfig, cuda_available: bool) -> None:
@@ -1032,7 +1096,8 @@ def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> No
     _validate_moe(cfg, world_size)
     _validate_train(cfg.train, cfg.data_parallel_size(world_size), cuda_available)
     _validate_microbatches(cfg, world_size)
-    _validate_overlap(cfg)
+    _validate_overlap(cfg, cuda_available)
+    _validate_nccl_ctas(cfg, cuda_available)
     _validate_kernels_data_log(cfg, cuda_available)
     _validate_checkpoint(cfg.checkpoint)
     _validate_cuda_graphs(cfg, cuda_available)

@@ -148,3 +148,23 @@ def reduced_grads_for_reference(rank, world_size, ep, argv):
             trainer.close()
     finally:
         destroy_distributed(groups)
+
+
+def groups_with_a_cta_budget(rank, world_size):
+    """A gloo world: the groups of an empty budget (what every CPU run passes) carry an
+    all-to-all as before; a real budget is refused before any group is created."""
+    from epoverlap.parallel.groups import NcclCtaBudget, expert_parallel_groups
+    groups = init_distributed(world_size, "cpu", timeout_minutes=3, ep_budget=NcclCtaBudget())
+    try:
+        send = torch.arange(world_size, dtype=torch.float32) + 10 * rank
+        recv = torch.empty_like(send)
+        groups.ep.all_to_all_single(recv, send)
+        try:
+            expert_parallel_groups(world_size, groups.device, watch=groups.watch,
+                                   ep_budget=NcclCtaBudget(max_ctas=4))
+            refusal = None
+        except ValueError as error:
+            refusal = str(error)
+        return recv.tolist(), groups.backend, refusal
+    finally:
+        destroy_distributed(groups)

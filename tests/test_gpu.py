@@ -29,10 +29,11 @@ def _env():
     return env
 
 
-def _single_gpu_grads(lanes_kind: str, delay: bool, graphs: bool = False):
+def _single_gpu_grads(lanes_kind: str, delay: bool, graphs: bool = False, recorder=None):
     """Grads of one step of a 3-layer bf16 model on one GPU (EP=1: the all-to-alls are local
     copies on the comm lane). With `graphs`, an eager recording step, the capture, then the
-    measured step replays partial CUDA graphs of attn, moe_router and moe_preprocess."""
+    measured step replays partial CUDA graphs of attn, moe_router and moe_preprocess. With a
+    `recorder` (a SpanRecorder), the measured step's spans are recorded (step 1)."""
 
     from epoverlap.config import parse_config
     from epoverlap.graphs.capture import GraphRunner
@@ -52,7 +53,7 @@ def _single_gpu_grads(lanes_kind: str, delay: bool, graphs: bool = False):
                       model.layout(), 4, delay)
     runner = (GraphRunner(model.node_specs(), {"attn", "moe_router", "moe_preprocess"},
                           device=device, queue=queue, check_inputs=True) if graphs else None)
-    executor = Executor(model.node_specs(), lanes, queue,
+    executor = Executor(model.node_specs(), lanes, queue, recorder,
                         **({"run_factory": runner} if runner else {}))
 
     def data(seed):
@@ -68,7 +69,11 @@ def _single_gpu_grads(lanes_kind: str, delay: bool, graphs: bool = False):
             runner.capture(plan)
             assert runner.graph_count() >= 2 * 3 * 4
         grads.zero()
+        if recorder is not None:
+            recorder.begin_step(1)
         losses = executor.run(plan, data(0), 0.25)
+        if recorder is not None:
+            recorder.end_step()
         torch.cuda.synchronize()
         return (torch.stack(losses).float().cpu(), grads.dense_flat.cpu(),
                 grads.expert_flat.cpu())
@@ -86,6 +91,27 @@ def test_streams_and_events_keep_one_gpu_bitwise(delay):
     got = _single_gpu_grads("streams", delay)
     for a, b in zip(reference, got):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_stream_spans_time_the_wait_apart_from_the_run(tmp_path):
+    """Two streams, one event per microbatch: every span's queued mark precedes its start, and
+    each F/B node starts after the previous node of its microbatch ended (its start event
+    follows the stream's wait_event), whichever lane that node ran on; the file reads back."""
+    from epoverlap.profiling.recorder import SpanRecorder
+    from epoverlap_tools import timeline
+    recorder = SpanRecorder(torch.device("cuda"), 0, 1)
+    _single_gpu_grads("streams", True, recorder=recorder)
+    spans = recorder.steps[-1].spans
+    assert spans and {s.lane for s in spans} == {"compute", "comm"}
+    assert all(s.queued_us is not None and s.queued_us <= s.start_us <= s.end_us for s in spans)
+    for microbatch in {s.microbatch for s in spans}:
+        chain = [s for s in spans if s.microbatch == microbatch and s.phase != "wgrad"]
+        for before, after in zip(chain, chain[1:]):
+            assert after.start_us >= before.end_us - 1.0, (before, after)  # event resolution
+    recorder.write(str(tmp_path))
+    assert timeline.main([str(tmp_path), "--no-png"]) == 0
 
 
 @pytest.mark.gpu

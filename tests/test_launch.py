@@ -163,12 +163,26 @@ def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_
     if seq > best:
         assert abs(derived["realized_ovl"] - (seq - ovl) / (seq - best)) < 1e-9
     assert "| quick | ovl |" in result.stdout and "| quick | off |" in result.stdout
+    # the compute lane's own time, waits apart: seq against itself is 1 exactly
+    assert shape["timeline"]["seq"]["compute_slowdown_vs_seq"] == 1.0
+    assert shape["timeline"]["ovl"]["compute_wait_ms"] > 0  # ovl waits on the comm thread
+    compare = _run([sys.executable, "-m", "epoverlap_tools.timeline", "--compare",
+                    str(tmp_path / "spans" / "quick" / "seq"),
+                    str(tmp_path / "spans" / "quick" / "ovl_wgrad"), "--out-dir", str(tmp_path)])
+    assert compare.returncode == 0, compare.stdout + compare.stderr
+    rows = json.loads((tmp_path / "timeline_compare.json").read_text())["rows"]
+    labels = [row["row"] for row in rows]
+    assert "0 mlp wgrad" in labels and "L1 all" in labels and labels[-1] == "all layers"
+    total = rows[-1]
+    assert total["slowdown"] == total["other_compute_us"] / total["base_compute_us"]
+    assert shape["timeline"]["ovl_wgrad"]["compute_slowdown_vs_seq"] == \
+        pytest.approx(total["slowdown"])
 
 
 def test_bench_overlap_graphs_need_cuda_in_one_line():
     result = _run([sys.executable, str(REPO / "tools" / "bench_overlap.py"), "--graphs"])
     assert result.returncode == 2
-    assert "needs a CUDA device" in result.stdout and "Traceback" not in result.stderr
+    assert "needs a CUDA device" in result.stderr and "Traceback" not in result.stderr
 
 
 def _scalars(directory: Path) -> dict[str, dict[int, float]]:

@@ -93,14 +93,15 @@ def test_comm_thread_failure_reaches_the_main_thread_and_queued_comm_is_cancelle
     failure = PeerFailure(0, 4, "expert-parallel group (ranks 0,1) all_to_all failed (z)")
     release, ran_after = threading.Event(), []
 
-    def fail():
+    def fail(wait):
+        wait()
         raise failure
     lanes.submit(COMM, 0, fail, chain=True)
     with pytest.raises(PeerFailure) as info:
-        lanes.submit(COMPUTE, 0, lambda: None, chain=True)  # waits on mb 0's comm node
+        lanes.submit(COMPUTE, 0, lambda wait: wait(), chain=True)  # waits on mb 0's comm node
     assert info.value is failure  # the same object: step, group and op cross the threads
-    lanes.submit(COMM, 1, release.wait, chain=True)  # blocked, as on a silent peer
-    lanes.submit(COMM, 1, lambda: ran_after.append(1), chain=True)
+    lanes.submit(COMM, 1, lambda wait: release.wait(), chain=True)  # blocked: a silent peer
+    lanes.submit(COMM, 1, lambda wait: ran_after.append(1), chain=True)
     started = time.monotonic()
     lanes.abort()  # must not wait for the blocked node
     assert time.monotonic() - started < 1.0

@@ -1,7 +1,8 @@
 """EP overlap benchmark: how much of the all-to-all time the combined 1F1B schedule hides.
 
     torchrun --standalone --nproc-per-node N tools/bench_overlap.py [--shapes a,b] \
-        [--out-dir DIR] [--warmup 2] [--iters 5] [--profile-shapes a,b]
+        [--out-dir DIR] [--warmup 2] [--iters 5] [--profile-shapes a,b] \
+        [--max-ctas default,16,8,2 [--min-ctas 1]] [--extra-flags "--comm-stream-priority normal"]
 
 Runs on any number of ranks (EP = the world size); GPUs with NCCL (bf16), or CPU with gloo.
 For each shape it builds a fresh model per mode and times the forward-backward of all
@@ -25,6 +26,13 @@ the timeline's exposed comm of the overlapped run (mean over profiled steps and 
 next to the benchmark's T_ovl - T_comp, with the profiled steps' own time (the recording's cost).
 With --torch-trace also OUT/spans/<shape>/torch-trace-<mode>-rank<R>.json (kernel level; the
 profiler slows these host-bound steps, so the span figures are then not comparable).
+--max-ctas sweeps the expert-parallel communicator's NCCL CTA budget (each value a fresh set of
+EP groups made with it, `--moe-a2a-nccl-max-ctas`; `default` is NCCL's own; --min-ctas sets
+`--moe-a2a-nccl-min-ctas` beside every value): every shape and mode runs once per value, labelled
+`shape [CTAs max N]`. --extra-flags passes training flags to every mode (checked like the
+training command's, e.g. `--comm-stream-priority normal`). The profiled table also gives the
+compute lane's wait on the comm lane and the compute slowdown of each mode against `seq`
+(`epoverlap-timeline --compare`: compute time apart from waits, all layers).
 Prints a markdown table last; OUT/bench_overlap.json holds every number.
 """
 
@@ -34,17 +42,20 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from epoverlap.config import parse_config, validate_config
 from epoverlap.errors import ConfigError
-from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.parallel.groups import (NcclCtaBudget, destroy_distributed,
+                                       expert_parallel_groups, init_distributed)
 from epoverlap.training.main import setup_environment
 from epoverlap.training.trainer import Trainer
 
@@ -241,8 +252,35 @@ def replay_comm_ms(trace, groups, args) -> float:
     return max_over_ranks(statistics.median(times) * 1e3)
 
 
-def bench_shape(name, groups, args, log) -> dict:
+def parse_budgets(max_ctas: str, min_ctas) -> list[NcclCtaBudget]:
+    """--max-ctas "default,16,8" (+ --min-ctas) -> the budgets to sweep; ValueError if bad."""
+    budgets = []
+    for item in (part.strip() for part in max_ctas.split(",") if part.strip()):
+        if item == "default":
+            budgets.append(NcclCtaBudget(None, min_ctas))
+        elif item.isdigit():
+            budgets.append(NcclCtaBudget(int(item), min_ctas))
+        else:
+            raise ValueError(f"--max-ctas {max_ctas!r}: {item!r} is neither 'default' nor a "
+                             "CTA count")
+    if not budgets:
+        raise ValueError("--max-ctas needs at least one value (e.g. default,8,2)")
+    return budgets
+
+
+def budget_flags(budget: NcclCtaBudget) -> list[str]:
+    """The training flags of a budget (recorded with each mode's flags, checked by the probe)."""
+    flags = []
+    for flag, value in (("--moe-a2a-nccl-max-ctas", budget.max_ctas),
+                        ("--moe-a2a-nccl-min-ctas", budget.min_ctas)):
+        flags += [flag, str(value)] if value is not None else []
+    return flags
+
+
+def bench_shape(name, groups, args, log, budget=NcclCtaBudget()) -> dict:
+    label = name if budget.is_default else f"{name} [{budget.describe()}]"
     base = SHAPES[name] + COMMON + ["--expert-model-parallel-size", str(groups.world_size)]
+    base += budget_flags(budget) + args.extra
     if torch.cuda.is_available():
         base.append("--bf16")
     modes = {mode: flags for mode, flags in MODES.items()}
@@ -252,33 +290,36 @@ def bench_shape(name, groups, args, log) -> dict:
         for mode in ("seq", "ovl", "ovl_wgrad"):
             modes[f"{mode}_budget"] = MODES[mode] + BUDGET
             modes[f"{mode}_full"] = MODES[mode] + BUDGET + FULL_ITERATION
-    results = {"shape": name, "flags": base}
+    results = {"shape": label, "flags": base}
+    spans_root = Path(args.out_dir) / "spans" / (name if budget.is_default else
+                                                 f"{name}@max{budget.max_ctas or 'default'}")
     for mode, flags in modes.items():
-        profile = (Path(args.out_dir) / "spans" / name / mode
-                   if name in args.profile_shapes else None)
+        profile = spans_root / mode if name in args.profile_shapes else None
         results[mode] = measure_mode(groups, base + flags, args, profile,
                                      want_trace=(mode == "ovl"))
-        log(f"[bench_overlap] {name} {mode}: fb {results[mode]['fb_ms']:.2f} ms, step "
+        log(f"[bench_overlap] {label} {mode}: fb {results[mode]['fb_ms']:.2f} ms, step "
             f"{results[mode]['step_ms']:.2f} ms, peak {results[mode]['peak_gib']:.2f} GiB"
             + (f", {results[mode]['graphs']} graphs, {results[mode]['graph_gib']:.3f} GiB"
                if "graphs" in results[mode] else ""))
     results["comm"] = {"fb_ms": replay_comm_ms(results["ovl"].pop("trace"), groups, args)}
-    log(f"[bench_overlap] {name} comm alone: {results['comm']['fb_ms']:.2f} ms")
+    log(f"[bench_overlap] {label} comm alone: {results['comm']['fb_ms']:.2f} ms")
     if name in args.profile_shapes:
         dist.barrier()  # every rank's span files are written
         if groups.rank == 0:
-            results["timeline"] = timeline_figures(Path(args.out_dir) / "spans" / name,
-                                                   list(modes))
+            results["timeline"] = timeline_figures(spans_root, list(modes))
     return results
 
 
 def timeline_figures(spans_root: Path, modes: list) -> dict:
     """Per mode, the timeline tool's figures of the profiled steps, mean over steps and ranks
-    (and the worst rank's exposed comm): what `epoverlap-timeline` prints for that directory."""
+    (and the worst rank's exposed comm): what `epoverlap-timeline` prints for that directory;
+    with a `seq` mode, each mode's compute slowdown against it (`epoverlap-timeline --compare`,
+    all layers: compute time apart from waits)."""
+    from epoverlap.profiling.node_times import compare_runs, node_figures
     from epoverlap.profiling.spans import read_span_directory
     from epoverlap_tools.timeline import span_summary
 
-    out = {}
+    out, nodes = {}, {}
     for mode in modes:
         ranks = read_span_directory(spans_root / mode)
         summary = span_summary(ranks, [step.step for step in ranks[0].steps])
@@ -288,7 +329,15 @@ def timeline_figures(spans_root: Path, modes: list) -> dict:
                      "exposed_ms": statistics.mean(exposed), "exposed_max_rank_ms": max(exposed),
                      "comm_ms": statistics.mean(row["comm_us"] for row in per_rank) / 1e3,
                      "compute_busy_ms": statistics.mean(row["compute_busy_us"]
+                                                        for row in per_rank) / 1e3,
+                     "compute_wait_ms": statistics.mean(row["compute_wait_us"]
                                                         for row in per_rank) / 1e3}
+        nodes[mode] = node_figures(ranks)
+    if "seq" in nodes:
+        for mode in modes:
+            total = compare_runs(nodes["seq"], nodes[mode])[-1]  # the "all layers" row
+            out[mode]["compute_ms"] = total.other_compute_us / 1e3
+            out[mode]["compute_slowdown_vs_seq"] = total.slowdown
     return out
 
 
@@ -370,19 +419,24 @@ def markdown(all_results: list, world: int) -> str:
     if profiled:
         lines += ["", "| profiled shape | mode | bench fb ms | profiled step ms | bench exposed "
                   "(T_mode - T_comp) ms | timeline exposed ms (mean / worst rank) | timeline "
-                  "net exposed (mode - comp) ms | timeline comm ms |", "| --- " * 8 + "|"]
+                  "net exposed (mode - comp) ms | timeline comm ms | compute ms (waits apart) | "
+                  "compute slowdown vs seq | compute wait ms |", "| --- " * 11 + "|"]
     for r in profiled:
         comp_exposed = r["timeline"].get("comp", {}).get("exposed_ms")
         for mode, t in r["timeline"].items():
             bench = f"{r[mode]['fb_ms'] - r['comp']['fb_ms']:.2f}"
             net = f"{t['exposed_ms'] - comp_exposed:.2f}" if comp_exposed is not None else "-"
+            compute = f"{t['compute_ms']:.2f}" if "compute_ms" in t else "-"
+            slowdown = t.get("compute_slowdown_vs_seq")
+            slowdown = f"{slowdown:.3f}" if slowdown else "-"
             lines.append(f"| {r['shape']} | {mode} | {r[mode]['fb_ms']:.2f} | {t['step_ms']:.2f} "
                          f"| {bench} | {t['exposed_ms']:.2f} / {t['exposed_max_rank_ms']:.2f} | "
-                         f"{net} | {t['comm_ms']:.2f} |")
+                         f"{net} | {t['comm_ms']:.2f} | {compute} | {slowdown} | "
+                         f"{t['compute_wait_ms']:.2f} |")
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="quick")
     parser.add_argument("--profile-shapes", default="")
@@ -395,43 +449,83 @@ def main(argv=None) -> int:
                         help="also write a torch.profiler trace of each profiled step")
     parser.add_argument("--graphs", action="store_true",
                         help="also run every mode with partial CUDA graphs (GPU only)")
+    parser.add_argument("--max-ctas", default="default",
+                        help="comma list of NCCL CTA budgets for the expert-parallel "
+                             "communicator to sweep: 'default' (NCCL's) or a count, e.g. "
+                             "default,16,8,2 (--moe-a2a-nccl-max-ctas; GPU only)")
+    parser.add_argument("--min-ctas", type=int, default=None,
+                        help="--moe-a2a-nccl-min-ctas beside every --max-ctas value")
+    parser.add_argument("--extra-flags", default="",
+                        help="training flags for every mode, one string, e.g. "
+                             "\"--comm-stream-priority normal\"")
     parser.add_argument("--sync-free", action="store_true",
                         help="also run seq, ovl and ovl_wgrad with the budget dispatch "
                              "(--moe-dispatch-budget 1.25), eager and as one full-iteration "
                              "graph (GPU only); the budget's overflows are counted")
     args = parser.parse_args(argv)
     args.profile_shapes = [s for s in args.profile_shapes.split(",") if s]
-    shapes = [s for s in args.shapes.split(",") if s]
-    unknown = [s for s in shapes if s not in SHAPES]
-    if unknown:
-        print(f"bench_overlap: unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
-        return 2
-    if (args.graphs or args.sync_free) and not torch.cuda.is_available():
-        print("bench_overlap: --graphs needs a CUDA device (CUDA graphs); none is visible here")
-        return 2
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world < 2:
-        print("bench_overlap: needs 2+ ranks (the overlap hides an all-to-all between them): "
-              "run it under torchrun, e.g. torchrun --standalone --nproc-per-node 2 "
-              "tools/bench_overlap.py", file=sys.stderr)
-        return 2
-    probe = parse_config(SHAPES[shapes[0]] + COMMON + OVERLAP +
-                         ["--expert-model-parallel-size", str(world)])
+    args.shapes = [s for s in args.shapes.split(",") if s]
+    args.extra = shlex.split(args.extra_flags)
+    return args
+
+
+def checked_probe(args, world: int):
+    """The config of the first shape with the extra flags and each budget's flags, checked as
+    the training command checks them (the last one is returned); None after printing the one
+    line of a bad value (argparse prints its own)."""
     try:
-        validate_config(probe, world, torch.cuda.is_available())
-    except ConfigError as error:
-        if os.environ.get("RANK", "0") == "0":
+        for budget in args.budgets:
+            probe = parse_config(SHAPES[args.shapes[0]] + COMMON + OVERLAP + args.extra +
+                                 budget_flags(budget) +
+                                 ["--expert-model-parallel-size", str(world)])
+            validate_config(probe, world, torch.cuda.is_available())
+    except (ConfigError, SystemExit) as error:
+        if os.environ.get("RANK", "0") == "0" and isinstance(error, ConfigError):
             print(f"bench_overlap: error: {error}", file=sys.stderr)
+        return None
+    return probe
+
+
+def input_error(args, world: int) -> Optional[str]:
+    """The one line for arguments this run cannot take (None: none)."""
+    unknown = [s for s in args.shapes if s not in SHAPES]
+    if unknown:
+        return f"bench_overlap: unknown shape(s) {unknown}; known: {', '.join(SHAPES)}"
+    if (args.graphs or args.sync_free) and not torch.cuda.is_available():
+        return "bench_overlap: --graphs needs a CUDA device (CUDA graphs); none is visible here"
+    try:
+        args.budgets = parse_budgets(args.max_ctas, args.min_ctas)
+    except ValueError as error:
+        return f"bench_overlap: error: {error}"
+    if world < 2:
+        return ("bench_overlap: needs 2+ ranks (the overlap hides an all-to-all between them): "
+                "run it under torchrun, e.g. torchrun --standalone --nproc-per-node 2 "
+                "tools/bench_overlap.py")
+    return None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    error = input_error(args, world)
+    if error is not None:
+        print(error, file=sys.stderr)
+        return 2
+    probe = checked_probe(args, world)
+    if probe is None:
         return 2
     setup_environment(probe, print)
     groups = init_distributed(world, "cuda" if torch.cuda.is_available() else "cpu")
     log = print if groups.rank == 0 else (lambda msg: None)
     all_results = []
     try:
-        for name in shapes:
-            result = bench_shape(name, groups, args, log)
-            result["derived"] = derived(result)
-            all_results.append(result)
+        for budget in args.budgets:  # fresh EP groups for each budget but NCCL's default
+            budget_groups = groups if budget.is_default else expert_parallel_groups(
+                world, groups.device, groups.local_rank, watch=groups.watch, ep_budget=budget)
+            for name in args.shapes:
+                result = bench_shape(name, budget_groups, args, log, budget)
+                result["derived"] = derived(result)
+                all_results.append(result)
     finally:
         destroy_distributed(groups)
     if groups.rank == 0:

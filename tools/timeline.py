@@ -1,4 +1,5 @@
-"""Overlap timeline tool: `epoverlap-timeline DIR [--out-dir OUT] [--step N] [--no-png] [--torch-trace F]`.
+"""Overlap timeline tool: `epoverlap-timeline DIR [--out-dir OUT] [--step N] [--no-png] [--torch-trace F]`,
+or `epoverlap-timeline --compare SEQ_DIR OVL_DIR [--out-dir OUT]`.
 
 This module owns everything that reads span files (epoverlap/profiling/spans.py, docs/span-format.md) or
 torch.profiler Chrome traces and turns them into overlap figures:
@@ -6,7 +7,11 @@ torch.profiler Chrome traces and turns them into overlap figures:
     one step's figures in epoverlap/profiling/overlap.py, which the trainer shares), per layer, mean over steps,
     and per torch trace (by kernel);
   - a merged Chrome/Perfetto trace (timeline_trace.json), a PNG Gantt chart (timeline.png),
-    a printed summary and timeline_summary.json, all written to --out-dir (default DIR).
+    a printed summary and timeline_summary.json, all written to --out-dir (default DIR);
+  - per compute node kind (layer, node, phase: epoverlap/profiling/node_times.py) the time it
+    computed apart from the time it waited on the other lane, and with --compare the compute
+    slowdown of one run against another (overlap vs sequential) per node kind and layer
+    (timeline_compare.json in --out-dir, default the second directory).
 
 Metric definitions (all in microseconds, per rank and step, window = [0, step_time_us]):
   compute_busy_us  measure(union(compute-lane spans))
@@ -15,6 +20,9 @@ Metric definitions (all in microseconds, per rank and step, window = [0, step_ti
   hidden_comm_us   measure(union(comm) intersect union(compute)) = comm_us - exposed_comm_us
   overlap_ratio    hidden_comm_us / comm_us; defined as 1.0 when comm_us == 0 (nothing exposed)
   idle_us, idle_gaps  measure and count of the pieces of the window where neither lane is busy
+  compute_wait_us  sum over compute spans of start_us - queued_us: the compute lane had reached a
+                   node whose inputs from the comm lane were not ready (part of bubble_us;
+                   None for version-1 span files, which do not record it)
   bubble_us        measure(window minus union(compute)): the compute lane idle, as a pipeline
                    stage is while it waits for another (plus any exposed comm and host gaps);
                    bubble_fraction = bubble_us / step_time_us. Marked in the trace (a `bubble`
@@ -43,11 +51,13 @@ from epoverlap.profiling.overlap import (  # noqa: F401  (gaps, WindowMetrics: r
     CommOverlap, Interval, WindowMetrics, comm_overlap, gaps, intersect, lane_intervals, measure,
     step_metrics, subtract, union, window_metrics)
 from epoverlap.model.stages import describe_layers
+from epoverlap.profiling.node_times import compare_runs, node_figures
 from epoverlap.profiling.spans import RankSpans, Span, SpanFileError, StepSpans, read_span_directory
 
 TRACE_FILE = "timeline_trace.json"
 PNG_FILE = "timeline.png"
 SUMMARY_FILE = "timeline_summary.json"
+COMPARE_FILE = "timeline_compare.json"
 SUMMARY_FORMAT = "epoverlap-timeline-summary"
 SUMMARY_VERSION = 1
 LANE_TIDS = {"compute": 0, "comm": 1}
@@ -79,6 +89,11 @@ DEFINITIONS = {
     "bubble_us": "time in the window when the compute lane is idle (pipeline bubble, exposed "
                  "comm, host gaps)",
     "bubble_fraction": "bubble_us / step_time_us",
+    "compute_wait_us": "sum over compute spans of start_us - queued_us: time the compute lane "
+                       "waited for inputs from the comm lane (null: not recorded, span format 1)",
+    "compute_nodes": "per (layer, node, phase) compute-lane spans summed over microbatches, mean "
+                     "over the steps and ranks that ran them: compute_us = sum(end - start), "
+                     "wait_us = sum(start - queued)",
     "layers": "busy times from that layer's spans only; exposure against ALL compute of the rank",
     "mean_over_steps": "field means over steps; overlap_ratio = sum(hidden) / sum(comm)",
 }
@@ -106,15 +121,24 @@ def layer_metrics(step: StepSpans) -> dict[int | None, CommOverlap]:
     return out
 
 
+def compute_wait_us(spans: Sequence[Span]) -> float | None:
+    """Sum of the compute spans' waits on the comm lane (None if any span lacks the mark)."""
+    waits = [span.wait_us for span in spans if span.lane == "compute"]
+    return None if None in waits else sum(waits)
+
+
 def bubbles(step: StepSpans) -> list[Interval]:
     """Where the rank's compute lane is idle in its step (module docstring: bubble_us)."""
     return gaps(lane_intervals(step.spans, "compute"), 0.0, step.step_time_us)
 
 
 def _rank_row(rank: int, step: StepSpans) -> dict[str, Any]:
-    layers = [{"layer": layer, **asdict(figures)} for layer, figures in layer_metrics(step).items()]
+    layers = [{"layer": layer, **asdict(figures),
+               "compute_wait_us": compute_wait_us([s for s in step.spans if s.layer == layer])}
+              for layer, figures in layer_metrics(step).items()]
     bubble_us = measure(bubbles(step))
-    return {"rank": rank, **step_metrics(step).as_dict(), "bubble_us": bubble_us,
+    return {"rank": rank, **step_metrics(step).as_dict(),
+            "compute_wait_us": compute_wait_us(step.spans), "bubble_us": bubble_us,
             "bubble_fraction": bubble_us / step.step_time_us if step.step_time_us else 0.0,
             "layers": layers}
 
@@ -139,6 +163,7 @@ def span_summary(ranks: list[RankSpans], steps: list[int]) -> dict[str, Any]:
     summary: dict[str, Any] = {"steps": per_step}
     if len(steps) > 1:
         summary["mean_over_steps"] = [_rank_mean(per_step, index) for index in range(len(ranks))]
+    summary["compute_nodes"] = [f.as_dict() for f in node_figures(ranks, steps)]
     return summary
 
 
@@ -324,8 +349,10 @@ def read_chrome_trace(path: str | Path) -> list[RankSpans]:
         if key not in steps:
             raise InputError(f"{path}: span {event.get('name')!r} outside any step marker")
         start = float(event["ts"]) - offsets[key]
+        wait = event.get("args", {}).get("wait_us")
         steps[key].spans.append(Span.from_action(lanes[event["tid"]], event["name"], start,
-                                                 start + float(event["dur"])))
+                                                 start + float(event["dur"]),
+                                                 None if wait is None else start - wait))
     if not steps:
         raise InputError(f"{path}: no step markers (is it a timeline_trace.json?)")
     other = document.get("otherData", {})
@@ -361,7 +388,8 @@ def _span_event(rank: int, step: int, span: Span, offset: float) -> dict[str, An
         "pid": rank, "tid": LANE_TIDS[span.lane],
         "cname": TRACE_PALETTE[span.microbatch % len(TRACE_PALETTE)],
         "args": {"microbatch": span.microbatch, "layer": span.layer, "node": span.node,
-                 "phase": span.phase, "lane": span.lane, "step": step},
+                 "phase": span.phase, "lane": span.lane, "step": step,
+                 "wait_us": span.wait_us},
     }
 
 
@@ -448,9 +476,9 @@ def _bars(axes: Any, intervals: list[Interval], y: float, color: Any, **style: A
 
 _RANK_COLUMNS = ("step_time_us", "compute_busy_us", "comm_us", "exposed_comm_us",
                  "hidden_comm_us", "overlap_ratio", "idle_us", "idle_gaps")
-_SPAN_COLUMNS = _RANK_COLUMNS + ("bubble_us",)
-_LAYER_COLUMNS = ("compute_busy_us", "comm_us", "exposed_comm_us", "hidden_comm_us",
-                  "overlap_ratio")
+_SPAN_COLUMNS = _RANK_COLUMNS[:2] + ("compute_wait_us",) + _RANK_COLUMNS[2:] + ("bubble_us",)
+_LAYER_COLUMNS = ("compute_busy_us", "compute_wait_us", "comm_us", "exposed_comm_us",
+                  "hidden_comm_us", "overlap_ratio")
 
 
 def _cell(value: Any, column: str) -> str:
@@ -467,21 +495,32 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def format_span_summary(summary: dict[str, Any]) -> str:
     """Per-rank table (every step, then means) and per-(rank, layer) table of the last block."""
-    rows = [[step["step"], row["rank"], *(row[c] for c in _SPAN_COLUMNS)]
+    rows = [[step["step"], row["rank"], *(row.get(c) for c in _SPAN_COLUMNS)]
             for step in summary["steps"] for row in step["ranks"]]
     layer_source = summary["steps"][-1]["ranks"]
     layer_title = f"per layer, step {summary['steps'][-1]['step']}"
     if "mean_over_steps" in summary:
-        rows += [["mean", row["rank"], *(row[c] for c in _SPAN_COLUMNS)]
+        rows += [["mean", row["rank"], *(row.get(c) for c in _SPAN_COLUMNS)]
                  for row in summary["mean_over_steps"]]
         layer_source, layer_title = summary["mean_over_steps"], "per layer, mean over steps"
     names = [c.removesuffix("_us") for c in _SPAN_COLUMNS]
     text = "per rank (times in us)\n" + _table(["step", "rank", *names], rows)
     layer_rows = [[row["rank"], "-" if e["layer"] is None else e["layer"],
-                   *(e[c] for c in _LAYER_COLUMNS)] for row in layer_source for e in row["layers"]]
+                   *(e.get(c) for c in _LAYER_COLUMNS)]
+                  for row in layer_source for e in row["layers"]]
     names = [c.removesuffix("_us") for c in _LAYER_COLUMNS]
-    return text + f"\n\n{layer_title} (times in us; exposure vs all compute of the rank)\n" + \
+    text += f"\n\n{layer_title} (times in us; exposure vs all compute of the rank)\n" + \
         _table(["rank", "layer", *names], layer_rows)
+    return text + "\n\n" + format_compute_nodes(summary["compute_nodes"])
+
+
+def format_compute_nodes(nodes: Sequence[dict[str, Any]]) -> str:
+    """The per-node-kind table: compute time apart from the wait on the comm lane."""
+    rows = [["-" if n["layer"] is None else n["layer"], n["node"], n["phase"], n["spans"],
+             n["compute_us"], n["wait_us"]] for n in nodes]
+    return ("per compute node (times in us per step, summed over microbatches, mean over steps "
+            "and ranks; wait: on the comm lane, before the node ran)\n" +
+            _table(["layer", "node", "phase", "spans", "compute", "wait"], rows))
 
 
 def format_torch_summary(entries: list[dict[str, Any]]) -> str:
@@ -512,6 +551,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--torch-trace", action="append", default=[], metavar="FILE",
                         help="torch.profiler Chrome trace (one per rank) or a directory of them; "
                              "repeatable")
+    parser.add_argument("--compare", nargs=2, metavar=("SEQ_DIR", "OVL_DIR"),
+                        help="two span directories of one model (say a sequential and an "
+                             "overlapped run): per layer and node, compute time of the second "
+                             "over the first's (the compute slowdown under overlap), waits apart")
     return parser.parse_args(argv)
 
 
@@ -530,8 +573,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.compare:
+        if args.directory is not None or args.torch_trace or args.step is not None:
+            raise InputError("--compare SEQ_DIR OVL_DIR takes no other DIR, --torch-trace or "
+                             "--step (it reads every step of both)")
+        return _run_compare(*args.compare, Path(args.out_dir or args.compare[1]))
     if args.directory is None and not args.torch_trace:
-        raise InputError("give a span directory (DIR) and/or --torch-trace FILE")
+        raise InputError("give a span directory (DIR) and/or --torch-trace FILE, or --compare "
+                         "SEQ_DIR OVL_DIR")
     default_out = args.directory or Path(args.torch_trace[0]).resolve().parent
     out_dir = Path(args.out_dir or default_out)
     summary: dict[str, Any] = {"format": SUMMARY_FORMAT, "version": SUMMARY_VERSION,
@@ -572,6 +621,51 @@ def _run_spans(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
         _write_png(ranks, steps[-1], out_dir / PNG_FILE)
     return {"directory": str(args.directory), "world_size": ranks[0].world_size,
             "clock": ranks[0].clock, **figures}
+
+
+def compare_summary(base_dir: str, other_dir: str) -> dict[str, Any]:
+    """Per node kind, per layer and overall: compute time of the run in `other_dir` over the one
+    in `base_dir` (node_times.compare_runs), with both runs' waits."""
+    runs = [read_span_directory(directory) for directory in (base_dir, other_dir)]
+    for directory, ranks in zip((base_dir, other_dir), runs):
+        if not ranks[0].steps:
+            raise InputError(f"{directory}: the span files hold no steps")
+    rows = compare_runs(node_figures(runs[0]), node_figures(runs[1]))
+    return {"format": SUMMARY_FORMAT + "-compare", "version": 1, "base": base_dir,
+            "other": other_dir, "steps": [[s.step for s in ranks[0].steps] for ranks in runs],
+            "definitions": {
+                "compute_us": "sum over the row's compute spans of end - start, per step "
+                              "(summed over microbatches, mean over steps and ranks)",
+                "wait_us": "likewise of start - queued: waiting on the comm lane",
+                "slowdown": "other_compute_us / base_compute_us"},
+            "rows": [row.as_dict() for row in rows]}
+
+
+def format_compare(summary: dict[str, Any]) -> str:
+    width = max(len(r["row"]) for r in summary["rows"])
+    rows = [[r["row"].ljust(width), r["base_compute_us"], r["other_compute_us"], r["slowdown"],
+             r["base_wait_us"], r["other_wait_us"]] for r in summary["rows"]]
+    header = ["layer node phase".ljust(width), "seq compute", "ovl compute", "slowdown",
+              "seq wait", "ovl wait"]
+    cells = [[_compare_cell(value, column) for value, column in zip(row, header)] for row in rows]
+    return (f"compute slowdown under overlap: {summary['other']} over {summary['base']} (times "
+            "in us per step; compute apart from the wait on the comm lane)\n" +
+            _table(header, cells))
+
+
+def _compare_cell(value: Any, column: str) -> str:
+    if column == "slowdown" and isinstance(value, float):
+        return f"{value:.3f}"
+    return _cell(value, column)
+
+
+def _run_compare(base_dir: str, other_dir: str, out_dir: Path) -> int:
+    summary = compare_summary(base_dir, other_dir)
+    print(format_compare(summary) + "\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / COMPARE_FILE).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {out_dir / COMPARE_FILE}")
+    return 0
 
 
 def _write_png(ranks: list[RankSpans], step: int, path: Path) -> None:

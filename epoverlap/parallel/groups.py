@@ -26,6 +26,14 @@ restarted worker can read a dead peer's address and fail to connect. On one node
 of an attempt has the same TORCHELASTIC_RESTART_COUNT, so the store is prefixed by it here; over
 several nodes the counts may differ: there, give torchrun TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
 
+CTA budget of the expert-parallel communicator (`NcclCtaBudget`, from
+`--moe-a2a-nccl-max-ctas` / `--moe-a2a-nccl-min-ctas`): on NCCL the EP groups are created with
+`ProcessGroupNCCL.Options` whose `config` (NCCL's ncclConfig_t) carries max_ctas / min_ctas, so
+only the all-to-alls get the budget (the environment's NCCL_MAX_CTAS would bind every group).
+Since torch 2.8 a collective issued with async_op=False (ours) runs on the caller's stream, so
+the comm stream's priority applies to these kernels too. A budget on gloo is refused
+(`build_ep_options`); config validation refuses it earlier, naming the flag.
+
 Timeouts: every group (world, expert-parallel, expert-data-parallel) gets the configured
 collective timeout (`--distributed-timeout-minutes`); a group created without one would wait
 torch's default (30 minutes on gloo). Each group carries a `group_desc` (its name), so NCCL's
@@ -39,7 +47,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -94,6 +102,49 @@ class Group:
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         with self.watch.collective(self.name, self.ranks, f"recv from rank {src}"):
             dist.recv(tensor, src=src, group=self.pg)
+
+
+@dataclass(frozen=True)
+class NcclCtaBudget:
+    """How many CTAs (thread blocks, one SM each) NCCL may use per collective of one
+    communicator: its ncclConfig_t's maxCTAs / minCTAs. None: NCCL's own choice."""
+
+    max_ctas: Optional[int] = None
+    min_ctas: Optional[int] = None
+
+    @property
+    def is_default(self) -> bool:
+        return self.max_ctas is None and self.min_ctas is None
+
+    def describe(self) -> str:
+        if self.is_default:
+            return "NCCL default"
+        parts = [f"{name} {value}" for name, value in (("max", self.max_ctas),
+                                                       ("min", self.min_ctas)) if value]
+        return "CTAs " + ", ".join(parts)
+
+
+def build_ep_options(budget: Optional[NcclCtaBudget], backend: str,
+                     timeout: datetime.timedelta, options_factory=None):
+    """The `pg_options` of the expert-parallel groups: None (the backend's defaults) without a
+    budget; on NCCL a `ProcessGroupNCCL.Options()` (or `options_factory()`) whose `config`
+    holds the budget's max_ctas / min_ctas (fields left alone keep NCCL's defaults) and whose
+    timeout is the group's (so torch does not warn that the two differ). Raises ValueError for
+    a budget on another backend."""
+    if budget is None or budget.is_default:
+        return None
+    if backend != "nccl":
+        raise ValueError(f"an NCCL CTA budget ({budget.describe()}) was given for a {backend} "
+                         "process group: it applies to NCCL communicators only")
+    if options_factory is None:
+        options_factory = dist.ProcessGroupNCCL.Options
+    options = options_factory()
+    if budget.max_ctas is not None:
+        options.config.max_ctas = budget.max_ctas
+    if budget.min_ctas is not None:
+        options.config.min_ctas = budget.min_ctas
+    options._timeout = timeout
+    return options
 
 
 @dataclass(frozen=True)
@@ -162,6 +213,7 @@ class ParallelGroups:
     pp_rank: int = 0
     pp: Optional[Group] = None  # this rank's pipeline, its ranks by stage; None with one stage
     dp: Optional[Group] = None  # this stage's data-parallel group; with one stage: the world
+    ep_budget: Optional[NcclCtaBudget] = None  # the EP communicator's CTA limits, if any
 
     def __post_init__(self):
         if self.dp is None:
@@ -197,11 +249,14 @@ def _ensure_env() -> None:
 
 
 def _new_groups(name: str, ranks_of: list[list[int]], my_rank: int,
-                timeout: datetime.timedelta, watch: CollectiveWatch) -> Group:
-    """Create every group of the partition (all ranks must call); return the one holding me."""
+                timeout: datetime.timedelta, watch: CollectiveWatch,
+                make_options: Callable[[], Any] = lambda: None) -> Group:
+    """Create every group of the partition (all ranks must call); return the one holding me.
+    Each group gets its own `make_options()` (torch writes the group's name and ranks into
+    the options object it is given)."""
     mine = None
     for ranks in ranks_of:
-        pg = dist.new_group(ranks, timeout=timeout, group_desc=name)
+        pg = dist.new_group(ranks, timeout=timeout, group_desc=name, pg_options=make_options())
         if my_rank in ranks:
             mine = Group(name, tuple(ranks), pg, watch)
     return mine
@@ -227,8 +282,10 @@ def _start_watch(rank: int, world_size: int, timeout: datetime.timedelta,
 
 
 def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10.0,
-                     pp_size: int = 1) -> ParallelGroups:
-    """Initialize torch.distributed and build the PP, DP, EP and EDP groups."""
+                     pp_size: int = 1,
+                     ep_budget: Optional[NcclCtaBudget] = None) -> ParallelGroups:
+    """Initialize torch.distributed and build the PP, DP, EP and EDP groups (the EP groups
+    with `ep_budget`'s NCCL CTA limits, if any)."""
     _ensure_env()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -248,22 +305,27 @@ def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     watch = _start_watch(rank, world_size, timeout, backend == "nccl")
     return expert_parallel_groups(ep_size, device, local_rank, watch=watch, timeout=timeout,
-                                  pp_size=pp_size)
+                                  pp_size=pp_size, ep_budget=ep_budget)
 
 
 def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int = 0, *,
                            watch: CollectiveWatch,
                            timeout: datetime.timedelta = datetime.timedelta(minutes=10),
-                           pp_size: int = 1) -> ParallelGroups:
+                           pp_size: int = 1,
+                           ep_budget: Optional[NcclCtaBudget] = None) -> ParallelGroups:
     """The PP, DP, EP and EDP groups of `pp_size` stages and `ep_size` over the initialized
-    world (every rank must call), watched by `watch`. Called again with another EP size in the
-    same world, it gives a second, independent layout (tests resume one run's checkpoint at
-    another EP size in one process group)."""
+    world (every rank must call), watched by `watch`; the EP groups with `ep_budget`'s NCCL CTA
+    limits. Called again with another EP size (or budget) in the same world, it gives a second,
+    independent layout (tests resume one run's checkpoint at another EP size in one process
+    group; the overlap benchmark sweeps budgets)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     layout = RankLayout(world_size, pp_size, ep_size)
+    backend = dist.get_backend()
+    build_ep_options(ep_budget, backend, timeout)  # a budget on gloo: refused before any group
 
-    def groups(name: str, ranks_of: list[list[int]]) -> Group:
-        return _new_groups(name, ranks_of, rank, timeout, watch)
+    def groups(name: str, ranks_of: list[list[int]], budget=None) -> Group:
+        return _new_groups(name, ranks_of, rank, timeout, watch,
+                           lambda: build_ep_options(budget, backend, timeout))
 
     world = Group(WORLD, tuple(range(world_size)), None, watch)
     staged = pp_size > 1
@@ -271,7 +333,7 @@ def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int =
         rank=rank, world_size=world_size, local_rank=local_rank, ep_size=ep_size,
         ep_rank=layout.ep_rank(rank), edp_size=layout.edp_size, edp_rank=layout.edp_rank(rank),
         device=device, backend=dist.get_backend(), world=world, watch=watch,
-        ep=groups(EXPERT_PARALLEL, layout.ep_groups()),
+        ep=groups(EXPERT_PARALLEL, layout.ep_groups(), ep_budget), ep_budget=ep_budget,
         edp=groups(EXPERT_DATA_PARALLEL, layout.edp_groups()),
         pp_size=pp_size, pp_rank=layout.pp_rank(rank),
         pp=groups(PIPELINE, layout.pp_groups()) if staged else None,

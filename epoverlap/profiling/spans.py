@@ -1,10 +1,12 @@
-"""Span records and the per-rank span file format (format "epoverlap-spans", version 1).
+"""Span records and the per-rank span file format (format "epoverlap-spans", version 2).
 
 This module owns what a span is, how one rank's spans are written to disk, and how a directory
 of span files is read back and checked. The executor records one Span per action it runs (on the
 compute or the comm lane) and calls `write_rank_span_file` once per rank; `tools/timeline.py`
 reads the files back with `read_span_directory`. The file format is documented in
-docs/span-format.md; any change to it bumps SPAN_FORMAT_VERSION.
+docs/span-format.md; any change to it bumps SPAN_FORMAT_VERSION. Version 2 added each span's
+`queued_us` (when its lane reached it, before it waited on the other lane); version-1 files
+still read, with `queued_us` None (the wait unknown).
 
 Times are microseconds (float) relative to the rank's step start; every span lies inside
 [0, step_time_us] of its step. Every problem found while writing or reading raises
@@ -23,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 SPAN_FORMAT = "epoverlap-spans"
-SPAN_FORMAT_VERSION = 1
+SPAN_FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 LANES = ("compute", "comm")
 PHASES = ("forward", "backward", "wgrad")
 CLOCKS = ("host", "cuda_event")
@@ -41,7 +44,8 @@ class SpanFileError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """One action's time on one lane: [start_us, end_us] relative to the rank's step start."""
+    """One action on one lane, relative to the rank's step start: it ran in [start_us, end_us]
+    and, before that, waited on the other lane from queued_us (None: not recorded)."""
 
     lane: str
     action: str
@@ -51,16 +55,24 @@ class Span:
     phase: str
     start_us: float
     end_us: float
+    queued_us: float | None = None
 
     @classmethod
-    def from_action(cls, lane: str, action: str, start_us: float, end_us: float) -> Span:
+    def from_action(cls, lane: str, action: str, start_us: float, end_us: float,
+                    queued_us: float | None = None) -> Span:
         """Build a span from an action string such as `F3.attn.L2` or `B1.loss`."""
         phase, microbatch, node, layer = parse_action(action)
-        return cls(lane, action, microbatch, layer, node, phase, float(start_us), float(end_us))
+        return cls(lane, action, microbatch, layer, node, phase, float(start_us), float(end_us),
+                   None if queued_us is None else float(queued_us))
 
     @property
     def duration_us(self) -> float:
         return self.end_us - self.start_us
+
+    @property
+    def wait_us(self) -> float | None:
+        """Time the action waited on the other lane before it ran (None: not recorded)."""
+        return None if self.queued_us is None else self.start_us - self.queued_us
 
 
 @dataclass
@@ -194,10 +206,10 @@ def _parse_document(document: Any, name: str) -> RankSpans:
             f"expected {SPAN_FORMAT!r})"
         )
     version = document.get("version")
-    if version != SPAN_FORMAT_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise SpanFileError(
             f"{name}: unsupported span format version {version!r} "
-            f"(this reader understands version {SPAN_FORMAT_VERSION})"
+            f"(this reader understands versions {', '.join(map(str, READABLE_VERSIONS))})"
         )
     rank = _int_field(document, "rank", name, minimum=0)
     world_size = _int_field(document, "world_size", name, minimum=1)
@@ -212,7 +224,7 @@ def _parse_document(document: Any, name: str) -> RankSpans:
     raw_steps = document.get("steps")
     if not isinstance(raw_steps, list):
         raise SpanFileError(f"{name}: 'steps' must be a list, got {_kind(raw_steps)}")
-    steps = [_parse_step(raw, index, name) for index, raw in enumerate(raw_steps)]
+    steps = [_parse_step(raw, index, name, version) for index, raw in enumerate(raw_steps)]
     seen: set[int] = set()
     for step in steps:
         if step.step in seen:
@@ -222,7 +234,7 @@ def _parse_document(document: Any, name: str) -> RankSpans:
     return RankSpans(rank, world_size, device, clock, steps, name)
 
 
-def _parse_step(raw: Any, index: int, name: str) -> StepSpans:
+def _parse_step(raw: Any, index: int, name: str, version: int) -> StepSpans:
     where = f"{name}: steps[{index}]"
     if not isinstance(raw, dict):
         raise SpanFileError(f"{where}: expected an object, got {_kind(raw)}")
@@ -232,15 +244,17 @@ def _parse_step(raw: Any, index: int, name: str) -> StepSpans:
     raw_spans = raw.get("spans")
     if not isinstance(raw_spans, list):
         raise SpanFileError(f"{where}: 'spans' must be a list, got {_kind(raw_spans)}")
-    spans = [_parse_span(item, i, step_time_us, where) for i, item in enumerate(raw_spans)]
+    spans = [_parse_span(item, i, step_time_us, where, version)
+             for i, item in enumerate(raw_spans)]
     return StepSpans(step, step_time_us, spans)
 
 
-def _parse_span(raw: Any, index: int, step_time_us: float, where: str) -> Span:
+def _parse_span(raw: Any, index: int, step_time_us: float, where: str, version: int) -> Span:
     where = f"{where} span {index}"
     if not isinstance(raw, dict):
         raise SpanFileError(f"{where}: expected an object, got {_kind(raw)}")
-    missing = [key for key in _SPAN_KEYS if key not in raw]
+    keys = _SPAN_KEYS + (("queued_us",) if version >= 2 else ())
+    missing = [key for key in keys if key not in raw]
     if missing:
         raise SpanFileError(f"{where}: missing field(s) {', '.join(missing)}")
     action = _str_field(raw, "action", where)
@@ -260,6 +274,8 @@ def _parse_span(raw: Any, index: int, step_time_us: float, where: str) -> Span:
         phase=phase,
         start_us=_time_field(raw, "start_us", where),
         end_us=_time_field(raw, "end_us", where),
+        queued_us=(None if version < 2 or raw["queued_us"] is None
+                   else _time_field(raw, "queued_us", where)),
     )
     _check_span_times(span, step_time_us, where)
     _check_action_matches(span, where)
@@ -269,6 +285,9 @@ def _parse_span(raw: Any, index: int, step_time_us: float, where: str) -> Span:
 def _check_span_times(span: Span, step_time_us: float, where: str) -> None:
     if span.end_us < span.start_us:
         raise SpanFileError(f"{where}: end_us {span.end_us} < start_us {span.start_us}")
+    if span.queued_us is not None and span.queued_us > span.start_us:
+        raise SpanFileError(f"{where}: queued_us {span.queued_us} > start_us {span.start_us} "
+                            "(an action is queued before it starts)")
     if span.end_us > step_time_us:
         raise SpanFileError(
             f"{where}: end_us {span.end_us} is after the step's end (step_time_us {step_time_us})"

@@ -21,7 +21,9 @@ Every F/B node of microbatch m waits on m's event (CUDA: `wait_event`; threads: 
 m's last comm node) before it runs and records it after, so one microbatch's nodes form a chain
 across the lanes while the two microbatches' chains share nothing and overlap freely. `W`
 actions run on the compute lane and neither wait on nor record the event: nothing waits on
-them. A tensor handed from one lane to the other is marked used on the consumer's stream
+them. A lane runs a task as `task(wait)`: the task calls `wait()` (that wait, or nothing) first
+thing, so the span recorder can time the wait apart from the work (its `queued` mark before
+it, `start` after). A tensor handed from one lane to the other is marked used on the consumer's stream
 (`record_stream`), so the caching allocator cannot hand its memory out early.
 """
 
@@ -52,11 +54,18 @@ def _tensors_in(value) -> list[torch.Tensor]:
     return []
 
 
+Task = Callable[[Callable[[], None]], None]  # task(wait): calls wait() first, then works
+
+
+def no_wait() -> None:
+    """The wait of a task that depends on nothing on the other lane."""
+
+
 class SerialLanes:
     """Both lanes in program order on the caller's thread and stream (no overlap)."""
 
-    def submit(self, lane: str, microbatch: int, task: Callable[[], None], chain: bool) -> None:
-        task()
+    def submit(self, lane: str, microbatch: int, task: Task, chain: bool) -> None:
+        task(no_wait)
 
     def hand_over(self, value, to_lane: str) -> None:
         pass
@@ -84,14 +93,12 @@ class ThreadLanes(SerialLanes):
         self._queued: list[Future] = []  # every comm node not known to be finished
 
     def submit(self, lane, microbatch, task, chain):
-        if lane == COMM:
-            future = self._pool.submit(task)
+        if lane == COMM:  # FIFO after every compute node submitted before it: nothing to wait
+            future = self._pool.submit(task, no_wait)
             self._pending[microbatch] = future
             self._queued = [f for f in self._queued if not f.done()] + [future]
             return
-        if chain:
-            self._wait(microbatch)
-        task()
+        task((lambda: self._wait(microbatch)) if chain else no_wait)
 
     def _wait(self, microbatch: int) -> None:
         future = self._pending.pop(microbatch, None)
@@ -139,9 +146,7 @@ class CudaStreamLanes(SerialLanes):
         stream = self.stream(lane)
         event = self._events.setdefault(microbatch, torch.cuda.Event())
         with torch.cuda.stream(stream):
-            if chain:
-                stream.wait_event(event)
-            task()
+            task((lambda: stream.wait_event(event)) if chain else no_wait)
             if chain:
                 event.record(stream)
 
@@ -225,15 +230,14 @@ class Executor:
         lane = COMPUTE if action.kind == "W" else spec.lane
         work = {"F": self._forward, "B": self._backward, "W": self._wgrad}[action.kind]
 
-        def task():
-            with self._span(action, lane):
+        def task(wait: Callable[[], None]) -> None:
+            if self.recorder is None:
+                wait()
+                work(action, spec, state, losses, loss_scale)
+                return
+            with self.recorder.span(action, lane, wait):  # times the wait, then the work
                 work(action, spec, state, losses, loss_scale)
         self.lanes.submit(lane, action.microbatch, task, chain=action.kind != "W")
-
-    def _span(self, action: Action, lane: str):
-        if self.recorder is None:
-            return contextlib.nullcontext()
-        return self.recorder.span(action, lane)
 
     def _forward(self, action, spec: NodeSpec, state: _MicrobatchState, losses, loss_scale):
         inputs = {}

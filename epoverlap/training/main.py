@@ -28,7 +28,7 @@ import torch
 
 from epoverlap.config import RunConfig, parse_config, validate_config, world_size_from_env
 from epoverlap.errors import ConfigError
-from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.parallel.groups import NcclCtaBudget, destroy_distributed, init_distributed
 from epoverlap.parallel.watch import PeerFailure, route_sigterm
 from epoverlap.training.checkpoint_files import CheckpointRef, find_resume_checkpoint
 from epoverlap.training.data import open_data_source
@@ -51,6 +51,11 @@ def setup_environment(cfg: RunConfig, warn: Callable[[str], None]) -> None:
     if cfg.train.deterministic_mode:
         make_deterministic(on_gpu)
     torch.manual_seed(cfg.train.seed)
+
+
+def ep_cta_budget(cfg: RunConfig) -> NcclCtaBudget:
+    """The expert-parallel communicator's NCCL CTA limits, from --moe-a2a-nccl-max/min-ctas."""
+    return NcclCtaBudget(cfg.parallel.moe_a2a_nccl_max_ctas, cfg.parallel.moe_a2a_nccl_min_ctas)
 
 
 def make_deterministic(on_gpu: bool) -> None:
@@ -143,7 +148,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         _printer(printing)(f"checkpoint: none in {cfg.checkpoint.load} yet; starting at step 1")
     groups = init_distributed(cfg.parallel.expert_model_parallel_size, cfg.resolved_device(cuda),
                               cfg.parallel.distributed_timeout_minutes,
-                              pp_size=cfg.parallel.pipeline_model_parallel_size)
+                              pp_size=cfg.parallel.pipeline_model_parallel_size,
+                              ep_budget=ep_cta_budget(cfg))
     if groups.world_size > 1:
         route_sigterm(groups.watch)
     trainer = None

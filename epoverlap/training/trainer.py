@@ -346,12 +346,17 @@ class Trainer:
             virtual = f" x {cfg.virtual_stages} virtual" if cfg.virtual_stages > 1 else ""
             pipeline = f"PP {g.pp_size}{virtual} x "
         return (f"epoverlap: world {g.world_size} ({g.backend}, {self.device.type}) = "
-                f"{pipeline}DP {g.dp_size} (EP {g.ep_size} x EDP {g.edp_size}) | "
+                f"{pipeline}DP {g.dp_size} (EP {g.ep_size}{self._ep_budget_text()} x EDP "
+                f"{g.edp_size}) | "
                 f"{cfg.model.num_layers} layers, hidden "
                 f"{cfg.model.hidden_size}, {cfg.moe.num_experts or 0} experts top-"
                 f"{cfg.moe.moe_router_topk} | {total:.1f}M params | plan {plan_name(cfg)}"
                 f"{' + delayed wgrad' if cfg.overlap.delay_wgrad_compute else ''} | kernels "
                 f"{self.backend} | {model_dtype(cfg)} | data: {self.data.description}")
+
+    def _ep_budget_text(self) -> str:
+        budget = self.groups.ep_budget
+        return "" if budget is None or budget.is_default else f", NCCL {budget.describe()}"
 
     def microbatches(self, step: int) -> list[dict]:
         t, rank = self.cfg.train, self.groups.dp_rank  # every stage of a pipeline reads alike

@@ -1,0 +1,140 @@
+"""Per compute node: the time it computed, apart from the time it waited on the other lane.
+
+Owns `NodeKind` (a layer's node in one phase: `L2 mlp backward`), the per-kind figures of a run
+(`node_figures`: summed over the microbatches of a step, mean over the steps and ranks that ran
+the kind) and the comparison of two runs of one model (`compare_runs`: per kind and per layer,
+compute time of the second run over the first's: with a sequential run first and an overlapped
+one second, the compute slowdown under overlap).
+
+From one span (spans.py): `compute_us = end_us - start_us` (the action ran), `wait_us =
+start_us - queued_us` (its lane had reached it but its inputs from the other lane were not
+ready: the CUDA stream's `wait_event`, the CPU thread's wait for the comm thread). Spans of
+version-1 files carry no `queued_us`: their waits are None (unknown), their compute times
+stand. Only compute-lane spans count here; all times are microseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+from epoverlap.profiling.spans import RankSpans, Span
+
+PHASE_ORDER = {"forward": 0, "backward": 1, "wgrad": 2}
+
+
+@dataclass(frozen=True, order=True)
+class NodeKind:
+    """One node of one layer in one phase (layer None: embed, loss)."""
+
+    layer_key: int  # sorts layer-less nodes last
+    phase_key: int
+    node: str
+    layer: Optional[int]
+    phase: str
+
+    @classmethod
+    def of(cls, span: Span) -> NodeKind:
+        layer_key = span.layer if span.layer is not None else 1 << 30
+        return cls(layer_key, PHASE_ORDER.get(span.phase, 9), span.node, span.layer, span.phase)
+
+    def label(self) -> str:
+        return f"{'-' if self.layer is None else self.layer} {self.node} {self.phase}"
+
+
+@dataclass(frozen=True)
+class NodeFigures:
+    """One node kind in one run: spans per step, compute and wait time per step (the mean of
+    the steps and ranks that ran it); wait None where a span had no queued mark."""
+
+    kind: NodeKind
+    spans: float
+    compute_us: float
+    wait_us: Optional[float]
+
+    def as_dict(self) -> dict:
+        return {"layer": self.kind.layer, "node": self.kind.node, "phase": self.kind.phase,
+                "spans": self.spans, "compute_us": self.compute_us, "wait_us": self.wait_us}
+
+
+def step_node_sums(spans: Iterable[Span]) -> dict[NodeKind, tuple[int, float, Optional[float]]]:
+    """Per node kind of one rank's step: (spans, compute_us, wait_us) summed over microbatches."""
+    sums: dict[NodeKind, tuple[int, float, Optional[float]]] = {}
+    for span in spans:
+        if span.lane != "compute":
+            continue
+        kind = NodeKind.of(span)
+        count, compute, wait = sums.get(kind, (0, 0.0, 0.0))
+        span_wait = span.wait_us
+        sums[kind] = (count + 1, compute + span.duration_us,
+                      None if wait is None or span_wait is None else wait + span_wait)
+    return sums
+
+
+def node_figures(ranks: Sequence[RankSpans], steps: Optional[Sequence[int]] = None
+                 ) -> list[NodeFigures]:
+    """Per node kind, sorted by layer, phase, node: the mean over the (rank, step) pairs that ran
+    it of its per-step sums (`steps`: these step numbers only; default all)."""
+    samples: dict[NodeKind, list[tuple[int, float, Optional[float]]]] = {}
+    for rank_spans in ranks:
+        for step in rank_spans.steps:
+            if steps is not None and step.step not in steps:
+                continue
+            for kind, sums in step_node_sums(step.spans).items():
+                samples.setdefault(kind, []).append(sums)
+    figures = []
+    for kind in sorted(samples):
+        rows = samples[kind]
+        waits = [wait for _, _, wait in rows]
+        figures.append(NodeFigures(
+            kind, sum(count for count, _, _ in rows) / len(rows),
+            sum(compute for _, compute, _ in rows) / len(rows),
+            None if None in waits else sum(waits) / len(rows)))
+    return figures
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One row of a two-run comparison: a node kind, a layer's total ("all") or the run's."""
+
+    label: str
+    base_compute_us: Optional[float]
+    other_compute_us: Optional[float]
+    base_wait_us: Optional[float]
+    other_wait_us: Optional[float]
+
+    @property
+    def slowdown(self) -> Optional[float]:
+        """other / base compute time (None when either run lacks the row, or base is 0)."""
+        if not self.base_compute_us or self.other_compute_us is None:
+            return None
+        return self.other_compute_us / self.base_compute_us
+
+    def as_dict(self) -> dict:
+        return {"row": self.label, "base_compute_us": self.base_compute_us,
+                "other_compute_us": self.other_compute_us, "slowdown": self.slowdown,
+                "base_wait_us": self.base_wait_us, "other_wait_us": self.other_wait_us}
+
+
+def compare_runs(base: Sequence[NodeFigures], other: Sequence[NodeFigures]) -> list[Comparison]:
+    """Per node kind (in either run), then per layer ("L<i> all", "- all" for layer-less nodes:
+    every compute node of the layer, so a run whose weight grads are deferred into W actions
+    still compares with one that computes them inside the backward), then "all layers"."""
+    by_kind = [{f.kind: f for f in base}, {f.kind: f for f in other}]
+    kinds = sorted(set(by_kind[0]) | set(by_kind[1]))
+    rows = [_row(kind.label(), [[by_kind[i][kind]] if kind in by_kind[i] else [] for i in (0, 1)])
+            for kind in kinds]
+    layers = sorted({kind.layer_key for kind in kinds})
+    for layer_key in layers:
+        members = [[f for f in run if f.kind.layer_key == layer_key] for run in (base, other)]
+        layer = next(k.layer for k in kinds if k.layer_key == layer_key)
+        rows.append(_row(f"{'-' if layer is None else f'L{layer}'} all", members))
+    rows.append(_row("all layers", [list(base), list(other)]))
+    return rows
+
+
+def _row(label: str, runs: list[list[NodeFigures]]) -> Comparison:
+    compute = [sum(f.compute_us for f in run) if run else None for run in runs]
+    waits = [None if not run or any(f.wait_us is None for f in run)
+             else sum(f.wait_us for f in run) for run in runs]
+    return Comparison(label, compute[0], compute[1], waits[0], waits[1])
