@@ -21,6 +21,10 @@
 #                                (bitwise against Triton's own launch path), the one-GPU tier,
 #                                host cost per step and per node with and without it, per-call
 #                                host time of every kernel op
+#   tools/gpu_suite.sh contention 2 GPUs, issue 20: bench_contention with NCCL's kernels per CTA
+#                                budget, the Megatron shapes' seq/ovl/ovl_wgrad with spans per
+#                                budget and comm-stream priority, compute slowdown per node kind
+#                                (epoverlap-timeline --compare), NVLink and NCCL_P2P_DISABLE=1
 #   tools/gpu_suite.sh runs      200-step main-job and small-preset runs (stalls, imbalance, the
 #                                price of --deterministic) + overlap benchmark with graphs,
 #                                NVLink and NCCL_P2P_DISABLE=1
@@ -208,6 +212,25 @@ case "$PART" in
       torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py --graphs \
       --iters "${ITERS:-4}" --shapes "${P2P_SHAPES:-ratio_h2048_k8_f128,ratio_h2048_k4_f4096,megatron_e32_k4_mbs2x8}" \
       --out-dir "$WORK/bench_overlap_nop2p"
+    ;;
+  contention)  # issue 20 on NGPUS GPUs: contention per load and budget, then the step
+    MEG="megatron_e32_k4_mbs2x8,megatron_e8_k8_f4096_mbs8x4"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=150 step bench_contention torchrun --standalone \
+      --nproc-per-node="$NGPUS" tools/bench_contention.py --out-dir "$WORK/bench_contention"
+    for prio in high normal; do
+      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=240 step "bench_overlap_ctas_$prio" torchrun \
+        --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py --shapes "$MEG" \
+        --profile-shapes "$MEG" --profile-steps 2 --iters 3 --max-ctas default,16,4 \
+        --extra-flags "--comm-stream-priority $prio" --out-dir "$WORK/bench_overlap_$prio"
+    done
+    NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=240 step bench_overlap_nop2p \
+      torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py --shapes "$MEG" \
+      --profile-shapes "$MEG" --profile-steps 2 --iters 3 --out-dir "$WORK/bench_overlap_nop2p"
+    for dir in "$WORK"/bench_overlap_high/spans/*/; do
+      shape=$(basename "$dir")
+      [ -d "$dir/seq" ] && [ -d "$dir/ovl" ] && STEP_TIMEOUT=60 step "compare_$shape" \
+        epoverlap-timeline --compare "$dir/seq" "$dir/ovl" --out-dir "$WORK/compare_$shape"
+    done
     ;;
   peer)
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=300 step peer_tests python3 -m pytest \
