@@ -73,6 +73,16 @@ mkdir -p "$WORK/path"
 ln -sfn "$PWD/kernels" "$WORK/path/epoverlap_kernels"
 ln -sfn "$PWD/tools" "$WORK/path/epoverlap_tools"
 export PYTHONPATH="$PWD:$WORK/path${PYTHONPATH:+:$PYTHONPATH}"
+# Wheels carried to the device (the peer part's megatron-core: it has no network), from a
+# folder .whl/ of the checkout that git ignores, made here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
+# and named in the device call's carry list.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$WORK/site" .whl/*.whl > "$WORK/wheels.log" 2>&1 || cat "$WORK/wheels.log"
+  export PYTHONPATH="$WORK/site:$PYTHONPATH"
+fi
 versions | tee "$WORK/versions.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader >> "$WORK/versions.txt" 2>&1
 
@@ -242,7 +252,7 @@ case "$PART" in
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 
-tar czf "$OUTDIR/gpu_$PART.tgz" -C "$WORK" --exclude=./path . 2>/dev/null
+tar czf "$OUTDIR/gpu_$PART.tgz" -C "$WORK" --exclude=./path --exclude=./site . 2>/dev/null
 echo; echo "===== summary ($PART)"; cat "$WORK/versions.txt"; cat "$SUMMARY"
 for table in "$WORK"/bench_kernels.md "$WORK"/bench_train.md; do [ -f "$table" ] && cat "$table"; done
 for log in "$WORK"/bench_overlap*.log "$WORK"/bench_peer.log "$WORK"/bitwise.log; do
