@@ -6,7 +6,6 @@ against ours (needs the peer extra; built on the CPU); the whole benchmark on on
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -27,7 +26,7 @@ from job_control import job_env
 from peer_workers import megatron_and_our_parameters
 
 REPO = Path(__file__).resolve().parents[1]
-has_megatron = importlib.util.find_spec("megatron") is not None
+has_megatron = bench_peer.megatron_installed()  # `megatron.core`, not a leftover folder
 needs_megatron = pytest.mark.skipif(not has_megatron, reason="megatron-core is not installed "
                                     "(pip install -e '.[peer]')")
 

@@ -5,16 +5,16 @@ dropless run's losses."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
+
+from epoverlap_tools.bench_peer import megatron_installed
 
 from dist_helpers import run_ranks
 from dispatch_workers import graphed_training, megatron_dispatch_equivalence, mode_runs
 
 pytestmark = pytest.mark.slow
-needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+needs_megatron = pytest.mark.skipif(not megatron_installed(),
                                     reason="megatron-core is not installed "
                                            "(pip install -e '.[peer]')")
 
