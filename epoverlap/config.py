@@ -986,13 +986,14 @@ def _validate_tokenizer(d: DataConfig) -> None:
 def _validate_tensorboard(log: LogConfig) -> None:
     if log.tensorboard_dir is None:
         return
+    # the path first: the same answer whether or not the package is installed
+    _require(_writable_dir(Path(log.tensorboard_dir)), "tensorboard_dir", log.tensorboard_dir,
+             "not a writable directory (nor creatable)")
     try:
         import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
     except ImportError:
         raise ConfigError("--tensorboard-dir", log.tensorboard_dir, "needs the tensorboard "
                           "package: pip install 'epoverlap[tensorboard]'") from None
-    _require(_writable_dir(Path(log.tensorboard_dir)), "tensorboard_dir", log.tensorboard_dir,
-             "not a writable directory (nor creatable)")
 
 
 def _writable_dir(path: Path) -> bool:
