@@ -22,6 +22,7 @@ permutation_triton.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .launch_cache import launch_cached
-from .triton_utils import next_pow2
+from .triton_utils import cdiv, next_pow2
 
 MAX_HIDDEN = 32768      # a row (and its fp32 temporaries) must fit in one program's registers
 MAX_BWD_PROGRAMS = 512  # rows of the weight-grad partials: <= ~4% of the backward's traffic
@@ -44,6 +45,7 @@ class RowTile:
     num_warps: int
 
 
+@functools.lru_cache(maxsize=64)
 def rms_norm_tile(hidden: int) -> RowTile:
     """Whole rows, ~4K elements per program (H >= 4096: one row), 16 elements per thread.
 
@@ -157,7 +159,7 @@ def _launch_fwd(x_TH, weight_H, eps):
                        device=x_TH.device)
     rstd_T = torch.empty(num_rows, dtype=torch.float32, device=x_TH.device)
     if num_rows > 0:
-        _rms_norm_fwd_kernel[(triton.cdiv(num_rows, tile.block_t),)](
+        _rms_norm_fwd_kernel[(cdiv(num_rows, tile.block_t),)](
             x_TH, weight_H, y_TH, rstd_T, num_rows, hidden, x_TH.stride(0), float(eps),
             BLOCK_T=tile.block_t, BLOCK_H=tile.block_h, num_warps=tile.num_warps)
     return y_TH, rstd_T
@@ -169,9 +171,9 @@ def _launch_bwd(dy_TH, x_TH, weight_H, rstd_T, need_dw):
     dx_TH = torch.empty((num_rows, hidden), dtype=x_TH.dtype, device=x_TH.device)
     if num_rows == 0:
         return dx_TH, torch.zeros_like(weight_H) if need_dw else None
-    blocks = triton.cdiv(num_rows, tile.block_t)
-    rows_per_program = triton.cdiv(blocks, MAX_BWD_PROGRAMS) * tile.block_t
-    programs = triton.cdiv(num_rows, rows_per_program)
+    blocks = cdiv(num_rows, tile.block_t)
+    rows_per_program = cdiv(blocks, MAX_BWD_PROGRAMS) * tile.block_t
+    programs = cdiv(num_rows, rows_per_program)
     dw_part_PH = torch.empty((programs, hidden) if need_dw else (1,), dtype=torch.float32,
                              device=x_TH.device)
     _rms_norm_bwd_kernel[(programs,)](
@@ -181,7 +183,7 @@ def _launch_bwd(dy_TH, x_TH, weight_H, rstd_T, need_dw):
     if not need_dw:
         return dx_TH, None
     dw_H = torch.empty_like(weight_H)
-    _rms_norm_dw_kernel[(triton.cdiv(hidden, 32),)](
+    _rms_norm_dw_kernel[(cdiv(hidden, 32),)](
         dw_part_PH, dw_H, programs, hidden, BLOCK_P=128, BLOCK_H=32, num_warps=4)
     return dx_TH, dw_H
 

@@ -19,6 +19,7 @@ below the reference. Loops with run-time bounds are `while` loops (see permutati
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -26,9 +27,10 @@ import triton
 import triton.language as tl
 
 from .launch_cache import launch_cached
-from .triton_utils import next_pow2
+from .triton_utils import cdiv, next_pow2
 
 
+@functools.lru_cache(maxsize=64)
 def swiglu_tile(ffn: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_F, num_warps): 4K-element tiles, 16 per thread (8 warps).
 
@@ -123,7 +125,7 @@ class _SwiGLUTriton(torch.autograd.Function):
         act_MF = torch.empty((rows, ffn), dtype=h_M2F.dtype, device=h_M2F.device)
         if rows > 0 and ffn > 0:
             block_m, block_f, num_warps = swiglu_tile(ffn)
-            _swiglu_fwd_kernel[(triton.cdiv(rows, block_m),)](
+            _swiglu_fwd_kernel[(cdiv(rows, block_m),)](
                 h_M2F, probs_M if probs_M is not None else h_M2F, act_MF, rows, ffn,
                 h_M2F.stride(0), BLOCK_M=block_m, BLOCK_F=block_f,
                 HAS_PROBS=probs_M is not None, num_warps=num_warps)
@@ -139,7 +141,7 @@ class _SwiGLUTriton(torch.autograd.Function):
         if rows > 0 and ffn > 0:
             dact_MF = _unit_rows(dact_MF)
             block_m, block_f, num_warps = swiglu_tile(ffn)
-            _swiglu_bwd_kernel[(triton.cdiv(rows, block_m),)](
+            _swiglu_bwd_kernel[(cdiv(rows, block_m),)](
                 dact_MF, h_M2F, probs_M if probs_M is not None else h_M2F, dh_M2F,
                 dprobs_M if dprobs_M is not None else dh_M2F, rows, ffn, dact_MF.stride(0),
                 h_M2F.stride(0), BLOCK_M=block_m, BLOCK_F=block_f,
