@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from epoverlap.profiling.node_times import NodeKind, compare_runs, node_figures
+from epoverlap.profiling.node_times import NodePhase, compare_runs, node_figures
 from epoverlap.profiling.spans import (SPAN_FORMAT_VERSION, Span, SpanFileError, StepSpans,
                                        read_span_directory, write_rank_span_file)
 from epoverlap_tools import timeline as tl
@@ -169,8 +169,9 @@ def test_chrome_trace_keeps_the_waits(runs, tmp_path, capsys):
             [s.wait_us for s in sorted(want.steps[0].spans, key=lambda s: s.start_us)])
 
 
-def test_node_kind_orders_layers_then_phases():
-    kinds = sorted(NodeKind.of(s) for s in ovl_step(12) if s.lane == "compute")
+def test_node_phase_orders_layers_then_phases():
+    kinds = sorted([NodePhase.of(s) for s in ovl_step(12) if s.lane == "compute"],
+                   key=NodePhase.sort_key)
     assert [k.label() for k in kinds] == ["0 attn forward", "0 mlp forward", "0 attn backward",
                                           "0 mlp backward", "0 mlp wgrad", "- loss forward"]
 

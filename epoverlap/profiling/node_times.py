@@ -1,7 +1,7 @@
 """Per compute node: the time it computed, apart from the time it waited on the other lane.
 
-Owns `NodeKind` (a layer's node in one phase: `L2 mlp backward`), the per-kind figures of a run
-(`node_figures`: summed over the microbatches of a step, mean over the steps and ranks that ran
+Owns `NodePhase` (a layer's node in one phase: `2 mlp backward`; not the model's `NodePhase`, a
+node type's lane), the per-node-phase figures of a run (`node_figures`: summed over the microbatches of a step, mean over the steps and ranks that ran
 the kind) and the comparison of two runs of one model (`compare_runs`: per kind and per layer,
 compute time of the second run over the first's: with a sequential run first and an overlapped
 one second, the compute slowdown under overlap).
@@ -23,23 +23,28 @@ from epoverlap.profiling.spans import RankSpans, Span
 PHASE_ORDER = {"forward": 0, "backward": 1, "wgrad": 2}
 
 
-@dataclass(frozen=True, order=True)
-class NodeKind:
+@dataclass(frozen=True)
+class NodePhase:
     """One node of one layer in one phase (layer None: embed, loss)."""
 
-    layer_key: int  # sorts layer-less nodes last
-    phase_key: int
-    node: str
     layer: Optional[int]
+    node: str
     phase: str
 
     @classmethod
-    def of(cls, span: Span) -> NodeKind:
-        layer_key = span.layer if span.layer is not None else 1 << 30
-        return cls(layer_key, PHASE_ORDER.get(span.phase, 9), span.node, span.layer, span.phase)
+    def of(cls, span: Span) -> NodePhase:
+        return cls(span.layer, span.node, span.phase)
+
+    def sort_key(self) -> tuple:
+        """Layer (layer-less nodes last), phase (forward, backward, wgrad), node."""
+        return (_layer_order(self.layer), PHASE_ORDER.get(self.phase, 9), self.node)
 
     def label(self) -> str:
         return f"{'-' if self.layer is None else self.layer} {self.node} {self.phase}"
+
+
+def _layer_order(layer: Optional[int]) -> tuple[bool, int]:
+    return (layer is None, layer or 0)
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class NodeFigures:
     """One node kind in one run: spans per step, compute and wait time per step (the mean of
     the steps and ranks that ran it); wait None where a span had no queued mark."""
 
-    kind: NodeKind
+    kind: NodePhase
     spans: float
     compute_us: float
     wait_us: Optional[float]
@@ -57,13 +62,13 @@ class NodeFigures:
                 "spans": self.spans, "compute_us": self.compute_us, "wait_us": self.wait_us}
 
 
-def step_node_sums(spans: Iterable[Span]) -> dict[NodeKind, tuple[int, float, Optional[float]]]:
+def step_node_sums(spans: Iterable[Span]) -> dict[NodePhase, tuple[int, float, Optional[float]]]:
     """Per node kind of one rank's step: (spans, compute_us, wait_us) summed over microbatches."""
-    sums: dict[NodeKind, tuple[int, float, Optional[float]]] = {}
+    sums: dict[NodePhase, tuple[int, float, Optional[float]]] = {}
     for span in spans:
         if span.lane != "compute":
             continue
-        kind = NodeKind.of(span)
+        kind = NodePhase.of(span)
         count, compute, wait = sums.get(kind, (0, 0.0, 0.0))
         span_wait = span.wait_us
         sums[kind] = (count + 1, compute + span.duration_us,
@@ -75,7 +80,7 @@ def node_figures(ranks: Sequence[RankSpans], steps: Optional[Sequence[int]] = No
                  ) -> list[NodeFigures]:
     """Per node kind, sorted by layer, phase, node: the mean over the (rank, step) pairs that ran
     it of its per-step sums (`steps`: these step numbers only; default all)."""
-    samples: dict[NodeKind, list[tuple[int, float, Optional[float]]]] = {}
+    samples: dict[NodePhase, list[tuple[int, float, Optional[float]]]] = {}
     for rank_spans in ranks:
         for step in rank_spans.steps:
             if steps is not None and step.step not in steps:
@@ -83,7 +88,7 @@ def node_figures(ranks: Sequence[RankSpans], steps: Optional[Sequence[int]] = No
             for kind, sums in step_node_sums(step.spans).items():
                 samples.setdefault(kind, []).append(sums)
     figures = []
-    for kind in sorted(samples):
+    for kind in sorted(samples, key=NodePhase.sort_key):
         rows = samples[kind]
         waits = [wait for _, _, wait in rows]
         figures.append(NodeFigures(
@@ -121,13 +126,11 @@ def compare_runs(base: Sequence[NodeFigures], other: Sequence[NodeFigures]) -> l
     every compute node of the layer, so a run whose weight grads are deferred into W actions
     still compares with one that computes them inside the backward), then "all layers"."""
     by_kind = [{f.kind: f for f in base}, {f.kind: f for f in other}]
-    kinds = sorted(set(by_kind[0]) | set(by_kind[1]))
+    kinds = sorted(set(by_kind[0]) | set(by_kind[1]), key=NodePhase.sort_key)
     rows = [_row(kind.label(), [[by_kind[i][kind]] if kind in by_kind[i] else [] for i in (0, 1)])
             for kind in kinds]
-    layers = sorted({kind.layer_key for kind in kinds})
-    for layer_key in layers:
-        members = [[f for f in run if f.kind.layer_key == layer_key] for run in (base, other)]
-        layer = next(k.layer for k in kinds if k.layer_key == layer_key)
+    for layer in sorted({kind.layer for kind in kinds}, key=_layer_order):
+        members = [[f for f in run if f.kind.layer == layer] for run in (base, other)]
         rows.append(_row(f"{'-' if layer is None else f'L{layer}'} all", members))
     rows.append(_row("all layers", [list(base), list(other)]))
     return rows
