@@ -131,7 +131,8 @@ def set_launch_cache(enabled: bool) -> None:
 
 
 def launch_cache_stats() -> dict[str, tuple[int, int]]:
-    """Kernel name -> (launches served by the launch cache, launches through Triton's path)."""
+    """Kernel name -> (launches the launch cache served, launches it looked up and missed, each
+    of which then went through Triton's path; launches with the cache off are in neither)."""
     return {name: (kernel.hits, kernel.misses) for name, kernel in _loaded_kernels()
             if hasattr(kernel, "hits")}
 
