@@ -74,10 +74,11 @@ SYNC_FREE_MODES = {"budget_eager": BUDGET, "budget_partial": BUDGET + GRAPHS,
 
 
 def measure(groups, argv, iters: int, warmup: int, per_node: int = 0,
-            launch_cache: bool = True) -> dict:
+            launch_cache: bool = True, call_site_ops: tuple = ()) -> dict:
     """Host and wall time per step of `argv`; with `per_node` (eager only) also the per-node
     table, the launches per step and the `per_node` ops with the most host self time (printed
-    when `per_node` > 1). `launch_cache=False`: Triton launches take Triton's own path."""
+    when `per_node` > 1). `launch_cache=False`: Triton launches take Triton's own path.
+    `call_site_ops` (eager): where in our code each of these ops is issued (`call_sites`)."""
     trainer = Trainer(parse_config(argv), groups, log=lambda msg: None)
     set_launch_cache(launch_cache)
     try:
@@ -108,6 +109,8 @@ def measure(groups, argv, iters: int, warmup: int, per_node: int = 0,
             row["launches_per_step"] = kernel_launches(trainer, inputs,
                                                        top=per_node if per_node > 1 else 0)
             row["host_us_per_launch"] = row["cpu_ms"] * 1e3 / max(row["launches_per_step"], 1)
+        if trainer.graphs is None and call_site_ops:
+            row["call_sites"] = call_sites(trainer, inputs, call_site_ops)
         row["loss"] = _last_loss(trainer, inputs)
         return row
     finally:
@@ -186,6 +189,59 @@ def kernel_launches(trainer: Trainer, inputs, top: int = 0) -> int:
     return sum(1 for event in prof.events() if event.name in names)
 
 
+def call_sites(trainer: Trainer, inputs, ops: list[str], top: int = 8) -> dict:
+    """Where in this project's code each aten op in `ops` (e.g. aten::fill_, aten::copy_,
+    aten::_local_scalar_dense) is issued during one eager step, and how long the calls take:
+    {op: [(site, calls, mean wall us of the op), ...]}, most total time first. A dispatch mode
+    (below autograd, so backward ops on autograd's thread count too) takes each call's Python
+    stack and times the op itself (the mode's own cost is outside the timed span)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    wanted = {name.replace("::", ".", 1): name for name in ops}
+    sites: dict = {name: defaultdict(lambda: [0, 0.0]) for name in ops}
+
+    class _Sites(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            op = wanted.get(str(func.overloadpacket))
+            if op is None:
+                return func(*args, **(kwargs or {}))
+            start = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            elapsed = time.perf_counter() - start
+            site = sites[op][_project_site()]
+            site[0] += 1
+            site[1] += elapsed * 1e6
+            return out
+
+    with _Sites():
+        trainer.run_microbatches(1, inputs)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {op: sorted(((where, n, total / n) for where, (n, total) in found.items()),
+                       key=lambda row: -row[1] * row[2])[:top]
+            for op, found in sites.items()}
+
+
+def _project_site() -> str:
+    """'dir/file:line function' of the innermost frame of this project's code on the stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if (any(part in path for part in ("epoverlap/", "kernels/", "epoverlap_kernels/"))
+                and not path.endswith("bench_host.py")):
+            short = path[path.rfind("/", 0, path.rfind("/")) + 1:]
+            return f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "(no project frame)"
+
+
+def print_call_sites(found: dict) -> None:
+    for op, rows in found.items():
+        print(f"\n| {op}: issued at | calls per step | op wall us per call |\n| --- | --- | --- |")
+        for where, calls, mean_us in rows:
+            print(f"| {where} | {calls} | {mean_us:.1f} |")
+
+
 def print_node_table(eager: dict, triton_path: Optional[dict]) -> None:
     """The per-node host table of the eager mode, beside the same with Triton's own launch
     path when that was measured."""
@@ -215,6 +271,10 @@ def main(argv=None) -> int:
                         help="eager: print this many ops with the most host self time")
     parser.add_argument("--no-triton-path", action="store_true",
                         help=f"skip the {TRITON_PATH_MODE} mode (eager without the launch cache)")
+    parser.add_argument("--call-sites", nargs="*", default=None, metavar="OP",
+                        help="eager: where in our code these aten ops are issued, and their time "
+                             "(default with no names: aten::fill_ aten::copy_ "
+                             "aten::_local_scalar_dense aten::mm)")
     parser.add_argument("--sync-free", action="store_true",
                         help="also the budget dispatch: eager, partial, whole-layer and "
                              "full-iteration graphs")
@@ -223,6 +283,9 @@ def main(argv=None) -> int:
         print("bench_host: needs a CUDA device (it measures CUDA graphs against eager)")
         return 2
     base = SHAPES[args.shape] + COMMON
+    sites = args.call_sites
+    if sites is not None and not sites:
+        sites = ["aten::fill_", "aten::copy_", "aten::_local_scalar_dense", "aten::mm"]
     modes = {**MODES, **({} if args.no_triton_path else {TRITON_PATH_MODE: []}),
              **(SYNC_FREE_MODES if args.sync_free else {})}
     for extra in modes.values():
@@ -232,7 +295,8 @@ def main(argv=None) -> int:
     try:
         rows = {mode: measure(groups, base + extra, args.iters, args.warmup,
                               per_node={"eager": args.top_ops, TRITON_PATH_MODE: 1}.get(mode, 0),
-                              launch_cache=mode != TRITON_PATH_MODE)
+                              launch_cache=mode != TRITON_PATH_MODE,
+                              call_site_ops=tuple(sites or ()) if mode == "eager" else ())
                 for mode, extra in modes.items()}
     finally:
         destroy_distributed(groups)
@@ -260,6 +324,8 @@ def main(argv=None) -> int:
               f"{triton_path['loss']!r})")
     if "nodes" in rows["eager"]:
         print_node_table(rows["eager"], rows.get(TRITON_PATH_MODE))
+    if "call_sites" in rows["eager"]:
+        print_call_sites(rows["eager"]["call_sites"])
     return 0
 
 
