@@ -21,6 +21,9 @@
 #                                (bitwise against Triton's own launch path), the one-GPU tier,
 #                                host cost per step and per node with and without it, per-call
 #                                host time of every kernel op
+#   tools/gpu_suite.sh host1     one GPU: host time of one op call piece by piece
+#                                (bench_launch), per node, and the call sites of fills/copies
+#   tools/gpu_suite.sh check1    one GPU: every op's kernel GPU tests + the one-GPU model tier
 #   tools/gpu_suite.sh contention 2 GPUs, issue 20: bench_contention with NCCL's kernels per CTA
 #                                budget, the Megatron shapes' seq/ovl/ovl_wgrad with spans per
 #                                budget and comm-stream priority, compute slowdown per node kind
@@ -153,6 +156,77 @@ case "$PART" in
     STEP_TIMEOUT=150 step bench_host python3 tools/bench_host.py --out "$WORK/bench_host.json"
     STEP_TIMEOUT=150 step bench_kernels python3 tools/bench_kernels.py --rep-ms 50 \
       --out "$WORK/bench_kernels.md"
+    ;;
+  host1)  # one GPU: where the eager host time goes (issue 14): the pieces of one op call,
+          # the per-node host table, and the call sites of fills and copies; with a tree of an
+          # earlier commit in .baseline/ (ignored by git, named in the device call's carry:
+          # `git archive COMMIT | tar x -C .baseline`), the same bench_host runs on it first,
+          # on the same GPU and host, for a before/after
+    [ -n "${AB_ONLY:-}" ] || STEP_TIMEOUT=120 step bench_launch python3 tools/bench_launch.py
+    if [ -d .baseline/epoverlap ]; then  # AB_ROUNDS alternations of before / after
+      mkdir -p "$WORK/base_path"
+      ln -sfn "$PWD/.baseline/kernels" "$WORK/base_path/epoverlap_kernels"
+      ln -sfn "$PWD/.baseline/tools" "$WORK/base_path/epoverlap_tools"
+      rm -f "$WORK"/ab_*.json  # a warm machine keeps the last call's files
+      PINNED=${PIN:+taskset -c $PIN}  # PIN=4-7: both sides on the same cores (less noise)
+      # a second earlier tree in .variant/ (same way) runs as a third side of each round
+      if [ -d .variant/epoverlap ]; then
+        mkdir -p "$WORK/variant_path"
+        ln -sfn "$PWD/.variant/kernels" "$WORK/variant_path/epoverlap_kernels"
+        ln -sfn "$PWD/.variant/tools" "$WORK/variant_path/epoverlap_tools"
+      fi
+      for round in $(seq "${AB_ROUNDS:-1}"); do
+        PYTHONPATH="$PWD/.baseline:$WORK/base_path" STEP_TIMEOUT=150 step before_$round \
+          $PINNED python3 .baseline/tools/bench_host.py --no-triton-path \
+          --out "$WORK/ab_before_$round.json"
+        if [ -d .variant/epoverlap ]; then
+          PYTHONPATH="$PWD/.variant:$WORK/variant_path" STEP_TIMEOUT=150 step variant_$round \
+            $PINNED python3 .variant/tools/bench_host.py --no-triton-path --top-ops 1 \
+            --out "$WORK/ab_variant_$round.json"
+        fi
+        STEP_TIMEOUT=150 step after_$round $PINNED python3 tools/bench_host.py --no-triton-path \
+          --top-ops 1 --out "$WORK/ab_after_$round.json"
+      done
+      python3 - "$WORK" <<'PYEOF' | tee "$WORK/ab_table.md"
+import glob, json, statistics, sys
+work = sys.argv[1]
+runs = {side: [json.load(open(f))["rows"] for f in sorted(glob.glob(f"{work}/ab_{side}_*.json"))]
+        for side in ("before", "variant", "after")}
+runs = {side: rows for side, rows in runs.items() if rows}
+sides = list(runs)
+def pick(side, mode, key, how):
+    return how(r[mode][key] for r in runs[side])
+print(f"\n| {len(runs['after'])} alternating runs each | " + " | ".join(sides)
+      + " | after / before |\n|" + " --- |" * (len(sides) + 2))
+for mode in ("eager", "graphed"):
+    for key in ("cpu_ms", "wall_ms"):
+        for how in (statistics.median, min):
+            got = [pick(side, mode, key, how) for side in sides]
+            print(f"| {mode} {key} per step, {how.__name__} | "
+                  + " | ".join(f"{v:.2f}" for v in got) + f" | {got[-1] / got[0]:.3f} |")
+for side, rows in runs.items():
+    print(f"{side} eager cpu_ms per run: {[round(r['eager']['cpu_ms'], 1) for r in rows]}; "
+          f"graphed: {[round(r['graphed']['cpu_ms'], 1) for r in rows]}")
+print("\n| eager node action, host us per call (median) | " + " | ".join(sides)
+      + " | after / before |\n|" + " --- |" * (len(sides) + 2))
+for node in runs["after"][0]["eager"]["nodes"]:
+    got = [statistics.median(r["eager"]["nodes"][node][1] for r in runs[side]) for side in sides]
+    print(f"| {node} | " + " | ".join(f"{v:.0f}" for v in got) + f" | {got[-1] / got[0]:.3f} |")
+losses = {side: {r["eager"]["loss"] for r in rows} for side, rows in runs.items()}
+print(f"\neager loss before {sorted(losses['before'])} after {sorted(losses['after'])}")
+PYEOF
+    fi
+    [ -n "${AB_ONLY:-}" ] || STEP_TIMEOUT=200 step bench_host python3 tools/bench_host.py --no-triton-path --call-sites \
+      aten::fill_ aten::zero_ aten::zeros aten::full_like aten::copy_ aten::clone \
+      aten::_local_scalar_dense aten::mm --out "$WORK/bench_host.json"
+    ;;
+  check1)  # one GPU, after a change to the op wrappers / model: every op's GPU kernel tests
+           # (bitwise, grads, graphs, the launch cache) and the one-GPU model tier
+    STEP_TIMEOUT=240 step kernel_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/kernels/test_kernels_gpu.py tests/kernels/test_fused_elementwise.py \
+      -k "not offsets_past_int32 and not out_of_bounds"
+    STEP_TIMEOUT=300 step gpu_tests python3 -m pytest tests/test_gpu.py tests/test_gpu_sync_free.py \
+      -q -m "gpu and not multigpu" -p no:cacheprovider --durations=5
     ;;
   tests1)  # the one-GPU pytest tier alone
     STEP_TIMEOUT=300 step gpu_tests python3 -m pytest tests/test_gpu.py -q -m gpu --durations=8
