@@ -72,9 +72,12 @@ step() {  # step NAME CMD... : run (bounded by STEP_TIMEOUT s), log, record the 
 pip install -q --no-deps --no-build-isolation -e . > "$WORK/install.log" 2>&1 || cat "$WORK/install.log"
 # The import names epoverlap_kernels / epoverlap_tools map to kernels/ and tools/; make them
 # importable even where the editable install's path hook is not picked up.
-mkdir -p "$WORK/path"
-ln -sfn "$PWD/kernels" "$WORK/path/epoverlap_kernels"
-ln -sfn "$PWD/tools" "$WORK/path/epoverlap_tools"
+import_names() {  # import_names TREE DIR: DIR/epoverlap_kernels, DIR/epoverlap_tools -> TREE's
+  mkdir -p "$2"
+  ln -sfn "$1/kernels" "$2/epoverlap_kernels"
+  ln -sfn "$1/tools" "$2/epoverlap_tools"
+}
+import_names "$PWD" "$WORK/path"
 export PYTHONPATH="$PWD:$WORK/path${PYTHONPATH:+:$PYTHONPATH}"
 # Wheels carried to the device (the peer part's megatron-core: it has no network), from a
 # folder .whl/ of the checkout that git ignores, made here with
@@ -164,28 +167,21 @@ case "$PART" in
           # on the same GPU and host, for a before/after
     [ -n "${AB_ONLY:-}" ] || STEP_TIMEOUT=120 step bench_launch python3 tools/bench_launch.py
     if [ -d .baseline/epoverlap ]; then  # AB_ROUNDS alternations of before / after
-      mkdir -p "$WORK/base_path"
-      ln -sfn "$PWD/.baseline/kernels" "$WORK/base_path/epoverlap_kernels"
-      ln -sfn "$PWD/.baseline/tools" "$WORK/base_path/epoverlap_tools"
       rm -f "$WORK"/ab_*.json  # a warm machine keeps the last call's files
-      PINNED=${PIN:+taskset -c $PIN}  # PIN=4-7: both sides on the same cores (less noise)
-      # a second earlier tree in .variant/ (same way) runs as a third side of each round
-      if [ -d .variant/epoverlap ]; then
-        mkdir -p "$WORK/variant_path"
-        ln -sfn "$PWD/.variant/kernels" "$WORK/variant_path/epoverlap_kernels"
-        ln -sfn "$PWD/.variant/tools" "$WORK/variant_path/epoverlap_tools"
-      fi
+      PINNED=${PIN:+taskset -c $PIN}  # PIN=4-7: every side on the same cores (less noise)
+      # the sides of a round: before (.baseline/), a second earlier tree in .variant/ (made the
+      # same way) if there is one, after (this tree)
+      SIDES="before:$PWD/.baseline"
+      [ -d .variant/epoverlap ] && SIDES="$SIDES variant:$PWD/.variant"
+      SIDES="$SIDES after:$PWD"
+      for side in $SIDES; do import_names "${side#*:}" "$WORK/path_${side%%:*}"; done
       for round in $(seq "${AB_ROUNDS:-1}"); do
-        PYTHONPATH="$PWD/.baseline:$WORK/base_path" STEP_TIMEOUT=150 step before_$round \
-          $PINNED python3 .baseline/tools/bench_host.py --no-triton-path \
-          --out "$WORK/ab_before_$round.json"
-        if [ -d .variant/epoverlap ]; then
-          PYTHONPATH="$PWD/.variant:$WORK/variant_path" STEP_TIMEOUT=150 step variant_$round \
-            $PINNED python3 .variant/tools/bench_host.py --no-triton-path --top-ops 1 \
-            --out "$WORK/ab_variant_$round.json"
-        fi
-        STEP_TIMEOUT=150 step after_$round $PINNED python3 tools/bench_host.py --no-triton-path \
-          --top-ops 1 --out "$WORK/ab_after_$round.json"
+        for side in $SIDES; do
+          name=${side%%:*} tree=${side#*:}
+          PYTHONPATH="$tree:$WORK/path_$name" STEP_TIMEOUT=150 step ${name}_$round $PINNED \
+            python3 "$tree/tools/bench_host.py" --no-triton-path --top-ops 1 \
+            --out "$WORK/ab_${name}_$round.json"
+        done
       done
       python3 - "$WORK" <<'PYEOF' | tee "$WORK/ab_table.md"
 import glob, json, statistics, sys
