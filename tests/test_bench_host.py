@@ -41,6 +41,13 @@ def test_call_sites_count_each_call_at_its_project_line():
     assert all(mean_us > 0 for rows in found.values() for _, _, mean_us in rows)
 
 
+def test_call_sites_refuses_names_that_are_not_aten_ops(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_host.main(["--call-sites", "aten::fill_", "cudaMemcpyAsync"])
+    assert exit_info.value.code == 2
+    assert "--call-sites: ['cudaMemcpyAsync'] are not aten ops" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_bench_launch_needs_a_gpu(capsys):
     assert bench_launch.main([]) == 2

@@ -66,6 +66,8 @@ MODES = {"eager": [], "graphed": GRAPHS}
 # the per-shape launch cache (epoverlap_kernels.launch_cache): the cache's A/B
 TRITON_PATH_MODE = "eager_triton_path"
 PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+# what --call-sites names when given no ops: the small fills, copies, host reads and GEMMs
+CALL_SITE_OPS = ("aten::fill_", "aten::copy_", "aten::_local_scalar_dense", "aten::mm")
 SYNC_FREE_MODES = {"budget_eager": BUDGET, "budget_partial": BUDGET + GRAPHS,
                    "budget_layer": BUDGET + ["--cuda-graph-impl", "local"],
                    "budget_full": BUDGET + ["--cuda-graph-impl", "full_iteration"],
@@ -273,19 +275,19 @@ def main(argv=None) -> int:
                         help=f"skip the {TRITON_PATH_MODE} mode (eager without the launch cache)")
     parser.add_argument("--call-sites", nargs="*", default=None, metavar="OP",
                         help="eager: where in our code these aten ops are issued, and their time "
-                             "(default with no names: aten::fill_ aten::copy_ "
-                             "aten::_local_scalar_dense aten::mm)")
+                             f"(with no names: {' '.join(CALL_SITE_OPS)})")
     parser.add_argument("--sync-free", action="store_true",
                         help="also the budget dispatch: eager, partial, whole-layer and "
                              "full-iteration graphs")
     args = parser.parse_args(argv)
+    sites = CALL_SITE_OPS if args.call_sites == [] else tuple(args.call_sites or ())
+    not_aten = [name for name in sites if not name.startswith("aten::")]
+    if not_aten:  # runtime calls (cudaMemcpyAsync, ...) never reach a dispatch mode
+        parser.error(f"--call-sites: {not_aten} are not aten ops (names like aten::fill_)")
     if not torch.cuda.is_available():
         print("bench_host: needs a CUDA device (it measures CUDA graphs against eager)")
         return 2
     base = SHAPES[args.shape] + COMMON
-    sites = args.call_sites
-    if sites is not None and not sites:
-        sites = ["aten::fill_", "aten::copy_", "aten::_local_scalar_dense", "aten::mm"]
     modes = {**MODES, **({} if args.no_triton_path else {TRITON_PATH_MODE: []}),
              **(SYNC_FREE_MODES if args.sync_free else {})}
     for extra in modes.values():
@@ -296,7 +298,7 @@ def main(argv=None) -> int:
         rows = {mode: measure(groups, base + extra, args.iters, args.warmup,
                               per_node={"eager": args.top_ops, TRITON_PATH_MODE: 1}.get(mode, 0),
                               launch_cache=mode != TRITON_PATH_MODE,
-                              call_site_ops=tuple(sites or ()) if mode == "eager" else ())
+                              call_site_ops=sites if mode == "eager" else ())
                 for mode, extra in modes.items()}
     finally:
         destroy_distributed(groups)
