@@ -148,6 +148,7 @@ class TrainConfig:
     device: str = "auto"
     skip_optimizer_step: bool = False
     check_for_nan_in_loss_and_grad: bool = False
+    no_gradient_accumulation_fusion: bool = False
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -481,6 +482,9 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
      "benchmark only: forward+backward+grad reduce, no update"),
     ("--check-for-nan-in-loss-and-grad", "train", "check_for_nan_in_loss_and_grad", bool,
      "stop at a NaN/Inf loss or grad (before the optimizer step), naming rank and parameter"),
+    ("--no-gradient-accumulation-fusion", "train", "no_gradient_accumulation_fusion", bool,
+     "dense weight-grad GEMMs write a product that is then added to the fp32 main_grad, instead "
+     "of adding into main_grad inside the GEMM (fp32 training, or bf16/fp16 on CUDA)"),
     ("--overlap-moe-expert-parallel-comm", "overlap", "overlap_moe_expert_parallel_comm", bool,
      "combined 1F1B schedule hiding EP all-to-all"),
     ("--delay-wgrad-compute", "overlap", "delay_wgrad_compute", bool,

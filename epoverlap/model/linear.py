@@ -1,6 +1,7 @@
 """GEMMs whose weight gradient can be split off the critical path: dense and grouped (experts).
 
-Owns the autograd functions `linear` and `grouped_gemm` and `accumulate_weight_grad`. Their
+Owns the autograd functions `linear` and `grouped_gemm`, `accumulate_weight_grad` and
+`accumulate_weight_grad_gemm` (the dense weight grad added into `main_grad` by the GEMM). Their
 backward computes the input grad at once and offers the weight-grad GEMM to a
 `WeightGradQueue` (when one is given): deferred, it runs later at the plan's `W` action;
 otherwise inline. Both paths run the same GEMM and the same fp32 accumulation into
@@ -34,6 +35,36 @@ def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+# aten::addmm's dtype overload: a bf16/fp16 GEMM that adds into an fp32 tensor (CUDA only)
+_ADDMM_TO_FP32 = torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", "CUDA")
+
+
+def _fuses_accumulation(main_grad: torch.Tensor, x_NI: torch.Tensor) -> bool:
+    """Whether main_grad += grad^T @ x can be one GEMM: same dtype (fp32 training), or a
+    half-precision x on CUDA with the GEMM's fp32 output added straight into main_grad."""
+    if x_NI.dtype == main_grad.dtype:
+        return True
+    return (_ADDMM_TO_FP32 and x_NI.is_cuda and main_grad.dtype == torch.float32
+            and x_NI.dtype in (torch.bfloat16, torch.float16))
+
+
+def accumulate_weight_grad_gemm(param: torch.Tensor, grad_NO: torch.Tensor,
+                                x_NI: torch.Tensor) -> None:
+    """param's grad += grad^T @ x. With `param.fuse_grad_accumulation` (set by the grad
+    buffers unless --no-gradient-accumulation-fusion) the GEMM accumulates into the fp32
+    `main_grad` itself (beta = 1, Megatron-core's gradient-accumulation fusion): one kernel
+    instead of a GEMM and an add, and the product is never rounded to bf16 on the way."""
+    main_grad = getattr(param, "main_grad", None)
+    if (main_grad is not None and getattr(param, "fuse_grad_accumulation", False)
+            and _fuses_accumulation(main_grad, x_NI)):
+        if x_NI.dtype == main_grad.dtype:
+            main_grad.addmm_(grad_NO.t(), x_NI)
+        else:
+            torch.addmm(main_grad, grad_NO.t(), x_NI, out_dtype=main_grad.dtype, out=main_grad)
+        return
+    accumulate_weight_grad(param, grad_NO.t() @ x_NI)
+
+
 def _run_or_defer(queue, work) -> None:
     if queue is None or not queue.defer(work):
         work()
@@ -52,8 +83,8 @@ class _Linear(torch.autograd.Function):
         grad_x_NI = grad_NO @ weight_OI if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
             def weight_grad_work(grad_NO=grad_NO, x_NI=x_NI, weight_OI=weight_OI):
-                grad_2d = grad_NO.reshape(-1, grad_NO.shape[-1])
-                accumulate_weight_grad(weight_OI, grad_2d.t() @ x_NI.reshape(-1, x_NI.shape[-1]))
+                accumulate_weight_grad_gemm(weight_OI, grad_NO.reshape(-1, grad_NO.shape[-1]),
+                                            x_NI.reshape(-1, x_NI.shape[-1]))
             _run_or_defer(ctx.queue, weight_grad_work)
         return grad_x_NI, None, None
 

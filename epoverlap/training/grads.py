@@ -39,7 +39,8 @@ def is_expert(param: torch.Tensor) -> bool:
 class GradBuffers:
     """Flat fp32 grad buffers for a model's dense and expert parameters."""
 
-    def __init__(self, model: nn.Module, groups: ParallelGroups):
+    def __init__(self, model: nn.Module, groups: ParallelGroups,
+                 fuse_grad_accumulation: bool = True):
         self.groups = groups
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
@@ -49,6 +50,8 @@ class GradBuffers:
         device = params[0].device
         self.dense_flat = self._attach(self.dense, device)
         self.expert_flat = self._attach(self.expert, device)
+        for p in params:  # the dense GEMMs add their weight grads into main_grad themselves
+            p.fuse_grad_accumulation = fuse_grad_accumulation
         self._hooks = [p.register_post_accumulate_grad_hook(_fold_into_main_grad)
                        for p in params]
         self._norm_slots, self._norm_size = _whole_model_slots([n for n, _ in named], groups)

@@ -219,7 +219,8 @@ class Trainer:
                               pipe=self._pipeline_comm(cfg, groups),
                               one_node_moe_layers=self._one_node_moe_layers())
         self.params = self._whole_model_parameters()
-        self.grads = GradBuffers(self.model, groups)
+        self.grads = GradBuffers(self.model, groups, fuse_grad_accumulation=not
+                                 cfg.train.no_gradient_accumulation_fusion)
         self.optimizer = MixedPrecisionAdamW(self.model, cfg.train)
         overlap = cfg.overlap.overlap_moe_expert_parallel_comm
         self.lanes = make_lanes(self.device, overlap, cfg.overlap.comm_stream_high_priority)
