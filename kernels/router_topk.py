@@ -3,7 +3,8 @@
 Owns the torch reference `router_topk_torch`, which returns the same outputs as
 Megatron-core's `topk_routing_with_score_function` (dense probs and a bool routing map), and
 `expert_token_counts`, the per-expert routed-token counts used by the aux loss and the
-aux-loss-free expert-bias update.
+aux-loss-free expert-bias update, and the Switch aux loss (`SwitchAuxLoss`, `switch_aux_loss`,
+`attach_aux_loss`: the reference of what the Triton router fuses into its own launches).
 
 Shape legend: T tokens, E experts, K top-k, G expert groups.
 
@@ -14,6 +15,7 @@ Ties: the lower expert index wins (a stable sort; torch.topk's tie order is unsp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -125,10 +127,69 @@ def router_topk_torch(
     return probs_TE, routing_map_TE
 
 
-def router_topk_with_counts_torch(logits_TE: torch.Tensor, topk: int, **routing_kwargs):
-    """`router_topk_torch` plus the per-expert routed-token counts [E] int64 (aux loss, bias)."""
+def router_topk_with_counts_torch(logits_TE: torch.Tensor, topk: int, *,
+                                  aux_loss: Optional["SwitchAuxLoss"] = None, **routing_kwargs):
+    """`router_topk_torch` plus the per-expert routed-token counts [E] int64 (aux loss, bias).
+    With `aux_loss`, also the Switch load-balancing loss of this routing (`SwitchAuxLoss`)."""
     probs_TE, routing_map_TE = router_topk_torch(logits_TE, topk, **routing_kwargs)
-    return probs_TE, routing_map_TE, expert_token_counts(routing_map_TE)
+    counts_E = expert_token_counts(routing_map_TE)
+    if aux_loss is not None:
+        check_aux_loss_routing(routing_kwargs)
+        scores_TE = aux_loss_scores(logits_TE, routing_kwargs.get("score_function", "softmax"))
+        value = switch_aux_loss(scores_TE, counts_E, topk, aux_loss.coeff)
+        probs_TE = attach_aux_loss(probs_TE, value, aux_loss.grad_scale)
+        aux_loss.loss_sum.add_(value.detach())
+    return probs_TE, routing_map_TE, counts_E
+
+
+@dataclass(frozen=True)
+class SwitchAuxLoss:
+    """The Switch load-balancing loss, computed inside `router_topk_with_counts`:
+    E * coeff / (topk * T^2) * sum_e (sum_t score_te) * count_e (Megatron-core's formula; the
+    scores are `aux_loss_scores`, the counts the routing's own). It never joins the returned
+    values: its value is added to `loss_sum` (fp32, 0-dim, on the logits' device; the caller's
+    running sum for logging), and the probs' backward adds `grad_scale` x its grad to the
+    logits' grad, as if `grad_scale` x the loss had been added to the training loss. Only
+    without group-limited routing and expert bias: Megatron-core counts the aux loss's tokens
+    with a plain top-k there (`plain_topk_counts`), not with the routing's counts."""
+
+    coeff: float
+    grad_scale: float
+    loss_sum: torch.Tensor
+
+
+def check_aux_loss_routing(routing_kwargs: dict) -> None:
+    if routing_kwargs.get("group_topk") or routing_kwargs.get("expert_bias") is not None:
+        raise ValueError("aux_loss: only without group_topk and expert_bias (the aux loss then "
+                         "counts tokens by a plain top-k: compute it apart, switch_aux_loss)")
+
+
+def switch_aux_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, topk: int,
+                    coeff: float) -> torch.Tensor:
+    """Switch load-balancing loss: E * sum_e f_e * P_e * coeff (Megatron-core's formula)."""
+    num_tokens, num_experts = scores_TE.shape
+    scale = num_experts * coeff / (topk * num_tokens * num_tokens)
+    return torch.sum(scores_TE.sum(dim=0) * counts_E.to(scores_TE.dtype)) * scale
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `x`; its backward also starts the aux loss's backward with grad `scale`."""
+
+    @staticmethod
+    def forward(ctx, x, aux_loss, scale: float):
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_x, torch.full_like(aux_loss, ctx.scale), None
+
+
+def attach_aux_loss(x: torch.Tensor, aux_loss: torch.Tensor, grad_scale: float) -> torch.Tensor:
+    """x, whose backward also backpropagates `aux_loss` with grad `grad_scale`."""
+    return _AttachAuxLoss.apply(x, aux_loss, grad_scale)
 
 
 def expert_token_counts(routing_map_TE: torch.Tensor) -> torch.Tensor:

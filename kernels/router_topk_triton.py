@@ -12,6 +12,13 @@ references in router_topk.py (same arguments, same outputs, same autograd), and 
     row is viewed as [G, E / G] and all groups are scored at once; else one masked pass per group.
   `_router_bwd_kernel`: grad of the logits through the chosen probs (softmax pre/post, sigmoid
     with sum normalization, scaling factor), scores recomputed from the logits.
+  With a Switch aux loss (`router_topk.SwitchAuxLoss`): the forward also stores each program's
+    column sums of the aux scores ([P, E] fp32, no atomics), `_router_aux_loss_kernel` (one
+    program) sums them in a fixed order, weights them by the counts and adds the loss to the
+    caller's running sum, and the backward adds the loss's grad to the logits' grad in its own
+    launch. What the reference does in about ten autograd ops (aux_loss_scores,
+    switch_aux_loss, attach_aux_loss) and ten backward nodes is one more launch forward and
+    none backward.
 
 Shape legend: T tokens, E experts, G expert groups.
 
@@ -30,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .launch_cache import launch_cached
-from .router_topk import check_router_args
+from .router_topk import SwitchAuxLoss, check_aux_loss_routing, check_router_args
 from .triton_utils import cdiv, next_pow2, router_tile
 
 SOFTMAX_PRE, SOFTMAX_POST, SIGMOID = 0, 1, 2
@@ -121,6 +128,52 @@ def _group_limit(keys, cols, NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr,
     return tl.where(keep, keys, KEY_NONE)
 
 
+@triton.jit
+def _aux_scores(x, valid, SIGMOID_SCORES: tl.constexpr):
+    """The Switch aux loss's scores [BT, BE] fp32, 0 outside `valid`: softmax over E, or the
+    sigmoid normalized by its row sum (+1e-20)."""
+    if SIGMOID_SCORES:
+        u = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)
+        return u / (tl.sum(u, axis=1)[:, None] + 1e-20)
+    ex = tl.where(valid, tl.exp(x - _row_max(x, valid)), 0.0)
+    return ex / _denominator(ex)
+
+
+@triton.jit
+def _aux_grad(x, valid, n, SIGMOID_SCORES: tl.constexpr):
+    """d/dx of sum_e n_e * score_e per row (`_aux_scores`' scores, `n` [BT, BE] the counts)."""
+    if SIGMOID_SCORES:
+        u = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)
+        total = tl.sum(u, axis=1)[:, None] + 1e-20
+        weighted = tl.sum(u * n, axis=1)[:, None]
+        return u * (1.0 - u) * (n / total - weighted / (total * total))
+    ex = tl.where(valid, tl.exp(x - _row_max(x, valid)), 0.0)
+    s = ex / _denominator(ex)
+    return s * (n - tl.sum(s * n, axis=1)[:, None])
+
+
+@launch_cached
+@triton.jit(do_not_specialize=["P"])  # program counts vary with the token count
+def _router_aux_loss_kernel(
+    aux_part_ptr,  # [P, E] fp32 in: per-program column sums of the aux scores
+    counts_ptr,    # [E] int64 in: routed tokens per expert
+    loss_sum_ptr,  # [] fp32 in/out: += the aux loss
+    P, E, loss_scale,
+    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    e = tl.arange(0, BLOCK_E)
+    acc = tl.zeros((BLOCK_P, BLOCK_E), dtype=tl.float32)
+    p0 = 0
+    while p0 < P:  # elementwise accumulation of BLOCK_P-row tiles, then one fixed tree sum
+        p = p0 + tl.arange(0, BLOCK_P)
+        mask = (p < P)[:, None] & (e < E)[None, :]
+        acc += tl.load(aux_part_ptr + p[:, None] * E + e[None, :], mask=mask, other=0.0)
+        p0 += BLOCK_P
+    n = tl.load(counts_ptr + e, mask=e < E, other=0).to(tl.float32)
+    loss = tl.sum(tl.sum(acc, axis=0) * n) * loss_scale
+    tl.store(loss_sum_ptr, tl.load(loss_sum_ptr) + loss)
+
+
 @launch_cached
 @triton.jit(do_not_specialize=["T"])  # row counts vary per step: one variant
 def _router_fwd_kernel(
@@ -129,8 +182,10 @@ def _router_fwd_kernel(
     probs_ptr,        # [T, E] out: probs in the logits' dtype, 0 where not routed
     routing_map_ptr,  # [T, E] uint8 out: 1 where routed (bool storage)
     counts_ptr,       # [E] int64 in/out: += routed tokens per expert (if WITH_COUNTS)
+    aux_part_ptr,     # [P, E] fp32 out: program p's sum over its rows of the aux-loss scores
     T, E, scale,
     K: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, WITH_COUNTS: tl.constexpr,
+    HAS_AUX: tl.constexpr,
     NUM_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr, PER_GROUP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
     GROUPS_3D: tl.constexpr,
@@ -167,6 +222,13 @@ def _router_fwd_kernel(
     probs = probs * scale
     tl.store(probs_ptr + offs, probs.to(probs_ptr.dtype.element_ty), mask=valid)
     tl.store(routing_map_ptr + offs, chosen.to(tl.uint8), mask=valid)
+    if HAS_AUX:
+        if SCORE == 0:  # the routing's own scores are the aux scores
+            aux = scores
+        else:
+            aux = _aux_scores(x, valid, SCORE == 2)
+        e = tl.arange(0, BLOCK_E)
+        tl.store(aux_part_ptr + tl.program_id(0) * E + e, tl.sum(aux, axis=0), mask=e < E)
     if WITH_COUNTS:
         counts = tl.sum(chosen.to(tl.int32), axis=0)
         e = tl.arange(0, BLOCK_E)
@@ -182,8 +244,10 @@ def _router_bwd_kernel(
     logits_ptr,       # [T, E] in: the forward's logits
     routing_map_ptr,  # [T, E] uint8 in: the forward's choice
     grad_logits_ptr,  # [T, E] out: grad of the logits (logits' dtype)
-    T, E, scale,
+    aux_counts_ptr,   # [E] int64 in: the counts the aux loss weighted its scores by (HAS_AUX)
+    T, E, scale, aux_coeff,
     K: tl.constexpr, SCORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    HAS_AUX: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
     cols = tl.arange(0, BLOCK_E)[None, :]
@@ -207,6 +271,9 @@ def _router_bwd_kernel(
             denom = tl.sum(tl.where(chosen, s, 0.0), axis=1)[:, None] + 1e-20
             g = g / denom - tl.sum(g * tl.where(chosen, s, 0.0), axis=1)[:, None] / (denom * denom)
         grad = tl.where(chosen, g * s * (1.0 - s), 0.0)
+    if HAS_AUX:  # + aux_coeff x d(aux loss)/d(logits); the counts as a tile (see the bias load)
+        n = tl.load(aux_counts_ptr + cols + 0 * rows, mask=valid, other=0).to(tl.float32)
+        grad += aux_coeff * _aux_grad(x, valid, n, SCORE == 2)
     tl.store(grad_logits_ptr + offs, grad.to(grad_logits_ptr.dtype.element_ty), mask=valid)
 
 
@@ -223,10 +290,12 @@ def _score_code(score_function: str, use_pre_softmax: bool) -> int:
 
 
 class _RouterTopkTriton(torch.autograd.Function):
-    """(probs [T, E], routing_map [T, E] bool, counts [E] int64 | None); grad flows to logits."""
+    """(probs [T, E], routing_map [T, E] bool, counts [E] int64 | None); grad flows to logits.
+    With `aux` (a `SwitchAuxLoss`; needs counts), also the aux loss: its value added to
+    `aux.loss_sum` by a second launch, its grad (x `aux.grad_scale`) added in the backward's."""
 
     @staticmethod
-    def forward(ctx, logits_TE, bias_E, topk, score, group, scale, with_counts):
+    def forward(ctx, logits_TE, bias_E, topk, score, group, scale, with_counts, aux):
         # The map and counts take no grad: without this, autograd would zero-fill a [T, E] and
         # an [E] grad for them (two launches) before every backward.
         ctx.set_materialize_grads(False)
@@ -238,18 +307,28 @@ class _RouterTopkTriton(torch.autograd.Function):
         counts_E = (torch.zeros(num_experts, dtype=torch.int64, device=logits_TE.device)
                     if with_counts else None)
         num_groups, group_topk = group
+        programs = cdiv(num_tokens, block_t)
+        aux_part_PE = (torch.empty(programs, num_experts, dtype=torch.float32,
+                                   device=logits_TE.device) if aux is not None else None)
         if num_tokens:
-            _router_fwd_kernel[(cdiv(num_tokens, block_t),)](
+            _router_fwd_kernel[(programs,)](
                 logits_TE, bias_E if bias_E is not None else logits_TE, probs_TE,
                 routing_map_TE.view(torch.uint8), counts_E if with_counts else logits_TE,
-                num_tokens, num_experts, scale,
+                aux_part_PE if aux is not None else logits_TE, num_tokens, num_experts, scale,
                 K=topk, SCORE=score, HAS_BIAS=bias_E is not None, WITH_COUNTS=with_counts,
-                NUM_GROUPS=num_groups, GROUP_TOPK=group_topk,
+                HAS_AUX=aux is not None, NUM_GROUPS=num_groups, GROUP_TOPK=group_topk,
                 PER_GROUP=num_experts // max(num_groups, 1),
                 BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=next_pow2(num_groups),
                 GROUPS_3D=_groups_3d(num_experts, num_groups, block_e), num_warps=num_warps)
-        ctx.save_for_backward(logits_TE, routing_map_TE)
-        ctx.settings = (topk, score, scale)
+            if aux is not None:
+                _router_aux_loss_kernel[(1,)](
+                    aux_part_PE, counts_E, aux.loss_sum, programs, num_experts,
+                    _aux_loss_scale(aux.coeff, num_experts, topk, num_tokens),
+                    BLOCK_P=max(1, min(32, 4096 // block_e)), BLOCK_E=block_e, num_warps=4)
+        ctx.save_for_backward(logits_TE, routing_map_TE, counts_E if aux is not None else None)
+        aux_grad = (aux.grad_scale * _aux_loss_scale(aux.coeff, num_experts, topk, num_tokens)
+                    if aux is not None and num_tokens else 0.0)
+        ctx.settings = (topk, score, scale, aux_grad, aux is not None)
         ctx.mark_non_differentiable(routing_map_TE)
         if with_counts:
             ctx.mark_non_differentiable(counts_E)
@@ -258,28 +337,38 @@ class _RouterTopkTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_probs_TE, _grad_map, _grad_counts):
         if grad_probs_TE is None:  # the probs were not used
-            return None, None, None, None, None, None, None
-        logits_TE, routing_map_TE = ctx.saved_tensors
-        topk, score, scale = ctx.settings
+            return None, None, None, None, None, None, None, None
+        logits_TE, routing_map_TE, aux_counts_E = ctx.saved_tensors
+        topk, score, scale, aux_grad, has_aux = ctx.settings
         num_tokens, num_experts = logits_TE.shape
         block_t, block_e, num_warps = router_tile(num_experts)
         grad_logits_TE = torch.empty_like(logits_TE)
         if num_tokens:
             _router_bwd_kernel[(cdiv(num_tokens, block_t),)](
                 grad_probs_TE.contiguous(), logits_TE, routing_map_TE.view(torch.uint8),
-                grad_logits_TE, num_tokens, num_experts, scale,
-                K=topk, SCORE=score, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=num_warps)
-        return grad_logits_TE, None, None, None, None, None, None
+                grad_logits_TE, aux_counts_E if has_aux else logits_TE, num_tokens, num_experts,
+                scale, aux_grad, K=topk, SCORE=score, BLOCK_T=block_t, BLOCK_E=block_e,
+                HAS_AUX=has_aux, num_warps=num_warps)
+        return grad_logits_TE, None, None, None, None, None, None, None
+
+
+def _aux_loss_scale(coeff: float, num_experts: int, topk: int, num_tokens: int) -> float:
+    """The Switch aux loss = this x sum_e (sum_t score_te) x count_e (`switch_aux_loss`)."""
+    return num_experts * coeff / (topk * num_tokens * num_tokens)
 
 
 def _route(logits_TE, topk, with_counts, *, score_function="softmax", use_pre_softmax=False,
-           num_groups=None, group_topk=None, scaling_factor=None, expert_bias=None):
+           num_groups=None, group_topk=None, scaling_factor=None, expert_bias=None,
+           aux_loss: Optional[SwitchAuxLoss] = None):
     if logits_TE.dim() != 2:
         raise ValueError(f"logits must be [T, E], got shape {tuple(logits_TE.shape)}")
     num_experts = logits_TE.shape[1]
     check_router_args(num_experts, topk, score_function, num_groups, group_topk)
     if expert_bias is not None and tuple(expert_bias.shape) != (num_experts,):
         raise ValueError(f"expert_bias shape {tuple(expert_bias.shape)}: must be ({num_experts},)")
+    if aux_loss is not None:
+        check_aux_loss_routing(dict(group_topk=group_topk, expert_bias=expert_bias))
+        _check_loss_sum(aux_loss.loss_sum, logits_TE.device)
     score = _score_code(score_function, use_pre_softmax)
     bias_E = None
     if score == SIGMOID and expert_bias is not None:
@@ -287,7 +376,15 @@ def _route(logits_TE, topk, with_counts, *, score_function="softmax", use_pre_so
     group = (num_groups, group_topk) if group_topk else (0, 0)
     scale = float(scaling_factor) if scaling_factor else 1.0
     return _RouterTopkTriton.apply(logits_TE.contiguous(), bias_E, topk, score, group, scale,
-                                   with_counts)
+                                   with_counts, aux_loss)
+
+
+def _check_loss_sum(loss_sum: torch.Tensor, device: torch.device) -> None:
+    if (loss_sum.dtype != torch.float32 or loss_sum.dim() != 0 or loss_sum.device != device
+            or loss_sum.requires_grad):
+        raise ValueError(f"aux_loss.loss_sum: must be a 0-dim fp32 tensor on {device} without "
+                         f"grad, got {tuple(loss_sum.shape)} {loss_sum.dtype} on "
+                         f"{loss_sum.device}")
 
 
 def router_topk_triton(
@@ -313,6 +410,10 @@ def router_topk_triton(
     return probs_TE, routing_map_TE
 
 
-def router_topk_with_counts_triton(logits_TE: torch.Tensor, topk: int, **routing_kwargs):
-    """`router_topk_triton` plus tokens per expert [E] int64, counted in the same launch."""
-    return _route(logits_TE, topk, True, **routing_kwargs)
+def router_topk_with_counts_triton(logits_TE: torch.Tensor, topk: int, *,
+                                   aux_loss: Optional[SwitchAuxLoss] = None, **routing_kwargs):
+    """`router_topk_triton` plus tokens per expert [E] int64, counted in the same launch. With
+    `aux_loss` (see `router_topk.SwitchAuxLoss`), also the Switch aux loss: its scores summed
+    per program in the same launch, the loss by one more (one program), its grad inside the
+    backward's launch."""
+    return _route(logits_TE, topk, True, aux_loss=aux_loss, **routing_kwargs)

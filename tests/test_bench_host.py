@@ -52,3 +52,29 @@ def test_call_sites_refuses_names_that_are_not_aten_ops(capsys):
 def test_bench_launch_needs_a_gpu(capsys):
     assert bench_launch.main([]) == 2
     assert "needs a CUDA device" in capsys.readouterr().out
+
+
+def test_fusion_ab_runs_both_sides_in_one_process(monkeypatch):
+    """The A/B's unfused side really turns both fusions off (its routers and its grad
+    buffers), both sides train the same model to nearly the same loss, and every round
+    yields a step time and a per-node table for each side."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)  # CPU trainers
+    built = []
+    real_trainer = bench_host.Trainer
+
+    def remember(*args, **kwargs):
+        built.append(real_trainer(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(bench_host, "Trainer", remember)
+    results = bench_host.fusion_ab(single_rank_groups(), TINY, rounds=2, iters=1, warmup=1)
+    unfused, fused = built
+    assert {getattr(m, "aux_loss_in_op", None) for m in unfused.model.modules()} == {None, False}
+    assert {getattr(m, "aux_loss_in_op", None) for m in fused.model.modules()} == {None, True}
+    assert {p.fuse_grad_accumulation for p in unfused.model.parameters()} == {False}
+    assert {p.fuse_grad_accumulation for p in fused.model.parameters()} == {True}
+    for side in ("unfused", "fused"):
+        assert len(results[side]["cpu_ms"]) == 2 and len(results[side]["nodes"]) == 2
+        assert "F attn" in results[side]["nodes"][0]
+    assert abs(results["fused"]["loss"] - results["unfused"]["loss"]) < 1e-3 * abs(
+        results["unfused"]["loss"])

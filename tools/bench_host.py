@@ -1,6 +1,7 @@
 """Host cost of a training step, eager vs CUDA graphs (one GPU; the step is host-bound).
 
     python tools/bench_host.py [--iters 20] [--out FILE.json] [--shape small] [--sync-free]
+    python tools/bench_host.py --fusion-ab ROUNDS [--iters 10]
 
 For each mode it builds a fresh trainer on one GPU (EP=1, sequential plan), runs the warmup
 steps (a graphed mode records in the last one and captures), then times --iters forward +
@@ -23,6 +24,11 @@ table: the host wall time of each node action
 (forward F, backward B) as the executor issues it (median over the timed steps, summed over
 layers and microbatches, and per call), and, from one step under torch.profiler, the CUDA
 kernel launches per step, so host time per launch = host CPU per step / launches.
+
+--fusion-ab ROUNDS runs only an in-process A/B of the eager step without and with the
+host-saving fusions (the Switch aux loss inside the router op; the weight-grad GEMMs adding
+into main_grad), the two trainers' timed steps alternated ROUNDS times: step and per-node
+medians over the rounds, and each side's loss.
 """
 
 from __future__ import annotations
@@ -237,6 +243,72 @@ def _project_site() -> str:
     return "(no project frame)"
 
 
+def fusion_ab(groups, argv, rounds: int, iters: int, warmup: int) -> dict:
+    """The eager step without and with the host-saving fusions (the Switch aux loss inside the
+    router op, and the weight-grad GEMMs accumulating into main_grad), both trainers in this
+    process and their timed steps alternated `rounds` times, so both sides see the same host
+    drift: {side: {"cpu_ms": [per round], "wall_ms": [...], "nodes": [per-round tables],
+    "loss": ...}}. Separate runs of one command moved 124-148 ms per step on one host, more
+    than these fusions can save."""
+    sides = {"unfused": Trainer(parse_config(argv + ["--no-gradient-accumulation-fusion"]),
+                                groups, log=lambda msg: None),
+             "fused": Trainer(parse_config(argv), groups, log=lambda msg: None)}
+    for layer in sides["unfused"].model.modules():
+        if hasattr(layer, "aux_loss_in_op"):
+            layer.aux_loss_in_op = False
+    try:
+        inputs = {side: trainer.microbatches(1) for side, trainer in sides.items()}
+        for side, trainer in sides.items():
+            for _ in range(warmup):
+                trainer.run_microbatches(1, inputs[side])
+        results = {side: {"cpu_ms": [], "wall_ms": [], "nodes": []} for side in sides}
+        for round_index in range(rounds):
+            for side, trainer in sides.items():
+                cpu, wall = [], []
+                for _ in range(iters):
+                    torch.cuda.synchronize()
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    trainer.run_microbatches(1, inputs[side])
+                    c1 = time.process_time()
+                    torch.cuda.synchronize()
+                    cpu.append(c1 - c0)
+                    wall.append(time.perf_counter() - w0)
+                results[side]["cpu_ms"].append(statistics.median(cpu) * 1e3)
+                results[side]["wall_ms"].append(statistics.median(wall) * 1e3)
+                results[side]["nodes"].append(per_node_host_ms(trainer, inputs[side], iters))
+            print(f"fusion A/B round {round_index + 1}/{rounds}: " + ", ".join(
+                f"{side} {results[side]['cpu_ms'][-1]:.2f} ms" for side in sides), flush=True)
+        for side, trainer in sides.items():
+            results[side]["loss"] = _last_loss(trainer, inputs[side])
+            results[side]["launches_per_step"] = kernel_launches(trainer, inputs[side])
+        return results
+    finally:
+        for trainer in sides.values():
+            trainer.close()
+
+
+def print_fusion_ab(results: dict) -> None:
+    """Medians over the rounds: the step, then each node action."""
+    med = {side: {key: statistics.median(r[key]) for key in ("cpu_ms", "wall_ms")}
+           for side, r in results.items()}
+    before, after = med["unfused"], med["fused"]
+    print("\n| eager step | host CPU ms/step | wall ms/step | launches/step | loss |\n"
+          "| --- | --- | --- | --- | --- |")
+    for side, r in results.items():
+        print(f"| {side} | {med[side]['cpu_ms']:.2f} | {med[side]['wall_ms']:.2f} | "
+              f"{r['launches_per_step']} | {r['loss']!r} |")
+    print(f"fused / unfused: host CPU {after['cpu_ms'] / before['cpu_ms']:.3f}x, wall "
+          f"{after['wall_ms'] / before['wall_ms']:.3f}x (medians of {len(results['fused']['cpu_ms'])}"
+          " alternated rounds)")
+    print("\n| eager node action | host us per call, unfused | fused | fused / unfused |\n"
+          "| --- | --- | --- | --- |")
+    for key in results["fused"]["nodes"][0]:
+        us = {side: statistics.median(table[key][1] for table in r["nodes"])
+              for side, r in results.items()}
+        print(f"| {key} | {us['unfused']:.0f} | {us['fused']:.0f} | "
+              f"{us['fused'] / us['unfused']:.3f} |")
+
+
 def print_call_sites(found: dict) -> None:
     for op, rows in found.items():
         print(f"\n| {op}: issued at | calls per step | op wall us per call |\n| --- | --- | --- |")
@@ -276,6 +348,10 @@ def main(argv=None) -> int:
     parser.add_argument("--call-sites", nargs="*", default=None, metavar="OP",
                         help="eager: where in our code these aten ops are issued, and their time "
                              f"(with no names: {' '.join(CALL_SITE_OPS)})")
+    parser.add_argument("--fusion-ab", type=int, default=0, metavar="ROUNDS",
+                        help="only this: the eager step without and with the host-saving "
+                             "fusions (aux loss in the router op, gradient-accumulation "
+                             "fusion), alternated ROUNDS times in this process")
     parser.add_argument("--sync-free", action="store_true",
                         help="also the budget dispatch: eager, partial, whole-layer and "
                              "full-iteration graphs")
@@ -294,6 +370,16 @@ def main(argv=None) -> int:
         validate_config(parse_config(base + extra), 1, True)
     setup_environment(parse_config(base + GRAPHS), print)
     groups = init_distributed(1, "cuda")
+    if args.fusion_ab:
+        try:
+            results = fusion_ab(groups, base, args.fusion_ab, args.iters, args.warmup)
+        finally:
+            destroy_distributed(groups)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        print(f"\nbench_host --fusion-ab: {torch.cuda.get_device_name()}, shape {args.shape}")
+        print_fusion_ab(results)
+        return 0
     try:
         rows = {mode: measure(groups, base + extra, args.iters, args.warmup,
                               per_node={"eager": args.top_ops, TRITON_PATH_MODE: 1}.get(mode, 0),

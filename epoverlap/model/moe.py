@@ -43,8 +43,9 @@ from torch import nn
 
 from epoverlap_kernels import MoEOps
 from epoverlap_kernels.capacity import apply_router_token_dropping, dropped_pairs, get_capacity
-from epoverlap_kernels.router_topk import (aux_loss_scores, expert_token_counts,
-                                          plain_topk_counts)
+from epoverlap_kernels.router_topk import (SwitchAuxLoss, attach_aux_loss, aux_loss_scores,
+                                          expert_token_counts, plain_topk_counts,
+                                          switch_aux_loss)
 
 from epoverlap.parallel.comm import ExpertComm, all_to_all
 from epoverlap.config import MoEConfig
@@ -64,29 +65,6 @@ def seeded_normal_(tensor: torch.Tensor, std: float, seed: int) -> torch.Tensor:
 
 def param_seed(base_seed: int, *names: object) -> int:
     return base_seed * 1_000_003 + zlib.crc32("/".join(str(n) for n in names).encode())
-
-
-class _AttachAuxLoss(torch.autograd.Function):
-    """Identity on `x`; its backward also starts the aux loss's backward with grad `scale`."""
-
-    @staticmethod
-    def forward(ctx, x, aux_loss, scale: float):
-        ctx.save_for_backward(aux_loss)
-        ctx.scale = scale
-        return x
-
-    @staticmethod
-    def backward(ctx, grad_x):
-        (aux_loss,) = ctx.saved_tensors
-        return grad_x, torch.full_like(aux_loss, ctx.scale), None
-
-
-def switch_aux_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, topk: int,
-                    coeff: float) -> torch.Tensor:
-    """Switch load-balancing loss: E * sum_e f_e * P_e * coeff (Megatron-core's formula)."""
-    num_tokens, num_experts = scores_TE.shape
-    scale = num_experts * coeff / (topk * num_tokens * num_tokens)
-    return torch.sum(scores_TE.sum(dim=0) * counts_E.to(scores_TE.dtype)) * scale
 
 
 @dataclass(frozen=True)
@@ -209,6 +187,10 @@ class Router(nn.Module):
     --moe-router-force-load-balancing). `step_counts` / `step_aux_loss` / `step_dropped` are
     per-step scratch.
 
+    Benchmark seam (no flag): `aux_loss_in_op` False computes the Switch aux loss with separate
+    autograd ops even where the router op could fuse it (the in-process A/B of
+    tools/bench_host.py --fusion-ab).
+
     Test seam (no flag): `logit_bias`, when set, is called with the gate logits [T, E] and
     returns a bias [T, E] added to them; the routing fuzz test forces adversarial routings with
     it (all tokens to one expert, one EP rank receiving everything, ...). Grads still flow
@@ -239,6 +221,7 @@ class Router(nn.Module):
             self.balancing_rng = torch.Generator(device=device)
             self.balancing_rng.manual_seed(param_seed(seed, "balance", layer) % (2**63))
         self.logit_bias: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self.aux_loss_in_op = True
 
     def _logits(self, x_TH: torch.Tensor) -> torch.Tensor:
         logits_TE = linear(x_TH.to(self.weight.dtype), self.weight)
@@ -251,7 +234,7 @@ class Router(nn.Module):
         z_coeff = self.moe.moe_z_loss_coeff
         if z_coeff:
             z_loss = torch.mean(torch.square(torch.logsumexp(logits_TE.float(), dim=-1))) * z_coeff
-            logits_TE = _AttachAuxLoss.apply(logits_TE, z_loss, self.aux_loss_scale)
+            logits_TE = attach_aux_loss(logits_TE, z_loss, self.aux_loss_scale)
             self.step_aux_loss += z_loss.detach()
         return logits_TE
 
@@ -260,32 +243,34 @@ class Router(nn.Module):
         capacity, if one is set; the aux loss sees the routing before it, as Megatron-core's)."""
         moe = self.moe
         logits_TE = self._logits(x_TH)
+        aux_in_router = moe.moe_aux_loss_coeff > 0 and self._aux_loss_in_router_op()
         probs_TE, routing_map_TE, counts_E = self.ops.router_topk_with_counts(
             logits_TE, moe.moe_router_topk, score_function=moe.moe_router_score_function,
             use_pre_softmax=moe.moe_router_pre_softmax, num_groups=moe.moe_router_num_groups,
             group_topk=moe.moe_router_group_topk,
-            scaling_factor=moe.moe_router_topk_scaling_factor, expert_bias=self.expert_bias)
+            scaling_factor=moe.moe_router_topk_scaling_factor, expert_bias=self.expert_bias,
+            aux_loss=SwitchAuxLoss(moe.moe_aux_loss_coeff, self.aux_loss_scale,
+                                   self.step_aux_loss) if aux_in_router else None)
         aux = None
-        if moe.moe_aux_loss_coeff > 0:
+        if moe.moe_aux_loss_coeff > 0 and not aux_in_router:
             scores_TE = aux_loss_scores(logits_TE, moe.moe_router_score_function)
-            aux = switch_aux_loss(scores_TE, self._aux_counts(scores_TE, counts_E),
+            aux = switch_aux_loss(scores_TE, plain_topk_counts(scores_TE, moe.moe_router_topk),
                                   moe.moe_router_topk, moe.moe_aux_loss_coeff)
         if self.mode.drops_tokens:
             probs_TE, routing_map_TE, counts_E = self._apply_capacity(probs_TE, routing_map_TE)
         if aux is not None:
-            probs_TE = _AttachAuxLoss.apply(probs_TE, aux, self.aux_loss_scale)
+            probs_TE = attach_aux_loss(probs_TE, aux, self.aux_loss_scale)
             self.step_aux_loss += aux.detach()
         self.step_counts += counts_E
         return probs_TE, routing_map_TE, counts_E
 
-    def _aux_counts(self, scores_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """Tokens per expert for the Switch aux loss, as Megatron-core counts them: a plain
-        top-k of the aux scores. Without group-limited routing or an expert bias that is the
-        routing's own top-k (softmax and sigmoid keep the logits' order), so its counts serve."""
-        moe = self.moe
-        if not moe.moe_router_num_groups and self.expert_bias is None:
-            return counts_E
-        return plain_topk_counts(scores_TE, moe.moe_router_topk)
+    def _aux_loss_in_router_op(self) -> bool:
+        """Whether the router op computes the Switch aux loss (`SwitchAuxLoss`) with its own
+        counts. Megatron-core counts the loss's tokens by a plain top-k of the aux scores;
+        without group-limited routing or an expert bias that is the routing's own top-k
+        (softmax and sigmoid keep the logits' order), so its counts serve."""
+        return (self.aux_loss_in_op and not self.moe.moe_router_num_groups
+                and self.expert_bias is None)
 
     def _apply_capacity(self, probs_TE, routing_map_TE):
         """Megatron-core's token dropping (and padding); counts the dropped pairs on device."""

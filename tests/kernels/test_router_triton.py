@@ -144,3 +144,88 @@ def test_router_rejects_bad_arguments(bad, match):
     with pytest.raises(ValueError, match=match):
         router_topk_triton(torch.zeros(4, 8), 2, **bad)
 
+
+
+# ---------------------------------------------------------------- the Switch aux loss, fused
+AUX_COEFF, AUX_GRAD_SCALE = 0.01, 0.25
+AUX_VARIANTS = ["softmax_pre", "softmax_post", "sigmoid"]
+
+
+def _run_aux(fn, logits_TE, topk, kwargs, seed=3):
+    """_run with the aux loss: (probs, map, counts, logits grad, the loss added to a sum)."""
+    from epoverlap_kernels.router_topk import SwitchAuxLoss
+
+    loss_sum = torch.full((), 0.5, device=logits_TE.device)  # a running sum: the loss adds
+    aux = SwitchAuxLoss(AUX_COEFF, AUX_GRAD_SCALE, loss_sum)
+    out = _run(lambda *a, **k: fn(*a, aux_loss=aux, **k), logits_TE, topk, kwargs, seed)
+    return out + (loss_sum - 0.5,)
+
+
+def _independent_aux_loss(logits_TE, counts_E, topk, score_function):
+    """The Switch aux loss in float64, written from its definition (Megatron-core's
+    switch_load_balancing_loss_func): E * coeff / (k * T^2) * sum_e (sum_t p_te) * f_e."""
+    x = logits_TE.double()
+    if score_function == "softmax":
+        scores = torch.exp(x - x.max(dim=1, keepdim=True).values)
+        scores = scores / scores.sum(dim=1, keepdim=True)
+    else:
+        scores = 1 / (1 + torch.exp(-x))
+        scores = scores / (scores.sum(dim=1, keepdim=True) + 1e-20)
+    tokens, experts = x.shape
+    return (experts * AUX_COEFF / (topk * tokens * tokens)
+            * (scores.sum(dim=0) * counts_E.double()).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("topk", [1, 3])
+@pytest.mark.parametrize("variant", AUX_VARIANTS)
+def test_router_aux_loss_matches_reference(triton_device, variant, topk, dtype):
+    """The fused aux loss: its value against the reference chain and a float64 formula
+    written here; the logits' grad (probs' grad + grad_scale x the loss's grad) against the
+    reference's autograd through switch_aux_loss and attach_aux_loss."""
+    kwargs = _kwargs(variant, 12, triton_device)
+    logits_TE = _logits(variant, 12, dtype, 1, triton_device)
+    ref = _run_aux(router_topk_with_counts_torch, logits_TE, topk, kwargs)
+    out = _run_aux(router_topk_with_counts_triton, logits_TE, topk, kwargs)
+    assert_bits_equal(out[2], ref[2], "tokens_per_expert")
+    expected = _independent_aux_loss(logits_TE.cpu(), ref[2].cpu(), topk,
+                                     VARIANTS[variant]["score_function"])
+    torch.testing.assert_close(out[4].double().cpu(), expected, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(out[4], ref[4], rtol=1e-5, atol=1e-9)
+    tol = close_tolerance(dtype, interpreted=INTERPRETED)
+    torch.testing.assert_close(out[3], ref[3], rtol=tol["rtol"] * 4, atol=tol["atol"] * 4)
+    # the loss's grad is really there: without it the logits' grad differs
+    plain = _run(router_topk_with_counts_triton, logits_TE, topk, kwargs)
+    assert (plain[3].float() - out[3].float()).abs().max() > 0
+
+
+def test_router_aux_loss_deterministic_and_no_tokens(triton_device):
+    kwargs = _kwargs("softmax_post", 16, triton_device)
+    logits_TE = _logits("softmax_post", 16, torch.float32, 2, triton_device)
+    first = _run_aux(router_topk_with_counts_triton, logits_TE, 2, kwargs)
+    second = _run_aux(router_topk_with_counts_triton, logits_TE, 2, kwargs)
+    assert_same_run(first, second, "router with aux loss")
+    empty = torch.zeros(0, 6, device=triton_device)
+    out = _run_aux(router_topk_with_counts_triton, empty, 2, {})
+    assert float(out[4]) == 0.0 and out[3].shape == (0, 6)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("bad,match", [
+    (dict(num_groups=4, group_topk=2), "group_topk and expert_bias"),
+    (dict(expert_bias=torch.zeros(8), score_function="sigmoid"), "group_topk and expert_bias"),
+])
+def test_router_aux_loss_refuses_routings_it_does_not_count(kernel, bad, match):
+    from epoverlap_kernels.router_topk import SwitchAuxLoss
+
+    fn = router_topk_with_counts_torch if kernel == "torch" else router_topk_with_counts_triton
+    with pytest.raises(ValueError, match=match):
+        fn(torch.zeros(4, 8), 2, aux_loss=SwitchAuxLoss(0.01, 1.0, torch.zeros(())), **bad)
+
+
+def test_router_aux_loss_refuses_a_bad_loss_sum():
+    from epoverlap_kernels.router_topk import SwitchAuxLoss
+
+    bad = SwitchAuxLoss(0.01, 1.0, torch.zeros((), dtype=torch.float64))
+    with pytest.raises(ValueError, match="aux_loss.loss_sum: must be a 0-dim fp32"):
+        router_topk_with_counts_triton(torch.zeros(4, 8), 2, aux_loss=bad)
