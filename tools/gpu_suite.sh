@@ -24,6 +24,8 @@
 #   tools/gpu_suite.sh host1     one GPU: host time of one op call piece by piece
 #                                (bench_launch), per node, and the call sites of fills/copies
 #   tools/gpu_suite.sh check1    one GPU: every op's kernel GPU tests + the one-GPU model tier
+#   tools/gpu_suite.sh fusion1   one GPU: the aux-loss and gradient-accumulation fusions: GPU
+#                                tests, the one-GPU tier, in-process A/B, the CLI run twice
 #   tools/gpu_suite.sh contention 2 GPUs, issue 20: bench_contention with NCCL's kernels per CTA
 #                                budget, the Megatron shapes' seq/ovl/ovl_wgrad with spans per
 #                                budget and comm-stream priority, compute slowdown per node kind
@@ -224,6 +226,25 @@ PYEOF
     STEP_TIMEOUT=300 step gpu_tests python3 -m pytest tests/test_gpu.py tests/test_gpu_sync_free.py \
       -q -m "gpu and not multigpu" -p no:cacheprovider --durations=5
     ;;
+  fusion1)  # one GPU: the host-saving fusions (the Switch aux loss inside the router op, the
+            # gradient-accumulation fusion): their GPU tests, the one-GPU model tier, the
+            # in-process A/B (AB_ROUNDS alternations), and the small preset's CLI run twice
+            # (bf16, --deterministic-mode): the same losses bit for bit
+    STEP_TIMEOUT=150 step fusion_tests python3 -m pytest -q -p no:cacheprovider \
+      tests/kernels/test_router_triton.py tests/test_grad_accumulation.py
+    STEP_TIMEOUT=200 step gpu_tests python3 -m pytest tests/test_gpu.py tests/test_gpu_sync_free.py \
+      -q -m "gpu and not multigpu" -p no:cacheprovider --durations=5
+    STEP_TIMEOUT=150 step fusion_ab python3 tools/bench_host.py --fusion-ab "${AB_ROUNDS:-5}" \
+      --iters 10 --out "$WORK/fusion_ab.json"
+    T1="torchrun --standalone --nproc-per-node=1 -m epoverlap.train --preset small --bf16"
+    mkdir -p "$WORK/runs"
+    for name in small1_30_det_a small1_30_det_b; do
+      STEP_TIMEOUT=60 step "$name" $T1 --train-iters 30 --log-interval 10 --deterministic-mode \
+        --log-json "$WORK/runs/$name.jsonl"
+    done
+    step compare_det python3 -m epoverlap_tools.compare_losses "$WORK/runs/small1_30_det_a.jsonl" \
+      "$WORK/runs/small1_30_det_b.jsonl"
+    ;;
   tests1)  # the one-GPU pytest tier alone
     STEP_TIMEOUT=300 step gpu_tests python3 -m pytest tests/test_gpu.py -q -m gpu --durations=8
     ;;
@@ -325,7 +346,8 @@ esac
 tar czf "$OUTDIR/gpu_$PART.tgz" -C "$WORK" --exclude=./path --exclude=./site . 2>/dev/null
 echo; echo "===== summary ($PART)"; cat "$WORK/versions.txt"; cat "$SUMMARY"
 for table in "$WORK"/bench_kernels.md "$WORK"/bench_train.md; do [ -f "$table" ] && cat "$table"; done
-for log in "$WORK"/bench_overlap*.log "$WORK"/bench_peer.log "$WORK"/bitwise.log; do
-  [ -f "$log" ] && sed -n '/^bench_overlap: /,$p;/^bench_peer: /,$p;/^bitwise check/,$p' "$log"
+for log in "$WORK"/bench_overlap*.log "$WORK"/bench_peer.log "$WORK"/bitwise.log \
+    "$WORK"/fusion_ab.log; do
+  [ -f "$log" ] && sed -n '/^bench_overlap: /,$p;/^bench_peer: /,$p;/^bitwise check/,$p;/^bench_host --fusion-ab/,$p' "$log"
 done
 exit 0
