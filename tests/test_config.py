@@ -291,7 +291,7 @@ def test_cli_flag_list_is_frozen():
         "--data-path", "--split", "--mock-data", "--tokenizer-type", "--tokenizer-model",
         "--vocab-size", "--log-interval", "--log-json", "--profile-steps", "--profile-dir",
         "--use-pytorch-profiler", "--tensorboard-dir", "--deterministic", "--profile-torch",
-        "--check-for-nan-in-loss-and-grad", "--save", "--save-interval", "--load",
+        "--check-for-nan-in-loss-and-grad", "--no-gradient-accumulation-fusion", "--save", "--save-interval", "--load",
         "--cuda-graph-impl", "--cuda-graph-modules", "--cuda-graph-warmup-steps",
         "--cuda-graph-check-inputs",
         "--inference-cuda-graph-scope", "--enable-cuda-graph", "--external-cuda-graph",

@@ -108,6 +108,28 @@ def test_expert_bias_update_moves_toward_balance():
     assert torch.allclose(router.expert_bias, torch.tensor([-rate, rate, 0.0, 0.0]))
 
 
+@pytest.mark.parametrize("extra", [[], ["--moe-router-score-function", "sigmoid"],
+                                   ["--moe-router-pre-softmax"]])
+def test_router_op_aux_loss_equals_the_separate_ops(extra):
+    """The router's aux loss computed inside the router op (`SwitchAuxLoss`) and by the
+    separate autograd ops (`aux_loss_in_op` False): the same logged loss and grads; and with
+    the aux loss off, different grads (the loss's grad really reaches the gate)."""
+    results = []
+    for in_op, coeff in ((True, "0.01"), (False, "0.01"), (True, "0")):
+        model, _ = build(extra + ["--moe-aux-loss-coeff", coeff])
+        for router in model.routers():
+            router.aux_loss_in_op = in_op
+        for mb in data():
+            (model(mb["tokens"], mb["labels"]) / MICROBATCHES).backward()
+        results.append(([float(r.step_aux_loss) for r in model.routers()], grads_of(model)))
+    (fused_aux, fused), (separate_aux, separate), (_, no_aux) = results
+    assert fused_aux == pytest.approx(separate_aux, rel=1e-6) and min(fused_aux) > 0
+    for name in fused:
+        torch.testing.assert_close(fused[name], separate[name], rtol=1e-5, atol=1e-7)
+    gate = next(name for name in fused if "router" in name)
+    assert not torch.allclose(fused[gate], no_aux[gate])
+
+
 def test_wgrad_queue_defers_and_reports_leftovers():
     queue = WeightGradQueue(enabled=True)
     weight = torch.nn.Parameter(torch.randn(3, 4))

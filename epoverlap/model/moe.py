@@ -243,7 +243,8 @@ class Router(nn.Module):
         capacity, if one is set; the aux loss sees the routing before it, as Megatron-core's)."""
         moe = self.moe
         logits_TE = self._logits(x_TH)
-        aux_in_router = moe.moe_aux_loss_coeff > 0 and self._aux_loss_in_router_op()
+        aux_in_router = (moe.moe_aux_loss_coeff > 0 and self.aux_loss_in_op
+                         and self._aux_counts_are_routing_counts())
         probs_TE, routing_map_TE, counts_E = self.ops.router_topk_with_counts(
             logits_TE, moe.moe_router_topk, score_function=moe.moe_router_score_function,
             use_pre_softmax=moe.moe_router_pre_softmax, num_groups=moe.moe_router_num_groups,
@@ -254,8 +255,10 @@ class Router(nn.Module):
         aux = None
         if moe.moe_aux_loss_coeff > 0 and not aux_in_router:
             scores_TE = aux_loss_scores(logits_TE, moe.moe_router_score_function)
-            aux = switch_aux_loss(scores_TE, plain_topk_counts(scores_TE, moe.moe_router_topk),
-                                  moe.moe_router_topk, moe.moe_aux_loss_coeff)
+            aux_counts_E = (counts_E if self._aux_counts_are_routing_counts()
+                            else plain_topk_counts(scores_TE, moe.moe_router_topk))
+            aux = switch_aux_loss(scores_TE, aux_counts_E, moe.moe_router_topk,
+                                  moe.moe_aux_loss_coeff)
         if self.mode.drops_tokens:
             probs_TE, routing_map_TE, counts_E = self._apply_capacity(probs_TE, routing_map_TE)
         if aux is not None:
@@ -264,13 +267,12 @@ class Router(nn.Module):
         self.step_counts += counts_E
         return probs_TE, routing_map_TE, counts_E
 
-    def _aux_loss_in_router_op(self) -> bool:
-        """Whether the router op computes the Switch aux loss (`SwitchAuxLoss`) with its own
-        counts. Megatron-core counts the loss's tokens by a plain top-k of the aux scores;
-        without group-limited routing or an expert bias that is the routing's own top-k
-        (softmax and sigmoid keep the logits' order), so its counts serve."""
-        return (self.aux_loss_in_op and not self.moe.moe_router_num_groups
-                and self.expert_bias is None)
+    def _aux_counts_are_routing_counts(self) -> bool:
+        """Whether the Switch aux loss's tokens per expert are the routing's own counts, so the
+        router op can compute the loss itself (`SwitchAuxLoss`). Megatron-core counts them by a
+        plain top-k of the aux scores; without group-limited routing or an expert bias that is
+        the routing's own top-k (softmax and sigmoid keep the logits' order)."""
+        return not self.moe.moe_router_num_groups and self.expert_bias is None
 
     def _apply_capacity(self, probs_TE, routing_map_TE):
         """Megatron-core's token dropping (and padding); counts the dropped pairs on device."""
