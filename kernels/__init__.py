@@ -4,7 +4,8 @@ the fused elementwise ops of the layers around them (RMSNorm, rotary, SwiGLU).
 Each op has a torch reference and a Triton kernel side by side (`router_topk.py` /
 `router_topk_triton.py`, `permutation.py` / `permutation_triton.py`, `sort_chunks.py` /
 `sort_chunks_triton.py`, `rmsnorm.py`, `rotary.py`, `swiglu.py` and their `*_triton.py`;
-`triton_ops.py` gathers the Triton ones; `launch_cache.py` is the host fast path of every
+`triton_ops.py` gathers the Triton ones; `triton_reduce.py` holds device-side helpers they
+share; `launch_cache.py` is the host fast path of every
 Triton launch (the compiled kernel reused per launch key); `megatron_api.py` gives the routing ops
 Megatron-core's call signatures over either backend). The implementation is chosen
 once, by building an `MoEOps` table from the config's kernel backend;

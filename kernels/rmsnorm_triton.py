@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .launch_cache import launch_cached
+from .triton_reduce import sum_partial_rows
 from .triton_utils import cdiv, next_pow2
 
 MAX_HIDDEN = 32768      # a row (and its fp32 temporaries) must fit in one program's registers
@@ -137,14 +138,8 @@ def _rms_norm_dw_kernel(
     BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    acc = tl.zeros((BLOCK_P, BLOCK_H), dtype=tl.float32)
-    p0 = 0
-    while p0 < P:  # elementwise accumulation of BLOCK_P-row tiles, then one fixed tree sum
-        p = p0 + tl.arange(0, BLOCK_P)
-        mask = (p < P)[:, None] & (h < H)[None, :]
-        acc += tl.load(dw_part_ptr + p[:, None] * H + h[None, :], mask=mask, other=0.0)
-        p0 += BLOCK_P
-    tl.store(dw_ptr + h, tl.sum(acc, axis=0).to(dw_ptr.dtype.element_ty), mask=h < H)
+    dw = sum_partial_rows(dw_part_ptr, P, H, h, BLOCK_P)
+    tl.store(dw_ptr + h, dw.to(dw_ptr.dtype.element_ty), mask=h < H)
 
 
 def _unit_rows(t_TH: torch.Tensor) -> torch.Tensor:

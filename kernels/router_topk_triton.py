@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .launch_cache import launch_cached
+from .triton_reduce import sum_partial_rows
 from .router_topk import SwitchAuxLoss, check_aux_loss_routing, check_router_args
 from .triton_utils import cdiv, next_pow2, router_tile
 
@@ -162,15 +163,8 @@ def _router_aux_loss_kernel(
     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     e = tl.arange(0, BLOCK_E)
-    acc = tl.zeros((BLOCK_P, BLOCK_E), dtype=tl.float32)
-    p0 = 0
-    while p0 < P:  # elementwise accumulation of BLOCK_P-row tiles, then one fixed tree sum
-        p = p0 + tl.arange(0, BLOCK_P)
-        mask = (p < P)[:, None] & (e < E)[None, :]
-        acc += tl.load(aux_part_ptr + p[:, None] * E + e[None, :], mask=mask, other=0.0)
-        p0 += BLOCK_P
     n = tl.load(counts_ptr + e, mask=e < E, other=0).to(tl.float32)
-    loss = tl.sum(tl.sum(acc, axis=0) * n) * loss_scale
+    loss = tl.sum(sum_partial_rows(aux_part_ptr, P, E, e, BLOCK_P) * n) * loss_scale
     tl.store(loss_sum_ptr, tl.load(loss_sum_ptr) + loss)
 
 
