@@ -26,6 +26,8 @@
 #   tools/gpu_suite.sh check1    one GPU: every op's kernel GPU tests + the one-GPU model tier
 #   tools/gpu_suite.sh fusion1   one GPU: the aux-loss and gradient-accumulation fusions: GPU
 #                                tests, the one-GPU tier, in-process A/B, the CLI run twice
+#   tools/gpu_suite.sh accum1    one GPU: the gradient-accumulation fusion's step time at a
+#                                GPU-bound shape, with/without, alternated; kernel tests first
 #   tools/gpu_suite.sh contention 2 GPUs, issue 20: bench_contention with NCCL's kernels per CTA
 #                                budget, the Megatron shapes' seq/ovl/ovl_wgrad with spans per
 #                                budget and comm-stream priority, compute slowdown per node kind
@@ -245,6 +247,38 @@ PYEOF
     step compare_det python3 -m epoverlap_tools.compare_losses "$WORK/runs/small1_30_det_a.jsonl" \
       "$WORK/runs/small1_30_det_b.jsonl"
     ;;
+  accum1)  # one GPU: the gradient-accumulation fusion's GPU time at a GPU-bound shape (hidden
+           # 4096, seq 4096; graphs on, as the main job runs): the CLI with and without
+           # --no-gradient-accumulation-fusion, alternated AB_ROUNDS times, median step time of
+           # steps 6-16; first the kernel tests of the kernels a change touched (KTESTS)
+    STEP_TIMEOUT=200 step kernel_tests python3 -m pytest -q -p no:cacheprovider \
+      ${KTESTS:-tests/kernels/test_router_triton.py tests/kernels/test_fused_elementwise.py}
+    T1="torchrun --standalone --nproc-per-node=1 -m epoverlap.train --bf16 --mock-data"
+    BIG="--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8
+      --seq-length 4096 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 2048
+      --moe-shared-expert-intermediate-size 4096 --micro-batch-size 1 --num-microbatches 4
+      --moe-aux-loss-coeff 0.01 --train-iters 16 --log-interval 8"
+    mkdir -p "$WORK/runs"
+    for round in $(seq "${AB_ROUNDS:-2}"); do
+      for side in fused:"" unfused:"--no-gradient-accumulation-fusion"; do
+        name=${side%%:*}_$round
+        STEP_TIMEOUT=120 step "accum_$name" $T1 $BIG ${side#*:} --log-json "$WORK/runs/accum_$name.jsonl"
+      done
+    done
+    python3 - "$WORK/runs" <<'PYEOF' | tee "$WORK/accum_table.md"
+import glob, json, statistics, sys
+rows = {}
+for path in sorted(glob.glob(f"{sys.argv[1]}/accum_*.jsonl")):
+    side = path.rsplit("/", 1)[1].split("_")[1]
+    steps = [json.loads(line) for line in open(path)]
+    rows.setdefault(side, []).append(statistics.median(s["step_time_s"] * 1e3 for s in steps[5:]))
+print("| side | median step ms per run | median |\n| --- | --- | --- |")
+for side, runs in rows.items():
+    print(f"| {side} | {[round(r, 2) for r in runs]} | {statistics.median(runs):.2f} |")
+if len(rows) == 2:
+    print(f"fused / unfused: {statistics.median(rows['fused']) / statistics.median(rows['unfused']):.3f}x")
+PYEOF
+    ;;
   tests1)  # the one-GPU pytest tier alone
     STEP_TIMEOUT=300 step gpu_tests python3 -m pytest tests/test_gpu.py -q -m gpu --durations=8
     ;;
@@ -345,7 +379,7 @@ esac
 
 tar czf "$OUTDIR/gpu_$PART.tgz" -C "$WORK" --exclude=./path --exclude=./site . 2>/dev/null
 echo; echo "===== summary ($PART)"; cat "$WORK/versions.txt"; cat "$SUMMARY"
-for table in "$WORK"/bench_kernels.md "$WORK"/bench_train.md; do [ -f "$table" ] && cat "$table"; done
+for table in "$WORK"/bench_kernels.md "$WORK"/bench_train.md "$WORK"/accum_table.md; do [ -f "$table" ] && cat "$table"; done
 for log in "$WORK"/bench_overlap*.log "$WORK"/bench_peer.log "$WORK"/bitwise.log \
     "$WORK"/fusion_ab.log; do
   [ -f "$log" ] && sed -n '/^bench_overlap: /,$p;/^bench_peer: /,$p;/^bitwise check/,$p;/^bench_host --fusion-ab/,$p' "$log"
