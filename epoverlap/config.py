@@ -483,8 +483,8 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--check-for-nan-in-loss-and-grad", "train", "check_for_nan_in_loss_and_grad", bool,
      "stop at a NaN/Inf loss or grad (before the optimizer step), naming rank and parameter"),
     ("--no-gradient-accumulation-fusion", "train", "no_gradient_accumulation_fusion", bool,
-     "dense weight-grad GEMMs write a product that is then added to the fp32 main_grad, instead "
-     "of adding into main_grad inside the GEMM (fp32 training, or bf16/fp16 on CUDA)"),
+     "fp32 training: dense weight-grad GEMMs write a product that is then added to main_grad, "
+     "instead of adding into main_grad inside the GEMM (bf16/fp16 always take the two ops)"),
     ("--overlap-moe-expert-parallel-comm", "overlap", "overlap_moe_expert_parallel_comm", bool,
      "combined 1F1B schedule hiding EP all-to-all"),
     ("--delay-wgrad-compute", "overlap", "delay_wgrad_compute", bool,

@@ -35,32 +35,18 @@ def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-# aten::addmm's dtype overload: a bf16/fp16 GEMM that adds into an fp32 tensor (CUDA only)
-_ADDMM_TO_FP32 = torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", "CUDA")
-
-
-def _fuses_accumulation(main_grad: torch.Tensor, x_NI: torch.Tensor) -> bool:
-    """Whether main_grad += grad^T @ x can be one GEMM: same dtype (fp32 training), or a
-    half-precision x on CUDA with the GEMM's fp32 output added straight into main_grad."""
-    if x_NI.dtype == main_grad.dtype:
-        return True
-    return (_ADDMM_TO_FP32 and x_NI.is_cuda and main_grad.dtype == torch.float32
-            and x_NI.dtype in (torch.bfloat16, torch.float16))
-
-
 def accumulate_weight_grad_gemm(param: torch.Tensor, grad_NO: torch.Tensor,
                                 x_NI: torch.Tensor) -> None:
     """param's grad += grad^T @ x. With `param.fuse_grad_accumulation` (set by the grad
-    buffers unless --no-gradient-accumulation-fusion) the GEMM accumulates into the fp32
-    `main_grad` itself (beta = 1, Megatron-core's gradient-accumulation fusion): one kernel
-    instead of a GEMM and an add, and the product is never rounded to bf16 on the way."""
+    buffers unless --no-gradient-accumulation-fusion) and x in main_grad's dtype (fp32
+    training), the GEMM accumulates into `main_grad` itself (beta = 1, Megatron-core's
+    gradient-accumulation fusion): one kernel instead of a GEMM and an add. bf16/fp16 keep the
+    GEMM and the add: torch's fp32-output GEMM (`addmm` with `out_dtype`) made the step 1.1x
+    slower at hidden 4096 on an H100 (benchmarks/cuda_graphs.md, run 6)."""
     main_grad = getattr(param, "main_grad", None)
     if (main_grad is not None and getattr(param, "fuse_grad_accumulation", False)
-            and _fuses_accumulation(main_grad, x_NI)):
-        if x_NI.dtype == main_grad.dtype:
-            main_grad.addmm_(grad_NO.t(), x_NI)
-        else:
-            torch.addmm(main_grad, grad_NO.t(), x_NI, out_dtype=main_grad.dtype, out=main_grad)
+            and x_NI.dtype == main_grad.dtype):
+        main_grad.addmm_(grad_NO.t(), x_NI)
         return
     accumulate_weight_grad(param, grad_NO.t() @ x_NI)
 
