@@ -314,14 +314,14 @@ class _RouterTopkTriton(torch.autograd.Function):
                 PER_GROUP=num_experts // max(num_groups, 1),
                 BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_G=next_pow2(num_groups),
                 GROUPS_3D=_groups_3d(num_experts, num_groups, block_e), num_warps=num_warps)
-            if aux is not None:
-                _router_aux_loss_kernel[(1,)](
-                    aux_part_PE, counts_E, aux.loss_sum, programs, num_experts,
-                    _aux_loss_scale(aux.coeff, num_experts, topk, num_tokens),
-                    BLOCK_P=max(1, min(32, 4096 // block_e)), BLOCK_E=block_e, num_warps=4)
+        loss_scale = (_aux_loss_scale(aux.coeff, num_experts, topk, num_tokens)
+                      if aux is not None and num_tokens else 0.0)
+        if num_tokens and aux is not None:
+            _router_aux_loss_kernel[(1,)](
+                aux_part_PE, counts_E, aux.loss_sum, programs, num_experts, loss_scale,
+                BLOCK_P=max(1, min(32, 4096 // block_e)), BLOCK_E=block_e, num_warps=4)
         ctx.save_for_backward(logits_TE, routing_map_TE, counts_E if aux is not None else None)
-        aux_grad = (aux.grad_scale * _aux_loss_scale(aux.coeff, num_experts, topk, num_tokens)
-                    if aux is not None and num_tokens else 0.0)
+        aux_grad = aux.grad_scale * loss_scale if aux is not None else 0.0
         ctx.settings = (topk, score, scale, aux_grad, aux is not None)
         ctx.mark_non_differentiable(routing_map_TE)
         if with_counts:

@@ -27,8 +27,10 @@ kernel launches per step, so host time per launch = host CPU per step / launches
 
 --fusion-ab ROUNDS runs only an in-process A/B of the eager step without and with the
 host-saving fusions (the Switch aux loss inside the router op; the weight-grad GEMMs adding
-into main_grad), the two trainers' timed steps alternated ROUNDS times: step and per-node
-medians over the rounds, and each side's loss.
+into main_grad, which only fp32 training takes, so this bf16 shape does not), the two
+trainers' timed steps alternated ROUNDS times, the unfused side first in each round (which
+favoured it by about 5% on untouched nodes in benchmarks/cuda_graphs.md run 6): step and
+per-node medians over the rounds, and each side's loss.
 """
 
 from __future__ import annotations
@@ -99,18 +101,9 @@ def measure(groups, argv, iters: int, warmup: int, per_node: int = 0,
         if bank is not None:
             bank.recording = False
             bank.capture(trainer.plan)
-        cpu, wall = [], []
-        for _ in range(iters):
-            torch.cuda.synchronize()
-            c0, w0 = time.process_time(), time.perf_counter()
-            trainer.run_microbatches(1, inputs)
-            c1 = time.process_time()  # before the sync: the host's issuing cost
-            torch.cuda.synchronize()
-            cpu.append(c1 - c0)
-            wall.append(time.perf_counter() - w0)
+        cpu_ms, wall_ms = timed_steps(trainer, inputs, iters)
         cells = trainer.cfg.model.num_layers * trainer.cfg.train.num_microbatches
-        row = {"cpu_ms": statistics.median(cpu) * 1e3, "wall_ms": statistics.median(wall) * 1e3,
-               "cpu_ms_per_layer_mb": statistics.median(cpu) * 1e3 / cells,
+        row = {"cpu_ms": cpu_ms, "wall_ms": wall_ms, "cpu_ms_per_layer_mb": cpu_ms / cells,
                "graphs": bank.graph_count() if bank is not None else 0}
         if trainer.graphs is None and per_node:
             row["nodes"] = per_node_host_ms(trainer, inputs, iters)
@@ -124,6 +117,21 @@ def measure(groups, argv, iters: int, warmup: int, per_node: int = 0,
     finally:
         set_launch_cache(True)
         trainer.close()
+
+
+def timed_steps(trainer: Trainer, inputs, iters: int) -> tuple[float, float]:
+    """Median host CPU ms (the whole process, read before the closing sync: the host's issuing
+    cost) and wall ms of `iters` forward-backward passes of all microbatches."""
+    cpu, wall = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        c0, w0 = time.process_time(), time.perf_counter()
+        trainer.run_microbatches(1, inputs)
+        c1 = time.process_time()
+        torch.cuda.synchronize()
+        cpu.append(c1 - c0)
+        wall.append(time.perf_counter() - w0)
+    return statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3
 
 
 def _last_loss(trainer: Trainer, inputs) -> float:
@@ -264,17 +272,9 @@ def fusion_ab(groups, argv, rounds: int, iters: int, warmup: int) -> dict:
         results = {side: {"cpu_ms": [], "wall_ms": [], "nodes": []} for side in sides}
         for round_index in range(rounds):
             for side, trainer in sides.items():
-                cpu, wall = [], []
-                for _ in range(iters):
-                    torch.cuda.synchronize()
-                    c0, w0 = time.process_time(), time.perf_counter()
-                    trainer.run_microbatches(1, inputs[side])
-                    c1 = time.process_time()
-                    torch.cuda.synchronize()
-                    cpu.append(c1 - c0)
-                    wall.append(time.perf_counter() - w0)
-                results[side]["cpu_ms"].append(statistics.median(cpu) * 1e3)
-                results[side]["wall_ms"].append(statistics.median(wall) * 1e3)
+                cpu_ms, wall_ms = timed_steps(trainer, inputs[side], iters)
+                results[side]["cpu_ms"].append(cpu_ms)
+                results[side]["wall_ms"].append(wall_ms)
                 results[side]["nodes"].append(per_node_host_ms(trainer, inputs[side], iters))
             print(f"fusion A/B round {round_index + 1}/{rounds}: " + ", ".join(
                 f"{side} {results[side]['cpu_ms'][-1]:.2f} ms" for side in sides), flush=True)
