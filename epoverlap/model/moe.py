@@ -48,6 +48,7 @@ from epoverlap_kernels.router_topk import (SwitchAuxLoss, attach_aux_loss, aux_l
                                           switch_aux_loss)
 
 from epoverlap.parallel.comm import ExpertComm, all_to_all
+from epoverlap.parallel.watch import host_list
 from epoverlap.config import MoEConfig
 from epoverlap.model.linear import expert_offsets, grouped_gemm, linear
 
@@ -474,7 +475,7 @@ class AllToAllDispatcher:
         """Exchange split sizes and read them on the host (the one host sync), then send."""
         recv_RL = self.comm.exchange_counts(counts_E)
         send_R = counts_E.view(self.comm.size, self.num_local).sum(dim=1)
-        host = torch.cat([send_R, recv_RL.sum(dim=1), recv_RL.sum(dim=0)]).tolist()
+        host = host_list(torch.cat([send_R, recv_RL.sum(dim=1), recv_RL.sum(dim=0)]))
         ranks = self.comm.size
         meta = DispatchMeta(input_splits=host[:ranks], output_splits=host[ranks:2 * ranks],
                             recv_counts_RL=recv_RL, tokens_per_local_expert=host[2 * ranks:])

@@ -57,6 +57,29 @@ _TRANSPORT_ERROR = re.compile(r"timed out|timeout|connection (closed|reset|refus
                               r"pair closure|broken pipe|nccl|socket|aborted", re.IGNORECASE)
 
 
+def host_list(values: torch.Tensor):
+    """`values.tolist()`, read from a CUDA tensor through pinned memory: a non-blocking copy
+    and a wait on an event recorded after it (the wait releases the GIL and holds no CUDA lock).
+
+    A plain `.tolist()` of a CUDA tensor is a synchronous copy to pageable memory. Behind a
+    collective that never ends (a dead peer) it blocks inside the driver in a way that also
+    blocked the monitor thread's `Event.query()`, which holds the GIL meanwhile: on 2 H200s
+    (a SIGKILLed peer, the survivor's stacks dumped with SIGUSR1) the monitor then could
+    neither answer the launcher's SIGTERM nor report at the timeout, and the rank died by
+    SIGKILL without naming the peer; through here it names it (tests/test_liveness.py, NCCL).
+    A long sleep kernel on one GPU does not reproduce the block (queries stayed at 0.1 ms
+    beside a plain `.tolist()`), so the NCCL test is the proof. Every host read of the
+    training loop goes through here."""
+    if values.device.type != "cuda":
+        return values.tolist()
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    copied.synchronize()
+    return host.tolist()
+
+
 def ranks_text(ranks: Sequence[int]) -> str:
     """[0, 1, 2, 3, 6] -> '0-3,6'; [0, 1] -> '0,1'."""
     runs: list[list[int]] = []

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from epoverlap.parallel.groups import ParallelGroups
+from epoverlap.parallel.watch import host_list
 
 
 def _fold_into_main_grad(param: torch.Tensor) -> None:
@@ -96,7 +97,7 @@ class GradBuffers:
         whole_sq = dense_sq + expert_sq  # every slot is one of the two, the other is 0
         if g.pp_size > 1:
             g.pp.all_reduce(whole_sq)  # one stage per slot, the others 0
-        return math.sqrt(float(whole_sq.double().sum()))
+        return math.sqrt(host_list(whole_sq.double().sum()))
 
     def clip(self, max_norm: float) -> float:
         """Scale grads so the global norm is at most max_norm (0 disables). Returns the norm."""

@@ -14,10 +14,13 @@ on every exit path.
   3    a peer rank died or stalled: one line naming the step, the process group and the
        silent rank(s), no traceback;
   143  stopped by SIGTERM with no silent peer.
+`kill -USR1 <pid>` makes a rank print every thread's Python stack to stderr and go on (for a
+hang: where the main thread and the liveness monitor are).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -152,6 +155,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                               ep_budget=ep_cta_budget(cfg))
     if groups.world_size > 1:
         route_sigterm(groups.watch)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     trainer = None
     try:
         trainer = Trainer(cfg, groups, log=_printer(groups.is_first()), data=data,

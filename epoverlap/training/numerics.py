@@ -16,6 +16,7 @@ from torch import nn
 
 from epoverlap.errors import NonFiniteError
 from epoverlap.parallel.groups import ParallelGroups
+from epoverlap.parallel.watch import host_list
 from epoverlap.training.grads import GradBuffers
 
 
@@ -27,7 +28,7 @@ def _local_problem(losses: Sequence[Optional[torch.Tensor]], model: nn.Module,
     flats = [f for f in (grads.dense_flat, grads.expert_flat) if f.numel()]
     checks = [torch.isfinite(loss.float()).reshape(1) for _, loss in own] + \
         [torch.isfinite(flat).all().reshape(1) for flat in flats]
-    finite = torch.cat(checks).tolist() if checks else []
+    finite = host_list(torch.cat(checks)) if checks else []
     if all(finite):  # the one host sync of a clean step
         return None
     bad_losses = [mb for (mb, _), ok in zip(own, finite) if not ok]
@@ -46,7 +47,7 @@ def check_finite(step: int, losses: Sequence[torch.Tensor], model: nn.Module,
     if groups.world_size > 1:
         flag = torch.tensor([0.0 if problem is None else 1.0], device=groups.device)
         groups.world.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() == 0:
+        if host_list(flag)[0] == 0:
             return
         problems = [None] * groups.world_size
         groups.world.all_gather_object(problems, problem)

@@ -57,6 +57,7 @@ from epoverlap.model.transformer import (MoEModel, count_parameters, model_dtype
                                          training_flops_per_token)
 from epoverlap.parallel.comm import ExpertComm, PipelineComm
 from epoverlap.parallel.groups import ParallelGroups
+from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.overlap import step_metrics
 from epoverlap.profiling.recorder import SpanRecorder
 from epoverlap.schedule.executor import Executor, make_lanes
@@ -470,12 +471,13 @@ class Trainer:
             router.update_expert_bias(counts[router.layer])
         moe_layers = [layer for layer, is_moe in enumerate(self.cfg.moe_layer_pattern())
                       if is_moe]
-        imbalance = 1.0
+        imbalance = torch.ones((), device=self.device)
         if moe_layers:
             moe_counts = counts[moe_layers].float()
             per_layer = moe_counts.amax(dim=1) / moe_counts.mean(dim=1).clamp(min=1e-9)
-            imbalance = float(per_layer.max())
-        return float(stats[0]) * scale, float(stats[1:].sum()) * scale, imbalance
+            imbalance = per_layer.max()
+        loss, aux, imbalance = host_list(torch.stack([stats[0], stats[1:].sum(), imbalance]))
+        return loss * scale, aux * scale, imbalance
 
     def _sum_over_stages(self, slots: torch.Tensor) -> None:
         """In place: sum over the stage's DP group, then over the pipeline (where every slot
@@ -582,7 +584,7 @@ class Trainer:
         counts[1, rank] = self.compile_watch.late_compiles
         if world > 1:
             self.groups.world.all_reduce(counts)
-        totals, late = counts[0].tolist(), int(counts[1].sum())
+        totals, late = host_list(counts[0]), int(sum(host_list(counts[1])))
         if self.compile_watch.total() is None and not any(totals):
             return
         self.log(f"Triton kernel variants compiled per rank: {totals}; after the "
@@ -606,7 +608,7 @@ class Trainer:
                                dtype=torch.float64, device=self.device)
         if self.groups.world_size > 1:
             self.groups.world.all_reduce(figures, op=dist.ReduceOp.MAX)
-        peak, exposed = figures.tolist()
+        peak, exposed = host_list(figures)
         summary = RunSummary(
             steps=len(results), seconds=sum(r.step_time_s for r in results),
             tokens=sum(r.tokens for r in results), first_loss=results[0].loss,
