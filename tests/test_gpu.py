@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -239,6 +240,9 @@ def test_simulator_replays_a_recorded_overlapped_run(tmp_path):
          "-m", "epoverlap.train", *flags], capture_output=True, text=True, timeout=600,
         env=_env(), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
+    keep = os.environ.get("EPOVERLAP_GPU_LOGS")
+    if keep:  # the device suite keeps the recording, to replay it again on a CPU
+        shutil.copytree(spans, Path(keep) / "simulator_spans", dirs_exist_ok=True)
     scenario = sim.build_scenario(sim.parse_args(
         ["--spans", str(spans), "--shape", "ratio_h2048_k8_f128", "--link", "measured",
          "--host-from", str(spans)]))

@@ -504,6 +504,12 @@ def input_error(args, world: int) -> Optional[str]:
     return None
 
 
+def write_results(out_dir: str, world: int, results: list) -> None:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    Path(out_dir, "bench_overlap.json").write_text(json.dumps(
+        {"world": world, "results": results}, indent=2, default=str))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -526,12 +532,11 @@ def main(argv=None) -> int:
                 result = bench_shape(name, budget_groups, args, log, budget)
                 result["derived"] = derived(result)
                 all_results.append(result)
+                if groups.rank == 0:  # after every shape: a run cut short keeps what it did
+                    write_results(args.out_dir, world, all_results)
     finally:
         destroy_distributed(groups)
     if groups.rank == 0:
-        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-        Path(args.out_dir, "bench_overlap.json").write_text(json.dumps(
-            {"world": world, "results": all_results}, indent=2, default=str))
         p2p = os.environ.get("NCCL_P2P_DISABLE", "0")
         print(f"\nbench_overlap: {world} rank(s), "
               f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "

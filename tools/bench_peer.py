@@ -512,19 +512,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         if "megatron" in args.systems:
             init_megatron(world)
-        results = [bench_shape(name, args.systems, groups, args, log) for name in args.shapes]
+        for name in args.shapes:
+            results.append(bench_shape(name, args.systems, groups, args, log))
+            if groups.rank == 0:  # after every shape: a run cut short keeps what it did
+                write_report(full_report(args, world, results), args.out_dir)
     finally:
         if "megatron" in args.systems:
             destroy_megatron()
         destroy_distributed(groups)
     if groups.rank == 0:
-        report = {"world": world, "systems": args.systems, "warmup": args.warmup,
-                  "steps": args.warmup + args.iters, "device": device_name(),
-                  "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", "0"),
-                  "caveats": list(CAVEATS), "results": results}
-        write_report(report, args.out_dir)
+        report = full_report(args, world, results)
         print("\n" + "\n".join(header(report)) + "\n\n" + markdown(results))
     return 0
+
+
+def full_report(args, world: int, results: list) -> dict:
+    return {"world": world, "systems": args.systems, "warmup": args.warmup,
+            "steps": args.warmup + args.iters, "device": device_name(),
+            "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", "0"),
+            "caveats": list(CAVEATS), "results": results}
 
 
 def device_name() -> str:

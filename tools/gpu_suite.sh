@@ -35,6 +35,14 @@
 #   tools/gpu_suite.sh runs      200-step main-job and small-preset runs (stalls, imbalance, the
 #                                price of --deterministic) + overlap benchmark with graphs,
 #                                NVLink and NCCL_P2P_DISABLE=1
+#   tools/gpu_suite.sh x2tests   2 GPUs: the multigpu CLI tests (bitwise under --deterministic-mode),
+#                                resume and a killed rank
+#   tools/gpu_suite.sh x2bench   2 GPUs: every overlap mode eager and graphed with T_comp/T_comm,
+#                                NVLink (spans of the Megatron shapes) and NCCL_P2P_DISABLE=1
+#   tools/gpu_suite.sh x2more    2 GPUs: Megatron-core beside us, the sync-free CLI test, 200-step
+#                                runs with/without --deterministic-mode, the PP=2 test
+#   tools/gpu_suite.sh x2last    2 GPUs: NCCL CTA budgets vs compute slowdown, router balance per
+#                                setting (1 GPU each), the simulator test with its spans kept
 #   tools/gpu_suite.sh peer      Megatron-core beside us (tools/bench_peer.py) on NGPUS GPUs and
 #                                its GPU tests; needs megatron-core importable (the peer extra)
 # Everything is written under ${OUT:-runs/gpu} (logs, JSON, span files, one tarball) and the
@@ -45,6 +53,7 @@ export PYTHONUNBUFFERED=1
 PART=${1:-smoke}
 OUTDIR=${OUT:-runs/gpu}
 WORK=/tmp/epoverlap-gpu
+rm -rf "$WORK"  # a warm machine keeps the last call's files, which came back already
 mkdir -p "$OUTDIR" "$WORK"
 NGPUS=${NGPUS:-2}
 ALL_GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -63,11 +72,19 @@ EOF
 
 TWO_GPUS=$(python3 -c "print(','.join(str(i) for i in range(min($ALL_GPUS, $NGPUS))))")
 
+# DEADLINE (s since the suite started, 0 = none): steps that would start past it are skipped
+# and each step's limit is cut to what is left, so one device call ends inside its own limit.
+DEADLINE=${DEADLINE:-0}
 step() {  # step NAME CMD... : run (bounded by STEP_TIMEOUT s), log, record the exit code
   local name=$1; shift
-  local start=$SECONDS
+  local start=$SECONDS limit=${STEP_TIMEOUT:-580}
+  if [ "$DEADLINE" -gt 0 ]; then
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt 20 ]; then echo "$name: skipped (deadline)" | tee -a "$SUMMARY"; return; fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "=== $name: $*"
-  timeout "${STEP_TIMEOUT:-580}" "$@" > "$WORK/$name.log" 2>&1
+  timeout "$limit" "$@" > "$WORK/$name.log" 2>&1
   local rc=$?
   tail -n 25 "$WORK/$name.log"
   echo "$name: rc=$rc ($((SECONDS - start)) s)" | tee -a "$SUMMARY"
@@ -373,6 +390,79 @@ PYEOF
     CUDA_VISIBLE_DEVICES=$TWO_GPUS step bench_peer torchrun --standalone \
       --nproc-per-node="$NGPUS" tools/bench_peer.py --out-dir "$WORK/bench_peer" \
       --shapes "${SHAPES:-megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4}"
+    ;;
+  x2tests)  # 2 GPUs: the multigpu tests of the CLI path (the bitwise comparisons under
+             # --deterministic-mode over EPOVERLAP_GPU_STEPS steps, overlap over NCCL, the
+             # simulator's replay), then resume on two GPUs and a SIGKILLed rank
+    export EPOVERLAP_GPU_LOGS="$WORK/cli_logs" EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-50}
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=420 step gpu_multigpu python3 -m pytest \
+      tests/test_gpu.py -q -m multigpu -p no:cacheprovider --durations=10
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=240 step resume_and_kill python3 -m pytest \
+      tests/test_checkpoint_gpu.py tests/test_liveness.py -q -m multigpu -p no:cacheprovider \
+      --durations=5
+    ;;
+  x2bench)  # 2 GPUs, issues 13/14/20: seq, ovl, ovl_wgrad and the compute-only run, eager and
+            # graphed, T_comm replayed, at the ratio and Megatron shapes with spans of two
+            # Megatron shapes (compute slowdown under the overlap); then NCCL_P2P_DISABLE=1
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=330 step bench_overlap torchrun --standalone \
+      --nproc-per-node="$NGPUS" tools/bench_overlap.py --graphs --iters "${ITERS:-4}" \
+      --shapes "${SHAPES:-ratio_h2048_k8_f128,ratio_h2048_k8_f256,megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4}" \
+      --profile-shapes "${PROFILE:-megatron_e32_k4_mbs2x8,megatron_e8_k8_f4096_mbs8x4}" \
+      --profile-steps 2 --out-dir "$WORK/bench_overlap"
+    NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=300 step bench_overlap_nop2p \
+      torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py --graphs \
+      --iters "${P2P_ITERS:-3}" --warmup 1 \
+      --shapes "${P2P_SHAPES:-ratio_h2048_k8_f128,ratio_h2048_k4_f4096,megatron_e32_k4_mbs2x8}" \
+      --out-dir "$WORK/bench_overlap_nop2p"
+    ;;
+  x2more)  # 2 GPUs: Megatron-core beside us (needs the .whl carry), the sync-free CLI test,
+           # 200-step small-preset runs with and without --deterministic-mode (the price, the
+           # router's balance, no stalls), the pipeline's two-GPU test
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=240 step bench_peer torchrun --standalone \
+      --nproc-per-node="$NGPUS" tools/bench_peer.py --out-dir "$WORK/bench_peer" --warmup 2 \
+      --iters 4 --shapes "${SHAPES:-megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4}"
+    T="torchrun --standalone --nproc-per-node=$NGPUS -m epoverlap.train"
+    G="--cuda-graph-impl local --cuda-graph-modules attn moe_router moe_preprocess"
+    SMALL="--preset small --bf16 --expert-model-parallel-size $NGPUS --train-iters 200 --log-interval 50"
+    O="--overlap-moe-expert-parallel-comm --delay-wgrad-compute"
+    mkdir -p "$WORK/runs"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=100 step small_200 $T $SMALL $O $G \
+      --log-json "$WORK/runs/small_200.jsonl"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=100 step small_200_det $T $SMALL $O $G \
+      --deterministic-mode --log-json "$WORK/runs/small_200_det.jsonl"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=200 step sync_free_multigpu python3 -m pytest \
+      tests/test_gpu_sync_free.py -q -m multigpu -p no:cacheprovider --durations=5
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=120 step pipeline_pp2 python3 -m pytest \
+      tests/test_pipeline_gpu.py -q -k pp2_over_nccl -p no:cacheprovider
+    ;;
+  x2last)  # 2 GPUs: the NCCL CTA budget against the compute slowdown under the overlap at two
+           # Megatron shapes (issue 20), the router's balance at 200 steps per candidate setting (one GPU each, side by side),
+           # the simulator's replay test with its recording kept
+    MEG2="megatron_e32_k4_mbs2x8"; MEG8="megatron_e8_k8_f4096_mbs8x4"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=120 step ctas_e32 torchrun --standalone \
+      --nproc-per-node="$NGPUS" tools/bench_overlap.py --graphs --shapes $MEG2 --profile-shapes \
+      $MEG2 --profile-steps 2 --iters 3 --max-ctas default,8,2 --out-dir "$WORK/ctas_e32"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=120 step ctas_e8 torchrun --standalone \
+      --nproc-per-node="$NGPUS" tools/bench_overlap.py --shapes $MEG8 --profile-shapes $MEG8 \
+      --profile-steps 2 --iters 3 --max-ctas default,8,2 --out-dir "$WORK/ctas_e8"
+    T1="torchrun --standalone --nproc-per-node=1 -m epoverlap.train --preset small --bf16 \
+      --deterministic-mode --train-iters 200 --log-interval 50"
+    mkdir -p "$WORK/runs"
+    for pair in "aux1e-1:--moe-aux-loss-coeff 1e-1|sig_bias_aux5e-2:--moe-router-score-function sigmoid --moe-router-enable-expert-bias" \
+                "default_seed3:--seed 3|aux1e-1_seed3:--moe-aux-loss-coeff 1e-1 --seed 3"; do
+      gpu=0
+      IFS='|' read -ra runs <<< "$pair"
+      for run in "${runs[@]}"; do
+        name=${run%%:*}; extra=${run#*:}
+        CUDA_VISIBLE_DEVICES=$gpu STEP_TIMEOUT=90 step "imb_$name" $T1 $extra \
+          --log-json "$WORK/runs/imb_$name.jsonl" &
+        gpu=$((gpu + 1))
+      done
+      wait
+    done
+    export EPOVERLAP_GPU_LOGS="$WORK/cli_logs"
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=90 step simulator_test python3 -m pytest \
+      tests/test_gpu.py -q -k simulator -p no:cacheprovider
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
