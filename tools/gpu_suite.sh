@@ -90,6 +90,18 @@ step() {  # step NAME CMD... : run (bounded by STEP_TIMEOUT s), log, record the 
   echo "$name: rc=$rc ($((SECONDS - start)) s)" | tee -a "$SUMMARY"
 }
 
+small_200_pair() {  # the small preset on NGPUS GPUs, overlap + delayed wgrad + partial graphs,
+                    # 200 steps, without and with --deterministic-mode (stalls, balance, price)
+  local run="torchrun --standalone --nproc-per-node=$NGPUS -m epoverlap.train --preset small \
+    --bf16 --expert-model-parallel-size $NGPUS --train-iters 200 --log-interval 50 \
+    --overlap-moe-expert-parallel-comm --delay-wgrad-compute --cuda-graph-impl local \
+    --cuda-graph-modules attn moe_router moe_preprocess"
+  mkdir -p "$WORK/runs"
+  CUDA_VISIBLE_DEVICES=$TWO_GPUS step small_200 $run --log-json "$WORK/runs/small_200.jsonl"
+  CUDA_VISIBLE_DEVICES=$TWO_GPUS step small_200_det $run --deterministic-mode \
+    --log-json "$WORK/runs/small_200_det.jsonl"
+}
+
 pip install -q --no-deps --no-build-isolation -e . > "$WORK/install.log" 2>&1 || cat "$WORK/install.log"
 # The import names epoverlap_kernels / epoverlap_tools map to kernels/ and tools/; make them
 # importable even where the editable install's path hook is not picked up.
@@ -345,17 +357,10 @@ PYEOF
       "$WORK/runs/small1_50_det_b.jsonl"
     ;;
   runs)
-    T="torchrun --standalone --nproc-per-node=$NGPUS -m epoverlap.train"
-    G="--cuda-graph-impl local --cuda-graph-modules attn moe_router moe_preprocess"
-    SMALL="--preset small --bf16 --expert-model-parallel-size $NGPUS --train-iters 200 --log-interval 50"
-    O="--overlap-moe-expert-parallel-comm --delay-wgrad-compute"
     mkdir -p "$WORK/runs"
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=120 step main_job_200 epoverlap-launch \
       --train-iters 200 --log-interval 50 --log-json "$WORK/runs/main_job_200.jsonl"
-    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=150 step small_200 $T $SMALL $O $G \
-      --log-json "$WORK/runs/small_200.jsonl"
-    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=150 step small_200_det $T $SMALL $O $G \
-      --deterministic-mode --log-json "$WORK/runs/small_200_det.jsonl"
+    STEP_TIMEOUT=150 small_200_pair
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=300 step bench_overlap torchrun --standalone \
       --nproc-per-node="$NGPUS" tools/bench_overlap.py --graphs --iters "${ITERS:-4}" \
       --shapes "${SHAPES:-ratio_h2048_k8_f128,megatron_e32_k4_mbs2x8,megatron_e8_k8_f4096_mbs8x4}" \
@@ -421,23 +426,15 @@ PYEOF
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=240 step bench_peer torchrun --standalone \
       --nproc-per-node="$NGPUS" tools/bench_peer.py --out-dir "$WORK/bench_peer" --warmup 2 \
       --iters 4 --shapes "${SHAPES:-megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4}"
-    T="torchrun --standalone --nproc-per-node=$NGPUS -m epoverlap.train"
-    G="--cuda-graph-impl local --cuda-graph-modules attn moe_router moe_preprocess"
-    SMALL="--preset small --bf16 --expert-model-parallel-size $NGPUS --train-iters 200 --log-interval 50"
-    O="--overlap-moe-expert-parallel-comm --delay-wgrad-compute"
-    mkdir -p "$WORK/runs"
-    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=100 step small_200 $T $SMALL $O $G \
-      --log-json "$WORK/runs/small_200.jsonl"
-    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=100 step small_200_det $T $SMALL $O $G \
-      --deterministic-mode --log-json "$WORK/runs/small_200_det.jsonl"
+    STEP_TIMEOUT=100 small_200_pair
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=200 step sync_free_multigpu python3 -m pytest \
       tests/test_gpu_sync_free.py -q -m multigpu -p no:cacheprovider --durations=5
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=120 step pipeline_pp2 python3 -m pytest \
       tests/test_pipeline_gpu.py -q -k pp2_over_nccl -p no:cacheprovider
     ;;
   x2last)  # 2 GPUs: the NCCL CTA budget against the compute slowdown under the overlap at two
-           # Megatron shapes (issue 20), the router's balance at 200 steps per candidate setting (one GPU each, side by side),
-           # the simulator's replay test with its recording kept
+           # Megatron shapes (issue 20), the router's balance at 200 steps per candidate setting
+           # (one GPU each, side by side), the simulator's replay test with its recording kept
     MEG2="megatron_e32_k4_mbs2x8"; MEG8="megatron_e8_k8_f4096_mbs8x4"
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=120 step ctas_e32 torchrun --standalone \
       --nproc-per-node="$NGPUS" tools/bench_overlap.py --graphs --shapes $MEG2 --profile-shapes \

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from epoverlap.parallel.watch import host_list
+
 
 def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """param.main_grad += grad (fp32 buffer), or into param.grad when no buffer is attached."""
@@ -110,7 +112,7 @@ def _leading_dim_aligned(t: torch.Tensor) -> bool:
 
 def _host_counts(offsets_E: torch.Tensor, num_rows: int) -> list[int]:
     """Per-group rows from the device offsets, plus a last entry: the padding rows (a sync)."""
-    ends = offsets_E.tolist()
+    ends = host_list(offsets_E)
     return [end - start for start, end in zip([0] + ends, ends)] + [num_rows - ends[-1]]
 
 

@@ -43,6 +43,7 @@ from epoverlap.config import RunConfig, flag_of
 from epoverlap.errors import CheckpointError
 from epoverlap.model.moe import Router
 from epoverlap.parallel.groups import ParallelGroups
+from epoverlap.parallel.watch import host_list
 from epoverlap.training import checkpoint_files as files
 from epoverlap.training.optim import MixedPrecisionAdamW
 
@@ -206,10 +207,11 @@ class Checkpointer:
         if self.groups.world_size > 1:
             steps = torch.tensor([step, -step], dtype=torch.int64, device=self.groups.device)
             self.groups.world.all_reduce(steps, op=dist.ReduceOp.MAX)
-            if int(steps[0]) != -int(steps[1]):
+            newest, minus_oldest = host_list(steps)
+            if newest != -minus_oldest:
                 raise CheckpointError(self.cfg.checkpoint.load, self.cfg.checkpoint.load,
                                       f"ranks found different checkpoints (steps "
-                                      f"{-int(steps[1])} to {int(steps[0])}): every rank must "
+                                      f"{-minus_oldest} to {newest}): every rank must "
                                       "see the same folder (a shared file system)")
         return self.load(ref) if ref is not None else 0
 

@@ -259,7 +259,7 @@ class Trainer:
             return mine
         counts = torch.tensor(list(mine.values()), device=self.device)
         self.groups.pp.all_reduce(counts)
-        return dict(zip(mine, counts.tolist()))
+        return dict(zip(mine, host_list(counts)))
 
     def _build_plans(self) -> tuple[list, list]:
         """Every stage's layout (its nodes' kinds, gathered over the pipeline) and plan; the
@@ -471,13 +471,13 @@ class Trainer:
             router.update_expert_bias(counts[router.layer])
         moe_layers = [layer for layer, is_moe in enumerate(self.cfg.moe_layer_pattern())
                       if is_moe]
-        imbalance = torch.ones((), device=self.device)
+        reads = [stats[0], stats[1:].sum()]  # one host read for all three figures
         if moe_layers:
             moe_counts = counts[moe_layers].float()
             per_layer = moe_counts.amax(dim=1) / moe_counts.mean(dim=1).clamp(min=1e-9)
-            imbalance = per_layer.max()
-        loss, aux, imbalance = host_list(torch.stack([stats[0], stats[1:].sum(), imbalance]))
-        return loss * scale, aux * scale, imbalance
+            reads.append(per_layer.max())
+        loss, aux, *imbalance = host_list(torch.stack(reads))
+        return loss * scale, aux * scale, imbalance[0] if imbalance else 1.0
 
     def _sum_over_stages(self, slots: torch.Tensor) -> None:
         """In place: sum over the stage's DP group, then over the pipeline (where every slot
@@ -584,7 +584,8 @@ class Trainer:
         counts[1, rank] = self.compile_watch.late_compiles
         if world > 1:
             self.groups.world.all_reduce(counts)
-        totals, late = host_list(counts[0]), int(sum(host_list(counts[1])))
+        totals, lates = host_list(counts)
+        late = sum(lates)
         if self.compile_watch.total() is None and not any(totals):
             return
         self.log(f"Triton kernel variants compiled per rank: {totals}; after the "
