@@ -160,35 +160,41 @@ class _HostTimes:
 
 def per_node_host_ms(trainer: Trainer, inputs, iters: int) -> dict:
     """{"F attn": (ms per step, us per call), ...}: host wall time of each node action, timed
-    around the executor's task (serial lanes: the issuing thread; the GPU stays behind)."""
+    around the executor's task (the issuing thread; the GPU stays behind), plus "issue": the
+    host wall time of the whole forward-backward call (what the nodes do not cover is the
+    executor's own work and the plan's bookkeeping)."""
     executor, steps = trainer.executor, []
     recorder = executor.recorder
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     try:
         for _ in range(iters):
             executor.recorder = times = _HostTimes()
-            torch.cuda.synchronize()
+            sync()
+            start = time.perf_counter()
             trainer.run_microbatches(1, inputs)
-            torch.cuda.synchronize()
+            times.totals["issue"] = [time.perf_counter() - start, 1]
+            sync()
             steps.append(dict(times.totals))
     finally:
         executor.recorder = recorder
-    keys = sorted(steps[0], key=lambda k: (k[0] != "F", k))
+    keys = sorted(steps[0], key=lambda k: (k == "issue", k[0] != "F", k))
     return {key: (statistics.median(s[key][0] for s in steps) * 1e3,
                   statistics.median(s[key][0] / s[key][1] for s in steps) * 1e6)
             for key in keys}
 
 
-def print_python_profile(trainer: Trainer, inputs, top: int) -> None:
+def python_profile(trainer: Trainer, inputs, top: int) -> str:
     """cProfile of one eager step: the Python functions with the most own time (the host cost
-    torch.profiler cannot attribute: launchers, argument handling, the executor)."""
+    torch.profiler cannot attribute: launchers, argument handling, the executor, host waits)."""
     profiler = cProfile.Profile()
     profiler.enable()
     trainer.run_microbatches(1, inputs)
     profiler.disable()
-    torch.cuda.synchronize()
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    print(text.getvalue())
+    return text.getvalue()
 
 
 def kernel_launches(trainer: Trainer, inputs, top: int = 0) -> int:
@@ -200,7 +206,7 @@ def kernel_launches(trainer: Trainer, inputs, top: int = 0) -> int:
         torch.cuda.synchronize()
     if top:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
-        print_python_profile(trainer, inputs, top)
+        print(python_profile(trainer, inputs, top))
     names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
     return sum(1 for event in prof.events() if event.name in names)
 

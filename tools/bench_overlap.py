@@ -24,6 +24,9 @@ For the shapes in --profile-shapes, --profile-steps more steps per mode run with
 (after a barrier, like the timed ones) into OUT/spans/<shape>/<mode>/ (epoverlap-timeline), and
 the timeline's exposed comm of the overlapped run (mean over profiled steps and ranks) is put
 next to the benchmark's T_ovl - T_comp, with the profiled steps' own time (the recording's cost).
+With --host-nodes each mode also records, per rank, the host wall time of every node action
+(`F dispatch` holds the split-size read) and of the whole issue (JSON `host_nodes`); with
+--python-profile TOP, rank 0's cProfile of one more step per mode (JSON `python_profile`).
 With --torch-trace also OUT/spans/<shape>/torch-trace-<mode>-rank<R>.json (kernel level; the
 profiler slows these host-bound steps, so the span figures are then not comparable).
 --max-ctas sweeps the expert-parallel communicator's NCCL CTA budget (each value a fresh set of
@@ -182,6 +185,22 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
                   **graph_info}
         if trainer.budget is not None:  # attempts a training step would have rerun
             result["overflows"] = overflows
+        if args.host_nodes:
+            from epoverlap_tools.bench_host import per_node_host_ms
+            dist.barrier()
+            mine = per_node_host_ms(trainer, inputs, args.iters)
+            every = [None] * groups.world_size
+            dist.all_gather_object(every, mine)
+            result["host_nodes"] = every  # per rank: {"F attn": [ms per step, us per call]}
+        if args.python_profile:  # every rank runs the step; rank 0's is profiled
+            from epoverlap_tools.bench_host import python_profile
+            dist.barrier()
+            if groups.rank == 0:
+                result["python_profile"] = python_profile(trainer, inputs, args.python_profile)
+            else:
+                trainer.run_microbatches(1, inputs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         if profile_dir is not None:
             _profile_steps(trainer, inputs, profile_dir, args)
         if want_trace:
@@ -462,6 +481,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also run seq, ovl and ovl_wgrad with the budget dispatch "
                              "(--moe-dispatch-budget 1.25), eager and as one full-iteration "
                              "graph (GPU only); the budget's overflows are counted")
+    parser.add_argument("--host-nodes", action="store_true",
+                        help="also time --iters more steps per mode with the host wall time of "
+                             "every node action (bench_host's per-node table), per rank, into "
+                             "the JSON (host_nodes)")
+    parser.add_argument("--python-profile", type=int, default=0, metavar="TOP",
+                        help="also run one step per mode with rank 0 under cProfile: the TOP "
+                             "functions by own time go into the JSON (python_profile)")
     args = parser.parse_args(argv)
     args.profile_shapes = [s for s in args.profile_shapes.split(",") if s]
     args.shapes = [s for s in args.shapes.split(",") if s]

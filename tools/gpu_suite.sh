@@ -43,6 +43,10 @@
 #                                runs with/without --deterministic-mode, the PP=2 test
 #   tools/gpu_suite.sh x2last    2 GPUs: NCCL CTA budgets vs compute slowdown, router balance per
 #                                setting (1 GPU each), the simulator test with its spans kept
+#   tools/gpu_suite.sh x2ab      2 GPUs: TESTS (pytest files), then this tree's eager overlap
+#                                against .baseline/'s (an earlier commit), alternated, NVLink
+#                                and NCCL_P2P_DISABLE=1
+#   tools/gpu_suite.sh x2prof    2 GPUs: host time per node action and a cProfile per mode
 #   tools/gpu_suite.sh peer      Megatron-core beside us (tools/bench_peer.py) on NGPUS GPUs and
 #                                its GPU tests; needs megatron-core importable (the peer extra)
 # Everything is written under ${OUT:-runs/gpu} (logs, JSON, span files, one tarball) and the
@@ -460,6 +464,99 @@ PYEOF
     export EPOVERLAP_GPU_LOGS="$WORK/cli_logs"
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=90 step simulator_test python3 -m pytest \
       tests/test_gpu.py -q -k simulator -p no:cacheprovider
+    ;;
+  x2ab)  # 2 GPUs: this tree against an earlier one in .baseline/ (ignored by git, carried:
+          # `git archive COMMIT | tar x -C .baseline`): the pytest files in TESTS first (if
+          # any), then bench_overlap eager at SHAPES (NVLink) and P2P_SHAPES
+          # (NCCL_P2P_DISABLE=1), before and after alternated AB_ROUNDS times (the order
+          # flipped every round), one table per regime last
+    if [ -n "${TESTS:-}" ]; then
+      export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20}
+      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step ab_tests \
+        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
+    fi
+    [ -d .baseline/epoverlap ] || { echo "x2ab: no .baseline/ tree"; exit 2; }
+    # the sides differ in the epoverlap package only: this tree's bench_overlap (with
+    # --host-nodes), tools and kernels run both
+    first=${AB_FIRST_ROUND:-1}  # 2: start with the flipped order (a second call's round)
+    for round in $(seq "$first" $((first + ${AB_ROUNDS:-1} - 1))); do
+      order="before after"; [ $((round % 2)) -eq 0 ] && order="after before"
+      for regime in nvlink nop2p; do
+        shapes=${SHAPES:-ratio_h2048_k8_f128,megatron_e32_k4_mbs2x8}
+        [ $regime = nop2p ] && shapes=${P2P_SHAPES-ratio_h2048_k8_f128,ratio_h2048_k4_f4096,megatron_e32_k4_mbs2x8}
+        [ -n "$shapes" ] || continue
+        for side in $order; do
+          tree=$PWD; [ $side = before ] && tree=$PWD/.baseline
+          p2p=""; [ $regime = nop2p ] && p2p="NCCL_P2P_DISABLE=1"
+          CUDA_VISIBLE_DEVICES=$TWO_GPUS PYTHONPATH="$tree:$WORK/path" \
+            STEP_TIMEOUT=${AB_TIMEOUT:-200} step "ab_${regime}_${side}_$round" env $p2p torchrun \
+            --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py --host-nodes \
+            --shapes "$shapes" --iters "${ITERS:-4}" --warmup 1 \
+            --out-dir "$WORK/ab/$regime/$side/$round"
+        done
+      done
+    done
+    python3 - "$WORK/ab" <<'PYEOF' | tee "$WORK/ab_table.md"
+import glob, json, statistics, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+for regime in ("nvlink", "nop2p"):
+    runs = {side: [json.loads(Path(f).read_text())["results"]
+                   for f in sorted(glob.glob(f"{root}/{regime}/{side}/*/bench_overlap.json"))]
+            for side in ("before", "after")}
+    if not runs["before"] or not runs["after"]:
+        continue
+    print(f"\n{regime}: fb ms, median over {len(runs['before'])}/{len(runs['after'])} runs "
+          "(before/after)\n")
+    print("| shape | T_comm | seq before | seq after | ovl before | ovl after | ovl_wgrad before"
+          " | ovl_wgrad after | comp before | comp after | seq/ovl before | seq/ovl after |")
+    print("|" + " --- |" * 12)
+    shapes = [r["shape"] for r in runs["after"][0]]
+    for shape in shapes:
+        def med(side, mode):
+            got = [r[mode]["fb_ms"] for run in runs[side] for r in run
+                   if r["shape"] == shape and mode in r]
+            return statistics.median(got) if got else float("nan")
+        cells = [med("after", "comm")]
+        for mode in ("seq", "ovl", "ovl_wgrad", "comp"):
+            cells += [med("before", mode), med("after", mode)]
+        ratio = [med(side, "seq") / med(side, "ovl") for side in ("before", "after")]
+        print(f"| {shape} | " + " | ".join(f"{c:.1f}" for c in cells)
+              + f" | {ratio[0]:.3f} | {ratio[1]:.3f} |")
+    # host wall ms per step of each node action (mean over ranks, median over runs)
+    columns = [(side, mode) for mode in ("seq", "ovl", "comp") for side in ("before", "after")]
+    for shape in shapes:
+        def host(side, mode, key):
+            got = [statistics.mean(rank[key][0] for rank in r[mode]["host_nodes"])
+                   for run in runs[side] for r in run if r["shape"] == shape
+                   and "host_nodes" in r.get(mode, {})
+                   and all(key in rank for rank in r[mode]["host_nodes"])]
+            return f"{statistics.median(got):.1f}" if got else "-"
+        keys = [k for r in runs["after"][0] if r["shape"] == shape
+                for k in r["ovl"].get("host_nodes", [{}])[0]]
+        if not keys:
+            continue
+        print(f"\n{regime}, {shape}: host wall ms per step per node action (mean of ranks)\n")
+        print("| node action | " + " | ".join(f"{m} {s}" for s, m in columns) + " |")
+        print("|" + " --- |" * (len(columns) + 1))
+        for key in keys:
+            print(f"| {key} | " + " | ".join(host(s, m, key) for s, m in columns) + " |")
+PYEOF
+    ;;
+  x2prof)  # 2 GPUs: where the eager step's host time goes per mode: bench_overlap at SHAPES
+            # with the host wall time of every node action and rank 0's cProfile of one step
+            # per mode (top PROFILE_TOP functions by own time), NVLink, then P2P_SHAPES (if
+            # any) with NCCL_P2P_DISABLE=1
+    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${PROF_TIMEOUT:-240} step prof_nvlink torchrun \
+      --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py --host-nodes \
+      --python-profile "${PROFILE_TOP:-40}" --shapes "${SHAPES:-megatron_e32_k4_mbs2x8}" \
+      --iters "${ITERS:-4}" --warmup 1 --out-dir "$WORK/prof/nvlink"
+    if [ -n "${P2P_SHAPES:-}" ]; then
+      NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${PROF_TIMEOUT:-240} step \
+        prof_nop2p torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py \
+        --host-nodes --python-profile "${PROFILE_TOP:-40}" --shapes "$P2P_SHAPES" \
+        --iters "${ITERS:-4}" --warmup 1 --out-dir "$WORK/prof/nop2p"
+    fi
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac

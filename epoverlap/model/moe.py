@@ -9,7 +9,9 @@ table chosen once by config (torch or Triton).
 
 Dispatch modes (`DispatchMode.name`), and whether the host reads the device in the dispatch:
   dropless         each rank sends what it routed; split sizes read on the host before the
-                   all-to-all (one sync per layer and microbatch).
+                   all-to-all (one sync per layer and microbatch), from an exchange started
+                   when the router has counted (`start_split_exchange`, at the end of the
+                   `attn` node), so the read waits for that exchange alone.
   capacity         Megatron-core's --moe-expert-capacity-factor: the router drops routed
                    (token, expert) pairs beyond an expert's capacity (counted, `step_dropped`);
                    the split sizes are still data dependent: read on the host.
@@ -47,8 +49,7 @@ from epoverlap_kernels.router_topk import (SwitchAuxLoss, attach_aux_loss, aux_l
                                           expert_token_counts, plain_topk_counts,
                                           switch_aux_loss)
 
-from epoverlap.parallel.comm import ExpertComm, all_to_all
-from epoverlap.parallel.watch import host_list
+from epoverlap.parallel.comm import ExpertComm, SplitExchange, all_to_all
 from epoverlap.config import MoEConfig
 from epoverlap.model.linear import expert_offsets, grouped_gemm, linear
 
@@ -463,22 +464,30 @@ class AllToAllDispatcher:
         return self.ops.permute(hidden_TH, routing_map_TE, probs_TE, num_out_tokens=num_out,
                                 drop_and_pad=self.mode.pad_to_capacity)
 
-    def dispatch(self, permuted_NH, permuted_probs_N, counts_E):
-        """All-to-all of tokens and probs: (recv_MH, recv_probs_M, DispatchMeta)."""
+    def start_split_exchange(self, counts_E) -> Optional[SplitExchange]:
+        """Start the exchange of the split sizes a host-split dispatch reads (None for the
+        modes that read none): called when the router has counted, so the exchange runs while
+        other work is issued, and handed to `dispatch` (parallel.comm, `SplitExchange`)."""
+        return self.comm.start_split_exchange(counts_E) if self.dispatch_syncs_host else None
+
+    def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
+                 exchange: Optional[SplitExchange] = None):
+        """All-to-all of tokens and probs: (recv_MH, recv_probs_M, DispatchMeta). A
+        host-split mode takes the `exchange` started earlier, or starts it here from
+        `counts_E`."""
         if self.mode.name == "capacity_padded":
             return self._dispatch_padded(permuted_NH, permuted_probs_N)
         if self.mode.name == "budget":
             return self._dispatch_budget(permuted_NH, permuted_probs_N, counts_E)
-        return self._dispatch_host_splits(permuted_NH, permuted_probs_N, counts_E)
+        if exchange is None:
+            exchange = self.comm.start_split_exchange(counts_E)
+        return self._dispatch_host_splits(permuted_NH, permuted_probs_N, exchange)
 
-    def _dispatch_host_splits(self, permuted_NH, permuted_probs_N, counts_E):
-        """Exchange split sizes and read them on the host (the one host sync), then send."""
-        recv_RL = self.comm.exchange_counts(counts_E)
-        send_R = counts_E.view(self.comm.size, self.num_local).sum(dim=1)
-        host = host_list(torch.cat([send_R, recv_RL.sum(dim=1), recv_RL.sum(dim=0)]))
-        ranks = self.comm.size
-        meta = DispatchMeta(input_splits=host[:ranks], output_splits=host[ranks:2 * ranks],
-                            recv_counts_RL=recv_RL, tokens_per_local_expert=host[2 * ranks:])
+    def _dispatch_host_splits(self, permuted_NH, permuted_probs_N, exchange: SplitExchange):
+        """Read the exchanged split sizes on the host (the one host sync), then send."""
+        send_R, recv_R, recv_L = exchange.read()
+        meta = DispatchMeta(input_splits=send_R, output_splits=recv_R,
+                            recv_counts_RL=exchange.recv_RL, tokens_per_local_expert=recv_L)
         routed = sum(meta.input_splits)
         if routed != permuted_NH.shape[0]:  # capacity: the dropped pairs' rows are not sent
             permuted_NH, permuted_probs_N = permuted_NH[:routed], permuted_probs_N[:routed]

@@ -179,13 +179,30 @@ class TransformerLayer(nn.Module):
         return {"permuted_tokens": permuted, "permuted_probs": permuted_probs,
                 "row_id_map": row_id_map}
 
+    def split_exchange_segment(self, expert_counts):
+        """Start the dispatch's split-size exchange as soon as the router has counted (eager,
+        never graphed: it reads nothing on the host; the dispatch does)."""
+        return {"split_exchange": self.dispatcher.start_split_exchange(expert_counts)}
+
+    @property
+    def _splits_early(self) -> bool:
+        """Whether the dispatch reads split sizes on the host, from an exchange started at the
+        end of the `attn` node (else it takes the device counts)."""
+        return self.is_moe and self.dispatcher.dispatch_syncs_host
+
+    @property
+    def _dispatch_inputs(self) -> tuple[str, ...]:
+        return ("permuted_tokens", "permuted_probs",
+                "split_exchange" if self._splits_early else "expert_counts")
+
     def dense_mlp_segment(self, normed, residual):
         return {"hidden": residual + self.dense_mlp(normed)}
 
     # ----------------------------------------------------------------- node callables
-    def dispatch_forward(self, permuted_tokens, permuted_probs, expert_counts):
+    def dispatch_forward(self, permuted_tokens, permuted_probs, expert_counts=None,
+                         split_exchange=None):
         recv, recv_probs, meta = self.dispatcher.dispatch(permuted_tokens, permuted_probs,
-                                                          expert_counts)
+                                                          expert_counts, split_exchange)
         return {"recv_tokens": recv, "recv_probs": recv_probs, "meta": meta}
 
     def moe_mlp_forward(self, recv_tokens, recv_probs, meta):
@@ -208,8 +225,7 @@ class TransformerLayer(nn.Module):
         """dispatch, experts, combine as segments of the one-node MoE layer."""
         shared = ("shared_out",) if self.shared_expert is not None else ()
         recv = ("recv_tokens", "recv_probs", "meta")
-        return (Segment("moe_dispatch", self.dispatch_forward,
-                        ("permuted_tokens", "permuted_probs", "expert_counts"), recv),
+        return (Segment("moe_dispatch", self.dispatch_forward, self._dispatch_inputs, recv),
                 Segment("moe_experts", self.moe_mlp_forward, recv, ("expert_out",)),
                 Segment("moe_combine", self.combine_segment,
                         ("expert_out", "meta", "row_id_map", "residual") + shared,
@@ -221,11 +237,15 @@ class TransformerLayer(nn.Module):
         normed = ("normed_router",) + (("normed_shared",) if shared else ()) + ("normed_permute",)
         router_out = ("probs", "routing_map", "expert_counts") + (("shared_out",) if shared
                                                                    else ())
-        return (Segment("attn", self.attention_segment, ("hidden",), ("residual",) + normed),
-                Segment("moe_router", self.router_segment, normed[:-1], router_out),
-                Segment("moe_preprocess", self.preprocess_segment,
-                        ("normed_permute", "probs", "routing_map"),
-                        ("permuted_tokens", "permuted_probs", "row_id_map")))
+        segments = (Segment("attn", self.attention_segment, ("hidden",), ("residual",) + normed),
+                    Segment("moe_router", self.router_segment, normed[:-1], router_out),
+                    Segment("moe_preprocess", self.preprocess_segment,
+                            ("normed_permute", "probs", "routing_map"),
+                            ("permuted_tokens", "permuted_probs", "row_id_map")))
+        if self._splits_early:
+            segments += (Segment("moe_split_exchange", self.split_exchange_segment,
+                                 ("expert_counts",), ("split_exchange",)),)
+        return segments
 
     def node_specs(self) -> list[NodeSpec]:
         L = self.layer
@@ -250,7 +270,7 @@ class TransformerLayer(nn.Module):
                              {"hidden": hidden_in}, {"layer_out": hidden_out}, True,
                              segments=segments)]
         attn_out = {k: v(k) for k in ("residual", "permuted_tokens", "permuted_probs",
-                                      "expert_counts", "row_id_map")}
+                                      self._dispatch_inputs[-1], "row_id_map")}
         combine_in = {k: v(k) for k in ("expert_out", "meta", "row_id_map", "residual")}
         if self.shared_expert is not None:
             attn_out["shared_out"] = combine_in["shared_out"] = v("shared_out")
@@ -258,7 +278,7 @@ class TransformerLayer(nn.Module):
             NodeSpec("attn", L, COMPUTE, segmented(attn_segments, tuple(attn_out)),
                      {"hidden": hidden_in}, attn_out, True, segments=attn_segments),
             NodeSpec("dispatch", L, COMM, self.dispatch_forward,
-                     {k: v(k) for k in ("permuted_tokens", "permuted_probs", "expert_counts")},
+                     {k: v(k) for k in self._dispatch_inputs},
                      {k: v(k) for k in ("recv_tokens", "recv_probs", "meta")}),
             NodeSpec("mlp", L, COMPUTE, self.moe_mlp_forward,
                      {k: v(k) for k in ("recv_tokens", "recv_probs", "meta")},

@@ -7,6 +7,16 @@ whose forward is an all_to_all_single and whose backward is the reverse all-to-a
 pipeline, the PP `Group`). These calls run on whatever stream/thread the caller is on;
 choosing that is the executor's business.
 
+The split sizes of a dropless dispatch are exchanged early and read late (`SplitExchange`):
+the exchange starts as soon as the router has counted (the end of the `attn` node), on its own
+communicator (`counts_group`) and, on CUDA, its own stream, so it never queues behind an
+all-to-all already in flight on the comm lane (another microbatch's combine, say); the
+dispatch then reads the sizes on the host. Before, the exchange ran inside the dispatch on the
+EP communicator, and the host read waited for every all-to-all queued ahead of it, stalling the
+host (the bottleneck of an eager step) while it could have been issuing the other microbatch's
+kernels. This stream is the one the executor does not own: it belongs to the exchange, like
+the internal streams of a process group, and nothing but the exchange runs on it.
+
 Comm modes (config `--comm-mode`, benchmarks only): `real`, or `local_copy`, which replaces
 each all-to-all by a local copy of the same bytes, as if every rank received what it sent: the
 compute-only baseline of the overlap benchmark (the split-size exchange still syncs the host).
@@ -14,21 +24,91 @@ compute-only baseline of the overlap benchmark (the split-size exchange still sy
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
 from epoverlap.parallel.groups import Group
+from epoverlap.parallel.watch import host_list
+
+
+class SplitExchange:
+    """One dispatch's exchange of per-expert counts, started early (`ExpertComm.
+    start_split_exchange`) and read by the dispatch (`read`).
+
+    `recv_RL` [R, L] (device): rows each source rank sends to each local expert. `read()`
+    returns (rows sent to each rank, rows received from each rank, rows per local expert) as host
+    lists, summed on the host from the sent and received counts; on CUDA it waits for their
+    pinned copies (the GIL released, as `watch.host_list`) and orders the caller's stream after
+    the exchange."""
+
+    def __init__(self, recv_RL: Optional[torch.Tensor], counts: Optional[torch.Tensor] = None,
+                 ready: Optional[torch.cuda.Event] = None, pending=None, keep: tuple = (),
+                 watched=None):
+        self.recv_RL = recv_RL
+        self._counts = counts  # [2, R, L]: sent, received (pinned on CUDA; None: read them)
+        self._ready, self._pending, self._keep, self._watched = ready, pending, keep, watched
+        self._read: Optional[tuple[list[int], list[int], list[int]]] = None
+
+    def read(self) -> tuple[list[int], list[int], list[int]]:
+        if self._read is None:
+            with self._watched() if self._watched else contextlib.nullcontext():
+                if self._pending is not None:  # gloo: the asynchronous all-to-all
+                    self._pending.wait()
+                if self._ready is not None:  # CUDA: the pinned copies of the counts
+                    self._ready.synchronize()
+            if self._ready is not None:
+                stream = torch.cuda.current_stream(self.recv_RL.device)
+                stream.wait_event(self._ready)
+                self.recv_RL.record_stream(stream)
+            if self._counts is not None:
+                sent_RL, recv_RL = self._counts.tolist()
+            else:
+                sent_RL, recv_RL = self._keep[0].tolist(), self.recv_RL.tolist()
+            self._read = split_sizes(sent_RL, recv_RL)
+            self._keep = ()  # the exchange has read its input: the memory may go
+        return self._read
+
+
+class _ExchangeAtRead(SplitExchange):
+    """Without a second communicator: the exchange runs when the dispatch reads it, on the EP
+    communicator and the dispatch's stream (an exchange on another stream of the same NCCL
+    communicator could interleave with its all-to-alls differently on two ranks)."""
+
+    def __init__(self, comm: "ExpertComm", counts_E: torch.Tensor):
+        super().__init__(None)
+        self._comm, self._counts_E = comm, counts_E
+
+    def read(self) -> tuple[list[int], list[int], list[int]]:
+        if self._read is None:
+            sent_RL = self._counts_E.view(self._comm.size, -1)
+            self.recv_RL = self._comm.exchange_counts(self._counts_E, record=False)
+            self._read = split_sizes(*host_list(torch.stack([sent_RL, self.recv_RL])))
+            self._counts_E = None
+        return self._read
+
+
+def split_sizes(sent_RL: list, recv_RL: list) -> tuple[list[int], list[int], list[int]]:
+    """Host lists of the counts sent to each (rank, its local expert) and received from each
+    (source rank, local expert) -> (rows sent to each rank, rows received from each rank, rows
+    per local expert)."""
+    return ([sum(row) for row in sent_RL], [sum(row) for row in recv_RL],
+            [sum(column) for column in zip(*recv_RL)])
 
 
 class ExpertComm:
-    """All-to-all over the expert-parallel group (None when size is 1)."""
+    """All-to-all over the expert-parallel group (None when size is 1); `counts_group` (the
+    same ranks, another communicator) carries the early split-size exchange."""
 
-    def __init__(self, group: Optional[Group], size: int, mode: str = "real"):
+    def __init__(self, group: Optional[Group], size: int, mode: str = "real",
+                 counts_group: Optional[Group] = None):
         self.group = group
         self.size = size
         self.mode = mode
+        self.counts_group = counts_group
         self.trace: Optional[list] = None  # set to [] to record every all-to-all's shape
+        self._exchange_stream: Optional[torch.cuda.Stream] = None
 
     def _record(self, output_splits, input_splits, row_shape, dtype) -> None:
         if self.trace is not None:
@@ -52,16 +132,60 @@ class ExpertComm:
         self.group.all_to_all_single(output, input_NH, output_splits, input_splits)
         return output
 
-    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+    def exchange_counts(self, counts_E: torch.Tensor, record: bool = True) -> torch.Tensor:
         """Per-expert send counts [E] -> counts received [ep, E_local] (row = source rank)."""
         send_RL = counts_E.view(self.size, -1).contiguous()
-        ones = [send_RL.shape[1]] * self.size
-        self._record(ones, ones, (), send_RL.dtype)
+        if record:
+            ones = [send_RL.shape[1]] * self.size
+            self._record(ones, ones, (), send_RL.dtype)
         if self.size == 1 or self.mode == "local_copy":
             return send_RL.clone()
         recv_RL = torch.empty_like(send_RL)
         self.group.all_to_all_single(recv_RL, send_RL)
         return recv_RL
+
+    def start_split_exchange(self, counts_E: torch.Tensor) -> SplitExchange:
+        """Start exchanging the per-expert send counts [E] of one dispatch; the dispatch
+        reads the split sizes with `SplitExchange.read()` (module docstring)."""
+        send_RL = counts_E.view(self.size, -1).contiguous()
+        ones = [send_RL.shape[1]] * self.size
+        self._record(ones, ones, (), send_RL.dtype)
+        local = self.size == 1 or self.mode == "local_copy"
+        if not local and self.counts_group is None:
+            return _ExchangeAtRead(self, counts_E)
+        if not send_RL.is_cuda:
+            if local:
+                return SplitExchange(send_RL.clone(), keep=(send_RL,))
+            recv_RL = torch.empty_like(send_RL)
+            pending = self.counts_group.all_to_all_single_async(recv_RL, send_RL)
+            return SplitExchange(recv_RL, pending=pending, keep=(send_RL,),
+                                 watched=lambda: self.counts_group.watched(
+                                     "all_to_all of the split sizes"))
+        stream = self._stream(send_RL.device)
+        stream.wait_stream(torch.cuda.current_stream(send_RL.device))
+        with torch.cuda.stream(stream):
+            if local:
+                recv_RL = send_RL.clone()
+            else:
+                recv_RL = torch.empty_like(send_RL)
+                self.counts_group.all_to_all_single(recv_RL, send_RL)
+            counts = torch.empty((2,) + tuple(send_RL.shape), dtype=send_RL.dtype,
+                                 pin_memory=True)
+            counts[0].copy_(send_RL, non_blocking=True)  # two copies, no kernel: the sums
+            counts[1].copy_(recv_RL, non_blocking=True)  # are the host's (`split_sizes`)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        # send_RL stays referenced until read() has waited for `ready`, which comes after the
+        # exchange read it: its memory cannot be handed out while the exchange still needs it.
+        # The exchange itself is the watched collective (its event is on this stream), so a
+        # read blocked by a dead peer is reported as that exchange.
+        return SplitExchange(recv_RL, counts, ready, keep=(send_RL,))
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._exchange_stream is None:
+            self._exchange_stream = torch.cuda.Stream(
+                device=device, priority=torch.cuda.Stream.priority_range()[1])
+        return self._exchange_stream
 
 
 class AllToAll(torch.autograd.Function):

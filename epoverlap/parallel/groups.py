@@ -56,6 +56,7 @@ from epoverlap.parallel.watch import CollectiveWatch, Heartbeat
 
 WORLD, EXPERT_PARALLEL, EXPERT_DATA_PARALLEL = "world", "expert-parallel", "expert-data-parallel"
 PIPELINE, DATA_PARALLEL = "pipeline", "data-parallel"
+EXPERT_PARALLEL_SPLITS = "expert-parallel split sizes"  # same ranks as EP, own communicator
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,12 @@ class Group:
                           input_splits: Optional[list[int]] = None) -> None:
         with self.watch.collective(self.name, self.ranks, "all_to_all"):
             dist.all_to_all_single(output, input, output_splits, input_splits, group=self.pg)
+
+    def all_to_all_single_async(self, output: torch.Tensor, input: torch.Tensor):
+        """Equal-split all_to_all_single started without waiting (gloo: on the backend's own
+        threads); the caller waits on the returned work inside `watched(...)`."""
+        with self.watch.collective(self.name, self.ranks, "all_to_all start"):
+            return dist.all_to_all_single(output, input, group=self.pg, async_op=True)
 
     def barrier(self) -> None:
         with self.watch.collective(self.name, self.ranks, "barrier"):
@@ -214,6 +221,8 @@ class ParallelGroups:
     pp: Optional[Group] = None  # this rank's pipeline, its ranks by stage; None with one stage
     dp: Optional[Group] = None  # this stage's data-parallel group; with one stage: the world
     ep_budget: Optional[NcclCtaBudget] = None  # the EP communicator's CTA limits, if any
+    ep_splits: Optional[Group] = None  # the EP ranks' second communicator: the early split-size
+    #                                    exchange of the dropless dispatch (parallel.comm)
 
     def __post_init__(self):
         if self.dp is None:
@@ -334,6 +343,7 @@ def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int =
         ep_rank=layout.ep_rank(rank), edp_size=layout.edp_size, edp_rank=layout.edp_rank(rank),
         device=device, backend=dist.get_backend(), world=world, watch=watch,
         ep=groups(EXPERT_PARALLEL, layout.ep_groups(), ep_budget), ep_budget=ep_budget,
+        ep_splits=groups(EXPERT_PARALLEL_SPLITS, layout.ep_groups()) if ep_size > 1 else None,
         edp=groups(EXPERT_DATA_PARALLEL, layout.edp_groups()),
         pp_size=pp_size, pp_rank=layout.pp_rank(rank),
         pp=groups(PIPELINE, layout.pp_groups()) if staged else None,

@@ -212,7 +212,8 @@ class Trainer:
         self.cfg, self.groups, self.log = cfg, groups, log
         self.device = groups.device
         backend = cfg.resolved_kernel_backend(self.device.type)
-        self.comm = ExpertComm(groups.ep, groups.ep_size, cfg.overlap.comm_mode)
+        self.comm = ExpertComm(groups.ep, groups.ep_size, cfg.overlap.comm_mode,
+                               counts_group=groups.ep_splits)
         self.wgrad_queue = WeightGradQueue(enabled=cfg.overlap.delay_wgrad_compute)
         self.model = MoEModel(cfg, self.comm, groups.ep_rank, make_moe_ops(backend),
                               dtype=model_dtype(cfg), device=self.device,
