@@ -64,6 +64,9 @@ def no_wait() -> None:
 class SerialLanes:
     """Both lanes in program order on the caller's thread and stream (no overlap)."""
 
+    def begin(self) -> None:
+        """A plan starts (before its first `submit`)."""
+
     def submit(self, lane: str, microbatch: int, task: Task, chain: bool) -> None:
         task(no_wait)
 
@@ -125,30 +128,48 @@ class ThreadLanes(SerialLanes):
 class CudaStreamLanes(SerialLanes):
     """GPU: compute lane = the current stream, comm lane = a side stream; one event per mb.
 
-    The compute lane is whatever stream is current when an action is submitted (the default
-    stream, or a graph's capture stream while a full iteration is captured: the comm stream
-    then joins the capture through the events and rejoins it at `drain`)."""
+    The compute lane is the stream current when a plan starts (`begin`: the default stream, or
+    a graph's capture stream while a full iteration is captured: the comm stream then joins the
+    capture through the events and rejoins it at `drain`). A compute action runs on it as it
+    is; only a comm action switches streams (and back), by the streams held here: the host
+    cost of the lanes is paid per action, hundreds of times a step in a host-bound run."""
 
     def __init__(self, device: torch.device, high_priority_comm: bool = True):
         self.device = device
         priority = torch.cuda.Stream.priority_range()[1] if high_priority_comm else 0
         self.comm_stream = torch.cuda.Stream(device=device, priority=priority)
+        self._compute: Optional[torch.cuda.Stream] = None
         self._events: dict[int, torch.cuda.Event] = {}
+
+    def begin(self) -> None:
+        self._compute = torch.cuda.current_stream(self.device)
 
     @property
     def compute_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+        return self._compute if self._compute is not None else \
+            torch.cuda.current_stream(self.device)
 
     def stream(self, lane: str) -> torch.cuda.Stream:
         return self.comm_stream if lane == COMM else self.compute_stream
 
     def submit(self, lane, microbatch, task, chain):
-        stream = self.stream(lane)
-        event = self._events.setdefault(microbatch, torch.cuda.Event())
-        with torch.cuda.stream(stream):
+        event = self._events.get(microbatch)
+        if event is None:
+            event = self._events[microbatch] = torch.cuda.Event()
+        if lane != COMM:
+            stream = self.compute_stream
             task((lambda: stream.wait_event(event)) if chain else no_wait)
             if chain:
                 event.record(stream)
+            return
+        stream, back = self.comm_stream, self.compute_stream
+        torch.cuda.set_stream(stream)
+        try:
+            task((lambda: stream.wait_event(event)) if chain else no_wait)
+            if chain:
+                event.record(stream)
+        finally:
+            torch.cuda.set_stream(back)
 
     def hand_over(self, value, to_lane):
         stream = self.stream(to_lane)
@@ -159,6 +180,7 @@ class CudaStreamLanes(SerialLanes):
     def drain(self):
         self.compute_stream.wait_stream(self.comm_stream)
         self._events.clear()
+        self._compute = None
 
 
 class _MicrobatchState:
@@ -213,6 +235,7 @@ class Executor:
         without the loss head). Grads land in the params."""
         states = [_MicrobatchState(inputs) for inputs in microbatch_inputs]
         losses: list[Optional[torch.Tensor]] = [None] * len(states)
+        self.lanes.begin()
         try:
             for action in plan:
                 self._submit(action, states[action.microbatch], losses, loss_scale)
