@@ -1,4 +1,5 @@
-"""The executor: interprets a plan on two lanes. The only module that touches streams/events.
+"""The executor: interprets a plan on two lanes. The only module that touches the lanes'
+streams and events (the one other stream, the split-size exchange's, is `parallel.comm`'s).
 
 Owns `Executor` and the lane backends: `SerialLanes` (everything in order on the calling
 thread and current stream: the sequential reference), `CudaStreamLanes` (the compute lane is
