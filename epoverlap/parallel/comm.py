@@ -83,7 +83,7 @@ class _ExchangeAtRead(SplitExchange):
     def read(self) -> tuple[list[int], list[int], list[int]]:
         if self._read is None:
             sent_RL = self._counts_E.view(self._comm.size, -1)
-            self.recv_RL = self._comm.exchange_counts(self._counts_E, record=False)
+            self.recv_RL = self._comm.exchange_counts(self._counts_E)
             self._read = split_sizes(*host_list(torch.stack([sent_RL, self.recv_RL])))
             self._counts_E = None
         return self._read
@@ -132,12 +132,11 @@ class ExpertComm:
         self.group.all_to_all_single(output, input_NH, output_splits, input_splits)
         return output
 
-    def exchange_counts(self, counts_E: torch.Tensor, record: bool = True) -> torch.Tensor:
+    def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Per-expert send counts [E] -> counts received [ep, E_local] (row = source rank)."""
         send_RL = counts_E.view(self.size, -1).contiguous()
-        if record:
-            ones = [send_RL.shape[1]] * self.size
-            self._record(ones, ones, (), send_RL.dtype)
+        ones = [send_RL.shape[1]] * self.size
+        self._record(ones, ones, (), send_RL.dtype)
         if self.size == 1 or self.mode == "local_copy":
             return send_RL.clone()
         recv_RL = torch.empty_like(send_RL)
@@ -147,12 +146,12 @@ class ExpertComm:
     def start_split_exchange(self, counts_E: torch.Tensor) -> SplitExchange:
         """Start exchanging the per-expert send counts [E] of one dispatch; the dispatch
         reads the split sizes with `SplitExchange.read()` (module docstring)."""
+        local = self.size == 1 or self.mode == "local_copy"
+        if not local and self.counts_group is None:
+            return _ExchangeAtRead(self, counts_E)  # `exchange_counts` at the read
         send_RL = counts_E.view(self.size, -1).contiguous()
         ones = [send_RL.shape[1]] * self.size
         self._record(ones, ones, (), send_RL.dtype)
-        local = self.size == 1 or self.mode == "local_copy"
-        if not local and self.counts_group is None:
-            return _ExchangeAtRead(self, counts_E)
         if not send_RL.is_cuda:
             if local:
                 return SplitExchange(send_RL.clone(), keep=(send_RL,))

@@ -157,20 +157,16 @@ class CudaStreamLanes(SerialLanes):
         event = self._events.get(microbatch)
         if event is None:
             event = self._events[microbatch] = torch.cuda.Event()
-        if lane != COMM:
-            stream = self.compute_stream
-            task((lambda: stream.wait_event(event)) if chain else no_wait)
-            if chain:
-                event.record(stream)
-            return
-        stream, back = self.comm_stream, self.compute_stream
-        torch.cuda.set_stream(stream)
+        stream, switch = self.stream(lane), lane == COMM
+        if switch:
+            torch.cuda.set_stream(stream)
         try:
             task((lambda: stream.wait_event(event)) if chain else no_wait)
             if chain:
                 event.record(stream)
         finally:
-            torch.cuda.set_stream(back)
+            if switch:
+                torch.cuda.set_stream(self.compute_stream)
 
     def hand_over(self, value, to_lane):
         stream = self.stream(to_lane)
