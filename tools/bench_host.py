@@ -197,6 +197,24 @@ def python_profile(trainer: Trainer, inputs, top: int) -> str:
     return text.getvalue()
 
 
+def api_profile(trainer: Trainer, inputs, top: int) -> list:
+    """One step under torch.profiler (CPU ops on every thread, and on CUDA the runtime API calls
+    through CUPTI): the `top` names by host self time, as [name, calls, self ms]. Where a
+    Python profile shows a C++ call's own time (autograd's `run_backward`), this names what
+    inside it took the time (aten ops, `cudaLaunchKernel`, `cudaEventRecord`, ...)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if trainer.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        trainer.run_microbatches(1, inputs)
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)
+    rows = [[event.key, event.count, event.self_cpu_time_total / 1e3]
+            for event in prof.key_averages()]
+    rows.sort(key=lambda row: -row[2])
+    return rows[:top]
+
+
 def kernel_launches(trainer: Trainer, inputs, top: int = 0) -> int:
     """CUDA kernel launches of one step (every thread), counted by torch.profiler; with `top`,
     also prints the ops with the most host self time (where the host time goes)."""

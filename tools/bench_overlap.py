@@ -26,7 +26,9 @@ the timeline's exposed comm of the overlapped run (mean over profiled steps and 
 next to the benchmark's T_ovl - T_comp, with the profiled steps' own time (the recording's cost).
 With --host-nodes each mode also records, per rank, the host wall time of every node action
 (`F dispatch` holds the split-size read) and of the whole issue (JSON `host_nodes`); with
---python-profile TOP, rank 0's cProfile of one more step per mode (JSON `python_profile`).
+--python-profile TOP, rank 0's cProfile of one more step per mode (JSON `python_profile`); with
+--api-profile TOP, rank 0's torch.profiler host self time per name (aten ops, CUDA runtime
+calls) of one more step per mode (JSON `api_profile`, and a seq/ovl/comp table per shape).
 With --torch-trace also OUT/spans/<shape>/torch-trace-<mode>-rank<R>.json (kernel level; the
 profiler slows these host-bound steps, so the span figures are then not comparable).
 --max-ctas sweeps the expert-parallel communicator's NCCL CTA budget (each value a fresh set of
@@ -197,6 +199,15 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
             dist.barrier()
             if groups.rank == 0:
                 result["python_profile"] = python_profile(trainer, inputs, args.python_profile)
+            else:
+                trainer.run_microbatches(1, inputs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        if args.api_profile:  # every rank runs the step; rank 0's is profiled
+            from epoverlap_tools.bench_host import api_profile
+            dist.barrier()
+            if groups.rank == 0:
+                result["api_profile"] = api_profile(trainer, inputs, args.api_profile)
             else:
                 trainer.run_microbatches(1, inputs)
             if device.type == "cuda":
@@ -401,6 +412,29 @@ def derived(r: dict) -> dict:
     return out
 
 
+def api_profile_table(r: dict, top: int = 25) -> list[str]:
+    """Rank 0's host self time per name (torch.profiler, one step) beside each other per mode:
+    calls and ms, the names with the largest ovl - seq difference first."""
+    modes = [m for m in ("seq", "ovl", "comp") if "api_profile" in r.get(m, {})]
+    if "seq" not in modes or "ovl" not in modes:
+        return []
+    rows = {mode: {name: (calls, ms) for name, calls, ms in r[mode]["api_profile"]}
+            for mode in modes}
+    names = set().union(*(rows[m] for m in modes))
+    gap = lambda n: rows["ovl"].get(n, (0, 0.0))[1] - rows["seq"].get(n, (0, 0.0))[1]  # noqa
+    lines = ["", f"{r['shape']}: rank 0's host self time of one step (torch.profiler), "
+             "largest ovl - seq first", "| name | " + " | ".join(
+                 f"{m} calls | {m} ms" for m in modes) + " | ovl - seq ms |",
+             "| --- " * (2 * len(modes) + 2) + "|"]
+    for name in sorted(names, key=lambda n: -abs(gap(n)))[:top]:
+        cells = []
+        for mode in modes:
+            calls, ms = rows[mode].get(name, (None, None))
+            cells += ["-", "-"] if calls is None else [str(calls), f"{ms:.2f}"]
+        lines.append(f"| {name[:60]} | " + " | ".join(cells) + f" | {gap(name):+.2f} |")
+    return lines
+
+
 def markdown(all_results: list, world: int) -> str:
     lines = ["| shape | graphs | T_comm/T_comp | T_seq ms | T_ovl ms | T_ovl+wgrad ms | "
              "T_comp ms | T_comm ms | T_seq/T_ovl | T_seq/T_wgrad | T_ovl/max | T_wgrad/max | "
@@ -422,6 +456,8 @@ def markdown(all_results: list, world: int) -> str:
                 f"{r['seq' + s]['peak_reserved_gib']:.1f}/{r['ovl' + s]['peak_reserved_gib']:.1f}/"
                 f"{r['ovl_wgrad' + s]['peak_reserved_gib']:.1f}",
                 f(r["ovl_wgrad" + s].get("graph_gib", 0.0))]) + " |")
+    for r in all_results:
+        lines += api_profile_table(r)
     graphed = [r for r in all_results if "seq_graph" in r]
     if graphed:
         lines += ["", "| shape | eager T_seq / graphed T_ovl | eager T_seq / graphed T_wgrad | "
@@ -488,6 +524,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--python-profile", type=int, default=0, metavar="TOP",
                         help="also run one step per mode with rank 0 under cProfile: the TOP "
                              "functions by own time go into the JSON (python_profile)")
+    parser.add_argument("--api-profile", type=int, default=0, metavar="TOP",
+                        help="also run one step per mode with rank 0 under torch.profiler "
+                             "(CPU ops and CUDA runtime calls): the TOP names by host self "
+                             "time go into the JSON (api_profile) and a table per shape")
     args = parser.parse_args(argv)
     args.profile_shapes = [s for s in args.profile_shapes.split(",") if s]
     args.shapes = [s for s in args.shapes.split(",") if s]
