@@ -46,6 +46,7 @@ OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release")
 COMM_MODES = ("real", "local_copy")
 COMM_STREAM_PRIORITIES = ("high", "normal")
 NCCL_MAX_CHANNELS = 64  # NCCL's MAXCHANNELS: the most CTAs a collective may use
+MAX_SM_CARVEOUT = 64  # the most SMs the grouped GEMMs may leave free (H100/H200 have 132)
 # The allowed values of every flag that takes a name, by flag (the help texts and validation use
 # the same tuples; the config fuzz test draws from this table).
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -126,6 +127,8 @@ class ParallelConfig:
     # NCCL's CTA budget of the expert-parallel communicator (its all-to-alls); None: NCCL's own
     moe_a2a_nccl_max_ctas: Optional[int] = None
     moe_a2a_nccl_min_ctas: Optional[int] = None
+    # SMs the experts' grouped GEMMs leave free for the all-to-alls beside them; None: all
+    moe_grouped_gemm_sm_carveout: Optional[int] = None
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -451,6 +454,13 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--moe-a2a-nccl-min-ctas", "parallel", "moe_a2a_nccl_min_ctas", _opt_int,
      f"NCCL: at least N CTAs for each all-to-all of the expert-parallel group (min_ctas, "
      f"1..{NCCL_MAX_CHANNELS}, <= the max)"),
+    ("--moe-grouped-gemm-sm-carveout", "parallel", "moe_grouped_gemm_sm_carveout", _opt_int,
+     "CUDA: the experts' grouped GEMMs run on all SMs but N (torch's SM carveout), leaving N "
+     "free for the all-to-all kernels that run beside them under "
+     "--overlap-moe-expert-parallel-comm; pair it with --moe-a2a-nccl-max-ctas N. The "
+     "persistent grouped GEMM otherwise holds every SM: an all-to-all started beside it waits "
+     "for SMs, and its last CTAs wait for the all-to-all. Same bits (each output tile is "
+     "still one CTA's full-K sum); none: every SM"),
     ("--pipeline-model-parallel-size", "parallel", "pipeline_model_parallel_size", int,
      "PP size: pipeline stages (1F1B schedule; ranks laid out as Megatron-core's "
      "tp-cp-ep-dp-pp)"),
@@ -904,6 +914,15 @@ def _validate_nccl_ctas(cfg: RunConfig, cuda_available: bool) -> None:
                  "needs --expert-model-parallel-size > 1 (with EP 1 there is no all-to-all)")
         reason = nccl_config_unavailable()
         _require(reason is None, name, value, reason or "")
+    carveout = p.moe_grouped_gemm_sm_carveout
+    if carveout is not None:
+        _require(1 <= carveout <= MAX_SM_CARVEOUT, "moe_grouped_gemm_sm_carveout", carveout,
+                 f"must be in [1, {MAX_SM_CARVEOUT}] (SMs left free; the GPU's SM count "
+                 "bounds it further at the first GEMM)")
+        _require(cfg.resolved_device(cuda_available) == "cuda", "moe_grouped_gemm_sm_carveout",
+                 carveout, "leaves SMs of a CUDA device free: this run is on CPU")
+        _require(cfg.moe.enabled, "moe_grouped_gemm_sm_carveout", carveout,
+                 "needs MoE layers (--num-experts): it applies to the experts' grouped GEMMs")
     if len(given) == 2:
         _require(p.moe_a2a_nccl_min_ctas <= p.moe_a2a_nccl_max_ctas, "moe_a2a_nccl_min_ctas",
                  p.moe_a2a_nccl_min_ctas,

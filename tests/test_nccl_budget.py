@@ -27,8 +27,11 @@ def test_flags_set_their_fields_and_default_to_nccl_and_a_high_priority_stream()
     assert (cfg.parallel.moe_a2a_nccl_max_ctas, cfg.parallel.moe_a2a_nccl_min_ctas) == (None,
                                                                                          None)
     assert cfg.overlap.comm_stream_priority == "high" and cfg.overlap.comm_stream_high_priority
+    assert cfg.parallel.moe_grouped_gemm_sm_carveout is None
     cfg = parse_config(BASE + ["--moe-a2a-nccl-max-ctas", "8", "--moe-a2a-nccl-min-ctas", "2",
-                               "--comm-stream-priority", "normal"])
+                               "--comm-stream-priority", "normal",
+                               "--moe-grouped-gemm-sm-carveout", "8"])
+    assert cfg.parallel.moe_grouped_gemm_sm_carveout == 8
     assert (cfg.parallel.moe_a2a_nccl_max_ctas, cfg.parallel.moe_a2a_nccl_min_ctas) == (8, 2)
     assert cfg.overlap.comm_stream_priority == "normal"
     assert not cfg.overlap.comm_stream_high_priority
@@ -45,6 +48,8 @@ def nccl_configurable(monkeypatch):
     EP2 + ["--moe-a2a-nccl-max-ctas", "64", "--moe-a2a-nccl-min-ctas", "64"],
     EP2 + ["--moe-a2a-nccl-min-ctas", "1"],
     OVERLAP + ["--comm-stream-priority", "normal"],
+    OVERLAP + ["--moe-grouped-gemm-sm-carveout", "8", "--moe-a2a-nccl-max-ctas", "8"],
+    ["--moe-grouped-gemm-sm-carveout", "64"],
 ])
 def test_accepted_on_cuda(nccl_configurable, argv):
     validate_config(parse_config(BASE + argv), 2, cuda_available=True)
@@ -63,6 +68,14 @@ def test_accepted_on_cuda(nccl_configurable, argv):
      "--overlap-moe-expert-parallel-comm"),
     (OVERLAP + ["--comm-stream-priority", "normal"], False, "--comm-stream-priority=normal",
      "CUDA device"),
+    (OVERLAP + ["--moe-grouped-gemm-sm-carveout", "8"], False,
+     "--moe-grouped-gemm-sm-carveout=8", "on CPU"),
+    (["--moe-grouped-gemm-sm-carveout", "0"], True, "--moe-grouped-gemm-sm-carveout=0",
+     "[1, 64]"),
+    (["--moe-grouped-gemm-sm-carveout", "65"], True, "--moe-grouped-gemm-sm-carveout=65",
+     "[1, 64]"),
+    (["--moe-grouped-gemm-sm-carveout", "4", "--num-experts", "0"], True,
+     "--moe-grouped-gemm-sm-carveout=4", "--num-experts"),
 ])
 def test_refused_naming_the_flag(nccl_configurable, argv, cuda, flag, fragment):
     with pytest.raises(ConfigError) as info:

@@ -15,6 +15,8 @@ shapes); otherwise a loop of matmuls over the host-side `counts` (a correct fall
 None: only the device knows them (the budget dispatch) and rows past the last offset are
 padding, which `torch._grouped_mm` leaves unwritten; the fallback then reads the offsets on the
 host (it runs only where `_grouped_mm` does not, never on CUDA) and writes zeros there.
+With an SM carveout (`--moe-grouped-gemm-sm-carveout`) each grouped GEMM leaves that many SMs
+free for the all-to-all kernels running beside it on the comm stream.
 """
 
 from __future__ import annotations
@@ -116,23 +118,39 @@ def _host_counts(offsets_E: torch.Tensor, num_rows: int) -> list[int]:
     return [end - start for start, end in zip([0] + ends, ends)] + [num_rows - ends[-1]]
 
 
-def _mm_grouped(a_NI, b_EIO, offsets_E, counts):
+def _carved_grouped_mm(a, b, offsets_E, sm_carveout: Optional[int]) -> torch.Tensor:
+    """`torch._grouped_mm`, on all SMs but `sm_carveout` when given (torch's process-wide SM
+    carveout, set for this one launch and put back: the dense GEMMs keep every SM, and with it
+    the cuBLAS algorithm and bits they always had). Its CUTLASS kernel is persistent, one CTA
+    per SM it is given, each output tile summed over the full K by one CTA, so fewer SMs change
+    which CTA computes a tile, not its bits."""
+    if sm_carveout is None:
+        return torch._grouped_mm(a, b, offs=offsets_E)
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sm_carveout)
+    try:
+        return torch._grouped_mm(a, b, offs=offsets_E)
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
+def _mm_grouped(a_NI, b_EIO, offsets_E, counts, sm_carveout=None):
     """Row-grouped A [N, I] x per-group B [E, I, O] -> [N, O]."""
     if a_NI.shape[0] == 0:  # a rank that received no token
         return a_NI.new_empty((0, b_EIO.shape[-1]))
     if _grouped_mm_runs(a_NI, b_EIO):
-        return torch._grouped_mm(a_NI, b_EIO, offs=offsets_E)
+        return _carved_grouped_mm(a_NI, b_EIO, offsets_E, sm_carveout)
     sizes = _host_counts(offsets_E, a_NI.shape[0]) if counts is None else list(counts) + [0]
     pieces = torch.split(a_NI, sizes)
     outs = [p @ b_EIO[e] for e, p in enumerate(pieces[:-1])]
     return torch.cat(outs + [a_NI.new_zeros((sizes[-1], b_EIO.shape[-1]))], dim=0)
 
 
-def _mm_weight_grad(x_NI, grad_NO, offsets_E, counts, num_experts):
+def _mm_weight_grad(x_NI, grad_NO, offsets_E, counts, num_experts, sm_carveout=None):
     """Per group x_g^T @ grad_g -> [E, I, O] (zero for empty groups)."""
     x_IN = x_NI.t()
     if _grouped_mm_runs(x_IN, grad_NO) and x_NI.shape[0] > 0:
-        return torch._grouped_mm(x_IN, grad_NO, offs=offsets_E)
+        return _carved_grouped_mm(x_IN, grad_NO, offsets_E, sm_carveout)
     if counts is None:
         counts = _host_counts(offsets_E, x_NI.shape[0])
     xs, gs = torch.split(x_NI, counts), torch.split(grad_NO, counts)
@@ -145,30 +163,33 @@ def _mm_weight_grad(x_NI, grad_NO, offsets_E, counts, num_experts):
 
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_NI, weight_EIO, offsets_E, counts, queue):
+    def forward(ctx, x_NI, weight_EIO, offsets_E, counts, queue, sm_carveout):
         ctx.save_for_backward(x_NI, weight_EIO, offsets_E)
-        ctx.counts, ctx.queue = counts, queue
-        return _mm_grouped(x_NI, weight_EIO, offsets_E, counts)
+        ctx.counts, ctx.queue, ctx.sm_carveout = counts, queue, sm_carveout
+        return _mm_grouped(x_NI, weight_EIO, offsets_E, counts, sm_carveout)
 
     @staticmethod
     def backward(ctx, grad_NO):
         x_NI, weight_EIO, offsets_E = ctx.saved_tensors
-        counts = ctx.counts
+        counts, carveout = ctx.counts, ctx.sm_carveout
         grad_NO = grad_NO.contiguous()
-        grad_x_NI = _mm_grouped(grad_NO, weight_EIO.transpose(1, 2), offsets_E, counts)
+        grad_x_NI = _mm_grouped(grad_NO, weight_EIO.transpose(1, 2), offsets_E, counts,
+                                carveout)
         if ctx.needs_input_grad[1]:
             def weight_grad_work(x_NI=x_NI, grad_NO=grad_NO, weight_EIO=weight_EIO):
                 accumulate_weight_grad(weight_EIO, _mm_weight_grad(
-                    x_NI, grad_NO, offsets_E, counts, weight_EIO.shape[0]))
+                    x_NI, grad_NO, offsets_E, counts, weight_EIO.shape[0], carveout))
             _run_or_defer(ctx.queue, weight_grad_work)
-        return grad_x_NI, None, None, None, None
+        return grad_x_NI, None, None, None, None, None
 
 
 def grouped_gemm(x_NI: torch.Tensor, weight_EIO: torch.nn.Parameter, offsets_E: torch.Tensor,
-                 counts: Optional[list[int]], queue=None) -> torch.Tensor:
+                 counts: Optional[list[int]], queue=None,
+                 sm_carveout: Optional[int] = None) -> torch.Tensor:
     """Rows of expert e (counts[e] of them, in order) times weight[e]; deferrable weight grad.
-    counts None: see the module docstring (device-only counts, padding rows at the end)."""
-    return _GroupedGemm.apply(x_NI, weight_EIO, offsets_E, counts, queue)
+    counts None: see the module docstring (device-only counts, padding rows at the end).
+    `sm_carveout`: SMs the forward, input-grad and weight-grad GEMMs leave free (CUDA)."""
+    return _GroupedGemm.apply(x_NI, weight_EIO, offsets_E, counts, queue, sm_carveout)
 
 
 def expert_offsets(counts_E: torch.Tensor) -> torch.Tensor:

@@ -322,10 +322,10 @@ class GroupedSwiGLUExperts(nn.Module):
 
     def __init__(self, moe: MoEConfig, hidden: int, ffn: int, layer: int, ep_rank: int,
                  ep_size: int, *, seed: int, std: float, out_std: float, dtype, device,
-                 ops: MoEOps, queue=None):
+                 ops: MoEOps, queue=None, sm_carveout: Optional[int] = None):
         super().__init__()
         local = moe.num_experts // ep_size
-        self.queue, self.ops = queue, ops
+        self.queue, self.ops, self.sm_carveout = queue, ops, sm_carveout
         self.fc1 = nn.Parameter(torch.empty(local, hidden, 2 * ffn, dtype=dtype, device=device))
         self.fc2 = nn.Parameter(torch.empty(local, ffn, hidden, dtype=dtype, device=device))
         for e in range(local):  # seeded by the *global* expert index: same model for any EP
@@ -342,9 +342,11 @@ class GroupedSwiGLUExperts(nn.Module):
         device knows the counts, and rows past the last expert's are padding (the budget
         dispatch): the GEMMs leave them unwritten, so they come out as zeros."""
         offsets_L = expert_offsets(counts_L)
-        h_M2F = grouped_gemm(x_MH, self.fc1, offsets_L, counts_host, self.queue)
+        h_M2F = grouped_gemm(x_MH, self.fc1, offsets_L, counts_host, self.queue,
+                             self.sm_carveout)
         act_MF = self.ops.swiglu(h_M2F, probs_M)  # probs applied here, in fp32
-        out_MH = grouped_gemm(act_MF, self.fc2, offsets_L, counts_host, self.queue)
+        out_MH = grouped_gemm(act_MF, self.fc2, offsets_L, counts_host, self.queue,
+                              self.sm_carveout)
         if counts_host is None:
             row_M1 = torch.arange(out_MH.shape[0], device=out_MH.device).unsqueeze(1)
             out_MH = torch.where(row_M1 < offsets_L[-1:], out_MH, out_MH.new_zeros(()))

@@ -141,8 +141,9 @@ class TransformerLayer(nn.Module):
         ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
         self.router = Router(moe, m.hidden_size, layer, ops, seed=seed, std=std, dtype=dtype,
                              device=device, aux_loss_scale=1.0 / cfg.train.num_microbatches)
-        self.experts = GroupedSwiGLUExperts(moe, m.hidden_size, ffn, layer, ep_rank, comm.size,
-                                            **mlp_kwargs)
+        self.experts = GroupedSwiGLUExperts(
+            moe, m.hidden_size, ffn, layer, ep_rank, comm.size, **mlp_kwargs,
+            sm_carveout=cfg.parallel.moe_grouped_gemm_sm_carveout)
         if moe.moe_shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(m.hidden_size, moe.moe_shared_expert_intermediate_size,
                                         name=f"shared{layer}", **mlp_kwargs)
