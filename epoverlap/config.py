@@ -42,7 +42,7 @@ ROUTER_DTYPES = ("fp32", "fp64")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DROP_POLICIES = ("probs", "position")  # as epoverlap_kernels.capacity
 DEVICES = ("auto", "cpu", "cuda")
-OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release")
+OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release", "combined_1f1b_paired_ends")
 COMM_MODES = ("real", "local_copy")
 COMM_STREAM_PRIORITIES = ("high", "normal")
 NCCL_MAX_CHANNELS = 64  # NCCL's MAXCHANNELS: the most CTAs a collective may use
@@ -499,7 +499,11 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
      "combined 1F1B schedule hiding EP all-to-all"),
     ("--delay-wgrad-compute", "overlap", "delay_wgrad_compute", bool,
      "split weight grads out and run them in the comm gaps"),
-    ("--overlap-plan", "overlap", "overlap_plan", str, f"one of {OVERLAP_PLANS}"),
+    ("--overlap-plan", "overlap", "overlap_plan", str,
+     f"one of {OVERLAP_PLANS}: the combined 1F1B (F0 alone, F(i) beside B(i-1), B(M-1) "
+     "alone); its early_release form (B.attn before F.mlp, for memory); paired_ends (F0 "
+     "beside F1 and B(M-2) beside B(M-1): the ends overlap too, for one microbatch's "
+     "activations more; one pipeline stage)"),
     ("--comm-stream-priority", "overlap", "comm_stream_priority", str,
      f"one of {COMM_STREAM_PRIORITIES}: CUDA priority of the overlap's comm stream (its "
      "all-to-alls run there); high lets their kernels start ahead of waiting compute kernels"),
@@ -878,6 +882,10 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
              f"allowed: {', '.join(OVERLAP_PLANS)}")
     _require(o.comm_mode in COMM_MODES, "comm_mode", o.comm_mode,
              f"allowed: {', '.join(COMM_MODES)}")
+    if o.overlap_plan == "combined_1f1b_paired_ends":
+        _require(cfg.parallel.pipeline_model_parallel_size == 1, "overlap_plan", o.overlap_plan,
+                 "pairs the first two forwards and the last two backwards of one stage: needs "
+                 "--pipeline-model-parallel-size 1")
     if o.overlap_moe_expert_parallel_comm and cfg.parallel.pipeline_model_parallel_size == 1:
         # with pipeline stages there are always transfers to hide (the P2P on the comm lane)
         _require(cfg.parallel.expert_model_parallel_size > 1, "overlap_moe_expert_parallel_comm",

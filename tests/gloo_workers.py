@@ -26,6 +26,8 @@ MODES = {
     "overlap_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
     "early_release_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
                             "--overlap-plan", "combined_1f1b_early_release"],
+    "paired_ends_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+                          "--overlap-plan", "combined_1f1b_paired_ends"],
 }
 
 

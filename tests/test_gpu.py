@@ -202,15 +202,19 @@ def test_graphed_sequential_run_on_one_gpu_equals_eager_bitwise(tmp_path):
 def test_cli_runs_are_bitwise_identical_under_deterministic(tmp_path):
     """The path users run (CLI, bf16, optimizer on, Triton kernels, 2 ranks, real text and the
     learned router): the same command twice, and sequential vs overlap vs overlap + delayed
-    wgrad vs the same with CUDA graphs, all bitwise identical under --deterministic; and no
+    wgrad vs the same with CUDA graphs vs the paired-ends plan with the grouped GEMMs' SM
+    carveout, all bitwise identical under --deterministic; and no
     Triton compile after the warmup steps although every step routes differently."""
     steps = os.environ.get("EPOVERLAP_GPU_STEPS", "30")
     base = ["--preset", "small", "--bf16", "--deterministic-mode", "--train-iters", steps,
             "--expert-model-parallel-size", "2", "--kernel-backend", "triton", "--seed", "3"]
     overlap = ["--overlap-moe-expert-parallel-comm"]
     wgrad = overlap + ["--delay-wgrad-compute"]
+    paired_carved = wgrad + ["--overlap-plan", "combined_1f1b_paired_ends",
+                             "--moe-grouped-gemm-sm-carveout", "8"]
     runs = {"seq": [], "seq_again": [], "ovl": overlap, "ovl_wgrad": wgrad,
-            "ovl_wgrad_graphs": wgrad + GRAPHS, "seq_graphs": GRAPHS}
+            "ovl_wgrad_graphs": wgrad + GRAPHS, "seq_graphs": GRAPHS,
+            "paired_ends_carveout": paired_carved}
     logs, outs = {}, {}
     for name, extra in runs.items():
         outs[name], logs[name] = _train(tmp_path, name, 2, base + extra)

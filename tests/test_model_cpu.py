@@ -65,6 +65,8 @@ def executor_grads(plan_name, lanes, delay, extra=()):
     ("combined_1f1b", ThreadLanes, False),
     ("combined_1f1b", ThreadLanes, True),
     ("combined_1f1b_early_release", ThreadLanes, True),
+    ("combined_1f1b_paired_ends", ThreadLanes, False),
+    ("combined_1f1b_paired_ends", ThreadLanes, True),
 ])
 def test_node_execution_matches_plain_autograd_bitwise(plan_name, lanes, delay):
     reference = plain_autograd_grads()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from epoverlap.model.nodes import COMM, COMPUTE, NodeKind
-from epoverlap.schedule.plan import (Action, PlanError, action_lane, build_plan,
+from epoverlap.schedule.plan import (Action, PlanError, Step, action_lane, build_plan,
                                      combined_1f1b_plan, format_plan, node_kinds, parse_plan,
                                      plan_to_string, sequential_plan, validate_plan)
 
@@ -79,6 +79,43 @@ def test_golden_early_release_moves_attention_backward_before_forward_mlp():
             "F1.mlp.L0 F1.combine.L0") in plan
 
 
+def test_golden_paired_ends_overlap_the_first_forward_and_the_last_backward():
+    """Written from the design (two forwards: each dispatch read issued once the other
+    microbatch has compute queued; two backwards: each all-to-all beside the other's compute
+    and the weight grads), not from the builder."""
+    plan = plan_to_string(build_plan("combined_1f1b_paired_ends", [MOE], 3, True))
+    assert plan == (
+        # F0 beside F1
+        "F0.embed F1.embed F0.attn.L0 F1.attn.L0 F0.dispatch.L0 F0.mlp.L0 F1.dispatch.L0 "
+        "F1.mlp.L0 F0.combine.L0 F1.combine.L0 F0.loss F1.loss "
+        # F2 beside B0: the combined step
+        "B0.loss F2.embed B0.combine.L0 F2.attn.L0 B0.mlp.L0 F2.dispatch.L0 W0.mlp.L0 "
+        "B0.dispatch.L0 F2.mlp.L0 F2.combine.L0 B0.attn.L0 W0.attn.L0 F2.loss B0.embed "
+        # B1 beside B2
+        "B1.loss B2.loss B1.combine.L0 B2.combine.L0 B1.mlp.L0 B1.dispatch.L0 B2.mlp.L0 "
+        "W1.mlp.L0 B2.dispatch.L0 W2.mlp.L0 B1.attn.L0 W1.attn.L0 B2.attn.L0 W2.attn.L0 "
+        "B1.embed B2.embed")
+
+
+def test_paired_ends_with_one_microbatch_is_forward_then_backward():
+    assert build_plan("combined_1f1b_paired_ends", [MOE], 1) == sequential_plan([MOE], 1)
+
+
+def test_paired_ends_interleave_an_unknown_layer_node_by_node():
+    odd = [NodeKind("attn", COMPUTE, True), NodeKind("router_x", COMPUTE)]
+    plan = build_plan("combined_1f1b_paired_ends", [odd], 2, True)
+    validate_plan(plan, [odd], 2, True)
+    assert plan_to_string(plan).startswith(
+        "F0.embed F1.embed F0.attn.L0 F1.attn.L0 F0.router_x.L0 F1.router_x.L0")
+
+
+def test_a_step_with_a_partner_has_one_direction():
+    with pytest.raises(ValueError, match="one forward or one backward"):
+        Step((0, 0), (1, 0), partner=(2, 0))
+    assert Step((0, 0), partner=(1, 0)).label() == "F0+F1"
+    assert Step(None, (2, 0), partner=(3, 0)).label(True) == "B2c0+B3c0"
+
+
 def test_golden_printed_grid():
     grid = format_plan(parse_plan("F0.embed F0.attn.L0 F0.dispatch.L0"), [MOE])
     assert grid.splitlines()[2:] == [
@@ -88,7 +125,8 @@ def test_golden_printed_grid():
 
 
 @pytest.mark.parametrize("layout", [[MOE], [DENSE, MOE], [MOE, DENSE, MOE, MOE]])
-@pytest.mark.parametrize("name", ["sequential", "combined_1f1b", "combined_1f1b_early_release"])
+@pytest.mark.parametrize("name", ["sequential", "combined_1f1b", "combined_1f1b_early_release",
+                                  "combined_1f1b_paired_ends"])
 @pytest.mark.parametrize("microbatches", [1, 2, 4])
 @pytest.mark.parametrize("delay", [False, True])
 def test_every_builder_makes_valid_plans(layout, name, microbatches, delay):

@@ -144,15 +144,24 @@ def as_chunks(layout) -> list[Chunk]:
 
 @dataclass(frozen=True)
 class Step:
-    """One forward and/or one backward of a (microbatch, chunk index) on a stage."""
+    """One forward and/or one backward of a (microbatch, chunk index) on a stage; or, with
+    `partner`, two forwards (or two backwards) of the same chunk interleaved node by node: the
+    one given as `forward` (or `backward`) and `partner`."""
 
     forward: Optional[tuple[int, int]] = None
     backward: Optional[tuple[int, int]] = None
+    partner: Optional[tuple[int, int]] = None
+
+    def __post_init__(self):
+        if self.partner is not None and (self.forward is None) == (self.backward is None):
+            raise ValueError("a step with a partner has one forward or one backward, not both")
 
     def label(self, with_chunks: bool = False) -> str:
-        """'F3+B1', or with chunks 'F3c0+B1c1'."""
+        """'F3+B1', 'F0+F1', or with chunks 'F3c0+B1c1'."""
         parts = [(kind, work) for kind, work in (("F", self.forward), ("B", self.backward))
                  if work is not None]
+        if self.partner is not None:
+            parts.append((parts[0][0], self.partner))
         return "+".join(f"{kind}{mb}" + (f"c{chunk}" if with_chunks else "")
                         for kind, (mb, chunk) in parts)
 
@@ -198,6 +207,50 @@ def _layer_pair(f_mb: Optional[int], f_layer: Optional[int], f_nodes: Sequence[N
     return order + wgrad("attn")
 
 
+# Two microbatches' nodes of one layer, same direction, each split-size read (F dispatch) issued
+# once the other microbatch has compute queued behind it, each all-to-all beside the other's
+# compute. A layer with other nodes interleaves them one by one in chain order.
+_FORWARD_PAIR = ("a.attn", "b.attn", "a.dispatch", "a.mlp", "b.dispatch", "b.mlp", "a.combine",
+                 "b.combine")
+_BACKWARD_PAIR = ("a.combine", "b.combine", "a.mlp", "a.dispatch", "b.mlp", "a.W.mlp",
+                  "b.dispatch", "b.W.mlp", "a.attn", "a.W.attn", "b.attn", "b.W.attn")
+
+
+def _same_direction_layer(kind: str, a: int, b: int, layer: int, nodes: Sequence[NodeKind],
+                          delay_wgrad: bool) -> list[Action]:
+    """Layer `layer` of microbatches a and b, both forward (kind "F") or both backward ("B")."""
+    deferrable = {node.name for node in nodes if node.deferrable and delay_wgrad}
+    names = [node.name for node in nodes]
+    template = _FORWARD_PAIR if kind == "F" else _BACKWARD_PAIR
+    known = {entry.split(".")[-1] for entry in template}
+    if not set(names) <= known:  # an unknown layout: one node of each in turn
+        order = names if kind == "F" else names[::-1]
+        template = tuple(f"{who}.{name}" for name in order for who in "ab")
+        template += tuple(f"{who}.W.{name}" for name in order for who in "ab")
+    plan = []
+    for entry in template:
+        who, *wgrad, name = entry.split(".")
+        if name not in names or (wgrad and (kind == "F" or name not in deferrable)):
+            continue
+        mb = a if who == "a" else b
+        plan.append(Action("W" if wgrad else kind, mb, name, layer))
+    return plan
+
+
+def _paired_step(kind: str, chunk: Chunk, a: int, b: int, delay_wgrad: bool) -> list[Action]:
+    """Microbatches a and b through one chunk in the same direction, layer by layer."""
+    layers = list(enumerate(chunk.layers))
+    if kind == "B":
+        layers.reverse()
+    edges = [(chunk.head, chunk.head_key), (chunk.tail, chunk.tail_key)]
+    first, last = edges if kind == "F" else edges[::-1]
+    plan = [Action(kind, mb, first[0].name, first[1][0]) for mb in (a, b)]
+    for offset, nodes in layers:
+        plan += _same_direction_layer(kind, a, b, chunk.first_layer + offset, nodes,
+                                      delay_wgrad)
+    return plan + [Action(kind, mb, last[0].name, last[1][0]) for mb in (a, b)]
+
+
 def _combined_step(f_chunk: Chunk, f_mb: int, b_chunk: Chunk, b_mb: int, delay_wgrad: bool,
                    early_release: bool) -> list[Action]:
     """F's chunk and B's chunk node by node: forward layer i beside backward layer n-1-i."""
@@ -220,6 +273,15 @@ def expand_steps(steps: Sequence[Step], chunks: StageLayout, combined: bool,
     them node by node (the combined 1F1B); otherwise it runs the forward, then the backward."""
     plan: list[Action] = []
     for step in steps:
+        if step.partner is not None:
+            kind, work = ("F", step.forward) if step.forward else ("B", step.backward)
+            if not combined or work[1] != step.partner[1]:
+                plan += expand_steps([Step(**{"forward" if kind == "F" else "backward": w})
+                                      for w in (work, step.partner)], chunks, False,
+                                     delay_wgrad)
+                continue
+            plan += _paired_step(kind, chunks[work[1]], work[0], step.partner[0], delay_wgrad)
+            continue
         f_chunk = chunks[step.forward[1]] if step.forward else None
         b_chunk = chunks[step.backward[1]] if step.backward else None
         if combined and f_chunk and b_chunk:
@@ -249,11 +311,31 @@ def combined_1f1b_plan(layout, num_microbatches: int, delay_wgrad: bool = False,
     return expand_steps(steps, as_chunks(layout), True, delay_wgrad, early_release)
 
 
+def paired_ends_steps(num_microbatches: int) -> list[Step]:
+    """The combined 1F1B with its ends overlapped too: F0 beside F1, then F(i) beside B(i-2),
+    then B(M-2) beside B(M-1). The plain form leaves F0 and B(M-1) alone (no compute beside
+    their all-to-alls: at 4 microbatches two of five phases); this one holds one microbatch's
+    activations more (three microbatches in flight in the steady state instead of two)."""
+    m = num_microbatches
+    if m < 2:
+        return [Step((0, 0)), Step(None, (0, 0))]
+    return ([Step((0, 0), partner=(1, 0))]
+            + [Step((mb, 0), (mb - 2, 0)) for mb in range(2, m)]
+            + [Step(None, (m - 2, 0), partner=(m - 1, 0))])
+
+
+def combined_1f1b_paired_ends_plan(layout, num_microbatches: int,
+                                   delay_wgrad: bool = False) -> list[Action]:
+    return expand_steps(paired_ends_steps(num_microbatches), as_chunks(layout), True,
+                        delay_wgrad)
+
+
 PLAN_BUILDERS = {
     "sequential": lambda layout, m, d: sequential_plan(layout, m, d),
     "combined_1f1b": lambda layout, m, d: combined_1f1b_plan(layout, m, d),
     "combined_1f1b_early_release": lambda layout, m, d: combined_1f1b_plan(
         layout, m, d, early_release=True),
+    "combined_1f1b_paired_ends": combined_1f1b_paired_ends_plan,
 }
 
 

@@ -275,7 +275,8 @@ class Trainer:
         plans = pipeline_plans(layouts, cfg.train.num_microbatches,
                                combined=overlap.overlap_moe_expert_parallel_comm,
                                delay_wgrad=overlap.delay_wgrad_compute,
-                               early_release=plan_name(cfg) == "combined_1f1b_early_release")
+                               early_release=plan_name(cfg) == "combined_1f1b_early_release",
+                               paired_ends=plan_name(cfg) == "combined_1f1b_paired_ends")
         validate_pipeline(plans, layouts, cfg.train.num_microbatches, overlap.delay_wgrad_compute)
         return layouts, plans
 
