@@ -47,6 +47,7 @@
 #                                against .baseline/'s (an earlier commit), alternated, NVLink
 #                                and NCCL_P2P_DISABLE=1
 #   tools/gpu_suite.sh x2prof    2 GPUs: host time per node action and a cProfile per mode
+#   tools/gpu_suite.sh x2carve   2 GPUs: the grouped GEMMs' SM carveout and the paired-ends plan
 #   tools/gpu_suite.sh peer      Megatron-core beside us (tools/bench_peer.py) on NGPUS GPUs and
 #                                its GPU tests; needs megatron-core importable (the peer extra)
 # Everything is written under ${OUT:-runs/gpu} (logs, JSON, span files, one tarball) and the
@@ -545,18 +546,41 @@ PYEOF
     ;;
   x2prof)  # 2 GPUs: where the eager step's host time goes per mode: bench_overlap at SHAPES
             # with the host wall time of every node action and rank 0's cProfile of one step
-            # per mode (top PROFILE_TOP functions by own time), NVLink, then P2P_SHAPES (if
-            # any) with NCCL_P2P_DISABLE=1
+            # per mode (top PROFILE_TOP functions by own time; with API_TOP, also rank 0's
+            # torch.profiler host self time per aten op / CUDA call), NVLink, then P2P_SHAPES
+            # (if any) with NCCL_P2P_DISABLE=1
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${PROF_TIMEOUT:-240} step prof_nvlink torchrun \
       --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py --host-nodes \
-      --python-profile "${PROFILE_TOP:-40}" --shapes "${SHAPES:-megatron_e32_k4_mbs2x8}" \
+      --python-profile "${PROFILE_TOP:-40}" --api-profile "${API_TOP:-0}" \
+      --shapes "${SHAPES:-megatron_e32_k4_mbs2x8}" \
       --iters "${ITERS:-4}" --warmup 1 --out-dir "$WORK/prof/nvlink"
     if [ -n "${P2P_SHAPES:-}" ]; then
       NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${PROF_TIMEOUT:-240} step \
         prof_nop2p torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py \
-        --host-nodes --python-profile "${PROFILE_TOP:-40}" --shapes "$P2P_SHAPES" \
+        --host-nodes --python-profile "${PROFILE_TOP:-40}" --api-profile "${API_TOP:-0}" \
+        --shapes "$P2P_SHAPES" \
         --iters "${ITERS:-4}" --warmup 1 --out-dir "$WORK/prof/nop2p"
     fi
+    ;;
+  x2carve)  # 2 GPUs: the grouped GEMMs' SM carveout and the paired-ends plan (overlap.md run E):
+             # bench_overlap per VARIANT (tag:regime:shape:max_ctas:flags, flags with , for
+             # spaces), profiled with --profile-steps 1 where regime ends in +prof
+    for variant in ${VARIANTS:-none:nop2p+prof:ratio_h2048_k4_f4096:default: \
+        c8:nop2p+prof:ratio_h2048_k4_f4096:8:--moe-grouped-gemm-sm-carveout,8 \
+        c8_paired:nop2p+prof:ratio_h2048_k4_f4096:8:--moe-grouped-gemm-sm-carveout,8,--overlap-plan,combined_1f1b_paired_ends \
+        f128_c8:nop2p:ratio_h2048_k8_f128:8:--moe-grouped-gemm-sm-carveout,8 \
+        f128_c8_paired:nop2p:ratio_h2048_k8_f128:8:--moe-grouped-gemm-sm-carveout,8,--overlap-plan,combined_1f1b_paired_ends \
+        f128:nvlink:ratio_h2048_k8_f128:default: \
+        f128_paired:nvlink:ratio_h2048_k8_f128:default:--overlap-plan,combined_1f1b_paired_ends}; do
+      IFS=: read -r tag regime shape ctas flags <<< "$variant"
+      env_p2p=0; prof=""
+      case "$regime" in nop2p*) env_p2p=1 ;; esac
+      case "$regime" in *+prof) prof="--profile-shapes $shape --profile-steps 1" ;; esac
+      NCCL_P2P_DISABLE=$env_p2p CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=200 step \
+        "carve_${regime%+prof}_$tag" torchrun --standalone --nproc-per-node="$NGPUS" \
+        tools/bench_overlap.py --shapes "$shape" $prof --iters 2 --warmup 1 --max-ctas "$ctas" \
+        --extra-flags "${flags//,/ }" --out-dir "$WORK/carve/${regime%+prof}/$tag"
+    done
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
