@@ -19,7 +19,8 @@ With a sync-free dispatch k counts the rows the dispatch moves per token instead
 first budget level that holds balanced routing (a step rerun at a larger budget needs more, up
 to EP x k). A capacity without padding keeps k: it can only drop rows.
 One microbatch in flight without the overlap; with it, one microbatch plus the largest layer of
-the next (the combined 1F1B forward of layer l runs beside the backward of layer L-1-l). The
+the next (the combined 1F1B forward of layer l runs beside the backward of layer L-1-l); two
+plus that layer with the paired-ends plan (F(i-1) is held while F(i) runs beside B(i-2)). The
 backward adds a transient: the weight grad of the largest weight (computed in the model dtype,
 then added to its fp32 main_grad), or the grads of the loss's logits or of a comm node's
 tokens (2kH b per token), whichever is larger. Activations and transient get +5% for what the
@@ -158,6 +159,9 @@ def _chunks_in_flight(cfg: RunConfig, stage: int) -> tuple[int, str]:
     pipeline stages; the warmup forwards plus one with them (schedule.pipeline)."""
     pp, virtual = cfg.parallel.pipeline_model_parallel_size, cfg.virtual_stages
     if pp == 1:
+        if (cfg.overlap.overlap_moe_expert_parallel_comm and cfg.train.num_microbatches > 1
+                and cfg.overlap.overlap_plan == "combined_1f1b_paired_ends"):
+            return 2, "2 microbatches (paired ends)"  # F(i-1) held while F(i) meets B(i-2)
         return 1, "1 microbatch"
     microbatches = cfg.train.num_microbatches
     first_group = len(microbatch_groups(microbatches, pp)[0])
