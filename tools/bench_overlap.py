@@ -194,24 +194,12 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
             every = [None] * groups.world_size
             dist.all_gather_object(every, mine)
             result["host_nodes"] = every  # per rank: {"F attn": [ms per step, us per call]}
-        if args.python_profile:  # every rank runs the step; rank 0's is profiled
-            from epoverlap_tools.bench_host import python_profile
-            dist.barrier()
-            if groups.rank == 0:
-                result["python_profile"] = python_profile(trainer, inputs, args.python_profile)
-            else:
-                trainer.run_microbatches(1, inputs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        if args.api_profile:  # every rank runs the step; rank 0's is profiled
-            from epoverlap_tools.bench_host import api_profile
-            dist.barrier()
-            if groups.rank == 0:
-                result["api_profile"] = api_profile(trainer, inputs, args.api_profile)
-            else:
-                trainer.run_microbatches(1, inputs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        from epoverlap_tools.bench_host import api_profile, python_profile
+        for key, profile, top in (("python_profile", python_profile, args.python_profile),
+                                  ("api_profile", api_profile, args.api_profile)):
+            found = _rank0_profiled_step(trainer, inputs, profile, top) if top else None
+            if found is not None:
+                result[key] = found
         if profile_dir is not None:
             _profile_steps(trainer, inputs, profile_dir, args)
         if want_trace:
@@ -227,6 +215,20 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _rank0_profiled_step(trainer, inputs, profile, top: int):
+    """One more step on every rank (the all-to-alls need them all), rank 0's under
+    `profile(trainer, inputs, top)`: its result on rank 0, None elsewhere."""
+    dist.barrier()
+    found = None
+    if trainer.groups.rank == 0:
+        found = profile(trainer, inputs, top)
+    else:
+        trainer.run_microbatches(1, inputs)
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)
+    return found
 
 
 def _profile_steps(trainer, inputs, profile_dir: Path, args) -> None:

@@ -50,8 +50,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from epoverlap.model.nodes import COMM, SEND
-from epoverlap.schedule.plan import (Action, Chunk, PlanError, Step, action_lane, expand_steps,
-                                     node_kinds, paired_ends_steps, validate_plan)
+from epoverlap.schedule.plan import (Action, Chunk, PlanError, Step, action_lane,
+                                     combined_1f1b_paired_ends_plan, expand_steps, node_kinds,
+                                     validate_plan)
 
 
 # --------------------------------------------------------------------------- steps
@@ -99,13 +100,13 @@ def pipeline_plans(stage_chunks: Sequence[Sequence[Chunk]], num_microbatches: in
     """Every stage's plan (stage_chunks[p]: stage p's chunks as its model declares them), with
     the transfers of each link put in one order on both ends (`order_transfers`).
     `paired_ends` (one stage of one chunk, combined): the warm-up forward beside the next
-    forward and the cool-down backward beside the one before it (`paired_ends_steps`)."""
+    forward and the cool-down backward beside the one before it
+    (`plan.paired_ends_steps`)."""
     stages = len(stage_chunks)
     if paired_ends:
         if not combined or stages != 1 or len(stage_chunks[0]) != 1:
             raise ValueError("paired ends need the combined schedule on one stage of one chunk")
-        return [expand_steps(paired_ends_steps(num_microbatches), stage_chunks[0], True,
-                             delay_wgrad)]
+        return [combined_1f1b_paired_ends_plan(stage_chunks[0], num_microbatches, delay_wgrad)]
     plans = [expand_steps(pipeline_steps(stage, stages, len(chunks), num_microbatches, combined),
                           chunks, combined, delay_wgrad, early_release)
              for stage, chunks in enumerate(stage_chunks)]

@@ -226,11 +226,12 @@ def _same_direction_layer(kind: str, a: int, b: int, layer: int, nodes: Sequence
     if not set(names) <= known:  # an unknown layout: one node of each in turn
         order = names if kind == "F" else names[::-1]
         template = tuple(f"{who}.{name}" for name in order for who in "ab")
-        template += tuple(f"{who}.W.{name}" for name in order for who in "ab")
+        if kind == "B":
+            template += tuple(f"{who}.W.{name}" for name in order for who in "ab")
     plan = []
     for entry in template:
         who, *wgrad, name = entry.split(".")
-        if name not in names or (wgrad and (kind == "F" or name not in deferrable)):
+        if name not in names or (wgrad and name not in deferrable):
             continue
         mb = a if who == "a" else b
         plan.append(Action("W" if wgrad else kind, mb, name, layer))
