@@ -333,6 +333,8 @@ def bench_shape(name, groups, args, log, budget=NcclCtaBudget()) -> dict:
             f"{results[mode]['step_ms']:.2f} ms, peak {results[mode]['peak_gib']:.2f} GiB"
             + (f", {results[mode]['graphs']} graphs, {results[mode]['graph_gib']:.3f} GiB"
                if "graphs" in results[mode] else ""))
+    _more_rounds(results, modes, base, groups, args, lambda msg: log(f"[bench_overlap] {label} "
+                                                                      + msg))
     results["comm"] = {"fb_ms": replay_comm_ms(results["ovl"].pop("trace"), groups, args)}
     log(f"[bench_overlap] {label} comm alone: {results['comm']['fb_ms']:.2f} ms")
     if name in args.profile_shapes:
@@ -340,6 +342,33 @@ def bench_shape(name, groups, args, log, budget=NcclCtaBudget()) -> dict:
         if groups.rank == 0:
             results["timeline"] = timeline_figures(spans_root, list(modes))
     return results
+
+
+def _more_rounds(results: dict, modes: dict, base: list, groups, args, log) -> None:
+    """Rounds 2..`--rounds` of every mode's timing (order reversed every other round, so no
+    mode always runs first): fb_ms and step_ms become the medians over the rounds, each
+    round's in fb_ms_rounds / step_ms_rounds. On hosts whose speed drifts by 10-15% between
+    runs minutes apart (benchmarks/overlap.md), one round per mode cannot tell modes apart
+    that differ by less."""
+    if args.rounds <= 1:
+        return
+    timing_only = argparse.Namespace(**{**vars(args), "host_nodes": False, "python_profile": 0,
+                                        "api_profile": 0})
+    for mode in modes:
+        results[mode]["fb_ms_rounds"] = [results[mode]["fb_ms"]]
+        results[mode]["step_ms_rounds"] = [results[mode]["step_ms"]]
+    for round_index in range(2, args.rounds + 1):
+        order = list(modes) if round_index % 2 else list(reversed(modes))
+        for mode in order:
+            got = measure_mode(groups, base + modes[mode], timing_only)
+            results[mode]["fb_ms_rounds"].append(got["fb_ms"])
+            results[mode]["step_ms_rounds"].append(got["step_ms"])
+            log(f"{mode} round {round_index}: fb {got['fb_ms']:.2f} ms")
+    for mode in modes:
+        first_step_ms = results[mode]["step_ms"]
+        results[mode]["fb_ms"] = statistics.median(results[mode]["fb_ms_rounds"])
+        results[mode]["step_ms"] = statistics.median(results[mode]["step_ms_rounds"])
+        results[mode]["tokens_per_s_per_gpu"] *= first_step_ms / results[mode]["step_ms"]
 
 
 def timeline_figures(spans_root: Path, modes: list) -> dict:
@@ -500,6 +529,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out-dir", default="runs/bench_overlap")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every mode this many times, alternating the order; report "
+                             "the median (for hosts whose speed drifts between runs)")
     parser.add_argument("--profile-steps", type=int, default=3,
                         help="profiled steps per mode of the --profile-shapes")
     parser.add_argument("--torch-trace", action="store_true",
