@@ -45,8 +45,8 @@
 #                                setting (1 GPU each), the simulator test with its spans kept
 #   tools/gpu_suite.sh x2ab      2 GPUs: TESTS (pytest files), then this tree's eager overlap
 #                                against .baseline/'s (an earlier commit), alternated, NVLink
-#                                and NCCL_P2P_DISABLE=1 (AFTER_ARGS: bench_overlap options of
-#                                this tree's side only, e.g. --rounds 2)
+#                                and NCCL_P2P_DISABLE=1 (BENCH_ARGS: more bench_overlap options,
+#                                e.g. --rounds 2; AFTER_ARGS: options for this tree's side only)
 #   tools/gpu_suite.sh x2prof    2 GPUs: host time per node action and a cProfile per mode
 #   tools/gpu_suite.sh x2carve   2 GPUs: the grouped GEMMs' SM carveout and the paired-ends plan
 #   tools/gpu_suite.sh peer      Megatron-core beside us (tools/bench_peer.py) on NGPUS GPUs and
@@ -494,7 +494,7 @@ PYEOF
           CUDA_VISIBLE_DEVICES=$TWO_GPUS PYTHONPATH="$tree:$WORK/path" \
             STEP_TIMEOUT=${AB_TIMEOUT:-200} step "ab_${regime}_${side}_$round" env $p2p torchrun \
             --standalone --nproc-per-node="$NGPUS" tools/bench_overlap.py --host-nodes \
-            --shapes "$shapes" --iters "${ITERS:-4}" --warmup 1 $after_args \
+            --shapes "$shapes" --iters "${ITERS:-4}" --warmup 1 ${BENCH_ARGS:-} $after_args \
             --out-dir "$WORK/ab/$regime/$side/$round"
         done
       done
