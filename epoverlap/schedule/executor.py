@@ -24,16 +24,8 @@ across the lanes while the two microbatches' chains share nothing and overlap fr
 actions run on the compute lane and neither wait on nor record the event: nothing waits on
 them. A lane runs a task as `task(wait)`: the task calls `wait()` (that wait, or nothing) first
 thing, so the span recorder can time the wait apart from the work (its `queued` mark before
-it, `start` after).
-
-A tensor handed from one lane to the other (`hand_over`) must not have its memory handed out
-by the caching allocator while the consumer lane may still read it. On CUDA the lanes hold a
-reference to it until the producer lane's next wait on the microbatch's event, which comes
-after the consumer's node on the GPU: from then on, every later use of that memory on the
-producer's stream is ordered after the read. What is still held when a plan ends is marked
-used on the consumer's stream (`record_stream`). Marking every hand-over that way instead cost
-the host 544 `record_stream` calls a step plus the allocator's event queries at the
-host-bound shape (benchmarks/overlap.md run E, point 1), and the sequential step pays none.
+it, `start` after). A tensor handed from one lane to the other is marked used on the consumer's stream
+(`record_stream`), so the caching allocator cannot hand its memory out early.
 """
 
 from __future__ import annotations
@@ -79,8 +71,8 @@ class SerialLanes:
     def submit(self, lane: str, microbatch: int, task: Task, chain: bool) -> None:
         task(no_wait)
 
-    def hand_over(self, value, to_lane: str, microbatch: int) -> None:
-        """`value`, made on the other lane, is read by microbatch's node on `to_lane`."""
+    def hand_over(self, value, to_lane: str) -> None:
+        pass
 
     def drain(self) -> None:
         pass
@@ -141,8 +133,7 @@ class CudaStreamLanes(SerialLanes):
     a graph's capture stream while a full iteration is captured: the comm stream then joins the
     capture through the events and rejoins it at `drain`). A compute action runs on it as it
     is; only a comm action switches streams (and back), by the streams held here: the host
-    cost of the lanes is paid per action, hundreds of times a step in a host-bound run.
-    Tensors handed between the lanes are held until they are safe to free (module docstring)."""
+    cost of the lanes is paid per action, hundreds of times a step in a host-bound run."""
 
     def __init__(self, device: torch.device, high_priority_comm: bool = True):
         self.device = device
@@ -150,8 +141,6 @@ class CudaStreamLanes(SerialLanes):
         self.comm_stream = torch.cuda.Stream(device=device, priority=priority)
         self._compute: Optional[torch.cuda.Stream] = None
         self._events: dict[int, torch.cuda.Event] = {}
-        # (lane that made them, microbatch) -> tensors the other lane reads
-        self._held: dict[tuple[str, int], list[torch.Tensor]] = {}
 
     def begin(self) -> None:
         self._compute = torch.cuda.current_stream(self.device)
@@ -172,38 +161,21 @@ class CudaStreamLanes(SerialLanes):
         if switch:
             torch.cuda.set_stream(stream)
         try:
-            task(self._waiter(stream, event, lane, microbatch) if chain else no_wait)
+            task((lambda: stream.wait_event(event)) if chain else no_wait)
             if chain:
                 event.record(stream)
         finally:
             if switch:
                 torch.cuda.set_stream(self.compute_stream)
 
-    def _waiter(self, stream, event, lane: str, microbatch: int) -> Callable[[], None]:
-        """`stream` waits for the microbatch's last node on the other lane; what this lane
-        handed to that node may then be freed (its reuse on `stream` comes after the read)."""
-        def wait() -> None:
-            stream.wait_event(event)
-            self._held.pop((lane, microbatch), None)
-        return wait
-
-    def hand_over(self, value, to_lane, microbatch):
-        tensors = [t for t in _tensors_in(value) if t.is_cuda]
-        if tensors:
-            made_on = COMPUTE if to_lane == COMM else COMM
-            self._held.setdefault((made_on, microbatch), []).extend(tensors)
-
-    def _release_held(self) -> None:
-        """The plan ended: what is still held is marked used on its reader's stream."""
-        for (made_on, _), tensors in self._held.items():
-            reader = self.stream(COMPUTE if made_on == COMM else COMM)
-            for tensor in tensors:
-                tensor.record_stream(reader)
-        self._held.clear()
+    def hand_over(self, value, to_lane):
+        stream = self.stream(to_lane)
+        for tensor in _tensors_in(value):
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
 
     def drain(self):
         self.compute_stream.wait_stream(self.comm_stream)
-        self._release_held()
         self._events.clear()
         self._compute = None
 
@@ -292,7 +264,7 @@ class Executor:
         for name in spec.inputs.values():
             value = state.values[name]
             if state.value_lane[name] != spec.lane:
-                self.lanes.hand_over(value, spec.lane, action.microbatch)
+                self.lanes.hand_over(value, spec.lane)
             inputs[name] = value
         run = NodeRun(spec, self.run_factory(spec, action.microbatch))
         outputs = run.forward(inputs)
@@ -317,8 +289,7 @@ class Executor:
                 grads[name] = torch.full_like(losses[action.microbatch], loss_scale)
             elif name in state.grads:
                 if state.grad_lane[name] != spec.lane:
-                    self.lanes.hand_over(state.grads[name], spec.lane,
-                                            action.microbatch)
+                    self.lanes.hand_over(state.grads[name], spec.lane)
                 grads[name] = state.grads.pop(name)
         run = state.runs.pop(spec.key)
         collect = (self.wgrad_queue.collecting(self._wgrad_key(action)) if spec.has_weights
