@@ -49,6 +49,7 @@
 #                                e.g. --rounds 2; AFTER_ARGS: options for this tree's side only)
 #   tools/gpu_suite.sh x2prof    2 GPUs: host time per node action and a cProfile per mode
 #   tools/gpu_suite.sh x2carve   2 GPUs: the grouped GEMMs' SM carveout and the paired-ends plan
+#                                (VARIANTS; BENCH_ARGS: more bench_overlap options)
 #   tools/gpu_suite.sh peer      Megatron-core beside us (tools/bench_peer.py) on NGPUS GPUs and
 #                                its GPU tests; needs megatron-core importable (the peer extra)
 # Everything is written under ${OUT:-runs/gpu} (logs, JSON, span files, one tarball) and the
@@ -580,7 +581,8 @@ PYEOF
       case "$regime" in *+prof) prof="--profile-shapes $shape --profile-steps 1" ;; esac
       NCCL_P2P_DISABLE=$env_p2p CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=200 step \
         "carve_${regime%+prof}_$tag" torchrun --standalone --nproc-per-node="$NGPUS" \
-        tools/bench_overlap.py --shapes "$shape" $prof --iters 2 --warmup 1 --max-ctas "$ctas" \
+        tools/bench_overlap.py --shapes "$shape" $prof --iters 2 --warmup 1 ${BENCH_ARGS:-} \
+        --max-ctas "$ctas" \
         --extra-flags "${flags//,/ }" --out-dir "$WORK/carve/${regime%+prof}/$tag"
     done
     ;;
