@@ -396,11 +396,12 @@ PYEOF
         epoverlap-timeline --compare "$dir/seq" "$dir/ovl" --out-dir "$WORK/compare_$shape"
     done
     ;;
-  peer)
-    CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=300 step peer_tests python3 -m pytest \
-      tests/test_bench_peer.py -q -m "gpu or multigpu"
+  peer)  # PEER_TESTS=0: the benchmark only; OURS_OVL_FLAGS: also our overlap with them
+    [ "${PEER_TESTS:-1}" = 0 ] || CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=300 step \
+      peer_tests python3 -m pytest tests/test_bench_peer.py -q -m "gpu or multigpu"
     CUDA_VISIBLE_DEVICES=$TWO_GPUS step bench_peer torchrun --standalone \
       --nproc-per-node="$NGPUS" tools/bench_peer.py --out-dir "$WORK/bench_peer" \
+      --ours-ovl-flags "${OURS_OVL_FLAGS:-}" \
       --shapes "${SHAPES:-megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4}"
     ;;
   x2tests)  # 2 GPUs: the multigpu tests of the CLI path (the bitwise comparisons under
