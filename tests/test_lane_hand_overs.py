@@ -52,8 +52,7 @@ class StreamModel:
     """Fake streams, events and device buffers, and the violations found at each free."""
 
     def __init__(self):
-        self.default = FakeStream(self, "default")
-        self.current = self.default
+        self.current = FakeStream("default")  # the stream a plan starts on
         self.blocks: dict[int, _Block] = {}
         self.violations: list[str] = []
         self.checked = 0  # frees of buffers read on another stream
@@ -94,8 +93,8 @@ class StreamModel:
 
 
 class FakeStream:
-    def __init__(self, model: StreamModel, name: str):
-        self.model, self.name, self.count = model, name, 0
+    def __init__(self, name: str):
+        self.name, self.count = name, 0
         self.clock: dict = {self: 0}
 
     @staticmethod
@@ -113,11 +112,8 @@ class FakeStream:
 class _StreamClass:
     """Stands in for torch.cuda.Stream: each call makes the comm lane's stream."""
 
-    def __init__(self, model: StreamModel):
-        self.model = model
-
     def __call__(self, device=None, priority=0) -> FakeStream:
-        return FakeStream(self.model, "comm")
+        return FakeStream("comm")
 
     priority_range = staticmethod(FakeStream.priority_range)
 
@@ -221,7 +217,7 @@ def _run(monkeypatch, lanes_class, plan_name: str, delay_wgrad: bool,
          microbatches: int = 4, layers: int = 2):
     model = StreamModel()
     MODEL[:] = [model]
-    monkeypatch.setattr(torch.cuda, "Stream", _StreamClass(model))
+    monkeypatch.setattr(torch.cuda, "Stream", _StreamClass())
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: setattr(model, "current",
                                                                         stream))

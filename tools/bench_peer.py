@@ -454,22 +454,17 @@ def bench_shape(name: str, systems: list[str], groups: ParallelGroups, args,
     base = run_config(name, "seq", world, steps)
     data = PrefetchedBatches(base, groups.dp_rank, steps)
     rated = base.with_vocab_size(data.vocab_size)  # the model both systems build
-    runs: dict = {}
-    for system in systems:
-        for mode in MODES:
-            cfg = run_config(name, mode, world, steps).with_vocab_size(data.vocab_size)
-            raw = RUNNERS[system](cfg, groups, data, steps)
-            run = summarize(raw["samples"], args.warmup, cfg) if "samples" in raw else raw
-            runs.setdefault(system, {})[mode] = run
-            log(f"[bench_peer] {name} {system} {mode}: {run_line(run)}")
+    # (system, the run's name, its mode, our extra flags)
+    wanted = [(system, mode, mode, ()) for system in systems for mode in MODES]
     if "epoverlap" in systems and args.ours_ovl_flags:  # our overlap with more flags
-        cfg = run_config(name, "ovl", world, steps, args.ours_ovl_flags).with_vocab_size(
-            data.vocab_size)
-        raw = RUNNERS["epoverlap"](cfg, groups, data, steps)
+        wanted.append(("epoverlap", "ovl_flags", "ovl", args.ours_ovl_flags))
+    runs: dict = {}
+    for system, run_name, mode, extra in wanted:
+        cfg = run_config(name, mode, world, steps, extra).with_vocab_size(data.vocab_size)
+        raw = RUNNERS[system](cfg, groups, data, steps)
         run = summarize(raw["samples"], args.warmup, cfg) if "samples" in raw else raw
-        runs["epoverlap"]["ovl_flags"] = run
-        log(f"[bench_peer] {name} epoverlap ovl {' '.join(args.ours_ovl_flags)}: "
-            f"{run_line(run)}")
+        runs.setdefault(system, {})[run_name] = run
+        log(f"[bench_peer] {name} {system} {run_name}: {run_line(run)}")
     return {"shape": name, "flags": SHAPES[name] + PEER_FLAGS,
             "flops_per_token": training_flops_per_token(rated),
             "tokens_per_step_per_gpu": tokens_per_step_per_gpu(rated), "runs": runs,

@@ -401,7 +401,7 @@ PYEOF
       peer_tests python3 -m pytest tests/test_bench_peer.py -q -m "gpu or multigpu"
     CUDA_VISIBLE_DEVICES=$TWO_GPUS step bench_peer torchrun --standalone \
       --nproc-per-node="$NGPUS" tools/bench_peer.py --out-dir "$WORK/bench_peer" \
-      --ours-ovl-flags "${OURS_OVL_FLAGS:-}" \
+      --ours-ovl-flags="${OURS_OVL_FLAGS:-}" \
       --shapes "${SHAPES:-megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4}"
     ;;
   x2tests)  # 2 GPUs: the multigpu tests of the CLI path (the bitwise comparisons under
@@ -584,7 +584,7 @@ PYEOF
         "carve_${regime%+prof}_$tag" torchrun --standalone --nproc-per-node="$NGPUS" \
         tools/bench_overlap.py --shapes "$shape" $prof --iters 2 --warmup 1 ${BENCH_ARGS:-} \
         --max-ctas "$ctas" \
-        --extra-flags "${flags//,/ }" --out-dir "$WORK/carve/${regime%+prof}/$tag"
+        --extra-flags="${flags//,/ }" --out-dir "$WORK/carve/${regime%+prof}/$tag"
     done
     ;;
   *) echo "unknown part $PART"; exit 2 ;;
