@@ -246,6 +246,12 @@ class RunConfig:
         return moe_layer_pattern(self.model.num_layers, self.moe)
 
     @property
+    def plan_name(self) -> str:
+        """The schedule a step runs: --overlap-plan with the overlap on, else sequential."""
+        o = self.overlap
+        return o.overlap_plan if o.overlap_moe_expert_parallel_comm else "sequential"
+
+    @property
     def virtual_stages(self) -> int:
         """Model chunks per pipeline stage (V): --num-virtual-stages-per-pipeline-rank, or
         layers / (P x --num-layers-per-virtual-pipeline-stage); 1 without either."""

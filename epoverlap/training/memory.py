@@ -159,8 +159,7 @@ def _chunks_in_flight(cfg: RunConfig, stage: int) -> tuple[int, str]:
     pipeline stages; the warmup forwards plus one with them (schedule.pipeline)."""
     pp, virtual = cfg.parallel.pipeline_model_parallel_size, cfg.virtual_stages
     if pp == 1:
-        if (cfg.overlap.overlap_moe_expert_parallel_comm and cfg.train.num_microbatches > 1
-                and cfg.overlap.overlap_plan == "combined_1f1b_paired_ends"):
+        if cfg.plan_name == "combined_1f1b_paired_ends" and cfg.train.num_microbatches > 1:
             return 2, "2 microbatches (paired ends)"  # F(i-1) held while F(i) meets B(i-2)
         return 1, "1 microbatch"
     microbatches = cfg.train.num_microbatches

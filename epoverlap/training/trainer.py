@@ -190,11 +190,6 @@ class RunSummary:
             self.rerun_steps = sum(1 for r in results if r.dispatch_reruns)
 
 
-def plan_name(cfg: RunConfig) -> str:
-    return cfg.overlap.overlap_plan if cfg.overlap.overlap_moe_expert_parallel_comm \
-        else "sequential"
-
-
 class Trainer:
     """Everything one training run needs, built once from a validated config."""
 
@@ -275,8 +270,8 @@ class Trainer:
         plans = pipeline_plans(layouts, cfg.train.num_microbatches,
                                combined=overlap.overlap_moe_expert_parallel_comm,
                                delay_wgrad=overlap.delay_wgrad_compute,
-                               early_release=plan_name(cfg) == "combined_1f1b_early_release",
-                               paired_ends=plan_name(cfg) == "combined_1f1b_paired_ends")
+                               early_release=cfg.plan_name == "combined_1f1b_early_release",
+                               paired_ends=cfg.plan_name == "combined_1f1b_paired_ends")
         validate_pipeline(plans, layouts, cfg.train.num_microbatches, overlap.delay_wgrad_compute)
         return layouts, plans
 
@@ -354,7 +349,7 @@ class Trainer:
                 f"{g.edp_size}) | "
                 f"{cfg.model.num_layers} layers, hidden "
                 f"{cfg.model.hidden_size}, {cfg.moe.num_experts or 0} experts top-"
-                f"{cfg.moe.moe_router_topk} | {total:.1f}M params | plan {plan_name(cfg)}"
+                f"{cfg.moe.moe_router_topk} | {total:.1f}M params | plan {cfg.plan_name}"
                 f"{' + delayed wgrad' if cfg.overlap.delay_wgrad_compute else ''} | kernels "
                 f"{self.backend} | {model_dtype(cfg)} | data: {self.data.description}")
 
