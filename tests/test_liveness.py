@@ -88,6 +88,50 @@ def test_collective_turns_a_transport_error_into_a_peer_failure_with_context():
     assert watch.oldest_unfinished() is None  # both calls count as finished
 
 
+
+class _FakeBackend:
+    """A process group whose all_to_all_single records its arguments or raises `error`."""
+
+    def __init__(self, error=None):
+        self.error, self.calls = error, []
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, options):
+        self.calls.append((output_splits, input_splits, options.asyncOp))
+        if self.error is not None:
+            raise self.error
+        output.copy_(input)
+
+
+def test_group_all_to_all_short_path_is_watched_like_every_collective():
+    """`Group.all_to_all_single` calls the backend directly (no `dist` wrapper, no generator
+    context): it must still pass the splits and a blocking option, turn a transport error
+    into the same PeerFailure line as `watch.collective`, and leave nothing in flight."""
+    from epoverlap.parallel.groups import Group
+    watch = CollectiveWatch(1, 3, TIMEOUT_S, on_gpu=False)
+    watch.step = 5
+    backend = _FakeBackend()
+    group = Group("expert-parallel", (0, 1, 2), backend, watch)
+    send, recv = torch.arange(6.0), torch.empty(6)
+    group.all_to_all_single(recv, send, [1, 2, 3], [3, 2, 1])
+    group.all_to_all_single(recv, send)
+    assert backend.calls == [([1, 2, 3], [3, 2, 1], False), ([], [], False)]
+    assert torch.equal(recv, send) and watch.oldest_unfinished() is None
+
+    backend.error = RuntimeError(GLOO_CONNECTION_CLOSED)
+    with pytest.raises(PeerFailure) as info:
+        group.all_to_all_single(recv, send)
+    assert str(info.value).startswith(
+        "rank 1: step 5: expert-parallel group (ranks 0-2) all_to_all failed (Connection closed")
+    assert info.value.peers == (0, 2) and isinstance(info.value.__cause__, RuntimeError)
+    backend.error = RuntimeError("Split sizes doesn't match total dim 0 size")
+    with pytest.raises(RuntimeError, match="Split sizes") as info:  # a caller's bug stays itself
+        group.all_to_all_single(recv, send, [1], [1])
+    assert not isinstance(info.value, PeerFailure)
+    backend.error = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):
+        group.all_to_all_single(recv, send)
+    assert watch.oldest_unfinished() is None  # every failed call counts as finished
+
 def test_comm_thread_failure_reaches_the_main_thread_and_queued_comm_is_cancelled():
     lanes = ThreadLanes()
     failure = PeerFailure(0, 4, "expert-parallel group (ranks 0,1) all_to_all failed (z)")

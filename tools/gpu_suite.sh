@@ -23,6 +23,8 @@
 #                                host time of every kernel op
 #   tools/gpu_suite.sh host1     one GPU: host time of one op call piece by piece
 #                                (bench_launch), per node, and the call sites of fills/copies
+#   tools/gpu_suite.sh a2a1      one GPU: host time of one EP all-to-all call piece by piece
+#                                (bench_a2a_host: backend, dist, the watch, autograd)
 #   tools/gpu_suite.sh check1    one GPU: every op's kernel GPU tests + the one-GPU model tier
 #   tools/gpu_suite.sh fusion1   one GPU: the aux-loss and gradient-accumulation fusions: GPU
 #                                tests, the one-GPU tier, in-process A/B, the CLI run twice
@@ -255,6 +257,17 @@ PYEOF
     [ -n "${AB_ONLY:-}" ] || STEP_TIMEOUT=200 step bench_host python3 tools/bench_host.py --no-triton-path --call-sites \
       aten::fill_ aten::zero_ aten::zeros aten::full_like aten::copy_ aten::clone \
       aten::_local_scalar_dense aten::mm --out "$WORK/bench_host.json"
+    ;;
+  a2a1)  # one GPU: the host time of one EP all-to-all call, piece by piece (issue 14), NCCL
+          # on a world of one rank; A2A_ROUNDS runs of each size (the host noise between runs)
+    for round in $(seq "${A2A_ROUNDS:-2}"); do
+      for size in "1024 512" "4096 2048"; do
+        set -- $size
+        STEP_TIMEOUT=120 step a2a_${1}x${2}_$round python3 tools/bench_a2a_host.py \
+          --device cuda --rows "$1" --hidden "$2" --repeats 21
+        grep "^|" "$WORK/a2a_${1}x${2}_$round.log" | sed "s/^/[$1x$2 run $round] /" >> "$SUMMARY"
+      done
+    done
     ;;
   check1)  # one GPU, after a change to the op wrappers / model: every op's GPU kernel tests
            # (bitwise, grads, graphs, the launch cache) and the one-GPU model tier

@@ -46,13 +46,13 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from epoverlap.parallel.watch import CollectiveWatch, Heartbeat
+from epoverlap.parallel.watch import CollectiveWatch, Heartbeat, ranks_text
 
 WORLD, EXPERT_PARALLEL, EXPERT_DATA_PARALLEL = "world", "expert-parallel", "expert-data-parallel"
 PIPELINE, DATA_PARALLEL = "pipeline", "data-parallel"
@@ -62,12 +62,19 @@ EXPERT_PARALLEL_SPLITS = "expert-parallel split sizes"  # same ranks as EP, own 
 @dataclass(frozen=True)
 class Group:
     """A process group (None: the default one), its name and global ranks. Collectives are
-    issued through these methods so the watch knows which group and op is in flight."""
+    issued through these methods so the watch knows which group and op is in flight.
+
+    `all_to_all_single`, the one collective issued hundreds of times a step (every dispatch
+    and combine, forward and backward), takes a short path: the backend's own call with
+    options made once (`dist.all_to_all_single`'s checks and argument handling skipped: our
+    callers pass contiguous tensors of one dtype) inside the watch's `begin` / `end` with a
+    description made once, instead of a generator context and an f-string per call."""
 
     name: str
     ranks: tuple[int, ...]
     pg: Optional[dist.ProcessGroup]
     watch: CollectiveWatch
+    _fast: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -85,8 +92,29 @@ class Group:
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_splits: Optional[list[int]] = None,
                           input_splits: Optional[list[int]] = None) -> None:
-        with self.watch.collective(self.name, self.ranks, "all_to_all"):
-            dist.all_to_all_single(output, input, output_splits, input_splits, group=self.pg)
+        """Blocking all_to_all_single (class docstring): on NCCL it runs on the caller's stream
+        and the host does not wait; on gloo the host waits for it."""
+        fast = self._fast or self._make_fast()
+        watch = self.watch
+        entry = watch.begin(fast["where"], fast["peers"])
+        try:
+            work = fast["call"](output, input, output_splits or [], input_splits or [],
+                                fast["options"])
+            if work is not None:
+                work.wait()
+        except BaseException as error:
+            watch.failed(entry, error)
+        watch.end(entry)
+
+    def _make_fast(self) -> dict:
+        pg = self.pg if self.pg is not None else dist.distributed_c10d._get_default_group()
+        options = dist.AllToAllOptions()
+        options.asyncOp = False  # as dist.all_to_all_single(async_op=False) sets it
+        self._fast.update(
+            call=getattr(pg, "all_to_all_single", None) or pg.alltoall_base, options=options,
+            where=f"{self.name} group (ranks {ranks_text(self.ranks)}) all_to_all",
+            peers=tuple(r for r in self.ranks if r != self.watch.rank))
+        return self._fast
 
     def all_to_all_single_async(self, output: torch.Tensor, input: torch.Tensor):
         """Equal-split all_to_all_single started without waiting (gloo: on the backend's own

@@ -226,33 +226,53 @@ class CollectiveWatch:
         A call made while the current CUDA stream captures a graph is not tracked: it issues
         nothing (the graph's replays do; their callers wrap each replay, `Group.watched`), and
         an event recorded in a capture may not be queried (the query from the monitor thread
-        would invalidate the capture and fail on every later tick)."""
-        if self.on_gpu and torch.cuda.is_current_stream_capturing():
+        would invalidate the capture and fail on every later tick).
+
+        The hot path (`Group.all_to_all_single`, several hundred calls a step) uses `begin` /
+        `end` / `failed` directly with a description built once, not this generator."""
+        entry = self.begin(f"{group_name} group (ranks {ranks_text(ranks)}) {op}",
+                           tuple(r for r in ranks if r != self.rank))
+        try:
             yield
-            return
-        entry = _InFlight(f"{group_name} group (ranks {ranks_text(ranks)}) {op}",
-                          tuple(r for r in ranks if r != self.rank), time.monotonic())
+        except BaseException as error:
+            self.failed(entry, error)
+        self.end(entry)
+
+    def begin(self, where: str, peers: tuple[int, ...]) -> Optional[_InFlight]:
+        """Track a collective about to be issued (None while a CUDA graph captures)."""
+        if self.on_gpu and torch.cuda.is_current_stream_capturing():
+            return None
+        entry = _InFlight(where, peers, time.monotonic())
         with self._lock:
             while self._pending and self._pending[0].done:  # host-finished: no event to query
                 self._pending.popleft()
             self._pending.append(entry)
-        try:
-            yield
-        except RuntimeError as error:
-            entry.done = True
-            if isinstance(error, PeerFailure) or not _TRANSPORT_ERROR.search(str(error)):
-                raise
-            self._last_failed = entry
-            raise PeerFailure(self.rank, self.step, f"{entry.where} failed "
-                              f"({short_cause(error)})", peers=entry.peers) from error
-        except BaseException:
-            entry.done = True
-            raise
+        return entry
+
+    def end(self, entry: Optional[_InFlight]) -> None:
+        """The collective was issued: on GPU its completion is an event recorded after it on
+        the current stream; on CPU it has finished."""
+        if entry is None:
+            return
         if self.on_gpu:
-            entry.event = torch.cuda.Event()
-            entry.event.record()
+            event = torch.cuda.Event()
+            event.record()
+            entry.event = event
         else:
             entry.done = True
+
+    def failed(self, entry: Optional[_InFlight], error: BaseException) -> None:
+        """The collective raised `error`: re-raise it, as a `PeerFailure` naming the group and
+        op when it is a transport error."""
+        if entry is None:
+            raise error
+        entry.done = True
+        if (not isinstance(error, RuntimeError) or isinstance(error, PeerFailure)
+                or not _TRANSPORT_ERROR.search(str(error))):
+            raise error
+        self._last_failed = entry
+        raise PeerFailure(self.rank, self.step, f"{entry.where} failed "
+                          f"({short_cause(error)})", peers=entry.peers) from error
 
     def oldest_unfinished(self) -> Optional[_InFlight]:
         with self._lock:
