@@ -161,6 +161,7 @@ class OverlapConfig:
     overlap_plan: str = "combined_1f1b"
     comm_stream_priority: str = "high"  # of the comm lane's CUDA stream (the overlap's)
     comm_mode: str = "real"
+    overlap_probe_steps: int = 0  # >0: time the overlap plan against sequential, keep the faster
 
     @property
     def comm_stream_high_priority(self) -> bool:
@@ -513,6 +514,10 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--comm-stream-priority", "overlap", "comm_stream_priority", str,
      f"one of {COMM_STREAM_PRIORITIES}: CUDA priority of the overlap's comm stream (its "
      "all-to-alls run there); high lets their kernels start ahead of waiting compute kernels"),
+    ("--overlap-probe-steps", "overlap", "overlap_probe_steps", int,
+     "with --overlap-moe-expert-parallel-comm, eager: after the first step, time N steps of "
+     "the overlap plan and N of the sequential schedule, alternating, and run the rest of the "
+     "training with the faster (both give the same bits); 0 (default): always the overlap"),
     ("--comm-mode", "overlap", "comm_mode", str,
      f"benchmark only: {COMM_MODES} (local_copy replaces all-to-alls by local copies)"),
     ("--kernel-backend", "kernels", "kernel_backend", str, f"one of {KERNEL_BACKENDS}"),
@@ -904,11 +909,28 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
              "delay_wgrad_compute", True, "requires --overlap-moe-expert-parallel-comm")
     _require(o.comm_stream_priority in COMM_STREAM_PRIORITIES, "comm_stream_priority",
              o.comm_stream_priority, f"allowed: {', '.join(COMM_STREAM_PRIORITIES)}")
+    _validate_overlap_probe(cfg)
     if o.comm_stream_priority != "high":
         _require(o.overlap_moe_expert_parallel_comm and cfg.resolved_device(cuda_available)
                  == "cuda", "comm_stream_priority", o.comm_stream_priority,
                  "sets the CUDA stream of the overlap's comm lane: needs a CUDA device and "
                  "--overlap-moe-expert-parallel-comm (without them there is no comm stream)")
+
+
+def _validate_overlap_probe(cfg: RunConfig) -> None:
+    """--overlap-probe-steps: the two eager schedules of one pipeline stage."""
+    steps = cfg.overlap.overlap_probe_steps
+    _require(steps >= 0, "overlap_probe_steps", steps, "must be >= 0 (0: no probe)")
+    if steps == 0:
+        return
+    _require(cfg.overlap.overlap_moe_expert_parallel_comm, "overlap_probe_steps", steps,
+             "compares the overlap with the sequential schedule: needs "
+             "--overlap-moe-expert-parallel-comm")
+    _require(cfg.cuda_graph.impl == "none", "overlap_probe_steps", steps,
+             f"compares eager schedules; --cuda-graph-impl {cfg.cuda_graph.impl} captures one "
+             "schedule: use --cuda-graph-impl none")
+    _require(cfg.parallel.pipeline_model_parallel_size == 1, "overlap_probe_steps", steps,
+             "needs --pipeline-model-parallel-size 1 (one stage's plan is switched)")
 
 
 def _validate_nccl_ctas(cfg: RunConfig, cuda_available: bool) -> None:

@@ -28,6 +28,9 @@ MODES = {
                             "--overlap-plan", "combined_1f1b_early_release"],
     "paired_ends_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
                           "--overlap-plan", "combined_1f1b_paired_ends"],
+    # steps 2-7 alternate the overlap and sequential schedules, then the faster runs on
+    "probe_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+                    "--overlap-probe-steps", "3"],
 }
 
 

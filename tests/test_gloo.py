@@ -1,8 +1,10 @@
 """gloo multi-process tier (2 and 4 CPU ranks): dispatch round trip, EP=1 vs EP=2, routing
-extremes under the overlap, and the bitwise overlap contract (grads and 20-step losses)."""
+extremes under the overlap, and the bitwise overlap contract (grads and 20-step losses; a run
+whose overlap probe switches schedules mid-run included)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -61,3 +63,8 @@ def test_overlap_is_bitwise_equal_to_sequential(world, ep, tmp_path):
         comparison = compare_loss_logs(tmp_path / "sequential.jsonl", tmp_path / f"{mode}.jsonl")
         assert comparison.identical, comparison.message
         assert comparison.steps_compared == 20
+    # the probe's run switched schedules mid-run (same losses as above), then kept one
+    with open(tmp_path / "probe_wgrad.jsonl") as records:
+        schedules = [json.loads(line)["schedule"] for line in records]
+    assert schedules[:7] == ["combined_1f1b"] + ["combined_1f1b", "sequential"] * 3
+    assert len(set(schedules[7:])) == 1, schedules

@@ -72,6 +72,7 @@ from epoverlap.training.faults import FaultInjector
 from epoverlap.training.grads import GradBuffers
 from epoverlap.training.numerics import check_finite
 from epoverlap.training.optim import MixedPrecisionAdamW, lr_at
+from epoverlap.training.probe import SEQUENTIAL, OverlapProbe
 from epoverlap.training.tensorboard import TensorBoardLog
 
 
@@ -97,6 +98,7 @@ class StepResult:
     comm_ms: Optional[float] = None  # these three: steps with recorded spans only
     exposed_comm_ms: Optional[float] = None
     overlap_ratio: Optional[float] = None
+    schedule: Optional[str] = None  # --overlap-probe-steps: the schedule this step ran
 
     def to_json(self) -> dict:
         record = {k: v for k, v in self.__dict__.items()
@@ -240,6 +242,8 @@ class Trainer:
         self._imbalanced_steps = 0
         self.checkpointer = Checkpointer(cfg, groups, self.model, self.optimizer, log)
         self.start_step = self.checkpointer.resume(resume)
+        self.probe, self._schedules = self._overlap_probe()
+        self._probe_decision: Optional[str] = None  # the probe's line, logged after its step's
 
     def _pipeline_comm(self, cfg: RunConfig, groups: ParallelGroups) -> Optional[PipelineComm]:
         if groups.pp_size == 1:
@@ -257,23 +261,55 @@ class Trainer:
         self.groups.pp.all_reduce(counts)
         return dict(zip(mine, host_list(counts)))
 
-    def _build_plans(self) -> tuple[list, list]:
+    def _build_plans(self, combined: Optional[bool] = None) -> tuple[list, list]:
         """Every stage's layout (its nodes' kinds, gathered over the pipeline) and plan; the
-        plans checked together (`validate_pipeline`) before the first step."""
+        plans checked together (`validate_pipeline`) before the first step. `combined`: the
+        combined 1F1B or the sequential schedule (default: as configured)."""
         cfg, g = self.cfg, self.groups
+        overlap = cfg.overlap
+        combined = overlap.overlap_moe_expert_parallel_comm if combined is None else combined
         mine = stage_layout([(spec.layer, spec.kind) for spec in self.model.node_specs()])
         layouts = [mine]
         if g.pp_size > 1:
             layouts = [None] * g.pp_size
             g.pp.all_gather_object(layouts, mine)
-        overlap = cfg.overlap
-        plans = pipeline_plans(layouts, cfg.train.num_microbatches,
-                               combined=overlap.overlap_moe_expert_parallel_comm,
+        plan_name = cfg.plan_name if combined else SEQUENTIAL
+        plans = pipeline_plans(layouts, cfg.train.num_microbatches, combined=combined,
                                delay_wgrad=overlap.delay_wgrad_compute,
-                               early_release=cfg.plan_name == "combined_1f1b_early_release",
-                               paired_ends=cfg.plan_name == "combined_1f1b_paired_ends")
+                               early_release=plan_name == "combined_1f1b_early_release",
+                               paired_ends=plan_name == "combined_1f1b_paired_ends")
         validate_pipeline(plans, layouts, cfg.train.num_microbatches, overlap.delay_wgrad_compute)
         return layouts, plans
+
+    def _overlap_probe(self) -> tuple[Optional[OverlapProbe], dict]:
+        """--overlap-probe-steps: the probe, and each schedule's (plan, lanes) it switches
+        between (`training.probe`; one stage, eager: config validation sees to both)."""
+        cfg = self.cfg
+        if cfg.overlap.overlap_probe_steps == 0:
+            return None, {}
+        _, (sequential_plan,) = self._build_plans(combined=False)
+        probe = OverlapProbe(cfg.overlap.overlap_probe_steps, self.start_step + 1,
+                             cfg.plan_name)
+        return probe, {cfg.plan_name: (self.plan, self.lanes),
+                       SEQUENTIAL: (sequential_plan, make_lanes(self.device, False))}
+
+    def _probe_schedule(self, step: int) -> Optional[str]:
+        """Switch the plan and lanes to the schedule the probe gives this step."""
+        if self.probe is None:
+            return None
+        name = self.probe.schedule_for(step)
+        self.plan, self.executor.lanes = self._schedules[name]
+        return name
+
+    def _probe_record(self, step: int, elapsed: float) -> None:
+        if self.probe is None:
+            return
+
+        def slowest(medians: list[float]) -> list[float]:
+            times = torch.tensor(medians, dtype=torch.float64, device=self.device)
+            self.groups.world.all_reduce(times, op=dist.ReduceOp.MAX)
+            return host_list(times)
+        self._probe_decision = self.probe.record(step, elapsed, slowest)
 
     def _step_graphs(self) -> Optional[StepGraphs]:
         """CUDA graphs of this run (--cuda-graph-impl local or full_iteration), in banks by
@@ -350,8 +386,14 @@ class Trainer:
                 f"{cfg.model.num_layers} layers, hidden "
                 f"{cfg.model.hidden_size}, {cfg.moe.num_experts or 0} experts top-"
                 f"{cfg.moe.moe_router_topk} | {total:.1f}M params | plan {cfg.plan_name}"
-                f"{' + delayed wgrad' if cfg.overlap.delay_wgrad_compute else ''} | kernels "
+                f"{' + delayed wgrad' if cfg.overlap.delay_wgrad_compute else ''}"
+                f"{self._probe_text()} | kernels "
                 f"{self.backend} | {model_dtype(cfg)} | data: {self.data.description}")
+
+    def _probe_text(self) -> str:
+        probe = self.probe
+        return "" if probe is None else (f" (probed against sequential, steps {probe.start}-"
+                                         f"{probe.end})")
 
     def _ep_budget_text(self) -> str:
         budget = self.groups.ep_budget
@@ -494,6 +536,7 @@ class Trainer:
         if profiled:
             self.recorder.begin_step(step)
         self.faults.begin_step(step)
+        schedule = self._probe_schedule(step)
         losses, reruns = self.forward_backward(step)
         spans = self.recorder.end_step() if profiled else None
         self.faults.after_backward(self.model)
@@ -506,7 +549,9 @@ class Trainer:
         if not self.cfg.train.skip_optimizer_step:
             self.optimizer.step(lr)
         elapsed = self._sync_time() - start
+        self._probe_record(step, elapsed)
         result = self._result(step, loss, lr, grad_norm, aux, imbalance, elapsed)
+        result.schedule = schedule
         self._add_dispatch_stats(result, reruns)
         if spans is not None:
             overlap = step_metrics(spans).overlap
@@ -643,11 +688,17 @@ class Trainer:
             mem = f" | mem {r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else ""
             comm = (f" | exposed comm {r.exposed_comm_ms:.2f} of {r.comm_ms:.2f} ms"
                     if r.exposed_comm_ms is not None else "") + _dispatch_note(r)
+            if self.probe is not None and self.probe.in_window(r.step):
+                comm += f" | probe: {r.schedule}"
             self.log(f"step {r.step:4d}/{total} | loss {r.loss:.4f} | "
                      f"lr {r.lr:.2e} | grad norm {r.grad_norm:.3f} | aux {r.aux_loss:.4f} | "
                      f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"
                      f" | {r.step_time_s * 1e3:.1f} ms | {r.tflops_per_gpu:.3g} TFLOP/s"
                      f"{self.per_device}{mem}{comm}{self._eta(results)}")
+        if self._probe_decision is not None:  # every rank decided alike; rank 0 says it
+            if self.groups.is_first():
+                self.log(self._probe_decision)
+            self._probe_decision = None
 
     def _eta(self, results: list[StepResult]) -> str:
         """' | ETA 1m05s': steps left times the mean step time so far (first step left out
@@ -697,5 +748,8 @@ class Trainer:
     def close(self) -> None:
         if self.graphs is not None:  # before any process group is destroyed
             self.graphs.release()
+        for _, lanes in self._schedules.values():
+            if lanes is not self.lanes:
+                lanes.close()
         self.lanes.close()
         self.grads.close()

@@ -1,0 +1,74 @@
+"""The overlap probe (`--overlap-probe-steps N`): which eager schedule this run is faster with.
+
+The combined 1F1B hides the all-to-alls behind the other microbatch's compute, but it issues
+more host work per step (a second stream, events, stream hand-overs) and its compute kernels
+share the GPU with the communication kernels. Where a step is bound by the host (small
+microbatches, eager kernels) or the all-to-all needs most of the GPU (NVLink, few CTAs left for
+compute), the overlapped step can be slower than the sequential one (benchmarks/overlap.md:
+0.80-1.00x at the host-bound and NVLink shapes on 2 H200s). Both schedules give the same bits
+(the overlap contract, docs/overlap.md), so a run may take either at any step without changing
+its losses. The probe uses that: after the first step (compiles, allocator warm-up), it runs
+N steps of each schedule, alternating (overlap first), takes each schedule's median step time
+on the slowest rank (an all-reduce, so every rank decides alike), and keeps the faster for the
+rest of the run. A tie keeps the overlap.
+
+Owns `OverlapProbe` (which schedule each step runs, the step times, the decision); the trainer
+owns the plans and lanes it switches between.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Optional
+
+SEQUENTIAL = "sequential"
+
+
+class OverlapProbe:
+    """Alternates `overlap` (the configured overlap plan's name) and sequential over `steps`
+    steps each, from the step after `first_step` (the run's first, untimed), then keeps the
+    faster."""
+
+    def __init__(self, steps: int, first_step: int, overlap: str):
+        if steps < 1:
+            raise ValueError(f"an overlap probe needs at least one step of each schedule, "
+                             f"got {steps}")
+        self.steps, self.overlap = steps, overlap
+        self.start = first_step + 1  # the run's first step runs the overlap untimed (warm-up)
+        self.end = self.start + 2 * steps - 1  # the last probed step
+        self.times: dict[str, list[float]] = {overlap: [], SEQUENTIAL: []}
+        self.chosen: Optional[str] = None
+
+    def schedule_for(self, step: int) -> str:
+        """The schedule step `step` runs."""
+        if self.chosen is not None:
+            return self.chosen
+        if self.start <= step <= self.end and (step - self.start) % 2 == 1:
+            return SEQUENTIAL
+        return self.overlap
+
+    def in_window(self, step: int) -> bool:
+        """Whether `step` is one of the probed steps."""
+        return self.start <= step <= self.end
+
+    def probing(self, step: int) -> bool:
+        return self.chosen is None and self.in_window(step)
+
+    def record(self, step: int, seconds: float,
+               slowest: Callable[[list[float]], list[float]]) -> Optional[str]:
+        """Record a probed step's time; at the last probed step, decide. `slowest` maps this
+        rank's [overlap median, sequential median] to the maximum over every rank (an
+        all-reduce: every rank must call it at the same step). Returns the decision's log line
+        at the step that decides, else None."""
+        if not self.probing(step):
+            return None
+        self.times[self.schedule_for(step)].append(seconds)
+        if step != self.end:
+            return None
+        overlap_s, sequential_s = slowest([statistics.median(self.times[self.overlap]),
+                                           statistics.median(self.times[SEQUENTIAL])])
+        self.chosen = SEQUENTIAL if sequential_s < overlap_s else self.overlap
+        return (f"overlap probe, steps {self.start}-{self.end}: {self.overlap} "
+                f"{overlap_s * 1e3:.1f} ms, {SEQUENTIAL} {sequential_s * 1e3:.1f} ms per step "
+                f"(median of {self.steps} each, slowest rank; overlap / sequential "
+                f"{overlap_s / sequential_s:.3f}): {self.chosen} for the rest of the run")
