@@ -2,6 +2,7 @@
 
     python tools/bench_host.py [--iters 20] [--out FILE.json] [--shape small] [--sync-free]
     python tools/bench_host.py --fusion-ab ROUNDS [--iters 10]
+    python tools/bench_host.py --schedule-ab ROUNDS [--iters 10] [--top-ops 40]
 
 For each mode it builds a fresh trainer on one GPU (EP=1, sequential plan), runs the warmup
 steps (a graphed mode records in the last one and captures), then times --iters forward +
@@ -31,6 +32,11 @@ into main_grad, which only fp32 training takes, so this bf16 shape does not), th
 trainers' timed steps alternated ROUNDS times, the unfused side first in each round (which
 favoured it by about 5% on untouched nodes in benchmarks/cuda_graphs.md run 6): step and
 per-node medians over the rounds, and each side's loss.
+
+--schedule-ab ROUNDS runs only an in-process A/B of the sequential step, the combined 1F1B and
+the combined 1F1B with delayed wgrad at EP 1 (the all-to-alls are local copies on the comm
+stream), alternated the same way: what the overlap schedule itself adds to the host, without
+NCCL's share; the three losses must be bit-identical (the overlap contract).
 """
 
 from __future__ import annotations
@@ -277,17 +283,44 @@ def _project_site() -> str:
 
 def fusion_ab(groups, argv, rounds: int, iters: int, warmup: int) -> dict:
     """The eager step without and with the host-saving fusions (the Switch aux loss inside the
-    router op, and the weight-grad GEMMs accumulating into main_grad), both trainers in this
-    process and their timed steps alternated `rounds` times, so both sides see the same host
-    drift: {side: {"cpu_ms": [per round], "wall_ms": [...], "nodes": [per-round tables],
-    "loss": ...}}. Separate runs of one command moved 124-148 ms per step on one host, more
-    than these fusions can save."""
+    router op, and the weight-grad GEMMs accumulating into main_grad), alternated (`alternate`).
+    Separate runs of one command moved 124-148 ms per step on one host, more than these fusions
+    can save."""
     sides = {"unfused": Trainer(parse_config(argv + ["--no-gradient-accumulation-fusion"]),
                                 groups, log=lambda msg: None),
              "fused": Trainer(parse_config(argv), groups, log=lambda msg: None)}
     for layer in sides["unfused"].model.modules():
         if hasattr(layer, "aux_loss_in_op"):
             layer.aux_loss_in_op = False
+    return alternate(sides, rounds, iters, warmup, "fusion A/B")
+
+
+def schedule_ab(groups, argv, rounds: int, iters: int, warmup: int, top: int) -> dict:
+    """The sequential step against the combined 1F1B (and with delayed wgrad) on one GPU,
+    alternated (`alternate`). At EP 1 the all-to-alls are local copies, issued on the comm
+    stream like NCCL's would be, so what the overlap adds to the host here is the schedule's
+    own cost: the second stream, the events and hand-overs, the interleaved microbatches, the
+    autograd engine's stream changes; NCCL's share is not in it. (The training command refuses
+    the overlap at EP 1: there is nothing to hide; this builds the trainer without that check.)
+    With `top`, each side also gets one step under torch.profiler: the `top` names by host
+    self time with their call counts (`api_profile`)."""
+    overlap = ["--overlap-moe-expert-parallel-comm"]
+    sides = {name: Trainer(parse_config(argv + extra), groups, log=lambda msg: None)
+             for name, extra in (("sequential", []), ("combined_1f1b", overlap),
+                                 ("combined_1f1b_wgrad", overlap + ["--delay-wgrad-compute"]))}
+    results = alternate(sides, rounds, iters, warmup, "schedule A/B",
+                        profile=lambda trainer, inputs: api_profile(trainer, inputs, top)
+                        if top else None)
+    return results
+
+
+def alternate(sides: dict, rounds: int, iters: int, warmup: int, what: str,
+              profile=None) -> dict:
+    """Both (all) trainers in this process, their timed steps alternated `rounds` times (the
+    same side first in each round, which favoured the first side by about 5% on untouched
+    nodes in benchmarks/cuda_graphs.md run 6), so every side sees the same host drift:
+    {side: {"cpu_ms": [per round], "wall_ms": [...], "nodes": [per-round tables], "loss": ...,
+    "launches_per_step": ..., "profile": `profile(trainer, inputs)`}}. Closes the trainers."""
     try:
         inputs = {side: trainer.microbatches(1) for side, trainer in sides.items()}
         for side, trainer in sides.items():
@@ -300,37 +333,50 @@ def fusion_ab(groups, argv, rounds: int, iters: int, warmup: int) -> dict:
                 results[side]["cpu_ms"].append(cpu_ms)
                 results[side]["wall_ms"].append(wall_ms)
                 results[side]["nodes"].append(per_node_host_ms(trainer, inputs[side], iters))
-            print(f"fusion A/B round {round_index + 1}/{rounds}: " + ", ".join(
+            print(f"{what} round {round_index + 1}/{rounds}: " + ", ".join(
                 f"{side} {results[side]['cpu_ms'][-1]:.2f} ms" for side in sides), flush=True)
         for side, trainer in sides.items():
             results[side]["loss"] = _last_loss(trainer, inputs[side])
             results[side]["launches_per_step"] = kernel_launches(trainer, inputs[side])
+            if profile is not None:
+                results[side]["profile"] = profile(trainer, inputs[side])
         return results
     finally:
         for trainer in sides.values():
             trainer.close()
 
 
-def print_fusion_ab(results: dict) -> None:
-    """Medians over the rounds: the step, then each node action."""
+def print_ab(results: dict) -> None:
+    """Medians over the rounds: the step, then each node action; every side against the first."""
     med = {side: {key: statistics.median(r[key]) for key in ("cpu_ms", "wall_ms")}
            for side, r in results.items()}
-    before, after = med["unfused"], med["fused"]
+    sides = list(results)
+    first = sides[0]
     print("\n| eager step | host CPU ms/step | wall ms/step | launches/step | loss |\n"
           "| --- | --- | --- | --- | --- |")
     for side, r in results.items():
         print(f"| {side} | {med[side]['cpu_ms']:.2f} | {med[side]['wall_ms']:.2f} | "
               f"{r['launches_per_step']} | {r['loss']!r} |")
-    print(f"fused / unfused: host CPU {after['cpu_ms'] / before['cpu_ms']:.3f}x, wall "
-          f"{after['wall_ms'] / before['wall_ms']:.3f}x (medians of {len(results['fused']['cpu_ms'])}"
-          " alternated rounds)")
-    print("\n| eager node action | host us per call, unfused | fused | fused / unfused |\n"
-          "| --- | --- | --- | --- |")
-    for key in results["fused"]["nodes"][0]:
+    for side in sides[1:]:
+        print(f"{side} / {first}: host CPU {med[side]['cpu_ms'] / med[first]['cpu_ms']:.3f}x, "
+              f"wall {med[side]['wall_ms'] / med[first]['wall_ms']:.3f}x (medians of "
+              f"{len(results[side]['cpu_ms'])} alternated rounds)")
+    print("\n| eager node action | host us per call, " + " | ".join(sides) + " | "
+          + " | ".join(f"{side} / {first}" for side in sides[1:]) + " |\n|"
+          + " --- |" * (2 * len(sides)))
+    keys = list(results[first]["nodes"][0])
+    keys += [k for side in sides[1:] for k in results[side]["nodes"][0] if k not in keys]
+    for key in keys:
         us = {side: statistics.median(table[key][1] for table in r["nodes"])
-              for side, r in results.items()}
-        print(f"| {key} | {us['unfused']:.0f} | {us['fused']:.0f} | "
-              f"{us['fused'] / us['unfused']:.3f} |")
+              if key in r["nodes"][0] else float("nan") for side, r in results.items()}
+        print(f"| {key} | " + " | ".join(f"{us[side]:.0f}" for side in sides) + " | "
+              + " | ".join(f"{us[side] / us[first]:.3f}" for side in sides[1:]) + " |")
+    for side, r in results.items():
+        if r.get("profile"):
+            print(f"\n{side}, one step under torch.profiler:\n| name | calls | host self ms |"
+                  "\n| --- | --- | --- |")
+            for name, calls, ms in r["profile"]:
+                print(f"| {name} | {calls} | {ms:.2f} |")
 
 
 def print_call_sites(found: dict) -> None:
@@ -376,6 +422,11 @@ def main(argv=None) -> int:
                         help="only this: the eager step without and with the host-saving "
                              "fusions (aux loss in the router op, gradient-accumulation "
                              "fusion), alternated ROUNDS times in this process")
+    parser.add_argument("--schedule-ab", type=int, default=0, metavar="ROUNDS",
+                        help="only this: the sequential step against the combined 1F1B (and "
+                             "with delayed wgrad) at EP 1, alternated ROUNDS times in this "
+                             "process: what the overlap schedule itself costs the host; "
+                             "--top-ops names per side from one profiled step")
     parser.add_argument("--sync-free", action="store_true",
                         help="also the budget dispatch: eager, partial, whole-layer and "
                              "full-iteration graphs")
@@ -402,7 +453,19 @@ def main(argv=None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2))
         print(f"\nbench_host --fusion-ab: {torch.cuda.get_device_name()}, shape {args.shape}")
-        print_fusion_ab(results)
+        print_ab(results)
+        return 0
+    if args.schedule_ab:
+        try:
+            results = schedule_ab(groups, base, args.schedule_ab, args.iters, args.warmup,
+                                  args.top_ops)
+        finally:
+            destroy_distributed(groups)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        print(f"\nbench_host --schedule-ab: {torch.cuda.get_device_name()}, shape {args.shape}, "
+              "EP 1 (the all-to-alls are local copies on the comm stream)")
+        print_ab(results)
         return 0
     try:
         rows = {mode: measure(groups, base + extra, args.iters, args.warmup,

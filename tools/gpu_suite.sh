@@ -25,6 +25,8 @@
 #                                (bench_launch), per node, and the call sites of fills/copies
 #   tools/gpu_suite.sh a2a1      one GPU: host time of one EP all-to-all call piece by piece
 #                                (bench_a2a_host: backend, dist, the watch, autograd)
+#   tools/gpu_suite.sh sched1    one GPU: host cost of the overlap schedule itself (bench_host
+#                                --schedule-ab: sequential vs combined 1F1B at EP 1), TESTS first
 #   tools/gpu_suite.sh check1    one GPU: every op's kernel GPU tests + the one-GPU model tier
 #   tools/gpu_suite.sh fusion1   one GPU: the aux-loss and gradient-accumulation fusions: GPU
 #                                tests, the one-GPU tier, in-process A/B, the CLI run twice
@@ -268,6 +270,18 @@ PYEOF
         grep "^|" "$WORK/a2a_${1}x${2}_$round.log" | sed "s/^/[$1x$2 run $round] /" >> "$SUMMARY"
       done
     done
+    ;;
+  sched1)  # one GPU: what the overlap schedule itself costs the host (issue 14): the
+            # sequential step against the combined 1F1B (and with delayed wgrad) at EP 1, in
+            # one process, alternated SCHED_ROUNDS times; TESTS (pytest files) first if given
+    if [ -n "${TESTS:-}" ]; then
+      EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20} STEP_TIMEOUT=420 step tests \
+        python3 -m pytest -q -p no:cacheprovider $TESTS
+    fi
+    STEP_TIMEOUT=300 step schedule_ab python3 tools/bench_host.py \
+      --schedule-ab "${SCHED_ROUNDS:-5}" --iters 10 --top-ops "${TOP_OPS:-30}" \
+      --out "$WORK/schedule_ab.json"
+    sed -n '/^bench_host --schedule-ab/,$p' "$WORK/schedule_ab.log" | head -60 >> "$SUMMARY"
     ;;
   check1)  # one GPU, after a change to the op wrappers / model: every op's GPU kernel tests
            # (bitwise, grads, graphs, the launch cache) and the one-GPU model tier
