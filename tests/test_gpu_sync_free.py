@@ -6,7 +6,9 @@ the eager losses bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -86,20 +88,42 @@ def _assert_bitwise(eager, graphed):
         assert torch.equal(a, b), what
 
 
+@contextlib.contextmanager
+def _host_syncs_raise():
+    """torch's sync debug mode "error" (device-to-host copies, `.item()`, `.tolist()`, stream and
+    device syncs issued inside aten), plus the waits it does not see: `Event.synchronize`,
+    `Stream.synchronize` and `torch.cuda.synchronize` called from Python. Our host reads wait on
+    an event after a pinned copy (`watch.host_list`, `SplitExchange.read`), which the debug
+    mode alone lets through: the dropless control below then passed unseen."""
+    def refuse(what):
+        def call(*args, **kwargs):
+            raise RuntimeError(f"{what}: the host would synchronize with the GPU here")
+        return call
+    with contextlib.ExitStack() as stack:
+        for owner, name in ((torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"),
+                            (torch.cuda, "synchronize")):
+            stack.enter_context(mock.patch.object(owner, name,
+                                                  refuse(f"{getattr(owner, '__name__', owner)}"
+                                                         f".{name}")))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 def _moe_layer_pass_without_host_reads(flags):
-    """Forward and backward of a one-node MoE layer under torch's sync debug mode "error"."""
+    """Forward and backward of a one-node MoE layer with every host synchronization raising
+    (`_host_syncs_raise`)."""
     model, _, _ = _parts(flags, one_node=True)
     layer = next(layer for layer in model.transformer_layers() if layer.is_moe)
     spec = layer.node_specs()[0]
     hidden = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     spec.fn(hidden=hidden)  # warm up (Triton compiles, allocations) outside the check
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with _host_syncs_raise():
         out = spec.fn(hidden=hidden)["layer_out"]
         out.backward(torch.ones_like(out))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     return hidden.grad
 
