@@ -59,6 +59,7 @@ import torch
 from epoverlap.config import parse_config, validate_config
 from epoverlap_kernels import set_launch_cache
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.schedule.executor import SerialLanes
 from epoverlap.training.main import setup_environment
 from epoverlap.training.trainer import Trainer
 
@@ -203,11 +204,11 @@ def python_profile(trainer: Trainer, inputs, top: int) -> str:
     return text.getvalue()
 
 
-def api_profile(trainer: Trainer, inputs, top: int) -> list:
+def api_profile(trainer: Trainer, inputs, top: Optional[int]) -> list:
     """One step under torch.profiler (CPU ops on every thread, and on CUDA the runtime API calls
-    through CUPTI): the `top` names by host self time, as [name, calls, self ms]. Where a
-    Python profile shows a C++ call's own time (autograd's `run_backward`), this names what
-    inside it took the time (aten ops, `cudaLaunchKernel`, `cudaEventRecord`, ...)."""
+    through CUPTI): the `top` names (None: all) by host self time, as [name, calls, self ms].
+    Where a Python profile shows a C++ call's own time (autograd's `run_backward`), this names
+    what inside it took the time (aten ops, `cudaLaunchKernel`, `cudaEventRecord`, ...)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if trainer.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -218,7 +219,7 @@ def api_profile(trainer: Trainer, inputs, top: int) -> list:
     rows = [[event.key, event.count, event.self_cpu_time_total / 1e3]
             for event in prof.key_averages()]
     rows.sort(key=lambda row: -row[2])
-    return rows[:top]
+    return rows if top is None else rows[:top]
 
 
 def kernel_launches(trainer: Trainer, inputs, top: int = 0) -> int:
@@ -297,21 +298,32 @@ def fusion_ab(groups, argv, rounds: int, iters: int, warmup: int) -> dict:
 
 def schedule_ab(groups, argv, rounds: int, iters: int, warmup: int, top: int) -> dict:
     """The sequential step against the combined 1F1B (and with delayed wgrad) on one GPU,
-    alternated (`alternate`). At EP 1 the all-to-alls are local copies, issued on the comm
+    alternated (`alternate`); and the combined 1F1B's order issued on one stream (serial lanes:
+    no event, no hand-over), which tells the cost of the lanes from that of the order. At EP 1 the all-to-alls are local copies, issued on the comm
     stream like NCCL's would be, so what the overlap adds to the host here is the schedule's
     own cost: the second stream, the events and hand-overs, the interleaved microbatches, the
     autograd engine's stream changes; NCCL's share is not in it. (The training command refuses
     the overlap at EP 1: there is nothing to hide; this builds the trainer without that check.)
-    With `top`, each side also gets one step under torch.profiler: the `top` names by host
-    self time with their call counts (`api_profile`)."""
+    With `top`, each side also gets one step under torch.profiler (the `top` names by host self
+    time, and every CUDA runtime call, with their call counts: `api_profile`) and one under
+    cProfile (the `top` Python functions by own time: `python_profile`)."""
     overlap = ["--overlap-moe-expert-parallel-comm"]
     sides = {name: Trainer(parse_config(argv + extra), groups, log=lambda msg: None)
              for name, extra in (("sequential", []), ("combined_1f1b", overlap),
-                                 ("combined_1f1b_wgrad", overlap + ["--delay-wgrad-compute"]))}
-    results = alternate(sides, rounds, iters, warmup, "schedule A/B",
-                        profile=lambda trainer, inputs: api_profile(trainer, inputs, top)
-                        if top else None)
-    return results
+                                 ("combined_1f1b_wgrad", overlap + ["--delay-wgrad-compute"]),
+                                 ("combined_1f1b_one_stream", overlap))}
+    one_stream = sides["combined_1f1b_one_stream"]  # the combined plan's order, serial lanes:
+    one_stream.lanes.close()                        # no second stream, event or hand-over
+    one_stream.lanes = one_stream.executor.lanes = SerialLanes()
+    def profile(trainer, inputs):
+        if not top:
+            return None
+        rows = api_profile(trainer, inputs, None)
+        runtime = [row for row in rows if row[0].startswith(("cuda", "cu")) or
+                   "record_stream" in row[0]]  # every runtime call: the lanes' events, syncs
+        return {"api": rows[:top] + [row for row in runtime if row not in rows[:top]],
+                "python": python_profile(trainer, inputs, top)}
+    return alternate(sides, rounds, iters, warmup, "schedule A/B", profile=profile)
 
 
 def alternate(sides: dict, rounds: int, iters: int, warmup: int, what: str,
@@ -375,8 +387,9 @@ def print_ab(results: dict) -> None:
         if r.get("profile"):
             print(f"\n{side}, one step under torch.profiler:\n| name | calls | host self ms |"
                   "\n| --- | --- | --- |")
-            for name, calls, ms in r["profile"]:
+            for name, calls, ms in r["profile"]["api"]:
                 print(f"| {name} | {calls} | {ms:.2f} |")
+            print(f"\n{side}, one step under cProfile:\n{r['profile']['python']}")
 
 
 def print_call_sites(found: dict) -> None:
