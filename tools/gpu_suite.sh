@@ -51,6 +51,8 @@
 #                                against .baseline/'s (an earlier commit), alternated, NVLink
 #                                and NCCL_P2P_DISABLE=1 (BENCH_ARGS: more bench_overlap options,
 #                                e.g. --rounds 2; AFTER_ARGS: options for this tree's side only)
+#   tools/gpu_suite.sh x2probe   2 GPUs: the overlap probe in the training command at the
+#                                Megatron shapes, both regimes, with and without delayed wgrad
 #   tools/gpu_suite.sh x2prof    2 GPUs: host time per node action and a cProfile per mode
 #   tools/gpu_suite.sh x2carve   2 GPUs: the grouped GEMMs' SM carveout and the paired-ends plan
 #                                (VARIANTS; BENCH_ARGS: more bench_overlap options)
@@ -495,6 +497,40 @@ PYEOF
     export EPOVERLAP_GPU_LOGS="$WORK/cli_logs"
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=90 step simulator_test python3 -m pytest \
       tests/test_gpu.py -q -k simulator -p no:cacheprovider
+    ;;
+  x2probe)  # 2 GPUs: the overlap probe on the path users run: the training command at the
+            # Megatron shapes (PROBE_SHAPES: "mbs2x8", "mbs8x4", "e8"), eager, bf16, optimizer
+            # on, --overlap-probe-steps PROBE_STEPS (default 5), with and without delayed wgrad,
+            # NVLink and NCCL_P2P_DISABLE=1: which schedule each run keeps, from what figures;
+            # TESTS (pytest files) first if given
+    if [ -n "${TESTS:-}" ]; then
+      export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20}
+      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step probe_tests \
+        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
+    fi
+    mkdir -p "$WORK/runs"
+    for shape in ${PROBE_SHAPES:-mbs2x8 e8}; do
+      case $shape in
+        mbs2x8) shape_flags="" ;;
+        mbs8x4) shape_flags="--micro-batch-size 8 --num-microbatches 4" ;;
+        e8) shape_flags="--num-experts 8 --moe-router-topk 8 --moe-ffn-hidden-size 4096 \
+               --micro-batch-size 8 --num-microbatches 4" ;;
+        *) echo "x2probe: unknown shape $shape (mbs2x8, mbs8x4, e8)"; exit 2 ;;
+      esac
+      for regime in nvlink nop2p; do
+        for wgrad in "" "--delay-wgrad-compute"; do
+          p2p=""; [ $regime = nop2p ] && p2p="NCCL_P2P_DISABLE=1"
+          name="probe_${shape}_${regime}${wgrad:+_wgrad}"
+          CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${PROBE_TIMEOUT:-150} step "$name" \
+            env $p2p torchrun --standalone --nproc-per-node="$NGPUS" -m epoverlap.train \
+            --preset megatron-cmp $shape_flags --bf16 --mock-data \
+            --expert-model-parallel-size "$NGPUS" --overlap-moe-expert-parallel-comm $wgrad \
+            --overlap-probe-steps "${PROBE_STEPS:-5}" --train-iters "${PROBE_ITERS:-16}" \
+            --log-json "$WORK/runs/$name.jsonl"
+          { echo "$name:"; grep "overlap probe" "$WORK/$name.log"; } >> "$SUMMARY"
+        done
+      done
+    done
     ;;
   x2ab)  # 2 GPUs: this tree against an earlier one in .baseline/ (ignored by git, carried:
           # `git archive COMMIT | tar x -C .baseline`): the pytest files in TESTS first (if
