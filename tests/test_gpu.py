@@ -197,6 +197,61 @@ def test_graphed_sequential_run_on_one_gpu_equals_eager_bitwise(tmp_path):
     assert _identical(eager, graphed)
 
 
+def _probe_run(device_kind: str, probe_steps: int) -> list:
+    """Ten steps of a small bf16 model on one process, the combined 1F1B with delayed wgrad and
+    the optimizer on, probed against the sequential schedule over `probe_steps` steps each (0:
+    never). EP 1: the all-to-alls are local copies on the comm lane; the training command
+    refuses the overlap at EP 1 (nothing to hide), the trainer does not check."""
+    from epoverlap.config import parse_config
+    from epoverlap.parallel.groups import destroy_distributed, init_distributed
+    from epoverlap.training.trainer import Trainer
+
+    torch.use_deterministic_algorithms(True)
+    flags = ["--preset", "tiny", "--mock-data", "--train-iters", "10", "--log-interval", "100",
+             "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+             "--overlap-probe-steps", str(probe_steps)]
+    flags += ["--bf16"] if device_kind == "cuda" else ["--kernel-backend", "torch"]
+    groups = init_distributed(1, device_kind)
+    try:
+        trainer = Trainer(parse_config(flags), groups, log=lambda message: None)
+        try:
+            return trainer.train()
+        finally:
+            trainer.close()
+    finally:
+        destroy_distributed(groups)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_overlap_probe_switches_cuda_lanes_mid_run_bitwise():
+    """The probe hands the executor two CUDA streams with events (the combined 1F1B) and serial
+    lanes (sequential) in turn mid-run; every step's loss equals the never-probed run's."""
+    fixed, probed = _probe_run("cuda", 0), _probe_run("cuda", 3)
+    assert [r.schedule for r in probed][:7] == ["combined_1f1b"] + [
+        "combined_1f1b", "sequential"] * 3
+    assert len({r.schedule for r in probed[7:]}) == 1
+    assert [float.hex(r.loss) for r in probed] == [float.hex(r.loss) for r in fixed]
+
+
+@pytest.mark.multigpu
+@needs_gpus
+def test_cli_probe_run_is_bitwise_the_sequential_run(tmp_path):
+    """The training command with --overlap-probe-steps over NCCL (bf16, optimizer on, delayed
+    wgrad, --deterministic-mode): it switches schedules at steps 2-7, says which it keeps, and
+    its losses are the sequential run's bit for bit."""
+    nproc = torch.cuda.device_count()
+    flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "12",
+             "--expert-model-parallel-size", str(nproc)]
+    _, sequential = _train(tmp_path, "probe_reference", nproc, flags)
+    out, probed = _train(tmp_path, "probe", nproc, flags + [
+        "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+        "--overlap-probe-steps", "3"])
+    assert "overlap probe, steps 2-7: combined_1f1b " in out, out[-3000:]
+    assert [r["schedule"] for r in probed][1:7] == ["combined_1f1b", "sequential"] * 3
+    assert _identical(sequential, probed)
+
+
 @pytest.mark.multigpu
 @needs_gpus
 def test_cli_runs_are_bitwise_identical_under_deterministic(tmp_path):
