@@ -1,11 +1,12 @@
 """The overlap probe (`--overlap-probe-steps N`): which eager schedule this run is faster with.
 
-The combined 1F1B hides the all-to-alls behind the other microbatch's compute, but it issues
-more host work per step (a second stream, events, stream hand-overs) and its compute kernels
-share the GPU with the communication kernels. Where a step is bound by the host (small
-microbatches, eager kernels) or the all-to-all needs most of the GPU (NVLink, few CTAs left for
-compute), the overlapped step can be slower than the sequential one (benchmarks/overlap.md:
-0.80-1.00x at the host-bound and NVLink shapes on 2 H200s). Both schedules give the same bits
+The combined 1F1B hides the all-to-alls behind the other microbatch's compute, but it costs
+the host more per step (6-26% at EP 1 on one H100, of which the second stream, its events and
+hand-overs are a small part: benchmarks/overlap.md run G) and its compute kernels share the GPU
+with the communication kernels. Where a step is bound by the host (small microbatches, eager
+kernels) or the all-to-all takes SMs the GEMMs need (NVLink), the overlapped step can be
+slower than the sequential one (0.78-1.02x at the host-bound shape and 0.98x at e8 over NVLink
+on 2 H200s, runs E and F). Both schedules give the same bits
 (the overlap contract, docs/overlap.md), so a run may take either at any step without changing
 its losses. The probe uses that: after the first step (compiles, allocator warm-up), it runs
 N steps of each schedule, alternating (overlap first), takes each schedule's median step time
