@@ -931,6 +931,9 @@ def _validate_overlap_probe(cfg: RunConfig) -> None:
              "schedule: use --cuda-graph-impl none")
     _require(cfg.parallel.pipeline_model_parallel_size == 1, "overlap_probe_steps", steps,
              "needs --pipeline-model-parallel-size 1 (one stage's plan is switched)")
+    _require(cfg.train.train_iters >= 2 * steps + 1, "overlap_probe_steps", steps,
+             f"needs --train-iters >= {2 * steps + 1} (the first step, then {steps} of each "
+             f"schedule), got --train-iters={cfg.train.train_iters}")
 
 
 def _validate_nccl_ctas(cfg: RunConfig, cuda_available: bool) -> None:

@@ -78,6 +78,8 @@ def test_preset_then_explicit_flag_wins():
     (["--overlap-moe-expert-parallel-comm", "--overlap-probe-steps", "3",
       "--pipeline-model-parallel-size", "2"], 2, "--overlap-probe-steps",
      "--pipeline-model-parallel-size 1"),
+    (["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2",
+      "--overlap-probe-steps", "3"], 2, "--overlap-probe-steps", "--train-iters >= 7"),
     (["--comm-mode", "fake"], 2, "--comm-mode", "local_copy"),
     (["--kernel-backend", "cuda"], 2, "--kernel-backend", "triton"),
     (["--device", "tpu"], 2, "--device", "cpu"),

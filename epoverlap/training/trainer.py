@@ -290,6 +290,9 @@ class Trainer:
         _, (sequential_plan,) = self._build_plans(combined=False)
         probe = OverlapProbe(cfg.overlap.overlap_probe_steps, self.start_step + 1,
                              cfg.plan_name)
+        if probe.end > cfg.train.train_iters:  # a resumed run with fewer steps left
+            self.log(f"overlap probe: steps {probe.start}-{probe.end} go past --train-iters="
+                     f"{cfg.train.train_iters}: the schedules alternate to the end, no decision")
         return probe, {cfg.plan_name: (self.plan, self.lanes),
                        SEQUENTIAL: (sequential_plan, make_lanes(self.device, False))}
 
