@@ -1,8 +1,12 @@
 """tools/bench_host.py's call-site attribution, on a one-process CPU trainer (torch kernels):
 every call of a named op is counted once, at the project line that issued it, forward and
-backward; and tools/bench_launch.py refuses cleanly without a GPU."""
+backward; its A/B modes; tools/bench_launch.py refuses cleanly without a GPU; and
+tools/bench_a2a_host.py times every piece of an all-to-all over gloo."""
 
 from __future__ import annotations
+
+import os
+from unittest import mock
 
 import pytest
 import torch
@@ -10,7 +14,7 @@ import torch
 from dist_helpers import single_rank_groups
 from epoverlap.config import parse_config
 from epoverlap.training.trainer import Trainer
-from epoverlap_tools import bench_host, bench_launch
+from epoverlap_tools import bench_a2a_host, bench_host, bench_launch
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--num-query-groups", "2", "--seq-length", "8", "--num-experts", "4",
@@ -99,3 +103,17 @@ def test_schedule_ab_runs_the_three_schedules_to_the_same_bits(monkeypatch, caps
     bench_host.print_ab(results)
     table = capsys.readouterr().out
     assert "combined_1f1b_wgrad / sequential: host CPU" in table
+
+
+def test_a2a_host_times_every_piece_and_checks_each_copies(capsys):
+    """On one gloo rank every piece of the all-to-all path runs, copies its input (checked by
+    the tool), and gets a row; a piece that does not copy stops the tool."""
+    with mock.patch.dict(os.environ):  # init_distributed sets RANK, MASTER_PORT, ...
+        assert bench_a2a_host.main(["--device", "cpu", "--rows", "8", "--hidden", "4",
+                                    "--calls", "2", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    body = rows[2:]  # under the header and its rule
+    assert len(body) == 6 and body[3].startswith("| Group.all_to_all_single (short path) |")
+    sent = torch.arange(4.0)
+    with pytest.raises(SystemExit, match="did not copy"):
+        bench_a2a_host.check_copy("a broken piece", lambda: torch.zeros(4), sent)

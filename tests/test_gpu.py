@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -202,16 +203,23 @@ def _probe_run(device_kind: str, probe_steps: int) -> list:
     the optimizer on, probed against the sequential schedule over `probe_steps` steps each (0:
     never). EP 1: the all-to-alls are local copies on the comm lane; the training command
     refuses the overlap at EP 1 (nothing to hide), the trainer does not check."""
-    from epoverlap.config import parse_config
-    from epoverlap.parallel.groups import destroy_distributed, init_distributed
-    from epoverlap.training.trainer import Trainer
+    from epoverlap.parallel.groups import init_distributed
 
     torch.use_deterministic_algorithms(True)
     flags = ["--preset", "tiny", "--mock-data", "--train-iters", "10", "--log-interval", "100",
              "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
              "--overlap-probe-steps", str(probe_steps)]
     flags += ["--bf16"] if device_kind == "cuda" else ["--kernel-backend", "torch"]
-    groups = init_distributed(1, device_kind)
+    with mock.patch.dict(os.environ):  # init_distributed sets RANK, MASTER_PORT, ...
+        return _train_in_process(init_distributed(1, device_kind), flags)
+
+
+def _train_in_process(groups, flags: list) -> list:
+    """`Trainer.train()` of `flags` (parsed, not validated) on `groups`, torn down after."""
+    from epoverlap.config import parse_config
+    from epoverlap.parallel.groups import destroy_distributed
+    from epoverlap.training.trainer import Trainer
+
     try:
         trainer = Trainer(parse_config(flags), groups, log=lambda message: None)
         try:
