@@ -103,6 +103,11 @@ def test_schedule_ab_runs_the_three_schedules_to_the_same_bits(monkeypatch, caps
     bench_host.print_ab(results)
     table = capsys.readouterr().out
     assert "combined_1f1b_wgrad / sequential: host CPU" in table
+    two = bench_host.schedule_ab(single_rank_groups(), TINY, rounds=1, iters=1, warmup=1, top=0,
+                                 names=["combined_1f1b_one_stream", "sequential"])
+    assert list(two) == ["combined_1f1b_one_stream", "sequential"]
+    assert two["sequential"]["loss"] == two["combined_1f1b_one_stream"]["loss"] == losses[
+        "sequential"]
 
 
 def test_a2a_host_times_every_piece_and_checks_each_copies(capsys):

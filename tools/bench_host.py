@@ -76,6 +76,11 @@ COMMON = ["--bf16", "--mock-data", "--skip-optimizer-step", "--log-interval", "1
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",
           "moe_preprocess"]
 BUDGET = ["--moe-dispatch-budget", "1.0"]
+OVERLAP = ["--overlap-moe-expert-parallel-comm"]
+# the sides of --schedule-ab (a "_one_stream" side runs its plan on serial lanes)
+SCHEDULE_SIDES = {"sequential": [], "combined_1f1b": OVERLAP,
+                  "combined_1f1b_wgrad": OVERLAP + ["--delay-wgrad-compute"],
+                  "combined_1f1b_one_stream": OVERLAP}
 MODES = {"eager": [], "graphed": GRAPHS}
 # the eager mode again with every Triton launch through Triton's own JITFunction.run instead of
 # the per-shape launch cache (epoverlap_kernels.launch_cache): the cache's A/B
@@ -296,10 +301,13 @@ def fusion_ab(groups, argv, rounds: int, iters: int, warmup: int) -> dict:
     return alternate(sides, rounds, iters, warmup, "fusion A/B")
 
 
-def schedule_ab(groups, argv, rounds: int, iters: int, warmup: int, top: int) -> dict:
+def schedule_ab(groups, argv, rounds: int, iters: int, warmup: int, top: int,
+                names: Optional[list[str]] = None) -> dict:
     """The sequential step against the combined 1F1B (and with delayed wgrad) on one GPU,
     alternated (`alternate`); and the combined 1F1B's order issued on one stream (serial lanes:
-    no event, no hand-over), which tells the cost of the lanes from that of the order. At EP 1 the all-to-alls are local copies, issued on the comm
+    no event, no hand-over), which tells the cost of the lanes from that of the order.
+    `names`: which of `SCHEDULE_SIDES`, in that order (default: all; the first is the
+    baseline of the ratios). At EP 1 the all-to-alls are local copies, issued on the comm
     stream like NCCL's would be, so what the overlap adds to the host here is the schedule's
     own cost: the second stream, the events and hand-overs, the interleaved microbatches, the
     autograd engine's stream changes; NCCL's share is not in it. (The training command refuses
@@ -307,14 +315,14 @@ def schedule_ab(groups, argv, rounds: int, iters: int, warmup: int, top: int) ->
     With `top`, each side also gets one step under torch.profiler (the `top` names by host self
     time, and every CUDA runtime call, with their call counts: `api_profile`) and one under
     cProfile (the `top` Python functions by own time: `python_profile`)."""
-    overlap = ["--overlap-moe-expert-parallel-comm"]
-    sides = {name: Trainer(parse_config(argv + extra), groups, log=lambda msg: None)
-             for name, extra in (("sequential", []), ("combined_1f1b", overlap),
-                                 ("combined_1f1b_wgrad", overlap + ["--delay-wgrad-compute"]),
-                                 ("combined_1f1b_one_stream", overlap))}
-    one_stream = sides["combined_1f1b_one_stream"]  # the combined plan's order, serial lanes:
-    one_stream.lanes.close()                        # no second stream, event or hand-over
-    one_stream.lanes = one_stream.executor.lanes = SerialLanes()
+    sides = {name: Trainer(parse_config(argv + SCHEDULE_SIDES[name]), groups,
+                           log=lambda msg: None)
+             for name in names or list(SCHEDULE_SIDES)}
+    for name, trainer in sides.items():
+        if name.endswith("_one_stream"):  # the combined plan's order on serial lanes: no
+            trainer.lanes.close()         # second stream, event or hand-over
+            trainer.lanes = trainer.executor.lanes = SerialLanes()
+
     def profile(trainer, inputs):
         if not top:
             return None
@@ -440,10 +448,18 @@ def main(argv=None) -> int:
                              "with delayed wgrad) at EP 1, alternated ROUNDS times in this "
                              "process: what the overlap schedule itself costs the host; "
                              "--top-ops names per side from one profiled step")
+    parser.add_argument("--schedule-sides", type=lambda text: text.split(","), default=None,
+                        metavar="NAME[,NAME...]",
+                        help=f"--schedule-ab: these sides only, the first the baseline "
+                             f"(of {', '.join(SCHEDULE_SIDES)})")
     parser.add_argument("--sync-free", action="store_true",
                         help="also the budget dispatch: eager, partial, whole-layer and "
                              "full-iteration graphs")
     args = parser.parse_args(argv)
+    unknown = set(args.schedule_sides or ()) - set(SCHEDULE_SIDES)
+    if unknown:
+        parser.error(f"--schedule-sides: {sorted(unknown)} unknown; allowed: "
+                     f"{', '.join(SCHEDULE_SIDES)}")
     sites = CALL_SITE_OPS if args.call_sites == [] else tuple(args.call_sites or ())
     not_aten = [name for name in sites if not name.startswith("aten::")]
     if not_aten:  # runtime calls (cudaMemcpyAsync, ...) never reach a dispatch mode
@@ -471,7 +487,7 @@ def main(argv=None) -> int:
     if args.schedule_ab:
         try:
             results = schedule_ab(groups, base, args.schedule_ab, args.iters, args.warmup,
-                                  args.top_ops)
+                                  args.top_ops, args.schedule_sides)
         finally:
             destroy_distributed(groups)
         if args.out:

@@ -275,7 +275,8 @@ PYEOF
     ;;
   sched1)  # one GPU: what the overlap schedule itself costs the host (issue 14): the
             # sequential step against the combined 1F1B (and with delayed wgrad) at EP 1, in
-            # one process, alternated SCHED_ROUNDS times; TESTS (pytest files) first if given
+            # one process, alternated SCHED_ROUNDS times (SCHED_SIDES: a comma list of the
+            # sides, the first the baseline); TESTS (pytest files) first if given
     if [ -n "${TESTS:-}" ]; then
       EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20} STEP_TIMEOUT=420 step tests \
         python3 -m pytest -q -p no:cacheprovider $TESTS
@@ -283,7 +284,7 @@ PYEOF
     if [ "${SCHED_ROUNDS:-5}" -gt 0 ]; then  # SCHED_ROUNDS=0: the tests only
       STEP_TIMEOUT=300 step schedule_ab python3 tools/bench_host.py \
         --schedule-ab "${SCHED_ROUNDS:-5}" --iters 10 --top-ops "${TOP_OPS:-30}" \
-        --out "$WORK/schedule_ab.json"
+        ${SCHED_SIDES:+--schedule-sides "$SCHED_SIDES"} --out "$WORK/schedule_ab.json"
       sed -n '/^bench_host --schedule-ab/,$p' "$WORK/schedule_ab.log" | head -60 >> "$SUMMARY"
     fi
     ;;
