@@ -227,6 +227,26 @@ def api_profile(trainer: Trainer, inputs, top: Optional[int]) -> list:
     return rows if top is None else rows[:top]
 
 
+def gpu_busy_ms(trainer: Trainer, inputs) -> Optional[float]:
+    """The GPU's busy time in one step: the union of its kernels' and copies' intervals, from
+    torch.profiler's device events (CUDA only, else None). Beside the host CPU time it says
+    whether a step is bound by the host (busy well below the step) or by the GPU (the host
+    then waits, and a wait at a host read spins: it counts as host CPU time too)."""
+    if trainer.device.type != "cuda":
+        return None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        trainer.run_microbatches(1, inputs)
+        torch.cuda.synchronize(trainer.device)
+    spans = sorted((event.time_range.start, event.time_range.end) for event in prof.events()
+                   if event.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / 1e3
+
+
 def kernel_launches(trainer: Trainer, inputs, top: int = 0) -> int:
     """CUDA kernel launches of one step (every thread), counted by torch.profiler; with `top`,
     also prints the ops with the most host self time (where the host time goes)."""
@@ -358,6 +378,7 @@ def alternate(sides: dict, rounds: int, iters: int, warmup: int, what: str,
         for side, trainer in sides.items():
             results[side]["loss"] = _last_loss(trainer, inputs[side])
             results[side]["launches_per_step"] = kernel_launches(trainer, inputs[side])
+            results[side]["gpu_busy_ms"] = gpu_busy_ms(trainer, inputs[side])
             if profile is not None:
                 results[side]["profile"] = profile(trainer, inputs[side])
         return results
@@ -372,11 +393,13 @@ def print_ab(results: dict) -> None:
            for side, r in results.items()}
     sides = list(results)
     first = sides[0]
-    print("\n| eager step | host CPU ms/step | wall ms/step | launches/step | loss |\n"
-          "| --- | --- | --- | --- | --- |")
+    print("\n| eager step | host CPU ms/step | wall ms/step | GPU busy ms, one step | "
+          "launches/step | loss |\n| --- | --- | --- | --- | --- | --- |")
     for side, r in results.items():
+        busy = r.get("gpu_busy_ms")
         print(f"| {side} | {med[side]['cpu_ms']:.2f} | {med[side]['wall_ms']:.2f} | "
-              f"{r['launches_per_step']} | {r['loss']!r} |")
+              f"{'-' if busy is None else f'{busy:.2f}'} | {r['launches_per_step']} | "
+              f"{r['loss']!r} |")
     for side in sides[1:]:
         print(f"{side} / {first}: host CPU {med[side]['cpu_ms'] / med[first]['cpu_ms']:.3f}x, "
               f"wall {med[side]['wall_ms'] / med[first]['wall_ms']:.3f}x (medians of "
