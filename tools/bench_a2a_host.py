@@ -7,8 +7,8 @@ Each all-to-all of the MoE layer (the dispatch's tokens and probs, the combine, 
 backwards: six a layer and microbatch, plus the split-size exchange) goes through these layers,
 timed here from the bottom up at a host-bound size ([rows, hidden] bf16 on CUDA, fp32 on CPU):
 
-  - `backend`: the process group's own call (`ProcessGroup.all_to_all_single` and the work's
-    wait): the floor, NCCL's (or gloo's) enqueue;
+  - `backend`: the process group's own call and the work's wait (`groups.blocking_all_to_all`,
+    what the short path calls): the floor, NCCL's (or gloo's) enqueue;
   - `dist.all_to_all_single`: torch's Python wrapper around it (checks, options, group lookup);
   - `watch.collective + dist`: the path every EP all-to-all took before the short path (the
     watch's generator context, an f-string description per call, a CUDA event);
@@ -29,50 +29,31 @@ few microseconds). Prints a markdown table last.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-
-def host_us(fn: Callable[[], object], calls: int, repeats: int, sync: Callable[[], None]
-            ) -> float:
-    """Median over `repeats` of the mean host wall time of `calls` back-to-back calls (us)."""
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    sync()
-    return statistics.median(samples)
+from epoverlap_tools.bench_launch import host_us
 
 
 def pieces(groups, send: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """name -> one all-to-all of `send` through that many layers, the bottom first; each
     returns what it received."""
     from epoverlap.parallel.comm import AllToAll, ExpertComm
+    from epoverlap.parallel.groups import blocking_all_to_all
 
     group = groups.ep
     recv = torch.empty_like(send)
     send_grad = send.clone().requires_grad_(True)
     splits = [send.shape[0]]
     pg = group.pg if group.pg is not None else dist.distributed_c10d._get_default_group()
-    backend_call = getattr(pg, "all_to_all_single", None) or pg.alltoall_base
-    options = dist.AllToAllOptions()
-    options.asyncOp = False
+    backend_call = blocking_all_to_all(pg)
     comm = ExpertComm(group, size=2)  # size 2: past the one-rank shortcut (module docstring)
 
     def backend():
-        work = backend_call(recv, send, splits, splits, options)
-        if work is not None:
-            work.wait()
+        backend_call(recv, send, splits, splits)
         return recv
 
     def dist_call():

@@ -347,7 +347,7 @@ def schedule_ab(groups, argv, rounds: int, iters: int, warmup: int, top: int,
         if not top:
             return None
         rows = api_profile(trainer, inputs, None)
-        runtime = [row for row in rows if row[0].startswith(("cuda", "cu")) or
+        runtime = [row for row in rows if row[0].startswith("cu") or
                    "record_stream" in row[0]]  # every runtime call: the lanes' events, syncs
         return {"api": rows[:top] + [row for row in runtime if row not in rows[:top]],
                 "python": python_profile(trainer, inputs, top)}

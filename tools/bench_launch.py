@@ -45,18 +45,20 @@ class _Nothing(torch.autograd.Function):
         return grad, None, None
 
 
-def host_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
-    """Median over `repeats` of the mean host wall time of `calls` back-to-back calls (us)."""
+def host_us(fn: Callable[[], object], calls: int, repeats: int,
+            sync: Callable[[], object] = torch.cuda.synchronize) -> float:
+    """Median over `repeats` of the mean host wall time of `calls` back-to-back calls (us),
+    each batch started after `sync()` (the device's work done)."""
     for _ in range(3):
         fn()
     samples = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
+    sync()
     return statistics.median(samples)
 
 

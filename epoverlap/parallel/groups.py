@@ -46,8 +46,9 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,22 +60,44 @@ PIPELINE, DATA_PARALLEL = "pipeline", "data-parallel"
 EXPERT_PARALLEL_SPLITS = "expert-parallel split sizes"  # same ranks as EP, own communicator
 
 
+def blocking_all_to_all(pg: dist.ProcessGroup) -> Callable[..., None]:
+    """`pg`'s own all_to_all_single as `dist.all_to_all_single(..., async_op=False)` issues it
+    (options made once; its checks and argument handling left out: our callers pass contiguous
+    tensors of one dtype): call(output, input, output_splits=None, input_splits=None). On NCCL
+    it runs on the caller's stream and the host does not wait; on gloo the host waits."""
+    call = getattr(pg, "all_to_all_single", None) or pg.alltoall_base  # torch < 2.13: the latter
+    options = dist.AllToAllOptions()
+    options.asyncOp = False
+
+    def all_to_all(output, input, output_splits=None, input_splits=None) -> None:
+        work = call(output, input, output_splits or [], input_splits or [], options)
+        if work is not None:
+            work.wait()
+    return all_to_all
+
+
+class _FastAllToAll(NamedTuple):
+    """What `Group.all_to_all_single` needs per call, made once."""
+
+    call: Callable[..., None]
+    where: str  # the watch's description
+    peers: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class Group:
     """A process group (None: the default one), its name and global ranks. Collectives are
     issued through these methods so the watch knows which group and op is in flight.
 
     `all_to_all_single`, the one collective issued hundreds of times a step (every dispatch
-    and combine, forward and backward), takes a short path: the backend's own call with
-    options made once (`dist.all_to_all_single`'s checks and argument handling skipped: our
-    callers pass contiguous tensors of one dtype) inside the watch's `begin` / `end` with a
-    description made once, instead of a generator context and an f-string per call."""
+    and combine, forward and backward), takes a short path: `blocking_all_to_all` inside the
+    watch's `begin` / `end` with a description made once, instead of `dist`'s wrapper inside a
+    generator context with an f-string per call."""
 
     name: str
     ranks: tuple[int, ...]
     pg: Optional[dist.ProcessGroup]
     watch: CollectiveWatch
-    _fast: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -94,27 +117,22 @@ class Group:
                           input_splits: Optional[list[int]] = None) -> None:
         """Blocking all_to_all_single (class docstring): on NCCL it runs on the caller's stream
         and the host does not wait; on gloo the host waits for it."""
-        fast = self._fast or self._make_fast()
-        watch = self.watch
-        entry = watch.begin(fast["where"], fast["peers"])
+        fast, watch = self._fast_all_to_all, self.watch
+        entry = watch.begin(fast.where, fast.peers)
         try:
-            work = fast["call"](output, input, output_splits or [], input_splits or [],
-                                fast["options"])
-            if work is not None:
-                work.wait()
+            fast.call(output, input, output_splits, input_splits)
         except BaseException as error:
             watch.failed(entry, error)
         watch.end(entry)
 
-    def _make_fast(self) -> dict:
+    @functools.cached_property
+    def _fast_all_to_all(self) -> "_FastAllToAll":
+        """Made on the first call (the default group exists by then); a frozen dataclass still
+        takes it, as cached_property writes the instance's __dict__ directly."""
         pg = self.pg if self.pg is not None else dist.distributed_c10d._get_default_group()
-        options = dist.AllToAllOptions()
-        options.asyncOp = False  # as dist.all_to_all_single(async_op=False) sets it
-        self._fast.update(
-            call=getattr(pg, "all_to_all_single", None) or pg.alltoall_base, options=options,
-            where=f"{self.name} group (ranks {ranks_text(self.ranks)}) all_to_all",
-            peers=tuple(r for r in self.ranks if r != self.watch.rank))
-        return self._fast
+        return _FastAllToAll(blocking_all_to_all(pg),
+                             f"{self.name} group (ranks {ranks_text(self.ranks)}) all_to_all",
+                             tuple(r for r in self.ranks if r != self.watch.rank))
 
     def all_to_all_single_async(self, output: torch.Tensor, input: torch.Tensor):
         """Equal-split all_to_all_single started without waiting (gloo: on the backend's own

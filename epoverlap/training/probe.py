@@ -44,7 +44,7 @@ class OverlapProbe:
         """The schedule step `step` runs."""
         if self.chosen is not None:
             return self.chosen
-        if self.start <= step <= self.end and (step - self.start) % 2 == 1:
+        if self.in_window(step) and (step - self.start) % 2 == 1:
             return SEQUENTIAL
         return self.overlap
 
