@@ -6,6 +6,7 @@ tools/bench_a2a_host.py times every piece of an all-to-all over gloo."""
 from __future__ import annotations
 
 import os
+import time
 from unittest import mock
 
 import pytest
@@ -98,16 +99,74 @@ def test_schedule_ab_runs_the_three_schedules_to_the_same_bits(monkeypatch, caps
     assert len(set(losses.values())) == 1, losses
     for side, r in results.items():
         assert len(r["cpu_ms"]) == 2 and "F dispatch" in r["nodes"][0], side
+        assert bench_host.SPLIT_READ in r["nodes"][0], side  # the dropless dispatch's read
         assert len(r["profile"]["api"]) >= 5 and "function calls" in r["profile"]["python"]
     assert "W " in " ".join(results["combined_1f1b_wgrad"]["nodes"][0])  # the delayed wgrads
     bench_host.print_ab(results)
     table = capsys.readouterr().out
     assert "combined_1f1b_wgrad / sequential: host CPU" in table
+    if os.path.exists("/proc/self/task"):  # Linux: the main thread's counters each round
+        assert all(len(r["threads"]) == 2 for r in results.values())
+        assert any(table[2] >= 0 and table[3] > 0 for table in
+                   results["sequential"]["threads"][0].values())
+        assert "threads (CPUs this process may use" in table
     two = bench_host.schedule_ab(single_rank_groups(), TINY, rounds=1, iters=1, warmup=1, top=0,
                                  names=["combined_1f1b_one_stream", "sequential"])
     assert list(two) == ["combined_1f1b_one_stream", "sequential"]
     assert two["sequential"]["loss"] == two["combined_1f1b_one_stream"]["loss"] == losses[
         "sequential"]
+
+
+def test_thread_table_sums_per_name_and_step_and_drops_idle_threads():
+    """Two threads of one name sum; counts are per step; a thread that started between the
+    readings counts from zero; one that did nothing is left out."""
+    before = {"1": ("python", 10, 1, 0, 100.0), "2": ("pt_autograd_0", 5, 0, 1, 20.0),
+              "3": ("pt_autograd_0", 0, 0, 0, 0.0), "4": ("idle", 3, 3, 3, 3.0)}
+    after = {"1": ("python", 30, 1, 2, 140.0), "2": ("pt_autograd_0", 9, 2, 1, 30.0),
+             "3": ("pt_autograd_0", 4, 0, 0, 6.0), "4": ("idle", 3, 3, 3, 3.0),
+             "5": ("pt_nccl_watchdg", 2, 0, 0, 1.0)}
+    table = bench_host.thread_table(before, after, steps=2)
+    assert table == {"python": [10.0, 0.0, 1.0, 20.0], "pt_autograd_0": [4.0, 1.0, 0.0, 8.0],
+                     "pt_nccl_watchdg": [1.0, 0.0, 0.0, 0.5]}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux's /proc")
+def test_thread_counters_see_a_live_thread_run():
+    """Linux's counters of a thread that spins between two readings move: its CPU ms grows
+    and it switched (it waited on an event before)."""
+    import threading
+
+    go, stop = threading.Event(), threading.Event()
+
+    def work():
+        go.wait()
+        sum(range(300_000))
+        stop.wait()
+    worker = threading.Thread(target=work)
+    worker.start()
+    try:
+        before = bench_host.thread_counters()
+        go.set()
+        tid = str(worker.native_id)
+        deadline = time.monotonic() + 10
+        while (bench_host.thread_counters()[tid][4] <= before[tid][4]
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        after = bench_host.thread_counters()
+    finally:
+        stop.set()
+        worker.join()
+    tid = str(worker.native_id)
+    assert after[tid][4] > before[tid][4] and after[tid][1] >= before[tid][1] + 1
+
+
+def test_cpu_list_reads_ranges_and_refuses_what_is_not_one():
+    assert bench_host.cpu_list("3") == {3}
+    assert bench_host.cpu_list("2,3") == {2, 3}
+    assert bench_host.cpu_list("2-4,8") == {2, 3, 4, 8}
+    for bad in ("", "a", "3-", "1,,2"):
+        with pytest.raises(Exception, match="CPU list|names no CPU"):
+            bench_host.cpu_list(bad)
 
 
 def test_a2a_host_times_every_piece_and_checks_each_copies(capsys):

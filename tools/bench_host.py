@@ -2,7 +2,7 @@
 
     python tools/bench_host.py [--iters 20] [--out FILE.json] [--shape small] [--sync-free]
     python tools/bench_host.py --fusion-ab ROUNDS [--iters 10]
-    python tools/bench_host.py --schedule-ab ROUNDS [--iters 10] [--top-ops 40]
+    python tools/bench_host.py --schedule-ab ROUNDS [--iters 10] [--top-ops 40] [--cpus 3]
 
 For each mode it builds a fresh trainer on one GPU (EP=1, sequential plan), runs the warmup
 steps (a graphed mode records in the last one and captures), then times --iters forward +
@@ -29,14 +29,18 @@ kernel launches per step, so host time per launch = host CPU per step / launches
 --fusion-ab ROUNDS runs only an in-process A/B of the eager step without and with the
 host-saving fusions (the Switch aux loss inside the router op; the weight-grad GEMMs adding
 into main_grad, which only fp32 training takes, so this bf16 shape does not), the two
-trainers' timed steps alternated ROUNDS times, the unfused side first in each round (which
-favoured it by about 5% on untouched nodes in benchmarks/cuda_graphs.md run 6): step and
-per-node medians over the rounds, and each side's loss.
+trainers' timed steps alternated ROUNDS times, each side first in turn: step and per-node
+medians over the rounds, and each side's loss.
 
 --schedule-ab ROUNDS runs only an in-process A/B of the sequential step, the combined 1F1B and
 the combined 1F1B with delayed wgrad at EP 1 (the all-to-alls are local copies on the comm
 stream), alternated the same way: what the overlap schedule itself adds to the host, without
-NCCL's share; the three losses must be bit-identical (the overlap contract).
+NCCL's share; the three losses must be bit-identical (the overlap contract). It also prints,
+per thread name, the scheduler's counters per timed step (switches, migrations between CPUs,
+CPU ms): the backward of CUDA tensors runs on autograd's device thread, so every backward node
+action hands the work to another thread and back. --cpus LIST runs the process on those CPUs
+only (every thread inherits it), which tells a cost of crossing between CPUs from one of the
+schedule's own work.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ import contextlib
 import cProfile
 import io
 import json
+import os
 import pstats
+import shlex
 import statistics
 import sys
 import time
@@ -58,6 +64,7 @@ import torch
 
 from epoverlap.config import parse_config, validate_config
 from epoverlap_kernels import set_launch_cache
+from epoverlap.parallel.comm import SplitExchange
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.schedule.executor import SerialLanes
 from epoverlap.training.main import setup_environment
@@ -146,6 +153,57 @@ def timed_steps(trainer: Trainer, inputs, iters: int) -> tuple[float, float]:
     return statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3
 
 
+SPLIT_READ = "split read (in F dispatch)"
+# the caching allocator's counters of device calls (cudaMalloc, cudaFree) and of the retries
+# and stream syncs a miss costs: per step in the schedule A/B (`allocator_counts`)
+ALLOCATOR_FIELDS = ("num_device_alloc", "num_device_free", "num_alloc_retries",
+                    "num_sync_all_streams")
+THREAD_FIELDS = ("nr_voluntary_switches", "nr_involuntary_switches", "se.nr_migrations",
+                 "se.sum_exec_runtime")
+
+
+def thread_counters() -> dict:
+    """{thread id: (name, voluntary switches, involuntary switches, migrations between CPUs,
+    CPU ms)} of every thread of this process, from Linux's /proc/self/task/*/sched (empty
+    where it is not there). Which threads wake how often, and whether the scheduler moves
+    them between CPUs, is what the host's per-node cost may hang on (`thread_table`)."""
+    found = {}
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            values = {}
+            for line in (task / "sched").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key.strip() in THREAD_FIELDS:
+                    values[key.strip()] = float(value)
+        except OSError:  # the thread ended, or no sched file
+            continue
+        if len(values) == len(THREAD_FIELDS):
+            found[task.name] = (name,) + tuple(values[key] for key in THREAD_FIELDS)
+    return found
+
+
+def allocator_counts() -> dict:
+    """ALLOCATOR_FIELDS of the CUDA caching allocator, cumulative (empty without CUDA)."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {key: stats.get(key, 0) for key in ALLOCATOR_FIELDS}
+
+
+def thread_table(before: dict, after: dict, steps: int) -> dict:
+    """{thread name: [voluntary, involuntary switches, migrations, CPU ms] per step}, summed
+    over the threads of one name, from two `thread_counters` readings `steps` steps apart."""
+    table: dict = defaultdict(lambda: [0.0] * 4)
+    for tid, (name, *counts) in after.items():
+        start = before.get(tid, (name, 0.0, 0.0, 0.0, 0.0))[1:]
+        row = table[name]
+        for i, (end, begin) in enumerate(zip(counts, start)):
+            row[i] += (end - begin) / steps
+    return {name: [round(v, 2) for v in row] for name, row in table.items()
+            if any(row)}
+
+
 def _last_loss(trainer: Trainer, inputs) -> float:
     """The summed loss of one more forward-backward (no optimizer step: the same weights and
     inputs in every mode, so the modes' figures can be compared for bit equality)."""
@@ -174,10 +232,25 @@ def per_node_host_ms(trainer: Trainer, inputs, iters: int) -> dict:
     """{"F attn": (ms per step, us per call), ...}: host wall time of each node action, timed
     around the executor's task (the issuing thread; the GPU stays behind), plus "issue": the
     host wall time of the whole forward-backward call (what the nodes do not cover is the
-    executor's own work and the plan's bookkeeping)."""
+    executor's own work and the plan's bookkeeping), and SPLIT_READ: the host's wait for the
+    exchanged split sizes (`SplitExchange.read`, part of F dispatch's time; a wait for the GPU
+    to finish what the compute stream held when the exchange started, so it grows with how
+    far the GPU lags the host)."""
     executor, steps = trainer.executor, []
     recorder = executor.recorder
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    read = SplitExchange.read
+    times = _HostTimes()
+
+    def timed_read(exchange):  # the dispatch's one host wait, inside the F dispatch node
+        start = time.perf_counter()
+        try:
+            return read(exchange)
+        finally:
+            total = times.totals[SPLIT_READ]
+            total[0] += time.perf_counter() - start
+            total[1] += 1
+    SplitExchange.read = timed_read
     try:
         for _ in range(iters):
             executor.recorder = times = _HostTimes()
@@ -189,7 +262,8 @@ def per_node_host_ms(trainer: Trainer, inputs, iters: int) -> dict:
             steps.append(dict(times.totals))
     finally:
         executor.recorder = recorder
-    keys = sorted(steps[0], key=lambda k: (k == "issue", k[0] != "F", k))
+        SplitExchange.read = read
+    keys = sorted(steps[0], key=lambda k: (k == "issue", k == SPLIT_READ, k[0] != "F", k))
     return {key: (statistics.median(s[key][0] for s in steps) * 1e3,
                   statistics.median(s[key][0] / s[key][1] for s in steps) * 1e6)
             for key in keys}
@@ -356,9 +430,11 @@ def schedule_ab(groups, argv, rounds: int, iters: int, warmup: int, top: int,
 
 def alternate(sides: dict, rounds: int, iters: int, warmup: int, what: str,
               profile=None) -> dict:
-    """Both (all) trainers in this process, their timed steps alternated `rounds` times (the
-    same side first in each round, which favoured the first side by about 5% on untouched
-    nodes in benchmarks/cuda_graphs.md run 6), so every side sees the same host drift:
+    """Both (all) trainers in this process, their timed steps alternated `rounds` times, each
+    side first in turn (the same side first in every round favoured it by about 5% on
+    untouched nodes in benchmarks/cuda_graphs.md run 6), so every side sees the same host
+    drift (with `iters` 1 the sides alternate step by step: these hosts drift by 15-30%
+    between rounds of 10 steps, benchmarks/overlap.md run H):
     {side: {"cpu_ms": [per round], "wall_ms": [...], "nodes": [per-round tables], "loss": ...,
     "launches_per_step": ..., "profile": `profile(trainer, inputs)`}}. Closes the trainers."""
     try:
@@ -366,15 +442,25 @@ def alternate(sides: dict, rounds: int, iters: int, warmup: int, what: str,
         for side, trainer in sides.items():
             for _ in range(warmup):
                 trainer.run_microbatches(1, inputs[side])
-        results = {side: {"cpu_ms": [], "wall_ms": [], "nodes": []} for side in sides}
+        results = {side: {"cpu_ms": [], "wall_ms": [], "nodes": [], "threads": [],
+                          "allocator": []} for side in sides}
+        names = list(sides)
         for round_index in range(rounds):
-            for side, trainer in sides.items():
+            first = round_index % len(names)  # each side leads in turn: no place favoured
+            for side in names[first:] + names[:first]:
+                trainer = sides[side]
+                before, alloc = thread_counters(), allocator_counts()
                 cpu_ms, wall_ms = timed_steps(trainer, inputs[side], iters)
+                results[side]["threads"].append(thread_table(before, thread_counters(),
+                                                             iters))
+                results[side]["allocator"].append({
+                    key: (end - alloc[key]) / iters
+                    for key, end in allocator_counts().items()})
                 results[side]["cpu_ms"].append(cpu_ms)
                 results[side]["wall_ms"].append(wall_ms)
                 results[side]["nodes"].append(per_node_host_ms(trainer, inputs[side], iters))
             print(f"{what} round {round_index + 1}/{rounds}: " + ", ".join(
-                f"{side} {results[side]['cpu_ms'][-1]:.2f} ms" for side in sides), flush=True)
+                f"{side} {results[side]['cpu_ms'][-1]:.2f} ms" for side in names), flush=True)
         for side, trainer in sides.items():
             results[side]["loss"] = _last_loss(trainer, inputs[side])
             results[side]["launches_per_step"] = kernel_launches(trainer, inputs[side])
@@ -414,6 +500,12 @@ def print_ab(results: dict) -> None:
               if key in r["nodes"][0] else float("nan") for side, r in results.items()}
         print(f"| {key} | " + " | ".join(f"{us[side]:.0f}" for side in sides) + " | "
               + " | ".join(f"{us[side] / us[first]:.3f}" for side in sides[1:]) + " |")
+    print_threads(results)
+    for side, r in results.items():
+        if r.get("allocator") and r["allocator"][0]:
+            print(f"allocator, {side}, per timed step (medians): " + ", ".join(
+                f"{key} {statistics.median(a[key] for a in r['allocator']):g}"
+                for key in r["allocator"][0]))
     for side, r in results.items():
         if r.get("profile"):
             print(f"\n{side}, one step under torch.profiler:\n| name | calls | host self ms |"
@@ -421,6 +513,28 @@ def print_ab(results: dict) -> None:
             for name, calls, ms in r["profile"]["api"]:
                 print(f"| {name} | {calls} | {ms:.2f} |")
             print(f"\n{side}, one step under cProfile:\n{r['profile']['python']}")
+
+
+def print_threads(results: dict) -> None:
+    """Per thread name and side: switches, migrations and CPU ms per timed step (medians over
+    the rounds; Linux's scheduler counters)."""
+    names = sorted({name for r in results.values() for table in r.get("threads", ())
+                    for name in table})
+    if not names:
+        return
+    print(f"\nthreads (CPUs this process may use: {len(os.sched_getaffinity(0))}), per timed "
+          "step: voluntary / involuntary switches, migrations, CPU ms\n| thread | "
+          + " | ".join(results) + " |\n|" + " --- |" * (len(results) + 1))
+    for name in names:
+        cells = []
+        for r in results.values():
+            rows = [table[name] for table in r["threads"] if name in table]
+            if not rows:
+                cells.append("-")
+                continue
+            med = [statistics.median(row[i] for row in rows) for i in range(4)]
+            cells.append(f"{med[0]:.0f} / {med[1]:.0f}, {med[2]:.0f}, {med[3]:.1f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def print_call_sites(found: dict) -> None:
@@ -447,6 +561,20 @@ def print_node_table(eager: dict, triton_path: Optional[dict]) -> None:
     for key, (ms, us) in eager["nodes"].items():
         before_ms, before_us = triton_path["nodes"].get(key, (float("nan"),) * 2)
         print(f"| {key} | {before_ms:.2f} | {ms:.2f} | {before_us:.0f} | {us:.0f} |")
+
+
+def cpu_list(text: str) -> set[int]:
+    """'3', '2,3', '2-5,8' -> a set of CPU numbers (argparse type of --cpus)."""
+    cpus = set()
+    try:
+        for part in text.split(","):
+            low, dash, high = part.partition("-")
+            cpus.update(range(int(low), int(high if dash else low) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list like 3, 2,3 or 2-5")
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"{text!r} names no CPU")
+    return cpus
 
 
 def main(argv=None) -> int:
@@ -478,7 +606,19 @@ def main(argv=None) -> int:
     parser.add_argument("--sync-free", action="store_true",
                         help="also the budget dispatch: eager, partial, whole-layer and "
                              "full-iteration graphs")
+    parser.add_argument("--extra", type=shlex.split, default=[], metavar="'ARGS'",
+                        help="more training flags for every mode and side (one quoted "
+                             "string), e.g. '--moe-dispatch-budget 1.0'")
+    parser.add_argument("--cpus", type=cpu_list, default=None, metavar="LIST",
+                        help="run on these CPUs only (e.g. 3 or 2,3 or 2-5): set before any "
+                             "thread of torch, autograd or NCCL starts, so all inherit it")
     args = parser.parse_args(argv)
+    if args.cpus is not None:
+        allowed = os.sched_getaffinity(0)
+        if not args.cpus <= allowed:
+            parser.error(f"--cpus: {sorted(args.cpus - allowed)} not available; this process "
+                         f"may use {sorted(allowed)}")
+        os.sched_setaffinity(0, args.cpus)
     unknown = set(args.schedule_sides or ()) - set(SCHEDULE_SIDES)
     if unknown:
         parser.error(f"--schedule-sides: {sorted(unknown)} unknown; allowed: "
@@ -490,7 +630,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_host: needs a CUDA device (it measures CUDA graphs against eager)")
         return 2
-    base = SHAPES[args.shape] + COMMON
+    base = SHAPES[args.shape] + COMMON + args.extra
     modes = {**MODES, **({} if args.no_triton_path else {TRITON_PATH_MODE: []}),
              **(SYNC_FREE_MODES if args.sync_free else {})}
     for extra in modes.values():

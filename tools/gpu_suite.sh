@@ -27,6 +27,8 @@
 #                                (bench_a2a_host: backend, dist, the watch, autograd)
 #   tools/gpu_suite.sh sched1    one GPU: host cost of the overlap schedule itself (bench_host
 #                                --schedule-ab: sequential vs combined 1F1B at EP 1), TESTS first
+#   tools/gpu_suite.sh pin1      one GPU: sched1's A/B with the process on all CPUs and on the
+#                                CPU lists of PIN_SETS (thread hand-over cost vs the schedule's)
 #   tools/gpu_suite.sh check1    one GPU: every op's kernel GPU tests + the one-GPU model tier
 #   tools/gpu_suite.sh fusion1   one GPU: the aux-loss and gradient-accumulation fusions: GPU
 #                                tests, the one-GPU tier, in-process A/B, the CLI run twice
@@ -276,17 +278,36 @@ PYEOF
   sched1)  # one GPU: what the overlap schedule itself costs the host (issue 14): the
             # sequential step against the combined 1F1B (and with delayed wgrad) at EP 1, in
             # one process, alternated SCHED_ROUNDS times (SCHED_SIDES: a comma list of the
-            # sides, the first the baseline); TESTS (pytest files) first if given
+            # sides, the first the baseline; SCHED_ITERS steps per side and round, 10; EXTRA:
+            # more training flags, one string); TESTS
+            # (pytest files) first if given
     if [ -n "${TESTS:-}" ]; then
       EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20} STEP_TIMEOUT=420 step tests \
         python3 -m pytest -q -p no:cacheprovider $TESTS
     fi
     if [ "${SCHED_ROUNDS:-5}" -gt 0 ]; then  # SCHED_ROUNDS=0: the tests only
       STEP_TIMEOUT=300 step schedule_ab python3 tools/bench_host.py \
-        --schedule-ab "${SCHED_ROUNDS:-5}" --iters 10 --top-ops "${TOP_OPS:-30}" \
-        ${SCHED_SIDES:+--schedule-sides "$SCHED_SIDES"} --out "$WORK/schedule_ab.json"
-      sed -n '/^bench_host --schedule-ab/,$p' "$WORK/schedule_ab.log" | head -60 >> "$SUMMARY"
+        --schedule-ab "${SCHED_ROUNDS:-5}" --iters "${SCHED_ITERS:-10}" --top-ops "${TOP_OPS:-30}" \
+        ${SCHED_SIDES:+--schedule-sides "$SCHED_SIDES"} ${EXTRA:+--extra "$EXTRA"} \
+        --out "$WORK/schedule_ab.json"
+      sed -n '/^bench_host --schedule-ab/,$p' "$WORK/schedule_ab.log" | head -75 >> "$SUMMARY"
     fi
+    ;;
+  pin1)  # one GPU: the schedule A/B (sequential against the combined order, SCHED_SIDES) with
+         # the process on every CPU and on each CPU list of PIN_SETS ("all" = no --cpus), to
+         # tell a cost of handing work between threads on different CPUs from the schedule's own
+    lscpu > "$WORK/lscpu.txt" 2>&1
+    grep -E "^(CPU\(s\)|Thread|Core|Socket|NUMA node0)" "$WORK/lscpu.txt" >> "$SUMMARY"
+    for cpus in ${PIN_SETS:-all 3 3,4}; do
+      pin=(); [ "$cpus" != all ] && pin=(--cpus "$cpus")
+      STEP_TIMEOUT=${PIN_STEP_S:-150} step "schedule_ab_cpus_${cpus//,/_}" python3 tools/bench_host.py \
+        --schedule-ab "${SCHED_ROUNDS:-5}" --iters 10 --top-ops 0 \
+        --schedule-sides "${SCHED_SIDES:-sequential,combined_1f1b_one_stream,combined_1f1b}" \
+        "${pin[@]}" ${EXTRA:+--extra "$EXTRA"} \
+        --out "$WORK/schedule_ab_cpus_${cpus//,/_}.json"
+      { echo "--- cpus: $cpus"; sed -n '/^combined.* \/ /p;/^| eager node action/,/^| issue/p;/^threads/,/^$/p' \
+          "$WORK/schedule_ab_cpus_${cpus//,/_}.log"; } >> "$SUMMARY"
+    done
     ;;
   check1)  # one GPU, after a change to the op wrappers / model: every op's GPU kernel tests
            # (bitwise, grads, graphs, the launch cache) and the one-GPU model tier
