@@ -181,3 +181,29 @@ def test_a2a_host_times_every_piece_and_checks_each_copies(capsys):
     sent = torch.arange(4.0)
     with pytest.raises(SystemExit, match="did not copy"):
         bench_a2a_host.check_copy("a broken piece", lambda: torch.zeros(4), sent)
+
+
+def test_autograd_share_times_every_node_forward_both_ways(monkeypatch):
+    """Every node kind of the tiny model gets a with-autograd and a no_grad time, and the
+    pass leaves the trainer able to run a step (the same loss as a fresh trainer's)."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)  # CPU trainer
+    trainer = Trainer(parse_config(TINY), single_rank_groups(), log=lambda msg: None)
+    try:
+        inputs = trainer.microbatches(1)
+        share = bench_host.autograd_share(trainer, inputs, iters=2)
+        assert {"F embed", "F attn", "F mlp", "F combine", "F loss"} <= set(share)
+        assert "F dispatch" not in share  # it reads the split exchange: run once, not compared
+        segments = {key for key in share if key.startswith("F attn: ")}
+        assert segments == {"F attn: attn", "F attn: moe_router", "F attn: moe_preprocess",
+                            "F attn: moe_split_exchange"}
+        assert all(share[key][1] is None for key in segments)
+        assert all(with_grad > 0 and (without is None or without > 0)
+                   for with_grad, without in share.values())
+        loss = float(sum(trainer.run_microbatches(1, inputs)))
+    finally:
+        trainer.close()
+    fresh = Trainer(parse_config(TINY), single_rank_groups(), log=lambda msg: None)
+    try:
+        assert float(sum(fresh.run_microbatches(1, fresh.microbatches(1)))) == loss
+    finally:
+        fresh.close()

@@ -3,6 +3,7 @@
     python tools/bench_host.py [--iters 20] [--out FILE.json] [--shape small] [--sync-free]
     python tools/bench_host.py --fusion-ab ROUNDS [--iters 10]
     python tools/bench_host.py --schedule-ab ROUNDS [--iters 10] [--top-ops 40] [--cpus 3]
+    python tools/bench_host.py --autograd-share ITERS
 
 For each mode it builds a fresh trainer on one GPU (EP=1, sequential plan), runs the warmup
 steps (a graphed mode records in the last one and captures), then times --iters forward +
@@ -381,6 +382,63 @@ def _project_site() -> str:
     return "(no project frame)"
 
 
+def autograd_share(trainer: Trainer, inputs, iters: int) -> dict:
+    """{"F attn": (host us with autograd recording, without), ...}: each node's forward of
+    microbatch 0, in plan order, issued twice, each form first in turn: under `torch.no_grad`
+    (outputs dropped) and as the executor runs it (inputs as fresh leaves, under autograd; its
+    outputs feed the next node). A node given a split exchange (the dropless dispatch) is run
+    once and left out: its host read is kept by the first call. The difference bounds what a node written as one autograd Function with a
+    hand-written backward could save on its forward: the recording of every op's backward
+    node, saved tensors and views. Medians over `iters` passes; the GPU is synced before each
+    timed call, so a node's host read waits for nothing queued by the other form. A node made
+    of segments also gets each segment's time with autograd ("F attn: moe_router")."""
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    samples: dict = defaultdict(lambda: ([], []))
+    for index in range(iters):
+        trainer.grads.zero()
+        for router in trainer.model.routers():
+            router.reset_step_stats()
+        values = dict(inputs[0])
+        for spec in trainer.model.node_specs():
+            args = {local: values[name] for local, name in spec.inputs.items()}
+            leaves = {local: value.detach().requires_grad_(True)
+                      if isinstance(value, torch.Tensor) and value.requires_grad else value
+                      for local, value in args.items()}
+            times = samples[f"F {spec.name}"]
+            forms = ((False, times[1]), (True, times[0]))
+            if any(isinstance(value, SplitExchange) for value in args.values()):
+                forms = ((True, []),)  # its read is kept by the first call: not comparable
+            for record, timed in forms if index % 2 else forms[::-1]:  # each form first in turn
+                sync()
+                start = time.perf_counter()
+                with torch.set_grad_enabled(record):
+                    if record and spec.segments:
+                        out = _timed_segments(spec, leaves, samples)
+                    else:
+                        out = spec.fn(**(leaves if record else args))
+                timed.append((time.perf_counter() - start) * 1e6)
+            values.update({spec.outputs[local]: value.detach().requires_grad_(True)
+                           if isinstance(value, torch.Tensor) and value.requires_grad
+                           else value for local, value in out.items()})
+        sync()
+    return {key: (statistics.median(with_grad),
+                  statistics.median(without) if without else None)
+            for key, (with_grad, without) in samples.items() if with_grad and (
+                without or ": " in key)}
+
+
+def _timed_segments(spec, inputs: dict, samples: dict) -> dict:
+    """`spec`'s forward as `nodes.run_segments` runs it, each segment's host time added to
+    samples["F <node>: <segment>"] (with autograd; no no_grad figure)."""
+    values = dict(inputs)
+    for segment in spec.segments:
+        start = time.perf_counter()
+        values.update(segment.fn(**{name: values[name] for name in segment.inputs}))
+        samples[f"F {spec.name}: {segment.name}"][0].append(
+            (time.perf_counter() - start) * 1e6)
+    return {name: values[name] for name in spec.outputs}
+
+
 def fusion_ab(groups, argv, rounds: int, iters: int, warmup: int) -> dict:
     """The eager step without and with the host-saving fusions (the Switch aux loss inside the
     router op, and the weight-grad GEMMs accumulating into main_grad), alternated (`alternate`).
@@ -603,6 +661,9 @@ def main(argv=None) -> int:
                         metavar="NAME[,NAME...]",
                         help=f"--schedule-ab: these sides only, the first the baseline "
                              f"(of {', '.join(SCHEDULE_SIDES)})")
+    parser.add_argument("--autograd-share", type=int, default=0, metavar="ITERS",
+                        help="only this: each node's forward host time with and without "
+                             "autograd recording (median of ITERS passes over microbatch 0)")
     parser.add_argument("--sync-free", action="store_true",
                         help="also the budget dispatch: eager, partial, whole-layer and "
                              "full-iteration graphs")
@@ -646,6 +707,23 @@ def main(argv=None) -> int:
             Path(args.out).write_text(json.dumps(results, indent=2))
         print(f"\nbench_host --fusion-ab: {torch.cuda.get_device_name()}, shape {args.shape}")
         print_ab(results)
+        return 0
+    if args.autograd_share:
+        trainer = Trainer(parse_config(base), groups, log=lambda msg: None)
+        try:
+            inputs = trainer.microbatches(1)
+            for _ in range(args.warmup):
+                trainer.run_microbatches(1, inputs)
+            share = autograd_share(trainer, inputs, args.autograd_share)
+        finally:
+            trainer.close()
+            destroy_distributed(groups)
+        print(f"\nbench_host --autograd-share: {torch.cuda.get_device_name()}, shape "
+              f"{args.shape}, microbatch 0, medians of {args.autograd_share}\n| node forward | "
+              "host us, autograd | no_grad | autograd's share |\n| --- | --- | --- | --- |")
+        for key, (with_grad, without) in share.items():
+            print(f"| {key} | {with_grad:.0f} | " + ("- | - |" if without is None else
+                  f"{without:.0f} | {1 - without / with_grad:.0%} |"))
         return 0
     if args.schedule_ab:
         try:

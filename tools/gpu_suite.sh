@@ -279,11 +279,16 @@ PYEOF
             # sequential step against the combined 1F1B (and with delayed wgrad) at EP 1, in
             # one process, alternated SCHED_ROUNDS times (SCHED_SIDES: a comma list of the
             # sides, the first the baseline; SCHED_ITERS steps per side and round, 10; EXTRA:
-            # more training flags, one string); TESTS
-            # (pytest files) first if given
+            # more training flags, one string); TESTS (pytest files) first if given;
+            # SHARE_ITERS > 0: also bench_host --autograd-share
     if [ -n "${TESTS:-}" ]; then
       EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20} STEP_TIMEOUT=420 step tests \
         python3 -m pytest -q -p no:cacheprovider $TESTS
+    fi
+    if [ "${SHARE_ITERS:-0}" -gt 0 ]; then  # each node's forward with and without autograd
+      STEP_TIMEOUT=200 step autograd_share python3 tools/bench_host.py \
+        --autograd-share "$SHARE_ITERS" ${EXTRA:+--extra "$EXTRA"}
+      sed -n '/^bench_host --autograd-share/,$p' "$WORK/autograd_share.log" >> "$SUMMARY"
     fi
     if [ "${SCHED_ROUNDS:-5}" -gt 0 ]; then  # SCHED_ROUNDS=0: the tests only
       STEP_TIMEOUT=300 step schedule_ab python3 tools/bench_host.py \
