@@ -918,7 +918,8 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
 
 
 def _validate_overlap_probe(cfg: RunConfig) -> None:
-    """--overlap-probe-steps: the two eager schedules of one pipeline stage."""
+    """--overlap-probe-steps: the two schedules of one pipeline stage, eager or each
+    replaying its own partial CUDA graphs."""
     steps = cfg.overlap.overlap_probe_steps
     _require(steps >= 0, "overlap_probe_steps", steps, "must be >= 0 (0: no probe)")
     if steps == 0:
@@ -926,14 +927,22 @@ def _validate_overlap_probe(cfg: RunConfig) -> None:
     _require(cfg.overlap.overlap_moe_expert_parallel_comm, "overlap_probe_steps", steps,
              "compares the overlap with the sequential schedule: needs "
              "--overlap-moe-expert-parallel-comm")
-    _require(cfg.cuda_graph.impl == "none", "overlap_probe_steps", steps,
-             f"compares eager schedules; --cuda-graph-impl {cfg.cuda_graph.impl} captures one "
-             "schedule: use --cuda-graph-impl none")
+    impl = cfg.cuda_graph.impl
+    _require(impl in ("none", "local"), "overlap_probe_steps", steps,
+             f"compares two schedules, each replaying its own per-layer graphs; --cuda-graph-"
+             f"impl {impl} captures one schedule's whole iteration: use --cuda-graph-impl local "
+             "or none")
     _require(cfg.parallel.pipeline_model_parallel_size == 1, "overlap_probe_steps", steps,
              "needs --pipeline-model-parallel-size 1 (one stage's plan is switched)")
-    _require(cfg.train.train_iters >= 2 * steps + 1, "overlap_probe_steps", steps,
-             f"needs --train-iters >= {2 * steps + 1} (the first step, then {steps} of each "
-             f"schedule), got --train-iters={cfg.train.train_iters}")
+    if impl == "none":
+        needed, before = 2 * steps + 1, "the first step"
+    else:  # the graphs' warm-up (the overlap's capture), one sequential step (its capture)
+        needed = cfg.cuda_graph.warmup_steps + 1 + 2 * steps
+        before = (f"{cfg.cuda_graph.warmup_steps} graph warm-up step(s), one sequential "
+                  "step that captures its graphs")
+    _require(cfg.train.train_iters >= needed, "overlap_probe_steps", steps,
+             f"needs --train-iters >= {needed} ({before}, then {steps} of each schedule), "
+             f"got --train-iters={cfg.train.train_iters}")
 
 
 def _validate_nccl_ctas(cfg: RunConfig, cuda_available: bool) -> None:

@@ -198,17 +198,20 @@ def test_graphed_sequential_run_on_one_gpu_equals_eager_bitwise(tmp_path):
     assert _identical(eager, graphed)
 
 
-def _probe_run(device_kind: str, probe_steps: int) -> list:
-    """Ten steps of a small bf16 model on one process, the combined 1F1B with delayed wgrad and
-    the optimizer on, probed against the sequential schedule over `probe_steps` steps each (0:
-    never). EP 1: the all-to-alls are local copies on the comm lane; the training command
-    refuses the overlap at EP 1 (nothing to hide), the trainer does not check."""
+def _probe_run(device_kind: str, probe_steps: int, graphs: bool = False) -> list:
+    """Ten steps (twelve with `graphs`: the partial CUDA graphs, two warm-up steps) of a small
+    bf16 model on one process, the combined 1F1B with delayed wgrad and the optimizer on,
+    probed against the sequential schedule over `probe_steps` steps each (0: never). EP 1: the
+    all-to-alls are local copies on the comm lane; the training command refuses the overlap at
+    EP 1 (nothing to hide), the trainer does not check."""
     from epoverlap.parallel.groups import init_distributed
 
     torch.use_deterministic_algorithms(True)
-    flags = ["--preset", "tiny", "--mock-data", "--train-iters", "10", "--log-interval", "100",
-             "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
-             "--overlap-probe-steps", str(probe_steps)]
+    flags = ["--preset", "tiny", "--mock-data", "--train-iters", "12" if graphs else "10",
+             "--log-interval", "100", "--overlap-moe-expert-parallel-comm",
+             "--delay-wgrad-compute", "--overlap-probe-steps", str(probe_steps)]
+    if graphs:
+        flags += GRAPHS + ["--cuda-graph-warmup-steps", "2"]
     flags += ["--bf16"] if device_kind == "cuda" else ["--kernel-backend", "torch"]
     with mock.patch.dict(os.environ):  # init_distributed sets RANK, MASTER_PORT, ...
         return _train_in_process(init_distributed(1, device_kind), flags)
@@ -239,6 +242,21 @@ def test_overlap_probe_switches_cuda_lanes_mid_run_bitwise():
     assert [r.schedule for r in probed][:7] == ["combined_1f1b"] + [
         "combined_1f1b", "sequential"] * 3
     assert len({r.schedule for r in probed[7:]}) == 1
+    assert [float.hex(r.loss) for r in probed] == [float.hex(r.loss) for r in fixed]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_overlap_probe_with_partial_graphs_replays_each_schedules_own_bank_bitwise():
+    """With the partial CUDA graphs each schedule captures its own bank (the overlap's after
+    the warm-up, the sequential one's in an untimed step) and the probe times replays of
+    both, streams and events against serial lanes; every loss equals the never-probed
+    graphed run's."""
+    fixed, probed = _probe_run("cuda", 0, graphs=True), _probe_run("cuda", 3, graphs=True)
+    assert [r.schedule for r in probed][:9] == ["combined_1f1b", "combined_1f1b",
+                                                "sequential"] + [
+        "combined_1f1b", "sequential"] * 3
+    assert len({r.schedule for r in probed[9:]}) == 1
     assert [float.hex(r.loss) for r in probed] == [float.hex(r.loss) for r in fixed]
 
 

@@ -68,3 +68,76 @@ def test_a_resumed_run_probes_after_its_own_first_step():
 def test_no_steps_is_refused():
     with pytest.raises(ValueError, match="at least one step"):
         OverlapProbe(steps=0, first_step=1, overlap=OVL)
+
+
+def test_a_primed_probe_runs_one_untimed_sequential_step_before_its_window():
+    """With CUDA graphs: steps up to first_step run the overlap (its graphs' warm-up and
+    capture), the next runs sequential untimed (it records the sequential graphs), then the
+    window alternates replays; the loser is named once decided."""
+    probe = OverlapProbe(steps=2, first_step=3, overlap=OVL, prime=True)
+    schedules, lines = _run(probe, 1, 10, {OVL: 0.30, SEQUENTIAL: 0.20})
+    assert schedules == [OVL] * 3 + [SEQUENTIAL] + [OVL, SEQUENTIAL] * 2 + [SEQUENTIAL] * 2
+    assert probe.prime_step == 4 and probe.first_step == 4 and (probe.start, probe.end) == (5, 8)
+    assert not probe.in_window(4) and probe.times == {OVL: [0.30] * 2, SEQUENTIAL: [0.20] * 2}
+    assert [step for step, _ in lines] == [8] and probe.losing() == OVL
+    plain = OverlapProbe(steps=1, first_step=1, overlap=OVL)
+    assert plain.prime_step is None and plain.first_step == 2 and plain.losing() is None
+
+
+def _graphed_probe_run(probe_steps: int):
+    """Eleven steps of the tiny model on one CPU process, the combined 1F1B with delayed wgrad
+    (a comm thread at EP 1) and the partial graphs (capture emulated, `test_graphs_cpu`),
+    probed over `probe_steps` steps each (0: never). -> (step results, log lines, the keys of
+    the banks left captured)."""
+    import os
+    from unittest import mock
+
+    from test_graphs_cpu import EmulatedGraphs
+
+    from epoverlap.config import parse_config
+    from epoverlap.parallel.groups import destroy_distributed, init_distributed
+    from epoverlap.training.trainer import Trainer
+
+    flags = ["--preset", "tiny", "--mock-data", "--kernel-backend", "torch", "--train-iters",
+             "11", "--log-interval", "1", "--overlap-moe-expert-parallel-comm",
+             "--delay-wgrad-compute", "--cuda-graph-impl", "local", "--cuda-graph-modules",
+             "attn", "moe_router", "moe_preprocess", "--cuda-graph-warmup-steps", "2",
+             "--overlap-probe-steps", str(probe_steps)]
+    lines: list[str] = []
+    with mock.patch.dict(os.environ):  # init_distributed sets RANK, MASTER_PORT, ...
+        groups = init_distributed(1, "cpu")
+        try:
+            trainer = Trainer(parse_config(flags), groups, log=lines.append,
+                              graph_backend=EmulatedGraphs)
+            try:
+                lines.append(trainer.describe())
+                results = trainer.train()
+                banks = sorted(key for key, bank in trainer.graphs.banks.banks.items()
+                               if bank.captured)
+            finally:
+                trainer.close()
+        finally:
+            destroy_distributed(groups)
+    return results, lines, banks
+
+
+def test_a_probe_with_partial_graphs_gives_each_schedule_its_bank_and_keeps_the_bits():
+    """With --cuda-graph-impl local: the overlap's graphs are captured after the warm-up
+    (step 2), one untimed sequential step captures the sequential schedule's graphs (step 3),
+    steps 4-7 alternate replays, and after the decision only the kept schedule's bank is
+    left. Every loss equals the never-probed graphed run's bit for bit."""
+    fixed, _, fixed_banks = _graphed_probe_run(0)
+    probed, lines, banks = _graphed_probe_run(2)
+    schedules = [r.schedule for r in probed]
+    assert schedules[:7] == [OVL, OVL, SEQUENTIAL, OVL, SEQUENTIAL, OVL, SEQUENTIAL]
+    kept = schedules[7]
+    assert set(schedules[7:]) == {kept}
+    assert [float.hex(r.loss) for r in probed] == [float.hex(r.loss) for r in fixed]
+    assert fixed_banks == [0] and banks == [(kept, 0)]
+    text = "\n".join(lines)
+    assert "probed against sequential, steps 4-7, its CUDA graphs captured at step 3" in text
+    assert "probe: sequential (untimed: its CUDA graphs are captured)" in text
+    loser = OVL if kept == SEQUENTIAL else SEQUENTIAL
+    assert f"the {loser} schedule's CUDA graphs released" in text
+    assert text.count("CUDA graphs: ") == 2  # one capture per schedule
+    assert "CUDA graph banks by schedule: bank ('combined_1f1b', 0): 24 graphs" in text

@@ -10,6 +10,12 @@ reads and writes), so a run that never overflows holds one bank. At most `max_ba
 exist (the number of budget levels: log2(EP size / budget) + 1), each in its own memory pool,
 and `memory_report` says what each holds.
 
+With the overlap probe (`--overlap-probe-steps`, `training.probe`) a bank is also per
+schedule: the key is then (schedule, level), the two schedules' graphs are captured in their
+own plans' orders into their own pools (a graph replayed in another plan's order could find
+its pool's memory in use), and the losing schedule's banks are released after the decision
+(`StepGraphs.release_schedule`).
+
 Why budgets and not token counts: our batches have a fixed sequence length and micro-batch
 size, so the token count per microbatch never varies and banks per token-count bucket (seed
 001's dynamic sizes) would hold one bank; the budget is the size that does vary at run time.
@@ -17,7 +23,7 @@ size, so the token count per microbatch never varies and banks per token-count b
 
 from __future__ import annotations
 
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Optional
 
 
 class GraphBanks:
@@ -51,10 +57,10 @@ class GraphBanks:
                  for key, bank in sorted(self.banks.items()) if bank.captured]
         return "; ".join(parts) or "no bank captured"
 
-    def release(self) -> None:
-        for bank in self.banks.values():
-            bank.release()
-        self.banks.clear()
+    def release(self, keys=None) -> None:
+        """Release the banks of `keys` (default: every bank) and their memory pools."""
+        for key in list(self.banks) if keys is None else list(keys):
+            self.banks.pop(key).release()
 
 
 class StepGraphs:
@@ -68,9 +74,22 @@ class StepGraphs:
         self.banks, self.warmup_steps = banks, warmup_steps
         self.per_level, self.full_iteration = per_level, full_iteration
         self._due: dict = {}  # bank key -> a budget level to capture it at
+        self.schedule: Optional[str] = None  # the probe's schedule of this step (else None)
 
-    def key(self, level: int) -> int:
-        return level if self.per_level else 0
+    def key(self, level: int) -> Hashable:
+        """The bank of `level` (0 unless per level), and of this step's schedule when the
+        overlap probe switches schedules."""
+        level_key = level if self.per_level else 0
+        return level_key if self.schedule is None else (self.schedule, level_key)
+
+    def release_schedule(self, schedule: str) -> int:
+        """Release every bank of `schedule` (the probe's loser); -> the pool bytes freed."""
+        keys = [key for key in self.banks.banks
+                if isinstance(key, tuple) and key[0] == schedule]
+        freed = sum(self.banks.banks[key].pool_bytes for key in keys
+                    if self.banks.banks[key].captured)
+        self.banks.release(keys)
+        return freed
 
     def begin_attempt(self, step: int, level: int) -> None:
         bank = self.banks.select(self.key(level))
@@ -99,7 +118,7 @@ class StepGraphs:
             captured.append((level, bank))
         self._due.clear()
         select_level(0)
-        self.banks.select(0)
+        self.banks.select(self.key(0))
         return captured
 
     def release(self) -> None:

@@ -13,6 +13,12 @@ N steps of each schedule, alternating (overlap first), takes each schedule's med
 on the slowest rank (an all-reduce, so every rank decides alike), and keeps the faster for the
 rest of the run. A tie keeps the overlap.
 
+With the partial CUDA graphs (`--cuda-graph-impl local`) each schedule replays its own graphs
+(a bank per schedule, each captured in its plan's order in its own memory pool): the probe
+then starts after the overlap's bank is captured (the graphs' warm-up steps), runs one
+untimed sequential step that records the sequential bank (`prime`), and times replays only;
+the losing schedule's bank is released after the decision.
+
 Owns `OverlapProbe` (which schedule each step runs, the step times, the decision); the trainer
 owns the plans and lanes it switches between.
 """
@@ -30,12 +36,15 @@ class OverlapProbe:
     steps each, from the step after `first_step` (the run's first, untimed), then keeps the
     faster."""
 
-    def __init__(self, steps: int, first_step: int, overlap: str):
+    def __init__(self, steps: int, first_step: int, overlap: str, prime: bool = False):
         if steps < 1:
             raise ValueError(f"an overlap probe needs at least one step of each schedule, "
                              f"got {steps}")
         self.steps, self.overlap = steps, overlap
-        self.start = first_step + 1  # the run's first step runs the overlap untimed (warm-up)
+        # steps up to first_step run the overlap untimed (warm-up); with `prime`, the step
+        # after it runs the sequential schedule untimed (its CUDA graphs are recorded there)
+        self.prime_step = first_step + 1 if prime else None
+        self.start = first_step + 1 + prime
         self.end = self.start + 2 * steps - 1  # the last probed step
         self.times: dict[str, list[float]] = {overlap: [], SEQUENTIAL: []}
         self.chosen: Optional[str] = None
@@ -44,9 +53,20 @@ class OverlapProbe:
         """The schedule step `step` runs."""
         if self.chosen is not None:
             return self.chosen
-        if self.in_window(step) and (step - self.start) % 2 == 1:
+        if step == self.prime_step or self.in_window(step) and (step - self.start) % 2 == 1:
             return SEQUENTIAL
         return self.overlap
+
+    @property
+    def first_step(self) -> int:
+        """The first step the probe runs or times (the prime step when there is one)."""
+        return self.start if self.prime_step is None else self.prime_step
+
+    def losing(self) -> Optional[str]:
+        """The schedule the decision dropped (None before it)."""
+        if self.chosen is None:
+            return None
+        return SEQUENTIAL if self.chosen == self.overlap else self.overlap
 
     def in_window(self, step: int) -> bool:
         """Whether `step` is one of the probed steps."""

@@ -232,8 +232,8 @@ class Trainer:
                                  **({"run_factory": self.graphs.banks} if per_layer else {}))
         self.stage_layouts, self.stage_plans = self._build_plans()
         self.plan = self.stage_plans[groups.pp_rank]
-        if self.graphs is not None:
-            self.graphs.banks.select(0)  # the base budget's bank (banks are made lazily)
+        if self.graphs is not None:  # the base budget's bank (banks are made lazily)
+            self.graphs.banks.select(self.graphs.key(0))
         self.backend = backend
         self.dispatch_mode = DispatchMode.of(cfg.moe)
         self.budget = self.model.dispatch_budget
@@ -288,8 +288,14 @@ class Trainer:
         if cfg.overlap.overlap_probe_steps == 0:
             return None, {}
         _, (sequential_plan,) = self._build_plans(combined=False)
-        probe = OverlapProbe(cfg.overlap.overlap_probe_steps, self.start_step + 1,
-                             cfg.plan_name)
+        if self.graphs is None:
+            probe = OverlapProbe(cfg.overlap.overlap_probe_steps, self.start_step + 1,
+                                 cfg.plan_name)
+        else:  # the overlap's graphs are captured after the warm-up steps, then the
+            # sequential schedule's in one untimed step (`training.probe`)
+            probe = OverlapProbe(cfg.overlap.overlap_probe_steps,
+                                 self.start_step + cfg.cuda_graph.warmup_steps, cfg.plan_name,
+                                 prime=True)
         if probe.end > cfg.train.train_iters:  # a resumed run with fewer steps left
             self.log(f"overlap probe: steps {probe.start}-{probe.end} go past --train-iters="
                      f"{cfg.train.train_iters}: the schedules alternate to the end, no decision")
@@ -302,6 +308,8 @@ class Trainer:
             return None
         name = self.probe.schedule_for(step)
         self.plan, self.executor.lanes = self._schedules[name]
+        if self.graphs is not None:
+            self.graphs.schedule = name  # its own bank of graphs
         return name
 
     def _probe_record(self, step: int, elapsed: float) -> None:
@@ -313,6 +321,10 @@ class Trainer:
             self.groups.world.all_reduce(times, op=dist.ReduceOp.MAX)
             return host_list(times)
         self._probe_decision = self.probe.record(step, elapsed, slowest)
+        if self._probe_decision is not None and self.graphs is not None:
+            freed = self.graphs.release_schedule(self.probe.losing())
+            self._probe_decision += (f"; the {self.probe.losing()} schedule's CUDA graphs "
+                                     f"released ({freed / 2**30:.3f} GiB)")
 
     def _step_graphs(self) -> Optional[StepGraphs]:
         """CUDA graphs of this run (--cuda-graph-impl local or full_iteration), in banks by
@@ -338,8 +350,12 @@ class Trainer:
                                    backend_factory=self.graph_backend, replay_watch=watch)
         budget = self.model.dispatch_budget
         per_level = budget is not None and holds_dispatch
-        banks = GraphBanks(make_bank, len(budget.levels) if per_level else 1)
-        return StepGraphs(banks, graph_cfg.warmup_steps, per_level, full)
+        probed = self.cfg.overlap.overlap_probe_steps > 0  # a bank per schedule
+        banks = GraphBanks(make_bank, (len(budget.levels) if per_level else 1) * (1 + probed))
+        graphs = StepGraphs(banks, graph_cfg.warmup_steps, per_level, full)
+        if probed:
+            graphs.schedule = self.cfg.plan_name  # the probe's first schedule
+        return graphs
 
     def _replay_watch(self, holds_dispatch: bool):
         """What wraps each graph replay: the EP group's watch when the graphs hold the
@@ -369,7 +385,10 @@ class Trainer:
                      f"{bank.pool_bytes / 2**30:.3f} GiB (of it static buffers "
                      f"{bank.buffer_bytes() / 2**30:.3f} GiB)")
         if captured and len(self.graphs.banks.banks) > 1:
-            self.log(f"CUDA graph banks by budget level: {self.graphs.banks.memory_report()}")
+            by = " and ".join(what for what, keyed in (
+                ("budget level", self.graphs.per_level), ("schedule", self.probe is not None))
+                if keyed)
+            self.log(f"CUDA graph banks by {by}: {self.graphs.banks.memory_report()}")
 
     @property
     def per_device(self) -> str:
@@ -395,8 +414,11 @@ class Trainer:
 
     def _probe_text(self) -> str:
         probe = self.probe
-        return "" if probe is None else (f" (probed against sequential, steps {probe.start}-"
-                                         f"{probe.end})")
+        if probe is None:
+            return ""
+        primed = ("" if probe.prime_step is None else
+                  f", its CUDA graphs captured at step {probe.prime_step}")
+        return f" (probed against sequential, steps {probe.start}-{probe.end}{primed})"
 
     def _ep_budget_text(self) -> str:
         budget = self.groups.ep_budget
@@ -693,6 +715,8 @@ class Trainer:
                     if r.exposed_comm_ms is not None else "") + _dispatch_note(r)
             if self.probe is not None and self.probe.in_window(r.step):
                 comm += f" | probe: {r.schedule}"
+            elif self.probe is not None and r.step == self.probe.prime_step:
+                comm += f" | probe: {r.schedule} (untimed: its CUDA graphs are captured)"
             self.log(f"step {r.step:4d}/{total} | loss {r.loss:.4f} | "
                      f"lr {r.lr:.2e} | grad norm {r.grad_norm:.3f} | aux {r.aux_loss:.4f} | "
                      f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"
