@@ -531,7 +531,8 @@ PYEOF
             # Megatron shapes (PROBE_SHAPES: "mbs2x8", "mbs8x4", "e8"), eager, bf16, optimizer
             # on, --overlap-probe-steps PROBE_STEPS (default 5), with and without delayed wgrad,
             # NVLink and NCCL_P2P_DISABLE=1: which schedule each run keeps, from what figures;
-            # TESTS (pytest files) first if given
+            # PROBE_MODES "eager graphs" adds the partial graphs (a bank per schedule; mind
+            # PROBE_ITERS >= 3 warm-up + 1 + 2 x PROBE_STEPS); TESTS (pytest files) first
     if [ -n "${TESTS:-}" ]; then
       export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20}
       CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step probe_tests \
@@ -548,15 +549,20 @@ PYEOF
       esac
       for regime in nvlink nop2p; do
         for wgrad in "" "--delay-wgrad-compute"; do
-          p2p=""; [ $regime = nop2p ] && p2p="NCCL_P2P_DISABLE=1"
-          name="probe_${shape}_${regime}${wgrad:+_wgrad}"
-          CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${PROBE_TIMEOUT:-150} step "$name" \
-            env $p2p torchrun --standalone --nproc-per-node="$NGPUS" -m epoverlap.train \
-            --preset megatron-cmp $shape_flags --bf16 --mock-data \
-            --expert-model-parallel-size "$NGPUS" --overlap-moe-expert-parallel-comm $wgrad \
-            --overlap-probe-steps "${PROBE_STEPS:-5}" --train-iters "${PROBE_ITERS:-16}" \
-            --log-json "$WORK/runs/$name.jsonl"
-          { echo "$name:"; grep "overlap probe" "$WORK/$name.log"; } >> "$SUMMARY"
+          for mode in ${PROBE_MODES:-eager}; do  # graphs: each schedule replays its own bank
+            graph_flags=""
+            [ "$mode" = graphs ] && graph_flags="--cuda-graph-impl local --cuda-graph-modules \
+              attn moe_router moe_preprocess"
+            p2p=""; [ $regime = nop2p ] && p2p="NCCL_P2P_DISABLE=1"
+            name="probe_${shape}_${regime}${wgrad:+_wgrad}${graph_flags:+_graphs}"
+            CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${PROBE_TIMEOUT:-150} step "$name" \
+              env $p2p torchrun --standalone --nproc-per-node="$NGPUS" -m epoverlap.train \
+              --preset megatron-cmp $shape_flags --bf16 --mock-data \
+              --expert-model-parallel-size "$NGPUS" --overlap-moe-expert-parallel-comm $wgrad \
+              $graph_flags --overlap-probe-steps "${PROBE_STEPS:-5}" \
+              --train-iters "${PROBE_ITERS:-16}" --log-json "$WORK/runs/$name.jsonl"
+            { echo "$name:"; grep "overlap probe" "$WORK/$name.log"; } >> "$SUMMARY"
+          done
         done
       done
     done
