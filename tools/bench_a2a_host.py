@@ -23,7 +23,9 @@ all-to-all is a local copy issued through the real backend. The `ExpertComm` is 
 past its one-rank shortcut (a clone), so the call reaches the backend as it does with EP > 1.
 Each figure is the median over --repeats of the mean host wall time per call of --calls calls
 issued back to back after a device synchronize (on CUDA the GPU keeps up: these copies take a
-few microseconds). Prints a markdown table last.
+few microseconds). Prints a markdown table last; on CUDA a second one: the dropless
+dispatch's split-size exchange (`ExpertComm.start_split_exchange` and its read) whole and the
+calls it is made of (checked to read the sizes it was sent first).
 """
 
 from __future__ import annotations
@@ -81,6 +83,52 @@ def pieces(groups, send: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     }
 
 
+def exchange_pieces(groups, experts: int) -> dict[str, Callable[[], object]]:
+    """CUDA: name -> the dropless dispatch's split-size exchange (`ExpertComm.
+    start_split_exchange`, then `SplitExchange.read`) whole, and the calls it is made of, for
+    counts of `experts` experts over an `ExpertComm` of size 2 on this one-rank group (the
+    exchange then goes through NCCL as with EP > 1)."""
+    from epoverlap.parallel.comm import ExpertComm
+
+    comm = ExpertComm(groups.ep, size=2, counts_group=groups.ep)
+    counts_E = torch.arange(experts, device=groups.device, dtype=torch.int64)
+    send_RL = counts_E.view(2, -1)
+    recv_RL = torch.empty_like(send_RL)
+    stream = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
+    host = torch.empty((2,) + tuple(send_RL.shape), dtype=send_RL.dtype, pin_memory=True)
+
+    def stream_context():
+        with torch.cuda.stream(stream):
+            pass
+
+    def set_stream_and_back():
+        current = torch.cuda.current_stream()
+        torch.cuda.set_stream(stream)
+        torch.cuda.set_stream(current)
+
+    def event_record():
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    return {
+        "start + read (what the dispatch pays)": lambda: comm.start_split_exchange(
+            counts_E).read(),
+        "start": lambda: comm.start_split_exchange(counts_E),
+        "side stream waits on the current one (`wait_stream`)": lambda: stream.wait_stream(
+            torch.cuda.current_stream()),
+        "`with torch.cuda.stream(side)` (enter, exit)": stream_context,
+        "`set_stream` to the side stream and back": set_stream_and_back,
+        "counts all-to-all (`Group.all_to_all_single`)": lambda: groups.ep.all_to_all_single(
+            recv_RL, send_RL),
+        "pinned `torch.empty` [2, R, L]": lambda: torch.empty(
+            (2,) + tuple(send_RL.shape), dtype=send_RL.dtype, pin_memory=True),
+        "copy of [R, L] to pinned memory (non-blocking)": lambda: host[0].copy_(
+            send_RL, non_blocking=True),
+        "`torch.cuda.Event()` + record": event_record,
+    }
+
+
 def check_copy(name: str, fn: Callable[[], torch.Tensor], sent: torch.Tensor) -> None:
     """A one-rank all-to-all is a copy: the piece's output must equal what it sent, bit for
     bit, or the timing means nothing."""
@@ -97,7 +145,11 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--experts", type=int, default=16,
+                        help="CUDA: the split-size exchange's expert count (even)")
     args = parser.parse_args(argv)
+    if args.experts < 2 or args.experts % 2:
+        parser.error(f"--experts: {args.experts} must be even and >= 2 (two ranks' layout)")
     from epoverlap.parallel.groups import destroy_distributed, init_distributed
 
     kind = args.device if args.device != "auto" else (
@@ -114,6 +166,18 @@ def main(argv=None) -> int:
             print(f"bench_a2a_host: timing {name}", flush=True)
             check_copy(name, fn, send)
             rows[name] = host_us(fn, args.calls, args.repeats, sync)
+        exchange = {}
+        if kind == "cuda":
+            local = args.experts // 2  # one rank's view of counts 0..E-1: received = sent
+            rows_R = [sum(range(local)), sum(range(local, args.experts))]
+            expected = (rows_R, rows_R, [e + local + e for e in range(local)])
+            read = exchange_pieces(groups, args.experts)["start + read (what the dispatch pays)"]
+            if read() != expected:
+                raise SystemExit(f"bench_a2a_host: the split exchange read {read()}, "
+                                 f"expected {expected}")
+            for name, fn in exchange_pieces(groups, args.experts).items():
+                print(f"bench_a2a_host: timing the split exchange: {name}", flush=True)
+                exchange[name] = host_us(fn, args.calls, args.repeats, sync)
     finally:
         destroy_distributed(groups)
     where = torch.cuda.get_device_name() if kind == "cuda" else "CPU"
@@ -126,6 +190,11 @@ def main(argv=None) -> int:
         delta = "" if previous is None else f"{us - previous:+.1f}"
         print(f"| {name} | {us:.1f} | {delta} |")
         previous = us
+    if exchange:
+        print(f"\nthe split-size exchange of {args.experts} experts over 2 ranks' layout, "
+              "host us per call\n| piece | host us per call |\n| --- | --- |")
+        for name, us in exchange.items():
+            print(f"| {name} | {us:.1f} |")
     return 0
 
 
