@@ -515,9 +515,11 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
      f"one of {COMM_STREAM_PRIORITIES}: CUDA priority of the overlap's comm stream (its "
      "all-to-alls run there); high lets their kernels start ahead of waiting compute kernels"),
     ("--overlap-probe-steps", "overlap", "overlap_probe_steps", int,
-     "with --overlap-moe-expert-parallel-comm, eager: after the first step, time N steps of "
+     "with --overlap-moe-expert-parallel-comm: after the first step, time N steps of "
      "the overlap plan and N of the sequential schedule, alternating, and run the rest of the "
-     "training with the faster (both give the same bits); 0 (default): always the overlap"),
+     "training with the faster (both give the same bits); with --cuda-graph-impl local each "
+     "schedule replays its own graphs (captured before the timed steps); 0 (default): always "
+     "the overlap"),
     ("--comm-mode", "overlap", "comm_mode", str,
      f"benchmark only: {COMM_MODES} (local_copy replaces all-to-alls by local copies)"),
     ("--kernel-backend", "kernels", "kernel_backend", str, f"one of {KERNEL_BACKENDS}"),

@@ -77,11 +77,11 @@ def test_a_primed_probe_runs_one_untimed_sequential_step_before_its_window():
     probe = OverlapProbe(steps=2, first_step=3, overlap=OVL, prime=True)
     schedules, lines = _run(probe, 1, 10, {OVL: 0.30, SEQUENTIAL: 0.20})
     assert schedules == [OVL] * 3 + [SEQUENTIAL] + [OVL, SEQUENTIAL] * 2 + [SEQUENTIAL] * 2
-    assert probe.prime_step == 4 and probe.first_step == 4 and (probe.start, probe.end) == (5, 8)
+    assert probe.prime_step == 4 and (probe.start, probe.end) == (5, 8)
     assert not probe.in_window(4) and probe.times == {OVL: [0.30] * 2, SEQUENTIAL: [0.20] * 2}
     assert [step for step, _ in lines] == [8] and probe.losing() == OVL
     plain = OverlapProbe(steps=1, first_step=1, overlap=OVL)
-    assert plain.prime_step is None and plain.first_step == 2 and plain.losing() is None
+    assert plain.prime_step is None and plain.start == 2 and plain.losing() is None
 
 
 def _graphed_probe_run(probe_steps: int):

@@ -11,10 +11,11 @@ exist (the number of budget levels: log2(EP size / budget) + 1), each in its own
 and `memory_report` says what each holds.
 
 With the overlap probe (`--overlap-probe-steps`, `training.probe`) a bank is also per
-schedule: the key is then (schedule, level), the two schedules' graphs are captured in their
-own plans' orders into their own pools (a graph replayed in another plan's order could find
-its pool's memory in use), and the losing schedule's banks are released after the decision
-(`StepGraphs.release_schedule`).
+schedule: the key is then (schedule, level). A bank is captured for one plan: its graphs in
+that plan's order in its own pool, its buffers per microbatch slot as that plan's liveness
+gives them (`graphs.capture`: the sequential plan has one slot, the combined 1F1B two), so a
+bank replayed under the other plan could hand two live microbatches one slot. The losing
+schedule's banks are released after the decision (`StepGraphs.release_schedule`).
 
 Why budgets and not token counts: our batches have a fixed sequence length and micro-batch
 size, so the token count per microbatch never varies and banks per token-count bucket (seed

@@ -1,4 +1,4 @@
-"""The overlap probe (`--overlap-probe-steps N`): which eager schedule this run is faster with.
+"""The overlap probe (`--overlap-probe-steps N`): which schedule this run is faster with.
 
 The combined 1F1B hides the all-to-alls behind the other microbatch's compute, but it costs
 the host more per step (6-26% at EP 1 on one H100, of which the second stream, its events and
@@ -56,11 +56,6 @@ class OverlapProbe:
         if step == self.prime_step or self.in_window(step) and (step - self.start) % 2 == 1:
             return SEQUENTIAL
         return self.overlap
-
-    @property
-    def first_step(self) -> int:
-        """The first step the probe runs or times (the prime step when there is one)."""
-        return self.start if self.prime_step is None else self.prime_step
 
     def losing(self) -> Optional[str]:
         """The schedule the decision dropped (None before it)."""
