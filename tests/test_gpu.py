@@ -280,6 +280,27 @@ def test_cli_probe_run_is_bitwise_the_sequential_run(tmp_path):
 
 @pytest.mark.multigpu
 @needs_gpus
+def test_cli_probe_with_partial_graphs_is_bitwise_the_sequential_run(tmp_path):
+    """The same with the partial CUDA graphs (two warm-up steps): the overlap's graphs are
+    captured at step 2, the sequential schedule's at step 3 (untimed), steps 4-9 alternate
+    replays, the loser's graphs are released; the losses are the eager sequential run's."""
+    nproc = torch.cuda.device_count()
+    flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "12",
+             "--expert-model-parallel-size", str(nproc)]
+    _, sequential = _train(tmp_path, "probe_graphs_reference", nproc, flags)
+    out, probed = _train(tmp_path, "probe_graphs", nproc, flags + GRAPHS + [
+        "--cuda-graph-warmup-steps", "2", "--overlap-moe-expert-parallel-comm",
+        "--delay-wgrad-compute", "--overlap-probe-steps", "3"])
+    assert "overlap probe, steps 4-9: combined_1f1b " in out, out[-3000:]
+    assert "schedule's CUDA graphs released" in out
+    assert [r["schedule"] for r in probed][:9] == ["combined_1f1b", "combined_1f1b",
+                                                   "sequential"] + [
+        "combined_1f1b", "sequential"] * 3
+    assert _identical(sequential, probed)
+
+
+@pytest.mark.multigpu
+@needs_gpus
 def test_cli_runs_are_bitwise_identical_under_deterministic(tmp_path):
     """The path users run (CLI, bf16, optimizer on, Triton kernels, 2 ranks, real text and the
     learned router): the same command twice, and sequential vs overlap vs overlap + delayed

@@ -41,7 +41,8 @@ per thread name, the scheduler's counters per timed step (switches, migrations b
 CPU ms): the backward of CUDA tensors runs on autograd's device thread, so every backward node
 action hands the work to another thread and back. --cpus LIST runs the process on those CPUs
 only (every thread inherits it), which tells a cost of crossing between CPUs from one of the
-schedule's own work.
+schedule's own work; --trainer-device cpu (with --shape tiny) runs the same A/B on CPU
+trainers of the same host, one intra-op thread: the schedules without any CUDA call.
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ SHAPES = {
               "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512",
               "--moe-shared-expert-intermediate-size", "512", "--micro-batch-size", "2",
               "--num-microbatches", "4"],
+    # the same structure at a size where torch's CPU kernels take little time, for
+    # --trainer-device cpu: the step is then the host's Python and framework work
+    "tiny": ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--num-query-groups", "2", "--seq-length", "64", "--num-experts", "8",
+             "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+             "--moe-shared-expert-intermediate-size", "64", "--micro-batch-size", "2",
+             "--num-microbatches", "4"],
 }
 COMMON = ["--bf16", "--mock-data", "--skip-optimizer-step", "--log-interval", "100000",
           "--train-iters", "1000", "--moe-aux-loss-coeff", "0.01"]
@@ -143,12 +151,13 @@ def timed_steps(trainer: Trainer, inputs, iters: int) -> tuple[float, float]:
     """Median host CPU ms (the whole process, read before the closing sync: the host's issuing
     cost) and wall ms of `iters` forward-backward passes of all microbatches."""
     cpu, wall = [], []
+    sync = _sync_of(trainer)
     for _ in range(iters):
-        torch.cuda.synchronize()
+        sync()
         c0, w0 = time.process_time(), time.perf_counter()
         trainer.run_microbatches(1, inputs)
         c1 = time.process_time()
-        torch.cuda.synchronize()
+        sync()
         cpu.append(c1 - c0)
         wall.append(time.perf_counter() - w0)
     return statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3
@@ -205,6 +214,11 @@ def thread_table(before: dict, after: dict, steps: int) -> dict:
             if any(row)}
 
 
+def _sync_of(trainer: Trainer):
+    """The device synchronize of `trainer`'s device (nothing on CPU)."""
+    return torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+
+
 def _last_loss(trainer: Trainer, inputs) -> float:
     """The summed loss of one more forward-backward (no optimizer step: the same weights and
     inputs in every mode, so the modes' figures can be compared for bit equality)."""
@@ -239,7 +253,7 @@ def per_node_host_ms(trainer: Trainer, inputs, iters: int) -> dict:
     far the GPU lags the host)."""
     executor, steps = trainer.executor, []
     recorder = executor.recorder
-    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    sync = _sync_of(trainer)
     read = SplitExchange.read
     times = _HostTimes()
 
@@ -328,7 +342,7 @@ def kernel_launches(trainer: Trainer, inputs, top: int = 0) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as prof:
         trainer.run_microbatches(1, inputs)
-        torch.cuda.synchronize()
+        _sync_of(trainer)()
     if top:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
         print(python_profile(trainer, inputs, top))
@@ -392,7 +406,7 @@ def autograd_share(trainer: Trainer, inputs, iters: int) -> dict:
     node, saved tensors and views. Medians over `iters` passes; the GPU is synced before each
     timed call, so a node's host read waits for nothing queued by the other form. A node made
     of segments also gets each segment's time with autograd ("F attn: moe_router")."""
-    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    sync = _sync_of(trainer)
     samples: dict = defaultdict(lambda: ([], []))
     for index in range(iters):
         trainer.grads.zero()
@@ -670,6 +684,10 @@ def main(argv=None) -> int:
     parser.add_argument("--extra", type=shlex.split, default=[], metavar="'ARGS'",
                         help="more training flags for every mode and side (one quoted "
                              "string), e.g. '--moe-dispatch-budget 1.0'")
+    parser.add_argument("--trainer-device", choices=("cuda", "cpu"), default="cuda",
+                        help="--schedule-ab only: cpu runs the sides' trainers on CPU (torch "
+                             "kernels, one intra-op thread; use --shape tiny): the same A/B "
+                             "without the CUDA path, on the same host")
     parser.add_argument("--cpus", type=cpu_list, default=None, metavar="LIST",
                         help="run on these CPUs only (e.g. 3 or 2,3 or 2-5): set before any "
                              "thread of torch, autograd or NCCL starts, so all inherit it")
@@ -688,16 +706,23 @@ def main(argv=None) -> int:
     not_aten = [name for name in sites if not name.startswith("aten::")]
     if not_aten:  # runtime calls (cudaMemcpyAsync, ...) never reach a dispatch mode
         parser.error(f"--call-sites: {not_aten} are not aten ops (names like aten::fill_)")
-    if not torch.cuda.is_available():
+    on_cpu = args.trainer_device == "cpu"
+    if on_cpu and not args.schedule_ab:
+        parser.error("--trainer-device cpu: only with --schedule-ab")
+    if not torch.cuda.is_available() and not on_cpu:
         print("bench_host: needs a CUDA device (it measures CUDA graphs against eager)")
         return 2
     base = SHAPES[args.shape] + COMMON + args.extra
+    if on_cpu:  # bf16 needs CUDA here; torch's kernels; one thread: the host's own work
+        base = [flag for flag in base if flag != "--bf16"] + [
+            "--device", "cpu", "--kernel-backend", "torch"]
+        torch.set_num_threads(1)
     modes = {**MODES, **({} if args.no_triton_path else {TRITON_PATH_MODE: []}),
              **(SYNC_FREE_MODES if args.sync_free else {})}
-    for extra in modes.values():
+    for extra in () if on_cpu else modes.values():  # the CPU A/B builds no graphed mode
         validate_config(parse_config(base + extra), 1, True)
-    setup_environment(parse_config(base + GRAPHS), print)
-    groups = init_distributed(1, "cuda")
+    setup_environment(parse_config(base + ([] if on_cpu else GRAPHS)), print)
+    groups = init_distributed(1, args.trainer_device)
     if args.fusion_ab:
         try:
             results = fusion_ab(groups, base, args.fusion_ab, args.iters, args.warmup)
@@ -733,8 +758,9 @@ def main(argv=None) -> int:
             destroy_distributed(groups)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2))
-        print(f"\nbench_host --schedule-ab: {torch.cuda.get_device_name()}, shape {args.shape}, "
-              "EP 1 (the all-to-alls are local copies on the comm stream)")
+        where = ("CPU trainers (one thread)" if on_cpu else torch.cuda.get_device_name())
+        print(f"\nbench_host --schedule-ab: {where}, shape {args.shape}, EP 1 (the "
+              "all-to-alls are local copies on the comm lane)")
         print_ab(results)
         return 0
     try:

@@ -280,7 +280,8 @@ PYEOF
             # one process, alternated SCHED_ROUNDS times (SCHED_SIDES: a comma list of the
             # sides, the first the baseline; SCHED_ITERS steps per side and round, 10; EXTRA:
             # more training flags, one string); TESTS (pytest files) first if given;
-            # SHARE_ITERS > 0: also bench_host --autograd-share
+            # SHARE_ITERS > 0: also bench_host --autograd-share; SHAPE (small, tiny) and
+            # TRAINER_DEVICE=cpu (the same A/B on CPU trainers of this host, shape tiny)
     if [ -n "${TESTS:-}" ]; then
       EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20} STEP_TIMEOUT=420 step tests \
         python3 -m pytest -q -p no:cacheprovider $TESTS
@@ -294,6 +295,7 @@ PYEOF
       STEP_TIMEOUT=300 step schedule_ab python3 tools/bench_host.py \
         --schedule-ab "${SCHED_ROUNDS:-5}" --iters "${SCHED_ITERS:-10}" --top-ops "${TOP_OPS:-30}" \
         ${SCHED_SIDES:+--schedule-sides "$SCHED_SIDES"} ${EXTRA:+--extra "$EXTRA"} \
+        ${SHAPE:+--shape "$SHAPE"} ${TRAINER_DEVICE:+--trainer-device "$TRAINER_DEVICE"} \
         --out "$WORK/schedule_ab.json"
       sed -n '/^bench_host --schedule-ab/,$p' "$WORK/schedule_ab.log" | head -75 >> "$SUMMARY"
     fi
