@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import io
 import json
 import os
@@ -66,9 +67,11 @@ import torch
 
 from epoverlap.config import parse_config, validate_config
 from epoverlap_kernels import set_launch_cache
+from epoverlap.model.nodes import segmented
 from epoverlap.parallel.comm import SplitExchange
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.schedule.executor import SerialLanes
+from epoverlap.schedule.node_run import as_node_leaf
 from epoverlap.training.main import setup_environment
 from epoverlap.training.trainer import Trainer
 
@@ -401,11 +404,12 @@ def autograd_share(trainer: Trainer, inputs, iters: int) -> dict:
     microbatch 0, in plan order, issued twice, each form first in turn: under `torch.no_grad`
     (outputs dropped) and as the executor runs it (inputs as fresh leaves, under autograd; its
     outputs feed the next node). A node given a split exchange (the dropless dispatch) is run
-    once and left out: its host read is kept by the first call. The difference bounds what a node written as one autograd Function with a
-    hand-written backward could save on its forward: the recording of every op's backward
-    node, saved tensors and views. Medians over `iters` passes; the GPU is synced before each
-    timed call, so a node's host read waits for nothing queued by the other form. A node made
-    of segments also gets each segment's time with autograd ("F attn: moe_router")."""
+    once and left out: its host read is kept by the first call. The difference bounds what a
+    node written as one autograd Function with a hand-written backward could save on its
+    forward: the recording of every op's backward node, saved tensors and views. Medians over
+    `iters` passes; the GPU is synced before each timed call, so a node's host read waits for
+    nothing queued by the other form. A node made of segments also gets each segment's time
+    with autograd ("F attn: moe_router")."""
     sync = _sync_of(trainer)
     samples: dict = defaultdict(lambda: ([], []))
     for index in range(iters):
@@ -415,9 +419,8 @@ def autograd_share(trainer: Trainer, inputs, iters: int) -> dict:
         values = dict(inputs[0])
         for spec in trainer.model.node_specs():
             args = {local: values[name] for local, name in spec.inputs.items()}
-            leaves = {local: value.detach().requires_grad_(True)
-                      if isinstance(value, torch.Tensor) and value.requires_grad else value
-                      for local, value in args.items()}
+            leaves = {local: as_node_leaf(value) for local, value in args.items()}
+            recorded = _segments_timed(spec, samples) if spec.segments else spec.fn
             times = samples[f"F {spec.name}"]
             forms = ((False, times[1]), (True, times[0]))
             if any(isinstance(value, SplitExchange) for value in args.values()):
@@ -426,14 +429,10 @@ def autograd_share(trainer: Trainer, inputs, iters: int) -> dict:
                 sync()
                 start = time.perf_counter()
                 with torch.set_grad_enabled(record):
-                    if record and spec.segments:
-                        out = _timed_segments(spec, leaves, samples)
-                    else:
-                        out = spec.fn(**(leaves if record else args))
+                    out = recorded(**leaves) if record else spec.fn(**args)
                 timed.append((time.perf_counter() - start) * 1e6)
-            values.update({spec.outputs[local]: value.detach().requires_grad_(True)
-                           if isinstance(value, torch.Tensor) and value.requires_grad
-                           else value for local, value in out.items()})
+            values.update({spec.outputs[local]: as_node_leaf(value)
+                           for local, value in out.items()})
         sync()
     return {key: (statistics.median(with_grad),
                   statistics.median(without) if without else None)
@@ -441,16 +440,18 @@ def autograd_share(trainer: Trainer, inputs, iters: int) -> dict:
                 without or ": " in key)}
 
 
-def _timed_segments(spec, inputs: dict, samples: dict) -> dict:
-    """`spec`'s forward as `nodes.run_segments` runs it, each segment's host time added to
-    samples["F <node>: <segment>"] (with autograd; no no_grad figure)."""
-    values = dict(inputs)
-    for segment in spec.segments:
-        start = time.perf_counter()
-        values.update(segment.fn(**{name: values[name] for name in segment.inputs}))
-        samples[f"F {spec.name}: {segment.name}"][0].append(
-            (time.perf_counter() - start) * 1e6)
-    return {name: values[name] for name in spec.outputs}
+def _segments_timed(spec, samples: dict):
+    """`spec`'s node callable (`nodes.segmented` of its segments), each segment's host time
+    added to samples["F <node>: <segment>"] (with autograd; no no_grad figure)."""
+    def timed(segment):
+        def fn(**inputs):
+            start = time.perf_counter()
+            out = segment.fn(**inputs)
+            samples[f"F {spec.name}: {segment.name}"][0].append(
+                (time.perf_counter() - start) * 1e6)
+            return out
+        return dataclasses.replace(segment, fn=fn)
+    return segmented([timed(segment) for segment in spec.segments], tuple(spec.outputs))
 
 
 def fusion_ab(groups, argv, rounds: int, iters: int, warmup: int) -> dict:
@@ -649,7 +650,28 @@ def cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def main(argv=None) -> int:
+def autograd_share_main(groups, base: list[str], args) -> int:
+    """--autograd-share: one eager trainer, its warm-up steps, then `autograd_share`; prints
+    the table. Tears `groups` down."""
+    trainer = Trainer(parse_config(base), groups, log=lambda msg: None)
+    try:
+        inputs = trainer.microbatches(1)
+        for _ in range(args.warmup):
+            trainer.run_microbatches(1, inputs)
+        share = autograd_share(trainer, inputs, args.autograd_share)
+    finally:
+        trainer.close()
+        destroy_distributed(groups)
+    print(f"\nbench_host --autograd-share: {torch.cuda.get_device_name()}, shape "
+          f"{args.shape}, microbatch 0, medians of {args.autograd_share}\n| node forward | "
+          "host us, autograd | no_grad | autograd's share |\n| --- | --- | --- | --- |")
+    for key, (with_grad, without) in share.items():
+        print(f"| {key} | {with_grad:.0f} | " + ("- | - |" if without is None else
+              f"{without:.0f} | {1 - without / with_grad:.0%} |"))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="small", choices=sorted(SHAPES))
     parser.add_argument("--iters", type=int, default=20)
@@ -691,6 +713,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cpus", type=cpu_list, default=None, metavar="LIST",
                         help="run on these CPUs only (e.g. 3 or 2,3 or 2-5): set before any "
                              "thread of torch, autograd or NCCL starts, so all inherit it")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.cpus is not None:
         allowed = os.sched_getaffinity(0)
@@ -723,44 +750,24 @@ def main(argv=None) -> int:
         validate_config(parse_config(base + extra), 1, True)
     setup_environment(parse_config(base + ([] if on_cpu else GRAPHS)), print)
     groups = init_distributed(1, args.trainer_device)
-    if args.fusion_ab:
-        try:
-            results = fusion_ab(groups, base, args.fusion_ab, args.iters, args.warmup)
-        finally:
-            destroy_distributed(groups)
-        if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=2))
-        print(f"\nbench_host --fusion-ab: {torch.cuda.get_device_name()}, shape {args.shape}")
-        print_ab(results)
-        return 0
     if args.autograd_share:
-        trainer = Trainer(parse_config(base), groups, log=lambda msg: None)
+        return autograd_share_main(groups, base, args)
+    if args.fusion_ab or args.schedule_ab:
         try:
-            inputs = trainer.microbatches(1)
-            for _ in range(args.warmup):
-                trainer.run_microbatches(1, inputs)
-            share = autograd_share(trainer, inputs, args.autograd_share)
-        finally:
-            trainer.close()
-            destroy_distributed(groups)
-        print(f"\nbench_host --autograd-share: {torch.cuda.get_device_name()}, shape "
-              f"{args.shape}, microbatch 0, medians of {args.autograd_share}\n| node forward | "
-              "host us, autograd | no_grad | autograd's share |\n| --- | --- | --- | --- |")
-        for key, (with_grad, without) in share.items():
-            print(f"| {key} | {with_grad:.0f} | " + ("- | - |" if without is None else
-                  f"{without:.0f} | {1 - without / with_grad:.0%} |"))
-        return 0
-    if args.schedule_ab:
-        try:
-            results = schedule_ab(groups, base, args.schedule_ab, args.iters, args.warmup,
-                                  args.top_ops, args.schedule_sides)
+            results = (fusion_ab(groups, base, args.fusion_ab, args.iters, args.warmup)
+                       if args.fusion_ab else
+                       schedule_ab(groups, base, args.schedule_ab, args.iters, args.warmup,
+                                   args.top_ops, args.schedule_sides))
         finally:
             destroy_distributed(groups)
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2))
-        where = ("CPU trainers (one thread)" if on_cpu else torch.cuda.get_device_name())
-        print(f"\nbench_host --schedule-ab: {where}, shape {args.shape}, EP 1 (the "
-              "all-to-alls are local copies on the comm lane)")
+        if args.fusion_ab:
+            print(f"\nbench_host --fusion-ab: {torch.cuda.get_device_name()}, shape {args.shape}")
+        else:
+            where = "CPU trainers (one thread)" if on_cpu else torch.cuda.get_device_name()
+            print(f"\nbench_host --schedule-ab: {where}, shape {args.shape}, EP 1 (the "
+                  "all-to-alls are local copies on the comm lane)")
         print_ab(results)
         return 0
     try:

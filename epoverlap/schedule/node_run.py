@@ -35,19 +35,16 @@ class NodeRun:
 
     def forward(self, values: dict) -> dict:
         """Run the node on `values` (value name -> value); return value name -> output."""
-        local_inputs = {}
-        for local, name in self.spec.inputs.items():
-            value = values[name]
-            if _is_grad_tensor(value):
-                value = value.detach().requires_grad_(True)
-            local_inputs[local] = value
+        local_inputs = {local: as_node_leaf(values[name])
+                        for local, name in self.spec.inputs.items()}
         with torch.enable_grad():
             local_outputs = self.fn(**local_inputs)
         if set(local_outputs) != set(self.spec.outputs):
             raise RuntimeError(f"node {self.spec.label()} returned {sorted(local_outputs)}, "
                                f"declared {sorted(self.spec.outputs)}")
         self._inputs, self._outputs = local_inputs, local_outputs
-        return {self.spec.outputs[local]: _detach(value) for local, value in local_outputs.items()}
+        return {self.spec.outputs[local]: as_node_leaf(value)
+                for local, value in local_outputs.items()}
 
     def backward(self, grads: dict) -> dict:
         """Backprop the node given grads of its outputs (value name -> grad, missing = none).
@@ -81,8 +78,10 @@ class NodeRun:
         return {spec.inputs[local]: grad for local, grad in input_grads.items()}
 
 
-def _detach(value: Any) -> Any:
-    """Outputs leave the node without their autograd history (the consumer re-attaches)."""
+def as_node_leaf(value: Any) -> Any:
+    """A value crossing a node boundary: a tensor that requires grad becomes a fresh leaf
+    (detached, requiring grad), so no autograd edge crosses the boundary; anything else as is.
+    Applied to a node's inputs as it runs and to its outputs as they leave."""
     if isinstance(value, torch.Tensor) and value.requires_grad:
         return value.detach().requires_grad_(True)
     return value
