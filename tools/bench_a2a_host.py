@@ -171,9 +171,9 @@ def main(argv=None) -> int:
             local = args.experts // 2  # one rank's view of counts 0..E-1: received = sent
             rows_R = [sum(range(local)), sum(range(local, args.experts))]
             expected = (rows_R, rows_R, [e + local + e for e in range(local)])
-            read = exchange_pieces(groups, args.experts)["start + read (what the dispatch pays)"]
-            if read() != expected:
-                raise SystemExit(f"bench_a2a_host: the split exchange read {read()}, "
+            read = exchange_pieces(groups, args.experts)["start + read (what the dispatch pays)"]()
+            if read != expected:
+                raise SystemExit(f"bench_a2a_host: the split exchange read {read}, "
                                  f"expected {expected}")
             for name, fn in exchange_pieces(groups, args.experts).items():
                 print(f"bench_a2a_host: timing the split exchange: {name}", flush=True)

@@ -44,16 +44,16 @@ own watchdog messages name it too. Liveness (a dead or stalled peer named in one
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from epoverlap.parallel.watch import CollectiveWatch, Heartbeat, ranks_text
+from epoverlap.parallel.watch import CollectiveWatch, Heartbeat
 
 WORLD, EXPERT_PARALLEL, EXPERT_DATA_PARALLEL = "world", "expert-parallel", "expert-data-parallel"
 PIPELINE, DATA_PARALLEL = "pipeline", "data-parallel"
@@ -131,8 +131,7 @@ class Group:
         takes it, as cached_property writes the instance's __dict__ directly."""
         pg = self.pg if self.pg is not None else dist.distributed_c10d._get_default_group()
         return _FastAllToAll(blocking_all_to_all(pg),
-                             f"{self.name} group (ranks {ranks_text(self.ranks)}) all_to_all",
-                             tuple(r for r in self.ranks if r != self.watch.rank))
+                             *self.watch.target(self.name, self.ranks, "all_to_all"))
 
     def all_to_all_single_async(self, output: torch.Tensor, input: torch.Tensor):
         """Equal-split all_to_all_single started without waiting (gloo: on the backend's own

@@ -230,13 +230,19 @@ class CollectiveWatch:
 
         The hot path (`Group.all_to_all_single`, several hundred calls a step) uses `begin` /
         `end` / `failed` directly with a description built once, not this generator."""
-        entry = self.begin(f"{group_name} group (ranks {ranks_text(ranks)}) {op}",
-                           tuple(r for r in ranks if r != self.rank))
+        entry = self.begin(*self.target(group_name, ranks, op))
         try:
             yield
         except BaseException as error:
             self.failed(entry, error)
         self.end(entry)
+
+    def target(self, group_name: str, ranks: Sequence[int], op: str
+               ) -> tuple[str, tuple[int, ...]]:
+        """(where, peers) of a collective: its description in reports, and the other ranks
+        it waits on; what `begin` takes (made once per group by the hot path)."""
+        return (f"{group_name} group (ranks {ranks_text(ranks)}) {op}",
+                tuple(r for r in ranks if r != self.rank))
 
     def begin(self, where: str, peers: tuple[int, ...]) -> Optional[_InFlight]:
         """Track a collective about to be issued (None while a CUDA graph captures)."""
