@@ -148,6 +148,7 @@ class TrainConfig:
     seed: int = 1234
     bf16: bool = False
     deterministic_mode: bool = False
+    deterministic_fill_uninitialized_memory: bool = False
     device: str = "auto"
     skip_optimizer_step: bool = False
     check_for_nan_in_loss_and_grad: bool = False
@@ -494,6 +495,11 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--seed", "train", "seed", int, "random seed"),
     ("--bf16", "train", "bf16", bool, "bf16 params and compute (GPU)"),
     ("--deterministic-mode", "train", "deterministic_mode", bool, "deterministic algorithms"),
+    ("--deterministic-fill-uninitialized-memory", "train",
+     "deterministic_fill_uninitialized_memory", bool,
+     "with --deterministic-mode: also fill every new tensor's memory (NaN, or the largest "
+     "integer) before use, torch's check that no result reads memory nothing wrote; one more "
+     "kernel per allocation. Off: the results are the same bits (tested), at a lower price"),
     ("--device", "train", "device", str, f"one of {DEVICES}"),
     ("--skip-optimizer-step", "train", "skip_optimizer_step", bool,
      "benchmark only: forward+backward+grad reduce, no update"),
@@ -887,6 +893,8 @@ def _validate_train(t: TrainConfig, dp_size: int, cuda_available: bool) -> None:
              "no CUDA device is visible here; use --device cpu or auto")
     on_gpu = t.device == "cuda" or (t.device == "auto" and cuda_available)
     _require(not t.bf16 or on_gpu, "bf16", True, "needs a CUDA device (CPU runs are fp32)")
+    _require(t.deterministic_mode or not t.deterministic_fill_uninitialized_memory,
+             "deterministic_fill_uninitialized_memory", True, "needs --deterministic-mode")
 
 
 def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:

@@ -4,6 +4,7 @@ overlap bit-exact on one GPU; bf16 training runs; the 2+ GPU bitwise contract ov
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -198,6 +199,29 @@ def test_graphed_sequential_run_on_one_gpu_equals_eager_bitwise(tmp_path):
     assert _identical(eager, graphed)
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("extra", [
+    [],
+    GRAPHS,
+    # fixed chunks whose padding rows the grouped GEMMs leave unwritten, a rerun every step
+    # (half the rows), and one graph over the whole step
+    ["--moe-dispatch-budget", "0.5", "--cuda-graph-impl", "full_iteration"],
+], ids=["eager", "partial_graphs", "budget_full_iteration"])
+def test_cli_runs_with_and_without_the_fill_of_new_memory_are_bitwise_on_one_gpu(tmp_path,
+                                                                                  extra):
+    """--deterministic-mode leaves torch's fill of new memory off: a run with the fill (every
+    new tensor NaN or the largest integer until written) and one without (whatever the caching
+    allocator hands back) give the same losses, so no result reads memory nothing wrote."""
+    flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "10",
+             "--kernel-backend", "triton", *extra]
+    _, unfilled = _train(tmp_path, "unfilled", 1, flags)
+    _, filled = _train(tmp_path, "filled", 1,
+                       flags + ["--deterministic-fill-uninitialized-memory"])
+    assert all(math.isfinite(r["loss"]) for r in filled)
+    assert _identical(unfilled, filled)
+
+
 def _probe_run(device_kind: str, probe_steps: int, graphs: bool = False) -> list:
     """Ten steps (twelve with `graphs`: the partial CUDA graphs, two warm-up steps) of a small
     bf16 model on one process, the combined 1F1B with delayed wgrad and the optimizer on,
@@ -304,8 +328,9 @@ def test_cli_probe_with_partial_graphs_is_bitwise_the_sequential_run(tmp_path):
 def test_cli_runs_are_bitwise_identical_under_deterministic(tmp_path):
     """The path users run (CLI, bf16, optimizer on, Triton kernels, 2 ranks, real text and the
     learned router): the same command twice, and sequential vs overlap vs overlap + delayed
-    wgrad vs the same with CUDA graphs vs the paired-ends plan with the grouped GEMMs' SM
-    carveout, all bitwise identical under --deterministic; and no
+    wgrad vs the same with CUDA graphs (also with torch's fill of new memory) vs the
+    paired-ends plan with the grouped GEMMs' SM carveout, all bitwise identical under
+    --deterministic; and no
     Triton compile after the warmup steps although every step routes differently."""
     steps = os.environ.get("EPOVERLAP_GPU_STEPS", "30")
     base = ["--preset", "small", "--bf16", "--deterministic-mode", "--train-iters", steps,
@@ -316,7 +341,10 @@ def test_cli_runs_are_bitwise_identical_under_deterministic(tmp_path):
                              "--moe-grouped-gemm-sm-carveout", "8"]
     runs = {"seq": [], "seq_again": [], "ovl": overlap, "ovl_wgrad": wgrad,
             "ovl_wgrad_graphs": wgrad + GRAPHS, "seq_graphs": GRAPHS,
-            "paired_ends_carveout": paired_carved}
+            "paired_ends_carveout": paired_carved,
+            # torch's fill of new memory on: no result reads memory nothing wrote
+            "ovl_wgrad_graphs_filled": wgrad + GRAPHS + [
+                "--deterministic-fill-uninitialized-memory"]}
     logs, outs = {}, {}
     for name, extra in runs.items():
         outs[name], logs[name] = _train(tmp_path, name, 2, base + extra)

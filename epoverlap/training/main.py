@@ -28,6 +28,7 @@ import time
 from typing import Callable, Optional
 
 import torch
+import torch.utils.deterministic
 
 from epoverlap.config import RunConfig, parse_config, validate_config, world_size_from_env
 from epoverlap.errors import ConfigError
@@ -52,7 +53,7 @@ def setup_environment(cfg: RunConfig, warn: Callable[[str], None]) -> None:
             warn("CUDA_DEVICE_MAX_CONNECTIONS=1 puts both streams on one hardware queue: "
                  "the EP overlap gain roughly halves; unset it or set it > 1")
     if cfg.train.deterministic_mode:
-        make_deterministic(on_gpu)
+        make_deterministic(on_gpu, cfg.train.deterministic_fill_uninitialized_memory)
     torch.manual_seed(cfg.train.seed)
 
 
@@ -61,8 +62,8 @@ def ep_cta_budget(cfg: RunConfig) -> NcclCtaBudget:
     return NcclCtaBudget(cfg.parallel.moe_a2a_nccl_max_ctas, cfg.parallel.moe_a2a_nccl_min_ctas)
 
 
-def make_deterministic(on_gpu: bool) -> None:
-    """--deterministic: every op of the training path deterministic, or the run fails loudly.
+def make_deterministic(on_gpu: bool, fill_uninitialized_memory: bool = False) -> None:
+    """--deterministic-mode: every op of the training path deterministic, or the run fails loudly.
 
     `use_deterministic_algorithms(True)` without warn_only: an op with no deterministic
     implementation raises instead of warning, and scaled-dot-product attention leaves cuDNN
@@ -70,6 +71,14 @@ def make_deterministic(on_gpu: bool) -> None:
     deterministic backward. cuBLAS gets a fixed workspace; NCCL's all-reduce a fixed algorithm
     (ring: each element reduced in ring order, the same in every run). The Triton kernels and
     the all-to-alls are deterministic by construction (no float atomics, copies only).
+
+    torch's deterministic mode also fills the memory of every new tensor (NaN, or the largest
+    integer) so that a result read from memory nothing wrote would be reproducible: one more
+    kernel per allocation, most of the mode's eager price (benchmarks/determinism.md). No
+    result of this training path reads such memory: a run with the fill and one without give
+    the same bits (tests/test_determinism.py on CPU ranks, tests/test_gpu.py on GPUs), so the
+    fill is left off unless `fill_uninitialized_memory` (--deterministic-fill-uninitialized-
+    memory) asks for that check.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if on_gpu:
@@ -77,6 +86,7 @@ def make_deterministic(on_gpu: bool) -> None:
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized_memory
 
 
 def _printer(enabled: bool, stream=sys.stdout) -> Callable[[str], None]:
