@@ -29,6 +29,12 @@
 #                                --schedule-ab: sequential vs combined 1F1B at EP 1), TESTS first
 #   tools/gpu_suite.sh pin1      one GPU: sched1's A/B with the process on all CPUs and on the
 #                                CPU lists of PIN_SETS (thread hand-over cost vs the schedule's)
+#   tools/gpu_suite.sh det1      one GPU: the price of --deterministic-mode with and without
+#                                torch's fill of new memory (bench_determinism: eager and
+#                                graphed, DET_AB_ROUNDS in-process rounds alternated step by
+#                                step, DET_OPS ops whose host time grows; DET_CLI_ROUNDS of
+#                                training-command runs of DET_STEPS steps, their bits), TESTS
+#                                (pytest files or ids) first
 #   tools/gpu_suite.sh check1    one GPU: every op's kernel GPU tests + the one-GPU model tier
 #   tools/gpu_suite.sh fusion1   one GPU: the aux-loss and gradient-accumulation fusions: GPU
 #                                tests, the one-GPU tier, in-process A/B, the CLI run twice
@@ -299,6 +305,21 @@ PYEOF
         --out "$WORK/schedule_ab.json"
       sed -n '/^bench_host --schedule-ab/,$p' "$WORK/schedule_ab.log" | head -75 >> "$SUMMARY"
     fi
+    ;;
+  det1)  # one GPU: the price of --deterministic-mode, with torch's fill of new memory and
+         # without (benchmarks/determinism.md); TESTS first if given
+    if [ -n "${TESTS:-}" ]; then
+      STEP_TIMEOUT=${TESTS_TIMEOUT:-300} step tests python3 -m pytest -q -p no:cacheprovider $TESTS
+    fi
+    STEP_TIMEOUT=${DET_TIMEOUT:-400} step bench_determinism python3 tools/bench_determinism.py \
+      --cli-rounds "${DET_CLI_ROUNDS:-1}" --steps "${DET_STEPS:-40}" \
+      --ab-rounds "${DET_AB_ROUNDS:-20}" --ops "${DET_OPS:-0}"
+    sed -n '/^host self ms of one eager step/,/^$/p' "$WORK/bench_determinism.log" | head -45 \
+      >> "$SUMMARY"
+    sed -n '/^bench_determinism in one process/,/^threads/p' "$WORK/bench_determinism.log" \
+      >> "$SUMMARY"
+    grep -E "det vs det_fill" "$WORK/bench_determinism.log" >> "$SUMMARY"
+    sed -n '/^bench_determinism: /,$p' "$WORK/bench_determinism.log" >> "$SUMMARY"
     ;;
   pin1)  # one GPU: the schedule A/B (sequential against the combined order, SCHED_SIDES) with
          # the process on every CPU and on each CPU list of PIN_SETS ("all" = no --cpus), to
