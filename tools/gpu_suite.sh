@@ -35,6 +35,8 @@
 #                                step, DET_OPS ops whose host time grows; DET_CLI_ROUNDS of
 #                                training-command runs of DET_STEPS steps, their bits), TESTS
 #                                (pytest files or ids) first
+#   tools/gpu_suite.sh optim1    one GPU: the AdamW forms (bench_optim at OPTIM_PRESETS), TESTS
+#                                (pytest files or ids) first
 #   tools/gpu_suite.sh check1    one GPU: every op's kernel GPU tests + the one-GPU model tier
 #   tools/gpu_suite.sh fusion1   one GPU: the aux-loss and gradient-accumulation fusions: GPU
 #                                tests, the one-GPU tier, in-process A/B, the CLI run twice
@@ -320,6 +322,16 @@ PYEOF
       >> "$SUMMARY"
     grep -E "det vs det_fill" "$WORK/bench_determinism.log" >> "$SUMMARY"
     sed -n '/^bench_determinism: /,$p' "$WORK/bench_determinism.log" >> "$SUMMARY"
+    ;;
+  optim1)  # one GPU: the optimizer step in each AdamW form (benchmarks/optimizer.md)
+    if [ -n "${TESTS:-}" ]; then
+      STEP_TIMEOUT=${TESTS_TIMEOUT:-300} step tests python3 -m pytest -q -p no:cacheprovider $TESTS
+    fi
+    for preset in ${OPTIM_PRESETS:-megatron-cmp small}; do
+      STEP_TIMEOUT=200 step "bench_optim_$preset" python3 tools/bench_optim.py --preset "$preset" \
+        --rounds "${OPTIM_ROUNDS:-10}" --iters "${OPTIM_ITERS:-5}"
+      sed -n '/^bench_optim: /,$p' "$WORK/bench_optim_$preset.log" >> "$SUMMARY"
+    done
     ;;
   pin1)  # one GPU: the schedule A/B (sequential against the combined order, SCHED_SIDES) with
          # the process on every CPU and on each CPU list of PIN_SETS ("all" = no --cpus), to
