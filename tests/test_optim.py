@@ -1,9 +1,12 @@
 """The optimizer's three AdamW forms (`epoverlap.training.optim.ADAM_IMPLS`): each the same
 update to rounding, each reproducible, each independent of how parameters are grouped (so a
 checkpoint reshards bitwise), and the bf16 parameters written from their masters exactly as a
-per-tensor copy would. CPU always; the same on a GPU (marker `gpu`)."""
+per-tensor copy would; the global grad norm and clipping before them. CPU always; the same on
+a GPU (marker `gpu`)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -130,3 +133,21 @@ def test_bench_optim_times_every_form_on_cpu():
             if line.split("|")[1:2] and line.split("|")[1].strip() in ADAM_IMPLS]
     assert [row.split("|")[1].strip() for row in rows] == list(ADAM_IMPLS), result.stdout
     assert rows[2].rstrip().endswith("| 0 |")  # single against itself
+
+
+def test_global_grad_norm_is_the_norm_of_every_grad_and_clipping_reaches_the_limit():
+    from dist_helpers import single_rank_groups
+    from epoverlap.training.grads import GradBuffers
+
+    model = _model("cpu", torch.float32)
+    model.p2.is_expert = True  # an expert shard: counted in the expert slots
+    grads = GradBuffers(model, single_rank_groups())
+    gen = torch.Generator().manual_seed(2)
+    for param in grads.params:
+        param.main_grad.copy_(torch.randn(param.shape, generator=gen))
+    want = math.sqrt(sum(float(p.main_grad.double().pow(2).sum()) for p in grads.params))
+    assert grads.global_norm() == pytest.approx(want, rel=1e-6)
+    assert grads.clip(want / 4) == pytest.approx(want, rel=1e-6)  # the norm before clipping
+    assert grads.global_norm() == pytest.approx(want / 4, rel=1e-5)
+    assert grads.clip(0.0) == pytest.approx(want / 4, rel=1e-5)  # 0: no clipping
+    assert grads.global_norm() == pytest.approx(want / 4, rel=1e-5)

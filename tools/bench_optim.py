@@ -9,9 +9,11 @@ parameters written from the masters) in each form, the forms' timed steps altern
 round, each form first in turn: host CPU time (the process, before the closing sync), GPU time
 (CUDA events around the steps) and wall time per step, medians over the rounds; kernel launches
 per step (torch.profiler); and how far each form's masters are from the `single` form's after 3
-steps from the same start (they may differ in the last bits; each is reproducible). Extra
-FLAGS go to the model (e.g. --num-layers 8). Prints a markdown table last. `--device cpu`
-times the CPU forms (the tool's test).
+steps from the same start (they may differ in the last bits; each is reproducible). Then the
+step before it, the global grad norm's per-parameter squares (`GradBuffers.global_norm`: one
+`_foreach_norm`) against the per-parameter `pow(2).sum()` they replaced, timed the same way. Extra FLAGS go to the model
+(e.g. --num-layers 8). Prints markdown tables last. `--device cpu` times the CPU forms (the
+tool's test).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(optimizer: MixedPrecisionAdamW, iters: int, device: torch.device) -> dict:
-    """Per step: host CPU ms, GPU ms (CUDA events; None on CPU), wall ms."""
+def timed(run, iters: int, device: torch.device) -> dict:
+    """Per call of `run`: host CPU ms, GPU ms (CUDA events; None on CPU), wall ms."""
     _sync(device)
     events = ([torch.cuda.Event(enable_timing=True) for _ in range(2)]
               if device.type == "cuda" else None)
@@ -45,7 +47,7 @@ def timed(optimizer: MixedPrecisionAdamW, iters: int, device: torch.device) -> d
     if events:
         events[0].record()
     for _ in range(iters):
-        optimizer.step(1e-4)
+        run()
     if events:
         events[1].record()
     cpu1 = time.process_time()
@@ -55,14 +57,50 @@ def timed(optimizer: MixedPrecisionAdamW, iters: int, device: torch.device) -> d
             "gpu_ms": events[0].elapsed_time(events[1]) / iters if events else None}
 
 
-def launches(optimizer: MixedPrecisionAdamW, device: torch.device) -> int:
+def launches(run, device: torch.device) -> int:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        optimizer.step(1e-4)
+        run()
         _sync(device)
     return sum(1 for event in prof.events() if event.name in LAUNCHES)
+
+
+def alternated(runs: dict, rounds: int, iters: int, device: torch.device):
+    """({name: [timed, ...]}, {name: launches}): the runs alternated, each first in turn."""
+    rows = {name: [] for name in runs}
+    for round_index in range(rounds):
+        shift = round_index % len(runs)
+        for name in list(runs)[shift:] + list(runs)[:shift]:
+            rows[name].append(timed(runs[name], iters, device))
+    return rows, {name: launches(run, device) for name, run in runs.items()}
+
+
+def _median_cells(runs: list[dict]) -> str:
+    med = {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None
+           for k in runs[0]}
+    gpu = "-" if med["gpu_ms"] is None else f"{med['gpu_ms']:.2f}"
+    return f"{med['cpu_ms']:.2f} | {gpu} | {med['wall_ms']:.2f}"
+
+
+def print_norms(params: list, rounds: int, iters: int, device: torch.device) -> None:
+    """The grad norm's per-parameter squares, as `GradBuffers.global_norm` takes them and as
+    it took them before (the same grads; the slots and the host read left out of both)."""
+    grads = [p.main_grad for p in params]
+
+    def foreach_norm():
+        return float(torch.stack(torch._foreach_norm(grads, 2)).square().sum().sqrt())
+
+    def per_param():  # the form before: a temporary as large as each grad, written and read
+        return float(torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt())
+    runs = {"_foreach_norm (now)": foreach_norm, "pow(2).sum() per parameter": per_param}
+    rows, count = alternated(runs, rounds, iters, device)
+    values = {name: run() for name, run in runs.items()}
+    print("\n| grad norm squares | host CPU ms | GPU ms | wall ms | launches | norm |\n"
+          "| --- | --- | --- | --- | --- | --- |")
+    for name, runs_of in rows.items():
+        print(f"| {name} | {_median_cells(runs_of)} | {count[name]} | {values[name]:.9g} |")
 
 
 def build(argv: list[str], on_cpu: bool):
@@ -102,27 +140,21 @@ def main(argv=None) -> int:
             for _ in range(3):
                 optimizer.step(1e-4)
             masters[impl] = [m.detach().clone() for m in optimizer.masters]
-        rows = {impl: [] for impl in forms}
-        for round_index in range(args.rounds):
-            shift = round_index % len(forms)
-            for impl in list(forms)[shift:] + list(forms)[:shift]:
-                rows[impl].append(timed(forms[impl], args.iters, device))
-        count = {impl: launches(optimizer, device) for impl, optimizer in forms.items()}
+        steps = {impl: (lambda o=optimizer: o.step(1e-4)) for impl, optimizer in forms.items()}
+        rows, count = alternated(steps, args.rounds, args.iters, device)
         numel = sum(p.numel() for p in params)
-        print(f"\nbench_optim: {torch.cuda.get_device_name() if not on_cpu else 'CPU'}, preset "
+        where = torch.cuda.get_device_name() if not on_cpu else "CPU"
+        print(f"\nbench_optim: {where}, preset "
               f"{args.preset} {' '.join(model_flags)}, {len(params)} parameters, "
               f"{numel / 1e6:.1f}M values, medians of {args.rounds} alternated rounds of "
               f"{args.iters} steps")
         print("| form | host CPU ms/step | GPU ms/step | wall ms/step | launches/step | "
               "max abs diff from single after 3 steps |\n| --- | --- | --- | --- | --- | --- |")
         for impl, runs in rows.items():
-            med = {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None
-                   for k in runs[0]}
             diff = max(float((a - b).abs().max()) for a, b in zip(masters[impl],
                                                                  masters["single"]))
-            gpu = "-" if med["gpu_ms"] is None else f"{med['gpu_ms']:.2f}"
-            print(f"| {impl} | {med['cpu_ms']:.2f} | {gpu} | {med['wall_ms']:.2f} | "
-                  f"{count[impl]} | {diff:.3g} |")
+            print(f"| {impl} | {_median_cells(runs)} | {count[impl]} | {diff:.3g} |")
+        print_norms(params, args.rounds, args.iters, device)
         return 0
     finally:
         trainer.close()

@@ -10,8 +10,10 @@ world without pipeline parallelism):
   expert: sum over the expert-data-parallel group, divided by DP (each EP rank's expert grad
           already sums the contributions of its whole EP group).
 The global grad norm counts replicated parameters once, sums the expert shards over EP and the
-stages over PP (no parameter is tied across stages). It adds per-parameter sums of squares in
-the whole model's parameter order, so it has the same bits at any pipeline size.
+stages over PP (no parameter is tied across stages). It adds per-parameter squared L2 norms in
+the whole model's parameter order, so it has the same bits at any pipeline size. The
+per-parameter norms are one `_foreach_norm` (one multi-tensor reduction on a GPU, reading each
+grad once; a `pow(2).sum()` per parameter wrote and read a temporary as large as the grad).
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ class GradBuffers:
             p.fuse_grad_accumulation = fuse_grad_accumulation
         self._hooks = [p.register_post_accumulate_grad_hook(_fold_into_main_grad)
                        for p in params]
-        self._norm_slots, self._norm_size = _whole_model_slots([n for n, _ in named], groups)
+        slots, self._norm_size = _whole_model_slots([n for n, _ in named], groups)
+        # made once: where each parameter's square goes, and which are expert shards
+        self._norm_slots = torch.tensor(slots, device=device)
+        self._is_expert = torch.tensor([is_expert(p) for p in params], device=device)
 
     @staticmethod
     def _attach(params: list, device) -> torch.Tensor:
@@ -85,13 +90,12 @@ class GradBuffers:
     def global_norm(self) -> float:
         """L2 norm of the whole (global) gradient. Collective over the EP and PP groups."""
         g = self.groups
-        squares = torch.stack([p.main_grad.pow(2).sum() for p in self.params])
-        expert = torch.tensor([is_expert(p) for p in self.params], device=squares.device)
+        norms = torch._foreach_norm([p.main_grad for p in self.params], 2)
+        squares = torch.stack(norms).square()
         dense_sq = torch.zeros(self._norm_size, device=squares.device)
         expert_sq = torch.zeros_like(dense_sq)
-        slots = torch.tensor(self._norm_slots, device=squares.device)
-        dense_sq[slots] = torch.where(expert, 0.0, squares)
-        expert_sq[slots] = torch.where(expert, squares, 0.0)
+        dense_sq[self._norm_slots] = torch.where(self._is_expert, 0.0, squares)
+        expert_sq[self._norm_slots] = torch.where(self._is_expert, squares, 0.0)
         if g.ep_size > 1:
             g.ep.all_reduce(expert_sq)
         whole_sq = dense_sq + expert_sq  # every slot is one of the two, the other is 0
