@@ -74,7 +74,7 @@ def make_deterministic(on_gpu: bool, fill_uninitialized_memory: bool = False) ->
 
     torch's deterministic mode also fills the memory of every new tensor (NaN, or the largest
     integer) so that a result read from memory nothing wrote would be reproducible: one more
-    kernel per allocation, most of the mode's eager price (benchmarks/determinism.md). No
+    kernel per allocation, half of the mode's eager price (benchmarks/determinism.md). No
     result of this training path reads such memory: a run with the fill and one without give
     the same bits (tests/test_determinism.py on CPU ranks, tests/test_gpu.py on GPUs), so the
     fill is left off unless `fill_uninitialized_memory` (--deterministic-fill-uninitialized-

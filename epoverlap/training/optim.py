@@ -9,8 +9,8 @@ moments); `create_state` makes that state before any step, so a checkpoint can b
 Implementations (`ADAM_IMPLS`, torch's three forms of the same update): `fused` (one kernel
 over every tensor: each element read and written once; the default on CUDA), `foreach` (the
 single-tensor ops, each one launch over all tensors) and `single` (the ops per tensor: about
-ten launches and as many passes over memory per parameter; the default on CPU, where torch has
-no other form that keeps these bits). Each is elementwise, so results do not depend on how
+ten launches and as many passes over memory per parameter; the default on CPU, which keeps the
+bits CPU runs always had). Each is elementwise, so results do not depend on how
 tensors are grouped (a checkpoint resumes bitwise across EP sizes); the forms may differ from
 one another in the last bits, so a run keeps one (benchmarks/optimizer.md).
 """
