@@ -7,6 +7,9 @@ a GPU (marker `gpu`)."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,10 +123,6 @@ def test_created_state_is_the_state_a_first_step_makes(device, impl):
 
 
 def test_bench_optim_times_every_form_on_cpu():
-    import subprocess
-    import sys
-    from pathlib import Path
-
     result = subprocess.run(
         [sys.executable, "tools/bench_optim.py", "--preset", "tiny", "--device", "cpu",
          "--rounds", "2", "--iters", "1"], capture_output=True, text=True, timeout=300,

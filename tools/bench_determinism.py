@@ -112,9 +112,9 @@ def in_process_sides(preset: str, groups, cpu: bool = False) -> dict:
     inside the graph then). cuBLAS's fixed workspace holds for the whole process (it must
     precede cuBLAS's start), so `free` has it too here."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from epoverlap.config import parse_config
     from epoverlap.training.trainer import Trainer
+    from epoverlap_tools.bench_host import warm_up_and_capture
 
     sides = {}
     device = ["--device", "cpu", "--kernel-backend", "torch"] if cpu else ["--bf16"]
@@ -126,7 +126,7 @@ def in_process_sides(preset: str, groups, cpu: bool = False) -> dict:
             argv = ["--preset", preset, *device, "--mock-data", "--skip-optimizer-step",
                     "--log-interval", "100000", *flags]
             trainer = Trainer(parse_config(argv), groups, log=lambda msg: None)
-            _capture(trainer)
+            warm_up_and_capture(trainer, trainer.microbatches(1), 3)
             run = trainer.run_microbatches
             trainer.run_microbatches = (  # noqa: E731 - every caller goes through the setting
                 lambda *args, _run=run, _setting=setting: (_use(_setting), _run(*args))[1])
@@ -134,24 +134,11 @@ def in_process_sides(preset: str, groups, cpu: bool = False) -> dict:
     return sides
 
 
-def _capture(trainer) -> None:
-    """Warm-up steps, then capture (graphed trainers; bench_host.measure's order)."""
-    inputs = trainer.microbatches(1)
-    bank = trainer.graphs.banks.active if trainer.graphs is not None else None
-    for i in range(3):
-        if bank is not None:
-            bank.recording = i == 2
-        trainer.run_microbatches(1, inputs)
-    if bank is not None:
-        bank.recording = False
-        bank.capture(trainer.plan)
-
-
 def in_process(preset: str, rounds: int, top: int, cpu: bool = False) -> None:
     """The sides' forward-backward passes alternated step by step (bench_host.alternate):
     host CPU and wall time, launches per step; with `top`, the ops whose host self time grows
     most in one eager step under torch.profiler."""
-    from bench_host import alternate, api_profile, print_ab
+    from epoverlap_tools.bench_host import alternate, api_profile, print_ab
     from epoverlap.parallel.groups import destroy_distributed, init_distributed
 
     def profile(trainer, inputs):

@@ -124,14 +124,7 @@ def measure(groups, argv, iters: int, warmup: int, per_node: int = 0,
     set_launch_cache(launch_cache)
     try:
         inputs = trainer.microbatches(1)
-        bank = trainer.graphs.banks.active if trainer.graphs is not None else None
-        for i in range(warmup):
-            if bank is not None:
-                bank.recording = i == warmup - 1
-            trainer.run_microbatches(1, inputs)
-        if bank is not None:
-            bank.recording = False
-            bank.capture(trainer.plan)
+        bank = warm_up_and_capture(trainer, inputs, warmup)
         cpu_ms, wall_ms = timed_steps(trainer, inputs, iters)
         cells = trainer.cfg.model.num_layers * trainer.cfg.train.num_microbatches
         row = {"cpu_ms": cpu_ms, "wall_ms": wall_ms, "cpu_ms_per_layer_mb": cpu_ms / cells,
@@ -148,6 +141,20 @@ def measure(groups, argv, iters: int, warmup: int, per_node: int = 0,
     finally:
         set_launch_cache(True)
         trainer.close()
+
+
+def warm_up_and_capture(trainer: Trainer, inputs, warmup: int):
+    """`warmup` forward-backward passes; a graphed trainer records in the last one and then
+    captures its graphs. -> the graphed trainer's active bank (None when eager)."""
+    bank = trainer.graphs.banks.active if trainer.graphs is not None else None
+    for i in range(warmup):
+        if bank is not None:
+            bank.recording = i == warmup - 1
+        trainer.run_microbatches(1, inputs)
+    if bank is not None:
+        bank.recording = False
+        bank.capture(trainer.plan)
+    return bank
 
 
 def timed_steps(trainer: Trainer, inputs, iters: int) -> tuple[float, float]:
@@ -349,8 +356,16 @@ def kernel_launches(trainer: Trainer, inputs, top: int = 0) -> int:
     if top:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
         print(python_profile(trainer, inputs, top))
-    names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
-    return sum(1 for event in prof.events() if event.name in names)
+    return launch_count(prof)
+
+
+# the CUDA runtime and driver calls that launch a kernel (aten's, Triton's, CUTLASS's)
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+def launch_count(prof) -> int:
+    """Kernel launches among a finished torch.profiler's events (every thread)."""
+    return sum(1 for event in prof.events() if event.name in LAUNCH_CALLS)
 
 
 def call_sites(trainer: Trainer, inputs, ops: list[str], top: int = 8) -> dict:

@@ -29,8 +29,7 @@ from epoverlap.config import parse_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.optim import ADAM_IMPLS, MixedPrecisionAdamW
 from epoverlap.training.trainer import Trainer
-
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+from epoverlap_tools.bench_host import launch_count
 
 
 def _sync(device: torch.device) -> None:
@@ -64,7 +63,7 @@ def launches(run, device: torch.device) -> int:
     with torch.profiler.profile(activities=activities) as prof:
         run()
         _sync(device)
-    return sum(1 for event in prof.events() if event.name in LAUNCHES)
+    return launch_count(prof)
 
 
 def alternated(runs: dict, rounds: int, iters: int, device: torch.device):

@@ -323,9 +323,10 @@ class Trainer:
             return host_list(times)
         self._probe_decision = self.probe.record(step, elapsed, slowest)
         if self._probe_decision is not None and self.graphs is not None:
-            freed = self.graphs.release_schedule(self.probe.losing())
-            self._probe_decision += (f"; the {self.probe.losing()} schedule's CUDA graphs "
-                                     f"released ({freed / 2**30:.3f} GiB)")
+            loser = self.probe.losing()
+            freed = self.graphs.release_schedule(loser)
+            self._probe_decision += (f"; the {loser} schedule's CUDA graphs released "
+                                     f"({freed / 2**30:.3f} GiB)")
 
     def _step_graphs(self) -> Optional[StepGraphs]:
         """CUDA graphs of this run (--cuda-graph-impl local or full_iteration), in banks by
