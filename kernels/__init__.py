@@ -1,9 +1,11 @@
-"""epoverlap_kernels: MoE token-routing ops (router top-k, permute, unpermute, chunk sort) and
-the fused elementwise ops of the layers around them (RMSNorm, rotary, SwiGLU).
+"""epoverlap_kernels: MoE token-routing ops (router top-k, permute, unpermute, chunk sort), the
+fused elementwise ops of the layers around them (RMSNorm, rotary, SwiGLU) and the loss
+(cross-entropy).
 
 Each op has a torch reference and a Triton kernel side by side (`router_topk.py` /
 `router_topk_triton.py`, `permutation.py` / `permutation_triton.py`, `sort_chunks.py` /
-`sort_chunks_triton.py`, `rmsnorm.py`, `rotary.py`, `swiglu.py` and their `*_triton.py`;
+`sort_chunks_triton.py`, `rmsnorm.py`, `rotary.py`, `swiglu.py`, `cross_entropy.py` and their
+`*_triton.py`;
 `triton_ops.py` gathers the Triton ones; `triton_reduce.py` holds device-side helpers they
 share; `launch_cache.py` is the host fast path of every
 Triton launch (the compiled kernel reused per launch key); `megatron_api.py` gives the routing ops
@@ -28,7 +30,8 @@ class MoEOps:
     """One implementation of every op: the routing ops (permute, unpermute, sort_chunks_by_idxs
     and topk_routing_with_score_function take Megatron-core's signatures and keyword names, see
     `megatron_api`; router_topk / router_topk_with_counts are our keyword-only router), and
-    rms_norm(x, weight, eps), rotary(x_BNSD, cos_SD2, sin_SD2), swiglu(h_M2F, probs_M=None)."""
+    rms_norm(x, weight, eps), rotary(x_BNSD, cos_SD2, sin_SD2), swiglu(h_M2F, probs_M=None),
+    cross_entropy(logits_TV, labels_T)."""
 
     backend: str
     router_topk: Callable
@@ -40,6 +43,7 @@ class MoEOps:
     rms_norm: Callable
     rotary: Callable
     swiglu: Callable
+    cross_entropy: Callable
 
 
 def triton_installed() -> bool:
@@ -106,7 +110,8 @@ def make_moe_ops(backend: str) -> MoEOps:
     raise ValueError(f"kernel backend {backend!r}: allowed {KERNEL_BACKENDS}")
 
 
-TRITON_KERNEL_MODULES = ("permutation_triton", "rmsnorm_triton", "rotary_triton",
+TRITON_KERNEL_MODULES = ("cross_entropy_triton", "permutation_triton", "rmsnorm_triton",
+                         "rotary_triton",
                          "router_topk_triton", "sort_chunks_triton", "swiglu_triton")
 
 

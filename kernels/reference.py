@@ -14,10 +14,12 @@ router_topk_with_counts(logits, topk, **same) -> (probs, routing_map, tokens_per
 rms_norm(x [..., H], weight [H], eps) -> [..., H]
 rotary(x [B, N, S, D], cos [S, D/2], sin [S, D/2]) -> [B, N, S, D]
 swiglu(h [M, 2F], probs [M] | None = None) -> [M, F]
+cross_entropy(logits [T, V], labels [T] int64) -> fp32 scalar (mean over labels != -100)
 
 Output order is expert-major, ascending source token within an expert.
 """
 
+from .cross_entropy import cross_entropy_torch as cross_entropy
 from .permutation import permute_torch as permute
 from .permutation import unpermute_torch as unpermute
 from .rmsnorm import rms_norm_torch as rms_norm
@@ -28,4 +30,4 @@ from .sort_chunks import sort_chunks_by_idxs_torch as sort_chunks_by_idxs
 from .swiglu import swiglu_torch as swiglu
 
 __all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs",
-           "rms_norm", "rotary", "swiglu"]
+           "rms_norm", "rotary", "swiglu", "cross_entropy"]

@@ -14,6 +14,7 @@ sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None) -> (output, pro
 rms_norm(x [..., H], weight [H], eps) -> [..., H]
 rotary(x [B, N, S, D], cos [S, D/2], sin [S, D/2]) -> [B, N, S, D]
 swiglu(h [M, 2F], probs [M] | None = None) -> [M, F]
+cross_entropy(logits [T, V], labels [T] int64) -> fp32 scalar (mean over labels != -100)
 
 Same signatures, outputs and row-id map format as `reference` (the torch backend), so a model
 switches backends by config alone (`make_moe_ops`). Every op is differentiable like its
@@ -21,6 +22,7 @@ reference, deterministic, and syncs no host when `num_out_tokens` is given. Need
 TRITON_INTERPRET=1 (see `epoverlap_kernels.triton_unavailable_reason`).
 """
 
+from .cross_entropy_triton import cross_entropy_triton as cross_entropy
 from .permutation_triton import permute_triton as permute
 from .permutation_triton import unpermute_triton as unpermute
 from .rmsnorm_triton import rms_norm_triton as rms_norm
@@ -31,4 +33,4 @@ from .sort_chunks_triton import sort_chunks_by_idxs_triton as sort_chunks_by_idx
 from .swiglu_triton import swiglu_triton as swiglu
 
 __all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs",
-           "rms_norm", "rotary", "swiglu"]
+           "rms_norm", "rotary", "swiglu", "cross_entropy"]

@@ -300,7 +300,7 @@ class MoEModel(nn.Module):
                  pipe: Optional[PipelineComm] = None, one_node_moe_layers: bool = False):
         super().__init__()
         m, seed = cfg.model, cfg.train.seed
-        self.cfg, self.pipe = cfg, pipe
+        self.cfg, self.pipe, self.ops = cfg, pipe, ops
         self.chunks = stage_chunks(m.num_layers, cfg.parallel.pipeline_model_parallel_size,
                                    cfg.virtual_stages, stage)
         if len(self.chunks) > 1 or not (self.chunks[0].has_embedding
@@ -329,7 +329,7 @@ class MoEModel(nn.Module):
 
     def loss_forward(self, hidden, labels):
         logits_TV = linear(self.final_norm(hidden), self.head)
-        return {"loss": F.cross_entropy(logits_TV.float(), labels.reshape(-1))}
+        return {"loss": self.ops.cross_entropy(logits_TV, labels.reshape(-1))}
 
     def transformer_layers(self) -> list[TransformerLayer]:
         """This stage's layers in forward order of its chunks."""
