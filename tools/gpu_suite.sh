@@ -37,6 +37,9 @@
 #                                (pytest files or ids) first
 #   tools/gpu_suite.sh optim1    one GPU: the AdamW forms (bench_optim at OPTIM_PRESETS), TESTS
 #                                (pytest files or ids) first
+#   tools/gpu_suite.sh loss1     one GPU: the fused cross-entropy against the torch loss it
+#                                replaced (bench_loss at LOSS_SHAPES: the op and the model's
+#                                loss node, host, GPU, launches, peak memory), TESTS first
 #   tools/gpu_suite.sh check1    one GPU: every op's kernel GPU tests + the one-GPU model tier
 #   tools/gpu_suite.sh fusion1   one GPU: the aux-loss and gradient-accumulation fusions: GPU
 #                                tests, the one-GPU tier, in-process A/B, the CLI run twice
@@ -332,6 +335,16 @@ PYEOF
         --rounds "${OPTIM_ROUNDS:-10}" --iters "${OPTIM_ITERS:-5}"
       sed -n '/^bench_optim: /,$p' "$WORK/bench_optim_$preset.log" >> "$SUMMARY"
     done
+    ;;
+  loss1)  # one GPU: the fused cross-entropy (benchmarks/kernels.md); TESTS first if given
+    if [ -n "${TESTS:-}" ]; then
+      STEP_TIMEOUT=${TESTS_TIMEOUT:-300} step tests python3 -m pytest -q -p no:cacheprovider $TESTS
+    fi
+    STEP_TIMEOUT=${LOSS_TIMEOUT:-300} step bench_loss python3 tools/bench_loss.py \
+      --shapes "${LOSS_SHAPES:-1024x257,4096x257,8192x32000,4096x151936}" \
+      --rounds "${LOSS_ROUNDS:-10}" --iters "${LOSS_ITERS:-5}" \
+      --python-profile "${LOSS_PROFILE:-0}"
+    sed -n '/^bench_loss: .*medians/,$p' "$WORK/bench_loss.log" >> "$SUMMARY"
     ;;
   pin1)  # one GPU: the schedule A/B (sequential against the combined order, SCHED_SIDES) with
          # the process on every CPU and on each CPU list of PIN_SETS ("all" = no --cpus), to
