@@ -222,6 +222,47 @@ def test_cli_runs_with_and_without_the_fill_of_new_memory_are_bitwise_on_one_gpu
     assert _identical(unfilled, filled)
 
 
+FUSED_LOSS_VOCAB = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cli_with_the_fused_loss_is_bitwise_on_one_gpu(tmp_path):
+    """A vocabulary the fused cross-entropy takes (32001 >= FUSED_MIN_VOCAB): the training
+    command twice, and eager against the partial CUDA graphs, bitwise under
+    --deterministic-mode (bf16, optimizer on); the first loss near log(V), as from random
+    logits."""
+    from epoverlap_kernels.cross_entropy_triton import FUSED_MIN_VOCAB
+
+    assert 32001 >= FUSED_MIN_VOCAB
+    flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "12",
+             "--kernel-backend", "triton", *FUSED_LOSS_VOCAB]
+    _, first = _train(tmp_path, "fused_loss", 1, flags)
+    _, again = _train(tmp_path, "fused_loss_again", 1, flags)
+    _, graphed = _train(tmp_path, "fused_loss_graphs", 1, flags + GRAPHS)
+    assert abs(first[0]["loss"] - math.log(32001)) < 0.5, first[0]["loss"]
+    assert _identical(first, again) and _identical(first, graphed)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_overlap_with_the_fused_loss_is_bitwise_the_sequential_schedule():
+    """The combined 1F1B with delayed wgrad (two CUDA streams, EP 1) against the sequential
+    schedule at a vocabulary the fused cross-entropy takes: the same losses, bit for bit."""
+    from epoverlap.parallel.groups import init_distributed
+
+    torch.use_deterministic_algorithms(True)
+    flags = ["--preset", "tiny", "--bf16", "--train-iters", "6", "--log-interval", "100",
+             *FUSED_LOSS_VOCAB]
+    losses = {}
+    for name, extra in (("seq", []), ("ovl", ["--overlap-moe-expert-parallel-comm",
+                                              "--delay-wgrad-compute"])):
+        with mock.patch.dict(os.environ):  # init_distributed sets RANK, MASTER_PORT, ...
+            results = _train_in_process(init_distributed(1, "cuda"), flags + extra)
+        losses[name] = [float.hex(r.loss) for r in results]
+    assert len(losses["seq"]) == 6 and losses["seq"] == losses["ovl"]
+
+
 def _probe_run(device_kind: str, probe_steps: int, graphs: bool = False) -> list:
     """Ten steps (twelve with `graphs`: the partial CUDA graphs, two warm-up steps) of a small
     bf16 model on one process, the combined 1F1B with delayed wgrad and the optimizer on,
