@@ -16,7 +16,7 @@ from epoverlap.data.indexed import IndexedWriter, open_indexed
 from epoverlap.data.samples import BlendedSamples, DocumentSamples, blend_order, split_bounds
 from epoverlap.data.tokenizers import TokenizerError, build_tokenizer
 from epoverlap.errors import ConfigError
-from epoverlap.training.data import IndexedData, open_data_source
+from epoverlap.training.data import IndexedData, SyntheticData, open_data_source, step_batches
 from epoverlap_tools import convert_data
 
 NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
@@ -300,3 +300,49 @@ def test_hugging_face_tokenizer_file(tmp_path):
     assert open_data_source(cfg, 1).vocab_size == 4
     with pytest.raises(TokenizerError, match="no such tokenizer file"):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "none.json"))
+
+
+def _bigram_chain_reference(data: SyntheticData, step, rank, microbatch, batch, seq):
+    """The mock data's definition, token by token in Python: each row draws its choices and
+    first token from a generator seeded by (seed, step, rank, microbatch), then follows the
+    bigram table."""
+    seed = (((data.seed * 1_000_003 + step) * 10_007 + rank) * 101 + microbatch) % (2**62)
+    gen = torch.Generator().manual_seed(seed)
+    choices = torch.randint(0, data.next_tokens.shape[1], (batch, seq), generator=gen).tolist()
+    first = torch.randint(0, data.vocab_size, (batch,), generator=gen).tolist()
+    table = data.next_tokens.tolist()
+    rows = []
+    for b in range(batch):
+        row = [first[b]]
+        for pos in range(seq):
+            row.append(table[row[-1]][choices[b][pos]])
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def test_mock_data_is_the_bigram_chain_whether_made_alone_or_with_its_step():
+    """A step's microbatches made together (one walk of the chain for all their rows, what the
+    trainer asks for) equal each made alone, and both follow the chain's definition."""
+    data = SyntheticData(50, seed=3)
+    together = step_batches(data, 4, 1, 3, 2, 40)
+    for mb, (tokens, labels) in enumerate(together):
+        alone = data.batch(4, 1, mb, 2, 40)
+        assert torch.equal(tokens, alone[0]) and torch.equal(labels, alone[1])
+        rows = _bigram_chain_reference(data, 4, 1, mb, 2, 40)
+        assert torch.equal(tokens, rows[:, :-1]) and torch.equal(labels, rows[:, 1:])
+    assert not torch.equal(together[0][0], together[1][0])
+    assert tokens.dtype == torch.int64 and tokens.shape == (2, 40)
+
+
+def test_step_batches_asks_other_sources_one_microbatch_at_a_time():
+    class OneAtATime:
+        def __init__(self):
+            self.calls = []
+
+        def batch(self, step, rank, microbatch, batch, seq):
+            self.calls.append(microbatch)
+            return torch.full((batch, seq), microbatch), torch.zeros(batch, seq)
+
+    source = OneAtATime()
+    batches = step_batches(source, 2, 0, 3, 1, 4)
+    assert source.calls == [0, 1, 2] and [int(t[0, 0]) for t, _ in batches] == [0, 1, 2]

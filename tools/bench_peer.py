@@ -107,7 +107,8 @@ def tokens_per_step_per_gpu(cfg: RunConfig) -> int:
 
 class PrefetchedBatches:
     """Every (step, microbatch) batch of this rank for the whole run, made before the first
-    step (the mock source builds tokens in a Python loop, which would be timed otherwise) and
+    step (the mock source walks its chain on the host, a few ms a step, which would be timed
+    otherwise) and
     read by both systems. The data source protocol of `epoverlap.training.data`."""
 
     def __init__(self, cfg: RunConfig, rank: int, steps: int):

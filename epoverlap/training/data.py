@@ -91,22 +91,48 @@ class TextData:
 
 
 class SyntheticData:
-    """Deterministic bigram-chain sequences over `vocab` tokens."""
+    """Deterministic bigram-chain sequences over `vocab` tokens.
+
+    Each microbatch's rows draw their choices from a generator seeded by (seed, step, rank,
+    microbatch); the chain itself (token t+1 = next_tokens[token t, choice t]) is sequential
+    along the sequence, so it is walked once per step for every microbatch's rows together, in
+    numpy (`batches`): a torch op per position and microbatch cost the host 10 us each, 20-160
+    ms a step at the benchmark shapes, on the critical path before the step's first kernel."""
 
     def __init__(self, vocab: int, seed: int, branching: int = 4):
         gen = torch.Generator().manual_seed(seed)
         self.next_tokens = torch.randint(0, vocab, (vocab, branching), generator=gen)
         self.vocab_size, self.seed = vocab, seed
         self.description = f"mock data (bigram chain over {vocab} tokens)"
+        self._next_flat = self.next_tokens.numpy().reshape(-1)
 
     def batch(self, step: int, rank: int, microbatch: int, batch: int, seq: int):
-        gen = torch.Generator().manual_seed(_batch_seed(self.seed, step, rank, microbatch))
-        choices = torch.randint(0, self.next_tokens.shape[1], (batch, seq), generator=gen)
-        tokens = torch.empty(batch, seq + 1, dtype=torch.int64)
-        tokens[:, 0] = torch.randint(0, self.vocab_size, (batch,), generator=gen)
+        return self.batches(step, rank, [microbatch], batch, seq)[0]
+
+    def batches(self, step: int, rank: int, microbatches, batch: int, seq: int) -> list:
+        """`batch` of each of `microbatches`, the chains of all their rows walked together."""
+        branching = self.next_tokens.shape[1]
+        choices, firsts = [], []
+        for mb in microbatches:
+            gen = torch.Generator().manual_seed(_batch_seed(self.seed, step, rank, mb))
+            choices.append(torch.randint(0, branching, (batch, seq), generator=gen).numpy())
+            firsts.append(torch.randint(0, self.vocab_size, (batch,), generator=gen).numpy())
+        choice_SR = np.ascontiguousarray(np.concatenate(choices).T)  # [seq, rows]
+        tokens_SR = np.empty((seq + 1, choice_SR.shape[1]), dtype=np.int64)
+        tokens_SR[0] = np.concatenate(firsts)
+        table = self._next_flat
         for pos in range(seq):
-            tokens[:, pos + 1] = self.next_tokens[tokens[:, pos], choices[:, pos]]
-        return _inputs_and_labels(tokens)
+            np.take(table, tokens_SR[pos] * branching + choice_SR[pos], out=tokens_SR[pos + 1])
+        rows_RS = torch.from_numpy(np.ascontiguousarray(tokens_SR.T))
+        return [_inputs_and_labels(rows) for rows in rows_RS.split(batch)]
+
+
+def step_batches(source, step: int, rank: int, count: int, batch: int, seq: int) -> list:
+    """(tokens, labels) of microbatches 0..count-1 of a step: the source's `batches` where it
+    makes them together (SyntheticData), else one `batch` call each."""
+    if hasattr(source, "batches"):
+        return source.batches(step, rank, range(count), batch, seq)
+    return [source.batch(step, rank, mb, batch, seq) for mb in range(count)]
 
 
 class IndexedData:

@@ -67,7 +67,7 @@ from epoverlap.schedule.wgrad import WeightGradQueue
 from epoverlap.training.checkpoint import Checkpointer
 from epoverlap.training.checkpoint_files import CheckpointRef
 from epoverlap.training.compile_watch import CompileWatch
-from epoverlap.training.data import open_data_source
+from epoverlap.training.data import open_data_source, step_batches
 from epoverlap.training.faults import FaultInjector
 from epoverlap.training.grads import GradBuffers
 from epoverlap.training.numerics import check_finite
@@ -428,12 +428,9 @@ class Trainer:
 
     def microbatches(self, step: int) -> list[dict]:
         t, rank = self.cfg.train, self.groups.dp_rank  # every stage of a pipeline reads alike
-        batches = []
-        for mb in range(t.num_microbatches):
-            tokens, labels = self.data.batch(step, rank, mb, t.micro_batch_size,
-                                             self.cfg.model.seq_length)
-            batches.append({"tokens": tokens.to(self.device), "labels": labels.to(self.device)})
-        return batches
+        return [{"tokens": tokens.to(self.device), "labels": labels.to(self.device)}
+                for tokens, labels in step_batches(self.data, step, rank, t.num_microbatches,
+                                                   t.micro_batch_size, self.cfg.model.seq_length)]
 
     def _sync_time(self) -> float:
         if self.device.type == "cuda":
