@@ -403,7 +403,8 @@ def test_cli_runs_are_bitwise_identical_under_deterministic(tmp_path):
 def test_simulator_replays_a_recorded_overlapped_run(tmp_path):
     """2 GPUs, the f128 ratio shape, overlapped: record 3 steps' spans, replay them with the
     simulator (recorded compute and comm, host launch costs read from the same recording's
-    gaps). benchmarks/scale.md measured -1% on a run of this shape; 15% is the bound."""
+    gaps, each rank's host time before its first action as recorded). benchmarks/scale.md
+    measured -1% on a run of this shape; 15% is the bound."""
     from epoverlap_tools import simulate as sim
     from epoverlap_tools.bench_overlap import COMMON, SHAPES
     spans = tmp_path / "spans"

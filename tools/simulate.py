@@ -462,7 +462,8 @@ def layer_exposure(result: SimResult, ep: int) -> list[dict]:
 
 def replay_steps(scenario: Scenario) -> list[dict]:
     """Per recorded step: its measured time (slowest rank) against a simulation driven by that
-    step's own compute spans and rank start offsets (comm as chosen)."""
+    step's own compute spans, rank start offsets and, on a GPU, each rank's host time before
+    its first action (`gpu_prelude_us`); comm as chosen."""
     mode = sc.recorded_mode(scenario.recorded)
     aligned = sc.aligned_comm(scenario.recorded)
     rows = []
@@ -472,14 +473,28 @@ def replay_steps(scenario: Scenario) -> list[dict]:
                for r in scenario.recorded]
         compute = span_compute(one, lambda r, a: 1.0).for_plan(mode == "wgrad")
         comm = sc.aligned_comm(one).durations if scenario.comm_measured else None
-        host = recorded_cpu_host(one, scenario.layout) if scenario.overlap_lanes == THREAD \
-            else None
-        result = run_mode(scenario, mode, aligned.offsets[step.step], compute, comm, host)
+        on_threads = scenario.overlap_lanes == THREAD
+        host = recorded_cpu_host(one, scenario.layout) if on_threads else None
+        offsets = aligned.offsets[step.step]
+        preludes = [0.0] * len(one) if on_threads else [gpu_prelude_us(r) for r in one]
+        result = run_mode(scenario, mode, [o + p for o, p in zip(offsets, preludes)], compute,
+                          comm, host)
+        simulated = max(t.end_us - o for t, o in zip(result.ranks, offsets))
         measured = max(s.step_time_us for r in one for s in r.steps)
         rows.append({"step": step.step, "mode": mode, "measured_ms": measured / 1e3,
-                     "simulated_ms": result.step_us / 1e3,
-                     "error": result.step_us / measured - 1.0})
+                     "simulated_ms": simulated / 1e3, "prelude_ms": max(preludes) / 1e3,
+                     "error": simulated / measured - 1.0})
     return rows
+
+
+def gpu_prelude_us(rank_spans: RankSpans) -> float:
+    """A GPU recording's host time from the step's start to its first action: the recorder
+    syncs the GPU when the step starts, so nothing runs on it until the host reaches that
+    action (the step's data, zeroing the grads); its `queued_us` marks when it did. (A CPU
+    recording's is the first action's own gap, `recorded_cpu_host`.)"""
+    spans = rank_spans.steps[0].spans
+    return min((s.queued_us if s.queued_us is not None else s.start_us) for s in spans) \
+        if spans else 0.0
 
 
 # ---------------------------------------------------------------------------- report
@@ -507,9 +522,11 @@ def report(scenario: Scenario, results: dict[str, SimResult], replay: list[dict]
               for e in layer_exposure(results["ovl"], scenario.ep)]
     if replay:
         lines += ["", f"recorded run ({replay[0]['mode']}): measured vs simulated step "
-                  "(slowest rank)", " step  measured ms  simulated ms   error"]
+                  "(slowest rank; a GPU recording's host time before its first action, "
+                  "replayed as recorded: prelude)",
+                  " step  measured ms  simulated ms   error  prelude ms"]
         lines += [f"{r['step']:5d} {r['measured_ms']:11.2f} {r['simulated_ms']:13.2f} "
-                  f"{r['error']:+7.1%}" for r in replay]
+                  f"{r['error']:+7.1%} {r['prelude_ms']:11.2f}" for r in replay]
         mean_m = statistics.fmean(r["measured_ms"] for r in replay)
         mean_s = statistics.fmean(r["simulated_ms"] for r in replay)
         lines.append(f" mean {mean_m:11.2f} {mean_s:13.2f} {mean_s / mean_m - 1:+7.1%}")
