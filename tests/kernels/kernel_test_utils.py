@@ -100,6 +100,36 @@ def assert_same_run(first, second, what: str = "") -> None:
     assert_bits_equal(first, second, what)
 
 
+@contextlib.contextmanager
+def sync_is_an_error() -> Iterator[None]:
+    """CUDA: any host synchronisation inside raises (torch's sync debug mode)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def eager_then_graph_replay(step) -> tuple:
+    """`step()` once eagerly with host syncs forbidden, twice on a side stream (warm-up), then
+    captured in a CUDA graph and replayed: -> (eager outputs, replayed outputs), lists."""
+    with sync_is_an_error():
+        eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return list(eager), list(captured)
+
+
 def close_tolerance(dtype: torch.dtype, *, interpreted: bool) -> dict:
     """assert_close tolerances for values computed in fp32 and stored in `dtype`.
 

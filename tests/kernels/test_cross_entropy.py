@@ -27,7 +27,8 @@ from epoverlap_kernels.cross_entropy import IGNORE_INDEX, cross_entropy_torch
 from epoverlap_kernels.cross_entropy_triton import (FUSED_MIN_VOCAB, cross_entropy_triton,
                                                     fused_cross_entropy)
 
-from kernel_test_utils import INTERPRETED, assert_same_run, forbid_host_reads, generator
+from kernel_test_utils import (INTERPRETED, assert_same_run, eager_then_graph_replay,
+                               forbid_host_reads, generator)
 
 REPO = Path(__file__).resolve().parents[2]
 ON_GPU = torch.cuda.is_available() and not INTERPRETED
@@ -264,21 +265,5 @@ def test_gpu_cross_entropy_no_sync_and_graph_capture():
         loss = fused_cross_entropy(leaf, labels)
         return (loss.detach(),) + torch.autograd.grad(loss, [leaf])
 
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        eager = step()
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_same_run(list(captured), list(eager), "graph replay")
+    eager, captured = eager_then_graph_replay(step)
+    assert_same_run(captured, eager, "graph replay")

@@ -36,7 +36,7 @@ from epoverlap_kernels.swiglu import swiglu_torch
 from epoverlap_kernels.swiglu_triton import swiglu_triton as swiglu_tr
 
 from kernel_test_utils import (DTYPES, INTERPRETED, assert_bits_equal, assert_same_run,
-                               forbid_host_reads, generator)
+                               eager_then_graph_replay, forbid_host_reads, generator)
 
 REPO = Path(__file__).resolve().parents[2]
 EPS = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
@@ -480,21 +480,5 @@ def test_gpu_no_sync_and_graph_capture():
                 ops.swiglu(h, probs)]
         return torch.autograd.grad(outs, [x, weight, qkv, h, probs], grads)
 
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        eager = step()
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert_same_run(list(captured), list(eager), "graph replay")
+    eager, captured = eager_then_graph_replay(step)
+    assert_same_run(captured, eager, "graph replay")

@@ -7,7 +7,6 @@ subprocess), offsets past 2^31.
 Run on a GPU machine: python -m pytest tests/kernels -m gpu -q
 """
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -23,7 +22,8 @@ from epoverlap_kernels.permutation_triton import _launch_permute, build_row_id_m
 
 from kernel_test_utils import (INTERPRETED, assert_bits_equal, assert_same_run,
                                close_tolerance, distinct_logits, generator, grouped_logits,
-                               random_like_rows, random_probs, random_routing_map)
+                               random_like_rows, random_probs, random_routing_map,
+                               sync_is_an_error)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -188,16 +188,6 @@ def test_deterministic(name):
     assert_same_run(unpermuted[0], unpermuted[1], "unpermute")
 
 
-@contextlib.contextmanager
-def _sync_is_an_error():
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
-
-
 def _pipeline(ops, logits_TE, tokens_TH, settings, topk, order_C):
     """Router -> permute -> chunk sort -> unpermute, forward and backward, num_out given."""
     probs_TE, map_TE, counts_E = ops.router_topk_with_counts(logits_TE, topk, **settings)
@@ -219,7 +209,7 @@ def test_no_host_sync_and_static_shapes(name):
     order_C = torch.randperm(num_experts, generator=generator(2)).to(DEVICE)
     _pipeline(ops, logits_TE, tokens_TH, settings, topk, order_C)  # compile outside the guard
     torch.cuda.synchronize()
-    with _sync_is_an_error():
+    with sync_is_an_error():
         out_TH, map_TE, counts_E = _pipeline(ops, logits_TE, tokens_TH, settings, topk, order_C)
     torch.cuda.synchronize()
     assert out_TH.shape == (num_tokens, hidden) and counts_E.shape == (num_experts,)
