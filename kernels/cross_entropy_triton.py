@@ -1,4 +1,5 @@
-"""Cross-entropy in Triton: `cross_entropy_triton`, a drop-in for `cross_entropy.cross_entropy_torch`.
+"""Cross-entropy in Triton: `cross_entropy_triton`, a drop-in for
+`cross_entropy.cross_entropy_torch`.
 
 Shape legend: T rows (tokens), V vocabulary, P forward programs.
 

@@ -148,8 +148,9 @@ def markdown(rows: list[dict]) -> str:
              "peak MiB added | loss | max grad diff | fused rerun bitwise |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['level']} | {r['side']} | {cell(r['cpu_ms'], '.3f')} | "
-                     f"{cell(r['gpu_ms'], '.3f')} | {cell(r['wall_ms'], '.3f')} | {r['launches']} | "
+        lines.append(f"| {r['shape']} | {r['level']} | {r['side']} | "
+                     f"{cell(r['cpu_ms'], '.3f')} | {cell(r['gpu_ms'], '.3f')} | "
+                     f"{cell(r['wall_ms'], '.3f')} | {r['launches']} | "
                      f"{r['peak_mib']:.1f} | {r['loss']:.6f} | {r['grad_diff']:.2e} | "
                      f"{r['rerun_bitwise']} |")
     return "\n".join(lines)

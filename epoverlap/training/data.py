@@ -96,8 +96,9 @@ class SyntheticData:
     Each microbatch's rows draw their choices from a generator seeded by (seed, step, rank,
     microbatch); the chain itself (token t+1 = next_tokens[token t, choice t]) is sequential
     along the sequence, so it is walked once per step for every microbatch's rows together, in
-    numpy (`batches`): a torch op per position and microbatch cost the host 10 us each, 20-160
-    ms a step at the benchmark shapes, on the critical path before the step's first kernel."""
+    numpy (`batches_of_step`): a torch op per position and microbatch cost the host 10 us
+    each, 20-160 ms a step at the benchmark shapes, on the critical path before the step's
+    first kernel."""
 
     def __init__(self, vocab: int, seed: int, branching: int = 4):
         gen = torch.Generator().manual_seed(seed)
@@ -107,9 +108,9 @@ class SyntheticData:
         self._next_flat = self.next_tokens.numpy().reshape(-1)
 
     def batch(self, step: int, rank: int, microbatch: int, batch: int, seq: int):
-        return self.batches(step, rank, [microbatch], batch, seq)[0]
+        return self.batches_of_step(step, rank, [microbatch], batch, seq)[0]
 
-    def batches(self, step: int, rank: int, microbatches, batch: int, seq: int) -> list:
+    def batches_of_step(self, step: int, rank: int, microbatches, batch: int, seq: int) -> list:
         """`batch` of each of `microbatches`, the chains of all their rows walked together."""
         branching = self.next_tokens.shape[1]
         choices, firsts = [], []
@@ -128,10 +129,10 @@ class SyntheticData:
 
 
 def step_batches(source, step: int, rank: int, count: int, batch: int, seq: int) -> list:
-    """(tokens, labels) of microbatches 0..count-1 of a step: the source's `batches` where it
-    makes them together (SyntheticData), else one `batch` call each."""
-    if hasattr(source, "batches"):
-        return source.batches(step, rank, range(count), batch, seq)
+    """(tokens, labels) of microbatches 0..count-1 of a step: the source's `batches_of_step`
+    where it makes them together (SyntheticData), else one `batch` call each."""
+    if hasattr(source, "batches_of_step"):
+        return source.batches_of_step(step, rank, range(count), batch, seq)
     return [source.batch(step, rank, mb, batch, seq) for mb in range(count)]
 
 
