@@ -64,6 +64,10 @@
 #                                against .baseline/'s (an earlier commit), alternated, NVLink
 #                                and NCCL_P2P_DISABLE=1 (BENCH_ARGS: more bench_overlap options,
 #                                e.g. --rounds 2; AFTER_ARGS: options for this tree's side only)
+#   tools/gpu_suite.sh cliab     NGPUS GPUs: the training command of this tree against
+#                                .baseline/'s, alternated (CLI_ROUNDS, CLI_ITERS steps of
+#                                --preset megatron-cmp --mock-data and CLI_FLAGS, default --bf16):
+#                                median step time after the warm-up, per side
 #   tools/gpu_suite.sh x2probe   2 GPUs: the overlap probe in the training command at the
 #                                Megatron shapes, both regimes, with and without delayed wgrad
 #   tools/gpu_suite.sh x2prof    2 GPUs: host time per node action and a cProfile per mode
@@ -574,6 +578,36 @@ PYEOF
     export EPOVERLAP_GPU_LOGS="$WORK/cli_logs"
     CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=90 step simulator_test python3 -m pytest \
       tests/test_gpu.py -q -k simulator -p no:cacheprovider
+    ;;
+  cliab)  # NGPUS GPUs: the whole training step as users time it (data, forward-backward,
+           # grad reduction, optimizer), this tree against .baseline/ (`git archive COMMIT |
+           # tar x -C .baseline`, carried), the order flipped every round; TESTS first
+    if [ -n "${TESTS:-}" ]; then
+      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step cli_tests \
+        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
+    fi
+    [ -d .baseline/epoverlap ] || { echo "cliab: no .baseline/ tree"; exit 2; }
+    mkdir -p "$WORK/cli"
+    for round in $(seq 1 "${CLI_ROUNDS:-2}"); do
+      order="before after"; [ $((round % 2)) -eq 0 ] && order="after before"
+      for side in $order; do
+        tree=$PWD; [ $side = before ] && tree=$PWD/.baseline
+        CUDA_VISIBLE_DEVICES=$TWO_GPUS PYTHONPATH="$tree:$WORK/path" \
+          STEP_TIMEOUT=${CLI_TIMEOUT:-150} step "cli_${side}_$round" torchrun --standalone \
+          --nproc-per-node="$NGPUS" -m epoverlap.train --preset megatron-cmp --mock-data \
+          --expert-model-parallel-size "$NGPUS" --train-iters "${CLI_ITERS:-12}" \
+          --log-interval 100 ${CLI_FLAGS---bf16} --log-json "$WORK/cli/${side}_$round.jsonl"
+      done
+    done
+    python3 - "$WORK/cli" <<'PYEOF' | tee -a "$SUMMARY"
+import glob, json, statistics, sys
+for side in ("before", "after"):
+    times = [r["step_time_s"] * 1e3 for f in sorted(glob.glob(f"{sys.argv[1]}/{side}_*.jsonl"))
+             for r in map(json.loads, open(f)) if r["step"] > 3]
+    if times:
+        print(f"cliab {side}: median step {statistics.median(times):.1f} ms over {len(times)} "
+              f"steps (min {min(times):.1f}, max {max(times):.1f})")
+PYEOF
     ;;
   x2probe)  # 2 GPUs: the overlap probe on the path users run: the training command at the
             # Megatron shapes (PROBE_SHAPES: "mbs2x8", "mbs8x4", "e8"), eager, bf16, optimizer
