@@ -297,12 +297,18 @@ def per_node_host_ms(trainer: Trainer, inputs, iters: int) -> dict:
 def python_profile(trainer: Trainer, inputs, top: int) -> str:
     """cProfile of one eager step: the Python functions with the most own time (the host cost
     torch.profiler cannot attribute: launchers, argument handling, the executor, host waits)."""
-    profiler = cProfile.Profile()
-    profiler.enable()
-    trainer.run_microbatches(1, inputs)
-    profiler.disable()
+    text = own_time_profile(lambda: trainer.run_microbatches(1, inputs), top)
     if trainer.device.type == "cuda":
         torch.cuda.synchronize()
+    return text
+
+
+def own_time_profile(run, top: int) -> str:
+    """cProfile of `run()`: the `top` Python functions by own time, as pstats prints them."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
     return text.getvalue()

@@ -23,11 +23,7 @@ cProfile's top N functions of each side's op passes at the first shape (where ho
 from __future__ import annotations
 
 import argparse
-import cProfile
 import dataclasses
-import io
-import pstats
-import statistics
 import sys
 
 import torch
@@ -38,7 +34,8 @@ from epoverlap.parallel.comm import ExpertComm
 from epoverlap_kernels import make_moe_ops
 from epoverlap_kernels.cross_entropy import cross_entropy_torch
 from epoverlap_kernels.cross_entropy_triton import FUSED_MIN_VOCAB, fused_cross_entropy
-from epoverlap_tools.bench_optim import alternated
+from epoverlap_tools.bench_host import own_time_profile
+from epoverlap_tools.bench_optim import alternated, medians
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -114,9 +111,8 @@ def measure_shape(tokens: int, vocab: int, args, device: torch.device) -> list[d
         same_bits = all(torch.equal(a, b) for a, b in zip(results["fused"], again))
         grad_diff = float((results["fused"][1].float() - results["torch"][1].float()).abs().max())
         for side in runs:
-            med = {k: statistics.median(r[k] for r in timed[side]) if timed[side][0][k] is not None
-                   else None for k in ("cpu_ms", "gpu_ms", "wall_ms")}
-            rows.append({"shape": f"{tokens}x{vocab}", "level": level, "side": side, **med,
+            rows.append({"shape": f"{tokens}x{vocab}", "level": level, "side": side,
+                         **medians(timed[side]),
                          "launches": launch_counts[side],
                          "peak_mib": sides.peak_mib(runs[side]),
                          "loss": float(results[side][0]),
@@ -130,14 +126,8 @@ def python_profile(tokens: int, vocab: int, args, device: torch.device, top: int
     text = []
     for side in ("fused", "torch"):
         sides.op_pass(side)
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(50):
-            sides.op_pass(side)
-        profile.disable()
-        stream = io.StringIO()
-        pstats.Stats(profile, stream=stream).sort_stats("tottime").print_stats(top)
-        text.append(f"--- {tokens}x{vocab} {side}: 50 op passes\n{stream.getvalue()}")
+        table = own_time_profile(lambda: [sides.op_pass(side) for _ in range(50)], top)
+        text.append(f"--- {tokens}x{vocab} {side}: 50 op passes\n{table}")
     return "\n".join(text)
 
 

@@ -76,9 +76,14 @@ def alternated(runs: dict, rounds: int, iters: int, device: torch.device):
     return rows, {name: launches(run, device) for name, run in runs.items()}
 
 
+def medians(runs: list[dict]) -> dict:
+    """Per key of `timed`'s samples, the median over them (None where the key was None)."""
+    return {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None
+            for k in runs[0]}
+
+
 def _median_cells(runs: list[dict]) -> str:
-    med = {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None
-           for k in runs[0]}
+    med = medians(runs)
     gpu = "-" if med["gpu_ms"] is None else f"{med['gpu_ms']:.2f}"
     return f"{med['cpu_ms']:.2f} | {gpu} | {med['wall_ms']:.2f}"
 
