@@ -4,6 +4,7 @@ capacity and budget modes."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -90,7 +91,7 @@ def _our_layer(router, dispatcher, x_TH):
     probs = probs_TE.detach().requires_grad_()
     permuted, permuted_probs, row_id_map = dispatcher.preprocess(x_TH, probs, routing_map_TE)
     recv, recv_probs, meta = dispatcher.dispatch(permuted, permuted_probs, counts_E)
-    rows, rows_probs = dispatcher.sort_by_expert(recv, recv_probs, meta)
+    rows, rows_probs, _ = dispatcher.sort_by_expert(recv, recv_probs, meta)
     expert_out = rows * rows_probs.unsqueeze(1) * 2.0
     out = dispatcher.combine(dispatcher.unsort(expert_out, meta), meta, row_id_map)
     per_expert = meta.tokens_per_local_expert or [int(c) for c in
@@ -177,6 +178,64 @@ def graphed_training(rank, world_size, ep, steps, runs):
                 trainer.close()
             results[name] = ([(r.loss, r.dispatch_reruns, r.dispatch_budget) for r in steps_done],
                              banks, lines)
+        return results
+    finally:
+        destroy_distributed(groups)
+
+
+def _scaled_expert_layer(router, dispatcher, x_TH, rank):
+    """Routing, dispatch, experts that multiply each row by its prob, 2 and a weight per local
+    expert, combine. -> (probs leaf, routing map, expert rows, their probs, rows per local
+    expert, output, the expert weights)."""
+    probs_TE, routing_map_TE, counts_E = router(x_TH)
+    probs = probs_TE.detach().requires_grad_()
+    permuted, permuted_probs, row_id_map = dispatcher.preprocess(x_TH, probs, routing_map_TE)
+    exchange = dispatcher.start_split_exchange(counts_E, row_id_map)
+    recv, recv_probs, meta = dispatcher.dispatch(permuted, permuted_probs, counts_E, exchange)
+    rows, rows_probs, local_map = dispatcher.sort_by_expert(recv, recv_probs, meta)
+    per_expert = meta.tokens_per_local_expert
+    local = dispatcher.num_local
+    weights_L = (1.0 + rank * local + torch.arange(local, dtype=x_TH.dtype)).requires_grad_()
+    scale_M = weights_L.repeat_interleave(torch.tensor(per_expert), output_size=rows.shape[0])
+    expert_out = rows * (rows_probs * scale_M * 2.0).unsqueeze(1)
+    out = dispatcher.combine(dispatcher.unsort(expert_out, meta, local_map), meta, row_id_map)
+    return probs, routing_map_TE, rows, rows_probs, per_expert, out, weights_L
+
+
+def once_per_rank_equivalence(rank, world_size, flag_sets, backend):
+    """For each flag set: the layer of `_scaled_expert_layer` with and without
+    --moe-dispatch-once-per-rank, EP = world, kernels of `backend`. -> per flag set, per
+    dispatch: [probs, routing map, expert rows, their probs, output, token grads, prob grads,
+    expert weight grads, rows per local expert, the input splits of every all-to-all of
+    hidden rows (forward dispatch and combine, then their backwards), x]. The weight of global
+    expert e is e + 1."""
+    groups = init_distributed(world_size, "cpu", timeout_minutes=3)
+    try:
+        ops = make_moe_ops(backend)
+        results = []
+        for flags in flag_sets:
+            cfg = parse_config(["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK),
+                                "--hidden-size", str(HIDDEN)] + flags)
+            router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
+                            device=torch.device("cpu"), aux_loss_scale=1.0)
+            x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
+            per_dispatch = []
+            for once in (False, True):
+                mode = dataclasses.replace(DispatchMode.of(cfg.moe), once_per_rank=once)
+                comm = ExpertComm(groups.ep, world_size)
+                comm.trace = []
+                dispatcher = AllToAllDispatcher(comm, EXPERTS, cfg.moe.moe_router_topk, ops,
+                                                groups.device, mode)
+                x = x_TH.clone().requires_grad_()
+                probs, routing_map, rows, rows_probs, per_expert, out, weights = \
+                    _scaled_expert_layer(router, dispatcher, x, rank)
+                grad_w = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+                grads = torch.autograd.grad((out * grad_w).sum(), [x, probs, weights])
+                payload = [splits[1] for splits in comm.trace if splits[2] == (HIDDEN,)]
+                per_dispatch.append([probs.detach(), routing_map, rows.detach(),
+                                     rows_probs.detach(), out.detach(), *grads, per_expert,
+                                     payload, x_TH])
+            results.append(per_dispatch)
         return results
     finally:
         destroy_distributed(groups)

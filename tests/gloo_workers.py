@@ -63,7 +63,7 @@ def dispatch_round_trip(rank, world_size, ep, topk, extreme):
         permuted, permuted_probs, row_id_map = dispatcher.preprocess(x_TH, probs, routing_map)
         recv, recv_probs, meta = dispatcher.dispatch(permuted, permuted_probs,
                                                      routing_map.sum(0))
-        sorted_rows, _ = dispatcher.sort_by_expert(recv, recv_probs, meta)
+        sorted_rows, _, _ = dispatcher.sort_by_expert(recv, recv_probs, meta)
         out_TH = dispatcher.combine(dispatcher.unsort(sorted_rows, meta), meta, row_id_map)
         expected = torch.zeros_like(x_TH)
         for _ in range(topk):

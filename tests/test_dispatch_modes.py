@@ -50,7 +50,9 @@ OVERLAP = ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 PADDED = CAPACITY + ["--moe-pad-expert-input-to-capacity"]
 TINY_BUDGET = ["--moe-dispatch-budget", "0.25"]  # a quarter of the balanced share: overflows
-RUNS = [("dropless", []),
+ONCE = ["--moe-dispatch-once-per-rank"]
+RUNS = [("dropless", []), ("once", ONCE), ("once_ovl", ONCE + OVERLAP),
+        ("once_capacity", ONCE + CAPACITY), ("once_capacity_ovl", ONCE + CAPACITY + OVERLAP),
         ("capacity", CAPACITY), ("capacity_ovl", CAPACITY + OVERLAP),
         ("padded", PADDED), ("padded_ovl", PADDED + OVERLAP),
         ("budget", ["--moe-dispatch-budget", "2.0"]),
@@ -68,7 +70,8 @@ def _bits(grads):
     return [g.view(torch.int32) for g in grads]
 
 
-@pytest.mark.parametrize("mode", ["capacity", "padded", "tiny_budget"])
+@pytest.mark.parametrize("mode", ["capacity", "padded", "tiny_budget", "once",
+                                  "once_capacity"])
 def test_overlap_is_bitwise_equal_to_sequential_in_each_dispatch_mode(mode_results, mode):
     for per_run in mode_results:
         (sequential, seq_steps), (overlapped, ovl_steps) = per_run[mode], per_run[f"{mode}_ovl"]
@@ -83,6 +86,20 @@ def test_capacity_modes_drop_and_count_the_same_tokens(mode_results):
     assert [d for _, d, _, _ in capacity] == [d for _, d, _, _ in padded]
     assert [loss for loss, *_ in capacity] == [loss for loss, *_ in padded]  # pad rows: prob 0
     assert all(dropped is None for _, dropped, _, _ in steps["dropless"][1])
+
+
+def test_once_per_rank_trains_as_the_dispatch_per_expert(mode_results):
+    """Sending a token once per rank changes the combine's rounding order only: the losses
+    stay within rounding of the dispatch per expert's, the same pairs are dropped at a
+    capacity, and the expert grads (reduced) differ at most by rounding too."""
+    for per_run in mode_results:
+        for once, plain in (("once", "dropless"), ("once_capacity", "capacity")):
+            once_steps, plain_steps = per_run[once][1], per_run[plain][1]
+            assert [d for _, d, _, _ in once_steps] == [d for _, d, _, _ in plain_steps]
+            for (loss, *_), (plain_loss, *_) in zip(once_steps, plain_steps):
+                assert loss == pytest.approx(plain_loss, rel=1e-5)
+            for mine, other in zip(per_run[once][0], per_run[plain][0]):
+                torch.testing.assert_close(mine, other, rtol=1e-4, atol=1e-6)
 
 
 def test_overflowing_budget_reruns_and_gives_the_dropless_losses(mode_results):

@@ -45,6 +45,19 @@ def test_without_a_second_communicator_the_exchange_runs_at_the_read():
     assert group.calls == 1 and exchange.recv_RL.tolist() == [[1, 2], [3, 4]]
 
 
+def test_rows_per_rank_counted_apart_are_read_not_summed():
+    """Once per rank: a token routed to both experts of a rank is one row, so the rows per
+    rank (3 and 1 here, against 7 and 4 routed pairs) come from their own column."""
+    from epoverlap.parallel.comm import ExpertComm
+    group = _RecordingGroup()
+    exchange = ExpertComm(group, 2).start_split_exchange(torch.tensor([5, 2, 1, 3]),
+                                                         torch.tensor([3, 1]))
+    assert exchange.read() == ([3, 1], [3, 1], [6, 5])
+    assert exchange.recv_RL.tolist() == [[5, 2], [1, 3]]
+    local = ExpertComm(None, 1).start_split_exchange(torch.tensor([2, 2]), torch.tensor([3]))
+    assert local.read() == ([3], [3], [2, 2]) and local.recv_RL.tolist() == [[2, 2]]
+
+
 def _expected(rank: int, world: int):
     """Sizes rank `rank` must read, from the counts formula (100 src + global expert)."""
     L = LOCAL_EXPERTS

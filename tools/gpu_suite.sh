@@ -73,6 +73,8 @@
 #   tools/gpu_suite.sh x2prof    2 GPUs: host time per node action and a cProfile per mode
 #   tools/gpu_suite.sh x2carve   2 GPUs: the grouped GEMMs' SM carveout and the paired-ends plan
 #                                (VARIANTS; BENCH_ARGS: more bench_overlap options)
+#   tools/gpu_suite.sh x2once    2 GPUs: --moe-dispatch-once-per-rank's tests (TESTS), then
+#                                Megatron-core beside us with it, host-memory links and NVLink
 #   tools/gpu_suite.sh peer      Megatron-core beside us (tools/bench_peer.py) on NGPUS GPUs and
 #                                its GPU tests; needs megatron-core importable (the peer extra)
 # Everything is written under ${OUT:-runs/gpu} (logs, JSON, span files, one tarball) and the
@@ -513,6 +515,28 @@ PYEOF
       --nproc-per-node="$NGPUS" tools/bench_peer.py --out-dir "$WORK/bench_peer" \
       --ours-ovl-flags="${OURS_OVL_FLAGS:-}" \
       --shapes "${SHAPES:-megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4}"
+    ;;
+  x2once)  # 2 GPUs, --moe-dispatch-once-per-rank: TESTS first (pytest args), then
+            # bench_peer at SHAPES in each of REGIMES ("nop2p nvlink"), our overlap run again
+            # with ONCE_NOP2P_FLAGS / ONCE_NVLINK_FLAGS (default: once per rank, with the
+            # slow-link levers where the all-to-all goes through host memory)
+    if [ -n "${TESTS:-}" ]; then
+      export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-8} EPOVERLAP_GPU_LOGS="$WORK/cli_logs"
+      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step once_tests \
+        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
+    fi
+    for regime in ${REGIMES:-nop2p nvlink}; do
+      p2p=""; flags=${ONCE_NVLINK_FLAGS:---moe-dispatch-once-per-rank}
+      if [ $regime = nop2p ]; then
+        p2p="NCCL_P2P_DISABLE=1"
+        flags=${ONCE_NOP2P_FLAGS:---moe-dispatch-once-per-rank --moe-grouped-gemm-sm-carveout 8 \
+--moe-a2a-nccl-max-ctas 8 --delay-wgrad-compute --overlap-plan combined_1f1b_paired_ends}
+      fi
+      CUDA_VISIBLE_DEVICES=$TWO_GPUS step "bench_peer_$regime" env $p2p torchrun --standalone \
+        --nproc-per-node="$NGPUS" tools/bench_peer.py --out-dir "$WORK/bench_peer_$regime" \
+        --ours-ovl-flags="$flags" \
+        --shapes "${SHAPES:-megatron_e8_k8_f4096_mbs8x4,megatron_e32_k4_mbs8x4}"
+    done
     ;;
   x2tests)  # 2 GPUs: the multigpu tests of the CLI path (the bitwise comparisons under
              # --deterministic-mode over EPOVERLAP_GPU_STEPS steps, overlap over NCCL, the

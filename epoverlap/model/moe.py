@@ -23,6 +23,14 @@ Dispatch modes (`DispatchMode.name`), and whether the host reads the device in t
                    dispatch whose rows for one rank exceed the chunk is recorded on the device
                    (`DispatchBudget.demand_rows`) and the trainer reruns the step at a larger
                    budget: no token is ever silently dropped, no host read inside the step.
+With --moe-dispatch-once-per-rank (the dropless and capacity modes) the preprocess sends each
+token once to every rank holding one of its experts (`permute` over a [T, R] "to rank" map),
+each row with the probs of that rank's L experts (-1 where the expert was not chosen); the
+receiving rank copies the row to those experts (`sort_by_expert`, a second permute) and sums
+their outputs (`unsort`, its unpermute) before the combine returns one row per (token, rank).
+The experts see the same rows in the same order as without it ((local expert, source rank,
+token)); the combine sums per rank first. Split sizes: rows per rank counted apart and
+exchanged with the expert counts.
 The preprocess never reads the host in any mode (its row count is static: tokens x topk, or
 experts x capacity padded); only the torch reference permute does (`preprocess_syncs_host`).
 
@@ -77,12 +85,14 @@ class DispatchMode:
     pad_to_capacity: bool = False
     drop_policy: str = "probs"
     budget: Optional[float] = None
+    once_per_rank: bool = False  # --moe-dispatch-once-per-rank (host-split modes only)
 
     @classmethod
     def of(cls, moe: MoEConfig) -> "DispatchMode":
         return cls(capacity_factor=moe.capacity_factor,
                    pad_to_capacity=moe.moe_pad_expert_input_to_capacity,
-                   drop_policy=moe.moe_token_drop_policy, budget=moe.moe_dispatch_budget)
+                   drop_policy=moe.moe_token_drop_policy, budget=moe.moe_dispatch_budget,
+                   once_per_rank=moe.moe_dispatch_once_per_rank)
 
     @property
     def name(self) -> str:
@@ -397,6 +407,16 @@ def move_rows(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> 
     return _MoveRows.apply(src, index, inverse)
 
 
+def rows_by_pair(row_id_map_TR: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """For each of `num_rows` permuted rows, the flat (t * R + r) entry of the row-id map that
+    names it, -1 past the routed rows. [N] device, no host read: the map's row ids are distinct,
+    so a stable sort of them lists the entries in row order."""
+    unrouted = row_id_map_TR.numel()
+    keys_X = torch.where(row_id_map_TR >= 0, row_id_map_TR, unrouted).reshape(-1)
+    sorted_X, entry_X = torch.sort(keys_X, stable=True)
+    return torch.where(sorted_X[:num_rows] < unrouted, entry_X[:num_rows], -1)
+
+
 def budget_indices(send_R: torch.Tensor, chunk_rows: int, num_rows: int):
     """Permuted rows (expert-major, so rank r's rows are one run) <-> fixed chunks of
     `chunk_rows` slots per rank. -> (send_index [R*C]: slot -> row or -1 (empty),
@@ -431,7 +451,12 @@ class AllToAllDispatcher:
                  budget: Optional[DispatchBudget] = None):
         if (mode.name == "budget") != (budget is not None):
             raise ValueError(f"dispatch mode {mode.name} with budget {budget}")
+        if mode.once_per_rank and not mode.dispatch_syncs_host:
+            raise ValueError(f"dispatch once per rank in mode {mode.name}: only dropless and "
+                             "capacity (the host reads the split sizes)")
         self.comm, self.ops, self.topk, self.mode, self.budget = comm, ops, topk, mode, budget
+        # one rank: nothing to send once instead of several times
+        self.once_per_rank = mode.once_per_rank and comm.size > 1
         self.num_experts = num_experts
         self.num_local = num_experts // comm.size
         ranks, local = comm.size, self.num_local
@@ -458,19 +483,41 @@ class AllToAllDispatcher:
         dropped pairs leave rows past the routed count at zero)."""
         if self.mode.pad_to_capacity:
             return padded_rows(num_tokens, self.topk, self.num_experts, self.mode.capacity_factor)
+        if self.once_per_rank:  # a token reaches at most min(topk, R) ranks
+            return num_tokens * min(self.topk, self.comm.size)
         return num_tokens * self.topk
 
     def preprocess(self, hidden_TH, probs_TE, routing_map_TE):
-        """Permute token copies into expert-major rows (a static row count)."""
+        """Permute token copies into expert-major rows, or once per rank into rank-major rows
+        (a static row count). -> (rows [N, H], their probs [N] (or [N, L] once per rank, -1
+        where not chosen), row-id map [T, E] (or [T, R]))."""
         num_out = self.permuted_rows(hidden_TH.shape[0])
+        if self.once_per_rank:
+            return self._preprocess_once_per_rank(hidden_TH, probs_TE, routing_map_TE, num_out)
         return self.ops.permute(hidden_TH, routing_map_TE, probs_TE, num_out_tokens=num_out,
                                 drop_and_pad=self.mode.pad_to_capacity)
 
-    def start_split_exchange(self, counts_E) -> Optional[SplitExchange]:
+    def _preprocess_once_per_rank(self, hidden_TH, probs_TE, routing_map_TE, num_out: int):
+        tokens, ranks = hidden_TH.shape[0], self.comm.size
+        routing_map_TRL = routing_map_TE.view(tokens, ranks, self.num_local)
+        to_rank_TR = routing_map_TRL.any(dim=2)
+        permuted_NH, _, row_id_map_TR = self.ops.permute(hidden_TH, to_rank_TR, None,
+                                                         num_out_tokens=num_out)
+        chosen_probs_XL = torch.where(routing_map_TE, probs_TE, -1.0).view(
+            tokens * ranks, self.num_local)  # X = (token, rank) pairs
+        source_N = rows_by_pair(row_id_map_TR, num_out)
+        permuted_probs_NL = move_rows(chosen_probs_XL, source_N, row_id_map_TR.reshape(-1))
+        return permuted_NH, permuted_probs_NL, row_id_map_TR
+
+    def start_split_exchange(self, counts_E, row_id_map=None) -> Optional[SplitExchange]:
         """Start the exchange of the split sizes a host-split dispatch reads (None for the
         modes that read none): called when the router has counted, so the exchange runs while
-        other work is issued, and handed to `dispatch` (parallel.comm, `SplitExchange`)."""
-        return self.comm.start_split_exchange(counts_E) if self.dispatch_syncs_host else None
+        other work is issued, and handed to `dispatch` (parallel.comm, `SplitExchange`). Once
+        per rank, the preprocess's [T, R] `row_id_map` gives the rows per rank."""
+        if not self.dispatch_syncs_host:
+            return None
+        rows_R = (row_id_map >= 0).sum(dim=0) if self.once_per_rank else None
+        return self.comm.start_split_exchange(counts_E, rows_R)
 
     def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
                  exchange: Optional[SplitExchange] = None):
@@ -482,6 +529,9 @@ class AllToAllDispatcher:
         if self.mode.name == "budget":
             return self._dispatch_budget(permuted_NH, permuted_probs_N, counts_E)
         if exchange is None:
+            if self.once_per_rank:  # the rows per rank come from the preprocess's map
+                raise ValueError("dispatch once per rank: pass the exchange that "
+                                 "`start_split_exchange(counts_E, row_id_map)` started")
             exchange = self.comm.start_split_exchange(counts_E)
         return self._dispatch_host_splits(permuted_NH, permuted_probs_N, exchange)
 
@@ -535,7 +585,17 @@ class AllToAllDispatcher:
         return recv_MH, recv_probs_M, meta
 
     def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
-        """Rows arrive (source rank, local expert); the experts want (local expert, rank)."""
+        """Rows arrive (source rank, local expert); the experts want (local expert, rank).
+        -> (rows, their probs, what `unsort` needs: the row-id map of the copy to the local
+        experts once per rank, else None)."""
+        if self.once_per_rank:
+            chosen_ML = recv_probs_M >= 0
+            return self.ops.permute(recv_MH, chosen_ML,
+                                    torch.where(chosen_ML, recv_probs_M, 0.0),
+                                    num_out_tokens=sum(meta.tokens_per_local_expert))
+        return self._sort_chunks(recv_MH, recv_probs_M, meta) + (None,)
+
+    def _sort_chunks(self, recv_MH, recv_probs_M, meta: DispatchMeta):
         if self.comm.size == 1:
             return recv_MH, recv_probs_M
         if meta.capacity is not None:  # equal blocks: a transpose (Megatron-core's)
@@ -547,7 +607,11 @@ class AllToAllDispatcher:
         return self.ops.sort_chunks_by_idxs(recv_MH, meta.recv_counts_RL.reshape(-1),
                                             self._to_expert_major, recv_probs_M)
 
-    def unsort(self, expert_out_MH, meta: DispatchMeta):
+    def unsort(self, expert_out_MH, meta: DispatchMeta, local_row_id_map=None):
+        """Back to the order rows arrived in; once per rank, each received row sums its local
+        experts' outputs (`local_row_id_map` from `sort_by_expert`)."""
+        if self.once_per_rank:
+            return self.ops.unpermute(expert_out_MH, local_row_id_map)
         if self.comm.size == 1:
             return expert_out_MH
         if meta.capacity is not None:

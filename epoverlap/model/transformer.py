@@ -180,10 +180,12 @@ class TransformerLayer(nn.Module):
         return {"permuted_tokens": permuted, "permuted_probs": permuted_probs,
                 "row_id_map": row_id_map}
 
-    def split_exchange_segment(self, expert_counts):
-        """Start the dispatch's split-size exchange as soon as the router has counted (eager,
-        never graphed: it reads nothing on the host; the dispatch does)."""
-        return {"split_exchange": self.dispatcher.start_split_exchange(expert_counts)}
+    def split_exchange_segment(self, expert_counts, row_id_map):
+        """Start the dispatch's split-size exchange as soon as the router has counted and the
+        tokens are permuted (eager, never graphed: it reads nothing on the host; the dispatch
+        does)."""
+        return {"split_exchange": self.dispatcher.start_split_exchange(expert_counts,
+                                                                       row_id_map)}
 
     @property
     def _splits_early(self) -> bool:
@@ -207,10 +209,10 @@ class TransformerLayer(nn.Module):
         return {"recv_tokens": recv, "recv_probs": recv_probs, "meta": meta}
 
     def moe_mlp_forward(self, recv_tokens, recv_probs, meta):
-        tokens, probs = self.dispatcher.sort_by_expert(recv_tokens, recv_probs, meta)
+        tokens, probs, local_map = self.dispatcher.sort_by_expert(recv_tokens, recv_probs, meta)
         out = self.experts(tokens, probs, meta.recv_counts_RL.sum(dim=0),
                            meta.tokens_per_local_expert)
-        return {"expert_out": self.dispatcher.unsort(out, meta)}
+        return {"expert_out": self.dispatcher.unsort(out, meta, local_map)}
 
     def combine_forward(self, expert_out, meta, row_id_map, residual, shared_out=None):
         moe_out = self.dispatcher.combine(expert_out, meta, row_id_map)
@@ -245,7 +247,7 @@ class TransformerLayer(nn.Module):
                             ("permuted_tokens", "permuted_probs", "row_id_map")))
         if self._splits_early:
             segments += (Segment("moe_split_exchange", self.split_exchange_segment,
-                                 ("expert_counts",), ("split_exchange",)),)
+                                 ("expert_counts", "row_id_map"), ("split_exchange",)),)
         return segments
 
     def node_specs(self) -> list[NodeSpec]:

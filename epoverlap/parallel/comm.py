@@ -41,15 +41,24 @@ class SplitExchange:
     returns (rows sent to each rank, rows received from each rank, rows per local expert) as host
     lists, summed on the host from the sent and received counts; on CUDA it waits for their
     pinned copies (the GIL released, as `watch.host_list`) and orders the caller's stream after
-    the exchange."""
+    the exchange. With `rank_rows` the exchanged counts carry one more column, the rows sent to
+    each rank counted apart (a dispatch that sends a token once per rank, not once per expert):
+    the rows per rank are read from it, not summed."""
 
     def __init__(self, recv_RL: Optional[torch.Tensor], counts: Optional[torch.Tensor] = None,
                  ready: Optional[torch.cuda.Event] = None, pending=None, keep: tuple = (),
-                 watched=None):
-        self.recv_RL = recv_RL
-        self._counts = counts  # [2, R, L]: sent, received (pinned on CUDA; None: read them)
+                 watched=None, rank_rows: bool = False):
+        self._recv, self.rank_rows = recv_RL, rank_rows
+        self._counts = counts  # [2, R, L(+1)]: sent, received (pinned on CUDA; None: read them)
         self._ready, self._pending, self._keep, self._watched = ready, pending, keep, watched
         self._read: Optional[tuple[list[int], list[int], list[int]]] = None
+
+    @property
+    def recv_RL(self) -> Optional[torch.Tensor]:
+        """[R, L] device: rows received per (source rank, local expert)."""
+        if self._recv is None or not self.rank_rows:
+            return self._recv
+        return self._recv[:, :-1]
 
     def read(self) -> tuple[list[int], list[int], list[int]]:
         if self._read is None:
@@ -59,14 +68,14 @@ class SplitExchange:
                 if self._ready is not None:  # CUDA: the pinned copies of the counts
                     self._ready.synchronize()
             if self._ready is not None:
-                stream = torch.cuda.current_stream(self.recv_RL.device)
+                stream = torch.cuda.current_stream(self._recv.device)
                 stream.wait_event(self._ready)
-                self.recv_RL.record_stream(stream)
+                self._recv.record_stream(stream)
             if self._counts is not None:
                 sent_RL, recv_RL = self._counts.tolist()
             else:
-                sent_RL, recv_RL = self._keep[0].tolist(), self.recv_RL.tolist()
-            self._read = split_sizes(sent_RL, recv_RL)
+                sent_RL, recv_RL = self._keep[0].tolist(), self._recv.tolist()
+            self._read = split_sizes(sent_RL, recv_RL, self.rank_rows)
             self._keep = ()  # the exchange has read its input: the memory may go
         return self._read
 
@@ -76,23 +85,28 @@ class _ExchangeAtRead(SplitExchange):
     communicator and the dispatch's stream (an exchange on another stream of the same NCCL
     communicator could interleave with its all-to-alls differently on two ranks)."""
 
-    def __init__(self, comm: "ExpertComm", counts_E: torch.Tensor):
-        super().__init__(None)
-        self._comm, self._counts_E = comm, counts_E
+    def __init__(self, comm: "ExpertComm", send_RL: torch.Tensor, rank_rows: bool):
+        super().__init__(None, rank_rows=rank_rows)
+        self._comm, self._send_RL = comm, send_RL
 
     def read(self) -> tuple[list[int], list[int], list[int]]:
         if self._read is None:
-            sent_RL = self._counts_E.view(self._comm.size, -1)
-            self.recv_RL = self._comm.exchange_counts(self._counts_E)
-            self._read = split_sizes(*host_list(torch.stack([sent_RL, self.recv_RL])))
-            self._counts_E = None
+            self._recv = self._comm.exchange_counts(self._send_RL.reshape(-1))
+            self._read = split_sizes(*host_list(torch.stack([self._send_RL, self._recv])),
+                                     self.rank_rows)
+            self._send_RL = None
         return self._read
 
 
-def split_sizes(sent_RL: list, recv_RL: list) -> tuple[list[int], list[int], list[int]]:
+def split_sizes(sent_RL: list, recv_RL: list, rank_rows: bool = False
+                ) -> tuple[list[int], list[int], list[int]]:
     """Host lists of the counts sent to each (rank, its local expert) and received from each
     (source rank, local expert) -> (rows sent to each rank, rows received from each rank, rows
-    per local expert)."""
+    per local expert). `rank_rows`: each row's last entry is the rows sent to (received from)
+    that rank, the others the (rank, expert) pairs."""
+    if rank_rows:
+        return ([row[-1] for row in sent_RL], [row[-1] for row in recv_RL],
+                [sum(column) for column in zip(*(row[:-1] for row in recv_RL))])
     return ([sum(row) for row in sent_RL], [sum(row) for row in recv_RL],
             [sum(column) for column in zip(*recv_RL)])
 
@@ -143,23 +157,29 @@ class ExpertComm:
         self.group.all_to_all_single(recv_RL, send_RL)
         return recv_RL
 
-    def start_split_exchange(self, counts_E: torch.Tensor) -> SplitExchange:
-        """Start exchanging the per-expert send counts [E] of one dispatch; the dispatch
-        reads the split sizes with `SplitExchange.read()` (module docstring)."""
+    def start_split_exchange(self, counts_E: torch.Tensor,
+                             rows_R: Optional[torch.Tensor] = None) -> SplitExchange:
+        """Start exchanging the per-expert send counts [E] of one dispatch (and, given, the
+        rows sent to each rank [R], where they are not the sum of its experts' counts); the
+        dispatch reads the split sizes with `SplitExchange.read()` (module docstring)."""
         local = self.size == 1 or self.mode == "local_copy"
+        send_RL = counts_E.view(self.size, -1)
+        rank_rows = rows_R is not None
+        if rank_rows:
+            send_RL = torch.cat([send_RL, rows_R.view(self.size, 1).to(send_RL.dtype)], dim=1)
+        send_RL = send_RL.contiguous()
         if not local and self.counts_group is None:
-            return _ExchangeAtRead(self, counts_E)  # `exchange_counts` at the read
-        send_RL = counts_E.view(self.size, -1).contiguous()
+            return _ExchangeAtRead(self, send_RL, rank_rows)  # `exchange_counts` at the read
         ones = [send_RL.shape[1]] * self.size
         self._record(ones, ones, (), send_RL.dtype)
         if not send_RL.is_cuda:
             if local:
-                return SplitExchange(send_RL.clone(), keep=(send_RL,))
+                return SplitExchange(send_RL.clone(), keep=(send_RL,), rank_rows=rank_rows)
             recv_RL = torch.empty_like(send_RL)
             pending = self.counts_group.all_to_all_single_async(recv_RL, send_RL)
             return SplitExchange(recv_RL, pending=pending, keep=(send_RL,),
                                  watched=lambda: self.counts_group.watched(
-                                     "all_to_all of the split sizes"))
+                                     "all_to_all of the split sizes"), rank_rows=rank_rows)
         stream = self._stream(send_RL.device)
         stream.wait_stream(torch.cuda.current_stream(send_RL.device))
         with torch.cuda.stream(stream):
@@ -178,7 +198,7 @@ class ExpertComm:
         # exchange read it: its memory cannot be handed out while the exchange still needs it.
         # The exchange itself is the watched collective (its event is on this stream), so a
         # read blocked by a dead peer is reported as that exchange.
-        return SplitExchange(recv_RL, counts, ready, keep=(send_RL,))
+        return SplitExchange(recv_RL, counts, ready, keep=(send_RL,), rank_rows=rank_rows)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._exchange_stream is None:

@@ -1,0 +1,64 @@
+"""--moe-dispatch-once-per-rank on gloo (2 and 4 CPU ranks): each token crosses to a rank once,
+not once per expert there. Against the dispatch that sends a row per (token, expert): the
+experts receive the same rows and probs in the same order and their weights get the same
+grads, bit for bit; the output and the token and prob grads match it and an independent
+dense reference (out = x * 2 * sum_e p_e (e + 1)) to rounding; the rows sent to other ranks
+are the (token, rank) pairs counted from the routing map, fewer than the (token, expert)
+pairs. Training with it: overlap on and off bitwise alike (test_dispatch_modes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_helpers import run_ranks
+from dispatch_workers import EXPERTS, once_per_rank_equivalence
+
+CASES = {"dropless": [], "capacity": ["--moe-expert-capacity-factor", "1.0"],
+         "top4": ["--moe-router-topk", "4"]}
+
+
+def _reference(x_TH, probs_TE, routing_map_TE, grad_TH):
+    """out[t] = x[t] * 2 * sum over t's experts e of p[t, e] * (e + 1), and its prob grads."""
+    weight_TE = routing_map_TE * 2.0 * torch.arange(1, EXPERTS + 1, dtype=x_TH.dtype)
+    out_TH = x_TH * (probs_TE * weight_TE).sum(dim=1, keepdim=True)
+    grad_probs_TE = weight_TE * (x_TH * grad_TH).sum(dim=1, keepdim=True)
+    return out_TH, grad_probs_TE
+
+
+def _remote_rows(routing_map_TE, rank, ranks, once):
+    """Rows this rank's dispatch sends to each other rank, counted from the routing map."""
+    per_rank_TRL = routing_map_TE.view(routing_map_TE.shape[0], ranks, -1)
+    per_rank_TR = per_rank_TRL.any(dim=2) if once else per_rank_TRL.sum(dim=2)
+    return [int(per_rank_TR[:, r].sum()) for r in range(ranks) if r != rank]
+
+
+@pytest.mark.parametrize("ranks,backend", [(2, "torch"), (4, "torch"), (2, "triton")])
+def test_once_per_rank_matches_the_dispatch_per_expert(ranks, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    per_rank = run_ranks(once_per_rank_equivalence, ranks, list(CASES.values()), backend,
+                         timeout_s=600)
+    fewer = 0
+    for rank, cases in enumerate(per_rank):
+        for case, (plain, once) in zip(CASES, cases):
+            (probs, routing_map, rows, rows_probs, out, grad_x, grad_probs, grad_w,
+             per_expert, splits, x_TH) = once
+            where = (ranks, backend, rank, case)
+            assert torch.equal(probs, plain[0]) and torch.equal(routing_map, plain[1]), where
+            assert torch.equal(rows, plain[2]), where
+            assert torch.equal(rows_probs, plain[3]), where
+            assert per_expert == plain[8], where
+            assert torch.equal(grad_w, plain[7]), where  # the experts' grads: same bits
+            torch.testing.assert_close(out, plain[4], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(grad_x, plain[5], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(grad_probs, plain[6], rtol=1e-5, atol=1e-5)
+            grad_TH = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+            out_ref, grad_probs_ref = _reference(x_TH, probs, routing_map, grad_TH)
+            torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(grad_probs, grad_probs_ref, rtol=1e-5, atol=1e-5)
+            for all_to_alls, once_per_rank in ((splits, True), (plain[9], False)):
+                dispatch = [n for r, n in enumerate(all_to_alls[0]) if r != rank]
+                assert dispatch == _remote_rows(routing_map, rank, ranks, once_per_rank), where
+            fewer += sum(splits[0]) < sum(plain[9][0])
+    assert fewer >= len(per_rank)  # the point: fewer rows cross (top-2 of 8 shares ranks)
