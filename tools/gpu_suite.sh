@@ -772,7 +772,12 @@ PYEOF
     ;;
   x2carve)  # 2 GPUs: the grouped GEMMs' SM carveout and the paired-ends plan (overlap.md run E):
              # bench_overlap per VARIANT (tag:regime:shape:max_ctas:flags, flags with , for
-             # spaces), profiled with --profile-steps 1 where regime ends in +prof
+             # spaces), profiled with --profile-steps 1 where regime ends in +prof; TESTS first
+    if [ -n "${TESTS:-}" ]; then
+      export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-12}
+      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step carve_tests \
+        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
+    fi
     for variant in ${VARIANTS:-none:nop2p+prof:ratio_h2048_k4_f4096:default: \
         c8:nop2p+prof:ratio_h2048_k4_f4096:8:--moe-grouped-gemm-sm-carveout,8 \
         c8_paired:nop2p+prof:ratio_h2048_k4_f4096:8:--moe-grouped-gemm-sm-carveout,8,--overlap-plan,combined_1f1b_paired_ends \
