@@ -14,6 +14,29 @@ import torch
 from dist_helpers import run_ranks
 from dispatch_workers import EXPERTS, once_per_rank_equivalence
 
+def test_preprocess_sends_each_token_once_per_rank_by_hand():
+    """3 tokens, 4 experts on 2 ranks (2 each): token 0 -> experts 0, 1 (rank 0 only), token 1
+    -> experts 1, 2 (both ranks), token 2 -> experts 2, 3 (rank 1 only). Rank 0 gets tokens 0,
+    1; rank 1 gets tokens 1, 2: 4 rows (not 6), rank-major, tokens in order, each with the
+    probs of its rank's two experts and -1 where the token did not choose one."""
+    from epoverlap.model.moe import AllToAllDispatcher, DispatchMode
+    from epoverlap.parallel.comm import ExpertComm
+    from epoverlap_kernels import make_moe_ops
+    dispatcher = AllToAllDispatcher(ExpertComm(None, 2), 4, 2, make_moe_ops("torch"),
+                                    torch.device("cpu"), DispatchMode(once_per_rank=True))
+    hidden_TH = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]])
+    routing_map_TE = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    probs_TE = torch.tensor([[0.6, 0.4, 0, 0], [0, 0.7, 0.3, 0], [0, 0, 0.1, 0.9]])
+    rows_NH, probs_NL, row_id_map_TR = dispatcher.preprocess(hidden_TH, probs_TE,
+                                                             routing_map_TE)
+    assert rows_NH.shape == (6, 2)  # static: 3 tokens x min(topk 2, 2 ranks)
+    assert rows_NH[:4].tolist() == [[1, 10], [2, 20], [2, 20], [3, 30]]
+    assert rows_NH[4:].abs().sum() == 0  # past the routed rows: zeros, never sent
+    assert torch.equal(probs_NL[:4], torch.tensor([[0.6, 0.4], [-1, 0.7], [0.3, -1],
+                                                   [0.1, 0.9]]))
+    assert row_id_map_TR.tolist() == [[0, -1], [1, 2], [-1, 3]]
+
+
 CASES = {"dropless": [], "capacity": ["--moe-expert-capacity-factor", "1.0"],
          "top4": ["--moe-router-topk", "4"]}
 
