@@ -214,6 +214,22 @@ def test_link_model_bytes_and_time():
     assert ib.time_us(wide, action) == pytest.approx(400000 * 8 / 16 / 1e3)
 
 
+def test_once_per_rank_volume_counts_token_rank_pairs():
+    """Top-8 of 8 experts on 2 ranks: every token reaches both ranks, 2 rows instead of 8, each
+    with its rank's 4 probs; the count exchange adds the rows per rank. Top-2 of 8 on 2 ranks:
+    a token misses a rank with probability C(4, 2) / C(8, 2) = 6 / 28."""
+    e8 = A2aShape(tokens=1000, topk=8, hidden=100, num_experts=8, dtype_bytes=2, ep=2,
+                  once_per_rank=True)
+    assert e8.rows == 2000
+    assert a2a_volume(e8, Action.parse("F0.combine.L0")) == (2000 * 100 * 2, 1)
+    assert a2a_volume(e8, Action.parse("F0.dispatch.L0")) == (
+        400000 + 2000 * 4 * 4 + (8 + 2) * 8, 3)
+    top2 = A2aShape(1000, 2, 100, 8, 2, 2, once_per_rank=True)
+    assert top2.rows == pytest.approx(1000 * 2 * (1 - 6 / 28))
+    one_rank = A2aShape(1000, 2, 100, 8, 2, 1, once_per_rank=True)  # nothing to send once
+    assert one_rank.rows == 2000 and one_rank.probs_per_row == 1 and one_rank.counts == 8
+
+
 def test_fit_link_recovers_latency_and_bandwidth():
     truth = LinkModel("x", bandwidth_gbs=2.0, latency_us=30.0)
     points = [(b, c, c * 30.0 + b / 2e3) for b, c in [(1e5, 1), (4e5, 1), (2e5, 3), (8e5, 2)]]

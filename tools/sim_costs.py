@@ -133,7 +133,8 @@ def aligned_comm(ranks: list[RankSpans], steps: Optional[Sequence[int]] = None) 
 @dataclass(frozen=True)
 class A2aShape:
     """What sets an all-to-all's bytes: tokens per microbatch per rank, top-k, hidden, experts,
-    bytes per activation element, EP size."""
+    bytes per activation element, EP size, and whether a token goes to a rank once
+    (--moe-dispatch-once-per-rank) or once per expert there."""
 
     tokens: int
     topk: int
@@ -141,6 +142,7 @@ class A2aShape:
     num_experts: int
     dtype_bytes: int
     ep: int
+    once_per_rank: bool = False
 
     @classmethod
     def from_config(cls, cfg, ep: Optional[int] = None) -> "A2aShape":
@@ -148,11 +150,34 @@ class A2aShape:
         return cls(tokens=t.micro_batch_size * m.seq_length, topk=cfg.moe.moe_router_topk,
                    hidden=m.hidden_size, num_experts=cfg.moe.num_experts or 0,
                    dtype_bytes=2 if t.bf16 else 4,
-                   ep=ep or cfg.parallel.expert_model_parallel_size)
+                   ep=ep or cfg.parallel.expert_model_parallel_size,
+                   once_per_rank=cfg.moe.moe_dispatch_once_per_rank)
 
     @property
-    def rows(self) -> int:
-        return self.tokens * self.topk
+    def sends_once_per_rank(self) -> bool:
+        return self.once_per_rank and self.ep > 1
+
+    @property
+    def rows(self) -> float:
+        """Rows a rank sends per microbatch, routing balanced: one per (token, expert); once
+        per rank, one per (token, rank holding one of its experts): a token's k experts drawn
+        from E miss a given rank's L with probability C(E - L, k) / C(E, k)."""
+        if not self.sends_once_per_rank:
+            return self.tokens * self.topk
+        local = self.num_experts // self.ep
+        miss = (math.comb(self.num_experts - local, self.topk)
+                / math.comb(self.num_experts, self.topk))
+        return self.tokens * self.ep * (1.0 - miss)
+
+    @property
+    def probs_per_row(self) -> int:
+        """fp32 probs each row carries: its expert's, or once per rank its rank's L experts'."""
+        return self.num_experts // self.ep if self.sends_once_per_rank else 1
+
+    @property
+    def counts(self) -> int:
+        """int64 counts each rank sends in the split-size exchange (per expert; + per rank)."""
+        return self.num_experts + (self.ep if self.sends_once_per_rank else 0)
 
 
 PROBS_BYTES = 4  # router probs travel in fp32
@@ -162,10 +187,11 @@ COUNT_BYTES = 8  # per-expert counts, int64
 def a2a_volume(shape: A2aShape, action: Action) -> tuple[float, int]:
     """(bytes one rank sends in the node, including the share it keeps; all-to-all calls)."""
     token_bytes = shape.rows * shape.hidden * shape.dtype_bytes
+    probs_bytes = shape.rows * shape.probs_per_row * PROBS_BYTES
     if action.node == "dispatch" and action.kind == "F":
-        return token_bytes + shape.rows * PROBS_BYTES + shape.num_experts * COUNT_BYTES, 3
+        return token_bytes + probs_bytes + shape.counts * COUNT_BYTES, 3
     if action.node == "dispatch":
-        return token_bytes + shape.rows * PROBS_BYTES, 2
+        return token_bytes + probs_bytes, 2
     return token_bytes, 1
 
 
@@ -283,8 +309,12 @@ class FlopModel:
         if node == "mlp":
             return self._mlp(m, moe, tokens, b)
         if node == "combine":  # unpermute (probs already applied) + residual add, comm lane
-            return NodeWork(mem_bytes=(tokens * moe.moe_router_topk * h + 4 * tokens * h) * b)
+            return NodeWork(mem_bytes=(self._sent_rows() * h + 4 * tokens * h) * b)
         return NodeWork()
+
+    def _sent_rows(self) -> float:
+        """Rows of the permuted tokens a rank sends (and gets back), routing balanced."""
+        return A2aShape.from_config(self.cfg, self.ep).rows
 
     def _attn(self, m, moe, tokens, b) -> NodeWork:
         h, d = m.hidden_size, m.head_dim
@@ -292,15 +322,17 @@ class FlopModel:
         weights += h * (moe.num_experts or 0) + 3 * h * (moe.moe_shared_expert_intermediate_size
                                                           or 0)
         attn = 2 * tokens * m.seq_length * m.num_attention_heads * d
-        rows = tokens * moe.moe_router_topk
-        mem = (12 * tokens * h + 2 * rows * h) * b  # norms, rotary, residual, permute
+        mem = (12 * tokens * h + 2 * self._sent_rows() * h) * b  # norms, rotary, residual,
+        # permute
         return NodeWork(gemm_flops=2 * tokens * weights, attn_flops=attn, mem_bytes=mem)
 
     def _mlp(self, m, moe, tokens, b) -> NodeWork:
         h = m.hidden_size
         ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
-        rows = tokens * moe.moe_router_topk  # received per rank when balanced
-        mem = (4 * rows * h + 3 * rows * ffn) * b  # chunk sort + unsort, SwiGLU
+        rows = tokens * moe.moe_router_topk  # the experts' rows per rank when balanced
+        # chunk sort + unsort (or, once per rank, the copy to the experts and the sum back:
+        # the received rows read and written once more each way), SwiGLU
+        mem = (2 * (self._sent_rows() + rows) * h + 3 * rows * ffn) * b
         return NodeWork(gemm_flops=6 * rows * h * ffn, mem_bytes=mem)
 
     def work(self, action: Action) -> NodeWork:
