@@ -75,6 +75,8 @@
 #                                (VARIANTS; BENCH_ARGS: more bench_overlap options)
 #   tools/gpu_suite.sh x2once    2 GPUs: --moe-dispatch-once-per-rank's tests (TESTS), then
 #                                Megatron-core beside us with it, host-memory links and NVLink
+#   tools/gpu_suite.sh clipeer   NGPUS GPUs: the training command's step against bench_peer's
+#                                epoverlap side at the same shape, one host
 #   tools/gpu_suite.sh peer      Megatron-core beside us (tools/bench_peer.py) on NGPUS GPUs and
 #                                its GPU tests; needs megatron-core importable (the peer extra)
 # Everything is written under ${OUT:-runs/gpu} (logs, JSON, span files, one tarball) and the
@@ -537,6 +539,33 @@ PYEOF
         --ours-ovl-flags="$flags" \
         --shapes "${SHAPES:-megatron_e8_k8_f4096_mbs8x4,megatron_e32_k4_mbs8x4}"
     done
+    ;;
+  clipeer)  # NGPUS GPUs, one host: the training command's step (`--preset megatron-cmp
+             # --mock-data --bf16`, sequential) against bench_peer's epoverlap side at the same
+             # shape (megatron_e32_k4_mbs2x8: the same flags, its own prefetched batches, the
+             # trainer's step called directly), CLI first and last: is the command's step the
+             # trainer's?
+    mkdir -p "$WORK/cli"
+    for run in 1 2; do
+      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=120 step "cli_$run" torchrun --standalone \
+        --nproc-per-node="$NGPUS" -m epoverlap.train --preset megatron-cmp --mock-data --bf16 \
+        --expert-model-parallel-size "$NGPUS" --train-iters 12 --log-interval 100 \
+        --log-json "$WORK/cli/seq_$run.jsonl"
+      [ $run = 2 ] && break
+      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=150 step peer_ours torchrun --standalone \
+        --nproc-per-node="$NGPUS" tools/bench_peer.py --systems epoverlap \
+        --shapes megatron_e32_k4_mbs2x8 --out-dir "$WORK/peer"
+    done
+    python3 - "$WORK" <<'PYEOF' | tee -a "$SUMMARY"
+import glob, json, statistics, sys
+for f in sorted(glob.glob(f"{sys.argv[1]}/cli/seq_*.jsonl")):
+    times = [r["step_time_s"] * 1e3 for r in map(json.loads, open(f)) if r["step"] > 3]
+    print(f"clipeer {f.split('/')[-1]}: median step {statistics.median(times):.1f} ms "
+          f"(min {min(times):.1f}, max {max(times):.1f}, steps 4-12)")
+for shape in json.load(open(f"{sys.argv[1]}/peer/bench_peer.json"))["results"]:
+    for mode, run in shape["runs"]["epoverlap"].items():
+        print(f"clipeer bench_peer {mode}: step {run['step_ms']:.1f} ms")
+PYEOF
     ;;
   x2tests)  # 2 GPUs: the multigpu tests of the CLI path (the bitwise comparisons under
              # --deterministic-mode over EPOVERLAP_GPU_STEPS steps, overlap over NCCL, the
