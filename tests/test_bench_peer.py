@@ -135,20 +135,27 @@ def _check_run(run, steps):
 
 @pytest.mark.slow
 def test_our_side_on_two_cpu_ranks(tmp_path):
-    """`--systems epoverlap` on gloo: both modes, and the overlap with `--ours-ovl-flags`,
-    train 3 steps on the same batches (the same init: the same losses), the report's figures
-    and the table printed last."""
+    """`--systems epoverlap` on gloo: both modes, the overlap with `--ours-ovl-flags` and the
+    sequential step with `--ours-seq-flags`, train 3 steps on the same batches (the same init:
+    the same losses, to the once-per-rank dispatch's rounding), the report's figures and the
+    table printed last."""
+    once = "--moe-dispatch-once-per-rank"
     report, stdout = _bench(tmp_path, 2, "--systems", "epoverlap", "--warmup", "1", "--iters",
-                            "2", "--ours-ovl-flags=--delay-wgrad-compute")
+                            "2", f"--ours-ovl-flags=--delay-wgrad-compute {once}",
+                            f"--ours-seq-flags={once}")
     assert report["world"] == 2 and report["steps"] == 3 and report["device"] == "cpu (gloo)"
-    assert report["ours_ovl_flags"] == ["--delay-wgrad-compute"]
+    assert report["ours_ovl_flags"] == ["--delay-wgrad-compute", once]
+    assert report["ours_seq_flags"] == [once]
     runs = report["results"][0]["runs"]["epoverlap"]
-    for mode in ("seq", "ovl", "ovl_flags"):
+    for mode in ("seq", "ovl", "seq_flags", "ovl_flags"):
         _check_run(runs[mode], 3)
         assert runs[mode]["peak_gib"] is None  # not measured on CPU
         assert abs(runs["seq"]["loss_last"] - runs[mode]["loss_last"]) < 1e-4
     derived = report["results"][0]["derived"]
     assert derived["overlap_gain_epoverlap"] == runs["seq"]["step_ms"] / runs["ovl"]["step_ms"]
+    assert derived["overlap_gain_epoverlap_flags"] == (runs["seq_flags"]["step_ms"]
+                                                       / runs["ovl_flags"]["step_ms"])
+    assert runs["seq_flags"]["loss_last"] == runs["ovl_flags"]["loss_last"]  # the contract
     assert "best_mode_megatron" not in derived
     assert stdout.rstrip().splitlines()[-1].startswith("| quick | - | - | - | ")
 

@@ -359,14 +359,18 @@ RUNNERS = {"megatron": run_megatron, "epoverlap": run_epoverlap}
 
 # ---------------------------------------------------------------------------- report
 def derived(runs: dict) -> dict:
-    """Per system its overlap gain (T_seq / T_ovl) and fastest mode; our modes' tokens/s/GPU
-    over Megatron-core's fastest mode's."""
+    """Per system its overlap gain (T_seq / T_ovl) and fastest mode, ours also with the extra
+    flags of both schedules where given (seq_flags / ovl_flags); our modes' tokens/s/GPU over
+    Megatron-core's fastest mode's."""
     out = {}
     done = {system: {mode: r for mode, r in modes.items() if "step_ms" in r}
             for system, modes in runs.items()}
     for system, modes in done.items():
         if "seq" in modes and "ovl" in modes:
             out[f"overlap_gain_{system}"] = modes["seq"]["step_ms"] / modes["ovl"]["step_ms"]
+        if "seq_flags" in modes and "ovl_flags" in modes:
+            out[f"overlap_gain_{system}_flags"] = (modes["seq_flags"]["step_ms"]
+                                                   / modes["ovl_flags"]["step_ms"])
         if modes:
             out[f"best_mode_{system}"] = min(modes, key=lambda mode: modes[mode]["step_ms"])
     if "best_mode_megatron" in out:
@@ -409,13 +413,16 @@ def markdown(results: list[dict]) -> str:
             _f(d.get("overlap_gain_epoverlap")), _f(d.get("overlap_gain_megatron"))]) + " |")
     flagged = [r for r in results if "epoverlap_ovl_flags_over_megatron_best" in r["derived"]]
     if flagged:
-        lines += ["", "| shape | ours ovl with --ours-ovl-flags / Megatron best | its overlap "
-                  "gain (our seq / it) |", "| --- " * 3 + "|"]
+        lines += ["", "| shape | ours ovl with --ours-ovl-flags / Megatron best | its gain over "
+                  "our seq | ours seq with --ours-seq-flags / Megatron best | our overlap gain "
+                  "with the flags (seq_flags / ovl_flags) |", "| --- " * 5 + "|"]
         for r in flagged:
-            runs = r["runs"]["epoverlap"]
+            runs, d = r["runs"]["epoverlap"], r["derived"]
             lines.append(f"| {r['shape']} | "
-                         f"{_f(r['derived']['epoverlap_ovl_flags_over_megatron_best'])} | "
-                         f"{_f(runs['seq']['step_ms'] / runs['ovl_flags']['step_ms'])} |")
+                         f"{_f(d['epoverlap_ovl_flags_over_megatron_best'])} | "
+                         f"{_f(runs['seq']['step_ms'] / runs['ovl_flags']['step_ms'])} | "
+                         f"{_f(d.get('epoverlap_seq_flags_over_megatron_best'))} | "
+                         f"{_f(d.get('overlap_gain_epoverlap_flags'))} |")
     return "\n".join(lines)
 
 
@@ -457,6 +464,8 @@ def bench_shape(name: str, systems: list[str], groups: ParallelGroups, args,
     rated = base.with_vocab_size(data.vocab_size)  # the model both systems build
     # (system, the run's name, its mode, our extra flags)
     wanted = [(system, mode, mode, ()) for system in systems for mode in MODES]
+    if "epoverlap" in systems and args.ours_seq_flags:  # our sequential step with more flags
+        wanted.append(("epoverlap", "seq_flags", "seq", args.ours_seq_flags))
     if "epoverlap" in systems and args.ours_ovl_flags:  # our overlap with more flags
         wanted.append(("epoverlap", "ovl_flags", "ovl", args.ours_ovl_flags))
     runs: dict = {}
@@ -485,8 +494,14 @@ def parse_args(argv: Optional[list[str]]):
                         help="also run our overlap with these training flags (one string, "
                              "e.g. \"--moe-grouped-gemm-sm-carveout 8 --moe-a2a-nccl-max-ctas "
                              "8\"), as mode ovl_flags")
+    parser.add_argument("--ours-seq-flags", default="",
+                        help="also run our sequential schedule with these training flags, as "
+                             "mode seq_flags: with --ours-ovl-flags, the overlap gain of the "
+                             "same flags (the ones that need the overlap, such as "
+                             "--delay-wgrad-compute, left out)")
     args = parser.parse_args(argv)
     args.ours_ovl_flags = shlex.split(args.ours_ovl_flags)
+    args.ours_seq_flags = shlex.split(args.ours_seq_flags)
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.systems = [s for s in args.systems.split(",") if s]
     return args
@@ -550,7 +565,7 @@ def full_report(args, world: int, results: list) -> dict:
     return {"world": world, "systems": args.systems, "warmup": args.warmup,
             "steps": args.warmup + args.iters, "device": device_name(),
             "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", "0"),
-            "ours_ovl_flags": args.ours_ovl_flags,
+            "ours_ovl_flags": args.ours_ovl_flags, "ours_seq_flags": args.ours_seq_flags,
             "caveats": list(CAVEATS), "results": results}
 
 

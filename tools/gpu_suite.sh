@@ -521,7 +521,8 @@ PYEOF
   x2once)  # 2 GPUs, --moe-dispatch-once-per-rank: TESTS first (pytest args), then
             # bench_peer at SHAPES in each of REGIMES ("nop2p nvlink"), our overlap run again
             # with ONCE_NOP2P_FLAGS / ONCE_NVLINK_FLAGS (default: once per rank, with the
-            # slow-link levers where the all-to-all goes through host memory)
+            # slow-link levers where the all-to-all goes through host memory) and our
+            # sequential step with ONCE_SEQ_FLAGS (default: once per rank)
     if [ -n "${TESTS:-}" ]; then
       export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-8} EPOVERLAP_GPU_LOGS="$WORK/cli_logs"
       CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step once_tests \
@@ -536,7 +537,7 @@ PYEOF
       fi
       CUDA_VISIBLE_DEVICES=$TWO_GPUS step "bench_peer_$regime" env $p2p torchrun --standalone \
         --nproc-per-node="$NGPUS" tools/bench_peer.py --out-dir "$WORK/bench_peer_$regime" \
-        --ours-ovl-flags="$flags" \
+        --ours-ovl-flags="$flags" --ours-seq-flags="${ONCE_SEQ_FLAGS:---moe-dispatch-once-per-rank}" \
         --shapes "${SHAPES:-megatron_e8_k8_f4096_mbs8x4,megatron_e32_k4_mbs8x4}"
     done
     ;;
