@@ -455,7 +455,8 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
      "per expert), with the probs of that rank's experts; the receiving rank copies it to "
      "them and sums their outputs before the combine sends one row back. All-to-all volume "
      "/ up to min(topk, EP); the experts' rows and grads are the same, the combined output "
-     "is summed per rank first (another rounding order). Dropless and capacity modes"),
+     "is summed per rank first (another rounding order). Dropless, capacity (unpadded) and "
+     "budget dispatches"),
     ("--expert-model-parallel-size", "parallel", "expert_model_parallel_size", int,
      "EP size: experts are sharded over EP ranks and replicated over world/EP (EDP) ranks; "
      "dense layers are data-parallel over the stage's DP ranks"),
@@ -867,12 +868,9 @@ def _validate_dispatch(cfg: RunConfig) -> None:
                  "must be > 0 (1.0 = the balanced share of rows per EP rank)")
         _require(moe.capacity_factor is None, "moe_dispatch_budget", budget,
                  "is dropless and --moe-expert-capacity-factor drops tokens: give one of them")
-    if moe.moe_dispatch_once_per_rank:
-        for name, value in (("moe_dispatch_budget", budget),
-                            ("moe_pad_expert_input_to_capacity", pad or None)):
-            _require(value is None, name, value, "cannot be combined with "
-                     "--moe-dispatch-once-per-rank (its all-to-all sizes are read on the host: "
-                     "dropless or --moe-expert-capacity-factor without padding)")
+    _require(not (moe.moe_dispatch_once_per_rank and pad), "moe_pad_expert_input_to_capacity",
+             True, "cannot be combined with --moe-dispatch-once-per-rank (a padded capacity "
+             "fixes the rows per expert, once per rank sends a row per rank)")
     if pad:
         from epoverlap_kernels.capacity import get_capacity
         tokens = cfg.train.micro_batch_size * cfg.model.seq_length

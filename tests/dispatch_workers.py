@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from epoverlap.config import parse_config
 from epoverlap.model.linear import linear
-from epoverlap.model.moe import AllToAllDispatcher, DispatchMode, Router
+from epoverlap.model.moe import AllToAllDispatcher, DispatchBudget, DispatchMode, Router
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.trainer import Trainer
@@ -191,12 +191,16 @@ def _scaled_expert_layer(router, dispatcher, x_TH, rank):
     probs = probs_TE.detach().requires_grad_()
     permuted, permuted_probs, row_id_map = dispatcher.preprocess(x_TH, probs, routing_map_TE)
     exchange = dispatcher.start_split_exchange(counts_E, row_id_map)
-    recv, recv_probs, meta = dispatcher.dispatch(permuted, permuted_probs, counts_E, exchange)
+    recv, recv_probs, meta = dispatcher.dispatch(permuted, permuted_probs, counts_E, exchange,
+                                                 row_id_map)
     rows, rows_probs, local_map = dispatcher.sort_by_expert(recv, recv_probs, meta)
-    per_expert = meta.tokens_per_local_expert
+    per_expert = (meta.tokens_per_local_expert if meta.tokens_per_local_expert is not None
+                  else meta.recv_counts_RL.sum(dim=0).tolist())  # the budget: rows past are 0
     local = dispatcher.num_local
     weights_L = (1.0 + rank * local + torch.arange(local, dtype=x_TH.dtype)).requires_grad_()
-    scale_M = weights_L.repeat_interleave(torch.tensor(per_expert), output_size=rows.shape[0])
+    padding = rows.shape[0] - sum(per_expert)
+    scale_M = torch.cat([weights_L.repeat_interleave(torch.tensor(per_expert)),
+                         weights_L.new_zeros(padding)])
     expert_out = rows * (rows_probs * scale_M * 2.0).unsqueeze(1)
     out = dispatcher.combine(dispatcher.unsort(expert_out, meta, local_map), meta, row_id_map)
     return probs, routing_map_TE, rows, rows_probs, per_expert, out, weights_L
@@ -224,8 +228,12 @@ def once_per_rank_equivalence(rank, world_size, flag_sets, backend):
                 mode = dataclasses.replace(DispatchMode.of(cfg.moe), once_per_rank=once)
                 comm = ExpertComm(groups.ep, world_size)
                 comm.trace = []
-                dispatcher = AllToAllDispatcher(comm, EXPERTS, cfg.moe.moe_router_topk, ops,
-                                                groups.device, mode)
+                topk = cfg.moe.moe_router_topk
+                budget = None if mode.budget is None else DispatchBudget(
+                    mode.budget, world_size, TOKENS * (min(topk, world_size) if once else topk),
+                    groups.device)
+                dispatcher = AllToAllDispatcher(comm, EXPERTS, topk, ops, groups.device, mode,
+                                                budget)
                 x = x_TH.clone().requires_grad_()
                 probs, routing_map, rows, rows_probs, per_expert, out, weights = \
                     _scaled_expert_layer(router, dispatcher, x, rank)

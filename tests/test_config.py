@@ -156,8 +156,6 @@ def test_preset_then_explicit_flag_wins():
      "--moe-dispatch-budget", "give one of them"),
     (["--num-experts", "0", "--moe-dispatch-budget", "1"], 2, "--moe-dispatch-budget",
      "needs MoE layers"),
-    (["--moe-dispatch-once-per-rank", "--moe-dispatch-budget", "2"], 2,
-     "--moe-dispatch-budget", "--moe-dispatch-once-per-rank"),
     (["--moe-dispatch-once-per-rank", "--moe-expert-capacity-factor", "1",
       "--moe-pad-expert-input-to-capacity"], 2, "--moe-pad-expert-input-to-capacity",
      "--moe-dispatch-once-per-rank"),

@@ -53,6 +53,8 @@ TINY_BUDGET = ["--moe-dispatch-budget", "0.25"]  # a quarter of the balanced sha
 ONCE = ["--moe-dispatch-once-per-rank"]
 RUNS = [("dropless", []), ("once", ONCE), ("once_ovl", ONCE + OVERLAP),
         ("once_capacity", ONCE + CAPACITY), ("once_capacity_ovl", ONCE + CAPACITY + OVERLAP),
+        ("once_tiny_budget", ONCE + TINY_BUDGET),
+        ("once_tiny_budget_ovl", ONCE + TINY_BUDGET + OVERLAP),
         ("capacity", CAPACITY), ("capacity_ovl", CAPACITY + OVERLAP),
         ("padded", PADDED), ("padded_ovl", PADDED + OVERLAP),
         ("budget", ["--moe-dispatch-budget", "2.0"]),
@@ -71,7 +73,7 @@ def _bits(grads):
 
 
 @pytest.mark.parametrize("mode", ["capacity", "padded", "tiny_budget", "once",
-                                  "once_capacity"])
+                                  "once_capacity", "once_tiny_budget"])
 def test_overlap_is_bitwise_equal_to_sequential_in_each_dispatch_mode(mode_results, mode):
     for per_run in mode_results:
         (sequential, seq_steps), (overlapped, ovl_steps) = per_run[mode], per_run[f"{mode}_ovl"]
@@ -116,6 +118,13 @@ def test_overflowing_budget_reruns_and_gives_the_dropless_losses(mode_results):
         dropless_grads = _bits(per_run["dropless"][0])
         assert all(torch.equal(a, b) for a, b in zip(_bits(per_run["tiny_budget"][0]),
                                                       dropless_grads))
+        # once per rank: the budget reruns too, and ends with the dropless once-per-rank run's
+        # losses and grads, bit for bit (the same rows, the same sums, padding left out)
+        once_tiny = per_run["once_tiny_budget"][1]
+        assert all(reruns >= 1 and budget > 0.25 for _, _, reruns, budget in once_tiny)
+        assert [loss for loss, *_ in once_tiny] == [loss for loss, *_ in per_run["once"][1]]
+        assert all(torch.equal(a, b) for a, b in zip(_bits(per_run["once_tiny_budget"][0]),
+                                                      _bits(per_run["once"][0])))
 
 
 LAYER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe"]
@@ -123,18 +132,24 @@ FULL_GRAPH = ["--cuda-graph-impl", "full_iteration"]
 GRAPH_RUNS = [("eager", TINY_BUDGET), ("layer_graphs", TINY_BUDGET + LAYER_GRAPHS),
               ("eager_ovl", TINY_BUDGET + OVERLAP),
               ("full_ovl", TINY_BUDGET + OVERLAP + FULL_GRAPH),
-              ("padded", PADDED), ("padded_full", PADDED + FULL_GRAPH)]
+              ("padded", PADDED), ("padded_full", PADDED + FULL_GRAPH),
+              ("once", ONCE + TINY_BUDGET), ("once_layer_graphs", ONCE + TINY_BUDGET + LAYER_GRAPHS),
+              ("once_ovl", ONCE + TINY_BUDGET + OVERLAP),
+              ("once_full_ovl", ONCE + TINY_BUDGET + OVERLAP + FULL_GRAPH)]
 
 
 def test_graph_banks_serve_the_overflow_reruns(tmp_path):
     """Graphs that hold the dispatch (the whole MoE layer; the full iteration with the overlap)
     under a budget that overflows every step: the last warmup step records the base budget's
     bank and, in its rerun, the larger budget's; both are captured after it and the later
-    steps replay them, with exactly the eager losses. A padded capacity needs one bank."""
+    steps replay them, with exactly the eager losses. A padded capacity needs one bank. The
+    same with --moe-dispatch-once-per-rank (whole-layer graphs; the full iteration with the
+    overlap)."""
     for rank, runs in enumerate(run_ranks(graphed_training, 2, 2, 3, GRAPH_RUNS,
                                           timeout_s=600)):
         for graphed, eager in (("layer_graphs", "eager"), ("full_ovl", "eager_ovl"),
-                               ("padded_full", "padded")):
+                               ("padded_full", "padded"), ("once_layer_graphs", "once"),
+                               ("once_full_ovl", "once_ovl")):
             steps, banks, lines = runs[graphed]
             assert steps == runs[eager][0], (rank, graphed)
             assert runs[eager][1] is None

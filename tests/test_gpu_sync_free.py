@@ -269,3 +269,27 @@ def test_cli_sync_free_graphs_and_budget_reruns_over_nccl(tmp_path):
     for name in ("tiny_layer", "tiny_full_ovl"):
         assert "CUDA graph banks by budget level" in outs[name], outs[name][-3000:]
     assert "dropped" in outs["padded"] and "CUDA graphs: 1 captured" in outs["padded_full_ovl"]
+
+
+@pytest.mark.multigpu
+@needs_gpus
+def test_cli_once_per_rank_budget_graphs_over_nccl(tmp_path):
+    """--moe-dispatch-once-per-rank with the budget (no host read in the layer): a quarter of
+    the balanced share overflows, every step reruns; whole-layer graphs, and full-iteration
+    graphs with the overlap, give the eager losses bit for bit (2 GPUs, bf16, Triton,
+    --deterministic-mode, real text and the learned router)."""
+    base = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "8",
+            "--expert-model-parallel-size", "2", "--kernel-backend", "triton",
+            "--moe-dispatch-once-per-rank", "--moe-dispatch-budget", "0.25"]
+    overlap = ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
+    runs = {"eager": [], "layer": ["--cuda-graph-impl", "local", "--cuda-graph-modules",
+                                   "attn", "moe"],
+            "ovl": overlap, "full_ovl": overlap + ["--cuda-graph-impl", "full_iteration"]}
+    outs, logs = {}, {}
+    for name, extra in runs.items():
+        outs[name], logs[name] = _train(tmp_path, f"once_{name}", 2, base + extra)
+    for graphed, eager in (("layer", "eager"), ("ovl", "eager"), ("full_ovl", "ovl")):
+        assert _identical(logs[eager], logs[graphed]), (graphed, eager)
+    assert all(r["dispatch_reruns"] >= 1 for r in logs["eager"])
+    for name in ("layer", "full_ovl"):
+        assert "CUDA graph banks by budget level" in outs[name], outs[name][-3000:]

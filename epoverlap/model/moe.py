@@ -23,14 +23,16 @@ Dispatch modes (`DispatchMode.name`), and whether the host reads the device in t
                    dispatch whose rows for one rank exceed the chunk is recorded on the device
                    (`DispatchBudget.demand_rows`) and the trainer reruns the step at a larger
                    budget: no token is ever silently dropped, no host read inside the step.
-With --moe-dispatch-once-per-rank (the dropless and capacity modes) the preprocess sends each
+With --moe-dispatch-once-per-rank (dropless, capacity, budget) the preprocess sends each
 token once to every rank holding one of its experts (`permute` over a [T, R] "to rank" map),
 each row with the probs of that rank's L experts (-1 where the expert was not chosen); the
 receiving rank copies the row to those experts (`sort_by_expert`, a second permute) and sums
 their outputs (`unsort`, its unpermute) before the combine returns one row per (token, rank).
 The experts see the same rows in the same order as without it ((local expert, source rank,
 token)); the combine sums per rank first. Split sizes: rows per rank counted apart and
-exchanged with the expert counts.
+exchanged with the expert counts; with the budget nothing is exchanged: a rank's chunk holds
+its rows for that rank (at most one per token), and each received row's probs say which local
+experts it goes to (an empty slot's: none), so the receiver counts its experts' rows itself.
 The preprocess never reads the host in any mode (its row count is static: tokens x topk, or
 experts x capacity padded); only the torch reference permute does (`preprocess_syncs_host`).
 
@@ -85,7 +87,7 @@ class DispatchMode:
     pad_to_capacity: bool = False
     drop_policy: str = "probs"
     budget: Optional[float] = None
-    once_per_rank: bool = False  # --moe-dispatch-once-per-rank (host-split modes only)
+    once_per_rank: bool = False  # --moe-dispatch-once-per-rank (not with a padded capacity)
 
     @classmethod
     def of(cls, moe: MoEConfig) -> "DispatchMode":
@@ -451,9 +453,9 @@ class AllToAllDispatcher:
                  budget: Optional[DispatchBudget] = None):
         if (mode.name == "budget") != (budget is not None):
             raise ValueError(f"dispatch mode {mode.name} with budget {budget}")
-        if mode.once_per_rank and not mode.dispatch_syncs_host:
-            raise ValueError(f"dispatch once per rank in mode {mode.name}: only dropless and "
-                             "capacity (the host reads the split sizes)")
+        if mode.once_per_rank and mode.name == "capacity_padded":
+            raise ValueError("dispatch once per rank with a padded capacity: its rows per rank "
+                             "are not a fixed capacity")
         self.comm, self.ops, self.topk, self.mode, self.budget = comm, ops, topk, mode, budget
         # one rank: nothing to send once instead of several times
         self.once_per_rank = mode.once_per_rank and comm.size > 1
@@ -520,14 +522,14 @@ class AllToAllDispatcher:
         return self.comm.start_split_exchange(counts_E, rows_R)
 
     def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
-                 exchange: Optional[SplitExchange] = None):
+                 exchange: Optional[SplitExchange] = None, row_id_map=None):
         """All-to-all of tokens and probs: (recv_MH, recv_probs_M, DispatchMeta). A
         host-split mode takes the `exchange` started earlier, or starts it here from
-        `counts_E`."""
+        `counts_E`; the budget once per rank takes the preprocess's [T, R] `row_id_map`."""
         if self.mode.name == "capacity_padded":
             return self._dispatch_padded(permuted_NH, permuted_probs_N)
         if self.mode.name == "budget":
-            return self._dispatch_budget(permuted_NH, permuted_probs_N, counts_E)
+            return self._dispatch_budget(permuted_NH, permuted_probs_N, counts_E, row_id_map)
         if exchange is None:
             if self.once_per_rank:  # the rows per rank come from the preprocess's map
                 raise ValueError("dispatch once per rank: pass the exchange that "
@@ -563,25 +565,33 @@ class AllToAllDispatcher:
         recv_probs_M = all_to_all(self.comm, permuted_probs_N, splits, splits)
         return recv_MH, recv_probs_M, meta
 
-    def _dispatch_budget(self, permuted_NH, permuted_probs_N, counts_E):
+    def _dispatch_budget(self, permuted_NH, permuted_probs_N, counts_E, row_id_map=None):
         """Fixed chunks of `chunk_rows` rows per rank; counts exchanged and kept on the device;
-        a rank's rows past its chunk are cut and recorded (`DispatchBudget.note`)."""
+        a rank's rows past its chunk are cut and recorded (`DispatchBudget.note`). Once per
+        rank the rows per rank come from the [T, R] `row_id_map`, no counts are exchanged:
+        each received row's probs say which local experts it goes to (an empty slot: none)."""
         budget, num_rows = self.budget, permuted_NH.shape[0]
         if num_rows != budget.rows:
             raise RuntimeError(f"budget dispatch of {num_rows} rows, sized for {budget.rows}")
         chunk = budget.chunk_rows
-        recv_RL = self.comm.exchange_counts(counts_E)  # equal splits: no host read
-        send_R = counts_E.view(self.comm.size, self.num_local).sum(dim=1)
+        if self.once_per_rank:
+            send_R = (row_id_map >= 0).sum(dim=0)
+        else:
+            recv_RL = self.comm.exchange_counts(counts_E)  # equal splits: no host read
+            send_R = counts_E.view(self.comm.size, self.num_local).sum(dim=1)
         budget.note(send_R)
         send_index, return_index = budget_indices(send_R, chunk, num_rows)
         send_XH = move_rows(permuted_NH, send_index, return_index)
         send_probs_X = move_rows(permuted_probs_N, send_index, return_index)
-        meta = DispatchMeta(input_splits=None, output_splits=None,
-                            recv_counts_RL=kept_counts(recv_RL, chunk),
-                            tokens_per_local_expert=None, chunk_rows=chunk,
-                            send_index=send_index, return_index=return_index)
+        if self.once_per_rank:  # an empty slot chooses no expert
+            send_probs_X = torch.where((send_index >= 0).unsqueeze(1), send_probs_X, -1.0)
         recv_MH = all_to_all(self.comm, send_XH, None, None)
         recv_probs_M = all_to_all(self.comm, send_probs_X, None, None)
+        recv_counts_RL = ((recv_probs_M >= 0).sum(dim=0, keepdim=True) if self.once_per_rank
+                          else kept_counts(recv_RL, chunk))
+        meta = DispatchMeta(input_splits=None, output_splits=None,
+                            recv_counts_RL=recv_counts_RL, tokens_per_local_expert=None,
+                            chunk_rows=chunk, send_index=send_index, return_index=return_index)
         return recv_MH, recv_probs_M, meta
 
     def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
@@ -590,9 +600,11 @@ class AllToAllDispatcher:
         experts once per rank, else None)."""
         if self.once_per_rank:
             chosen_ML = recv_probs_M >= 0
+            rows = (sum(meta.tokens_per_local_expert) if meta.tokens_per_local_expert
+                    is not None else recv_MH.shape[0] * min(self.topk, self.num_local))
             return self.ops.permute(recv_MH, chosen_ML,
                                     torch.where(chosen_ML, recv_probs_M, 0.0),
-                                    num_out_tokens=sum(meta.tokens_per_local_expert))
+                                    num_out_tokens=rows)
         return self._sort_chunks(recv_MH, recv_probs_M, meta) + (None,)
 
     def _sort_chunks(self, recv_MH, recv_probs_M, meta: DispatchMeta):

@@ -194,18 +194,28 @@ class TransformerLayer(nn.Module):
         return self.is_moe and self.dispatcher.dispatch_syncs_host
 
     @property
+    def _dispatch_sizes(self) -> str:
+        """What sizes the dispatch: the early split-size exchange, or the device counts."""
+        return "split_exchange" if self._splits_early else "expert_counts"
+
+    @property
     def _dispatch_inputs(self) -> tuple[str, ...]:
-        return ("permuted_tokens", "permuted_probs",
-                "split_exchange" if self._splits_early else "expert_counts")
+        """Once per rank without an exchange (the budget), the rows per rank come from the
+        preprocess's [T, R] row-id map."""
+        rank_rows = (self.is_moe and self.dispatcher.once_per_rank
+                     and not self._splits_early)
+        return (("permuted_tokens", "permuted_probs", self._dispatch_sizes)
+                + (("row_id_map",) if rank_rows else ()))
 
     def dense_mlp_segment(self, normed, residual):
         return {"hidden": residual + self.dense_mlp(normed)}
 
     # ----------------------------------------------------------------- node callables
     def dispatch_forward(self, permuted_tokens, permuted_probs, expert_counts=None,
-                         split_exchange=None):
+                         split_exchange=None, row_id_map=None):
         recv, recv_probs, meta = self.dispatcher.dispatch(permuted_tokens, permuted_probs,
-                                                          expert_counts, split_exchange)
+                                                          expert_counts, split_exchange,
+                                                          row_id_map)
         return {"recv_tokens": recv, "recv_probs": recv_probs, "meta": meta}
 
     def moe_mlp_forward(self, recv_tokens, recv_probs, meta):
@@ -273,7 +283,7 @@ class TransformerLayer(nn.Module):
                              {"hidden": hidden_in}, {"layer_out": hidden_out}, True,
                              segments=segments)]
         attn_out = {k: v(k) for k in ("residual", "permuted_tokens", "permuted_probs",
-                                      self._dispatch_inputs[-1], "row_id_map")}
+                                      self._dispatch_sizes, "row_id_map")}
         combine_in = {k: v(k) for k in ("expert_out", "meta", "row_id_map", "residual")}
         if self.shared_expert is not None:
             attn_out["shared_out"] = combine_in["shared_out"] = v("shared_out")
@@ -406,7 +416,10 @@ def _dispatch_budget(cfg: RunConfig, ranks: int, device) -> "DispatchBudget | No
     factor = cfg.moe.moe_dispatch_budget
     if factor is None:
         return None
-    rows = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.moe.moe_router_topk
+    topk = cfg.moe.moe_router_topk
+    if cfg.moe.moe_dispatch_once_per_rank and ranks > 1:  # a token reaches <= min(k, R) ranks
+        topk = min(topk, ranks)
+    rows = cfg.train.micro_batch_size * cfg.model.seq_length * topk
     return DispatchBudget(factor, ranks, rows, device)
 
 
