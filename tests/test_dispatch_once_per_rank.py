@@ -37,6 +37,29 @@ def test_preprocess_sends_each_token_once_per_rank_by_hand():
     assert row_id_map_TR.tolist() == [[0, -1], [1, 2], [-1, 3]]
 
 
+@pytest.mark.parametrize("experts,topk,ranks", [(8, 8, 2), (32, 4, 2), (64, 8, 8)])
+def test_simulator_counts_the_rows_the_preprocess_makes(experts, topk, ranks):
+    """The simulator's bytes (`sim_costs.A2aShape.rows`, a formula) against the rows the
+    preprocess really makes for evenly spread top-k routing (4096 tokens, uniform scores)."""
+    from epoverlap.model.moe import AllToAllDispatcher, DispatchMode
+    from epoverlap.parallel.comm import ExpertComm
+    from epoverlap_kernels import make_moe_ops
+    from epoverlap_tools.sim_costs import A2aShape
+    tokens = 4096
+    dispatcher = AllToAllDispatcher(ExpertComm(None, ranks), experts, topk,
+                                    make_moe_ops("torch"), torch.device("cpu"),
+                                    DispatchMode(once_per_rank=True))
+    scores_TE = torch.rand(tokens, experts, generator=torch.Generator().manual_seed(0))
+    routing_map_TE = torch.zeros(tokens, experts, dtype=torch.bool)
+    routing_map_TE.scatter_(1, scores_TE.topk(topk, dim=1).indices, True)
+    _, _, row_id_map_TR = dispatcher.preprocess(torch.zeros(tokens, 4), scores_TE,
+                                                routing_map_TE)
+    made = int((row_id_map_TR >= 0).sum())
+    predicted = A2aShape(tokens, topk, 4, experts, 2, ranks, once_per_rank=True).rows
+    assert made == pytest.approx(predicted, rel=0.02)
+    assert made < tokens * topk or topk == 1
+
+
 CASES = {"dropless": [], "capacity": ["--moe-expert-capacity-factor", "1.0"],
          "top4": ["--moe-router-topk", "4"],
          "budget": ["--moe-dispatch-budget", "4.0"]}  # chunks that hold any routing (<= 4 ranks)
