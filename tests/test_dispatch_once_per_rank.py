@@ -4,26 +4,37 @@ experts receive the same rows and probs in the same order and their weights get 
 grads, bit for bit; the output and the token and prob grads match it and an independent
 dense reference (out = x * 2 * sum_e p_e (e + 1)) to rounding; the rows sent to other ranks
 are the (token, rank) pairs counted from the routing map, fewer than the (token, expert)
-pairs. Training with it: overlap on and off bitwise alike (test_dispatch_modes)."""
+pairs; with the budget too. One process: a preprocess checked by hand, and the simulator's
+row count against the preprocess's. Training with it: overlap on and off bitwise alike, the
+budget's reruns, graphs (test_dispatch_modes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from epoverlap.model.moe import AllToAllDispatcher, DispatchMode
+from epoverlap.parallel.comm import ExpertComm
+from epoverlap_kernels import make_moe_ops
+from epoverlap_tools.sim_costs import A2aShape
+
 from dist_helpers import run_ranks
 from dispatch_workers import EXPERTS, once_per_rank_equivalence
+
+
+def _local_dispatcher(ranks: int, experts: int, topk: int) -> AllToAllDispatcher:
+    """A once-per-rank dispatcher laid out for `ranks` EP ranks, used only up to its
+    preprocess (which communicates nothing)."""
+    return AllToAllDispatcher(ExpertComm(None, ranks), experts, topk, make_moe_ops("torch"),
+                              torch.device("cpu"), DispatchMode(once_per_rank=True))
+
 
 def test_preprocess_sends_each_token_once_per_rank_by_hand():
     """3 tokens, 4 experts on 2 ranks (2 each): token 0 -> experts 0, 1 (rank 0 only), token 1
     -> experts 1, 2 (both ranks), token 2 -> experts 2, 3 (rank 1 only). Rank 0 gets tokens 0,
     1; rank 1 gets tokens 1, 2: 4 rows (not 6), rank-major, tokens in order, each with the
     probs of its rank's two experts and -1 where the token did not choose one."""
-    from epoverlap.model.moe import AllToAllDispatcher, DispatchMode
-    from epoverlap.parallel.comm import ExpertComm
-    from epoverlap_kernels import make_moe_ops
-    dispatcher = AllToAllDispatcher(ExpertComm(None, 2), 4, 2, make_moe_ops("torch"),
-                                    torch.device("cpu"), DispatchMode(once_per_rank=True))
+    dispatcher = _local_dispatcher(2, 4, 2)
     hidden_TH = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]])
     routing_map_TE = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
     probs_TE = torch.tensor([[0.6, 0.4, 0, 0], [0, 0.7, 0.3, 0], [0, 0, 0.1, 0.9]])
@@ -41,14 +52,8 @@ def test_preprocess_sends_each_token_once_per_rank_by_hand():
 def test_simulator_counts_the_rows_the_preprocess_makes(experts, topk, ranks):
     """The simulator's bytes (`sim_costs.A2aShape.rows`, a formula) against the rows the
     preprocess really makes for evenly spread top-k routing (4096 tokens, uniform scores)."""
-    from epoverlap.model.moe import AllToAllDispatcher, DispatchMode
-    from epoverlap.parallel.comm import ExpertComm
-    from epoverlap_kernels import make_moe_ops
-    from epoverlap_tools.sim_costs import A2aShape
     tokens = 4096
-    dispatcher = AllToAllDispatcher(ExpertComm(None, ranks), experts, topk,
-                                    make_moe_ops("torch"), torch.device("cpu"),
-                                    DispatchMode(once_per_rank=True))
+    dispatcher = _local_dispatcher(ranks, experts, topk)
     scores_TE = torch.rand(tokens, experts, generator=torch.Generator().manual_seed(0))
     routing_map_TE = torch.zeros(tokens, experts, dtype=torch.bool)
     routing_map_TE.scatter_(1, scores_TE.topk(topk, dim=1).indices, True)
