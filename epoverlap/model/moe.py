@@ -409,6 +409,11 @@ def move_rows(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> 
     return _MoveRows.apply(src, index, inverse)
 
 
+def rows_per_rank(row_id_map_TR: torch.Tensor) -> torch.Tensor:
+    """Once per rank: the rows sent to each rank, from the preprocess's [T, R] row-id map. [R]."""
+    return (row_id_map_TR >= 0).sum(dim=0)
+
+
 def rows_by_pair(row_id_map_TR: torch.Tensor, num_rows: int) -> torch.Tensor:
     """For each of `num_rows` permuted rows, the flat (t * R + r) entry of the row-id map that
     names it, -1 past the routed rows. [N] device, no host read: the map's row ids are distinct,
@@ -518,7 +523,7 @@ class AllToAllDispatcher:
         per rank, the preprocess's [T, R] `row_id_map` gives the rows per rank."""
         if not self.dispatch_syncs_host:
             return None
-        rows_R = (row_id_map >= 0).sum(dim=0) if self.once_per_rank else None
+        rows_R = rows_per_rank(row_id_map) if self.once_per_rank else None
         return self.comm.start_split_exchange(counts_E, rows_R)
 
     def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
@@ -575,7 +580,7 @@ class AllToAllDispatcher:
             raise RuntimeError(f"budget dispatch of {num_rows} rows, sized for {budget.rows}")
         chunk = budget.chunk_rows
         if self.once_per_rank:
-            send_R = (row_id_map >= 0).sum(dim=0)
+            send_R = rows_per_rank(row_id_map)
         else:
             recv_RL = self.comm.exchange_counts(counts_E)  # equal splits: no host read
             send_R = counts_E.view(self.comm.size, self.num_local).sum(dim=1)
