@@ -801,8 +801,9 @@ PYEOF
     fi
     ;;
   x2carve)  # 2 GPUs: the grouped GEMMs' SM carveout and the paired-ends plan (overlap.md run E):
-             # bench_overlap per VARIANT (tag:regime:shape:max_ctas:flags, flags with , for
-             # spaces), profiled with --profile-steps 1 where regime ends in +prof; TESTS first
+             # bench_overlap per VARIANT (tag:regime:shape:max_ctas:flags[:bench_args], flags
+             # and bench_args with , for spaces; max_ctas may be a comma list, swept in one run),
+             # profiled with --profile-steps 1 where regime ends in +prof; TESTS first
     if [ -n "${TESTS:-}" ]; then
       export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-12}
       CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step carve_tests \
@@ -815,14 +816,14 @@ PYEOF
         f128_c8_paired:nop2p:ratio_h2048_k8_f128:8:--moe-grouped-gemm-sm-carveout,8,--overlap-plan,combined_1f1b_paired_ends \
         f128:nvlink:ratio_h2048_k8_f128:default: \
         f128_paired:nvlink:ratio_h2048_k8_f128:default:--overlap-plan,combined_1f1b_paired_ends}; do
-      IFS=: read -r tag regime shape ctas flags <<< "$variant"
+      IFS=: read -r tag regime shape ctas flags bench_args <<< "$variant"
       env_p2p=0; prof=""
       case "$regime" in nop2p*) env_p2p=1 ;; esac
       case "$regime" in *+prof) prof="--profile-shapes $shape --profile-steps 1" ;; esac
       NCCL_P2P_DISABLE=$env_p2p CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=200 step \
         "carve_${regime%+prof}_$tag" torchrun --standalone --nproc-per-node="$NGPUS" \
         tools/bench_overlap.py --shapes "$shape" $prof --iters 2 --warmup 1 ${BENCH_ARGS:-} \
-        --max-ctas "$ctas" \
+        ${bench_args//,/ } --max-ctas "$ctas" \
         --extra-flags="${flags//,/ }" --out-dir "$WORK/carve/${regime%+prof}/$tag"
     done
     ;;
