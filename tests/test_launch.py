@@ -179,6 +179,33 @@ def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_
         pytest.approx(total["slowdown"])
 
 
+def test_bench_overlap_budget_rows_take_the_budgets_own_comp_and_comm():
+    """--sync-free's rows (the budget eager, and under one full-iteration graph) are read
+    against their own T_comp and the budget's all-to-alls replayed alone, not the eager
+    dropless ones; hand-made timings, the ratios worked out here."""
+    from epoverlap_tools.bench_overlap import derived, markdown
+
+    def mode(ms):
+        return {"fb_ms": ms, "step_ms": ms + 1.0, "peak_gib": 2.0, "static_gib": 1.0,
+                "peak_reserved_gib": 3.0, "tokens_per_s_per_gpu": 1e3}
+    result = {"shape": "s", "comm": {"fb_ms": 20.0}, "comm_budget": {"fb_ms": 30.0}}
+    for suffix, (seq, ovl, wgrad, comp) in {"": (300.0, 330.0, 340.0, 280.0),
+                                            "_budget": (320.0, 360.0, 350.0, 300.0),
+                                            "_full": (150.0, 140.0, 138.0, 120.0)}.items():
+        for name, ms in (("seq", seq), ("ovl", ovl), ("ovl_wgrad", wgrad), ("comp", comp)):
+            result[name + suffix] = mode(ms)
+    result["derived"] = out = derived(result)
+    assert out["ratio"] == 20.0 / 280.0 and out["ratio_full"] == 30.0 / 120.0
+    assert out["seq_over_ovl_full"] == 150.0 / 140.0
+    assert out["ovl_full_over_ideal"] == 140.0 / 120.0
+    assert out["realized_ovl_full"] == (150.0 - 140.0) / (150.0 - 120.0)
+    assert out["realized_ovl_wgrad_budget"] == (320.0 - 350.0) / (320.0 - 300.0)
+    rows = {line.split(" | ")[1]: line for line in markdown([result], 2).splitlines()
+            if line.startswith("| s |")}
+    assert set(rows) == {"off", "budget, eager", "budget, full"}
+    assert " | 30.00 | " in rows["budget, full"] and " | 20.00 | " in rows["off"]
+
+
 def test_bench_overlap_graphs_need_cuda_in_one_line():
     result = _run([sys.executable, str(REPO / "tools" / "bench_overlap.py"), "--graphs"])
     assert result.returncode == 2

@@ -127,6 +127,9 @@ GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_rou
 # --sync-free: the budget dispatch eager, and under one full-iteration graph
 BUDGET = ["--moe-dispatch-budget", "1.25"]
 FULL_ITERATION = ["--cuda-graph-impl", "full_iteration"]
+# the table's "graphs" column per mode suffix: eager, partial graphs (--graphs), and with
+# --sync-free the budget dispatch eager and under one full-iteration graph
+ROW_LABELS = {"": "off", "_graph": "on", "_budget": "budget, eager", "_full": "budget, full"}
 
 
 def sync_time(device) -> float:
@@ -318,8 +321,8 @@ def bench_shape(name, groups, args, log, budget=NcclCtaBudget()) -> dict:
     modes = {mode: flags for mode, flags in MODES.items()}
     if args.graphs:
         modes.update({f"{mode}_graph": flags + GRAPHS for mode, flags in MODES.items()})
-    if args.sync_free:
-        for mode in ("seq", "ovl", "ovl_wgrad"):
+    if args.sync_free:  # every mode, comp too: each suffix's row has its own T_comp
+        for mode in MODES:
             modes[f"{mode}_budget"] = MODES[mode] + BUDGET
             modes[f"{mode}_full"] = MODES[mode] + BUDGET + FULL_ITERATION
     results = {"shape": label, "flags": base}
@@ -328,15 +331,18 @@ def bench_shape(name, groups, args, log, budget=NcclCtaBudget()) -> dict:
     for mode, flags in modes.items():
         profile = spans_root / mode if name in args.profile_shapes else None
         results[mode] = measure_mode(groups, base + flags, args, profile,
-                                     want_trace=(mode == "ovl"))
+                                     want_trace=mode in ("ovl", "ovl_budget"))
         log(f"[bench_overlap] {label} {mode}: fb {results[mode]['fb_ms']:.2f} ms, step "
             f"{results[mode]['step_ms']:.2f} ms, peak {results[mode]['peak_gib']:.2f} GiB"
             + (f", {results[mode]['graphs']} graphs, {results[mode]['graph_gib']:.3f} GiB"
                if "graphs" in results[mode] else ""))
     _more_rounds(results, modes, base, groups, args, lambda msg: log(f"[bench_overlap] {label} "
                                                                       + msg))
-    results["comm"] = {"fb_ms": replay_comm_ms(results["ovl"].pop("trace"), groups, args)}
-    log(f"[bench_overlap] {label} comm alone: {results['comm']['fb_ms']:.2f} ms")
+    for comm, traced in (("comm", "ovl"), ("comm_budget", "ovl_budget")):
+        if traced in results:  # the budget's all-to-alls carry its fixed chunks
+            results[comm] = {"fb_ms": replay_comm_ms(results[traced].pop("trace"), groups, args)}
+            log(f"[bench_overlap] {label} {comm.replace('_', ' ')} alone: "
+                f"{results[comm]['fb_ms']:.2f} ms")
     if name in args.profile_shapes:
         dist.barrier()  # every rank's span files are written
         if groups.rank == 0:
@@ -410,10 +416,11 @@ def realized_saving(t_seq: float, t_ovl: float, t_comp: float, t_comm: float) ->
 
 def derived(r: dict) -> dict:
     """The ratios the issues ask for, from one shape's raw results (per graph setting)."""
-    out, comm = {}, r["comm"]["fb_ms"]
-    for suffix in ("", "_graph"):
+    out = {}
+    for suffix in ROW_LABELS:
         if "seq" + suffix not in r:
             continue
+        comm = r["comm_budget" if suffix in ("_budget", "_full") else "comm"]["fb_ms"]
         seq, comp = r["seq" + suffix]["fb_ms"], r["comp" + suffix]["fb_ms"]
         for mode in ("ovl", "ovl_wgrad"):
             t = r[mode + suffix]["fb_ms"]
@@ -474,14 +481,15 @@ def markdown(all_results: list, world: int) -> str:
     f = lambda x: f"{x:.2f}"  # noqa: E731
     for r in all_results:
         d = r["derived"]
-        for s in ("", "_graph"):
+        for s, label in ROW_LABELS.items():
             if "seq" + s not in r:
                 continue
+            comm = r["comm_budget" if s in ("_budget", "_full") else "comm"]["fb_ms"]
             lines.append(" | ".join([
-                f"| {r['shape']}", "on" if s else "off", f(d["ratio" + s]),
+                f"| {r['shape']}", label, f(d["ratio" + s]),
                 f(r["seq" + s]["fb_ms"]), f(r["ovl" + s]["fb_ms"]),
                 f(r["ovl_wgrad" + s]["fb_ms"]), f(r["comp" + s]["fb_ms"]),
-                f(r["comm"]["fb_ms"]), f(d[f"seq_over_ovl{s}"]), f(d[f"seq_over_ovl_wgrad{s}"]),
+                f(comm), f(d[f"seq_over_ovl{s}"]), f(d[f"seq_over_ovl_wgrad{s}"]),
                 f(d[f"ovl{s}_over_ideal"]), f(d[f"ovl_wgrad{s}_over_ideal"]),
                 f(d[f"realized_ovl{s}"]), f(d[f"realized_ovl_wgrad{s}"]),
                 f"{r['seq' + s]['peak_reserved_gib']:.1f}/{r['ovl' + s]['peak_reserved_gib']:.1f}/"
@@ -548,9 +556,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="training flags for every mode, one string, e.g. "
                              "\"--comm-stream-priority normal\"")
     parser.add_argument("--sync-free", action="store_true",
-                        help="also run seq, ovl and ovl_wgrad with the budget dispatch "
-                             "(--moe-dispatch-budget 1.25), eager and as one full-iteration "
-                             "graph (GPU only); the budget's overflows are counted")
+                        help="also run every mode with the budget dispatch (--moe-dispatch-budget "
+                             "1.25), eager and as one full-iteration graph (GPU only), each "
+                             "a row of the table with its own T_comp and the budget's own "
+                             "T_comm; the budget's overflows are counted")
     parser.add_argument("--host-nodes", action="store_true",
                         help="also time --iters more steps per mode with the host wall time of "
                              "every node action (bench_host's per-node table), per rank, into "
