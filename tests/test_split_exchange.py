@@ -101,3 +101,15 @@ def test_split_sizes_sum_rows_for_ranks_and_columns_for_local_experts():
     sent = [[1, 2, 3], [4, 5, 6]]  # to rank 0's experts, to rank 1's experts
     received = [[7, 0, 1], [2, 2, 2]]  # from rank 0, from rank 1, per local expert
     assert split_sizes(sent, received) == ([6, 15], [8, 6], [9, 2, 3])
+
+
+def test_trace_records_equal_chunks_as_row_counts():
+    """An all-to-all with splits None (the budget's fixed chunks) is traced with its row counts,
+    so bench_overlap can replay it alone (it once recorded None and the replay failed)."""
+    from epoverlap.parallel.comm import ExpertComm
+    comm = ExpertComm(None, 2, mode="local_copy")
+    comm.trace = []
+    comm.all_to_all(torch.zeros(6, 4), None, None)
+    comm.all_to_all(torch.zeros(5, 4), [2, 3], [4, 1])
+    assert comm.trace == [([3, 3], [3, 3], (4,), torch.float32),
+                          ([2, 3], [4, 1], (4,), torch.float32)]

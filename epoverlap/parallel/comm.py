@@ -124,9 +124,9 @@ class ExpertComm:
         self.trace: Optional[list] = None  # set to [] to record every all-to-all's shape
         self._exchange_stream: Optional[torch.cuda.Stream] = None
 
-    def _record(self, output_splits, input_splits, row_shape, dtype) -> None:
-        if self.trace is not None:
-            equal = [None] * self.size
+    def _record(self, output_splits, input_splits, row_shape, dtype, rows: int = 0) -> None:
+        if self.trace is not None:  # splits None: equal chunks of `rows`, recorded as counts
+            equal = [rows // self.size] * self.size
             self.trace.append((list(output_splits or equal), list(input_splits or equal),
                                tuple(row_shape), dtype))
 
@@ -137,7 +137,8 @@ class ExpertComm:
 
         Syncs no host; blocks the calling stream (GPU) or thread (CPU) until done.
         """
-        self._record(output_splits, input_splits, input_NH.shape[1:], input_NH.dtype)
+        self._record(output_splits, input_splits, input_NH.shape[1:], input_NH.dtype,
+                     input_NH.shape[0])
         if self.size == 1 or self.mode == "local_copy":
             return input_NH.clone()
         input_NH = input_NH.contiguous()
