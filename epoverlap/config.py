@@ -531,9 +531,9 @@ _FLAGS: list[tuple[str, str, str, object, str]] = [
     ("--overlap-probe-steps", "overlap", "overlap_probe_steps", int,
      "with --overlap-moe-expert-parallel-comm: after the first step, time N steps of "
      "the overlap plan and N of the sequential schedule, alternating, and run the rest of the "
-     "training with the faster (both give the same bits); with --cuda-graph-impl local each "
-     "schedule replays its own graphs (captured before the timed steps); 0 (default): always "
-     "the overlap"),
+     "training with the faster (both give the same bits); with --cuda-graph-impl local or "
+     "full_iteration each schedule replays its own graphs (captured before the timed steps); "
+     "0 (default): always the overlap"),
     ("--comm-mode", "overlap", "comm_mode", str,
      f"benchmark only: {COMM_MODES} (local_copy replaces all-to-alls by local copies)"),
     ("--kernel-backend", "kernels", "kernel_backend", str, f"one of {KERNEL_BACKENDS}"),
@@ -940,7 +940,7 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
 
 def _validate_overlap_probe(cfg: RunConfig) -> None:
     """--overlap-probe-steps: the two schedules of one pipeline stage, eager or each
-    replaying its own partial CUDA graphs."""
+    replaying its own CUDA graphs (per-layer, or one full-iteration graph per schedule)."""
     steps = cfg.overlap.overlap_probe_steps
     _require(steps >= 0, "overlap_probe_steps", steps, "must be >= 0 (0: no probe)")
     if steps == 0:
@@ -949,10 +949,9 @@ def _validate_overlap_probe(cfg: RunConfig) -> None:
              "compares the overlap with the sequential schedule: needs "
              "--overlap-moe-expert-parallel-comm")
     impl = cfg.cuda_graph.impl
-    _require(impl in ("none", "local"), "overlap_probe_steps", steps,
-             f"compares two schedules, each replaying its own per-layer graphs; --cuda-graph-"
-             f"impl {impl} captures one schedule's whole iteration: use --cuda-graph-impl local "
-             "or none")
+    _require(impl in ("none", "local", "full_iteration"), "overlap_probe_steps", steps,
+             f"compares two schedules, each replaying its own graphs; --cuda-graph-impl {impl} "
+             "is not built: use --cuda-graph-impl none, local or full_iteration")
     _require(cfg.parallel.pipeline_model_parallel_size == 1, "overlap_probe_steps", steps,
              "needs --pipeline-model-parallel-size 1 (one stage's plan is switched)")
     if impl == "none":

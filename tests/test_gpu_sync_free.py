@@ -293,3 +293,27 @@ def test_cli_once_per_rank_budget_graphs_over_nccl(tmp_path):
     assert all(r["dispatch_reruns"] >= 1 for r in logs["eager"])
     for name in ("layer", "full_ovl"):
         assert "CUDA graph banks by budget level" in outs[name], outs[name][-3000:]
+
+
+@pytest.mark.multigpu
+@needs_gpus
+def test_cli_probe_with_full_iteration_graphs_is_bitwise_the_sequential_run(tmp_path):
+    """--overlap-probe-steps with --cuda-graph-impl full_iteration over NCCL (2 GPUs, bf16,
+    Triton, the budget dispatch, --deterministic-mode): the overlap's full-iteration graph is
+    captured after the warm-up step, the sequential schedule's in one untimed step, steps 3-8
+    alternate replays of the two graphs, the loser's graph is released, and every loss is the
+    eager sequential run's."""
+    nproc = torch.cuda.device_count()
+    base = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "10",
+            "--expert-model-parallel-size", str(nproc), "--kernel-backend", "triton",
+            "--moe-dispatch-budget", "1.0"]
+    _, sequential = _train(tmp_path, "probe_full_reference", nproc, base)
+    out, probed = _train(tmp_path, "probe_full", nproc, base + [
+        "--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "1",
+        "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
+        "--overlap-probe-steps", "3"])
+    assert "overlap probe, steps 3-8: combined_1f1b " in out, out[-3000:]
+    assert "schedule's CUDA graphs released" in out
+    assert [r["schedule"] for r in probed][:8] == ["combined_1f1b", "sequential"] + [
+        "combined_1f1b", "sequential"] * 3
+    assert _identical(sequential, probed)

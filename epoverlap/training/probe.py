@@ -13,8 +13,9 @@ N steps of each schedule, alternating (overlap first), takes each schedule's med
 on the slowest rank (an all-reduce, so every rank decides alike), and keeps the faster for the
 rest of the run. A tie keeps the overlap.
 
-With the partial CUDA graphs (`--cuda-graph-impl local`) each schedule replays its own graphs
-(a bank per schedule, each captured in its plan's order in its own memory pool): the probe
+With CUDA graphs (`--cuda-graph-impl local`, or `full_iteration`: one graph of the whole
+plan) each schedule replays its own graphs (a bank per schedule, each captured in its plan's
+order on its own lanes, in its own memory pool): the probe
 then starts after the overlap's bank is captured (the graphs' warm-up steps), runs one
 untimed sequential step that records the sequential bank (`prime`), and times replays only;
 the losing schedule's bank is released after the decision.

@@ -284,7 +284,7 @@ class Trainer:
     def _overlap_probe(self) -> tuple[Optional[OverlapProbe], dict]:
         """--overlap-probe-steps: the probe, and each schedule's (plan, lanes) it switches
         between (`training.probe`; one stage, eager or per-layer graphs: config validation
-        sees to both)."""
+        sees to both; each schedule its own graphs: per-layer or full-iteration)."""
         cfg = self.cfg
         if cfg.overlap.overlap_probe_steps == 0:
             return None, {}
