@@ -127,6 +127,7 @@ def test_overflowing_budget_reruns_and_gives_the_dropless_losses(mode_results):
                                                       _bits(per_run["once"][0])))
 
 
+LEVELS = [0.25, 0.5, 1.0, 2.0]  # the budget levels of TINY_BUDGET on 2 ranks
 LAYER_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe"]
 FULL_GRAPH = ["--cuda-graph-impl", "full_iteration"]
 GRAPH_RUNS = [("eager", TINY_BUDGET), ("layer_graphs", TINY_BUDGET + LAYER_GRAPHS),
@@ -161,8 +162,13 @@ def test_graph_banks_serve_the_overflow_reruns(tmp_path):
             assert all(reruns >= 1 for _, reruns, _ in steps)
             total = sum(reruns for _, reruns, _ in steps)
             assert summary.endswith(f" | reruns {total} (in {len(steps)} steps)"), summary
-            rerun_levels = {budget for _, _, budget in steps}
-            assert len(banks) == 1 + len(rerun_levels) and banks[0] == 0, (rank, banks)
+            finals = {LEVELS.index(budget) for _, _, budget in steps}  # the levels that held
+            assert banks[0] == 0 and finals <= set(banks), (rank, graphed, banks)
+            if graphed.startswith("once"):  # a rerun whose chunks hold every row can still
+                # overflow the experts' budget (its first try saw only the rows sent): again
+                assert len(banks) <= 1 + total, (rank, graphed, banks)
+            else:
+                assert len(banks) == 1 + len(finals), (rank, graphed, banks)
             assert any("CUDA graphs (budget 0.25)" in line for line in lines), lines
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epoverlap.model.moe import AllToAllDispatcher, DispatchMode
+from epoverlap.model.moe import AllToAllDispatcher, DispatchBudget, DispatchMode
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap_kernels import make_moe_ops
 from epoverlap_tools.sim_costs import A2aShape
@@ -27,6 +27,40 @@ def _local_dispatcher(ranks: int, experts: int, topk: int) -> AllToAllDispatcher
     preprocess (which communicates nothing)."""
     return AllToAllDispatcher(ExpertComm(None, ranks), experts, topk, make_moe_ops("torch"),
                               torch.device("cpu"), DispatchMode(once_per_rank=True))
+
+
+def test_the_budget_sizes_the_experts_rows_by_the_pairs_not_the_received_rows():
+    """100 tokens a rank, top-4 of 8 experts on 2 ranks (L = 4), budget 1.25: a chunk holds 125
+    of a rank's 200 possible rows, and the local experts get ceil(1.25 x 100 x 4) = 500 rows,
+    not every received row times min(4, L) = 1,000. At the top level (2.0) the chunk holds
+    every row and the experts every pair of both ranks (800). A level holds a step when it
+    holds both demands."""
+    budget = DispatchBudget(1.25, 2, 200, torch.device("cpu"), pairs_per_dispatch=400,
+                            pairs_per_row=4)
+    assert budget.levels == (1.25, 2.0)
+    assert (budget.chunk_rows_at(0), budget.expert_rows_at(0)) == (125, 500)
+    assert (budget.chunk_rows_at(1), budget.expert_rows_at(1)) == (200, 800)
+    assert budget.rerun_level([125, 500]) is None
+    assert budget.rerun_level([125, 501]) == 1 and budget.rerun_level([126, 0]) == 1
+    per_expert = DispatchBudget(1.25, 2, 400, torch.device("cpu"))
+    assert per_expert.expert_rows is None and per_expert.rerun_level([250, 10**6]) is None
+
+
+def test_the_experts_pairs_past_the_budget_are_cut_in_permute_order_and_recorded():
+    """4 received rows, 2 local experts; the second permute numbers the pairs expert-major:
+    expert 0's rows 0, 2, 3, then expert 1's rows 0, 1. A budget of 4 pairs keeps the first
+    four (expert 1 keeps row 0 only) and records the 5 wanted; pairs that fit are not cut."""
+    budget = DispatchBudget(0.5, 2, 4, torch.device("cpu"), pairs_per_dispatch=4,
+                            pairs_per_row=2)
+    dispatcher = AllToAllDispatcher(ExpertComm(None, 2), 4, 2, make_moe_ops("torch"),
+                                    torch.device("cpu"),
+                                    DispatchMode(budget=0.5, once_per_rank=True), budget)
+    probs_ML = torch.tensor([[0.5, 0.5], [-1.0, 0.9], [0.8, -1.0], [0.3, -1.0]])
+    cut = dispatcher._cut_expert_pairs(probs_ML, 4)
+    assert torch.equal(cut, torch.tensor([[0.5, 0.5], [-1.0, -1.0], [0.8, -1.0],
+                                          [0.3, -1.0]]))
+    assert int(budget.demand_expert_rows) == 5
+    assert torch.equal(dispatcher._cut_expert_pairs(probs_ML, 5), probs_ML)
 
 
 def test_preprocess_sends_each_token_once_per_rank_by_hand():

@@ -33,6 +33,9 @@ token)); the combine sums per rank first. Split sizes: rows per rank counted apa
 exchanged with the expert counts; with the budget nothing is exchanged: a rank's chunk holds
 its rows for that rank (at most one per token), and each received row's probs say which local
 experts it goes to (an empty slot's: none), so the receiver counts its experts' rows itself.
+Those (row, expert) pairs are budgeted too (`DispatchBudget.expert_rows`: the budget times a
+rank's balanced share, tokens x topk, not the chunks' rows times min(topk, L), 2-2.5x more at
+top-4 to top-8 on 2 ranks); pairs past it are cut and recorded, and the step reruns.
 The preprocess never reads the host in any mode (its row count is static: tokens x topk, or
 experts x capacity padded); only the torch reference permute does (`preprocess_syncs_host`).
 
@@ -160,15 +163,24 @@ class DispatchBudget:
     dispatch that routes more than a chunk's rows to one rank sends only the first chunk of them
     and raises `demand_rows` (a device scalar: the most rows any dispatch of the step wanted to
     send to one rank); after the step the trainer all-reduces it and, if it exceeds the chunk,
-    reruns the step at `level_for(demand)`, the smallest of `levels` whose chunk holds it.
+    reruns the step at `rerun_level(demand)`, the smallest of `levels` whose chunk holds it.
+
+    Once per rank a received row goes to up to min(topk, L) local experts, so the experts' rows
+    are budgeted apart (`pairs_per_dispatch` = tokens x topk, the balanced share of (token,
+    expert) pairs a rank's experts get; `pairs_per_row` = min(topk, L)): `expert_rows`, with its
+    own demand (`demand_expert_rows`, the most pairs any dispatch brought one rank's experts).
+    Without `pairs_per_dispatch` the rows are the pairs already: nothing apart to budget.
     """
 
     def __init__(self, factor: float, ranks: int, rows_per_dispatch: int,
-                 device: torch.device):
+                 device: torch.device, pairs_per_dispatch: Optional[int] = None,
+                 pairs_per_row: int = 1):
         self.ranks, self.rows = ranks, rows_per_dispatch
+        self.pairs, self.pairs_per_row = pairs_per_dispatch, pairs_per_row
         self.levels = budget_levels(factor, ranks)
         self.level = 0
         self.demand_rows = torch.zeros((), dtype=torch.int64, device=device)
+        self.demand_expert_rows = torch.zeros((), dtype=torch.int64, device=device)
 
     @property
     def factor(self) -> float:
@@ -181,14 +193,46 @@ class DispatchBudget:
     def chunk_rows(self) -> int:
         return self.chunk_rows_at(self.level)
 
+    def expert_rows_at(self, level: int) -> Optional[int]:
+        """Rows the local experts get at `level` (once per rank), else None: the budget times
+        the balanced share of pairs, at most every received row times `pairs_per_row` (at the
+        top level, `ranks` x the pairs: every pair of every rank, so it never overflows)."""
+        if self.pairs is None:
+            return None
+        received = self.ranks * self.chunk_rows_at(level) * self.pairs_per_row
+        return min(received, math.ceil(self.levels[level] * self.pairs))
+
+    @property
+    def expert_rows(self) -> Optional[int]:
+        return self.expert_rows_at(self.level)
+
     def note(self, send_R: torch.Tensor) -> None:
         """Record on the device the most rows this dispatch routes to one rank (no sync)."""
         torch.maximum(self.demand_rows, send_R.max(), out=self.demand_rows)
 
-    def level_for(self, demand_rows: int) -> int:
-        """The smallest level whose chunk holds `demand_rows` rows."""
-        return next(level for level in range(len(self.levels))
-                    if self.chunk_rows_at(level) >= demand_rows)
+    def note_expert_rows(self, pairs: torch.Tensor) -> None:
+        """Record on the device the pairs this dispatch brought the local experts (no sync)."""
+        torch.maximum(self.demand_expert_rows, pairs, out=self.demand_expert_rows)
+
+    def reset_demand(self) -> None:
+        self.demand_rows.zero_()
+        self.demand_expert_rows.zero_()
+
+    def demand(self) -> torch.Tensor:
+        """[rows to one rank, pairs on one rank's experts] of the step, on the device."""
+        return torch.stack([self.demand_rows, self.demand_expert_rows])
+
+    def fits(self, level: int, demand: Sequence[int]) -> bool:
+        experts = self.expert_rows_at(level)
+        return self.chunk_rows_at(level) >= demand[0] and (experts is None
+                                                           or experts >= demand[1])
+
+    def rerun_level(self, demand: Sequence[int]) -> Optional[int]:
+        """None when the level in use holds `demand` (`demand()`, max over ranks), else the
+        smallest level that does."""
+        if self.fits(self.level, demand):
+            return None
+        return next(level for level in range(len(self.levels)) if self.fits(level, demand))
 
 
 class Router(nn.Module):
@@ -379,6 +423,7 @@ class DispatchMeta:
     chunk_rows: Optional[int] = None  # budget: rows per (source rank) chunk
     send_index: Optional[torch.Tensor] = None  # budget [R*C]: chunk slot -> permuted row or -1
     return_index: Optional[torch.Tensor] = None  # budget [N]: permuted row -> chunk slot or -1
+    expert_rows: Optional[int] = None  # budget once per rank: the local experts' rows (static)
 
 
 def _pick_rows(src_XH: torch.Tensor, index_Y: torch.Tensor) -> torch.Tensor:
@@ -464,6 +509,9 @@ class AllToAllDispatcher:
         self.comm, self.ops, self.topk, self.mode, self.budget = comm, ops, topk, mode, budget
         # one rank: nothing to send once instead of several times
         self.once_per_rank = mode.once_per_rank and comm.size > 1
+        if self.once_per_rank and budget is not None and budget.pairs is None:
+            raise ValueError("dispatch once per rank with a budget that does not budget the "
+                             "experts' rows (DispatchBudget pairs_per_dispatch)")
         self.num_experts = num_experts
         self.num_local = num_experts // comm.size
         ranks, local = comm.size, self.num_local
@@ -592,12 +640,29 @@ class AllToAllDispatcher:
             send_probs_X = torch.where((send_index >= 0).unsqueeze(1), send_probs_X, -1.0)
         recv_MH = all_to_all(self.comm, send_XH, None, None)
         recv_probs_M = all_to_all(self.comm, send_probs_X, None, None)
-        recv_counts_RL = ((recv_probs_M >= 0).sum(dim=0, keepdim=True) if self.once_per_rank
-                          else kept_counts(recv_RL, chunk))
+        expert_rows = None
+        if self.once_per_rank:  # the pairs past the experts' budget are cut (and recorded)
+            expert_rows = budget.expert_rows
+            recv_probs_M = self._cut_expert_pairs(recv_probs_M, expert_rows)
+            recv_counts_RL = (recv_probs_M >= 0).sum(dim=0, keepdim=True)
+        else:
+            recv_counts_RL = kept_counts(recv_RL, chunk)
         meta = DispatchMeta(input_splits=None, output_splits=None,
                             recv_counts_RL=recv_counts_RL, tokens_per_local_expert=None,
-                            chunk_rows=chunk, send_index=send_index, return_index=return_index)
+                            chunk_rows=chunk, send_index=send_index, return_index=return_index,
+                            expert_rows=expert_rows)
         return recv_MH, recv_probs_M, meta
+
+    def _cut_expert_pairs(self, probs_ML: torch.Tensor, expert_rows: int) -> torch.Tensor:
+        """Once per rank under the budget: the (received row, local expert) pairs in the order
+        the second permute gives them rows (expert-major), those past `expert_rows` unchosen
+        (probs -1); their count is recorded for the rerun."""
+        chosen_ML = probs_ML >= 0
+        self.budget.note_expert_rows(chosen_ML.sum())
+        if expert_rows >= probs_ML.shape[0] * min(self.topk, self.num_local):
+            return probs_ML  # every pair fits: nothing to cut
+        row_LM = torch.cumsum(chosen_ML.t().reshape(-1), 0).view(chosen_ML.shape[1], -1) - 1
+        return torch.where(chosen_ML & (row_LM.t() < expert_rows), probs_ML, -1.0)
 
     def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
         """Rows arrive (source rank, local expert); the experts want (local expert, rank).
@@ -605,8 +670,12 @@ class AllToAllDispatcher:
         experts once per rank, else None)."""
         if self.once_per_rank:
             chosen_ML = recv_probs_M >= 0
-            rows = (sum(meta.tokens_per_local_expert) if meta.tokens_per_local_expert
-                    is not None else recv_MH.shape[0] * min(self.topk, self.num_local))
+            if meta.tokens_per_local_expert is not None:
+                rows = sum(meta.tokens_per_local_expert)
+            elif meta.expert_rows is not None:  # the budget's
+                rows = meta.expert_rows
+            else:
+                rows = recv_MH.shape[0] * min(self.topk, self.num_local)
             return self.ops.permute(recv_MH, chosen_ML,
                                     torch.where(chosen_ML, recv_probs_M, 0.0),
                                     num_out_tokens=rows)

@@ -416,11 +416,12 @@ def _dispatch_budget(cfg: RunConfig, ranks: int, device) -> "DispatchBudget | No
     factor = cfg.moe.moe_dispatch_budget
     if factor is None:
         return None
-    topk = cfg.moe.moe_router_topk
+    tokens, topk = cfg.train.micro_batch_size * cfg.model.seq_length, cfg.moe.moe_router_topk
     if cfg.moe.moe_dispatch_once_per_rank and ranks > 1:  # a token reaches <= min(k, R) ranks
-        topk = min(topk, ranks)
-    rows = cfg.train.micro_batch_size * cfg.model.seq_length * topk
-    return DispatchBudget(factor, ranks, rows, device)
+        local = cfg.moe.num_experts // ranks  # and a received row <= min(k, L) local experts
+        return DispatchBudget(factor, ranks, tokens * min(topk, ranks), device,
+                              pairs_per_dispatch=tokens * topk, pairs_per_row=min(topk, local))
+    return DispatchBudget(factor, ranks, tokens * topk, device)
 
 
 def model_dtype(cfg: RunConfig) -> torch.dtype:

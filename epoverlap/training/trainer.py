@@ -445,7 +445,7 @@ class Trainer:
         for router in self.model.routers():
             router.reset_step_stats()
         if self.budget is not None:
-            self.budget.demand_rows.zero_()
+            self.budget.reset_demand()
         inputs = self.microbatches(step) if inputs is None else inputs
         if self.graphs is not None:
             return self.graphs.run(inputs, self._run_eager)
@@ -494,11 +494,10 @@ class Trainer:
         budget = self.budget
         if budget is None:
             return None
-        demand = budget.demand_rows.clone()
+        demand = budget.demand()
         if self.groups.world_size > 1:
             self.groups.world.all_reduce(demand, op=dist.ReduceOp.MAX)
-        demand_rows = int(demand)
-        return None if demand_rows <= budget.chunk_rows else budget.level_for(demand_rows)
+        return budget.rerun_level(host_list(demand))
 
     def _dropped_tokens(self) -> tuple[int, float]:
         """Routed (token, expert) pairs dropped over capacity this step, all ranks and MoE
