@@ -529,15 +529,16 @@ PYEOF
         python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
     fi
     for regime in ${REGIMES:-nop2p nvlink}; do
-      p2p=""; flags=${ONCE_NVLINK_FLAGS:---moe-dispatch-once-per-rank}
+      # an empty ONCE_*_FLAGS is kept empty (ONCE_SEQ_FLAGS="": no extra sequential run)
+      p2p=""; flags=${ONCE_NVLINK_FLAGS---moe-dispatch-once-per-rank}
       if [ $regime = nop2p ]; then
         p2p="NCCL_P2P_DISABLE=1"
-        flags=${ONCE_NOP2P_FLAGS:---moe-dispatch-once-per-rank --moe-grouped-gemm-sm-carveout 8 \
+        flags=${ONCE_NOP2P_FLAGS---moe-dispatch-once-per-rank --moe-grouped-gemm-sm-carveout 8 \
 --moe-a2a-nccl-max-ctas 8 --delay-wgrad-compute --overlap-plan combined_1f1b_paired_ends}
       fi
       CUDA_VISIBLE_DEVICES=$TWO_GPUS step "bench_peer_$regime" env $p2p torchrun --standalone \
         --nproc-per-node="$NGPUS" tools/bench_peer.py --out-dir "$WORK/bench_peer_$regime" \
-        --ours-ovl-flags="$flags" --ours-seq-flags="${ONCE_SEQ_FLAGS:---moe-dispatch-once-per-rank}" \
+        --ours-ovl-flags="$flags" --ours-seq-flags="${ONCE_SEQ_FLAGS---moe-dispatch-once-per-rank}" \
         --shapes "${SHAPES:-megatron_e8_k8_f4096_mbs8x4,megatron_e32_k4_mbs8x4}"
     done
     ;;

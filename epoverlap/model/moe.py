@@ -169,7 +169,11 @@ class DispatchBudget:
     are budgeted apart (`pairs_per_dispatch` = tokens x topk, the balanced share of (token,
     expert) pairs a rank's experts get; `pairs_per_row` = min(topk, L)): `expert_rows`, with its
     own demand (`demand_expert_rows`, the most pairs any dispatch brought one rank's experts).
-    Without `pairs_per_dispatch` the rows are the pairs already: nothing apart to budget.
+    Without `pairs_per_dispatch` the rows are the pairs already: nothing apart to budget. The
+    experts' demand is counted where the rows arrive, so a step whose sends overflowed counts
+    only the pairs of the rows that were sent: its rerun, whose chunks hold every row, may still
+    overflow the experts' budget and run once more (never with k >= EP at a budget >= 1, whose
+    chunks hold one row per token).
     """
 
     def __init__(self, factor: float, ranks: int, rows_per_dispatch: int,
