@@ -229,11 +229,8 @@ def once_per_rank_equivalence(rank, world_size, flag_sets, backend):
                 comm = ExpertComm(groups.ep, world_size)
                 comm.trace = []
                 topk = cfg.moe.moe_router_topk
-                local = EXPERTS // world_size
-                budget = None if mode.budget is None else DispatchBudget(
-                    mode.budget, world_size, TOKENS * (min(topk, world_size) if once else topk),
-                    groups.device, pairs_per_dispatch=TOKENS * topk if once else None,
-                    pairs_per_row=min(topk, local))
+                budget = None if mode.budget is None else DispatchBudget.for_dispatch(
+                    mode.budget, world_size, TOKENS, topk, EXPERTS, once, groups.device)
                 dispatcher = AllToAllDispatcher(comm, EXPERTS, topk, ops, groups.device, mode,
                                                 budget)
                 x = x_TH.clone().requires_grad_()

@@ -132,6 +132,11 @@ FULL_ITERATION = ["--cuda-graph-impl", "full_iteration"]
 ROW_LABELS = {"": "off", "_graph": "on", "_budget": "budget, eager", "_full": "budget, full"}
 
 
+def comm_ms(r: dict, suffix: str) -> float:
+    """T_comm of a row: the budget's all-to-alls (its fixed chunks) for the budget rows."""
+    return r["comm_budget" if suffix in ("_budget", "_full") else "comm"]["fb_ms"]
+
+
 def sync_time(device) -> float:
     """The host clock once the device has finished its queued work."""
     if device.type == "cuda":
@@ -420,7 +425,7 @@ def derived(r: dict) -> dict:
     for suffix in ROW_LABELS:
         if "seq" + suffix not in r:
             continue
-        comm = r["comm_budget" if suffix in ("_budget", "_full") else "comm"]["fb_ms"]
+        comm = comm_ms(r, suffix)
         seq, comp = r["seq" + suffix]["fb_ms"], r["comp" + suffix]["fb_ms"]
         for mode in ("ovl", "ovl_wgrad"):
             t = r[mode + suffix]["fb_ms"]
@@ -484,12 +489,11 @@ def markdown(all_results: list, world: int) -> str:
         for s, label in ROW_LABELS.items():
             if "seq" + s not in r:
                 continue
-            comm = r["comm_budget" if s in ("_budget", "_full") else "comm"]["fb_ms"]
             lines.append(" | ".join([
                 f"| {r['shape']}", label, f(d["ratio" + s]),
                 f(r["seq" + s]["fb_ms"]), f(r["ovl" + s]["fb_ms"]),
                 f(r["ovl_wgrad" + s]["fb_ms"]), f(r["comp" + s]["fb_ms"]),
-                f(comm), f(d[f"seq_over_ovl{s}"]), f(d[f"seq_over_ovl_wgrad{s}"]),
+                f(comm_ms(r, s)), f(d[f"seq_over_ovl{s}"]), f(d[f"seq_over_ovl_wgrad{s}"]),
                 f(d[f"ovl{s}_over_ideal"]), f(d[f"ovl_wgrad{s}_over_ideal"]),
                 f(d[f"realized_ovl{s}"]), f(d[f"realized_ovl_wgrad{s}"]),
                 f"{r['seq' + s]['peak_reserved_gib']:.1f}/{r['ovl' + s]['peak_reserved_gib']:.1f}/"

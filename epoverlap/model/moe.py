@@ -186,6 +186,18 @@ class DispatchBudget:
         self.demand_rows = torch.zeros((), dtype=torch.int64, device=device)
         self.demand_expert_rows = torch.zeros((), dtype=torch.int64, device=device)
 
+    @classmethod
+    def for_dispatch(cls, factor: float, ranks: int, tokens: int, topk: int, num_experts: int,
+                     once_per_rank: bool, device: torch.device) -> "DispatchBudget":
+        """The budget of a dispatch of `tokens` tokens a microbatch: rows are (token, expert)
+        pairs, or once per rank (EP > 1) (token, rank) pairs, at most min(topk, ranks) a token,
+        each going to at most min(topk, L) local experts, whose rows are budgeted apart."""
+        if once_per_rank and ranks > 1:
+            return cls(factor, ranks, tokens * min(topk, ranks), device,
+                       pairs_per_dispatch=tokens * topk,
+                       pairs_per_row=min(topk, num_experts // ranks))
+        return cls(factor, ranks, tokens * topk, device)
+
     @property
     def factor(self) -> float:
         return self.levels[self.level]
@@ -674,12 +686,8 @@ class AllToAllDispatcher:
         experts once per rank, else None)."""
         if self.once_per_rank:
             chosen_ML = recv_probs_M >= 0
-            if meta.tokens_per_local_expert is not None:
-                rows = sum(meta.tokens_per_local_expert)
-            elif meta.expert_rows is not None:  # the budget's
-                rows = meta.expert_rows
-            else:
-                rows = recv_MH.shape[0] * min(self.topk, self.num_local)
+            rows = (meta.expert_rows if meta.tokens_per_local_expert is None  # the budget's
+                    else sum(meta.tokens_per_local_expert))
             return self.ops.permute(recv_MH, chosen_ML,
                                     torch.where(chosen_ML, recv_probs_M, 0.0),
                                     num_out_tokens=rows)

@@ -416,12 +416,10 @@ def _dispatch_budget(cfg: RunConfig, ranks: int, device) -> "DispatchBudget | No
     factor = cfg.moe.moe_dispatch_budget
     if factor is None:
         return None
-    tokens, topk = cfg.train.micro_batch_size * cfg.model.seq_length, cfg.moe.moe_router_topk
-    if cfg.moe.moe_dispatch_once_per_rank and ranks > 1:  # a token reaches <= min(k, R) ranks
-        local = cfg.moe.num_experts // ranks  # and a received row <= min(k, L) local experts
-        return DispatchBudget(factor, ranks, tokens * min(topk, ranks), device,
-                              pairs_per_dispatch=tokens * topk, pairs_per_row=min(topk, local))
-    return DispatchBudget(factor, ranks, tokens * topk, device)
+    return DispatchBudget.for_dispatch(factor, ranks,
+                                       cfg.train.micro_batch_size * cfg.model.seq_length,
+                                       cfg.moe.moe_router_topk, cfg.moe.num_experts,
+                                       cfg.moe.moe_dispatch_once_per_rank, device)
 
 
 def model_dtype(cfg: RunConfig) -> torch.dtype:
