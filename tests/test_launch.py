@@ -166,6 +166,13 @@ def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_
     # the compute lane's own time, waits apart: seq against itself is 1 exactly
     assert shape["timeline"]["seq"]["compute_slowdown_vs_seq"] == 1.0
     assert shape["timeline"]["ovl"]["compute_wait_ms"] > 0  # ovl waits on the comm thread
+    # the comm lane against seq's, and its share of the step
+    assert shape["timeline"]["seq"]["comm_slowdown_vs_seq"] == 1.0
+    ovl_figures = shape["timeline"]["ovl"]
+    assert ovl_figures["comm_slowdown_vs_seq"] == (ovl_figures["comm_ms"]
+                                                   / shape["timeline"]["seq"]["comm_ms"])
+    assert ovl_figures["comm_busy_share"] == ovl_figures["comm_ms"] / ovl_figures["step_ms"]
+    assert 0 < ovl_figures["comm_busy_share"] <= 1
     compare = _run([sys.executable, "-m", "epoverlap_tools.timeline", "--compare",
                     str(tmp_path / "spans" / "quick" / "seq"),
                     str(tmp_path / "spans" / "quick" / "ovl_wgrad"), "--out-dir", str(tmp_path)])

@@ -386,7 +386,9 @@ def timeline_figures(spans_root: Path, modes: list) -> dict:
     """Per mode, the timeline tool's figures of the profiled steps, mean over steps and ranks
     (and the worst rank's exposed comm): what `epoverlap-timeline` prints for that directory;
     with a `seq` mode, each mode's compute slowdown against it (`epoverlap-timeline --compare`,
-    all layers: compute time apart from waits)."""
+    all layers: compute time apart from waits) and its comm lane's time against seq's (the
+    all-to-alls' spans, a wait for a late peer included). `comm_busy_share` is the comm lane's
+    time over the step: near 1, the all-to-alls run back to back and the step is their sum."""
     from epoverlap.profiling.node_times import compare_runs, node_figures
     from epoverlap.profiling.spans import read_span_directory
     from epoverlap_tools.timeline import span_summary
@@ -410,6 +412,10 @@ def timeline_figures(spans_root: Path, modes: list) -> dict:
             total = compare_runs(nodes["seq"], nodes[mode])[-1]  # the "all layers" row
             out[mode]["compute_ms"] = total.other_compute_us / 1e3
             out[mode]["compute_slowdown_vs_seq"] = total.slowdown
+            if out["seq"]["comm_ms"] > 0:
+                out[mode]["comm_slowdown_vs_seq"] = out[mode]["comm_ms"] / out["seq"]["comm_ms"]
+    for figures in out.values():
+        figures["comm_busy_share"] = figures["comm_ms"] / figures["step_ms"]
     return out
 
 
@@ -518,7 +524,8 @@ def markdown(all_results: list, world: int) -> str:
         lines += ["", "| profiled shape | mode | bench fb ms | profiled step ms | bench exposed "
                   "(T_mode - T_comp) ms | timeline exposed ms (mean / worst rank) | timeline "
                   "net exposed (mode - comp) ms | timeline comm ms | compute ms (waits apart) | "
-                  "compute slowdown vs seq | compute wait ms |", "| --- " * 11 + "|"]
+                  "compute slowdown vs seq | compute wait ms | comm slowdown vs seq | comm lane busy "
+                  "share |", "| --- " * 13 + "|"]
     for r in profiled:
         comp_exposed = r["timeline"].get("comp", {}).get("exposed_ms")
         for mode, t in r["timeline"].items():
@@ -527,10 +534,13 @@ def markdown(all_results: list, world: int) -> str:
             compute = f"{t['compute_ms']:.2f}" if "compute_ms" in t else "-"
             slowdown = t.get("compute_slowdown_vs_seq")
             slowdown = f"{slowdown:.3f}" if slowdown else "-"
+            comm_slowdown = t.get("comm_slowdown_vs_seq")
+            comm_slowdown = f"{comm_slowdown:.3f}" if comm_slowdown else "-"
             lines.append(f"| {r['shape']} | {mode} | {r[mode]['fb_ms']:.2f} | {t['step_ms']:.2f} "
                          f"| {bench} | {t['exposed_ms']:.2f} / {t['exposed_max_rank_ms']:.2f} | "
                          f"{net} | {t['comm_ms']:.2f} | {compute} | {slowdown} | "
-                         f"{t['compute_wait_ms']:.2f} |")
+                         f"{t['compute_wait_ms']:.2f} | {comm_slowdown} | "
+                         f"{t['comm_busy_share']:.2f} |")
     return "\n".join(lines)
 
 
