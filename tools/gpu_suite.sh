@@ -668,8 +668,10 @@ PYEOF
             # Megatron shapes (PROBE_SHAPES: "mbs2x8", "mbs8x4", "e8"), eager, bf16, optimizer
             # on, --overlap-probe-steps PROBE_STEPS (default 5), with and without delayed wgrad,
             # NVLink and NCCL_P2P_DISABLE=1: which schedule each run keeps, from what figures;
-            # PROBE_MODES "eager graphs" adds the partial graphs (a bank per schedule; mind
-            # PROBE_ITERS >= 3 warm-up + 1 + 2 x PROBE_STEPS); TESTS (pytest files) first
+            # PROBE_MODES "eager graphs full" adds the partial graphs and one full-iteration
+            # graph over the budget dispatch (a bank per schedule; mind PROBE_ITERS >= 3
+            # warm-up + 1 + 2 x PROBE_STEPS); REGIMES ("nvlink nop2p"), WGRAD_MODES ("off on");
+            # TESTS (pytest files) first
     if [ -n "${TESTS:-}" ]; then
       export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20}
       CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step probe_tests \
@@ -684,14 +686,19 @@ PYEOF
                --micro-batch-size 8 --num-microbatches 4" ;;
         *) echo "x2probe: unknown shape $shape (mbs2x8, mbs8x4, e8)"; exit 2 ;;
       esac
-      for regime in nvlink nop2p; do
-        for wgrad in "" "--delay-wgrad-compute"; do
+      for regime in ${REGIMES:-nvlink nop2p}; do
+        for wgrad_mode in ${WGRAD_MODES:-off on}; do
+          wgrad=""; [ "$wgrad_mode" = on ] && wgrad="--delay-wgrad-compute"
           for mode in ${PROBE_MODES:-eager}; do  # graphs: each schedule replays its own bank
-            graph_flags=""
-            [ "$mode" = graphs ] && graph_flags="--cuda-graph-impl local --cuda-graph-modules \
-              attn moe_router moe_preprocess"
+            case $mode in
+              eager) graph_flags="" ;;
+              graphs) graph_flags="--cuda-graph-impl local --cuda-graph-modules attn \
+                moe_router moe_preprocess" ;;
+              full) graph_flags="--moe-dispatch-budget 1.25 --cuda-graph-impl full_iteration" ;;
+              *) echo "x2probe: unknown mode $mode (eager, graphs, full)"; exit 2 ;;
+            esac
             p2p=""; [ $regime = nop2p ] && p2p="NCCL_P2P_DISABLE=1"
-            name="probe_${shape}_${regime}${wgrad:+_wgrad}${graph_flags:+_graphs}"
+            name="probe_${shape}_${regime}${wgrad:+_wgrad}${graph_flags:+_$mode}"
             CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${PROBE_TIMEOUT:-150} step "$name" \
               env $p2p torchrun --standalone --nproc-per-node="$NGPUS" -m epoverlap.train \
               --preset megatron-cmp $shape_flags --bf16 --mock-data \
