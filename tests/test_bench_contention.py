@@ -26,6 +26,8 @@ def test_arguments_and_their_defaults():
     assert args.computes == ["gemm", "grouped"]
     assert args.budgets == [NcclCtaBudget()]  # one rank: NCCL runs no kernel to budget
     assert args.copy_ctas == ["sms", "32", "16", "8", "4", "2"]
+    assert args.compute_sms == ["all"]  # the GEMMs on every SM, no green context
+    assert bc.parse_args(["--compute-sms", "all, 124,116"]).compute_sms == ["all", "124", "116"]
     loads = bc.loads_of(args, sms=132)
     assert [(load.kind, load.label()) for load in loads] == [
         ("nccl", "NCCL default"), ("triton_copy", "132"), ("triton_copy", "32"),
@@ -52,6 +54,8 @@ def test_two_ranks_sweep_the_nccl_budget_by_default(monkeypatch):
     (["--iters", "0"], "--iters 0: must be >= 1"),
     (["--ep", "0"], "--ep 0: must be >= 1"),
     (["--copy-ctas", "sms,0"], "--copy-ctas 'sms,0': counts >= 1 or 'sms'"),
+    (["--compute-sms", "all,0"], "--compute-sms 'all,0': 'all' or SM counts >= 1"),
+    (["--compute-sms", "most"], "--compute-sms 'most': 'all' or SM counts >= 1"),
 ])
 def test_bad_arguments_exit_2_naming_them(capsys, argv, message):
     with pytest.raises(SystemExit) as stop:
@@ -118,7 +122,8 @@ def test_the_plan_outlasts_the_gemms():
 
 
 def _row(**over):
-    row = {"shape": "s", "compute": "gemm", "load": "nccl", "ctas": "max 8", "bytes": 2e9,
+    row = {"shape": "s", "compute": "gemm", "load": "nccl", "ctas": "max 8",
+           "compute_sms": "124", "bytes": 2e9,
            "ran_as": "ncclDevKernel_SendRecv", "compute_alone_ms": 2.0,
            "compute_beside_ms": 2.2, "comm_alone_ms": 4.0, "comm_beside_ms": 5.0,
            "load_duty": 0.98}
@@ -133,10 +138,10 @@ def test_rows_get_both_slowdowns_and_the_table_prints_them(tmp_path):
     missing = _row(compute_beside_ms=None, load="d2h_pinned", ctas="-")
     assert missing["compute_slowdown"] is None
     table = bc.markdown_table([row, missing]).splitlines()
-    assert table[0].startswith("| shape | compute | load | CTAs | compute alone ms |")
-    assert table[2] == ("| s | gemm | nccl | max 8 | 2.000 | 2.200 | 1.100 | 4.000 | 5.000 | "
-                        "1.250 | 500 | 0.98 | ncclDevKernel_SendRecv |")
-    assert table[3].split(" | ")[5:7] == ["-", "-"]
+    assert table[0].startswith("| shape | compute | load | CTAs | compute SMs | compute alone ms |")
+    assert table[2] == ("| s | gemm | nccl | max 8 | 124 | 2.000 | 2.200 | 1.100 | 4.000 | "
+                        "5.000 | 1.250 | 500 | 0.98 | ncclDevKernel_SendRecv |")
+    assert table[3].split(" | ")[6:8] == ["-", "-"]
     path = bc.write_report(tmp_path / "out", {"rows": [row, missing]})
     assert json.loads(path.read_text())["rows"][1]["compute_slowdown"] is None
 
@@ -185,3 +190,32 @@ def test_the_whole_tool_on_one_gpu_at_a_tiny_size(tmp_path):
         assert row["compute_slowdown"] is None or row["compute_slowdown"] > 0, row
         assert row["ran_as"] != "nothing on the GPU", row
         assert 0 <= row["load_duty"] <= 1.0 + 1e-6 and len(row["plan"]) == 3, row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gemms_on_a_green_context_of_fewer_sms(tmp_path):
+    """--compute-sms: the GEMMs alone and beside a copy on every SM, then on a green context of
+    all but 16 SMs; every row timed and labelled with its SM count. Where this torch has no
+    green contexts the tool must say so in one line, not run on every SM unlabelled."""
+    from torch.cuda import green_contexts
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), str(REPO / ".pathshim"), os.environ.get("PYTHONPATH", "")]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_contention.py"), "--shapes",
+         "megatron_e32_k4_mbs2x8", "--scale", "0.05", "--iters", "3", "--warmup", "1",
+         "--loads", "triton_copy", "--copy-ctas", "8", "--computes", "grouped",
+         "--compute-sms", f"all,{sms - 16}", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    if not getattr(green_contexts, "SUPPORTED", False):
+        assert result.returncode != 0 and "built without CUDA green contexts" in result.stderr
+        return
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / bc.JSON_FILE).read_text())["rows"]
+    assert [r["compute_sms"] for r in rows] == ["all", str(sms - 16)]
+    for row in rows:
+        assert row["compute_alone_ms"] > 0 and row["compute_beside_ms"] > 0, row
+        assert row["comm_alone_ms"] > 0 and row["comm_beside_ms"] > 0, row

@@ -5,7 +5,7 @@ beside it on another stream, and how much slower that communication runs beside 
         [--ep 2] [--max-ctas default,16,8,4,2] [--min-ctas 1] [--copy-ctas sms,32,16,8,4,2]
         [--loads nccl,triton_copy,sm_copy,memcpy_d2d,d2h_pinned] [--computes gemm,grouped]
         [--iters 20] [--warmup 3] [--scale 1.0] [--comm-stream-priority high|normal]
-        [--out-dir runs/bench_contention]
+        [--compute-sms all,124,116] [--out-dir runs/bench_contention]
     torchrun --standalone --nproc-per-node N tools/bench_contention.py ...   (NCCL across N GPUs)
 
 Sizes, from tools/bench_overlap.py's shapes (their flags through the training command's config;
@@ -53,7 +53,12 @@ other). `compute beside` is the median of the GEMMs during at least 90% of which
 `comm beside` that of the loads during 90% of which a GEMM ran; `load duty` is the share of the
 GEMMs' span in which a load ran (below 1: the load stream had gaps, e.g. a host-bound load);
 the JSON adds the counts and `compute_duty`, the same the other way round.
-Slowdown = beside / alone, of each side. Prints the sizes, then a markdown table last; writes
+Slowdown = beside / alone, of each side.
+
+`--compute-sms` runs the GEMMs on a stream of a CUDA green context holding that many SMs (torch's
+`torch.cuda.green_contexts`, beta), once per value; `all` is the ordinary stream on every SM. The
+loads stay on ordinary streams, so the SMs the GEMMs cannot take are free for them: whether the
+comm slowdown beside the GEMMs is their sharing of SMs, and what a partition costs the GEMMs. Prints the sizes, then a markdown table last; writes
 OUT/bench_contention.json. Without a CUDA GPU: one line, exit status 2.
 """
 
@@ -166,6 +171,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiplies the tokens per microbatch (small runs, tests)")
     parser.add_argument("--comm-stream-priority", choices=("high", "normal"), default="high")
+    parser.add_argument("--compute-sms", default="all",
+                        help="comma list: 'all' (every SM) or SM counts for the GEMMs' green "
+                             "context, e.g. all,124,116")
     parser.add_argument("--out-dir", default="runs/bench_contention")
     args = parser.parse_args(argv)
     args.shapes = _names(parser, "--shapes", args.shapes, SHAPES)
@@ -189,6 +197,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error(f"--scale {args.scale}: must be in (0, 1]")
     if args.ep is not None and args.ep < 1:
         parser.error(f"--ep {args.ep}: must be >= 1")
+    args.compute_sms = [c.strip() for c in args.compute_sms.split(",") if c.strip()]
+    if not args.compute_sms or not all(c == "all" or (c.isdigit() and int(c) >= 1)
+                                       for c in args.compute_sms):
+        parser.error(f"--compute-sms {','.join(args.compute_sms)!r}: 'all' or SM counts >= 1")
     return args
 
 
@@ -206,7 +218,7 @@ def _names(parser, flag: str, text: str, allowed) -> list[str]:
 
 TABLE_COLUMNS = (  # (header, row key, format)
     ("shape", "shape", "{}"), ("compute", "compute", "{}"), ("load", "load", "{}"),
-    ("CTAs", "ctas", "{}"), ("compute alone ms", "compute_alone_ms", "{:.3f}"),
+    ("CTAs", "ctas", "{}"), ("compute SMs", "compute_sms", "{}"), ("compute alone ms", "compute_alone_ms", "{:.3f}"),
     ("compute beside ms", "compute_beside_ms", "{:.3f}"),
     ("compute slowdown", "compute_slowdown", "{:.3f}"),
     ("comm alone ms", "comm_alone_ms", "{:.3f}"), ("comm beside ms", "comm_beside_ms", "{:.3f}"),
@@ -518,8 +530,9 @@ def loads_of(args, sms: int) -> list[Load]:
 
 
 def bench_shape(sizes: BenchSizes, groups_of: Callable[[NcclCtaBudget], object], streams, args,
-                log) -> list[dict]:
-    """Every (compute, load) pair of one shape (`ran_as` is filled in later: see run)."""
+                log, compute_sms: str = "all") -> list[dict]:
+    """Every (compute, load) pair of one shape (`ran_as` is filled in later: see run), the
+    GEMMs on `streams[0]` (a green context's stream of `compute_sms` SMs, or every SM)."""
     device = streams[0].device
     computes = compute_ops(sizes, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -528,14 +541,32 @@ def bench_shape(sizes: BenchSizes, groups_of: Callable[[NcclCtaBudget], object],
         load = spec.make(sizes, device, groups_of)
         for name in args.computes:
             row = {"shape": sizes.shape, "compute": name, "load": spec.kind,
-                   "ctas": spec.label(), "bytes": sizes.a2a_bytes, "ran_as": None,
+                   "ctas": spec.label(), "compute_sms": compute_sms,
+                   "bytes": sizes.a2a_bytes, "ran_as": None,
                    "load_spec": spec, **measure_pair(computes[name], load, streams, args, device)}
             rows.append(finish_row(row))
-            log(f"[bench_contention] {sizes.shape} {name} beside {spec.kind} ({spec.label()}): "
+            log(f"[bench_contention] {sizes.shape} {name} on {compute_sms} SMs beside "
+                f"{spec.kind} ({spec.label()}): "
                 f"compute x{_x(row['compute_slowdown'])}, comm x{_x(row['comm_slowdown'])}")
         del load
         torch.cuda.empty_cache()
     return rows
+
+
+def compute_stream_on(sms: str, device: torch.device):
+    """The GEMMs' stream: the current one for 'all', else the stream of a new green context of
+    that many SMs (kept alive by the stream's owner, returned with it)."""
+    if sms == "all":
+        return torch.cuda.current_stream(device), None
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if int(sms) >= total:
+        raise ValueError(f"--compute-sms {sms}: this GPU has {total} SMs; give fewer, or 'all'")
+    from torch.cuda import green_contexts
+    if not getattr(green_contexts, "SUPPORTED", False):
+        raise ValueError(f"--compute-sms {sms}: torch {torch.__version__} was built without "
+                         "CUDA green contexts; use 'all'")
+    context = green_contexts.GreenContext.create(num_sms=int(sms), device_id=device.index)
+    return context.Stream(), context
 
 
 def fill_ran_as(rows: list[dict], all_sizes: Sequence[BenchSizes], device, groups_of) -> None:
@@ -588,12 +619,16 @@ def run(args) -> int:
         return made[budget]
     log = print if groups.rank == 0 else (lambda message: None)
     lanes = CudaStreamLanes(groups.device, args.comm_stream_priority == "high")
-    streams = (torch.cuda.current_stream(groups.device), lanes.comm_stream)
     rows = []
     try:
-        for sizes in all_sizes:
-            log(f"[bench_contention] sizes: {sizes.describe()}")
-            rows += bench_shape(sizes, groups_of, streams, args, log)
+        for compute_sms in args.compute_sms:
+            compute_stream, context = compute_stream_on(compute_sms, groups.device)
+            for sizes in all_sizes:
+                log(f"[bench_contention] sizes: {sizes.describe()}")
+                rows += bench_shape(sizes, groups_of, (compute_stream, lanes.comm_stream), args,
+                                    log, compute_sms)
+            torch.cuda.synchronize(groups.device)
+            del compute_stream, context
         fill_ran_as(rows, all_sizes, groups.device, groups_of)
     finally:
         destroy_distributed(groups)

@@ -808,6 +808,23 @@ PYEOF
         --iters "${ITERS:-4}" --warmup 1 --out-dir "$WORK/prof/nop2p"
     fi
     ;;
+  x2green)  # 2 GPUs: the GEMMs on a CUDA green context of fewer SMs beside NCCL's all-to-all
+             # (bench_contention --compute-sms GREEN_SMS, default all,120,112) at GREEN_SHAPES
+             # and GREEN_CTAS, NCCL_P2P_DISABLE=1 then NVLink (REGIMES); TESTS first
+    if [ -n "${TESTS:-}" ]; then
+      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-200} step green_tests \
+        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
+    fi
+    for regime in ${REGIMES:-nop2p nvlink}; do
+      p2p=0; [ "$regime" = nop2p ] && p2p=1
+      NCCL_P2P_DISABLE=$p2p CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${GREEN_TIMEOUT:-200} \
+        step "green_$regime" torchrun --standalone --nproc-per-node="$NGPUS" \
+        tools/bench_contention.py --loads nccl --computes gemm,grouped --iters 10 \
+        --shapes "${GREEN_SHAPES:-ratio_h2048_k8_f128,megatron_e8_k8_f4096_mbs8x4}" \
+        --max-ctas "${GREEN_CTAS:-default,8}" --compute-sms "${GREEN_SMS:-all,120,112}" \
+        --out-dir "$WORK/green_$regime"
+    done
+    ;;
   x2carve)  # 2 GPUs: the grouped GEMMs' SM carveout and the paired-ends plan (overlap.md run E):
              # bench_overlap per VARIANT (tag:regime:shape:max_ctas:flags[:bench_args], flags
              # and bench_args with , for spaces; max_ctas may be a comma list, swept in one run),
