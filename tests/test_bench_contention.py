@@ -27,7 +27,7 @@ def test_arguments_and_their_defaults():
     assert args.budgets == [NcclCtaBudget()]  # one rank: NCCL runs no kernel to budget
     assert args.copy_ctas == ["sms", "32", "16", "8", "4", "2"]
     assert args.compute_sms == ["all"]  # the GEMMs on every SM, no green context
-    assert bc.parse_args(["--compute-sms", "all, 124,116"]).compute_sms == ["all", "124", "116"]
+    assert bc.parse_args(["--compute-sms", "all, 124,116c"]).compute_sms == ["all", "124", "116c"]
     loads = bc.loads_of(args, sms=132)
     assert [(load.kind, load.label()) for load in loads] == [
         ("nccl", "NCCL default"), ("triton_copy", "132"), ("triton_copy", "32"),
@@ -56,6 +56,7 @@ def test_two_ranks_sweep_the_nccl_budget_by_default(monkeypatch):
     (["--copy-ctas", "sms,0"], "--copy-ctas 'sms,0': counts >= 1 or 'sms'"),
     (["--compute-sms", "all,0"], "--compute-sms 'all,0': 'all' or SM counts >= 1"),
     (["--compute-sms", "most"], "--compute-sms 'most': 'all' or SM counts >= 1"),
+    (["--compute-sms", "120cc"], "--compute-sms '120cc': 'all' or SM counts >= 1"),
 ])
 def test_bad_arguments_exit_2_naming_them(capsys, argv, message):
     with pytest.raises(SystemExit) as stop:
@@ -196,7 +197,8 @@ def test_the_whole_tool_on_one_gpu_at_a_tiny_size(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gemms_on_a_green_context_of_fewer_sms(tmp_path):
     """--compute-sms: the GEMMs alone and beside a copy on every SM, then on a green context of
-    all but 16 SMs; every row timed and labelled with its SM count. Where this torch has no
+    all but 16 SMs, without and with the GEMMs carved out to it; every row timed and labelled
+    with its SM count. Where this torch has no
     green contexts the tool must say so in one line, not run on every SM unlabelled."""
     from torch.cuda import green_contexts
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -208,14 +210,14 @@ def test_gemms_on_a_green_context_of_fewer_sms(tmp_path):
         [sys.executable, str(REPO / "tools" / "bench_contention.py"), "--shapes",
          "megatron_e32_k4_mbs2x8", "--scale", "0.05", "--iters", "3", "--warmup", "1",
          "--loads", "triton_copy", "--copy-ctas", "8", "--computes", "grouped",
-         "--compute-sms", f"all,{sms - 16}", "--out-dir", str(tmp_path)],
+         "--compute-sms", f"all,{sms - 16},{sms - 16}c", "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     if not getattr(green_contexts, "SUPPORTED", False):
         assert result.returncode != 0 and "built without CUDA green contexts" in result.stderr
         return
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads((tmp_path / bc.JSON_FILE).read_text())["rows"]
-    assert [r["compute_sms"] for r in rows] == ["all", str(sms - 16)]
+    assert [r["compute_sms"] for r in rows] == ["all", str(sms - 16), f"{sms - 16}c"]
     for row in rows:
         assert row["compute_alone_ms"] > 0 and row["compute_beside_ms"] > 0, row
         assert row["comm_alone_ms"] > 0 and row["comm_beside_ms"] > 0, row

@@ -5,7 +5,7 @@ beside it on another stream, and how much slower that communication runs beside 
         [--ep 2] [--max-ctas default,16,8,4,2] [--min-ctas 1] [--copy-ctas sms,32,16,8,4,2]
         [--loads nccl,triton_copy,sm_copy,memcpy_d2d,d2h_pinned] [--computes gemm,grouped]
         [--iters 20] [--warmup 3] [--scale 1.0] [--comm-stream-priority high|normal]
-        [--compute-sms all,124,116] [--out-dir runs/bench_contention]
+        [--compute-sms all,120,120c] [--out-dir runs/bench_contention]
     torchrun --standalone --nproc-per-node N tools/bench_contention.py ...   (NCCL across N GPUs)
 
 Sizes, from tools/bench_overlap.py's shapes (their flags through the training command's config;
@@ -58,7 +58,10 @@ Slowdown = beside / alone, of each side.
 `--compute-sms` runs the GEMMs on a stream of a CUDA green context holding that many SMs (torch's
 `torch.cuda.green_contexts`, beta), once per value; `all` is the ordinary stream on every SM. The
 loads stay on ordinary streams, so the SMs the GEMMs cannot take are free for them: whether the
-comm slowdown beside the GEMMs is their sharing of SMs, and what a partition costs the GEMMs. Prints the sizes, then a markdown table last; writes
+comm slowdown beside the GEMMs is their sharing of SMs, and what a partition costs the GEMMs.
+A count with a `c` suffix (`120c`) also sets torch's SM carveout for the GEMMs to the SMs left
+out (cuBLAS and `torch._grouped_mm` then size their grids for the SMs they get, instead of
+launching a wave for SMs the green context does not have). Prints the sizes, then a markdown table last; writes
 OUT/bench_contention.json. Without a CUDA GPU: one line, exit status 2.
 """
 
@@ -173,7 +176,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--comm-stream-priority", choices=("high", "normal"), default="high")
     parser.add_argument("--compute-sms", default="all",
                         help="comma list: 'all' (every SM) or SM counts for the GEMMs' green "
-                             "context, e.g. all,124,116")
+                             "context, a 'c' suffix to carve the GEMMs out to it too, e.g. "
+                             "all,120,120c")
     parser.add_argument("--out-dir", default="runs/bench_contention")
     args = parser.parse_args(argv)
     args.shapes = _names(parser, "--shapes", args.shapes, SHAPES)
@@ -198,9 +202,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if args.ep is not None and args.ep < 1:
         parser.error(f"--ep {args.ep}: must be >= 1")
     args.compute_sms = [c.strip() for c in args.compute_sms.split(",") if c.strip()]
-    if not args.compute_sms or not all(c == "all" or (c.isdigit() and int(c) >= 1)
+    if not args.compute_sms or not all(c == "all" or (c.rstrip("c").isdigit()
+                                                      and int(c.rstrip("c")) >= 1
+                                                      and c.count("c") <= 1)
                                        for c in args.compute_sms):
-        parser.error(f"--compute-sms {','.join(args.compute_sms)!r}: 'all' or SM counts >= 1")
+        parser.error(f"--compute-sms {','.join(args.compute_sms)!r}: 'all' or SM counts >= 1, "
+                     "each optionally with a 'c' suffix")
     return args
 
 
@@ -553,11 +560,12 @@ def bench_shape(sizes: BenchSizes, groups_of: Callable[[NcclCtaBudget], object],
     return rows
 
 
-def compute_stream_on(sms: str, device: torch.device):
+def compute_stream_on(value: str, device: torch.device):
     """The GEMMs' stream: the current one for 'all', else the stream of a new green context of
     that many SMs (kept alive by the stream's owner, returned with it)."""
-    if sms == "all":
+    if value == "all":
         return torch.cuda.current_stream(device), None
+    sms = value.rstrip("c")
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if int(sms) >= total:
         raise ValueError(f"--compute-sms {sms}: this GPU has {total} SMs; give fewer, or 'all'")
@@ -621,12 +629,18 @@ def run(args) -> int:
     lanes = CudaStreamLanes(groups.device, args.comm_stream_priority == "high")
     rows = []
     try:
+        total = torch.cuda.get_device_properties(groups.device).multi_processor_count
         for compute_sms in args.compute_sms:
             compute_stream, context = compute_stream_on(compute_sms, groups.device)
-            for sizes in all_sizes:
-                log(f"[bench_contention] sizes: {sizes.describe()}")
-                rows += bench_shape(sizes, groups_of, (compute_stream, lanes.comm_stream), args,
-                                    log, compute_sms)
+            carveout = total - int(compute_sms[:-1]) if compute_sms.endswith("c") else 0
+            torch._C._set_sm_carveout_experimental(carveout or None)
+            try:
+                for sizes in all_sizes:
+                    log(f"[bench_contention] sizes: {sizes.describe()}")
+                    rows += bench_shape(sizes, groups_of, (compute_stream, lanes.comm_stream),
+                                        args, log, compute_sms)
+            finally:
+                torch._C._set_sm_carveout_experimental(None)
             torch.cuda.synchronize(groups.device)
             del compute_stream, context
         fill_ran_as(rows, all_sizes, groups.device, groups_of)
