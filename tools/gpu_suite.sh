@@ -810,7 +810,8 @@ PYEOF
     ;;
   x2green)  # 2 GPUs: the GEMMs on a CUDA green context of fewer SMs beside NCCL's all-to-all
              # (bench_contention --compute-sms GREEN_SMS, default all,120,112) at GREEN_SHAPES
-             # and GREEN_CTAS, NCCL_P2P_DISABLE=1 then NVLink (REGIMES); TESTS first
+             # and GREEN_CTAS (max; GREEN_MIN_CTAS: --min-ctas), NCCL_P2P_DISABLE=1 then NVLink
+             # (REGIMES); TESTS first
     if [ -n "${TESTS:-}" ]; then
       CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-200} step green_tests \
         python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
@@ -821,7 +822,8 @@ PYEOF
         step "green_$regime" torchrun --standalone --nproc-per-node="$NGPUS" \
         tools/bench_contention.py --loads nccl --computes gemm,grouped --iters 10 \
         --shapes "${GREEN_SHAPES:-ratio_h2048_k8_f128,megatron_e8_k8_f4096_mbs8x4}" \
-        --max-ctas "${GREEN_CTAS:-default,8}" --compute-sms "${GREEN_SMS:-all,120,112}" \
+        --max-ctas "${GREEN_CTAS:-default,8}" ${GREEN_MIN_CTAS:+--min-ctas $GREEN_MIN_CTAS} \
+        --compute-sms "${GREEN_SMS:-all,120,112}" \
         --out-dir "$WORK/green_$regime"
     done
     ;;
