@@ -158,21 +158,27 @@ def test_without_a_gpu_it_says_so_in_one_line():
         "streams); none is visible here"]
 
 
+def _run_one_rank(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """The tool as one process (world size 1, no torchrun variables) at 5% of the
+    megatron_e32_k4_mbs2x8 tokens, 3 iterations after 1 warm-up, plus `args`."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), str(REPO / ".pathshim"), os.environ.get("PYTHONPATH", "")]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_contention.py"), "--shapes",
+         "megatron_e32_k4_mbs2x8", "--scale", "0.05", "--iters", "3", "--warmup", "1", *args,
+         "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_whole_tool_on_one_gpu_at_a_tiny_size(tmp_path):
     """World size 1 (its own single-process NCCL group): two NCCL budgets, the CTA-limited
     copy at two grids and the three other copies beside both GEMMs, a few iterations at 5% of
     the tokens."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO), str(REPO / ".pathshim"), os.environ.get("PYTHONPATH", "")]))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_contention.py"), "--shapes",
-         "megatron_e32_k4_mbs2x8", "--scale", "0.05", "--iters", "3", "--warmup", "1",
-         "--max-ctas", "default,2", "--copy-ctas", "sms,2", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    result = _run_one_rank(tmp_path, "--max-ctas", "default,2", "--copy-ctas", "sms,2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "sizes: megatron_e32_k4_mbs2x8 (EP 2): T=208 tokens" in result.stdout
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
@@ -202,16 +208,8 @@ def test_gemms_on_a_green_context_of_fewer_sms(tmp_path):
     green contexts the tool must say so in one line, not run on every SM unlabelled."""
     from torch.cuda import green_contexts
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO), str(REPO / ".pathshim"), os.environ.get("PYTHONPATH", "")]))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_contention.py"), "--shapes",
-         "megatron_e32_k4_mbs2x8", "--scale", "0.05", "--iters", "3", "--warmup", "1",
-         "--loads", "triton_copy", "--copy-ctas", "8", "--computes", "grouped",
-         "--compute-sms", f"all,{sms - 16},{sms - 16}c", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    result = _run_one_rank(tmp_path, "--loads", "triton_copy", "--copy-ctas", "8", "--computes",
+                           "grouped", "--compute-sms", f"all,{sms - 16},{sms - 16}c")
     if not getattr(green_contexts, "SUPPORTED", False):
         assert result.returncode != 0 and "built without CUDA green contexts" in result.stderr
         return
