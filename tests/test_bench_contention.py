@@ -204,14 +204,19 @@ def test_the_whole_tool_on_one_gpu_at_a_tiny_size(tmp_path):
 def test_gemms_on_a_green_context_of_fewer_sms(tmp_path):
     """--compute-sms: the GEMMs alone and beside a copy on every SM, then on a green context of
     all but 16 SMs, without and with the GEMMs carved out to it; every row timed and labelled
-    with its SM count. Where this torch has no
-    green contexts the tool must say so in one line, not run on every SM unlabelled."""
+    with its SM count. Where this torch has no green contexts the tool must say so in one
+    line (exit 2), not run on every SM unlabelled. More SMs than the GPU has: the same."""
     from torch.cuda import green_contexts
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     result = _run_one_rank(tmp_path, "--loads", "triton_copy", "--copy-ctas", "8", "--computes",
                            "grouped", "--compute-sms", f"all,{sms - 16},{sms - 16}c")
+    too_many = _run_one_rank(tmp_path, "--loads", "triton_copy", "--computes", "grouped",
+                             "--compute-sms", f"{sms}c")
+    assert too_many.returncode == 2, too_many.stderr[-3000:]
+    assert too_many.stderr.strip().splitlines()[-1] == (
+        f"bench_contention: --compute-sms {sms}c: this GPU has {sms} SMs; give fewer, or 'all'")
     if not getattr(green_contexts, "SUPPORTED", False):
-        assert result.returncode != 0 and "built without CUDA green contexts" in result.stderr
+        assert result.returncode == 2 and "built without CUDA green contexts" in result.stderr
         return
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads((tmp_path / bc.JSON_FILE).read_text())["rows"]

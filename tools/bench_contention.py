@@ -61,8 +61,10 @@ loads stay on ordinary streams, so the SMs the GEMMs cannot take are free for th
 comm slowdown beside the GEMMs is their sharing of SMs, and what a partition costs the GEMMs.
 A count with a `c` suffix (`120c`) also sets torch's SM carveout for the GEMMs to the SMs left
 out (cuBLAS and `torch._grouped_mm` then size their grids for the SMs they get, instead of
-launching a wave for SMs the green context does not have). Prints the sizes, then a markdown table last; writes
-OUT/bench_contention.json. Without a CUDA GPU: one line, exit status 2.
+launching a wave for SMs the green context does not have).
+
+Prints the sizes, then a markdown table last; writes OUT/bench_contention.json. Without a CUDA
+GPU, or with a `--compute-sms` this GPU or torch cannot give: one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -225,7 +227,8 @@ def _names(parser, flag: str, text: str, allowed) -> list[str]:
 
 TABLE_COLUMNS = (  # (header, row key, format)
     ("shape", "shape", "{}"), ("compute", "compute", "{}"), ("load", "load", "{}"),
-    ("CTAs", "ctas", "{}"), ("compute SMs", "compute_sms", "{}"), ("compute alone ms", "compute_alone_ms", "{:.3f}"),
+    ("CTAs", "ctas", "{}"), ("compute SMs", "compute_sms", "{}"),
+    ("compute alone ms", "compute_alone_ms", "{:.3f}"),
     ("compute beside ms", "compute_beside_ms", "{:.3f}"),
     ("compute slowdown", "compute_slowdown", "{:.3f}"),
     ("comm alone ms", "comm_alone_ms", "{:.3f}"), ("comm beside ms", "comm_beside_ms", "{:.3f}"),
@@ -560,6 +563,10 @@ def bench_shape(sizes: BenchSizes, groups_of: Callable[[NcclCtaBudget], object],
     return rows
 
 
+class ComputeSmsError(ValueError):
+    """A --compute-sms value this GPU or this torch cannot give (one line, exit status 2)."""
+
+
 def compute_stream_on(value: str, device: torch.device):
     """The GEMMs' stream: the current one for 'all', else the stream of a new green context of
     that many SMs (kept alive by the stream's owner, returned with it)."""
@@ -568,11 +575,12 @@ def compute_stream_on(value: str, device: torch.device):
     sms = value.rstrip("c")
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if int(sms) >= total:
-        raise ValueError(f"--compute-sms {sms}: this GPU has {total} SMs; give fewer, or 'all'")
+        raise ComputeSmsError(f"--compute-sms {value}: this GPU has {total} SMs; give fewer, "
+                              "or 'all'")
     from torch.cuda import green_contexts
     if not getattr(green_contexts, "SUPPORTED", False):
-        raise ValueError(f"--compute-sms {sms}: torch {torch.__version__} was built without "
-                         "CUDA green contexts; use 'all'")
+        raise ComputeSmsError(f"--compute-sms {value}: torch {torch.__version__} was built "
+                              "without CUDA green contexts; use 'all'")
     context = green_contexts.GreenContext.create(num_sms=int(sms), device_id=device.index)
     return context.Stream(), context
 
@@ -670,7 +678,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # as the overlapped training
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    return run(args)
+    try:
+        return run(args)
+    except ComputeSmsError as error:
+        print(f"bench_contention: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -524,8 +524,8 @@ def markdown(all_results: list, world: int) -> str:
         lines += ["", "| profiled shape | mode | bench fb ms | profiled step ms | bench exposed "
                   "(T_mode - T_comp) ms | timeline exposed ms (mean / worst rank) | timeline "
                   "net exposed (mode - comp) ms | timeline comm ms | compute ms (waits apart) | "
-                  "compute slowdown vs seq | compute wait ms | comm slowdown vs seq | comm lane busy "
-                  "share |", "| --- " * 13 + "|"]
+                  "compute slowdown vs seq | compute wait ms | comm slowdown vs seq | "
+                  "comm lane busy share |", "| --- " * 13 + "|"]
     for r in profiled:
         comp_exposed = r["timeline"].get("comp", {}).get("exposed_ms")
         for mode, t in r["timeline"].items():
