@@ -28,6 +28,8 @@ def test_arguments_and_their_defaults():
     assert args.copy_ctas == ["sms", "32", "16", "8", "4", "2"]
     assert args.compute_sms == ["all"]  # the GEMMs on every SM, no green context
     assert bc.parse_args(["--compute-sms", "all, 124,116c"]).compute_sms == ["all", "124", "116c"]
+    assert [bc.split_compute_sms(v) for v in ("all", "124", "116c")] == [
+        (None, False), (124, False), (116, True)]
     loads = bc.loads_of(args, sms=132)
     assert [(load.kind, load.label()) for load in loads] == [
         ("nccl", "NCCL default"), ("triton_copy", "132"), ("triton_copy", "32"),

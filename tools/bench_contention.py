@@ -204,13 +204,27 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if args.ep is not None and args.ep < 1:
         parser.error(f"--ep {args.ep}: must be >= 1")
     args.compute_sms = [c.strip() for c in args.compute_sms.split(",") if c.strip()]
-    if not args.compute_sms or not all(c == "all" or (c.rstrip("c").isdigit()
-                                                      and int(c.rstrip("c")) >= 1
-                                                      and c.count("c") <= 1)
-                                       for c in args.compute_sms):
+    try:
+        if not args.compute_sms:
+            raise ValueError
+        for value in args.compute_sms:
+            split_compute_sms(value)
+    except ValueError:
         parser.error(f"--compute-sms {','.join(args.compute_sms)!r}: 'all' or SM counts >= 1, "
                      "each optionally with a 'c' suffix")
     return args
+
+
+def split_compute_sms(value: str) -> tuple[Optional[int], bool]:
+    """One --compute-sms value -> (SM count, None for 'all'; whether the GEMMs are carved out
+    to it too, the 'c' suffix). ValueError if it is neither."""
+    if value == "all":
+        return None, False
+    carve = value.endswith("c")
+    count = value[:-1] if carve else value
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(value)
+    return int(count), carve
 
 
 def _names(parser, flag: str, text: str, allowed) -> list[str]:
@@ -570,18 +584,18 @@ class ComputeSmsError(ValueError):
 def compute_stream_on(value: str, device: torch.device):
     """The GEMMs' stream: the current one for 'all', else the stream of a new green context of
     that many SMs (kept alive by the stream's owner, returned with it)."""
-    if value == "all":
+    sms, _ = split_compute_sms(value)
+    if sms is None:
         return torch.cuda.current_stream(device), None
-    sms = value.rstrip("c")
     total = torch.cuda.get_device_properties(device).multi_processor_count
-    if int(sms) >= total:
+    if sms >= total:
         raise ComputeSmsError(f"--compute-sms {value}: this GPU has {total} SMs; give fewer, "
                               "or 'all'")
     from torch.cuda import green_contexts
     if not getattr(green_contexts, "SUPPORTED", False):
         raise ComputeSmsError(f"--compute-sms {value}: torch {torch.__version__} was built "
                               "without CUDA green contexts; use 'all'")
-    context = green_contexts.GreenContext.create(num_sms=int(sms), device_id=device.index)
+    context = green_contexts.GreenContext.create(num_sms=sms, device_id=device.index)
     return context.Stream(), context
 
 
@@ -640,8 +654,8 @@ def run(args) -> int:
         total = torch.cuda.get_device_properties(groups.device).multi_processor_count
         for compute_sms in args.compute_sms:
             compute_stream, context = compute_stream_on(compute_sms, groups.device)
-            carveout = total - int(compute_sms[:-1]) if compute_sms.endswith("c") else 0
-            torch._C._set_sm_carveout_experimental(carveout or None)
+            sms, carve = split_compute_sms(compute_sms)
+            torch._C._set_sm_carveout_experimental(total - sms if carve else None)
             try:
                 for sizes in all_sizes:
                     log(f"[bench_contention] sizes: {sizes.describe()}")
