@@ -71,6 +71,8 @@
 #   tools/gpu_suite.sh x2probe   2 GPUs: the overlap probe in the training command at the
 #                                Megatron shapes, both regimes, with and without delayed wgrad
 #   tools/gpu_suite.sh x2prof    2 GPUs: host time per node action and a cProfile per mode
+#   tools/gpu_suite.sh x2nccl    2 GPUs: NCCL settings (chunk, buffer sizes) of the host-memory
+#                                all-to-all: its speed beside the GEMMs, and the step with them
 #   tools/gpu_suite.sh x2carve   2 GPUs: the grouped GEMMs' SM carveout and the paired-ends plan
 #                                (VARIANTS; BENCH_ARGS: more bench_overlap options)
 #   tools/gpu_suite.sh x2once    2 GPUs: --moe-dispatch-once-per-rank's tests (TESTS), then
@@ -825,6 +827,35 @@ PYEOF
         --max-ctas "${GREEN_CTAS:-default,8}" ${GREEN_MIN_CTAS:+--min-ctas $GREEN_MIN_CTAS} \
         --compute-sms "${GREEN_SMS:-all,120,112}" \
         --out-dir "$WORK/green_$regime"
+    done
+    ;;
+  x2nccl)  # 2 GPUs: NCCL settings of the host-memory all-to-all (NCCL_P2P_DISABLE=1). Per entry
+            # of NCCL_SETS (tag, or tag:VAR=val,VAR=val), bench_contention's nccl load beside the
+            # GEMMs at NCCL_SHAPES (CTAs NCCL_CTAS; NCCL's log of the settings it took kept),
+            # then, for the tags in STEP_SETS (default all), bench_overlap per STEP_VARIANTS
+            # entry (tag:shape:ctas:flags, flags with , for spaces); TESTS first
+    if [ -n "${TESTS:-}" ]; then
+      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-200} step nccl_tests \
+        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
+    fi
+    for set in ${NCCL_SETS:-base}; do
+      IFS=: read -r tag assigns <<< "$set"
+      envs=()
+      [ -n "$assigns" ] && IFS=, read -ra envs <<< "$assigns"
+      NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${NCCL_TIMEOUT:-120} \
+        step "nccl_${tag}_contention" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=ENV "${envs[@]}" \
+        torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_contention.py --loads nccl \
+        --computes gemm,grouped --iters 10 --shapes "${NCCL_SHAPES:-ratio_h2048_k8_f128}" \
+        --max-ctas "${NCCL_CTAS:-default,8}" --out-dir "$WORK/nccl/$tag/contention"
+      case " ${STEP_SETS:-$tag} " in *" $tag "*) ;; *) continue ;; esac
+      for variant in ${STEP_VARIANTS:-}; do
+        IFS=: read -r vtag shape ctas flags <<< "$variant"
+        NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${STEP_TIMEOUT_S:-150} \
+          step "nccl_${tag}_$vtag" env "${envs[@]}" torchrun --standalone \
+          --nproc-per-node="$NGPUS" tools/bench_overlap.py --shapes "$shape" --iters 2 --warmup 1 \
+          ${BENCH_ARGS:-} --max-ctas "$ctas" --extra-flags="${flags//,/ }" \
+          --out-dir "$WORK/nccl/$tag/$vtag"
+      done
     done
     ;;
   x2carve)  # 2 GPUs: the grouped GEMMs' SM carveout and the paired-ends plan (overlap.md run E):
