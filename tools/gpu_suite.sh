@@ -126,6 +126,14 @@ step() {  # step NAME CMD... : run (bounded by STEP_TIMEOUT s), log, record the 
   echo "$name: rc=$rc ($((SECONDS - start)) s)" | tee -a "$SUMMARY"
 }
 
+env_set() {  # env_set ENTRY: ENTRY is tag or tag:VAR=val,VAR=val; sets SET_TAG and SET_ENVS
+  local assigns
+  IFS=: read -r SET_TAG assigns <<< "$1"
+  SET_ENVS=()
+  [ -n "$assigns" ] && IFS=, read -ra SET_ENVS <<< "$assigns"
+  return 0
+}
+
 small_200_pair() {  # the small preset on NGPUS GPUs, overlap + delayed wgrad + partial graphs,
                     # 200 steps, without and with --deterministic-mode (stalls, balance, price)
   local run="torchrun --standalone --nproc-per-node=$NGPUS -m epoverlap.train --preset small \
@@ -538,10 +546,15 @@ PYEOF
         flags=${ONCE_NOP2P_FLAGS---moe-dispatch-once-per-rank --moe-grouped-gemm-sm-carveout 8 \
 --moe-a2a-nccl-max-ctas 8 --delay-wgrad-compute --overlap-plan combined_1f1b_paired_ends}
       fi
-      CUDA_VISIBLE_DEVICES=$TWO_GPUS step "bench_peer_$regime" env $p2p torchrun --standalone \
-        --nproc-per-node="$NGPUS" tools/bench_peer.py --out-dir "$WORK/bench_peer_$regime" \
-        --ours-ovl-flags="$flags" --ours-seq-flags="${ONCE_SEQ_FLAGS---moe-dispatch-once-per-rank}" \
-        --shapes "${SHAPES:-megatron_e8_k8_f4096_mbs8x4,megatron_e32_k4_mbs8x4}"
+      # ONCE_ENV_SETS (as x2nccl's NCCL_SETS): the job again per NCCL setting, both systems
+      # under it; the entry "base" (the default) adds nothing to the step's name
+      for set in ${ONCE_ENV_SETS:-base}; do
+        env_set "$set"; name="bench_peer_$regime"; [ "$SET_TAG" = base ] || name+="_$SET_TAG"
+        CUDA_VISIBLE_DEVICES=$TWO_GPUS step "$name" env $p2p "${SET_ENVS[@]}" torchrun \
+          --standalone --nproc-per-node="$NGPUS" tools/bench_peer.py --out-dir "$WORK/$name" \
+          --ours-ovl-flags="$flags" --ours-seq-flags="${ONCE_SEQ_FLAGS---moe-dispatch-once-per-rank}" \
+          --shapes "${SHAPES:-megatron_e8_k8_f4096_mbs8x4,megatron_e32_k4_mbs8x4}"
+      done
     done
     ;;
   clipeer)  # NGPUS GPUs, one host: the training command's step (`--preset megatron-cmp
@@ -839,9 +852,7 @@ PYEOF
         python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
     fi
     for set in ${NCCL_SETS:-base}; do
-      IFS=: read -r tag assigns <<< "$set"
-      envs=()
-      [ -n "$assigns" ] && IFS=, read -ra envs <<< "$assigns"
+      env_set "$set"; tag=$SET_TAG; envs=("${SET_ENVS[@]}")
       NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${NCCL_TIMEOUT:-120} \
         step "nccl_${tag}_contention" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=ENV "${envs[@]}" \
         torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_contention.py --loads nccl \
