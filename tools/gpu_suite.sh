@@ -14,6 +14,9 @@
 #   tools/gpu_suite.sh one       one GPU: graphs/streams GPU tests, kernel tests, host cost
 #                                eager vs graphed, 200-step small-preset runs (graphed, with and
 #                                without --deterministic-mode), the same command twice
+#   tools/gpu_suite.sh tests1    the one-GPU pytest tier alone
+#   tools/gpu_suite.sh one2      one GPU: the tier again, 1000 graphed steps (memory), a graphed
+#                                step's timeline, resume bitwise with graphs, checkpoint times
 #   tools/gpu_suite.sh pipeline  pipeline GPU tests (PP=2 bitwise vs one GPU; PP=2 x EP=2 on 4)
 #                                + pipeline benchmark (bubble measured vs analytic, overlap
 #                                on/off, PP=NGPUS against EP=NGPUS)
@@ -71,6 +74,8 @@
 #   tools/gpu_suite.sh x2probe   2 GPUs: the overlap probe in the training command at the
 #                                Megatron shapes, both regimes, with and without delayed wgrad
 #   tools/gpu_suite.sh x2prof    2 GPUs: host time per node action and a cProfile per mode
+#   tools/gpu_suite.sh x2green   2 GPUs: the GEMMs on a CUDA green context of fewer SMs beside
+#                                NCCL's all-to-all (bench_contention --compute-sms)
 #   tools/gpu_suite.sh x2nccl    2 GPUs: NCCL settings (chunk, buffer sizes) of the host-memory
 #                                all-to-all: its speed beside the GEMMs, and the step with them
 #   tools/gpu_suite.sh x2carve   2 GPUs: the grouped GEMMs' SM carveout and the paired-ends plan
