@@ -74,7 +74,10 @@ def test_report_figures_tables_and_json(tmp_path):
     report = {"world": 1, "systems": ["megatron"], "warmup": 3, "steps": 8, "device": "x",
               "nccl_p2p_disable": "0", "results": results}
     header = bench_peer.header(report)
+    assert header[0].endswith("eager; NCCL environment: NCCL's defaults")
     assert header[1:3] == [f"note: {caveat}" for caveat in bench_peer.CAVEATS]
+    with_settings = bench_peer.header({**report, "nccl_env": {"NCCL_BUFFSIZE": "33554432"}})
+    assert with_settings[0].endswith("eager; NCCL environment: NCCL_BUFFSIZE=33554432")
     assert header[-1] == "not run: tiny megatron ovl: EP = 1"
     path = bench_peer.write_report(report, str(tmp_path / "out"))
     assert json.loads(path.read_text()) == report

@@ -135,9 +135,13 @@ def test_profiled_run_gives_trace_png_and_table(tmp_path):
     assert "exposed" in timeline.stdout.lower()
 
 
-def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_path):
+def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_path,
+                                                                            monkeypatch):
     """The overlap benchmark end to end on gloo: every mode timed, the comm replay, and the
-    profiled steps' timeline figures beside the benchmark's exposed comm."""
+    profiled steps' timeline figures beside the benchmark's exposed comm; the NCCL settings
+    of the environment recorded with them."""
+    monkeypatch.setenv("NCCL_BUFFSIZE", "33554432")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(REPO / "tools" / "bench_overlap.py"), "--shapes", "quick", "--profile-shapes",
            "quick", "--out-dir", str(tmp_path), "--iters", "1", "--warmup", "0",
@@ -146,6 +150,9 @@ def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "bench_overlap.json").read_text())
     assert report["world"] == 2
+    assert report["nccl_env"]["NCCL_BUFFSIZE"] == "33554432"
+    assert "NCCL_DEBUG" not in report["nccl_env"]  # logging, not a setting
+    assert "; NCCL environment: " in result.stdout and "NCCL_BUFFSIZE=33554432" in result.stdout
     shape = report["results"][0]
     for mode in ("seq", "ovl", "ovl_wgrad", "comp"):
         assert shape[mode]["fb_ms"] > 0
@@ -184,6 +191,17 @@ def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_
     assert total["slowdown"] == total["other_compute_us"] / total["base_compute_us"]
     assert shape["timeline"]["ovl_wgrad"]["compute_slowdown_vs_seq"] == \
         pytest.approx(total["slowdown"])
+
+
+def test_nccl_environment_keeps_the_settings_and_leaves_out_the_logging():
+    from epoverlap_tools.bench_overlap import nccl_environment, nccl_environment_text
+    environ = {"NCCL_P2P_PCI_CHUNKSIZE": "2097152", "NCCL_DEBUG": "INFO",
+               "NCCL_DEBUG_SUBSYS": "ENV", "NCCL_P2P_DISABLE": "1", "PATH": "/bin",
+               "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    settings = nccl_environment(environ)
+    assert settings == {"NCCL_P2P_DISABLE": "1", "NCCL_P2P_PCI_CHUNKSIZE": "2097152"}
+    assert nccl_environment_text(settings) == "NCCL environment: NCCL_P2P_PCI_CHUNKSIZE=2097152"
+    assert nccl_environment_text({}) == "NCCL environment: NCCL's defaults"
 
 
 def test_bench_overlap_budget_rows_take_the_budgets_own_comp_and_comm():

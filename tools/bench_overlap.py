@@ -144,6 +144,24 @@ def sync_time(device) -> float:
     return time.perf_counter()
 
 
+NCCL_LOGGING = ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE")
+
+
+def nccl_environment(environ=None) -> dict:
+    """The NCCL settings in this process's environment, its logging ones left out: what every
+    figure measured over NCCL ran under (NCCL reads them at its first communicator; a chunk or
+    buffer size moves the host-memory all-to-all by 5-10%, benchmarks/peer.md run 6)."""
+    environ = os.environ if environ is None else environ
+    return {key: value for key, value in sorted(environ.items())
+            if key.startswith("NCCL_") and key not in NCCL_LOGGING}
+
+
+def nccl_environment_text(settings: dict) -> str:
+    """`NCCL environment: K=V K=V` for a banner, NCCL_P2P_DISABLE left to the banner itself."""
+    shown = [f"{key}={value}" for key, value in settings.items() if key != "NCCL_P2P_DISABLE"]
+    return "NCCL environment: " + (" ".join(shown) if shown else "NCCL's defaults")
+
+
 def max_over_ranks(value: float) -> float:
     tensor = torch.tensor([value], dtype=torch.float64,
                           device="cuda" if torch.cuda.is_available() else "cpu")
@@ -630,7 +648,8 @@ def input_error(args, world: int) -> Optional[str]:
 def write_results(out_dir: str, world: int, results: list) -> None:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     Path(out_dir, "bench_overlap.json").write_text(json.dumps(
-        {"world": world, "results": results}, indent=2, default=str))
+        {"world": world, "nccl_env": nccl_environment(), "results": results}, indent=2,
+        default=str))
 
 
 def main(argv=None) -> int:
@@ -663,7 +682,7 @@ def main(argv=None) -> int:
         p2p = os.environ.get("NCCL_P2P_DISABLE", "0")
         print(f"\nbench_overlap: {world} rank(s), "
               f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
-              f"NCCL_P2P_DISABLE={p2p}")
+              f"NCCL_P2P_DISABLE={p2p}; {nccl_environment_text(nccl_environment())}")
         print(markdown(all_results, world))
     return 0
 

@@ -58,7 +58,8 @@ from epoverlap.training.data import open_data_source
 from epoverlap.training.main import setup_environment
 from epoverlap.training.optim import lr_at
 from epoverlap.training.trainer import Trainer
-from epoverlap_tools.bench_overlap import OVERLAP, SHAPES, max_over_ranks, sync_time
+from epoverlap_tools.bench_overlap import (OVERLAP, SHAPES, max_over_ranks, nccl_environment,
+                                           nccl_environment_text, sync_time)
 
 SYSTEMS = ("megatron", "epoverlap")
 MODES = {"seq": [], "ovl": OVERLAP}
@@ -430,7 +431,8 @@ def header(report: dict) -> list[str]:
     """The lines printed above the tables: setup, caveats, the runs not run and why."""
     lines = [f"bench_peer: {report['world']} rank(s) (EP = {report['world']}), "
              f"{report['device']}, NCCL_P2P_DISABLE={report['nccl_p2p_disable']}, "
-             f"{report['steps']} training steps per run ({report['warmup']} warmup), eager"]
+             f"{report['steps']} training steps per run ({report['warmup']} warmup), eager; "
+             f"{nccl_environment_text(report.get('nccl_env', {}))}"]
     if "megatron" in report["systems"]:
         lines += [f"note: {caveat}" for caveat in CAVEATS]
     for r in report["results"]:
@@ -565,6 +567,7 @@ def full_report(args, world: int, results: list) -> dict:
     return {"world": world, "systems": args.systems, "warmup": args.warmup,
             "steps": args.warmup + args.iters, "device": device_name(),
             "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", "0"),
+            "nccl_env": nccl_environment(),
             "ours_ovl_flags": args.ours_ovl_flags, "ours_seq_flags": args.ours_seq_flags,
             "caveats": list(CAVEATS), "results": results}
 
