@@ -857,9 +857,9 @@ PYEOF
         python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
     fi
     for set in ${NCCL_SETS:-base}; do
-      env_set "$set"; tag=$SET_TAG; envs=("${SET_ENVS[@]}")
+      env_set "$set"; tag=$SET_TAG
       NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${NCCL_TIMEOUT:-120} \
-        step "nccl_${tag}_contention" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=ENV "${envs[@]}" \
+        step "nccl_${tag}_contention" env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=ENV "${SET_ENVS[@]}" \
         torchrun --standalone --nproc-per-node="$NGPUS" tools/bench_contention.py --loads nccl \
         --computes gemm,grouped --iters 10 --shapes "${NCCL_SHAPES:-ratio_h2048_k8_f128}" \
         --max-ctas "${NCCL_CTAS:-default,8}" --out-dir "$WORK/nccl/$tag/contention"
@@ -867,7 +867,7 @@ PYEOF
       for variant in ${STEP_VARIANTS:-}; do
         IFS=: read -r vtag shape ctas flags <<< "$variant"
         NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${STEP_TIMEOUT_S:-150} \
-          step "nccl_${tag}_$vtag" env "${envs[@]}" torchrun --standalone \
+          step "nccl_${tag}_$vtag" env "${SET_ENVS[@]}" torchrun --standalone \
           --nproc-per-node="$NGPUS" tools/bench_overlap.py --shapes "$shape" --iters 2 --warmup 1 \
           ${BENCH_ARGS:-} --max-ctas "$ctas" --extra-flags="${flags//,/ }" \
           --out-dir "$WORK/nccl/$tag/$vtag"
