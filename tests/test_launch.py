@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -145,7 +146,7 @@ def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(REPO / "tools" / "bench_overlap.py"), "--shapes", "quick", "--profile-shapes",
            "quick", "--out-dir", str(tmp_path), "--iters", "1", "--warmup", "0",
-           "--profile-steps", "2"]
+           "--profile-steps", "2", "--rounds", "2"]
     result = _run(cmd, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "bench_overlap.json").read_text())
@@ -161,6 +162,9 @@ def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_
         assert 0 <= figures["exposed_ms"] <= figures["exposed_max_rank_ms"] <= figures["step_ms"]
         assert figures["comm_ms"] > 0
     assert shape["comm"]["fb_ms"] > 0
+    for timed in ("seq", "ovl", "comm"):  # --rounds 2: every mode and the replay, medians
+        rounds = shape[timed]["fb_ms_rounds"]
+        assert len(rounds) == 2 and shape[timed]["fb_ms"] == statistics.median(rounds)
     derived = shape["derived"]
     assert derived["timeline_net_exposed_ovl_ms"] == (shape["timeline"]["ovl"]["exposed_ms"]
                                                    - shape["timeline"]["comp"]["exposed_ms"])
