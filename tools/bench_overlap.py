@@ -553,20 +553,19 @@ def markdown(all_results: list, world: int) -> str:
                   "net exposed (mode - comp) ms | timeline comm ms | compute ms (waits apart) | "
                   "compute slowdown vs seq | compute wait ms | comm slowdown vs seq | "
                   "comm lane busy share |", "| --- " * 13 + "|"]
+    def slowdown(figures, key):  # against seq; "-" where there is no seq to compare with
+        return f"{figures[key]:.3f}" if figures.get(key) else "-"
     for r in profiled:
         comp_exposed = r["timeline"].get("comp", {}).get("exposed_ms")
         for mode, t in r["timeline"].items():
             bench = f"{r[mode]['fb_ms'] - r['comp']['fb_ms']:.2f}"
             net = f"{t['exposed_ms'] - comp_exposed:.2f}" if comp_exposed is not None else "-"
             compute = f"{t['compute_ms']:.2f}" if "compute_ms" in t else "-"
-            slowdown = t.get("compute_slowdown_vs_seq")
-            slowdown = f"{slowdown:.3f}" if slowdown else "-"
-            comm_slowdown = t.get("comm_slowdown_vs_seq")
-            comm_slowdown = f"{comm_slowdown:.3f}" if comm_slowdown else "-"
             lines.append(f"| {r['shape']} | {mode} | {r[mode]['fb_ms']:.2f} | {t['step_ms']:.2f} "
                          f"| {bench} | {t['exposed_ms']:.2f} / {t['exposed_max_rank_ms']:.2f} | "
-                         f"{net} | {t['comm_ms']:.2f} | {compute} | {slowdown} | "
-                         f"{t['compute_wait_ms']:.2f} | {comm_slowdown} | "
+                         f"{net} | {t['comm_ms']:.2f} | {compute} | "
+                         f"{slowdown(t, 'compute_slowdown_vs_seq')} | "
+                         f"{t['compute_wait_ms']:.2f} | {slowdown(t, 'comm_slowdown_vs_seq')} | "
                          f"{t['comm_busy_share']:.2f} |")
     return "\n".join(lines)
 
