@@ -1,7 +1,8 @@
 """tools/gpu_suite.sh, the one script every device call runs, checked on CPU: it parses, every
 part it implements is listed in its header (and nothing else is), and its NCCL setting entries
 (`tag` or `tag:VAR=val,VAR=val`, x2nccl's NCCL_SETS and x2once's ONCE_ENV_SETS) split into the
-tag and the environment assignments a step runs under."""
+tag and the environment assignments a step runs under; a 2-GPU part's TESTS run first, on
+its GPUs, with its time limit unless TEST_TIMEOUT says otherwise."""
 
 from __future__ import annotations
 
@@ -30,16 +31,15 @@ def test_every_part_is_listed_in_the_header_and_every_listed_part_exists():
                                    f"implemented only: {sorted(implemented - listed)}")
 
 
-def _env_set_function() -> str:
-    text = SUITE.read_text()
-    match = re.search(r"^env_set\(\) \{.*?^\}$", text, re.M | re.S)
-    assert match, "env_set() not found in tools/gpu_suite.sh"
+def _function(name: str) -> str:
+    match = re.search(rf"^{name}\(\) \{{.*?^\}}$", SUITE.read_text(), re.M | re.S)
+    assert match, f"{name}() not found in tools/gpu_suite.sh"
     return match.group(0)
 
 
 def _parse(entry: str) -> list[str]:
     """What env_set makes of one entry: the tag, then each assignment, one per line."""
-    script = (_env_set_function() + "\nset -u\n"
+    script = (_function("env_set") + "\nset -u\n"
               + f'env_set "{entry}"\nprintf "%s\\n" "$SET_TAG" "${{SET_ENVS[@]}}"\n')
     out = subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True)
     return out.stdout.splitlines()
@@ -56,7 +56,25 @@ def test_a_tag_with_assignments_splits_on_commas():
 
 
 def test_an_entry_does_not_leak_into_the_next():
-    script = (_env_set_function() + "\nset -u\n"
+    script = (_function("env_set") + "\nset -u\n"
               + 'env_set "a:X=1,Y=2"; env_set "b"; echo "$SET_TAG ${#SET_ENVS[@]}"\n')
     out = subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "b 0"
+
+
+def _tests_first(environ: dict) -> str:
+    """What tests_first hands to `step` (stubbed: its name, limit, GPUs and command)."""
+    script = ('step() { echo "$1 $STEP_TIMEOUT $CUDA_VISIBLE_DEVICES ${*:2}"; }\n'
+              + _function("tests_first") + "\nTWO_GPUS=0,1\ntests_first probe_tests 300\n")
+    out = subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", **environ})
+    return out.stdout.strip()
+
+
+def test_a_part_runs_its_tests_first_only_when_given():
+    assert _tests_first({}) == ""
+    assert _tests_first({"TESTS": "tests/test_gpu.py -k probe"}) == (
+        "probe_tests 300 0,1 python3 -m pytest tests/test_gpu.py -k probe -q "
+        "-p no:cacheprovider --durations=8")
+    assert _tests_first({"TESTS": "tests/test_gpu.py", "TEST_TIMEOUT": "90"}).startswith(
+        "probe_tests 90 0,1 ")

@@ -139,6 +139,13 @@ env_set() {  # env_set ENTRY: ENTRY is tag or tag:VAR=val,VAR=val; sets SET_TAG 
   return 0
 }
 
+tests_first() {  # tests_first NAME LIMIT: a 2-GPU part's TESTS (pytest args), if given, first,
+                 # bounded by TEST_TIMEOUT or LIMIT s
+  [ -n "${TESTS:-}" ] || return 0
+  CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-$2} step "$1" \
+    python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
+}
+
 small_200_pair() {  # the small preset on NGPUS GPUs, overlap + delayed wgrad + partial graphs,
                     # 200 steps, without and with --deterministic-mode (stalls, balance, price)
   local run="torchrun --standalone --nproc-per-node=$NGPUS -m epoverlap.train --preset small \
@@ -538,11 +545,8 @@ PYEOF
             # with ONCE_NOP2P_FLAGS / ONCE_NVLINK_FLAGS (default: once per rank, with the
             # slow-link levers where the all-to-all goes through host memory) and our
             # sequential step with ONCE_SEQ_FLAGS (default: once per rank)
-    if [ -n "${TESTS:-}" ]; then
-      export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-8} EPOVERLAP_GPU_LOGS="$WORK/cli_logs"
-      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step once_tests \
-        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
-    fi
+    export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-8} EPOVERLAP_GPU_LOGS="$WORK/cli_logs"
+    tests_first once_tests 300
     for regime in ${REGIMES:-nop2p nvlink}; do
       # an empty ONCE_*_FLAGS is kept empty (ONCE_SEQ_FLAGS="": no extra sequential run)
       p2p=""; flags=${ONCE_NVLINK_FLAGS---moe-dispatch-once-per-rank}
@@ -657,10 +661,7 @@ PYEOF
   cliab)  # NGPUS GPUs: the whole training step as users time it (data, forward-backward,
            # grad reduction, optimizer), this tree against .baseline/ (`git archive COMMIT |
            # tar x -C .baseline`, carried), the order flipped every round; TESTS first
-    if [ -n "${TESTS:-}" ]; then
-      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step cli_tests \
-        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
-    fi
+    tests_first cli_tests 300
     [ -d .baseline/epoverlap ] || { echo "cliab: no .baseline/ tree"; exit 2; }
     mkdir -p "$WORK/cli"
     for round in $(seq 1 "${CLI_ROUNDS:-2}"); do
@@ -692,11 +693,8 @@ PYEOF
             # graph over the budget dispatch (a bank per schedule; mind PROBE_ITERS >= 3
             # warm-up + 1 + 2 x PROBE_STEPS); REGIMES ("nvlink nop2p"), WGRAD_MODES ("off on");
             # TESTS (pytest files) first
-    if [ -n "${TESTS:-}" ]; then
-      export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20}
-      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step probe_tests \
-        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
-    fi
+    export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20}
+    tests_first probe_tests 300
     mkdir -p "$WORK/runs"
     for shape in ${PROBE_SHAPES:-mbs2x8 e8}; do
       case $shape in
@@ -736,11 +734,8 @@ PYEOF
           # any), then bench_overlap eager at SHAPES (NVLink) and P2P_SHAPES
           # (NCCL_P2P_DISABLE=1), before and after alternated AB_ROUNDS times (the order
           # flipped every round), one table per regime last
-    if [ -n "${TESTS:-}" ]; then
-      export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20}
-      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step ab_tests \
-        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
-    fi
+    export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-20}
+    tests_first ab_tests 300
     [ -d .baseline/epoverlap ] || { echo "x2ab: no .baseline/ tree"; exit 2; }
     # the sides differ in the epoverlap package only: this tree's bench_overlap (with
     # --host-nodes), tools and kernels run both
@@ -832,10 +827,7 @@ PYEOF
              # (bench_contention --compute-sms GREEN_SMS, default all,120,112) at GREEN_SHAPES
              # and GREEN_CTAS (max; GREEN_MIN_CTAS: --min-ctas), NCCL_P2P_DISABLE=1 then NVLink
              # (REGIMES); TESTS first
-    if [ -n "${TESTS:-}" ]; then
-      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-200} step green_tests \
-        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
-    fi
+    tests_first green_tests 200
     for regime in ${REGIMES:-nop2p nvlink}; do
       p2p=0; [ "$regime" = nop2p ] && p2p=1
       NCCL_P2P_DISABLE=$p2p CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${GREEN_TIMEOUT:-200} \
@@ -852,10 +844,7 @@ PYEOF
             # GEMMs at NCCL_SHAPES (CTAs NCCL_CTAS; NCCL's log of the settings it took kept),
             # then, for the tags in STEP_SETS (default all), bench_overlap per STEP_VARIANTS
             # entry (tag:shape:ctas:flags, flags with , for spaces); TESTS first
-    if [ -n "${TESTS:-}" ]; then
-      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-200} step nccl_tests \
-        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
-    fi
+    tests_first nccl_tests 200
     for set in ${NCCL_SETS:-base}; do
       env_set "$set"; tag=$SET_TAG
       NCCL_P2P_DISABLE=1 CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${NCCL_TIMEOUT:-120} \
@@ -878,11 +867,8 @@ PYEOF
              # bench_overlap per VARIANT (tag:regime:shape:max_ctas:flags[:bench_args], flags
              # and bench_args with , for spaces; max_ctas may be a comma list, swept in one run),
              # profiled with --profile-steps 1 where regime ends in +prof; TESTS first
-    if [ -n "${TESTS:-}" ]; then
-      export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-12}
-      CUDA_VISIBLE_DEVICES=$TWO_GPUS STEP_TIMEOUT=${TEST_TIMEOUT:-300} step carve_tests \
-        python3 -m pytest $TESTS -q -p no:cacheprovider --durations=8
-    fi
+    export EPOVERLAP_GPU_STEPS=${EPOVERLAP_GPU_STEPS:-12}
+    tests_first carve_tests 300
     for variant in ${VARIANTS:-none:nop2p+prof:ratio_h2048_k4_f4096:default: \
         c8:nop2p+prof:ratio_h2048_k4_f4096:8:--moe-grouped-gemm-sm-carveout,8 \
         c8_paired:nop2p+prof:ratio_h2048_k4_f4096:8:--moe-grouped-gemm-sm-carveout,8,--overlap-plan,combined_1f1b_paired_ends \
