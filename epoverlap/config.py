@@ -40,7 +40,7 @@ MAX_LAYERS = 4096
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
-DROP_POLICIES = ("probs", "position")  # as epoverlap_kernels.capacity
+DROP_POLICIES = ("probs", "position")  # as epoverlap.kernels.capacity
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release", "combined_1f1b_paired_ends")
 COMM_MODES = ("real", "local_copy")
@@ -872,7 +872,7 @@ def _validate_dispatch(cfg: RunConfig) -> None:
              True, "cannot be combined with --moe-dispatch-once-per-rank (a padded capacity "
              "fixes the rows per expert, once per rank sends a row per rank)")
     if pad:
-        from epoverlap_kernels.capacity import get_capacity
+        from epoverlap.kernels.capacity import get_capacity
         tokens = cfg.train.micro_batch_size * cfg.model.seq_length
         capacity = get_capacity(tokens * moe.moe_router_topk, moe.num_experts, factor)
         _require(capacity <= tokens, "moe_expert_capacity_factor", factor,
@@ -1017,7 +1017,7 @@ def _validate_kernels_data_log(cfg: RunConfig, cuda_available: bool) -> None:
              f"allowed: {', '.join(KERNEL_BACKENDS)}")
     device = cfg.resolved_device(cuda_available)
     if cfg.resolved_kernel_backend(device) == "triton":
-        from epoverlap_kernels import triton_unavailable_reason
+        from epoverlap.kernels import triton_unavailable_reason
         reason = triton_unavailable_reason()
         _require(reason is None, "kernel_backend", backend, reason or "")
     _validate_data(cfg.data)

@@ -16,8 +16,8 @@ from epoverlap.model.moe import AllToAllDispatcher, DispatchBudget, DispatchMode
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.trainer import Trainer
-from epoverlap_kernels import make_moe_ops
-from epoverlap_tools.bench_peer import bind_missing_te_names
+from epoverlap.kernels import make_moe_ops
+from benchmarks.harness.bench_peer import bind_missing_te_names
 
 from gloo_workers import TINY
 

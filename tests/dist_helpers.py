@@ -95,7 +95,7 @@ def one_process_model(cfg, backend: str, dtype, device, delay: bool = False,
     from epoverlap.parallel.comm import ExpertComm
     from epoverlap.schedule.wgrad import WeightGradQueue
     from epoverlap.training.grads import GradBuffers
-    from epoverlap_kernels import make_moe_ops
+    from epoverlap.kernels import make_moe_ops
     queue = WeightGradQueue(enabled=delay)
     model = MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops(backend), dtype=dtype,
                      device=torch.device(device), wgrad_queue=queue, one_node_moe_layers=one_node)

@@ -25,7 +25,7 @@ import torch
 from epoverlap.config import CHOICES, PRESETS, RunConfig, build_parser, parse_config
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, expert_parallel_groups, init_distributed
-from epoverlap.training.main import checked_config
+from epoverlap.cli.train import checked_config
 from epoverlap.training.trainer import Trainer
 from gloo_workers import MODES, TINY
 

@@ -11,7 +11,7 @@ from epoverlap.config import parse_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.model.moe import AllToAllDispatcher
 from epoverlap.training.trainer import Trainer
-from epoverlap_kernels import make_moe_ops
+from epoverlap.kernels import make_moe_ops
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",

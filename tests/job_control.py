@@ -122,4 +122,4 @@ def wait_exit(pid: int, timeout_s: float) -> Optional[float]:
 
 
 def launcher_cmd(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "epoverlap.training.launch", *flags]
+    return [sys.executable, "-m", "epoverlap.cli.launch", *flags]

@@ -1,5 +1,5 @@
 """Worker for tests/test_bench_peer.py (spawned by dist_helpers.run_ranks): Megatron-core's
-GPTModel as tools/bench_peer.py translates our config, built on the CPU beside our model.
+GPTModel as benchmarks/harness/bench_peer.py translates our config, built on the CPU beside our model.
 
 Megatron-core's layers ask for the current CUDA device and its token dispatcher makes a CUDA
 stream when built; in this process (no other use for torch.cuda) the device is the CPU and the
@@ -29,7 +29,7 @@ def megatron_and_our_parameters(rank, world_size, flags):
     """-> {"megatron": (dense shapes, expert elements), "epoverlap": (...)} for the model of
     `flags` (our training flags), EP = world_size; and the refusal of the overlap at EP 1."""
     from epoverlap.config import parse_config
-    from epoverlap_tools import bench_peer
+    from benchmarks.harness import bench_peer
     from megatron.core.transformer.moe import token_dispatcher
     torch.cuda.current_device = lambda: "cpu"
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()

@@ -1,4 +1,4 @@
-"""tools/bench_contention.py: its arguments, the sizes it derives from the Megatron shapes
+"""benchmarks/harness/bench_contention.py: its arguments, the sizes it derives from the Megatron shapes
 (worked out by hand from the megatron-cmp preset), the beside-window arithmetic on made-up
 event times, the table and JSON it writes (pure CPU); the whole tool on one GPU (`gpu`)."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from epoverlap.parallel.groups import NcclCtaBudget
-from epoverlap_tools import bench_contention as bc
+from benchmarks.harness import bench_contention as bc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,7 +152,7 @@ def test_rows_get_both_slowdowns_and_the_table_prints_them(tmp_path):
 def test_without_a_gpu_it_says_so_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    result = subprocess.run([sys.executable, str(REPO / "tools" / "bench_contention.py")],
+    result = subprocess.run([sys.executable, "-m", "benchmarks.harness.bench_contention"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
@@ -168,7 +168,7 @@ def _run_one_rank(tmp_path, *args: str) -> subprocess.CompletedProcess:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_contention.py"), "--shapes",
+        [sys.executable, "-m", "benchmarks.harness.bench_contention", "--shapes",
          "megatron_e32_k4_mbs2x8", "--scale", "0.05", "--iters", "3", "--warmup", "1", *args,
          "--out-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=env, cwd=REPO)

@@ -1,7 +1,7 @@
-"""tools/bench_host.py's call-site attribution, on a one-process CPU trainer (torch kernels):
+"""benchmarks/harness/bench_host.py's call-site attribution, on a one-process CPU trainer (torch kernels):
 every call of a named op is counted once, at the project line that issued it, forward and
-backward; its A/B modes; tools/bench_launch.py refuses cleanly without a GPU; and
-tools/bench_a2a_host.py times every piece of an all-to-all over gloo."""
+backward; its A/B modes; benchmarks/harness/bench_launch.py refuses cleanly without a GPU; and
+benchmarks/harness/bench_a2a_host.py times every piece of an all-to-all over gloo."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from dist_helpers import single_rank_groups
 from epoverlap.config import parse_config
 from epoverlap.training.trainer import Trainer
-from epoverlap_tools import bench_a2a_host, bench_host, bench_launch
+from benchmarks.harness import bench_a2a_host, bench_host, bench_launch
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--num-query-groups", "2", "--seq-length", "8", "--num-experts", "4",

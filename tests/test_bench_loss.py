@@ -1,11 +1,11 @@
-"""tools/bench_loss.py on CPU (the fused side under the Triton interpreter): both levels run,
+"""benchmarks/harness/bench_loss.py on CPU (the fused side under the Triton interpreter): both levels run,
 the fused side reruns bit for bit, its grads agree with the reference's, bad shapes are refused."""
 
 import pytest
 
 pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
 
-from epoverlap_tools import bench_loss
+from benchmarks.harness import bench_loss
 
 
 def test_bench_loss_runs_both_levels_on_cpu(capsys):

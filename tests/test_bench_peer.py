@@ -1,4 +1,4 @@
-"""tools/bench_peer.py: the FLOP count both systems are rated by, against a hand count; the
+"""benchmarks/harness/bench_peer.py: the FLOP count both systems are rated by, against a hand count; the
 report (derived figures, tables, JSON); the one-line refusals before any process group; our
 side end to end on two CPU ranks; Megatron-core's model as the tool translates our config,
 against ours (needs the peer extra; built on the CPU); the whole benchmark on one and two GPUs
@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from epoverlap.config import parse_config
 from epoverlap.model.transformer import training_flops_per_token
-from epoverlap_tools import bench_peer
-from epoverlap_tools.bench_overlap import SHAPES
+from benchmarks.harness import bench_peer
+from benchmarks.harness.bench_overlap import SHAPES
 
 from dist_helpers import run_ranks
 from job_control import job_env
@@ -117,7 +117,7 @@ def test_megatron_side_needs_a_gpu_in_one_line(monkeypatch, capsys):
 
 def _bench(tmp_path, nproc, *flags, timeout=600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(REPO / "tools" / "bench_peer.py"), "--shapes",
+           f"--nproc-per-node={nproc}", "-m", "benchmarks.harness.bench_peer", "--shapes",
            "quick", "--out-dir", str(tmp_path), *flags]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(),
                             cwd=REPO)

@@ -20,7 +20,7 @@ from epoverlap.errors import CheckpointError
 from epoverlap.training import checkpoint_files as files
 from epoverlap.training.checkpoint_files import find_resume_checkpoint, iter_name
 from epoverlap.training.trainer import Trainer
-from epoverlap_tools.compare_losses import compare_loss_logs
+from epoverlap.cli.compare_losses import compare_loss_logs
 
 # Measured (CPU, gloo, 2 ranks, fp32, TINY variants, 8 steps after a resume at step 2 written at
 # EP 2): resumed at EP 1 the losses differ by at most 9.5e-8 relative, at most one step in 8

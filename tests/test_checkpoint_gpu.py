@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from checkpoint_workers import checkpoint_tensors
-from epoverlap_tools.compare_losses import compare_loss_logs
+from epoverlap.cli.compare_losses import compare_loss_logs
 
 REPO = Path(__file__).resolve().parents[1]
 needs_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA GPUs")

@@ -13,8 +13,8 @@ import textwrap
 import pytest
 
 from epoverlap.config import build_parser, parse_config
-from epoverlap.training import launch
-from epoverlap.training.main import main as train_main
+from epoverlap.cli import launch
+from epoverlap.cli.train import main as train_main
 from job_control import REPO, job_env
 
 TINY = ["--preset", "tiny", "--data", "synthetic"]
@@ -77,7 +77,7 @@ def test_no_prefix_matching_and_one_short_usage_block(entry, prog, capsys):
 
 
 def test_other_ranks_of_a_node_exit_2_quietly(monkeypatch, capsys):
-    from epoverlap.training import main as main_module
+    from epoverlap.cli import train as main_module
     monkeypatch.setattr(main_module, "QUIET_RANK_PAUSE_S", 0.0)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert train_main(TINY + ["--seq-length", "100000000"]) == 2
@@ -113,7 +113,7 @@ NO_TRITON = textwrap.dedent("""
     sys.modules["triton"] = None  # any import of triton fails
     from epoverlap.config import parse_config, validate_config
     from epoverlap.errors import ConfigError
-    from epoverlap.training.main import main
+    from epoverlap.cli.train import main
     status = main(["--preset", "tiny", "--data", "synthetic", "--train-iters", "2",
                    "--hidden-size", "64", "--seq-length", "64", "--num-microbatches", "2"])
     try:

@@ -1,4 +1,4 @@
-"""Loss-log comparison (tools/compare_losses.py): identical logs, the first differing step named
+"""Loss-log comparison (epoverlap/cli/compare_losses.py): identical logs, the first differing step named
 with both values in hex, different step sets, bitwise semantics, and malformed files."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from epoverlap_tools.compare_losses import LossComparison, compare_loss_logs, main
+from epoverlap.cli.compare_losses import LossComparison, compare_loss_logs, main
 
 REPO = Path(__file__).resolve().parents[1]
 LOSSES = [5.123456789, 4.87654321, 4.5, 4.25]
@@ -123,8 +123,8 @@ def test_missing_file(tmp_path, capsys):
     assert code == 2 and "absent.jsonl" in err and "cannot read" in err
 
 
-@pytest.mark.parametrize("how", [["tools/compare_losses.py"], ["-m", "tools.compare_losses"]])
-def test_runs_as_script_from_repo_root(tmp_path, how):
+@pytest.mark.parametrize("how", [["-m", "epoverlap.cli.compare_losses"]])
+def test_runs_as_module(tmp_path, how):
     a = write_log(tmp_path / "a.jsonl", LOSSES)
     done = subprocess.run([sys.executable, *how, str(a), str(a)], cwd=REPO, capture_output=True,
                           text=True, timeout=60)

@@ -7,7 +7,7 @@ import pytest
 from epoverlap.config import (PRESETS, build_parser, moe_layer_pattern, parse_config,
                               validate_config)
 from epoverlap.errors import ConfigError
-from epoverlap_kernels import triton_installed
+from epoverlap.kernels import triton_installed
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--num-experts", "8", "--moe-router-topk", "2", "--train-iters", "5"]

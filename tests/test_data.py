@@ -17,7 +17,7 @@ from epoverlap.data.samples import BlendedSamples, DocumentSamples, blend_order,
 from epoverlap.data.tokenizers import TokenizerError, build_tokenizer
 from epoverlap.errors import ConfigError
 from epoverlap.training.data import IndexedData, SyntheticData, open_data_source, step_batches
-from epoverlap_tools import convert_data
+from epoverlap.cli import convert_data
 
 NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
 SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",

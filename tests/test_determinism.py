@@ -22,7 +22,7 @@ import torch
 import torch.utils.deterministic
 
 from epoverlap.config import parse_config
-from epoverlap.training.main import setup_environment
+from epoverlap.training.environment import setup_environment
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--preset", "tiny", "--hidden-size", "64", "--seq-length", "64", "--num-microbatches",
@@ -90,7 +90,7 @@ def test_runs_with_and_without_the_fill_of_new_memory_give_the_same_bits(tmp_pat
 @pytest.mark.slow
 def test_bench_determinism_times_each_setting_and_checks_their_bits():
     result = subprocess.run(
-        [sys.executable, "tools/bench_determinism.py", "--cpu", "--preset", "tiny", "--steps",
+        [sys.executable, "-m", "benchmarks.harness.bench_determinism", "--cpu", "--preset", "tiny", "--steps",
          "12", "--cli-rounds", "1", "--ab-rounds", "1", "--ops", "5"], capture_output=True,
         text=True, timeout=300, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]

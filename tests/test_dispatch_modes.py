@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epoverlap_tools.bench_peer import megatron_installed
+from benchmarks.harness.bench_peer import megatron_installed
 
 from dist_helpers import run_ranks
 from dispatch_workers import graphed_training, megatron_dispatch_equivalence, mode_runs

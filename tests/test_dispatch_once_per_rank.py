@@ -15,8 +15,8 @@ import torch
 
 from epoverlap.model.moe import AllToAllDispatcher, DispatchBudget, DispatchMode
 from epoverlap.parallel.comm import ExpertComm
-from epoverlap_kernels import make_moe_ops
-from epoverlap_tools.sim_costs import A2aShape
+from epoverlap.kernels import make_moe_ops
+from epoverlap.simulator.costs import A2aShape
 
 from dist_helpers import run_ranks
 from dispatch_workers import EXPERTS, once_per_rank_equivalence

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dist_helpers import run_ranks
-from epoverlap_tools.compare_losses import compare_loss_logs
+from epoverlap.cli.compare_losses import compare_loss_logs
 from gloo_workers import (MODES, dispatch_round_trip, ep_losses, extreme_routing_training,
                           mode_grads_and_losses)
 

@@ -103,7 +103,7 @@ def test_stream_spans_time_the_wait_apart_from_the_run(tmp_path):
     each F/B node starts after the previous node of its microbatch ended (its start event
     follows the stream's wait_event), whichever lane that node ran on; the file reads back."""
     from epoverlap.profiling.recorder import SpanRecorder
-    from epoverlap_tools import timeline
+    from epoverlap.cli import timeline
     recorder = SpanRecorder(torch.device("cuda"), 0, 1)
     _single_gpu_grads("streams", True, recorder=recorder)
     spans = recorder.steps[-1].spans
@@ -153,7 +153,7 @@ def test_overlap_bitwise_over_nccl(tmp_path):
     nproc = torch.cuda.device_count()
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={nproc}", str(REPO / "tools" / "check_bitwise.py"), "--steps", "20",
+         f"--nproc-per-node={nproc}", "-m", "benchmarks.harness.check_bitwise", "--steps", "20",
          "--out", str(out)], capture_output=True, text=True, timeout=900, env=_env(), cwd=REPO)
     print(result.stdout[-3000:])
     assert out.exists(), result.stderr[-3000:]
@@ -232,7 +232,7 @@ def test_cli_with_the_fused_loss_is_bitwise_on_one_gpu(tmp_path):
     command twice, and eager against the partial CUDA graphs, bitwise under
     --deterministic-mode (bf16, optimizer on); the first loss near log(V), as from random
     logits."""
-    from epoverlap_kernels.cross_entropy_triton import FUSED_MIN_VOCAB
+    from epoverlap.kernels.cross_entropy_triton import FUSED_MIN_VOCAB
 
     assert 32001 >= FUSED_MIN_VOCAB
     flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "12",
@@ -435,8 +435,8 @@ def test_simulator_replays_a_recorded_overlapped_run(tmp_path):
     simulator (recorded compute and comm, host launch costs read from the same recording's
     gaps, each rank's host time before its first action as recorded). benchmarks/scale.md
     measured -1% on a run of this shape; 15% is the bound."""
-    from epoverlap_tools import simulate as sim
-    from epoverlap_tools.bench_overlap import COMMON, SHAPES
+    from epoverlap.cli import simulate as sim
+    from benchmarks.harness.bench_overlap import COMMON, SHAPES
     spans = tmp_path / "spans"
     flags = SHAPES["ratio_h2048_k8_f128"] + COMMON + [
         "--bf16", "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
@@ -450,8 +450,8 @@ def test_simulator_replays_a_recorded_overlapped_run(tmp_path):
     if keep:  # the device suite keeps the recording, to replay it again on a CPU
         shutil.copytree(spans, Path(keep) / "simulator_spans", dirs_exist_ok=True)
     scenario = sim.build_scenario(sim.parse_args(
-        ["--spans", str(spans), "--shape", "ratio_h2048_k8_f128", "--link", "measured",
-         "--host-from", str(spans)]))
+        ["--spans", str(spans), "--link", "measured", "--host-from", str(spans), "--",
+         *SHAPES["ratio_h2048_k8_f128"], "--bf16"]))
     rows = sim.replay_steps(scenario)
     assert [row["mode"] for row in rows] == ["ovl"] * 3
     measured = sum(row["measured_ms"] for row in rows)

@@ -1,4 +1,4 @@
-"""tools/gpu_suite.sh, the one script every device call runs, checked on CPU: it parses, every
+"""benchmarks/harness/gpu_suite.sh, the one script every device call runs, checked on CPU: it parses, every
 part it implements is listed in its header (and nothing else is), and its NCCL setting entries
 (`tag` or `tag:VAR=val,VAR=val`, x2nccl's NCCL_SETS and x2once's ONCE_ENV_SETS) split into the
 tag and the environment assignments a step runs under; a 2-GPU part's TESTS run first, on
@@ -33,7 +33,7 @@ def test_every_part_is_listed_in_the_header_and_every_listed_part_exists():
 
 def _function(name: str) -> str:
     match = re.search(rf"^{name}\(\) \{{.*?^\}}$", SUITE.read_text(), re.M | re.S)
-    assert match, f"{name}() not found in tools/gpu_suite.sh"
+    assert match, f"{name}() not found in benchmarks/harness/gpu_suite.sh"
     return match.group(0)
 
 

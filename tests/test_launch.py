@@ -53,7 +53,7 @@ def test_main_job_on_two_cpu_ranks_reduces_the_loss(tmp_path):
 
 
 def test_launcher_defaults_pass_through_user_flags():
-    from epoverlap.training.launch import default_train_args, split_nproc
+    from epoverlap.cli.launch import default_train_args, split_nproc
     args = default_train_args(2, False, ["--preset", "small", "--train-iters", "3"])
     assert args == ["--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
                     "--preset", "small", "--train-iters", "3"]
@@ -144,7 +144,7 @@ def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_
     monkeypatch.setenv("NCCL_BUFFSIZE", "33554432")
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO / "tools" / "bench_overlap.py"), "--shapes", "quick", "--profile-shapes",
+           "-m", "benchmarks.harness.bench_overlap", "--shapes", "quick", "--profile-shapes",
            "quick", "--out-dir", str(tmp_path), "--iters", "1", "--warmup", "0",
            "--profile-steps", "2", "--rounds", "2"]
     result = _run(cmd, timeout=600)
@@ -184,7 +184,7 @@ def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_
                                                    / shape["timeline"]["seq"]["comm_ms"])
     assert ovl_figures["comm_busy_share"] == ovl_figures["comm_ms"] / ovl_figures["step_ms"]
     assert 0 < ovl_figures["comm_busy_share"] <= 1
-    compare = _run([sys.executable, "-m", "epoverlap_tools.timeline", "--compare",
+    compare = _run([sys.executable, "-m", "epoverlap.cli.timeline", "--compare",
                     str(tmp_path / "spans" / "quick" / "seq"),
                     str(tmp_path / "spans" / "quick" / "ovl_wgrad"), "--out-dir", str(tmp_path)])
     assert compare.returncode == 0, compare.stdout + compare.stderr
@@ -198,7 +198,7 @@ def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_
 
 
 def test_nccl_environment_keeps_the_settings_and_leaves_out_the_logging():
-    from epoverlap_tools.bench_overlap import nccl_environment, nccl_environment_text
+    from benchmarks.harness.bench_overlap import nccl_environment, nccl_environment_text
     environ = {"NCCL_P2P_PCI_CHUNKSIZE": "2097152", "NCCL_DEBUG": "INFO",
                "NCCL_DEBUG_SUBSYS": "ENV", "NCCL_P2P_DISABLE": "1", "PATH": "/bin",
                "TORCH_NCCL_BLOCKING_WAIT": "1"}
@@ -212,7 +212,7 @@ def test_bench_overlap_budget_rows_take_the_budgets_own_comp_and_comm():
     """--sync-free's rows (the budget eager, and under one full-iteration graph) are read
     against their own T_comp and the budget's all-to-alls replayed alone, not the eager
     dropless ones; hand-made timings, the ratios worked out here."""
-    from epoverlap_tools.bench_overlap import derived, markdown
+    from benchmarks.harness.bench_overlap import derived, markdown
 
     def mode(ms):
         return {"fb_ms": ms, "step_ms": ms + 1.0, "peak_gib": 2.0, "static_gib": 1.0,
@@ -236,7 +236,7 @@ def test_bench_overlap_budget_rows_take_the_budgets_own_comp_and_comm():
 
 
 def test_bench_overlap_graphs_need_cuda_in_one_line():
-    result = _run([sys.executable, str(REPO / "tools" / "bench_overlap.py"), "--graphs"])
+    result = _run([sys.executable, "-m", "benchmarks.harness.bench_overlap", "--graphs"])
     assert result.returncode == 2
     assert "needs a CUDA device" in result.stderr and "Traceback" not in result.stderr
 
@@ -254,7 +254,7 @@ def test_main_job_trains_from_converted_indexed_data_and_writes_tensorboard(tmp_
     scalars and one profiled step's exposed comm read back from the event file."""
     pytest.importorskip("tensorboard", reason="the 'tensorboard' extra is not installed")
     prefix, board = tmp_path / "data" / "epoverlap-src", tmp_path / "tb"
-    convert = _run([sys.executable, "-m", "epoverlap_tools.convert_data", "--input",
+    convert = _run([sys.executable, "-m", "epoverlap.cli.convert_data", "--input",
                     str(REPO / "epoverlap"), "--output-prefix", str(prefix), "--append-eod"])
     assert convert.returncode == 0, convert.stderr
     assert f"--data-path {prefix} --tokenizer-type NullTokenizer --vocab-size 256" \

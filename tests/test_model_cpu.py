@@ -13,7 +13,7 @@ from epoverlap.model.transformer import MoEModel, training_flops_per_token
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
 from epoverlap.schedule.plan import build_plan
 from epoverlap.schedule.wgrad import WeightGradQueue
-from epoverlap_kernels import make_moe_ops
+from epoverlap.kernels import make_moe_ops
 
 SMALL = ["--num-layers", "3", "--hidden-size", "32", "--ffn-hidden-size", "64",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "16",

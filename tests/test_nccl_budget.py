@@ -152,7 +152,7 @@ def test_gloo_groups_are_unaffected_and_a_budget_there_is_refused():
 
 
 def test_bench_overlap_sweep_values():
-    from epoverlap_tools.bench_overlap import budget_flags, parse_budgets
+    from benchmarks.harness.bench_overlap import budget_flags, parse_budgets
     budgets = parse_budgets("default, 16,2", 1)
     assert budgets == [NcclCtaBudget(None, 1), NcclCtaBudget(16, 1), NcclCtaBudget(2, 1)]
     assert parse_budgets("default", None) == [NcclCtaBudget()]
@@ -172,9 +172,9 @@ def test_bench_overlap_refuses_a_budget_on_gloo_in_one_line():
     import sys
     from pathlib import Path
     repo = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, str(repo / "tools" / "bench_overlap.py"),
+    result = subprocess.run([sys.executable, "-m", "benchmarks.harness.bench_overlap",
                              "--max-ctas", "default,8"], capture_output=True, text=True,
-                            timeout=120, env=dict(os.environ, WORLD_SIZE="2", RANK="0"))
+                            timeout=120, env=dict(os.environ, WORLD_SIZE="2", RANK="0"), cwd=repo)
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "bench_overlap: error: --moe-a2a-nccl-max-ctas=8: sets the NCCL communicator of the "

@@ -15,7 +15,7 @@ import pytest
 from epoverlap.profiling.node_times import NodePhase, compare_runs, node_figures
 from epoverlap.profiling.spans import (SPAN_FORMAT_VERSION, Span, SpanFileError, StepSpans,
                                        read_span_directory, write_rank_span_file)
-from epoverlap_tools import timeline as tl
+from epoverlap.cli import timeline as tl
 
 
 def span(lane, action, queued, start, end) -> Span:

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from dist_helpers import run_ranks
-from epoverlap_tools import timeline
-from epoverlap_tools.compare_losses import compare_loss_logs
+from epoverlap.cli import timeline
+from epoverlap.cli.compare_losses import compare_loss_logs
 from pipeline_workers import OVERLAP, TINY_PP, VIRTUAL, WGRAD, mode_results
 
 pytestmark = pytest.mark.slow

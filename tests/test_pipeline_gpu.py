@@ -82,7 +82,7 @@ def test_pp2_ep2_on_four_gpus_equals_ep2_on_two_bitwise(tmp_path):
 @_gpus(2)
 def test_pipeline_benchmark_reports_bubbles_and_step_times(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "bench_pipeline.py"), "--gpus", "2", "--preset",
+        [sys.executable, "-m", "benchmarks.harness.bench_pipeline", "--gpus", "2", "--preset",
          "tiny", "--num-layers", "4", "--iters", "6", "--microbatches", "4", "--virtual", "1,2",
          "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=900, env=_env(),
         cwd=REPO)

@@ -181,8 +181,8 @@ def test_stage_layout_reads_chunks_from_node_kinds_in_forward_order():
 
 
 def test_pipeline_benchmark_runs_and_analytic_bubbles():
-    """tools/bench_pipeline.py (run on GPUs by test_pipeline_gpu): its runs and the formula."""
-    from epoverlap_tools import bench_pipeline as bench
+    """benchmarks/harness/bench_pipeline.py (run on GPUs by test_pipeline_gpu): its runs and the formula."""
+    from benchmarks.harness import bench_pipeline as bench
     assert bench.analytic_bubble(2, 1, 4) == pytest.approx(1 / 5)
     assert bench.analytic_bubble(4, 2, 8) == pytest.approx(3 / 19)
     assert bench.analytic_bubble(1, 1, 8) == 0

@@ -1,4 +1,4 @@
-"""The schedule simulator (tools/sim_engine.py, sim_costs.py, simulate.py), pure CPU.
+"""The schedule simulator (epoverlap/simulator/engine.py, sim_costs.py, simulate.py), pure CPU.
 
 The engine tests replay small plans with hand-made durations and compare every span with a
 timeline worked out by hand in the comments (the lane and event rules of the executor, written
@@ -17,9 +17,9 @@ from epoverlap.model.nodes import COMM, COMPUTE, NodeKind
 from epoverlap.schedule.plan import Action, combined_1f1b_plan, sequential_plan
 from epoverlap.profiling.spans import RankSpans, Span, StepSpans
 from epoverlap.schedule.plan import node_kinds
-from epoverlap_tools.sim_costs import (A2aShape, DurationTable, LinkModel, NodeCosts,
+from epoverlap.simulator.costs import (A2aShape, DurationTable, LinkModel, NodeCosts,
                                        a2a_volume, aligned_comm, fit_link, host_gaps)
-from epoverlap_tools.sim_engine import SERIAL, STREAM, THREAD, simulate
+from epoverlap.simulator.engine import SERIAL, STREAM, THREAD, simulate
 
 MOE_LAYER = (NodeKind("attn", COMPUTE, True), NodeKind("dispatch", COMM),
              NodeKind("mlp", COMPUTE, True), NodeKind("combine", COMM))
@@ -244,9 +244,16 @@ CPU_RUN = REPO / "tests" / "data" / "sim_cpu_tiny"
 TINY = ["--preset", "tiny"]
 
 
-def _scenario(*flags):
-    from epoverlap_tools import simulate as sim
-    return sim, sim.build_scenario(sim.parse_args([*flags, "--", *TINY]))
+def _shape(name):
+    """A benchmark shape's training flags (bf16), as the simulator is given them after `--`."""
+    from benchmarks.harness.bench_overlap import SHAPES
+    return [*SHAPES[name], "--bf16"]
+
+
+def _scenario(*flags, shape=None):
+    from epoverlap.cli import simulate as sim
+    model = [*TINY, *(_shape(shape) if shape else [])]
+    return sim, sim.build_scenario(sim.parse_args([*flags, "--", *model]))
 
 
 @pytest.mark.parametrize("mode", ["seq", "ovl", "wgrad"])
@@ -274,10 +281,11 @@ def test_recorded_gpu_run_replays_the_host_time_before_its_first_action():
     benchmarks/scale.md): 52-84 ms of each 186-196 ms step passed on the host before the first
     action (the mock data was made there). Replayed with each rank's recorded prelude, the
     steps come within 15% (+7% on the mean); without it the replay would be 35% short."""
-    from epoverlap_tools import simulate as sim
+    from epoverlap.cli import simulate as sim
     scenario = sim.build_scenario(sim.parse_args(
-        ["--spans", str(GPU_HOST_BOUND), "--shape", "ratio_h2048_k8_f128", "--link",
-         "measured", "--host-from", str(GPU_HOST_BOUND), "--", "--kernel-backend", "torch"]))
+        ["--spans", str(GPU_HOST_BOUND), "--link", "measured", "--host-from",
+         str(GPU_HOST_BOUND), "--", *_shape("ratio_h2048_k8_f128"), "--kernel-backend",
+         "torch"]))
     rows = sim.replay_steps(scenario)
     assert [row["mode"] for row in rows] == ["ovl"] * 3
     assert all(50 < row["prelude_ms"] < 90 for row in rows), rows
@@ -309,8 +317,8 @@ def test_flop_model_adds_up_to_the_projects_flops_per_token():
     training_flops_per_token (epoverlap/model/transformer.py) x tokens, wgrad split or not."""
     from epoverlap.config import parse_config
     from epoverlap.model.transformer import training_flops_per_token
-    from epoverlap_tools.sim_costs import FlopModel
-    from epoverlap_tools.simulate import model_layout
+    from epoverlap.simulator.costs import FlopModel
+    from epoverlap.cli.simulate import model_layout
     cfg = parse_config(["--preset", "small", "--expert-model-parallel-size", "4"])
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length
     layout = model_layout(cfg, 4)
@@ -322,22 +330,22 @@ def test_flop_model_adds_up_to_the_projects_flops_per_token():
 
 
 def test_calibration_reproduces_the_target_time(tmp_path, capsys):
-    from epoverlap_tools import simulate as sim
-    assert sim.main(["--flops", "--shape", "dsv3_layer", "--ep", "8", "--link", "ib",
-                     "--calibrate", "comp:144.89@4", "--out-dir", str(tmp_path),
-                     "--no-png"]) == 0
+    from epoverlap.cli import simulate as sim
+    assert sim.main(["--flops", "--ep", "8", "--link", "ib", "--calibrate", "comp:144.89@4",
+                     "--out-dir", str(tmp_path), "--no-png", "--", *TINY,
+                     *_shape("dsv3_layer")]) == 0
     out = capsys.readouterr().out
     assert "FLOP counts at" in out and "EP 8" in out
-    _, at_four = _scenario("--flops", "--shape", "dsv3_layer", "--ep", "4", "--link", "ib",
-                           "--calibrate", "comp:144.89@4")
+    _, at_four = _scenario("--flops", "--ep", "4", "--link", "ib",
+                           "--calibrate", "comp:144.89@4", shape="dsv3_layer")
     comp = sim.run_mode(at_four, "comp").step_us / 1e3
     assert comp == pytest.approx(144.89, rel=0.01)
 
 
 def test_imbalance_slows_the_collectives_and_the_hot_rank():
-    _, even = _scenario("--flops", "--shape", "dsv3_layer", "--ep", "4", "--link", "ib")
-    _, skew = _scenario("--flops", "--shape", "dsv3_layer", "--ep", "4", "--link", "ib",
-                        "--imbalance", "2")
+    _, even = _scenario("--flops", "--ep", "4", "--link", "ib", shape="dsv3_layer")
+    _, skew = _scenario("--flops", "--ep", "4", "--link", "ib", "--imbalance", "2",
+                        shape="dsv3_layer")
     for name in ("F0.dispatch.L0", "B0.dispatch.L0", "F0.combine.L0", "B0.combine.L0"):
         action = Action.parse(name)  # the most loaded rank's bytes set every rank's time
         assert skew.comm(0, action) == skew.comm(3, action) > 1.5 * even.comm(0, action)
@@ -349,7 +357,7 @@ def test_imbalance_slows_the_collectives_and_the_hot_rank():
 
 # ---------------------------------------------------------------------------- command line
 def test_cli_writes_png_trace_and_json(tmp_path, capsys):
-    from epoverlap_tools import simulate as sim
+    from epoverlap.cli import simulate as sim
     code = sim.main(["--spans", str(CPU_RUN / "ovl"), "--link", "fit", "--out-dir",
                      str(tmp_path), "--", *TINY])
     assert code == 0
@@ -371,7 +379,6 @@ def test_cli_writes_png_trace_and_json(tmp_path, capsys):
     (["--flops", "--imbalance", "9", "--", *TINY, "--expert-model-parallel-size", "2"],
      "--imbalance 9"),
     (["--flops", "--", *TINY], "EP group of 2 or more"),
-    (["--flops", "--shape", "nope"], "--shape nope"),
     (["--flops", "--ep", "3", "--", *TINY], "--num-experts"),
     (["--spans", str(CPU_RUN / "ovl"), "--calibrate", "comp:5@2", "--", *TINY],
      "needs --flops"),
@@ -382,7 +389,7 @@ def test_cli_writes_png_trace_and_json(tmp_path, capsys):
     (["--spans", str(CPU_RUN / "nothing"), "--", *TINY], "not a directory"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(flags, needle, tmp_path, capsys):
-    from epoverlap_tools import simulate as sim
+    from epoverlap.cli import simulate as sim
     assert sim.main([*flags[:1], *flags[1:], "--out-dir", str(tmp_path)]
                     if "--" not in flags else
                     [*flags[:flags.index("--")], "--out-dir", str(tmp_path),
@@ -409,7 +416,7 @@ def test_fresh_gloo_run_is_reproduced(tmp_path):
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
-    from epoverlap_tools import simulate as sim
+    from epoverlap.cli import simulate as sim
     scenario = sim.build_scenario(sim.parse_args(
         ["--spans", str(spans), "--link", "measured", "--", *TINY, "--hidden-size", "64",
          "--num-microbatches", "2"]))

@@ -20,7 +20,7 @@ from epoverlap.parallel.groups import PIPELINE, Group
 from epoverlap.parallel.watch import CollectiveWatch
 from epoverlap.schedule.plan import stage_layout
 from epoverlap.training.memory import estimate_memory, weight_sizes
-from epoverlap_kernels import make_moe_ops
+from epoverlap.kernels import make_moe_ops
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64",

@@ -1,4 +1,4 @@
-"""Timeline tool (tools/timeline.py): interval math, every metric on hand-made span files with
+"""Timeline tool (epoverlap/cli/timeline.py): interval math, every metric on hand-made span files with
 known answers, the Chrome trace and PNG outputs, the CLI's bad-input handling, and the
 torch.profiler trace path on a hand-made trace."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from epoverlap.profiling.spans import Span, StepSpans, span_file_name, write_rank_span_file
-from epoverlap_tools import timeline as tl
+from epoverlap.cli import timeline as tl
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -326,8 +326,8 @@ def test_cli_needs_an_input(capsys):
     _assert_one_line_error(code, err, "give a span directory")
 
 
-@pytest.mark.parametrize("how", [["tools/timeline.py"], ["-m", "tools.timeline"]])
-def test_runs_as_script_from_repo_root(tmp_path, how):
+@pytest.mark.parametrize("how", [["-m", "epoverlap.cli.timeline"]])
+def test_runs_as_module(tmp_path, how):
     directory = _two_rank_two_step_dir(tmp_path)
     done = subprocess.run([sys.executable, *how, str(directory), "--no-png"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)

@@ -4,5 +4,5 @@ as node callables (`NodeSpec`) that know nothing of schedules.
 Owns `transformer` (the model, or one pipeline stage of it, and its layers' nodes), `moe`
 (router, dropless dispatcher, experts), `linear` (GEMMs whose weight grads can be deferred),
 `nodes` (the node protocol a scheduler sees) and `stages` (which layers each pipeline stage and
-model chunk holds; pure arithmetic). May import: config, errors, parallel.comm, epoverlap_kernels.
+model chunk holds; pure arithmetic). May import: config, errors, parallel.comm, epoverlap.kernels.
 """

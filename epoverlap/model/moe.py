@@ -56,9 +56,9 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from epoverlap_kernels import MoEOps
-from epoverlap_kernels.capacity import apply_router_token_dropping, dropped_pairs, get_capacity
-from epoverlap_kernels.router_topk import (SwitchAuxLoss, attach_aux_loss, aux_loss_scores,
+from epoverlap.kernels import MoEOps
+from epoverlap.kernels.capacity import apply_router_token_dropping, dropped_pairs, get_capacity
+from epoverlap.kernels.router_topk import (SwitchAuxLoss, attach_aux_loss, aux_loss_scores,
                                           expert_token_counts, plain_topk_counts,
                                           switch_aux_loss)
 
@@ -263,7 +263,7 @@ class Router(nn.Module):
 
     Benchmark seam (no flag): `aux_loss_in_op` False computes the Switch aux loss with separate
     autograd ops even where the router op could fuse it (the in-process A/B of
-    tools/bench_host.py --fusion-ab).
+    benchmarks/harness/bench_host.py --fusion-ab).
 
     Test seam (no flag): `logit_bias`, when set, is called with the gate logits [T, E] and
     returns a bias [T, E] added to them; the routing fuzz test forces adversarial routings with

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epoverlap_kernels import MoEOps
+from epoverlap.kernels import MoEOps
 
 from epoverlap.parallel.comm import ExpertComm, PipelineComm
 from epoverlap.config import RunConfig
@@ -93,7 +93,7 @@ class Attention(nn.Module):
         k_BGSD = self.ops.rotary(k_BGSD, self.cos_SD, self.sin_SD)
         # grouped-query attention inside SDPA: expanding K/V with repeat_interleave first cost
         # 2.1-2.7x the GPU time and 2.2x the host time of the attention's forward + backward at
-        # the small preset's shape on an H100, for the same output bits (tools/bench_launch.py)
+        # the small preset's shape on an H100, for the same output bits (benchmarks/harness/bench_launch.py)
         out_BQSD = F.scaled_dot_product_attention(q_BQSD, k_BGSD, v_BGSD, is_causal=True,
                                                   enable_gqa=self.kv_heads != self.heads)
         out_TX = out_BQSD.transpose(1, 2).reshape(batch * seq, self.heads * dim)

@@ -2,7 +2,7 @@
 
 Owns `step_metrics` (on the interval math of `profiling.intervals`) (compute busy, comm, exposed and hidden comm, overlap
 ratio, idle time of one rank's step). The trainer reports them for profiled steps
-(TensorBoard), `epoverlap-timeline` (tools/timeline.py, where the metric definitions are
+(TensorBoard), `epoverlap-timeline` (epoverlap/cli/timeline.py, where the metric definitions are
 written out) builds its tables on them.
 """
 

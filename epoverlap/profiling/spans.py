@@ -2,7 +2,7 @@
 
 This module owns what a span is, how one rank's spans are written to disk, and how a directory
 of span files is read back and checked. The executor records one Span per action it runs (on the
-compute or the comm lane) and calls `write_rank_span_file` once per rank; `tools/timeline.py`
+compute or the comm lane) and calls `write_rank_span_file` once per rank; `epoverlap/cli/timeline.py`
 reads the files back with `read_span_directory`. The file format is documented in
 docs/span-format.md; any change to it bumps SPAN_FORMAT_VERSION. Version 2 added each span's
 `queued_us` (when its lane reached it, before it waited on the other lane); version-1 files

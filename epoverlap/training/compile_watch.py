@@ -2,7 +2,7 @@
 one rank that every other rank waits for at its next all-to-all.
 
 Owns `CompileWatch`: after each step it counts the compiled variants of the Triton kernels
-(`epoverlap_kernels.triton_compiled_variants`), names the kernels that gained one after the
+(`epoverlap.kernels.triton_compiled_variants`), names the kernels that gained one after the
 warmup steps (a warning line), and gives the per-rank total for the end-of-run report.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from epoverlap_kernels import triton_compiled_variants
+from epoverlap.kernels import triton_compiled_variants
 
 
 class CompileWatch:

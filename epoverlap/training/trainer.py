@@ -45,7 +45,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from epoverlap_kernels import make_moe_ops
+from epoverlap.kernels import make_moe_ops
 
 from epoverlap.config import RunConfig
 from epoverlap.graphs.banks import GraphBanks, StepGraphs

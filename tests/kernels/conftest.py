@@ -5,7 +5,7 @@ TRITON_INTERPRET=1 when there is no CUDA device."""
 import pytest
 import torch
 
-from epoverlap_kernels import triton_unavailable_reason
+from epoverlap.kernels import triton_unavailable_reason
 from kernel_test_utils import INTERPRETED
 
 

@@ -104,8 +104,8 @@ def _resource_usage(cubin: bytes, triton_dir: Path) -> dict:
 def _exercise_ops(context: dict) -> None:
     """Every op, forward and backward, at the benchmark shapes' H / E / k, with few tokens."""
     import torch
-    from epoverlap_kernels import triton_ops as ops
-    from epoverlap_kernels import triton_utils
+    from epoverlap.kernels import triton_ops as ops
+    from epoverlap.kernels import triton_utils
 
     triton_utils.check_count_fits = lambda *args: None  # nothing runs: the counts are garbage
     triton_utils.device_asserts = lambda tensor: True  # compile the CUDA launch configs
@@ -122,7 +122,7 @@ def _exercise_ops(context: dict) -> None:
 
 def _exercise_shape(ops, context, tokens, hidden, experts, topk, dtype, router_kwargs) -> None:
     import torch
-    from epoverlap_kernels.permutation_triton import build_row_id_map_triton
+    from epoverlap.kernels.permutation_triton import build_row_id_map_triton
     context["shape"] = f"H{hidden}-E{experts}-k{topk}-{str(dtype).split('.')[-1]}"
     # the map kernels' tiles depend on T: build the benchmark's 8192-token map too
     build_row_id_map_triton(torch.zeros(8192, experts, dtype=torch.bool),

@@ -15,7 +15,7 @@ import sys
 
 def _layer_ops(tokens: int, received: int) -> None:
     import torch
-    from epoverlap_kernels import triton_ops as ops
+    from epoverlap.kernels import triton_ops as ops
 
     hidden, experts, topk, ffn = 256, 8, 2, 128
     logits_TE = torch.randn(tokens, experts, requires_grad=True)
@@ -41,7 +41,7 @@ def _layer_ops(tokens: int, received: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from epoverlap_kernels import triton_utils
+    from epoverlap.kernels import triton_utils
     from sm90_compile import install_fake_sm90_driver
 
     keys: dict = {}

@@ -22,10 +22,10 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
 
-from epoverlap_kernels import cross_entropy_triton as ce_module
-from epoverlap_kernels import make_moe_ops, reference
-from epoverlap_kernels.cross_entropy import IGNORE_INDEX, cross_entropy_torch
-from epoverlap_kernels.cross_entropy_triton import (FUSED_MIN_VOCAB, cross_entropy_triton,
+from epoverlap.kernels import cross_entropy_triton as ce_module
+from epoverlap.kernels import make_moe_ops, reference
+from epoverlap.kernels.cross_entropy import IGNORE_INDEX, cross_entropy_torch
+from epoverlap.kernels.cross_entropy_triton import (FUSED_MIN_VOCAB, cross_entropy_triton,
                                                     fused_cross_entropy)
 
 from kernel_test_utils import (INTERPRETED, assert_same_run, eager_then_graph_replay,
@@ -215,7 +215,7 @@ import sm90_compile
 records, context = [], {}
 sm90_compile._install_fake_driver(records, context)
 import torch
-from epoverlap_kernels.cross_entropy_triton import fused_cross_entropy
+from epoverlap.kernels.cross_entropy_triton import fused_cross_entropy
 for dtype in (torch.bfloat16, torch.float32):
     for vocab in (257, 32000, 151936):
         context["shape"] = f"V{vocab}-{str(dtype).split('.')[-1]}"

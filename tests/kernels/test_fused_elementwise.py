@@ -26,14 +26,14 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
 
-from epoverlap_kernels import make_moe_ops, reference, rmsnorm_triton, rotary_triton, \
+from epoverlap.kernels import make_moe_ops, reference, rmsnorm_triton, rotary_triton, \
     swiglu_triton
-from epoverlap_kernels.rmsnorm import rms_norm_torch
-from epoverlap_kernels.rmsnorm_triton import rms_norm_triton
-from epoverlap_kernels.rotary import rotary_torch
-from epoverlap_kernels.rotary_triton import rotary_triton as rotary_tr
-from epoverlap_kernels.swiglu import swiglu_torch
-from epoverlap_kernels.swiglu_triton import swiglu_triton as swiglu_tr
+from epoverlap.kernels.rmsnorm import rms_norm_torch
+from epoverlap.kernels.rmsnorm_triton import rms_norm_triton
+from epoverlap.kernels.rotary import rotary_torch
+from epoverlap.kernels.rotary_triton import rotary_triton as rotary_tr
+from epoverlap.kernels.swiglu import swiglu_torch
+from epoverlap.kernels.swiglu_triton import swiglu_triton as swiglu_tr
 
 from kernel_test_utils import (DTYPES, INTERPRETED, assert_bits_equal, assert_same_run,
                                eager_then_graph_replay, forbid_host_reads, generator)
@@ -361,7 +361,7 @@ def test_deterministic_and_no_host_reads(triton_device, monkeypatch):
 def test_model_norm_goes_through_the_op_table():
     """The model's RMSNorm calls the chosen backend's op (no formula of its own)."""
     from epoverlap.model.transformer import RMSNorm
-    from epoverlap_kernels import make_moe_ops
+    from epoverlap.kernels import make_moe_ops
     x, weight = _rms_inputs((5, 64), torch.bfloat16, "cpu")
     norm = RMSNorm(64, 1e-5, make_moe_ops("torch"), torch.bfloat16, "cpu")
     norm.weight.data.copy_(weight.detach())
@@ -377,7 +377,7 @@ import sm90_compile
 records, context = [], {}
 sm90_compile._install_fake_driver(records, context)
 import torch
-from epoverlap_kernels import triton_ops as ops
+from epoverlap.kernels import triton_ops as ops
 for dtype in (torch.bfloat16, torch.float32):
     name = str(dtype).split(".")[-1]
     for hidden in (2048, 7168):

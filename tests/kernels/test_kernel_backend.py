@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
 
-import epoverlap_kernels
-from epoverlap_kernels import make_moe_ops, triton_unavailable_reason, triton_utils
+import epoverlap.kernels
+from epoverlap.kernels import make_moe_ops, triton_unavailable_reason, triton_utils
 
 from kernel_test_utils import (INTERPRETED, assert_same_run, distinct_logits, forbid_host_reads,
                                generator, random_like_rows)
@@ -37,7 +37,7 @@ def test_backends_share_the_interface():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_triton_unavailable_without_interpreter():
-    code = ("import epoverlap_kernels as k; print(k.triton_unavailable_reason())\n"
+    code = ("import epoverlap.kernels as k; print(k.triton_unavailable_reason())\n"
             "try:\n    k.make_moe_ops('triton')\nexcept ValueError as e:\n    print('VE', e)")
     out = _python(code, {}).stdout
     assert "no CUDA device and TRITON_INTERPRET is not set: use --kernel-backend torch" in out
@@ -205,11 +205,11 @@ def test_triton_ops_exports():
     ops = make_moe_ops("triton") if triton_unavailable_reason() is None else None
     if ops is None:
         pytest.skip(triton_unavailable_reason())
-    from epoverlap_kernels import triton_ops
+    from epoverlap.kernels import triton_ops
     # the routing ops (other Triton ops may be exported beside them)
     assert set(triton_ops.__all__) >= {"router_topk", "router_topk_with_counts", "permute",
                                        "unpermute", "sort_chunks_by_idxs"}
-    assert epoverlap_kernels.MoEOps.__dataclass_fields__.keys() >= {"permute", "unpermute"}
+    assert epoverlap.kernels.MoEOps.__dataclass_fields__.keys() >= {"permute", "unpermute"}
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="a GPU compiles the kernels for real")

@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
 
-from epoverlap_kernels import make_moe_ops
-from epoverlap_kernels.permutation_triton import _launch_permute, build_row_id_map_triton
+from epoverlap.kernels import make_moe_ops
+from epoverlap.kernels.permutation_triton import _launch_permute, build_row_id_map_triton
 
 from kernel_test_utils import (INTERPRETED, assert_bits_equal, assert_same_run,
                                close_tolerance, distinct_logits, generator, grouped_logits,
@@ -246,7 +246,7 @@ def _every_op(ops, name):
 def test_launch_cache_is_bitwise_tritons_path(name):
     """Every op through the launch cache (after a first call filled it) gives the bits of the
     same ops through Triton's own `JITFunction.run`, and the cache served the second run."""
-    from epoverlap_kernels import launch_cache_stats, set_launch_cache
+    from epoverlap.kernels import launch_cache_stats, set_launch_cache
 
     def served():
         return {kernel: hits for kernel, (hits, _) in launch_cache_stats().items()}
@@ -317,7 +317,7 @@ def test_permute_kernel_never_writes_past_n():
 
 _OVERFLOW_SCRIPT = """
 import torch
-from epoverlap_kernels import make_moe_ops
+from epoverlap.kernels import make_moe_ops
 ops = make_moe_ops("triton")
 routing_map = torch.zeros(64, 8, dtype=torch.bool, device="cuda")
 routing_map[:, :2] = True
@@ -330,7 +330,7 @@ print("NO ERROR")
 
 _OVERFLOW_SORT_SCRIPT = """
 import torch
-from epoverlap_kernels import make_moe_ops
+from epoverlap.kernels import make_moe_ops
 ops = make_moe_ops("triton")
 rows = torch.randn(10, 256, device="cuda")
 ops.sort_chunks_by_idxs(rows, torch.tensor([3, 4, 5], device="cuda"),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from epoverlap_kernels.launch_cache import LaunchCache, arg_key, hooks_installed, int_type_key  # noqa: E402
+from epoverlap.kernels.launch_cache import LaunchCache, arg_key, hooks_installed, int_type_key  # noqa: E402
 
 
 class _Param:
@@ -137,7 +137,7 @@ def test_a_param_left_to_triton_without_default_is_never_cached():
 
 
 def test_entries_are_bounded(monkeypatch):
-    monkeypatch.setattr("epoverlap_kernels.launch_cache.MAX_ENTRIES", 3)
+    monkeypatch.setattr("epoverlap.kernels.launch_cache.MAX_ENTRIES", 3)
     cache, fake = _cache(PARAMS)
     x = torch.zeros(8)
     for hidden in range(10):
@@ -162,7 +162,7 @@ def test_hooks_installed_reads_tritons_hook_chains():
 
 
 def test_the_real_kernels_pass_their_attributes_through():
-    from epoverlap_kernels import permutation_triton
+    from epoverlap.kernels import permutation_triton
 
     kernel = permutation_triton._permute_kernel
     assert isinstance(kernel, LaunchCache)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epoverlap_kernels import make_moe_ops
-from epoverlap_kernels.capacity import (apply_router_token_dropping, dropped_pairs,
+from epoverlap.kernels import make_moe_ops
+from epoverlap.kernels.capacity import (apply_router_token_dropping, dropped_pairs,
                                         get_capacity)
 
 from kernel_test_utils import distinct_logits, random_like_rows

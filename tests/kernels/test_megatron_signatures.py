@@ -13,8 +13,8 @@ import inspect
 import pytest
 import torch
 
-from epoverlap_kernels import make_moe_ops
-from epoverlap_tools.bench_peer import bind_missing_te_names
+from epoverlap.kernels import make_moe_ops
+from benchmarks.harness.bench_peer import bind_missing_te_names
 
 from kernel_test_utils import (distinct_logits, grouped_logits, random_like_rows, random_probs,
                                random_routing_map)

@@ -7,12 +7,12 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
 
-from epoverlap_kernels import permutation_triton
-from epoverlap_kernels.permutation import build_row_id_map, permute_torch, unpermute_torch
-from epoverlap_kernels.permutation_triton import (_launch_permute, _launch_unpermute,
+from epoverlap.kernels import permutation_triton
+from epoverlap.kernels.permutation import build_row_id_map, permute_torch, unpermute_torch
+from epoverlap.kernels.permutation_triton import (_launch_permute, _launch_unpermute,
                                                   _launch_unpermute_bwd, build_row_id_map_triton,
                                                   permute_triton, unpermute_triton)
-from epoverlap_kernels.triton_utils import CopyConfig, MapTiles, cdiv, map_tiles, next_pow2
+from epoverlap.kernels.triton_utils import CopyConfig, MapTiles, cdiv, map_tiles, next_pow2
 
 from kernel_test_utils import (DTYPES, INTERPRETED, assert_bits_equal, assert_same_run,
                                close_tolerance, generator, random_like_rows, random_probs,

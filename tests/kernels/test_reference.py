@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from epoverlap_kernels.permutation import build_row_id_map, permute_torch, unpermute_torch
-from epoverlap_kernels.router_topk import expert_token_counts, router_topk_torch
-from epoverlap_kernels.sort_chunks import sort_chunks_by_idxs_torch
+from epoverlap.kernels.permutation import build_row_id_map, permute_torch, unpermute_torch
+from epoverlap.kernels.router_topk import expert_token_counts, router_topk_torch
+from epoverlap.kernels.sort_chunks import sort_chunks_by_idxs_torch
 
 from kernel_test_utils import (assert_bits_equal, distinct_logits, generator, grouped_logits,
                                random_like_rows, random_probs, random_routing_map)

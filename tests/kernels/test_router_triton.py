@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
 
-from epoverlap_kernels.router_topk import check_router_args, router_topk_with_counts_torch
-from epoverlap_kernels.router_topk_triton import (router_topk_triton,
+from epoverlap.kernels.router_topk import check_router_args, router_topk_with_counts_torch
+from epoverlap.kernels.router_topk_triton import (router_topk_triton,
                                                   router_topk_with_counts_triton)
 
 from kernel_test_utils import (INTERPRETED, assert_bits_equal, assert_same_run, close_tolerance,
@@ -153,7 +153,7 @@ AUX_VARIANTS = ["softmax_pre", "softmax_post", "sigmoid"]
 
 def _run_aux(fn, logits_TE, topk, kwargs, seed=3):
     """_run with the aux loss: (probs, map, counts, logits grad, the loss added to a sum)."""
-    from epoverlap_kernels.router_topk import SwitchAuxLoss
+    from epoverlap.kernels.router_topk import SwitchAuxLoss
 
     loss_sum = torch.full((), 0.5, device=logits_TE.device)  # a running sum: the loss adds
     aux = SwitchAuxLoss(AUX_COEFF, AUX_GRAD_SCALE, loss_sum)
@@ -216,7 +216,7 @@ def test_router_aux_loss_deterministic_and_no_tokens(triton_device):
     (dict(expert_bias=torch.zeros(8), score_function="sigmoid"), "group_topk and expert_bias"),
 ])
 def test_router_aux_loss_refuses_routings_it_does_not_count(kernel, bad, match):
-    from epoverlap_kernels.router_topk import SwitchAuxLoss
+    from epoverlap.kernels.router_topk import SwitchAuxLoss
 
     fn = router_topk_with_counts_torch if kernel == "torch" else router_topk_with_counts_triton
     with pytest.raises(ValueError, match=match):
@@ -224,7 +224,7 @@ def test_router_aux_loss_refuses_routings_it_does_not_count(kernel, bad, match):
 
 
 def test_router_aux_loss_refuses_a_bad_loss_sum():
-    from epoverlap_kernels.router_topk import SwitchAuxLoss
+    from epoverlap.kernels.router_topk import SwitchAuxLoss
 
     bad = SwitchAuxLoss(0.01, 1.0, torch.zeros((), dtype=torch.float64))
     with pytest.raises(ValueError, match="aux_loss.loss_sum: must be a 0-dim fp32"):

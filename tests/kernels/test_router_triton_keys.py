@@ -14,9 +14,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
 
-from epoverlap_kernels import router_topk_triton as rt
-from epoverlap_kernels.router_topk import router_topk_torch
-from epoverlap_kernels.triton_utils import router_tile
+from epoverlap.kernels import router_topk_triton as rt
+from epoverlap.kernels.router_topk import router_topk_torch
+from epoverlap.kernels.triton_utils import router_tile
 
 from kernel_test_utils import INTERPRETED, assert_bits_equal, close_tolerance, generator
 

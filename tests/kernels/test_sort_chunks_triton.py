@@ -6,8 +6,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
 
-from epoverlap_kernels.sort_chunks import chunk_sort_source_rows, sort_chunks_by_idxs_torch
-from epoverlap_kernels.sort_chunks_triton import (_launch_move_rows, chunk_src_rows_triton,
+from epoverlap.kernels.sort_chunks import chunk_sort_source_rows, sort_chunks_by_idxs_torch
+from epoverlap.kernels.sort_chunks_triton import (_launch_move_rows, chunk_src_rows_triton,
                                                   sort_chunks_by_idxs_triton)
 
 from kernel_test_utils import (DTYPES, INTERPRETED, assert_bits_equal, assert_same_run,

@@ -1,0 +1,136 @@
+"""The training command: parse and validate flags and find what --load resumes from before
+any process-group work, set up the process environment, build the groups, train, and tear down
+on every exit path.
+
+`epoverlap-train` and `python -m epoverlap.train` both end here (`main`). Exit status:
+  0    done;
+  2    bad input: one line naming the flag (or the data or checkpoint file), before any
+       process group exists, printed by the first rank of each node; the others exit quietly
+       with the same status a few seconds later, so that torchrun, which stops the job once a
+       rank exits, does not stop the one that prints (a checkpoint found unusable while loading:
+       the same, from rank 0);
+  1    a NaN/Inf loss or gradient under --check-for-nan-in-loss-and-grad (one line naming the
+       step, rank and parameter), or anything else (with its traceback);
+  3    a peer rank died or stalled: one line naming the step, the process group and the
+       silent rank(s), no traceback;
+  143  stopped by SIGTERM with no silent peer.
+`kill -USR1 <pid>` makes a rank print every thread's Python stack to stderr and go on (for a
+hang: where the main thread and the liveness monitor are).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+from epoverlap.config import RunConfig, parse_config, validate_config, world_size_from_env
+from epoverlap.errors import ConfigError
+from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.parallel.watch import PeerFailure, route_sigterm
+from epoverlap.training.checkpoint_files import CheckpointRef, find_resume_checkpoint
+from epoverlap.training.data import open_data_source
+from epoverlap.training.memory import check_memory
+from epoverlap.training.environment import ep_cta_budget, setup_environment
+from epoverlap.training.trainer import Trainer
+
+
+def _printer(enabled: bool, stream=sys.stdout) -> Callable[[str], None]:
+    def emit(message: str) -> None:
+        if enabled:
+            print(message, file=stream, flush=True)
+    return emit
+
+
+QUIET_RANK_PAUSE_S = 5.0  # how long a rank that does not print waits before exiting
+
+
+def _quiet_exit(status: int, printing: bool) -> int:
+    """`status`; a rank that does not print first gives the printing one time to print
+    (torchrun stops the job once a rank exits; its SIGTERM, once the printing rank has exited,
+    ends the wait with the same status)."""
+    if not printing and QUIET_RANK_PAUSE_S > 0:
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(status))
+        time.sleep(QUIET_RANK_PAUSE_S)
+    return status
+
+
+def _fail(error: Exception, status: int, printing: bool) -> int:
+    """One line (from the printing rank) and `status`, for a failure every rank meets alike."""
+    _printer(printing, sys.stderr)(f"epoverlap-train: error: {error}")
+    return _quiet_exit(status, printing)
+
+
+def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: bool,
+                   local_ranks: int = 1, printing: bool = True, prog: str = "epoverlap-train",
+                   before_cuda: Callable[[RunConfig], None] = lambda cfg: None
+                   ) -> tuple[RunConfig, Optional[CheckpointRef], list[str]]:
+    """Everything decided from the flags before the first collective: their rules, paths, what
+    --load resumes from, the memory estimate. -> (config for this world, checkpoint to resume or
+    None, deprecation warnings to print once accepted). Raises ConfigError (one line naming a
+    flag or a checkpoint file; argparse's complaints too). `before_cuda` runs between the checks
+    that touch no CUDA and the memory check, which reads the GPU's size (process settings such
+    as CUDA_DEVICE_MAX_CONNECTIONS go first). The data files are opened next, by
+    `open_data_source`, also before any process group."""
+    notes: list[str] = []
+    cfg = parse_config(argv, warn=notes.append, printing=printing)
+    validate_config(cfg, world_size, cuda_available)
+    cfg = cfg.for_world(world_size)
+    resume = find_resume_checkpoint(cfg.checkpoint.load, cfg.checkpoint.save)
+    before_cuda(cfg)
+    check_memory(cfg, world_size, cfg.resolved_device(cuda_available), local_ranks)
+    return cfg, resume, [f"{prog}: warning: {note}" for note in notes]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    printing = os.environ.get("LOCAL_RANK", "0") == "0"  # one voice per node for bad input
+    warn = _printer(printing, sys.stderr)
+    cuda = torch.cuda.is_available()
+
+    def environment(cfg: RunConfig) -> None:
+        setup_environment(cfg, lambda msg: warn(f"epoverlap-train: warning: {msg}"))
+    world = world_size_from_env()
+    try:
+        cfg, resume, warnings = checked_config(
+            argv, world, cuda, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), printing,
+            before_cuda=environment)
+        data = open_data_source(cfg, cfg.data_parallel_size(world))  # files, before any group
+    except ConfigError as error:
+        return _fail(error, 2, printing)
+    except SystemExit as stop:  # --help (status 0), or argparse exiting by itself
+        if stop.code:
+            _quiet_exit(2, printing)
+        raise
+    for line in warnings:
+        warn(line)
+    if cfg.checkpoint.load is not None and resume is None:
+        _printer(printing)(f"checkpoint: none in {cfg.checkpoint.load} yet; starting at step 1")
+    groups = init_distributed(cfg.parallel.expert_model_parallel_size, cfg.resolved_device(cuda),
+                              cfg.parallel.distributed_timeout_minutes,
+                              pp_size=cfg.parallel.pipeline_model_parallel_size,
+                              ep_budget=ep_cta_budget(cfg))
+    if groups.world_size > 1:
+        route_sigterm(groups.watch)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, groups, log=_printer(groups.is_first()), data=data,
+                          resume=resume)
+        trainer.log(trainer.describe())
+        trainer.train()
+    except PeerFailure as failure:
+        groups.watch.report(failure)  # one line, then the process exits (status 3)
+    except ConfigError as error:  # a checkpoint that cannot be loaded: every rank alike
+        return _fail(error, 2, groups.is_first())
+    except FloatingPointError as error:  # NaN/Inf: every rank raises the same message
+        return _fail(error, 1, groups.is_first())
+    finally:
+        if trainer is not None:
+            trainer.close()
+        destroy_distributed(groups)
+    return 0

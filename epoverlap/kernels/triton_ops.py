@@ -1,0 +1,36 @@
+"""Triton implementations of the routing ops under Megatron-core's names (the "triton" backend).
+
+The signatures below are the implementations' own; the `MoEOps` table (`make_moe_ops`) serves
+permute, unpermute, sort_chunks_by_idxs and topk_routing_with_score_function with
+Megatron-core's exact signatures and keyword names over them (`megatron_api`).
+
+router_topk(logits, topk, *, score_function, use_pre_softmax, num_groups, group_topk,
+            scaling_factor, expert_bias) -> (probs [T, E], routing_map [T, E] bool)
+router_topk_with_counts(logits, topk, **same) -> (probs, routing_map, tokens_per_expert [E] int64)
+permute(tokens, routing_map, probs=None, num_out_tokens=None)
+    -> (permuted_tokens [N, H], permuted_probs [N] | None, row_id_map [T, E] int32)
+unpermute(permuted_tokens, row_id_map, restore_shape=None, probs=None, routing_map=None) -> [T, H]
+sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None) -> (output, probs | None)
+rms_norm(x [..., H], weight [H], eps) -> [..., H]
+rotary(x [B, N, S, D], cos [S, D/2], sin [S, D/2]) -> [B, N, S, D]
+swiglu(h [M, 2F], probs [M] | None = None) -> [M, F]
+cross_entropy(logits [T, V], labels [T] int64) -> fp32 scalar (mean over labels != -100)
+
+Same signatures, outputs and row-id map format as `reference` (the torch backend), so a model
+switches backends by config alone (`make_moe_ops`). Every op is differentiable like its
+reference, deterministic, and syncs no host when `num_out_tokens` is given. Needs CUDA or
+TRITON_INTERPRET=1 (see `epoverlap.kernels.triton_unavailable_reason`).
+"""
+
+from .cross_entropy_triton import cross_entropy_triton as cross_entropy
+from .permutation_triton import permute_triton as permute
+from .permutation_triton import unpermute_triton as unpermute
+from .rmsnorm_triton import rms_norm_triton as rms_norm
+from .rotary_triton import rotary_triton as rotary
+from .router_topk_triton import router_topk_triton as router_topk
+from .router_topk_triton import router_topk_with_counts_triton as router_topk_with_counts
+from .sort_chunks_triton import sort_chunks_by_idxs_triton as sort_chunks_by_idxs
+from .swiglu_triton import swiglu_triton as swiglu
+
+__all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs",
+           "rms_norm", "rotary", "swiglu", "cross_entropy"]
