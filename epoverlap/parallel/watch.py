@@ -66,7 +66,7 @@ def host_list(values: torch.Tensor):
     blocked the monitor thread's `Event.query()`, which holds the GIL meanwhile: on 2 H200s
     (a SIGKILLed peer, the survivor's stacks dumped with SIGUSR1) the monitor then could
     neither answer the launcher's SIGTERM nor report at the timeout, and the rank died by
-    SIGKILL without naming the peer; through here it names it (tests/test_liveness.py, NCCL).
+    SIGKILL without naming the peer; through here it names it (tests/parallel/test_liveness.py, NCCL).
     A long sleep kernel on one GPU does not reproduce the block (queries stayed at 0.1 ms
     beside a plain `.tolist()`), so the NCCL test is the proof. Every host read of the
     training loop goes through here."""

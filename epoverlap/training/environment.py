@@ -51,7 +51,7 @@ def make_deterministic(on_gpu: bool, fill_uninitialized_memory: bool = False) ->
     integer) so that a result read from memory nothing wrote would be reproducible: one more
     kernel per allocation, half of the mode's eager price (benchmarks/determinism.md). No
     result of this training path reads such memory: a run with the fill and one without give
-    the same bits (tests/test_determinism.py on CPU ranks, tests/test_gpu.py on GPUs), so the
+    the same bits (tests/training/test_determinism.py on CPU ranks, tests/training/test_gpu.py on GPUs), so the
     fill is left off unless `fill_uninitialized_memory` (--deterministic-fill-uninitialized-
     memory) asks for that check.
     """

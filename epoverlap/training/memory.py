@@ -31,7 +31,7 @@ can need up to EP times the MoE activations there (the quick-start baseline at 2
 imbalance 8.0 in its first steps, peaked 6% above the estimate; balanced, 2% below it).
 Calibrated against the peaks measured on H200s (benchmarks/data/bench_overlap_*.json, 7 shapes
 x 4 modes at 2 and 4 GPUs): the estimate is above every measured peak and at most about 1.4x
-of it (tests/test_memory.py).
+of it (tests/config/test_memory.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,152 @@
+"""The optimizer's three AdamW forms (`epoverlap.training.optim.ADAM_IMPLS`): each the same
+update to rounding, each reproducible, each independent of how parameters are grouped (so a
+checkpoint reshards bitwise), and the bf16 parameters written from their masters exactly as a
+per-tensor copy would; the global grad norm and clipping before them. CPU always; the same on
+a GPU (marker `gpu`)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from epoverlap.config import parse_config
+from epoverlap.training.optim import ADAM_IMPLS, MixedPrecisionAdamW, default_adam_impl
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])]
+
+
+def _model(device: str, dtype, shapes=((64, 32), (32,), (8, 16, 4))) -> nn.Module:
+    gen = torch.Generator().manual_seed(0)
+    model = nn.Module()
+    for i, shape in enumerate(shapes):
+        param = nn.Parameter(torch.randn(shape, generator=gen).to(device, dtype))
+        param.main_grad = torch.zeros(shape, dtype=torch.float32, device=device)
+        model.register_parameter(f"p{i}", param)
+    return model
+
+
+def _train(model: nn.Module, impl: str, steps: int = 4) -> list[torch.Tensor]:
+    """`steps` AdamW steps of fixed grads; the fp32 masters after them."""
+    cfg = parse_config(["--weight-decay", "0.1"]).train
+    optimizer = MixedPrecisionAdamW(model, cfg, impl)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, steps + 1):
+        for param in optimizer.params:
+            param.main_grad.copy_(torch.randn(param.shape, generator=gen))
+        optimizer.step(1e-2 / step)
+    return [m.detach().clone() for m in optimizer.masters]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_adamw_form_is_the_same_update_and_reproducible(device):
+    reference = _train(_model(device, torch.float32), "single")
+    for impl in ADAM_IMPLS:
+        first = _train(_model(device, torch.float32), impl)
+        again = _train(_model(device, torch.float32), impl)
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), impl
+        for got, want in zip(first, reference):
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-7)
+    moved = _train(_model(device, torch.float32), "single", steps=1)
+    start = _model(device, torch.float32)
+    assert not any(torch.equal(m, p) for m, p in zip(moved, start.parameters()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ADAM_IMPLS)
+def test_grouping_the_parameters_otherwise_changes_no_bit(device, impl):
+    """One [8, 16, 4] expert weight, or its two [4, 16, 4] halves as at EP 2 (a resharded
+    checkpoint), under the same grads: the same bits either way."""
+    cfg = parse_config(["--weight-decay", "0.1"]).train
+    whole = _model(device, torch.float32, ((64, 32), (8, 16, 4)))
+    halves = _model(device, torch.float32, ((64, 32), (4, 16, 4), (4, 16, 4)))
+    with torch.no_grad():
+        halves.p0.copy_(whole.p0)
+        halves.p1.copy_(whole.p1[:4])
+        halves.p2.copy_(whole.p1[4:])
+    opt_whole = MixedPrecisionAdamW(whole, cfg, impl)
+    opt_halves = MixedPrecisionAdamW(halves, cfg, impl)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 4):
+        grad_0, grad_1 = (torch.randn(p.shape, generator=gen) for p in opt_whole.params)
+        whole.p0.main_grad.copy_(grad_0)
+        whole.p1.main_grad.copy_(grad_1)
+        halves.p0.main_grad.copy_(grad_0)
+        halves.p1.main_grad.copy_(grad_1[:4])
+        halves.p2.main_grad.copy_(grad_1[4:])
+        opt_whole.step(1e-2 / step)
+        opt_halves.step(1e-2 / step)
+    assert torch.equal(opt_whole.masters[0], opt_halves.masters[0])
+    assert torch.equal(opt_whole.masters[1], torch.cat(opt_halves.masters[1:]))
+    assert not torch.equal(opt_whole.masters[1], _model(device, torch.float32,
+                                                        ((64, 32), (8, 16, 4))).p1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_parameters_are_their_masters_rounded_as_a_copy_would(device):
+    model = _model(device, torch.bfloat16)
+    optimizer = MixedPrecisionAdamW(model, parse_config([]).train)
+    for master in optimizer.masters:
+        master.add_(torch.rand_like(master) * 1e-2)
+    optimizer.copy_masters_to_params()
+    for param, master in zip(optimizer.params, optimizer.masters):
+        assert param.dtype == torch.bfloat16 and torch.equal(param, master.to(torch.bfloat16))
+
+
+def test_the_default_form_is_fused_on_gpus_and_single_on_cpus():
+    assert default_adam_impl(torch.device("cuda", 0)) == "fused"
+    assert default_adam_impl(torch.device("cpu")) == "single"
+    with pytest.raises(ValueError, match="one of"):
+        MixedPrecisionAdamW(_model("cpu", torch.float32), parse_config([]).train, "apex")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("impl", ADAM_IMPLS)
+def test_created_state_is_the_state_a_first_step_makes(device, impl):
+    """`create_state` (before a checkpoint loads into it) matches what a step creates, the
+    step count's device included (the fused form keeps it beside the parameter)."""
+    stepped = MixedPrecisionAdamW(_model(device, torch.float32), parse_config([]).train, impl)
+    stepped.step(0.0)
+    created = MixedPrecisionAdamW(_model(device, torch.float32), parse_config([]).train, impl)
+    created.create_state()
+    for a, b in zip(stepped.masters, created.masters):
+        for key, value in stepped.state_of(a).items():
+            other = created.state_of(b)[key]
+            assert (value.device, value.dtype, value.shape) == (other.device, other.dtype,
+                                                                other.shape), key
+
+
+def test_bench_optim_times_every_form_on_cpu():
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.harness.bench_optim", "--preset", "tiny", "--device", "cpu",
+         "--rounds", "2", "--iters", "1"], capture_output=True, text=True, timeout=300,
+        cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines()
+            if line.split("|")[1:2] and line.split("|")[1].strip() in ADAM_IMPLS]
+    assert [row.split("|")[1].strip() for row in rows] == list(ADAM_IMPLS), result.stdout
+    assert rows[2].rstrip().endswith("| 0 |")  # single against itself
+
+
+def test_global_grad_norm_is_the_norm_of_every_grad_and_clipping_reaches_the_limit():
+    from dist_helpers import single_rank_groups
+    from epoverlap.training.grads import GradBuffers
+
+    model = _model("cpu", torch.float32)
+    model.p2.is_expert = True  # an expert shard: counted in the expert slots
+    grads = GradBuffers(model, single_rank_groups())
+    gen = torch.Generator().manual_seed(2)
+    for param in grads.params:
+        param.main_grad.copy_(torch.randn(param.shape, generator=gen))
+    want = math.sqrt(sum(float(p.main_grad.double().pow(2).sum()) for p in grads.params))
+    assert grads.global_norm() == pytest.approx(want, rel=1e-6)
+    assert grads.clip(want / 4) == pytest.approx(want, rel=1e-6)  # the norm before clipping
+    assert grads.global_norm() == pytest.approx(want / 4, rel=1e-5)
+    assert grads.clip(0.0) == pytest.approx(want / 4, rel=1e-5)  # 0: no clipping
+    assert grads.global_norm() == pytest.approx(want / 4, rel=1e-5)
