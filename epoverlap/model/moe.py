@@ -57,13 +57,14 @@ import torch
 from torch import nn
 
 from epoverlap.kernels import MoEOps
-from epoverlap.kernels.capacity import apply_router_token_dropping, dropped_pairs, get_capacity
+from epoverlap.kernels.capacity import apply_router_token_dropping, dropped_pairs
 from epoverlap.kernels.router_topk import (SwitchAuxLoss, attach_aux_loss, aux_loss_scores,
                                           expert_token_counts, plain_topk_counts,
                                           switch_aux_loss)
 
 from epoverlap.parallel.comm import ExpertComm, SplitExchange, all_to_all
 from epoverlap.config import MoEConfig
+from epoverlap.config.dispatch import DispatchMode, budget_chunk_rows, budget_levels, padded_rows
 from epoverlap.model.linear import expert_offsets, grouped_gemm, linear
 
 
@@ -80,79 +81,6 @@ def seeded_normal_(tensor: torch.Tensor, std: float, seed: int) -> torch.Tensor:
 
 def param_seed(base_seed: int, *names: object) -> int:
     return base_seed * 1_000_003 + zlib.crc32("/".join(str(n) for n in names).encode())
-
-
-@dataclass(frozen=True)
-class DispatchMode:
-    """How the dispatcher sizes its all-to-alls (see the module docstring), from the config."""
-
-    capacity_factor: Optional[float] = None
-    pad_to_capacity: bool = False
-    drop_policy: str = "probs"
-    budget: Optional[float] = None
-    once_per_rank: bool = False  # --moe-dispatch-once-per-rank (not with a padded capacity)
-
-    @classmethod
-    def of(cls, moe: MoEConfig) -> "DispatchMode":
-        return cls(capacity_factor=moe.capacity_factor,
-                   pad_to_capacity=moe.moe_pad_expert_input_to_capacity,
-                   drop_policy=moe.moe_token_drop_policy, budget=moe.moe_dispatch_budget,
-                   once_per_rank=moe.moe_dispatch_once_per_rank)
-
-    @property
-    def name(self) -> str:
-        if self.budget is not None:
-            return "budget"
-        if self.capacity_factor is None:
-            return "dropless"
-        return "capacity_padded" if self.pad_to_capacity else "capacity"
-
-    @property
-    def drops_tokens(self) -> bool:
-        return self.capacity_factor is not None
-
-    @property
-    def dispatch_syncs_host(self) -> bool:
-        """True when the dispatch reads split sizes on the host (not capturable in a graph)."""
-        return self.name in ("dropless", "capacity")
-
-    def expert_rows(self, tokens: int, topk: int, num_experts: int, ranks: int) -> int:
-        """Rows a rank's dispatch sends (and, routing balanced, its experts compute) for a
-        microbatch of `tokens` tokens: tokens x topk (dropless, capacity: at most that),
-        experts x capacity padded, with the budget ranks x chunk at the first budget level
-        that holds balanced routing (>= 1; an imbalanced step reruns larger, up to `ranks`)."""
-        rows = tokens * topk
-        if self.budget is not None:
-            level = next(b for b in budget_levels(self.budget, ranks) if b >= 1)
-            return ranks * budget_chunk_rows(level, rows, ranks)
-        if self.pad_to_capacity:
-            return padded_rows(tokens, topk, num_experts, self.capacity_factor)
-        return rows
-
-    @staticmethod
-    def preprocess_syncs_host(kernel_backend: str) -> bool:
-        """No mode reads the host in preprocess; the torch reference permute does (its backward
-        sizes a gather by the most rows any token has), the Triton one does not."""
-        return kernel_backend == "torch"
-
-
-def padded_rows(tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
-    """Permuted rows with --moe-pad-expert-input-to-capacity: every expert's capacity."""
-    return num_experts * get_capacity(tokens * topk, num_experts, capacity_factor)
-
-
-def budget_chunk_rows(budget: float, rows: int, ranks: int) -> int:
-    """Rows per destination rank at a budget: ceil(budget x rows / ranks), at most `rows`."""
-    return min(rows, math.ceil(budget * rows / ranks))
-
-
-def budget_levels(factor: float, ranks: int) -> tuple[float, ...]:
-    """The budgets a rerun may use: factor, 2 x factor, ... up to `ranks` (whose chunk holds
-    every row a rank routes, so it can never overflow)."""
-    levels = [factor]
-    while levels[-1] < ranks:
-        levels.append(min(levels[-1] * 2, float(ranks)))
-    return tuple(levels)
 
 
 class DispatchBudget:

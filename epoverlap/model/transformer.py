@@ -36,8 +36,9 @@ from epoverlap.kernels import MoEOps
 from epoverlap.parallel.comm import ExpertComm, PipelineComm
 from epoverlap.config import RunConfig
 from epoverlap.model.linear import linear
-from epoverlap.model.moe import (AllToAllDispatcher, DispatchBudget, DispatchMode,
-                                 GroupedSwiGLUExperts, Router, SwiGLU, param_seed, seeded_normal_)
+from epoverlap.config.dispatch import DispatchMode
+from epoverlap.model.moe import (AllToAllDispatcher, DispatchBudget, GroupedSwiGLUExperts, Router,
+                                 SwiGLU, param_seed, seeded_normal_)
 from epoverlap.model.nodes import COMM, COMPUTE, RECV, SEND, NodeSpec, Segment, segmented
 from epoverlap.model.stages import stage_chunks
 

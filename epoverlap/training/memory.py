@@ -42,7 +42,7 @@ from typing import Optional
 
 from epoverlap.config import RunConfig
 from epoverlap.errors import ConfigError
-from epoverlap.model.moe import DispatchMode
+from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.stages import ChunkPlacement, stage_chunks
 from epoverlap.schedule.pipeline import microbatch_groups, warmup_forwards
 

@@ -13,7 +13,7 @@ and with --tensorboard-dir the same scalars as TensorBoard events (`training.ten
 Steps with recorded spans (--profile-steps) also report the first rank's comm, exposed comm
 and overlap ratio (`profiling.overlap`).
 
-MoE dispatch modes (`epoverlap.model.moe.DispatchMode`): with a capacity, every step reports
+MoE dispatch modes (`epoverlap.config.dispatch.DispatchMode`): with a capacity, every step reports
 the routed (token, expert) pairs dropped over all ranks and MoE layers; with the budget
 dispatch, after each forward-backward the most rows any dispatch wanted to send to one rank is
 all-reduced (one host read per step, after the step) and, if it overflowed the budget's chunk,
@@ -52,7 +52,7 @@ from epoverlap.graphs.banks import GraphBanks, StepGraphs
 from epoverlap.graphs.capture import (CudaGraphBackend, GraphRunner, graphed_modules,
                                       graphs_span_moe_layer)
 from epoverlap.graphs.full_iteration import FullIterationGraph
-from epoverlap.model.moe import DispatchMode
+from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.transformer import (MoEModel, count_parameters, model_dtype,
                                          training_flops_per_token)
 from epoverlap.parallel.comm import ExpertComm, PipelineComm

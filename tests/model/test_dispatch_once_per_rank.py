@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epoverlap.model.moe import AllToAllDispatcher, DispatchBudget, DispatchMode
+from epoverlap.config.dispatch import DispatchMode
+from epoverlap.model.moe import AllToAllDispatcher, DispatchBudget
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.kernels import make_moe_ops
 from epoverlap.simulator.costs import A2aShape

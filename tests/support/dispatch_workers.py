@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from epoverlap.config import parse_config
 from epoverlap.model.linear import linear
-from epoverlap.model.moe import AllToAllDispatcher, DispatchBudget, DispatchMode, Router
+from epoverlap.config.dispatch import DispatchMode
+from epoverlap.model.moe import AllToAllDispatcher, DispatchBudget, Router
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.trainer import Trainer

@@ -8,8 +8,7 @@ writable: tried with a temporary file, nothing is created), so a bad invocation 
 any process group work. The memory estimate, which needs the device's size, is
 training/memory.py's. The CUDA-graph surface (with its deprecated forms) lives in
 `graphs/config.py` and is validated from here, with the facts the model states about itself:
-whether the MoE dispatch reads the host (`epoverlap.model.moe.DispatchMode`, imported where the
-rule needs it, the one import of a lower layer here). Flags renamed to Megatron-core's spelling
+whether the MoE dispatch reads the host (`config.dispatch.DispatchMode`). Flags renamed to Megatron-core's spelling
 keep their old one as a deprecated alias (`FLAG_ALIASES`, through `flag_aliases`).
 
 The parser (`CliParser`) has no prefix matching, a one-line usage, each flag's default in
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from epoverlap.config.dispatch import DispatchMode
 from epoverlap.data.tokenizers import TOKENIZER_TYPES
 from epoverlap.errors import ConfigError
 from epoverlap.flag_aliases import FlagAlias, apply_aliases
@@ -1165,7 +1165,6 @@ def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
     except ImportError:
         te_available = False
     device = cfg.resolved_device(cuda_available)
-    from epoverlap.model.moe import DispatchMode  # what the dispatcher says of its host reads
     mode = DispatchMode.of(cfg.moe)
     validate_cuda_graph_config(
         cfg.cuda_graph,

@@ -1,0 +1,91 @@
+"""How the MoE dispatch sizes its all-to-alls, as the configuration states it: `DispatchMode`
+(dropless, capacity, capacity_padded, budget; once per rank or not), the facts validation and
+the memory estimate need (does the dispatch read split sizes on the host, does it drop tokens,
+how many rows a rank's experts compute), and the pure sizing rules the dispatcher shares
+(`padded_rows`, `budget_chunk_rows`, `budget_levels`). The dispatcher itself is
+`epoverlap.model.moe`; it imports these, never the reverse.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from epoverlap.kernels.capacity import get_capacity
+
+if TYPE_CHECKING:
+    from epoverlap.config import MoEConfig
+
+
+@dataclass(frozen=True)
+class DispatchMode:
+    """How the dispatcher sizes its all-to-alls (see the module docstring), from the config."""
+
+    capacity_factor: Optional[float] = None
+    pad_to_capacity: bool = False
+    drop_policy: str = "probs"
+    budget: Optional[float] = None
+    once_per_rank: bool = False  # --moe-dispatch-once-per-rank (not with a padded capacity)
+
+    @classmethod
+    def of(cls, moe: MoEConfig) -> "DispatchMode":
+        return cls(capacity_factor=moe.capacity_factor,
+                   pad_to_capacity=moe.moe_pad_expert_input_to_capacity,
+                   drop_policy=moe.moe_token_drop_policy, budget=moe.moe_dispatch_budget,
+                   once_per_rank=moe.moe_dispatch_once_per_rank)
+
+    @property
+    def name(self) -> str:
+        if self.budget is not None:
+            return "budget"
+        if self.capacity_factor is None:
+            return "dropless"
+        return "capacity_padded" if self.pad_to_capacity else "capacity"
+
+    @property
+    def drops_tokens(self) -> bool:
+        return self.capacity_factor is not None
+
+    @property
+    def dispatch_syncs_host(self) -> bool:
+        """True when the dispatch reads split sizes on the host (not capturable in a graph)."""
+        return self.name in ("dropless", "capacity")
+
+    def expert_rows(self, tokens: int, topk: int, num_experts: int, ranks: int) -> int:
+        """Rows a rank's dispatch sends (and, routing balanced, its experts compute) for a
+        microbatch of `tokens` tokens: tokens x topk (dropless, capacity: at most that),
+        experts x capacity padded, with the budget ranks x chunk at the first budget level
+        that holds balanced routing (>= 1; an imbalanced step reruns larger, up to `ranks`)."""
+        rows = tokens * topk
+        if self.budget is not None:
+            level = next(b for b in budget_levels(self.budget, ranks) if b >= 1)
+            return ranks * budget_chunk_rows(level, rows, ranks)
+        if self.pad_to_capacity:
+            return padded_rows(tokens, topk, num_experts, self.capacity_factor)
+        return rows
+
+    @staticmethod
+    def preprocess_syncs_host(kernel_backend: str) -> bool:
+        """No mode reads the host in preprocess; the torch reference permute does (its backward
+        sizes a gather by the most rows any token has), the Triton one does not."""
+        return kernel_backend == "torch"
+
+
+def padded_rows(tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """Permuted rows with --moe-pad-expert-input-to-capacity: every expert's capacity."""
+    return num_experts * get_capacity(tokens * topk, num_experts, capacity_factor)
+
+
+def budget_chunk_rows(budget: float, rows: int, ranks: int) -> int:
+    """Rows per destination rank at a budget: ceil(budget x rows / ranks), at most `rows`."""
+    return min(rows, math.ceil(budget * rows / ranks))
+
+
+def budget_levels(factor: float, ranks: int) -> tuple[float, ...]:
+    """The budgets a rerun may use: factor, 2 x factor, ... up to `ranks` (whose chunk holds
+    every row a rank routes, so it can never overflow)."""
+    levels = [factor]
+    while levels[-1] < ranks:
+        levels.append(min(levels[-1] * 2, float(ranks)))
+    return tuple(levels)
