@@ -8,7 +8,8 @@ then, only after the last backward and weight-grad action, grads are reduced (in
 stage), clipped by the whole model's norm, the expert biases updated from the all-reduced token
 counts, and the optimizer steps. Rank 0 prints one line per step (ending
 with the time left at the mean step time so far), with --log-json writes one JSON record per
-step (the loss also as float.hex, for bitwise comparison with `epoverlap-compare-losses`),
+step (the loss and grad norm also as float.hex, for bitwise comparison with
+`epoverlap-compare-losses`),
 and with --tensorboard-dir the same scalars as TensorBoard events (`training.tensorboard`).
 Steps with recorded spans (--profile-steps) also report the first rank's comm, exposed comm
 and overlap ratio (`profiling.overlap`).
@@ -104,6 +105,7 @@ class StepResult:
         record = {k: v for k, v in self.__dict__.items()
                   if v is not None or k == "peak_mem_gib"}
         record["loss_hex"] = float.hex(self.loss)
+        record["grad_norm_hex"] = float.hex(self.grad_norm)
         record["tokens_per_s"] = self.tokens / self.step_time_s
         return record
 
