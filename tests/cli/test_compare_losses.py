@@ -1,5 +1,6 @@
 """Loss-log comparison (epoverlap/cli/compare_losses.py): identical logs, the first differing step named
-with both values in hex, different step sets, bitwise semantics, and malformed files."""
+with both values in hex, different step sets, bitwise semantics, and malformed files; the grad
+norms (grad_norm_hex) compared beside the losses when both logs carry them."""
 
 from __future__ import annotations
 
@@ -145,3 +146,94 @@ def test_a_log_without_deterministic_runs_is_named_in_a_warning(tmp_path, capsys
     assert main([str(loose), str(det)]) == 0
     err = capsys.readouterr().err
     assert "not run with --deterministic-mode" in err and str(loose) in err and str(det) not in err
+
+
+NORMS = [3.25, 2.0000001, 1.5, 1.125]
+
+
+def write_norm_log(path: Path, losses=LOSSES, norms=NORMS, steps=None) -> Path:
+    """A log as --log-json writes it now: loss and grad norm, each with its float.hex."""
+    records = [{"step": step, "loss": loss, "loss_hex": loss.hex(), "grad_norm": norm,
+                "grad_norm_hex": norm.hex()}
+               for step, loss, norm in zip(steps or range(1, len(losses) + 1), losses, norms)]
+    _write_records(path, records)
+    return path
+
+
+def test_grad_norms_are_compared_when_both_logs_carry_them(tmp_path, capsys):
+    a = write_norm_log(tmp_path / "a.jsonl")
+    b = write_norm_log(tmp_path / "b.jsonl")
+    result = compare_loss_logs(a, b)
+    assert result.identical and result.steps_compared == 4 and result.grad_norms_compared == 4
+    assert result.message == "identical (4 steps): losses and grad norms"
+    code, out, _ = run_main(capsys, a, b)
+    assert code == 0 and out.startswith("identical (4 steps)")
+
+
+def test_a_grad_norm_difference_with_equal_losses_is_named(tmp_path, capsys):
+    norms = list(NORMS)
+    norms[1] = math.nextafter(norms[1], 0.0)  # one ulp: the backward summed in another order
+    a = write_norm_log(tmp_path / "a.jsonl")
+    b = write_norm_log(tmp_path / "b.jsonl", norms=norms)
+    result = compare_loss_logs(a, b)
+    assert not result.identical and result.grad_norms_compared == 4
+    assert result.first_difference == (2, NORMS[1], norms[1])
+    assert result.first_difference_kind == "grad_norm"
+    assert result.message.startswith("grad norms differ at step 2 (its losses are equal): ")
+    assert NORMS[1].hex() in result.message and norms[1].hex() in result.message
+    assert "grad norms differ at 1 of 4 steps compared" in result.message
+    assert "common steps differ" not in result.message  # no loss differs
+    code, out, _ = run_main(capsys, a, b)
+    assert code == 1 and "grad norms differ at step 2" in out
+
+
+def test_the_earlier_of_a_grad_norm_and_a_loss_difference_comes_first(tmp_path):
+    losses, norms = list(LOSSES), list(NORMS)
+    norms[0], losses[2] = 4.0, 9.0  # the grad norm on step 1, the loss from step 3
+    a = write_norm_log(tmp_path / "a.jsonl")
+    b = write_norm_log(tmp_path / "b.jsonl", losses=losses, norms=norms)
+    result = compare_loss_logs(a, b)
+    assert result.first_difference == (1, NORMS[0], 4.0)
+    assert result.first_difference_kind == "grad_norm"
+    assert "1 of 4 common steps differ" in result.message
+    # the loss first: named as the loss, the grad norm of the same step mentioned
+    losses, norms = list(LOSSES), list(NORMS)
+    losses[1], norms[1], norms[3] = 9.0, 4.0, 5.0
+    b = write_norm_log(tmp_path / "b2.jsonl", losses=losses, norms=norms)
+    result = compare_loss_logs(a, b)
+    assert result.first_difference == (2, LOSSES[1], 9.0)
+    assert result.first_difference_kind == "loss"
+    assert result.message.startswith("losses differ at step 2 (the grad norms too): ")
+    assert "grad norms differ at 2 of 4 steps compared (first: step 2)" in result.message
+
+
+def test_grad_norms_are_not_compared_unless_both_records_carry_the_hex(tmp_path):
+    new = write_norm_log(tmp_path / "new.jsonl")
+    old = write_log(tmp_path / "old.jsonl", LOSSES)  # grad_norm 0.5, no grad_norm_hex
+    result = compare_loss_logs(new, old)
+    assert result.identical and result.grad_norms_compared == 0
+    assert result.message == "identical (4 steps)"
+    # some steps with it (a log resumed by an older version): those are compared
+    records = [json.loads(line) for line in new.read_text().splitlines()]
+    for record in records[:2]:
+        del record["grad_norm_hex"]
+    mixed = tmp_path / "mixed.jsonl"
+    _write_records(mixed, records)
+    result = compare_loss_logs(new, mixed)
+    assert result.identical and result.grad_norms_compared == 2
+    assert result.message == "identical (4 steps): losses, and grad norms at 2 of them"
+
+
+@pytest.mark.parametrize("record, needle", [
+    ({"step": 1, "loss": 1.0, "grad_norm_hex": "big"}, "'grad_norm_hex' is not a float.hex()"),
+    ({"step": 1, "loss": 1.0, "grad_norm_hex": 2.0}, "'grad_norm_hex' is not a float.hex()"),
+    ({"step": 1, "loss": 1.0, "grad_norm": 2.5, "grad_norm_hex": "0x1.0p+1"},
+     "'grad_norm' 2.5 and 'grad_norm_hex' 0x1.0p+1 disagree"),
+])
+def test_malformed_grad_norm(tmp_path, capsys, record, needle):
+    good = write_norm_log(tmp_path / "good.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    _write_records(bad, [record])
+    code, out, err = run_main(capsys, good, bad)
+    assert code == 2 and out == ""
+    assert f"{bad} line 1" in err and needle in err and len(err.strip().splitlines()) == 1
