@@ -8,7 +8,7 @@ line plus one error line, status 2.) CheckpointError is a --load that cannot be 
 written for another model): one line naming the file and the mismatch, also exit status 2.
 NonFiniteError is a NaN/Inf loss or gradient caught by --check-for-nan-in-loss-and-grad.
 
-Deprecated flag spellings are migrated in one way everywhere: `epoverlap.flag_aliases`.
+Deprecated flag spellings are migrated in one way everywhere: `epoverlap.config.aliases`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ order of accumulation, which a step's loss cannot: a schedule that ran microbatc
 before microbatch 1's changes the norm's bits on step 1, the loss only from step 2 on, if at
 all. A difference names the step and whether the loss or the grad norm differs there.
 
-Each record of a run started with `--deterministic` says so (`"deterministic": true`); when
+Each record of a run started with `--deterministic-mode` says so (`"deterministic": true`); when
 either log does not, a warning line (stderr) names it: two correct runs that were not
 deterministic can differ, so a difference there does not show a bug.
 

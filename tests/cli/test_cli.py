@@ -17,7 +17,7 @@ from epoverlap.cli import launch
 from epoverlap.cli.train import main as train_main
 from job_control import REPO, job_env
 
-TINY = ["--preset", "tiny", "--data", "synthetic"]
+TINY = ["--preset", "tiny", "--mock-data"]
 
 
 def _bad_inputs(tmp_path):
@@ -37,9 +37,9 @@ def _bad_inputs(tmp_path):
          "--use-pytorch-profiler=True: needs a CUDA device"),
         (["--use-pytorch-profiler"], "--use-pytorch-profiler=True: needs --profile-steps"),
         (["--distributed-timeout-minutes", "0.01"], "--distributed-timeout-minutes=0.01: must be"),
-        (["--dist-timeout-minutes", "1", "--distributed-timeout-minutes", "2"],
-         "--dist-timeout-minutes=1.0: deprecated alias of --distributed-timeout-minutes 1.0, which "
-         "conflicts with --distributed-timeout-minutes 2.0; drop --dist-timeout-minutes"),
+        (["--enable-cuda-graph", "--cuda-graph-impl", "full_iteration"],
+         "--enable-cuda-graph=True: deprecated alias of --cuda-graph-impl local, which conflicts "
+         "with --cuda-graph-impl full_iteration; drop --enable-cuda-graph"),
     ]
 
 
@@ -99,22 +99,13 @@ def test_help_shows_defaults_and_what_each_preset_sets():
     assert "--distributed-timeout-minutes" in text and "deprecated: use " in text
 
 
-def test_deprecated_timeout_flag_still_works_with_one_warning():
-    warnings = []
-    cfg = parse_config(["--dist-timeout-minutes", "3"], warn=warnings.append)
-    assert cfg.parallel.distributed_timeout_minutes == 3.0
-    assert warnings == ["deprecated: --dist-timeout-minutes -> --distributed-timeout-minutes 3.0"]
-    assert parse_config(["--dist-timeout-minutes", "3", "--distributed-timeout-minutes", "3"]
-                        ).parallel.distributed_timeout_minutes == 3.0
-
-
 NO_TRITON = textwrap.dedent("""
     import sys
     sys.modules["triton"] = None  # any import of triton fails
     from epoverlap.config import parse_config, validate_config
     from epoverlap.errors import ConfigError
     from epoverlap.cli.train import main
-    status = main(["--preset", "tiny", "--data", "synthetic", "--train-iters", "2",
+    status = main(["--preset", "tiny", "--mock-data", "--train-iters", "2",
                    "--hidden-size", "64", "--seq-length", "64", "--num-microbatches", "2"])
     try:
         validate_config(parse_config(["--kernel-backend", "triton"]), 1, False)

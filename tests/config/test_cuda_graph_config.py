@@ -11,14 +11,9 @@ import argparse
 
 import pytest
 
-from epoverlap.graphs.config import (
-    CUDA_GRAPH_IMPLS,
-    IMPLEMENTED_IMPLS,
-    CudaGraphConfig,
-    add_cuda_graph_args,
-    cuda_graph_config_from_args,
-    validate_cuda_graph_config,
-)
+from epoverlap.config.cuda_graph_rules import validate_cuda_graph_config
+from epoverlap.config.cuda_graphs import (CUDA_GRAPH_IMPLS, IMPLEMENTED_IMPLS, CudaGraphConfig,
+                                          add_cuda_graph_args, cuda_graph_config_from_args)
 from epoverlap.errors import ConfigError
 
 Cfg = CudaGraphConfig
@@ -444,10 +439,10 @@ FROZEN_FLAGS = [
     ("--cuda-graph-impl", "cuda_graph_impl", None, None),
     ("--cuda-graph-modules", "cuda_graph_modules", "*", None),
     ("--cuda-graph-warmup-steps", "cuda_graph_warmup_steps", None, None),
-    ("--cuda-graph-check-inputs", "cuda_graph_check_inputs", 0, False),
     ("--inference-cuda-graph-scope", "inference_cuda_graph_scope", None, None),
-    ("--enable-cuda-graph", "enable_cuda_graph", 0, False),
-    ("--external-cuda-graph", "external_cuda_graph", 0, False),
+    ("--cuda-graph-check-inputs", "cuda_graph_check_inputs", 0, None),
+    ("--enable-cuda-graph", "enable_cuda_graph", 0, None),
+    ("--external-cuda-graph", "external_cuda_graph", 0, None),
     ("--cuda-graph-scope", "cuda_graph_scope", "+", None),
 ]
 

@@ -130,7 +130,7 @@ def test_estimate_bounds_a_measured_gpu_peak(tmp_path, dtype_flags):
     """One GPU, --preset small (shorter sequences), AdamW on: the per-step peak of
     max_memory_allocated is below the estimate, and the estimate within 1.45x of it."""
     flags = ["--preset", "small", "--seq-length", "512", "--train-iters", "3",
-             "--data", "synthetic", *dtype_flags]
+             "--mock-data", *dtype_flags]
     log = tmp_path / "log.jsonl"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              "--nproc-per-node=1", "-m", "epoverlap.train", *flags,

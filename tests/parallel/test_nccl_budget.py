@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import epoverlap.config as config
+import epoverlap.config.validate as config
 from epoverlap.config import parse_config, validate_config
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import NcclCtaBudget, build_ep_options

@@ -411,7 +411,7 @@ def test_fresh_gloo_run_is_reproduced(tmp_path):
            "-m", "epoverlap.train", *TINY, "--hidden-size", "64", "--num-microbatches", "2",
            "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
            "--train-iters", "3", "--profile-steps", "2:3", "--profile-dir", str(spans),
-           "--dist-timeout-minutes", "3"]
+           "--distributed-timeout-minutes", "3"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)

@@ -34,11 +34,11 @@ FLOATS = ["-1", "0", "1e-8", "0.5", "1", "2.5", "nan", "inf", "-inf"]
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--ffn-hidden-size", "64", "--seq-length", "16", "--num-experts", "4",
         "--moe-ffn-hidden-size", "32", "--micro-batch-size", "2", "--num-microbatches", "2",
-        "--data", "synthetic", "--log-interval", "1000"]
+        "--mock-data", "--log-interval", "1000"]
 EP2_OVERLAP = ["--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm"]
 # Flags whose values are not numbers or names: paths, step ranges, layer lists.
 _FREE_FORM = {
-    "--data": lambda p: ["synthetic", "stdlib", str(p / "small.txt"), str(p / "text.txt"),
+    "--data": lambda p: ["stdlib", str(p / "small.txt"), str(p / "text.txt"),
                          str(p), str(p / "empty"), str(p / "missing")],
     "--log-json": lambda p: [str(p / "log.jsonl"), str(p)],
     "--profile-steps": lambda p: ["1:1", "1:3", "2:1", "0:1", "x", ""],

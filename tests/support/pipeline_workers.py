@@ -23,7 +23,7 @@ TINY_PP = ["--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64"
            "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "16",
            "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
            "--micro-batch-size", "2", "--num-microbatches", "4", "--moe-aux-loss-coeff", "0.01",
-           "--mock-data", "--deterministic-mode", "--dist-timeout-minutes", "3",
+           "--mock-data", "--deterministic-mode", "--distributed-timeout-minutes", "3",
            "--lr-warmup-iters", "1", "--log-interval", "1000", "--clip-grad", "0.05"]
 OVERLAP = ["--overlap-moe-expert-parallel-comm"]
 WGRAD = OVERLAP + ["--delay-wgrad-compute"]

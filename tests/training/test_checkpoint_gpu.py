@@ -23,8 +23,8 @@ needs_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
-RUN = ["--preset", "tiny", "--bf16", "--data", "synthetic", "--train-iters", "6",
-       "--deterministic", "--moe-router-score-function", "sigmoid",
+RUN = ["--preset", "tiny", "--bf16", "--mock-data", "--train-iters", "6",
+       "--deterministic-mode", "--moe-router-score-function", "sigmoid",
        "--moe-router-enable-expert-bias", "--moe-router-force-load-balancing"]
 EP2_OVERLAP = ["--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
                "--delay-wgrad-compute"]

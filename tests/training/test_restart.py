@@ -14,8 +14,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-QUICK = ["--preset", "tiny", "--hidden-size", "64", "--seq-length", "64", "--data", "synthetic",
-         "--num-microbatches", "2", "--lr-warmup-iters", "2", "--dist-timeout-minutes", "3"]
+QUICK = ["--preset", "tiny", "--hidden-size", "64", "--seq-length", "64", "--mock-data",
+         "--num-microbatches", "2", "--lr-warmup-iters", "2", "--distributed-timeout-minutes", "3"]
 
 
 def _run(cmd, fault=None, timeout=300):

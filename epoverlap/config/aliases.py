@@ -2,7 +2,7 @@
 
 Owns `FlagAlias` (old form -> new flag and value), `apply_aliases` (migrates the given values,
 rejects an old form that contradicts the new flag given beside it) and the two message formats
-every migration uses, here and in `graphs.config`:
+every migration uses (the CUDA-graph flags' deprecated forms, `config.cuda_graphs`):
 
   warning  `deprecated: OLD -> NEW`, emitted once the whole command line is accepted
   error    ConfigError on OLD: `deprecated alias of NEW, which conflicts with OTHER; drop OLD`

@@ -1,11 +1,10 @@
-"""CUDA-graph configuration: the command-line flags, migration of deprecated forms, validation.
+"""CUDA-graph configuration: the flags and the migration of their deprecated forms.
 
-This module owns the user-facing CUDA-graph surface and nothing else: `CudaGraphConfig`, the
-flags that fill it (`add_cuda_graph_args`), the migration of the deprecated flags users of
-Megatron-LM still type (`cuda_graph_config_from_args`), and every cross-field rule
-(`validate_cuda_graph_config`). Capture lives beside it (`epoverlap.graphs.capture`): the
-`local` impl of the per-layer modules; `transformer_engine` and `full_iteration` are refused
-with a line saying so.
+This module owns the user-facing CUDA-graph surface: `CudaGraphConfig` (its fields are its
+flags), the deprecated flags users of Megatron-LM still type and their migration
+(`cuda_graph_config_from_args`). Every cross-field rule is `config.cuda_graph_rules`; capture
+is `epoverlap.graphs`: the `local` impl of the per-layer modules and `full_iteration`;
+`transformer_engine` is refused with a line saying so.
 
 Fields (the split of the old overloaded `cuda_graph_scope`, Megatron-LM PR #4292):
 - impl: none | local | transformer_engine | full_iteration.
@@ -18,8 +17,7 @@ Fields (the split of the old overloaded `cuda_graph_scope`, Megatron-LM PR #4292
 - check_inputs: every replay checks its inputs' shapes, dtypes and devices (debug).
 
 Deprecated forms, still accepted, each migrated with one warning line `deprecated: old -> new`
-(the formats and the boolean flags' migration are `epoverlap.flag_aliases`, shared with every
-other renamed flag):
+(the formats and the boolean flags' migration are `config.aliases`):
 
   | old                                         | new                                              |
   | ------------------------------------------- | ------------------------------------------------ |
@@ -43,9 +41,11 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
 
+from epoverlap.config.aliases import FlagAlias, alias_conflict, apply_aliases, deprecation_note
+from epoverlap.config.flags import add_flags, flag, section_flags
 from epoverlap.errors import ConfigError
-from epoverlap.flag_aliases import FlagAlias, alias_conflict, apply_aliases, deprecation_note
 
+GROUP = "CUDA graphs (GPU only)"
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 INFERENCE_SCOPES = ("none", "layer", "block")
@@ -74,7 +74,7 @@ INFERENCE_SCOPES_BY_IMPL = (
     ("transformer_engine", ("none",)),
     ("full_iteration", ("none",)),
 )
-# Deprecated boolean flags and the impl each stands for (migrated by `flag_aliases`).
+# Deprecated boolean flags and the impl each stands for (migrated by `config.aliases`).
 DEPRECATED_IMPL_FLAGS = (
     FlagAlias("--enable-cuda-graph", "--cuda-graph-impl", "local"),
     FlagAlias("--external-cuda-graph", "--cuda-graph-impl", "transformer_engine"),
@@ -104,14 +104,24 @@ DEPRECATED_SCOPE_VALUES = (
 @dataclass(kw_only=True, frozen=True)
 class CudaGraphConfig:
     """What to capture. Each field is checked on its own here; cross-field rules live in
-    `validate_cuda_graph_config`. Note: the inference-scope default rule (local -> layer) is applied
+    `config.cuda_graph_rules`. Note: the inference-scope default rule (local -> layer) is applied
     by `cuda_graph_config_from_args`; a config built directly with impl="local" must set it."""
 
-    impl: str = "none"
-    modules: tuple[str, ...] = ()  # empty = whole layer
-    warmup_steps: int = 3
-    inference_scope: str = "none"
-    check_inputs: bool = False
+    impl: str = flag("none", "what captures the graphs", name="--cuda-graph-impl",
+                     choices=CUDA_GRAPH_IMPLS, group=GROUP)
+    modules: tuple[str, ...] = flag(
+        (), "per-layer capture regions; none listed = the whole layer",
+        name="--cuda-graph-modules", nargs="*", choices=CUDA_GRAPH_MODULES, group=GROUP,
+        metavar="MODULE")
+    warmup_steps: int = flag(3, "eager iterations before capture",
+                             name="--cuda-graph-warmup-steps", group=GROUP)
+    inference_scope: str = flag(
+        "none", "kept for Megatron-LM compatibility (epoverlap trains)",
+        name="--inference-cuda-graph-scope", choices=INFERENCE_SCOPES, group=GROUP,
+        default_text="layer with --cuda-graph-impl local, else none")
+    check_inputs: bool = flag(
+        False, "debug: each replay checks its inputs' shapes, dtypes and devices and names the "
+        "layer, microbatch and phase that differ", name="--cuda-graph-check-inputs", group=GROUP)
 
     def __post_init__(self) -> None:
         if isinstance(self.modules, str):
@@ -130,31 +140,27 @@ class CudaGraphConfig:
 # ---------------------------------------------------------------------------------------------
 
 
+# The deprecated flags: not fields, only read by the migration below.
+DEPRECATED_FLAGS = (
+    ("--enable-cuda-graph", dict(action="store_true", default=None,
+                                 help="deprecated: use --cuda-graph-impl local")),
+    ("--external-cuda-graph", dict(action="store_true", default=None,
+                                   help="deprecated: use --cuda-graph-impl transformer_engine")),
+    ("--cuda-graph-scope", dict(nargs="+", default=None, metavar="SCOPE",
+                                help="deprecated: use --cuda-graph-impl full_iteration, "
+                                     "--inference-cuda-graph-scope block, or "
+                                     "--cuda-graph-modules")),
+)
+
+
 def add_cuda_graph_args(parser: argparse.ArgumentParser) -> None:
-    """Register the CUDA-graph flags. Every default is None/False so that "not given" is visible;
-    values are checked by `cuda_graph_config_from_args` (ConfigError), not by argparse choices."""
-    group = parser.add_argument_group("CUDA graphs", "Per-layer graphs of the pre-dispatch "
-                                      "segments (--cuda-graph-impl local), GPU only.")
-    group.add_argument("--cuda-graph-impl", default=None, metavar="IMPL",
-                       help=f"one of: {' '.join(CUDA_GRAPH_IMPLS)} (default: none)")
-    group.add_argument("--cuda-graph-modules", nargs="*", default=None, metavar="MODULE",
-                       help=f"per-layer capture regions, any of: {' '.join(CUDA_GRAPH_MODULES)}; "
-                            "none listed = whole layer")
-    group.add_argument("--cuda-graph-warmup-steps", type=int, default=None, metavar="N",
-                       help="eager iterations before capture (default: 3)")
-    group.add_argument("--cuda-graph-check-inputs", action="store_true",
-                       help="debug: each replay checks its inputs' shapes, dtypes and devices "
-                            "and names the layer, microbatch and phase that differ")
-    group.add_argument("--inference-cuda-graph-scope", default=None, metavar="SCOPE",
-                       help=f"one of: {' '.join(INFERENCE_SCOPES)} "
-                            "(default: layer with --cuda-graph-impl local, else none)")
-    group.add_argument("--enable-cuda-graph", action="store_true",
-                       help="deprecated: use --cuda-graph-impl local")
-    group.add_argument("--external-cuda-graph", action="store_true",
-                       help="deprecated: use --cuda-graph-impl transformer_engine")
-    group.add_argument("--cuda-graph-scope", nargs="+", default=None, metavar="SCOPE",
-                       help="deprecated: use --cuda-graph-impl full_iteration, "
-                            "--inference-cuda-graph-scope block, or --cuda-graph-modules")
+    """Register the CUDA-graph flags: the config's fields, then the deprecated forms. Every
+    default is None so that "not given" is visible; values are checked by
+    `cuda_graph_config_from_args` (ConfigError), not by argparse choices."""
+    add_flags(parser, list(section_flags("cuda_graph", CudaGraphConfig)))
+    group = next(g for g in parser._action_groups if g.title == GROUP)
+    for name, kwargs in DEPRECATED_FLAGS:
+        group.add_argument(name, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,189 +283,6 @@ def _resolve_inference_scope(explicit: Optional[str], old_value: Optional[Deprec
     if explicit is not None:
         return explicit
     return "layer" if impl == "local" else "none"
-
-
-# ---------------------------------------------------------------------------------------------
-# Cross-field validation: one function per rule, checked in the order of VALIDATION_RULES.
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(kw_only=True, frozen=True)
-class _ModelFacts:
-    """What the rules need to know about the model and the runtime."""
-
-    overlap_moe_expert_parallel_comm: bool
-    has_moe_layers: bool
-    has_dense_layers: bool
-    preprocess_syncs_host: bool
-    dispatch_syncs_host: bool
-    transformer_engine_available: bool
-    cuda_available: bool
-    implemented_impls: tuple[str, ...]
-
-    def layer_kinds(self) -> tuple[str, ...]:
-        return ("dense",) * self.has_dense_layers + ("moe",) * self.has_moe_layers
-
-
-def validate_cuda_graph_config(cfg: CudaGraphConfig, *, overlap_moe_expert_parallel_comm: bool,
-                               has_moe_layers: bool, has_dense_layers: bool,
-                               preprocess_syncs_host: bool, dispatch_syncs_host: bool,
-                               transformer_engine_available: bool, cuda_available: bool,
-                               implemented_impls: Sequence[str] = IMPLEMENTED_IMPLS) -> None:
-    """Check every cross-field rule; raise ConfigError for the first one broken.
-
-    Not checked here (this signature carries no facts for them; the runtime's config module owns
-    them once capture exists): graph-safe RNG, no NaN-check sync in the loss path with
-    full_iteration, full activation recompute only with full_iteration.
-    """
-    facts = _ModelFacts(
-        overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
-        has_moe_layers=has_moe_layers,
-        has_dense_layers=has_dense_layers,
-        preprocess_syncs_host=preprocess_syncs_host,
-        dispatch_syncs_host=dispatch_syncs_host,
-        transformer_engine_available=transformer_engine_available,
-        cuda_available=cuda_available,
-        implemented_impls=tuple(implemented_impls),
-    )
-    for rule in VALIDATION_RULES:
-        rule(cfg, facts)
-
-
-def _modules_need_a_per_layer_impl(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if cfg.impl == "none" and cfg.modules:
-        raise ConfigError("--cuda-graph-modules", cfg.modules, "needs --cuda-graph-impl local or "
-                          "transformer_engine; with --cuda-graph-impl none nothing is captured")
-
-
-def _full_iteration_takes_no_modules(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if cfg.impl == "full_iteration" and cfg.modules:
-        raise ConfigError("--cuda-graph-modules", cfg.modules, "must be empty with "
-                          "--cuda-graph-impl full_iteration (one graph covers the whole iteration)")
-
-
-def _inference_scope_fits_impl(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    allowed = dict(INFERENCE_SCOPES_BY_IMPL)[cfg.impl]
-    if cfg.inference_scope not in allowed:
-        raise ConfigError("--inference-cuda-graph-scope", cfg.inference_scope,
-                          f"with --cuda-graph-impl {cfg.impl} one of: {' '.join(allowed)}")
-
-
-def _transformer_engine_is_importable(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if cfg.impl == "transformer_engine" and not facts.transformer_engine_available:
-        raise ConfigError("--cuda-graph-impl", cfg.impl, "Transformer Engine is not importable; "
-                          "install transformer_engine[pytorch] or use --cuda-graph-impl local")
-
-
-def _no_mamba(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if "mamba" in cfg.modules:
-        raise ConfigError("--cuda-graph-modules", cfg.modules, "mamba is not applicable: epoverlap "
-                          "models have no Mamba layers; use attn mlp moe moe_router moe_preprocess")
-
-
-def _modules_exist_in_model(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    present = facts.layer_kinds()
-    for module, kinds in MODULE_LAYER_KINDS:
-        if module in cfg.modules and not set(kinds) & set(present):
-            raise ConfigError("--cuda-graph-modules", cfg.modules, f"{module} needs "
-                              f"{' or '.join(kinds)} layers, which this model does not have")
-
-
-def _moe_preprocess_needs_moe_router(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if "moe_preprocess" in cfg.modules and "moe_router" not in cfg.modules:
-        raise ConfigError("--cuda-graph-modules", cfg.modules,
-                          "moe_preprocess extends the moe_router graph: list moe_router too")
-
-
-def _moe_excludes_moe_router(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if "moe" in cfg.modules and "moe_router" in cfg.modules:
-        raise ConfigError("--cuda-graph-modules", cfg.modules, "moe (the whole MoE layer) and "
-                          "moe_router (its first part) are mutually exclusive: list one")
-
-
-def _full_iteration_needs_sync_free_dispatch(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if cfg.impl == "full_iteration" and facts.has_moe_layers and facts.dispatch_syncs_host:
-        raise ConfigError("--cuda-graph-impl", cfg.impl, "one graph over the iteration would "
-                          "hold the all-to-alls, whose split sizes this dispatch reads on the "
-                          "host; use a sync-free dispatch: --moe-dispatch-budget FACTOR, or "
-                          "--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity")
-
-
-def _ep_overlap_needs_partial_graphs(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if facts.overlap_moe_expert_parallel_comm and cfg.impl in PER_LAYER_IMPLS and not cfg.modules:
-        raise ConfigError("--cuda-graph-modules", cfg.modules, "a whole-layer graph would capture "
-                          "the all-to-all of the EP overlap (overlap_moe_expert_parallel_comm); "
-                          f"list some of: {' '.join(EP_OVERLAP_MODULES)}")
-
-
-def _ep_overlap_allows_pre_dispatch_modules(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    outside = [m for m in cfg.modules if m not in EP_OVERLAP_MODULES]
-    if facts.overlap_moe_expert_parallel_comm and cfg.impl in PER_LAYER_IMPLS and outside:
-        raise ConfigError("--cuda-graph-modules", cfg.modules, f"{' '.join(outside)} cannot be "
-                          "graphed with the EP overlap (overlap_moe_expert_parallel_comm); "
-                          f"allowed: {' '.join(EP_OVERLAP_MODULES)}")
-
-
-def _host_syncing_preprocess_stays_eager(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if cfg.impl == "none" or not facts.has_moe_layers or not facts.preprocess_syncs_host:
-        return
-    why = ("the torch reference permute copies device-to-host in preprocess (and the unpermute "
-           "in combine), which cannot be captured; use --kernel-backend triton, or graph up to "
-           "moe_router (e.g. attn moe_router)")
-    if cfg.impl == "full_iteration":
-        raise ConfigError("--cuda-graph-impl", cfg.impl, why)
-    if not cfg.modules or set(cfg.modules) & set(MODULES_WITH_MOE_PREPROCESS):
-        raise ConfigError("--cuda-graph-modules", cfg.modules, why)
-
-
-def _whole_moe_layer_needs_sync_free_dispatch(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if cfg.impl not in PER_LAYER_IMPLS or not facts.has_moe_layers or not facts.dispatch_syncs_host:
-        return
-    if not cfg.modules or "moe" in cfg.modules:
-        raise ConfigError("--cuda-graph-modules", cfg.modules, "a graph of the whole MoE layer "
-                          "would hold the all-to-all, whose split sizes this dispatch reads on "
-                          "the host; list the pre-dispatch regions (attn moe_router "
-                          "moe_preprocess) or use a sync-free dispatch: --moe-dispatch-budget, or "
-                          "--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity")
-
-
-def _graphs_need_cuda(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if cfg.impl != "none" and not facts.cuda_available:
-        raise ConfigError("--cuda-graph-impl", cfg.impl, "CUDA graphs need a CUDA device; this "
-                          "run is on the CPU: use --cuda-graph-impl none")
-
-
-def _impl_is_implemented(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if cfg.impl not in facts.implemented_impls:
-        raise ConfigError("--cuda-graph-impl", cfg.impl, "not implemented in epoverlap: use "
-                          "--cuda-graph-impl local (our own capture of the same modules)")
-
-
-def _capture_needs_a_recorded_warmup_step(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if cfg.impl != "none" and cfg.warmup_steps < 1:
-        raise ConfigError("--cuda-graph-warmup-steps", cfg.warmup_steps, "at least 1 with "
-                          f"--cuda-graph-impl {cfg.impl}: the last eager step records what each "
-                          "graph reads and writes")
-
-
-VALIDATION_RULES = (
-    _modules_need_a_per_layer_impl,
-    _full_iteration_takes_no_modules,
-    _inference_scope_fits_impl,
-    _transformer_engine_is_importable,
-    _no_mamba,
-    _modules_exist_in_model,
-    _moe_preprocess_needs_moe_router,
-    _moe_excludes_moe_router,
-    _full_iteration_needs_sync_free_dispatch,
-    _ep_overlap_needs_partial_graphs,
-    _ep_overlap_allows_pre_dispatch_modules,
-    _host_syncing_preprocess_stays_eager,
-    _whole_moe_layer_needs_sync_free_dispatch,
-    _capture_needs_a_recorded_warmup_step,
-    _impl_is_implemented,
-    _graphs_need_cuda,  # keep last: every rule above stays testable on a CPU machine
-)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""The command line of the training command, generated from the config sections' flags.
+
+`build_parser` registers every flag `config.sections` declares (and the CUDA-graph flags with
+their deprecated forms), `config_from_args` / `parse_config` build a `RunConfig` from defaults,
+then the preset, then the flags given (old CUDA-graph spellings migrated, one warning each once
+the whole command line is accepted). No validation here: `config.validate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Optional
+
+from epoverlap.config.cuda_graphs import add_cuda_graph_args, cuda_graph_config_from_args
+from epoverlap.config.flags import (CliParser, FlagField, add_flags, given_values, help_formatter,
+                                    presets_help, section_flags)
+from epoverlap.config.presets import PRESETS
+from epoverlap.config.sections import SECTIONS, RunConfig
+from epoverlap.errors import ConfigError
+
+USAGE = "%(prog)s [--preset NAME] [FLAG VALUE ...]   (--help lists every flag)"
+SECTION_TITLES = {
+    "model": "model", "moe": "mixture of experts", "parallel": "parallelism",
+    "train": "training", "overlap": "EP overlap", "kernels": "kernels", "data": "data",
+    "log": "logging and profiling", "checkpoint": "checkpoints"}
+
+# Every flag of the training command, in --help order.
+FLAGS: list[FlagField] = [item for section, cls in SECTIONS.items()
+                          for item in section_flags(section, cls)]
+_PLAIN = [item for item in FLAGS if item.section != "cuda_graph"]  # the CUDA graphs' are migrated
+_BY_FIELD = {item.field.name: item for item in FLAGS}
+assert len(_BY_FIELD) == len(FLAGS), "two sections declare a flag field of the same name"
+# The allowed values of every flag that takes a name, by flag (the config fuzz test draws here).
+CHOICES: dict[str, tuple[str, ...]] = {item.name: item.flag.choices for item in FLAGS
+                                       if item.flag.choices}
+
+
+def flag_of(field_name: str) -> str:
+    """The CLI flag of a config field (for messages)."""
+    item = _BY_FIELD.get(field_name)
+    return item.name if item else "--" + field_name.replace("_", "-")
+
+
+def build_parser(prog: str = "epoverlap-train", printing: bool = True) -> CliParser:
+    parser = CliParser(
+        prog=prog, usage=USAGE, printing=printing, epilog=presets_help(PRESETS, flag_of),
+        formatter_class=help_formatter,
+        description="Train an MoE language model with expert parallelism (and EP overlap).\n"
+                    "Defaults below are those without --preset.")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, metavar="NAME",
+                        help=f"one of {', '.join(sorted(PRESETS))}: named model/run sizes "
+                             "(what each sets: the list at the end); explicit flags win")
+    add_flags(parser, _PLAIN, SECTION_TITLES)
+    add_cuda_graph_args(parser)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace,
+                     warn: Callable[[str], None] = lambda msg: None) -> RunConfig:
+    """Defaults <- preset <- explicit flags. No validation here (see config.validate)."""
+    notes: list[str] = []
+    given = given_values(args, _PLAIN)
+    values = {(_BY_FIELD[name].section, name): value
+              for name, value in (PRESETS[args.preset] if args.preset else {}).items()}
+    if ("train", "global_batch_size") in given:
+        if ("train", "num_microbatches") in given:
+            raise ConfigError("--global-batch-size", given[("train", "global_batch_size")],
+                              "give it or --num-microbatches, not both")
+        values.pop(("train", "num_microbatches"), None)  # derived by RunConfig.for_world
+    values.update(given)
+    sections = {section: cls(**{name: value for (where, name), value in values.items()
+                                if where == section})
+                for section, cls in SECTIONS.items() if section != "cuda_graph"}
+    config = RunConfig(**sections, cuda_graph=cuda_graph_config_from_args(args, notes.append))
+    for note in notes:
+        warn(note)
+    return config
+
+
+def parse_config(argv: Optional[list[str]] = None,
+                 warn: Callable[[str], None] = lambda msg: None,
+                 printing: bool = True) -> RunConfig:
+    return config_from_args(build_parser(printing=printing).parse_args(argv), warn)

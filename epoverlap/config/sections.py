@@ -1,0 +1,412 @@
+"""The configuration dataclasses, one per concern with orthogonal fields, each field that is a
+command-line flag declared as one (`flag`, see config.flags) right here: its name, help,
+allowed values and default live beside the field, nowhere else.
+
+`RunConfig` holds the sections and the values derived from several of them (the plan's name,
+virtual stages, data-parallel size, the device and kernel backend `auto` resolves to).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from epoverlap.config.cuda_graphs import CudaGraphConfig
+from epoverlap.config.flags import flag
+from epoverlap.data.tokenizers import TOKENIZER_TYPES
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ROUTER_DTYPES = ("fp32", "fp64")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+DROP_POLICIES = ("probs", "position")  # as epoverlap.kernels.capacity
+DEVICES = ("auto", "cpu", "cuda")
+OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release", "combined_1f1b_paired_ends")
+COMM_MODES = ("real", "local_copy")
+COMM_STREAM_PRIORITIES = ("high", "normal")
+NCCL_MAX_CHANNELS = 64  # NCCL's MAXCHANNELS: the most CTAs a collective may use
+MAX_SM_CARVEOUT = 64  # the most SMs the grouped GEMMs may leave free (H100/H200 have 132)
+DEFAULT_SPLIT = "969,30,1"
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelConfig:
+    num_layers: int = flag(2, "transformer layers")
+    hidden_size: int = flag(128, "model width")
+    ffn_hidden_size: int = flag(256, "dense MLP width")
+    num_attention_heads: int = flag(4, "query heads")
+    num_query_groups: Optional[int] = flag(None, "key/value heads (GQA)")
+    seq_length: int = flag(128, "tokens per sequence")
+    vocab_size: int = 256  # not a flag: the data's tokenizer sets it (cli.train); 256 = bytes
+    rotary_base: float = flag(10000.0, "rotary embedding base")
+    norm_epsilon: float = 1e-5
+    init_method_std: float = flag(0.02, "weight init std")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+
+@dataclass(kw_only=True, frozen=True)
+class MoEConfig:
+    num_experts: Optional[int] = flag(8, "routed experts (0/none: dense model)")
+    moe_router_topk: int = flag(2, "experts per token")
+    moe_ffn_hidden_size: Optional[int] = flag(None, "expert FFN width (none: --ffn-hidden-size)")
+    moe_shared_expert_intermediate_size: Optional[int] = flag(
+        None, "shared expert FFN width (none: no shared expert)")
+    moe_router_score_function: str = flag("softmax", "router score function",
+                                          choices=SCORE_FUNCTIONS)
+    moe_router_pre_softmax: bool = flag(False, "softmax before top-k")
+    moe_router_num_groups: Optional[int] = flag(None, "expert groups")
+    moe_router_group_topk: Optional[int] = flag(None, "groups kept")
+    moe_router_topk_scaling_factor: Optional[float] = flag(None, "multiplies routing probs")
+    moe_router_enable_expert_bias: bool = flag(False, "aux-loss-free expert bias (sigmoid)")
+    moe_router_bias_update_rate: float = flag(1e-3, "expert bias step per iteration")
+    moe_aux_loss_coeff: float = flag(0.0, "Switch aux loss coefficient")
+    moe_z_loss_coeff: Optional[float] = flag(None, "router z-loss coefficient")
+    moe_router_dtype: Optional[str] = flag(None, "router gate dtype (none: the model's)",
+                                           choices=ROUTER_DTYPES)
+    moe_layer_freq: str = flag("1", "every N-th layer is MoE, or a 0/1 list like 0,1,1,1",
+                               metavar="FREQ")
+    moe_first_k_dense_replace: int = flag(0, "first k layers dense")
+    moe_router_force_load_balancing: bool = flag(
+        False, "benchmark only: random router logits (balanced routing)")
+    moe_expert_capacity_factor: Optional[float] = flag(
+        None, "expert capacity = ceil(tokens x topk / experts x FACTOR); routed tokens over it "
+        "are dropped and counted (Megatron-core semantics; negative or none: dropless)")
+    moe_pad_expert_input_to_capacity: bool = flag(
+        False, "pad every expert's input to the capacity: static all-to-all sizes, no host sync")
+    moe_token_drop_policy: str = flag("probs", "which tokens an expert over capacity keeps",
+                                      choices=DROP_POLICIES)
+    moe_dispatch_budget: Optional[float] = flag(
+        None, "dropless without a host sync: fixed all-to-all buffers of FACTOR x the balanced "
+        "rows per rank; a step that overflows them is rerun with a larger budget")
+    moe_dispatch_once_per_rank: bool = flag(
+        False, "send each token once to every EP rank that holds one of its top-k experts (not "
+        "once per expert), with the probs of that rank's experts; the receiving rank copies it "
+        "to them and sums their outputs before the combine sends one row back. All-to-all "
+        "volume / up to min(topk, EP); the experts' rows and grads are the same, the combined "
+        "output is summed per rank first (another rounding order). Dropless, capacity "
+        "(unpadded) and budget dispatches")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def capacity_factor(self) -> Optional[float]:
+        """The capacity factor in force: None when unset or negative (dropless)."""
+        factor = self.moe_expert_capacity_factor
+        return None if factor is None or factor < 0 else factor
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelConfig:
+    expert_model_parallel_size: int = flag(
+        1, "EP size: experts are sharded over EP ranks and replicated over world/EP (EDP) "
+        "ranks; dense layers are data-parallel over the stage's DP ranks")
+    pipeline_model_parallel_size: int = flag(
+        1, "PP size: pipeline stages (1F1B schedule; ranks laid out as Megatron-core's "
+        "tp-cp-ep-dp-pp)")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
+        None, "layers per model chunk: interleaved 1F1B with layers / (PP x this) chunks per "
+        "stage")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = flag(
+        None, "model chunks per stage (interleaved 1F1B); the newer form of the flag above")
+    distributed_timeout_minutes: float = flag(
+        10.0, "collective timeout of every process group: a peer rank that does not answer for "
+        "this long ends the job, naming it (fractions allowed, >= 0.05)")
+    moe_a2a_nccl_max_ctas: Optional[int] = flag(
+        None, f"NCCL: at most N CTAs (SMs) for each all-to-all of the expert-parallel group "
+        f"(its communicator's max_ctas, 1..{NCCL_MAX_CHANNELS}; none: NCCL's choice); other "
+        "groups keep NCCL's defaults")
+    moe_a2a_nccl_min_ctas: Optional[int] = flag(
+        None, f"NCCL: at least N CTAs for each all-to-all of the expert-parallel group "
+        f"(min_ctas, 1..{NCCL_MAX_CHANNELS}, <= the max)")
+    moe_grouped_gemm_sm_carveout: Optional[int] = flag(
+        None, "CUDA: the experts' grouped GEMMs run on all SMs but N (torch's SM carveout), "
+        "leaving N free for the all-to-all kernels that run beside them under "
+        "--overlap-moe-expert-parallel-comm; pair it with --moe-a2a-nccl-max-ctas N. The "
+        "persistent grouped GEMM otherwise holds every SM: an all-to-all started beside it "
+        "waits for SMs, and its last CTAs wait for the all-to-all. Same bits (each output tile "
+        "is still one CTA's full-K sum); none: every SM")
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    micro_batch_size: int = flag(2, "sequences per microbatch")
+    num_microbatches: int = flag(4, "microbatches per step")
+    global_batch_size: Optional[int] = flag(
+        None, "sequences per step over all ranks (Megatron's form): sets --num-microbatches to "
+        "it / (--micro-batch-size x data-parallel ranks)")
+    train_iters: int = flag(20, "optimizer steps")
+    lr: float = flag(3e-3, "peak learning rate")
+    min_lr: float = flag(3e-4, "final learning rate")
+    lr_warmup_iters: int = flag(2, "linear warmup steps")
+    weight_decay: float = flag(0.01, "AdamW weight decay")
+    adam_beta1: float = flag(0.9, "AdamW beta1")
+    adam_beta2: float = flag(0.95, "AdamW beta2")
+    adam_eps: float = flag(1e-8, "AdamW epsilon")
+    clip_grad: float = flag(1.0, "global grad-norm clip (0: off)")
+    seed: int = flag(1234, "random seed")
+    bf16: bool = flag(False, "bf16 params and compute (GPU)")
+    deterministic_mode: bool = flag(False, "deterministic algorithms")
+    deterministic_fill_uninitialized_memory: bool = flag(
+        False, "with --deterministic-mode: also fill every new tensor's memory (NaN, or the "
+        "largest integer) before use, torch's check that no result reads memory nothing "
+        "wrote; one more kernel per allocation. Off: the results are the same bits (tested), "
+        "at a lower price")
+    device: str = flag("auto", "where the ranks run (auto: CUDA when visible)", choices=DEVICES)
+    skip_optimizer_step: bool = flag(
+        False, "benchmark only: forward+backward+grad reduce, no update")
+    check_for_nan_in_loss_and_grad: bool = flag(
+        False, "stop at a NaN/Inf loss or grad (before the optimizer step), naming rank and "
+        "parameter")
+    no_gradient_accumulation_fusion: bool = flag(
+        False, "fp32 training: dense weight-grad GEMMs write a product that is then added to "
+        "main_grad, instead of adding into main_grad inside the GEMM (bf16/fp16 always take "
+        "the two ops)")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OverlapConfig:
+    overlap_moe_expert_parallel_comm: bool = flag(
+        False, "combined 1F1B schedule hiding EP all-to-all")
+    delay_wgrad_compute: bool = flag(
+        False, "split weight grads out and run them in the comm gaps")
+    overlap_plan: str = flag(
+        "combined_1f1b", "the combined 1F1B (F0 alone, F(i) beside B(i-1), B(M-1) alone); its "
+        "early_release form (B.attn before F.mlp, for memory); paired_ends (F0 beside F1 and "
+        "B(M-2) beside B(M-1): the ends overlap too, for one microbatch's activations more; "
+        "one pipeline stage)", choices=OVERLAP_PLANS)
+    comm_stream_priority: str = flag(
+        "high", "CUDA priority of the overlap's comm stream (its all-to-alls run there); high "
+        "lets their kernels start ahead of waiting compute kernels",
+        choices=COMM_STREAM_PRIORITIES)
+    comm_mode: str = flag("real", "benchmark only: local_copy replaces all-to-alls by local "
+                          "copies", choices=COMM_MODES)
+    overlap_probe_steps: int = flag(
+        0, "with --overlap-moe-expert-parallel-comm: after the first step, time N steps of the "
+        "overlap plan and N of the sequential schedule, alternating, and run the rest of the "
+        "training with the faster (both give the same bits); with --cuda-graph-impl local or "
+        "full_iteration each schedule replays its own graphs (captured before the timed "
+        "steps); 0: always the overlap")
+
+    @property
+    def comm_stream_high_priority(self) -> bool:
+        return self.comm_stream_priority == "high"
+
+
+@dataclass(kw_only=True, frozen=True)
+class KernelConfig:
+    kernel_backend: str = flag("auto", "routing, norm and loss kernels (auto: triton on CUDA, "
+                               "torch on CPU)", choices=KERNEL_BACKENDS)
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    """One source: raw text (`data`, byte tokens; the default, Python's own sources), Megatron
+    indexed datasets (`data_path`, read through a tokenizer's vocabulary) or `mock_data`."""
+
+    data: Optional[str] = flag(
+        None, "raw text file or folder read as byte tokens, or 'stdlib' (Python's own sources; "
+        "the default when no --data-path or --mock-data is given)", metavar="PATH")
+    data_path: tuple[str, ...] = flag(
+        (), "Megatron indexed datasets: PREFIX [PREFIX ...] or WEIGHT PREFIX [WEIGHT PREFIX "
+        "...] (PREFIX.bin + PREFIX.idx; epoverlap-convert-data writes them)", metavar="PREFIX")
+    split: Optional[str] = flag(
+        None, "train,valid,test proportions of each --data-path dataset's documents; training "
+        "reads the train part", default_text=DEFAULT_SPLIT, metavar="TRAIN,VALID,TEST")
+    mock_data: bool = flag(False, "synthetic tokens (a learnable random bigram chain) instead "
+                           "of data")
+    tokenizer_type: Optional[str] = flag(None, "the vocabulary of --data-path / --mock-data",
+                                         choices=TOKENIZER_TYPES)
+    tokenizer_model: Optional[str] = flag(
+        None, "HuggingFaceTokenizer: a tokenizer.json or a folder holding one", metavar="PATH")
+    vocab_size: Optional[int] = flag(
+        None, "NullTokenizer: ids 0..N-1 (the model's vocabulary is N + 1, with "
+        "end-of-document N)")
+
+    @property
+    def text_source(self) -> Optional[str]:
+        """The raw-text source when neither --data-path nor --mock-data is given."""
+        if self.data_path or self.mock_data:
+            return None
+        return self.data or "stdlib"
+
+    @property
+    def blend(self) -> tuple[list[str], Optional[list[float]]]:
+        return parse_blend(self.data_path)
+
+    @property
+    def split_fractions(self) -> tuple[float, float, float]:
+        return parse_split(self.split or DEFAULT_SPLIT)
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    save: Optional[str] = flag(
+        None, "checkpoint folder (DIR/iter_NNNNNNN, torch.distributed.checkpoint; shared by all "
+        "ranks)", metavar="DIR")
+    save_interval: Optional[int] = flag(
+        None, "save every N steps (and after the last); without it, only after the last")
+    load: Optional[str] = flag(
+        None, "resume from the newest complete checkpoint in DIR (or from DIR itself); any EP "
+        "size", metavar="DIR")
+
+
+@dataclass(kw_only=True, frozen=True)
+class LogConfig:
+    log_interval: int = flag(1, "steps between log lines")
+    log_json: Optional[str] = flag(None, "write one JSON record per step here", metavar="FILE")
+    profile_steps: Optional[str] = flag(None, "steps to record spans for", metavar="START:END")
+    profile_dir: Optional[str] = flag(None, "where span files go", metavar="DIR")
+    use_pytorch_profiler: bool = flag(
+        False, "also capture torch.profiler traces of the --profile-steps")
+    tensorboard_dir: Optional[str] = flag(
+        None, "write TensorBoard scalars here (needs the 'tensorboard' extra)", metavar="DIR")
+
+    @property
+    def profile_range(self) -> Optional[tuple[int, int]]:
+        if self.profile_steps is None:
+            return None
+        start, end = self.profile_steps.split(":")
+        return int(start), int(end)
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+
+    def moe_layer_pattern(self) -> list[bool]:
+        """For each layer: True if it is an MoE layer."""
+        return moe_layer_pattern(self.model.num_layers, self.moe)
+
+    @property
+    def plan_name(self) -> str:
+        """The schedule a step runs: --overlap-plan with the overlap on, else sequential."""
+        o = self.overlap
+        return o.overlap_plan if o.overlap_moe_expert_parallel_comm else "sequential"
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per pipeline stage (V): --num-virtual-stages-per-pipeline-rank, or
+        layers / (P x --num-layers-per-virtual-pipeline-stage); 1 without either."""
+        p = self.parallel
+        if p.num_virtual_stages_per_pipeline_rank is not None:
+            return p.num_virtual_stages_per_pipeline_rank
+        if p.num_layers_per_virtual_pipeline_stage:
+            return self.model.num_layers // (p.pipeline_model_parallel_size
+                                             * p.num_layers_per_virtual_pipeline_stage)
+        return 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Ranks that read different data: one pipeline of PP stages per DP rank."""
+        return world_size // self.parallel.pipeline_model_parallel_size
+
+    def resolved_device(self, cuda_available: bool) -> str:
+        if self.train.device == "auto":
+            return "cuda" if cuda_available else "cpu"
+        return self.train.device
+
+    def resolved_kernel_backend(self, device: str) -> str:
+        if self.kernels.kernel_backend == "auto":
+            return "triton" if device == "cuda" else "torch"
+        return self.kernels.kernel_backend
+
+    def for_world(self, world_size: int) -> "RunConfig":
+        """This config with num_microbatches derived from --global-batch-size, if given (each
+        data-parallel rank reads its own data: DP = world / PP)."""
+        gbs = self.train.global_batch_size
+        if gbs is None:
+            return self
+        microbatches = gbs // (self.train.micro_batch_size * self.data_parallel_size(world_size))
+        return dataclasses.replace(self, train=dataclasses.replace(
+            self.train, num_microbatches=microbatches))
+
+    def with_vocab_size(self, vocab_size: int) -> "RunConfig":
+        """This config with the model's vocabulary set (to the data's tokenizer's)."""
+        return dataclasses.replace(self, model=dataclasses.replace(self.model,
+                                                                   vocab_size=vocab_size))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# The sections the command line fills, in --help order.
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig, "train": TrainConfig,
+    "overlap": OverlapConfig, "kernels": KernelConfig, "data": DataConfig, "log": LogConfig,
+    "checkpoint": CheckpointConfig, "cuda_graph": CudaGraphConfig}
+
+
+def moe_layer_pattern(num_layers: int, moe: MoEConfig) -> list[bool]:
+    """--moe-layer-freq N (every N-th layer, from layer 0) or a 0/1 list, minus first-k dense."""
+    if not moe.enabled:
+        return [False] * num_layers
+    freq = moe.moe_layer_freq.strip()
+    if "," in freq or freq.startswith("["):
+        pattern = [bool(int(x)) for x in freq.strip("[]").split(",") if x.strip()]
+    else:
+        every = int(freq)
+        pattern = [layer % every == 0 for layer in range(num_layers)]
+    return [is_moe and layer >= moe.moe_first_k_dense_replace
+            for layer, is_moe in enumerate(pattern)]
+
+
+def parse_split(text: str) -> tuple[float, float, float]:
+    """"969,30,1" -> normalized (train, valid, test) proportions. Raises ValueError."""
+    parts = [p.strip() for p in re.split(r"[,/]", text) if p.strip()]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError("expected up to three comma-separated proportions, e.g. 969,30,1") \
+            from None
+    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or not values[0] > 0:
+        raise ValueError("up to three proportions >= 0 with the train one > 0, e.g. 969,30,1")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return tuple(v / total for v in values)  # type: ignore[return-value]
+
+
+def parse_blend(items: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+    """`--data-path` items -> (prefixes, weights or None). Raises ValueError.
+
+    Either prefixes only (A B ...), or weight-prefix pairs (0.3 A 0.7 B), as Megatron-core
+    reads them.
+    """
+    items = list(items)
+    if not items:
+        raise ValueError("give at least one PREFIX (of PREFIX.bin / PREFIX.idx)")
+    if len(items) % 2 == 0 and all(_is_number(w) for w in items[0::2]):
+        weights = [float(w) for w in items[0::2]]
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError("weights must be >= 0 and not all 0")
+        return items[1::2], weights
+    numbers = [item for item in items if _is_number(item)]
+    if numbers:
+        raise ValueError(f"{numbers[0]} looks like a weight: give WEIGHT PREFIX pairs for every "
+                         "dataset, or prefixes only")
+    return items, None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False

@@ -1,0 +1,519 @@
+"""Every cross-field rule of the configuration: `validate_config` checks them all and raises
+`ConfigError` naming the flag (as the user types it), the value and what is allowed.
+
+Validation needs only the world size, whether CUDA is present and the file system (output
+paths must be writable: tried with a temporary file, nothing is created), so a bad invocation
+exits before any process group work. The memory estimate, which needs the device's size, is
+training/memory.py's; the files of --data-path and --load are checked by the data and
+checkpoint readers, also before training.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from epoverlap.config.cuda_graph_rules import validate_cuda_graph_config
+from epoverlap.config.dispatch import DispatchMode
+from epoverlap.config.flags import _opt_float
+from epoverlap.config.parse import FLAGS, flag_of
+from epoverlap.config.sections import (MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS, CheckpointConfig,
+                                       DataConfig, LogConfig, ModelConfig, MoEConfig, RunConfig,
+                                       TrainConfig)
+from epoverlap.errors import ConfigError
+from epoverlap.kernels import triton_unavailable_reason
+from epoverlap.kernels.capacity import get_capacity
+
+MAX_LAYERS = 4096
+MIN_TIMEOUT_MINUTES = 0.05
+
+
+def _require(ok: bool, field_name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(flag_of(field_name), value, allowed)
+
+
+def _validate_finite(cfg: RunConfig) -> None:
+    """Every float flag: NaN and infinity are refused (they would only surface mid-training)."""
+    for item in FLAGS:
+        value = getattr(getattr(cfg, item.section), item.field.name)
+        if item.kind in (float, _opt_float) and value is not None:
+            _require(math.isfinite(value), item.field.name, value, "must be a finite number")
+
+
+def _validate_choices(cfg: RunConfig) -> None:
+    """Every flag that takes a name: the name is one its flag allows (the CUDA-graph flags check
+    theirs as they are built, config.cuda_graphs)."""
+    for item in FLAGS:
+        value = getattr(getattr(cfg, item.section), item.field.name)
+        if item.flag.choices and item.section != "cuda_graph" and value is not None:
+            _require(value in item.flag.choices, item.field.name, value,
+                     f"allowed: {', '.join(item.flag.choices)}")
+
+
+def _validate_model(m: ModelConfig) -> None:
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                 "vocab_size"):
+        _require(getattr(m, name) >= 1, name, getattr(m, name), "must be >= 1")
+    # layer lists are built per layer from here on: an absurd count is refused, not allocated
+    _require(m.num_layers <= MAX_LAYERS, "num_layers", m.num_layers, f"must be <= {MAX_LAYERS}")
+    _require(m.seq_length >= 2, "seq_length", m.seq_length, "must be >= 2")
+    _require(m.hidden_size % m.num_attention_heads == 0, "num_attention_heads",
+             m.num_attention_heads, f"must divide --hidden-size={m.hidden_size}")
+    _require(m.head_dim % 2 == 0, "hidden_size", m.hidden_size,
+             f"head dim hidden/heads={m.head_dim} must be even (rotary embeddings)")
+    _require(m.rotary_base > 0, "rotary_base", m.rotary_base, "must be > 0")
+    _require(m.init_method_std >= 0, "init_method_std", m.init_method_std, "must be >= 0")
+    if m.num_query_groups is not None:
+        _require(m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups == 0,
+                 "num_query_groups", m.num_query_groups,
+                 f"must divide --num-attention-heads={m.num_attention_heads}")
+
+
+def _validate_layer_pattern(num_layers: int, moe: MoEConfig) -> None:
+    freq = moe.moe_layer_freq.strip()
+    is_list = "," in freq or freq.startswith("[")
+    try:
+        items = [int(x) for x in freq.strip("[]").split(",") if x.strip()] if is_list \
+            else [int(freq)]
+    except ValueError:
+        raise ConfigError("--moe-layer-freq", freq, "an integer N or a 0/1 list") from None
+    if is_list:
+        _require(len(items) == num_layers and set(items) <= {0, 1}, "moe_layer_freq", freq,
+                 f"a 0/1 list needs exactly --num-layers={num_layers} entries")
+    else:
+        _require(items[0] >= 1, "moe_layer_freq", freq, "must be >= 1")
+    _require(0 <= moe.moe_first_k_dense_replace <= num_layers, "moe_first_k_dense_replace",
+             moe.moe_first_k_dense_replace, f"must be in [0, --num-layers={num_layers}]")
+
+
+def _validate_router(moe: MoEConfig) -> None:
+    num_experts = moe.num_experts
+    _require(1 <= moe.moe_router_topk <= num_experts, "moe_router_topk", moe.moe_router_topk,
+             f"must be in [1, --num-experts={num_experts}]")
+    _require(not moe.moe_router_pre_softmax or moe.moe_router_score_function == "softmax",
+             "moe_router_pre_softmax", True, "only with --moe-router-score-function softmax")
+    _require(not moe.moe_router_enable_expert_bias or moe.moe_router_score_function == "sigmoid",
+             "moe_router_enable_expert_bias", True,
+             "only with --moe-router-score-function sigmoid")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
+        value = getattr(moe, name)
+        _require(value is None or value >= 0, name, value, "must be >= 0")
+    scaling = moe.moe_router_topk_scaling_factor
+    _require(scaling is None or scaling > 0, "moe_router_topk_scaling_factor", scaling,
+             "must be > 0")
+    groups, group_topk = moe.moe_router_num_groups, moe.moe_router_group_topk
+    _require((groups is None) == (group_topk is None), "moe_router_group_topk", group_topk,
+             "set together with --moe-router-num-groups (both or neither)")
+    if groups is not None:
+        _require(groups >= 1 and num_experts % groups == 0, "moe_router_num_groups", groups,
+                 f"must divide --num-experts={num_experts}")
+        _require(1 <= group_topk <= groups, "moe_router_group_topk", group_topk,
+                 f"must be in [1, --moe-router-num-groups={groups}]")
+        _require(moe.moe_router_topk % group_topk == 0, "moe_router_topk", moe.moe_router_topk,
+                 f"must be divisible by --moe-router-group-topk={group_topk}")
+        per_group = num_experts // groups
+        _require(moe.moe_router_topk // group_topk <= per_group, "moe_router_topk",
+                 moe.moe_router_topk,
+                 f"topk/group_topk must be <= experts per group ({per_group})")
+
+
+def _validate_pipeline(cfg: RunConfig, world_size: int) -> None:
+    """--pipeline-model-parallel-size and the virtual-stage flags: every stage and every model
+    chunk holds the same whole number of layers."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    pp = p.pipeline_model_parallel_size
+    _require(pp >= 1 and world_size % pp == 0, "pipeline_model_parallel_size", pp,
+             f"must divide the world size {world_size}")
+    _require(layers % pp == 0, "pipeline_model_parallel_size", pp,
+             f"must divide --num-layers={layers} (every stage holds as many layers)")
+    per_stage = layers // pp
+    given = [(name, getattr(p, name)) for name in ("num_layers_per_virtual_pipeline_stage",
+                                                    "num_virtual_stages_per_pipeline_rank")
+             if getattr(p, name) is not None]
+    if len(given) == 2:
+        raise ConfigError(flag_of(given[1][0]), given[1][1],
+                          f"give it or {flag_of(given[0][0])}, not both")
+    for name, value in given:
+        _require(value >= 1, name, value, "must be >= 1")
+        _require(pp > 1, name, value, "needs --pipeline-model-parallel-size > 1 (virtual "
+                 "stages interleave a pipeline)")
+        _require(per_stage % value == 0, name, value,
+                 f"must divide the {per_stage} layers of each stage (--num-layers={layers} / "
+                 f"--pipeline-model-parallel-size={pp})")
+
+
+def _validate_microbatches(cfg: RunConfig, world_size: int) -> None:
+    """A pipeline of P stages needs at least P microbatches per step (one in flight each)."""
+    pp, t = cfg.parallel.pipeline_model_parallel_size, cfg.train
+    if pp == 1:
+        return
+    if t.global_batch_size is not None:
+        dp = cfg.data_parallel_size(world_size)
+        count = t.global_batch_size // (t.micro_batch_size * dp)
+        _require(count >= pp, "global_batch_size", t.global_batch_size,
+                 f"gives {count} microbatches per step (/ --micro-batch-size x data-parallel "
+                 f"ranks = {t.micro_batch_size} x {dp}); --pipeline-model-parallel-size={pp} "
+                 f"needs at least {pp}")
+    else:
+        _require(t.num_microbatches >= pp, "num_microbatches", t.num_microbatches,
+                 f"must be >= --pipeline-model-parallel-size={pp} (every stage needs a "
+                 "microbatch in flight)")
+
+
+def _validate_moe(cfg: RunConfig, world_size: int) -> None:
+    moe, ep = cfg.moe, cfg.parallel.expert_model_parallel_size
+    pp = cfg.parallel.pipeline_model_parallel_size
+    _require(ep >= 1 and world_size % (ep * pp) == 0, "expert_model_parallel_size", ep,
+             f"must divide the world size {world_size}" if pp == 1 else
+             f"EP x PP = {ep} x {pp} must divide the world size {world_size}")
+    if not moe.enabled:
+        _require(ep == 1, "expert_model_parallel_size", ep, "must be 1 without --num-experts")
+        for name in ("moe_expert_capacity_factor", "moe_dispatch_budget"):
+            _require(getattr(moe, name) is None, name, getattr(moe, name),
+                     "needs MoE layers (--num-experts)")
+        return
+    _require(moe.num_experts >= 1 and moe.num_experts % ep == 0, "num_experts", moe.num_experts,
+             f"must be divisible by --expert-model-parallel-size={ep}")
+    _validate_router(moe)
+    _validate_layer_pattern(cfg.model.num_layers, moe)
+    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        value = getattr(moe, name)
+        _require(value is None or value >= 1, name, value, "must be >= 1")
+    _validate_dispatch(cfg)
+
+
+def _validate_dispatch(cfg: RunConfig) -> None:
+    """Capacity (Megatron-core's drop/pad) or the dropless budget; see epoverlap.model.moe."""
+    moe = cfg.moe
+    factor, budget = moe.moe_expert_capacity_factor, moe.moe_dispatch_budget
+    _require(factor != 0, "moe_expert_capacity_factor", factor,
+             "must be > 0 (a negative value means no capacity: dropless, as Megatron-core "
+             "reads it)")
+    pad = moe.moe_pad_expert_input_to_capacity
+    _require(not pad or moe.capacity_factor is not None, "moe_pad_expert_input_to_capacity",
+             True, "needs --moe-expert-capacity-factor > 0 (the capacity to pad to)")
+    if budget is not None:
+        _require(budget > 0, "moe_dispatch_budget", budget,
+                 "must be > 0 (1.0 = the balanced share of rows per EP rank)")
+        _require(moe.capacity_factor is None, "moe_dispatch_budget", budget,
+                 "is dropless and --moe-expert-capacity-factor drops tokens: give one of them")
+    _require(not (moe.moe_dispatch_once_per_rank and pad), "moe_pad_expert_input_to_capacity",
+             True, "cannot be combined with --moe-dispatch-once-per-rank (a padded capacity "
+             "fixes the rows per expert, once per rank sends a row per rank)")
+    if pad:
+        tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+        capacity = get_capacity(tokens * moe.moe_router_topk, moe.num_experts, factor)
+        _require(capacity <= tokens, "moe_expert_capacity_factor", factor,
+                 f"with --moe-pad-expert-input-to-capacity the capacity ({capacity}) must not "
+                 f"exceed the {tokens} tokens of a microbatch (Megatron-core's padded permute "
+                 f"fails there): use a factor <= num_experts / topk = "
+                 f"{moe.num_experts / moe.moe_router_topk:g}")
+
+
+def _validate_train(t: TrainConfig, dp_size: int, cuda_available: bool) -> None:
+    for name in ("micro_batch_size", "num_microbatches", "train_iters"):
+        _require(getattr(t, name) >= 1, name, getattr(t, name), "must be >= 1")
+    per_microbatch = t.micro_batch_size * dp_size
+    _require(t.global_batch_size is None or (t.global_batch_size >= per_microbatch and
+                                             t.global_batch_size % per_microbatch == 0),
+             "global_batch_size", t.global_batch_size, f"must be a multiple of "
+             f"--micro-batch-size x ranks = {t.micro_batch_size} x {dp_size}")
+    _require(t.lr > 0, "lr", t.lr, "must be > 0")
+    _require(0 <= t.min_lr <= t.lr, "min_lr", t.min_lr, f"must be in [0, --lr={t.lr}]")
+    _require(t.lr_warmup_iters >= 0, "lr_warmup_iters", t.lr_warmup_iters, "must be >= 0")
+    _require(t.clip_grad >= 0, "clip_grad", t.clip_grad, "must be >= 0 (0 disables clipping)")
+    for name in ("adam_beta1", "adam_beta2"):
+        _require(0 <= getattr(t, name) < 1, name, getattr(t, name), "must be in [0, 1)")
+    for name in ("adam_eps", "weight_decay"):
+        _require(getattr(t, name) >= 0, name, getattr(t, name), "must be >= 0")
+    _require(0 <= t.seed < 2**63, "seed", t.seed, "must be in [0, 2**63)")
+    _require(t.device != "cuda" or cuda_available, "device", t.device,
+             "no CUDA device is visible here; use --device cpu or auto")
+    on_gpu = t.device == "cuda" or (t.device == "auto" and cuda_available)
+    _require(not t.bf16 or on_gpu, "bf16", True, "needs a CUDA device (CPU runs are fp32)")
+    _require(t.deterministic_mode or not t.deterministic_fill_uninitialized_memory,
+             "deterministic_fill_uninitialized_memory", True, "needs --deterministic-mode")
+
+
+def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
+    o = cfg.overlap
+    if o.overlap_plan == "combined_1f1b_paired_ends":
+        _require(cfg.parallel.pipeline_model_parallel_size == 1, "overlap_plan", o.overlap_plan,
+                 "pairs the first two forwards and the last two backwards of one stage: needs "
+                 "--pipeline-model-parallel-size 1")
+    if o.overlap_moe_expert_parallel_comm and cfg.parallel.pipeline_model_parallel_size == 1:
+        # with pipeline stages there are always transfers to hide (the P2P on the comm lane)
+        _require(cfg.parallel.expert_model_parallel_size > 1, "overlap_moe_expert_parallel_comm",
+                 True, "requires --expert-model-parallel-size > 1 or "
+                 "--pipeline-model-parallel-size > 1 (there is no communication to hide)")
+        _require(any(cfg.moe_layer_pattern()), "overlap_moe_expert_parallel_comm", True,
+                 "requires at least one MoE layer (--num-experts, --moe-layer-freq) or "
+                 "--pipeline-model-parallel-size > 1")
+    _require(not o.delay_wgrad_compute or o.overlap_moe_expert_parallel_comm,
+             "delay_wgrad_compute", True, "requires --overlap-moe-expert-parallel-comm")
+    _validate_overlap_probe(cfg)
+    if o.comm_stream_priority != "high":
+        _require(o.overlap_moe_expert_parallel_comm and cfg.resolved_device(cuda_available)
+                 == "cuda", "comm_stream_priority", o.comm_stream_priority,
+                 "sets the CUDA stream of the overlap's comm lane: needs a CUDA device and "
+                 "--overlap-moe-expert-parallel-comm (without them there is no comm stream)")
+
+
+def _validate_overlap_probe(cfg: RunConfig) -> None:
+    """--overlap-probe-steps: the two schedules of one pipeline stage, eager or each
+    replaying its own CUDA graphs (per-layer, or one full-iteration graph per schedule)."""
+    steps = cfg.overlap.overlap_probe_steps
+    _require(steps >= 0, "overlap_probe_steps", steps, "must be >= 0 (0: no probe)")
+    if steps == 0:
+        return
+    _require(cfg.overlap.overlap_moe_expert_parallel_comm, "overlap_probe_steps", steps,
+             "compares the overlap with the sequential schedule: needs "
+             "--overlap-moe-expert-parallel-comm")
+    impl = cfg.cuda_graph.impl
+    _require(impl in ("none", "local", "full_iteration"), "overlap_probe_steps", steps,
+             f"compares two schedules, each replaying its own graphs; --cuda-graph-impl {impl} "
+             "is not built: use --cuda-graph-impl none, local or full_iteration")
+    _require(cfg.parallel.pipeline_model_parallel_size == 1, "overlap_probe_steps", steps,
+             "needs --pipeline-model-parallel-size 1 (one stage's plan is switched)")
+    if impl == "none":
+        needed, before = 2 * steps + 1, "the first step"
+    else:  # the graphs' warm-up (the overlap's capture), one sequential step (its capture)
+        needed = cfg.cuda_graph.warmup_steps + 1 + 2 * steps
+        before = (f"{cfg.cuda_graph.warmup_steps} graph warm-up step(s), one sequential "
+                  "step that captures its graphs")
+    _require(cfg.train.train_iters >= needed, "overlap_probe_steps", steps,
+             f"needs --train-iters >= {needed} ({before}, then {steps} of each schedule), "
+             f"got --train-iters={cfg.train.train_iters}")
+
+
+def _validate_nccl_ctas(cfg: RunConfig, cuda_available: bool) -> None:
+    """The expert-parallel communicator's CTA budget: NCCL only, and only where it has
+    all-to-alls to shape (EP > 1). Refused rather than ignored on gloo."""
+    p = cfg.parallel
+    given = [(name, getattr(p, name)) for name in ("moe_a2a_nccl_max_ctas",
+                                                    "moe_a2a_nccl_min_ctas")
+             if getattr(p, name) is not None]
+    for name, value in given:
+        _require(1 <= value <= NCCL_MAX_CHANNELS, name, value,
+                 f"must be in [1, {NCCL_MAX_CHANNELS}] (NCCL's most CTAs per collective)")
+        _require(cfg.resolved_device(cuda_available) == "cuda", name, value,
+                 "sets the NCCL communicator of the expert-parallel group: this run is on "
+                 "CPU, where the groups use gloo (no CTAs to budget)")
+        _require(p.expert_model_parallel_size > 1, name, value,
+                 "needs --expert-model-parallel-size > 1 (with EP 1 there is no all-to-all)")
+        reason = nccl_config_unavailable()
+        _require(reason is None, name, value, reason or "")
+    carveout = p.moe_grouped_gemm_sm_carveout
+    if carveout is not None:
+        _require(1 <= carveout <= MAX_SM_CARVEOUT, "moe_grouped_gemm_sm_carveout", carveout,
+                 f"must be in [1, {MAX_SM_CARVEOUT}] (SMs left free; the GPU's SM count "
+                 "bounds it further at the first GEMM)")
+        _require(cfg.resolved_device(cuda_available) == "cuda", "moe_grouped_gemm_sm_carveout",
+                 carveout, "leaves SMs of a CUDA device free: this run is on CPU")
+        _require(cfg.moe.enabled, "moe_grouped_gemm_sm_carveout", carveout,
+                 "needs MoE layers (--num-experts): it applies to the experts' grouped GEMMs")
+    if len(given) == 2:
+        _require(p.moe_a2a_nccl_min_ctas <= p.moe_a2a_nccl_max_ctas, "moe_a2a_nccl_min_ctas",
+                 p.moe_a2a_nccl_min_ctas,
+                 f"must be <= --moe-a2a-nccl-max-ctas={p.moe_a2a_nccl_max_ctas}")
+
+
+def nccl_config_unavailable() -> Optional[str]:
+    """Why this torch build cannot configure an NCCL communicator's CTAs (None: it can).
+    `ProcessGroupNCCL.Options().config` (an ncclConfig_t with max_ctas / min_ctas) exists in
+    builds with NCCL >= 2.17, torch 2.1 onwards (2.11 and 2.13 included)."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_nccl_available():
+        return "this torch build has no NCCL"
+    config = getattr(dist.ProcessGroupNCCL.Options(), "config", None)
+    if config is None or not all(hasattr(config, f) for f in ("max_ctas", "min_ctas")):
+        return ("this torch build's NCCL takes no communicator config (needs NCCL >= 2.17): "
+                "set NCCL_MAX_CTAS / NCCL_MIN_CTAS in the environment instead (every group)")
+    return None
+
+
+def _validate_kernels_data_log(cfg: RunConfig, cuda_available: bool) -> None:
+    backend = cfg.kernels.kernel_backend
+    device = cfg.resolved_device(cuda_available)
+    if cfg.resolved_kernel_backend(device) == "triton":
+        reason = triton_unavailable_reason()
+        _require(reason is None, "kernel_backend", backend, reason or "")
+    _validate_data(cfg.data)
+    _require(cfg.log.log_interval >= 1, "log_interval", cfg.log.log_interval, "must be >= 1")
+    device = cfg.resolved_device(cuda_available)
+    _validate_profile(cfg.log, device)
+    if cfg.log.log_json is not None:
+        _require_writable("log_json", cfg.log.log_json, directory=False)
+    _validate_tensorboard(cfg.log)
+
+
+def _validate_data(d: DataConfig) -> None:
+    """Flag-level rules; the files themselves are checked by `training.data.open_data_source`."""
+    given = [flag for flag, on in (("--data", d.data is not None),
+                                   ("--data-path", bool(d.data_path)),
+                                   ("--mock-data", d.mock_data)) if on]
+    if len(given) > 1:
+        raise ConfigError(given[1], True, f"give one data source; {given[0]} is given too")
+    if d.data not in (None, "stdlib"):
+        _require(Path(d.data).exists(), "data", d.data,
+                 "no such file or folder (or use 'stdlib', --data-path or --mock-data)")
+    if d.data_path:
+        try:
+            d.blend
+        except ValueError as error:
+            raise ConfigError("--data-path", d.data_path, str(error)) from None
+        _require(d.tokenizer_type is not None, "data_path", d.data_path,
+                 "needs --tokenizer-type (NullTokenizer with --vocab-size, or "
+                 "HuggingFaceTokenizer with --tokenizer-model)")
+    if d.split is not None:
+        _require(bool(d.data_path), "split", d.split, "applies to --data-path datasets only")
+        try:
+            d.split_fractions
+        except ValueError as error:
+            raise ConfigError("--split", d.split, str(error)) from None
+    _validate_tokenizer(d)
+
+
+def _validate_tokenizer(d: DataConfig) -> None:
+    kind = d.tokenizer_type
+    if kind is not None:
+        _require(d.text_source is None, "tokenizer_type", kind, "--data reads raw bytes "
+                 "(vocabulary 256); a tokenizer applies to --data-path and --mock-data")
+    _require(d.vocab_size is None or kind == "NullTokenizer", "vocab_size", d.vocab_size,
+             "only with --tokenizer-type NullTokenizer")
+    _require(kind != "NullTokenizer" or (d.vocab_size or 0) >= 1, "vocab_size", d.vocab_size,
+             "--tokenizer-type NullTokenizer needs --vocab-size >= 1")
+    _require(d.tokenizer_model is None or kind == "HuggingFaceTokenizer", "tokenizer_model",
+             d.tokenizer_model, "only with --tokenizer-type HuggingFaceTokenizer")
+    _require(kind != "HuggingFaceTokenizer" or bool(d.tokenizer_model), "tokenizer_model",
+             d.tokenizer_model, "--tokenizer-type HuggingFaceTokenizer needs a tokenizer.json "
+             "or a folder holding one")
+
+
+def _validate_tensorboard(log: LogConfig) -> None:
+    if log.tensorboard_dir is None:
+        return
+    # the path first: the same answer whether or not the package is installed
+    _require(_writable_dir(Path(log.tensorboard_dir)), "tensorboard_dir", log.tensorboard_dir,
+             "not a writable directory (nor creatable)")
+    try:
+        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
+    except ImportError:
+        raise ConfigError("--tensorboard-dir", log.tensorboard_dir, "needs the tensorboard "
+                          "package: pip install 'epoverlap[tensorboard]'") from None
+
+
+def _writable_dir(path: Path) -> bool:
+    """True if `path` is a writable directory or could be created as one."""
+    while not path.exists():
+        if path.parent == path:
+            return False
+        path = path.parent
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    """Paths only; what --load holds is checked by training.checkpoint_files, also early."""
+    for name in ("save", "load"):
+        path = getattr(c, name)
+        _require(path is None or (path.strip() != "" and not Path(path).is_file()), name, path,
+                 "must name a folder (it is a file, or empty)")
+    if c.save_interval is not None:
+        _require(c.save_interval >= 1, "save_interval", c.save_interval, "must be >= 1")
+        _require(c.save is not None, "save_interval", c.save_interval, "needs --save DIR")
+
+
+def _validate_profile(log: LogConfig, device: str) -> None:
+    if log.profile_steps is None:
+        _require(log.profile_dir is None, "profile_dir", log.profile_dir,
+                 "needs --profile-steps START:END")
+        _require(not log.use_pytorch_profiler, "use_pytorch_profiler", True,
+                 "needs --profile-steps START:END (the steps to trace)")
+        return
+    _require(log.profile_dir is None or not Path(log.profile_dir).is_file(), "profile_dir",
+             log.profile_dir, "is a file; give a folder")
+    try:
+        start, end = log.profile_range
+    except ValueError:
+        raise ConfigError("--profile-steps", log.profile_steps,
+                          "expected START:END step numbers, e.g. 3:5") from None
+    _require(1 <= start <= end, "profile_steps", log.profile_steps,
+             "needs 1 <= START <= END (steps count from 1)")
+    _require(log.profile_dir is not None, "profile_steps", log.profile_steps,
+             "needs --profile-dir DIR")
+    _require_writable("profile_dir", log.profile_dir, directory=True)
+    _require(not log.use_pytorch_profiler or device == "cuda", "use_pytorch_profiler", True,
+             "needs a CUDA device: its traces are read for GPU kernels (epoverlap-timeline "
+             "--torch-trace); on CPU the span files of --profile-steps show both lanes")
+
+
+def _require_writable(field_name: str, path_text: str, directory: bool) -> None:
+    """`path_text` is (or can be made) a directory we can write in, or a file we can write.
+
+    Nothing is created: the nearest existing folder must take a new file (tried with a
+    temporary file, so root, read-only mounts and /proc are judged as the run would be)."""
+    path = Path(path_text)
+    if path.exists() and path.is_dir() != directory:
+        _require(False, field_name, path_text, "is a folder; give a file path" if not directory
+                 else "is a file; give a folder (created if missing)")
+    folder = path if directory else path.parent
+    nearest = folder
+    while not nearest.exists():
+        nearest = nearest.parent
+    _require(nearest.is_dir(), field_name, path_text, f"{nearest} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=nearest):
+            pass
+    except OSError as error:
+        raise ConfigError(flag_of(field_name), path_text,
+                          f"cannot create a file in {nearest} ({error.strerror})") from None
+
+
+def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
+    pattern = cfg.moe_layer_pattern()
+    pp = cfg.parallel.pipeline_model_parallel_size
+    _require(cfg.cuda_graph.impl == "none" or pp == 1, "cuda_graph_impl", cfg.cuda_graph.impl,
+             f"not built with --pipeline-model-parallel-size={pp} yet (graphs capture a "
+             "one-stage plan); use --cuda-graph-impl none")
+    try:
+        import transformer_engine  # noqa: F401
+        te_available = True
+    except ImportError:
+        te_available = False
+    device = cfg.resolved_device(cuda_available)
+    mode = DispatchMode.of(cfg.moe)
+    validate_cuda_graph_config(
+        cfg.cuda_graph,
+        overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
+        has_moe_layers=any(pattern), has_dense_layers=not all(pattern),
+        preprocess_syncs_host=mode.preprocess_syncs_host(cfg.resolved_kernel_backend(device)),
+        dispatch_syncs_host=mode.dispatch_syncs_host,
+        transformer_engine_available=te_available, cuda_available=device == "cuda")
+
+
+def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> None:
+    """Check every rule; raise ConfigError naming the flag. Touches no process group."""
+    _validate_finite(cfg)
+    _validate_choices(cfg)
+    _validate_model(cfg.model)
+    timeout = cfg.parallel.distributed_timeout_minutes
+    _require(timeout >= MIN_TIMEOUT_MINUTES, "distributed_timeout_minutes", timeout,
+             f"must be >= {MIN_TIMEOUT_MINUTES} (3 s): the liveness checks need a few "
+             "heartbeats within it")
+    _validate_pipeline(cfg, world_size)
+    _validate_moe(cfg, world_size)
+    _validate_train(cfg.train, cfg.data_parallel_size(world_size), cuda_available)
+    _validate_microbatches(cfg, world_size)
+    _validate_overlap(cfg, cuda_available)
+    _validate_nccl_ctas(cfg, cuda_available)
+    _validate_kernels_data_log(cfg, cuda_available)
+    _validate_checkpoint(cfg.checkpoint)
+    _validate_cuda_graphs(cfg, cuda_available)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
