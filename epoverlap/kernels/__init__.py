@@ -3,15 +3,14 @@ fused elementwise ops of the layers around them (RMSNorm, rotary, SwiGLU) and th
 (cross-entropy).
 
 Each op has a torch reference and a Triton kernel side by side (`router_topk.py` /
-`router_topk_triton.py`, `permutation.py` / `permutation_triton.py`, `sort_chunks.py` /
-`sort_chunks_triton.py`, `rmsnorm.py`, `rotary.py`, `swiglu.py`, `cross_entropy.py` and their
-`*_triton.py`;
-`triton_ops.py` gathers the Triton ones; `triton_reduce.py` holds device-side helpers they
-share; `launch_cache.py` is the host fast path of every
-Triton launch (the compiled kernel reused per launch key); `megatron_api.py` gives the routing ops
-Megatron-core's call signatures over either backend). The implementation is chosen
-once, by building an `MoEOps` table from the config's kernel backend;
-model code calls `ops.permute(...)` and never branches on the backend itself.
+`router_topk_triton.py`, `permutation.py` / `permutation_triton.py` (its row-id map in
+`permutation_map_triton.py`), `sort_chunks.py` / `sort_chunks_triton.py`, `rmsnorm.py`,
+`rotary.py`, `swiglu.py`, `cross_entropy.py` and their `*_triton.py`; `triton_ops.py` gathers
+the Triton ones; `triton_reduce.py` holds device-side helpers they share; `launch_cache.py` is
+the host fast path of every Triton launch (the compiled kernel reused per launch key);
+`megatron_api.py` gives the routing ops Megatron-core's call signatures over either backend).
+The implementation is chosen once, by building an `MoEOps` table from the config's kernel
+backend; model code calls `ops.permute(...)` and never branches on the backend itself.
 
 Installed under the import name `epoverlap.kernels` (the source folder is `kernels/`).
 """
@@ -110,9 +109,9 @@ def make_moe_ops(backend: str) -> MoEOps:
     raise ValueError(f"kernel backend {backend!r}: allowed {KERNEL_BACKENDS}")
 
 
-TRITON_KERNEL_MODULES = ("cross_entropy_triton", "permutation_triton", "rmsnorm_triton",
-                         "rotary_triton",
-                         "router_topk_triton", "sort_chunks_triton", "swiglu_triton")
+TRITON_KERNEL_MODULES = ("cross_entropy_triton", "permutation_map_triton", "permutation_triton",
+                         "rmsnorm_triton", "rotary_triton", "router_topk_triton",
+                         "sort_chunks_triton", "swiglu_triton")
 
 
 def _loaded_kernels():
@@ -130,8 +129,8 @@ def _loaded_kernels():
 
 def set_launch_cache(enabled: bool) -> None:
     """Turn the per-shape launch cache (`launch_cache`) of every loaded kernel on or off: off,
-    each launch takes Triton's own `JITFunction.run` (the A/B of benchmarks/harness/bench_host.py and
-    benchmarks/harness/bench_kernels.py, and the GPU tests' bitwise check)."""
+    each launch takes Triton's own `JITFunction.run`, so the two paths can be compared (host
+    time per launch; the GPU tests check that both compute the same bits)."""
     for _, kernel in _loaded_kernels():
         kernel.enabled = enabled
 
