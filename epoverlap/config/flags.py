@@ -36,6 +36,8 @@ class Flag:
     group: Optional[str] = None  # the --help section it is listed in (None: the main one)
     default_text: Optional[str] = None  # how --help shows the default, where str() would not do
     metavar: Optional[str] = None  # the value's name in --help (default: by type)
+    why: Optional[str] = None  # why only `choices` are allowed (said when another is given)
+    note: Optional[str] = None  # a Megatron-LM flag accepted with no effect here: what is done
 
 
 def flag(default: Any, help: str, **facts: Any) -> Any:
@@ -82,8 +84,15 @@ class FlagField:
         return " ".join(default) if isinstance(default, tuple) else str(default)
 
     def help_text(self) -> str:
+        if self.flag.note:
+            return f"{self.flag.help} (accepted; no effect: {self.flag.note})"
         allowed = f"one of: {', '.join(self.flag.choices)}; " if self.flag.choices else ""
         return f"{self.flag.help} ({allowed}default: {self.default_text()})"
+
+    def allowed_text(self) -> str:
+        """What a value outside `choices` is told."""
+        text = f"allowed: {', '.join(self.flag.choices)}"
+        return f"{text} ({self.flag.why})" if self.flag.why else text
 
 
 def _opt_int(text: str) -> Optional[int]:

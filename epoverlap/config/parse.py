@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
+from epoverlap.config.compat import add_refused_flags, check_refused
 from epoverlap.config.cuda_graphs import add_cuda_graph_args, cuda_graph_config_from_args
 from epoverlap.config.flags import (CliParser, FlagField, add_flags, given_values, help_formatter,
                                     presets_help, section_flags)
@@ -22,7 +23,7 @@ USAGE = "%(prog)s [--preset NAME] [FLAG VALUE ...]   (--help lists every flag)"
 SECTION_TITLES = {
     "model": "model", "moe": "mixture of experts", "parallel": "parallelism",
     "train": "training", "overlap": "EP overlap", "kernels": "kernels", "data": "data",
-    "log": "logging and profiling", "checkpoint": "checkpoints"}
+    "log": "logging and profiling", "checkpoint": "checkpoints", "eval": "evaluation"}
 
 # Every flag of the training command, in --help order.
 FLAGS: list[FlagField] = [item for section, cls in SECTIONS.items()
@@ -41,6 +42,24 @@ def flag_of(field_name: str) -> str:
     return item.name if item else "--" + field_name.replace("_", "-")
 
 
+def require(ok: bool, field_name: str, value: object, allowed: str) -> None:
+    """Every rule's one check: ConfigError naming the field's flag, the value, what is allowed."""
+    if not ok:
+        raise ConfigError(flag_of(field_name), value, allowed)
+
+
+def accepted_notes(cfg: RunConfig) -> list[str]:
+    """'--flag (what is done instead)' for each Megatron-LM flag given that changes nothing here
+    (config.compat), for the one line the training command prints about them."""
+    notes = []
+    for item in FLAGS:
+        if item.flag.note:
+            value = getattr(getattr(cfg, item.section), item.field.name)
+            if value not in (None, False):
+                notes.append(f"{item.name} ({item.flag.note})")
+    return notes
+
+
 def build_parser(prog: str = "epoverlap-train", printing: bool = True) -> CliParser:
     parser = CliParser(
         prog=prog, usage=USAGE, printing=printing, epilog=presets_help(PRESETS, flag_of),
@@ -52,21 +71,26 @@ def build_parser(prog: str = "epoverlap-train", printing: bool = True) -> CliPar
                              "(what each sets: the list at the end); explicit flags win")
     add_flags(parser, _PLAIN, SECTION_TITLES)
     add_cuda_graph_args(parser)
+    add_refused_flags(parser)
     return parser
 
 
 def config_from_args(args: argparse.Namespace,
                      warn: Callable[[str], None] = lambda msg: None) -> RunConfig:
     """Defaults <- preset <- explicit flags. No validation here (see config.validate)."""
+    check_refused(args)
     notes: list[str] = []
     given = given_values(args, _PLAIN)
     values = {(_BY_FIELD[name].section, name): value
               for name, value in (PRESETS[args.preset] if args.preset else {}).items()}
-    if ("train", "global_batch_size") in given:
-        if ("train", "num_microbatches") in given:
-            raise ConfigError("--global-batch-size", given[("train", "global_batch_size")],
-                              "give it or --num-microbatches, not both")
-        values.pop(("train", "num_microbatches"), None)  # derived by RunConfig.for_world
+    for derived, source in (("num_microbatches", "global_batch_size"),
+                            ("train_iters", "train_samples"),
+                            ("lr_warmup_iters", "lr_warmup_fraction")):
+        if ("train", source) in given:  # derived from it (RunConfig.for_world, TrainConfig)
+            if ("train", derived) in given:
+                raise ConfigError(flag_of(source), given[("train", source)],
+                                  f"give it or {flag_of(derived)}, not both")
+            values.pop(("train", derived), None)
     values.update(given)
     sections = {section: cls(**{name: value for (where, name), value in values.items()
                                 if where == section})

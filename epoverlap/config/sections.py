@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from epoverlap.config.compat import CompatConfig
 from epoverlap.config.cuda_graphs import CudaGraphConfig
 from epoverlap.config.flags import flag
 from epoverlap.data.tokenizers import TOKENIZER_TYPES
@@ -28,6 +29,8 @@ COMM_STREAM_PRIORITIES = ("high", "normal")
 NCCL_MAX_CHANNELS = 64  # NCCL's MAXCHANNELS: the most CTAs a collective may use
 MAX_SM_CARVEOUT = 64  # the most SMs the grouped GEMMs may leave free (H100/H200 have 132)
 DEFAULT_SPLIT = "969,30,1"
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -40,8 +43,14 @@ class ModelConfig:
     seq_length: int = flag(128, "tokens per sequence")
     vocab_size: int = 256  # not a flag: the data's tokenizer sets it (cli.train); 256 = bytes
     rotary_base: float = flag(10000.0, "rotary embedding base")
-    norm_epsilon: float = 1e-5
+    norm_epsilon: float = flag(1e-5, "RMSNorm epsilon")
     init_method_std: float = flag(0.02, "weight init std")
+    attention_dropout: float = flag(
+        0.0, "dropout on the attention probabilities in training (Megatron-LM's default is "
+        "0.1; MoE recipes set 0)")
+    hidden_dropout: float = flag(
+        0.0, "dropout on the attention and MLP outputs before each residual add, in training "
+        "(Megatron-LM's default is 0.1; MoE recipes set 0)")
 
     @property
     def head_dim(self) -> int:
@@ -145,9 +154,23 @@ class TrainConfig:
         None, "sequences per step over all ranks (Megatron's form): sets --num-microbatches to "
         "it / (--micro-batch-size x data-parallel ranks)")
     train_iters: int = flag(20, "optimizer steps")
+    train_samples: Optional[int] = flag(
+        None, "sequences to train on, instead of --train-iters: steps = this / global batch")
     lr: float = flag(3e-3, "peak learning rate")
     min_lr: float = flag(3e-4, "final learning rate")
     lr_warmup_iters: int = flag(2, "linear warmup steps")
+    lr_warmup_fraction: Optional[float] = flag(
+        None, "warmup as a fraction of the decay steps, instead of --lr-warmup-iters")
+    lr_decay_style: str = flag(
+        "cosine", "from the peak to --min-lr after the warmup (Megatron-LM's default is "
+        "linear)", choices=LR_DECAY_STYLES)
+    lr_decay_iters: Optional[int] = flag(
+        None, "the step the decay ends at, counted from step 0 (none: --train-iters)")
+    lr_wsd_decay_style: str = flag("exponential", "WSD: the shape of its final decay",
+                                   choices=WSD_DECAY_STYLES)
+    lr_wsd_decay_iters: Optional[int] = flag(
+        None, "WSD: the steps of its final decay, ending at --lr-decay-iters (none: all of "
+        "them after the warmup)")
     weight_decay: float = flag(0.01, "AdamW weight decay")
     adam_beta1: float = flag(0.9, "AdamW beta1")
     adam_beta2: float = flag(0.95, "AdamW beta2")
@@ -171,6 +194,39 @@ class TrainConfig:
         False, "fp32 training: dense weight-grad GEMMs write a product that is then added to "
         "main_grad, instead of adding into main_grad inside the GEMM (bf16/fp16 always take "
         "the two ops)")
+    exit_signal_handler: bool = flag(
+        False, "on SIGTERM or SIGINT, save a checkpoint (--save) of the last finished step "
+        "before exiting")
+    exit_duration_in_mins: Optional[float] = flag(
+        None, "stop after this many minutes of training (the step in progress finishes), "
+        "saving a checkpoint with --save")
+    exit_interval: Optional[int] = flag(
+        None, "stop after the step whose number is a multiple of N, saving a checkpoint with "
+        "--save")
+    manual_gc: bool = flag(False, "Python's garbage collector runs only every "
+                           "--manual-gc-interval steps, between steps (not mid-step)")
+    manual_gc_interval: int = flag(0, "with --manual-gc: steps between collections (0: only "
+                                   "at the start)")
+
+    @property
+    def decay_steps(self) -> int:
+        """The step the learning-rate decay ends at (from step 0)."""
+        return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
+
+    @property
+    def warmup_steps(self) -> int:
+        """Warmup steps: --lr-warmup-fraction of the decay steps, else --lr-warmup-iters."""
+        if self.lr_warmup_fraction is not None:
+            return int(self.lr_warmup_fraction * self.decay_steps)
+        return self.lr_warmup_iters
+
+
+@dataclass(kw_only=True, frozen=True)
+class EvalConfig:
+    eval_interval: Optional[int] = flag(
+        None, "every N steps (and after the last), the loss on validation data: the --split "
+        "valid part of --data-path, or fresh --mock-data (none: no evaluation)")
+    eval_iters: int = flag(100, "global batches each evaluation reads")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -258,6 +314,11 @@ class CheckpointConfig:
     load: Optional[str] = flag(
         None, "resume from the newest complete checkpoint in DIR (or from DIR itself); any EP "
         "size", metavar="DIR")
+    no_load_optim: bool = flag(False, "with --load: start the optimizer afresh (moments 0)")
+    no_load_rng: bool = flag(False, "with --load: take random state from --seed, not the "
+                             "checkpoint")
+    finetune: bool = flag(False, "with --load: load the weights only and start at step 1 (no "
+                          "optimizer state, random state or step count from the checkpoint)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -270,6 +331,16 @@ class LogConfig:
         False, "also capture torch.profiler traces of the --profile-steps")
     tensorboard_dir: Optional[str] = flag(
         None, "write TensorBoard scalars here (needs the 'tensorboard' extra)", metavar="DIR")
+    wandb_project: Optional[str] = flag(
+        None, "also log the step scalars to this Weights & Biases project (needs the 'wandb' "
+        "extra; offline unless WANDB_API_KEY is set)")
+    wandb_exp_name: Optional[str] = flag(None, "the W&B run's name")
+    wandb_save_dir: Optional[str] = flag(None, "where W&B keeps its files (default: beside "
+                                         "--log-json, --save or the working folder)",
+                                         metavar="DIR")
+    log_dir: Optional[str] = flag(
+        None, "each rank writes everything it prints to DIR/rank-NNNNN.log too (rank 0 also "
+        "prints to the terminal)", metavar="DIR")
 
     @property
     def profile_range(self) -> Optional[tuple[int, int]]:
@@ -290,6 +361,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    compat: CompatConfig = field(default_factory=CompatConfig)
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
     def moe_layer_pattern(self) -> list[bool]:
@@ -329,14 +402,20 @@ class RunConfig:
         return self.kernels.kernel_backend
 
     def for_world(self, world_size: int) -> "RunConfig":
-        """This config with num_microbatches derived from --global-batch-size, if given (each
-        data-parallel rank reads its own data: DP = world / PP)."""
-        gbs = self.train.global_batch_size
-        if gbs is None:
+        """This config with num_microbatches derived from --global-batch-size and train_iters
+        from --train-samples, if given (each data-parallel rank reads its own data: DP = world
+        / PP; a step reads micro batch x microbatches x DP sequences)."""
+        t, dp = self.train, self.data_parallel_size(world_size)
+        changes = {}
+        if t.global_batch_size is not None:
+            changes["num_microbatches"] = t.global_batch_size // (t.micro_batch_size * dp)
+        microbatches = changes.get("num_microbatches", t.num_microbatches)
+        if t.train_samples is not None:
+            per_step = t.micro_batch_size * microbatches * dp
+            changes["train_iters"] = max(1, t.train_samples // per_step)
+        if not changes:
             return self
-        microbatches = gbs // (self.train.micro_batch_size * self.data_parallel_size(world_size))
-        return dataclasses.replace(self, train=dataclasses.replace(
-            self.train, num_microbatches=microbatches))
+        return dataclasses.replace(self, train=dataclasses.replace(t, **changes))
 
     def with_vocab_size(self, vocab_size: int) -> "RunConfig":
         """This config with the model's vocabulary set (to the data's tokenizer's)."""
@@ -351,7 +430,8 @@ class RunConfig:
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig, "train": TrainConfig,
     "overlap": OverlapConfig, "kernels": KernelConfig, "data": DataConfig, "log": LogConfig,
-    "checkpoint": CheckpointConfig, "cuda_graph": CudaGraphConfig}
+    "checkpoint": CheckpointConfig, "eval": EvalConfig, "compat": CompatConfig,
+    "cuda_graph": CudaGraphConfig}
 
 
 def moe_layer_pattern(num_layers: int, moe: MoEConfig) -> list[bool]:

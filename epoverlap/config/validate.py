@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
-from pathlib import Path
 from typing import Optional
 
+from epoverlap.config.compat import compat_rules
 from epoverlap.config.cuda_graph_rules import validate_cuda_graph_config
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.config.flags import _opt_float
-from epoverlap.config.parse import FLAGS, flag_of
-from epoverlap.config.sections import (MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS, CheckpointConfig,
-                                       DataConfig, LogConfig, ModelConfig, MoEConfig, RunConfig,
+from epoverlap.config.io_rules import validate_io
+from epoverlap.config.parse import FLAGS, flag_of, require
+from epoverlap.config.sections import (MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS, ModelConfig, MoEConfig, RunConfig,
                                        TrainConfig)
 from epoverlap.errors import ConfigError
 from epoverlap.kernels import triton_unavailable_reason
@@ -31,17 +30,12 @@ MAX_LAYERS = 4096
 MIN_TIMEOUT_MINUTES = 0.05
 
 
-def _require(ok: bool, field_name: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(flag_of(field_name), value, allowed)
-
-
 def _validate_finite(cfg: RunConfig) -> None:
     """Every float flag: NaN and infinity are refused (they would only surface mid-training)."""
     for item in FLAGS:
         value = getattr(getattr(cfg, item.section), item.field.name)
         if item.kind in (float, _opt_float) and value is not None:
-            _require(math.isfinite(value), item.field.name, value, "must be a finite number")
+            require(math.isfinite(value), item.field.name, value, "must be a finite number")
 
 
 def _validate_choices(cfg: RunConfig) -> None:
@@ -50,25 +44,25 @@ def _validate_choices(cfg: RunConfig) -> None:
     for item in FLAGS:
         value = getattr(getattr(cfg, item.section), item.field.name)
         if item.flag.choices and item.section != "cuda_graph" and value is not None:
-            _require(value in item.flag.choices, item.field.name, value,
-                     f"allowed: {', '.join(item.flag.choices)}")
+            require(value in item.flag.choices, item.field.name, value, item.allowed_text())
 
 
 def _validate_model(m: ModelConfig) -> None:
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                  "vocab_size"):
-        _require(getattr(m, name) >= 1, name, getattr(m, name), "must be >= 1")
+        require(getattr(m, name) >= 1, name, getattr(m, name), "must be >= 1")
     # layer lists are built per layer from here on: an absurd count is refused, not allocated
-    _require(m.num_layers <= MAX_LAYERS, "num_layers", m.num_layers, f"must be <= {MAX_LAYERS}")
-    _require(m.seq_length >= 2, "seq_length", m.seq_length, "must be >= 2")
-    _require(m.hidden_size % m.num_attention_heads == 0, "num_attention_heads",
+    require(m.num_layers <= MAX_LAYERS, "num_layers", m.num_layers, f"must be <= {MAX_LAYERS}")
+    require(m.seq_length >= 2, "seq_length", m.seq_length, "must be >= 2")
+    require(m.hidden_size % m.num_attention_heads == 0, "num_attention_heads",
              m.num_attention_heads, f"must divide --hidden-size={m.hidden_size}")
-    _require(m.head_dim % 2 == 0, "hidden_size", m.hidden_size,
+    require(m.head_dim % 2 == 0, "hidden_size", m.hidden_size,
              f"head dim hidden/heads={m.head_dim} must be even (rotary embeddings)")
-    _require(m.rotary_base > 0, "rotary_base", m.rotary_base, "must be > 0")
-    _require(m.init_method_std >= 0, "init_method_std", m.init_method_std, "must be >= 0")
+    require(m.rotary_base > 0, "rotary_base", m.rotary_base, "must be > 0")
+    require(m.init_method_std >= 0, "init_method_std", m.init_method_std, "must be >= 0")
+    require(m.norm_epsilon > 0, "norm_epsilon", m.norm_epsilon, "must be > 0")
     if m.num_query_groups is not None:
-        _require(m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups == 0,
+        require(m.num_query_groups >= 1 and m.num_attention_heads % m.num_query_groups == 0,
                  "num_query_groups", m.num_query_groups,
                  f"must divide --num-attention-heads={m.num_attention_heads}")
 
@@ -82,41 +76,41 @@ def _validate_layer_pattern(num_layers: int, moe: MoEConfig) -> None:
     except ValueError:
         raise ConfigError("--moe-layer-freq", freq, "an integer N or a 0/1 list") from None
     if is_list:
-        _require(len(items) == num_layers and set(items) <= {0, 1}, "moe_layer_freq", freq,
+        require(len(items) == num_layers and set(items) <= {0, 1}, "moe_layer_freq", freq,
                  f"a 0/1 list needs exactly --num-layers={num_layers} entries")
     else:
-        _require(items[0] >= 1, "moe_layer_freq", freq, "must be >= 1")
-    _require(0 <= moe.moe_first_k_dense_replace <= num_layers, "moe_first_k_dense_replace",
+        require(items[0] >= 1, "moe_layer_freq", freq, "must be >= 1")
+    require(0 <= moe.moe_first_k_dense_replace <= num_layers, "moe_first_k_dense_replace",
              moe.moe_first_k_dense_replace, f"must be in [0, --num-layers={num_layers}]")
 
 
 def _validate_router(moe: MoEConfig) -> None:
     num_experts = moe.num_experts
-    _require(1 <= moe.moe_router_topk <= num_experts, "moe_router_topk", moe.moe_router_topk,
+    require(1 <= moe.moe_router_topk <= num_experts, "moe_router_topk", moe.moe_router_topk,
              f"must be in [1, --num-experts={num_experts}]")
-    _require(not moe.moe_router_pre_softmax or moe.moe_router_score_function == "softmax",
+    require(not moe.moe_router_pre_softmax or moe.moe_router_score_function == "softmax",
              "moe_router_pre_softmax", True, "only with --moe-router-score-function softmax")
-    _require(not moe.moe_router_enable_expert_bias or moe.moe_router_score_function == "sigmoid",
+    require(not moe.moe_router_enable_expert_bias or moe.moe_router_score_function == "sigmoid",
              "moe_router_enable_expert_bias", True,
              "only with --moe-router-score-function sigmoid")
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
         value = getattr(moe, name)
-        _require(value is None or value >= 0, name, value, "must be >= 0")
+        require(value is None or value >= 0, name, value, "must be >= 0")
     scaling = moe.moe_router_topk_scaling_factor
-    _require(scaling is None or scaling > 0, "moe_router_topk_scaling_factor", scaling,
+    require(scaling is None or scaling > 0, "moe_router_topk_scaling_factor", scaling,
              "must be > 0")
     groups, group_topk = moe.moe_router_num_groups, moe.moe_router_group_topk
-    _require((groups is None) == (group_topk is None), "moe_router_group_topk", group_topk,
+    require((groups is None) == (group_topk is None), "moe_router_group_topk", group_topk,
              "set together with --moe-router-num-groups (both or neither)")
     if groups is not None:
-        _require(groups >= 1 and num_experts % groups == 0, "moe_router_num_groups", groups,
+        require(groups >= 1 and num_experts % groups == 0, "moe_router_num_groups", groups,
                  f"must divide --num-experts={num_experts}")
-        _require(1 <= group_topk <= groups, "moe_router_group_topk", group_topk,
+        require(1 <= group_topk <= groups, "moe_router_group_topk", group_topk,
                  f"must be in [1, --moe-router-num-groups={groups}]")
-        _require(moe.moe_router_topk % group_topk == 0, "moe_router_topk", moe.moe_router_topk,
+        require(moe.moe_router_topk % group_topk == 0, "moe_router_topk", moe.moe_router_topk,
                  f"must be divisible by --moe-router-group-topk={group_topk}")
         per_group = num_experts // groups
-        _require(moe.moe_router_topk // group_topk <= per_group, "moe_router_topk",
+        require(moe.moe_router_topk // group_topk <= per_group, "moe_router_topk",
                  moe.moe_router_topk,
                  f"topk/group_topk must be <= experts per group ({per_group})")
 
@@ -126,9 +120,9 @@ def _validate_pipeline(cfg: RunConfig, world_size: int) -> None:
     chunk holds the same whole number of layers."""
     p, layers = cfg.parallel, cfg.model.num_layers
     pp = p.pipeline_model_parallel_size
-    _require(pp >= 1 and world_size % pp == 0, "pipeline_model_parallel_size", pp,
+    require(pp >= 1 and world_size % pp == 0, "pipeline_model_parallel_size", pp,
              f"must divide the world size {world_size}")
-    _require(layers % pp == 0, "pipeline_model_parallel_size", pp,
+    require(layers % pp == 0, "pipeline_model_parallel_size", pp,
              f"must divide --num-layers={layers} (every stage holds as many layers)")
     per_stage = layers // pp
     given = [(name, getattr(p, name)) for name in ("num_layers_per_virtual_pipeline_stage",
@@ -138,10 +132,10 @@ def _validate_pipeline(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(flag_of(given[1][0]), given[1][1],
                           f"give it or {flag_of(given[0][0])}, not both")
     for name, value in given:
-        _require(value >= 1, name, value, "must be >= 1")
-        _require(pp > 1, name, value, "needs --pipeline-model-parallel-size > 1 (virtual "
+        require(value >= 1, name, value, "must be >= 1")
+        require(pp > 1, name, value, "needs --pipeline-model-parallel-size > 1 (virtual "
                  "stages interleave a pipeline)")
-        _require(per_stage % value == 0, name, value,
+        require(per_stage % value == 0, name, value,
                  f"must divide the {per_stage} layers of each stage (--num-layers={layers} / "
                  f"--pipeline-model-parallel-size={pp})")
 
@@ -154,12 +148,12 @@ def _validate_microbatches(cfg: RunConfig, world_size: int) -> None:
     if t.global_batch_size is not None:
         dp = cfg.data_parallel_size(world_size)
         count = t.global_batch_size // (t.micro_batch_size * dp)
-        _require(count >= pp, "global_batch_size", t.global_batch_size,
+        require(count >= pp, "global_batch_size", t.global_batch_size,
                  f"gives {count} microbatches per step (/ --micro-batch-size x data-parallel "
                  f"ranks = {t.micro_batch_size} x {dp}); --pipeline-model-parallel-size={pp} "
                  f"needs at least {pp}")
     else:
-        _require(t.num_microbatches >= pp, "num_microbatches", t.num_microbatches,
+        require(t.num_microbatches >= pp, "num_microbatches", t.num_microbatches,
                  f"must be >= --pipeline-model-parallel-size={pp} (every stage needs a "
                  "microbatch in flight)")
 
@@ -167,22 +161,22 @@ def _validate_microbatches(cfg: RunConfig, world_size: int) -> None:
 def _validate_moe(cfg: RunConfig, world_size: int) -> None:
     moe, ep = cfg.moe, cfg.parallel.expert_model_parallel_size
     pp = cfg.parallel.pipeline_model_parallel_size
-    _require(ep >= 1 and world_size % (ep * pp) == 0, "expert_model_parallel_size", ep,
+    require(ep >= 1 and world_size % (ep * pp) == 0, "expert_model_parallel_size", ep,
              f"must divide the world size {world_size}" if pp == 1 else
              f"EP x PP = {ep} x {pp} must divide the world size {world_size}")
     if not moe.enabled:
-        _require(ep == 1, "expert_model_parallel_size", ep, "must be 1 without --num-experts")
+        require(ep == 1, "expert_model_parallel_size", ep, "must be 1 without --num-experts")
         for name in ("moe_expert_capacity_factor", "moe_dispatch_budget"):
-            _require(getattr(moe, name) is None, name, getattr(moe, name),
+            require(getattr(moe, name) is None, name, getattr(moe, name),
                      "needs MoE layers (--num-experts)")
         return
-    _require(moe.num_experts >= 1 and moe.num_experts % ep == 0, "num_experts", moe.num_experts,
+    require(moe.num_experts >= 1 and moe.num_experts % ep == 0, "num_experts", moe.num_experts,
              f"must be divisible by --expert-model-parallel-size={ep}")
     _validate_router(moe)
     _validate_layer_pattern(cfg.model.num_layers, moe)
     for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         value = getattr(moe, name)
-        _require(value is None or value >= 1, name, value, "must be >= 1")
+        require(value is None or value >= 1, name, value, "must be >= 1")
     _validate_dispatch(cfg)
 
 
@@ -190,24 +184,24 @@ def _validate_dispatch(cfg: RunConfig) -> None:
     """Capacity (Megatron-core's drop/pad) or the dropless budget; see epoverlap.model.moe."""
     moe = cfg.moe
     factor, budget = moe.moe_expert_capacity_factor, moe.moe_dispatch_budget
-    _require(factor != 0, "moe_expert_capacity_factor", factor,
+    require(factor != 0, "moe_expert_capacity_factor", factor,
              "must be > 0 (a negative value means no capacity: dropless, as Megatron-core "
              "reads it)")
     pad = moe.moe_pad_expert_input_to_capacity
-    _require(not pad or moe.capacity_factor is not None, "moe_pad_expert_input_to_capacity",
+    require(not pad or moe.capacity_factor is not None, "moe_pad_expert_input_to_capacity",
              True, "needs --moe-expert-capacity-factor > 0 (the capacity to pad to)")
     if budget is not None:
-        _require(budget > 0, "moe_dispatch_budget", budget,
+        require(budget > 0, "moe_dispatch_budget", budget,
                  "must be > 0 (1.0 = the balanced share of rows per EP rank)")
-        _require(moe.capacity_factor is None, "moe_dispatch_budget", budget,
+        require(moe.capacity_factor is None, "moe_dispatch_budget", budget,
                  "is dropless and --moe-expert-capacity-factor drops tokens: give one of them")
-    _require(not (moe.moe_dispatch_once_per_rank and pad), "moe_pad_expert_input_to_capacity",
+    require(not (moe.moe_dispatch_once_per_rank and pad), "moe_pad_expert_input_to_capacity",
              True, "cannot be combined with --moe-dispatch-once-per-rank (a padded capacity "
              "fixes the rows per expert, once per rank sends a row per rank)")
     if pad:
         tokens = cfg.train.micro_batch_size * cfg.model.seq_length
         capacity = get_capacity(tokens * moe.moe_router_topk, moe.num_experts, factor)
-        _require(capacity <= tokens, "moe_expert_capacity_factor", factor,
+        require(capacity <= tokens, "moe_expert_capacity_factor", factor,
                  f"with --moe-pad-expert-input-to-capacity the capacity ({capacity}) must not "
                  f"exceed the {tokens} tokens of a microbatch (Megatron-core's padded permute "
                  f"fails there): use a factor <= num_experts / topk = "
@@ -216,48 +210,70 @@ def _validate_dispatch(cfg: RunConfig) -> None:
 
 def _validate_train(t: TrainConfig, dp_size: int, cuda_available: bool) -> None:
     for name in ("micro_batch_size", "num_microbatches", "train_iters"):
-        _require(getattr(t, name) >= 1, name, getattr(t, name), "must be >= 1")
+        require(getattr(t, name) >= 1, name, getattr(t, name), "must be >= 1")
     per_microbatch = t.micro_batch_size * dp_size
-    _require(t.global_batch_size is None or (t.global_batch_size >= per_microbatch and
+    require(t.global_batch_size is None or (t.global_batch_size >= per_microbatch and
                                              t.global_batch_size % per_microbatch == 0),
              "global_batch_size", t.global_batch_size, f"must be a multiple of "
              f"--micro-batch-size x ranks = {t.micro_batch_size} x {dp_size}")
-    _require(t.lr > 0, "lr", t.lr, "must be > 0")
-    _require(0 <= t.min_lr <= t.lr, "min_lr", t.min_lr, f"must be in [0, --lr={t.lr}]")
-    _require(t.lr_warmup_iters >= 0, "lr_warmup_iters", t.lr_warmup_iters, "must be >= 0")
-    _require(t.clip_grad >= 0, "clip_grad", t.clip_grad, "must be >= 0 (0 disables clipping)")
+    require(t.lr > 0, "lr", t.lr, "must be > 0")
+    require(0 <= t.min_lr <= t.lr, "min_lr", t.min_lr, f"must be in [0, --lr={t.lr}]")
+    require(t.lr_warmup_iters >= 0, "lr_warmup_iters", t.lr_warmup_iters, "must be >= 0")
+    _validate_lr_schedule(t)
+    require(t.clip_grad >= 0, "clip_grad", t.clip_grad, "must be >= 0 (0 disables clipping)")
     for name in ("adam_beta1", "adam_beta2"):
-        _require(0 <= getattr(t, name) < 1, name, getattr(t, name), "must be in [0, 1)")
+        require(0 <= getattr(t, name) < 1, name, getattr(t, name), "must be in [0, 1)")
     for name in ("adam_eps", "weight_decay"):
-        _require(getattr(t, name) >= 0, name, getattr(t, name), "must be >= 0")
-    _require(0 <= t.seed < 2**63, "seed", t.seed, "must be in [0, 2**63)")
-    _require(t.device != "cuda" or cuda_available, "device", t.device,
+        require(getattr(t, name) >= 0, name, getattr(t, name), "must be >= 0")
+    require(0 <= t.seed < 2**63, "seed", t.seed, "must be in [0, 2**63)")
+    require(t.device != "cuda" or cuda_available, "device", t.device,
              "no CUDA device is visible here; use --device cpu or auto")
     on_gpu = t.device == "cuda" or (t.device == "auto" and cuda_available)
-    _require(not t.bf16 or on_gpu, "bf16", True, "needs a CUDA device (CPU runs are fp32)")
-    _require(t.deterministic_mode or not t.deterministic_fill_uninitialized_memory,
+    require(not t.bf16 or on_gpu, "bf16", True, "needs a CUDA device (CPU runs are fp32)")
+    require(t.deterministic_mode or not t.deterministic_fill_uninitialized_memory,
              "deterministic_fill_uninitialized_memory", True, "needs --deterministic-mode")
+
+
+def _validate_lr_schedule(t: TrainConfig) -> None:
+    """--lr-decay-iters, --lr-warmup-fraction, WSD's decay steps and --train-samples."""
+    if t.train_samples is not None:
+        require(t.train_samples >= 1, "train_samples", t.train_samples, "must be >= 1")
+    decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
+    if t.lr_decay_iters is not None:
+        require(t.lr_decay_iters >= 1, "lr_decay_iters", t.lr_decay_iters, "must be >= 1")
+    if t.lr_warmup_fraction is not None:
+        require(0 <= t.lr_warmup_fraction <= 1, "lr_warmup_fraction", t.lr_warmup_fraction,
+                "must be in [0, 1]")
+    require(t.warmup_steps <= decay, "lr_warmup_iters", t.warmup_steps,
+            f"the warmup ({t.warmup_steps} steps) must end by the decay's end ({decay}: "
+            "--lr-decay-iters, else --train-iters)")
+    if t.lr_wsd_decay_iters is not None:
+        require(1 <= t.lr_wsd_decay_iters <= decay - t.warmup_steps, "lr_wsd_decay_iters",
+                t.lr_wsd_decay_iters, f"must be in [1, {decay - t.warmup_steps}] (the steps "
+                "between the warmup and the decay's end)")
+        require(t.lr_decay_style == "WSD", "lr_wsd_decay_iters", t.lr_wsd_decay_iters,
+                "needs --lr-decay-style WSD")
 
 
 def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
     o = cfg.overlap
     if o.overlap_plan == "combined_1f1b_paired_ends":
-        _require(cfg.parallel.pipeline_model_parallel_size == 1, "overlap_plan", o.overlap_plan,
+        require(cfg.parallel.pipeline_model_parallel_size == 1, "overlap_plan", o.overlap_plan,
                  "pairs the first two forwards and the last two backwards of one stage: needs "
                  "--pipeline-model-parallel-size 1")
     if o.overlap_moe_expert_parallel_comm and cfg.parallel.pipeline_model_parallel_size == 1:
         # with pipeline stages there are always transfers to hide (the P2P on the comm lane)
-        _require(cfg.parallel.expert_model_parallel_size > 1, "overlap_moe_expert_parallel_comm",
+        require(cfg.parallel.expert_model_parallel_size > 1, "overlap_moe_expert_parallel_comm",
                  True, "requires --expert-model-parallel-size > 1 or "
                  "--pipeline-model-parallel-size > 1 (there is no communication to hide)")
-        _require(any(cfg.moe_layer_pattern()), "overlap_moe_expert_parallel_comm", True,
+        require(any(cfg.moe_layer_pattern()), "overlap_moe_expert_parallel_comm", True,
                  "requires at least one MoE layer (--num-experts, --moe-layer-freq) or "
                  "--pipeline-model-parallel-size > 1")
-    _require(not o.delay_wgrad_compute or o.overlap_moe_expert_parallel_comm,
+    require(not o.delay_wgrad_compute or o.overlap_moe_expert_parallel_comm,
              "delay_wgrad_compute", True, "requires --overlap-moe-expert-parallel-comm")
     _validate_overlap_probe(cfg)
     if o.comm_stream_priority != "high":
-        _require(o.overlap_moe_expert_parallel_comm and cfg.resolved_device(cuda_available)
+        require(o.overlap_moe_expert_parallel_comm and cfg.resolved_device(cuda_available)
                  == "cuda", "comm_stream_priority", o.comm_stream_priority,
                  "sets the CUDA stream of the overlap's comm lane: needs a CUDA device and "
                  "--overlap-moe-expert-parallel-comm (without them there is no comm stream)")
@@ -267,17 +283,17 @@ def _validate_overlap_probe(cfg: RunConfig) -> None:
     """--overlap-probe-steps: the two schedules of one pipeline stage, eager or each
     replaying its own CUDA graphs (per-layer, or one full-iteration graph per schedule)."""
     steps = cfg.overlap.overlap_probe_steps
-    _require(steps >= 0, "overlap_probe_steps", steps, "must be >= 0 (0: no probe)")
+    require(steps >= 0, "overlap_probe_steps", steps, "must be >= 0 (0: no probe)")
     if steps == 0:
         return
-    _require(cfg.overlap.overlap_moe_expert_parallel_comm, "overlap_probe_steps", steps,
+    require(cfg.overlap.overlap_moe_expert_parallel_comm, "overlap_probe_steps", steps,
              "compares the overlap with the sequential schedule: needs "
              "--overlap-moe-expert-parallel-comm")
     impl = cfg.cuda_graph.impl
-    _require(impl in ("none", "local", "full_iteration"), "overlap_probe_steps", steps,
+    require(impl in ("none", "local", "full_iteration"), "overlap_probe_steps", steps,
              f"compares two schedules, each replaying its own graphs; --cuda-graph-impl {impl} "
              "is not built: use --cuda-graph-impl none, local or full_iteration")
-    _require(cfg.parallel.pipeline_model_parallel_size == 1, "overlap_probe_steps", steps,
+    require(cfg.parallel.pipeline_model_parallel_size == 1, "overlap_probe_steps", steps,
              "needs --pipeline-model-parallel-size 1 (one stage's plan is switched)")
     if impl == "none":
         needed, before = 2 * steps + 1, "the first step"
@@ -285,7 +301,7 @@ def _validate_overlap_probe(cfg: RunConfig) -> None:
         needed = cfg.cuda_graph.warmup_steps + 1 + 2 * steps
         before = (f"{cfg.cuda_graph.warmup_steps} graph warm-up step(s), one sequential "
                   "step that captures its graphs")
-    _require(cfg.train.train_iters >= needed, "overlap_probe_steps", steps,
+    require(cfg.train.train_iters >= needed, "overlap_probe_steps", steps,
              f"needs --train-iters >= {needed} ({before}, then {steps} of each schedule), "
              f"got --train-iters={cfg.train.train_iters}")
 
@@ -298,26 +314,26 @@ def _validate_nccl_ctas(cfg: RunConfig, cuda_available: bool) -> None:
                                                     "moe_a2a_nccl_min_ctas")
              if getattr(p, name) is not None]
     for name, value in given:
-        _require(1 <= value <= NCCL_MAX_CHANNELS, name, value,
+        require(1 <= value <= NCCL_MAX_CHANNELS, name, value,
                  f"must be in [1, {NCCL_MAX_CHANNELS}] (NCCL's most CTAs per collective)")
-        _require(cfg.resolved_device(cuda_available) == "cuda", name, value,
+        require(cfg.resolved_device(cuda_available) == "cuda", name, value,
                  "sets the NCCL communicator of the expert-parallel group: this run is on "
                  "CPU, where the groups use gloo (no CTAs to budget)")
-        _require(p.expert_model_parallel_size > 1, name, value,
+        require(p.expert_model_parallel_size > 1, name, value,
                  "needs --expert-model-parallel-size > 1 (with EP 1 there is no all-to-all)")
         reason = nccl_config_unavailable()
-        _require(reason is None, name, value, reason or "")
+        require(reason is None, name, value, reason or "")
     carveout = p.moe_grouped_gemm_sm_carveout
     if carveout is not None:
-        _require(1 <= carveout <= MAX_SM_CARVEOUT, "moe_grouped_gemm_sm_carveout", carveout,
+        require(1 <= carveout <= MAX_SM_CARVEOUT, "moe_grouped_gemm_sm_carveout", carveout,
                  f"must be in [1, {MAX_SM_CARVEOUT}] (SMs left free; the GPU's SM count "
                  "bounds it further at the first GEMM)")
-        _require(cfg.resolved_device(cuda_available) == "cuda", "moe_grouped_gemm_sm_carveout",
+        require(cfg.resolved_device(cuda_available) == "cuda", "moe_grouped_gemm_sm_carveout",
                  carveout, "leaves SMs of a CUDA device free: this run is on CPU")
-        _require(cfg.moe.enabled, "moe_grouped_gemm_sm_carveout", carveout,
+        require(cfg.moe.enabled, "moe_grouped_gemm_sm_carveout", carveout,
                  "needs MoE layers (--num-experts): it applies to the experts' grouped GEMMs")
     if len(given) == 2:
-        _require(p.moe_a2a_nccl_min_ctas <= p.moe_a2a_nccl_max_ctas, "moe_a2a_nccl_min_ctas",
+        require(p.moe_a2a_nccl_min_ctas <= p.moe_a2a_nccl_max_ctas, "moe_a2a_nccl_min_ctas",
                  p.moe_a2a_nccl_min_ctas,
                  f"must be <= --moe-a2a-nccl-max-ctas={p.moe_a2a_nccl_max_ctas}")
 
@@ -336,147 +352,42 @@ def nccl_config_unavailable() -> Optional[str]:
     return None
 
 
-def _validate_kernels_data_log(cfg: RunConfig, cuda_available: bool) -> None:
+def _validate_kernel_backend(cfg: RunConfig, cuda_available: bool) -> None:
     backend = cfg.kernels.kernel_backend
-    device = cfg.resolved_device(cuda_available)
-    if cfg.resolved_kernel_backend(device) == "triton":
+    if cfg.resolved_kernel_backend(cfg.resolved_device(cuda_available)) == "triton":
         reason = triton_unavailable_reason()
-        _require(reason is None, "kernel_backend", backend, reason or "")
-    _validate_data(cfg.data)
-    _require(cfg.log.log_interval >= 1, "log_interval", cfg.log.log_interval, "must be >= 1")
-    device = cfg.resolved_device(cuda_available)
-    _validate_profile(cfg.log, device)
-    if cfg.log.log_json is not None:
-        _require_writable("log_json", cfg.log.log_json, directory=False)
-    _validate_tensorboard(cfg.log)
+        require(reason is None, "kernel_backend", backend, reason or "")
 
 
-def _validate_data(d: DataConfig) -> None:
-    """Flag-level rules; the files themselves are checked by `training.data.open_data_source`."""
-    given = [flag for flag, on in (("--data", d.data is not None),
-                                   ("--data-path", bool(d.data_path)),
-                                   ("--mock-data", d.mock_data)) if on]
-    if len(given) > 1:
-        raise ConfigError(given[1], True, f"give one data source; {given[0]} is given too")
-    if d.data not in (None, "stdlib"):
-        _require(Path(d.data).exists(), "data", d.data,
-                 "no such file or folder (or use 'stdlib', --data-path or --mock-data)")
-    if d.data_path:
-        try:
-            d.blend
-        except ValueError as error:
-            raise ConfigError("--data-path", d.data_path, str(error)) from None
-        _require(d.tokenizer_type is not None, "data_path", d.data_path,
-                 "needs --tokenizer-type (NullTokenizer with --vocab-size, or "
-                 "HuggingFaceTokenizer with --tokenizer-model)")
-    if d.split is not None:
-        _require(bool(d.data_path), "split", d.split, "applies to --data-path datasets only")
-        try:
-            d.split_fractions
-        except ValueError as error:
-            raise ConfigError("--split", d.split, str(error)) from None
-    _validate_tokenizer(d)
+def _validate_dropout(cfg: RunConfig) -> None:
+    for name in ("attention_dropout", "hidden_dropout"):
+        value = getattr(cfg.model, name)
+        require(0 <= value < 1, name, value, "must be in [0, 1)")
+        require(value == 0 or cfg.cuda_graph.impl == "none", name, value,
+                "dropout inside CUDA graphs is not built: use --cuda-graph-impl none")
 
 
-def _validate_tokenizer(d: DataConfig) -> None:
-    kind = d.tokenizer_type
-    if kind is not None:
-        _require(d.text_source is None, "tokenizer_type", kind, "--data reads raw bytes "
-                 "(vocabulary 256); a tokenizer applies to --data-path and --mock-data")
-    _require(d.vocab_size is None or kind == "NullTokenizer", "vocab_size", d.vocab_size,
-             "only with --tokenizer-type NullTokenizer")
-    _require(kind != "NullTokenizer" or (d.vocab_size or 0) >= 1, "vocab_size", d.vocab_size,
-             "--tokenizer-type NullTokenizer needs --vocab-size >= 1")
-    _require(d.tokenizer_model is None or kind == "HuggingFaceTokenizer", "tokenizer_model",
-             d.tokenizer_model, "only with --tokenizer-type HuggingFaceTokenizer")
-    _require(kind != "HuggingFaceTokenizer" or bool(d.tokenizer_model), "tokenizer_model",
-             d.tokenizer_model, "--tokenizer-type HuggingFaceTokenizer needs a tokenizer.json "
-             "or a folder holding one")
+# Megatron-LM flags whose runtime side is being built: refused until it lands.
+_PENDING = (("model", "attention_dropout", 0.0), ("model", "hidden_dropout", 0.0),
+            ("train", "lr_decay_style", "cosine"), ("train", "lr_decay_iters", None),
+            ("train", "lr_warmup_fraction", None), ("train", "lr_wsd_decay_iters", None),
+            ("train", "exit_signal_handler", False), ("train", "exit_duration_in_mins", None),
+            ("train", "exit_interval", None), ("train", "manual_gc", False),
+            ("eval", "eval_interval", None), ("checkpoint", "no_load_optim", False),
+            ("checkpoint", "no_load_rng", False), ("checkpoint", "finetune", False),
+            ("log", "wandb_project", None), ("log", "log_dir", None))
 
 
-def _validate_tensorboard(log: LogConfig) -> None:
-    if log.tensorboard_dir is None:
-        return
-    # the path first: the same answer whether or not the package is installed
-    _require(_writable_dir(Path(log.tensorboard_dir)), "tensorboard_dir", log.tensorboard_dir,
-             "not a writable directory (nor creatable)")
-    try:
-        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it)
-    except ImportError:
-        raise ConfigError("--tensorboard-dir", log.tensorboard_dir, "needs the tensorboard "
-                          "package: pip install 'epoverlap[tensorboard]'") from None
-
-
-def _writable_dir(path: Path) -> bool:
-    """True if `path` is a writable directory or could be created as one."""
-    while not path.exists():
-        if path.parent == path:
-            return False
-        path = path.parent
-    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
-
-
-def _validate_checkpoint(c: CheckpointConfig) -> None:
-    """Paths only; what --load holds is checked by training.checkpoint_files, also early."""
-    for name in ("save", "load"):
-        path = getattr(c, name)
-        _require(path is None or (path.strip() != "" and not Path(path).is_file()), name, path,
-                 "must name a folder (it is a file, or empty)")
-    if c.save_interval is not None:
-        _require(c.save_interval >= 1, "save_interval", c.save_interval, "must be >= 1")
-        _require(c.save is not None, "save_interval", c.save_interval, "needs --save DIR")
-
-
-def _validate_profile(log: LogConfig, device: str) -> None:
-    if log.profile_steps is None:
-        _require(log.profile_dir is None, "profile_dir", log.profile_dir,
-                 "needs --profile-steps START:END")
-        _require(not log.use_pytorch_profiler, "use_pytorch_profiler", True,
-                 "needs --profile-steps START:END (the steps to trace)")
-        return
-    _require(log.profile_dir is None or not Path(log.profile_dir).is_file(), "profile_dir",
-             log.profile_dir, "is a file; give a folder")
-    try:
-        start, end = log.profile_range
-    except ValueError:
-        raise ConfigError("--profile-steps", log.profile_steps,
-                          "expected START:END step numbers, e.g. 3:5") from None
-    _require(1 <= start <= end, "profile_steps", log.profile_steps,
-             "needs 1 <= START <= END (steps count from 1)")
-    _require(log.profile_dir is not None, "profile_steps", log.profile_steps,
-             "needs --profile-dir DIR")
-    _require_writable("profile_dir", log.profile_dir, directory=True)
-    _require(not log.use_pytorch_profiler or device == "cuda", "use_pytorch_profiler", True,
-             "needs a CUDA device: its traces are read for GPU kernels (epoverlap-timeline "
-             "--torch-trace); on CPU the span files of --profile-steps show both lanes")
-
-
-def _require_writable(field_name: str, path_text: str, directory: bool) -> None:
-    """`path_text` is (or can be made) a directory we can write in, or a file we can write.
-
-    Nothing is created: the nearest existing folder must take a new file (tried with a
-    temporary file, so root, read-only mounts and /proc are judged as the run would be)."""
-    path = Path(path_text)
-    if path.exists() and path.is_dir() != directory:
-        _require(False, field_name, path_text, "is a folder; give a file path" if not directory
-                 else "is a file; give a folder (created if missing)")
-    folder = path if directory else path.parent
-    nearest = folder
-    while not nearest.exists():
-        nearest = nearest.parent
-    _require(nearest.is_dir(), field_name, path_text, f"{nearest} is a file, not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=nearest):
-            pass
-    except OSError as error:
-        raise ConfigError(flag_of(field_name), path_text,
-                          f"cannot create a file in {nearest} ({error.strerror})") from None
+def _not_built_yet(cfg: RunConfig) -> None:
+    for section, name, default in _PENDING:
+        value = getattr(getattr(cfg, section), name)
+        require(value == default, name, value, "is accepted but not built yet")
 
 
 def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
     pattern = cfg.moe_layer_pattern()
     pp = cfg.parallel.pipeline_model_parallel_size
-    _require(cfg.cuda_graph.impl == "none" or pp == 1, "cuda_graph_impl", cfg.cuda_graph.impl,
+    require(cfg.cuda_graph.impl == "none" or pp == 1, "cuda_graph_impl", cfg.cuda_graph.impl,
              f"not built with --pipeline-model-parallel-size={pp} yet (graphs capture a "
              "one-stage plan); use --cuda-graph-impl none")
     try:
@@ -496,12 +407,14 @@ def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
 
 
 def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> None:
-    """Check every rule; raise ConfigError naming the flag. Touches no process group."""
+    """Check every rule of `cfg` as this world resolves it (RunConfig.for_world); raise
+    ConfigError naming the flag. Touches no process group."""
+    cfg = cfg.for_world(world_size)
     _validate_finite(cfg)
     _validate_choices(cfg)
     _validate_model(cfg.model)
     timeout = cfg.parallel.distributed_timeout_minutes
-    _require(timeout >= MIN_TIMEOUT_MINUTES, "distributed_timeout_minutes", timeout,
+    require(timeout >= MIN_TIMEOUT_MINUTES, "distributed_timeout_minutes", timeout,
              f"must be >= {MIN_TIMEOUT_MINUTES} (3 s): the liveness checks need a few "
              "heartbeats within it")
     _validate_pipeline(cfg, world_size)
@@ -510,9 +423,12 @@ def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> No
     _validate_microbatches(cfg, world_size)
     _validate_overlap(cfg, cuda_available)
     _validate_nccl_ctas(cfg, cuda_available)
-    _validate_kernels_data_log(cfg, cuda_available)
-    _validate_checkpoint(cfg.checkpoint)
+    _validate_kernel_backend(cfg, cuda_available)
+    validate_io(cfg, cfg.resolved_device(cuda_available))
     _validate_cuda_graphs(cfg, cuda_available)
+    _validate_dropout(cfg)
+    _not_built_yet(cfg)
+    compat_rules(cfg, require)
 
 
 def world_size_from_env() -> int:

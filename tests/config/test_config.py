@@ -108,7 +108,7 @@ def test_preset_then_explicit_flag_wins():
      2, "--data-path", "looks like a weight"),
     (["--data-path", "0", "a", "0", "b", "--tokenizer-type", "NullTokenizer", "--vocab-size",
       "9"], 2, "--data-path", "not all 0"),
-    (["--split", "90,10"], 2, "--split", "--data-path datasets only"),
+    (["--split", "90,10"], 2, "--split", "--data-path datasets and --mock-data"),
     (["--data-path", "a", "--split", "x", "--tokenizer-type", "NullTokenizer", "--vocab-size",
       "9"], 2, "--split", "proportions"),
     (["--data-path", "a", "--split", "0,1,0", "--tokenizer-type", "NullTokenizer",

@@ -1,0 +1,222 @@
+"""Megatron-LM's pretrain flags that epoverlap has no setting of its own for: those accepted
+(they state what epoverlap's architecture or runtime already is, or ask for something that
+changes no result here; each says what is done instead) and those refused with a reason.
+
+A pasted Megatron-LM MoE pretrain command line thus runs, or stops before training with one
+line per refused flag naming what is supported. The flags epoverlap implements (the learning-
+rate schedule, evaluation, dropouts, checkpoint loading options, exit handling, ...) are fields
+of their own sections; this module holds the rest:
+
+  CompatConfig      accepted flags, checked where a value matters (--normalization RMSNorm,
+                    --tensor-model-parallel-size 1, --kv-channels = hidden / heads, ...)
+  NOT_IMPLEMENTED   refused flags: (flag, values it takes, the reason)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from epoverlap.config.flags import flag
+from epoverlap.errors import ConfigError
+
+GROUP = "Megatron-LM flags accepted for pasted scripts"
+REFUSED_GROUP = "Megatron-LM flags not implemented (each is refused with its reason)"
+NO_TP = "tensor parallelism is not implemented; use expert/data/pipeline parallelism"
+
+
+def _accepted(help: str, note: str) -> object:
+    """A Megatron-LM switch accepted with no effect: `note` says what epoverlap does."""
+    return flag(False, help, note=note, group=GROUP)
+
+
+@dataclass(kw_only=True, frozen=True)
+class CompatConfig:
+    use_mcore_models: bool = _accepted("Megatron-core models", "epoverlap has one model")
+    swiglu: bool = _accepted("SwiGLU MLPs", "the MLPs are always SwiGLU")
+    disable_bias_linear: bool = _accepted("no linear biases", "the linears have no biases")
+    untie_embeddings_and_output_weights: bool = _accepted(
+        "separate input and output embeddings", "they are always separate")
+    use_rotary_position_embeddings: bool = _accepted("rotary positions", "positions are rotary")
+    no_position_embedding: bool = _accepted("no learned positions",
+                                            "there is no learned position embedding")
+    group_query_attention: bool = flag(False, "grouped-query attention (with "
+                                       "--num-query-groups)", group=GROUP)
+    no_masked_softmax_fusion: bool = _accepted("attention kernel choice",
+                                               "torch's SDPA picks the attention kernel")
+    use_flash_attn: bool = _accepted("flash attention", "torch's SDPA picks the attention kernel")
+    no_bias_swiglu_fusion: bool = _accepted("SwiGLU kernel choice",
+                                            "--kernel-backend picks the SwiGLU kernel")
+    moe_grouped_gemm: bool = _accepted("grouped expert GEMMs", "the experts' GEMMs are always "
+                                       "grouped")
+    moe_permute_fusion: bool = _accepted("fused token permutation", "--kernel-backend triton "
+                                         "(the default on CUDA) fuses the permutation")
+    moe_use_legacy_grouped_gemm: bool = _accepted("grouped GEMM choice",
+                                                  "the grouped GEMM is torch's")
+    moe_shared_expert_overlap: bool = _accepted(
+        "shared expert beside the dispatch", "the shared expert runs in the node before the "
+        "dispatch, beside another microbatch's all-to-all under the EP overlap")
+    sequence_parallel: bool = _accepted("sequence parallelism", "with tensor parallel size 1 "
+                                        "there is nothing to split")
+    use_distributed_optimizer: bool = _accepted(
+        "sharded optimizer state", "every rank keeps the optimizer state of its own "
+        "parameters whole; the updates are the same")
+    overlap_grad_reduce: bool = _accepted("grad reduction beside the backward",
+                                          "grads are reduced once after the step's last backward")
+    overlap_param_gather: bool = _accepted("parameter gather beside the forward",
+                                           "parameters are not sharded, nothing is gathered")
+    no_async_tensor_model_parallel_allreduce: bool = _accepted(
+        "tensor-parallel all-reduce", "there is no tensor parallelism")
+    accumulate_allreduce_grads_in_fp32: bool = _accepted(
+        "fp32 grad reduction", "grads are accumulated and reduced in fp32 (main_grad)")
+    log_throughput: bool = _accepted("tokens/s and TFLOP/s in the log",
+                                     "every step line shows them")
+    log_timers_to_tensorboard: bool = _accepted("timers in TensorBoard", "the step time is "
+                                                "among the TensorBoard scalars")
+    log_batch_size_to_tensorboard: bool = _accepted("batch size in TensorBoard", "the batch "
+                                                    "size is fixed for a run")
+    log_validation_ppl_to_tensorboard: bool = _accepted(
+        "validation perplexity in TensorBoard", "it is logged with every validation loss")
+    normalization: str = flag("RMSNorm", "the norm layers", choices=("RMSNorm",),
+                              why="the norms are RMSNorm", group=GROUP)
+    position_embedding_type: str = flag("rope", "how positions are encoded", choices=("rope",),
+                                        why="positions are rotary (RoPE)", group=GROUP)
+    transformer_impl: str = flag("local", "the layers' implementation", choices=("local",),
+                                 why="epoverlap's own layers, no Transformer Engine", group=GROUP)
+    moe_token_dispatcher_type: str = flag(
+        "alltoall", "the MoE token dispatcher", choices=("alltoall",),
+        why="the expert-parallel all-to-all dispatcher (see --moe-dispatch-budget and "
+        "--moe-dispatch-once-per-rank for its modes)", group=GROUP)
+    moe_router_load_balancing_type: str = flag(
+        "aux_loss", "the router's load balancing (none: no aux loss)",
+        choices=("aux_loss", "none"), why="the Switch aux loss, or "
+        "--moe-router-enable-expert-bias for aux-loss-free balancing", group=GROUP)
+    ckpt_format: str = flag("torch_dist", "the checkpoint format", choices=("torch_dist",),
+                            why="checkpoints are torch.distributed.checkpoint folders",
+                            group=GROUP)
+    distributed_backend: Optional[str] = flag(
+        None, "the process groups' backend", choices=("nccl", "gloo"),
+        note="NCCL on GPUs, gloo on CPUs", group=GROUP)
+    tensor_model_parallel_size: int = flag(1, "tensor parallel size (only 1)", group=GROUP)
+    context_parallel_size: int = flag(1, "context parallel size (only 1)", group=GROUP)
+    expert_tensor_parallel_size: Optional[int] = flag(None, "expert tensor parallel size (only "
+                                                      "1)", group=GROUP)
+    max_position_embeddings: Optional[int] = flag(None, "the longest sequence (>= "
+                                                  "--seq-length; rotary needs no table)",
+                                                  group=GROUP)
+    kv_channels: Optional[int] = flag(None, "per-head width (must be --hidden-size / "
+                                      "--num-attention-heads)", group=GROUP)
+    ddp_bucket_size: Optional[int] = flag(None, "grad reduction bucket size",
+                                          note="grads are reduced in flat buffers",
+                                          group=GROUP)
+    tensorboard_queue_size: Optional[int] = flag(None, "TensorBoard writer queue",
+                                                 note="events are flushed every step",
+                                                 group=GROUP)
+    num_workers: Optional[int] = flag(None, "data loader worker processes",
+                                      note="batches are read in the training process",
+                                      group=GROUP)
+    data_cache_path: Optional[str] = flag(None, "where dataset indices are cached",
+                                          note="indices are built in memory at start",
+                                          group=GROUP, metavar="DIR")
+
+
+# Megatron-LM flags epoverlap does not implement: (flag, argparse nargs, why).
+NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
+    ("--fp16", 0, "fp16 training is not implemented; use --bf16"),
+    ("--fp8-format", 1, "FP8 training is not implemented; use --bf16"),
+    ("--recompute-granularity", 1, "activation recomputation is not implemented"),
+    ("--recompute-method", 1, "activation recomputation is not implemented"),
+    ("--recompute-num-layers", 1, "activation recomputation is not implemented"),
+    ("--recompute-activations", 0, "activation recomputation is not implemented"),
+    ("--moe-layer-recompute", 0, "activation recomputation is not implemented"),
+    ("--multi-latent-attention", 0, "multi-latent attention is not implemented; the "
+     "attention is grouped-query (--num-query-groups)"),
+    ("--q-lora-rank", 1, "multi-latent attention is not implemented"),
+    ("--kv-lora-rank", 1, "multi-latent attention is not implemented"),
+    ("--qk-head-dim", 1, "multi-latent attention is not implemented"),
+    ("--qk-pos-emb-head-dim", 1, "multi-latent attention is not implemented"),
+    ("--v-head-dim", 1, "multi-latent attention is not implemented"),
+    ("--qk-layernorm", 0, "query/key layer norms are not implemented"),
+    ("--apply-query-key-layer-scaling", 0, "query-key layer scaling is an fp16 measure; fp16 is "
+     "not implemented"),
+    ("--rotary-scaling-factor", 1, "rotary scaling (long context) is not implemented"),
+    ("--rotary-percent", 1, "partial rotary embeddings are not implemented; every head "
+     "dimension is rotated"),
+    ("--moe-input-jitter-eps", 1, "router input jitter is not implemented"),
+    ("--num-shared-experts", 1, "give the shared experts' total width with "
+     "--moe-shared-expert-intermediate-size"),
+    ("--enable-shared-expert", 0, "give the shared experts' width with "
+     "--moe-shared-expert-intermediate-size"),
+    ("--eod-mask-loss", 0, "masking the loss at end-of-document tokens is not implemented"),
+    ("--train-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
+    ("--valid-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
+    ("--test-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
+    ("--vocab-file", 1, "GPT-2 BPE files are not read; use --tokenizer-type "
+     "HuggingFaceTokenizer --tokenizer-model tokenizer.json"),
+    ("--merge-file", 1, "GPT-2 BPE files are not read; use --tokenizer-type "
+     "HuggingFaceTokenizer --tokenizer-model tokenizer.json"),
+    ("--dataloader-type", 1, "samples are read in Megatron-core's order by epoch (single); "
+     "other orders are not implemented"),
+    ("--lr-decay-samples", 1, "give the decay in steps: --lr-decay-iters"),
+    ("--lr-warmup-samples", 1, "give the warmup in steps: --lr-warmup-iters or "
+     "--lr-warmup-fraction"),
+    ("--rampup-batch-size", "+", "batch size ramp-up is not implemented"),
+    ("--optimizer", 1, "the optimizer is AdamW"),
+    ("--moe-expert-capacity-factor-per-layer", 1, "one capacity factor for all layers: "
+     "--moe-expert-capacity-factor"),
+    ("--tp-comm-overlap", 0, NO_TP),
+)
+
+
+class RefusedFlags(ConfigError):
+    """Megatron-LM flags given that epoverlap does not implement: one line each."""
+
+    def __init__(self, refusals: list[tuple[str, object, str]]):
+        super().__init__(*refusals[0])
+        self.lines = [str(ConfigError(*refusal)) for refusal in refusals]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines)
+
+
+def add_refused_flags(parser) -> None:
+    """Register the NOT_IMPLEMENTED flags (so they are named and refused, not unrecognized)."""
+    group = parser.add_argument_group(REFUSED_GROUP)
+    for name, nargs, why in NOT_IMPLEMENTED:
+        kwargs = (dict(action="store_true") if nargs == 0
+                  else dict(nargs=None if nargs == 1 else nargs, metavar="VALUE"))
+        group.add_argument(name, dest=_refused_dest(name), default=None,
+                           help=f"refused: {why}", **kwargs)
+
+
+def check_refused(args) -> None:
+    """Raise RefusedFlags naming every NOT_IMPLEMENTED flag given on the command line."""
+    refusals = [(name, getattr(args, _refused_dest(name)), why)
+                for name, _, why in NOT_IMPLEMENTED
+                if getattr(args, _refused_dest(name), None) is not None]
+    if refusals:
+        raise RefusedFlags(refusals)
+
+
+def _refused_dest(name: str) -> str:
+    return "refused_" + name.lstrip("-").replace("-", "_")
+
+
+def compat_rules(cfg, require: Callable[[bool, str, object, str], None]) -> None:
+    """The accepted flags whose value must agree with the model (`cfg` a RunConfig)."""
+    c, m = cfg.compat, cfg.model
+    for name in ("tensor_model_parallel_size", "context_parallel_size",
+                 "expert_tensor_parallel_size"):
+        value = getattr(c, name)
+        why = NO_TP if "tensor" in name else "context parallelism is not implemented"
+        require(value in (None, 1), name, value, f"must be 1: {why}")
+    require(c.max_position_embeddings is None or c.max_position_embeddings >= m.seq_length,
+            "max_position_embeddings", c.max_position_embeddings,
+            f"must be >= --seq-length={m.seq_length}")
+    require(c.kv_channels is None or c.kv_channels == m.head_dim, "kv_channels", c.kv_channels,
+            f"must be --hidden-size / --num-attention-heads = {m.head_dim} (per-head width)")
+    require(not c.group_query_attention or m.num_query_groups is not None,
+            "group_query_attention", True, "needs --num-query-groups")
+    require(c.moe_router_load_balancing_type != "none" or cfg.moe.moe_aux_loss_coeff == 0,
+            "moe_router_load_balancing_type", "none", "turns the aux loss off: drop "
+            "--moe-aux-loss-coeff, or use aux_loss")
