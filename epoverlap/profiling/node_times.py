@@ -1,10 +1,11 @@
 """Per compute node: the time it computed, apart from the time it waited on the other lane.
 
 Owns `NodePhase` (a layer's node in one phase: `2 mlp backward`; not the model's `NodePhase`, a
-node type's lane), the per-node-phase figures of a run (`node_figures`: summed over the microbatches of a step, mean over the steps and ranks that ran
-the kind) and the comparison of two runs of one model (`compare_runs`: per kind and per layer,
-compute time of the second run over the first's: with a sequential run first and an overlapped
-one second, the compute slowdown under overlap).
+node type's lane), the per-node-phase figures of a run (`node_figures`: summed over the
+microbatches of a step, mean over the steps and ranks that ran the kind) and the comparison of
+two runs of one model (`compare_runs`: per kind and per layer, compute time of the second run
+over the first's: with a sequential run first and an overlapped one second, the compute
+slowdown under overlap).
 
 From one span (spans.py): `compute_us = end_us - start_us` (the action ran), `wait_us =
 start_us - queued_us` (its lane had reached it but its inputs from the other lane were not

@@ -1,9 +1,10 @@
 """Communication overlap of one step from its spans: the step's figures.
 
-Owns `step_metrics` (on the interval math of `profiling.intervals`) (compute busy, comm, exposed and hidden comm, overlap
-ratio, idle time of one rank's step). The trainer reports them for profiled steps
-(TensorBoard), `epoverlap-timeline` (epoverlap/cli/timeline.py, where the metric definitions are
-written out) builds its tables on them.
+Owns `step_metrics` (compute busy, comm, exposed and hidden comm, overlap ratio, idle time of
+one rank's step, on the interval math of `profiling.intervals`) and `window_metrics` (the same
+for any window, such as a profiler trace's). The trainer reports them for profiled steps
+(TensorBoard); the timeline tool builds its tables on them (epoverlap/profiling/summary.py,
+where the metric definitions are written out).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 This module owns what a span is, how one rank's spans are written to disk, and how a directory
 of span files is read back and checked. The executor records one Span per action it runs (on the
-compute or the comm lane) and calls `write_rank_span_file` once per rank; `epoverlap/cli/timeline.py`
-reads the files back with `read_span_directory`. The file format is documented in
+compute or the comm lane) and calls `write_rank_span_file` once per rank; the timeline tool
+(epoverlap/profiling/summary.py and its neighbours) reads the files back with
+`read_span_directory`. The file format is documented in
 docs/span-format.md; any change to it bumps SPAN_FORMAT_VERSION. Version 2 added each span's
 `queued_us` (when its lane reached it, before it waited on the other lane); version-1 files
 still read, with `queued_us` None (the wait unknown).
@@ -412,8 +413,9 @@ def _check_same_steps(ranks: list[RankSpans]) -> None:
         other_steps = [step.step for step in other.steps]
         if other_steps != first_steps:
             raise SpanFileError(
-                f"mixed steps: {other.path} (rank {other.rank}) has steps {_show_steps(other_steps)}"
-                f" but {first.path} (rank {first.rank}) has {_show_steps(first_steps)}"
+                f"mixed steps: {other.path} (rank {other.rank}) has steps "
+                f"{_show_steps(other_steps)} but {first.path} (rank {first.rank}) has "
+                f"{_show_steps(first_steps)}"
             )
 
 
