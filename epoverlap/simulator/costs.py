@@ -227,8 +227,9 @@ class LinkModel:
         return total / (self.local_gbs * 1e3)
 
 
-# Per-GPU figures. nvlink: fitted to the measured all-to-all time of benchmarks/overlap.md
-# (benchmarks/scale.md, "comm model"); shm and ib: assumptions stated there.
+# Per-GPU figures. nvlink: fitted to the overlap benchmark's measured all-to-all times (the fit
+# is recorded in benchmarks/). shm (NCCL_P2P_DISABLE=1) and ib (a 400 Gb/s NIC per GPU at about
+# 80% of line rate, 8 GPUs per node over NVLink): assumptions, not fits.
 LINKS = {
     "nvlink": LinkModel("nvlink", bandwidth_gbs=245.0, latency_us=25.0, sync_us=60.0),
     "shm": LinkModel("shm", bandwidth_gbs=20.0, latency_us=40.0, sync_us=80.0),

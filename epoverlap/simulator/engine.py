@@ -1,5 +1,6 @@
 """The schedule simulator's engine: a plan replayed on two lanes per rank, ranks coupled by
-their all-to-alls. Pure Python, no torch; `epoverlap/cli/simulate.py` is the command around it.
+their all-to-alls. Pure Python, no torch; `epoverlap/simulator/scenario.py` builds its inputs and
+`epoverlap/cli/simulate.py` is the command around it.
 
 Owns `simulate` and the three lane models, each the timing twin of one lane backend of
 `epoverlap/schedule/executor.py`:
