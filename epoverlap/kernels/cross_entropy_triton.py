@@ -4,12 +4,12 @@
 Shape legend: T rows (tokens), V vocabulary, P forward programs.
 
 `cross_entropy_triton` (the op table's) runs the fused kernels (`fused_cross_entropy`) from
-FUSED_MIN_VOCAB up and the reference below it. Measured on one H100 (benchmarks/kernels.md,
-`benchmarks/harness/bench_loss.py`): at V 257 the reference's GPU time is a few microseconds and its chain of
-C++ ops costs the host 50-190 us less per forward + backward than one autograd Function with a
-Python backward; at V 32000 the fused loss takes 0.5 instead of 2.2 ms of GPU time (T 4096) and
-a fifth of the memory. Which one runs is a pure function of V, so every rank, microbatch and
-schedule of a run computes the same bits.
+FUSED_MIN_VOCAB up and the reference below it. At a small vocabulary the reference's GPU time
+is tiny and its chain of C++ ops costs the host less per forward + backward than one autograd
+Function with a Python backward; at a large one the fused loss needs a fraction of the
+reference's GPU time and memory (it never writes a T x V fp32 tensor, below). Which one runs
+is a pure function of V, so every rank, microbatch and schedule of a run computes the same
+bits.
 
 What it replaces: the reference casts the [T, V] logits to fp32 (a new T x V fp32 tensor),
 takes their log-softmax (another, saved for the backward) and gathers the labels' entries; its

@@ -3,9 +3,9 @@ kernel's C launcher.
 
 Triton's own `JITFunction.run` rebuilds the launch on every call: it binds the arguments,
 specializes each one (`native_specialize_impl`, about 9 per call here), hashes the
-specialization into a cache key, checks the kernel's globals, and only then launches; under
-cProfile that was a third of the 91-234 us of host time each autograd Function around our
-kernels cost per call (benchmarks/cuda_graphs.md, run 3). `LaunchCache` keeps, per kernel, the
+specialization into a cache key, checks the kernel's globals, and only then launches. For our
+small, frequent kernels that bookkeeping is a large share of each op's host time, and an eager
+step is often bound by the host issuing launches. `LaunchCache` keeps, per kernel, the
 `CompiledKernel` that Triton returned for a launch key, and on a later call with the same key
 calls its launcher directly.
 
@@ -21,9 +21,10 @@ so it is deliberately coarser-safe than Triton's own specialization rather than 
   - a float: its type only (Triton passes every Python float as fp32);
   - the current device.
 Anything else (a tuple argument, a tensor descriptor, a callable grid), launch hooks installed
-(a profiler such as proton), Triton's global debug knob, or the interpreter (`TRITON_INTERPRET=1`, CPU) take Triton's own path unchanged. The
-entries per kernel are bounded (`MAX_ENTRIES`, the oldest dropped first), so a run whose shapes
-keep changing costs at most Triton's own path plus one dict insert per call.
+(a profiler such as proton), Triton's global debug knob, or the interpreter
+(`TRITON_INTERPRET=1`, CPU) take Triton's own path unchanged. The entries per kernel are
+bounded (`MAX_ENTRIES`, the oldest dropped first), so a run whose shapes keep changing costs at
+most Triton's own path plus one dict insert per call.
 
 Compiles still happen only in Triton's path, so `epoverlap.kernels.triton_compiled_variants`
 (the compile watch) sees every variant; `device_caches` and the other attributes of the wrapped
@@ -73,7 +74,7 @@ class LaunchCache:
 
     def __init__(self, fn):
         self.fn = fn
-        self.enabled = True  # False: every launch takes Triton's own path (A/B, tests)
+        self.enabled = True  # False: every launch takes Triton's own path (to compare)
         self.hits = 0
         self.misses = 0
         self._entries: dict[tuple, tuple] = {}

@@ -10,7 +10,8 @@ is compared with a caller's static size:
   - CPU / interpreter: `check_count_fits` on the host (ValueError naming the count).
 
 Host-side arithmetic here is plain Python on purpose: `triton.cdiv` / `triton.next_power_of_2`
-are constexpr functions in Triton 3.6 and cost several microseconds per host call.
+are constexpr functions in Triton 3.6, far slower to call from the host than plain arithmetic,
+and they run on every launch.
 """
 
 from __future__ import annotations
@@ -107,19 +108,18 @@ UNPERMUTE_KINDS = ("forward", "backward", "permute_backward")
 def unpermute_config(hidden: int, elem_size: int, num_experts: int, kind: str) -> CopyConfig:
     """Tiles of the unpermute kernels, by `kind` (UNPERMUTE_KINDS): `forward` (with merging
     probs), `backward` (with the merging probs' grad), `permute_backward` (the forward kernel
-    without merging probs, gathering the permuted probs' grad back to [T, E]); from the H200
-    tile sweeps of benchmarks/harness/bench_kernels.py --sweep.
+    without merging probs, gathering the permuted probs' grad back to [T, E]). Chosen by tile
+    sweeps at a many-expert shape (DeepSeek-V3-like) and a few-expert one (Mixtral-like).
 
-    4 warps: the fp32 accumulator and the row tile of a whole row per program in 8 warps left
-    the SMs short of resident programs (DSv3 forward 0.276 -> 0.261 ms, backward 0.578 ->
-    0.543 ms at 4 warps). The backward holds a grad row and a data row: at most 8 KiB of a
-    row per program. With at most 32 experts, BLOCK_T tokens per program give each program
-    enough rows in flight (Mixtral forward 4 tokens 0.072 -> 0.059 ms, backward 2 tokens
-    0.124 -> 0.098 ms).
+    4 warps: the fp32 accumulator and a whole row per program in 8 warps leave the SMs short of
+    resident programs, so fewer row loads are in flight. The backward holds a grad row and a
+    data row: at most 8 KiB of a row per program. With at most 32 experts a token's walk is
+    short, so one token per program moves too little to hide its row-id load: BLOCK_T tokens
+    per program keep enough rows in flight.
 
     `permute_backward`: without the fp32 probs tile in registers there is room for the next
-    row's load in flight (DSv3 0.355 -> 0.277 ms); with <= 32 experts, 4 KiB row blocks of 4
-    tokens (Mixtral 0.070 -> 0.057 ms).
+    row's load in flight (`prefetch`), which hides the latency of the row walk at many experts;
+    with <= 32 experts, 4 KiB row blocks of 4 tokens keep the programs small and numerous.
     """
     if kind not in UNPERMUTE_KINDS:
         raise ValueError(f"unpermute_config kind={kind!r}: allowed {', '.join(UNPERMUTE_KINDS)}")

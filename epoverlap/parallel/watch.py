@@ -63,12 +63,12 @@ def host_list(values: torch.Tensor):
 
     A plain `.tolist()` of a CUDA tensor is a synchronous copy to pageable memory. Behind a
     collective that never ends (a dead peer) it blocks inside the driver in a way that also
-    blocked the monitor thread's `Event.query()`, which holds the GIL meanwhile: on 2 H200s
-    (a SIGKILLed peer, the survivor's stacks dumped with SIGUSR1) the monitor then could
+    blocked the monitor thread's `Event.query()`, which holds the GIL meanwhile: with a peer
+    SIGKILLed mid-collective (the survivor's stacks dumped with SIGUSR1) the monitor then could
     neither answer the launcher's SIGTERM nor report at the timeout, and the rank died by
-    SIGKILL without naming the peer; through here it names it (tests/parallel/test_liveness.py, NCCL).
-    A long sleep kernel on one GPU does not reproduce the block (queries stayed at 0.1 ms
-    beside a plain `.tolist()`), so the NCCL test is the proof. Every host read of the
+    SIGKILL without naming the peer; through here it names it (tests/parallel/test_liveness.py,
+    NCCL). A long sleep kernel on one GPU does not reproduce the block (`Event.query()` stays
+    prompt beside a plain `.tolist()`), so the NCCL test is the proof. Every host read of the
     training loop goes through here."""
     if values.device.type != "cuda":
         return values.tolist()
