@@ -27,6 +27,7 @@ import torch
 from epoverlap.config import build_parser
 from epoverlap.errors import ConfigError
 from epoverlap.cli.train import checked_config
+from epoverlap.training.data import open_data_source
 
 PROG = "epoverlap-launch"
 
@@ -102,7 +103,10 @@ def plan_launch(argv: list[str]) -> tuple[int, bool, list[str]]:
     on_gpu = gpus > 0 and args.device in (None, "auto", "cuda")
     nproc = _nproc(nproc_text, gpus, on_gpu)
     train_args = default_train_args(nproc, on_gpu, user_args)
-    checked_config(train_args, nproc, torch.cuda.is_available(), nproc, printing=True, prog=PROG)
+    cfg, _, _ = checked_config(train_args, nproc, torch.cuda.is_available(), nproc,
+                               printing=True, prog=PROG)
+    if cfg.data.data_path:  # the dataset files, as the ranks will open them
+        open_data_source(cfg, cfg.data_parallel_size(nproc))
     return nproc, on_gpu, train_args
 
 
@@ -126,8 +130,8 @@ def run_torchrun(torchrun_args: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "15")  # ranks report in ~3 s
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    _stop_workers_within_the_shutdown_timeout()
     try:
         run(parse_args(torchrun_args))
     except ChildFailedError as error:
@@ -135,6 +139,23 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         _, first = error.get_first_failure()
         return first.exitcode if first.exitcode > 0 else 128 - first.exitcode
     return 0
+
+
+FAILED_RANK_GRACE_S = 5  # after a rank fails, the others report their line within ~3 s
+
+
+def _stop_workers_within_the_shutdown_timeout() -> None:
+    """torch elastic's agent stops the other ranks after one fails with its own fixed 30 s
+    grace (`_stop_workers` calls `_shutdown()` without the configured timeout), so a stopped
+    rank (SIGSTOP) held the job 30 s past the line naming it. Here that grace is
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT when set, else FAILED_RANK_GRACE_S; a signal to the
+    launcher keeps TORCH_ELASTIC_SHUTDOWN_TIMEOUT (time for --exit-signal-handler's save)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", FAILED_RANK_GRACE_S))
+
+    def stop_workers(self, worker_group) -> None:
+        self._shutdown(timeout=grace)
+    LocalElasticAgent._stop_workers = stop_workers
 
 
 def _failures_line(failures: dict) -> str:

@@ -21,15 +21,19 @@ hang: where the main thread and the liveness monitor are).
 from __future__ import annotations
 
 import faulthandler
+import io
+import json
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from epoverlap.config import RunConfig, parse_config, validate_config, world_size_from_env
+from epoverlap.config.parse import accepted_notes, flags_text
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.parallel.watch import PeerFailure, route_sigterm
@@ -61,9 +65,54 @@ def _quiet_exit(status: int, printing: bool) -> int:
 
 
 def _fail(error: Exception, status: int, printing: bool) -> int:
-    """One line (from the printing rank) and `status`, for a failure every rank meets alike."""
-    _printer(printing, sys.stderr)(f"epoverlap-train: error: {error}")
+    """One line per problem (from the printing rank) and `status`, for a failure every rank
+    meets alike."""
+    for line in str(error).splitlines():
+        _printer(printing, sys.stderr)(f"epoverlap-train: error: {line}")
     return _quiet_exit(status, printing)
+
+
+class _Tee(io.TextIOBase):
+    """Writes to the stream it wraps and to this rank's log file (--log-dir)."""
+
+    def __init__(self, stream, log_file):
+        self.stream, self.log_file = stream, log_file
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        self.log_file.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.log_file.flush()
+
+    def fileno(self) -> int:  # faulthandler's stack dumps go to the terminal's descriptor
+        return self.stream.fileno()
+
+
+def _keep_rank_log(cfg: RunConfig) -> None:
+    """--log-dir: everything this rank prints goes to DIR/rank-NNNNN.log too."""
+    if cfg.log.log_dir is None:
+        return
+    folder = Path(cfg.log.log_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    log_file = open(folder / f"rank-{int(os.environ.get('RANK', '0')):05d}.log", "a")
+    sys.stdout, sys.stderr = _Tee(sys.stdout, log_file), _Tee(sys.stderr, log_file)
+
+
+def _write_resolved_config(cfg: RunConfig, world_size: int, log: Callable[[str], None]) -> None:
+    """The resolved configuration, once: a compact line, and JSON beside --log-json, in --save
+    and in --tensorboard-dir (rank 0)."""
+    log(f"config: {flags_text(cfg)}")
+    record = {"flags": flags_text(cfg), "world_size": world_size, "config": cfg.to_dict(),
+              "torch": torch.__version__}
+    places = [Path(cfg.checkpoint.save) / "config.json" if cfg.checkpoint.save else None,
+              Path(cfg.log.tensorboard_dir) / "config.json" if cfg.log.tensorboard_dir else None,
+              Path(cfg.log.log_json).with_suffix(".config.json") if cfg.log.log_json else None]
+    for path in filter(None, places):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: bool,
@@ -79,8 +128,8 @@ def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: b
     `open_data_source`, also before any process group."""
     notes: list[str] = []
     cfg = parse_config(argv, warn=notes.append, printing=printing)
-    validate_config(cfg, world_size, cuda_available)
     cfg = cfg.for_world(world_size)
+    validate_config(cfg, world_size, cuda_available)
     resume = find_resume_checkpoint(cfg.checkpoint.load, cfg.checkpoint.save)
     before_cuda(cfg)
     check_memory(cfg, world_size, cfg.resolved_device(cuda_available), local_ranks)
@@ -106,8 +155,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if stop.code:
             _quiet_exit(2, printing)
         raise
+    _keep_rank_log(cfg)
     for line in warnings:
         warn(line)
+    notes = accepted_notes(cfg)
+    if notes:
+        _printer(printing)("accepted from Megatron-LM, no effect here: " + "; ".join(notes))
     if cfg.checkpoint.load is not None and resume is None:
         _printer(printing)(f"checkpoint: none in {cfg.checkpoint.load} yet; starting at step 1")
     groups = init_distributed(cfg.parallel.expert_model_parallel_size, cfg.resolved_device(cuda),
@@ -122,6 +175,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         trainer = Trainer(cfg, groups, log=_printer(groups.is_first()), data=data,
                           resume=resume)
         trainer.log(trainer.describe())
+        if groups.is_first():
+            _write_resolved_config(trainer.cfg, groups.world_size, trainer.log)
         trainer.train()
     except PeerFailure as failure:
         groups.watch.report(failure)  # one line, then the process exits (status 3)

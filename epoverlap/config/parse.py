@@ -60,6 +60,23 @@ def accepted_notes(cfg: RunConfig) -> list[str]:
     return notes
 
 
+def flags_text(cfg: RunConfig) -> str:
+    """The flags that give `cfg` from the defaults, as one command line: the resolved
+    configuration, compact (derived values included, e.g. microbatches from a global batch)."""
+    parts = []
+    for item in FLAGS:
+        value = getattr(getattr(cfg, item.section), item.field.name)
+        if value == item.field.default or value is None:
+            continue
+        if item.kind is bool:
+            parts.append(item.name)
+        elif item.kind is tuple:
+            parts.append(" ".join([item.name, *map(str, value)]))
+        else:
+            parts.append(f"{item.name} {value}")
+    return " ".join(parts)
+
+
 def build_parser(prog: str = "epoverlap-train", printing: bool = True) -> CliParser:
     parser = CliParser(
         prog=prog, usage=USAGE, printing=printing, epilog=presets_help(PRESETS, flag_of),

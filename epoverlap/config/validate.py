@@ -244,9 +244,6 @@ def _validate_lr_schedule(t: TrainConfig) -> None:
     if t.lr_warmup_fraction is not None:
         require(0 <= t.lr_warmup_fraction <= 1, "lr_warmup_fraction", t.lr_warmup_fraction,
                 "must be in [0, 1]")
-    require(t.warmup_steps <= decay, "lr_warmup_iters", t.warmup_steps,
-            f"the warmup ({t.warmup_steps} steps) must end by the decay's end ({decay}: "
-            "--lr-decay-iters, else --train-iters)")
     if t.lr_wsd_decay_iters is not None:
         require(1 <= t.lr_wsd_decay_iters <= decay - t.warmup_steps, "lr_wsd_decay_iters",
                 t.lr_wsd_decay_iters, f"must be in [1, {decay - t.warmup_steps}] (the steps "
@@ -375,7 +372,7 @@ _PENDING = (("model", "attention_dropout", 0.0), ("model", "hidden_dropout", 0.0
             ("train", "exit_interval", None), ("train", "manual_gc", False),
             ("eval", "eval_interval", None), ("checkpoint", "no_load_optim", False),
             ("checkpoint", "no_load_rng", False), ("checkpoint", "finetune", False),
-            ("log", "wandb_project", None), ("log", "log_dir", None))
+            ("log", "wandb_project", None))
 
 
 def _not_built_yet(cfg: RunConfig) -> None:
