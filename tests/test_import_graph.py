@@ -27,13 +27,6 @@ TOP = "top"  # epoverlap/__init__.py and epoverlap/train.py: above every layer
 TOP_MODULES = ("epoverlap", "epoverlap.train")
 MAX_LINES = 600
 
-# Known today, being moved by the config owner: graphs/config.py (which config/__init__.py
-# imports) and the top-level flag_aliases.py both go into epoverlap/config/. Until then
-# flag_aliases counts as the config layer it is headed for, the one upward edge is exempt in
-# test_layers_import_downward_only, and test_config_layer_holds_its_own_modules fails
-# (strict xfail): once the move lands it passes, and the xfail and these two names go.
-MISPLACED = {"epoverlap.flag_aliases": "config"}
-KNOWN_UPWARD = {("epoverlap.config", "epoverlap.graphs.config")}
 
 
 @dataclass(frozen=True)
@@ -111,8 +104,6 @@ INTERNAL = [imp for imp in IMPORTS if imp.target.split(".")[0] == "epoverlap"]
 def layer_of(module: str) -> str | None:
     if module in TOP_MODULES:
         return TOP
-    if module in MISPLACED:
-        return MISPLACED[module]
     name = module.split(".")[1]
     return name if name in LAYERS else None
 
@@ -191,14 +182,13 @@ def test_no_import_circle_between_modules():
     assert not problems, "import circles:\n" + "\n".join(problems)
 
 
-def _upward(exempt: set[tuple[str, str]]) -> list[str]:
+def _upward() -> list[str]:
     problems = []
     for imp in INTERNAL:
         source_layer, target_layer = layer_of(imp.source), layer_of(_known_target(imp.target))
         if source_layer is None or target_layer is None:
             continue  # test_every_module_has_a_layer names these
-        if _rank(target_layer) > _rank(source_layer) and \
-                (imp.source, _known_target(imp.target)) not in exempt:
+        if _rank(target_layer) > _rank(source_layer):
             problems.append(f"{imp.source} (layer {source_layer}) imports "
                             f"{imp.target} (layer {target_layer}): {imp.where}")
     return problems
@@ -211,19 +201,8 @@ def test_every_module_has_a_layer():
 
 
 def test_layers_import_downward_only():
-    problems = _upward(exempt=KNOWN_UPWARD)
+    problems = _upward()
     assert not problems, "imports of a higher layer:\n" + "\n".join(problems)
-
-
-@pytest.mark.xfail(strict=True, reason="known: epoverlap/config/__init__.py imports "
-                   "epoverlap.graphs.config (layer graphs, above config), and "
-                   "epoverlap/flag_aliases.py sits at the top level; both are moving into "
-                   "epoverlap/config/ (then drop this xfail, MISPLACED and KNOWN_UPWARD)")
-def test_config_layer_holds_its_own_modules():
-    problems = _upward(exempt=set())
-    problems += [f"{module} is outside epoverlap/{layer}/ (file {MODULES[module]})"
-                 for module, layer in MISPLACED.items() if module in MODULES]
-    assert not problems, "\n".join(problems)
 
 
 def test_nothing_in_the_package_imports_benchmarks_or_tests():
@@ -239,12 +218,10 @@ def _long_modules() -> list[str]:
             for module, count in sorted(counts.items()) if count > MAX_LINES]
 
 
-# The files over the limit today, being split by their owners now. No other module may pass
-# the limit (test_no_other_module_is_longer_than_the_limit); the strict xfail flips once none
-# of these is left, and then it and KNOWN_LONG go.
-KNOWN_LONG = ("epoverlap/config/__init__.py", "epoverlap/training/trainer.py",
-              "epoverlap/cli/timeline.py", "epoverlap/model/moe.py", "epoverlap/cli/simulate.py",
-              "epoverlap/kernels/permutation_triton.py")
+# The files over the limit today (in the last commit), being split by their owners now. No
+# other module may pass the limit (test_no_other_module_is_longer_than_the_limit); the strict
+# xfail flips once none of these is left, and then it and KNOWN_LONG go.
+KNOWN_LONG = ("epoverlap/training/trainer.py", "epoverlap/model/moe.py")
 
 
 def test_no_other_module_is_longer_than_the_limit():
@@ -253,10 +230,7 @@ def test_no_other_module_is_longer_than_the_limit():
 
 
 @pytest.mark.xfail(strict=True, reason=f"modules over {MAX_LINES} lines today, being split: "
-                   "epoverlap/config/__init__.py (1198), epoverlap/training/trainer.py (782), "
-                   "epoverlap/cli/timeline.py (683), epoverlap/model/moe.py (676), "
-                   "epoverlap/cli/simulate.py (636), epoverlap/kernels/permutation_triton.py "
-                   "(623)")
+                   "epoverlap/training/trainer.py (782), epoverlap/model/moe.py (676)")
 def test_no_module_is_longer_than_the_limit():
     long = _long_modules()
     assert not long, f"modules over {MAX_LINES} lines: " + "; ".join(long)
