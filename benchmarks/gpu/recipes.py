@@ -1,0 +1,204 @@
+"""The project's GPU checks and benchmarks as data: one recipe per thing measured.
+
+A recipe says what it measures, how many GPUs it needs, the commands it runs (in order, from
+the repo root, each under bash) and what it records. `python -m benchmarks.gpu.run NAME ...`
+runs recipes and packs each one's record (benchmarks/gpu/run.py). In a command or an env value:
+  {python}    the interpreter running the runner
+  {torchrun}  {python} -m torch.distributed.run --standalone --nproc-per-node={gpus}
+  {gpus}      the GPUs the recipe runs on (`gpus`, or every visible one with all_gpus)
+  {out}       the recipe's record folder: what a command writes there comes back in its .tgz
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    command: str
+    env: dict = field(default_factory=dict)  # added to the environment (values formatted too)
+    timeout_s: int = 540
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str  # what it measures, not when it was written
+    gpus: int  # GPUs it needs
+    measures: str
+    records: str  # the files under {out}, besides every step's log and record.json
+    steps: tuple
+    all_gpus: bool = False  # run on every visible GPU (at least `gpus`)
+    needs: tuple = ()  # globs the carried tree must match (wheels, an earlier tree)
+
+
+MEGATRON_SHAPES = "megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4"
+# every pytest step names its own -m: it replaces the project's default `-m 'not slow'`
+PYTEST = "{python} -m pytest -q -p no:cacheprovider --durations=15"
+TRAIN = "{torchrun} -m epoverlap.train"
+# the bitwise contract's command: the path users run, bf16, optimizer on, deterministic
+BITWISE_RUN = (TRAIN + " --preset small --bf16 --deterministic-mode --seed 3 --train-iters 30"
+               " --log-interval 10 --expert-model-parallel-size {gpus}")
+OVERLAP = "--overlap-moe-expert-parallel-comm"
+WGRAD = OVERLAP + " --delay-wgrad-compute"
+GRAPHS = "--cuda-graph-impl local --cuda-graph-modules attn moe_router moe_preprocess"
+OVERLAP_STEP = ("{torchrun} -m benchmarks.harness.bench_overlap --shapes " + MEGATRON_SHAPES
+                + " --warmup 2 --iters 6 --rounds 3 --profile-shapes megatron_e32_k4_mbs2x8"
+                  " --profile-steps 2 --out-dir {out}")
+# the training command the interleaved rounds time (the Megatron-core comparison's shape)
+ROUNDS_COMMAND = (TRAIN + " --preset megatron-cmp --mock-data --bf16"
+                  " --expert-model-parallel-size {gpus} --train-iters 15 --log-interval 100")
+ROUNDS = "{python} -m benchmarks.harness.bench_train_rounds --warmup 3 --out {out}"
+
+
+def _bitwise_steps() -> tuple:
+    """Each schedule's run of the same command, then each log against the sequential one."""
+    runs = {"seq": "", "ovl": OVERLAP, "ovl_wgrad": WGRAD,
+            "ovl_wgrad_graphs": WGRAD + " " + GRAPHS}
+    steps = [Step(name, " ".join(filter(None, (BITWISE_RUN, flags,
+                                               f"--log-json {{out}}/{name}.jsonl"))))
+             for name, flags in runs.items()]
+    steps += [Step(f"compare_seq_{name}", "{python} -m epoverlap.cli.compare_losses "
+                   f"{{out}}/seq.jsonl {{out}}/{name}.jsonl", timeout_s=60)
+              for name in runs if name != "seq"]
+    return tuple(steps)
+
+
+RECIPES = (
+    Recipe("gpu_tests_1gpu", 1,
+           "the GPU pytest tier on one GPU (-m 'gpu and not multigpu'): kernels against the "
+           "reference, graphs replaying like eager, the sync-free dispatch, one-GPU CLI runs",
+           "junit.xml",
+           (Step("pytest", PYTEST + " --junitxml={out}/junit.xml -m 'gpu and not multigpu' tests",
+                 timeout_s=560),)),
+    Recipe("gpu_tests_multigpu", 2,
+           "the GPU pytest tier on 2+ GPUs (-m multigpu): the CLI runs bitwise across schedules "
+           "under --deterministic-mode, overlap over NCCL, resume, a killed rank, pipeline, the "
+           "simulator's replay of a recorded run",
+           "junit.xml; cli_logs/ (every CLI run's --log-json and output)",
+           (Step("pytest", PYTEST + " --junitxml={out}/junit.xml -m multigpu tests",
+                 env={"EPOVERLAP_GPU_LOGS": "{out}/cli_logs", "EPOVERLAP_GPU_STEPS": "30"},
+                 timeout_s=560),),
+           all_gpus=True),
+    Recipe("bitwise_check", 2,
+           "one process per rank, bf16, optimizer on, --deterministic-mode: the raw bits of every "
+           "reduced gradient of one step and the losses of 20 steps, sequential vs overlap vs "
+           "overlap + delayed wgrad vs early release, and sequential run twice",
+           "bitwise.json (per mode: grads bitwise equal, losses identical)",
+           (Step("check_bitwise", "{torchrun} -m benchmarks.harness.check_bitwise --steps 20 "
+                                  "--out {out}/bitwise.json"),),
+           all_gpus=True),
+    Recipe("bitwise_cli", 2,
+           "the training command users run (--preset small --bf16 --deterministic-mode, "
+           "optimizer on, EP = GPUs, 30 steps): sequential, overlap, overlap + delayed wgrad, "
+           "and that with partial CUDA graphs, each log compared bit for bit with the "
+           "sequential one (epoverlap-compare-losses: losses and grad norms)",
+           "seq.jsonl, ovl.jsonl, ovl_wgrad.jsonl, ovl_wgrad_graphs.jsonl (per step: loss_hex, "
+           "grad_norm_hex, step_time_s); the comparisons in their logs",
+           _bitwise_steps(), all_gpus=True),
+    Recipe("overlap_step_nvlink", 2,
+           "forward-backward and full step per schedule (seq, ovl, ovl_wgrad, compute only, the "
+           "all-to-alls alone) at the three Megatron-core shapes, 3 interleaved rounds, NVLink",
+           "bench_overlap.json (medians and every timed step's samples), spans/ of mbs2x8",
+           (Step("bench_overlap", OVERLAP_STEP),)),
+    Recipe("overlap_step_nop2p", 2,
+           "the same as overlap_step_nvlink with NCCL_P2P_DISABLE=1: the all-to-alls through "
+           "host memory",
+           "bench_overlap.json (medians and every timed step's samples), spans/ of mbs2x8",
+           (Step("bench_overlap", OVERLAP_STEP, env={"NCCL_P2P_DISABLE": "1"}),)),
+    Recipe("overlap_step_all_gpus", 2,
+           "the overlap benchmark on every visible GPU (EP = GPUs) at the ratio, Megatron-core "
+           "and DeepSeek-V3-layer shapes, 2 rounds: what scale.md's simulator is checked against",
+           "bench_overlap.json, spans/ of ratio_h2048_k8_f128",
+           (Step("bench_overlap", "{torchrun} -m benchmarks.harness.bench_overlap --shapes "
+                                  "ratio_h2048_k8_f128,ratio_h2048_k4_f4096," + MEGATRON_SHAPES
+                 + ",dsv3_layer --warmup 2 --iters 5 --rounds 2 --profile-shapes "
+                   "ratio_h2048_k8_f128 --profile-steps 2 --out-dir {out}"),),
+           all_gpus=True),
+    Recipe("peer_megatron_core", 2,
+           "Megatron-core 0.16.1 beside epoverlap in one job on the same batches, sequential and "
+           "overlapped, at the three Megatron-core shapes: step time, tokens/s, TFLOP/s, memory",
+           "bench_peer.json (per run: median and every timed step's samples), junit.xml",
+           (Step("peer_tests", PYTEST + " --junitxml={out}/junit.xml -m 'gpu or multigpu' "
+                                        "tests/benchmarks/test_bench_peer.py", timeout_s=300),
+            Step("bench_peer", "{torchrun} -m benchmarks.harness.bench_peer --shapes "
+                               + MEGATRON_SHAPES + " --warmup 3 --iters 8 --out-dir {out}")),
+           needs=(".whl/megatron_core-*.whl",)),
+    Recipe("kernel_speed", 1,
+           "every Triton kernel op's GPU tests, then its time, GB/s and share of the copy "
+           "bandwidth, eager and graphed, host us per call, against the torch reference",
+           "junit.xml, bench_kernels.md",
+           (Step("kernel_tests", PYTEST + " --junitxml={out}/junit.xml -m gpu tests/kernels",
+                 timeout_s=300),
+            Step("bench_kernels", "{python} -m benchmarks.harness.bench_kernels "
+                                  "--out {out}/bench_kernels.md", timeout_s=300))),
+    Recipe("train_step_schedules", 2,
+           "the training command's whole step (--preset megatron-cmp --mock-data --bf16, "
+           "optimizer on) sequential vs overlap vs overlap + delayed wgrad, the same command "
+           "per path, 3 interleaved rounds",
+           "train_rounds.json (every step's time per run, medians), logs/*.jsonl",
+           (Step("rounds", ROUNDS + " --rounds 3 --side seq= --side ovl=" + OVERLAP
+                 + " --side 'ovl_wgrad=" + WGRAD + "' -- " + ROUNDS_COMMAND),)),
+    Recipe("train_step_vs_baseline", 2,
+           "the training command's whole step (the train_step_schedules command, sequential) of "
+           "this tree against an earlier one carried in .baseline/ (`git archive COMMIT | tar x "
+           "-C .baseline`), 4 interleaved rounds, each side run from its own tree",
+           "train_rounds.json (every step's time per run, medians), logs/*.jsonl",
+           (Step("rounds", ROUNDS + " --rounds 4 --side before@.baseline= --side after= -- "
+                 + ROUNDS_COMMAND),),
+           needs=(".baseline/epoverlap",)),
+    Recipe("host_cost_graphs", 1,
+           "host CPU and wall ms of one forward-backward (shape small, EP 1): eager, partial "
+           "graphs, the sync-free dispatch eager and under whole-layer and full-iteration "
+           "graphs, and the host time per node action",
+           "bench_host.json",
+           (Step("bench_host", "{python} -m benchmarks.harness.bench_host --sync-free "
+                               "--out {out}/bench_host.json"),)),
+    Recipe("train_throughput", 2,
+           "the training job without overlap on 1 GPU and on 2 GPUs (EP 2), learned and "
+           "balanced routing: step time, tokens/s, TFLOP/s/GPU, load imbalance, peak memory",
+           "bench_train.md",
+           (Step("bench_train", "{python} -m benchmarks.harness.bench_train --gpus 1,2 --preset "
+                                "small --iters 30 --out {out}/bench_train.md"),)),
+    Recipe("contention_gemm_comm", 2,
+           "what a GEMM and the experts' grouped GEMM lose beside the all-to-all and copy "
+           "loads on the comm stream, and what the loads lose beside them, NVLink and "
+           "NCCL_P2P_DISABLE=1",
+           "nvlink/ and nop2p/ (bench_contention's JSON)",
+           (Step("nvlink", "{torchrun} -m benchmarks.harness.bench_contention "
+                           "--out-dir {out}/nvlink", timeout_s=270),
+            Step("nop2p", "{torchrun} -m benchmarks.harness.bench_contention "
+                          "--out-dir {out}/nop2p", env={"NCCL_P2P_DISABLE": "1"},
+                 timeout_s=270))),
+    Recipe("determinism_price", 1,
+           "the price of --deterministic-mode with and without torch's fill of new memory, "
+           "eager and graphed, settings alternated step by step in one process, and the "
+           "training command's bits in each setting",
+           "the tables in the step's log",
+           (Step("bench_determinism", "{python} -m benchmarks.harness.bench_determinism "
+                                      "--cli-rounds 1 --steps 40 --ab-rounds 20"),)),
+    Recipe("optimizer_step", 1,
+           "the AdamW step in each of torch's forms (fused, foreach, single) at the "
+           "megatron-cmp and small presets: host and GPU time, launches, bit differences",
+           "the tables in the steps' logs",
+           tuple(Step(f"bench_optim_{preset}", "{python} -m benchmarks.harness.bench_optim "
+                      f"--preset {preset} --rounds 10 --iters 5", timeout_s=250)
+                 for preset in ("megatron-cmp", "small"))),
+    Recipe("loss_kernel", 1,
+           "the fused cross-entropy against the torch loss it replaces, alone and as the "
+           "model's loss node: host and GPU time, launches, peak memory, bits",
+           "the tables in the step's log",
+           (Step("bench_loss", "{python} -m benchmarks.harness.bench_loss --shapes "
+                               "1024x257,4096x257,8192x32000,4096x151936 --rounds 10 "
+                               "--iters 5"),)),
+    Recipe("pipeline_bubble", 2,
+           "the pipeline's GPU tests, then its bubble fraction measured (spans) against the "
+           "analytic one, overlap on and off, and PP = GPUs against EP = GPUs",
+           "junit.xml, bench_pipeline.json",
+           (Step("pipeline_tests", PYTEST + " --junitxml={out}/junit.xml -m 'gpu or multigpu' "
+                                            "tests/schedule/test_pipeline_gpu.py", timeout_s=250),
+            Step("bench_pipeline", "{python} -m benchmarks.harness.bench_pipeline --gpus {gpus} "
+                                   "--preset small --num-layers 8 --iters 12 --out-dir {out}",
+                 timeout_s=300))),
+)

@@ -1,0 +1,231 @@
+"""Run GPU recipes (benchmarks/gpu/recipes.py) and pack each one's record.
+
+    python -m benchmarks.gpu.run RECIPE [RECIPE ...] [--out DIR] [--time-limit S]
+    python -m benchmarks.gpu.run --list
+
+Run from the repo root of a copy of the tree on a GPU machine. It first makes the machine
+ready: `pip install --no-deps --no-build-isolation -e .` (torch is there already; the machines
+reach no package registry) and the wheels carried in .whl/ into /tmp/site, put on PYTHONPATH
+(--no-install skips both). Then it runs each recipe's steps in order, under bash, with NVLink
+multicast off (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1) and
+CUDA_VISIBLE_DEVICES set to the recipe's GPUs; a recipe that needs more GPUs than are visible,
+or a carried file that is not there, is skipped and packs nothing. Each recipe's folder (every
+step's log, record.json: the GPUs from nvidia-smi, the date, torch/CUDA/NCCL/triton versions,
+each step's exact command, environment additions, NCCL settings, exit status and seconds; and
+what its commands wrote) is packed into OUT/RECIPE.tgz; OUT/summary.md gets the table printed
+last.
+OUT is --out, else $OUT (what the GPU machines send back: at most 8 files of 16 MiB), else
+runs/gpu. --time-limit (default 570 s, one device call's 600 s less packing) cuts each step's
+limit to what is left and starts no step with less than 20 s left.
+Exit status: 0 every recipe ok or skipped, 1 one failed, 2 an unknown recipe (nothing run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from benchmarks.gpu import recipes as table
+
+REPO = Path(__file__).resolve().parents[2]
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+SITE = "/tmp/site"  # where the carried wheels go
+RETURN_LIMIT = 16 * 2**20  # bytes per file the GPU machines send back
+PROBE = """import json, platform, torch
+try:
+    import triton
+    triton_version = triton.__version__
+except ImportError:
+    triton_version = None
+cuda = torch.cuda.is_available()
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
+                  "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+                  "triton": triton_version, "python": platform.python_version(),
+                  "gpus": torch.cuda.device_count()}))"""
+
+
+def _quiet(cmd: list, log: Path, env: dict) -> bool:
+    with open(log, "a") as out:
+        return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                              cwd=REPO).returncode == 0
+
+
+def prepare(env: dict, work: Path, install: bool) -> str:
+    """Install the project and the carried wheels; PYTHONPATH gets the tree (and /tmp/site)."""
+    paths = [str(REPO)]
+    notes = []
+    if install:
+        log = work / "install.log"
+        ok = _quiet([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                     "--no-build-isolation", "-e", "."], log, env)
+        notes.append("project installed" if ok else f"project install failed (see {log})")
+        wheels = sorted(glob.glob(str(REPO / ".whl" / "*.whl")))
+        if wheels:
+            ok = _quiet([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                         "--upgrade", "--target", SITE, *wheels], log, env)
+            notes.append(f"{len(wheels)} wheel(s) into {SITE}" + ("" if ok else ": failed"))
+            paths.append(SITE)
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
+    return "; ".join(notes) or "no install (--no-install)"
+
+
+def machine(env: dict) -> dict:
+    """The GPUs (nvidia-smi), the date and the versions every record carries."""
+    found = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                           env=env, cwd=REPO)
+    info = (json.loads(found.stdout) if found.returncode == 0
+            else {"gpus": 0, "probe_error": found.stderr[-500:]})
+    smi = shutil.which("nvidia-smi")
+    query = [smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+    gpus = subprocess.run(query, capture_output=True, text=True) if smi else None
+    info["nvidia_smi"] = gpus.stdout.strip().splitlines() if gpus and gpus.returncode == 0 else []
+    info["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=REPO)
+    info["commit"] = commit.stdout.strip() if commit.returncode == 0 else None
+    return info
+
+
+def run_step(command: str, env: dict, log: Path, timeout: float) -> int:
+    """One step under bash, output to its log; past its limit its process group is killed: 124."""
+    with open(log, "w") as out:
+        out.write(f"$ {command}\n")
+        out.flush()
+        proc = subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, cwd=REPO, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return 124
+
+
+def why_skipped(recipe, visible: int):
+    if visible < recipe.gpus:
+        return f"skipped: needs {recipe.gpus} GPU(s), {visible} visible"
+    missing = [pattern for pattern in recipe.needs if not glob.glob(str(REPO / pattern))]
+    return f"skipped: needs {', '.join(missing)} (not carried)" if missing else None
+
+
+def run_recipe(recipe, env: dict, info: dict, work: Path, out: Path, deadline: float) -> dict:
+    status, start = why_skipped(recipe, info["gpus"]), time.time()
+    if status is not None:  # nothing to pack: the summary says why
+        return {"recipe": recipe.name, "status": status, "seconds": 0.0, "record": "-"}
+    folder = work / recipe.name
+    shutil.rmtree(folder, ignore_errors=True)  # a warm machine keeps the last call's files
+    folder.mkdir(parents=True)
+    gpus = max(info["gpus"], recipe.gpus) if recipe.all_gpus else recipe.gpus
+    names = {"python": sys.executable, "gpus": gpus, "out": folder,
+             "torchrun": f"{sys.executable} -m torch.distributed.run --standalone "
+                         f"--nproc-per-node={gpus}"}
+    record = {"recipe": recipe.name, "measures": recipe.measures, "records": recipe.records,
+              "gpus": gpus, "machine": info, "steps": []}
+    for step in recipe.steps:
+        step_env = {key: value.format(**names) for key, value in step.env.items()}
+        command = step.command.format(**names)
+        full_env = {**env, **step_env}
+        if gpus:
+            full_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(gpus)))
+        left = deadline - time.time()
+        entry = {"name": step.name, "command": command, "env": step_env,
+                 "nccl_env": {key: value for key, value in sorted(full_env.items())
+                              if key.startswith(("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_"))},
+                 "log": f"{step.name}.log"}
+        record["steps"].append(entry)
+        if left < 20:
+            entry["rc"], status = None, f"cut: time limit before {step.name}"
+            break
+        print(f"=== {recipe.name}/{step.name}: {command}", flush=True)
+        step_start = time.time()
+        rc = run_step(command, full_env, folder / entry["log"], min(step.timeout_s, left - 10))
+        entry.update(rc=rc, seconds=round(time.time() - step_start, 1))
+        print(f"{recipe.name}/{step.name}: rc={rc} ({entry['seconds']} s)", flush=True)
+        if rc != 0:
+            tail = (folder / entry["log"]).read_text(errors="replace").splitlines()[-15:]
+            print("\n".join("    " + line for line in tail), flush=True)
+            status = status or (f"timeout: {step.name}" if rc == 124
+                                else f"failed: {step.name} rc={rc}")
+    record["status"] = status or "ok"
+    record["seconds"] = round(time.time() - start, 1)
+    (folder / "record.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    packed = out / f"{recipe.name}.tgz"
+    with tarfile.open(packed, "w:gz") as tar:
+        tar.add(folder, arcname=recipe.name)
+    if packed.stat().st_size > RETURN_LIMIT:
+        record["status"] += f"; {packed.name} is over 16 MiB: it will not come back"
+    return {"recipe": recipe.name, "status": record["status"], "seconds": record["seconds"],
+            "record": str(packed)}
+
+
+def summary(rows: list, info: dict, setup: str) -> str:
+    lines = [f"GPUs: {', '.join(info['nvidia_smi']) or 'none'} | date {info['date']} | "
+             f"torch {info.get('torch')} (CUDA {info.get('cuda')}) | NCCL {info.get('nccl')} | "
+             f"triton {info.get('triton')} | python {info.get('python')} | "
+             f"commit {info.get('commit')} | {setup}", "",
+             "| recipe | status | seconds | record |", "| --- | --- | --- | --- |"]
+    lines += [f"| {r['recipe']} | {r['status']} | {r['seconds']} | {r['record']} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def list_recipes(recipes) -> str:
+    lines = []
+    for recipe in recipes:
+        gpus = f"{recipe.gpus}+ GPUs (all visible)" if recipe.all_gpus else f"{recipe.gpus} GPU(s)"
+        needs = f"; needs {', '.join(recipe.needs)}" if recipe.needs else ""
+        lines += [f"{recipe.name}: {gpus}{needs}", f"    measures: {recipe.measures}",
+                  f"    records: {recipe.records}"]
+    return "\n".join(lines)
+
+
+def main(argv=None, recipes=None) -> int:
+    recipes = table.RECIPES if recipes is None else recipes
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("recipes", nargs="*", metavar="RECIPE")
+    parser.add_argument("--list", action="store_true", help="list the recipes and exit")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu")
+    parser.add_argument("--work", default="/tmp/epoverlap-gpu",
+                        help="where the records are made before packing")
+    parser.add_argument("--time-limit", type=float, default=570.0)
+    parser.add_argument("--no-install", action="store_true")
+    args = parser.parse_args(argv)
+    if args.list:
+        print(list_recipes(recipes))
+        return 0
+    known = {recipe.name: recipe for recipe in recipes}
+    unknown = [name for name in args.recipes if name not in known]
+    if unknown or not args.recipes:
+        what = f"unknown recipe {', '.join(unknown)}" if unknown else "no recipe named"
+        print(f"benchmarks.gpu.run: {what} (--list names them)", file=sys.stderr)
+        return 2
+    deadline = time.time() + args.time_limit
+    out, work = Path(args.out).resolve(), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1"}
+    setup = prepare(env, work, not args.no_install)
+    info = {**machine(env), "setup": setup}
+    rows = [run_recipe(known[name], env, info, work, out, deadline) for name in args.recipes]
+    text = summary(rows, info, setup)
+    (out / "summary.md").write_text(text)
+    print("\n" + text, end="")
+    packed = sum(row["record"] != "-" for row in rows) + 1
+    if packed > 8:
+        print(f"note: {packed} files in {out}; a GPU machine sends back 8")
+    failed = [r for r in rows if not r["status"].startswith(("ok", "skipped"))]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

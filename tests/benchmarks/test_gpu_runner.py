@@ -1,0 +1,199 @@
+"""benchmarks/gpu: the recipe table (what every GPU check runs) and its runner, on CPU: the
+table names modules, test paths and shapes that exist under unique names, covers the checks
+the project relies on, and formats; the runner lists, refuses an unknown recipe in one line,
+and runs stubbed recipes: status, record and pack under --out."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu import recipes, run
+from benchmarks.gpu.recipes import Recipe, Step
+
+REPO = Path(__file__).resolve().parents[2]
+MODULE = re.compile(r"-m ((?:benchmarks|epoverlap)\.[\w.]+)")
+TEST_PATH = re.compile(r"(?<![\w/])(tests(?:/[\w./]+)?)(?![\w/])")
+SHAPES = re.compile(r"--shapes (\S+)")
+NAMES = {"python": "PY", "torchrun": "TR", "gpus": 2, "out": "/o"}
+
+
+def _commands(recipe: Recipe) -> list:
+    return [step.command for step in recipe.steps]
+
+
+def _by_name() -> dict:
+    return {recipe.name: recipe for recipe in recipes.RECIPES}
+
+
+def test_names_are_unique_and_say_what_is_measured_not_when():
+    names = [recipe.name for recipe in recipes.RECIPES]
+    assert len(names) == len(set(names))
+    for name in names:
+        assert re.fullmatch(r"[a-z][a-z0-9_]*", name), name
+        assert not re.search(r"\d{4}|call|issue|run\d|_v\d|merged|again", name), name
+
+
+def test_every_recipe_names_modules_and_test_paths_that_exist():
+    for recipe in recipes.RECIPES:
+        named = []
+        for command in _commands(recipe):
+            for module in MODULE.findall(command):
+                path = REPO / module.replace(".", "/")
+                assert path.with_suffix(".py").exists() or (path / "__init__.py").exists(), (
+                    recipe.name, module)
+                named.append(module)
+            for test_path in TEST_PATH.findall(command):
+                assert (REPO / test_path).exists(), (recipe.name, test_path)
+                named.append(test_path)
+        assert named, f"{recipe.name} names no harness module, CLI module or test path"
+
+
+def _benchmark_shapes() -> set:
+    """bench_overlap's SHAPES keys, read from its source (no torch, no model import)."""
+    tree = ast.parse((REPO / "benchmarks" / "harness" / "bench_overlap.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["SHAPES"]:
+            return {key.value for key in node.value.keys}
+    raise AssertionError("no SHAPES in bench_overlap.py")
+
+
+def test_every_shape_a_recipe_names_is_a_benchmark_shape():
+    known = _benchmark_shapes()
+    assert "megatron_e32_k4_mbs2x8" in known
+    for recipe in recipes.RECIPES:
+        for command in _commands(recipe):
+            if "bench_overlap" in command or "bench_peer" in command:
+                for shapes in SHAPES.findall(command):
+                    assert set(shapes.split(",")) <= known, (recipe.name, shapes)
+
+
+def test_every_command_and_env_value_formats_with_the_runners_names():
+    for recipe in recipes.RECIPES:
+        assert recipe.gpus >= 1 and recipe.steps and recipe.measures and recipe.records
+        steps = [step.name for step in recipe.steps]
+        assert len(steps) == len(set(steps)), recipe.name  # one log per step
+        for step in recipe.steps:
+            assert "{" not in step.command.format(**NAMES), (recipe.name, step.name)
+            if "-m pytest" in step.command:  # its own -m replaces the default 'not slow'
+                assert step.command.count(" -m ") == 2, (recipe.name, step.name)
+            for value in step.env.values():
+                value.format(**NAMES)
+            assert 0 < step.timeout_s < 600  # one device call's limit
+
+
+def test_the_table_covers_the_checks_the_project_relies_on():
+    table = _by_name()
+    one = table["gpu_tests_1gpu"]
+    assert one.gpus == 1 and "-m 'gpu and not multigpu'" in one.steps[0].command
+    multi = table["gpu_tests_multigpu"]
+    assert multi.gpus >= 2 and "-m multigpu" in multi.steps[0].command
+    assert "benchmarks.harness.check_bitwise" in table["bitwise_check"].steps[0].command
+    cli = " ".join(_commands(table["bitwise_cli"]))
+    assert "--bf16" in cli and "--deterministic-mode" in cli and "--skip-optimizer" not in cli
+    assert cli.count("epoverlap.cli.compare_losses") == 3
+    for name, p2p in (("overlap_step_nvlink", None), ("overlap_step_nop2p", "1")):
+        [step] = table[name].steps
+        assert "benchmarks.harness.bench_overlap" in step.command
+        assert recipes.MEGATRON_SHAPES in step.command
+        assert step.env.get("NCCL_P2P_DISABLE") == p2p
+    peer = table["peer_megatron_core"]
+    assert "benchmarks.harness.bench_peer" in " ".join(_commands(peer))
+    assert any("megatron_core" in need for need in peer.needs)
+    assert "benchmarks.harness.bench_kernels" in " ".join(_commands(table["kernel_speed"]))
+    [rounds] = table["train_step_schedules"].steps
+    assert "benchmarks.harness.bench_train_rounds" in rounds.command
+    assert int(re.search(r"--rounds (\d+)", rounds.command).group(1)) >= 3
+    assert "-m epoverlap.train" in rounds.command.split(" -- ")[1]
+
+
+def test_list_names_every_recipe():
+    result = subprocess.run([sys.executable, "-m", "benchmarks.gpu.run", "--list"],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    listed = re.findall(r"^(\w+): ", result.stdout, re.M)
+    assert listed == [recipe.name for recipe in recipes.RECIPES]
+
+
+@pytest.mark.parametrize("argv", [["no_such_recipe"], ["gpu_tests_1gpu", "no_such_recipe"], []])
+def test_an_unknown_recipe_is_one_line_and_exit_2(argv):
+    result = subprocess.run([sys.executable, "-m", "benchmarks.gpu.run", *argv],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("benchmarks.gpu.run: ")
+
+
+STUBS = (
+    Recipe("stub_ok", 0, "a stub", "result.txt",
+           (Step("write", "echo hi > {out}/result.txt; echo multicast=$NCCL_NVLS_ENABLE $EXTRA",
+                 env={"EXTRA": "{out}/extra"}),)),
+    Recipe("stub_fails", 0, "a stub", "-", (Step("bad", "exit 3"), Step("after", "true"))),
+    Recipe("stub_slow", 0, "a stub", "-", (Step("sleep", "sleep 30", timeout_s=1),)),
+    Recipe("stub_many_gpus", 64, "a stub", "-", (Step("never", "true"),)),
+    Recipe("stub_needs_wheel", 0, "a stub", "-", (Step("never", "true"),),
+           needs=(".whl/no_such_package-*.whl",)),
+)
+
+
+def _record(out: Path, name: str) -> tuple:
+    with tarfile.open(out / f"{name}.tgz") as tar:
+        members = sorted(tar.getnames())
+        record = json.load(tar.extractfile(f"{name}/record.json"))
+        logs = {member: tar.extractfile(member).read().decode()
+                for member in members if member.endswith((".log", ".txt"))}
+    return members, record, logs
+
+
+def test_stubbed_recipes_record_their_status_and_pack_under_out(tmp_path, capsys):
+    out, work = tmp_path / "out", tmp_path / "work"
+    names = [recipe.name for recipe in STUBS]
+    rc = run.main([*names, "--out", str(out), "--work", str(work), "--no-install"], STUBS)
+    assert rc == 1  # stub_fails and stub_slow
+    ran = ["stub_ok", "stub_fails", "stub_slow"]  # the skipped ones pack nothing
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f"{name}.tgz" for name in ran] + ["summary.md"])
+    members, record, logs = _record(out, "stub_ok")
+    assert members == ["stub_ok", "stub_ok/record.json", "stub_ok/result.txt",
+                       "stub_ok/write.log"]
+    folder = str(work / "stub_ok")
+    assert f"multicast=0 {folder}/extra" in logs["stub_ok/write.log"]
+    assert record["status"] == "ok" and record["recipe"] == "stub_ok"
+    [step] = record["steps"]
+    assert step["rc"] == 0 and step["command"].startswith(f"echo hi > {folder}/result.txt")
+    assert step["env"] == {"EXTRA": f"{folder}/extra"}
+    assert step["nccl_env"]["NCCL_NVLS_ENABLE"] == "0"
+    assert step["nccl_env"]["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert step["nccl_env"]["NVSHMEM_DISABLE_NVLS"] == "1"
+    machine = record["machine"]
+    for key in ("date", "torch", "nccl", "triton", "python", "gpus", "nvidia_smi"):
+        assert key in machine
+    statuses = {name: _record(out, name)[1]["status"] for name in ran}
+    assert statuses["stub_fails"] == "failed: bad rc=3"
+    assert [s["rc"] for s in _record(out, "stub_fails")[1]["steps"]] == [3, 0]
+    assert statuses["stub_slow"] == "timeout: sleep"
+    assert _record(out, "stub_slow")[1]["seconds"] < 15
+    summary = (out / "summary.md").read_text()
+    assert "| stub_ok | ok | " in summary and "| stub_fails | failed: bad rc=3 | " in summary
+    assert re.search(r"\| stub_many_gpus \| skipped: needs 64 GPU\(s\), \d+ visible \| 0.0 \| - \|",
+                     summary)
+    assert ("| stub_needs_wheel | skipped: needs .whl/no_such_package-*.whl (not carried) | "
+            "0.0 | - |") in summary
+    assert capsys.readouterr().out.rstrip().endswith(summary.rstrip().splitlines()[-1])
+
+
+def test_no_step_starts_past_the_time_limit(tmp_path):
+    out = tmp_path / "out"
+    rc = run.main(["stub_ok", "--out", str(out), "--work", str(tmp_path / "work"),
+                   "--no-install", "--time-limit", "5"], STUBS)
+    assert rc == 1
+    _, record, _ = _record(out, "stub_ok")
+    assert record["status"] == "cut: time limit before write"
+    assert record["steps"][0]["rc"] is None
