@@ -1,7 +1,6 @@
 """Benchmark the Triton routing kernels against the torch reference and the copy bandwidth.
 
 Run on one GPU:  python -m benchmarks.harness.bench_kernels [--out PATH] [--sweep] [--shapes dsv3,mixtral]
-          (or:   python -m tools.bench_kernels ...)
 Without CUDA it prints why and exits 0 (the kernels' CPU tests run under pytest instead).
 
 For each shape and op, forward and backward: correctness against the torch reference first,
@@ -49,9 +48,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-
-PEERS = "Transformer Engine 2.20 Triton permute, one H200: DSv3 shape permute 0.297 ms + row map " \
-        "0.218 ms (49% of copy end to end), unpermute 0.264 ms (94%)"
 
 
 @dataclass(frozen=True)

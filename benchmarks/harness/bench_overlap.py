@@ -6,7 +6,8 @@
 
 Runs on any number of ranks (EP = the world size); GPUs with NCCL (bf16), or CPU with gloo.
 For each shape it builds a fresh model per mode and times the forward-backward of all
-microbatches (median over --iters after --warmup; the max over ranks):
+microbatches (median over --iters after --warmup; the max over ranks; every timed step is kept
+too, `fb_ms_samples` / `step_ms_samples`: the slowest rank's, rounds one after the other):
   T_seq   sequential schedule (no overlap)
   T_ovl   combined 1F1B with the all-to-alls on the comm stream
   T_wgrad T_ovl plus delayed weight-grad compute
@@ -169,6 +170,15 @@ def max_over_ranks(value: float) -> float:
     return float(tensor)
 
 
+def max_over_ranks_each(values) -> list:
+    """Each entry's max over ranks (every rank passes as many): per-step samples as the slowest
+    rank timed them."""
+    tensor = torch.tensor(list(values), dtype=torch.float64,
+                          device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 def _memory(device) -> float:
     return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
@@ -208,6 +218,9 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
         reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else 0
         result = {"fb_ms": max_over_ranks(statistics.median(fb) * 1e3),
                   "step_ms": max_over_ranks(statistics.median(full) * 1e3),
+                  # every timed step, not only the medians (ms, the slowest rank's)
+                  "fb_ms_samples": [s * 1e3 for s in max_over_ranks_each(fb)],
+                  "step_ms_samples": [s * 1e3 for s in max_over_ranks_each(full)],
                   "peak_gib": max_over_ranks(peak), "static_gib": max_over_ranks(static),
                   "peak_reserved_gib": max_over_ranks(reserved),
                   **graph_info}
@@ -282,8 +295,9 @@ def _profile_steps(trainer, inputs, profile_dir: Path, args) -> None:
     trainer.recorder.write(str(profile_dir))
 
 
-def replay_comm_ms(trace, groups, args) -> float:
-    """The recorded all-to-alls alone, back to back on one stream (median of --iters)."""
+def replay_comm_ms(trace, groups, args) -> tuple:
+    """The recorded all-to-alls alone, back to back on one stream: the median of --iters
+    replays (max over ranks) and each replay's ms (the slowest rank's)."""
     device = groups.device
     def elems(shape):
         return int(torch.tensor(shape).prod()) if shape else 1
@@ -307,15 +321,18 @@ def replay_comm_ms(trace, groups, args) -> float:
         start = sync_time(device)
         run_all()
         times.append(sync_time(device) - start)
-    return max_over_ranks(statistics.median(times) * 1e3)
+    return (max_over_ranks(statistics.median(times) * 1e3),
+            [s * 1e3 for s in max_over_ranks_each(times)])
 
 
 def replayed_comm(trace, groups, args) -> dict:
     """T_comm: the replay, --rounds times, its median (each round's in fb_ms_rounds). One
     replay can come out slow: once 2.35x its 4-microbatch twin for 2x the bytes, which read
     as T_ovl/max 1.00 where a rerun gave 1.17 (benchmarks/overlap.md run M)."""
-    rounds = [replay_comm_ms(trace, groups, args) for _ in range(max(1, args.rounds))]
-    figures = {"fb_ms": statistics.median(rounds)}
+    replays = [replay_comm_ms(trace, groups, args) for _ in range(max(1, args.rounds))]
+    rounds = [median for median, _ in replays]
+    figures = {"fb_ms": statistics.median(rounds),
+               "fb_ms_samples": [ms for _, samples in replays for ms in samples]}
     return {**figures, "fb_ms_rounds": rounds} if len(rounds) > 1 else figures
 
 
@@ -401,6 +418,8 @@ def _more_rounds(results: dict, modes: dict, base: list, groups, args, log) -> N
             got = measure_mode(groups, base + modes[mode], timing_only)
             results[mode]["fb_ms_rounds"].append(got["fb_ms"])
             results[mode]["step_ms_rounds"].append(got["step_ms"])
+            results[mode]["fb_ms_samples"] += got["fb_ms_samples"]
+            results[mode]["step_ms_samples"] += got["step_ms_samples"]
             log(f"{mode} round {round_index}: fb {got['fb_ms']:.2f} ms")
     for mode in modes:
         first_step_ms = results[mode]["step_ms"]

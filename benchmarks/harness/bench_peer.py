@@ -17,7 +17,8 @@ batch made before the first step and fed to both systems). A step is the forward
 every microbatch, the gradient reduction and the AdamW step (same learning-rate schedule),
 each system through its own training machinery: ours `Trainer.step`; Megatron-core's
 Float16Module, DistributedDataParallel and `get_megatron_optimizer`, as Megatron-LM builds them.
-Reported per run: step time (median of the steps after the warmup, max over ranks),
+Reported per run: step time (median of the steps after the warmup, max over ranks; each timed
+step's time on the slowest rank in `step_ms_samples`),
 tokens/s/GPU, TFLOP/s/GPU (one FLOP count for both: `training_flops_per_token`), peak memory
 (allocated, max over ranks and timed steps) and the loss of the first and the last step (mean
 over microbatches and ranks); per shape, each system's overlap gain (T_seq / T_ovl) and our
@@ -58,8 +59,9 @@ from epoverlap.training.data import open_data_source
 from epoverlap.training.environment import setup_environment
 from epoverlap.training.optim import lr_at
 from epoverlap.training.trainer import Trainer
-from benchmarks.harness.bench_overlap import (OVERLAP, SHAPES, max_over_ranks, nccl_environment,
-                                           nccl_environment_text, sync_time)
+from benchmarks.harness.bench_overlap import (OVERLAP, SHAPES, max_over_ranks,
+                                              max_over_ranks_each, nccl_environment,
+                                              nccl_environment_text, sync_time)
 
 SYSTEMS = ("megatron", "epoverlap")
 MODES = {"seq": [], "ovl": OVERLAP}
@@ -149,7 +151,10 @@ def summarize(samples: list[StepSample], warmup: int, cfg: RunConfig) -> dict:
     timed = samples[warmup:]
     step_s = max_over_ranks(statistics.median(s.seconds for s in timed))
     tokens = tokens_per_step_per_gpu(cfg)
-    return {"step_ms": step_s * 1e3, "tokens_per_s_per_gpu": tokens / step_s,
+    return {"step_ms": step_s * 1e3,
+            # every timed step, not only the median (ms, the slowest rank's)
+            "step_ms_samples": [x * 1e3 for x in max_over_ranks_each(s.seconds for s in timed)],
+            "tokens_per_s_per_gpu": tokens / step_s,
             "tflops_per_gpu": training_flops_per_token(cfg) * tokens / step_s / 1e12,
             "peak_gib": (None if timed[0].peak_gib is None
                          else max_over_ranks(max(s.peak_gib for s in timed))),
