@@ -2,7 +2,7 @@
 
 Owns `GraphBanks`. A bank is a `GraphRunner` (per-layer graphs) or a `FullIterationGraph`,
 made by a factory; the key is the budget level of the sync-free dropless dispatch
-(`epoverlap.model.moe.DispatchBudget`), because the all-to-all buffers inside graphs that hold
+(`epoverlap.model.budget.DispatchBudget`), because the all-to-all buffers inside graphs that hold
 the dispatch are sized by it: the base budget's bank serves every step, and a step whose
 dispatch overflowed is rerun by the bank of the level that holds it. A bank is captured the
 first time it is needed after the warmup steps (its first run is eager and records what it

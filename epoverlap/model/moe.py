@@ -1,57 +1,27 @@
-"""The MoE layer's pieces: router, all-to-all dispatcher, grouped SwiGLU experts.
+"""The MoE layer's compute pieces: router and grouped SwiGLU experts (the dispatch between them
+is `model.dispatch`).
 
 Owns `Router` (gate, score function, top-k, aux losses, capacity, expert bias and its per-step
-update), `DispatchMode` (how the all-to-alls are sized, from the config), `DispatchBudget` (the
-sync-free dropless mode's buffer size and overflow record), `AllToAllDispatcher` (preprocess,
-dispatch, sort-by-expert, unsort, combine: the steps the scheduler runs as separate nodes),
-`GroupedSwiGLUExperts` and `SwiGLU` (dense / shared MLP). The routing ops come from an `MoEOps`
-table chosen once by config (torch or Triton).
+update), `GroupedSwiGLUExperts` and `SwiGLU` (dense / shared MLP), and the seeded parameter init
+every module of the model uses (`seeded_normal_`, `param_seed`). The routing ops come from an
+`MoEOps` table chosen once by config (torch or Triton).
 
-Dispatch modes (`DispatchMode.name`), and whether the host reads the device in the dispatch:
-  dropless         each rank sends what it routed; split sizes read on the host before the
-                   all-to-all (one sync per layer and microbatch), from an exchange started
-                   when the router has counted (`start_split_exchange`, at the end of the
-                   `attn` node), so the read waits for that exchange alone.
-  capacity         Megatron-core's --moe-expert-capacity-factor: the router drops routed
-                   (token, expert) pairs beyond an expert's capacity (counted, `step_dropped`);
-                   the split sizes are still data dependent: read on the host.
-  capacity_padded  + --moe-pad-expert-input-to-capacity: every expert gets exactly `capacity`
-                   rows from every rank (unrouted tokens with prob 0 fill the gap), so every
-                   split size is known from shapes: no host read.
-  budget           --moe-dispatch-budget: dropless, but every rank sends every rank one chunk of
-                   a fixed size (`DispatchBudget`): equal splits, counts kept on the device; a
-                   dispatch whose rows for one rank exceed the chunk is recorded on the device
-                   (`DispatchBudget.demand_rows`) and the trainer reruns the step at a larger
-                   budget: no token is ever silently dropped, no host read inside the step.
-With --moe-dispatch-once-per-rank (dropless, capacity, budget) the preprocess sends each
-token once to every rank holding one of its experts (`permute` over a [T, R] "to rank" map),
-each row with the probs of that rank's L experts (-1 where the expert was not chosen); the
-receiving rank copies the row to those experts (`sort_by_expert`, a second permute) and sums
-their outputs (`unsort`, its unpermute) before the combine returns one row per (token, rank).
-The experts see the same rows in the same order as without it ((local expert, source rank,
-token)); the combine sums per rank first. Split sizes: rows per rank counted apart and
-exchanged with the expert counts; with the budget nothing is exchanged: a rank's chunk holds
-its rows for that rank (at most one per token), and each received row's probs say which local
-experts it goes to (an empty slot's: none), so the receiver counts its experts' rows itself.
-Those (row, expert) pairs are budgeted too (`DispatchBudget.expert_rows`: the budget times a
-rank's balanced share, tokens x topk, not the chunks' rows times min(topk, L), 2-2.5x more at
-top-4 to top-8 on 2 ranks); pairs past it are cut and recorded, and the step reruns.
-The preprocess never reads the host in any mode (its row count is static: tokens x topk, or
-experts x capacity padded); only the torch reference permute does (`preprocess_syncs_host`).
+With a capacity (`DispatchMode.drops_tokens`, Megatron-core's --moe-expert-capacity-factor) the
+router drops routed (token, expert) pairs beyond an expert's capacity and counts them
+(`step_dropped`); with --moe-pad-expert-input-to-capacity it also pads every expert to its
+capacity with unrouted tokens of prob 0.
 
 Probabilities are applied inside the expert activation (h = silu(gate) * up * prob, in fp32),
 so the combine's unpermute sums rows without merging probs.
 
-Shape legend: T local tokens, H hidden, E global experts, L local experts (E / ep), R EP ranks,
-N = T * topk permuted rows, M rows received by this rank, F expert FFN width.
+Shape legend: T local tokens, H hidden, E global experts, L local experts (E / ep), M rows
+received by this rank, F expert FFN width.
 """
 
 from __future__ import annotations
 
-import math
 import zlib
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -62,9 +32,8 @@ from epoverlap.kernels.router_topk import (SwitchAuxLoss, attach_aux_loss, aux_l
                                           expert_token_counts, plain_topk_counts,
                                           switch_aux_loss)
 
-from epoverlap.parallel.comm import ExpertComm, SplitExchange, all_to_all
 from epoverlap.config import MoEConfig
-from epoverlap.config.dispatch import DispatchMode, budget_chunk_rows, budget_levels, padded_rows
+from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.linear import expert_offsets, grouped_gemm, linear
 
 
@@ -83,102 +52,6 @@ def param_seed(base_seed: int, *names: object) -> int:
     return base_seed * 1_000_003 + zlib.crc32("/".join(str(n) for n in names).encode())
 
 
-class DispatchBudget:
-    """The buffer size of the sync-free dropless dispatch, shared by every MoE layer of a model.
-
-    Each rank sends every EP rank one chunk of `chunk_rows` rows: ceil(factor x N / ranks), at
-    most N, where N = tokens x topk of a microbatch (factor 1.0 = the balanced share). A
-    dispatch that routes more than a chunk's rows to one rank sends only the first chunk of them
-    and raises `demand_rows` (a device scalar: the most rows any dispatch of the step wanted to
-    send to one rank); after the step the trainer all-reduces it and, if it exceeds the chunk,
-    reruns the step at `rerun_level(demand)`, the smallest of `levels` whose chunk holds it.
-
-    Once per rank a received row goes to up to min(topk, L) local experts, so the experts' rows
-    are budgeted apart (`pairs_per_dispatch` = tokens x topk, the balanced share of (token,
-    expert) pairs a rank's experts get; `pairs_per_row` = min(topk, L)): `expert_rows`, with its
-    own demand (`demand_expert_rows`, the most pairs any dispatch brought one rank's experts).
-    Without `pairs_per_dispatch` the rows are the pairs already: nothing apart to budget. The
-    experts' demand is counted where the rows arrive, so a step whose sends overflowed counts
-    only the pairs of the rows that were sent: its rerun, whose chunks hold every row, may still
-    overflow the experts' budget and run once more (never with k >= EP at a budget >= 1, whose
-    chunks hold one row per token).
-    """
-
-    def __init__(self, factor: float, ranks: int, rows_per_dispatch: int,
-                 device: torch.device, pairs_per_dispatch: Optional[int] = None,
-                 pairs_per_row: int = 1):
-        self.ranks, self.rows = ranks, rows_per_dispatch
-        self.pairs, self.pairs_per_row = pairs_per_dispatch, pairs_per_row
-        self.levels = budget_levels(factor, ranks)
-        self.level = 0
-        self.demand_rows = torch.zeros((), dtype=torch.int64, device=device)
-        self.demand_expert_rows = torch.zeros((), dtype=torch.int64, device=device)
-
-    @classmethod
-    def for_dispatch(cls, factor: float, ranks: int, tokens: int, topk: int, num_experts: int,
-                     once_per_rank: bool, device: torch.device) -> "DispatchBudget":
-        """The budget of a dispatch of `tokens` tokens a microbatch: rows are (token, expert)
-        pairs, or once per rank (EP > 1) (token, rank) pairs, at most min(topk, ranks) a token,
-        each going to at most min(topk, L) local experts, whose rows are budgeted apart."""
-        if once_per_rank and ranks > 1:
-            return cls(factor, ranks, tokens * min(topk, ranks), device,
-                       pairs_per_dispatch=tokens * topk,
-                       pairs_per_row=min(topk, num_experts // ranks))
-        return cls(factor, ranks, tokens * topk, device)
-
-    @property
-    def factor(self) -> float:
-        return self.levels[self.level]
-
-    def chunk_rows_at(self, level: int) -> int:
-        return budget_chunk_rows(self.levels[level], self.rows, self.ranks)
-
-    @property
-    def chunk_rows(self) -> int:
-        return self.chunk_rows_at(self.level)
-
-    def expert_rows_at(self, level: int) -> Optional[int]:
-        """Rows the local experts get at `level` (once per rank), else None: the budget times
-        the balanced share of pairs, at most every received row times `pairs_per_row` (at the
-        top level, `ranks` x the pairs: every pair of every rank, so it never overflows)."""
-        if self.pairs is None:
-            return None
-        received = self.ranks * self.chunk_rows_at(level) * self.pairs_per_row
-        return min(received, math.ceil(self.levels[level] * self.pairs))
-
-    @property
-    def expert_rows(self) -> Optional[int]:
-        return self.expert_rows_at(self.level)
-
-    def note(self, send_R: torch.Tensor) -> None:
-        """Record on the device the most rows this dispatch routes to one rank (no sync)."""
-        torch.maximum(self.demand_rows, send_R.max(), out=self.demand_rows)
-
-    def note_expert_rows(self, pairs: torch.Tensor) -> None:
-        """Record on the device the pairs this dispatch brought the local experts (no sync)."""
-        torch.maximum(self.demand_expert_rows, pairs, out=self.demand_expert_rows)
-
-    def reset_demand(self) -> None:
-        self.demand_rows.zero_()
-        self.demand_expert_rows.zero_()
-
-    def demand(self) -> torch.Tensor:
-        """[rows to one rank, pairs on one rank's experts] of the step, on the device."""
-        return torch.stack([self.demand_rows, self.demand_expert_rows])
-
-    def fits(self, level: int, demand: Sequence[int]) -> bool:
-        experts = self.expert_rows_at(level)
-        return self.chunk_rows_at(level) >= demand[0] and (experts is None
-                                                           or experts >= demand[1])
-
-    def rerun_level(self, demand: Sequence[int]) -> Optional[int]:
-        """None when the level in use holds `demand` (`demand()`, max over ranks), else the
-        smallest level that does."""
-        if self.fits(self.level, demand):
-            return None
-        return next(level for level in range(len(self.levels)) if self.fits(level, demand))
-
-
 class Router(nn.Module):
     """Gate linear + score function + top-k, with Switch aux loss, z-loss and expert bias.
 
@@ -189,9 +62,9 @@ class Router(nn.Module):
     --moe-router-force-load-balancing). `step_counts` / `step_aux_loss` / `step_dropped` are
     per-step scratch.
 
-    Benchmark seam (no flag): `aux_loss_in_op` False computes the Switch aux loss with separate
-    autograd ops even where the router op could fuse it (the in-process A/B of
-    benchmarks/harness/bench_host.py --fusion-ab).
+    Measurement seam (no flag): `aux_loss_in_op` False computes the Switch aux loss with
+    separate autograd ops even where the router op could fuse it, so the host time the fusion
+    saves can be measured in one process against the fused router.
 
     Test seam (no flag): `logit_bias`, when set, is called with the gate logits [T, E] and
     returns a bias [T, E] added to them; the routing fuzz test forces adversarial routings with
@@ -200,10 +73,12 @@ class Router(nn.Module):
     """
 
     def __init__(self, moe: MoEConfig, hidden: int, layer: int, ops: MoEOps, *, seed: int,
-                 std: float, dtype: torch.dtype, device: torch.device, aux_loss_scale: float):
+                 std: float, dtype: torch.dtype, device: torch.device, aux_loss_scale: float,
+                 mode: DispatchMode):
+        """`mode`: the model's dispatch mode (built once from the config), for its capacity."""
         super().__init__()
         num_experts = moe.num_experts
-        self.mode = DispatchMode.of(moe)
+        self.mode = mode
         gate_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(moe.moe_router_dtype,
                                                                          dtype)
         self.moe, self.ops, self.layer = moe, ops, layer
@@ -351,326 +226,3 @@ class GroupedSwiGLUExperts(nn.Module):
             row_M1 = torch.arange(out_MH.shape[0], device=out_MH.device).unsqueeze(1)
             out_MH = torch.where(row_M1 < offsets_L[-1:], out_MH, out_MH.new_zeros(()))
         return out_MH
-
-
-@dataclass
-class DispatchMeta:
-    """What the steps after the dispatch need. Split sizes are host lists where the mode reads
-    them on the host (dropless, capacity) or knows them from shapes (capacity_padded), None for
-    equal chunks; `recv_counts_RL` is always on the device."""
-
-    input_splits: Optional[list[int]]  # rows sent to each EP rank
-    output_splits: Optional[list[int]]  # rows received from each EP rank
-    recv_counts_RL: torch.Tensor  # [R, L] device: rows received per (source rank, local expert)
-    tokens_per_local_expert: Optional[list[int]]  # host, summed over source ranks; None: device
-    capacity: Optional[int] = None  # capacity_padded: rows per (rank, expert)
-    chunk_rows: Optional[int] = None  # budget: rows per (source rank) chunk
-    send_index: Optional[torch.Tensor] = None  # budget [R*C]: chunk slot -> permuted row or -1
-    return_index: Optional[torch.Tensor] = None  # budget [N]: permuted row -> chunk slot or -1
-    expert_rows: Optional[int] = None  # budget once per rank: the local experts' rows (static)
-
-
-def _pick_rows(src_XH: torch.Tensor, index_Y: torch.Tensor) -> torch.Tensor:
-    """out[y] = src[index[y]], a zero row where index[y] < 0."""
-    picked_YH = src_XH.index_select(0, index_Y.clamp(min=0))
-    return torch.where((index_Y >= 0).unsqueeze(1), picked_YH, picked_YH.new_zeros(()))
-
-
-class _MoveRows(torch.autograd.Function):
-    """Rows moved by an index whose valid entries are one-to-one (`inverse` maps back): the
-    backward is the inverse move, a gather, so every grad is copied, never summed."""
-
-    @staticmethod
-    def forward(ctx, src_XH, index_Y, inverse_X):
-        ctx.save_for_backward(inverse_X)
-        return _pick_rows(src_XH, index_Y)
-
-    @staticmethod
-    def backward(ctx, grad_YH):
-        (inverse_X,) = ctx.saved_tensors
-        return _pick_rows(grad_YH, inverse_X), None, None
-
-
-def move_rows(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """`_MoveRows` for [X, H] rows or [X] values."""
-    if src.dim() == 1:
-        return _MoveRows.apply(src.unsqueeze(1), index, inverse).squeeze(1)
-    return _MoveRows.apply(src, index, inverse)
-
-
-def rows_per_rank(row_id_map_TR: torch.Tensor) -> torch.Tensor:
-    """Once per rank: the rows sent to each rank, from the preprocess's [T, R] row-id map. [R]."""
-    return (row_id_map_TR >= 0).sum(dim=0)
-
-
-def rows_by_pair(row_id_map_TR: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """For each of `num_rows` permuted rows, the flat (t * R + r) entry of the row-id map that
-    names it, -1 past the routed rows. [N] device, no host read: the map's row ids are distinct,
-    so a stable sort of them lists the entries in row order."""
-    unrouted = row_id_map_TR.numel()
-    keys_X = torch.where(row_id_map_TR >= 0, row_id_map_TR, unrouted).reshape(-1)
-    sorted_X, entry_X = torch.sort(keys_X, stable=True)
-    return torch.where(sorted_X[:num_rows] < unrouted, entry_X[:num_rows], -1)
-
-
-def budget_indices(send_R: torch.Tensor, chunk_rows: int, num_rows: int):
-    """Permuted rows (expert-major, so rank r's rows are one run) <-> fixed chunks of
-    `chunk_rows` slots per rank. -> (send_index [R*C]: slot -> row or -1 (empty),
-    return_index [N]: row -> slot or -1 (cut: the rank's rows overflow the chunk))."""
-    ranks, device = send_R.numel(), send_R.device
-    end_R = torch.cumsum(send_R, 0)
-    start_R = end_R - send_R
-    slot_C = torch.arange(chunk_rows, device=device)
-    send_RC = torch.where(slot_C < send_R.unsqueeze(1), start_R.unsqueeze(1) + slot_C, -1)
-    row_N = torch.arange(num_rows, device=device)
-    rank_N = torch.searchsorted(end_R, row_N, right=True)
-    owned_N = rank_N < ranks
-    rank_N = rank_N.clamp(max=ranks - 1)
-    offset_N = row_N - start_R.index_select(0, rank_N)
-    return_N = torch.where(owned_N & (offset_N < chunk_rows), rank_N * chunk_rows + offset_N, -1)
-    return send_RC.reshape(-1), return_N
-
-
-def kept_counts(recv_RL: torch.Tensor, chunk_rows: int) -> torch.Tensor:
-    """Rows of each (source rank, local expert) that fit the source's chunk (its first
-    `chunk_rows` rows, in expert order). [R, L] device."""
-    end_RL = torch.cumsum(recv_RL, 1)
-    return end_RL.clamp(max=chunk_rows) - (end_RL - recv_RL).clamp(max=chunk_rows)
-
-
-class AllToAllDispatcher:
-    """All-to-all token dispatcher in one of the `DispatchMode`s, in the steps the scheduler
-    runs as nodes."""
-
-    def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
-                 device: torch.device, mode: DispatchMode = DispatchMode(),
-                 budget: Optional[DispatchBudget] = None):
-        if (mode.name == "budget") != (budget is not None):
-            raise ValueError(f"dispatch mode {mode.name} with budget {budget}")
-        if mode.once_per_rank and mode.name == "capacity_padded":
-            raise ValueError("dispatch once per rank with a padded capacity: its rows per rank "
-                             "are not a fixed capacity")
-        self.comm, self.ops, self.topk, self.mode, self.budget = comm, ops, topk, mode, budget
-        # one rank: nothing to send once instead of several times
-        self.once_per_rank = mode.once_per_rank and comm.size > 1
-        if self.once_per_rank and budget is not None and budget.pairs is None:
-            raise ValueError("dispatch once per rank with a budget that does not budget the "
-                             "experts' rows (DispatchBudget pairs_per_dispatch)")
-        self.num_experts = num_experts
-        self.num_local = num_experts // comm.size
-        ranks, local = comm.size, self.num_local
-        # chunk order (rank, expert) -> (expert, rank), and back
-        self._to_expert_major = _index([r * local + e for e in range(local)
-                                        for r in range(ranks)], device)
-        self._to_rank_major = _index([e * ranks + r for r in range(ranks)
-                                      for e in range(local)], device)
-        # budget: chunks (rank, expert or padding) -> experts' chunks, then padding; and back
-        with_pad = local + 1
-        self._budget_to_expert_major = _index(
-            [r * with_pad + e for e in range(local) for r in range(ranks)]
-            + [r * with_pad + local for r in range(ranks)], device)
-        self._budget_to_rank_major = _index(
-            [(e * ranks + r) if e < local else local * ranks + r
-             for r in range(ranks) for e in range(with_pad)], device)
-
-    @property
-    def dispatch_syncs_host(self) -> bool:
-        return self.mode.dispatch_syncs_host
-
-    def permuted_rows(self, num_tokens: int) -> int:
-        """Rows of the permuted tokens: experts x capacity padded, else tokens x topk (static:
-        dropped pairs leave rows past the routed count at zero)."""
-        if self.mode.pad_to_capacity:
-            return padded_rows(num_tokens, self.topk, self.num_experts, self.mode.capacity_factor)
-        if self.once_per_rank:  # a token reaches at most min(topk, R) ranks
-            return num_tokens * min(self.topk, self.comm.size)
-        return num_tokens * self.topk
-
-    def preprocess(self, hidden_TH, probs_TE, routing_map_TE):
-        """Permute token copies into expert-major rows, or once per rank into rank-major rows
-        (a static row count). -> (rows [N, H], their probs [N] (or [N, L] once per rank, -1
-        where not chosen), row-id map [T, E] (or [T, R]))."""
-        num_out = self.permuted_rows(hidden_TH.shape[0])
-        if self.once_per_rank:
-            return self._preprocess_once_per_rank(hidden_TH, probs_TE, routing_map_TE, num_out)
-        return self.ops.permute(hidden_TH, routing_map_TE, probs_TE, num_out_tokens=num_out,
-                                drop_and_pad=self.mode.pad_to_capacity)
-
-    def _preprocess_once_per_rank(self, hidden_TH, probs_TE, routing_map_TE, num_out: int):
-        tokens, ranks = hidden_TH.shape[0], self.comm.size
-        routing_map_TRL = routing_map_TE.view(tokens, ranks, self.num_local)
-        to_rank_TR = routing_map_TRL.any(dim=2)
-        permuted_NH, _, row_id_map_TR = self.ops.permute(hidden_TH, to_rank_TR, None,
-                                                         num_out_tokens=num_out)
-        chosen_probs_XL = torch.where(routing_map_TE, probs_TE, -1.0).view(
-            tokens * ranks, self.num_local)  # X = (token, rank) pairs
-        source_N = rows_by_pair(row_id_map_TR, num_out)
-        permuted_probs_NL = move_rows(chosen_probs_XL, source_N, row_id_map_TR.reshape(-1))
-        return permuted_NH, permuted_probs_NL, row_id_map_TR
-
-    def start_split_exchange(self, counts_E, row_id_map=None) -> Optional[SplitExchange]:
-        """Start the exchange of the split sizes a host-split dispatch reads (None for the
-        modes that read none): called when the router has counted, so the exchange runs while
-        other work is issued, and handed to `dispatch` (parallel.comm, `SplitExchange`). Once
-        per rank, the preprocess's [T, R] `row_id_map` gives the rows per rank."""
-        if not self.dispatch_syncs_host:
-            return None
-        rows_R = rows_per_rank(row_id_map) if self.once_per_rank else None
-        return self.comm.start_split_exchange(counts_E, rows_R)
-
-    def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
-                 exchange: Optional[SplitExchange] = None, row_id_map=None):
-        """All-to-all of tokens and probs: (recv_MH, recv_probs_M, DispatchMeta). A
-        host-split mode takes the `exchange` started earlier, or starts it here from
-        `counts_E`; the budget once per rank takes the preprocess's [T, R] `row_id_map`."""
-        if self.mode.name == "capacity_padded":
-            return self._dispatch_padded(permuted_NH, permuted_probs_N)
-        if self.mode.name == "budget":
-            return self._dispatch_budget(permuted_NH, permuted_probs_N, counts_E, row_id_map)
-        if exchange is None:
-            if self.once_per_rank:  # the rows per rank come from the preprocess's map
-                raise ValueError("dispatch once per rank: pass the exchange that "
-                                 "`start_split_exchange(counts_E, row_id_map)` started")
-            exchange = self.comm.start_split_exchange(counts_E)
-        return self._dispatch_host_splits(permuted_NH, permuted_probs_N, exchange)
-
-    def _dispatch_host_splits(self, permuted_NH, permuted_probs_N, exchange: SplitExchange):
-        """Read the exchanged split sizes on the host (the one host sync), then send."""
-        send_R, recv_R, recv_L = exchange.read()
-        meta = DispatchMeta(input_splits=send_R, output_splits=recv_R,
-                            recv_counts_RL=exchange.recv_RL, tokens_per_local_expert=recv_L)
-        routed = sum(meta.input_splits)
-        if routed != permuted_NH.shape[0]:  # capacity: the dropped pairs' rows are not sent
-            permuted_NH, permuted_probs_N = permuted_NH[:routed], permuted_probs_N[:routed]
-        recv_MH = all_to_all(self.comm, permuted_NH, meta.output_splits, meta.input_splits)
-        recv_probs_M = all_to_all(self.comm, permuted_probs_N, meta.output_splits,
-                                  meta.input_splits)
-        return recv_MH, recv_probs_M, meta
-
-    def _dispatch_padded(self, permuted_NH, permuted_probs_N):
-        """Every (rank, expert) pair holds `capacity` rows: sizes from shapes, no host read."""
-        ranks, local = self.comm.size, self.num_local
-        capacity = permuted_NH.shape[0] // self.num_experts
-        splits = [local * capacity] * ranks
-        meta = DispatchMeta(input_splits=splits, output_splits=splits,
-                            recv_counts_RL=torch.full((ranks, local), capacity,
-                                                      dtype=torch.int64,
-                                                      device=permuted_NH.device),
-                            tokens_per_local_expert=[ranks * capacity] * local,
-                            capacity=capacity)
-        recv_MH = all_to_all(self.comm, permuted_NH, splits, splits)
-        recv_probs_M = all_to_all(self.comm, permuted_probs_N, splits, splits)
-        return recv_MH, recv_probs_M, meta
-
-    def _dispatch_budget(self, permuted_NH, permuted_probs_N, counts_E, row_id_map=None):
-        """Fixed chunks of `chunk_rows` rows per rank; counts exchanged and kept on the device;
-        a rank's rows past its chunk are cut and recorded (`DispatchBudget.note`). Once per
-        rank the rows per rank come from the [T, R] `row_id_map`, no counts are exchanged:
-        each received row's probs say which local experts it goes to (an empty slot: none)."""
-        budget, num_rows = self.budget, permuted_NH.shape[0]
-        if num_rows != budget.rows:
-            raise RuntimeError(f"budget dispatch of {num_rows} rows, sized for {budget.rows}")
-        chunk = budget.chunk_rows
-        if self.once_per_rank:
-            send_R = rows_per_rank(row_id_map)
-        else:
-            recv_RL = self.comm.exchange_counts(counts_E)  # equal splits: no host read
-            send_R = counts_E.view(self.comm.size, self.num_local).sum(dim=1)
-        budget.note(send_R)
-        send_index, return_index = budget_indices(send_R, chunk, num_rows)
-        send_XH = move_rows(permuted_NH, send_index, return_index)
-        send_probs_X = move_rows(permuted_probs_N, send_index, return_index)
-        if self.once_per_rank:  # an empty slot chooses no expert
-            send_probs_X = torch.where((send_index >= 0).unsqueeze(1), send_probs_X, -1.0)
-        recv_MH = all_to_all(self.comm, send_XH, None, None)
-        recv_probs_M = all_to_all(self.comm, send_probs_X, None, None)
-        expert_rows = None
-        if self.once_per_rank:  # the pairs past the experts' budget are cut (and recorded)
-            expert_rows = budget.expert_rows
-            recv_probs_M = self._cut_expert_pairs(recv_probs_M, expert_rows)
-            recv_counts_RL = (recv_probs_M >= 0).sum(dim=0, keepdim=True)
-        else:
-            recv_counts_RL = kept_counts(recv_RL, chunk)
-        meta = DispatchMeta(input_splits=None, output_splits=None,
-                            recv_counts_RL=recv_counts_RL, tokens_per_local_expert=None,
-                            chunk_rows=chunk, send_index=send_index, return_index=return_index,
-                            expert_rows=expert_rows)
-        return recv_MH, recv_probs_M, meta
-
-    def _cut_expert_pairs(self, probs_ML: torch.Tensor, expert_rows: int) -> torch.Tensor:
-        """Once per rank under the budget: the (received row, local expert) pairs in the order
-        the second permute gives them rows (expert-major), those past `expert_rows` unchosen
-        (probs -1); their count is recorded for the rerun."""
-        chosen_ML = probs_ML >= 0
-        self.budget.note_expert_rows(chosen_ML.sum())
-        if expert_rows >= probs_ML.shape[0] * min(self.topk, self.num_local):
-            return probs_ML  # every pair fits: nothing to cut
-        row_LM = torch.cumsum(chosen_ML.t().reshape(-1), 0).view(chosen_ML.shape[1], -1) - 1
-        return torch.where(chosen_ML & (row_LM.t() < expert_rows), probs_ML, -1.0)
-
-    def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
-        """Rows arrive (source rank, local expert); the experts want (local expert, rank).
-        -> (rows, their probs, what `unsort` needs: the row-id map of the copy to the local
-        experts once per rank, else None)."""
-        if self.once_per_rank:
-            chosen_ML = recv_probs_M >= 0
-            rows = (meta.expert_rows if meta.tokens_per_local_expert is None  # the budget's
-                    else sum(meta.tokens_per_local_expert))
-            return self.ops.permute(recv_MH, chosen_ML,
-                                    torch.where(chosen_ML, recv_probs_M, 0.0),
-                                    num_out_tokens=rows)
-        return self._sort_chunks(recv_MH, recv_probs_M, meta) + (None,)
-
-    def _sort_chunks(self, recv_MH, recv_probs_M, meta: DispatchMeta):
-        if self.comm.size == 1:
-            return recv_MH, recv_probs_M
-        if meta.capacity is not None:  # equal blocks: a transpose (Megatron-core's)
-            shape = (self.comm.size, self.num_local, meta.capacity)
-            return _swap_blocks(recv_MH, shape), _swap_blocks(recv_probs_M, shape)
-        if meta.chunk_rows is not None:
-            return self.ops.sort_chunks_by_idxs(recv_MH, self._budget_chunks(meta).reshape(-1),
-                                                self._budget_to_expert_major, recv_probs_M)
-        return self.ops.sort_chunks_by_idxs(recv_MH, meta.recv_counts_RL.reshape(-1),
-                                            self._to_expert_major, recv_probs_M)
-
-    def unsort(self, expert_out_MH, meta: DispatchMeta, local_row_id_map=None):
-        """Back to the order rows arrived in; once per rank, each received row sums its local
-        experts' outputs (`local_row_id_map` from `sort_by_expert`)."""
-        if self.once_per_rank:
-            return self.ops.unpermute(expert_out_MH, local_row_id_map)
-        if self.comm.size == 1:
-            return expert_out_MH
-        if meta.capacity is not None:
-            return _swap_blocks(expert_out_MH, (self.num_local, self.comm.size, meta.capacity))
-        if meta.chunk_rows is not None:
-            sizes = self._budget_chunks(meta).reshape(-1).index_select(
-                0, self._budget_to_expert_major)
-            return self.ops.sort_chunks_by_idxs(expert_out_MH, sizes,
-                                                self._budget_to_rank_major)[0]
-        splits_LR = meta.recv_counts_RL.t().reshape(-1)
-        return self.ops.sort_chunks_by_idxs(expert_out_MH, splits_LR, self._to_rank_major)[0]
-
-    @staticmethod
-    def _budget_chunks(meta: DispatchMeta) -> torch.Tensor:
-        """[R, L + 1] rows of each received chunk: per local expert, then padding."""
-        kept_RL = meta.recv_counts_RL
-        pad_R1 = meta.chunk_rows - kept_RL.sum(dim=1, keepdim=True)
-        return torch.cat([kept_RL, pad_R1], dim=1)
-
-    def combine(self, expert_out_MH, meta: DispatchMeta, row_id_map_TE):
-        """All-to-all back, then each token sums its rows (probs were applied by the experts)."""
-        returned_NH = all_to_all(self.comm, expert_out_MH, meta.input_splits,
-                                 meta.output_splits)
-        if meta.chunk_rows is not None:
-            returned_NH = move_rows(returned_NH, meta.return_index, meta.send_index)
-        return self.ops.unpermute(returned_NH, row_id_map_TE)
-
-
-def _swap_blocks(rows: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    """Rows as blocks [A, B, C] -> [B, A, C] (a transpose of the two outer block indices)."""
-    blocks = rows.view(*shape, *rows.shape[1:]).transpose(0, 1)
-    return blocks.reshape(rows.shape)
-
-
-def _index(values: list[int], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)

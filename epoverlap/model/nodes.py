@@ -3,7 +3,9 @@ outputs, the lane its work belongs on, and whether it owns deferrable weight-gra
 
 Values between nodes are named. A node's callable receives its inputs as keyword arguments
 with *local* names and returns a dict with local output names; `NodeSpec.inputs` / `outputs`
-map local names to the microbatch-wide value names (for example "hidden.L2" or "L2.residual").
+map local names to the microbatch-wide value names: the hidden state entering a layer
+(`hidden_value(2)` = "hidden.L2") or a value one layer passes between its own nodes
+(`layer_value(2, "residual")` = "L2.residual"); models name them through these two helpers.
 Every differentiable value has exactly one consumer, so grads never need summing across nodes.
 Cutting a node out of autograd is the schedule's business (`epoverlap.schedule.node_run`).
 
@@ -31,6 +33,16 @@ SEND = "send"  # pipeline boundary at a chunk's end: forward sends the activatio
 #                receives its grad
 RECV = "recv"  # pipeline boundary at a chunk's start: forward receives the activation,
 #                backward sends its grad
+
+
+def hidden_value(layer: int) -> str:
+    """The hidden state entering layer `layer` (the one leaving layer - 1)."""
+    return f"hidden.L{layer}"
+
+
+def layer_value(layer: int, name: str) -> str:
+    """A value layer `layer` passes between its own nodes (local name `name`)."""
+    return f"L{layer}.{name}"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,10 @@ With `one_node_moe_layers` (CUDA graphs that span the MoE layer: `--cuda-graph-m
 or the whole layer, only without the EP overlap) an MoE layer is one compute node `moe_layer`
 whose segments are attn, moe_router, moe_preprocess, moe_dispatch, moe_experts, moe_combine:
 the same callables in the same order under one autograd graph.
+The MoE layers' dispatch steps (preprocess, dispatch, sort, unsort, combine) are one
+`model.dispatch.TokenDispatcher`, the strategy of the configured dispatch mode, built once per
+model (`MoEModel.dispatcher`) and shared by its MoE layers. Value names between nodes come from
+`model.nodes` (`hidden_value`, `layer_value`).
 
 Shape legend: B microbatch sequences, S sequence length, T = B*S tokens, H hidden, V vocab,
 Q query heads, G key/value heads, D head dim.
@@ -35,11 +39,13 @@ from epoverlap.kernels import MoEOps
 
 from epoverlap.parallel.comm import ExpertComm, PipelineComm
 from epoverlap.config import RunConfig
-from epoverlap.model.linear import linear
 from epoverlap.config.dispatch import DispatchMode
-from epoverlap.model.moe import (AllToAllDispatcher, DispatchBudget, GroupedSwiGLUExperts, Router,
-                                 SwiGLU, param_seed, seeded_normal_)
-from epoverlap.model.nodes import COMM, COMPUTE, RECV, SEND, NodeSpec, Segment, segmented
+from epoverlap.model.budget import DispatchBudget
+from epoverlap.model.dispatch import TokenDispatcher, make_dispatcher
+from epoverlap.model.linear import linear
+from epoverlap.model.moe import GroupedSwiGLUExperts, Router, SwiGLU, param_seed, seeded_normal_
+from epoverlap.model.nodes import (COMM, COMPUTE, RECV, SEND, NodeSpec, Segment, hidden_value,
+                                   layer_value, segmented)
 from epoverlap.model.stages import stage_chunks
 
 
@@ -92,9 +98,9 @@ class Attention(nn.Module):
         v_BGSD = v.view(batch, seq, self.kv_heads, dim).transpose(1, 2)
         q_BQSD = self.ops.rotary(q_BQSD, self.cos_SD, self.sin_SD)
         k_BGSD = self.ops.rotary(k_BGSD, self.cos_SD, self.sin_SD)
-        # grouped-query attention inside SDPA: expanding K/V with repeat_interleave first cost
-        # 2.1-2.7x the GPU time and 2.2x the host time of the attention's forward + backward at
-        # the small preset's shape on an H100, for the same output bits (benchmarks/harness/bench_launch.py)
+        # grouped-query attention inside SDPA: expanding K/V with repeat_interleave first
+        # materializes the repeated keys and values (more GPU time and more host launches) for
+        # the same output bits
         out_BQSD = F.scaled_dot_product_attention(q_BQSD, k_BGSD, v_BGSD, is_causal=True,
                                                   enable_gqa=self.kv_heads != self.heads)
         out_TX = out_BQSD.transpose(1, 2).reshape(batch * seq, self.heads * dim)
@@ -123,8 +129,9 @@ class TransformerLayer(nn.Module):
     """One decoder layer; MoE or dense. Exposes its nodes through `node_specs`."""
 
     def __init__(self, cfg: RunConfig, layer: int, is_moe: bool, comm: ExpertComm,
-                 ep_rank: int, ops: MoEOps, *, dtype, device, queue, budget=None,
-                 one_node: bool = False):
+                 ep_rank: int, ops: MoEOps, *, dtype, device, queue,
+                 dispatcher: Optional[TokenDispatcher] = None, one_node: bool = False):
+        """`dispatcher`: the model's dispatch strategy (MoE layers; shared by all of them)."""
         super().__init__()
         m, moe, seed = cfg.model, cfg.moe, cfg.train.seed
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
@@ -135,21 +142,21 @@ class TransformerLayer(nn.Module):
         mlp_kwargs = dict(seed=seed, std=std, out_std=out_std, dtype=dtype, device=device,
                           queue=queue, ops=ops)
         self.shared_expert = self.router = self.experts = self.dense_mlp = None
+        self.dispatcher = dispatcher if is_moe else None
         if not is_moe:
             self.dense_mlp = SwiGLU(m.hidden_size, m.ffn_hidden_size, name=f"mlp{layer}",
                                     **mlp_kwargs)
             return
         ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
         self.router = Router(moe, m.hidden_size, layer, ops, seed=seed, std=std, dtype=dtype,
-                             device=device, aux_loss_scale=1.0 / cfg.train.num_microbatches)
+                             device=device, aux_loss_scale=1.0 / cfg.train.num_microbatches,
+                             mode=dispatcher.mode)
         self.experts = GroupedSwiGLUExperts(
             moe, m.hidden_size, ffn, layer, ep_rank, comm.size, **mlp_kwargs,
             sm_carveout=cfg.parallel.moe_grouped_gemm_sm_carveout)
         if moe.moe_shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(m.hidden_size, moe.moe_shared_expert_intermediate_size,
                                         name=f"shared{layer}", **mlp_kwargs)
-        self.dispatcher = AllToAllDispatcher(comm, moe.num_experts, moe.moe_router_topk, ops,
-                                             device, DispatchMode.of(moe), budget)
 
     # ----------------------------------------------------------------- node segments
     def attention_segment(self, hidden):
@@ -192,7 +199,7 @@ class TransformerLayer(nn.Module):
     def _splits_early(self) -> bool:
         """Whether the dispatch reads split sizes on the host, from an exchange started at the
         end of the `attn` node (else it takes the device counts)."""
-        return self.is_moe and self.dispatcher.dispatch_syncs_host
+        return self.is_moe and self.dispatcher.reads_host
 
     @property
     def _dispatch_sizes(self) -> str:
@@ -261,44 +268,58 @@ class TransformerLayer(nn.Module):
                                  ("expert_counts", "row_id_map"), ("split_exchange",)),)
         return segments
 
-    def node_specs(self) -> list[NodeSpec]:
-        L = self.layer
-        hidden_in, hidden_out = f"hidden.L{L}", f"hidden.L{L + 1}"
+    def _values(self, *names: str) -> dict:
+        """Local name -> this layer's value name, for `names`."""
+        return {name: layer_value(self.layer, name) for name in names}
 
-        def v(name):
-            return f"L{L}.{name}"
-        attn_segments = self._attn_segments()
+    def node_specs(self) -> list[NodeSpec]:
         if not self.is_moe:
-            mlp_segments = (Segment("mlp", self.dense_mlp_segment, ("normed", "residual"),
-                                    ("hidden",)),)
-            return [
-                NodeSpec("attn", L, COMPUTE, segmented(attn_segments, ("residual", "normed")),
-                         {"hidden": hidden_in}, {"residual": v("residual"), "normed": v("normed")},
-                         True, segments=attn_segments),
-                NodeSpec("mlp", L, COMPUTE, segmented(mlp_segments, ("hidden",)),
-                         {"normed": v("normed"), "residual": v("residual")},
-                         {"hidden": hidden_out}, True, segments=mlp_segments)]
+            return self._dense_node_specs()
         if self.one_node:
-            segments = attn_segments + self._moe_segments()
-            return [NodeSpec("moe_layer", L, COMPUTE, segmented(segments, ("layer_out",)),
-                             {"hidden": hidden_in}, {"layer_out": hidden_out}, True,
-                             segments=segments)]
-        attn_out = {k: v(k) for k in ("residual", "permuted_tokens", "permuted_probs",
-                                      self._dispatch_sizes, "row_id_map")}
-        combine_in = {k: v(k) for k in ("expert_out", "meta", "row_id_map", "residual")}
-        if self.shared_expert is not None:
-            attn_out["shared_out"] = combine_in["shared_out"] = v("shared_out")
+            segments = self._attn_segments() + self._moe_segments()
+            return [NodeSpec(name="moe_layer", layer=self.layer, lane=COMPUTE,
+                             fn=segmented(segments, ("layer_out",)),
+                             inputs={"hidden": hidden_value(self.layer)},
+                             outputs={"layer_out": hidden_value(self.layer + 1)},
+                             has_weights=True, segments=segments)]
+        return self._moe_node_specs()
+
+    def _dense_node_specs(self) -> list[NodeSpec]:
+        L, attn_segments = self.layer, self._attn_segments()
+        mlp_segments = (Segment("mlp", self.dense_mlp_segment, ("normed", "residual"),
+                                ("hidden",)),)
         return [
-            NodeSpec("attn", L, COMPUTE, segmented(attn_segments, tuple(attn_out)),
-                     {"hidden": hidden_in}, attn_out, True, segments=attn_segments),
-            NodeSpec("dispatch", L, COMM, self.dispatch_forward,
-                     {k: v(k) for k in self._dispatch_inputs},
-                     {k: v(k) for k in ("recv_tokens", "recv_probs", "meta")}),
-            NodeSpec("mlp", L, COMPUTE, self.moe_mlp_forward,
-                     {k: v(k) for k in ("recv_tokens", "recv_probs", "meta")},
-                     {"expert_out": v("expert_out")}, True),
-            NodeSpec("combine", L, COMM, self.combine_forward, combine_in,
-                     {"hidden": hidden_out})]
+            NodeSpec(name="attn", layer=L, lane=COMPUTE,
+                     fn=segmented(attn_segments, ("residual", "normed")),
+                     inputs={"hidden": hidden_value(L)},
+                     outputs=self._values("residual", "normed"),
+                     has_weights=True, segments=attn_segments),
+            NodeSpec(name="mlp", layer=L, lane=COMPUTE,
+                     fn=segmented(mlp_segments, ("hidden",)),
+                     inputs=self._values("normed", "residual"),
+                     outputs={"hidden": hidden_value(L + 1)},
+                     has_weights=True, segments=mlp_segments)]
+
+    def _moe_node_specs(self) -> list[NodeSpec]:
+        """attn, dispatch, mlp, combine (see the module docstring)."""
+        L, attn_segments = self.layer, self._attn_segments()
+        shared = ("shared_out",) if self.shared_expert is not None else ()
+        attn_out = self._values("residual", "permuted_tokens", "permuted_probs",
+                                self._dispatch_sizes, "row_id_map", *shared)
+        recv = self._values("recv_tokens", "recv_probs", "meta")
+        return [
+            NodeSpec(name="attn", layer=L, lane=COMPUTE,
+                     fn=segmented(attn_segments, tuple(attn_out)),
+                     inputs={"hidden": hidden_value(L)}, outputs=attn_out,
+                     has_weights=True, segments=attn_segments),
+            NodeSpec(name="dispatch", layer=L, lane=COMM, fn=self.dispatch_forward,
+                     inputs=self._values(*self._dispatch_inputs), outputs=recv),
+            NodeSpec(name="mlp", layer=L, lane=COMPUTE, fn=self.moe_mlp_forward,
+                     inputs=dict(recv), outputs=self._values("expert_out"), has_weights=True),
+            NodeSpec(name="combine", layer=L, lane=COMM, fn=self.combine_forward,
+                     inputs=self._values("expert_out", "meta", "row_id_map", "residual",
+                                         *shared),
+                     outputs={"hidden": hidden_value(L + 1)})]
 
 
 class MoEModel(nn.Module):
@@ -325,11 +346,18 @@ class MoEModel(nn.Module):
                                                       device=device))
             seeded_normal_(self.embedding, m.init_method_std, param_seed(seed, "embedding"))
         pattern = cfg.moe_layer_pattern()
-        self.dispatch_budget = _dispatch_budget(cfg, comm.size, device) if any(pattern) else None
+        self.dispatch_mode = DispatchMode.of(cfg.moe)  # the one place the model reads it
+        self.dispatch_budget = self.dispatcher = None
+        if any(pattern):
+            self.dispatch_budget = _dispatch_budget(cfg, self.dispatch_mode, comm.size, device)
+            self.dispatcher = make_dispatcher(comm, cfg.moe.num_experts, cfg.moe.moe_router_topk,
+                                              ops, device, self.dispatch_mode,
+                                              self.dispatch_budget)
         self.layers = nn.ModuleDict({
             str(layer): TransformerLayer(cfg, layer, pattern[layer], comm, ep_rank, ops,
                                          dtype=dtype, device=device, queue=wgrad_queue,
-                                         budget=self.dispatch_budget, one_node=one_node_moe_layers)
+                                         dispatcher=self.dispatcher,
+                                         one_node=one_node_moe_layers)
             for chunk in self.chunks for layer in chunk.layers})
         if any(chunk.has_loss for chunk in self.chunks):
             self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
@@ -362,13 +390,13 @@ class MoEModel(nn.Module):
         return specs
 
     def _embed_spec(self) -> NodeSpec:
-        return NodeSpec("embed", None, COMPUTE, self.embed_forward, {"tokens": "tokens"},
-                        {"hidden": "hidden.L0"})
+        return NodeSpec(name="embed", layer=None, lane=COMPUTE, fn=self.embed_forward,
+                        inputs={"tokens": "tokens"}, outputs={"hidden": hidden_value(0)})
 
     def _loss_spec(self, end: int) -> NodeSpec:
-        return NodeSpec("loss", None, COMPUTE, self.loss_forward,
-                        {"hidden": f"hidden.L{end}", "labels": "labels"}, {"loss": "loss"},
-                        loss="loss")
+        return NodeSpec(name="loss", layer=None, lane=COMPUTE, fn=self.loss_forward,
+                        inputs={"hidden": hidden_value(end), "labels": "labels"},
+                        outputs={"loss": "loss"}, loss="loss")
 
     def _recv_spec(self, layer: int, peer: int) -> NodeSpec:
         """Layer `layer`'s input from stage `peer`; its grad goes back there."""
@@ -378,8 +406,8 @@ class MoEModel(nn.Module):
         def send_grad(hidden):
             self.pipe.send(hidden, peer)
             return {}
-        return NodeSpec("recv", layer, COMM, receive, {}, {"hidden": f"hidden.L{layer}"},
-                        p2p=RECV, backward=send_grad)
+        return NodeSpec(name="recv", layer=layer, lane=COMM, fn=receive, inputs={},
+                        outputs={"hidden": hidden_value(layer)}, p2p=RECV, backward=send_grad)
 
     def _send_spec(self, layer: int, peer: int) -> NodeSpec:
         """Layer `layer`'s output to stage `peer`; its grad comes back from there."""
@@ -389,8 +417,9 @@ class MoEModel(nn.Module):
 
         def receive_grad():
             return {"hidden": self.pipe.recv(peer)}
-        return NodeSpec("send", layer, COMM, send, {"hidden": f"hidden.L{layer + 1}"}, {},
-                        p2p=SEND, backward=receive_grad)
+        return NodeSpec(name="send", layer=layer, lane=COMM, fn=send,
+                        inputs={"hidden": hidden_value(layer + 1)}, outputs={}, p2p=SEND,
+                        backward=receive_grad)
 
     def layout(self) -> list[tuple[str, ...]]:
         """Node kinds of each layer, in forward order (what plan builders need)."""
@@ -412,15 +441,15 @@ class MoEModel(nn.Module):
         return values["loss"]
 
 
-def _dispatch_budget(cfg: RunConfig, ranks: int, device) -> "DispatchBudget | None":
+def _dispatch_budget(cfg: RunConfig, mode: DispatchMode, ranks: int,
+                     device) -> Optional[DispatchBudget]:
     """The one budget every MoE layer's dispatcher shares (budget mode only)."""
-    factor = cfg.moe.moe_dispatch_budget
-    if factor is None:
+    if mode.budget is None:
         return None
-    return DispatchBudget.for_dispatch(factor, ranks,
+    return DispatchBudget.for_dispatch(mode.budget, ranks,
                                        cfg.train.micro_batch_size * cfg.model.seq_length,
                                        cfg.moe.moe_router_topk, cfg.moe.num_experts,
-                                       cfg.moe.moe_dispatch_once_per_rank, device)
+                                       mode.once_per_rank, device)
 
 
 def model_dtype(cfg: RunConfig) -> torch.dtype:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from epoverlap.config.dispatch import DispatchMode
-from epoverlap.model.moe import AllToAllDispatcher, DispatchBudget
+from epoverlap.model.budget import DispatchBudget
+from epoverlap.model.dispatch import TokenDispatcher, make_dispatcher
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.kernels import make_moe_ops
 from epoverlap.simulator.costs import A2aShape
@@ -23,11 +24,11 @@ from dist_helpers import run_ranks
 from dispatch_workers import EXPERTS, once_per_rank_equivalence
 
 
-def _local_dispatcher(ranks: int, experts: int, topk: int) -> AllToAllDispatcher:
+def _local_dispatcher(ranks: int, experts: int, topk: int) -> TokenDispatcher:
     """A once-per-rank dispatcher laid out for `ranks` EP ranks, used only up to its
     preprocess (which communicates nothing)."""
-    return AllToAllDispatcher(ExpertComm(None, ranks), experts, topk, make_moe_ops("torch"),
-                              torch.device("cpu"), DispatchMode(once_per_rank=True))
+    return make_dispatcher(ExpertComm(None, ranks), experts, topk, make_moe_ops("torch"),
+                           torch.device("cpu"), DispatchMode(once_per_rank=True))
 
 
 def test_the_budget_sizes_the_experts_rows_by_the_pairs_not_the_received_rows():
@@ -53,9 +54,9 @@ def test_the_experts_pairs_past_the_budget_are_cut_in_permute_order_and_recorded
     four (expert 1 keeps row 0 only) and records the 5 wanted; pairs that fit are not cut."""
     budget = DispatchBudget(0.5, 2, 4, torch.device("cpu"), pairs_per_dispatch=4,
                             pairs_per_row=2)
-    dispatcher = AllToAllDispatcher(ExpertComm(None, 2), 4, 2, make_moe_ops("torch"),
-                                    torch.device("cpu"),
-                                    DispatchMode(budget=0.5, once_per_rank=True), budget)
+    dispatcher = make_dispatcher(ExpertComm(None, 2), 4, 2, make_moe_ops("torch"),
+                                 torch.device("cpu"),
+                                 DispatchMode(budget=0.5, once_per_rank=True), budget)
     probs_ML = torch.tensor([[0.5, 0.5], [-1.0, 0.9], [0.8, -1.0], [0.3, -1.0]])
     cut = dispatcher._cut_expert_pairs(probs_ML, 4)
     assert torch.equal(cut, torch.tensor([[0.5, 0.5], [-1.0, -1.0], [0.8, -1.0],

@@ -13,7 +13,9 @@ import torch.distributed as dist
 from epoverlap.config import parse_config
 from epoverlap.model.linear import linear
 from epoverlap.config.dispatch import DispatchMode
-from epoverlap.model.moe import AllToAllDispatcher, DispatchBudget, Router
+from epoverlap.model.budget import DispatchBudget
+from epoverlap.model.dispatch import make_dispatcher
+from epoverlap.model.moe import Router
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.trainer import Trainer
@@ -115,10 +117,11 @@ def _both_layers(rank, world_size, groups, flags):
     cfg = parse_config(["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK),
                         "--hidden-size", str(HIDDEN)] + flags)
     ops = make_moe_ops("torch")
+    mode = DispatchMode.of(cfg.moe)
     router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
-                    device=torch.device("cpu"), aux_loss_scale=1.0)
-    ours = AllToAllDispatcher(ExpertComm(groups.ep, world_size), EXPERTS, TOPK, ops,
-                              groups.device, DispatchMode.of(cfg.moe))
+                    device=torch.device("cpu"), aux_loss_scale=1.0, mode=mode)
+    ours = make_dispatcher(ExpertComm(groups.ep, world_size), EXPERTS, TOPK, ops,
+                           groups.device, mode)
     their_router, theirs = _megatron_parts(rank, world_size, groups.ep_group, cfg.moe)
     x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
     results = []
@@ -222,7 +225,8 @@ def once_per_rank_equivalence(rank, world_size, flag_sets, backend):
             cfg = parse_config(["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK),
                                 "--hidden-size", str(HIDDEN)] + flags)
             router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
-                            device=torch.device("cpu"), aux_loss_scale=1.0)
+                            device=torch.device("cpu"), aux_loss_scale=1.0,
+                            mode=DispatchMode.of(cfg.moe))
             x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
             per_dispatch = []
             for once in (False, True):
@@ -232,8 +236,8 @@ def once_per_rank_equivalence(rank, world_size, flag_sets, backend):
                 topk = cfg.moe.moe_router_topk
                 budget = None if mode.budget is None else DispatchBudget.for_dispatch(
                     mode.budget, world_size, TOKENS, topk, EXPERTS, once, groups.device)
-                dispatcher = AllToAllDispatcher(comm, EXPERTS, topk, ops, groups.device, mode,
-                                                budget)
+                dispatcher = make_dispatcher(comm, EXPERTS, topk, ops, groups.device, mode,
+                                             budget)
                 x = x_TH.clone().requires_grad_()
                 probs, routing_map, rows, rows_probs, per_expert, out, weights = \
                     _scaled_expert_layer(router, dispatcher, x, rank)

@@ -9,7 +9,7 @@ import torch
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.config import parse_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
-from epoverlap.model.moe import AllToAllDispatcher
+from epoverlap.model.dispatch import make_dispatcher
 from epoverlap.training.trainer import Trainer
 from epoverlap.kernels import make_moe_ops
 
@@ -58,8 +58,8 @@ def dispatch_round_trip(rank, world_size, ep, topk, extreme):
             logits[:, :topk] += 100.0
         ops = make_moe_ops("torch")
         probs, routing_map = ops.router_topk(logits, topk)
-        dispatcher = AllToAllDispatcher(ExpertComm(groups.ep, ep), num_experts, topk, ops,
-                                        groups.device)
+        dispatcher = make_dispatcher(ExpertComm(groups.ep, ep), num_experts, topk, ops,
+                                     groups.device)
         permuted, permuted_probs, row_id_map = dispatcher.preprocess(x_TH, probs, routing_map)
         recv, recv_probs, meta = dispatcher.dispatch(permuted, permuted_probs,
                                                      routing_map.sum(0))

@@ -1,0 +1,110 @@
+"""The budget dispatch's buffer size: `DispatchBudget`, one per model, shared by its MoE layers'
+dispatchers (`model.dispatch.BudgetDispatcher`), read by the trainer after each forward-backward
+to decide a rerun (`training.step`) and by the graph banks, which hold one bank per budget level
+(`graphs.banks`). The sizing rules themselves are the config's (`config.dispatch`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from epoverlap.config.dispatch import budget_chunk_rows, budget_levels
+
+
+class DispatchBudget:
+    """The buffer size of the sync-free dropless dispatch, shared by every MoE layer of a model.
+
+    Each rank sends every EP rank one chunk of `chunk_rows` rows: ceil(factor x N / ranks), at
+    most N, where N = tokens x topk of a microbatch (factor 1.0 = the balanced share). A
+    dispatch that routes more than a chunk's rows to one rank sends only the first chunk of them
+    and raises `demand_rows` (a device scalar: the most rows any dispatch of the step wanted to
+    send to one rank); after the step the trainer all-reduces it and, if it exceeds the chunk,
+    reruns the step at `rerun_level(demand)`, the smallest of `levels` whose chunk holds it.
+
+    Once per rank a received row goes to up to min(topk, L) local experts, so the experts' rows
+    are budgeted apart (`pairs_per_dispatch` = tokens x topk, the balanced share of (token,
+    expert) pairs a rank's experts get; `pairs_per_row` = min(topk, L)): `expert_rows`, with its
+    own demand (`demand_expert_rows`, the most pairs any dispatch brought one rank's experts).
+    Without `pairs_per_dispatch` the rows are the pairs already: nothing apart to budget. The
+    experts' demand is counted where the rows arrive, so a step whose sends overflowed counts
+    only the pairs of the rows that were sent: its rerun, whose chunks hold every row, may still
+    overflow the experts' budget and run once more (never with k >= EP at a budget >= 1, whose
+    chunks hold one row per token).
+    """
+
+    def __init__(self, factor: float, ranks: int, rows_per_dispatch: int,
+                 device: torch.device, pairs_per_dispatch: Optional[int] = None,
+                 pairs_per_row: int = 1):
+        self.ranks, self.rows = ranks, rows_per_dispatch
+        self.pairs, self.pairs_per_row = pairs_per_dispatch, pairs_per_row
+        self.levels = budget_levels(factor, ranks)
+        self.level = 0
+        self.demand_rows = torch.zeros((), dtype=torch.int64, device=device)
+        self.demand_expert_rows = torch.zeros((), dtype=torch.int64, device=device)
+
+    @classmethod
+    def for_dispatch(cls, factor: float, ranks: int, tokens: int, topk: int, num_experts: int,
+                     once_per_rank: bool, device: torch.device) -> "DispatchBudget":
+        """The budget of a dispatch of `tokens` tokens a microbatch: rows are (token, expert)
+        pairs, or once per rank (EP > 1) (token, rank) pairs, at most min(topk, ranks) a token,
+        each going to at most min(topk, L) local experts, whose rows are budgeted apart."""
+        if once_per_rank and ranks > 1:
+            return cls(factor, ranks, tokens * min(topk, ranks), device,
+                       pairs_per_dispatch=tokens * topk,
+                       pairs_per_row=min(topk, num_experts // ranks))
+        return cls(factor, ranks, tokens * topk, device)
+
+    @property
+    def factor(self) -> float:
+        return self.levels[self.level]
+
+    def chunk_rows_at(self, level: int) -> int:
+        return budget_chunk_rows(self.levels[level], self.rows, self.ranks)
+
+    @property
+    def chunk_rows(self) -> int:
+        return self.chunk_rows_at(self.level)
+
+    def expert_rows_at(self, level: int) -> Optional[int]:
+        """Rows the local experts get at `level` (once per rank), else None: the budget times
+        the balanced share of pairs, at most every received row times `pairs_per_row` (at the
+        top level, `ranks` x the pairs: every pair of every rank, so it never overflows)."""
+        if self.pairs is None:
+            return None
+        received = self.ranks * self.chunk_rows_at(level) * self.pairs_per_row
+        return min(received, math.ceil(self.levels[level] * self.pairs))
+
+    @property
+    def expert_rows(self) -> Optional[int]:
+        return self.expert_rows_at(self.level)
+
+    def note(self, send_R: torch.Tensor) -> None:
+        """Record on the device the most rows this dispatch routes to one rank (no sync)."""
+        torch.maximum(self.demand_rows, send_R.max(), out=self.demand_rows)
+
+    def note_expert_rows(self, pairs: torch.Tensor) -> None:
+        """Record on the device the pairs this dispatch brought the local experts (no sync)."""
+        torch.maximum(self.demand_expert_rows, pairs, out=self.demand_expert_rows)
+
+    def reset_demand(self) -> None:
+        self.demand_rows.zero_()
+        self.demand_expert_rows.zero_()
+
+    def demand(self) -> torch.Tensor:
+        """[rows to one rank, pairs on one rank's experts] of the step, on the device."""
+        return torch.stack([self.demand_rows, self.demand_expert_rows])
+
+    def fits(self, level: int, demand: Sequence[int]) -> bool:
+        experts = self.expert_rows_at(level)
+        return self.chunk_rows_at(level) >= demand[0] and (experts is None
+                                                           or experts >= demand[1])
+
+    def rerun_level(self, demand: Sequence[int]) -> Optional[int]:
+        """None when the level in use holds `demand` (`demand()`, max over ranks), else the
+        smallest level that does."""
+        if self.fits(self.level, demand):
+            return None
+        return next(level for level in range(len(self.levels)) if self.fits(level, demand))

@@ -1,0 +1,521 @@
+"""The MoE token dispatch: one strategy class per dispatch mode behind one interface.
+
+Owns `TokenDispatcher` (the interface the MoE layer's nodes call: `preprocess`,
+`start_split_exchange`, `dispatch`, `sort_by_expert`, `unsort`, `combine`, and `reads_host`,
+whether the dispatch reads split sizes on the host), its subclasses, one per mode, and
+`make_dispatcher`, which picks the subclass once from the config's `DispatchMode`
+(`epoverlap.config.dispatch`, the config-side description of the mode). Also `DispatchMeta`
+(what the steps after the dispatch need) and the row moves the modes share; the budget mode's
+buffer size and overflow record is `model.budget.DispatchBudget`.
+
+Modes (`DispatchMode.name`), and whether the host reads the device in the dispatch:
+  dropless         `HostSplitDispatcher`: each rank sends what it routed; split sizes read on
+                   the host before the all-to-all (one sync per layer and microbatch), from an
+                   exchange started when the router has counted (`start_split_exchange`, at
+                   the end of the `attn` node), so the read waits for that exchange alone.
+  capacity         `HostSplitDispatcher` too: Megatron-core's --moe-expert-capacity-factor;
+                   the router drops routed (token, expert) pairs beyond an expert's capacity
+                   (`Router.step_dropped`); the split sizes are still data dependent.
+  capacity_padded  `PaddedCapacityDispatcher`: + --moe-pad-expert-input-to-capacity: every
+                   expert gets exactly `capacity` rows from every rank (unrouted tokens with
+                   prob 0 fill the gap), so every split size is known from shapes: no host read.
+  budget           `BudgetDispatcher`: --moe-dispatch-budget: dropless, but every rank sends
+                   every rank one chunk of a fixed size (`DispatchBudget`): equal splits, counts
+                   kept on the device; a dispatch whose rows for one rank exceed the chunk is
+                   recorded on the device (`DispatchBudget.demand_rows`) and the trainer reruns
+                   the step at a larger budget: no token is ever silently dropped, no host read
+                   inside the step.
+With --moe-dispatch-once-per-rank (dropless, capacity, budget; `OncePerRankHostSplitDispatcher`,
+`OncePerRankBudgetDispatcher`) the preprocess sends each token once to every rank holding one of
+its experts (`permute` over a [T, R] "to rank" map), each row with the probs of that rank's L
+experts (-1 where the expert was not chosen); the receiving rank copies the row to those experts
+(`sort_by_expert`, a second permute) and sums their outputs (`unsort`, its unpermute) before the
+combine returns one row per (token, rank). The experts see the same rows in the same order as
+without it ((local expert, source rank, token)); the combine sums per rank first. Split sizes:
+rows per rank counted apart and exchanged with the expert counts; with the budget nothing is
+exchanged: a rank's chunk holds its rows for that rank (at most one per token), and each
+received row's probs say which local experts it goes to (an empty slot's: none), so the receiver
+counts its experts' rows itself. Those (row, expert) pairs are budgeted too
+(`DispatchBudget.expert_rows`: the budget times a rank's balanced share, tokens x topk, rather
+than the chunks' rows times min(topk, L), which would size the experts' buffers for a routing
+that can never happen); pairs past it are cut and recorded, and the step reruns.
+On one EP rank once per rank is the plain dispatch (nothing to send once instead of several
+times), and `make_dispatcher` picks that.
+The preprocess never reads the host in any mode (its row count is static: tokens x topk, or
+experts x capacity padded); only the torch reference permute does (`preprocess_syncs_host`).
+
+Probabilities are applied inside the expert activation (h = silu(gate) * up * prob, in fp32),
+so the combine's unpermute sums rows without merging probs.
+
+Shape legend: T local tokens, H hidden, E global experts, L local experts (E / ep), R EP ranks,
+N = T * topk permuted rows, M rows received by this rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from epoverlap.config.dispatch import DispatchMode, padded_rows
+from epoverlap.kernels import MoEOps
+from epoverlap.model.budget import DispatchBudget
+from epoverlap.parallel.comm import ExpertComm, SplitExchange, all_to_all
+
+
+@dataclass
+class DispatchMeta:
+    """What the steps after the dispatch need. Split sizes are host lists where the mode reads
+    them on the host (dropless, capacity) or knows them from shapes (capacity_padded), None for
+    equal chunks; `recv_counts_RL` is always on the device."""
+
+    input_splits: Optional[list[int]]  # rows sent to each EP rank
+    output_splits: Optional[list[int]]  # rows received from each EP rank
+    recv_counts_RL: torch.Tensor  # [R, L] device: rows received per (source rank, local expert)
+    tokens_per_local_expert: Optional[list[int]]  # host, summed over source ranks; None: device
+    capacity: Optional[int] = None  # capacity_padded: rows per (rank, expert)
+    chunk_rows: Optional[int] = None  # budget: rows per (source rank) chunk
+    send_index: Optional[torch.Tensor] = None  # budget [R*C]: chunk slot -> permuted row or -1
+    return_index: Optional[torch.Tensor] = None  # budget [N]: permuted row -> chunk slot or -1
+    expert_rows: Optional[int] = None  # budget once per rank: the local experts' rows (static)
+
+
+class TokenDispatcher:
+    """The interface of every dispatch mode, in the steps the scheduler runs as nodes:
+    `preprocess` (in `attn`), `start_split_exchange` (end of `attn`, host-split modes only),
+    `dispatch` (the `dispatch` node), `sort_by_expert` and `unsort` (around the experts in
+    `mlp`), `combine` (the `combine` node). `reads_host`: whether `dispatch` reads split sizes
+    on the host (the layer then hands it the early exchange, and graphs cannot hold it).
+    `once_per_rank`: whether the preprocess's row-id map is [T, R] (token, rank), not [T, E].
+    Subclasses define `dispatch`, `sort_by_expert` and `unsort`; the rest is shared."""
+
+    reads_host = False
+    once_per_rank = False
+
+    def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
+                 device: torch.device, mode: DispatchMode,
+                 budget: Optional[DispatchBudget] = None):
+        self.comm, self.ops, self.topk, self.mode, self.budget = comm, ops, topk, mode, budget
+        self.num_experts = num_experts
+        self.num_local = num_experts // comm.size
+
+    @property
+    def name(self) -> str:
+        return self.mode.name
+
+    @property
+    def drops_tokens(self) -> bool:
+        """Whether the router drops pairs over an expert's capacity (counted per step)."""
+        return self.mode.drops_tokens
+
+    def permuted_rows(self, num_tokens: int) -> int:
+        """Rows of the permuted tokens: tokens x topk (static: dropped pairs leave rows past
+        the routed count at zero)."""
+        return num_tokens * self.topk
+
+    def preprocess(self, hidden_TH, probs_TE, routing_map_TE):
+        """Permute token copies into expert-major rows (a static row count). -> (rows [N, H],
+        their probs [N], row-id map [T, E])."""
+        return self.ops.permute(hidden_TH, routing_map_TE, probs_TE,
+                                num_out_tokens=self.permuted_rows(hidden_TH.shape[0]))
+
+    def start_split_exchange(self, counts_E, row_id_map=None) -> Optional[SplitExchange]:
+        """Start the exchange of the split sizes `dispatch` reads on the host (None: this mode
+        reads none)."""
+        return None
+
+    def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
+                 exchange: Optional[SplitExchange] = None, row_id_map=None):
+        """All-to-all of tokens and probs: (recv_MH, recv_probs_M, DispatchMeta)."""
+        raise NotImplementedError
+
+    def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
+        """Rows arrive (source rank, local expert); the experts want (local expert, rank).
+        -> (rows, their probs, what `unsort` needs, or None)."""
+        raise NotImplementedError
+
+    def unsort(self, expert_out_MH, meta: DispatchMeta, local_row_id_map=None):
+        """Back to the order rows arrived in."""
+        raise NotImplementedError
+
+    def combine(self, expert_out_MH, meta: DispatchMeta, row_id_map_TE):
+        """All-to-all back, then each token sums its rows (probs were applied by the experts)."""
+        returned_NH = all_to_all(self.comm, expert_out_MH, meta.input_splits,
+                                 meta.output_splits)
+        return self.ops.unpermute(self._returned_rows(returned_NH, meta), row_id_map_TE)
+
+    def _returned_rows(self, returned_NH, meta: DispatchMeta):
+        """The rows the combine's all-to-all brought back, in the preprocess's order."""
+        return returned_NH
+
+
+class HostSplitDispatcher(TokenDispatcher):
+    """dropless and capacity: split sizes exchanged early (`start_split_exchange`) and read on
+    the host in `dispatch`; chunks sorted by the received counts."""
+
+    reads_host = True
+
+    def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
+                 device: torch.device, mode: DispatchMode,
+                 budget: Optional[DispatchBudget] = None):
+        super().__init__(comm, num_experts, topk, ops, device, mode, budget)
+        ranks, local = comm.size, self.num_local
+        # chunk order (rank, expert) -> (expert, rank), and back
+        self._to_expert_major = _index([r * local + e for e in range(local)
+                                        for r in range(ranks)], device)
+        self._to_rank_major = _index([e * ranks + r for r in range(ranks)
+                                      for e in range(local)], device)
+
+    def start_split_exchange(self, counts_E, row_id_map=None) -> SplitExchange:
+        """Called when the router has counted, so the exchange runs while other work is issued,
+        and handed to `dispatch` (parallel.comm, `SplitExchange`)."""
+        return self.comm.start_split_exchange(counts_E)
+
+    def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
+                 exchange: Optional[SplitExchange] = None, row_id_map=None):
+        """Takes the `exchange` started earlier, or starts it here from `counts_E`; reads the
+        exchanged split sizes on the host (the one host sync), then sends."""
+        if exchange is None:
+            exchange = self._exchange_now(counts_E)
+        send_R, recv_R, recv_L = exchange.read()
+        meta = DispatchMeta(input_splits=send_R, output_splits=recv_R,
+                            recv_counts_RL=exchange.recv_RL, tokens_per_local_expert=recv_L)
+        routed = sum(meta.input_splits)
+        if routed != permuted_NH.shape[0]:  # the rows past the routed ones are not sent
+            permuted_NH, permuted_probs_N = permuted_NH[:routed], permuted_probs_N[:routed]
+        recv_MH = all_to_all(self.comm, permuted_NH, meta.output_splits, meta.input_splits)
+        recv_probs_M = all_to_all(self.comm, permuted_probs_N, meta.output_splits,
+                                  meta.input_splits)
+        return recv_MH, recv_probs_M, meta
+
+    def _exchange_now(self, counts_E) -> SplitExchange:
+        return self.comm.start_split_exchange(counts_E)
+
+    def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
+        if self.comm.size == 1:
+            return recv_MH, recv_probs_M, None
+        return self.ops.sort_chunks_by_idxs(recv_MH, meta.recv_counts_RL.reshape(-1),
+                                            self._to_expert_major, recv_probs_M) + (None,)
+
+    def unsort(self, expert_out_MH, meta: DispatchMeta, local_row_id_map=None):
+        if self.comm.size == 1:
+            return expert_out_MH
+        splits_LR = meta.recv_counts_RL.t().reshape(-1)
+        return self.ops.sort_chunks_by_idxs(expert_out_MH, splits_LR, self._to_rank_major)[0]
+
+
+class PaddedCapacityDispatcher(TokenDispatcher):
+    """capacity_padded: every (rank, expert) pair holds `capacity` rows, so the split sizes
+    come from shapes (no host read) and the expert sort is a transpose of equal blocks
+    (Megatron-core's)."""
+
+    def permuted_rows(self, num_tokens: int) -> int:
+        """Experts x capacity: every expert's capacity, padded."""
+        return padded_rows(num_tokens, self.topk, self.num_experts, self.mode.capacity_factor)
+
+    def preprocess(self, hidden_TH, probs_TE, routing_map_TE):
+        return self.ops.permute(hidden_TH, routing_map_TE, probs_TE,
+                                num_out_tokens=self.permuted_rows(hidden_TH.shape[0]),
+                                drop_and_pad=True)
+
+    def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
+                 exchange: Optional[SplitExchange] = None, row_id_map=None):
+        ranks, local = self.comm.size, self.num_local
+        capacity = permuted_NH.shape[0] // self.num_experts
+        splits = [local * capacity] * ranks
+        meta = DispatchMeta(input_splits=splits, output_splits=splits,
+                            recv_counts_RL=torch.full((ranks, local), capacity,
+                                                      dtype=torch.int64,
+                                                      device=permuted_NH.device),
+                            tokens_per_local_expert=[ranks * capacity] * local,
+                            capacity=capacity)
+        recv_MH = all_to_all(self.comm, permuted_NH, splits, splits)
+        recv_probs_M = all_to_all(self.comm, permuted_probs_N, splits, splits)
+        return recv_MH, recv_probs_M, meta
+
+    def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
+        if self.comm.size == 1:
+            return recv_MH, recv_probs_M, None
+        shape = (self.comm.size, self.num_local, meta.capacity)
+        return _swap_blocks(recv_MH, shape), _swap_blocks(recv_probs_M, shape), None
+
+    def unsort(self, expert_out_MH, meta: DispatchMeta, local_row_id_map=None):
+        if self.comm.size == 1:
+            return expert_out_MH
+        return _swap_blocks(expert_out_MH, (self.num_local, self.comm.size, meta.capacity))
+
+
+class BudgetDispatcher(TokenDispatcher):
+    """budget: fixed chunks of `DispatchBudget.chunk_rows` rows per rank; counts exchanged and
+    kept on the device; a rank's rows past its chunk are cut and recorded (`DispatchBudget.
+    note`) for the trainer's rerun. The received chunks hold each local expert's rows, then
+    padding."""
+
+    def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
+                 device: torch.device, mode: DispatchMode,
+                 budget: Optional[DispatchBudget] = None):
+        super().__init__(comm, num_experts, topk, ops, device, mode, budget)
+        ranks, local = comm.size, self.num_local
+        # chunks (rank, expert or padding) -> experts' chunks, then padding; and back
+        with_pad = local + 1
+        self._budget_to_expert_major = _index(
+            [r * with_pad + e for e in range(local) for r in range(ranks)]
+            + [r * with_pad + local for r in range(ranks)], device)
+        self._budget_to_rank_major = _index(
+            [(e * ranks + r) if e < local else local * ranks + r
+             for r in range(ranks) for e in range(with_pad)], device)
+
+    def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
+                 exchange: Optional[SplitExchange] = None, row_id_map=None):
+        budget, num_rows = self.budget, permuted_NH.shape[0]
+        if num_rows != budget.rows:
+            raise RuntimeError(f"budget dispatch of {num_rows} rows, sized for {budget.rows}")
+        chunk = budget.chunk_rows
+        send_R, recv_RL = self._rows_to_send(counts_E, row_id_map)
+        budget.note(send_R)
+        send_index, return_index = budget_indices(send_R, chunk, num_rows)
+        send_XH = move_rows(permuted_NH, send_index, return_index)
+        send_probs_X = self._chunk_probs(move_rows(permuted_probs_N, send_index, return_index),
+                                         send_index)
+        recv_MH = all_to_all(self.comm, send_XH, None, None)
+        recv_probs_M = all_to_all(self.comm, send_probs_X, None, None)
+        recv_probs_M, recv_counts_RL, expert_rows = self._received(recv_probs_M, recv_RL, chunk)
+        meta = DispatchMeta(input_splits=None, output_splits=None,
+                            recv_counts_RL=recv_counts_RL, tokens_per_local_expert=None,
+                            chunk_rows=chunk, send_index=send_index, return_index=return_index,
+                            expert_rows=expert_rows)
+        return recv_MH, recv_probs_M, meta
+
+    def _rows_to_send(self, counts_E, row_id_map):
+        """-> (rows sent to each rank [R], rows received per (rank, local expert) [R, L]):
+        the counts exchanged on the device (equal splits: no host read)."""
+        recv_RL = self.comm.exchange_counts(counts_E)
+        return counts_E.view(self.comm.size, self.num_local).sum(dim=1), recv_RL
+
+    def _chunk_probs(self, send_probs_X, send_index):
+        """The probs of the chunks' slots as sent."""
+        return send_probs_X
+
+    def _received(self, recv_probs_M, recv_RL, chunk: int):
+        """-> (received probs, rows kept per (source rank, local expert), the local experts'
+        rows or None)."""
+        return recv_probs_M, kept_counts(recv_RL, chunk), None
+
+    def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
+        if self.comm.size == 1:
+            return recv_MH, recv_probs_M, None
+        return self.ops.sort_chunks_by_idxs(recv_MH, _budget_chunks(meta).reshape(-1),
+                                            self._budget_to_expert_major,
+                                            recv_probs_M) + (None,)
+
+    def unsort(self, expert_out_MH, meta: DispatchMeta, local_row_id_map=None):
+        if self.comm.size == 1:
+            return expert_out_MH
+        sizes = _budget_chunks(meta).reshape(-1).index_select(0, self._budget_to_expert_major)
+        return self.ops.sort_chunks_by_idxs(expert_out_MH, sizes, self._budget_to_rank_major)[0]
+
+    def _returned_rows(self, returned_NH, meta: DispatchMeta):
+        """The chunks' slots back onto the permuted rows (a cut row's come back as zeros)."""
+        return move_rows(returned_NH, meta.return_index, meta.send_index)
+
+
+class _OncePerRank:
+    """The once-per-rank layout, mixed into a host-split or budget dispatcher: rows are
+    (token, rank) pairs with [N, L] probs (-1: expert not chosen); the receiver copies each row
+    to its chosen local experts and sums their outputs (see the module docstring)."""
+
+    once_per_rank = True
+
+    def permuted_rows(self, num_tokens: int) -> int:
+        """A token reaches at most min(topk, R) ranks."""
+        return num_tokens * min(self.topk, self.comm.size)
+
+    def preprocess(self, hidden_TH, probs_TE, routing_map_TE):
+        """-> (rows [N, H] rank-major, their probs [N, L], row-id map [T, R])."""
+        num_out = self.permuted_rows(hidden_TH.shape[0])
+        tokens, ranks = hidden_TH.shape[0], self.comm.size
+        routing_map_TRL = routing_map_TE.view(tokens, ranks, self.num_local)
+        to_rank_TR = routing_map_TRL.any(dim=2)
+        permuted_NH, _, row_id_map_TR = self.ops.permute(hidden_TH, to_rank_TR, None,
+                                                         num_out_tokens=num_out)
+        chosen_probs_XL = torch.where(routing_map_TE, probs_TE, -1.0).view(
+            tokens * ranks, self.num_local)  # X = (token, rank) pairs
+        source_N = rows_by_pair(row_id_map_TR, num_out)
+        permuted_probs_NL = move_rows(chosen_probs_XL, source_N, row_id_map_TR.reshape(-1))
+        return permuted_NH, permuted_probs_NL, row_id_map_TR
+
+    def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
+        """-> (rows, their probs, the row-id map of the copy to the local experts)."""
+        chosen_ML = recv_probs_M >= 0
+        return self.ops.permute(recv_MH, chosen_ML, torch.where(chosen_ML, recv_probs_M, 0.0),
+                                num_out_tokens=self._local_expert_rows(meta))
+
+    def unsort(self, expert_out_MH, meta: DispatchMeta, local_row_id_map=None):
+        """Each received row sums its local experts' outputs."""
+        return self.ops.unpermute(expert_out_MH, local_row_id_map)
+
+
+class OncePerRankHostSplitDispatcher(_OncePerRank, HostSplitDispatcher):
+    """dropless or capacity, once per rank: the rows per rank are counted from the [T, R]
+    row-id map and exchanged with the expert counts."""
+
+    def start_split_exchange(self, counts_E, row_id_map=None) -> SplitExchange:
+        return self.comm.start_split_exchange(counts_E, rows_per_rank(row_id_map))
+
+    def _exchange_now(self, counts_E) -> SplitExchange:
+        raise ValueError("dispatch once per rank: pass the exchange that "
+                         "`start_split_exchange(counts_E, row_id_map)` started")
+
+    def _local_expert_rows(self, meta: DispatchMeta) -> int:
+        return sum(meta.tokens_per_local_expert)
+
+
+class OncePerRankBudgetDispatcher(_OncePerRank, BudgetDispatcher):
+    """budget, once per rank: the rows per rank come from the [T, R] row-id map, no counts are
+    exchanged: each received row's probs say which local experts it goes to (an empty slot:
+    none); the (row, expert) pairs past `DispatchBudget.expert_rows` are cut and recorded."""
+
+    def _rows_to_send(self, counts_E, row_id_map):
+        return rows_per_rank(row_id_map), None
+
+    def _chunk_probs(self, send_probs_X, send_index):
+        """An empty slot chooses no expert."""
+        return torch.where((send_index >= 0).unsqueeze(1), send_probs_X, -1.0)
+
+    def _received(self, recv_probs_M, recv_RL, chunk: int):
+        expert_rows = self.budget.expert_rows
+        recv_probs_M = self._cut_expert_pairs(recv_probs_M, expert_rows)
+        return recv_probs_M, (recv_probs_M >= 0).sum(dim=0, keepdim=True), expert_rows
+
+    def _cut_expert_pairs(self, probs_ML: torch.Tensor, expert_rows: int) -> torch.Tensor:
+        """The (received row, local expert) pairs in the order the second permute gives them
+        rows (expert-major), those past `expert_rows` unchosen (probs -1); their count is
+        recorded for the rerun."""
+        chosen_ML = probs_ML >= 0
+        self.budget.note_expert_rows(chosen_ML.sum())
+        if expert_rows >= probs_ML.shape[0] * min(self.topk, self.num_local):
+            return probs_ML  # every pair fits: nothing to cut
+        row_LM = torch.cumsum(chosen_ML.t().reshape(-1), 0).view(chosen_ML.shape[1], -1) - 1
+        return torch.where(chosen_ML & (row_LM.t() < expert_rows), probs_ML, -1.0)
+
+    def _local_expert_rows(self, meta: DispatchMeta) -> int:
+        return meta.expert_rows
+
+
+_DISPATCHERS = {  # (DispatchMode.name, once per rank) -> strategy
+    ("dropless", False): HostSplitDispatcher,
+    ("capacity", False): HostSplitDispatcher,
+    ("capacity_padded", False): PaddedCapacityDispatcher,
+    ("budget", False): BudgetDispatcher,
+    ("dropless", True): OncePerRankHostSplitDispatcher,
+    ("capacity", True): OncePerRankHostSplitDispatcher,
+    ("budget", True): OncePerRankBudgetDispatcher,
+}
+
+
+def make_dispatcher(comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
+                    device: torch.device, mode: DispatchMode = DispatchMode(),
+                    budget: Optional[DispatchBudget] = None) -> TokenDispatcher:
+    """The strategy of `mode`, built once per model and shared by its MoE layers (it keeps no
+    per-layer state). `budget`: the model's `DispatchBudget`, in budget mode only. Once per
+    rank on one EP rank is the plain dispatch."""
+    if (mode.name == "budget") != (budget is not None):
+        raise ValueError(f"dispatch mode {mode.name} with budget {budget}")
+    if mode.once_per_rank and mode.name == "capacity_padded":
+        raise ValueError("dispatch once per rank with a padded capacity: its rows per rank "
+                         "are not a fixed capacity")
+    once_per_rank = mode.once_per_rank and comm.size > 1
+    if once_per_rank and budget is not None and budget.pairs is None:
+        raise ValueError("dispatch once per rank with a budget that does not budget the "
+                         "experts' rows (DispatchBudget pairs_per_dispatch)")
+    strategy = _DISPATCHERS[(mode.name, once_per_rank)]
+    dispatcher = strategy(comm, num_experts, topk, ops, device, mode, budget)
+    if dispatcher.reads_host != mode.dispatch_syncs_host:
+        raise AssertionError(f"{strategy.__name__} disagrees with the config on host reads")
+    return dispatcher
+
+
+def _budget_chunks(meta: DispatchMeta) -> torch.Tensor:
+    """[R, L + 1] rows of each received chunk: per local expert, then padding."""
+    kept_RL = meta.recv_counts_RL
+    pad_R1 = meta.chunk_rows - kept_RL.sum(dim=1, keepdim=True)
+    return torch.cat([kept_RL, pad_R1], dim=1)
+
+
+def _pick_rows(src_XH: torch.Tensor, index_Y: torch.Tensor) -> torch.Tensor:
+    """out[y] = src[index[y]], a zero row where index[y] < 0."""
+    picked_YH = src_XH.index_select(0, index_Y.clamp(min=0))
+    return torch.where((index_Y >= 0).unsqueeze(1), picked_YH, picked_YH.new_zeros(()))
+
+
+class _MoveRows(torch.autograd.Function):
+    """Rows moved by an index whose valid entries are one-to-one (`inverse` maps back): the
+    backward is the inverse move, a gather, so every grad is copied, never summed."""
+
+    @staticmethod
+    def forward(ctx, src_XH, index_Y, inverse_X):
+        ctx.save_for_backward(inverse_X)
+        return _pick_rows(src_XH, index_Y)
+
+    @staticmethod
+    def backward(ctx, grad_YH):
+        (inverse_X,) = ctx.saved_tensors
+        return _pick_rows(grad_YH, inverse_X), None, None
+
+
+def move_rows(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """`_MoveRows` for [X, H] rows or [X] values."""
+    if src.dim() == 1:
+        return _MoveRows.apply(src.unsqueeze(1), index, inverse).squeeze(1)
+    return _MoveRows.apply(src, index, inverse)
+
+
+def rows_per_rank(row_id_map_TR: torch.Tensor) -> torch.Tensor:
+    """Once per rank: the rows sent to each rank, from the preprocess's [T, R] row-id map. [R]."""
+    return (row_id_map_TR >= 0).sum(dim=0)
+
+
+def rows_by_pair(row_id_map_TR: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """For each of `num_rows` permuted rows, the flat (t * R + r) entry of the row-id map that
+    names it, -1 past the routed rows. [N] device, no host read: the map's row ids are distinct,
+    so a stable sort of them lists the entries in row order."""
+    unrouted = row_id_map_TR.numel()
+    keys_X = torch.where(row_id_map_TR >= 0, row_id_map_TR, unrouted).reshape(-1)
+    sorted_X, entry_X = torch.sort(keys_X, stable=True)
+    return torch.where(sorted_X[:num_rows] < unrouted, entry_X[:num_rows], -1)
+
+
+def budget_indices(send_R: torch.Tensor, chunk_rows: int, num_rows: int):
+    """Permuted rows (expert-major, so rank r's rows are one run) <-> fixed chunks of
+    `chunk_rows` slots per rank. -> (send_index [R*C]: slot -> row or -1 (empty),
+    return_index [N]: row -> slot or -1 (cut: the rank's rows overflow the chunk))."""
+    ranks, device = send_R.numel(), send_R.device
+    end_R = torch.cumsum(send_R, 0)
+    start_R = end_R - send_R
+    slot_C = torch.arange(chunk_rows, device=device)
+    send_RC = torch.where(slot_C < send_R.unsqueeze(1), start_R.unsqueeze(1) + slot_C, -1)
+    row_N = torch.arange(num_rows, device=device)
+    rank_N = torch.searchsorted(end_R, row_N, right=True)
+    owned_N = rank_N < ranks
+    rank_N = rank_N.clamp(max=ranks - 1)
+    offset_N = row_N - start_R.index_select(0, rank_N)
+    return_N = torch.where(owned_N & (offset_N < chunk_rows), rank_N * chunk_rows + offset_N, -1)
+    return send_RC.reshape(-1), return_N
+
+
+def kept_counts(recv_RL: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """Rows of each (source rank, local expert) that fit the source's chunk (its first
+    `chunk_rows` rows, in expert order). [R, L] device."""
+    end_RL = torch.cumsum(recv_RL, 1)
+    return end_RL.clamp(max=chunk_rows) - (end_RL - recv_RL).clamp(max=chunk_rows)
+
+
+def _swap_blocks(rows: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """Rows as blocks [A, B, C] -> [B, A, C] (a transpose of the two outer block indices)."""
+    blocks = rows.view(*shape, *rows.shape[1:]).transpose(0, 1)
+    return blocks.reshape(rows.shape)
+
+
+def _index(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
