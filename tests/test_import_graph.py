@@ -218,19 +218,6 @@ def _long_modules() -> list[str]:
             for module, count in sorted(counts.items()) if count > MAX_LINES]
 
 
-# The files over the limit today (in the last commit), being split by their owners now. No
-# other module may pass the limit (test_no_other_module_is_longer_than_the_limit); the strict
-# xfail flips once none of these is left, and then it and KNOWN_LONG go.
-KNOWN_LONG = ("epoverlap/training/trainer.py", "epoverlap/model/moe.py")
-
-
-def test_no_other_module_is_longer_than_the_limit():
-    long = [entry for entry in _long_modules() if entry.split(":")[0] not in KNOWN_LONG]
-    assert not long, f"modules over {MAX_LINES} lines: " + "; ".join(long)
-
-
-@pytest.mark.xfail(strict=True, reason=f"modules over {MAX_LINES} lines today, being split: "
-                   "epoverlap/training/trainer.py (782), epoverlap/model/moe.py (676)")
 def test_no_module_is_longer_than_the_limit():
     long = _long_modules()
     assert not long, f"modules over {MAX_LINES} lines: " + "; ".join(long)

@@ -1,8 +1,11 @@
-"""Training: the trainer (`trainer`), the training command (`main`), the main-job launcher
-(`launch`), data sources (`data`), optimizer and LR schedule (`optim`), fp32 grad buffers and
-their reduction (`grads`), checkpoints (`checkpoint`: the saved state and its resharding;
-`checkpoint_files`: folders, atomic publishing, checks), the NaN/Inf check (`numerics`) and
-test-only fault injection (`faults`).
+"""Training: the trainer (`trainer`, a facade over `build`: the run's pieces built once,
+`step`: one optimizer step, and `metrics`: the step line, JSON records, TensorBoard, summary),
+data sources (`data`), optimizer and LR schedule (`optim`), fp32 grad buffers and their
+reduction (`grads`), checkpoints (`checkpoint`: the saved state and its resharding;
+`checkpoint_files`: folders, atomic publishing, checks), the NaN/Inf check (`numerics`), the
+overlap probe (`probe`), the Triton compile watch (`compile_watch`), the memory estimate
+(`memory`), the process environment (`environment`) and test-only fault injection (`faults`).
+The training command and the main-job launcher are `epoverlap.cli`.
 
 The top layer: may import every other subpackage.
 """

@@ -1,0 +1,366 @@
+"""Reporting a training run: what a step and a run tell the user and the logs.
+
+Owns `StepResult` (one step's figures and its --log-json record: the loss and grad norm also
+as float.hex, for bitwise comparison with `epoverlap-compare-losses`), `RunSummary` (the
+end-of-run line), and `Reporter`: the per-step line on rank 0 (ending with the time left at the
+mean step time so far, `format_duration`), the --log-json file (a resumed run keeps the records
+up to its checkpoint's step and appends), the TensorBoard events of --tensorboard-dir
+(`training.tensorboard`), the load-imbalance warning, the overlap probe's decision, the CUDA
+graph capture lines, the compiled Triton variants line, the spans and torch.profiler traces of
+--profile-steps, the run's description line and its summary. Rates are per GPU on CUDA and per
+rank on CPU. Nothing here changes what a step computes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+from epoverlap.model.transformer import model_dtype
+from epoverlap.parallel.watch import host_list
+from epoverlap.training.tensorboard import TensorBoardLog
+
+if TYPE_CHECKING:
+    from epoverlap.training.build import RunParts
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    aux_loss: float
+    load_imbalance: float
+    step_time_s: float
+    tokens: int
+    peak_mem_gib: Optional[float]
+    tflops_per_gpu: float
+    dropped_tokens: Optional[int] = None  # capacity: routed pairs over capacity, all ranks/layers
+    dropped_fraction: Optional[float] = None  # of all routed (token, expert) pairs
+    dispatch_reruns: Optional[int] = None  # budget: reruns after an overflow
+    dispatch_budget: Optional[float] = None  # budget: the budget the step's result came from
+    deterministic: bool = False  # --deterministic-mode: bitwise comparisons with another run hold
+    triton_variants: Optional[int] = None  # compiled Triton kernel variants so far (this rank)
+    peak_reserved_gib: Optional[float] = None  # the caching allocator's peak (graph pools too)
+    comm_ms: Optional[float] = None  # these three: steps with recorded spans only
+    exposed_comm_ms: Optional[float] = None
+    overlap_ratio: Optional[float] = None
+    schedule: Optional[str] = None  # --overlap-probe-steps: the schedule this step ran
+
+    def to_json(self) -> dict:
+        record = {k: v for k, v in self.__dict__.items()
+                  if v is not None or k == "peak_mem_gib"}
+        record["loss_hex"] = float.hex(self.loss)
+        record["grad_norm_hex"] = float.hex(self.grad_norm)
+        record["tokens_per_s"] = self.tokens / self.step_time_s
+        return record
+
+
+IMBALANCE_WARN_LIMIT = 4.0  # max/mean tokens per expert of the worst MoE layer
+IMBALANCE_WARN_STEPS = 20
+
+
+def warn_every_rank(message: str) -> None:
+    print(f"epoverlap-train: warning: {message}", file=sys.stderr, flush=True)
+
+
+def format_duration(seconds: float) -> str:
+    """3725.2 -> '1h02m05s', 65 -> '1m05s', 7.46 -> '7.5s'."""
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _dispatch_note(r: StepResult) -> str:
+    """' | dropped 12 (0.40%)' with a capacity; ' | reruns 1 (budget 2)' with a budget."""
+    note = ""
+    if r.dropped_tokens is not None:
+        note += f" | dropped {r.dropped_tokens} ({100 * r.dropped_fraction:.2f}%)"
+    if r.dispatch_reruns is not None:
+        note += f" | reruns {r.dispatch_reruns} (budget {r.dispatch_budget:g})"
+    return note
+
+
+def _record_step(line: str) -> float:
+    """The step of a --log-json line; infinity for a line cut off mid-write."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
+@dataclass
+class RunSummary:
+    """The end-of-run line: steps, throughput, first and last loss, peak memory, the exposed
+    communication of the profiled steps (when --profile-steps was given) and what the MoE
+    dispatch did over the run (with a capacity: the routed pairs dropped; with a budget: the
+    reruns and the steps that needed one)."""
+
+    steps: int
+    seconds: float
+    tokens: int
+    first_loss: float
+    last_loss: float
+    peak_mem_gib: float
+    on_gpu: bool
+    exposed_comm_ms: Optional[float] = None
+    profiled: Optional[str] = None
+    dropped_tokens: Optional[int] = None  # routed pairs over capacity, all steps
+    dropped_fraction: Optional[float] = None  # of all routed pairs of the run
+    dispatch_reruns: Optional[int] = None  # budget reruns, all steps
+    rerun_steps: Optional[int] = None  # steps rerun at least once
+
+    def line(self, per_device: str) -> str:
+        memory = ("allocated" if self.on_gpu else "RSS") + ", max over ranks"
+        text = (f"done: {self.steps} steps in {self.seconds:.1f} s | "
+                f"{self.tokens / self.seconds:,.0f} tok/s | loss {self.first_loss:.4f} -> "
+                f"{self.last_loss:.4f} | peak mem {self.peak_mem_gib:.2f} GiB{per_device} "
+                f"({memory})")
+        if self.exposed_comm_ms is not None:
+            text += (f" | exposed comm {self.exposed_comm_ms:.2f} ms/step (profiled steps "
+                     f"{self.profiled}, max over ranks)")
+        if self.dropped_tokens is not None:
+            text += f" | dropped {self.dropped_tokens} ({100 * self.dropped_fraction:.2f}%)"
+        if self.dispatch_reruns is not None:
+            text += f" | reruns {self.dispatch_reruns} (in {self.rerun_steps} steps)"
+        return text
+
+    def add_dispatch_stats(self, results: list[StepResult]) -> None:
+        """Totals of the steps' dispatch figures (each step's are already over all ranks)."""
+        if results[0].dropped_tokens is not None:
+            self.dropped_tokens = sum(r.dropped_tokens for r in results)
+            self.dropped_fraction = sum(r.dropped_fraction for r in results) / len(results)
+        if results[0].dispatch_reruns is not None:
+            self.dispatch_reruns = sum(r.dispatch_reruns for r in results)
+            self.rerun_steps = sum(1 for r in results if r.dispatch_reruns)
+
+
+class Reporter:
+    """Every report of one run (see the module docstring), over its built `RunParts`."""
+
+    def __init__(self, parts: RunParts):
+        self.parts = parts
+        self._imbalanced_steps = 0
+        self._json = self._tensorboard = None
+
+    @property
+    def per_device(self) -> str:
+        """The unit of per-device rates: a GPU on CUDA, a rank (process) on CPU."""
+        return "/GPU" if self.parts.device.type == "cuda" else " per rank"
+
+    # ----------------------------------------------------------------- sinks
+    def open_sinks(self) -> None:
+        """The --log-json file and the TensorBoard log (rank 0 only)."""
+        self._json = self._open_json()
+        self._tensorboard = self._open_tensorboard()
+
+    def close_sinks(self) -> None:
+        for sink in (self._json, self._tensorboard):
+            if sink is not None:
+                sink.close()
+        self._json = self._tensorboard = None
+
+    def _open_json(self):
+        p = self.parts
+        path = p.cfg.log.log_json
+        if path is None or not p.groups.is_first():
+            return None
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if p.start_step == 0 or not Path(path).exists():
+            return open(path, "w")
+        kept = [line for line in Path(path).read_text().splitlines(keepends=True)
+                if _record_step(line) <= p.start_step]
+        Path(path).write_text("".join(kept))
+        return open(path, "a")
+
+    def _open_tensorboard(self) -> Optional[TensorBoardLog]:
+        directory = self.parts.cfg.log.tensorboard_dir
+        if directory is None or not self.parts.groups.is_first():
+            return None
+        return TensorBoardLog(directory)
+
+    # ----------------------------------------------------------------- per step
+    def step_done(self, r: StepResult, results: list[StepResult],
+                  probe_decision: Optional[str]) -> None:
+        """The step's JSON record, imbalance watch, TensorBoard scalars, line (every
+        --log-interval steps and the last) and the probe's decision if it came this step."""
+        p = self.parts
+        record = r.to_json()
+        if self._json is not None:
+            self._json.write(json.dumps(record) + "\n")
+            self._json.flush()
+        self._watch_imbalance(r)
+        if self._tensorboard is not None:
+            self._tensorboard.write(record)
+        total = p.cfg.train.train_iters
+        if p.groups.is_first() and (r.step % p.cfg.log.log_interval == 0 or r.step == total):
+            p.log(self._step_line(r, results))
+        if probe_decision is not None and p.groups.is_first():  # every rank decided alike
+            p.log(probe_decision)
+
+    def _step_line(self, r: StepResult, results: list[StepResult]) -> str:
+        probe = self.parts.probe
+        mem = f" | mem {r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else ""
+        comm = (f" | exposed comm {r.exposed_comm_ms:.2f} of {r.comm_ms:.2f} ms"
+                if r.exposed_comm_ms is not None else "") + _dispatch_note(r)
+        if probe is not None and probe.in_window(r.step):
+            comm += f" | probe: {r.schedule}"
+        elif probe is not None and r.step == probe.prime_step:
+            comm += f" | probe: {r.schedule} (untimed: its CUDA graphs are captured)"
+        return (f"step {r.step:4d}/{self.parts.cfg.train.train_iters} | loss {r.loss:.4f} | "
+                f"lr {r.lr:.2e} | grad norm {r.grad_norm:.3f} | aux {r.aux_loss:.4f} | "
+                f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"
+                f" | {r.step_time_s * 1e3:.1f} ms | {r.tflops_per_gpu:.3g} TFLOP/s"
+                f"{self.per_device}{mem}{comm}{self._eta(results)}")
+
+    def _eta(self, results: list[StepResult]) -> str:
+        """' | ETA 1m05s': steps left times the mean step time so far (first step left out
+        once there are others: it carries one-time setup)."""
+        left = self.parts.cfg.train.train_iters - len(results)
+        if left <= 0:
+            return ""
+        timed = results[1:] or results
+        return f" | ETA {format_duration(left * sum(r.step_time_s for r in timed) / len(timed))}"
+
+    def _watch_imbalance(self, r: StepResult) -> None:
+        """One warning when the worst layer's load imbalance stays above the limit for a while:
+        the router has collapsed onto a few experts (and the EP ranks wait on one)."""
+        limit, window = IMBALANCE_WARN_LIMIT, IMBALANCE_WARN_STEPS
+        self._imbalanced_steps = self._imbalanced_steps + 1 if r.load_imbalance > limit else 0
+        if self._imbalanced_steps == window and self.parts.groups.is_first():
+            warn_every_rank(f"load imbalance above {limit:g} for {window} steps (now "
+                            f"{r.load_imbalance:.2f} at step {r.step}): the router sends most "
+                            f"tokens to a few experts; raise --moe-aux-loss-coeff or use "
+                            f"--moe-router-enable-expert-bias")
+
+    def graphs_captured(self, step: int, captured: list) -> None:
+        """The graph banks captured after `step`: count, time and memory of each, and of all
+        banks when there are several."""
+        p = self.parts
+        graphs = p.graphs
+        for level, bank in captured:
+            where = f" (budget {p.budget.levels[level]:g})" if graphs.per_level else ""
+            p.log(f"CUDA graphs{where}: {bank.graph_count()} captured after step {step} "
+                  f"in {bank.capture_seconds:.2f} s; graph memory "
+                  f"{bank.pool_bytes / 2**30:.3f} GiB (of it static buffers "
+                  f"{bank.buffer_bytes() / 2**30:.3f} GiB)")
+        if captured and len(graphs.banks.banks) > 1:
+            by = " and ".join(what for what, keyed in (
+                ("budget level", graphs.per_level), ("schedule", p.probe is not None))
+                if keyed)
+            p.log(f"CUDA graph banks by {by}: {graphs.banks.memory_report()}")
+
+    # ----------------------------------------------------------------- end of run
+    def report_compiles(self) -> None:
+        """One line: compiled Triton kernel variants per rank, and how many came after warmup."""
+        p = self.parts
+        watch, world, rank = p.compile_watch, p.groups.world_size, p.groups.rank
+        counts = torch.zeros(2, world, dtype=torch.int64, device=p.device)
+        counts[0, rank] = watch.total() or 0
+        counts[1, rank] = watch.late_compiles
+        if world > 1:
+            p.groups.world.all_reduce(counts)
+        totals, lates = host_list(counts)
+        late = sum(lates)
+        if watch.total() is None and not any(totals):
+            return
+        p.log(f"Triton kernel variants compiled per rank: {totals}; after the "
+              f"{watch.warmup_steps} warmup steps: {late}")
+
+    def summarize(self, results: list[StepResult]) -> RunSummary:
+        """The run's figures; peak memory and exposed comm are the max over ranks (a
+        collective: every rank calls it)."""
+        p = self.parts
+        on_gpu = p.device.type == "cuda"
+        if on_gpu:
+            peak = max((r.peak_mem_gib for r in results), default=0.0)
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        exposed = p.recorder.mean_exposed_comm_ms()
+        figures = torch.tensor([peak, -1.0 if exposed is None else exposed],
+                               dtype=torch.float64, device=p.device)
+        if p.groups.world_size > 1:
+            p.groups.world.all_reduce(figures, op=dist.ReduceOp.MAX)
+        peak, exposed = host_list(figures)
+        summary = RunSummary(
+            steps=len(results), seconds=sum(r.step_time_s for r in results),
+            tokens=sum(r.tokens for r in results), first_loss=results[0].loss,
+            last_loss=results[-1].loss, peak_mem_gib=peak, on_gpu=on_gpu,
+            exposed_comm_ms=None if exposed < 0 else exposed,
+            profiled=p.cfg.log.profile_steps)
+        summary.add_dispatch_stats(results)
+        return summary
+
+    def torch_profiler(self):
+        """The torch.profiler of --use-pytorch-profiler over the --profile-steps window, started
+        (None without one, or when a resumed run starts after the window)."""
+        p = self.parts
+        window, log = p.cfg.log.profile_range, p.cfg.log
+        if window is None or not log.use_pytorch_profiler or window[1] <= p.start_step:
+            return None
+        first = max(window[0], p.start_step + 1)  # a resumed run starts after start_step
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if p.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        out = Path(log.profile_dir) / f"torch-trace-rank{p.groups.rank:05d}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=first - p.start_step - 1, warmup=0,
+                                             active=window[1] - first + 1, repeat=1),
+            on_trace_ready=lambda prof: prof.export_chrome_trace(str(out)))
+        profiler.start()
+        return profiler
+
+    def write_spans(self) -> None:
+        p = self.parts
+        if p.cfg.log.profile_dir and p.recorder.steps:
+            path = p.recorder.write(p.cfg.log.profile_dir)
+            if p.groups.is_first():
+                p.log(f"spans written to {Path(path).parent} "
+                      f"(view: epoverlap-timeline {p.cfg.log.profile_dir})")
+
+    # ----------------------------------------------------------------- the run's description
+    def describe(self) -> str:
+        p = self.parts
+        cfg, g = p.cfg, p.groups
+        total = (p.params["dense"] + p.params["expert_global"]) / 1e6
+        pipeline = ""
+        if g.pp_size > 1:
+            virtual = f" x {cfg.virtual_stages} virtual" if cfg.virtual_stages > 1 else ""
+            pipeline = f"PP {g.pp_size}{virtual} x "
+        return (f"epoverlap: world {g.world_size} ({g.backend}, {p.device.type}) = "
+                f"{pipeline}DP {g.dp_size} (EP {g.ep_size}{self._ep_budget_text()} x EDP "
+                f"{g.edp_size}) | "
+                f"{cfg.model.num_layers} layers, hidden "
+                f"{cfg.model.hidden_size}, {cfg.moe.num_experts or 0} experts top-"
+                f"{cfg.moe.moe_router_topk} | {total:.1f}M params | plan {cfg.plan_name}"
+                f"{' + delayed wgrad' if cfg.overlap.delay_wgrad_compute else ''}"
+                f"{self._probe_text()} | kernels "
+                f"{p.backend} | {model_dtype(cfg)} | data: {p.data.description}")
+
+    def _probe_text(self) -> str:
+        probe = self.parts.probe
+        if probe is None:
+            return ""
+        primed = ("" if probe.prime_step is None else
+                  f", its CUDA graphs captured at step {probe.prime_step}")
+        return f" (probed against sequential, steps {probe.start}-{probe.end}{primed})"
+
+    def _ep_budget_text(self) -> str:
+        budget = self.parts.groups.ep_budget
+        return "" if budget is None or budget.is_default else f", NCCL {budget.describe()}"

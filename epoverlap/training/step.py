@@ -1,0 +1,279 @@
+"""One optimizer step of a built run (`training.build.RunParts`).
+
+Owns `StepRunner`. A step: the executor runs this rank's plan (sequential, or the combined 1F1B
+with --overlap-moe-expert-parallel-comm; with pipeline stages, this stage's 1F1B or interleaved
+1F1B plan) over all microbatches, by the CUDA graph bank of the budget level in use when there
+are graphs; then, only after the last backward and weight-grad action, grads are reduced (inside
+the stage), clipped by the whole model's norm, the expert biases updated from the all-reduced
+token counts, and the optimizer steps. With --check-for-nan-in-loss-and-grad the local losses
+and grads are checked before the reduction (`numerics`).
+
+MoE dispatch modes (`epoverlap.model.dispatch`): with a capacity, every step counts the routed
+pairs dropped over all ranks and MoE layers; with the budget dispatch, after each
+forward-backward the most rows any dispatch wanted to send to one rank is all-reduced (one host
+read per step, after the step) and, if it overflowed the budget's chunk, the step's
+forward-backward is rerun from the same inputs, weights and router RNG state at the smallest
+budget level that holds it (`forward_backward`); the reruns and the budget the step's result
+came from go into its `StepResult`.
+
+With the overlap probe each step runs the schedule the probe gives it (`training.probe`), and
+the decision, when it comes, is kept for the report (`probe_decision`). Steps with recorded
+spans (--profile-steps) also measure the first rank's comm, exposed comm and overlap ratio
+(`profiling.overlap`). Nothing here logs: `training.metrics` reports.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from epoverlap.model.transformer import training_flops_per_token
+from epoverlap.parallel.watch import host_list
+from epoverlap.profiling.overlap import step_metrics
+from epoverlap.training.build import RunParts
+from epoverlap.training.data import step_batches
+from epoverlap.training.metrics import StepResult
+from epoverlap.training.numerics import check_finite
+from epoverlap.training.optim import lr_at
+
+
+class StepRunner:
+    """Runs steps of one built run; reads the run's pieces from `parts` at each use (a caller
+    may replace the optimizer or lanes, and the probe switches the plan)."""
+
+    def __init__(self, parts: RunParts):
+        self.parts = parts
+        self.probe_decision: Optional[str] = None  # the probe's line, reported after its step
+
+    # ----------------------------------------------------------------- the step
+    def step(self, step: int) -> StepResult:
+        p = self.parts
+        p.groups.watch.step = step
+        profiled = self._profiled(step)
+        if p.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(p.device)
+        start = self._sync_time()
+        if profiled:
+            p.recorder.begin_step(step)
+        p.faults.begin_step(step)
+        schedule = self._probe_schedule(step)
+        losses, reruns = self.forward_backward(step)
+        spans = p.recorder.end_step() if profiled else None
+        p.faults.after_backward(p.model)
+        if p.cfg.train.check_for_nan_in_loss_and_grad:
+            check_finite(step, losses, p.model, p.grads, p.groups)
+        p.grads.reduce()
+        grad_norm = p.grads.clip(p.cfg.train.clip_grad)
+        loss, aux, imbalance = self._reduce_stats(losses)
+        lr = lr_at(step, p.cfg.train)
+        if not p.cfg.train.skip_optimizer_step:
+            p.optimizer.step(lr)
+        elapsed = self._sync_time() - start
+        self._probe_record(step, elapsed)
+        result = self._result(step, loss, lr, grad_norm, aux, imbalance, elapsed)
+        result.schedule = schedule
+        self._add_dispatch_stats(result, reruns)
+        if spans is not None:
+            overlap = step_metrics(spans).overlap
+            result.comm_ms, result.exposed_comm_ms = overlap.comm_us / 1e3, \
+                overlap.exposed_comm_us / 1e3
+            result.overlap_ratio = overlap.overlap_ratio
+        return result
+
+    def _result(self, step, loss, lr, grad_norm, aux, imbalance, elapsed) -> StepResult:
+        p = self.parts
+        t, m = p.cfg.train, p.cfg.model
+        tokens = p.groups.dp_size * t.num_microbatches * t.micro_batch_size * m.seq_length
+        on_gpu = p.device.type == "cuda"
+        peak = torch.cuda.max_memory_allocated(p.device) / 2**30 if on_gpu else None
+        tflops = training_flops_per_token(p.cfg) * tokens / elapsed / 1e12 / \
+            p.groups.world_size
+        return StepResult(step, loss, lr, grad_norm, aux, imbalance, elapsed, tokens, peak,
+                          tflops, deterministic=t.deterministic_mode,
+                          # graph pools are reserved, not allocated, while graphs replay
+                          peak_reserved_gib=(torch.cuda.max_memory_reserved(p.device) / 2**30
+                                             if on_gpu else None))
+
+    def _add_dispatch_stats(self, result: StepResult, reruns: int) -> None:
+        p = self.parts
+        if p.model.dispatch_mode.drops_tokens:
+            result.dropped_tokens, result.dropped_fraction = self._dropped_tokens()
+        if p.budget is not None:
+            result.dispatch_reruns, result.dispatch_budget = reruns, p.budget.factor
+
+    def _profiled(self, step: int) -> bool:
+        window = self.parts.cfg.log.profile_range
+        return window is not None and window[0] <= step <= window[1]
+
+    def _sync_time(self) -> float:
+        if self.parts.device.type == "cuda":
+            torch.cuda.synchronize(self.parts.device)
+        return time.perf_counter()
+
+    # ----------------------------------------------------------------- forward-backward
+    def microbatches(self, step: int) -> list[dict]:
+        p = self.parts
+        t, rank = p.cfg.train, p.groups.dp_rank  # every stage of a pipeline reads alike
+        return [{"tokens": tokens.to(p.device), "labels": labels.to(p.device)}
+                for tokens, labels in step_batches(p.data, step, rank, t.num_microbatches,
+                                                   t.micro_batch_size, p.cfg.model.seq_length)]
+
+    def run_microbatches(self, step: int, inputs: Optional[list[dict]] = None
+                         ) -> list[torch.Tensor]:
+        """Forward + backward of every microbatch, once, at the budget level selected (no
+        rerun: see `forward_backward`); grads land in the main_grad buffers."""
+        p = self.parts
+        p.grads.zero()
+        for router in p.model.routers():
+            router.reset_step_stats()
+        if p.budget is not None:
+            p.budget.reset_demand()
+        inputs = self.microbatches(step) if inputs is None else inputs
+        if p.graphs is not None:
+            return p.graphs.run(inputs, self._run_eager)
+        return self._run_eager(inputs)
+
+    def _run_eager(self, inputs: list[dict]) -> list[torch.Tensor]:
+        p = self.parts
+        return p.executor.run(p.plan, inputs, p.loss_scale())
+
+    def forward_backward(self, step: int) -> tuple[list[torch.Tensor], int]:
+        """`run_microbatches`, rerun while the budget dispatch overflowed (see the module
+        docstring). -> (losses, reruns). A rerun starts from the same inputs, weights and
+        router RNG state, so its result is the one a run at its budget level would give."""
+        inputs = self.microbatches(step)
+        generators = self.parts.router_generators()
+        states = [g.get_state() for g in generators]
+        losses = self._attempt(step, inputs, level=0)
+        reruns = 0
+        while (level := self.overflow_level()) is not None:
+            for generator, state in zip(generators, states):
+                generator.set_state(state)
+            losses = self._attempt(step, inputs, level)
+            reruns += 1
+        return losses, reruns
+
+    def _attempt(self, step: int, inputs: list[dict], level: int) -> list[torch.Tensor]:
+        """One forward-backward at a budget level, by that level's graph bank if it has one."""
+        p = self.parts
+        self.select_budget_level(level)
+        if p.graphs is None:
+            return self.run_microbatches(step, inputs)
+        p.graphs.begin_attempt(step - p.start_step, level)  # warmup counts from here
+        try:
+            return self.run_microbatches(step, inputs)
+        finally:
+            p.graphs.end_attempt()
+
+    def select_budget_level(self, level: int) -> None:
+        if self.parts.budget is not None:
+            self.parts.budget.level = level
+
+    def overflow_level(self) -> Optional[int]:
+        """After a forward-backward: the budget level to rerun at, None if nothing overflowed.
+        One all-reduce (max over ranks) and one host read."""
+        p = self.parts
+        budget = p.budget
+        if budget is None:
+            return None
+        demand = budget.demand()
+        if p.groups.world_size > 1:
+            p.groups.world.all_reduce(demand, op=dist.ReduceOp.MAX)
+        return budget.rerun_level(host_list(demand))
+
+    def capture_graphs(self) -> list:
+        """Capture the graph banks this step recorded (the last warmup step records the base
+        bank; a later rerun at a new budget level records that level's). -> [(level, bank)]."""
+        p = self.parts
+        if p.graphs is None:
+            return []
+        return p.graphs.capture_due(p.plan, self.select_budget_level)
+
+    # ----------------------------------------------------------------- the step's figures
+    def _dropped_tokens(self) -> tuple[int, float]:
+        """Routed (token, expert) pairs dropped over capacity this step, all ranks and MoE
+        layers, and their share of all routed pairs."""
+        p = self.parts
+        routers = p.model.routers()
+        dropped = sum((r.step_dropped for r in routers),
+                      torch.zeros((), dtype=torch.int64, device=p.device))
+        if p.groups.world_size > 1:
+            p.groups.world.all_reduce(dropped)
+        t, m = p.cfg.train, p.cfg.model
+        routed = (p.groups.world_size * t.num_microbatches * t.micro_batch_size
+                  * m.seq_length * p.cfg.moe.moe_router_topk * len(routers))
+        return int(dropped), int(dropped) / routed
+
+    def _reduce_stats(self, losses: list) -> tuple[float, float, float]:
+        """Mean loss and aux loss over microbatches and data-parallel ranks; max expert
+        imbalance. Each stage fills the slots of its layers (the last stage the loss), sums
+        them over its DP group, then the stages' slots are gathered over the pipeline."""
+        p = self.parts
+        t, num_layers = p.cfg.train, p.cfg.model.num_layers
+        routers = p.model.routers()
+        stats = torch.zeros(1 + num_layers, device=p.device)  # loss, aux of each layer
+        counts = torch.zeros(num_layers, p.cfg.moe.num_experts or 0, dtype=torch.int64,
+                             device=p.device)
+        if any(loss is not None for loss in losses):
+            stats[0] = torch.stack(losses).sum().float()
+        for router in routers:
+            stats[1 + router.layer] = router.step_aux_loss.float()
+            counts[router.layer] = router.step_counts
+        self._sum_over_stages(stats)
+        self._sum_over_stages(counts)
+        scale = 1.0 / (t.num_microbatches * p.groups.dp_size)
+        for router in routers:
+            router.update_expert_bias(counts[router.layer])
+        moe_layers = [layer for layer, is_moe in enumerate(p.cfg.moe_layer_pattern())
+                      if is_moe]
+        reads = [stats[0], stats[1:].sum()]  # one host read for all three figures
+        if moe_layers:
+            moe_counts = counts[moe_layers].float()
+            per_layer = moe_counts.amax(dim=1) / moe_counts.mean(dim=1).clamp(min=1e-9)
+            reads.append(per_layer.max())
+        loss, aux, *imbalance = host_list(torch.stack(reads))
+        return loss * scale, aux * scale, imbalance[0] if imbalance else 1.0
+
+    def _sum_over_stages(self, slots: torch.Tensor) -> None:
+        """In place: sum over the stage's DP group, then over the pipeline (where every slot
+        is one stage's and the others add 0, so the sum is exact)."""
+        g = self.parts.groups
+        if g.dp_size > 1:
+            g.dp.all_reduce(slots)
+        if g.pp_size > 1:
+            g.pp.all_reduce(slots)
+
+    # ----------------------------------------------------------------- the overlap probe
+    def _probe_schedule(self, step: int) -> Optional[str]:
+        """Switch the plan and lanes to the schedule the probe gives this step."""
+        p = self.parts
+        if p.probe is None:
+            return None
+        name = p.probe.schedule_for(step)
+        p.plan, p.executor.lanes = p.schedules[name]
+        if p.graphs is not None:
+            p.graphs.schedule = name  # its own bank of graphs
+        return name
+
+    def _probe_record(self, step: int, elapsed: float) -> None:
+        p = self.parts
+        if p.probe is None:
+            return
+
+        def slowest(medians: list[float]) -> list[float]:
+            times = torch.tensor(medians, dtype=torch.float64, device=p.device)
+            p.groups.world.all_reduce(times, op=dist.ReduceOp.MAX)
+            return host_list(times)
+        self.probe_decision = p.probe.record(step, elapsed, slowest)
+        if self.probe_decision is not None and p.graphs is not None:
+            loser = p.probe.losing()
+            freed = p.graphs.release_schedule(loser)
+            self.probe_decision += (f"; the {loser} schedule's CUDA graphs released "
+                                    f"({freed / 2**30:.3f} GiB)")
+
+    def pop_probe_decision(self) -> Optional[str]:
+        decision, self.probe_decision = self.probe_decision, None
+        return decision
