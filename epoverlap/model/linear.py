@@ -45,8 +45,8 @@ def accumulate_weight_grad_gemm(param: torch.Tensor, grad_NO: torch.Tensor,
     buffers unless --no-gradient-accumulation-fusion) and x in main_grad's dtype (fp32
     training), the GEMM accumulates into `main_grad` itself (beta = 1, Megatron-core's
     gradient-accumulation fusion): one kernel instead of a GEMM and an add. bf16/fp16 keep the
-    GEMM and the add: torch's fp32-output GEMM (`addmm` with `out_dtype`) made the step 1.1x
-    slower at hidden 4096 on an H100 (benchmarks/cuda_graphs.md, run 6)."""
+    GEMM and the add: torch's fp32-output GEMM (`addmm` with `out_dtype`) is a slower GEMM
+    than the bf16 one plus the add, so fusing there would make the step slower."""
     main_grad = getattr(param, "main_grad", None)
     if (main_grad is not None and getattr(param, "fuse_grad_accumulation", False)
             and x_NI.dtype == main_grad.dtype):

@@ -96,9 +96,8 @@ class SyntheticData:
     Each microbatch's rows draw their choices from a generator seeded by (seed, step, rank,
     microbatch); the chain itself (token t+1 = next_tokens[token t, choice t]) is sequential
     along the sequence, so it is walked once per step for every microbatch's rows together, in
-    numpy (`batches_of_step`): a torch op per position and microbatch cost the host 10 us
-    each, 20-160 ms a step at the benchmark shapes, on the critical path before the step's
-    first kernel."""
+    numpy (`batches_of_step`): a torch op per position and microbatch would cost the host one
+    op launch per token position, on the critical path before the step's first kernel."""
 
     def __init__(self, vocab: int, seed: int, branching: int = 4):
         gen = torch.Generator().manual_seed(seed)

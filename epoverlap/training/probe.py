@@ -1,17 +1,17 @@
 """The overlap probe (`--overlap-probe-steps N`): which schedule this run is faster with.
 
 The combined 1F1B hides the all-to-alls behind the other microbatch's compute, but it costs
-the host more per step (6-26% at EP 1 on one H100, of which the second stream, its events and
-hand-overs are a small part: benchmarks/overlap.md run G) and its compute kernels share the GPU
-with the communication kernels. Where a step is bound by the host (small microbatches, eager
-kernels) or the all-to-all takes SMs the GEMMs need (NVLink), the overlapped step can be
-slower than the sequential one (0.78-1.02x at the host-bound shape and 0.98x at e8 over NVLink
-on 2 H200s, runs E and F). Both schedules give the same bits
-(the overlap contract, docs/overlap.md), so a run may take either at any step without changing
-its losses. The probe uses that: after the first step (compiles, allocator warm-up), it runs
-N steps of each schedule, alternating (overlap first), takes each schedule's median step time
-on the slowest rank (an all-reduce, so every rank decides alike), and keeps the faster for the
-rest of the run. A tie keeps the overlap.
+the host more per step (the interleaved microbatches, and a second stream with its events and
+hand-overs) and its compute kernels share the GPU with the communication kernels. Where a step
+is bound by the host (small microbatches, eager kernels) or the all-to-all takes SMs the GEMMs
+need (NVLink), the overlapped step can be slower than the sequential one; which schedule wins
+depends on the shape and the interconnect (the measured figures are in the benchmarks'
+reports). Both schedules give the same bits (the overlap contract, docs/overlap.md), so a run
+may take either at any step without changing its losses. The probe uses that: after the
+first step (compiles, allocator warm-up), it runs N steps of each schedule, alternating
+(overlap first), takes each schedule's median step time on the slowest rank (an all-reduce, so
+every rank decides alike), and keeps the faster for the rest of the run. A tie keeps the
+overlap.
 
 With CUDA graphs (`--cuda-graph-impl local`, or `full_iteration`: one graph of the whole
 plan) each schedule replays its own graphs (a bank per schedule, each captured in its plan's
@@ -20,8 +20,8 @@ then starts after the overlap's bank is captured (the graphs' warm-up steps), ru
 untimed sequential step that records the sequential bank (`prime`), and times replays only;
 the losing schedule's bank is released after the decision.
 
-Owns `OverlapProbe` (which schedule each step runs, the step times, the decision); the trainer
-owns the plans and lanes it switches between.
+Owns `OverlapProbe` (which schedule each step runs, the step times, the decision); the plans
+and lanes it switches between are built in `training.build` and switched in `training.step`.
 """
 
 from __future__ import annotations
