@@ -1,5 +1,8 @@
 """Launch tier: the main job under torchrun on 2 CPU ranks, a two-node launch on one machine,
-CLI errors, the loss-comparison tool and the timeline tool on a real profiled run."""
+CLI errors, the loss-comparison tool and the timeline tool on a real profiled run.
+
+The torchrun launches are the slow tier (`-m slow`) but one: overlap + delayed wgrad against
+the sequential schedule through the CLI, bit for bit in loss and grad norm, runs by default."""
 
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ import pytest
 
 from dist_helpers import free_port
 
-pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 QUICK = ["--preset", "tiny", "--hidden-size", "64", "--seq-length", "64",
          "--num-microbatches", "2", "--train-iters", "12", "--lr-warmup-iters", "2",
@@ -41,6 +43,7 @@ def _losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_main_job_on_two_cpu_ranks_reduces_the_loss(tmp_path):
     log = tmp_path / "losses.jsonl"
     result = _run(_torchrun(2, *QUICK, "--expert-model-parallel-size", "2",
@@ -67,6 +70,7 @@ def test_launcher_defaults_pass_through_user_flags():
     assert split_nproc(["--nproc", "4", "--bf16"]) == ("4", ["--bf16"])
 
 
+@pytest.mark.slow
 def test_two_node_launch_on_one_machine_runs_to_the_end(tmp_path):
     port = free_port()
     common = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
@@ -82,6 +86,7 @@ def test_two_node_launch_on_one_machine_runs_to_the_end(tmp_path):
     assert any("step    4/4" in out for out, _ in outputs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--expert-model-parallel-size", "4"], "--expert-model-parallel-size=4: must divide"),
     (["--moe-router-topk", "99"], "--moe-router-topk=99: must be in [1, --num-experts=8]"),
@@ -98,20 +103,28 @@ def test_bad_flags_exit_2_with_one_line_and_no_traceback(flags, message):
 
 
 def test_overlap_on_and_off_write_identical_losses_per_compare_tool(tmp_path):
+    """Default tier. 4 microbatches (with 2, a schedule that ran the second backward before the
+    first summed the same two grads, a + b = b + a, and passed), and the grad norms compared
+    beside the losses: a swapped backward shows in step 1's grad norm (a plan that ran the
+    backwards in the order 0, 2, 1, 3 changed every step's grad norm and no loss in 4 steps).
+    Mock data: reading the stdlib sources would add ~6 s per run and nothing to the check."""
     logs = []
     for name, extra in (("off", []), ("on", ["--overlap-moe-expert-parallel-comm",
                                              "--delay-wgrad-compute"])):
         log = tmp_path / f"{name}.jsonl"
-        result = _run(_torchrun(2, *QUICK, "--train-iters", "6", "--deterministic-mode",
-                                "--expert-model-parallel-size", "2", "--log-json", str(log),
-                                *extra))
+        result = _run(_torchrun(2, *QUICK, "--num-microbatches", "4", "--train-iters", "4",
+                                "--deterministic-mode", "--expert-model-parallel-size", "2",
+                                "--mock-data", "--log-json", str(log), *extra))
         assert result.returncode == 0, result.stderr[-3000:]
+        plan = "combined_1f1b + delayed wgrad" if extra else "sequential"
+        assert f"| plan {plan} |" in result.stdout, result.stdout[-2000:]
         logs.append(str(log))
     compare = _run(["epoverlap-compare-losses", *logs])
     assert compare.returncode == 0, compare.stdout + compare.stderr
-    assert compare.stdout.startswith("identical (6 steps)")
+    assert compare.stdout.strip() == "identical (4 steps): losses and grad norms"
 
 
+@pytest.mark.slow
 def test_profiled_run_gives_trace_png_and_table(tmp_path):
     spans, out = tmp_path / "spans", tmp_path / "timeline"
     result = _run(_torchrun(2, *QUICK, "--train-iters", "3", "--expert-model-parallel-size", "2",
@@ -136,6 +149,7 @@ def test_profiled_run_gives_trace_png_and_table(tmp_path):
     assert "exposed" in timeline.stdout.lower()
 
 
+@pytest.mark.slow
 def test_bench_overlap_on_two_cpu_ranks_reports_every_mode_and_the_timeline(tmp_path,
                                                                             monkeypatch):
     """The overlap benchmark end to end on gloo: every mode timed, the comm replay, and the
@@ -235,6 +249,7 @@ def test_bench_overlap_budget_rows_take_the_budgets_own_comp_and_comm():
     assert " | 30.00 | " in rows["budget, full"] and " | 20.00 | " in rows["off"]
 
 
+@pytest.mark.slow
 def test_bench_overlap_graphs_need_cuda_in_one_line():
     result = _run([sys.executable, "-m", "benchmarks.harness.bench_overlap", "--graphs"])
     assert result.returncode == 2
@@ -249,6 +264,7 @@ def _scalars(directory: Path) -> dict[str, dict[int, float]]:
             for tag in events.Tags()["scalars"]}
 
 
+@pytest.mark.slow
 def test_main_job_trains_from_converted_indexed_data_and_writes_tensorboard(tmp_path):
     """The README's two commands (convert, then train from PREFIX.bin/.idx), with TensorBoard
     scalars and one profiled step's exposed comm read back from the event file."""
