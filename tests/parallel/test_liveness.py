@@ -193,7 +193,7 @@ def test_monitor_leaves_a_slow_collective_alone_while_every_peer_beats(capsys):
 
 SIGTERM_SCRIPT = textwrap.dedent("""
     import signal, sys, time
-    sys.path.insert(0, "tests/parallel")
+    sys.path[:0] = ["tests/parallel", "tests/support"]  # test_liveness imports job_control
     from test_liveness import FakeHeartbeat
     from epoverlap.parallel.watch import CollectiveWatch, route_sigterm
     watch = CollectiveWatch(0, 2, 900.0, on_gpu=False, heartbeat=FakeHeartbeat(2))
