@@ -50,8 +50,9 @@ def _train(tmp_path: Path, name: str, nproc: int, flags: list[str]) -> tuple[str
     return out, [json.loads(line) for line in log.read_text().splitlines()]
 
 
-def _loss_bits(records: list) -> list[str]:
-    return [r["loss_hex"] for r in records]
+def _loss_bits(records: list) -> list[tuple[str, str]]:
+    """Per step the loss's and the grad norm's bits."""
+    return [(r["loss_hex"], r["grad_norm_hex"]) for r in records]
 
 
 @pytest.mark.multigpu
