@@ -370,9 +370,7 @@ _PENDING = (("model", "attention_dropout", 0.0), ("model", "hidden_dropout", 0.0
             ("train", "lr_warmup_fraction", None), ("train", "lr_wsd_decay_iters", None),
             ("train", "exit_signal_handler", False), ("train", "exit_duration_in_mins", None),
             ("train", "exit_interval", None), ("train", "manual_gc", False),
-            ("eval", "eval_interval", None), ("checkpoint", "no_load_optim", False),
-            ("checkpoint", "no_load_rng", False), ("checkpoint", "finetune", False),
-            ("log", "wandb_project", None))
+            ("eval", "eval_interval", None), ("log", "wandb_project", None))
 
 
 def _not_built_yet(cfg: RunConfig) -> None:

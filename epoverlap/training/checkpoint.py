@@ -216,14 +216,17 @@ class Checkpointer:
         return self.load(ref) if ref is not None else 0
 
     def load(self, ref: files.CheckpointRef) -> int:
-        """Fill the live state from `ref` (experts resharded by global index); return its step."""
-        start = time.perf_counter()
+        """Fill the live state from `ref` (experts resharded by global index); return the step
+        to continue after: its step, or 0 with --finetune (the weights alone). --no-load-optim
+        leaves the optimizer fresh, --no-load-rng the random state --seed gave."""
+        start, c = time.perf_counter(), self.cfg.checkpoint
         self._check_same_model(ref)
-        with_optimizer = bool(ref.meta.get("optimizer_state"))
+        with_optimizer = bool(ref.meta.get("optimizer_state")) and not (c.no_load_optim
+                                                                          or c.finetune)
         if with_optimizer:
             self.optimizer.create_state()
         entries = self._entries(with_optimizer)
-        rng = self._rng_targets(ref)
+        rng = {} if c.no_load_rng or c.finetune else self._rng_targets(ref)
         entries.update(rng)
         try:
             with _single_process_quiet():
@@ -242,7 +245,7 @@ class Checkpointer:
         _set_rng_states(self.model, self.groups.device,
                         {key[len(prefix):]: value for key, value in rng.items()})
         self._log_resume(ref, time.perf_counter() - start)
-        return ref.step
+        return 0 if c.finetune else ref.step
 
     def _rng_targets(self, ref: files.CheckpointRef) -> dict[str, torch.Tensor]:
         """Empty tensors for the saved RNG states this rank takes (those the checkpoint has)."""
@@ -281,8 +284,16 @@ class Checkpointer:
         layout = f"world {meta['world_size']}, EP {meta['ep_size']}"
         now = f"world {g.world_size}, EP {g.ep_size}"
         reshard = "" if layout == now else f"; now {now}: experts resharded by global index"
-        self.log(f"checkpoint: resuming from {ref.path} at step {ref.step} (written by "
-                 f"{layout}{reshard}; loaded in {seconds:.2f} s)")
+        c = self.cfg.checkpoint
+        if c.finetune:
+            what = (f"checkpoint: fine-tuning from the weights of {ref.path} (step {ref.step}); "
+                    "optimizer, random state and step count start afresh")
+        else:
+            fresh = [name for name, on in (("optimizer", c.no_load_optim),
+                                           ("random state", c.no_load_rng)) if on]
+            what = (f"checkpoint: resuming from {ref.path} at step {ref.step}"
+                    + (f" ({' and '.join(fresh)} afresh)" if fresh else ""))
+        self.log(f"{what} (written by {layout}{reshard}; loaded in {seconds:.2f} s)")
 
 
 def _first_difference(saved: dict, expected: dict) -> Optional[str]:

@@ -109,8 +109,6 @@ def test_accepted_flags_that_change_nothing_are_named_with_what_is_done():
     assert len(notes) == 3 and any(n.startswith("--num-workers (") for n in notes)
 
 
-@pytest.mark.xfail(strict=True, reason="--no-load-optim and --no-load-rng are refused until the "
-                   "checkpoint load options land")
 def test_the_mixtral_script_with_data_and_tokenizer_adapted_validates():
     """The Mixtral example as pasted, but for its tokenizer (a Llama-2 sentencepiece model,
     refused) and W&B (an optional extra): it validates on 2 CPU ranks."""
