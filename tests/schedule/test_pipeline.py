@@ -104,7 +104,7 @@ def test_cli_pipeline_losses_equal_one_stage_per_compare_tool(one_stage, tmp_pat
     assert "= PP 2" in result.stdout and f"step    {STEPS}/{STEPS}" in result.stdout
     comparison = compare_loss_logs(one_stage[reference][0][reference]["log"], log)
     assert comparison.identical, comparison.message
-    assert comparison.steps_compared == STEPS
+    assert comparison.steps_compared == comparison.grad_norms_compared == STEPS
     assert timeline.main([str(spans), "--no-png"]) == 0  # one track group per rank
     summary = json.loads((spans / timeline.SUMMARY_FILE).read_text())["spans"]
     ranks = summary["steps"][0]["ranks"]

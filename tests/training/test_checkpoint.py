@@ -67,6 +67,7 @@ def test_resume_is_bitwise_identical_with_overlap_and_delayed_wgrad(layouts):
     assert losses["R"] == losses["A"][2:]
     comparison = compare_loss_logs(out / "A.jsonl", out / "R.jsonl")  # log kept 1-2, added 3-4
     assert comparison.identical and comparison.steps_compared == 4, comparison.message
+    assert comparison.grad_norms_compared == 4  # the resumed steps' grad norms too
     assert _same_tensors(checkpoint_tensors(out / "R" / iter_name(4)),
                          checkpoint_tensors(out / "A" / iter_name(4)))  # and the final state
 
@@ -207,3 +208,20 @@ def test_nan_stops_the_step_naming_rank_and_parameter_before_the_optimizer(two_r
     grad_message = results[0][0][0]
     assert "rank 0:" not in grad_message  # injected after the backward: rank 0 stays clean
     assert results[0] == results[1]
+
+
+def test_nan_stops_the_step_before_the_optimizer_on_one_rank(one_thread):
+    """Default tier: the NaN check of one in-process rank (the 2-rank test above is the slow
+    tier's), a NaN gradient and a NaN loss each at step 3."""
+    from checkpoint_workers import nan_is_caught_before_the_optimizer
+    faults = {"nan-grad@3:0:layers.1.experts.fc2": "rank 0: NaN/Inf in the gradient of "
+                                                  "layers.1.experts.fc2 (first of 1 "
+                                                  "parameter(s))",
+              "nan-loss@3:0": FAULTS["nan-loss@3:0"]}
+    results = nan_is_caught_before_the_optimizer(single_rank_groups(), list(faults))
+    for (message, unchanged), where in zip(results, faults.values()):
+        assert message is not None and message.startswith("step 3: ") and where in message, \
+            message
+        assert message.endswith("stopped before the optimizer step (optimizer state "
+                                "unchanged)")
+        assert unchanged

@@ -62,6 +62,7 @@ def _resume_is_bitwise(tmp_path, nproc: int, flags: list[str]) -> None:
     assert "checkpoint: resuming from" in resumed.stdout
     comparison = compare_loss_logs(tmp_path / "A.jsonl", tmp_path / "R.jsonl")
     assert comparison.identical and comparison.steps_compared == 6, comparison.message
+    assert comparison.grad_norms_compared == 6  # the resumed steps' grad norms too
     final_a = checkpoint_tensors(tmp_path / "A" / "iter_0000006")
     final_r = checkpoint_tensors(tmp_path / "R" / "iter_0000006")
     assert final_a.keys() == final_r.keys()

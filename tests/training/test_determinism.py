@@ -54,7 +54,8 @@ def test_deterministic_mode_fills_new_memory_only_when_asked(restore_determinism
         assert torch.empty(64).isnan().all()
 
 
-def _losses(tmp_path: Path, name: str, flags: list[str]) -> list[str]:
+def _losses(tmp_path: Path, name: str, flags: list[str]) -> list[tuple[str, str]]:
+    """Per step the bits of the loss and of the grad norm (float.hex)."""
     log = tmp_path / f"{name}.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
@@ -66,7 +67,7 @@ def _losses(tmp_path: Path, name: str, flags: list[str]) -> list[str]:
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert all(r["deterministic"] for r in records)
     assert all(math.isfinite(r["loss"]) for r in records), records
-    return [r["loss_hex"] for r in records]
+    return [(r["loss_hex"], r["grad_norm_hex"]) for r in records]
 
 
 @pytest.mark.slow

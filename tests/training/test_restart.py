@@ -53,8 +53,9 @@ def test_a_restarted_job_resumes_from_its_newest_checkpoint(restarted):
         in result.stdout
     steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]  # the interrupted run's step 3 was replaced
-    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [
-        "iter_0000002", "iter_0000004", "iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [  # config.json: the run's
+        "config.json", "iter_0000002", "iter_0000004", "iter_0000005",  # resolved config
+        "latest_checkpointed_iteration.txt"]
     saved = [line for line in result.stdout.splitlines() if line.startswith("checkpoint: saved")]
     assert len(saved) == 3 and all(" s (" in line and " MB)" in line for line in saved)
 
