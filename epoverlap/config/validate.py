@@ -365,8 +365,7 @@ def _validate_dropout(cfg: RunConfig) -> None:
 
 
 # Megatron-LM flags whose runtime side is being built: refused until it lands.
-_PENDING = (("model", "attention_dropout", 0.0), ("model", "hidden_dropout", 0.0),
-            ("train", "lr_decay_style", "cosine"), ("train", "lr_decay_iters", None),
+_PENDING = (("train", "lr_decay_style", "cosine"), ("train", "lr_decay_iters", None),
             ("train", "lr_warmup_fraction", None), ("train", "lr_wsd_decay_iters", None),
             ("train", "exit_signal_handler", False), ("train", "exit_duration_in_mins", None),
             ("train", "exit_interval", None), ("train", "manual_gc", False),

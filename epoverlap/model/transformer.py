@@ -17,6 +17,9 @@ With `one_node_moe_layers` (CUDA graphs that span the MoE layer: `--cuda-graph-m
 or the whole layer, only without the EP overlap) an MoE layer is one compute node `moe_layer`
 whose segments are attn, moe_router, moe_preprocess, moe_dispatch, moe_experts, moe_combine:
 the same callables in the same order under one autograd graph.
+With --attention-dropout / --hidden-dropout, attention dropout and the hidden dropout of each
+block's output before its residual add (`model.dropout`) draw their masks from the microbatch's
+dropout seed, a named input (`DROPOUT_SEED`) of attn, of a dense layer's mlp and of combine.
 The MoE layers' dispatch steps (preprocess, dispatch, sort, unsort, combine) are one
 `model.dispatch.TokenDispatcher`, the strategy of the configured dispatch mode, built once per
 model (`MoEModel.dispatcher`) and shared by its MoE layers. Value names between nodes come from
@@ -42,6 +45,8 @@ from epoverlap.config import RunConfig
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.dispatch import TokenDispatcher, make_dispatcher
+from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, causal_attention,
+                                     hidden_dropout, uses_dropout)
 from epoverlap.model.linear import linear
 from epoverlap.model.moe import GroupedSwiGLUExperts, Router, SwiGLU, param_seed, seeded_normal_
 from epoverlap.model.nodes import (COMM, COMPUTE, RECV, SEND, NodeSpec, Segment, hidden_value,
@@ -76,6 +81,7 @@ class Attention(nn.Module):
         self.ops = ops
         self.heads, self.kv_heads, self.head_dim = m.num_attention_heads, m.kv_heads, m.head_dim
         self.seq_length, self.queue = m.seq_length, queue
+        self.layer, self.dropout_p = layer, m.attention_dropout
         qkv_out = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.qkv = nn.Parameter(torch.empty(qkv_out, m.hidden_size, dtype=dtype, device=device))
         self.proj = nn.Parameter(torch.empty(m.hidden_size, self.heads * self.head_dim,
@@ -88,7 +94,9 @@ class Attention(nn.Module):
         self.register_buffer("cos_SD", cos_SD, persistent=False)
         self.register_buffer("sin_SD", sin_SD, persistent=False)
 
-    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TH: torch.Tensor, dropout_seed: Optional[int] = None) -> torch.Tensor:
+        """`dropout_seed`: the microbatch's (`model.dropout`), read with attention dropout in
+        training only."""
         seq, dim = self.seq_length, self.head_dim
         batch = x_TH.shape[0] // seq
         qkv_TX = linear(x_TH, self.qkv, self.queue)
@@ -101,8 +109,8 @@ class Attention(nn.Module):
         # grouped-query attention inside SDPA: expanding K/V with repeat_interleave first
         # materializes the repeated keys and values (more GPU time and more host launches) for
         # the same output bits
-        out_BQSD = F.scaled_dot_product_attention(q_BQSD, k_BGSD, v_BGSD, is_causal=True,
-                                                  enable_gqa=self.kv_heads != self.heads)
+        out_BQSD = causal_attention(q_BQSD, k_BGSD, v_BGSD, layer=self.layer, seed=dropout_seed,
+                                    p=self.dropout_p if self.training else 0.0)
         out_TX = out_BQSD.transpose(1, 2).reshape(batch * seq, self.heads * dim)
         return linear(out_TX, self.proj, self.queue)
 
@@ -136,6 +144,9 @@ class TransformerLayer(nn.Module):
         m, moe, seed = cfg.model, cfg.moe, cfg.train.seed
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         self.layer, self.is_moe, self.one_node = layer, is_moe, one_node
+        self.hidden_dropout_p = m.hidden_dropout
+        # the microbatch's dropout seed, a named input of the nodes that drop (model.dropout)
+        self._seed = (DROPOUT_SEED,) if uses_dropout(m) else ()
         self.input_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
         self.attention = Attention(cfg, layer, ops, dtype=dtype, device=device, queue=queue)
         self.pre_mlp_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
@@ -159,11 +170,17 @@ class TransformerLayer(nn.Module):
                                         name=f"shared{layer}", **mlp_kwargs)
 
     # ----------------------------------------------------------------- node segments
-    def attention_segment(self, hidden):
+    def _hidden_dropout(self, x, dropout_seed: Optional[int], site: str):
+        """Hidden dropout of a block's output before its residual add (training only)."""
+        p = self.hidden_dropout_p if self.training else 0.0
+        return hidden_dropout(x, p, dropout_seed, self.layer, site)
+
+    def attention_segment(self, hidden, dropout_seed=None):
         """norm, attention, residual, pre-MLP norm (the `attn` region). In an MoE layer the
         normed tokens go to three consumers (router, shared expert, permute), each through its
         own alias whose grads are summed in that fixed order (`_FanOut`)."""
-        residual = hidden + self.attention(self.input_norm(hidden))
+        attn_out = self.attention(self.input_norm(hidden), dropout_seed)
+        residual = hidden + self._hidden_dropout(attn_out, dropout_seed, ATTENTION_OUT)
         normed = self.pre_mlp_norm(residual)
         if not self.is_moe:
             return {"residual": residual, "normed": normed}
@@ -215,8 +232,9 @@ class TransformerLayer(nn.Module):
         return (("permuted_tokens", "permuted_probs", self._dispatch_sizes)
                 + (("row_id_map",) if rank_rows else ()))
 
-    def dense_mlp_segment(self, normed, residual):
-        return {"hidden": residual + self.dense_mlp(normed)}
+    def dense_mlp_segment(self, normed, residual, dropout_seed=None):
+        mlp_out = self._hidden_dropout(self.dense_mlp(normed), dropout_seed, MLP_OUT)
+        return {"hidden": residual + mlp_out}
 
     # ----------------------------------------------------------------- node callables
     def dispatch_forward(self, permuted_tokens, permuted_probs, expert_counts=None,
@@ -232,11 +250,14 @@ class TransformerLayer(nn.Module):
                            meta.tokens_per_local_expert)
         return {"expert_out": self.dispatcher.unsort(out, meta, local_map)}
 
-    def combine_forward(self, expert_out, meta, row_id_map, residual, shared_out=None):
+    def combine_forward(self, expert_out, meta, row_id_map, residual, shared_out=None,
+                        dropout_seed=None):
+        """All-to-all back, unpermute, + shared expert, hidden dropout, + residual. On the comm
+        lane: its dropout mask comes from a generator of its own, never the global RNG."""
         moe_out = self.dispatcher.combine(expert_out, meta, row_id_map)
         if shared_out is not None:
             moe_out = moe_out + shared_out
-        return {"hidden": residual + moe_out}
+        return {"hidden": residual + self._hidden_dropout(moe_out, dropout_seed, MLP_OUT)}
 
     def combine_segment(self, **inputs):
         """`combine_forward` inside the one-node layer (its output named apart from the input)."""
@@ -249,16 +270,18 @@ class TransformerLayer(nn.Module):
         return (Segment("moe_dispatch", self.dispatch_forward, self._dispatch_inputs, recv),
                 Segment("moe_experts", self.moe_mlp_forward, recv, ("expert_out",)),
                 Segment("moe_combine", self.combine_segment,
-                        ("expert_out", "meta", "row_id_map", "residual") + shared,
+                        ("expert_out", "meta", "row_id_map", "residual") + shared + self._seed,
                         ("layer_out",)))
     def _attn_segments(self) -> tuple[Segment, ...]:
         if not self.is_moe:
-            return (Segment("attn", self.attention_segment, ("hidden",), ("residual", "normed")),)
+            return (Segment("attn", self.attention_segment, ("hidden",) + self._seed,
+                            ("residual", "normed")),)
         shared = self.shared_expert is not None
         normed = ("normed_router",) + (("normed_shared",) if shared else ()) + ("normed_permute",)
         router_out = ("probs", "routing_map", "expert_counts") + (("shared_out",) if shared
                                                                    else ())
-        segments = (Segment("attn", self.attention_segment, ("hidden",), ("residual",) + normed),
+        segments = (Segment("attn", self.attention_segment, ("hidden",) + self._seed,
+                            ("residual",) + normed),
                     Segment("moe_router", self.router_segment, normed[:-1], router_out),
                     Segment("moe_preprocess", self.preprocess_segment,
                             ("normed_permute", "probs", "routing_map"),
@@ -272,6 +295,10 @@ class TransformerLayer(nn.Module):
         """Local name -> this layer's value name, for `names`."""
         return {name: layer_value(self.layer, name) for name in names}
 
+    def _inputs(self, values: dict) -> dict:
+        """A dropping node's inputs: `values` and the microbatch's dropout seed, if any."""
+        return {**values, **{name: name for name in self._seed}}
+
     def node_specs(self) -> list[NodeSpec]:
         if not self.is_moe:
             return self._dense_node_specs()
@@ -279,24 +306,24 @@ class TransformerLayer(nn.Module):
             segments = self._attn_segments() + self._moe_segments()
             return [NodeSpec(name="moe_layer", layer=self.layer, lane=COMPUTE,
                              fn=segmented(segments, ("layer_out",)),
-                             inputs={"hidden": hidden_value(self.layer)},
+                             inputs=self._inputs({"hidden": hidden_value(self.layer)}),
                              outputs={"layer_out": hidden_value(self.layer + 1)},
                              has_weights=True, segments=segments)]
         return self._moe_node_specs()
 
     def _dense_node_specs(self) -> list[NodeSpec]:
         L, attn_segments = self.layer, self._attn_segments()
-        mlp_segments = (Segment("mlp", self.dense_mlp_segment, ("normed", "residual"),
-                                ("hidden",)),)
+        mlp_segments = (Segment("mlp", self.dense_mlp_segment,
+                                ("normed", "residual") + self._seed, ("hidden",)),)
         return [
             NodeSpec(name="attn", layer=L, lane=COMPUTE,
                      fn=segmented(attn_segments, ("residual", "normed")),
-                     inputs={"hidden": hidden_value(L)},
+                     inputs=self._inputs({"hidden": hidden_value(L)}),
                      outputs=self._values("residual", "normed"),
                      has_weights=True, segments=attn_segments),
             NodeSpec(name="mlp", layer=L, lane=COMPUTE,
                      fn=segmented(mlp_segments, ("hidden",)),
-                     inputs=self._values("normed", "residual"),
+                     inputs=self._inputs(self._values("normed", "residual")),
                      outputs={"hidden": hidden_value(L + 1)},
                      has_weights=True, segments=mlp_segments)]
 
@@ -310,15 +337,15 @@ class TransformerLayer(nn.Module):
         return [
             NodeSpec(name="attn", layer=L, lane=COMPUTE,
                      fn=segmented(attn_segments, tuple(attn_out)),
-                     inputs={"hidden": hidden_value(L)}, outputs=attn_out,
+                     inputs=self._inputs({"hidden": hidden_value(L)}), outputs=attn_out,
                      has_weights=True, segments=attn_segments),
             NodeSpec(name="dispatch", layer=L, lane=COMM, fn=self.dispatch_forward,
                      inputs=self._values(*self._dispatch_inputs), outputs=recv),
             NodeSpec(name="mlp", layer=L, lane=COMPUTE, fn=self.moe_mlp_forward,
                      inputs=dict(recv), outputs=self._values("expert_out"), has_weights=True),
             NodeSpec(name="combine", layer=L, lane=COMM, fn=self.combine_forward,
-                     inputs=self._values("expert_out", "meta", "row_id_map", "residual",
-                                         *shared),
+                     inputs=self._inputs(self._values("expert_out", "meta", "row_id_map",
+                                                      "residual", *shared)),
                      outputs={"hidden": hidden_value(L + 1)})]
 
 
@@ -428,13 +455,15 @@ class MoEModel(nn.Module):
     def routers(self) -> list[Router]:
         return [layer.router for layer in self.transformer_layers() if layer.router is not None]
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor,
+                dropout_seed: Optional[int] = None) -> torch.Tensor:
         """Plain autograd forward through the same node callables, in order. -> loss.
-        The whole model only (one stage)."""
+        The whole model only (one stage). `dropout_seed`: the microbatch's (`model.dropout`),
+        needed by a training forward with dropout."""
         if self.pipe is not None:
             raise RuntimeError("MoEModel.forward runs a whole model; a pipeline stage runs "
                                "through the executor")
-        values = {"tokens": tokens, "labels": labels}
+        values = {"tokens": tokens, "labels": labels, DROPOUT_SEED: dropout_seed}
         for spec in self.node_specs():
             out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})
             values.update({spec.outputs[local]: value for local, value in out.items()})

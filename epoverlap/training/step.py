@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from epoverlap.model.dropout import dropout_inputs
 from epoverlap.model.transformer import training_flops_per_token
 from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.overlap import step_metrics
@@ -115,11 +116,15 @@ class StepRunner:
 
     # ----------------------------------------------------------------- forward-backward
     def microbatches(self, step: int) -> list[dict]:
+        """The step's microbatch dicts: tokens, labels and, with dropout, the dropout seed of
+        the same (step, DP rank, microbatch) as the data (`model.dropout`)."""
         p = self.parts
         t, rank = p.cfg.train, p.groups.dp_rank  # every stage of a pipeline reads alike
-        return [{"tokens": tokens.to(p.device), "labels": labels.to(p.device)}
-                for tokens, labels in step_batches(p.data, step, rank, t.num_microbatches,
-                                                   t.micro_batch_size, p.cfg.model.seq_length)]
+        batches = step_batches(p.data, step, rank, t.num_microbatches, t.micro_batch_size,
+                               p.cfg.model.seq_length)
+        return [{"tokens": tokens.to(p.device), "labels": labels.to(p.device),
+                 **dropout_inputs(p.cfg, step, rank, mb)}
+                for mb, (tokens, labels) in enumerate(batches)]
 
     def run_microbatches(self, step: int, inputs: Optional[list[dict]] = None
                          ) -> list[torch.Tensor]:

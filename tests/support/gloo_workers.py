@@ -78,15 +78,16 @@ def _trainer(ep, argv):
     return cfg
 
 
-def mode_grads_and_losses(rank, world_size, ep, out_dir, steps):
-    """For each mode: bits of one step's reduced grads, and a --log-json of `steps` steps."""
+def mode_grads_and_losses(rank, world_size, ep, out_dir, steps, extra=()):
+    """For each mode: bits of one step's reduced grads, and a --log-json of `steps` steps.
+    `extra`: flags every mode adds (dropout, say)."""
     groups = init_distributed(ep, "cpu", timeout_minutes=3)
     results = {}
     try:
         for mode, flags in MODES.items():
             log = str(Path(out_dir) / f"{mode}.jsonl")
-            trainer = Trainer(_trainer(ep, flags + ["--train-iters", str(steps),
-                                                    "--log-json", log]), groups,
+            trainer = Trainer(_trainer(ep, flags + list(extra) + ["--train-iters", str(steps),
+                                                                  "--log-json", log]), groups,
                               log=lambda msg: None)
             try:
                 trainer.run_microbatches(step=1)
