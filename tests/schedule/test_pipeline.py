@@ -11,6 +11,7 @@ reductions over data-parallel ranks have the same groups, and the grad norm and 
 per-parameter and per-layer slots in the whole model's order (`training.grads`, `trainer`).
 Then the same through the CLI: torchrun, `--log-json`, `epoverlap-compare-losses`, and the
 profiled step's spans through the timeline tool (a track group per rank, bubbles marked).
+PP=2 on 2 ranks runs in the default tier; the rest is the slow tier (`-m slow`).
 """
 
 from __future__ import annotations
@@ -28,19 +29,30 @@ from epoverlap.cli import timeline
 from epoverlap.cli.compare_losses import compare_loss_logs
 from pipeline_workers import OVERLAP, TINY_PP, VIRTUAL, WGRAD, mode_results
 
-pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 PP2 = ["--pipeline-model-parallel-size", "2"]
 EP2 = ["--expert-model-parallel-size", "2"]
 
 
+class _References(dict):
+    """{"ep1": PP=1 on 1 rank, "ep2": PP=1 x EP=2 on 2 ranks} (sequential plans), each run when
+    first asked for: the default tier needs only "ep1"."""
+
+    def __init__(self, out: Path):
+        super().__init__()
+        self.out = out
+
+    def __missing__(self, name: str) -> list:
+        world, flags = {"ep1": (1, []), "ep2": (2, EP2)}[name]
+        self[name] = run_ranks(mode_results, world, flags, [(name, [])], str(self.out), STEPS)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def one_stage(tmp_path_factory) -> dict:
     """The references: PP=1 on 1 rank, and PP=1 x EP=2 on 2 ranks (sequential plans)."""
-    out = tmp_path_factory.mktemp("one_stage")
-    return {"ep1": run_ranks(mode_results, 1, [], [("ep1", [])], str(out), STEPS),
-            "ep2": run_ranks(mode_results, 2, EP2, [("ep2", [])], str(out), STEPS)}
+    return _References(tmp_path_factory.mktemp("one_stage"))
 
 
 def assert_bitwise_equal_to(reference: list, pipelined: list, mode: str) -> None:
@@ -69,6 +81,7 @@ def test_pp2_on_two_ranks_equals_one_stage_bitwise(one_stage, tmp_path):
     assert "PP 2 x 2 virtual x DP 1" in results[0]["virtual_wgrad"]["describe"]
 
 
+@pytest.mark.slow
 def test_pp2_ep2_on_four_ranks_equals_one_stage_bitwise(one_stage, tmp_path):
     modes = [("sequential", []), ("wgrad", WGRAD)]  # the CLI test runs virtual + wgrad here
     results = run_ranks(mode_results, 4, PP2 + EP2, modes, str(tmp_path), STEPS, timeout_s=600)
@@ -92,6 +105,7 @@ def _torchrun(nproc: int, *flags: str) -> subprocess.CompletedProcess:
                           cwd=REPO)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, flags, reference", [
     (2, PP2 + WGRAD + ["--check-for-nan-in-loss-and-grad"], "ep1"),  # stage 0 has no loss
     (4, PP2 + EP2 + VIRTUAL + WGRAD, "ep2")])
@@ -114,6 +128,7 @@ def test_cli_pipeline_losses_equal_one_stage_per_compare_tool(one_stage, tmp_pat
     assert (0, "send") in nodes and (nproc - 1, "recv") in nodes
 
 
+@pytest.mark.slow
 def test_fewer_microbatches_than_stages_exit_2_naming_the_flag():
     env = dict(_env(), WORLD_SIZE="2", RANK="0")  # checked before any process group
     result = subprocess.run([sys.executable, "-m", "epoverlap.train", *TINY_PP, *PP2,
