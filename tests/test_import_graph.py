@@ -18,7 +18,6 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "epoverlap"
 LAYERS = ("errors", "kernels", "data", "parallel", "config", "model", "schedule", "graphs",
