@@ -126,11 +126,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run_torchrun(torchrun_args: list[str]) -> int:
     """torchrun in this process; one line for failed ranks; the first failure's status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    _quiet_torch_elastic()
     _stop_workers_within_the_shutdown_timeout()
     try:
         run(parse_args(torchrun_args))
@@ -138,23 +139,41 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         print(f"{PROG}: {_failures_line(error.failures)}", file=sys.stderr, flush=True)
         _, first = error.get_first_failure()
         return first.exitcode if first.exitcode > 0 else 128 - first.exitcode
+    except SignalException as stop:  # the ranks got it forwarded; rank 0 said where they stopped
+        return 128 + int(stop.sigval)
     return 0
+
+
+def _quiet_torch_elastic() -> None:
+    """torch elastic's loggers print warnings and tracebacks of their own beside the ranks'
+    one-line reports; the launcher says what happened in its own line."""
+    for name in list(logging.root.manager.loggerDict) + ["torch.distributed.elastic"]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 FAILED_RANK_GRACE_S = 5  # after a rank fails, the others report their line within ~3 s
 
 
 def _stop_workers_within_the_shutdown_timeout() -> None:
-    """torch elastic's agent stops the other ranks after one fails with its own fixed 30 s
-    grace (`_stop_workers` calls `_shutdown()` without the configured timeout), so a stopped
-    rank (SIGSTOP) held the job 30 s past the line naming it. Here that grace is
-    TORCH_ELASTIC_SHUTDOWN_TIMEOUT when set, else FAILED_RANK_GRACE_S; a signal to the
-    launcher keeps TORCH_ELASTIC_SHUTDOWN_TIMEOUT (time for --exit-signal-handler's save)."""
+    """After a rank fails, torch elastic stops the others with its own fixed 30 s grace (the
+    process context's `_poll` closes them with `close()`'s default, and the agent's
+    `_stop_workers` calls `_shutdown()` without its configured timeout), so a stopped rank
+    (SIGSTOP) held the job 30 s past the line naming it. Here both take
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT when set, else FAILED_RANK_GRACE_S; a signal to the launcher
+    keeps torch's own grace (time for --exit-signal-handler's save)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
     grace = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", FAILED_RANK_GRACE_S))
+    close = getattr(PContext.close, "__wrapped__", PContext.close)
+
+    def close_within_grace(self, death_sig=None, timeout: int = grace) -> None:
+        close(self, death_sig, timeout)
+    close_within_grace.__wrapped__ = close
 
     def stop_workers(self, worker_group) -> None:
         self._shutdown(timeout=grace)
+    PContext.close = close_within_grace
     LocalElasticAgent._stop_workers = stop_workers
 
 

@@ -13,7 +13,10 @@ on every exit path.
        step, rank and parameter), or anything else (with its traceback);
   3    a peer rank died or stalled: one line naming the step, the process group and the
        silent rank(s), no traceback;
-  143  stopped by SIGTERM with no silent peer.
+  130, 143  stopped by SIGINT or SIGTERM with every peer alive: every rank stops after the same
+       step (saving a checkpoint first with --exit-signal-handler) and rank 0 says in one line
+       which step the last checkpoint holds; before the training loop, at once. (The time
+       limits --exit-duration-in-mins and --exit-interval stop the same way with status 0.)
 `kill -USR1 <pid>` makes a rank print every thread's Python stack to stderr and go on (for a
 hang: where the main thread and the liveness monitor are).
 """
@@ -26,6 +29,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -36,11 +40,12 @@ from epoverlap.config import RunConfig, parse_config, validate_config, world_siz
 from epoverlap.config.parse import accepted_notes, flags_text
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
-from epoverlap.parallel.watch import PeerFailure, route_sigterm
+from epoverlap.parallel.watch import ROUTED_SIGNALS, PeerFailure, route_signals
 from epoverlap.training.checkpoint_files import CheckpointRef, find_resume_checkpoint
 from epoverlap.training.data import open_data_source
 from epoverlap.training.memory import check_memory
 from epoverlap.training.environment import ep_cta_budget, setup_environment
+from epoverlap.training.stop import exit_status
 from epoverlap.training.trainer import Trainer
 
 
@@ -136,8 +141,33 @@ def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: b
     return cfg, resume, [f"{prog}: warning: {note}" for note in notes]
 
 
+def _stop_now_on_signals(printing: bool) -> None:
+    """Until the liveness watch takes them (route_signals), SIGTERM and SIGINT end the rank at
+    once, with one line from the first rank of the node."""
+    def stop(signum, frame):
+        name = signal.Signals(signum).name
+        _printer(printing, sys.stderr)(f"epoverlap-train: stopped by {name} before training")
+        os._exit(128 + signum)
+    for signum in ROUTED_SIGNALS:
+        signal.signal(signum, stop)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    """The training command (see the module docstring); the signal handlers it installs are
+    the process's only while it runs."""
+    handlers = {signum: signal.getsignal(signum) for signum in ROUTED_SIGNALS}
+    try:
+        return _train(argv)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(-1)
+
+
+def _train(argv: Optional[list[str]]) -> int:
     printing = os.environ.get("LOCAL_RANK", "0") == "0"  # one voice per node for bad input
+    _stop_now_on_signals(printing)
     warn = _printer(printing, sys.stderr)
     cuda = torch.cuda.is_available()
 
@@ -167,10 +197,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                               cfg.parallel.distributed_timeout_minutes,
                               pp_size=cfg.parallel.pipeline_model_parallel_size,
                               ep_budget=ep_cta_budget(cfg))
-    if groups.world_size > 1:
-        route_sigterm(groups.watch)
+    route_signals(groups.watch)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    trainer = None
+    trainer, status = None, 0
     try:
         trainer = Trainer(cfg, groups, log=_printer(groups.is_first()), data=data,
                           resume=resume)
@@ -178,6 +207,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if groups.is_first():
             _write_resolved_config(trainer.cfg, groups.world_size, trainer.log)
         trainer.train()
+        status = exit_status(trainer.stopped_by)
     except PeerFailure as failure:
         groups.watch.report(failure)  # one line, then the process exits (status 3)
     except ConfigError as error:  # a checkpoint that cannot be loaded: every rank alike
@@ -188,4 +218,4 @@ def main(argv: Optional[list[str]] = None) -> int:
         if trainer is not None:
             trainer.close()
         destroy_distributed(groups)
-    return 0
+    return status

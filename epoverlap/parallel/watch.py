@@ -23,6 +23,10 @@ status 3; the first report of a process is the only one that prints:
      Python's wakeup fd), so it is handled even while the main thread is blocked in C++ (a
      CUDA synchronize behind a stuck NCCL kernel), where a Python handler would never run.
 
+A SIGTERM or SIGINT with every peer still beating is a stop for the whole job (a scheduler,
+Ctrl-C): the watch hands it to the training loop's `stop_handler`, which stops every rank after
+the same step (`on_signal`); the heartbeats go on meanwhile, so no peer is called silent.
+
 Collectives captured in a CUDA graph are issued by its replays, not by the calls made while
 capturing: those are not tracked (`collective`), and the caller wraps each replay of a graph
 that holds collectives instead (`Group.watched`).
@@ -52,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 EXIT_PEER_FAILURE = 3
+ROUTED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Backend errors that mean a peer or the transport failed (not a bug in the caller's tensors).
 _TRANSPORT_ERROR = re.compile(r"timed out|timeout|connection (closed|reset|refused)|"
                               r"pair closure|broken pipe|nccl|socket|aborted", re.IGNORECASE)
@@ -115,8 +120,12 @@ class PeerFailure(RuntimeError):
         RuntimeError.__init__(self, self.what)
 
     def __str__(self) -> str:
+        return f"{self.where_text()}: {self._who()}"
+
+    def where_text(self) -> str:
+        """'rank R: step S: what happened', without who was silent."""
         step = f"step {self.step}" if self.step > 0 else "before step 1"
-        return f"rank {self.rank}: {step}: {self.what}: {self._who()}"
+        return f"rank {self.rank}: {step}: {self.what}"
 
     def _who(self) -> str:
         if not self.store_answers:  # no heartbeat to read: the group tells what it can
@@ -217,6 +226,9 @@ class CollectiveWatch:
         self._thread: Optional[threading.Thread] = None
         self._signal_fd: Optional[int] = None
         self._last_failed: Optional[_InFlight] = None  # the last collective a transport failed
+        # the training loop's stop request (a signal, no silent peer): stop after this step
+        self.stop_handler: Optional[Callable[[str], None]] = None
+        self._stop_requested = False
 
     # ------------------------------------------------------------------ collectives
     @contextlib.contextmanager
@@ -296,7 +308,7 @@ class CollectiveWatch:
             return failure
         if baseline is None:
             start, before = time.monotonic(), self.heartbeat.counters()
-            time.sleep(self.timing.window_s)
+            self._beat_for(self.timing.window_s)
         else:
             start, before = baseline
         after = self.heartbeat.counters()
@@ -308,6 +320,15 @@ class CollectiveWatch:
         failure.silent_for_s = time.monotonic() - start
         return failure
 
+    def _beat_for(self, seconds: float) -> None:
+        """Wait `seconds`, still beating: every rank that gets a signal at once probes at once,
+        and none may look silent to the others meanwhile."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, self.timing.interval_s))
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                self.heartbeat.beat()
+
     def report(self, failure: PeerFailure) -> None:
         """Print the one line and exit with status 3. Only the first report of a process
         prints; a later one (another thread) waits for the first one's exit."""
@@ -318,14 +339,30 @@ class CollectiveWatch:
             self.probe(failure)
         self._emit(failure, EXIT_PEER_FAILURE)
 
-    def report_signal(self, name: str) -> None:
-        """A termination signal (the launcher stopping the job because a rank exited): probe
-        first (meanwhile this rank's own collective with a dead peer fails or stalls), then name
-        the collective this rank is in. Status 3 when some peer is silent, else 128 + SIGTERM.
-        Returns at once when a report is already under way."""
-        if not self._reporting.acquire(blocking=False):
+    def on_signal(self, signum: int) -> None:
+        """SIGTERM or SIGINT: a peer that died (the launcher stopping the job because a rank
+        exited), or a stop for the whole job (a scheduler, Ctrl-C). Probe first (meanwhile a
+        collective with a dead peer fails or stalls): a silent peer is reported as a failure;
+        otherwise the training loop's `stop_handler` is asked to stop after the step in
+        progress (every rank agrees on which), once; without one the rank exits now."""
+        name = signal.Signals(signum).name
+        if self._reporting.locked() or self._stop_requested:
             return
         failure = self.probe(PeerFailure(self.rank, self.step, ""))
+        if (failure.silent or not failure.store_answers) or self.stop_handler is None:
+            self.report_signal(name, failure)
+            return
+        self._stop_requested = True
+        self.stop_handler(name)
+
+    def report_signal(self, name: str, failure: Optional[PeerFailure] = None) -> None:
+        """A termination signal: name the collective this rank is in and exit. Status 3 when
+        some peer is silent, else 128 + the signal. Returns at once when a report is already
+        under way."""
+        if not self._reporting.acquire(blocking=False):
+            return
+        if failure is None:
+            failure = self.probe(PeerFailure(self.rank, self.step, ""))
         entry, failed = self.oldest_unfinished(), self._last_failed
         if entry is not None:
             failure.what, failure.peers = f"stopped by {name} while in the {entry.where}", \
@@ -335,10 +372,12 @@ class CollectiveWatch:
                 failed.peers
         else:
             failure.what = f"stopped by {name} with no collective in flight"
-        explained = failure.silent or not failure.store_answers
-        self._emit(failure, EXIT_PEER_FAILURE if explained else 128 + signal.SIGTERM)
+        if failure.silent or not failure.store_answers:
+            self._emit(failure, EXIT_PEER_FAILURE)
+        else:  # every peer alive, and no training loop to stop after its step
+            self._emit(failure.where_text(), 128 + signal.Signals[name])
 
-    def _emit(self, failure: PeerFailure, status: int) -> None:
+    def _emit(self, failure, status: int) -> None:
         print(f"epoverlap-train: error: {failure}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         self._exit(status)
@@ -352,6 +391,11 @@ class CollectiveWatch:
         self._thread = threading.Thread(target=self._monitor, name="epoverlap-watch",
                                         daemon=True)
         self._thread.start()
+
+    @property
+    def monitoring(self) -> bool:
+        """Whether the heartbeat/monitor thread runs (a world of more than one rank)."""
+        return self._thread is not None
 
     def take_signals(self, read_fd: int) -> None:
         """Read signal numbers from `read_fd` (the read end of `signal.set_wakeup_fd`'s pipe)
@@ -376,8 +420,10 @@ class CollectiveWatch:
         if self._signal_fd is None:
             return not self._stop.wait(self.timing.interval_s)
         ready, _, _ = select.select([self._signal_fd], [], [], self.timing.interval_s)
-        if ready and signal.SIGTERM in os.read(self._signal_fd, 64):
-            self.report_signal("SIGTERM")
+        if ready:
+            for signum in os.read(self._signal_fd, 64):
+                if signum in ROUTED_SIGNALS:
+                    self.on_signal(signum)
         return not self._stop.is_set()
 
     def _check(self, baseline):
@@ -402,19 +448,28 @@ class CollectiveWatch:
         return None  # nobody is silent: the backend's own timeout ends the collective
 
 
-def route_sigterm(watch: CollectiveWatch) -> None:
-    """Report a SIGTERM through `watch`'s monitor thread (call once, from the main thread of
-    an entry point, after `watch.start()`).
+def route_signals(watch: CollectiveWatch) -> None:
+    """Hand SIGTERM and SIGINT to `watch.on_signal` (call once, from the main thread of an
+    entry point, after `watch.start()`).
 
-    torchrun's agent sends SIGTERM to every rank once one rank exits; the report says which
-    peer is silent and what this rank was waiting in, instead of dying without a word. Python
-    runs signal handlers on the main thread only, which may be blocked in C++ for as long as
-    the collective timeout (a CUDA synchronize behind a stuck NCCL kernel); so the handler does
-    nothing itself, and the monitor thread, woken through Python's wakeup fd, reports."""
-    def on_sigterm(signum, frame):
-        pass  # the monitor thread reports it (see above)
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    signal.signal(signal.SIGTERM, on_sigterm)
-    watch.take_signals(read_fd)
+    torchrun's agent sends SIGTERM to every rank once one rank exits, and forwards a signal it
+    gets itself (a scheduler's SIGTERM, Ctrl-C's SIGINT): the watch tells the two apart by the
+    peers' heartbeats. Python runs signal handlers on the main thread only, which may be
+    blocked in C++ for as long as the collective timeout (a CUDA synchronize behind a stuck
+    NCCL kernel); so with a monitor thread the handler does nothing itself, and the monitor,
+    woken through Python's wakeup fd, acts. A world of one has no monitor: its handler acts."""
+    if watch.monitoring:
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        watch.take_signals(read_fd)
+        handler = _routed_elsewhere
+    else:
+        def handler(signum, frame):
+            watch.on_signal(signum)
+    for signum in ROUTED_SIGNALS:
+        signal.signal(signum, handler)
+
+
+def _routed_elsewhere(signum, frame) -> None:
+    pass  # the monitor thread acts on it (route_signals)

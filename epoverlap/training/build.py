@@ -47,6 +47,7 @@ from epoverlap.training.grads import GradBuffers
 from epoverlap.training.metrics import warn_every_rank
 from epoverlap.training.optim import MixedPrecisionAdamW
 from epoverlap.training.probe import SEQUENTIAL, OverlapProbe
+from epoverlap.training.stop import StopRequest
 
 
 class RunParts:
@@ -71,6 +72,7 @@ class RunParts:
         self.checkpointer = Checkpointer(cfg, groups, self.model, self.optimizer, log)
         self.start_step = self.checkpointer.resume(resume)
         self.probe, self.schedules = self._overlap_probe()
+        self.stop: Optional[StopRequest] = None  # while the training loop runs (Trainer.train)
 
     # ----------------------------------------------------------------- model and state
     def _build_model(self) -> None:

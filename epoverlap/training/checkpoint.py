@@ -138,6 +138,7 @@ class Checkpointer:
         self.trainables = _trainables(model, optimizer)
         self.num_experts = cfg.moe.num_experts or 0
         self.first_expert = groups.ep_rank * self.num_experts // groups.ep_size
+        self.last_saved: Optional[tuple[int, str]] = None  # (step, folder) saved or loaded
 
     def due(self, step: int) -> bool:
         c = self.cfg.checkpoint
@@ -178,10 +179,12 @@ class Checkpointer:
         with _single_process_quiet():
             dcp.save(entries, storage_writer=FileSystemWriter(str(temp), sync_files=True),
                      no_dist=not dist.is_initialized())
+        final = files.checkpoint_folder(save_dir, step)
         if first:
-            final = files.publish(temp, save_dir, step, self._meta(step, with_optimizer))
+            files.publish(temp, save_dir, step, self._meta(step, with_optimizer))
             size = files.folder_bytes(final)
         self._barrier()
+        self.last_saved = (step, str(final))
         if first:
             self.log(f"checkpoint: saved step {step} to {final} in "
                      f"{time.perf_counter() - start:.2f} s ({size / 1e6:.1f} MB)")
@@ -245,6 +248,8 @@ class Checkpointer:
         _set_rng_states(self.model, self.groups.device,
                         {key[len(prefix):]: value for key, value in rng.items()})
         self._log_resume(ref, time.perf_counter() - start)
+        if not c.finetune:
+            self.last_saved = (ref.step, str(ref.path))
         return 0 if c.finetune else ref.step
 
     def _rng_targets(self, ref: files.CheckpointRef) -> dict[str, torch.Tensor]:

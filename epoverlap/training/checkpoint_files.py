@@ -57,6 +57,11 @@ def iter_name(step: int) -> str:
     return f"iter_{step:07d}"
 
 
+def checkpoint_folder(save_dir: str, step: int) -> Path:
+    """Where step `step`'s checkpoint is once published."""
+    return Path(save_dir) / iter_name(step)
+
+
 def temp_folder(save_dir: str, step: int) -> Path:
     return Path(save_dir) / f".tmp-{iter_name(step)}"
 
@@ -92,7 +97,7 @@ def publish(temp: Path, save_dir: str, step: int, meta: dict) -> Path:
     """Rank 0, after every rank's data is on disk: meta.json, then the rename, then the tracker."""
     _write_durably(temp / META, json.dumps(meta, indent=1, sort_keys=True) + "\n")
     _fsync(temp)
-    final = Path(save_dir) / iter_name(step)
+    final = checkpoint_folder(save_dir, step)
     if final.exists():  # the same step saved again (e.g. a run resumed from another folder)
         stale = temp.with_name(f".old-{final.name}")
         shutil.rmtree(stale, ignore_errors=True)

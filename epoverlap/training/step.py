@@ -39,6 +39,7 @@ from epoverlap.training.data import step_batches
 from epoverlap.training.metrics import StepResult
 from epoverlap.training.numerics import check_finite
 from epoverlap.training.optim import lr_at
+from epoverlap.training.stop import REASONS, StopRequest
 
 
 class StepRunner:
@@ -48,6 +49,7 @@ class StepRunner:
     def __init__(self, parts: RunParts):
         self.parts = parts
         self.probe_decision: Optional[str] = None  # the probe's line, reported after its step
+        self.stop_reason: Optional[str] = None  # every rank's agreed reason to stop now
 
     # ----------------------------------------------------------------- the step
     def step(self, step: int) -> StepResult:
@@ -68,7 +70,7 @@ class StepRunner:
             check_finite(step, losses, p.model, p.grads, p.groups)
         p.grads.reduce()
         grad_norm = p.grads.clip(p.cfg.train.clip_grad)
-        loss, aux, imbalance = self._reduce_stats(losses)
+        loss, aux, imbalance, self.stop_reason = self._reduce_stats(losses)
         lr = lr_at(step, p.cfg.train)
         if not p.cfg.train.skip_optimizer_step:
             p.optimizer.step(lr)
@@ -212,14 +214,19 @@ class StepRunner:
                   * m.seq_length * p.cfg.moe.moe_router_topk * len(routers))
         return int(dropped), int(dropped) / routed
 
-    def _reduce_stats(self, losses: list) -> tuple[float, float, float]:
+    def _reduce_stats(self, losses: list) -> tuple[float, float, float, Optional[str]]:
         """Mean loss and aux loss over microbatches and data-parallel ranks; max expert
-        imbalance. Each stage fills the slots of its layers (the last stage the loss), sums
-        them over its DP group, then the stages' slots are gathered over the pipeline."""
+        imbalance; the reason every rank stops after this step, if any (`training.stop`: each
+        rank's flags ride in the same reduction). Each stage fills the slots of its layers (the
+        last stage the loss), sums them over its DP group, then the stages' slots are gathered
+        over the pipeline."""
         p = self.parts
         t, num_layers = p.cfg.train, p.cfg.model.num_layers
         routers = p.model.routers()
-        stats = torch.zeros(1 + num_layers, device=p.device)  # loss, aux of each layer
+        flags = p.stop.local_flags() if p.stop is not None else [0.0] * len(REASONS)
+        # loss, aux of each layer, stop flags
+        stats = torch.zeros(1 + num_layers + len(flags), device=p.device)
+        stats[1 + num_layers:] = torch.tensor(flags)
         counts = torch.zeros(num_layers, p.cfg.moe.num_experts or 0, dtype=torch.int64,
                              device=p.device)
         if any(loss is not None for loss in losses):
@@ -234,13 +241,16 @@ class StepRunner:
             router.update_expert_bias(counts[router.layer])
         moe_layers = [layer for layer, is_moe in enumerate(p.cfg.moe_layer_pattern())
                       if is_moe]
-        reads = [stats[0], stats[1:].sum()]  # one host read for all three figures
+        # one host read for every figure
+        reads = [stats[0], stats[1:1 + num_layers].sum(), *stats[1 + num_layers:]]
         if moe_layers:
             moe_counts = counts[moe_layers].float()
             per_layer = moe_counts.amax(dim=1) / moe_counts.mean(dim=1).clamp(min=1e-9)
             reads.append(per_layer.max())
-        loss, aux, *imbalance = host_list(torch.stack(reads))
-        return loss * scale, aux * scale, imbalance[0] if imbalance else 1.0
+        loss, aux, *rest = host_list(torch.stack(reads))
+        stop, imbalance = rest[:len(flags)], rest[len(flags):]
+        return (loss * scale, aux * scale, imbalance[0] if imbalance else 1.0,
+                StopRequest.agreed(stop))
 
     def _sum_over_stages(self, slots: torch.Tensor) -> None:
         """In place: sum over the stage's DP group, then over the pipeline (where every slot

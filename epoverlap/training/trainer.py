@@ -23,6 +23,7 @@ from epoverlap.training.build import RunParts
 from epoverlap.training.checkpoint_files import CheckpointRef
 from epoverlap.training.metrics import Reporter, RunSummary, StepResult
 from epoverlap.training.step import StepRunner
+from epoverlap.training.stop import StopRequest
 
 
 class _Part:
@@ -51,6 +52,7 @@ class Trainer:
         vocabulary is the source's. `graph_backend`: what captures CUDA graphs (the CPU tests
         pass an emulation)."""
         self.parts = RunParts(cfg, groups, log, data, resume, graph_backend)
+        self.stopped_by: Optional[str] = None  # why train() ended before --train-iters
         self.stepper = StepRunner(self.parts)
         self.reporter = Reporter(self.parts)
 
@@ -91,12 +93,17 @@ class Trainer:
             return results
         self.reporter.open_sinks()
         torch_profiler = self.reporter.torch_profiler()
+        self.parts.stop = StopRequest(cfg.train.exit_duration_in_mins)
+        self.groups.watch.stop_handler = self.parts.stop.signal
         try:
             for step in range(self.start_step + 1, cfg.train.train_iters + 1):
                 self._train_step(step, results)
                 if torch_profiler is not None:
                     torch_profiler.step()
+                if self._stop_after(step):
+                    break
         finally:
+            self.groups.watch.stop_handler = None
             self.reporter.close_sinks()
             if torch_profiler is not None:
                 torch_profiler.stop()
@@ -119,6 +126,30 @@ class Trainer:
         self.reporter.step_done(result, results, self.stepper.pop_probe_decision())
         if self.checkpointer.due(step):
             self.checkpointer.save(step)
+
+    def _stop_after(self, step: int) -> bool:
+        """Whether the run stops after `step` before --train-iters (`training.stop`): every
+        rank agreed on a signal or the time limit, or --exit-interval divides the step. Saves
+        first where asked (--exit-signal-handler for a signal; any --save for the limits) and
+        says in one line which step the last checkpoint holds."""
+        interval = self.cfg.train.exit_interval
+        reason = self.stepper.stop_reason or (
+            "exit interval" if interval and step % interval == 0 else None)
+        if reason is None or step == self.cfg.train.train_iters:
+            return False
+        self.stopped_by = reason
+        signalled = reason in ("SIGTERM", "SIGINT")
+        save = self.cfg.train.exit_signal_handler if signalled else bool(self.cfg.checkpoint.save)
+        saved = self.checkpointer.last_saved
+        if save and (saved is None or saved[0] != step):
+            self.checkpointer.save(step)
+            saved = self.checkpointer.last_saved
+        holds = (f"the last checkpoint holds step {saved[0]} ({saved[1]})" if saved else
+                 "no checkpoint holds this run (--save, and --exit-signal-handler for a "
+                 "signal, save one)")
+        self.log(f"stopped by {reason} after step {step} of {self.cfg.train.train_iters}; "
+                 f"{holds}")
+        return True
 
     def summarize(self, results: list[StepResult]) -> RunSummary:
         """The run's figures, max over ranks (a collective: every rank calls it)."""

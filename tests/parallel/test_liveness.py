@@ -195,11 +195,11 @@ SIGTERM_SCRIPT = textwrap.dedent("""
     import signal, sys, time
     sys.path[:0] = ["tests/parallel", "tests/support"]  # test_liveness imports job_control
     from test_liveness import FakeHeartbeat
-    from epoverlap.parallel.watch import CollectiveWatch, route_sigterm
+    from epoverlap.parallel.watch import CollectiveWatch, route_signals
     watch = CollectiveWatch(0, 2, 900.0, on_gpu=False, heartbeat=FakeHeartbeat(2))
     watch.step = 9
     watch.start()
-    route_sigterm(watch)
+    route_signals(watch)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # the main thread never takes it
     with watch.collective("expert-parallel", (0, 1), "all_to_all"):
         print("ready", flush=True)
