@@ -364,20 +364,6 @@ def _validate_dropout(cfg: RunConfig) -> None:
                 "dropout inside CUDA graphs is not built: use --cuda-graph-impl none")
 
 
-# Megatron-LM flags whose runtime side is being built: refused until it lands.
-_PENDING = (("train", "lr_decay_style", "cosine"), ("train", "lr_decay_iters", None),
-            ("train", "lr_warmup_fraction", None), ("train", "lr_wsd_decay_iters", None),
-            ("train", "exit_signal_handler", False), ("train", "exit_duration_in_mins", None),
-            ("train", "exit_interval", None), ("train", "manual_gc", False),
-            ("eval", "eval_interval", None), ("log", "wandb_project", None))
-
-
-def _not_built_yet(cfg: RunConfig) -> None:
-    for section, name, default in _PENDING:
-        value = getattr(getattr(cfg, section), name)
-        require(value == default, name, value, "is accepted but not built yet")
-
-
 def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
     pattern = cfg.moe_layer_pattern()
     pp = cfg.parallel.pipeline_model_parallel_size
@@ -421,7 +407,6 @@ def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> No
     validate_io(cfg, cfg.resolved_device(cuda_available))
     _validate_cuda_graphs(cfg, cuda_available)
     _validate_dropout(cfg)
-    _not_built_yet(cfg)
     compat_rules(cfg, require)
 
 

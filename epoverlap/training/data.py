@@ -18,13 +18,23 @@ of the world into pipeline-, expert- and data-parallel groups.
   the world / PP): microbatch m of step s covers samples
   [(s-1) * M + m) * W * B, ... + W * B), rank r the B after r * B (Megatron-core's order).
 - `SyntheticData` (`--mock-data`): sequences from a fixed random bigram chain (learnable).
+
+Validation data (--eval-interval, `validation_source`; `open_data_source` opens it beside the
+training source, as `source.validation`, so its inputs are checked before training too):
+global validation batch g (1-based) is read as training step g is, from the `--split` valid
+document range of each `--data-path` dataset (the same shuffling, blend and sample-to-rank
+mapping; weights default to the datasets' valid sample counts), or for `--mock-data` from the
+same bigram chain with the batch seeds of another stream (`VALID_STREAM_OFFSET`), so no
+validation sequence is drawn as a training one is.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -66,6 +76,13 @@ def _batch_seed(seed: int, step: int, rank: int, microbatch: int) -> int:
     return (((seed * 1_000_003 + step) * 10_007 + rank) * 101 + microbatch) % (2**62)
 
 
+# Added to the seed of the mock validation stream. torch's CPU generator keeps the low 32 bits of
+# a seed, and every factor of `_batch_seed` is odd, so each validation batch seed is its
+# training twin's plus 2**31 in those bits: as far as 32 bits allow from every training batch
+# seed (meeting one takes steps at least some 2,000 apart and ranks over 1,000 apart at once).
+VALID_STREAM_OFFSET = 2**31
+
+
 def _inputs_and_labels(windows_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return windows_BL[:, :-1].contiguous(), windows_BL[:, 1:].contiguous()
 
@@ -103,8 +120,16 @@ class SyntheticData:
         gen = torch.Generator().manual_seed(seed)
         self.next_tokens = torch.randint(0, vocab, (vocab, branching), generator=gen)
         self.vocab_size, self.seed = vocab, seed
+        self.stream_seed = seed  # the batches' seeds (the validation stream's differ)
         self.description = f"mock data (bigram chain over {vocab} tokens)"
         self._next_flat = self.next_tokens.numpy().reshape(-1)
+
+    def validation_stream(self) -> "SyntheticData":
+        """The same chain (so the same distribution), other batches (module docstring)."""
+        stream = copy.copy(self)
+        stream.stream_seed = (self.seed + VALID_STREAM_OFFSET) % 2**62
+        stream.description = f"{self.description}, validation stream"
+        return stream
 
     def batch(self, step: int, rank: int, microbatch: int, batch: int, seq: int):
         return self.batches_of_step(step, rank, [microbatch], batch, seq)[0]
@@ -114,7 +139,7 @@ class SyntheticData:
         branching = self.next_tokens.shape[1]
         choices, firsts = [], []
         for mb in microbatches:
-            gen = torch.Generator().manual_seed(_batch_seed(self.seed, step, rank, mb))
+            gen = torch.Generator().manual_seed(_batch_seed(self.stream_seed, step, rank, mb))
             choices.append(torch.randint(0, branching, (batch, seq), generator=gen).numpy())
             firsts.append(torch.randint(0, self.vocab_size, (batch,), generator=gen).numpy())
         choice_SR = np.ascontiguousarray(np.concatenate(choices).T)  # [seq, rows]
@@ -175,8 +200,32 @@ def open_data_source(cfg: RunConfig, world_size: int):
         return _open_text(d.text_source, cfg.train.seed, seq)
     vocab_size = _tokenizer_vocab(cfg) if d.tokenizer_type else cfg.model.vocab_size
     if d.mock_data:
-        return SyntheticData(vocab_size, cfg.train.seed)
-    return _open_indexed(cfg, vocab_size, world_size)
+        source = SyntheticData(vocab_size, cfg.train.seed)
+    else:
+        source = _open_indexed(cfg, vocab_size, world_size)
+    if evaluates(cfg):
+        source.validation = validation_source(cfg, world_size, source)
+    return source
+
+
+def evaluates(cfg: RunConfig) -> bool:
+    """Whether the run evaluates (--eval-interval given, --eval-iters > 0)."""
+    return cfg.eval.eval_interval is not None and cfg.eval.eval_iters > 0
+
+
+def validation_source(cfg: RunConfig, world_size: int, source):
+    """The validation data of a run whose training source is `source` (module docstring):
+    the one `open_data_source` opened beside it, else opened now. Raises ConfigError."""
+    if getattr(source, "validation", None) is not None:
+        return source.validation
+    if isinstance(source, SyntheticData):
+        return source.validation_stream()
+    if isinstance(source, IndexedData):
+        e, t = cfg.eval, cfg.train
+        batches = math.ceil(t.train_iters / e.eval_interval) * e.eval_iters
+        return _open_indexed(cfg, source.vocab_size, world_size, part=1, steps=batches)
+    raise ConfigError("--eval-interval", cfg.eval.eval_interval, "needs validation data: "
+                      "--data-path (its --split valid part) or --mock-data")
 
 
 def _open_text(source: str, seed: int, seq: int) -> TextData:
@@ -202,39 +251,49 @@ def _tokenizer_vocab(cfg: RunConfig) -> int:
         raise ConfigError(flag, value, str(error)) from None
 
 
-def _open_indexed(cfg: RunConfig, vocab_size: int, world_size: int) -> IndexedData:
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def _open_indexed(cfg: RunConfig, vocab_size: int, world_size: int, part: int = 0,
+                  steps: Optional[int] = None) -> IndexedData:
+    """The samples of split `part` (0 train, 1 valid) for `steps` global batches (default:
+    --train-iters)."""
     d, t, seq = cfg.data, cfg.train, cfg.model.seq_length
     prefixes, weights = d.blend
-    datasets = [_train_samples(prefix, index, cfg, vocab_size)
+    datasets = [_split_samples(prefix, index, cfg, vocab_size, part)
                 for index, prefix in enumerate(prefixes)]
     for index, dataset in enumerate(datasets):
         if dataset.samples_per_epoch == 0 and (weights is None or weights[index] > 0):
             begin, end = dataset.first_doc, dataset.end_doc
-            raise ConfigError("--data-path", prefixes[index], f"its train split (documents "
-                              f"[{begin}, {end}) by --split {d.split or '969,30,1'}) has "
-                              f"{dataset.num_tokens} tokens, fewer than --seq-length + 1 = "
-                              f"{seq + 1}")
-    total = t.train_iters * t.num_microbatches * world_size * t.micro_batch_size
+            raise ConfigError("--data-path", prefixes[index], f"its {SPLIT_NAMES[part]} split "
+                              f"(documents [{begin}, {end}) by --split "
+                              f"{d.split or '969,30,1'}) has {dataset.num_tokens} tokens, fewer "
+                              f"than --seq-length + 1 = {seq + 1}")
+    steps = t.train_iters if steps is None else steps
+    total = steps * t.num_microbatches * world_size * t.micro_batch_size
     samples = BlendedSamples(datasets, weights, total)
-    description = _describe(prefixes, samples, f"{d.tokenizer_type} vocabulary {vocab_size}")
+    description = _describe(prefixes, samples, f"{d.tokenizer_type} vocabulary {vocab_size}",
+                            SPLIT_NAMES[part])
     return IndexedData(samples, vocab_size, description,
                        micro_batch_size=t.micro_batch_size,
                        num_microbatches=t.num_microbatches, world_size=world_size)
 
 
-def _train_samples(prefix: str, index: int, cfg: RunConfig, vocab_size: int) -> DocumentSamples:
+def _split_samples(prefix: str, index: int, cfg: RunConfig, vocab_size: int,
+                   part: int) -> DocumentSamples:
     try:
         data = open_indexed(prefix)
     except IndexedDataError as error:
         raise ConfigError("--data-path", prefix, str(error)) from None
-    _check_vocab(np.asarray(data.tokens[:VOCAB_CHECK_TOKENS]), vocab_size,
-                 f"{prefix} (first {VOCAB_CHECK_TOKENS} tokens)")
-    documents = split_bounds(data.num_sequences, cfg.data.split_fractions)
+    if part == 0:  # once per dataset
+        _check_vocab(np.asarray(data.tokens[:VOCAB_CHECK_TOKENS]), vocab_size,
+                     f"{prefix} (first {VOCAB_CHECK_TOKENS} tokens)")
+    documents = split_bounds(data.num_sequences, cfg.data.split_fractions, part)
     return DocumentSamples(data, documents, cfg.model.seq_length, cfg.train.seed, index)
 
 
-def _describe(prefixes, samples: BlendedSamples, vocabulary: str) -> str:
+def _describe(prefixes, samples: BlendedSamples, vocabulary: str, split: str = "train") -> str:
     total = sum(samples.weights)
     parts = [f"{prefix} {weight / total:.0%}" for prefix, weight in zip(prefixes, samples.weights)]
     tokens = sum(d.num_tokens for d in samples.datasets)
-    return f"indexed {', '.join(parts)} ({tokens / 1e6:.2f}M train tokens, {vocabulary})"
+    return f"indexed {', '.join(parts)} ({tokens / 1e6:.2f}M {split} tokens, {vocabulary})"

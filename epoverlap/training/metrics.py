@@ -2,10 +2,13 @@
 
 Owns `StepResult` (one step's figures and its --log-json record: the loss and grad norm also
 as float.hex, for bitwise comparison with `epoverlap-compare-losses`), `RunSummary` (the
-end-of-run line), and `Reporter`: the per-step line on rank 0 (ending with the time left at the
-mean step time so far, `format_duration`), the --log-json file (a resumed run keeps the records
-up to its checkpoint's step and appends), the TensorBoard events of --tensorboard-dir
-(`training.tensorboard`), the load-imbalance warning, the overlap probe's decision, the CUDA
+end-of-run line), and `Reporter`: the per-step line on rank 0 (ending with the time left: the
+steps left to --train-iters times the mean step time so far, `format_duration`), the
+--log-json file (a resumed run keeps the records up to its checkpoint's step and appends), the
+TensorBoard events of --tensorboard-dir (`training.tensorboard`) and the W&B run of
+--wandb-project (`training.wandb_log`; each sink of scalars takes the step's JSON record,
+`write(record)`, and `close()`), the validation line and fields of a step that evaluated
+(`training.evaluate`), the load-imbalance warning, the overlap probe's decision, the CUDA
 graph capture lines, the compiled Triton variants line, the spans and torch.profiler traces of
 --profile-steps, the run's description line and its summary. Rates are per GPU on CUDA and per
 rank on CPU. Nothing here changes what a step computes.
@@ -27,9 +30,11 @@ import torch.distributed as dist
 from epoverlap.model.transformer import model_dtype
 from epoverlap.parallel.watch import host_list
 from epoverlap.training.tensorboard import TensorBoardLog
+from epoverlap.training.wandb_log import WandbLog
 
 if TYPE_CHECKING:
     from epoverlap.training.build import RunParts
+    from epoverlap.training.evaluate import EvalResult
 
 
 @dataclass
@@ -155,7 +160,8 @@ class Reporter:
     def __init__(self, parts: RunParts):
         self.parts = parts
         self._imbalanced_steps = 0
-        self._json = self._tensorboard = None
+        self._json = None
+        self._sinks: list = []  # TensorBoard, W&B: each write(record), close()
 
     @property
     def per_device(self) -> str:
@@ -164,15 +170,25 @@ class Reporter:
 
     # ----------------------------------------------------------------- sinks
     def open_sinks(self) -> None:
-        """The --log-json file and the TensorBoard log (rank 0 only)."""
+        """The --log-json file, the TensorBoard log and the W&B run (rank 0 only)."""
         self._json = self._open_json()
-        self._tensorboard = self._open_tensorboard()
+        self._sinks = [sink for sink in (self._open_tensorboard(), self._open_wandb())
+                       if sink is not None]
 
     def close_sinks(self) -> None:
-        for sink in (self._json, self._tensorboard):
-            if sink is not None:
-                sink.close()
-        self._json = self._tensorboard = None
+        """Close every sink, each even if another's close raised (the first error is
+        raised after)."""
+        sinks = [self._json, *self._sinks]
+        self._json, self._sinks = None, []
+        failure = None
+        for sink in sinks:
+            try:
+                if sink is not None:
+                    sink.close()
+            except Exception as error:  # noqa: BLE001  (the others still close)
+                failure = failure or error
+        if failure is not None:
+            raise failure
 
     def _open_json(self):
         p = self.parts
@@ -193,22 +209,34 @@ class Reporter:
             return None
         return TensorBoardLog(directory)
 
+    def _open_wandb(self) -> Optional[WandbLog]:
+        p = self.parts
+        if p.cfg.log.wandb_project is None or not p.groups.is_first():
+            return None
+        return WandbLog(p.cfg)
+
     # ----------------------------------------------------------------- per step
     def step_done(self, r: StepResult, results: list[StepResult],
-                  probe_decision: Optional[str]) -> None:
-        """The step's JSON record, imbalance watch, TensorBoard scalars, line (every
-        --log-interval steps and the last) and the probe's decision if it came this step."""
+                  probe_decision: Optional[str], evaluation: Optional[EvalResult] = None
+                  ) -> None:
+        """The step's JSON record (with the validation fields of an evaluation after it),
+        imbalance watch, TensorBoard and W&B scalars, line (every --log-interval steps and the
+        last), the validation line, and the probe's decision if it came this step."""
         p = self.parts
         record = r.to_json()
+        if evaluation is not None:
+            record.update(evaluation.record())
         if self._json is not None:
             self._json.write(json.dumps(record) + "\n")
             self._json.flush()
         self._watch_imbalance(r)
-        if self._tensorboard is not None:
-            self._tensorboard.write(record)
+        for sink in self._sinks:
+            sink.write(record)
         total = p.cfg.train.train_iters
         if p.groups.is_first() and (r.step % p.cfg.log.log_interval == 0 or r.step == total):
             p.log(self._step_line(r, results))
+        if evaluation is not None and p.groups.is_first():
+            p.log(evaluation.line())
         if probe_decision is not None and p.groups.is_first():  # every rank decided alike
             p.log(probe_decision)
 
@@ -225,12 +253,13 @@ class Reporter:
                 f"lr {r.lr:.2e} | grad norm {r.grad_norm:.3f} | aux {r.aux_loss:.4f} | "
                 f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"
                 f" | {r.step_time_s * 1e3:.1f} ms | {r.tflops_per_gpu:.3g} TFLOP/s"
-                f"{self.per_device}{mem}{comm}{self._eta(results)}")
+                f"{self.per_device}{mem}{comm}{self._eta(r, results)}")
 
-    def _eta(self, results: list[StepResult]) -> str:
-        """' | ETA 1m05s': steps left times the mean step time so far (first step left out
-        once there are others: it carries one-time setup)."""
-        left = self.parts.cfg.train.train_iters - len(results)
+    def _eta(self, r: StepResult, results: list[StepResult]) -> str:
+        """' | ETA 1m05s': the steps left after step `r` (to --train-iters, so also after a
+        resume) times the mean time of this process's steps so far (first step left out once
+        there are others: it carries one-time setup)."""
+        left = self.parts.cfg.train.train_iters - r.step
         if left <= 0:
             return ""
         timed = results[1:] or results

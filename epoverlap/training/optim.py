@@ -2,9 +2,10 @@
 
 Owns `MixedPrecisionAdamW` (AdamW over fp32 master weights fed from the fp32 `main_grad`
 buffers; for an fp32 model the masters are the parameters themselves, for a bf16 model they
-are fp32 copies written back after each step) and `lr_at` (linear warmup, then cosine decay
-to the minimum). A checkpoint holds the masters and `state_of` each one (Adam's step and
-moments); `create_state` makes that state before any step, so a checkpoint can be loaded into it.
+are fp32 copies written back after each step) and `lr_at`, the learning-rate schedule (a
+linear warmup, then Megatron-LM's constant, linear, cosine or WSD decay to the minimum). A
+checkpoint holds the masters and `state_of` each one (Adam's step and moments);
+`create_state` makes that state before any step, so a checkpoint can be loaded into it.
 
 Implementations (`ADAM_IMPLS`, torch's three forms of the same update): `fused` (one kernel
 over every tensor: each element read and written once; the default on CUDA), `foreach` (the
@@ -27,12 +28,58 @@ from epoverlap.config import TrainConfig
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of optimizer step `step` (1-based)."""
-    if cfg.lr_warmup_iters and step <= cfg.lr_warmup_iters:
-        return cfg.lr * step / cfg.lr_warmup_iters
-    decay_steps = max(cfg.train_iters - cfg.lr_warmup_iters, 1)
-    progress = min(max(step - cfg.lr_warmup_iters, 0) / decay_steps, 1.0)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    """Learning rate of optimizer step `step` (1-based): a linear warmup over
+    `cfg.warmup_steps` steps to --lr, then --lr-decay-style down to --min-lr, ending at
+    `cfg.decay_steps` (--lr-decay-iters, else --train-iters); --min-lr after that (constant:
+    --lr throughout).
+
+    Megatron-LM's `OptimizerParamScheduler.get_lr` (megatron/core/optimizer_param_scheduler.py)
+    with its `num_steps` = `step`: our step s applies the rate Megatron's scheduler holds after
+    its s-th `step(1)` call, the rate Megatron's iteration s + 1 applies (its first iteration
+    updates at `num_steps` 0, with a warmup at lr 0; ours at 1/warmup of the peak). The formulas
+    are its own, `init_lr` 0; the cosine keeps the form epoverlap always had,
+    min + 0.5 * (lr - min) * (1 + cos), the same number to rounding, so runs keep their bits."""
+    warmup, end = cfg.warmup_steps, cfg.decay_steps
+    if warmup and step <= warmup:
+        return cfg.lr * step / warmup
+    if cfg.lr_decay_style == "constant":
+        return cfg.lr
+    progress = min(max(step - warmup, 0) / max(end - warmup, 1), 1.0)
+    if cfg.lr_decay_style == "cosine":
+        return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    if step > end:
+        return cfg.min_lr
+    if cfg.lr_decay_style == "linear":
+        coeff = 1.0 - progress
+    elif cfg.lr_decay_style == "WSD":
+        coeff = _wsd_coeff(step, cfg)
+    else:
+        raise ValueError(f"--lr-decay-style {cfg.lr_decay_style!r}: not a decay style")
+    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+
+
+def _wsd_coeff(step: int, cfg: TrainConfig) -> float:
+    """WSD: 1 (the stable phase, at the peak) until `decay_steps - wsd_decay_iters`, then the
+    --lr-wsd-decay-style shape from 1 to 0 over --lr-wsd-decay-iters steps (none: every step
+    after the warmup)."""
+    end = cfg.decay_steps
+    length = cfg.lr_wsd_decay_iters
+    if length is None:
+        length = end - cfg.warmup_steps
+    anneal_start = end - length
+    if step <= anneal_start:
+        return 1.0
+    ratio = (step - anneal_start) / max(length, 1)
+    style = cfg.lr_wsd_decay_style
+    if style == "linear":
+        return 1.0 - ratio
+    if style == "cosine":
+        return 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    if style == "exponential":
+        return 2.0 * math.pow(0.5, ratio) - 1.0
+    if style == "minus_sqrt":
+        return 1.0 - math.sqrt(ratio)
+    raise ValueError(f"--lr-wsd-decay-style {style!r}: not a WSD decay style")
 
 
 ADAM_IMPLS = ("fused", "foreach", "single")

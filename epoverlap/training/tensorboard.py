@@ -13,15 +13,16 @@ both sit side by side in one TensorBoard:
   throughput            model TFLOP/s per rank
   moe/dropped-tokens    routed (token, expert) pairs over capacity (--moe-expert-capacity-factor)
   moe/dispatch-reruns   reruns of the step after a budget overflow (--moe-dispatch-budget)
+  lm loss validation      steps that evaluated (--eval-interval): the validation loss
+  lm loss validation ppl  and its perplexity, exp(min(20, loss)) as Megatron-LM's
 and, for steps recorded with --profile-steps, from the first rank's spans
 (`profiling.overlap`): comm/comm-ms, comm/exposed-comm-ms, comm/overlap-ratio.
 
 Needs the `tensorboard` package (the optional extra `tensorboard`); the x axis is the step.
+`SCALAR_TAGS` is also what the W&B run logs (`training.wandb_log`), under the same names.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 SCALAR_TAGS = {  # StepResult field -> tag
     "loss": "lm loss",
@@ -37,7 +38,15 @@ SCALAR_TAGS = {  # StepResult field -> tag
     "comm_ms": "comm/comm-ms",
     "exposed_comm_ms": "comm/exposed-comm-ms",
     "overlap_ratio": "comm/overlap-ratio",
+    "valid_loss": "lm loss validation",
+    "valid_ppl": "lm loss validation ppl",
 }
+
+
+def scalars_of(record: dict) -> dict[str, float]:
+    """tag -> value of the scalars a step's JSON record holds."""
+    return {tag: record[field] for field, tag in SCALAR_TAGS.items()
+            if record.get(field) is not None}
 
 
 class TensorBoardLog:
@@ -48,10 +57,8 @@ class TensorBoardLog:
         self.writer = SummaryWriter(log_dir=directory)
 
     def write(self, record: dict) -> None:
-        for field, tag in SCALAR_TAGS.items():
-            value: Optional[float] = record.get(field)
-            if value is not None:
-                self.writer.add_scalar(tag, value, record["step"])
+        for tag, value in scalars_of(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
         self.writer.flush()
 
     def close(self) -> None:

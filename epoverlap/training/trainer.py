@@ -2,12 +2,14 @@
 
 Owns the training loop (`Trainer.train`): for each step after the checkpoint's (a run built
 with `resume` continues after it), run the step (`training.step.StepRunner`), capture the CUDA
-graph banks it recorded, count Triton compiles, report it (`training.metrics.Reporter`), save a
-checkpoint when --save-interval says so and after the last step (`training.checkpoint`), and
-end with the spans, the compile line and one summary line. What the run is made of is built
-once in `training.build.RunParts`; `Trainer` exposes those pieces under the names its callers
-use (`trainer.model`, `trainer.grads`, `trainer.plan`, ...), read and written through to the
-parts, and the step's entry points (`step`, `forward_backward`, `run_microbatches`,
+graph banks it recorded, count Triton compiles, evaluate when --eval-interval says so
+(`training.evaluate`), report it (`training.metrics.Reporter`), save a checkpoint when
+--save-interval says so and after the last step (`training.checkpoint`), collect garbage
+between steps with --manual-gc (`training.manual_gc`), and end with the spans, the compile
+line and one summary line. What the run is made of is built once in `training.build.RunParts`;
+`Trainer` exposes those pieces under the names its callers use (`trainer.model`,
+`trainer.grads`, `trainer.plan`, ...), read and written through to the parts, and the step's
+entry points (`step`, `forward_backward`, `run_microbatches`,
 `microbatches`, `overflow_level`).
 """
 
@@ -21,6 +23,8 @@ from epoverlap.graphs.capture import CudaGraphBackend
 from epoverlap.parallel.groups import ParallelGroups
 from epoverlap.training.build import RunParts
 from epoverlap.training.checkpoint_files import CheckpointRef
+from epoverlap.training.evaluate import Evaluator
+from epoverlap.training.manual_gc import ManualGC
 from epoverlap.training.metrics import Reporter, RunSummary, StepResult
 from epoverlap.training.step import StepRunner
 from epoverlap.training.stop import StopRequest
@@ -54,6 +58,7 @@ class Trainer:
         self.parts = RunParts(cfg, groups, log, data, resume, graph_backend)
         self.stopped_by: Optional[str] = None  # why train() ended before --train-iters
         self.stepper = StepRunner(self.parts)
+        self.evaluator = Evaluator(self.parts, self.stepper)
         self.reporter = Reporter(self.parts)
 
     @property
@@ -95,14 +100,18 @@ class Trainer:
         torch_profiler = self.reporter.torch_profiler()
         self.parts.stop = StopRequest(cfg.train.exit_duration_in_mins)
         self.groups.watch.stop_handler = self.parts.stop.signal
+        manual_gc = ManualGC(cfg.train.manual_gc, cfg.train.manual_gc_interval)
         try:
+            manual_gc.start()
             for step in range(self.start_step + 1, cfg.train.train_iters + 1):
                 self._train_step(step, results)
+                manual_gc.after_step(step)
                 if torch_profiler is not None:
                     torch_profiler.step()
                 if self._stop_after(step):
                     break
         finally:
+            manual_gc.stop()
             self.groups.watch.stop_handler = None
             self.reporter.close_sinks()
             if torch_profiler is not None:
@@ -115,7 +124,7 @@ class Trainer:
 
     def _train_step(self, step: int, results: list[StepResult]) -> None:
         """One step of the loop, appended to `results`: the step, its graph captures,
-        compiles, report, checkpoint."""
+        compiles, evaluation, report, checkpoint."""
         result = self.step(step)
         self.reporter.graphs_captured(step, self.stepper.capture_graphs())
         self.compile_watch.after_step(step - self.start_step)
@@ -123,7 +132,8 @@ class Trainer:
         results.append(result)
         if not math.isfinite(result.loss):
             raise FloatingPointError(f"loss is {result.loss} at step {step}")
-        self.reporter.step_done(result, results, self.stepper.pop_probe_decision())
+        self.reporter.step_done(result, results, self.stepper.pop_probe_decision(),
+                                self.evaluator.maybe_run(step))
         if self.checkpointer.due(step):
             self.checkpointer.save(step)
 

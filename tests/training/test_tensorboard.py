@@ -1,10 +1,12 @@
-"""TensorBoard scalars (pure CPU): a step record written by TensorBoardLog is read back from the
-event file with TensorBoard's own reader; the trainer's ETA formatting."""
+"""TensorBoard scalars (pure CPU): a step record written by TensorBoardLog (one with a
+validation loss too) is read back from the event file with TensorBoard's own reader; the
+trainer's ETA formatting."""
 
 from __future__ import annotations
 
 import pytest
 
+from epoverlap.training.evaluate import EvalResult
 from epoverlap.training.tensorboard import SCALAR_TAGS, TensorBoardLog
 from epoverlap.training.metrics import StepResult, format_duration
 
@@ -20,7 +22,10 @@ def test_step_records_round_trip_through_an_event_file(tmp_path):
         if step == 2:
             result.comm_ms, result.exposed_comm_ms, result.overlap_ratio = 4.0, 1.0, 0.75
             result.dropped_tokens, result.dispatch_reruns = 12, 1
-        log.write(result.to_json())
+        record = result.to_json()
+        if step == 2:  # a step that evaluated
+            record.update(EvalResult(step=2, loss=2.25, seconds=0.1, batches=1).record())
+        log.write(record)
     log.close()
     events = EventAccumulator(str(tmp_path))
     events.Reload()
@@ -31,6 +36,8 @@ def test_step_records_round_trip_through_an_event_file(tmp_path):
     assert read["comm/exposed-comm-ms"] == [(2, 1.0)]
     assert read["moe/dropped-tokens"] == [(2, 12.0)]
     assert read["moe/dispatch-reruns"] == [(2, 1.0)]
+    assert read["lm loss validation"] == [(2, 2.25)]  # Megatron-LM's validation tags
+    assert read["lm loss validation ppl"] == [(2, pytest.approx(9.487735836358526))]
     assert set(read) == set(SCALAR_TAGS.values())
 
 

@@ -1,0 +1,146 @@
+"""Evaluation on validation data (--eval-interval N --eval-iters K).
+
+Owns `Evaluator` and `EvalResult`. Every N steps and after the last step (`Evaluator.due`),
+the mean loss over K global batches of the run's validation data (`training.data.
+validation_source`: the --split valid part of --data-path, or a fresh --mock-data stream).
+Evaluation e of a run (e = ceil(step / N), so a resumed run reads what the uninterrupted one
+would) reads validation batches (e - 1) * K + 1 .. e * K, as Megatron-LM's validation iterator
+moves on from one evaluation to the next.
+
+Each batch is a forward only (torch.no_grad, the model in eval mode: dropout off) of this
+rank's microbatches through `MoEModel.forward` (one stage: pipeline parallelism is refused by
+the config), on every rank alike: the forward holds the MoE all-to-alls, so every rank runs
+the same batches. With the budget dispatch a batch whose dispatch overflowed is rerun at the
+level that holds it (`StepRunner.overflow_level`), never cut. The loss is the mean over
+microbatches, batches and data-parallel ranks (summed over the DP group as the training
+loss is), one host read per evaluation.
+
+Evaluation changes nothing training computes: the router's force-balancing generators, torch's
+global RNG and the budget level are restored afterwards, the data sources are pure functions
+of their indices, and the routers' per-step scratch (counts, aux loss) is zeroed by the next
+step before use.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from epoverlap.training.data import evaluates, step_batches, validation_source
+
+if TYPE_CHECKING:
+    from epoverlap.training.build import RunParts
+    from epoverlap.training.step import StepRunner
+
+PPL_LOSS_CAP = 20.0  # Megatron-LM's: ppl = exp(min(20, loss))
+
+
+@dataclass
+class EvalResult:
+    step: int
+    loss: float  # mean over batches, microbatches and data-parallel ranks
+    seconds: float
+    batches: int  # global batches read
+    reruns: int = 0  # budget dispatch: batches rerun after an overflow (this evaluation)
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(min(PPL_LOSS_CAP, self.loss))
+
+    def line(self) -> str:
+        return (f"validation at step {self.step} | loss {self.loss:.4f} | ppl {self.ppl:.2f} | "
+                f"{self.seconds:.1f} s")
+
+    def record(self) -> dict:
+        """The fields the step's --log-json record (and so TensorBoard and W&B) gets."""
+        return {"valid_loss": self.loss, "valid_loss_hex": float.hex(self.loss),
+                "valid_ppl": self.ppl}
+
+
+class Evaluator:
+    """Evaluation of one built run (module docstring); `run` is a collective."""
+
+    def __init__(self, parts: RunParts, stepper: StepRunner):
+        self.parts, self.stepper = parts, stepper
+        self.enabled = evaluates(parts.cfg)
+        self.data = (validation_source(parts.cfg, parts.groups.dp_size, parts.data)
+                     if self.enabled else None)
+
+    def due(self, step: int) -> bool:
+        if not self.enabled:
+            return False
+        return step % self.parts.cfg.eval.eval_interval == 0 or \
+            step == self.parts.cfg.train.train_iters
+
+    def maybe_run(self, step: int) -> Optional[EvalResult]:
+        return self.run(step) if self.due(step) else None
+
+    def run(self, step: int) -> EvalResult:
+        """The validation loss after `step` (every rank calls it)."""
+        p = self.parts
+        iters = p.cfg.eval.eval_iters
+        first = (math.ceil(step / p.cfg.eval.eval_interval) - 1) * iters + 1
+        start = self._sync_time()
+        generators = p.router_generators()
+        states = [g.get_state() for g in generators]
+        level = p.budget.level if p.budget is not None else None
+        was_training = p.model.training
+        cuda = [p.device] if p.device.type == "cuda" else []
+        p.model.eval()
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+                losses, reruns = [], 0
+                for index in range(first, first + iters):
+                    batch_losses, batch_reruns = self._batch(index, generators)
+                    losses += batch_losses
+                    reruns += batch_reruns
+                loss = self._mean_over_ranks(losses)
+        finally:
+            p.model.train(was_training)
+            for generator, state in zip(generators, states):
+                generator.set_state(state)
+            self.stepper.select_budget_level(level if level is not None else 0)
+        return EvalResult(step, loss, self._sync_time() - start, iters, reruns)
+
+    def _batch(self, index: int, generators: list) -> tuple[list[torch.Tensor], int]:
+        """Global validation batch `index`: this rank's microbatch losses, rerun at a larger
+        budget level while the dispatch overflowed (from the same router RNG state, as a
+        training step's rerun). -> (losses, reruns)."""
+        p = self.parts
+        t = p.cfg.train
+        inputs = [(tokens.to(p.device), labels.to(p.device)) for tokens, labels in
+                  step_batches(self.data, index, p.groups.dp_rank, t.num_microbatches,
+                               t.micro_batch_size, p.cfg.model.seq_length)]
+        states = [g.get_state() for g in generators]
+        losses = self._forward(inputs, level=0)
+        reruns = 0
+        while (level := self.stepper.overflow_level()) is not None:
+            for generator, state in zip(generators, states):
+                generator.set_state(state)
+            losses = self._forward(inputs, level)
+            reruns += 1
+        return losses, reruns
+
+    def _forward(self, inputs: list, level: int) -> list[torch.Tensor]:
+        p = self.parts
+        self.stepper.select_budget_level(level)
+        if p.budget is not None:
+            p.budget.reset_demand()
+        return [p.model(tokens, labels).detach().float() for tokens, labels in inputs]
+
+    def _mean_over_ranks(self, losses: list[torch.Tensor]) -> float:
+        """Mean of every microbatch loss of every data-parallel rank (fp64 sum; one read)."""
+        g = self.parts.groups
+        total = torch.stack(losses).double().sum()
+        if g.dp_size > 1:
+            g.dp.all_reduce(total)
+        return float(total) / (len(losses) * g.dp_size)
+
+    def _sync_time(self) -> float:
+        if self.parts.device.type == "cuda":
+            torch.cuda.synchronize(self.parts.device)
+        return time.perf_counter()
