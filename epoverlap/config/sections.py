@@ -388,8 +388,9 @@ class RunConfig:
         return 1
 
     def data_parallel_size(self, world_size: int) -> int:
-        """Ranks that read different data: one pipeline of PP stages per DP rank."""
-        return world_size // self.parallel.pipeline_model_parallel_size
+        """Ranks that read different data: one pipeline of PP stages per DP rank (a PP size
+        below 1, which validation refuses, counts as 1 so nothing divides by it first)."""
+        return world_size // max(1, self.parallel.pipeline_model_parallel_size)
 
     def resolved_device(self, cuda_available: bool) -> str:
         if self.train.device == "auto":
@@ -407,6 +408,8 @@ class RunConfig:
         / PP; a step reads micro batch x microbatches x DP sequences)."""
         t, dp = self.train, self.data_parallel_size(world_size)
         changes = {}
+        if t.micro_batch_size < 1 or dp < 1:  # refused by validation; nothing to derive
+            return self
         if t.global_batch_size is not None:
             changes["num_microbatches"] = t.global_batch_size // (t.micro_batch_size * dp)
         microbatches = changes.get("num_microbatches", t.num_microbatches)

@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from dist_helpers import single_rank_groups
 from epoverlap.config import parse_config
@@ -33,10 +34,10 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _stopped_job(tmp_path, send) -> tuple[Job, int, int]:
+def _stopped_job(tmp_path, send, flags=QUICK) -> tuple[Job, int, int]:
     """The main job with --exit-signal-handler, stopped by `send(job)` once step 3 is logged.
     -> (job, exit status, the step the stop line names)."""
-    job = Job(launcher_cmd("--nproc", "2", *QUICK, "--train-iters", "100",
+    job = Job(launcher_cmd("--nproc", "2", *flags, "--train-iters", "100",
                            "--exit-signal-handler", "--save", str(tmp_path / "ckpt"),
                            "--log-json", str(tmp_path / "run.jsonl")))
     try:
@@ -94,6 +95,16 @@ def test_sigterm_to_every_process_at_once_as_a_scheduler_sends_it(tmp_path):
             os.kill(pid, signal.SIGTERM)
     job, code, _ = _stopped_job(tmp_path, everyone)
     assert code == 143, job.text("err")
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA GPUs")
+def test_nccl_sigterm_to_the_launcher_saves_the_step_and_exits_143(tmp_path):
+    """2 GPUs, NCCL, the launcher's GPU defaults (bf16, partial CUDA graphs, overlap)."""
+    job, code, step = _stopped_job(tmp_path, lambda job: job.proc.send_signal(signal.SIGTERM),
+                                   flags=[])
+    assert code == 143, job.text("err")
+    assert [r["step"] for r in _records(tmp_path / "run.jsonl")] == list(range(1, step + 1))
 
 
 TIMEOUT_MIN = 0.25  # 15 s: the collective timeout of the stopped-rank job
