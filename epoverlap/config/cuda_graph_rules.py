@@ -29,6 +29,7 @@ class _ModelFacts:
     transformer_engine_available: bool
     cuda_available: bool
     implemented_impls: tuple[str, ...]
+    experts_gemm_reads_host: bool = False
 
     def layer_kinds(self) -> tuple[str, ...]:
         return ("dense",) * self.has_dense_layers + ("moe",) * self.has_moe_layers
@@ -38,7 +39,8 @@ def validate_cuda_graph_config(cfg: CudaGraphConfig, *, overlap_moe_expert_paral
                                has_moe_layers: bool, has_dense_layers: bool,
                                preprocess_syncs_host: bool, dispatch_syncs_host: bool,
                                transformer_engine_available: bool, cuda_available: bool,
-                               implemented_impls: Sequence[str] = IMPLEMENTED_IMPLS) -> None:
+                               implemented_impls: Sequence[str] = IMPLEMENTED_IMPLS,
+                               experts_gemm_reads_host: bool = False) -> None:
     """Check every cross-field rule; raise ConfigError for the first one broken.
 
     Not checked here (this signature carries no facts for them; the runtime's config module owns
@@ -54,6 +56,7 @@ def validate_cuda_graph_config(cfg: CudaGraphConfig, *, overlap_moe_expert_paral
         transformer_engine_available=transformer_engine_available,
         cuda_available=cuda_available,
         implemented_impls=tuple(implemented_impls),
+        experts_gemm_reads_host=experts_gemm_reads_host,
     )
     for rule in VALIDATION_RULES:
         rule(cfg, facts)
@@ -156,6 +159,16 @@ def _whole_moe_layer_needs_sync_free_dispatch(cfg: CudaGraphConfig, facts: _Mode
                           "--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity")
 
 
+def _graphed_experts_need_a_sync_free_grouped_gemm(cfg: CudaGraphConfig,
+                                                    facts: _ModelFacts) -> None:
+    holds_experts = cfg.impl == "full_iteration" or (
+        cfg.impl in PER_LAYER_IMPLS and (not cfg.modules or "moe" in cfg.modules))
+    if holds_experts and facts.has_moe_layers and facts.experts_gemm_reads_host:
+        raise ConfigError("--cuda-graph-impl", cfg.impl, "a graph holding the experts' grouped "
+                          "GEMMs needs --bf16: torch's fp32 grouped GEMM reads its expert "
+                          "offsets on the host, which a graph cannot capture")
+
+
 def _graphs_need_cuda(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
     if cfg.impl != "none" and not facts.cuda_available:
         raise ConfigError("--cuda-graph-impl", cfg.impl, "CUDA graphs need a CUDA device; this "
@@ -190,6 +203,7 @@ VALIDATION_RULES = (
     _host_syncing_preprocess_stays_eager,
     _whole_moe_layer_needs_sync_free_dispatch,
     _capture_needs_a_recorded_warmup_step,
+    _graphed_experts_need_a_sync_free_grouped_gemm,
     _impl_is_implemented,
     _graphs_need_cuda,  # keep last: every rule above stays testable on a CPU machine
 )

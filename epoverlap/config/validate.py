@@ -383,7 +383,8 @@ def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
         has_moe_layers=any(pattern), has_dense_layers=not all(pattern),
         preprocess_syncs_host=mode.preprocess_syncs_host(cfg.resolved_kernel_backend(device)),
         dispatch_syncs_host=mode.dispatch_syncs_host,
-        transformer_engine_available=te_available, cuda_available=device == "cuda")
+        transformer_engine_available=te_available, cuda_available=device == "cuda",
+        experts_gemm_reads_host=device == "cuda" and not cfg.train.bf16)
 
 
 def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> None:

@@ -461,3 +461,19 @@ def test_help_marks_deprecated_flags():
     by_flag = {flag: a.help for a in parser._actions for flag in a.option_strings}
     for flag in ("--enable-cuda-graph", "--external-cuda-graph", "--cuda-graph-scope"):
         assert by_flag[flag].startswith("deprecated:")
+
+
+@pytest.mark.parametrize("impl, modules", [("full_iteration", ()), ("local", ()),
+                                           ("local", ("attn", "moe"))])
+def test_graphs_holding_the_experts_need_the_bf16_grouped_gemm(impl, modules):
+    """fp32 on CUDA: torch's grouped GEMM reads its offsets on the host (seen failing in
+    capture on a GPU); the pre-dispatch regions stay allowed."""
+    cfg = Cfg(impl=impl, modules=modules,
+              inference_scope="layer" if impl == "local" else "none")
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, experts_gemm_reads_host=True)
+    assert info.value.flag == "--cuda-graph-impl" and "needs --bf16" in str(info.value)
+    validate(cfg)  # bf16: the same config is accepted
+    validate(Cfg(impl="local", modules=("attn", "moe_router"), inference_scope="layer"),
+             experts_gemm_reads_host=True)
+
