@@ -40,7 +40,7 @@ def default_train_args(nproc: int, on_gpu: bool, user_args: list[str]) -> list[s
     """Quick-start flags, skipping any the user gave."""
     defaults: list[tuple[str, Optional[str]]] = [("--preset", "tiny"),
                                                  ("--expert-model-parallel-size", str(nproc))]
-    if nproc > 1:
+    if nproc > 1 and not _has("--no-overlap-moe-expert-parallel-comm", user_args):
         defaults.append(("--overlap-moe-expert-parallel-comm", None))
     if on_gpu:
         defaults.append(("--bf16", None))

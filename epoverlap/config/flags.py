@@ -38,6 +38,7 @@ class Flag:
     metavar: Optional[str] = None  # the value's name in --help (default: by type)
     why: Optional[str] = None  # why only `choices` are allowed (said when another is given)
     note: Optional[str] = None  # a Megatron-LM flag accepted with no effect here: what is done
+    negatable: bool = False  # a switch that also has a --no- form (to undo a launcher default)
 
 
 def flag(default: Any, help: str, **facts: Any) -> Any:
@@ -160,16 +161,24 @@ def add_flags(parser: argparse.ArgumentParser, flags: list[FlagField],
         target = groups.get(title)
         if target is None:
             target = groups[title] = parser.add_argument_group(title)
-        kwargs: dict[str, Any] = dict(dest=item.dest, default=None, help=item.help_text())
-        if item.kind is not bool:
-            kwargs["metavar"] = item.metavar()
-        if item.kind is bool:
-            kwargs["action"] = "store_true"
-        elif item.kind is tuple:
-            kwargs["nargs"] = item.flag.nargs or "+"
-        else:
-            kwargs["type"] = item.kind
-        target.add_argument(*item.option_strings, **kwargs)
+        _add_flag(target, item)
+
+
+def _add_flag(target, item: FlagField) -> None:
+    kwargs: dict[str, Any] = dict(dest=item.dest, default=None, help=item.help_text())
+    if item.kind is bool:  # a switch: --x sets True; a negatable one's --no-x sets False
+        target.add_argument(*item.option_strings, action="store_const", const=True, **kwargs)
+        if item.flag.negatable:
+            target.add_argument("--no-" + item.name[2:], dest=item.dest, default=None,
+                                action="store_const", const=False,
+                                help=f"turns {item.name} off")
+        return
+    kwargs["metavar"] = item.metavar()
+    if item.kind is tuple:
+        kwargs["nargs"] = item.flag.nargs or "+"
+    else:
+        kwargs["type"] = item.kind
+    target.add_argument(*item.option_strings, **kwargs)
 
 
 def given_values(args: argparse.Namespace, flags: list[FlagField]

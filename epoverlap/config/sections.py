@@ -232,7 +232,7 @@ class EvalConfig:
 @dataclass(kw_only=True, frozen=True)
 class OverlapConfig:
     overlap_moe_expert_parallel_comm: bool = flag(
-        False, "combined 1F1B schedule hiding EP all-to-all")
+        False, "combined 1F1B schedule hiding EP all-to-all", negatable=True)
     delay_wgrad_compute: bool = flag(
         False, "split weight grads out and run them in the comm gaps")
     overlap_plan: str = flag(

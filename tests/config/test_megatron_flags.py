@@ -5,39 +5,19 @@ flags that change nothing are named in one note; refused ones one line each."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from epoverlap.config import build_parser, parse_config, validate_config
 from epoverlap.config.compat import NOT_IMPLEMENTED, RefusedFlags
 from epoverlap.config.parse import accepted_notes
 from epoverlap.errors import ConfigError
+from megatron_scripts import NAMES, flag_values, script_args
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_scripts"
 REFUSED = {name for name, _, _ in NOT_IMPLEMENTED}
 
 
-def script_args(name: str) -> list[str]:
-    return [token for line in (SCRIPTS / name).read_text().splitlines()
-            if line.strip() and not line.startswith("#") for token in line.split()]
-
-
-def flag_values(args: list[str]) -> list[list[str]]:
-    """The arguments grouped as [flag, value, ...] per flag."""
-    groups: list[list[str]] = []
-    for token in args:
-        if token.startswith("--"):
-            groups.append([token])
-        else:
-            groups[-1].append(token)
-    return groups
-
-
 KNOWN = {option for action in build_parser()._actions for option in action.option_strings}
-SCRIPT_FLAGS = sorted({group[0] for name in ("mixtral_8x7b_distributed.args",
-                                             "deepseek_v3_moe.args")
-                       for group in flag_values(script_args(name))})
+SCRIPT_FLAGS = sorted({group[0] for name in NAMES for group in flag_values(script_args(name))})
 
 
 def test_every_flag_of_the_scripts_is_implemented_accepted_or_refused():
@@ -50,9 +30,7 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--seq-length", "32", "--train-iters", "4", "--mock-data"]
 
 
-@pytest.mark.parametrize("group", [g for name in ("mixtral_8x7b_distributed.args",
-                                                  "deepseek_v3_moe.args")
-                                   for g in flag_values(script_args(name))],
+@pytest.mark.parametrize("group", [g for name in NAMES for g in flag_values(script_args(name))],
                          ids=lambda group: " ".join(group))
 def test_each_flag_alone_is_taken_or_refused_in_one_line_with_its_reason(group, tmp_path,
                                                                          monkeypatch):
