@@ -2,8 +2,9 @@
 
 Owns the quick-start defaults: it starts torchrun (`--standalone`, in this process) with one
 rank per visible GPU (NCCL), or 2 CPU ranks (gloo) when there is none, and runs
-`epoverlap.train` with a small MoE model (`--preset tiny`), expert parallelism over all ranks
-and the EP overlap on (when there is more than one rank), bf16 on GPUs. Any flag given is
+`epoverlap.train` with a small MoE model sized for the machine (`--preset tiny` on CPU ranks,
+`--preset small` on GPUs), expert parallelism over all ranks and the EP overlap on (when there
+is more than one rank), bf16 and partial CUDA graphs on GPUs. Any flag given is
 passed through and wins over these defaults; `--nproc N` overrides the rank count. For
 multi-node runs call torchrun directly (see the README).
 
@@ -37,15 +38,17 @@ def _has(flag: str, args: list[str]) -> bool:
 
 
 def default_train_args(nproc: int, on_gpu: bool, user_args: list[str]) -> list[str]:
-    """Quick-start flags, skipping any the user gave."""
-    defaults: list[tuple[str, Optional[str]]] = [("--preset", "tiny"),
+    """Quick-start flags, skipping any the user gave: a model sized for the machine (`tiny` on
+    CPU ranks, `small` on GPUs, each a run of a minute or less)."""
+    preset = "small" if on_gpu else "tiny"
+    defaults: list[tuple[str, Optional[str]]] = [("--preset", preset),
                                                  ("--expert-model-parallel-size", str(nproc))]
     if nproc > 1 and not _has("--no-overlap-moe-expert-parallel-comm", user_args):
         defaults.append(("--overlap-moe-expert-parallel-comm", None))
     if on_gpu:
         defaults.append(("--bf16", None))
-        # partial CUDA graphs of the pre-dispatch segments: bitwise equal to eager and faster
-        # on every GPU measured (benchmarks/cuda_graphs.md); --cuda-graph-impl none: off
+        # partial CUDA graphs of the pre-dispatch segments: the same bits as eager, with the
+        # host's launch work of those segments replayed at once; --cuda-graph-impl none: off
         defaults.append(("--cuda-graph-impl", "local"))
         if not _has("--cuda-graph-impl", user_args):
             defaults.append(("--cuda-graph-modules", "attn moe_router moe_preprocess"))
@@ -71,9 +74,10 @@ def launch_parser():
     parser = build_parser(prog=PROG)
     parser.usage = ("%(prog)s [--nproc N] [--preset NAME] [FLAG VALUE ...]   "
                     "(--help lists every flag)")
-    parser.description = ("Start the main job: torchrun --standalone with one rank per GPU (or 2\n"
-                          "CPU ranks), --preset tiny, EP over all ranks, the EP overlap on;\n"
-                          "flags given win over these defaults.")
+    parser.description = ("Start the main job: torchrun --standalone with one rank per GPU\n"
+                          "(--preset small, bf16, partial CUDA graphs) or 2 CPU ranks (--preset\n"
+                          "tiny), EP over all ranks, the EP overlap on; flags given win over\n"
+                          "these defaults.")
     parser.add_argument("--nproc", default=None, metavar="N",
                         help="ranks to start on this machine (default: one per visible GPU, "
                              "or 2 on CPU)")

@@ -62,7 +62,7 @@ def test_launcher_defaults_pass_through_user_flags():
                     "--preset", "small", "--train-iters", "3"]
     graphs = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",
               "moe_preprocess"]
-    assert default_train_args(1, True, []) == ["--preset", "tiny",
+    assert default_train_args(1, True, []) == ["--preset", "small",
                                                "--expert-model-parallel-size", "1", "--bf16",
                                                *graphs]
     off = default_train_args(2, True, ["--cuda-graph-impl", "none"])
