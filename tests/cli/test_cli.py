@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from epoverlap.config import build_parser, parse_config
+from epoverlap.config import build_parser
 from epoverlap.cli import launch
 from epoverlap.cli.train import main as train_main
 from job_control import REPO, job_env

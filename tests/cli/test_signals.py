@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -22,7 +21,7 @@ import torch
 from dist_helpers import single_rank_groups
 from epoverlap.config import parse_config
 from epoverlap.training.trainer import Trainer
-from job_control import REPO, Job, job_env, launcher_cmd, rank_pid, wait_exit
+from job_control import REPO, Job, job_env, launcher_cmd, rank_pid
 
 QUICK = ["--hidden-size", "64", "--seq-length", "64", "--num-microbatches", "4",
          "--lr-warmup-iters", "2"]

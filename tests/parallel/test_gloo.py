@@ -8,12 +8,10 @@ import json
 import math
 
 import pytest
-import torch
 
 from dist_helpers import run_ranks
-from epoverlap.cli.compare_losses import compare_loss_logs
-from gloo_workers import (MODES, dispatch_round_trip, ep_losses, extreme_routing_training,
-                          mode_grads_and_losses)
+from gloo_workers import (assert_modes_match_sequential, dispatch_round_trip, ep_losses,
+                          extreme_routing_training, mode_grads_and_losses)
 
 pytestmark = pytest.mark.slow
 
@@ -51,18 +49,7 @@ def test_routing_extremes_train_without_hanging(flags):
 @pytest.mark.parametrize("world, ep", [(2, 2), (4, 2)])
 def test_overlap_is_bitwise_equal_to_sequential(world, ep, tmp_path):
     results = run_ranks(mode_grads_and_losses, world, ep, str(tmp_path), 20, timeout_s=600)
-    for rank, per_mode in enumerate(results):
-        dense_ref, expert_ref = per_mode["sequential"]
-        assert dense_ref.abs().sum() > 0 and expert_ref.abs().sum() > 0
-        for mode in MODES:
-            dense, expert = per_mode[mode]
-            assert torch.equal(dense.view(torch.int32), dense_ref.view(torch.int32)), (rank, mode)
-            assert torch.equal(expert.view(torch.int32), expert_ref.view(torch.int32)), \
-                (rank, mode)
-    for mode in MODES:
-        comparison = compare_loss_logs(tmp_path / "sequential.jsonl", tmp_path / f"{mode}.jsonl")
-        assert comparison.identical, comparison.message
-        assert comparison.steps_compared == comparison.grad_norms_compared == 20
+    assert_modes_match_sequential(results, tmp_path, 20)
     # the probe's run switched schedules mid-run (same losses as above), then kept one
     with open(tmp_path / "probe_wgrad.jsonl") as records:
         schedules = [json.loads(line)["schedule"] for line in records]

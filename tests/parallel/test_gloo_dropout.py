@@ -7,11 +7,9 @@ masks come from each microbatch's seed, never from when or on which lane a node 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dist_helpers import run_ranks
-from epoverlap.cli.compare_losses import compare_loss_logs
-from gloo_workers import MODES, mode_grads_and_losses
+from gloo_workers import assert_modes_match_sequential, mode_grads_and_losses
 
 DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--num-layers", "3",
            "--moe-first-k-dense-replace", "1", "--moe-shared-expert-intermediate-size", "16"]
@@ -23,15 +21,4 @@ pytestmark = pytest.mark.slow
 def test_overlap_with_dropout_is_bitwise_equal_to_sequential(tmp_path):
     results = run_ranks(mode_grads_and_losses, 2, 2, str(tmp_path), STEPS, DROPOUT,
                         timeout_s=600)
-    for rank, per_mode in enumerate(results):
-        dense_ref, expert_ref = per_mode["sequential"]
-        assert dense_ref.abs().sum() > 0 and expert_ref.abs().sum() > 0
-        for mode in MODES:
-            dense, expert = per_mode[mode]
-            assert torch.equal(dense.view(torch.int32), dense_ref.view(torch.int32)), (rank, mode)
-            assert torch.equal(expert.view(torch.int32), expert_ref.view(torch.int32)), \
-                (rank, mode)
-    for mode in MODES:
-        comparison = compare_loss_logs(tmp_path / "sequential.jsonl", tmp_path / f"{mode}.jsonl")
-        assert comparison.identical, comparison.message
-        assert comparison.steps_compared == comparison.grad_norms_compared == STEPS
+    assert_modes_match_sequential(results, tmp_path, STEPS)

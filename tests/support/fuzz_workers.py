@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from epoverlap.config import CHOICES, PRESETS, RunConfig, build_parser, parse_config
+from epoverlap.config import CHOICES, RunConfig, build_parser, parse_config
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, expert_parallel_groups, init_distributed
 from epoverlap.cli.train import checked_config

@@ -174,3 +174,23 @@ def groups_with_a_cta_budget(rank, world_size):
         return recv.tolist(), groups.backend, refusal
     finally:
         destroy_distributed(groups)
+
+
+def assert_modes_match_sequential(results: list, log_dir, steps: int) -> None:
+    """What `mode_grads_and_losses` gave on every rank: each mode's reduced grads the
+    sequential mode's bits, and its --log-json's losses and grad norms too, every step."""
+    from epoverlap.cli.compare_losses import compare_loss_logs
+    for rank, per_mode in enumerate(results):
+        dense_ref, expert_ref = per_mode["sequential"]
+        assert dense_ref.abs().sum() > 0 and expert_ref.abs().sum() > 0
+        for mode in MODES:
+            dense, expert = per_mode[mode]
+            assert torch.equal(dense.view(torch.int32), dense_ref.view(torch.int32)), (rank, mode)
+            assert torch.equal(expert.view(torch.int32), expert_ref.view(torch.int32)), \
+                (rank, mode)
+    for mode in MODES:
+        comparison = compare_loss_logs(Path(log_dir) / "sequential.jsonl",
+                                       Path(log_dir) / f"{mode}.jsonl")
+        assert comparison.identical, comparison.message
+        assert comparison.steps_compared == comparison.grad_norms_compared == steps
+

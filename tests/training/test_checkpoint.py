@@ -30,14 +30,6 @@ from epoverlap.cli.compare_losses import compare_loss_logs
 EP_CHANGE_REL_TOL = 1e-5
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # loaded 2-core machines: two threads per tiny GEMM are 100x slower
-    yield
-    torch.set_num_threads(threads)
-
-
 FAULTS = {"nan-grad@3:1:layers.1.experts.fc2": "rank 1: NaN/Inf in the gradient of "
                                               "layers.1.experts.fc2 (first of 1 parameter(s))",
           "nan-loss@3:0": "rank 0: NaN/Inf in the loss of microbatch(es) [0, 1, 2, 3]"}

@@ -38,14 +38,6 @@ LINE = re.compile(r"^validation at step (\d+) \| loss (\d+\.\d{4}) \| ppl (\d+\.
                   r"\d+\.\d s$")
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def train(groups, argv: list[str], log_json: Path, resume=None, lines=None) -> dict:
     """One run: its steps' records (this rank's), each evaluation's result, the generators'
     final states and the --log-json records (the first rank writes them)."""

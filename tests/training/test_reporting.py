@@ -12,7 +12,6 @@ import types
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from checkpoint_workers import FLAGS
 from dist_helpers import single_rank_groups
@@ -24,14 +23,6 @@ from epoverlap.training.metrics import Reporter, StepResult, format_duration
 from epoverlap.training.tensorboard import SCALAR_TAGS, scalars_of
 from epoverlap.training.trainer import Trainer
 from epoverlap.training.wandb_log import WandbLog
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _result(step: int, seconds: float) -> StepResult:
