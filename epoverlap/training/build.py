@@ -41,10 +41,10 @@ from epoverlap.schedule.wgrad import WeightGradQueue
 from epoverlap.training.checkpoint import Checkpointer
 from epoverlap.training.checkpoint_files import CheckpointRef
 from epoverlap.training.compile_watch import CompileWatch
+from epoverlap.training.console import warn_every_rank
 from epoverlap.training.data import open_data_source
 from epoverlap.training.faults import FaultInjector
 from epoverlap.training.grads import GradBuffers
-from epoverlap.training.metrics import warn_every_rank
 from epoverlap.training.optim import MixedPrecisionAdamW
 from epoverlap.training.probe import SEQUENTIAL, OverlapProbe
 from epoverlap.training.stop import StopRequest

@@ -1,6 +1,6 @@
 """Evaluation on validation data (--eval-interval N --eval-iters K).
 
-Owns `Evaluator` and `EvalResult`. Every N steps and after the last step (`Evaluator.due`),
+Owns `Evaluator` (its result is `training.metrics.EvalResult`). Every N steps and after the last step (`Evaluator.due`),
 the mean loss over K global batches of the run's validation data (`training.data.
 validation_source`: the --split valid part of --data-path, or a fresh --mock-data stream).
 Evaluation e of a run (e = ceil(step / N), so a resumed run reads what the uninterrupted one
@@ -25,41 +25,16 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from epoverlap.training.data import evaluates, step_batches, validation_source
+from epoverlap.training.metrics import EvalResult
 
 if TYPE_CHECKING:
     from epoverlap.training.build import RunParts
     from epoverlap.training.step import StepRunner
-
-PPL_LOSS_CAP = 20.0  # Megatron-LM's: ppl = exp(min(20, loss))
-
-
-@dataclass
-class EvalResult:
-    step: int
-    loss: float  # mean over batches, microbatches and data-parallel ranks
-    seconds: float
-    batches: int  # global batches read
-    reruns: int = 0  # budget dispatch: batches rerun after an overflow (this evaluation)
-
-    @property
-    def ppl(self) -> float:
-        return math.exp(min(PPL_LOSS_CAP, self.loss))
-
-    def line(self) -> str:
-        return (f"validation at step {self.step} | loss {self.loss:.4f} | ppl {self.ppl:.2f} | "
-                f"{self.seconds:.1f} s")
-
-    def record(self) -> dict:
-        """The fields the step's --log-json record (and so TensorBoard and W&B) gets."""
-        return {"valid_loss": self.loss, "valid_loss_hex": float.hex(self.loss),
-                "valid_ppl": self.ppl}
-
 
 class Evaluator:
     """Evaluation of one built run (module docstring); `run` is a collective."""

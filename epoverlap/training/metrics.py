@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import resource
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -29,12 +28,12 @@ import torch.distributed as dist
 
 from epoverlap.model.transformer import model_dtype
 from epoverlap.parallel.watch import host_list
+from epoverlap.training.console import warn_every_rank
 from epoverlap.training.tensorboard import TensorBoardLog
 from epoverlap.training.wandb_log import WandbLog
 
 if TYPE_CHECKING:
     from epoverlap.training.build import RunParts
-    from epoverlap.training.evaluate import EvalResult
 
 
 @dataclass
@@ -74,8 +73,29 @@ IMBALANCE_WARN_LIMIT = 4.0  # max/mean tokens per expert of the worst MoE layer
 IMBALANCE_WARN_STEPS = 20
 
 
-def warn_every_rank(message: str) -> None:
-    print(f"epoverlap-train: warning: {message}", file=sys.stderr, flush=True)
+PPL_LOSS_CAP = 20.0  # Megatron-LM's: ppl = exp(min(20, loss))
+
+
+@dataclass
+class EvalResult:
+    step: int
+    loss: float  # mean over batches, microbatches and data-parallel ranks
+    seconds: float
+    batches: int  # global batches read
+    reruns: int = 0  # budget dispatch: batches rerun after an overflow (this evaluation)
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(min(PPL_LOSS_CAP, self.loss))
+
+    def line(self) -> str:
+        return (f"validation at step {self.step} | loss {self.loss:.4f} | ppl {self.ppl:.2f} | "
+                f"{self.seconds:.1f} s")
+
+    def record(self) -> dict:
+        """The fields the step's --log-json record (and so TensorBoard and W&B) gets."""
+        return {"valid_loss": self.loss, "valid_loss_hex": float.hex(self.loss),
+                "valid_ppl": self.ppl}
 
 
 def format_duration(seconds: float) -> str:

@@ -17,7 +17,7 @@ from checkpoint_workers import FLAGS
 from dist_helpers import single_rank_groups
 from epoverlap.config import parse_config
 from epoverlap.training import manual_gc as manual_gc_module
-from epoverlap.training.evaluate import EvalResult
+from epoverlap.training.metrics import EvalResult
 from epoverlap.training.manual_gc import ManualGC
 from epoverlap.training.metrics import Reporter, StepResult, format_duration
 from epoverlap.training.tensorboard import SCALAR_TAGS, scalars_of

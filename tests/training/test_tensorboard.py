@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from epoverlap.training.evaluate import EvalResult
+from epoverlap.training.metrics import EvalResult
 from epoverlap.training.tensorboard import SCALAR_TAGS, TensorBoardLog
 from epoverlap.training.metrics import StepResult, format_duration
 
