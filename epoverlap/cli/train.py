@@ -28,6 +28,7 @@ import io
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -49,10 +50,12 @@ from epoverlap.training.stop import exit_status
 from epoverlap.training.trainer import Trainer
 
 
-def _printer(enabled: bool, stream=sys.stdout) -> Callable[[str], None]:
+def _printer(enabled: bool, to_stderr: bool = False) -> Callable[[str], None]:
+    """Print lines when `enabled`, to the stream in use at each line (with --log-dir, the
+    rank's tee: see `_keep_rank_log`)."""
     def emit(message: str) -> None:
         if enabled:
-            print(message, file=stream, flush=True)
+            print(message, file=sys.stderr if to_stderr else sys.stdout, flush=True)
     return emit
 
 
@@ -73,7 +76,7 @@ def _fail(error: Exception, status: int, printing: bool) -> int:
     """One line per problem (from the printing rank) and `status`, for a failure every rank
     meets alike."""
     for line in str(error).splitlines():
-        _printer(printing, sys.stderr)(f"epoverlap-train: error: {line}")
+        _printer(printing, to_stderr=True)(f"epoverlap-train: error: {line}")
     return _quiet_exit(status, printing)
 
 
@@ -102,7 +105,10 @@ def _keep_rank_log(cfg: RunConfig) -> None:
         return
     folder = Path(cfg.log.log_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    log_file = open(folder / f"rank-{int(os.environ.get('RANK', '0')):05d}.log", "a")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    log_file = open(folder / f"rank-{rank:05d}.log", "a")
+    log_file.write(f"epoverlap-train: rank {rank} of {world} on {socket.gethostname()}, pid "
+                   f"{os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     sys.stdout, sys.stderr = _Tee(sys.stdout, log_file), _Tee(sys.stderr, log_file)
 
 
@@ -146,7 +152,7 @@ def _stop_now_on_signals(printing: bool) -> None:
     once, with one line from the first rank of the node."""
     def stop(signum, frame):
         name = signal.Signals(signum).name
-        _printer(printing, sys.stderr)(f"epoverlap-train: stopped by {name} before training")
+        _printer(printing, to_stderr=True)(f"epoverlap-train: stopped by {name} before training")
         os._exit(128 + signum)
     for signum in ROUTED_SIGNALS:
         signal.signal(signum, stop)
@@ -168,7 +174,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _train(argv: Optional[list[str]]) -> int:
     printing = os.environ.get("LOCAL_RANK", "0") == "0"  # one voice per node for bad input
     _stop_now_on_signals(printing)
-    warn = _printer(printing, sys.stderr)
+    warn = _printer(printing, to_stderr=True)
     cuda = torch.cuda.is_available()
 
     def environment(cfg: RunConfig) -> None:
