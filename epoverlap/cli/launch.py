@@ -27,7 +27,7 @@ import torch
 
 from epoverlap.config import build_parser
 from epoverlap.errors import ConfigError
-from epoverlap.cli.train import checked_config
+from epoverlap.cli.train import checked_config, error_lines
 from epoverlap.training.data import open_data_source
 
 PROG = "epoverlap-launch"
@@ -119,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         nproc, on_gpu, train_args = plan_launch(argv)
     except ConfigError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        print("\n".join(error_lines(PROG, error)), file=sys.stderr, flush=True)
         return 2
     torchrun_args = ["--standalone", f"--nproc-per-node={nproc}", "-m", "epoverlap.train",
                      *train_args]

@@ -72,11 +72,16 @@ def _quiet_exit(status: int, printing: bool) -> int:
     return status
 
 
+def error_lines(prog: str, error: Exception) -> list[str]:
+    """`PROG: error: ...`, one line per problem (several refused flags are several)."""
+    return [f"{prog}: error: {line}" for line in str(error).splitlines()]
+
+
 def _fail(error: Exception, status: int, printing: bool) -> int:
     """One line per problem (from the printing rank) and `status`, for a failure every rank
     meets alike."""
-    for line in str(error).splitlines():
-        _printer(printing, to_stderr=True)(f"epoverlap-train: error: {line}")
+    for line in error_lines("epoverlap-train", error):
+        _printer(printing, to_stderr=True)(line)
     return _quiet_exit(status, printing)
 
 
@@ -115,8 +120,9 @@ def _keep_rank_log(cfg: RunConfig) -> None:
 def _write_resolved_config(cfg: RunConfig, world_size: int, log: Callable[[str], None]) -> None:
     """The resolved configuration, once: a compact line, and JSON beside --log-json, in --save
     and in --tensorboard-dir (rank 0)."""
-    log(f"config: {flags_text(cfg)}")
-    record = {"flags": flags_text(cfg), "world_size": world_size, "config": cfg.to_dict(),
+    flags = flags_text(cfg)
+    log(f"config: {flags}")
+    record = {"flags": flags, "world_size": world_size, "config": cfg.to_dict(),
               "torch": torch.__version__}
     places = [Path(cfg.checkpoint.save) / "config.json" if cfg.checkpoint.save else None,
               Path(cfg.log.tensorboard_dir) / "config.json" if cfg.log.tensorboard_dir else None,
@@ -159,9 +165,10 @@ def _stop_now_on_signals(printing: bool) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """The training command (see the module docstring); the signal handlers it installs are
-    the process's only while it runs."""
+    """The training command (see the module docstring); the signal handlers and the --log-dir
+    streams it installs are the process's only while it runs."""
     handlers = {signum: signal.getsignal(signum) for signum in ROUTED_SIGNALS}
+    streams = sys.stdout, sys.stderr
     try:
         return _train(argv)
     finally:
@@ -169,6 +176,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             signal.signal(signum, handler)
         if threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
+        if isinstance(sys.stdout, _Tee):
+            sys.stdout.flush()
+            sys.stdout.log_file.close()
+        sys.stdout, sys.stderr = streams
 
 
 def _train(argv: Optional[list[str]]) -> int:

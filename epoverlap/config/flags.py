@@ -67,6 +67,10 @@ class FlagField:
     def option_strings(self) -> list[str]:
         return [self.name] + ([self.flag.megatron] if self.flag.megatron else [])
 
+    def value(self, cfg) -> Any:
+        """This flag's value in `cfg` (a RunConfig)."""
+        return getattr(getattr(cfg, self.section), self.field.name)
+
     def metavar(self) -> str:
         if self.flag.metavar:
             return self.flag.metavar

@@ -54,7 +54,7 @@ def accepted_notes(cfg: RunConfig) -> list[str]:
     notes = []
     for item in FLAGS:
         if item.flag.note:
-            value = getattr(getattr(cfg, item.section), item.field.name)
+            value = item.value(cfg)
             if value not in (None, False):
                 notes.append(f"{item.name} ({item.flag.note})")
     return notes
@@ -65,7 +65,7 @@ def flags_text(cfg: RunConfig) -> str:
     configuration, compact (derived values included, e.g. microbatches from a global batch)."""
     parts = []
     for item in FLAGS:
-        value = getattr(getattr(cfg, item.section), item.field.name)
+        value = item.value(cfg)
         if value == item.field.default or value is None:
             continue
         if item.kind is bool:

@@ -33,7 +33,7 @@ MIN_TIMEOUT_MINUTES = 0.05
 def _validate_finite(cfg: RunConfig) -> None:
     """Every float flag: NaN and infinity are refused (they would only surface mid-training)."""
     for item in FLAGS:
-        value = getattr(getattr(cfg, item.section), item.field.name)
+        value = item.value(cfg)
         if item.kind in (float, _opt_float) and value is not None:
             require(math.isfinite(value), item.field.name, value, "must be a finite number")
 
@@ -42,7 +42,7 @@ def _validate_choices(cfg: RunConfig) -> None:
     """Every flag that takes a name: the name is one its flag allows (the CUDA-graph flags check
     theirs as they are built, config.cuda_graphs)."""
     for item in FLAGS:
-        value = getattr(getattr(cfg, item.section), item.field.name)
+        value = item.value(cfg)
         if item.flag.choices and item.section != "cuda_graph" and value is not None:
             require(value in item.flag.choices, item.field.name, value, item.allowed_text())
 

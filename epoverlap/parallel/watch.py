@@ -355,14 +355,12 @@ class CollectiveWatch:
         self._stop_requested = True
         self.stop_handler(name)
 
-    def report_signal(self, name: str, failure: Optional[PeerFailure] = None) -> None:
-        """A termination signal: name the collective this rank is in and exit. Status 3 when
-        some peer is silent, else 128 + the signal. Returns at once when a report is already
-        under way."""
+    def report_signal(self, name: str, failure: PeerFailure) -> None:
+        """A termination signal, `failure` the probe's finding: name the collective this rank
+        is in and exit. Status 3 when some peer is silent, else 128 + the signal. Returns at
+        once when a report is already under way."""
         if not self._reporting.acquire(blocking=False):
             return
-        if failure is None:
-            failure = self.probe(PeerFailure(self.rank, self.step, ""))
         entry, failed = self.oldest_unfinished(), self._last_failed
         if entry is not None:
             failure.what, failure.peers = f"stopped by {name} while in the {entry.where}", \

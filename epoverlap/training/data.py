@@ -39,7 +39,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from epoverlap.config import RunConfig
+from epoverlap.config import DEFAULT_SPLIT, RunConfig
 from epoverlap.data.indexed import IndexedDataError, open_indexed
 from epoverlap.data.samples import BlendedSamples, DocumentSamples, split_bounds
 from epoverlap.data.tokenizers import BYTE_VOCAB, TokenizerError, build_tokenizer
@@ -267,7 +267,7 @@ def _open_indexed(cfg: RunConfig, vocab_size: int, world_size: int, part: int = 
             begin, end = dataset.first_doc, dataset.end_doc
             raise ConfigError("--data-path", prefixes[index], f"its {SPLIT_NAMES[part]} split "
                               f"(documents [{begin}, {end}) by --split "
-                              f"{d.split or '969,30,1'}) has {dataset.num_tokens} tokens, fewer "
+                              f"{d.split or DEFAULT_SPLIT}) has {dataset.num_tokens} tokens, fewer "
                               f"than --seq-length + 1 = {seq + 1}")
     steps = t.train_iters if steps is None else steps
     total = steps * t.num_microbatches * world_size * t.micro_batch_size

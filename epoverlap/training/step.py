@@ -226,7 +226,8 @@ class StepRunner:
         flags = p.stop.local_flags() if p.stop is not None else [0.0] * len(REASONS)
         # loss, aux of each layer, stop flags
         stats = torch.zeros(1 + num_layers + len(flags), device=p.device)
-        stats[1 + num_layers:] = torch.tensor(flags)
+        if any(flags):  # (most steps have none: no host-to-device copy then)
+            stats[1 + num_layers:] = torch.tensor(flags)
         counts = torch.zeros(num_layers, p.cfg.moe.num_experts or 0, dtype=torch.int64,
                              device=p.device)
         if any(loss is not None for loss in losses):

@@ -15,7 +15,8 @@ import signal
 import time
 from typing import Optional
 
-REASONS = ("SIGTERM", "SIGINT", "time limit")  # the order of the flags in the reduction
+SIGNALS = ("SIGTERM", "SIGINT")  # the reasons a signal gives (exit status 128 + signal)
+REASONS = SIGNALS + ("time limit",)  # the order of the flags in the reduction
 
 
 class StopRequest:
@@ -33,7 +34,7 @@ class StopRequest:
     def local_flags(self) -> list[float]:
         """One flag per reason in REASONS, 1.0 where this rank has it."""
         late = self.deadline is not None and time.monotonic() >= self.deadline
-        return [float(name in self.signals) for name in REASONS[:2]] + [float(late)]
+        return [float(name in self.signals) for name in SIGNALS] + [float(late)]
 
     @staticmethod
     def agreed(summed: list[float]) -> Optional[str]:
@@ -43,6 +44,6 @@ class StopRequest:
 
 def exit_status(reason: Optional[str]) -> int:
     """The process's status for a run that stopped for `reason` (None: it ran to the end)."""
-    if reason in ("SIGTERM", "SIGINT"):
+    if reason in SIGNALS:
         return 128 + signal.Signals[reason]
     return 0

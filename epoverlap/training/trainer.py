@@ -27,7 +27,7 @@ from epoverlap.training.evaluate import Evaluator
 from epoverlap.training.manual_gc import ManualGC
 from epoverlap.training.metrics import Reporter, RunSummary, StepResult
 from epoverlap.training.step import StepRunner
-from epoverlap.training.stop import StopRequest
+from epoverlap.training.stop import SIGNALS, StopRequest
 
 
 class _Part:
@@ -148,8 +148,8 @@ class Trainer:
         if reason is None or step == self.cfg.train.train_iters:
             return False
         self.stopped_by = reason
-        signalled = reason in ("SIGTERM", "SIGINT")
-        save = self.cfg.train.exit_signal_handler if signalled else bool(self.cfg.checkpoint.save)
+        save = (self.cfg.train.exit_signal_handler if reason in SIGNALS
+                else bool(self.cfg.checkpoint.save))
         saved = self.checkpointer.last_saved
         if save and (saved is None or saved[0] != step):
             self.checkpointer.save(step)
