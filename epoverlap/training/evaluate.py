@@ -24,11 +24,11 @@ step before use.
 from __future__ import annotations
 
 import math
-import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from epoverlap.parallel.watch import host_list
 from epoverlap.training.data import evaluates, step_batches, validation_source
 from epoverlap.training.metrics import EvalResult
 
@@ -59,7 +59,7 @@ class Evaluator:
         p = self.parts
         iters = p.cfg.eval.eval_iters
         first = (math.ceil(step / p.cfg.eval.eval_interval) - 1) * iters + 1
-        start = self._sync_time()
+        start = self.stepper.sync_time()
         generators = p.router_generators()
         states = [g.get_state() for g in generators]
         level = p.budget.level if p.budget is not None else None
@@ -70,7 +70,7 @@ class Evaluator:
             with torch.no_grad(), torch.random.fork_rng(devices=cuda):
                 losses, reruns = [], 0
                 for index in range(first, first + iters):
-                    batch_losses, batch_reruns = self._batch(index, generators)
+                    batch_losses, batch_reruns = self._batch(index)
                     losses += batch_losses
                     reruns += batch_reruns
                 loss = self._mean_over_ranks(losses)
@@ -79,26 +79,18 @@ class Evaluator:
             for generator, state in zip(generators, states):
                 generator.set_state(state)
             self.stepper.select_budget_level(level if level is not None else 0)
-        return EvalResult(step, loss, self._sync_time() - start, iters, reruns)
+        return EvalResult(step, loss, self.stepper.sync_time() - start, iters, reruns)
 
-    def _batch(self, index: int, generators: list) -> tuple[list[torch.Tensor], int]:
+    def _batch(self, index: int) -> tuple[list[torch.Tensor], int]:
         """Global validation batch `index`: this rank's microbatch losses, rerun at a larger
-        budget level while the dispatch overflowed (from the same router RNG state, as a
-        training step's rerun). -> (losses, reruns)."""
+        budget level while the dispatch overflowed, as a training step is
+        (`StepRunner.until_it_fits`). -> (losses, reruns)."""
         p = self.parts
         t = p.cfg.train
         inputs = [(tokens.to(p.device), labels.to(p.device)) for tokens, labels in
                   step_batches(self.data, index, p.groups.dp_rank, t.num_microbatches,
                                t.micro_batch_size, p.cfg.model.seq_length)]
-        states = [g.get_state() for g in generators]
-        losses = self._forward(inputs, level=0)
-        reruns = 0
-        while (level := self.stepper.overflow_level()) is not None:
-            for generator, state in zip(generators, states):
-                generator.set_state(state)
-            losses = self._forward(inputs, level)
-            reruns += 1
-        return losses, reruns
+        return self.stepper.until_it_fits(lambda level: self._forward(inputs, level))
 
     def _forward(self, inputs: list, level: int) -> list[torch.Tensor]:
         p = self.parts
@@ -113,9 +105,4 @@ class Evaluator:
         total = torch.stack(losses).double().sum()
         if g.dp_size > 1:
             g.dp.all_reduce(total)
-        return float(total) / (len(losses) * g.dp_size)
-
-    def _sync_time(self) -> float:
-        if self.parts.device.type == "cuda":
-            torch.cuda.synchronize(self.parts.device)
-        return time.perf_counter()
+        return host_list(total) / (len(losses) * g.dp_size)

@@ -58,7 +58,7 @@ class StepRunner:
         profiled = self._profiled(step)
         if p.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(p.device)
-        start = self._sync_time()
+        start = self.sync_time()
         if profiled:
             p.recorder.begin_step(step)
         p.faults.begin_step(step)
@@ -74,7 +74,7 @@ class StepRunner:
         lr = lr_at(step, p.cfg.train)
         if not p.cfg.train.skip_optimizer_step:
             p.optimizer.step(lr)
-        elapsed = self._sync_time() - start
+        elapsed = self.sync_time() - start
         self._probe_record(step, elapsed)
         result = self._result(step, loss, lr, grad_norm, aux, imbalance, elapsed)
         result.schedule = schedule
@@ -111,7 +111,8 @@ class StepRunner:
         window = self.parts.cfg.log.profile_range
         return window is not None and window[0] <= step <= window[1]
 
-    def _sync_time(self) -> float:
+    def sync_time(self) -> float:
+        """perf_counter() once the device has finished what was queued."""
         if self.parts.device.type == "cuda":
             torch.cuda.synchronize(self.parts.device)
         return time.perf_counter()
@@ -152,16 +153,21 @@ class StepRunner:
         docstring). -> (losses, reruns). A rerun starts from the same inputs, weights and
         router RNG state, so its result is the one a run at its budget level would give."""
         inputs = self.microbatches(step)
+        return self.until_it_fits(lambda level: self._attempt(step, inputs, level))
+
+    def until_it_fits(self, attempt):
+        """`attempt(level)` at budget level 0, then again at the level `overflow_level` names,
+        each time from the router generators' state before the first, until nothing overflowed
+        (at once without the budget dispatch). -> (its last result, reruns)."""
         generators = self.parts.router_generators()
         states = [g.get_state() for g in generators]
-        losses = self._attempt(step, inputs, level=0)
-        reruns = 0
+        result, reruns = attempt(0), 0
         while (level := self.overflow_level()) is not None:
             for generator, state in zip(generators, states):
                 generator.set_state(state)
-            losses = self._attempt(step, inputs, level)
+            result = attempt(level)
             reruns += 1
-        return losses, reruns
+        return result, reruns
 
     def _attempt(self, step: int, inputs: list[dict], level: int) -> list[torch.Tensor]:
         """One forward-backward at a budget level, by that level's graph bank if it has one."""
