@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
+
 
 @dataclass(frozen=True)
 class Step:
@@ -43,19 +45,45 @@ BITWISE_RUN = (TRAIN + " --preset small --bf16 --deterministic-mode --seed 3 --t
 OVERLAP = "--overlap-moe-expert-parallel-comm"
 WGRAD = OVERLAP + " --delay-wgrad-compute"
 GRAPHS = "--cuda-graph-impl local --cuda-graph-modules attn moe_router moe_preprocess"
+EAGER = "--cuda-graph-impl none"  # on GPUs the default is GRAPHS (epoverlap.config.resolve)
 OVERLAP_STEP = ("{torchrun} -m benchmarks.harness.bench_overlap --shapes " + MEGATRON_SHAPES
                 + " --warmup 2 --iters 6 --rounds 3 --profile-shapes megatron_e32_k4_mbs2x8"
                   " --profile-steps 2 --out-dir {out}")
 # the training command the interleaved rounds time (the Megatron-core comparison's shape)
 ROUNDS_COMMAND = (TRAIN + " --preset megatron-cmp --mock-data --bf16"
-                  " --expert-model-parallel-size {gpus} --train-iters 15 --log-interval 100")
+                  " --expert-model-parallel-size {gpus} --train-iters 15 --log-interval 100 "
+                  + EAGER)
 ROUNDS = "{python} -m benchmarks.harness.bench_train_rounds --warmup 3 --out {out}"
+
+
+# the default-path sweep: the command with no path flag, and the hand-picked paths pinned
+DEFAULT_PATH_RUN = (TRAIN + " --preset megatron-cmp --mock-data --train-iters 24"
+                    " --log-interval 100")
+FULL_ITERATION = "--moe-dispatch-budget 1.25 --cuda-graph-impl full_iteration"
+DEFAULT_BITWISE_RUN = (TRAIN + " --preset small --deterministic-mode --seed 3 --train-iters 30"
+                       " --log-interval 10")
+HAND_PICKED = {"seq_graphs": SEQUENTIAL + " " + GRAPHS, "ovl_graphs": OVERLAP + " " + GRAPHS,
+               "seq_full": SEQUENTIAL + " " + FULL_ITERATION,
+               "ovl_full": OVERLAP + " " + FULL_ITERATION}
+
+
+def _default_path_steps(env: dict = None) -> tuple:
+    """A first default run that tunes and fills the cache (its tuning cost in its log), then
+    the default (from the cache) and each hand-picked path in 3 interleaved rounds."""
+    cache = "--tune-cache {out}/tune_cache"
+    sides = " ".join([f"--side 'default={cache}'"] + [f"--side '{name}={flags} --tune off'"
+                                                     for name, flags in HAND_PICKED.items()])
+    return (Step("tune_first", DEFAULT_PATH_RUN + f" {cache} --log-json {{out}}/tune_first.jsonl",
+                 env=dict(env or {}), timeout_s=120),
+            Step("rounds", "{python} -m benchmarks.harness.bench_train_rounds --warmup 8 "
+                           "--out {out} --rounds 3 " + sides + " -- " + DEFAULT_PATH_RUN,
+                 env=dict(env or {}), timeout_s=420))
 
 
 def _bitwise_steps() -> tuple:
     """Each schedule's run of the same command, then each log against the sequential one."""
-    runs = {"seq": "", "ovl": OVERLAP, "ovl_wgrad": WGRAD,
-            "ovl_wgrad_graphs": WGRAD + " " + GRAPHS}
+    runs = {"seq": SEQUENTIAL + " " + EAGER, "ovl": OVERLAP + " " + EAGER,
+            "ovl_wgrad": WGRAD + " " + EAGER, "ovl_wgrad_graphs": WGRAD + " " + GRAPHS}
     steps = [Step(name, " ".join(filter(None, (BITWISE_RUN, flags,
                                                f"--log-json {{out}}/{name}.jsonl"))))
              for name, flags in runs.items()]
@@ -91,9 +119,9 @@ RECIPES = (
            all_gpus=True),
     Recipe("bitwise_cli", 2,
            "the training command users run (--preset small --bf16 --deterministic-mode, "
-           "optimizer on, EP = GPUs, 30 steps): sequential, overlap, overlap + delayed wgrad, "
-           "and that with partial CUDA graphs, each log compared bit for bit with the "
-           "sequential one (epoverlap-compare-losses: losses and grad norms)",
+           "optimizer on, EP = GPUs, 30 steps): sequential, overlap, overlap + delayed wgrad "
+           "(each eager), and that with partial CUDA graphs, each log compared bit for bit with "
+           "the sequential one (epoverlap-compare-losses: losses and grad norms)",
            "seq.jsonl, ovl.jsonl, ovl_wgrad.jsonl, ovl_wgrad_graphs.jsonl (per step: loss_hex, "
            "grad_norm_hex, step_time_s); the comparisons in their logs",
            _bitwise_steps(), all_gpus=True),
@@ -135,18 +163,43 @@ RECIPES = (
                                   "--out {out}/bench_kernels.md", timeout_s=300))),
     Recipe("train_step_schedules", 2,
            "the training command's whole step (--preset megatron-cmp --mock-data --bf16, "
-           "optimizer on) sequential vs overlap vs overlap + delayed wgrad, the same command "
-           "per path, 3 interleaved rounds",
+           "optimizer on, eager: --cuda-graph-impl none) sequential vs overlap vs overlap + "
+           "delayed wgrad, the same command per path, 3 interleaved rounds",
            "train_rounds.json (every step's time per run, medians), logs/*.jsonl",
-           (Step("rounds", ROUNDS + " --rounds 3 --side seq= --side ovl=" + OVERLAP
-                 + " --side 'ovl_wgrad=" + WGRAD + "' -- " + ROUNDS_COMMAND),)),
+           (Step("rounds", ROUNDS + " --rounds 3 --side seq=" + SEQUENTIAL + " --side ovl="
+                 + OVERLAP + " --side 'ovl_wgrad=" + WGRAD + "' -- " + ROUNDS_COMMAND),)),
+    Recipe("default_path_nvlink", 2,
+           "the default path (no path flags: bf16, EP = GPUs, the overlap, partial graphs, the "
+           "tuner; its decision from a first run's --tune-cache) against hand-picked paths "
+           "pinned with --tune off (sequential and overlap with partial graphs, with "
+           "full-iteration graphs over the budget dispatch), --preset megatron-cmp, 3 "
+           "interleaved rounds, NVLink",
+           "tune_first.log (the tuning run: its table and step times), train_rounds.json "
+           "(every step's time per run), logs/*.jsonl", _default_path_steps()),
+    Recipe("default_path_nop2p", 2,
+           "default_path_nvlink with NCCL_P2P_DISABLE=1 (the all-to-alls through host memory)",
+           "as default_path_nvlink", _default_path_steps({"NCCL_P2P_DISABLE": "1"})),
+    Recipe("default_path_bitwise", 2,
+           "the default path's bits (--preset small --deterministic-mode, optimizer on, EP = "
+           "GPUs, 30 steps): the tuned run twice, and against the run pinned with --tune off",
+           "tuned.jsonl, tuned_again.jsonl, pinned.jsonl; the comparisons in their logs",
+           (Step("tuned", DEFAULT_BITWISE_RUN + " --log-json {out}/tuned.jsonl"),
+            Step("tuned_again", DEFAULT_BITWISE_RUN + " --log-json {out}/tuned_again.jsonl"),
+            Step("pinned", DEFAULT_BITWISE_RUN + " --tune off --log-json {out}/pinned.jsonl"),
+            Step("compare_again", "{python} -m epoverlap.cli.compare_losses {out}/tuned.jsonl "
+                                  "{out}/tuned_again.jsonl", timeout_s=60),
+            Step("compare_pinned", "{python} -m epoverlap.cli.compare_losses {out}/tuned.jsonl "
+                                   "{out}/pinned.jsonl", timeout_s=60)),
+           all_gpus=True),
     Recipe("train_step_vs_baseline", 2,
-           "the training command's whole step (the train_step_schedules command, sequential) of "
-           "this tree against an earlier one carried in .baseline/ (`git archive COMMIT | tar x "
-           "-C .baseline`), 4 interleaved rounds, each side run from its own tree",
+           "the training command's whole step (the train_step_schedules command, eager, "
+           "sequential: --no-overlap-moe-expert-parallel-comm on both sides, which the earlier "
+           "tree must take) of this tree against an earlier one carried in .baseline/ (`git "
+           "archive COMMIT | tar x -C .baseline`), 4 interleaved rounds, each side run from its "
+           "own tree",
            "train_rounds.json (every step's time per run, medians), logs/*.jsonl",
-           (Step("rounds", ROUNDS + " --rounds 4 --side before@.baseline= --side after= -- "
-                 + ROUNDS_COMMAND),),
+           (Step("rounds", ROUNDS + " --rounds 4 --side before@.baseline=" + SEQUENTIAL
+                 + " --side after=" + SEQUENTIAL + " -- " + ROUNDS_COMMAND),),
            needs=(".baseline/epoverlap",)),
     Recipe("host_cost_graphs", 1,
            "host CPU and wall ms of one forward-backward (shape small, EP 1): eager, partial "

@@ -36,8 +36,9 @@ from pathlib import Path
 
 SETTINGS = {"free": [], "det": ["--deterministic-mode"],
             "det_fill": ["--deterministic-mode", "--deterministic-fill-uninitialized-memory"]}
-MODES = {"eager": [], "graphs": ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
-                                 "moe_router", "moe_preprocess"]}
+MODES = {"eager": ["--cuda-graph-impl", "none"],  # pinned: on CUDA the default is "graphs"
+         "graphs": ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
+                    "moe_router", "moe_preprocess"]}
 SKIP_STEPS = 10  # compiles, graph capture, the allocator's growth
 
 
@@ -119,7 +120,7 @@ def in_process_sides(preset: str, groups, cpu: bool = False) -> dict:
     sides = {}
     device = ["--device", "cpu", "--kernel-backend", "torch"] if cpu else ["--bf16"]
     for mode, flags in MODES.items():
-        if cpu and flags:
+        if cpu and mode != "eager":
             continue  # CUDA graphs need a GPU
         for setting in SETTINGS:
             _use(setting)

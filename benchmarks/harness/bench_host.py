@@ -74,6 +74,7 @@ from epoverlap.schedule.executor import SerialLanes
 from epoverlap.schedule.node_run import as_node_leaf
 from epoverlap.training.environment import setup_environment
 from epoverlap.training.trainer import Trainer
+from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
 
 SHAPES = {
     # host-bound: small GEMMs, four MoE layers
@@ -91,26 +92,27 @@ SHAPES = {
              "--num-microbatches", "4"],
 }
 COMMON = ["--bf16", "--mock-data", "--skip-optimizer-step", "--log-interval", "100000",
-          "--train-iters", "1000", "--moe-aux-loss-coeff", "0.01"]
+          "--train-iters", "1000", "--moe-aux-loss-coeff", "0.01", "--tune", "off"]
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",
           "moe_preprocess"]
+EAGER = ["--cuda-graph-impl", "none"]  # on CUDA the default is GRAPHS (config.resolve)
 BUDGET = ["--moe-dispatch-budget", "1.0"]
 OVERLAP = ["--overlap-moe-expert-parallel-comm"]
 # the sides of --schedule-ab (a "_one_stream" side runs its plan on serial lanes)
-SCHEDULE_SIDES = {"sequential": [], "combined_1f1b": OVERLAP,
+SCHEDULE_SIDES = {"sequential": [SEQUENTIAL], "combined_1f1b": OVERLAP,
                   "combined_1f1b_wgrad": OVERLAP + ["--delay-wgrad-compute"],
                   "combined_1f1b_one_stream": OVERLAP}
-MODES = {"eager": [], "graphed": GRAPHS}
+MODES = {"eager": EAGER, "graphed": GRAPHS}
 # the eager mode again with every Triton launch through Triton's own JITFunction.run instead of
 # the per-shape launch cache (epoverlap.kernels.launch_cache): the cache's A/B
 TRITON_PATH_MODE = "eager_triton_path"
 PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
 # what --call-sites names when given no ops: the small fills, copies, host reads and GEMMs
 CALL_SITE_OPS = ("aten::fill_", "aten::copy_", "aten::_local_scalar_dense", "aten::mm")
-SYNC_FREE_MODES = {"budget_eager": BUDGET, "budget_partial": BUDGET + GRAPHS,
+SYNC_FREE_MODES = {"budget_eager": BUDGET + EAGER, "budget_partial": BUDGET + GRAPHS,
                    "budget_layer": BUDGET + ["--cuda-graph-impl", "local"],
                    "budget_full": BUDGET + ["--cuda-graph-impl", "full_iteration"],
-                   "padded_eager": PADDED,
+                   "padded_eager": PADDED + EAGER,
                    "padded_full": PADDED + ["--cuda-graph-impl", "full_iteration"]}
 
 
@@ -765,20 +767,20 @@ def main(argv=None) -> int:
         base = [flag for flag in base if flag != "--bf16"] + [
             "--device", "cpu", "--kernel-backend", "torch"]
         torch.set_num_threads(1)
-    modes = {**MODES, **({} if args.no_triton_path else {TRITON_PATH_MODE: []}),
+    modes = {**MODES, **({} if args.no_triton_path else {TRITON_PATH_MODE: EAGER}),
              **(SYNC_FREE_MODES if args.sync_free else {})}
     for extra in () if on_cpu else modes.values():  # the CPU A/B builds no graphed mode
         validate_config(parse_config(base + extra), 1, True)
     setup_environment(parse_config(base + ([] if on_cpu else GRAPHS)), print)
     groups = init_distributed(1, args.trainer_device)
-    if args.autograd_share:
-        return autograd_share_main(groups, base, args)
+    if args.autograd_share:  # eager, as the A/Bs
+        return autograd_share_main(groups, base + EAGER, args)
     if args.fusion_ab or args.schedule_ab:
         try:
-            results = (fusion_ab(groups, base, args.fusion_ab, args.iters, args.warmup)
+            results = (fusion_ab(groups, base + EAGER, args.fusion_ab, args.iters, args.warmup)
                        if args.fusion_ab else
-                       schedule_ab(groups, base, args.schedule_ab, args.iters, args.warmup,
-                                   args.top_ops, args.schedule_sides))
+                       schedule_ab(groups, base + EAGER, args.schedule_ab, args.iters,
+                                   args.warmup, args.top_ops, args.schedule_sides))
         finally:
             destroy_distributed(groups)
         if args.out:

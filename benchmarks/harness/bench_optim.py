@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         print("bench_optim: needs a CUDA device (or --device cpu)")
         return 2
     flags = ["--preset", args.preset, "--mock-data", *([] if on_cpu else ["--bf16"]),
-             *model_flags]
+             "--cuda-graph-impl", "none", *model_flags]  # eager: no graph bank is built
     groups, trainer = build(flags, on_cpu)
     try:
         model, cfg, device = trainer.model, trainer.cfg.train, trainer.device

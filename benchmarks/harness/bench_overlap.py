@@ -64,9 +64,10 @@ from epoverlap.parallel.groups import (NcclCtaBudget, destroy_distributed,
                                        expert_parallel_groups, init_distributed)
 from epoverlap.training.environment import setup_environment
 from epoverlap.training.trainer import Trainer
+from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
 
 COMMON = ["--skip-optimizer-step", "--moe-router-force-load-balancing", "--mock-data",
-          "--log-interval", "100000", "--train-iters", "1000"]
+          "--log-interval", "100000", "--train-iters", "1000", "--tune", "off"]
 MEGATRON = ["--preset", "megatron-cmp"]
 SHAPES = {
     # smoke shape (seconds)
@@ -121,10 +122,11 @@ SHAPES = {
                    "--micro-batch-size", "1", "--num-microbatches", "4"],
 }
 OVERLAP = ["--overlap-moe-expert-parallel-comm"]
-MODES = {"seq": [], "ovl": OVERLAP, "ovl_wgrad": OVERLAP + ["--delay-wgrad-compute"],
+MODES = {"seq": [SEQUENTIAL], "ovl": OVERLAP, "ovl_wgrad": OVERLAP + ["--delay-wgrad-compute"],
          "comp": OVERLAP + ["--comm-mode", "local_copy"]}
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",
           "moe_preprocess"]
+EAGER = ["--cuda-graph-impl", "none"]  # on CUDA the default is GRAPHS (config.resolve)
 # --sync-free: the budget dispatch eager, and under one full-iteration graph
 BUDGET = ["--moe-dispatch-budget", "1.25"]
 FULL_ITERATION = ["--cuda-graph-impl", "full_iteration"]
@@ -367,12 +369,12 @@ def bench_shape(name, groups, args, log, budget=NcclCtaBudget()) -> dict:
     base += budget_flags(budget) + args.extra
     if torch.cuda.is_available():
         base.append("--bf16")
-    modes = {mode: flags for mode, flags in MODES.items()}
+    modes = {mode: flags + EAGER for mode, flags in MODES.items()}
     if args.graphs:
         modes.update({f"{mode}_graph": flags + GRAPHS for mode, flags in MODES.items()})
     if args.sync_free:  # every mode, comp too: each suffix's row has its own T_comp
         for mode in MODES:
-            modes[f"{mode}_budget"] = MODES[mode] + BUDGET
+            modes[f"{mode}_budget"] = MODES[mode] + BUDGET + EAGER
             modes[f"{mode}_full"] = MODES[mode] + BUDGET + FULL_ITERATION
     results = {"shape": label, "flags": base}
     spans_root = Path(args.out_dir) / "spans" / (name if budget.is_default else

@@ -51,7 +51,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from epoverlap.config import RunConfig, parse_config, validate_config
+from epoverlap.config import RunConfig, parse_config, resolve_config, validate_config
 from epoverlap.errors import ConfigError
 from epoverlap.model.transformer import training_flops_per_token
 from epoverlap.parallel.groups import ParallelGroups, destroy_distributed, init_distributed
@@ -59,15 +59,17 @@ from epoverlap.training.data import open_data_source
 from epoverlap.training.environment import setup_environment
 from epoverlap.training.optim import lr_at
 from epoverlap.training.trainer import Trainer
+from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
 from benchmarks.harness.bench_overlap import (OVERLAP, SHAPES, max_over_ranks,
                                               max_over_ranks_each, nccl_environment,
                                               nccl_environment_text, sync_time)
 
 SYSTEMS = ("megatron", "epoverlap")
-MODES = {"seq": [], "ovl": OVERLAP}
+MODES = {"seq": [SEQUENTIAL], "ovl": OVERLAP}
 DEFAULT_SHAPES = ("megatron_e32_k4_mbs2x8", "megatron_e32_k4_mbs8x4",
                   "megatron_e8_k8_f4096_mbs8x4")
-PEER_FLAGS = ["--moe-router-force-load-balancing", "--mock-data"]
+PEER_FLAGS = ["--moe-router-force-load-balancing", "--mock-data", "--tune", "off",
+              "--cuda-graph-impl", "none"]  # eager, as Megatron-core's side
 # What megatron-core 0.16.1's moe_utils imports from Transformer Engine (unbound without it)
 TE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
             "fused_permute_with_probs", "fused_sort_chunks_by_index",
@@ -229,6 +231,7 @@ def megatron_config(cfg: RunConfig, ep: int):
     Raises AssertionError where Megatron-core refuses the combination."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
+    cfg = resolve_config(cfg, ep, torch.cuda.is_available())  # bf16 and the overlap as ours run
     m, moe = cfg.model, cfg.moe
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     return TransformerConfig(

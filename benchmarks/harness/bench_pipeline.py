@@ -5,8 +5,9 @@ overlap on and off.
         [--microbatches 2,4,8] [--virtual 1,2] [--out-dir DIR] [-- extra training flags]
 
 For every microbatch count M and virtual-stage count V it runs the training command
-(`torchrun -m epoverlap.train`, bf16 on GPUs, gloo on CPUs) with --pipeline-model-parallel-size
-equal to the rank count, once plain 1F1B and once with --overlap-moe-expert-parallel-comm,
+(`torchrun -m epoverlap.train`, bf16 on GPUs, gloo on CPUs, eager: --cuda-graph-impl none)
+with --pipeline-model-parallel-size equal to the rank count, once plain 1F1B
+(--no-overlap-moe-expert-parallel-comm) and once with --overlap-moe-expert-parallel-comm,
 records spans of the last third of the steps and reports per run: the median step time, tokens
 per second, and the bubble fraction (the timeline tool's `bubble_fraction`: the share of the
 step its compute lane is idle, mean over ranks and profiled steps) beside the analytic
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from epoverlap.profiling.spans import read_span_directory
 from epoverlap.cli.timeline import span_summary
+from epoverlap.config.resolve import SEQUENTIAL_FLAG
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
@@ -72,7 +74,8 @@ def run_one(name: str, nproc: int, flags: list[str], iters: int, out_dir: Path) 
 
 def scenarios(args: argparse.Namespace) -> list[dict]:
     """(name, flags, P, V, M) of every run."""
-    base = ["--preset", args.preset, "--num-layers", str(args.num_layers)] + \
+    base = ["--preset", args.preset, "--num-layers", str(args.num_layers),
+            "--cuda-graph-impl", "none"] + \
         (["--bf16"] if args.device == "cuda" else ["--device", "cpu"]) + args.extra
     runs = []
     for virtual in args.virtual:
@@ -82,7 +85,7 @@ def scenarios(args: argparse.Namespace) -> list[dict]:
                                 "--num-microbatches", str(microbatches)]
                 flags += ["--num-virtual-stages-per-pipeline-rank", str(virtual)] \
                     if virtual > 1 else []
-                flags += ["--overlap-moe-expert-parallel-comm"] if overlap else []
+                flags += ["--overlap-moe-expert-parallel-comm"] if overlap else [SEQUENTIAL_FLAG]
                 runs.append({"name": f"pp{args.gpus}_v{virtual}_m{microbatches}_"
                                      f"{'ovl' if overlap else 'off'}", "flags": flags,
                              "stages": args.gpus, "virtual": virtual,

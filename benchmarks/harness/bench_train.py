@@ -4,14 +4,17 @@
         [--routing learned,balanced] [--out FILE.md]
 
 For each routing and GPU count it runs `torchrun -m epoverlap.train --preset PRESET --bf16`
-with EP equal to the GPU count on real text (the Python standard library), reads the
---log-json records and reports the median over the steps after the first quarter: step time,
-tokens/s (global and per GPU), model TFLOP/s per GPU (matmul + attention FLOPs, 3x forward),
-expert load imbalance (max/mean tokens per expert, worst layer) and peak memory. Routing
-`learned` is the model's own router; `balanced` adds --moe-router-force-load-balancing (random
-logits, the benchmark mode of Megatron-core), since early in training a learned router sends
-most tokens to a few experts, so one EP rank does most of the expert work. Extra arguments
-after `--` go to every training run. Prints a markdown table last.
+with EP equal to the GPU count, the sequential schedule and eager steps
+(`--no-overlap-moe-expert-parallel-comm --cuda-graph-impl none`: the auto defaults on GPUs
+would turn on the overlap and the partial CUDA graphs) on real text (the Python standard
+library), reads the --log-json records and reports the median over the steps after the first
+quarter: step time, tokens/s (global and per GPU), model TFLOP/s per GPU (matmul + attention
+FLOPs, 3x forward), expert load imbalance (max/mean tokens per expert, worst layer) and peak
+memory. Routing `learned` is the model's own router; `balanced` adds
+--moe-router-force-load-balancing (random logits, the benchmark mode of Megatron-core), since
+early in training a learned router sends most tokens to a few experts, so one EP rank does most
+of the expert work. Extra arguments after `--` go to every training run. Prints a markdown
+table last.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from epoverlap.config.resolve import SEQUENTIAL_FLAG
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
@@ -38,7 +43,8 @@ def run(gpus: int, preset: str, iters: int, routing: str, extra: list[str],
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={gpus}", "-m", "epoverlap.train", "--preset", preset, "--bf16",
            "--expert-model-parallel-size", str(gpus), "--train-iters", str(iters),
-           "--log-json", str(log), "--log-interval", "5"] + ROUTING_FLAGS[routing] + extra
+           "--log-json", str(log), "--log-interval", "5", SEQUENTIAL_FLAG,
+           "--cuda-graph-impl", "none"] + ROUTING_FLAGS[routing] + extra
     print("[bench_train]", " ".join(cmd[2:]), flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", **NO_MULTICAST)
     result = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -73,6 +73,17 @@ def run_side(side: dict, round_index: int, command: list, out: Path) -> dict:
             "loss_hex": [r.get("loss_hex") for r in records]}
 
 
+def write_report(out: Path, command: list, rounds: int, warmup: int, sides: list,
+                 runs: dict) -> dict:
+    """DIR/train_rounds.json of the rounds finished so far."""
+    report = {"command": command, "rounds": rounds, "warmup": warmup,
+              "sides": {side["name"]: {"tree": side["tree"], "flags": side["flags"],
+                                       **side_figures(runs[side["name"]], warmup),
+                                       "runs": runs[side["name"]]} for side in sides}}
+    (out / "train_rounds.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
 def markdown(report: dict) -> str:
     first = next(iter(report["sides"].values())).get("median_ms")
     lines = [f"| side | median step ms (steps after {report['warmup']}) | min - max | steps | "
@@ -113,11 +124,8 @@ def main(argv=None) -> int:
             runs[side["name"]].append(run)
             print(f"[bench_train_rounds] round {round_index} {side['name']}: rc {run['rc']}, "
                   f"{len(run['step_ms'])} steps, {run['seconds']} s", flush=True)
-    report = {"command": command, "rounds": args.rounds, "warmup": args.warmup,
-              "sides": {side["name"]: {"tree": side["tree"], "flags": side["flags"],
-                                       **side_figures(runs[side["name"]], args.warmup),
-                                       "runs": runs[side["name"]]} for side in sides}}
-    (out / "train_rounds.json").write_text(json.dumps(report, indent=2) + "\n")
+        # after every round, so a run cut off by a time limit keeps the rounds it finished
+        report = write_report(out, command, round_index, args.warmup, sides, runs)
     print(f"\nbench_train_rounds: {args.rounds} rounds, sides in rotated order; "
           f"{shlex.join(command)}\n{markdown(report)}")
     failed = [run for side_runs in runs.values() for run in side_runs

@@ -29,10 +29,11 @@ from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.environment import setup_environment
 from epoverlap.training.trainer import Trainer
 from epoverlap.cli.compare_losses import compare_loss_logs
+from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
 
 MODES = {
-    "sequential": [],
-    "sequential_repeat": [],
+    "sequential": [SEQUENTIAL],
+    "sequential_repeat": [SEQUENTIAL],
     "overlap": ["--overlap-moe-expert-parallel-comm"],
     "overlap_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
     "early_release_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
@@ -43,7 +44,8 @@ DEFAULT_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--ffn-hidden-size
                  "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256",
                  "--moe-shared-expert-intermediate-size", "256", "--moe-aux-loss-coeff", "0.01",
                  "--moe-first-k-dense-replace", "1", "--micro-batch-size", "2",
-                 "--num-microbatches", "4", "--mock-data", "--log-interval", "1000"]
+                 "--num-microbatches", "4", "--mock-data", "--log-interval", "1000",
+                 "--tune", "off", "--cuda-graph-impl", "none"]  # eager (CUDA's default: graphs)
 
 
 def _grad_digest(trainer: Trainer) -> str:

@@ -1,12 +1,20 @@
-"""The main job launcher: `epoverlap-launch [--nproc N] [TRAIN FLAGS...]`.
+"""The main job launcher: `epoverlap-launch [--nproc N] [--nnodes N --rdzv-endpoint HOST:PORT
+[--rdzv-id ID] [--node-rank R]] [TRAIN FLAGS...]`.
 
-Owns the quick-start defaults: it starts torchrun (`--standalone`, in this process) with one
+Owns the quick-start defaults: it starts torchrun (in this process) with one
 rank per visible GPU (NCCL), or 2 CPU ranks (gloo) when there is none, and runs
 `epoverlap.train` with a small MoE model sized for the machine (`--preset tiny` on CPU ranks,
-`--preset small` on GPUs), expert parallelism over all ranks and the EP overlap on (when there
-is more than one rank), bf16 and partial CUDA graphs on GPUs. Any flag given is
-passed through and wins over these defaults; `--nproc N` overrides the rank count. For
-multi-node runs call torchrun directly (see the README).
+`--preset small` on GPUs). The rest of the defaults (expert parallelism over all ranks, the EP
+overlap, bf16 and partial CUDA graphs on GPUs) are the training command's own, the same under
+plain torchrun (`config.resolve`). Any flag given is passed through; `--nproc N` overrides the
+rank count per node.
+
+One node (no `--nnodes`, or 1) is `torchrun --standalone`. Several nodes run the same command
+on every node, with torchrun's c10d rendezvous at `--rdzv-endpoint` (on one of the nodes,
+reachable from all): `--nnodes N --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID`.
+The rendezvous numbers the nodes itself (torchrun ignores a node rank under c10d), so
+`--node-rank R` is only checked to lie in [0, N), not passed on. The flags are checked against
+the whole world, N x ranks per node (examples/slurm/train.sbatch, docs/multinode.md).
 
 Every flag is parsed and checked (the training command's own checks, memory estimate
 included) before a rank is started, so bad input is one line and exit status 2. When ranks
@@ -21,7 +29,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -31,57 +39,126 @@ from epoverlap.cli.train import checked_config, error_lines
 from epoverlap.training.data import open_data_source
 
 PROG = "epoverlap-launch"
+LAUNCHER_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id")
 
 
 def _has(flag: str, args: list[str]) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
-def default_train_args(nproc: int, on_gpu: bool, user_args: list[str]) -> list[str]:
-    """Quick-start flags, skipping any the user gave: a model sized for the machine (`tiny` on
-    CPU ranks, `small` on GPUs, each a run of a minute or less)."""
-    preset = "small" if on_gpu else "tiny"
-    defaults: list[tuple[str, Optional[str]]] = [("--preset", preset),
-                                                 ("--expert-model-parallel-size", str(nproc))]
-    if nproc > 1 and not _has("--no-overlap-moe-expert-parallel-comm", user_args):
-        defaults.append(("--overlap-moe-expert-parallel-comm", None))
-    if on_gpu:
-        defaults.append(("--bf16", None))
-        # partial CUDA graphs of the pre-dispatch segments: the same bits as eager, with the
-        # host's launch work of those segments replayed at once; --cuda-graph-impl none: off
-        defaults.append(("--cuda-graph-impl", "local"))
-        if not _has("--cuda-graph-impl", user_args):
-            defaults.append(("--cuda-graph-modules", "attn moe_router moe_preprocess"))
-    args: list[str] = []
-    for flag, value in defaults:
-        if not _has(flag, user_args):
-            args += [flag] if value is None else [flag, *value.split()]
-    return args + user_args
+def default_train_args(on_gpu: bool, user_args: list[str]) -> list[str]:
+    """The quick-start model, unless the user gave a preset: `tiny` on CPU ranks, `small` on
+    GPUs, each a run of a minute or less. Everything else (EP size, overlap, bf16, CUDA graphs)
+    the training command resolves itself (`config.resolve`), as under plain torchrun."""
+    if _has("--preset", user_args):
+        return user_args
+    return ["--preset", "small" if on_gpu else "tiny"] + user_args
+
+
+def split_launcher_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """({launcher flag: its value as typed, the last one given}, the training command's
+    arguments)."""
+    values: dict[str, str] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        flag, equals, value = argv[i].partition("=")
+        if flag in LAUNCHER_FLAGS and (equals or i + 1 < len(argv)):
+            if not equals:
+                i += 1
+                value = argv[i]
+            values[flag] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    return values, rest
 
 
 def split_nproc(argv: list[str]) -> tuple[Optional[str], list[str]]:
-    """(the --nproc value as typed, or None; the other arguments)."""
-    for i, arg in enumerate(argv):
-        if arg == "--nproc" and i + 1 < len(argv):
-            return argv[i + 1], argv[:i] + argv[i + 2:]
-        if arg.startswith("--nproc="):
-            return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
-    return None, argv
+    """(the --nproc value as typed, or None; the training command's arguments)."""
+    values, rest = split_launcher_flags(argv)
+    return values.get("--nproc"), rest
 
 
 def launch_parser():
-    """The training command's parser plus --nproc (so --help lists every flag)."""
+    """The training command's parser plus the launcher's flags (so --help lists every flag)."""
     parser = build_parser(prog=PROG)
-    parser.usage = ("%(prog)s [--nproc N] [--preset NAME] [FLAG VALUE ...]   "
-                    "(--help lists every flag)")
+    parser.usage = ("%(prog)s [--nproc N] [--nnodes N --rdzv-endpoint HOST:PORT] "
+                    "[--preset NAME] [FLAG VALUE ...]   (--help lists every flag)")
     parser.description = ("Start the main job: torchrun --standalone with one rank per GPU\n"
-                          "(--preset small, bf16, partial CUDA graphs) or 2 CPU ranks (--preset\n"
-                          "tiny), EP over all ranks, the EP overlap on; flags given win over\n"
-                          "these defaults.")
+                          "(--preset small) or 2 CPU ranks (--preset tiny); flags given win.\n"
+                          "Several nodes: the same command on every node, with --nnodes and\n"
+                          "--rdzv-endpoint (torchrun's c10d rendezvous).\n"
+                          "Defaults marked auto below are resolved as under plain torchrun.")
     parser.add_argument("--nproc", default=None, metavar="N",
                         help="ranks to start on this machine (default: one per visible GPU, "
                              "or 2 on CPU)")
+    parser.add_argument("--nnodes", default=None, metavar="N",
+                        help="nodes in the job, each running this command (default: 1, "
+                             "torchrun --standalone); flags are checked for N x --nproc ranks")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="with --nnodes > 1, required: torchrun's c10d rendezvous, on one "
+                             "of the nodes (the first), reachable from every node")
+    parser.add_argument("--rdzv-id", default=None, metavar="ID",
+                        help="the job's name at the rendezvous, the same on every node "
+                             "(default: epoverlap; under Slurm the job id)")
+    parser.add_argument("--node-rank", default=None, metavar="R",
+                        help="this node's index, checked to be in [0, --nnodes); the c10d "
+                             "rendezvous numbers the nodes itself, so it is not passed on")
     return parser
+
+
+class Nodes(NamedTuple):
+    """The job's nodes: one (`--standalone`) or several meeting at a c10d rendezvous."""
+    count: int = 1
+    endpoint: Optional[str] = None
+    rdzv_id: str = "epoverlap"
+
+    def torchrun_args(self, nproc: int) -> list[str]:
+        if self.count == 1:
+            return ["--standalone", f"--nproc-per-node={nproc}"]
+        return [f"--nnodes={self.count}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.rdzv_id}"]
+
+
+def _count(flag: str, text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(flag, text, f"an integer ({what})") from None
+
+
+def _check_endpoint(text: str) -> str:
+    host, colon, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):  # [IPv6]:PORT
+        host = host[1:-1]
+    if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError("--rdzv-endpoint", text,
+                          "HOST:PORT, a host every node reaches and a port in 1..65535 "
+                          "(e.g. node001:29500)")
+    return text
+
+
+def plan_nodes(values: dict[str, str]) -> Nodes:
+    """The checked --nnodes, --node-rank, --rdzv-endpoint and --rdzv-id (texts as typed);
+    raises ConfigError."""
+    text = values.get("--nnodes")
+    count = 1 if text is None else _count("--nnodes", text, "nodes in the job")
+    if count < 1:
+        raise ConfigError("--nnodes", text, "must be >= 1")
+    rank = values.get("--node-rank")  # checked only: the c10d rendezvous numbers the nodes
+    if rank is not None and not 0 <= _count("--node-rank", rank, "this node's index") < count:
+        raise ConfigError("--node-rank", rank, f"must be in [0, --nnodes={count})")
+    endpoint = values.get("--rdzv-endpoint")
+    if endpoint is not None:
+        _check_endpoint(endpoint)
+    elif count > 1:
+        raise ConfigError("--nnodes", count, "needs --rdzv-endpoint HOST:PORT, the c10d "
+                          "rendezvous on one of the nodes (the first), reachable from every node")
+    rdzv_id = values.get("--rdzv-id", "epoverlap")
+    if not rdzv_id:
+        raise ConfigError("--rdzv-id", "(empty)", "a name, the same on every node")
+    return Nodes(count, endpoint, rdzv_id)
 
 
 def _nproc(text: Optional[str], gpus: int, on_gpu: bool) -> int:
@@ -98,34 +175,46 @@ def _nproc(text: Optional[str], gpus: int, on_gpu: bool) -> int:
     return nproc
 
 
-def plan_launch(argv: list[str]) -> tuple[int, bool, list[str]]:
-    """(ranks, on GPU, the training command's flags) after every check; raises ConfigError,
-    argparse errors exit with status 2."""
+def plan_launch(argv: list[str], nodes: Optional[Nodes] = None) -> tuple[int, bool, list[str]]:
+    """(ranks per node, on GPU, the training command's flags) after every check, the flags
+    checked for the whole world (nodes x ranks per node); raises ConfigError, argparse errors
+    exit with status 2."""
     args = launch_parser().parse_args(argv)
-    nproc_text, user_args = split_nproc(argv)
+    values, user_args = split_launcher_flags(argv)
+    nodes = plan_nodes(values) if nodes is None else nodes
     gpus = torch.cuda.device_count()
     on_gpu = gpus > 0 and args.device in (None, "auto", "cuda")
-    nproc = _nproc(nproc_text, gpus, on_gpu)
-    train_args = default_train_args(nproc, on_gpu, user_args)
-    cfg, _, _ = checked_config(train_args, nproc, torch.cuda.is_available(), nproc,
+    nproc = _nproc(values.get("--nproc"), gpus, on_gpu)
+    world = nodes.count * nproc
+    train_args = default_train_args(on_gpu, user_args)
+    cfg, _, _ = checked_config(train_args, world, torch.cuda.is_available(), nproc,
                                printing=True, prog=PROG)
     if cfg.data.data_path:  # the dataset files, as the ranks will open them
-        open_data_source(cfg, cfg.data_parallel_size(nproc))
+        open_data_source(cfg, cfg.data_parallel_size(world))
     return nproc, on_gpu, train_args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        nproc, on_gpu, train_args = plan_launch(argv)
+        nodes = plan_nodes(split_launcher_flags(argv)[0])
+        nproc, on_gpu, train_args = plan_launch(argv, nodes)
     except ConfigError as error:
         print("\n".join(error_lines(PROG, error)), file=sys.stderr, flush=True)
         return 2
-    torchrun_args = ["--standalone", f"--nproc-per-node={nproc}", "-m", "epoverlap.train",
-                     *train_args]
-    where = f"{nproc} GPU rank(s), NCCL" if on_gpu else f"{nproc} CPU rank(s), gloo"
-    print(f"{PROG}: {where}: torchrun {' '.join(torchrun_args)}", flush=True)
+    torchrun_args = [*nodes.torchrun_args(nproc), "-m", "epoverlap.train", *train_args]
+    print(f"{PROG}: {_where(nodes, nproc, on_gpu)}: torchrun {' '.join(torchrun_args)}",
+          flush=True)
     return run_torchrun(torchrun_args)
+
+
+def _where(nodes: Nodes, nproc: int, on_gpu: bool) -> str:
+    """`2 GPU rank(s), NCCL`, or `2 nodes x 8 GPU rank(s) = world 16, NCCL`."""
+    ranks = f"{nproc} {'GPU' if on_gpu else 'CPU'} rank(s)"
+    backend = "NCCL" if on_gpu else "gloo"
+    if nodes.count == 1:
+        return f"{ranks}, {backend}"
+    return f"{nodes.count} nodes x {ranks} = world {nodes.count * nproc}, {backend}"
 
 
 def run_torchrun(torchrun_args: list[str]) -> int:

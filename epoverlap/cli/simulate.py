@@ -57,8 +57,8 @@ def report(scenario: Scenario, results: dict[str, SimResult], replay: list[dict]
              f"{cfg.train.num_microbatches} microbatches of {scenario.shape.tokens} tokens per "
              f"rank, hidden {scenario.shape.hidden}, top-{scenario.shape.topk}",
              *("  " + text for text in scenario.sources), ""]
-    names = {"seq": "sequential plan", "ovl": f"{cfg.overlap.overlap_plan}",
-             "wgrad": f"{cfg.overlap.overlap_plan} + delayed wgrad",
+    names = {"seq": "sequential plan", "ovl": f"{cfg.overlap.overlap_plan_name}",
+             "wgrad": f"{cfg.overlap.overlap_plan_name} + delayed wgrad",
              "comp": "overlap plan, all-to-alls as local copies"}
     for mode in results:
         lines.append(f"T_{mode:<6} {fig[f'T_{mode}_ms']:10.2f} ms   ({names[mode]})")

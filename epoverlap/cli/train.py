@@ -37,8 +37,10 @@ from typing import Callable, Optional
 
 import torch
 
-from epoverlap.config import RunConfig, parse_config, validate_config, world_size_from_env
+from epoverlap.config import (RunConfig, parse_config, resolve_config, validate_config,
+                              world_size_from_env)
 from epoverlap.config.parse import accepted_notes, flags_text
+from epoverlap.config.resolve import path_text
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.parallel.watch import ROUTED_SIGNALS, PeerFailure, route_signals
@@ -117,11 +119,13 @@ def _keep_rank_log(cfg: RunConfig) -> None:
     sys.stdout, sys.stderr = _Tee(sys.stdout, log_file), _Tee(sys.stderr, log_file)
 
 
-def _write_resolved_config(cfg: RunConfig, world_size: int, log: Callable[[str], None]) -> None:
+def _write_resolved_config(cfg: RunConfig, world_size: int, device: str,
+                           log: Callable[[str], None]) -> None:
     """The resolved configuration, once: a compact line, and JSON beside --log-json, in --save
     and in --tensorboard-dir (rank 0)."""
     flags = flags_text(cfg)
     log(f"config: {flags}")
+    log(path_text(cfg, device))
     record = {"flags": flags, "world_size": world_size, "config": cfg.to_dict(),
               "torch": torch.__version__}
     places = [Path(cfg.checkpoint.save) / "config.json" if cfg.checkpoint.save else None,
@@ -145,7 +149,7 @@ def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: b
     `open_data_source`, also before any process group."""
     notes: list[str] = []
     cfg = parse_config(argv, warn=notes.append, printing=printing)
-    cfg = cfg.for_world(world_size)
+    cfg = resolve_config(cfg, world_size, cuda_available)
     validate_config(cfg, world_size, cuda_available)
     resume = find_resume_checkpoint(cfg.checkpoint.load, cfg.checkpoint.save)
     before_cuda(cfg)
@@ -222,7 +226,8 @@ def _train(argv: Optional[list[str]]) -> int:
                           resume=resume)
         trainer.log(trainer.describe())
         if groups.is_first():
-            _write_resolved_config(trainer.cfg, groups.world_size, trainer.log)
+            _write_resolved_config(trainer.cfg, groups.world_size, groups.device.type,
+                                   trainer.log)
         trainer.train()
         status = exit_status(trainer.stopped_by)
     except PeerFailure as failure:

@@ -6,9 +6,11 @@ model and the runtime import and that imports neither.
   flags.py             how a field becomes a flag (`flag`, the generated argparse surface)
   parse.py             the training command's parser and `parse_config`
   presets.py           --preset NAME
-  validate.py          `validate_config`: every rule, one ConfigError line naming the flag
+  resolve.py           the `auto` defaults, resolved from the world and device; `validate_config`
+  validate.py          every rule (`check_config`), one ConfigError line naming the flag
   cuda_graph_rules.py  the CUDA-graph rules validate_config runs
   dispatch.py          what a dispatch mode is: host reads, dropped tokens, row counts
+  tuning.py            the paths --tune chooses between, its pinned axes and window
   aliases.py           the one way an old flag spelling is migrated
 """
 
@@ -21,13 +23,14 @@ from epoverlap.config.sections import (DEFAULT_SPLIT, SECTIONS, CheckpointConfig
                                        KernelConfig, LogConfig, ModelConfig, MoEConfig,
                                        OverlapConfig, ParallelConfig, RunConfig, TrainConfig,
                                        moe_layer_pattern, parse_blend, parse_split)
-from epoverlap.config.validate import nccl_config_unavailable, validate_config, \
-    world_size_from_env
+from epoverlap.config.resolve import resolve_config, validate_config
+from epoverlap.config.validate import nccl_config_unavailable, world_size_from_env
 
 __all__ = [
     "CHOICES", "DEFAULT_SPLIT", "FLAGS", "PRESETS", "SECTIONS", "CheckpointConfig",
     "CudaGraphConfig", "DataConfig", "DispatchMode", "KernelConfig", "LogConfig", "ModelConfig",
     "MoEConfig", "OverlapConfig", "ParallelConfig", "RunConfig", "TrainConfig", "build_parser",
     "config_from_args", "flag_of", "moe_layer_pattern", "nccl_config_unavailable",
-    "parse_blend", "parse_config", "parse_split", "validate_config", "world_size_from_env",
+    "parse_blend", "parse_config", "parse_split", "resolve_config", "validate_config",
+    "world_size_from_env",
 ]

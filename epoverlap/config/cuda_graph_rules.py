@@ -7,10 +7,12 @@ Every rejection is a `ConfigError` naming the flag, the value and what is allowe
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Sequence
 
-from epoverlap.config.cuda_graphs import (EP_OVERLAP_MODULES, IMPLEMENTED_IMPLS,
+from epoverlap.config.cuda_graphs import (AUTO, EP_OVERLAP_MODULES, IMPLEMENTED_IMPLS,
                                           INFERENCE_SCOPES_BY_IMPL, MODULE_LAYER_KINDS,
                                           MODULES_WITH_MOE_PREPROCESS, PER_LAYER_IMPLS,
                                           CudaGraphConfig)
@@ -58,6 +60,8 @@ def validate_cuda_graph_config(cfg: CudaGraphConfig, *, overlap_moe_expert_paral
         implemented_impls=tuple(implemented_impls),
         experts_gemm_reads_host=experts_gemm_reads_host,
     )
+    if cfg.impl == AUTO:  # not resolved (config.resolve): held to the rules of no graphs
+        cfg = dataclasses.replace(cfg, impl="none")
     for rule in VALIDATION_RULES:
         rule(cfg, facts)
 

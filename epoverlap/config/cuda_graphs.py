@@ -47,6 +47,7 @@ from epoverlap.errors import ConfigError
 
 GROUP = "CUDA graphs (GPU only)"
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
+AUTO = "auto"  # the default: resolved from the device (config.resolve), never captured as is
 CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 INFERENCE_SCOPES = ("none", "layer", "block")
 
@@ -107,8 +108,10 @@ class CudaGraphConfig:
     `config.cuda_graph_rules`. Note: the inference-scope default rule (local -> layer) is applied
     by `cuda_graph_config_from_args`; a config built directly with impl="local" must set it."""
 
-    impl: str = flag("none", "what captures the graphs", name="--cuda-graph-impl",
-                     choices=CUDA_GRAPH_IMPLS, group=GROUP)
+    impl: str = flag(AUTO, "what captures the graphs", name="--cuda-graph-impl",
+                     choices=(AUTO,) + CUDA_GRAPH_IMPLS, group=GROUP,
+                     default_text="auto: local with attn moe_router moe_preprocess on CUDA "
+                     "devices, none on CPU")
     modules: tuple[str, ...] = flag(
         (), "per-layer capture regions; none listed = the whole layer",
         name="--cuda-graph-modules", nargs="*", choices=CUDA_GRAPH_MODULES, group=GROUP,
@@ -127,7 +130,7 @@ class CudaGraphConfig:
         if isinstance(self.modules, str):
             raise ConfigError("--cuda-graph-modules", self.modules, "a sequence of module names")
         object.__setattr__(self, "modules", tuple(self.modules))
-        _check_choice("--cuda-graph-impl", self.impl, CUDA_GRAPH_IMPLS)
+        _check_choice("--cuda-graph-impl", self.impl, (AUTO,) + CUDA_GRAPH_IMPLS)
         _check_choice("--inference-cuda-graph-scope", self.inference_scope, INFERENCE_SCOPES)
         _check_names("--cuda-graph-modules", self.modules, CUDA_GRAPH_MODULES)
         if len(set(self.modules)) != len(self.modules):
@@ -225,7 +228,7 @@ def _resolve_impl(args: argparse.Namespace, old_value: Optional[DeprecatedScopeV
                   notes: list[str]) -> str:
     base = _impl_from_impl_flags(args, notes)
     if old_value is None:
-        return base.impl if base else "none"
+        return base.impl if base else AUTO
     if base is not None and base.impl not in old_value.compatible_impls:
         raise alias_conflict("--cuda-graph-scope", old_value.value, old_value.new_flags(),
                              base.flags)
@@ -237,7 +240,7 @@ def _impl_from_impl_flags(args: argparse.Namespace, notes: list[str]) -> Optiona
     """The impl asked for by --cuda-graph-impl or a deprecated boolean flag; None if neither."""
     explicit = args.cuda_graph_impl
     if explicit is not None:
-        _check_choice("--cuda-graph-impl", explicit, CUDA_GRAPH_IMPLS)
+        _check_choice("--cuda-graph-impl", explicit, (AUTO,) + CUDA_GRAPH_IMPLS)
     old = [alias.old for alias in DEPRECATED_IMPL_FLAGS if getattr(args, _dest(alias.old))]
     if len(old) > 1:
         raise ConfigError(old[1], True, f"cannot be combined with {old[0]}; "

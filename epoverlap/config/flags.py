@@ -3,8 +3,10 @@
 A field is a flag when it is declared with `flag(default, help, ...)` beside its dataclass
 field: the flag's name (`--field-name` unless given), its help, its allowed values, its
 Megatron-LM spelling where that differs from ours, and the help group it is listed under. Its
-type is the field's annotation: int, float, str, bool (a switch), Optional[int] / Optional[float]
-(where `none` reads as None) or tuple[str, ...] (several values). Nothing else defines a flag:
+type is the field's annotation: int, float, str, bool (a switch), Optional[bool] (a switch
+whose default None is resolved from the job, `config.resolve`; it has a --no- form),
+Optional[int] / Optional[float] (where `none` reads as None) or tuple[str, ...] (several
+values). Nothing else defines a flag:
 `build_parser` generates the argparse surface from the dataclasses of `RunConfig`, and
 `given_values` reads a parsed namespace back into {(section, field): value} for the fields given.
 
@@ -38,7 +40,7 @@ class Flag:
     metavar: Optional[str] = None  # the value's name in --help (default: by type)
     why: Optional[str] = None  # why only `choices` are allowed (said when another is given)
     note: Optional[str] = None  # a Megatron-LM flag accepted with no effect here: what is done
-    negatable: bool = False  # a switch that also has a --no- form (to undo a launcher default)
+    negatable: bool = False  # a switch that also has a --no- form (auto switches always do)
 
 
 def flag(default: Any, help: str, **facts: Any) -> Any:
@@ -113,6 +115,8 @@ def _kind(annotation: Any) -> Any:
     if annotation in (int, float, str, bool):
         return annotation
     args = typing.get_args(annotation)
+    if set(args) == {bool, type(None)}:  # an auto switch: None until resolved
+        return bool
     if typing.get_origin(annotation) is tuple:
         return tuple
     if type(None) in args:  # Optional[X]
@@ -172,7 +176,7 @@ def _add_flag(target, item: FlagField) -> None:
     kwargs: dict[str, Any] = dict(dest=item.dest, default=None, help=item.help_text())
     if item.kind is bool:  # a switch: --x sets True; a negatable one's --no-x sets False
         target.add_argument(*item.option_strings, action="store_const", const=True, **kwargs)
-        if item.flag.negatable:
+        if item.flag.negatable or item.field.default is None:
             target.add_argument("--no-" + item.name[2:], dest=item.dest, default=None,
                                 action="store_const", const=False,
                                 help=f"turns {item.name} off")

@@ -68,8 +68,8 @@ def flags_text(cfg: RunConfig) -> str:
         value = item.value(cfg)
         if value == item.field.default or value is None:
             continue
-        if item.kind is bool:
-            parts.append(item.name)
+        if item.kind is bool:  # an auto switch resolved off reads as its --no- form
+            parts.append(item.name if value else "--no-" + item.name[2:])
         elif item.kind is tuple:
             parts.append(" ".join([item.name, *map(str, value)]))
         else:

@@ -25,6 +25,7 @@ DROP_POLICIES = ("probs", "position")  # as epoverlap.kernels.capacity
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release", "combined_1f1b_paired_ends")
 COMM_MODES = ("real", "local_copy")
+TUNE_MODES = ("auto", "on", "off")
 COMM_STREAM_PRIORITIES = ("high", "normal")
 NCCL_MAX_CHANNELS = 64  # NCCL's MAXCHANNELS: the most CTAs a collective may use
 MAX_SM_CARVEOUT = 64  # the most SMs the grouped GEMMs may leave free (H100/H200 have 132)
@@ -116,9 +117,11 @@ class MoEConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
-    expert_model_parallel_size: int = flag(
-        1, "EP size: experts are sharded over EP ranks and replicated over world/EP (EDP) "
-        "ranks; dense layers are data-parallel over the stage's DP ranks")
+    expert_model_parallel_size: Optional[int] = flag(
+        None, "EP size: experts are sharded over EP ranks and replicated over world/EP (EDP) "
+        "ranks; dense layers are data-parallel over the stage's DP ranks",
+        default_text="auto: every rank of a pipeline stage, or the largest size dividing both "
+        "them and the experts; 1 for a dense model")
     pipeline_model_parallel_size: int = flag(
         1, "PP size: pipeline stages (1F1B schedule; ranks laid out as Megatron-core's "
         "tp-cp-ep-dp-pp)")
@@ -177,7 +180,8 @@ class TrainConfig:
     adam_eps: float = flag(1e-8, "AdamW epsilon")
     clip_grad: float = flag(1.0, "global grad-norm clip (0: off)")
     seed: int = flag(1234, "random seed")
-    bf16: bool = flag(False, "bf16 params and compute (GPU)")
+    bf16: Optional[bool] = flag(None, "bf16 params and compute (GPU)",
+                                default_text="auto: on CUDA devices, off on CPU")
     deterministic_mode: bool = flag(False, "deterministic algorithms")
     deterministic_fill_uninitialized_memory: bool = flag(
         False, "with --deterministic-mode: also fill every new tensor's memory (NaN, or the "
@@ -231,15 +235,17 @@ class EvalConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class OverlapConfig:
-    overlap_moe_expert_parallel_comm: bool = flag(
-        False, "combined 1F1B schedule hiding EP all-to-all", negatable=True)
+    overlap_moe_expert_parallel_comm: Optional[bool] = flag(
+        None, "combined 1F1B schedule hiding EP all-to-all",
+        default_text="auto: on with EP > 1 and MoE layers")
     delay_wgrad_compute: bool = flag(
         False, "split weight grads out and run them in the comm gaps")
-    overlap_plan: str = flag(
-        "combined_1f1b", "the combined 1F1B (F0 alone, F(i) beside B(i-1), B(M-1) alone); its "
+    overlap_plan: Optional[str] = flag(
+        None, "the combined 1F1B (F0 alone, F(i) beside B(i-1), B(M-1) alone); its "
         "early_release form (B.attn before F.mlp, for memory); paired_ends (F0 beside F1 and "
         "B(M-2) beside B(M-1): the ends overlap too, for one microbatch's activations more; "
-        "one pipeline stage)", choices=OVERLAP_PLANS)
+        "one pipeline stage)", choices=OVERLAP_PLANS,
+        default_text="combined_1f1b; not given, --tune may pick paired_ends")
     comm_stream_priority: str = flag(
         "high", "CUDA priority of the overlap's comm stream (its all-to-alls run there); high "
         "lets their kernels start ahead of waiting compute kernels",
@@ -247,15 +253,30 @@ class OverlapConfig:
     comm_mode: str = flag("real", "benchmark only: local_copy replaces all-to-alls by local "
                           "copies", choices=COMM_MODES)
     overlap_probe_steps: int = flag(
-        0, "with --overlap-moe-expert-parallel-comm: after the first step, time N steps of the "
-        "overlap plan and N of the sequential schedule, alternating, and run the rest of the "
-        "training with the faster (both give the same bits); with --cuda-graph-impl local or "
-        "full_iteration each schedule replays its own graphs (captured before the timed "
-        "steps); 0: always the overlap")
+        0, "deprecated: --tune on --tune-steps N over two paths only, the overlap plan and the "
+        "sequential schedule; 0: not given")
+    tune: str = flag(
+        "auto", "after the first step (and each path's CUDA graph capture), time the paths the "
+        "run can switch between without changing its bits (the overlap plans, each with "
+        "delayed weight grads off and on, and the sequential schedule; axes pinned by "
+        "--overlap-plan or --delay-wgrad-compute are not tuned), round-robin, on the slowest "
+        "rank, and train on with the fastest median; the tuning steps train as usual. auto: "
+        "on CUDA devices with the overlap, one pipeline stage and steps enough; off: the "
+        "flags' path", choices=TUNE_MODES, metavar="MODE")
+    tune_steps: int = flag(3, "timed steps of each path (their median decides)")
+    tune_cache: Optional[str] = flag(
+        None, "a folder of tuning decisions: a run of the same shape, flags, GPUs, link and "
+        "versions takes the decision from DIR/<key>.json and skips tuning (none: no cache)",
+        metavar="DIR")
 
     @property
     def comm_stream_high_priority(self) -> bool:
         return self.comm_stream_priority == "high"
+
+    @property
+    def overlap_plan_name(self) -> str:
+        """--overlap-plan, or combined_1f1b when not given."""
+        return self.overlap_plan or OVERLAP_PLANS[0]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -364,6 +385,8 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     compat: CompatConfig = field(default_factory=CompatConfig)
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    # the flags whose `auto` default config.resolve set (for the run's path line); not a flag
+    defaulted: tuple[str, ...] = ()
 
     def moe_layer_pattern(self) -> list[bool]:
         """For each layer: True if it is an MoE layer."""
@@ -373,7 +396,7 @@ class RunConfig:
     def plan_name(self) -> str:
         """The schedule a step runs: --overlap-plan with the overlap on, else sequential."""
         o = self.overlap
-        return o.overlap_plan if o.overlap_moe_expert_parallel_comm else "sequential"
+        return o.overlap_plan_name if o.overlap_moe_expert_parallel_comm else "sequential"
 
     @property
     def virtual_stages(self) -> int:

@@ -1,4 +1,4 @@
-"""Every cross-field rule of the configuration: `validate_config` checks them all and raises
+"""Every cross-field rule of the configuration: `check_config` checks them all and raises
 `ConfigError` naming the flag (as the user types it), the value and what is allowed.
 
 Validation needs only the world size, whether CUDA is present and the file system (output
@@ -10,10 +10,12 @@ checkpoint readers, also before training.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Optional
 
+from epoverlap.config.aliases import alias_conflict
 from epoverlap.config.compat import compat_rules
 from epoverlap.config.cuda_graph_rules import validate_cuda_graph_config
 from epoverlap.config.dispatch import DispatchMode
@@ -22,6 +24,8 @@ from epoverlap.config.io_rules import validate_io
 from epoverlap.config.parse import FLAGS, flag_of, require
 from epoverlap.config.sections import (MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS, ModelConfig, MoEConfig, RunConfig,
                                        TrainConfig)
+from epoverlap.config.tuning import (candidate_paths, probe_steps, steps_needed, timed_steps,
+                                     tune_blocker, tune_mode, untimed_steps)
 from epoverlap.errors import ConfigError
 from epoverlap.kernels import triton_unavailable_reason
 from epoverlap.kernels.capacity import get_capacity
@@ -268,7 +272,7 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
                  "--pipeline-model-parallel-size > 1")
     require(not o.delay_wgrad_compute or o.overlap_moe_expert_parallel_comm,
              "delay_wgrad_compute", True, "requires --overlap-moe-expert-parallel-comm")
-    _validate_overlap_probe(cfg)
+    _validate_tune(cfg)
     if o.comm_stream_priority != "high":
         require(o.overlap_moe_expert_parallel_comm and cfg.resolved_device(cuda_available)
                  == "cuda", "comm_stream_priority", o.comm_stream_priority,
@@ -276,31 +280,51 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
                  "--overlap-moe-expert-parallel-comm (without them there is no comm stream)")
 
 
-def _validate_overlap_probe(cfg: RunConfig) -> None:
-    """--overlap-probe-steps: the two schedules of one pipeline stage, eager or each
-    replaying its own CUDA graphs (per-layer, or one full-iteration graph per schedule)."""
-    steps = cfg.overlap.overlap_probe_steps
-    require(steps >= 0, "overlap_probe_steps", steps, "must be >= 0 (0: no probe)")
-    if steps == 0:
+def _validate_tune(cfg: RunConfig) -> None:
+    """--tune, --tune-steps, --tune-cache and the deprecated --overlap-probe-steps
+    (`config.tuning`): --tune on needs the overlap, one pipeline stage, graphs each path can
+    replay its own of, and --train-iters that hold the tuning window (unless --tune-cache
+    may hold the decision)."""
+    o = cfg.overlap
+    require(o.tune_steps >= 1, "tune_steps", o.tune_steps,
+             "must be >= 1 (the timed steps of each path)")
+    probe = probe_steps(cfg)
+    require(probe >= 0, "overlap_probe_steps", probe,
+             "must be >= 0 (0: not given; deprecated: use --tune on --tune-steps N)")
+    if probe and o.tune == "off":
+        raise alias_conflict("--overlap-probe-steps", probe, f"--tune on --tune-steps {probe}",
+                             "--tune off")
+    if o.tune_cache is not None:
+        require(not os.path.exists(o.tune_cache) or os.path.isdir(o.tune_cache), "tune_cache",
+                 o.tune_cache, "must be a folder (it is a file)")
+    if tune_mode(cfg) != "on":
+        require(o.tune_cache is None or o.tune == "auto", "tune_cache", o.tune_cache,
+                 "holds tuning decisions: needs --tune on or auto (not --tune off)")
         return
-    require(cfg.overlap.overlap_moe_expert_parallel_comm, "overlap_probe_steps", steps,
-             "compares the overlap with the sequential schedule: needs "
-             "--overlap-moe-expert-parallel-comm")
-    impl = cfg.cuda_graph.impl
-    require(impl in ("none", "local", "full_iteration"), "overlap_probe_steps", steps,
-             f"compares two schedules, each replaying its own graphs; --cuda-graph-impl {impl} "
-             "is not built: use --cuda-graph-impl none, local or full_iteration")
-    require(cfg.parallel.pipeline_model_parallel_size == 1, "overlap_probe_steps", steps,
-             "needs --pipeline-model-parallel-size 1 (one stage's plan is switched)")
-    if impl == "none":
-        needed, before = 2 * steps + 1, "the first step"
-    else:  # the graphs' warm-up (the overlap's capture), one sequential step (its capture)
-        needed = cfg.cuda_graph.warmup_steps + 1 + 2 * steps
-        before = (f"{cfg.cuda_graph.warmup_steps} graph warm-up step(s), one sequential "
-                  "step that captures its graphs")
-    require(cfg.train.train_iters >= needed, "overlap_probe_steps", steps,
-             f"needs --train-iters >= {needed} ({before}, then {steps} of each schedule), "
-             f"got --train-iters={cfg.train.train_iters}")
+    name, value = ("overlap_probe_steps", probe) if probe else ("tune", "on")
+    if not o.overlap_moe_expert_parallel_comm and \
+            "--overlap-moe-expert-parallel-comm" in cfg.defaulted:
+        # auto left the overlap off, maybe for one of these rules: name that one first
+        _validate_tune_window(dataclasses.replace(cfg, overlap=dataclasses.replace(
+            o, overlap_moe_expert_parallel_comm=True)), name, value)
+    _validate_tune_window(cfg, name, value)
+
+
+def _validate_tune_window(cfg: RunConfig, name: str, value: object) -> None:
+    """--tune on: a stage's plan switched, graphs each path replays its own of, and the
+    steps of the tuning window (unless --tune-cache may hold the decision)."""
+    require(not tune_blocker(cfg), name, value, tune_blocker(cfg))
+    if cfg.overlap.tune_cache is not None:  # a cached decision needs no steps; else one
+        return  # line says so
+    paths = candidate_paths(cfg)
+    needed = steps_needed(cfg, len(paths))
+    untimed = untimed_steps(cfg, len(paths))
+    before = ("the first step" if cfg.cuda_graph.impl == "none" else
+              f"{untimed} untimed: the graphs' warm-up and one capture step per other path")
+    require(cfg.train.train_iters >= needed, name, value,
+             f"needs --train-iters >= {needed} ({before}, then {timed_steps(cfg)} of each of "
+             f"{len(paths)} paths: {', '.join(path.name for path in paths)}), got "
+             f"--train-iters={cfg.train.train_iters}")
 
 
 def _validate_nccl_ctas(cfg: RunConfig, cuda_available: bool) -> None:
@@ -387,9 +411,9 @@ def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
         experts_gemm_reads_host=device == "cuda" and not cfg.train.bf16)
 
 
-def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> None:
-    """Check every rule of `cfg` as this world resolves it (RunConfig.for_world); raise
-    ConfigError naming the flag. Touches no process group."""
+def check_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> None:
+    """Check every rule of a resolved `cfg` (`config.resolve`: what users call is
+    `validate_config`, which resolves first); raise ConfigError naming the flag."""
     cfg = cfg.for_world(world_size)
     _validate_finite(cfg)
     _validate_choices(cfg)

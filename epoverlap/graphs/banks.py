@@ -10,12 +10,13 @@ reads and writes), so a run that never overflows holds one bank. At most `max_ba
 exist (the number of budget levels: log2(EP size / budget) + 1), each in its own memory pool,
 and `memory_report` says what each holds.
 
-With the overlap probe (`--overlap-probe-steps`, `training.probe`) a bank is also per
-schedule: the key is then (schedule, level). A bank is captured for one plan: its graphs in
-that plan's order in its own pool, its buffers per microbatch slot as that plan's liveness
-gives them (`graphs.capture`: the sequential plan has one slot, the combined 1F1B two), so a
-bank replayed under the other plan could hand two live microbatches one slot. The losing
-schedule's banks are released after the decision (`StepGraphs.release_schedule`).
+With the path tuner (`--tune`, `training.tuner`) a bank is also per path: the key is then
+(path, level). A bank is captured for one plan: its graphs in that plan's order in its own
+pool, its buffers per microbatch slot as that plan's liveness gives them (`graphs.capture`: the
+sequential plan has one slot, the combined 1F1B two), and with or without
+the weight-grad graphs of delayed weight grads, so a bank replayed under another path could
+hand two live microbatches one slot. The losing paths' banks are released after the decision,
+and a path's banks when its capture failed (`StepGraphs.release_schedule`).
 
 Why budgets and not token counts: our batches have a fixed sequence length and micro-batch
 size, so the token count per microbatch never varies and banks per token-count bucket (seed
@@ -75,16 +76,17 @@ class StepGraphs:
         self.banks, self.warmup_steps = banks, warmup_steps
         self.per_level, self.full_iteration = per_level, full_iteration
         self._due: dict = {}  # bank key -> a budget level to capture it at
-        self.schedule: Optional[str] = None  # the probe's schedule of this step (else None)
+        self.schedule: Optional[str] = None  # the tuner's path of this step (else None)
 
     def key(self, level: int) -> Hashable:
-        """The bank of `level` (0 unless per level), and of this step's schedule when the
-        overlap probe switches schedules."""
+        """The bank of `level` (0 unless per level), and of this step's path when the tuner
+        switches paths."""
         level_key = level if self.per_level else 0
         return level_key if self.schedule is None else (self.schedule, level_key)
 
     def release_schedule(self, schedule: str) -> int:
-        """Release every bank of `schedule` (the probe's loser); -> the pool bytes freed."""
+        """Release every bank of `schedule` (a path the tuner dropped); -> the pool bytes
+        freed."""
         keys = [key for key in self.banks.banks
                 if isinstance(key, tuple) and key[0] == schedule]
         freed = sum(self.banks.banks[key].pool_bytes for key in keys
@@ -108,18 +110,26 @@ class StepGraphs:
             return self.banks.active.run(inputs)
         return eager_run(inputs)
 
+    @property
+    def due(self) -> bool:
+        """Whether this step recorded a bank that `capture_due` will capture."""
+        return bool(self._due)
+
     def capture_due(self, plan, select_level) -> list[tuple[int, object]]:
         """Capture every bank recorded in this step, each with the budget at its level
-        (`select_level(level)` sets it); -> [(level, bank)]. Leaves level 0 selected."""
+        (`select_level(level)` sets it); -> [(level, bank)]. Leaves level 0 selected, and
+        nothing due, also when a capture raised."""
         captured = []
-        for key, level in self._due.items():
-            select_level(level)
-            bank = self.banks.select(key)
-            bank.capture(plan)
-            captured.append((level, bank))
-        self._due.clear()
-        select_level(0)
-        self.banks.select(self.key(0))
+        try:
+            for key, level in self._due.items():
+                select_level(level)
+                bank = self.banks.select(key)
+                bank.capture(plan)
+                captured.append((level, bank))
+        finally:
+            self._due.clear()
+            select_level(0)
+            self.banks.select(self.key(0))
         return captured
 
     def release(self) -> None:

@@ -60,6 +60,11 @@ class WeightGradQueue:
     def pending_keys(self) -> list:
         return list(self._pending)
 
+    def clear(self) -> None:
+        """Drop every queued closure unrun (after a failed CUDA graph capture: its work goes
+        with the capture)."""
+        self._pending.clear()
+
     def check_empty(self) -> None:
         """Raise if any deferred weight grad was never run (it would be silently lost)."""
         if self._pending:

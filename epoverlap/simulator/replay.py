@@ -26,7 +26,7 @@ def t_comm_us(scenario: Scenario) -> float:
     """The step's all-to-alls alone, back to back (T_comm): per collective
     the slowest rank's time."""
     cfg = scenario.cfg
-    plan = build_plan(cfg.overlap.overlap_plan, scenario.layout, cfg.train.num_microbatches)
+    plan = build_plan(cfg.overlap.overlap_plan_name, scenario.layout, cfg.train.num_microbatches)
     kinds = node_kinds(scenario.layout)
     return sum(max(scenario.wire(r, a) for r in range(scenario.ep)) for a in plan
                if action_lane(a, kinds) == COMM)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from epoverlap.config import parse_config, validate_config
+from epoverlap.config import parse_config, resolve_config, validate_config
 from epoverlap.errors import ConfigError
 from epoverlap.profiling.chrome_trace import read_chrome_trace
 from epoverlap.profiling.spans import RankSpans, read_span_directory
@@ -83,11 +83,12 @@ def model_config(args: argparse.Namespace, ep: Optional[int]):
     flags += ["--overlap-moe-expert-parallel-comm"]
     cfg = parse_config(flags)
     ep = cfg.parallel.expert_model_parallel_size
-    if ep < 2:
+    if ep is None or ep < 2:
         raise SimInputError(f"--ep {ep}: the simulator needs an EP group of 2 or more ranks "
                             "(--ep or --expert-model-parallel-size)")
-    try:
-        validate_config(cfg, ep, cfg.train.bf16)
+    try:  # the simulated job's GPUs run bf16 only where its flags say so
+        cfg = resolve_config(cfg, ep, cuda_available=bool(cfg.train.bf16))
+        validate_config(cfg, ep, bool(cfg.train.bf16))
     except ConfigError as error:
         raise SimInputError(str(error)) from None
     return cfg
@@ -385,7 +386,7 @@ def run_mode(scenario: Scenario, mode: str, starts=None, compute=None, comm=None
     comp (the overlap plan with every all-to-all a local copy)."""
     cfg = scenario.cfg
     delay = mode == "wgrad"
-    name = "sequential" if mode == "seq" else cfg.overlap.overlap_plan
+    name = "sequential" if mode == "seq" else cfg.overlap.overlap_plan_name
     plan = build_plan(name, scenario.layout, cfg.train.num_microbatches, delay)
     costs = sc.NodeCosts(compute or scenario.compute.for_plan(delay),
                          scenario.comm_local if mode == "comp" else comm or scenario.comm,

@@ -6,23 +6,32 @@ strategy built once, `model.dispatch`), fp32 grad buffers, optimizer, lanes, spa
 fault injector, CUDA graph banks (--cuda-graph-impl local or full_iteration; by budget level
 when they hold the dispatch, `graphs.banks`), the executor, every pipeline stage's plan (built
 and checked together before the first step: `validate_pipeline`), the Triton compile watch,
-the checkpointer and the step a resumed run continues after, and the overlap probe with the
-(plan, lanes) of each schedule it switches between (`training.probe`). `close` releases what
-holds device memory or streams.
+the checkpointer and the step a resumed run continues after, and the path tuner with each path
+it switches between, built (`BuiltPath`: plan, lanes, weight-grad deferral; `training.tuner`,
+the paths' list `config.tuning`). `close` releases what holds device memory or streams.
 
 The construction order is part of the run's contract: the collectives made while building
-(parameter counts and layouts over the pipeline, the checkpoint's load) run in the same order on
-every rank. What runs a step is `training.step`; what reports it, `training.metrics`.
+(parameter counts and layouts over the pipeline, the checkpoint's load, the tuner's memory check
+and cache read) run in the same order on every rank. What runs a step is `training.step`; what
+reports it, `training.metrics`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
-from epoverlap.config import RunConfig
+from epoverlap.config import RunConfig, resolve_config
+from epoverlap.config.aliases import deprecation_note
+from epoverlap.config.tuning import (PAIRED_ENDS, SEQUENTIAL, TunePath, candidate_paths,
+                                     flags_path, may_tune, probe_steps, steps_needed,
+                                     timed_steps, tune_mode)
 from epoverlap.graphs.banks import GraphBanks, StepGraphs
 from epoverlap.graphs.capture import (CudaGraphBackend, GraphRunner, graphed_modules,
                                       graphs_span_moe_layer)
@@ -45,21 +54,34 @@ from epoverlap.training.console import warn_every_rank
 from epoverlap.training.data import open_data_source
 from epoverlap.training.faults import FaultInjector
 from epoverlap.training.grads import GradBuffers
+from epoverlap.training.memory import available_memory, estimate_memory
 from epoverlap.training.optim import MixedPrecisionAdamW
-from epoverlap.training.probe import SEQUENTIAL, OverlapProbe
 from epoverlap.training.stop import StopRequest
+from epoverlap.training.tune_cache import CacheTarget, agreed_cached_decision
+from epoverlap.training.tuner import Tuner
+
+
+@dataclass
+class BuiltPath:
+    """One path of the tuner, built: its plan (this stage's) and the lanes it runs on; its
+    weight-grad deferral is `path.delay_wgrad`."""
+
+    path: TunePath
+    plan: list
+    lanes: object
 
 
 class RunParts:
-    """The built pieces of one run (see the module docstring). `plan` and `executor.lanes`
-    are the schedule in use (the probe switches them); `optimizer` and `lanes` may be replaced
-    by a caller (a benchmark's own optimizer forms, serial lanes) before the first step."""
+    """The built pieces of one run (see the module docstring). `plan`, `executor.lanes` and
+    `wgrad_queue.enabled` are the path in use (the tuner switches them, `switch_path`);
+    `optimizer` and `lanes` may be replaced by a caller (a benchmark's own optimizer forms,
+    serial lanes) before the first step."""
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups,
                  log: Callable[[str], None] = print, data=None,
                  resume: Optional[CheckpointRef] = None, graph_backend=CudaGraphBackend):
         self.graph_backend = graph_backend
-        cfg = cfg.for_world(groups.world_size)
+        cfg = resolve_config(cfg, groups.world_size, groups.device.type == "cuda")
         self.data = data if data is not None else open_data_source(cfg, groups.dp_size)
         cfg = cfg.with_vocab_size(self.data.vocab_size)
         self.cfg, self.groups, self.log = cfg, groups, log
@@ -71,7 +93,9 @@ class RunParts:
                                           warn=warn_every_rank)
         self.checkpointer = Checkpointer(cfg, groups, self.model, self.optimizer, log)
         self.start_step = self.checkpointer.resume(resume)
-        self.probe, self.schedules = self._overlap_probe()
+        self.tune_cache: Optional[CacheTarget] = None  # rank 0's --tune-cache file and key
+        self.tuner, self.paths = self._tuner()
+        self._select_first_bank()
         self.stop: Optional[StopRequest] = None  # while the training loop runs (Trainer.train)
 
     # ----------------------------------------------------------------- model and state
@@ -133,27 +157,29 @@ class RunParts:
                                  **({"run_factory": self.graphs.banks} if per_layer else {}))
         self.stage_layouts, self.stage_plans = self.build_plans()
         self.plan = self.stage_plans[self.groups.pp_rank]
-        if self.graphs is not None:  # the base budget's bank (banks are made lazily)
+
+    def _select_first_bank(self) -> None:
+        """The base budget's bank of the first path (banks are made lazily, a full-iteration
+        one for the plan in use when it is made)."""
+        if self.graphs is not None:
             self.graphs.banks.select(self.graphs.key(0))
 
-    def build_plans(self, combined: Optional[bool] = None) -> tuple[list, list]:
+    def build_plans(self, path: Optional[TunePath] = None) -> tuple[list, list]:
         """Every stage's layout (its nodes' kinds, gathered over the pipeline) and plan; the
-        plans checked together (`validate_pipeline`) before the first step. `combined`: the
-        combined 1F1B or the sequential schedule (default: as configured)."""
+        plans checked together (`validate_pipeline`) before the first step. `path`: a tuner's
+        path (its plan and weight-grad deferral; default: the flags')."""
         cfg, g = self.cfg, self.groups
-        overlap = cfg.overlap
-        combined = overlap.overlap_moe_expert_parallel_comm if combined is None else combined
+        path = path or flags_path(cfg)
         mine = stage_layout([(spec.layer, spec.kind) for spec in self.model.node_specs()])
         layouts = [mine]
         if g.pp_size > 1:
             layouts = [None] * g.pp_size
             g.pp.all_gather_object(layouts, mine)
-        plan_name = cfg.plan_name if combined else SEQUENTIAL
-        plans = pipeline_plans(layouts, cfg.train.num_microbatches, combined=combined,
-                               delay_wgrad=overlap.delay_wgrad_compute,
-                               early_release=plan_name == "combined_1f1b_early_release",
-                               paired_ends=plan_name == "combined_1f1b_paired_ends")
-        validate_pipeline(plans, layouts, cfg.train.num_microbatches, overlap.delay_wgrad_compute)
+        plans = pipeline_plans(layouts, cfg.train.num_microbatches,
+                               combined=path.plan != SEQUENTIAL, delay_wgrad=path.delay_wgrad,
+                               early_release=path.plan == "combined_1f1b_early_release",
+                               paired_ends=path.plan == PAIRED_ENDS)
+        validate_pipeline(plans, layouts, cfg.train.num_microbatches, path.delay_wgrad)
         return layouts, plans
 
     def loss_scale(self) -> float:
@@ -174,12 +200,10 @@ class RunParts:
         make_bank = self._bank_factory(full, self._replay_watch(holds_dispatch))
         budget = self.model.dispatch_budget
         per_level = budget is not None and holds_dispatch
-        probed = self.cfg.overlap.overlap_probe_steps > 0  # a bank per schedule
-        banks = GraphBanks(make_bank, (len(budget.levels) if per_level else 1) * (1 + probed))
-        graphs = StepGraphs(banks, graph_cfg.warmup_steps, per_level, full)
-        if probed:
-            graphs.schedule = self.cfg.plan_name  # the probe's first schedule
-        return graphs
+        # a bank per path the tuner may switch to (`_tuner` keys them by path)
+        paths = len(candidate_paths(self.cfg)) if tune_mode(self.cfg) != "off" else 1
+        banks = GraphBanks(make_bank, (len(budget.levels) if per_level else 1) * paths)
+        return StepGraphs(banks, graph_cfg.warmup_steps, per_level, full)
 
     def _bank_factory(self, full: bool, watch) -> Callable[[], object]:
         """What makes one bank: a full-iteration graph of the plan in use when it is made, or
@@ -206,34 +230,82 @@ class RunParts:
             return contextlib.nullcontext
         return lambda: self.groups.ep.watched("all_to_all (CUDA graph replay)")
 
-    # ----------------------------------------------------------------- the overlap probe
-    def _overlap_probe(self) -> tuple[Optional[OverlapProbe], dict]:
-        """--overlap-probe-steps: the probe, and each schedule's (plan, lanes) it switches
-        between (`training.probe`; one stage, eager or per-layer graphs: config validation
-        sees to both; each schedule its own graphs: per-layer or full-iteration)."""
-        cfg = self.cfg
-        if cfg.overlap.overlap_probe_steps == 0:
+    # ----------------------------------------------------------------- the path tuner
+    def _tuner(self) -> tuple[Optional[Tuner], dict[str, BuiltPath]]:
+        """--tune: the tuner, and each path it switches between, built (`training.tuner`;
+        one stage, eager or graphs each path replays its own of: config validation, and
+        `config.tuning.may_tune` for auto, see to it). A decision from --tune-cache builds only
+        the path it names."""
+        cfg, probed = self.cfg, probe_steps(self.cfg)
+        if probed and self.groups.is_first():
+            warn_every_rank(deprecation_note(f"--overlap-probe-steps {probed}",
+                                             f"--tune on --tune-steps {probed}")
+                            + " (two paths: the overlap plan and sequential)")
+        if not may_tune(cfg, self.device.type):
             return None, {}
-        _, (sequential_plan,) = self.build_plans(combined=False)
-        if self.graphs is None:
-            probe = OverlapProbe(cfg.overlap.overlap_probe_steps, self.start_step + 1,
-                                 cfg.plan_name)
-        else:  # the overlap's graphs are captured after the warm-up steps, then the
-            # sequential schedule's in one untimed step (`training.probe`)
-            probe = OverlapProbe(cfg.overlap.overlap_probe_steps,
-                                 self.start_step + cfg.cuda_graph.warmup_steps, cfg.plan_name,
-                                 prime=True)
-        if probe.end > cfg.train.train_iters:  # a resumed run with fewer steps left
-            self.log(f"overlap probe: steps {probe.start}-{probe.end} go past --train-iters="
-                     f"{cfg.train.train_iters}: the schedules alternate to the end, no decision")
-        return probe, {cfg.plan_name: (self.plan, self.lanes),
-                       SEQUENTIAL: (sequential_plan, make_lanes(self.device, False))}
+        paths = self._paths_that_fit(candidate_paths(cfg))
+        names = [path.name for path in paths]
+        cached, self.tune_cache = agreed_cached_decision(self, names)
+        needed = steps_needed(cfg, len(paths))
+        steps_left = cfg.train.train_iters - self.start_step
+        if cached is None and (len(paths) < 2 or steps_left < needed):
+            if tune_mode(cfg) == "on":  # (auto: silently)
+                self._log_first(f"tune: not tuned ({len(paths)} path(s); {needed} steps "
+                                f"needed, {steps_left} left): {cfg.plan_name} as the flags say")
+            return None, {}
+        serial = make_lanes(self.device, False)
+        built = {path.name: BuiltPath(path, self.build_plans(path)[1][0],
+                                      serial if path.plan == SEQUENTIAL else self.lanes)
+                 for path in paths if cached is None or path.name == cached.chosen}
+        if not any(b.lanes is serial for b in built.values()):
+            serial.close()
+        first = self.start_step + (1 if self.graphs is None else
+                                   max(cfg.cuda_graph.warmup_steps, 1))
+        tuner = Tuner(names, timed_steps(cfg), first, prime=self.graphs is not None,
+                      cached=cached)
+        self.paths = built
+        self.switch_path(tuner.schedule_for(self.start_step + 1))
+        return tuner, built
+
+    def switch_path(self, name: str) -> None:
+        """Run the tuner's path `name` from here on: its plan, lanes, weight-grad deferral and
+        its own bank of CUDA graphs."""
+        built = self.paths[name]
+        self.plan, self.executor.lanes = built.plan, built.lanes
+        self.wgrad_queue.enabled = built.path.delay_wgrad
+        if self.graphs is not None:
+            self.graphs.schedule = name
+
+    def _paths_that_fit(self, paths: list[TunePath]) -> list[TunePath]:
+        """`paths` without the paired-ends plan where its memory estimate (one microbatch's
+        activations more) does not fit on some rank (agreed over every rank) and the flags
+        did not ask for it (then `check_memory` already passed it)."""
+        cfg = self.cfg
+        if cfg.plan_name == PAIRED_ENDS or not any(p.plan == PAIRED_ENDS for p in paths):
+            return paths
+        trial = dataclasses.replace(cfg, overlap=dataclasses.replace(
+            cfg.overlap, overlap_plan=PAIRED_ENDS))
+        needs = estimate_memory(trial, self.groups.world_size).total
+        budget, where = available_memory(self.device.type, self.groups.local_rank,
+                                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        fits = torch.tensor([float(budget is None or needs <= budget)], device=self.device)
+        self.groups.world.all_reduce(fits, op=dist.ReduceOp.MIN)
+        if host_list(fits)[0] == 1.0:
+            return paths
+        self._log_first(f"tune: {PAIRED_ENDS} left out: its memory estimate, "
+                        f"{needs / 2**30:.1f} GiB per rank, does not fit on every rank "
+                        f"({where})")
+        return [path for path in paths if path.plan != PAIRED_ENDS]
+
+    def _log_first(self, line: str) -> None:
+        if self.groups.is_first():
+            self.log(line)
 
     # ----------------------------------------------------------------- teardown
     def close(self) -> None:
         if self.graphs is not None:  # before any process group is destroyed
             self.graphs.release()
-        for _, lanes in self.schedules.values():
+        for lanes in {id(b.lanes): b.lanes for b in self.paths.values()}.values():
             if lanes is not self.lanes:
                 lanes.close()
         self.lanes.close()

@@ -40,7 +40,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from epoverlap.config import RunConfig
+from epoverlap.config import RunConfig, resolve_config
 from epoverlap.errors import ConfigError
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.stages import ChunkPlacement, stage_chunks
@@ -203,6 +203,7 @@ def _mem_available_bytes(path: str = "/proc/meminfo") -> Optional[int]:
 
 def check_memory(cfg: RunConfig, world_size: int, device: str, local_ranks: int) -> None:
     """Raise ConfigError (naming the flags that drive the estimate) when a rank cannot fit."""
+    cfg = resolve_config(cfg, world_size, device == "cuda")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     budget, source = available_memory(device, local_rank, local_ranks)
     if budget is None:

@@ -8,9 +8,10 @@ steps left to --train-iters times the mean step time so far, `format_duration`),
 TensorBoard events of --tensorboard-dir (`training.tensorboard`) and the W&B run of
 --wandb-project (`training.wandb_log`; each sink of scalars takes the step's JSON record,
 `write(record)`, and `close()`), the validation line and fields of a step that evaluated
-(`training.evaluate`), the load-imbalance warning, the overlap probe's decision, the CUDA
-graph capture lines, the compiled Triton variants line, the spans and torch.profiler traces of
---profile-steps, the run's description line and its summary. Rates are per GPU on CUDA and per
+(`training.evaluate`), the load-imbalance warning, the path tuner's lines (its decision's table;
+the `tuned_path` field of the deciding step's record), the CUDA graph capture lines, the
+compiled Triton variants line, the spans and torch.profiler traces of --profile-steps, the
+run's description line and its summary. Rates are per GPU on CUDA and per
 rank on CPU. Nothing here changes what a step computes.
 """
 
@@ -21,7 +22,7 @@ import math
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from epoverlap.model.transformer import model_dtype
 from epoverlap.parallel.watch import host_list
 from epoverlap.training.console import warn_every_rank
 from epoverlap.training.tensorboard import TensorBoardLog
+from epoverlap.training.tuner import PRIME, TIMED
 from epoverlap.training.wandb_log import WandbLog
 
 if TYPE_CHECKING:
@@ -58,7 +60,8 @@ class StepResult:
     comm_ms: Optional[float] = None  # these three: steps with recorded spans only
     exposed_comm_ms: Optional[float] = None
     overlap_ratio: Optional[float] = None
-    schedule: Optional[str] = None  # --overlap-probe-steps: the schedule this step ran
+    schedule: Optional[str] = None  # --tune: the path this step ran
+    tuned_path: Optional[dict] = None  # --tune: the decision, at the step that made it
 
     def to_json(self) -> dict:
         record = {k: v for k, v in self.__dict__.items()
@@ -237,11 +240,12 @@ class Reporter:
 
     # ----------------------------------------------------------------- per step
     def step_done(self, r: StepResult, results: list[StepResult],
-                  probe_decision: Optional[str], evaluation: Optional[EvalResult] = None
+                  tune_lines: Sequence[str] = (), evaluation: Optional[EvalResult] = None
                   ) -> None:
         """The step's JSON record (with the validation fields of an evaluation after it),
         imbalance watch, TensorBoard and W&B scalars, line (every --log-interval steps and the
-        last), the validation line, and the probe's decision if it came this step."""
+        last), the validation line, and the tuner's lines of this step (its decision's
+        table, a dropped path)."""
         p = self.parts
         record = r.to_json()
         if evaluation is not None:
@@ -257,18 +261,20 @@ class Reporter:
             p.log(self._step_line(r, results))
         if evaluation is not None and p.groups.is_first():
             p.log(evaluation.line())
-        if probe_decision is not None and p.groups.is_first():  # every rank decided alike
-            p.log(probe_decision)
+        if p.groups.is_first():  # every rank decided alike
+            for line in tune_lines:
+                p.log(line)
 
     def _step_line(self, r: StepResult, results: list[StepResult]) -> str:
-        probe = self.parts.probe
+        tuner = self.parts.tuner
         mem = f" | mem {r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else ""
         comm = (f" | exposed comm {r.exposed_comm_ms:.2f} of {r.comm_ms:.2f} ms"
                 if r.exposed_comm_ms is not None else "") + _dispatch_note(r)
-        if probe is not None and probe.in_window(r.step):
-            comm += f" | probe: {r.schedule}"
-        elif probe is not None and r.step == probe.prime_step:
-            comm += f" | probe: {r.schedule} (untimed: its CUDA graphs are captured)"
+        phase = tuner.phase_of(r.step) if tuner is not None else None
+        if phase == TIMED:
+            comm += f" | tune: {r.schedule}"
+        elif phase == PRIME:
+            comm += f" | tune: {r.schedule} (untimed: its CUDA graphs are captured)"
         return (f"step {r.step:4d}/{self.parts.cfg.train.train_iters} | loss {r.loss:.4f} | "
                 f"lr {r.lr:.2e} | grad norm {r.grad_norm:.3f} | aux {r.aux_loss:.4f} | "
                 f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"
@@ -309,7 +315,7 @@ class Reporter:
                   f"{bank.buffer_bytes() / 2**30:.3f} GiB)")
         if captured and len(graphs.banks.banks) > 1:
             by = " and ".join(what for what, keyed in (
-                ("budget level", graphs.per_level), ("schedule", p.probe is not None))
+                ("budget level", graphs.per_level), ("path", p.tuner is not None))
                 if keyed)
             p.log(f"CUDA graph banks by {by}: {graphs.banks.memory_report()}")
 
@@ -399,16 +405,12 @@ class Reporter:
                 f"{cfg.model.hidden_size}, {cfg.moe.num_experts or 0} experts top-"
                 f"{cfg.moe.moe_router_topk} | {total:.1f}M params | plan {cfg.plan_name}"
                 f"{' + delayed wgrad' if cfg.overlap.delay_wgrad_compute else ''}"
-                f"{self._probe_text()} | kernels "
+                f"{self._tune_text()} | kernels "
                 f"{p.backend} | {model_dtype(cfg)} | data: {p.data.description}")
 
-    def _probe_text(self) -> str:
-        probe = self.parts.probe
-        if probe is None:
-            return ""
-        primed = ("" if probe.prime_step is None else
-                  f", its CUDA graphs captured at step {probe.prime_step}")
-        return f" (probed against sequential, steps {probe.start}-{probe.end}{primed})"
+    def _tune_text(self) -> str:
+        tuner = self.parts.tuner
+        return "" if tuner is None else tuner.describe()
 
     def _ep_budget_text(self) -> str:
         budget = self.parts.groups.ep_budget

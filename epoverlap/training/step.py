@@ -16,8 +16,11 @@ forward-backward is rerun from the same inputs, weights and router RNG state at 
 budget level that holds it (`forward_backward`); the reruns and the budget the step's result
 came from go into its `StepResult`.
 
-With the overlap probe each step runs the schedule the probe gives it (`training.probe`), and
-the decision, when it comes, is kept for the report (`probe_decision`). Steps with recorded
+With the path tuner (--tune) each step runs the path the tuner gives it (`training.tuner`,
+`RunParts.switch_path`); its decision, when it comes, is kept for the report (`tune_report`:
+the table's lines, and the `tuned_path` field of the step's JSON record), the losing paths'
+graph banks are released, and rank 0 writes --tune-cache. A path whose graph capture fails on
+some rank is dropped on every rank (`capture_graphs`). Steps with recorded
 spans (--profile-steps) also measure the first rank's comm, exposed comm and overlap ratio
 (`profiling.overlap`). Nothing here logs: `training.metrics` reports.
 """
@@ -40,15 +43,19 @@ from epoverlap.training.metrics import StepResult
 from epoverlap.training.numerics import check_finite
 from epoverlap.training.optim import lr_at
 from epoverlap.training.stop import REASONS, StopRequest
+from epoverlap.training.tune_cache import write_decision
+from epoverlap.training.tuner import TuneDecision
 
 
 class StepRunner:
     """Runs steps of one built run; reads the run's pieces from `parts` at each use (a caller
-    may replace the optimizer or lanes, and the probe switches the plan)."""
+    may replace the optimizer or lanes, and the tuner switches the path)."""
 
     def __init__(self, parts: RunParts):
         self.parts = parts
-        self.probe_decision: Optional[str] = None  # the probe's line, reported after its step
+        self.tune_report: list[str] = []  # the tuner's lines, reported after their step
+        self.tuned_path: Optional[dict] = None  # the decision's JSON record, for its step
+        self._tune_record_due = parts.tuner is not None and parts.tuner.cached
         self.stop_reason: Optional[str] = None  # every rank's agreed reason to stop now
 
     # ----------------------------------------------------------------- the step
@@ -62,7 +69,7 @@ class StepRunner:
         if profiled:
             p.recorder.begin_step(step)
         p.faults.begin_step(step)
-        schedule = self._probe_schedule(step)
+        schedule = self._tune_schedule(step)
         losses, reruns = self.forward_backward(step)
         spans = p.recorder.end_step() if profiled else None
         p.faults.after_backward(p.model)
@@ -75,7 +82,7 @@ class StepRunner:
         if not p.cfg.train.skip_optimizer_step:
             p.optimizer.step(lr)
         elapsed = self.sync_time() - start
-        self._probe_record(step, elapsed)
+        self._tune_record(step, elapsed)
         result = self._result(step, loss, lr, grad_norm, aux, imbalance, elapsed)
         result.schedule = schedule
         self._add_dispatch_stats(result, reruns)
@@ -203,7 +210,18 @@ class StepRunner:
         p = self.parts
         if p.graphs is None:
             return []
-        return p.graphs.capture_due(p.plan, self.select_budget_level)
+        if p.tuner is None or p.tuner.decision is not None or not p.graphs.due:
+            return p.graphs.capture_due(p.plan, self.select_budget_level)
+        generators = p.router_generators()  # while tuning, a failed capture drops its path
+        states = [g.get_state() for g in generators]
+        try:
+            captured, error = p.graphs.capture_due(p.plan, self.select_budget_level), None
+        except Exception as failure:  # noqa: BLE001  (agreed over the ranks just below)
+            captured, error = [], failure
+            for generator, state in zip(generators, states):
+                generator.set_state(state)
+        self.capture_failed(error is not None, error)
+        return captured
 
     # ----------------------------------------------------------------- the step's figures
     def _dropped_tokens(self) -> tuple[int, float]:
@@ -268,34 +286,75 @@ class StepRunner:
         if g.pp_size > 1:
             g.pp.all_reduce(slots)
 
-    # ----------------------------------------------------------------- the overlap probe
-    def _probe_schedule(self, step: int) -> Optional[str]:
-        """Switch the plan and lanes to the schedule the probe gives this step."""
+    # ----------------------------------------------------------------- the path tuner
+    def _tune_schedule(self, step: int) -> Optional[str]:
+        """Switch to the path the tuner gives this step (plan, lanes, wgrad, graph bank)."""
         p = self.parts
-        if p.probe is None:
+        if p.tuner is None:
             return None
-        name = p.probe.schedule_for(step)
-        p.plan, p.executor.lanes = p.schedules[name]
-        if p.graphs is not None:
-            p.graphs.schedule = name  # its own bank of graphs
+        name = p.tuner.schedule_for(step)
+        p.switch_path(name)
         return name
 
-    def _probe_record(self, step: int, elapsed: float) -> None:
+    def _tune_record(self, step: int, elapsed: float) -> None:
+        """Record the step's time; at the decision (or the first step of a cached one) keep
+        its report, release the losers' graph banks and write the cache."""
         p = self.parts
-        if p.probe is None:
+        if p.tuner is None:
+            return
+        if self._tune_record_due:  # a decision from --tune-cache, reported at the first step
+            self._tune_record_due = False
+            self.tune_report += p.tuner.decision.table()
+            self.tuned_path = p.tuner.decision.record()
             return
 
-        def slowest(medians: list[float]) -> list[float]:
-            times = torch.tensor(medians, dtype=torch.float64, device=p.device)
-            p.groups.world.all_reduce(times, op=dist.ReduceOp.MAX)
-            return host_list(times)
-        self.probe_decision = p.probe.record(step, elapsed, slowest)
-        if self.probe_decision is not None and p.graphs is not None:
-            loser = p.probe.losing()
-            freed = p.graphs.release_schedule(loser)
-            self.probe_decision += (f"; the {loser} schedule's CUDA graphs released "
-                                    f"({freed / 2**30:.3f} GiB)")
+        def slowest(times: list[float]) -> list[float]:
+            worst = torch.tensor(times, dtype=torch.float64, device=p.device)
+            p.groups.world.all_reduce(worst, op=dist.ReduceOp.MAX)
+            return host_list(worst)
+        decision = p.tuner.record(step, elapsed, slowest)
+        if decision is not None:
+            self._decided(decision)
 
-    def pop_probe_decision(self) -> Optional[str]:
-        decision, self.probe_decision = self.probe_decision, None
-        return decision
+    def _decided(self, decision: TuneDecision) -> None:
+        """The decision's table, the losers' banks released, the cache written (rank 0)."""
+        p = self.parts
+        self.tune_report += decision.table()
+        self.tuned_path = decision.record()
+        if p.graphs is not None:
+            freed = {name: p.graphs.release_schedule(name) for name in p.tuner.losers()}
+            self.tune_report.append(f"tune: the other paths' CUDA graphs released "
+                                    f"({sum(freed.values()) / 2**30:.3f} GiB)")
+        if p.tune_cache is not None:
+            warning = write_decision(p.tune_cache.path, decision, p.tune_cache.fields)
+            self.tune_report.append(warning or f"tune: decision written to "
+                                               f"{p.tune_cache.path}")
+
+    def capture_failed(self, failed: bool, error: Optional[BaseException]) -> None:
+        """After a step's graph captures while the tuner decides: every rank learns whether
+        any rank failed (one all-reduce; captures happen at the same steps on every rank); if
+        so the step's path is dropped on every rank and its banks released."""
+        p = self.parts
+        count = torch.tensor([float(failed)], device=p.device)
+        p.groups.world.all_reduce(count)
+        ranks = int(host_list(count)[0])
+        if ranks == 0:
+            return
+        name = p.graphs.schedule
+        p.graphs.release_schedule(name)
+        why = f"its CUDA graph capture failed on {ranks} rank(s)"
+        if error is not None:  # this rank's own error (rank 0 prints the line)
+            text = str(error).strip()
+            why += f" ({type(error).__name__}: {text.splitlines()[0][:200] if text else ''})"
+        p.wgrad_queue.clear()
+        decision = p.tuner.drop(name, why)
+        self.tune_report.append(f"tune: {name} dropped: {why}; the run goes on")
+        if decision is not None:
+            p.switch_path(decision.chosen)
+            self._decided(decision)
+
+    def pop_tune_report(self) -> tuple[list[str], Optional[dict]]:
+        """The tuner's lines since the last call, and its decision's JSON record if it came."""
+        report, self.tune_report = self.tune_report, []
+        record, self.tuned_path = self.tuned_path, None
+        return report, record

@@ -132,8 +132,8 @@ class Trainer:
         results.append(result)
         if not math.isfinite(result.loss):
             raise FloatingPointError(f"loss is {result.loss} at step {step}")
-        self.reporter.step_done(result, results, self.stepper.pop_probe_decision(),
-                                self.evaluator.maybe_run(step))
+        tune_lines, result.tuned_path = self.stepper.pop_tune_report()
+        self.reporter.step_done(result, results, tune_lines, self.evaluator.maybe_run(step))
         if self.checkpointer.due(step):
             self.checkpointer.save(step)
 
@@ -175,6 +175,6 @@ class Trainer:
 PARTS = ("cfg", "groups", "log", "device", "data", "backend", "graph_backend", "comm",
          "wgrad_queue", "model", "params", "grads", "optimizer", "lanes", "recorder", "faults",
          "graphs", "executor", "stage_layouts", "stage_plans", "plan", "compile_watch",
-         "checkpointer", "start_step", "probe")
+         "checkpointer", "start_step", "tuner", "paths")
 for _name in PARTS:
     setattr(Trainer, _name, _Part(_name))

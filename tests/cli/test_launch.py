@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dist_helpers import free_port
+from epoverlap.config.resolve import SEQUENTIAL_FLAG
 
 REPO = Path(__file__).resolve().parents[2]
 QUICK = ["--preset", "tiny", "--hidden-size", "64", "--seq-length", "64",
@@ -57,16 +58,12 @@ def test_main_job_on_two_cpu_ranks_reduces_the_loss(tmp_path):
 
 def test_launcher_defaults_pass_through_user_flags():
     from epoverlap.cli.launch import default_train_args, split_nproc
-    args = default_train_args(2, False, ["--preset", "small", "--train-iters", "3"])
-    assert args == ["--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
-                    "--preset", "small", "--train-iters", "3"]
-    graphs = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",
-              "moe_preprocess"]
-    assert default_train_args(1, True, []) == ["--preset", "small",
-                                               "--expert-model-parallel-size", "1", "--bf16",
-                                               *graphs]
-    off = default_train_args(2, True, ["--cuda-graph-impl", "none"])
-    assert "--cuda-graph-modules" not in off and off[-2:] == ["--cuda-graph-impl", "none"]
+    # the launcher adds only the quick-start model; the training command resolves the rest
+    args = default_train_args(False, ["--preset", "small", "--train-iters", "3"])
+    assert args == ["--preset", "small", "--train-iters", "3"]
+    assert default_train_args(True, []) == ["--preset", "small"]
+    assert default_train_args(False, ["--cuda-graph-impl", "none"]) == \
+        ["--preset", "tiny", "--cuda-graph-impl", "none"]
     assert split_nproc(["--nproc", "4", "--bf16"]) == ("4", ["--bf16"])
 
 
@@ -109,14 +106,14 @@ def test_overlap_on_and_off_write_identical_losses_per_compare_tool(tmp_path):
     backwards in the order 0, 2, 1, 3 changed every step's grad norm and no loss in 4 steps).
     Mock data: reading the stdlib sources would add ~6 s per run and nothing to the check."""
     logs = []
-    for name, extra in (("off", []), ("on", ["--overlap-moe-expert-parallel-comm",
+    for name, extra in (("off", [SEQUENTIAL_FLAG]), ("on", ["--overlap-moe-expert-parallel-comm",
                                              "--delay-wgrad-compute"])):
         log = tmp_path / f"{name}.jsonl"
         result = _run(_torchrun(2, *QUICK, "--num-microbatches", "4", "--train-iters", "4",
                                 "--deterministic-mode", "--expert-model-parallel-size", "2",
                                 "--mock-data", "--log-json", str(log), *extra))
         assert result.returncode == 0, result.stderr[-3000:]
-        plan = "combined_1f1b + delayed wgrad" if extra else "sequential"
+        plan = "sequential" if name == "off" else "combined_1f1b + delayed wgrad"
         assert f"| plan {plan} |" in result.stdout, result.stdout[-2000:]
         logs.append(str(log))
     compare = _run(["epoverlap-compare-losses", *logs])

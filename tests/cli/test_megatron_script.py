@@ -1,5 +1,4 @@
-"""A Megatron-LM user's command line through the real commands (CPU): the launcher takes
---no-overlap-moe-expert-parallel-comm to turn its overlap default off, and the pasted Mixtral
+"""A Megatron-LM user's command line through the real commands (CPU): the pasted Mixtral
 example (tests/fixtures/megatron_scripts), its data and tokenizer flags adapted, trains on 2
 gloo ranks under torchrun with its accepted-flags note and no refusal."""
 
@@ -11,17 +10,8 @@ import sys
 
 import pytest
 
-from epoverlap.cli.launch import default_train_args
 from job_control import REPO, job_env
 from megatron_scripts import flag_values, script_args
-
-
-def test_the_launcher_leaves_the_overlap_off_when_told():
-    on = default_train_args(2, False, [])
-    off = default_train_args(2, False, ["--no-overlap-moe-expert-parallel-comm"])
-    assert "--overlap-moe-expert-parallel-comm" in on
-    assert "--overlap-moe-expert-parallel-comm" not in off
-    assert off[-1] == "--no-overlap-moe-expert-parallel-comm"
 
 
 ADAPTED = {"--tokenizer-type": [], "--tokenizer-model": [],  # a Llama-2 sentencepiece model

@@ -8,6 +8,7 @@ frozen flag list.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import pytest
 
@@ -16,7 +17,8 @@ from epoverlap.config.cuda_graphs import (CUDA_GRAPH_IMPLS, IMPLEMENTED_IMPLS, C
                                           add_cuda_graph_args, cuda_graph_config_from_args)
 from epoverlap.errors import ConfigError
 
-Cfg = CudaGraphConfig
+Cfg = functools.partial(CudaGraphConfig, impl="none")  # the rules of an impl given
+Parsed = CudaGraphConfig  # what parsing gives without an impl: auto (config.resolve sets it)
 
 
 def parse(argv: list[str]) -> tuple[CudaGraphConfig, list[str]]:
@@ -74,7 +76,7 @@ DEPRECATED_FORMS = [
                  ["deprecated: --cuda-graph-scope full_iteration_inference -> "
                   "--cuda-graph-impl local --inference-cuda-graph-scope block"],
                  id="scope-full_iteration_inference"),
-    pytest.param(["--cuda-graph-scope", "attn", "mlp"], Cfg(modules=("attn", "mlp")),
+    pytest.param(["--cuda-graph-scope", "attn", "mlp"], Parsed(modules=("attn", "mlp")),
                  ["deprecated: --cuda-graph-scope attn mlp -> --cuda-graph-modules attn mlp"],
                  id="scope-modules"),
     # Combinations that say the same thing twice, or old idioms, are accepted.
@@ -108,11 +110,11 @@ DEPRECATED_FORMS = [
                  ["deprecated: --cuda-graph-scope full_iteration_inference -> "
                   "--cuda-graph-impl local --inference-cuda-graph-scope block"],
                  id="scope-full_iteration_inference+same-inference-scope"),
-    pytest.param(["--cuda-graph-scope", "attn,mlp", "attn"], Cfg(modules=("attn", "mlp")),
+    pytest.param(["--cuda-graph-scope", "attn,mlp", "attn"], Parsed(modules=("attn", "mlp")),
                  ["deprecated: --cuda-graph-scope attn mlp attn -> --cuda-graph-modules attn mlp"],
                  id="scope-commas-and-repeats"),
     pytest.param(["--cuda-graph-scope", "mlp", "attn", "--cuda-graph-modules", "attn", "mlp"],
-                 Cfg(modules=("attn", "mlp")),
+                 Parsed(modules=("attn", "mlp")),
                  ["deprecated: --cuda-graph-scope mlp attn -> --cuda-graph-modules mlp attn"],
                  id="scope+same-modules-new-order-wins"),
 ]
@@ -126,7 +128,7 @@ def test_deprecated_form_is_migrated_with_one_warning_each(argv, expected, warni
 
 
 NEW_FORMS = [
-    pytest.param([], Cfg(), id="defaults"),
+    pytest.param([], Parsed(), id="defaults"),
     pytest.param(["--cuda-graph-impl", "local"], Cfg(impl="local", inference_scope="layer"),
                  id="local-defaults-inference-layer"),
     pytest.param(["--cuda-graph-impl", "local", "--inference-cuda-graph-scope", "block"],
@@ -139,7 +141,7 @@ NEW_FORMS = [
                   "moe_router", "attn", "moe_router", "attn,moe_preprocess"],
                  Cfg(impl="local", modules=("moe_router", "attn", "moe_preprocess"),
                      inference_scope="layer"), id="modules-dedupe-keep-order"),
-    pytest.param(["--cuda-graph-warmup-steps", "0"], Cfg(warmup_steps=0), id="warmup-0"),
+    pytest.param(["--cuda-graph-warmup-steps", "0"], Parsed(warmup_steps=0), id="warmup-0"),
 ]
 
 

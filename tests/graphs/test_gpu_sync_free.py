@@ -14,11 +14,16 @@ import pytest
 import torch
 
 from dist_helpers import one_process_model
+from epoverlap.config.resolve import SEQUENTIAL_FLAG
 from gpu_runs import identical_losses as _identical, needs_gpu, needs_gpus
 from gpu_runs import train_cli as _train
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 BUDGET = ["--moe-dispatch-budget", "1.0"]
+# the sequential schedule and eager steps, pinned: on CUDA the defaults are the overlap (EP > 1)
+# and the partial graphs
+SEQUENTIAL = [SEQUENTIAL_FLAG]
+EAGER = ["--cuda-graph-impl", "none"]
 PADDED = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
 MODEL = ["--num-layers", "3", "--hidden-size", "256", "--num-attention-heads", "4",
          "--seq-length", "128", "--num-experts", "8", "--moe-router-topk", "2",
@@ -176,7 +181,7 @@ def test_cli_budget_reruns_through_a_second_graph_bank_on_one_gpu(tmp_path):
     each budget after the warmup and replay them with exactly the eager losses."""
     base = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "6",
             "--kernel-backend", "triton", "--moe-dispatch-budget", "0.5"]
-    runs = {"eager": [], "layer": ["--cuda-graph-impl", "local"],
+    runs = {"eager": EAGER, "layer": ["--cuda-graph-impl", "local"],
             "full": ["--cuda-graph-impl", "full_iteration"]}
     outs, logs = {}, {}
     for name, extra in runs.items():
@@ -253,9 +258,10 @@ def test_cli_sync_free_graphs_and_budget_reruns_over_nccl(tmp_path):
     overlap = ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
     layer = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe"]
     full = ["--cuda-graph-impl", "full_iteration"]
-    runs = {"tiny": tiny, "tiny_layer": tiny + layer, "tiny_ovl": tiny + overlap,
-            "tiny_full_ovl": tiny + overlap + full, "at_ranks": ["--moe-dispatch-budget", "2"],
-            "padded": PADDED, "padded_full_ovl": PADDED + overlap + full}
+    runs = {"tiny": tiny + SEQUENTIAL + EAGER, "tiny_layer": tiny + SEQUENTIAL + layer,
+            "tiny_ovl": tiny + overlap + EAGER, "tiny_full_ovl": tiny + overlap + full,
+            "at_ranks": ["--moe-dispatch-budget", "2"] + SEQUENTIAL + EAGER,
+            "padded": PADDED + SEQUENTIAL + EAGER, "padded_full_ovl": PADDED + overlap + full}
     outs, logs = {}, {}
     for name, extra in runs.items():
         outs[name], logs[name] = _train(tmp_path, name, 2, base + extra)
@@ -283,9 +289,10 @@ def test_cli_once_per_rank_budget_graphs_over_nccl(tmp_path):
             "--expert-model-parallel-size", "2", "--kernel-backend", "triton",
             "--moe-dispatch-once-per-rank", "--moe-dispatch-budget", "0.25"]
     overlap = ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
-    runs = {"eager": [], "layer": ["--cuda-graph-impl", "local", "--cuda-graph-modules",
-                                   "attn", "moe"],
-            "ovl": overlap, "full_ovl": overlap + ["--cuda-graph-impl", "full_iteration"]}
+    runs = {"eager": SEQUENTIAL + EAGER,
+            "layer": SEQUENTIAL + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
+                                   "moe"],
+            "ovl": overlap + EAGER, "full_ovl": overlap + ["--cuda-graph-impl", "full_iteration"]}
     outs, logs = {}, {}
     for name, extra in runs.items():
         outs[name], logs[name] = _train(tmp_path, f"once_{name}", 2, base + extra)
@@ -299,7 +306,8 @@ def test_cli_once_per_rank_budget_graphs_over_nccl(tmp_path):
 @pytest.mark.multigpu
 @needs_gpus
 def test_cli_probe_with_full_iteration_graphs_is_bitwise_the_sequential_run(tmp_path):
-    """--overlap-probe-steps with --cuda-graph-impl full_iteration over NCCL (2 GPUs, bf16,
+    """--overlap-probe-steps (deprecated: the tuner over the overlap plan and sequential) with
+    --cuda-graph-impl full_iteration over NCCL (2 GPUs, bf16,
     Triton, the budget dispatch, --deterministic-mode): the overlap's full-iteration graph is
     captured after the warm-up step, the sequential schedule's in one untimed step, steps 3-8
     alternate replays of the two graphs, the loser's graph is released, and every loss is the
@@ -308,13 +316,13 @@ def test_cli_probe_with_full_iteration_graphs_is_bitwise_the_sequential_run(tmp_
     base = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "10",
             "--expert-model-parallel-size", str(nproc), "--kernel-backend", "triton",
             "--moe-dispatch-budget", "1.0"]
-    _, sequential = _train(tmp_path, "probe_full_reference", nproc, base)
+    _, sequential = _train(tmp_path, "probe_full_reference", nproc, base + SEQUENTIAL + EAGER)
     out, probed = _train(tmp_path, "probe_full", nproc, base + [
         "--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", "1",
         "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
         "--overlap-probe-steps", "3"])
-    assert "overlap probe, steps 3-8: combined_1f1b " in out, out[-3000:]
-    assert "schedule's CUDA graphs released" in out
+    assert "tune: steps 3-8, " in out, out[-3000:]
+    assert "tune: the other paths' CUDA graphs released" in out
     assert [r["schedule"] for r in probed][:8] == ["combined_1f1b", "sequential"] + [
         "combined_1f1b", "sequential"] * 3
     assert _identical(sequential, probed)

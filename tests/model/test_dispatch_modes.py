@@ -178,23 +178,23 @@ PROBED_FULL_RUNS = [("full_ovl", TINY_BUDGET + OVERLAP + FULL_GRAPH),
 
 
 def test_probe_with_full_iteration_graphs_captures_a_graph_per_schedule_and_keeps_the_bits():
-    """--overlap-probe-steps with --cuda-graph-impl full_iteration (2 gloo ranks, capture
-    emulated, a budget that overflows every step): the overlap's graphs are captured after the
-    warm-up step, one untimed sequential step records the sequential schedule's (its base
-    budget's and its rerun level's), steps 3-6 alternate replays, and after the decision only
-    the kept schedule's banks are left, on every rank. Every loss equals the unprobed graphed
-    run's."""
+    """The deprecated --overlap-probe-steps (the tuner over two paths, the overlap plan and
+    sequential) with --cuda-graph-impl full_iteration (2 gloo ranks, capture emulated, a budget
+    that overflows every step): the overlap's graphs are captured after the warm-up step, one
+    untimed sequential step records the sequential path's (its base budget's and its rerun
+    level's), steps 3-6 alternate replays, and after the decision only the kept path's banks
+    are left, on every rank. Every loss equals the untuned graphed run's."""
     per_rank = run_ranks(graphed_training, 2, 2, 8, PROBED_FULL_RUNS, timeout_s=600)
-    decision = next(line for line in per_rank[0]["probed_full_ovl"][2]
-                    if line.startswith("overlap probe, steps 3-6: "))
-    kept = decision.split("): ")[1].split(" for the rest")[0]
-    loser = {"combined_1f1b": "sequential", "sequential": "combined_1f1b"}[kept]
-    assert f"the {loser} schedule's CUDA graphs released" in decision
+    lines = per_rank[0]["probed_full_ovl"][2]
+    decision = next(line for line in lines if line.startswith("tune: steps 3-6, "))
+    kept = decision.split("(ms): ")[1].split(" for the rest")[0]
+    assert kept in ("combined_1f1b", "sequential")
+    assert any(line.startswith("tune: the other paths' CUDA graphs released") for line in lines)
     for rank, runs in enumerate(per_rank):
         steps, banks, lines = runs["probed_full_ovl"]
         assert steps == runs["full_ovl"][0], rank  # loss, reruns, budget of every step
         assert all(reruns >= 1 for _, reruns, _ in steps)
         both = next(line for line in lines if "bank ('sequential', 0)" in line)
-        assert "bank ('combined_1f1b', 0)" in both, both  # a full graph per schedule, then
+        assert "bank ('combined_1f1b', 0)" in both, both  # a full graph per path, then
         assert len(banks) == 2 and {key[0] for key in banks} == {kept}, (rank, banks)
         assert (kept, 0) in banks  # the base budget's bank and the rerun level's are left

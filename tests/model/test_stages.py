@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from epoverlap.config import parse_config
+from epoverlap.config import parse_config, resolve_config
 from epoverlap.model.nodes import COMM, RECV, SEND
 from epoverlap.model.stages import stage_chunks
 from epoverlap.model.transformer import MoEModel
@@ -102,8 +102,9 @@ def test_the_memory_estimate_counts_exactly_each_stages_parameters(pp, virtual):
 
 def test_the_memory_estimate_is_the_largest_stage_and_counts_its_microbatches_in_flight():
     base = MODEL + ["--num-microbatches", "8"]
-    one = estimate_memory(parse_config(base), 2)
-    staged = estimate_memory(parse_config(base + ["--pipeline-model-parallel-size", "2"]), 2)
+    one = estimate_memory(resolve_config(parse_config(base), 2, False), 2)
+    staged = estimate_memory(resolve_config(parse_config(
+        base + ["--pipeline-model-parallel-size", "2"]), 2, False), 2)
     assert staged.states < one.states  # half the layers per rank
     assert "2 microbatches on stage 0" in staged.in_flight  # 1F1B: P - p in flight
     assert staged.activations > one.activations / 2

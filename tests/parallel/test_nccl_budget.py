@@ -57,14 +57,16 @@ def test_accepted_on_cuda(nccl_configurable, argv):
 
 @pytest.mark.parametrize("argv, cuda, flag, fragment", [
     (EP2 + ["--moe-a2a-nccl-max-ctas", "8"], False, "--moe-a2a-nccl-max-ctas=8", "gloo"),
-    (["--moe-a2a-nccl-min-ctas", "2"], True, "--moe-a2a-nccl-min-ctas=2",
+    (["--moe-a2a-nccl-min-ctas", "2", "--expert-model-parallel-size", "1"], True,
+     "--moe-a2a-nccl-min-ctas=2",
      "--expert-model-parallel-size > 1"),
     (EP2 + ["--moe-a2a-nccl-max-ctas", "0"], True, "--moe-a2a-nccl-max-ctas=0", "[1, 64]"),
     (EP2 + ["--moe-a2a-nccl-max-ctas", "65"], True, "--moe-a2a-nccl-max-ctas=65", "[1, 64]"),
     (EP2 + ["--moe-a2a-nccl-max-ctas", "4", "--moe-a2a-nccl-min-ctas", "8"], True,
      "--moe-a2a-nccl-min-ctas=8", "<= --moe-a2a-nccl-max-ctas=4"),
     (["--comm-stream-priority", "low"], True, "--comm-stream-priority=low", "high, normal"),
-    (EP2 + ["--comm-stream-priority", "normal"], True, "--comm-stream-priority=normal",
+    (EP2 + ["--comm-stream-priority", "normal", "--no-overlap-moe-expert-parallel-comm"], True,
+     "--comm-stream-priority=normal",
      "--overlap-moe-expert-parallel-comm"),
     (OVERLAP + ["--comm-stream-priority", "normal"], False, "--comm-stream-priority=normal",
      "CUDA device"),

@@ -28,6 +28,7 @@ from dist_helpers import run_ranks
 from epoverlap.cli import timeline
 from epoverlap.cli.compare_losses import compare_loss_logs
 from pipeline_workers import OVERLAP, TINY_PP, VIRTUAL, WGRAD, mode_results
+from epoverlap.config.resolve import SEQUENTIAL_FLAG
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -73,7 +74,8 @@ def assert_bitwise_equal_to(reference: list, pipelined: list, mode: str) -> None
 
 
 def test_pp2_on_two_ranks_equals_one_stage_bitwise(one_stage, tmp_path):
-    modes = [("sequential", []), ("overlap", OVERLAP), ("virtual_wgrad", VIRTUAL + WGRAD)]
+    modes = [("sequential", [SEQUENTIAL_FLAG]), ("overlap", OVERLAP),
+             ("virtual_wgrad", VIRTUAL + WGRAD)]
     results = run_ranks(mode_results, 2, PP2, modes, str(tmp_path), STEPS, timeout_s=600)
     reference = [r["ep1"] for r in one_stage["ep1"]]
     for mode, _ in modes:
@@ -83,7 +85,7 @@ def test_pp2_on_two_ranks_equals_one_stage_bitwise(one_stage, tmp_path):
 
 @pytest.mark.slow
 def test_pp2_ep2_on_four_ranks_equals_one_stage_bitwise(one_stage, tmp_path):
-    modes = [("sequential", []), ("wgrad", WGRAD)]  # the CLI test runs virtual + wgrad here
+    modes = [("sequential", [SEQUENTIAL_FLAG]), ("wgrad", WGRAD)]  # the CLI test runs virtual + wgrad here
     results = run_ranks(mode_results, 4, PP2 + EP2, modes, str(tmp_path), STEPS, timeout_s=600)
     reference = [r["ep2"] for r in one_stage["ep2"]]
     for mode, _ in modes:

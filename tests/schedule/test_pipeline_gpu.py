@@ -15,12 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from epoverlap.config.resolve import SEQUENTIAL_FLAG
+
 REPO = Path(__file__).resolve().parents[2]
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 BASE = ["--preset", "tiny", "--num-layers", "4", "--bf16", "--deterministic-mode",
         "--kernel-backend", "triton", "--seed", "3", "--train-iters",
-        os.environ.get("EPOVERLAP_GPU_STEPS", "10")]
+        os.environ.get("EPOVERLAP_GPU_STEPS", "10"),
+        "--cuda-graph-impl", "none"]  # eager (on CUDA the default is the partial graphs)
+SEQUENTIAL = [SEQUENTIAL_FLAG]  # the plain 1F1B / PP=1 reference: no EP overlap
 PP2 = ["--pipeline-model-parallel-size", "2"]
 EP2 = ["--expert-model-parallel-size", "2"]
 OVERLAP = ["--overlap-moe-expert-parallel-comm"]
@@ -58,8 +62,8 @@ def _loss_bits(records: list) -> list[tuple[str, str]]:
 @pytest.mark.multigpu
 @_gpus(2)
 def test_pp2_over_nccl_equals_one_gpu_bitwise(tmp_path):
-    _, reference = _train(tmp_path, "pp1_1gpu", 1, BASE)
-    runs = {"pp2": PP2, "pp2_ovl": PP2 + OVERLAP, "pp2_wgrad": PP2 + WGRAD,
+    _, reference = _train(tmp_path, "pp1_1gpu", 1, BASE + SEQUENTIAL)
+    runs = {"pp2": PP2 + SEQUENTIAL, "pp2_ovl": PP2 + OVERLAP, "pp2_wgrad": PP2 + WGRAD,
             "pp2_virtual_wgrad": PP2 + VIRTUAL + WGRAD}
     differing = []
     for name, flags in runs.items():
@@ -73,7 +77,7 @@ def test_pp2_over_nccl_equals_one_gpu_bitwise(tmp_path):
 @pytest.mark.multigpu
 @_gpus(4)
 def test_pp2_ep2_on_four_gpus_equals_ep2_on_two_bitwise(tmp_path):
-    _, reference = _train(tmp_path, "ep2_2gpu", 2, BASE + EP2)
+    _, reference = _train(tmp_path, "ep2_2gpu", 2, BASE + EP2 + SEQUENTIAL)
     for name, flags in {"pp2_ep2_wgrad": WGRAD, "pp2_ep2_virtual_ovl": VIRTUAL + OVERLAP}.items():
         _, records = _train(tmp_path, name, 4, BASE + PP2 + EP2 + flags)
         assert _loss_bits(records) == _loss_bits(reference), name

@@ -21,7 +21,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
         "--lr-warmup-iters", "2", "--log-interval", "1000"]
 
 MODES = {
-    "sequential": [],
+    "sequential": ["--no-overlap-moe-expert-parallel-comm"],
     "overlap": ["--overlap-moe-expert-parallel-comm"],
     "overlap_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
     "early_release_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from epoverlap.config import parse_config
+from epoverlap.config import parse_config, resolve_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.trainer import Trainer
 
@@ -54,7 +54,7 @@ def _one_mode(cfg, groups, log_json: str) -> dict:
 
 def mode_results(rank, world_size, parallel_flags, modes, out_dir, steps):
     """{mode: this rank's results} for each (mode, flags) of `modes`."""
-    first = parse_config(TINY_PP + list(parallel_flags))
+    first = resolve_config(parse_config(TINY_PP + list(parallel_flags)), world_size, False)
     groups = init_distributed(first.parallel.expert_model_parallel_size, "cpu",
                               timeout_minutes=3,
                               pp_size=first.parallel.pipeline_model_parallel_size)

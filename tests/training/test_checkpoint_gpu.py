@@ -2,7 +2,8 @@
 from its step-3 checkpoint logs the same losses bit for bit and ends in the same state as the
 uninterrupted run: on 2 GPUs (NCCL, bf16, EP 2, overlap + delayed wgrad, expert bias and the
 router's CUDA balancing generator on), and on one (bf16, the fused AdamW, whose step count
-lives on the GPU)."""
+lives on the GPU); eager steps both (--cuda-graph-impl none: on CUDA the default is the partial
+graphs)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
                 "NVSHMEM_DISABLE_NVLS": "1"}
 RUN = ["--preset", "tiny", "--bf16", "--mock-data", "--train-iters", "6",
        "--deterministic-mode", "--moe-router-score-function", "sigmoid",
-       "--moe-router-enable-expert-bias", "--moe-router-force-load-balancing"]
+       "--moe-router-enable-expert-bias", "--moe-router-force-load-balancing",
+       "--cuda-graph-impl", "none"]
 EP2_OVERLAP = ["--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
                "--delay-wgrad-compute"]
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dist_helpers import one_process_model
+from epoverlap.config.resolve import SEQUENTIAL_FLAG
 
 # strict --deterministic-mode needs cuBLAS's fixed workspace, set before cuBLAS starts
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -125,6 +126,7 @@ def test_partial_cuda_graphs_replay_bitwise_like_eager_on_one_gpu(lanes_kind, de
 @pytest.mark.gpu
 @needs_gpu
 def test_bf16_training_on_one_gpu_reduces_the_loss(tmp_path):
+    """The default path on one GPU (EP 1, sequential, the partial CUDA graphs), bf16."""
     log = tmp_path / "log.jsonl"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
@@ -156,13 +158,18 @@ def test_overlap_bitwise_over_nccl(tmp_path):
 
 GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",
           "moe_preprocess"]
+# the sequential schedule and eager steps, pinned: on CUDA the defaults are the overlap (EP > 1)
+# and the partial graphs
+SEQUENTIAL = [SEQUENTIAL_FLAG]
+EAGER = ["--cuda-graph-impl", "none"]
 
 
 @pytest.mark.gpu
 @needs_gpu
 def test_graphed_sequential_run_on_one_gpu_equals_eager_bitwise(tmp_path):
-    flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "12"]
-    _, eager = _train(tmp_path, "eager_1gpu", 1, flags)
+    flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "12",
+             *SEQUENTIAL]
+    _, eager = _train(tmp_path, "eager_1gpu", 1, flags + EAGER)
     out, graphed = _train(tmp_path, "graphs_1gpu", 1, flags + GRAPHS +
                           ["--cuda-graph-check-inputs"])
     assert "CUDA graphs: " in out and " captured after step 3" in out
@@ -172,7 +179,7 @@ def test_graphed_sequential_run_on_one_gpu_equals_eager_bitwise(tmp_path):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("extra", [
-    [],
+    EAGER,
     GRAPHS,
     # fixed chunks whose padding rows the grouped GEMMs leave unwritten, a rerun every step
     # (half the rows), and one graph over the whole step
@@ -207,8 +214,8 @@ def test_cli_with_the_fused_loss_is_bitwise_on_one_gpu(tmp_path):
     assert 32001 >= FUSED_MIN_VOCAB
     flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "12",
              "--kernel-backend", "triton", *FUSED_LOSS_VOCAB]
-    _, first = _train(tmp_path, "fused_loss", 1, flags)
-    _, again = _train(tmp_path, "fused_loss_again", 1, flags)
+    _, first = _train(tmp_path, "fused_loss", 1, flags + EAGER)
+    _, again = _train(tmp_path, "fused_loss_again", 1, flags + EAGER)
     _, graphed = _train(tmp_path, "fused_loss_graphs", 1, flags + GRAPHS)
     assert abs(first[0]["loss"] - math.log(32001)) < 0.5, first[0]["loss"]
     assert _identical(first, again) and _identical(first, graphed)
@@ -223,9 +230,9 @@ def test_overlap_with_the_fused_loss_is_bitwise_the_sequential_schedule():
 
     torch.use_deterministic_algorithms(True)
     flags = ["--preset", "tiny", "--bf16", "--train-iters", "6", "--log-interval", "100",
-             *FUSED_LOSS_VOCAB]
+             *FUSED_LOSS_VOCAB, *EAGER]
     losses = {}
-    for name, extra in (("seq", []), ("ovl", ["--overlap-moe-expert-parallel-comm",
+    for name, extra in (("seq", SEQUENTIAL), ("ovl", ["--overlap-moe-expert-parallel-comm",
                                               "--delay-wgrad-compute"])):
         with mock.patch.dict(os.environ):  # init_distributed sets RANK, MASTER_PORT, ...
             results = _train_in_process(init_distributed(1, "cuda"), flags + extra)
@@ -236,7 +243,8 @@ def test_overlap_with_the_fused_loss_is_bitwise_the_sequential_schedule():
 def _probe_run(device_kind: str, probe_steps: int, graphs: bool = False) -> list:
     """Ten steps (twelve with `graphs`: the partial CUDA graphs, two warm-up steps) of a small
     bf16 model on one process, the combined 1F1B with delayed wgrad and the optimizer on,
-    probed against the sequential schedule over `probe_steps` steps each (0: never). EP 1: the
+    probed against the sequential schedule over `probe_steps` steps each (the deprecated
+    --overlap-probe-steps: the tuner over those two paths; 0: --tune off, never). EP 1: the
     all-to-alls are local copies on the comm lane; the training command refuses the overlap at
     EP 1 (nothing to hide), the trainer does not check."""
     from epoverlap.parallel.groups import init_distributed
@@ -244,9 +252,9 @@ def _probe_run(device_kind: str, probe_steps: int, graphs: bool = False) -> list
     torch.use_deterministic_algorithms(True)
     flags = ["--preset", "tiny", "--mock-data", "--train-iters", "12" if graphs else "10",
              "--log-interval", "100", "--overlap-moe-expert-parallel-comm",
-             "--delay-wgrad-compute", "--overlap-probe-steps", str(probe_steps)]
-    if graphs:
-        flags += GRAPHS + ["--cuda-graph-warmup-steps", "2"]
+             "--delay-wgrad-compute", *(["--overlap-probe-steps", str(probe_steps)]
+                                        if probe_steps else ["--tune", "off"])]
+    flags += (GRAPHS + ["--cuda-graph-warmup-steps", "2"]) if graphs else EAGER
     flags += ["--bf16"] if device_kind == "cuda" else ["--kernel-backend", "torch"]
     with mock.patch.dict(os.environ):  # init_distributed sets RANK, MASTER_PORT, ...
         return _train_in_process(init_distributed(1, device_kind), flags)
@@ -303,12 +311,12 @@ def test_cli_probe_run_is_bitwise_the_sequential_run(tmp_path):
     its losses are the sequential run's bit for bit."""
     nproc = torch.cuda.device_count()
     flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "12",
-             "--expert-model-parallel-size", str(nproc)]
-    _, sequential = _train(tmp_path, "probe_reference", nproc, flags)
+             "--expert-model-parallel-size", str(nproc), *EAGER]
+    _, sequential = _train(tmp_path, "probe_reference", nproc, flags + SEQUENTIAL)
     out, probed = _train(tmp_path, "probe", nproc, flags + [
         "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
         "--overlap-probe-steps", "3"])
-    assert "overlap probe, steps 2-7: combined_1f1b " in out, out[-3000:]
+    assert "tune: steps 2-7, " in out, out[-3000:]
     assert [r["schedule"] for r in probed][1:7] == ["combined_1f1b", "sequential"] * 3
     assert _identical(sequential, probed)
 
@@ -322,12 +330,13 @@ def test_cli_probe_with_partial_graphs_is_bitwise_the_sequential_run(tmp_path):
     nproc = torch.cuda.device_count()
     flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "12",
              "--expert-model-parallel-size", str(nproc)]
-    _, sequential = _train(tmp_path, "probe_graphs_reference", nproc, flags)
+    _, sequential = _train(tmp_path, "probe_graphs_reference", nproc,
+                           flags + SEQUENTIAL + EAGER)
     out, probed = _train(tmp_path, "probe_graphs", nproc, flags + GRAPHS + [
         "--cuda-graph-warmup-steps", "2", "--overlap-moe-expert-parallel-comm",
         "--delay-wgrad-compute", "--overlap-probe-steps", "3"])
-    assert "overlap probe, steps 4-9: combined_1f1b " in out, out[-3000:]
-    assert "schedule's CUDA graphs released" in out
+    assert "tune: steps 4-9, " in out, out[-3000:]
+    assert "tune: the other paths' CUDA graphs released" in out
     assert [r["schedule"] for r in probed][:9] == ["combined_1f1b", "combined_1f1b",
                                                    "sequential"] + [
         "combined_1f1b", "sequential"] * 3
@@ -350,9 +359,9 @@ def test_cli_runs_are_bitwise_identical_under_deterministic(tmp_path):
     wgrad = overlap + ["--delay-wgrad-compute"]
     paired_carved = wgrad + ["--overlap-plan", "combined_1f1b_paired_ends",
                              "--moe-grouped-gemm-sm-carveout", "8"]
-    runs = {"seq": [], "seq_again": [], "ovl": overlap, "ovl_wgrad": wgrad,
-            "ovl_wgrad_graphs": wgrad + GRAPHS, "seq_graphs": GRAPHS,
-            "paired_ends_carveout": paired_carved,
+    runs = {"seq": SEQUENTIAL + EAGER, "seq_again": SEQUENTIAL + EAGER, "ovl": overlap + EAGER,
+            "ovl_wgrad": wgrad + EAGER, "ovl_wgrad_graphs": wgrad + GRAPHS,
+            "seq_graphs": SEQUENTIAL + GRAPHS, "paired_ends_carveout": paired_carved + EAGER,
             # torch's fill of new memory on: no result reads memory nothing wrote
             "ovl_wgrad_graphs_filled": wgrad + GRAPHS + [
                 "--deterministic-fill-uninitialized-memory"]}
@@ -382,9 +391,10 @@ def test_cli_once_per_rank_dispatch_is_bitwise_across_schedules_on_two_gpus(tmp_
             "--moe-router-topk", "4"]
     once = base + ["--moe-dispatch-once-per-rank"]
     wgrad = ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
-    runs = {"per_expert": base, "once_seq": once, "once_ovl_wgrad": once + wgrad,
+    runs = {"per_expert": base + SEQUENTIAL + EAGER, "once_seq": once + SEQUENTIAL + EAGER,
+            "once_ovl_wgrad": once + wgrad + EAGER,
             "once_ovl_wgrad_graphs": once + wgrad + GRAPHS,
-            "once_paired_ends_carveout": once + wgrad + [
+            "once_paired_ends_carveout": once + wgrad + EAGER + [
                 "--overlap-plan", "combined_1f1b_paired_ends",
                 "--moe-grouped-gemm-sm-carveout", "8"]}
     logs = {name: _train(tmp_path, name, 2, flags)[1] for name, flags in runs.items()}
@@ -408,7 +418,7 @@ def test_simulator_replays_a_recorded_overlapped_run(tmp_path):
     from epoverlap.cli import simulate as sim
     from benchmarks.harness.bench_overlap import COMMON, SHAPES
     spans = tmp_path / "spans"
-    flags = SHAPES["ratio_h2048_k8_f128"] + COMMON + [
+    flags = SHAPES["ratio_h2048_k8_f128"] + COMMON + EAGER + [
         "--bf16", "--expert-model-parallel-size", "2", "--overlap-moe-expert-parallel-comm",
         "--train-iters", "6", "--profile-steps", "4:6", "--profile-dir", str(spans)]
     result = subprocess.run(

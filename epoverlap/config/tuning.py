@@ -1,0 +1,133 @@
+"""The paths `--tune` chooses between, and the steps it takes: the config's side of the
+measured path tuner (`training.tuner` times the paths and decides).
+
+A path is a way to run the step that a built run can switch to at a step boundary without
+changing the math (the overlap contract, docs/overlap.md: every schedule gives the same bits):
+
+  an overlap plan       combined_1f1b; combined_1f1b_paired_ends where it differs (one pipeline
+                        stage of one chunk, two or more microbatches; the training side drops
+                        it when its memory estimate does not fit)
+  delayed weight grads  off and on (a `+wgrad` suffix) for each overlap plan
+  sequential            last; no overlap
+
+An axis the user pinned is not tuned: --overlap-plan given keeps that plan (it is still timed
+against the sequential schedule), --delay-wgrad-compute keeps weight grads delayed on every
+path (no name then carries `+wgrad`), and without the overlap
+(--no-overlap-moe-expert-parallel-comm) there is nothing to tune. The paths are in a fixed
+order, the flags' own path first: a tie keeps the earlier one. The deprecated
+--overlap-probe-steps N is --tune on --tune-steps N over two paths, the flags' overlap plan and
+sequential.
+
+Left out: combined_1f1b_early_release (a memory lever: its order releases activations early,
+not a faster step); the SM carveout of the experts' grouped GEMMs (--moe-grouped-gemm-sm-carveout:
+its partner, the all-to-all's CTA limit --moe-a2a-nccl-max-ctas, is fixed when the EP
+communicator is made, so the carveout alone cannot be switched as the lever it is).
+
+Imports only `config.sections`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epoverlap.config.sections import RunConfig
+
+SEQUENTIAL = "sequential"
+DEFAULT_PLAN = "combined_1f1b"
+PAIRED_ENDS = "combined_1f1b_paired_ends"
+WGRAD = "+wgrad"
+GRAPH_IMPLS = ("none", "local", "full_iteration")  # each path can replay its own graphs
+
+
+@dataclass(frozen=True)
+class TunePath:
+    """One path: its name (the step line's `tune:` and the log's `schedule`), the plan it
+    runs and whether weight grads are delayed."""
+
+    name: str
+    plan: str
+    delay_wgrad: bool
+
+
+def probe_steps(cfg: RunConfig) -> int:
+    """--overlap-probe-steps (deprecated), 0 when not given."""
+    return cfg.overlap.overlap_probe_steps
+
+
+def tune_mode(cfg: RunConfig) -> str:
+    """on, off or auto: --tune, or on with the deprecated --overlap-probe-steps."""
+    return "on" if probe_steps(cfg) > 0 else cfg.overlap.tune
+
+
+def timed_steps(cfg: RunConfig) -> int:
+    """Timed steps per path: --tune-steps, or the deprecated --overlap-probe-steps."""
+    return probe_steps(cfg) or cfg.overlap.tune_steps
+
+
+def candidate_paths(cfg: RunConfig) -> list[TunePath]:
+    """Every path of this config, in the tie-break order (see the module docstring); one,
+    the flags' own, when there is nothing to tune."""
+    o = cfg.overlap
+    if not o.overlap_moe_expert_parallel_comm:
+        return [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute))]
+    if probe_steps(cfg) > 0 or o.overlap_plan is not None:
+        plans = [cfg.plan_name]
+    else:
+        plans = [DEFAULT_PLAN] + ([PAIRED_ENDS] if paired_ends_differs(cfg) else [])
+    pinned_wgrad = probe_steps(cfg) > 0 or o.delay_wgrad_compute
+    wgrads = [bool(o.delay_wgrad_compute)] if pinned_wgrad else [False, True]
+    tuned_wgrad = len(wgrads) > 1
+    paths = [TunePath(plan + (WGRAD if wgrad and tuned_wgrad else ""), plan, wgrad)
+             for plan in plans for wgrad in wgrads]
+    return paths + [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute))]
+
+
+def paired_ends_differs(cfg: RunConfig) -> bool:
+    """Whether combined_1f1b_paired_ends is a path of its own here: one stage of one chunk
+    (the plan builder's rule) and two or more microbatches (with one it is the plain plan)."""
+    return (cfg.parallel.pipeline_model_parallel_size == 1 and cfg.virtual_stages == 1
+            and cfg.train.num_microbatches >= 2)
+
+
+def flags_path(cfg: RunConfig) -> TunePath:
+    """The path the flags say (what --tune off runs)."""
+    plan = cfg.plan_name
+    return TunePath(plan, plan, bool(cfg.overlap.delay_wgrad_compute))
+
+
+def untimed_steps(cfg: RunConfig, paths: int) -> int:
+    """Steps before the timed window: the first step (compiles, allocator warm-up); with CUDA
+    graphs the graphs' warm-up steps (the first path's capture after the last) and one step
+    per other path that captures its graphs."""
+    if cfg.cuda_graph.impl == "none":
+        return 1
+    return max(cfg.cuda_graph.warmup_steps, 1) + paths - 1
+
+
+def steps_needed(cfg: RunConfig, paths: int) -> int:
+    """Steps the tuner takes to decide among `paths` paths (each timed --tune-steps times)."""
+    return untimed_steps(cfg, paths) + paths * timed_steps(cfg)
+
+
+def tune_blocker(cfg: RunConfig) -> str:
+    """Why this config cannot be tuned ('' when it can), in the words of a ConfigError."""
+    impl = cfg.cuda_graph.impl
+    if not cfg.overlap.overlap_moe_expert_parallel_comm:
+        return ("times the overlap's paths against the sequential schedule: needs "
+                "--overlap-moe-expert-parallel-comm")
+    if cfg.parallel.pipeline_model_parallel_size != 1:
+        return "needs --pipeline-model-parallel-size 1 (one stage's plan is switched)"
+    if impl not in GRAPH_IMPLS:
+        return (f"switches paths that each replay their own graphs; --cuda-graph-impl {impl} is "
+                "not built: use --cuda-graph-impl none, local or full_iteration")
+    return ""
+
+
+def may_tune(cfg: RunConfig, device: str) -> bool:
+    """Whether this run tunes, if it has the steps (the training side checks those after
+    looking in --tune-cache: a cached decision needs none): --tune on (validated), or auto on
+    CUDA where the config can be tuned and has two or more paths; never with off."""
+    mode = tune_mode(cfg)
+    if mode == "off" or tune_blocker(cfg) or len(candidate_paths(cfg)) < 2:
+        return False
+    return mode == "on" or device == "cuda"

@@ -1,0 +1,122 @@
+"""The `auto` defaults (config.resolve): resolved alike whichever command starts the job, never
+over a value given, and never turning a valid command line into an error."""
+
+from __future__ import annotations
+
+import pytest
+
+from epoverlap.cli.launch import plan_launch
+from epoverlap.cli.train import checked_config
+from epoverlap.config import parse_config, resolve_config
+from epoverlap.config.parse import flags_text
+from epoverlap.config.resolve import SEQUENTIAL_FLAG, auto_ep_size, path_text
+
+
+def resolved(argv, world=2, cuda=False):
+    return resolve_config(parse_config(argv), world, cuda)
+
+
+@pytest.fixture
+def gpu_rules(monkeypatch):
+    """Resolve as on a GPU machine (the Triton kernels' check passes in interpret mode)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_cpu_ranks_get_ep_over_all_ranks_and_the_overlap_in_fp32_eager():
+    cfg = resolved([], world=4)
+    assert cfg.parallel.expert_model_parallel_size == 4
+    assert cfg.overlap.overlap_moe_expert_parallel_comm is True
+    assert cfg.train.bf16 is False
+    assert cfg.cuda_graph.impl == "none"
+
+
+def test_gpus_over_nvlink_get_bf16_and_one_graph_of_the_iteration(gpu_rules, monkeypatch):
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    cfg = resolved([], world=2, cuda=True)
+    assert (cfg.train.bf16, cfg.overlap.overlap_moe_expert_parallel_comm) == (True, True)
+    assert (cfg.cuda_graph.impl, cfg.moe.moe_dispatch_budget) == ("full_iteration", 1.25)
+    assert "--moe-dispatch-budget" in cfg.defaulted
+
+
+@pytest.mark.parametrize("link", [{"NCCL_P2P_DISABLE": "1"},
+                                  {"LOCAL_WORLD_SIZE": "1"}])  # two hosts of one rank
+def test_where_bytes_bind_gpus_get_partial_graphs(gpu_rules, monkeypatch, link):
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    for name, value in link.items():
+        monkeypatch.setenv(name, value)
+    cfg = resolved([], world=2, cuda=True)
+    assert (cfg.parallel.expert_model_parallel_size, cfg.train.bf16,
+            cfg.overlap.overlap_moe_expert_parallel_comm) == (2, True, True)
+    assert cfg.cuda_graph.impl == "local"
+    assert cfg.cuda_graph.modules == ("attn", "moe_router", "moe_preprocess")
+    assert "--overlap-moe-expert-parallel-comm" in cfg.defaulted
+
+
+def test_values_given_are_kept(gpu_rules):
+    cfg = resolved(["--no-bf16", "--cuda-graph-impl", "none", SEQUENTIAL_FLAG,
+                    "--expert-model-parallel-size", "1"], world=2, cuda=True)
+    assert (cfg.parallel.expert_model_parallel_size, cfg.train.bf16,
+            cfg.overlap.overlap_moe_expert_parallel_comm, cfg.cuda_graph.impl) == \
+        (1, False, False, "none")
+    assert cfg.defaulted == ()
+    assert "--no-bf16" in flags_text(cfg) and SEQUENTIAL_FLAG in flags_text(cfg)
+
+
+def test_one_ep_rank_has_nothing_to_overlap():
+    cfg = resolved(["--expert-model-parallel-size", "1"], world=2)
+    assert cfg.overlap.overlap_moe_expert_parallel_comm is False
+
+
+def test_an_auto_value_a_rule_refuses_falls_back_to_off(gpu_rules):
+    # the graphs capture one-stage plans: with pipeline stages the auto graphs stay off
+    cfg = resolved(["--pipeline-model-parallel-size", "2"], world=4, cuda=True)
+    assert cfg.cuda_graph.impl == "none"
+    assert cfg.overlap.overlap_moe_expert_parallel_comm is True
+
+
+@pytest.mark.parametrize("experts, world, pp, ep", [(8, 4, 1, 4), (6, 4, 1, 2), (8, 8, 2, 4),
+                                                    (0, 4, 1, 1)])
+def test_auto_ep_divides_the_stage_and_the_experts(experts, world, pp, ep):
+    cfg = parse_config(["--num-experts", str(experts), "--pipeline-model-parallel-size",
+                        str(pp)])
+    assert auto_ep_size(cfg, world) == ep
+
+
+def test_flags_that_need_the_overlap_do_not_cost_bf16(gpu_rules):
+    # --delay-wgrad-compute needs the overlap: the auto values are tried together first
+    cfg = resolved(["--delay-wgrad-compute"], world=2, cuda=True)
+    assert cfg.train.bf16 is True and cfg.overlap.overlap_moe_expert_parallel_comm is True
+
+
+def test_resolution_is_idempotent(gpu_rules, monkeypatch):
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    once = resolved(["--preset", "megatron-cmp", "--mock-data"], world=4, cuda=True)
+    assert resolve_config(once, 4, True) == once
+
+
+def test_torchrun_and_the_launcher_resolve_the_same_config(monkeypatch):
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    ranks, on_gpu, train_args = plan_launch(["--train-iters", "3"])
+    via_launch, _, _ = checked_config(train_args, ranks, False, ranks, printing=False)
+    via_torchrun, _, _ = checked_config(["--preset", "tiny", "--train-iters", "3"], 2, False,
+                                        2, printing=False)
+    assert (ranks, on_gpu) == (2, False)
+    assert via_launch == via_torchrun
+    assert via_launch.overlap.overlap_moe_expert_parallel_comm is True
+
+
+def test_a_capacity_keeps_partial_graphs_over_nvlink(gpu_rules, monkeypatch):
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    cfg = resolved(["--moe-expert-capacity-factor", "1.0"], world=2, cuda=True)
+    assert cfg.cuda_graph.impl == "local" and cfg.moe.moe_dispatch_budget is None
+
+
+def test_the_path_line_names_what_auto_chose(gpu_rules, monkeypatch):
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    cfg = resolved([], world=2, cuda=True)
+    line = path_text(cfg, "cuda")
+    assert "the tuner's pick of combined_1f1b, combined_1f1b+wgrad" in line
+    assert "graphs local (attn moe_router moe_preprocess)" in line
+    assert "schedule combined_1f1b | delayed wgrad off" in path_text(cfg, "cpu")
+    assert "set by auto defaults: --expert-model-parallel-size, " \
+        "--overlap-moe-expert-parallel-comm, --bf16, --cuda-graph-impl;" in line
