@@ -21,10 +21,18 @@ PRESETS: dict[str, dict] = {
                          num_attention_heads=16, seq_length=2048, num_experts=32,
                          moe_router_topk=4, moe_ffn_hidden_size=1024, micro_batch_size=2,
                          num_microbatches=8, moe_router_force_load_balancing=True),
+    # Mixtral-8x7B's layer (hidden 4096, 32 heads / 8 KV heads, expert FFN 14336, 8 experts
+    # top-2, all layers MoE) at 4 layers; its rotary base 1e6, vocabulary 32000 and 32k context
+    # are not set (rotary base 1e4, the data's vocabulary, seq 2048).
     "mixtral-proxy": dict(num_layers=4, hidden_size=4096, ffn_hidden_size=14336,
                           num_attention_heads=32, num_query_groups=8, seq_length=2048,
                           num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336,
                           micro_batch_size=1, num_microbatches=4),
+    # DeepSeek-V3's MoE layer (hidden 7168, 256 routed experts top-8 of expert FFN 2048, one
+    # shared expert of 2048, 8 groups top-4, sigmoid with expert bias, scaling 2.5; dense FFN
+    # 18432) at 2 layers, all MoE (V3's first 3 layers are dense). Its attention is MLA with 128
+    # heads, which epoverlap does not have: GQA 56 heads x head dim 128 / 8 KV heads instead
+    # (the head dim is hidden / heads here, and 128 heads would make it 56).
     "dsv3-proxy": dict(num_layers=2, hidden_size=7168, ffn_hidden_size=18432,
                        num_attention_heads=56, num_query_groups=8, seq_length=4096,
                        num_experts=256, moe_router_topk=8, moe_ffn_hidden_size=2048,
@@ -32,4 +40,18 @@ PRESETS: dict[str, dict] = {
                        moe_router_group_topk=4, moe_router_score_function="sigmoid",
                        moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
                        moe_first_k_dense_replace=0, micro_batch_size=1, num_microbatches=4),
+    # Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts top-8 of expert FFN 768, softmax,
+    # no shared expert, every layer MoE) at 6 of its 48 layers, seq 4096, on mock data at its
+    # vocabulary (NullTokenizer 151936: the model's is 151937). Qwen3 has 32 query heads / 4 KV
+    # heads of head dim 128 (query width 4096 != hidden 2048); epoverlap's head dim is hidden /
+    # heads, so this keeps head dim 128 and the 4 KV heads (KV width 512, as Qwen3's) with 16
+    # query heads (query width 2048: half Qwen3's attention projections and core attention).
+    # Estimated (training/memory.py, EP = GPUs) 64 GiB per GPU at 2 GPUs, 51 at 4 (66 and 53
+    # with --overlap-moe-expert-parallel-comm); 8 layers would be 78 GiB at 2.
+    "qwen3-30b-a3b-proxy": dict(num_layers=6, hidden_size=2048, ffn_hidden_size=6144,
+                                num_attention_heads=16, num_query_groups=4, seq_length=4096,
+                                num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+                                moe_router_score_function="softmax", mock_data=True,
+                                tokenizer_type="NullTokenizer", vocab_size=151936,
+                                micro_batch_size=1, num_microbatches=4),
 }

@@ -493,7 +493,10 @@ def count_parameters(model: MoEModel, ep_size: int) -> dict:
 
 
 def training_flops_per_token(cfg: RunConfig) -> float:
-    """Matmul + attention FLOPs per token of one training step (3x forward; causal attention)."""
+    """Matmul + attention FLOPs per token of one training step (3x forward; causal attention).
+    Differs from `megatron_flops_per_token` only by the router GEMM (2 H E per token per MoE
+    layer forward), which this counts and Megatron-LM does not; the causal attention (half the
+    S x S scores) is counted alike."""
     m, moe = cfg.model, cfg.moe
     attn_params = m.hidden_size * (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim \
         + m.num_attention_heads * m.head_dim * m.hidden_size
@@ -508,3 +511,30 @@ def training_flops_per_token(cfg: RunConfig) -> float:
             mlp = 3 * m.hidden_size * m.ffn_hidden_size
         forward += 2 * (attn_params + mlp) + attn_scores
     return 3.0 * forward
+
+
+def megatron_flops_per_token(cfg: RunConfig) -> float:
+    """FLOPs per token of one training step as Megatron-LM counts them (the TFLOP/s it logs):
+    `num_floating_point_operations(args, batch_size) / (batch_size * seq_length)`, the
+    `transformer_flops()` path of megatron/training/training.py at NVIDIA/Megatron-LM tag
+    core_v0.16.1 (commit 55ac7082517c3878ae653c07c09c534b8aed49f6), for the parts this model
+    has: GQA attention, SwiGLU dense and expert MLPs, top-k routed experts, a shared expert,
+    the logit layer; no MLA, MTP, linear attention or attention output gate. With
+    H hidden, S sequence, Q/G query/key-value heads, D head dim, F dense FFN, Fe expert FFN,
+    k top-k, Fs shared FFN, V vocabulary, 3 (forward, wgrad, dgrad) x 2 (multiply-add):
+      per layer  6 (H (Q + 2G) D + Q D S / 2 x 2 + Q D H)   (qkv, causal QK^T and AV, out)
+      dense MLP  6 H x 3F;  MoE layer  6 H x 3 (k Fe + Fs)  (the router is not counted)
+      logits     6 H V
+    V is the model's vocabulary (the tokenizer's + 1 for NullTokenizer); Megatron-LM uses its
+    `padded_vocab_size` (rounded up to --make-vocab-size-divisible-by x TP), which epoverlap
+    does not pad to: at vocab 151937 that is 152064 there, 0.08% more logit FLOPs."""
+    m, moe = cfg.model, cfg.moe
+    query, kv = m.num_attention_heads * m.head_dim, m.kv_heads * m.head_dim
+    attention = m.hidden_size * (query + 2 * kv) + query * m.seq_length / 2 * 2 \
+        + query * m.hidden_size
+    expert_ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
+    shared_ffn = moe.moe_shared_expert_intermediate_size or 0
+    mlp = sum(3 * (moe.moe_router_topk * expert_ffn + shared_ffn) if is_moe
+              else 3 * m.ffn_hidden_size for is_moe in cfg.moe_layer_pattern())
+    return 3 * 2 * (m.hidden_size * mlp + m.num_layers * attention
+                    + m.hidden_size * m.vocab_size)

@@ -62,6 +62,8 @@ class StepResult:
     overlap_ratio: Optional[float] = None
     schedule: Optional[str] = None  # --tune: the path this step ran
     tuned_path: Optional[dict] = None  # --tune: the decision, at the step that made it
+    megatron_tflops_per_gpu: Optional[float] = None  # by Megatron-LM's formula (no router)
+    mfu: Optional[float] = None  # Megatron-LM TFLOP/s / dense bf16 peak: bf16 on a known GPU
 
     def to_json(self) -> dict:
         record = {k: v for k, v in self.__dict__.items()
@@ -151,6 +153,8 @@ class RunSummary:
     dropped_fraction: Optional[float] = None  # of all routed pairs of the run
     dispatch_reruns: Optional[int] = None  # budget reruns, all steps
     rerun_steps: Optional[int] = None  # steps rerun at least once
+    megatron_tflops_per_gpu: Optional[float] = None  # time-weighted mean over the steps
+    mfu: Optional[float] = None  # the same against the peak (training.mfu)
 
     def line(self, per_device: str) -> str:
         memory = ("allocated" if self.on_gpu else "RSS") + ", max over ranks"
@@ -158,6 +162,10 @@ class RunSummary:
                 f"{self.tokens / self.seconds:,.0f} tok/s | loss {self.first_loss:.4f} -> "
                 f"{self.last_loss:.4f} | peak mem {self.peak_mem_gib:.2f} GiB{per_device} "
                 f"({memory})")
+        if self.megatron_tflops_per_gpu is not None:
+            text += f" | {self.megatron_tflops_per_gpu:.3g} TFLOP/s (Megatron-LM formula)"
+            if self.mfu is not None:
+                text += f", MFU {100 * self.mfu:.1f}%"
         if self.exposed_comm_ms is not None:
             text += (f" | exposed comm {self.exposed_comm_ms:.2f} ms/step (profiled steps "
                      f"{self.profiled}, max over ranks)")
@@ -175,6 +183,16 @@ class RunSummary:
         if results[0].dispatch_reruns is not None:
             self.dispatch_reruns = sum(r.dispatch_reruns for r in results)
             self.rerun_steps = sum(1 for r in results if r.dispatch_reruns)
+
+    def add_flops(self, results: list[StepResult]) -> None:
+        """The steps' Megatron-LM TFLOP/s and MFU, each weighted by its step's time (so the
+        run's total FLOPs over its total time)."""
+        seconds = sum(r.step_time_s for r in results)
+        if results[0].megatron_tflops_per_gpu is not None:
+            self.megatron_tflops_per_gpu = sum(r.megatron_tflops_per_gpu * r.step_time_s
+                                               for r in results) / seconds
+        if results[0].mfu is not None:
+            self.mfu = sum(r.mfu * r.step_time_s for r in results) / seconds
 
 
 class Reporter:
@@ -268,6 +286,7 @@ class Reporter:
     def _step_line(self, r: StepResult, results: list[StepResult]) -> str:
         tuner = self.parts.tuner
         mem = f" | mem {r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else ""
+        mfu = f" | MFU {100 * r.mfu:.1f}%" if r.mfu is not None else ""
         comm = (f" | exposed comm {r.exposed_comm_ms:.2f} of {r.comm_ms:.2f} ms"
                 if r.exposed_comm_ms is not None else "") + _dispatch_note(r)
         phase = tuner.phase_of(r.step) if tuner is not None else None
@@ -279,7 +298,7 @@ class Reporter:
                 f"lr {r.lr:.2e} | grad norm {r.grad_norm:.3f} | aux {r.aux_loss:.4f} | "
                 f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"
                 f" | {r.step_time_s * 1e3:.1f} ms | {r.tflops_per_gpu:.3g} TFLOP/s"
-                f"{self.per_device}{mem}{comm}{self._eta(r, results)}")
+                f"{self.per_device}{mfu}{mem}{comm}{self._eta(r, results)}")
 
     def _eta(self, r: StepResult, results: list[StepResult]) -> str:
         """' | ETA 1m05s': the steps left after step `r` (to --train-iters, so also after a
@@ -358,6 +377,7 @@ class Reporter:
             exposed_comm_ms=None if exposed < 0 else exposed,
             profiled=p.cfg.log.profile_steps)
         summary.add_dispatch_stats(results)
+        summary.add_flops(results)
         return summary
 
     def torch_profiler(self):

@@ -34,12 +34,13 @@ import torch
 import torch.distributed as dist
 
 from epoverlap.model.dropout import dropout_inputs
-from epoverlap.model.transformer import training_flops_per_token
+from epoverlap.model.transformer import megatron_flops_per_token, training_flops_per_token
 from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.overlap import step_metrics
 from epoverlap.training.build import RunParts
 from epoverlap.training.data import step_batches
 from epoverlap.training.metrics import StepResult
+from epoverlap.training.mfu import device_peak_tflops, mfu
 from epoverlap.training.numerics import check_finite
 from epoverlap.training.optim import lr_at
 from epoverlap.training.stop import REASONS, StopRequest
@@ -99,10 +100,13 @@ class StepRunner:
         tokens = p.groups.dp_size * t.num_microbatches * t.micro_batch_size * m.seq_length
         on_gpu = p.device.type == "cuda"
         peak = torch.cuda.max_memory_allocated(p.device) / 2**30 if on_gpu else None
-        tflops = training_flops_per_token(p.cfg) * tokens / elapsed / 1e12 / \
-            p.groups.world_size
+        per_gpu = tokens / elapsed / 1e12 / p.groups.world_size
+        tflops = training_flops_per_token(p.cfg) * per_gpu
+        megatron_tflops = megatron_flops_per_token(p.cfg) * per_gpu
         return StepResult(step, loss, lr, grad_norm, aux, imbalance, elapsed, tokens, peak,
-                          tflops, deterministic=t.deterministic_mode,
+                          tflops, megatron_tflops_per_gpu=megatron_tflops,
+                          mfu=mfu(megatron_tflops, device_peak_tflops(p.device, t.bf16)),
+                          deterministic=t.deterministic_mode,
                           # graph pools are reserved, not allocated, while graphs replay
                           peak_reserved_gib=(torch.cuda.max_memory_reserved(p.device) / 2**30
                                              if on_gpu else None))

@@ -9,9 +9,11 @@ from __future__ import annotations
 import gc
 import sys
 import types
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from checkpoint_workers import FLAGS
 from dist_helpers import single_rank_groups
@@ -187,3 +189,23 @@ def test_manual_gc_in_a_run_and_after_a_failing_step(collections, one_thread):
     finally:
         trainer.close()
     assert gc.isenabled()
+
+
+# ------------------------------------------------------------------------------ MFU
+def test_mfu_on_the_step_line_record_and_summary_only_when_known():
+    from epoverlap.training.metrics import RunSummary
+    known = [replace(_result(step, seconds), megatron_tflops_per_gpu=tflops, mfu=tflops / 989.0)
+             for step, seconds, tflops in ((1, 1.0, 300.0), (2, 3.0, 500.0))]
+    record = known[0].to_json()
+    assert record["megatron_tflops_per_gpu"] == 300.0 and record["mfu"] == 300.0 / 989.0
+    cpu = replace(_result(1, 1.0), megatron_tflops_per_gpu=0.01)
+    assert "mfu" not in cpu.to_json()
+    reporter = Reporter(SimpleNamespace(cfg=parse_config(["--train-iters", "2"]), tuner=None,
+                                        device=torch.device("cpu")))
+    assert " | MFU 30.3% | " in reporter._step_line(known[0], known)
+    assert "MFU" not in reporter._step_line(cpu, [cpu])
+    summary = RunSummary(steps=2, seconds=4.0, tokens=2000, first_loss=5.0, last_loss=2.5,
+                         peak_mem_gib=1.0, on_gpu=True)
+    summary.add_flops(known)
+    assert summary.megatron_tflops_per_gpu == pytest.approx(450.0)  # time-weighted
+    assert summary.line("/GPU").endswith("| 450 TFLOP/s (Megatron-LM formula), MFU 45.5%")
