@@ -86,10 +86,15 @@ def resolve_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> Run
 
 def fast_link(world_size: int) -> bool:
     """Whether the EP all-to-all runs over NVLink: one host (LOCAL_WORLD_SIZE, torchrun's, is
-    the world) and NCCL's peer-to-peer transport not switched off (NCCL_P2P_DISABLE)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    the world; without torchrun, one Slurm node) and NCCL's peer-to-peer transport not switched
+    off (NCCL_P2P_DISABLE). Every rank of a job reads the same environment, so all decide alike."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None:
+        one_host = int(local) >= world_size
+    else:
+        one_host = int(os.environ.get("SLURM_NNODES", "1")) <= 1
     p2p_off = os.environ.get("NCCL_P2P_DISABLE", "0").strip().lower() in ("1", "true", "yes")
-    return local >= world_size and not p2p_off
+    return one_host and not p2p_off
 
 
 def _graph_choices(cfg: RunConfig, world_size: int) -> list:

@@ -22,6 +22,11 @@ def gpu_rules(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+def one_host_over_nvlink(monkeypatch):
+    for name in ("NCCL_P2P_DISABLE", "LOCAL_WORLD_SIZE", "SLURM_NNODES"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_cpu_ranks_get_ep_over_all_ranks_and_the_overlap_in_fp32_eager():
     cfg = resolved([], world=4)
     assert cfg.parallel.expert_model_parallel_size == 4
@@ -31,7 +36,7 @@ def test_cpu_ranks_get_ep_over_all_ranks_and_the_overlap_in_fp32_eager():
 
 
 def test_gpus_over_nvlink_get_bf16_and_one_graph_of_the_iteration(gpu_rules, monkeypatch):
-    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    one_host_over_nvlink(monkeypatch)
     cfg = resolved([], world=2, cuda=True)
     assert (cfg.train.bf16, cfg.overlap.overlap_moe_expert_parallel_comm) == (True, True)
     assert (cfg.cuda_graph.impl, cfg.moe.moe_dispatch_budget) == ("full_iteration", 1.25)
@@ -39,9 +44,10 @@ def test_gpus_over_nvlink_get_bf16_and_one_graph_of_the_iteration(gpu_rules, mon
 
 
 @pytest.mark.parametrize("link", [{"NCCL_P2P_DISABLE": "1"},
-                                  {"LOCAL_WORLD_SIZE": "1"}])  # two hosts of one rank
+                                  {"LOCAL_WORLD_SIZE": "1"},  # two hosts of one rank
+                                  {"SLURM_NNODES": "2"}])  # srun without torchrun
 def test_where_bytes_bind_gpus_get_partial_graphs(gpu_rules, monkeypatch, link):
-    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    one_host_over_nvlink(monkeypatch)
     for name, value in link.items():
         monkeypatch.setenv(name, value)
     cfg = resolved([], world=2, cuda=True)
@@ -89,7 +95,7 @@ def test_flags_that_need_the_overlap_do_not_cost_bf16(gpu_rules):
 
 
 def test_resolution_is_idempotent(gpu_rules, monkeypatch):
-    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    one_host_over_nvlink(monkeypatch)
     once = resolved(["--preset", "megatron-cmp", "--mock-data"], world=4, cuda=True)
     assert resolve_config(once, 4, True) == once
 
@@ -106,7 +112,7 @@ def test_torchrun_and_the_launcher_resolve_the_same_config(monkeypatch):
 
 
 def test_a_capacity_keeps_partial_graphs_over_nvlink(gpu_rules, monkeypatch):
-    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    one_host_over_nvlink(monkeypatch)
     cfg = resolved(["--moe-expert-capacity-factor", "1.0"], world=2, cuda=True)
     assert cfg.cuda_graph.impl == "local" and cfg.moe.moe_dispatch_budget is None
 
