@@ -1,9 +1,10 @@
 """The job's defaults, resolved in one place whichever command starts it.
 
-Four flags default to `auto` (a fifth, the budget, follows the graph scope), because their best value depends on the job: how many ranks it
-has and whether they run on CUDA devices. `resolve_config` sets them once the world size and
-the device are known, so `torchrun -m epoverlap.train`, `epoverlap-train` and
-`epoverlap-launch` resolve the same values:
+Four flags default to `auto` (a fifth, the budget, follows the graph scope), because their
+best value depends on the job: how many ranks it has, whether they run on CUDA devices, and
+over which link. `resolve_config` sets them once the world size and the device are known, so
+`torchrun -m epoverlap.train`, `epoverlap-train` and `epoverlap-launch` resolve the same
+values:
 
   --expert-model-parallel-size       every rank of a pipeline stage (world / PP), or the largest
                                      size that divides both them and the experts; 1 without

@@ -22,8 +22,8 @@ from epoverlap.config.dispatch import DispatchMode
 from epoverlap.config.flags import _opt_float
 from epoverlap.config.io_rules import validate_io
 from epoverlap.config.parse import FLAGS, flag_of, require
-from epoverlap.config.sections import (MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS, ModelConfig, MoEConfig, RunConfig,
-                                       TrainConfig)
+from epoverlap.config.sections import (MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS, ModelConfig, MoEConfig,
+                                       RunConfig, TrainConfig)
 from epoverlap.config.tuning import (candidate_paths, probe_steps, steps_needed, timed_steps,
                                      tune_blocker, tune_mode, untimed_steps)
 from epoverlap.errors import ConfigError

@@ -17,7 +17,8 @@ from epoverlap.training import memory
 from epoverlap.training.memory import GIB, check_memory, estimate_memory
 from job_control import REPO, job_env
 
-MODES = {"seq": ["--no-overlap-moe-expert-parallel-comm"], "ovl": ["--overlap-moe-expert-parallel-comm"],
+MODES = {"seq": ["--no-overlap-moe-expert-parallel-comm"],
+         "ovl": ["--overlap-moe-expert-parallel-comm"],
          "ovl_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
          "comp": ["--overlap-moe-expert-parallel-comm", "--comm-mode", "local_copy"]}
 HONEST = 1.45  # the estimate may exceed a measured peak by at most this factor

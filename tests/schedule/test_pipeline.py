@@ -85,7 +85,8 @@ def test_pp2_on_two_ranks_equals_one_stage_bitwise(one_stage, tmp_path):
 
 @pytest.mark.slow
 def test_pp2_ep2_on_four_ranks_equals_one_stage_bitwise(one_stage, tmp_path):
-    modes = [("sequential", [SEQUENTIAL_FLAG]), ("wgrad", WGRAD)]  # the CLI test runs virtual + wgrad here
+    # the CLI test runs virtual + wgrad here
+    modes = [("sequential", [SEQUENTIAL_FLAG]), ("wgrad", WGRAD)]
     results = run_ranks(mode_results, 4, PP2 + EP2, modes, str(tmp_path), STEPS, timeout_s=600)
     reference = [r["ep2"] for r in one_stage["ep2"]]
     for mode, _ in modes:
