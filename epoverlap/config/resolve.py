@@ -13,7 +13,9 @@ values:
   --overlap-moe-expert-parallel-comm on with EP > 1 and MoE layers
   --cuda-graph-impl                  on CUDA: over NVLink (one host, NCCL's peer-to-peer on),
                                      full_iteration over the sync-free budget dispatch
-                                     (--moe-dispatch-budget 1.25: still dropless) when the
+                                     (--moe-dispatch-budget 1.25: still dropless; with
+                                     --moe-dispatch-budget-memory 20, so a router that keeps
+                                     overflowing it is not rerun every step) when the
                                      dispatch is dropless; elsewhere, or where a rule refuses
                                      that, local capturing attn moe_router moe_preprocess
 
@@ -49,6 +51,7 @@ SEQUENTIAL_FLAG = "--no-overlap-moe-expert-parallel-comm"  # pins the sequential
 GRAPHS_FLAG = "--cuda-graph-impl"
 BUDGET_FLAG = "--moe-dispatch-budget"
 FULL_ITERATION_BUDGET = 1.25  # chunk rows / mean rows per rank pair; overflow reruns the step
+BUDGET_MEMORY_STEPS = 20  # a step starts at the largest level one of the last 20 needed
 
 
 def resolve_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> RunConfig:
@@ -154,7 +157,8 @@ def _overlap(cfg: RunConfig) -> RunConfig:
 def _full_iteration(cfg: RunConfig) -> RunConfig:
     """One graph of the whole iteration, over the budget dispatch (dropless: an overflowing
     step is rerun at a larger budget)."""
-    cfg = _with(cfg, "moe", moe_dispatch_budget=FULL_ITERATION_BUDGET)
+    cfg = _with(cfg, "moe", moe_dispatch_budget=FULL_ITERATION_BUDGET,
+                moe_dispatch_budget_memory=BUDGET_MEMORY_STEPS)
     return _with(cfg, "cuda_graph", impl="full_iteration", modules=(), inference_scope="none")
 
 

@@ -96,6 +96,11 @@ class MoEConfig:
     moe_dispatch_budget: Optional[float] = flag(
         None, "dropless without a host sync: fixed all-to-all buffers of FACTOR x the balanced "
         "rows per rank; a step that overflows them is rerun with a larger budget")
+    moe_dispatch_budget_memory: int = flag(
+        0, "with --moe-dispatch-budget: each step starts at the largest budget level one of the "
+        "last N steps ended at, so a router that keeps overflowing the base budget is not rerun "
+        "every step (the levels are saved in checkpoints: a resumed run starts where the saved "
+        "one would have); 0: every step starts at the base budget")
     moe_dispatch_once_per_rank: bool = flag(
         False, "send each token once to every EP rank that holds one of its top-k experts (not "
         "once per expert), with the probs of that rank's experts; the receiving rank copies it "

@@ -194,6 +194,10 @@ def _validate_dispatch(cfg: RunConfig) -> None:
     pad = moe.moe_pad_expert_input_to_capacity
     require(not pad or moe.capacity_factor is not None, "moe_pad_expert_input_to_capacity",
              True, "needs --moe-expert-capacity-factor > 0 (the capacity to pad to)")
+    memory = moe.moe_dispatch_budget_memory
+    require(memory >= 0, "moe_dispatch_budget_memory", memory, "must be >= 0 (0: no memory)")
+    require(memory == 0 or budget is not None, "moe_dispatch_budget_memory", memory,
+             "needs --moe-dispatch-budget (the levels it remembers)")
     if budget is not None:
         require(budget > 0, "moe_dispatch_budget", budget,
                  "must be > 0 (1.0 = the balanced share of rows per EP rank)")

@@ -6,6 +6,7 @@ to decide a rerun (`training.step`) and by the graph banks, which hold one bank 
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Optional, Sequence
 
@@ -37,25 +38,38 @@ class DispatchBudget:
 
     def __init__(self, factor: float, ranks: int, rows_per_dispatch: int,
                  device: torch.device, pairs_per_dispatch: Optional[int] = None,
-                 pairs_per_row: int = 1):
+                 pairs_per_row: int = 1, memory_steps: int = 0):
         self.ranks, self.rows = ranks, rows_per_dispatch
         self.pairs, self.pairs_per_row = pairs_per_dispatch, pairs_per_row
         self.levels = budget_levels(factor, ranks)
         self.level = 0
+        # the levels the last `memory_steps` steps ended at (--moe-dispatch-budget-memory)
+        self.recent_levels: collections.deque = collections.deque(maxlen=memory_steps)
         self.demand_rows = torch.zeros((), dtype=torch.int64, device=device)
         self.demand_expert_rows = torch.zeros((), dtype=torch.int64, device=device)
 
     @classmethod
     def for_dispatch(cls, factor: float, ranks: int, tokens: int, topk: int, num_experts: int,
-                     once_per_rank: bool, device: torch.device) -> "DispatchBudget":
+                     once_per_rank: bool, device: torch.device,
+                     memory_steps: int = 0) -> "DispatchBudget":
         """The budget of a dispatch of `tokens` tokens a microbatch: rows are (token, expert)
         pairs, or once per rank (EP > 1) (token, rank) pairs, at most min(topk, ranks) a token,
         each going to at most min(topk, L) local experts, whose rows are budgeted apart."""
         if once_per_rank and ranks > 1:
             return cls(factor, ranks, tokens * min(topk, ranks), device,
                        pairs_per_dispatch=tokens * topk,
-                       pairs_per_row=min(topk, num_experts // ranks))
-        return cls(factor, ranks, tokens * topk, device)
+                       pairs_per_row=min(topk, num_experts // ranks), memory_steps=memory_steps)
+        return cls(factor, ranks, tokens * topk, device, memory_steps=memory_steps)
+
+    def start_level(self) -> int:
+        """The level a training step starts at: the largest level one of the remembered steps
+        ended at (0 without a memory). Every rank remembers the same levels (they are agreed
+        by an all-reduce), so every rank starts alike."""
+        return max(self.recent_levels, default=0)
+
+    def remember(self, level: int) -> None:
+        """A training step ended at `level`."""
+        self.recent_levels.append(level)
 
     @property
     def factor(self) -> float:

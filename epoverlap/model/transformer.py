@@ -478,7 +478,8 @@ def _dispatch_budget(cfg: RunConfig, mode: DispatchMode, ranks: int,
     return DispatchBudget.for_dispatch(mode.budget, ranks,
                                        cfg.train.micro_batch_size * cfg.model.seq_length,
                                        cfg.moe.moe_router_topk, cfg.moe.num_experts,
-                                       mode.once_per_rank, device)
+                                       mode.once_per_rank, device,
+                                       memory_steps=cfg.moe.moe_dispatch_budget_memory)
 
 
 def model_dtype(cfg: RunConfig) -> torch.dtype:

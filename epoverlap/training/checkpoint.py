@@ -200,7 +200,13 @@ class Checkpointer:
         return {"format": files.FORMAT, "step": step, "world_size": g.world_size,
                 "ep_size": g.ep_size, "num_experts": self.num_experts,
                 "optimizer_state": with_optimizer, "loss_scale": None,
-                "torch_version": torch.__version__, "config": self.cfg.to_dict()}
+                "torch_version": torch.__version__, "config": self.cfg.to_dict(),
+                "budget_levels": self._budget_levels()}
+
+    def _budget_levels(self) -> list:
+        """The levels --moe-dispatch-budget-memory remembers ([] without it)."""
+        budget = getattr(self.model, "dispatch_budget", None)
+        return list(budget.recent_levels) if budget is not None else []
 
     # ------------------------------------------------------------------------------ load
     def resume(self, ref: Optional[files.CheckpointRef]) -> int:
@@ -244,6 +250,7 @@ class Checkpointer:
             raise CheckpointError(self.cfg.checkpoint.load, where,
                                   f"unreadable on rank {rank} ({detail})") from None
         self.optimizer.copy_masters_to_params()
+        self._restore_budget_levels(ref)
         prefix = f"rng/{self.groups.rank % ref.meta['world_size']}/"
         _set_rng_states(self.model, self.groups.device,
                         {key[len(prefix):]: value for key, value in rng.items()})
@@ -251,6 +258,15 @@ class Checkpointer:
         if not c.finetune:
             self.last_saved = (ref.step, str(ref.path))
         return 0 if c.finetune else ref.step
+
+    def _restore_budget_levels(self, ref: files.CheckpointRef) -> None:
+        """The remembered budget levels, so a resumed run starts each step where the saved run
+        would have (a fresh start with --finetune)."""
+        budget = getattr(self.model, "dispatch_budget", None)
+        if budget is not None and not self.cfg.checkpoint.finetune:
+            top = len(budget.levels) - 1  # a run resumed at another EP size has other levels
+            budget.recent_levels.extend(min(level, top)
+                                        for level in ref.meta.get("budget_levels", []))
 
     def _rng_targets(self, ref: files.CheckpointRef) -> dict[str, torch.Tensor]:
         """Empty tensors for the saved RNG states this rank takes (those the checkpoint has)."""

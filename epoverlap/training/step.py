@@ -164,15 +164,20 @@ class StepRunner:
         docstring). -> (losses, reruns). A rerun starts from the same inputs, weights and
         router RNG state, so its result is the one a run at its budget level would give."""
         inputs = self.microbatches(step)
-        return self.until_it_fits(lambda level: self._attempt(step, inputs, level))
+        budget = self.parts.budget
+        start = budget.start_level() if budget is not None else 0
+        result = self.until_it_fits(lambda level: self._attempt(step, inputs, level), start)
+        if budget is not None:
+            budget.remember(budget.level)
+        return result
 
-    def until_it_fits(self, attempt):
-        """`attempt(level)` at budget level 0, then again at the level `overflow_level` names,
-        each time from the router generators' state before the first, until nothing overflowed
-        (at once without the budget dispatch). -> (its last result, reruns)."""
+    def until_it_fits(self, attempt, start: int = 0):
+        """`attempt(level)` at budget level `start`, then again at the level `overflow_level`
+        names, each time from the router generators' state before the first, until nothing
+        overflowed (at once without the budget dispatch). -> (its last result, reruns)."""
         generators = self.parts.router_generators()
         states = [g.get_state() for g in generators]
-        result, reruns = attempt(0), 0
+        result, reruns = attempt(start), 0
         while (level := self.overflow_level()) is not None:
             for generator, state in zip(generators, states):
                 generator.set_state(state)

@@ -58,7 +58,8 @@ RUNS = [("dropless", []), ("once", ONCE), ("once_ovl", ONCE + OVERLAP),
         ("capacity", CAPACITY), ("capacity_ovl", CAPACITY + OVERLAP),
         ("padded", PADDED), ("padded_ovl", PADDED + OVERLAP),
         ("budget", ["--moe-dispatch-budget", "2.0"]),
-        ("tiny_budget", TINY_BUDGET), ("tiny_budget_ovl", TINY_BUDGET + OVERLAP)]
+        ("tiny_budget", TINY_BUDGET), ("tiny_budget_ovl", TINY_BUDGET + OVERLAP),
+        ("tiny_budget_memory", TINY_BUDGET + ["--moe-dispatch-budget-memory", "3"])]
 STEPS = 3
 
 
@@ -125,6 +126,17 @@ def test_overflowing_budget_reruns_and_gives_the_dropless_losses(mode_results):
         assert [loss for loss, *_ in once_tiny] == [loss for loss, *_ in per_run["once"][1]]
         assert all(torch.equal(a, b) for a, b in zip(_bits(per_run["once_tiny_budget"][0]),
                                                       _bits(per_run["once"][0])))
+
+
+def test_a_budget_with_memory_starts_where_the_last_steps_ended(mode_results):
+    """With --moe-dispatch-budget-memory a step starts at the level the steps before needed
+    (here the first too: `mode_runs` runs one forward-backward before training): fewer reruns
+    than the tiny budget's one or more every step, never the base budget, the same losses."""
+    for per_run in mode_results:
+        tiny, remembered = per_run["tiny_budget"][1], per_run["tiny_budget_memory"][1]
+        assert [loss for loss, *_ in remembered] == [loss for loss, *_ in tiny]
+        assert sum(r for _, _, r, _ in remembered) < sum(r for _, _, r, _ in tiny)
+        assert all(budget > 0.25 for *_, budget in remembered)
 
 
 LEVELS = [0.25, 0.5, 1.0, 2.0]  # the budget levels of TINY_BUDGET on 2 ranks

@@ -217,3 +217,23 @@ def test_nan_stops_the_step_before_the_optimizer_on_one_rank(one_thread):
         assert message.endswith("stopped before the optimizer step (optimizer state "
                                 "unchanged)")
         assert unchanged
+
+
+def _train_results(argv, resume=None):
+    trainer = Trainer(parse_config(argv), single_rank_groups(), log=lambda msg: None,
+                      resume=resume)
+    try:
+        return [(float.hex(r.loss), r.dispatch_reruns, r.dispatch_budget)
+                for r in trainer.train()]
+    finally:
+        trainer.close()
+
+
+def test_a_resumed_run_remembers_the_budget_levels_of_the_saved_one(tmp_path, one_thread):
+    """--moe-dispatch-budget-memory: the levels are saved with the checkpoint, so the resumed
+    steps start where the uninterrupted run's did (same reruns, budgets and losses)."""
+    argv = FLAGS + ["--moe-dispatch-budget", "0.25", "--moe-dispatch-budget-memory", "4"]
+    whole = _train_results(argv + ["--save", str(tmp_path), "--save-interval", "2"])
+    assert whole[0][1] >= 1 and whole[2][1] == 0  # step 1 overflowed; step 3 started above
+    resumed = _train_results(argv, files.read_checkpoint(tmp_path / iter_name(2), str(tmp_path)))
+    assert resumed == whole[2:]
