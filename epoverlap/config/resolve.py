@@ -41,7 +41,7 @@ from epoverlap.config.cuda_graphs import AUTO, EP_OVERLAP_MODULES
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.config.sections import RunConfig
 from epoverlap.config.tuning import candidate_paths, may_tune
-from epoverlap.config.validate import check_config
+from epoverlap.config.validate import MAX_LAYERS, check_config
 from epoverlap.errors import ConfigError
 
 EP_FLAG = "--expert-model-parallel-size"
@@ -136,6 +136,8 @@ def _has_moe_layers(cfg: RunConfig) -> bool:
     the refusal comes from the check, naming it)."""
     if not cfg.moe.num_experts:
         return False
+    if not 1 <= cfg.model.num_layers <= MAX_LAYERS:  # refused by the check; build no pattern
+        return True
     try:
         return any(cfg.moe_layer_pattern())
     except (ValueError, ArithmeticError, ConfigError):

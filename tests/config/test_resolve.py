@@ -126,3 +126,9 @@ def test_the_path_line_names_what_auto_chose(gpu_rules, monkeypatch):
     assert "schedule combined_1f1b | delayed wgrad off" in path_text(cfg, "cpu")
     assert "set by auto defaults: --expert-model-parallel-size, " \
         "--overlap-moe-expert-parallel-comm, --bf16, --cuda-graph-impl;" in line
+
+
+def test_an_absurd_layer_count_is_refused_not_built():
+    # resolving before the check must not build a per-layer list of 2**63 entries
+    cfg = resolved(["--num-layers", str(2**63)], world=2)
+    assert cfg.parallel.expert_model_parallel_size == 2
