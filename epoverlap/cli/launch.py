@@ -74,12 +74,6 @@ def split_launcher_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     return values, rest
 
 
-def split_nproc(argv: list[str]) -> tuple[Optional[str], list[str]]:
-    """(the --nproc value as typed, or None; the training command's arguments)."""
-    values, rest = split_launcher_flags(argv)
-    return values.get("--nproc"), rest
-
-
 def launch_parser():
     """The training command's parser plus the launcher's flags (so --help lists every flag)."""
     parser = build_parser(prog=PROG)

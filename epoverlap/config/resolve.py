@@ -195,8 +195,10 @@ def _take_wanted(cfg: RunConfig, wanted: list, world_size: int, cuda_available: 
 
 
 def _accepted(cfg: RunConfig, world_size: int, cuda_available: bool) -> bool:
+    """Whether every rule accepts `cfg`, the output paths' aside (no auto value changes a
+    path; `validate_config` checks them once, on the result)."""
     try:
-        check_config(cfg, world_size, cuda_available)
+        check_config(cfg, world_size, cuda_available, paths=False)
     except ConfigError:
         return False
     return True

@@ -415,9 +415,12 @@ def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
         experts_gemm_reads_host=device == "cuda" and not cfg.train.bf16)
 
 
-def check_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> None:
+def check_config(cfg: RunConfig, world_size: int, cuda_available: bool,
+                 paths: bool = True) -> None:
     """Check every rule of a resolved `cfg` (`config.resolve`: what users call is
-    `validate_config`, which resolves first); raise ConfigError naming the flag."""
+    `validate_config`, which resolves first); raise ConfigError naming the flag. `paths`
+    False leaves out the output paths' checks (`validate_io`, which tries a temporary file in
+    each folder): the resolution's trials of auto values change no path."""
     cfg = cfg.for_world(world_size)
     _validate_finite(cfg)
     _validate_choices(cfg)
@@ -433,7 +436,8 @@ def check_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> None:
     _validate_overlap(cfg, cuda_available)
     _validate_nccl_ctas(cfg, cuda_available)
     _validate_kernel_backend(cfg, cuda_available)
-    validate_io(cfg, cfg.resolved_device(cuda_available))
+    if paths:
+        validate_io(cfg, cfg.resolved_device(cuda_available))
     _validate_cuda_graphs(cfg, cuda_available)
     _validate_dropout(cfg)
     compat_rules(cfg, require)

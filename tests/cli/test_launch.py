@@ -57,14 +57,14 @@ def test_main_job_on_two_cpu_ranks_reduces_the_loss(tmp_path):
 
 
 def test_launcher_defaults_pass_through_user_flags():
-    from epoverlap.cli.launch import default_train_args, split_nproc
+    from epoverlap.cli.launch import default_train_args, split_launcher_flags
     # the launcher adds only the quick-start model; the training command resolves the rest
     args = default_train_args(False, ["--preset", "small", "--train-iters", "3"])
     assert args == ["--preset", "small", "--train-iters", "3"]
     assert default_train_args(True, []) == ["--preset", "small"]
     assert default_train_args(False, ["--cuda-graph-impl", "none"]) == \
         ["--preset", "tiny", "--cuda-graph-impl", "none"]
-    assert split_nproc(["--nproc", "4", "--bf16"]) == ("4", ["--bf16"])
+    assert split_launcher_flags(["--nproc", "4", "--bf16"]) == ({"--nproc": "4"}, ["--bf16"])
 
 
 @pytest.mark.slow
