@@ -93,6 +93,39 @@ def _bitwise_steps() -> tuple:
     return tuple(steps)
 
 
+# the chunked all-to-all (--moe-a2a-chunks): the shape where the all-to-all is 1:1 with compute
+# when it goes through host memory (bench_overlap's ratio_h2048_k4_f4096), the training command
+RATIO_1TO1 = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 16 --num-query-groups 4"
+              " --seq-length 1024 --num-experts 32 --moe-router-topk 4 --moe-ffn-hidden-size 4096"
+              " --micro-batch-size 16 --num-microbatches 4")
+CHUNKED_RUN = (TRAIN + " " + RATIO_1TO1 + " --mock-data --bf16 --moe-router-force-load-balancing"
+               " --expert-model-parallel-size {gpus} --train-iters 12 --log-interval 100"
+               " --tune off " + GRAPHS)
+CHUNKED_SIDES = {"seq": SEQUENTIAL, "seq_k4": SEQUENTIAL + " --moe-a2a-chunks 4",
+                 "ovl_wgrad": WGRAD, "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4",
+                 "comp": OVERLAP + " --comm-mode local_copy"}
+
+
+def _rounds(sides: dict, command: str, out: str, env: dict = None) -> Step:
+    flags = " ".join(f"--side '{name}={value}'" for name, value in sides.items())
+    return Step(f"rounds_{out}", "{python} -m benchmarks.harness.bench_train_rounds --warmup 4 "
+                f"--rounds 3 --out {{out}}/{out} {flags} -- {command}", env=dict(env or {}),
+                timeout_s=420)
+
+
+def _chunked_bitwise_steps() -> tuple:
+    """The bitwise command unchunked sequential, chunked sequential (K = 2) and chunked with
+    the overlap, delayed wgrad and partial graphs (K = 4), each compared with the first."""
+    runs = {"seq": SEQUENTIAL + " " + EAGER, "seq_k2": SEQUENTIAL + " " + EAGER
+            + " --moe-a2a-chunks 2", "ovl_wgrad_graphs_k4": WGRAD + " " + GRAPHS
+            + " --moe-a2a-chunks 4"}
+    steps = [Step(f"bits_{name}", f"{BITWISE_RUN} --train-iters 20 {flags} --log-json "
+                  f"{{out}}/{name}.jsonl", timeout_s=120) for name, flags in runs.items()]
+    return tuple(steps + [Step(f"compare_seq_{name}", "{python} -m epoverlap.cli.compare_losses "
+                               f"{{out}}/seq.jsonl {{out}}/{name}.jsonl", timeout_s=60)
+                          for name in runs if name != "seq"])
+
+
 RECIPES = (
     Recipe("gpu_tests_1gpu", 1,
            "the GPU pytest tier on one GPU (-m 'gpu and not multigpu'): kernels against the "
@@ -191,6 +224,29 @@ RECIPES = (
             Step("compare_pinned", "{python} -m epoverlap.cli.compare_losses {out}/tuned.jsonl "
                                    "{out}/pinned.jsonl", timeout_s=60)),
            all_gpus=True),
+    Recipe("chunked_nop2p", 2,
+           "--moe-a2a-chunks on the GPU CLI path: bits (chunked vs unchunked, bf16, optimizer "
+           "on), then the step at the 1:1 shape with NCCL_P2P_DISABLE=1 per path (unchunked and "
+           "K = 4, sequential and overlapped; compute alone with local copies), 3 interleaved "
+           "rounds",
+           "seq.jsonl, seq_k2.jsonl, ovl_wgrad_graphs_k4.jsonl; nop2p/train_rounds.json",
+           _chunked_bitwise_steps() + (_rounds(CHUNKED_SIDES, CHUNKED_RUN, "nop2p",
+                                               {"NCCL_P2P_DISABLE": "1"}),)),
+    Recipe("chunked_more", 2,
+           "--moe-a2a-chunks at the 1:1 shape: 2 microbatches per step with NCCL_P2P_DISABLE=1 "
+           "(where the 1F1B hides least), K = 2 beside K = 4, and NVLink; the all-to-alls alone "
+           "(bench_overlap's replay, T_comm) with P2P off",
+           "mb2/, nvlink/ train_rounds.json; bench_overlap.json",
+           (_rounds({"seq": SEQUENTIAL, "seq_k4": SEQUENTIAL + " --moe-a2a-chunks 4",
+                     "ovl_wgrad": WGRAD, "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4",
+                     "ovl_wgrad_k2": WGRAD + " --moe-a2a-chunks 2"},
+                    CHUNKED_RUN + " --num-microbatches 2", "mb2", {"NCCL_P2P_DISABLE": "1"}),
+            _rounds({"seq": SEQUENTIAL, "ovl_wgrad": WGRAD,
+                     "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4"}, CHUNKED_RUN, "nvlink"),
+            Step("comm_alone", "{torchrun} -m benchmarks.harness.bench_overlap --shapes "
+                               "ratio_h2048_k4_f4096 --warmup 2 --iters 4 --rounds 1 "
+                               "--out-dir {out}", env={"NCCL_P2P_DISABLE": "1"},
+                 timeout_s=240))),
     Recipe("train_step_vs_baseline", 2,
            "the training command's whole step (the train_step_schedules command, eager, "
            "sequential: --no-overlap-moe-expert-parallel-comm on both sides, which the earlier "

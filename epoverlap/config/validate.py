@@ -277,11 +277,39 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
     require(not o.delay_wgrad_compute or o.overlap_moe_expert_parallel_comm,
              "delay_wgrad_compute", True, "requires --overlap-moe-expert-parallel-comm")
     _validate_tune(cfg)
+    _validate_a2a_chunks(cfg)
     if o.comm_stream_priority != "high":
         require(o.overlap_moe_expert_parallel_comm and cfg.resolved_device(cuda_available)
                  == "cuda", "comm_stream_priority", o.comm_stream_priority,
                  "sets the CUDA stream of the overlap's comm lane: needs a CUDA device and "
                  "--overlap-moe-expert-parallel-comm (without them there is no comm stream)")
+
+
+def _validate_a2a_chunks(cfg: RunConfig) -> None:
+    """--moe-a2a-chunks K: K groups of a rank's local experts, each with its own all-to-alls
+    (`model.chunked`): needs MoE layers over EP ranks, a dispatch whose split sizes the host
+    reads (dropless or capacity, one row per expert), and nodes the graphs leave eager."""
+    chunks = cfg.overlap.moe_a2a_chunks
+    require(chunks >= 1, "moe_a2a_chunks", chunks, "must be >= 1 (1: unchunked)")
+    if chunks == 1:
+        return
+    ep = cfg.parallel.expert_model_parallel_size or 1
+    require(any(cfg.moe_layer_pattern()) and ep > 1, "moe_a2a_chunks", chunks,
+             "needs MoE layers and --expert-model-parallel-size > 1 (no all-to-all to chunk)")
+    local = cfg.moe.num_experts // ep
+    require(chunks <= local, "moe_a2a_chunks", chunks,
+            f"must be <= the {local} local experts of a rank (--num-experts / "
+            f"--expert-model-parallel-size): a chunk is a group of them")
+    mode = DispatchMode.of(cfg.moe)
+    require(mode.name in ("dropless", "capacity") and not mode.once_per_rank,
+            "moe_a2a_chunks", chunks, f"needs the dropless or capacity dispatch, one row "
+            f"per expert (not {mode.name}" + (", once per rank)" if mode.once_per_rank
+                                              else ")"))
+    graphs = cfg.cuda_graph
+    require(graphs.impl == "none" or (graphs.impl == "local" and graphs.modules
+                                      and "moe" not in graphs.modules),
+            "moe_a2a_chunks", chunks, "needs eager all-to-alls: --cuda-graph-impl none, or "
+            "local with --cuda-graph-modules among attn, moe_router, moe_preprocess")
 
 
 def _validate_tune(cfg: RunConfig) -> None:

@@ -28,10 +28,17 @@ import torch
 from epoverlap.parallel.watch import host_list
 
 
-def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """param.main_grad += grad (fp32 buffer), or into param.grad when no buffer is attached."""
+def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor,
+                           experts: Optional[tuple[int, int]] = None) -> None:
+    """param.main_grad += grad (fp32 buffer), or into param.grad when no buffer is attached.
+    `experts` (a, b): grad holds experts a..b-1 of an [E, ...] param (a chunk of them)."""
     main_grad = getattr(param, "main_grad", None)
-    if main_grad is not None:
+    if experts is not None:
+        start, end = experts
+        if main_grad is None and param.grad is None:
+            param.grad = torch.zeros_like(param)
+        (param.grad if main_grad is None else main_grad)[start:end].add_(grad)
+    elif main_grad is not None:
         main_grad.add_(grad)
     elif param.grad is None:
         param.grad = grad.to(param.dtype).clone()
@@ -161,35 +168,45 @@ def _mm_weight_grad(x_NI, grad_NO, offsets_E, counts, num_experts, sm_carveout=N
     return out
 
 
+def _expert_weights(weight_EIO: torch.Tensor, experts: Optional[tuple[int, int]]):
+    return weight_EIO if experts is None else weight_EIO[experts[0]:experts[1]]
+
+
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_NI, weight_EIO, offsets_E, counts, queue, sm_carveout):
+    def forward(ctx, x_NI, weight_EIO, offsets_E, counts, queue, sm_carveout, experts):
         ctx.save_for_backward(x_NI, weight_EIO, offsets_E)
         ctx.counts, ctx.queue, ctx.sm_carveout = counts, queue, sm_carveout
-        return _mm_grouped(x_NI, weight_EIO, offsets_E, counts, sm_carveout)
+        ctx.experts = experts
+        return _mm_grouped(x_NI, _expert_weights(weight_EIO, experts), offsets_E, counts,
+                           sm_carveout)
 
     @staticmethod
     def backward(ctx, grad_NO):
         x_NI, weight_EIO, offsets_E = ctx.saved_tensors
-        counts, carveout = ctx.counts, ctx.sm_carveout
+        counts, carveout, experts = ctx.counts, ctx.sm_carveout, ctx.experts
+        weights = _expert_weights(weight_EIO, experts)
         grad_NO = grad_NO.contiguous()
-        grad_x_NI = _mm_grouped(grad_NO, weight_EIO.transpose(1, 2), offsets_E, counts,
-                                carveout)
+        grad_x_NI = _mm_grouped(grad_NO, weights.transpose(1, 2), offsets_E, counts, carveout)
         if ctx.needs_input_grad[1]:
             def weight_grad_work(x_NI=x_NI, grad_NO=grad_NO, weight_EIO=weight_EIO):
                 accumulate_weight_grad(weight_EIO, _mm_weight_grad(
-                    x_NI, grad_NO, offsets_E, counts, weight_EIO.shape[0], carveout))
+                    x_NI, grad_NO, offsets_E, counts, weights.shape[0], carveout), experts)
             _run_or_defer(ctx.queue, weight_grad_work)
-        return grad_x_NI, None, None, None, None, None
+        return grad_x_NI, None, None, None, None, None, None
 
 
 def grouped_gemm(x_NI: torch.Tensor, weight_EIO: torch.nn.Parameter, offsets_E: torch.Tensor,
                  counts: Optional[list[int]], queue=None,
-                 sm_carveout: Optional[int] = None) -> torch.Tensor:
+                 sm_carveout: Optional[int] = None,
+                 experts: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Rows of expert e (counts[e] of them, in order) times weight[e]; deferrable weight grad.
     counts None: see the module docstring (device-only counts, padding rows at the end).
-    `sm_carveout`: SMs the forward, input-grad and weight-grad GEMMs leave free (CUDA)."""
-    return _GroupedGemm.apply(x_NI, weight_EIO, offsets_E, counts, queue, sm_carveout)
+    `sm_carveout`: SMs the forward, input-grad and weight-grad GEMMs leave free (CUDA).
+    `experts` (a, b): the rows are those of experts a..b-1 only (a chunk of them,
+    `model.chunked`): weight[a:b] multiplies them and their weight grad lands there."""
+    return _GroupedGemm.apply(x_NI, weight_EIO, offsets_E, counts, queue, sm_carveout,
+                              experts)
 
 
 def expert_offsets(counts_E: torch.Tensor) -> torch.Tensor:

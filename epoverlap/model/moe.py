@@ -212,16 +212,17 @@ class GroupedSwiGLUExperts(nn.Module):
             p.is_expert = True
 
     def forward(self, x_MH, probs_M, counts_L: torch.Tensor,
-                counts_host: Optional[list[int]]):
+                counts_host: Optional[list[int]], experts: Optional[tuple[int, int]] = None):
         """Rows sorted by local expert, counts_L [L] on the device. `counts_host` None: only the
         device knows the counts, and rows past the last expert's are padding (the budget
-        dispatch): the GEMMs leave them unwritten, so they come out as zeros."""
+        dispatch): the GEMMs leave them unwritten, so they come out as zeros. `experts` (a, b):
+        the rows are local experts a..b-1's only (a chunk, `model.chunked`), counts theirs."""
         offsets_L = expert_offsets(counts_L)
         h_M2F = grouped_gemm(x_MH, self.fc1, offsets_L, counts_host, self.queue,
-                             self.sm_carveout)
+                             self.sm_carveout, experts)
         act_MF = self.ops.swiglu(h_M2F, probs_M)  # probs applied here, in fp32
         out_MH = grouped_gemm(act_MF, self.fc2, offsets_L, counts_host, self.queue,
-                              self.sm_carveout)
+                              self.sm_carveout, experts)
         if counts_host is None:
             row_M1 = torch.arange(out_MH.shape[0], device=out_MH.device).unsqueeze(1)
             out_MH = torch.where(row_M1 < offsets_L[-1:], out_MH, out_MH.new_zeros(()))

@@ -16,6 +16,12 @@ the output activation to the next stage and receives its grad. Both run on the c
 their backward is not autograd's: `NodeSpec.backward` takes the grads of the node's outputs and
 returns those of its inputs (local names), as a transfer's reverse direction.
 
+A chunked MoE layer (--moe-a2a-chunks, `model.chunked`) cuts its dispatch, mlp and combine
+into per-chunk nodes (`dispatch_c0`, `mlp_c0`, `return_c0`, ...). Each such node names its
+`chunk` (the executor chains a chunk's nodes on their own event, so chunk i's experts run while
+chunk i+1's all-to-all does) and its `slot`, the unchunked node whose place it takes in a plan
+(dispatch_c* -> dispatch; mlp_c* and return_c* -> mlp); every other node's slot is its name.
+
 A node may also declare its forward as `Segment`s run in order over one namespace of local
 names (the node's inputs, then each segment's outputs). Segment names are the regions users
 name in `--cuda-graph-modules` (attn, moe_router, moe_preprocess, mlp): a run factory can then
@@ -48,13 +54,21 @@ def layer_value(layer: int, name: str) -> str:
 @dataclass(frozen=True)
 class NodeKind:
     """The facts a plan needs about a node: its name, its lane, whether a W action can run its
-    weight grads later, and whether it is a pipeline boundary (`p2p`: SEND or RECV; None for
-    every other node). Written once, in the model's `NodeSpec`."""
+    weight grads later, whether it is a pipeline boundary (`p2p`: SEND or RECV; None for
+    every other node), and for a chunked MoE layer's nodes their slot and chunk. Written once,
+    in the model's `NodeSpec`."""
 
     name: str
     lane: str
     deferrable: bool = False
     p2p: Optional[str] = None
+    slot: Optional[str] = None  # the unchunked node this one's place is (None: its own name)
+    chunk: Optional[int] = None  # the chunk of a chunked MoE layer it belongs to, if any
+
+    @property
+    def group(self) -> str:
+        """The plan slot this node runs in: `slot`, or its own name."""
+        return self.slot or self.name
 
 
 @dataclass(frozen=True)
@@ -104,10 +118,12 @@ class NodeSpec:
     segments: tuple[Segment, ...] = ()  # the forward as named pieces (fn runs them), if any
     p2p: Optional[str] = None  # SEND or RECV for a pipeline boundary node
     backward: Optional[Callable[..., dict]] = None  # P2P nodes: output grads -> input grads
+    slot: Optional[str] = None  # chunked MoE layers: the unchunked node's name (NodeKind)
+    chunk: Optional[int] = None  # chunked MoE layers: the chunk (NodeKind)
 
     @property
     def kind(self) -> NodeKind:
-        return NodeKind(self.name, self.lane, self.has_weights, self.p2p)
+        return NodeKind(self.name, self.lane, self.has_weights, self.p2p, self.slot, self.chunk)
 
     @property
     def key(self) -> tuple[Optional[int], str]:

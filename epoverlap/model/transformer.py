@@ -10,6 +10,8 @@ Nodes of an MoE layer (overlap.md):
   dispatch (comm)    split-size exchange (the one host sync), all-to-all of tokens and probs
   mlp      (compute) sort by local expert, grouped SwiGLU experts, unsort
   combine  (comm)    all-to-all back, unpermute, + shared expert output, + residual
+With --moe-a2a-chunks K the dispatch, mlp and combine are cut into K chunks of local experts
+(`model.chunked`): dispatch_c0..c(K-1), mlp_cI and return_cI per chunk, then combine.
 A dense layer has `attn` (norm, attention, residual, pre-MLP norm) and `mlp` (MLP + residual).
 Plus `embed` (tokens -> hidden) and `loss` (final norm, head, cross-entropy), and with pipeline
 parallelism `recv` / `send` (comm) at the start / end of a stage's chunk (`model.stages`).
@@ -31,6 +33,7 @@ Q query heads, G key/value heads, D head dim.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -44,6 +47,7 @@ from epoverlap.parallel.comm import ExpertComm, PipelineComm
 from epoverlap.config import RunConfig
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
+from epoverlap.model.chunked import ChunkedMoE
 from epoverlap.model.dispatch import TokenDispatcher, make_dispatcher
 from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, causal_attention,
                                      hidden_dropout, uses_dropout)
@@ -168,6 +172,9 @@ class TransformerLayer(nn.Module):
         if moe.moe_shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(m.hidden_size, moe.moe_shared_expert_intermediate_size,
                                         name=f"shared{layer}", **mlp_kwargs)
+        chunks = cfg.overlap.moe_a2a_chunks
+        self.chunked = (ChunkedMoE(dispatcher, self.experts, chunks, device)
+                        if chunks > 1 and not one_node else None)
 
     # ----------------------------------------------------------------- node segments
     def _hidden_dropout(self, x, dropout_seed: Optional[int], site: str):
@@ -255,9 +262,21 @@ class TransformerLayer(nn.Module):
         """All-to-all back, unpermute, + shared expert, hidden dropout, + residual. On the comm
         lane: its dropout mask comes from a generator of its own, never the global RNG."""
         moe_out = self.dispatcher.combine(expert_out, meta, row_id_map)
+        return {"hidden": self._moe_tail(moe_out, residual, shared_out, dropout_seed)}
+
+    def chunked_combine_forward(self, meta, row_id_map, residual, shared_out=None,
+                                dropout_seed=None, **returned):
+        """A chunked layer's combine (`model.chunked`): the returned chunks `returned_c0`,
+        `returned_c1`, ... back into the permuted layout, unpermute, then the same tail."""
+        rows = [returned[f"returned_c{k}"] for k in range(self.chunked.chunks)]
+        moe_out = self.chunked.combine(rows, meta, row_id_map)
+        return {"hidden": self._moe_tail(moe_out, residual, shared_out, dropout_seed)}
+
+    def _moe_tail(self, moe_out, residual, shared_out, dropout_seed):
+        """+ shared expert output, hidden dropout, + residual."""
         if shared_out is not None:
             moe_out = moe_out + shared_out
-        return {"hidden": residual + self._hidden_dropout(moe_out, dropout_seed, MLP_OUT)}
+        return residual + self._hidden_dropout(moe_out, dropout_seed, MLP_OUT)
 
     def combine_segment(self, **inputs):
         """`combine_forward` inside the one-node layer (its output named apart from the input)."""
@@ -327,18 +346,66 @@ class TransformerLayer(nn.Module):
                      outputs={"hidden": hidden_value(L + 1)},
                      has_weights=True, segments=mlp_segments)]
 
-    def _moe_node_specs(self) -> list[NodeSpec]:
-        """attn, dispatch, mlp, combine (see the module docstring)."""
+    def _moe_attn_spec(self) -> NodeSpec:
         L, attn_segments = self.layer, self._attn_segments()
         shared = ("shared_out",) if self.shared_expert is not None else ()
         attn_out = self._values("residual", "permuted_tokens", "permuted_probs",
                                 self._dispatch_sizes, "row_id_map", *shared)
+        return NodeSpec(name="attn", layer=L, lane=COMPUTE,
+                        fn=segmented(attn_segments, tuple(attn_out)),
+                        inputs=self._inputs({"hidden": hidden_value(L)}), outputs=attn_out,
+                        has_weights=True, segments=attn_segments)
+
+    def _chunked_moe_node_specs(self) -> list[NodeSpec]:
+        """attn, dispatch_c0..K-1, then mlp_cK and return_cK per chunk, combine
+        (`model.chunked`)."""
+        L, chunked, K = self.layer, self.chunked, self.chunked.chunks
+        shared = ("shared_out",) if self.shared_expert is not None else ()
+        sends = [f"send_{what}_c{k}" for k in range(1, K) for what in ("tokens", "probs")]
+        specs = [self._moe_attn_spec(), NodeSpec(
+            name="dispatch_c0", layer=L, lane=COMM, fn=chunked.dispatch_first,
+            inputs=self._values("permuted_tokens", "permuted_probs", "split_exchange"),
+            outputs=self._values("recv_tokens_c0", "recv_probs_c0", "meta", *sends),
+            slot="dispatch", chunk=0)]
+        for k in range(1, K):
+            specs.append(NodeSpec(
+                name=f"dispatch_c{k}", layer=L, lane=COMM,
+                fn=functools.partial(chunked.dispatch_chunk, k),
+                inputs={"send_tokens": layer_value(L, f"send_tokens_c{k}"),
+                        "send_probs": layer_value(L, f"send_probs_c{k}"),
+                        "meta": layer_value(L, "meta")},
+                outputs=self._values(f"recv_tokens_c{k}", f"recv_probs_c{k}"),
+                slot="dispatch", chunk=k))
+        for k in range(K):
+            specs += [
+                NodeSpec(name=f"mlp_c{k}", layer=L, lane=COMPUTE,
+                         fn=functools.partial(chunked.experts_chunk, k),
+                         inputs={"recv_tokens": layer_value(L, f"recv_tokens_c{k}"),
+                                 "recv_probs": layer_value(L, f"recv_probs_c{k}"),
+                                 "meta": layer_value(L, "meta")},
+                         outputs=self._values(f"expert_out_c{k}"), has_weights=True,
+                         slot="mlp", chunk=k),
+                NodeSpec(name=f"return_c{k}", layer=L, lane=COMM,
+                         fn=functools.partial(chunked.return_chunk, k),
+                         inputs={"expert_out": layer_value(L, f"expert_out_c{k}"),
+                                 "meta": layer_value(L, "meta")},
+                         outputs=self._values(f"returned_c{k}"), slot="mlp", chunk=k)]
+        returned = [f"returned_c{k}" for k in range(K)]
+        return specs + [NodeSpec(
+            name="combine", layer=L, lane=COMM, fn=self.chunked_combine_forward,
+            inputs=self._inputs(self._values("meta", "row_id_map", "residual", *shared,
+                                             *returned)),
+            outputs={"hidden": hidden_value(L + 1)})]
+
+    def _moe_node_specs(self) -> list[NodeSpec]:
+        """attn, dispatch, mlp, combine (see the module docstring)."""
+        if self.chunked is not None:
+            return self._chunked_moe_node_specs()
+        L = self.layer
+        shared = ("shared_out",) if self.shared_expert is not None else ()
         recv = self._values("recv_tokens", "recv_probs", "meta")
         return [
-            NodeSpec(name="attn", layer=L, lane=COMPUTE,
-                     fn=segmented(attn_segments, tuple(attn_out)),
-                     inputs=self._inputs({"hidden": hidden_value(L)}), outputs=attn_out,
-                     has_weights=True, segments=attn_segments),
+            self._moe_attn_spec(),
             NodeSpec(name="dispatch", layer=L, lane=COMM, fn=self.dispatch_forward,
                      inputs=self._values(*self._dispatch_inputs), outputs=recv),
             NodeSpec(name="mlp", layer=L, lane=COMPUTE, fn=self.moe_mlp_forward,

@@ -52,6 +52,14 @@ class SplitExchange:
         self._counts = counts  # [2, R, L(+1)]: sent, received (pinned on CUDA; None: read them)
         self._ready, self._pending, self._keep, self._watched = ready, pending, keep, watched
         self._read: Optional[tuple[list[int], list[int], list[int]]] = None
+        self._pairs: Optional[tuple[list, list]] = None
+
+    def read_pairs(self) -> tuple[list, list]:
+        """`read`'s counts before summing: host [R][L] lists of the rows sent to each (rank,
+        its local expert) and received from each (source rank, local expert) (a chunked
+        dispatch splits by groups of experts, `model.chunked`)."""
+        self.read()
+        return self._pairs
 
     @property
     def recv_RL(self) -> Optional[torch.Tensor]:
@@ -75,6 +83,7 @@ class SplitExchange:
                 sent_RL, recv_RL = self._counts.tolist()
             else:
                 sent_RL, recv_RL = self._keep[0].tolist(), self._recv.tolist()
+            self._pairs = (sent_RL, recv_RL)
             self._read = split_sizes(sent_RL, recv_RL, self.rank_rows)
             self._keep = ()  # the exchange has read its input: the memory may go
         return self._read
@@ -92,8 +101,8 @@ class _ExchangeAtRead(SplitExchange):
     def read(self) -> tuple[list[int], list[int], list[int]]:
         if self._read is None:
             self._recv = self._comm.exchange_counts(self._send_RL.reshape(-1))
-            self._read = split_sizes(*host_list(torch.stack([self._send_RL, self._recv])),
-                                     self.rank_rows)
+            self._pairs = tuple(host_list(torch.stack([self._send_RL, self._recv])))
+            self._read = split_sizes(*self._pairs, self.rank_rows)
             self._send_RL = None
         return self._read
 

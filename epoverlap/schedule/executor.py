@@ -20,7 +20,11 @@ compute of other microbatches too.
 
 Every F/B node of microbatch m waits on m's event (CUDA: `wait_event`; threads: the future of
 m's last comm node) before it runs and records it after, so one microbatch's nodes form a chain
-across the lanes while the two microbatches' chains share nothing and overlap freely. `W`
+across the lanes while the two microbatches' chains share nothing and overlap freely. A chunked
+MoE layer's node of chunk c (`NodeSpec.chunk`) chains on an event of its own, (m, c): the first
+of the chunk waits on m's event, the next ones on the chunk's, and the next node of no chunk
+waits on m's and every open chunk's, so chunk c's experts run beside chunk c+1's all-to-all
+inside one microbatch (`Chains`). `W`
 actions run on the compute lane and neither wait on nor record the event: nothing waits on
 them. A lane runs a task as `task(wait)`: the task calls `wait()` (that wait, or nothing) first
 thing, so the span recorder can time the wait apart from the work (its `queued` mark before
@@ -62,13 +66,41 @@ def no_wait() -> None:
     """The wait of a task that depends on nothing on the other lane."""
 
 
+ChainKey = object  # a microbatch m, or (m, c) for chunk c of a chunked MoE layer
+
+
+class Chains:
+    """Which chain keys a node waits on and which it records (module docstring): chunk c's
+    first node waits on m, its next ones on (m, c); a node of no chunk waits on m and the open
+    chunks, and closes them."""
+
+    def __init__(self):
+        self._open: dict[int, list[int]] = {}  # microbatch -> chunks with a recorded key
+
+    def step(self, microbatch: int, chunk: Optional[int]) -> tuple[list[ChainKey], ChainKey]:
+        """-> (keys to wait on, key to record) for the next chained node."""
+        open_chunks = self._open.setdefault(microbatch, [])
+        if chunk is None:
+            waits = [microbatch] + [(microbatch, c) for c in open_chunks]
+            open_chunks.clear()
+            return waits, microbatch
+        if chunk in open_chunks:
+            return [(microbatch, chunk)], (microbatch, chunk)
+        open_chunks.append(chunk)
+        return [microbatch], (microbatch, chunk)
+
+    def clear(self) -> None:
+        self._open.clear()
+
+
 class SerialLanes:
     """Both lanes in program order on the caller's thread and stream (no overlap)."""
 
     def begin(self) -> None:
         """A plan starts (before its first `submit`)."""
 
-    def submit(self, lane: str, microbatch: int, task: Task, chain: bool) -> None:
+    def submit(self, lane: str, microbatch: int, task: Task, chain: bool,
+               chunk: Optional[int] = None) -> None:
         task(no_wait)
 
     def hand_over(self, value, to_lane: str) -> None:
@@ -93,26 +125,30 @@ class ThreadLanes(SerialLanes):
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoverlap-comm")
-        self._pending: dict[int, Future] = {}  # per microbatch: its last comm node
+        self._pending: dict[ChainKey, Future] = {}  # per chain key: its last comm node
         self._queued: list[Future] = []  # every comm node not known to be finished
+        self._chains = Chains()
 
-    def submit(self, lane, microbatch, task, chain):
+    def submit(self, lane, microbatch, task, chain, chunk=None):
+        waits, record = self._chains.step(microbatch, chunk) if chain else ([], None)
         if lane == COMM:  # FIFO after every compute node submitted before it: nothing to wait
             future = self._pool.submit(task, no_wait)
-            self._pending[microbatch] = future
+            if chain:
+                self._pending[record] = future
             self._queued = [f for f in self._queued if not f.done()] + [future]
             return
-        task((lambda: self._wait(microbatch)) if chain else no_wait)
+        task((lambda: self._wait(waits)) if chain else no_wait)
 
-    def _wait(self, microbatch: int) -> None:
-        future = self._pending.pop(microbatch, None)
-        if future is not None:
-            future.result()  # re-raises the comm node's exception here
+    def _wait(self, keys: Sequence[ChainKey]) -> None:
+        for key in keys:
+            future = self._pending.pop(key, None)
+            if future is not None:
+                future.result()  # re-raises the comm node's exception here
 
     def drain(self):
-        for microbatch in list(self._pending):
-            self._wait(microbatch)
+        self._wait(list(self._pending))
         self._queued.clear()
+        self._chains.clear()
 
     def abort(self):
         """Cancel the comm nodes not started yet; do not wait for the running one (it may be
@@ -140,7 +176,8 @@ class CudaStreamLanes(SerialLanes):
         priority = torch.cuda.Stream.priority_range()[1] if high_priority_comm else 0
         self.comm_stream = torch.cuda.Stream(device=device, priority=priority)
         self._compute: Optional[torch.cuda.Stream] = None
-        self._events: dict[int, torch.cuda.Event] = {}
+        self._events: dict[ChainKey, torch.cuda.Event] = {}
+        self._chains = Chains()
 
     def begin(self) -> None:
         self._compute = torch.cuda.current_stream(self.device)
@@ -153,17 +190,28 @@ class CudaStreamLanes(SerialLanes):
     def stream(self, lane: str) -> torch.cuda.Stream:
         return self.comm_stream if lane == COMM else self.compute_stream
 
-    def submit(self, lane, microbatch, task, chain):
-        event = self._events.get(microbatch)
+    def _event(self, key: ChainKey) -> torch.cuda.Event:
+        event = self._events.get(key)
         if event is None:
-            event = self._events[microbatch] = torch.cuda.Event()
+            event = self._events[key] = torch.cuda.Event()
+        return event
+
+    def submit(self, lane, microbatch, task, chain, chunk=None):
         stream, switch = self.stream(lane), lane == COMM
         if switch:
             torch.cuda.set_stream(stream)
         try:
-            task((lambda: stream.wait_event(event)) if chain else no_wait)
-            if chain:
-                event.record(stream)
+            if not chain:
+                task(no_wait)
+                return
+            waits, record = self._chains.step(microbatch, chunk)
+            events = [self._event(key) for key in waits]
+
+            def wait():
+                for event in events:
+                    stream.wait_event(event)
+            task(wait)
+            self._event(record).record(stream)
         finally:
             if switch:
                 torch.cuda.set_stream(self.compute_stream)
@@ -177,6 +225,7 @@ class CudaStreamLanes(SerialLanes):
     def drain(self):
         self.compute_stream.wait_stream(self.comm_stream)
         self._events.clear()
+        self._chains.clear()
         self._compute = None
 
 
@@ -257,7 +306,8 @@ class Executor:
                 return
             with self.recorder.span(action, lane, wait):  # times the wait, then the work
                 work(action, spec, state, losses, loss_scale)
-        self.lanes.submit(lane, action.microbatch, task, chain=action.kind != "W")
+        self.lanes.submit(lane, action.microbatch, task, chain=action.kind != "W",
+                          chunk=spec.chunk)
 
     def _forward(self, action, spec: NodeSpec, state: _MicrobatchState, losses, loss_scale):
         inputs = {}

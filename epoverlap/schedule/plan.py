@@ -36,7 +36,7 @@ from epoverlap.model.nodes import COMM, COMPUTE, SEND, NodeKind
 EMBED = NodeKind("embed", COMPUTE)
 LOSS = NodeKind("loss", COMPUTE)
 KINDS = {"F": "forward", "B": "backward", "W": "wgrad"}
-_ACTION_RE = re.compile(r"^([FBW])(\d+)\.([a-z_]+)(?:\.L(\d+))?$")
+_ACTION_RE = re.compile(r"^([FBW])(\d+)\.([a-z][a-z_0-9]*?)(?:\.L(\d+))?$")
 
 Layout = Sequence[Sequence[NodeKind]]  # node kinds of each layer of a one-chunk model
 NodeKey = tuple[Optional[int], str]  # (layer or None, node name)
@@ -183,19 +183,18 @@ def _layer_pair(f_mb: Optional[int], f_layer: Optional[int], f_nodes: Sequence[N
                 b_mb: Optional[int], b_layer: Optional[int], b_nodes: Sequence[NodeKind],
                 delay_wgrad: bool, early_release: bool) -> list[Action]:
     """One layer's forward (microbatch f_mb) interleaved with one layer's backward (b_mb)."""
-    f_names = {node.name for node in f_nodes}
-    b_kinds = {node.name: node for node in b_nodes}
+    def fwd(slot):
+        return [Action("F", f_mb, name, f_layer) for name in _slot_nodes(f_nodes, slot)] \
+            if f_mb is not None else []
 
-    def fwd(node):
-        return [Action("F", f_mb, node, f_layer)] if f_mb is not None and node in f_names else []
+    def bwd(slot):
+        return [Action("B", b_mb, name, b_layer) for name in _slot_nodes(b_nodes, slot)[::-1]] \
+            if b_mb is not None else []
 
-    def bwd(node):
-        return [Action("B", b_mb, node, b_layer)] if b_mb is not None and node in b_kinds else []
-
-    def wgrad(node):
-        deferrable = node in b_kinds and b_kinds[node].deferrable
-        return [Action("W", b_mb, node, b_layer)] if delay_wgrad and deferrable and bwd(node) \
-            else []
+    def wgrad(slot):
+        return [Action("W", b_mb, name, b_layer)
+                for name in _slot_nodes(b_nodes, slot, deferrable=True)[::-1]] \
+            if delay_wgrad and b_mb is not None else []
 
     order = (bwd("combine") + fwd("attn") + bwd("mlp") + fwd("dispatch") + wgrad("mlp")
              + bwd("dispatch"))
@@ -205,6 +204,14 @@ def _layer_pair(f_mb: Optional[int], f_layer: Optional[int], f_nodes: Sequence[N
     if not early_release:
         order += bwd("attn")
     return order + wgrad("attn")
+
+
+def _slot_nodes(nodes: Sequence[NodeKind], slot: str, deferrable: bool = False) -> list[str]:
+    """Names of the nodes that run in `slot`, in forward order: the node of that name, or a
+    chunked MoE layer's nodes in its place (`NodeKind.group`); `deferrable`: only those with
+    weight grads to defer."""
+    return [node.name for node in nodes
+            if node.group == slot and (node.deferrable or not deferrable)]
 
 
 # Two microbatches' nodes of one layer, same direction, each split-size read (F dispatch) issued
@@ -219,22 +226,23 @@ _BACKWARD_PAIR = ("a.combine", "b.combine", "a.mlp", "a.dispatch", "b.mlp", "a.W
 def _same_direction_layer(kind: str, a: int, b: int, layer: int, nodes: Sequence[NodeKind],
                           delay_wgrad: bool) -> list[Action]:
     """Layer `layer` of microbatches a and b, both forward (kind "F") or both backward ("B")."""
-    deferrable = {node.name for node in nodes if node.deferrable and delay_wgrad}
-    names = [node.name for node in nodes]
+    slots = list(dict.fromkeys(node.group for node in nodes))
     template = _FORWARD_PAIR if kind == "F" else _BACKWARD_PAIR
     known = {entry.split(".")[-1] for entry in template}
-    if not set(names) <= known:  # an unknown layout: one node of each in turn
-        order = names if kind == "F" else names[::-1]
-        template = tuple(f"{who}.{name}" for name in order for who in "ab")
+    if not set(slots) <= known:  # an unknown layout: one node of each in turn
+        order = slots if kind == "F" else slots[::-1]
+        template = tuple(f"{who}.{slot}" for slot in order for who in "ab")
         if kind == "B":
-            template += tuple(f"{who}.W.{name}" for name in order for who in "ab")
+            template += tuple(f"{who}.W.{slot}" for slot in order for who in "ab")
     plan = []
     for entry in template:
-        who, *wgrad, name = entry.split(".")
-        if name not in names or (wgrad and name not in deferrable):
+        who, *wgrad, slot = entry.split(".")
+        if wgrad and not delay_wgrad:
             continue
+        names = _slot_nodes(nodes, slot, deferrable=bool(wgrad))
         mb = a if who == "a" else b
-        plan.append(Action("W" if wgrad else kind, mb, name, layer))
+        plan += [Action("W" if wgrad else kind, mb, name, layer)
+                 for name in (names if kind == "F" else names[::-1])]
     return plan
 
 

@@ -78,13 +78,14 @@ def _trainer(ep, argv):
     return cfg
 
 
-def mode_grads_and_losses(rank, world_size, ep, out_dir, steps, extra=()):
-    """For each mode: bits of one step's reduced grads, and a --log-json of `steps` steps.
-    `extra`: flags every mode adds (dropout, say)."""
+def mode_grads_and_losses(rank, world_size, ep, out_dir, steps, extra=(), modes=None):
+    """For each mode (`modes`, default `MODES`; one named "sequential"): bits of one step's
+    reduced grads, and a --log-json of `steps` steps. `extra`: flags every mode adds (dropout,
+    say)."""
     groups = init_distributed(ep, "cpu", timeout_minutes=3)
     results = {}
     try:
-        for mode, flags in MODES.items():
+        for mode, flags in (modes or MODES).items():
             log = str(Path(out_dir) / f"{mode}.jsonl")
             trainer = Trainer(_trainer(ep, flags + list(extra) + ["--train-iters", str(steps),
                                                                   "--log-json", log]), groups,
@@ -176,19 +177,20 @@ def groups_with_a_cta_budget(rank, world_size):
         destroy_distributed(groups)
 
 
-def assert_modes_match_sequential(results: list, log_dir, steps: int) -> None:
+def assert_modes_match_sequential(results: list, log_dir, steps: int, modes=None) -> None:
     """What `mode_grads_and_losses` gave on every rank: each mode's reduced grads the
     sequential mode's bits, and its --log-json's losses and grad norms too, every step."""
     from epoverlap.cli.compare_losses import compare_loss_logs
+    modes = modes or MODES
     for rank, per_mode in enumerate(results):
         dense_ref, expert_ref = per_mode["sequential"]
         assert dense_ref.abs().sum() > 0 and expert_ref.abs().sum() > 0
-        for mode in MODES:
+        for mode in modes:
             dense, expert = per_mode[mode]
             assert torch.equal(dense.view(torch.int32), dense_ref.view(torch.int32)), (rank, mode)
             assert torch.equal(expert.view(torch.int32), expert_ref.view(torch.int32)), \
                 (rank, mode)
-    for mode in MODES:
+    for mode in modes:
         comparison = compare_loss_logs(Path(log_dir) / "sequential.jsonl",
                                        Path(log_dir) / f"{mode}.jsonl")
         assert comparison.identical, comparison.message

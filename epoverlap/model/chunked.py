@@ -1,0 +1,169 @@
+"""The chunked MoE all-to-all (--moe-a2a-chunks K): an MoE layer's dispatch, experts and
+combine cut into K chunks, each a group of a rank's local experts with its own all-to-alls, so
+the dispatch of chunk i+1 and the combine of chunk i run while the experts compute chunk i,
+forward and backward, inside one microbatch (the executor chains each chunk on its own event:
+`schedule.executor.Chains`).
+
+Owns `expert_groups` (the K groups), `ChunkedMeta` (each chunk's split sizes, read once on the
+host) and `ChunkedMoE`, the node callables of a chunked layer:
+
+  dispatch_c0  (comm)    read the split sizes; cut the permuted rows into the K chunks' send
+                         buffers; all-to-all of chunk 0
+  dispatch_cI  (comm)    all-to-all of chunk I's buffer
+  mlp_cI       (compute) sort chunk I's rows by expert, its experts' grouped SwiGLU, unsort
+  return_cI    (comm)    all-to-all of chunk I's expert outputs back
+  combine      (comm)    the returned chunks back into the permuted layout, unpermute (+ the
+                         layer's tail: shared expert, dropout, residual)
+
+Why groups of experts and not slices of tokens: an expert then sees the rows it sees unchunked,
+in the same order (its rows from each source rank, rank by rank), its weight grad sums the same
+rows in the same order, and the combine puts every returned row back where the unchunked
+all-to-all would have before the unpermute sums a token's rows: the same bits as K = 1. Cutting
+and reassembling are copies (split and cat), never sums. Chunk c sends to rank r the rows of
+rank r's experts in group c: one run of the expert-major permuted rows per rank.
+
+Shape legend: R EP ranks, L local experts, G a group's experts, K chunks, N permuted rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from epoverlap.model.dispatch import TokenDispatcher
+from epoverlap.model.moe import GroupedSwiGLUExperts
+from epoverlap.parallel.comm import SplitExchange, all_to_all
+
+
+def expert_groups(num_local: int, chunks: int) -> list[tuple[int, int]]:
+    """K contiguous groups (start, end) of the local experts, sizes differing by at most one
+    (the first ones larger)."""
+    if not 1 <= chunks <= num_local:
+        raise ValueError(f"{chunks} chunks of {num_local} local experts")
+    base, extra = divmod(num_local, chunks)
+    bounds = [0]
+    for c in range(chunks):
+        bounds.append(bounds[-1] + base + (c < extra))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@dataclass
+class ChunkedMeta:
+    """What a chunked layer's nodes need after the split sizes are read (host lists), and the
+    received counts on the device."""
+
+    groups: list[tuple[int, int]]
+    send_RK: list[list[int]]  # rows this rank sends rank r in chunk k
+    recv_RK: list[list[int]]  # rows this rank receives from rank r in chunk k
+    recv_RL: list[list[int]]  # rows received per (source rank, local expert)
+    recv_counts_RL: torch.Tensor  # [R, L] device: the same, for the sorts
+
+    @classmethod
+    def of(cls, groups: list[tuple[int, int]], sent_RL: list, recv_RL: list,
+           recv_counts_RL: torch.Tensor) -> "ChunkedMeta":
+        def per_chunk(rows_RL):
+            return [[sum(row[a:b]) for a, b in groups] for row in rows_RL]
+        return cls(groups, per_chunk(sent_RL), per_chunk(recv_RL), recv_RL, recv_counts_RL)
+
+    def send_splits(self, chunk: int) -> list[int]:
+        return [row[chunk] for row in self.send_RK]
+
+    def recv_splits(self, chunk: int) -> list[int]:
+        return [row[chunk] for row in self.recv_RK]
+
+    def expert_rows(self, chunk: int) -> list[int]:
+        """Rows of each of the chunk's experts, summed over source ranks (host)."""
+        start, end = self.groups[chunk]
+        return [sum(row[e] for row in self.recv_RL) for e in range(start, end)]
+
+
+def split_by_chunk(rows: torch.Tensor, send_RK: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Expert-major rows (rank r's runs for chunks 0..K-1, rank by rank) -> K send buffers
+    (chunk k: its runs for ranks 0..R-1). Copies; the backward is the reverse copy."""
+    chunks = len(send_RK[0])
+    pieces = torch.split(rows, [n for row in send_RK for n in row])
+    return [torch.cat(pieces[k::chunks]) for k in range(chunks)]
+
+
+def join_chunks(chunk_rows: Sequence[torch.Tensor], send_RK: Sequence[Sequence[int]]
+                ) -> torch.Tensor:
+    """`split_by_chunk` reversed: K buffers (chunk k: runs for ranks 0..R-1) -> the rows in
+    expert-major order."""
+    per_chunk = [torch.split(rows, [row[k] for row in send_RK])
+                 for k, rows in enumerate(chunk_rows)]
+    return torch.cat([per_chunk[k][r] for r in range(len(send_RK))
+                      for k in range(len(chunk_rows))])
+
+
+class ChunkedMoE:
+    """The node callables of one chunked MoE layer (module docstring), over the layer's
+    dispatcher (dropless or capacity: split sizes read on the host) and experts."""
+
+    def __init__(self, dispatcher: TokenDispatcher, experts: GroupedSwiGLUExperts,
+                 chunks: int, device: torch.device):
+        self.dispatcher, self.experts = dispatcher, experts
+        self.comm, self.ops = dispatcher.comm, dispatcher.ops
+        self.ranks = dispatcher.comm.size
+        self.groups = expert_groups(dispatcher.num_local, chunks)
+        self._to_expert_major, self._to_rank_major = {}, {}
+        for start, end in self.groups:  # (rank, expert) blocks <-> (expert, rank), per size
+            size = end - start
+            self._to_expert_major[size] = _index(
+                [r * size + g for g in range(size) for r in range(self.ranks)], device)
+            self._to_rank_major[size] = _index(
+                [g * self.ranks + r for r in range(self.ranks) for g in range(size)], device)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.groups)
+
+    def dispatch_first(self, permuted_tokens, permuted_probs, split_exchange: SplitExchange):
+        """Read the split sizes; cut the rows into the chunks' send buffers; send chunk 0."""
+        sent_RL, recv_RL = split_exchange.read_pairs()
+        meta = ChunkedMeta.of(self.groups, sent_RL, recv_RL, split_exchange.recv_RL)
+        routed = sum(map(sum, meta.send_RK))  # the rows past the routed ones are not sent
+        tokens = split_by_chunk(permuted_tokens[:routed], meta.send_RK)
+        probs = split_by_chunk(permuted_probs[:routed], meta.send_RK)
+        out = self.dispatch_chunk(0, tokens[0], probs[0], meta)
+        out["meta"] = meta
+        for k in range(1, self.chunks):
+            out[f"send_tokens_c{k}"], out[f"send_probs_c{k}"] = tokens[k], probs[k]
+        return out
+
+    def dispatch_chunk(self, chunk: int, send_tokens, send_probs, meta: ChunkedMeta) -> dict:
+        splits = (meta.recv_splits(chunk), meta.send_splits(chunk))
+        return {f"recv_tokens_c{chunk}": all_to_all(self.comm, send_tokens, *splits),
+                f"recv_probs_c{chunk}": all_to_all(self.comm, send_probs, *splits)}
+
+    def experts_chunk(self, chunk: int, recv_tokens, recv_probs, meta: ChunkedMeta) -> dict:
+        """Chunk `chunk`'s rows (source rank, expert) -> expert-major -> its experts -> back."""
+        start, end = self.groups[chunk]
+        size = end - start
+        counts_RG = meta.recv_counts_RL[:, start:end]
+        tokens, probs = recv_tokens, recv_probs
+        if self.ranks > 1:
+            tokens, probs = self.ops.sort_chunks_by_idxs(
+                recv_tokens, counts_RG.reshape(-1), self._to_expert_major[size], recv_probs)
+        out = self.experts(tokens, probs, counts_RG.sum(dim=0), meta.expert_rows(chunk),
+                           experts=(start, end))
+        if self.ranks > 1:
+            out = self.ops.sort_chunks_by_idxs(out, counts_RG.t().reshape(-1),
+                                               self._to_rank_major[size])[0]
+        return {f"expert_out_c{chunk}": out}
+
+    def return_chunk(self, chunk: int, expert_out, meta: ChunkedMeta) -> dict:
+        return {f"returned_c{chunk}": all_to_all(self.comm, expert_out,
+                                                 meta.send_splits(chunk),
+                                                 meta.recv_splits(chunk))}
+
+    def combine(self, returned: Sequence[torch.Tensor], meta: ChunkedMeta,
+                row_id_map) -> torch.Tensor:
+        """The returned chunks in the permuted layout, each token's rows summed."""
+        return self.ops.unpermute(join_chunks(returned, meta.send_RK), row_id_map)
+
+
+def _index(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
