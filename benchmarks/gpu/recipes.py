@@ -232,21 +232,23 @@ RECIPES = (
            "seq.jsonl, seq_k2.jsonl, ovl_wgrad_graphs_k4.jsonl; nop2p/train_rounds.json",
            _chunked_bitwise_steps() + (_rounds(CHUNKED_SIDES, CHUNKED_RUN, "nop2p",
                                                {"NCCL_P2P_DISABLE": "1"}),)),
-    Recipe("chunked_more", 2,
-           "--moe-a2a-chunks at the 1:1 shape: 2 microbatches per step with NCCL_P2P_DISABLE=1 "
-           "(where the 1F1B hides least), K = 2 beside K = 4, and NVLink; the all-to-alls alone "
-           "(bench_overlap's replay, T_comm) with P2P off",
-           "mb2/, nvlink/ train_rounds.json; bench_overlap.json",
+    Recipe("chunked_sweep", 2,
+           "--moe-a2a-chunks at the 1:1 shape with NCCL_P2P_DISABLE=1: K = 4 sequential (its "
+           "chunks on two lanes) and K = 4, 8 with the overlap and paired ends, 3 interleaved "
+           "rounds; a profiled run of K = 4 (spans, epoverlap-timeline); 2 microbatches per "
+           "step (where the 1F1B hides least), unchunked sequential vs K = 4 overlapped",
+           "sweep/, mb2/ train_rounds.json; profile/ spans and timeline_summary.json",
            (_rounds({"seq": SEQUENTIAL, "seq_k4": SEQUENTIAL + " --moe-a2a-chunks 4",
-                     "ovl_wgrad": WGRAD, "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4",
-                     "ovl_wgrad_k2": WGRAD + " --moe-a2a-chunks 2"},
-                    CHUNKED_RUN + " --num-microbatches 2", "mb2", {"NCCL_P2P_DISABLE": "1"}),
-            _rounds({"seq": SEQUENTIAL, "ovl_wgrad": WGRAD,
-                     "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4"}, CHUNKED_RUN, "nvlink"),
-            Step("comm_alone", "{torchrun} -m benchmarks.harness.bench_overlap --shapes "
-                               "ratio_h2048_k4_f4096 --warmup 2 --iters 4 --rounds 1 "
-                               "--out-dir {out}", env={"NCCL_P2P_DISABLE": "1"},
-                 timeout_s=240))),
+                     "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4",
+                     "ovl_wgrad_k8": WGRAD + " --moe-a2a-chunks 8",
+                     "paired_wgrad_k4": WGRAD + " --overlap-plan combined_1f1b_paired_ends"
+                                        " --moe-a2a-chunks 4"},
+                    CHUNKED_RUN, "sweep", {"NCCL_P2P_DISABLE": "1"}),
+            Step("profile", CHUNKED_RUN + " " + WGRAD + " --moe-a2a-chunks 4 --profile-steps 8:10"
+                 " --profile-dir {out}/profile && {python} -m epoverlap.cli.timeline "
+                 "{out}/profile --no-png", env={"NCCL_P2P_DISABLE": "1"}, timeout_s=120),
+            _rounds({"seq": SEQUENTIAL, "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4"},
+                    CHUNKED_RUN + " --num-microbatches 2", "mb2", {"NCCL_P2P_DISABLE": "1"}))),
     Recipe("train_step_vs_baseline", 2,
            "the training command's whole step (the train_step_schedules command, eager, "
            "sequential: --no-overlap-moe-expert-parallel-comm on both sides, which the earlier "

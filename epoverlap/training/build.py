@@ -146,8 +146,8 @@ class RunParts:
     def _build_step_machinery(self) -> None:
         """Lanes, recorder, faults, graphs, executor, every stage's plan."""
         cfg = self.cfg
-        overlap = cfg.overlap.overlap_moe_expert_parallel_comm
-        self.lanes = make_lanes(self.device, overlap, cfg.overlap.comm_stream_high_priority)
+        self.lanes = make_lanes(self.device, self._two_lanes(True),
+                                cfg.overlap.comm_stream_high_priority)
         self.recorder = SpanRecorder(self.device, self.groups.rank, self.groups.world_size)
         self.faults = FaultInjector(self.groups.rank)
         self.graphs = self._step_graphs()
@@ -253,11 +253,11 @@ class RunParts:
                 self._log_first(f"tune: not tuned ({len(paths)} path(s); {needed} steps "
                                 f"needed, {steps_left} left): {cfg.plan_name} as the flags say")
             return None, {}
-        serial = make_lanes(self.device, False)
+        serial = self.lanes if self._two_lanes(False) else make_lanes(self.device, False)
         built = {path.name: BuiltPath(path, self.build_plans(path)[1][0],
                                       serial if path.plan == SEQUENTIAL else self.lanes)
                  for path in paths if cached is None or path.name == cached.chosen}
-        if not any(b.lanes is serial for b in built.values()):
+        if serial is not self.lanes and not any(b.lanes is serial for b in built.values()):
             serial.close()
         first = self.start_step + (1 if self.graphs is None else
                                    max(cfg.cuda_graph.warmup_steps, 1))
@@ -266,6 +266,15 @@ class RunParts:
         self.paths = built
         self.switch_path(tuner.schedule_for(self.start_step + 1))
         return tuner, built
+
+    def _two_lanes(self, overlap_plan: bool) -> bool:
+        """Whether a plan runs on two lanes (a comm stream or thread beside compute): an
+        overlap plan, or any plan of chunked MoE layers (--moe-a2a-chunks: a chunk's
+        all-to-all runs beside another chunk's experts inside one microbatch, the sequential
+        schedule's too)."""
+        o = self.cfg.overlap
+        return ((overlap_plan and bool(o.overlap_moe_expert_parallel_comm))
+                or o.moe_a2a_chunks > 1)
 
     def switch_path(self, name: str) -> None:
         """Run the tuner's path `name` from here on: its plan, lanes, weight-grad deferral and
