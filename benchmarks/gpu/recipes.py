@@ -249,6 +249,18 @@ RECIPES = (
                  "{out}/profile --no-png", env={"NCCL_P2P_DISABLE": "1"}, timeout_s=120),
             _rounds({"seq": SEQUENTIAL, "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4"},
                     CHUNKED_RUN + " --num-microbatches 2", "mb2", {"NCCL_P2P_DISABLE": "1"}))),
+    Recipe("chunked_report", 2,
+           "--moe-a2a-chunks 4 against unchunked in the overlap benchmark (T_seq, T_ovl, T_comp "
+           "and T_comm, the all-to-alls replayed alone) at the 1:1 shape with "
+           "NCCL_P2P_DISABLE=1; the training step over NVLink at that shape, 3 interleaved "
+           "rounds",
+           "k1/, k4/ bench_overlap.json; nvlink/train_rounds.json",
+           tuple(Step(f"overlap_k{k}", "{torchrun} -m benchmarks.harness.bench_overlap --shapes "
+                      "ratio_h2048_k4_f4096 --warmup 2 --iters 4 --rounds 1 "
+                      f"--out-dir {{out}}/k{k} --extra-flags '--moe-a2a-chunks {k}'",
+                      env={"NCCL_P2P_DISABLE": "1"}, timeout_s=150) for k in (1, 4))
+           + (_rounds({"seq": SEQUENTIAL, "ovl_wgrad": WGRAD,
+                       "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4"}, CHUNKED_RUN, "nvlink"),)),
     Recipe("train_step_vs_baseline", 2,
            "the training command's whole step (the train_step_schedules command, eager, "
            "sequential: --no-overlap-moe-expert-parallel-comm on both sides, which the earlier "
