@@ -5,7 +5,7 @@ forward and backward, inside one microbatch (the executor chains each chunk on i
 `schedule.executor.Chains`).
 
 Owns `expert_groups` (the K groups), `ChunkedMeta` (each chunk's split sizes, read once on the
-host) and `ChunkedMoE`, the node callables of a chunked layer:
+host) and `ChunkedMoE`, the node callables of a chunked layer and their `NodeSpec`s:
 
   dispatch_c0  (comm)    read the split sizes; cut the permuted rows into the K chunks' send
                          buffers; all-to-all of chunk 0
@@ -27,6 +27,7 @@ Shape legend: R EP ranks, L local experts, G a group's experts, K chunks, N perm
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -34,6 +35,7 @@ import torch
 
 from epoverlap.model.dispatch import TokenDispatcher
 from epoverlap.model.moe import GroupedSwiGLUExperts
+from epoverlap.model.nodes import COMM, COMPUTE, NodeSpec, hidden_value, layer_value
 from epoverlap.parallel.comm import SplitExchange, all_to_all
 
 
@@ -162,6 +164,46 @@ class ChunkedMoE:
                 row_id_map) -> torch.Tensor:
         """The returned chunks in the permuted layout, each token's rows summed."""
         return self.ops.unpermute(join_chunks(returned, meta.send_RK), row_id_map)
+
+
+    def node_specs(self, layer: int, combine_fn, combine_inputs: dict) -> list[NodeSpec]:
+        """The layer's nodes after `attn` (module docstring): dispatch_c0..c(K-1), then mlp_cI
+        and return_cI per chunk, then `combine`, which runs `combine_fn` on the returned
+        chunks (`returned_cI`) and `combine_inputs` (local name -> value name)."""
+        def values(*names):
+            return {name: layer_value(layer, name) for name in names}
+
+        def chunk_node(name, k, lane, fn, inputs, outputs, **kind):
+            return NodeSpec(name=f"{name}_c{k}", layer=layer, lane=lane,
+                            fn=functools.partial(fn, k), inputs=inputs,
+                            outputs=values(*outputs), chunk=k, **kind)
+
+        sends = [f"send_{what}_c{k}" for k in range(1, self.chunks)
+                 for what in ("tokens", "probs")]
+        specs = [NodeSpec(name="dispatch_c0", layer=layer, lane=COMM, fn=self.dispatch_first,
+                          inputs=values("permuted_tokens", "permuted_probs", "split_exchange"),
+                          outputs=values("recv_tokens_c0", "recv_probs_c0", "meta", *sends),
+                          slot="dispatch", chunk=0)]
+        meta = {"meta": layer_value(layer, "meta")}
+        for k in range(1, self.chunks):
+            specs.append(chunk_node(
+                "dispatch", k, COMM, self.dispatch_chunk,
+                {"send_tokens": layer_value(layer, f"send_tokens_c{k}"),
+                 "send_probs": layer_value(layer, f"send_probs_c{k}"), **meta},
+                (f"recv_tokens_c{k}", f"recv_probs_c{k}"), slot="dispatch"))
+        for k in range(self.chunks):
+            specs += [
+                chunk_node("mlp", k, COMPUTE, self.experts_chunk,
+                           {"recv_tokens": layer_value(layer, f"recv_tokens_c{k}"),
+                            "recv_probs": layer_value(layer, f"recv_probs_c{k}"), **meta},
+                           (f"expert_out_c{k}",), slot="mlp", has_weights=True),
+                chunk_node("return", k, COMM, self.return_chunk,
+                           {"expert_out": layer_value(layer, f"expert_out_c{k}"), **meta},
+                           (f"returned_c{k}",), slot="mlp")]
+        returned = values(*(f"returned_c{k}" for k in range(self.chunks)))
+        return specs + [NodeSpec(name="combine", layer=layer, lane=COMM, fn=combine_fn,
+                                 inputs={**combine_inputs, **returned},
+                                 outputs={"hidden": hidden_value(layer + 1)})]
 
 
 def _index(values: list[int], device) -> torch.Tensor:

@@ -33,7 +33,6 @@ Q query heads, G key/value heads, D head dim.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -357,45 +356,11 @@ class TransformerLayer(nn.Module):
                         has_weights=True, segments=attn_segments)
 
     def _chunked_moe_node_specs(self) -> list[NodeSpec]:
-        """attn, dispatch_c0..K-1, then mlp_cK and return_cK per chunk, combine
-        (`model.chunked`)."""
-        L, chunked, K = self.layer, self.chunked, self.chunked.chunks
+        """attn, then the chunked layer's nodes (`model.chunked`), its combine ending here."""
         shared = ("shared_out",) if self.shared_expert is not None else ()
-        sends = [f"send_{what}_c{k}" for k in range(1, K) for what in ("tokens", "probs")]
-        specs = [self._moe_attn_spec(), NodeSpec(
-            name="dispatch_c0", layer=L, lane=COMM, fn=chunked.dispatch_first,
-            inputs=self._values("permuted_tokens", "permuted_probs", "split_exchange"),
-            outputs=self._values("recv_tokens_c0", "recv_probs_c0", "meta", *sends),
-            slot="dispatch", chunk=0)]
-        for k in range(1, K):
-            specs.append(NodeSpec(
-                name=f"dispatch_c{k}", layer=L, lane=COMM,
-                fn=functools.partial(chunked.dispatch_chunk, k),
-                inputs={"send_tokens": layer_value(L, f"send_tokens_c{k}"),
-                        "send_probs": layer_value(L, f"send_probs_c{k}"),
-                        "meta": layer_value(L, "meta")},
-                outputs=self._values(f"recv_tokens_c{k}", f"recv_probs_c{k}"),
-                slot="dispatch", chunk=k))
-        for k in range(K):
-            specs += [
-                NodeSpec(name=f"mlp_c{k}", layer=L, lane=COMPUTE,
-                         fn=functools.partial(chunked.experts_chunk, k),
-                         inputs={"recv_tokens": layer_value(L, f"recv_tokens_c{k}"),
-                                 "recv_probs": layer_value(L, f"recv_probs_c{k}"),
-                                 "meta": layer_value(L, "meta")},
-                         outputs=self._values(f"expert_out_c{k}"), has_weights=True,
-                         slot="mlp", chunk=k),
-                NodeSpec(name=f"return_c{k}", layer=L, lane=COMM,
-                         fn=functools.partial(chunked.return_chunk, k),
-                         inputs={"expert_out": layer_value(L, f"expert_out_c{k}"),
-                                 "meta": layer_value(L, "meta")},
-                         outputs=self._values(f"returned_c{k}"), slot="mlp", chunk=k)]
-        returned = [f"returned_c{k}" for k in range(K)]
-        return specs + [NodeSpec(
-            name="combine", layer=L, lane=COMM, fn=self.chunked_combine_forward,
-            inputs=self._inputs(self._values("meta", "row_id_map", "residual", *shared,
-                                             *returned)),
-            outputs={"hidden": hidden_value(L + 1)})]
+        combine_inputs = self._inputs(self._values("meta", "row_id_map", "residual", *shared))
+        return [self._moe_attn_spec()] + self.chunked.node_specs(
+            self.layer, self.chunked_combine_forward, combine_inputs)
 
     def _moe_node_specs(self) -> list[NodeSpec]:
         """attn, dispatch, mlp, combine (see the module docstring)."""
