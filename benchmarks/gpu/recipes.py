@@ -261,6 +261,17 @@ RECIPES = (
                       env={"NCCL_P2P_DISABLE": "1"}, timeout_s=150) for k in (1, 4))
            + (_rounds({"seq": SEQUENTIAL, "ovl_wgrad": WGRAD,
                        "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4"}, CHUNKED_RUN, "nvlink"),)),
+    Recipe("emulated_hosts", 2,
+           "--emulate-hosts: the GPUs as hosts of their own (NCCL_HOSTID per emulated host); the "
+           "training command's transport report names NCCL's network transport between them, "
+           "and one inside a host without emulation (tests/parallel/test_transport.py)",
+           "junit.xml; cli_logs/ (each run's output with its transport lines); nccl/ (NCCL's "
+           "own INFO logs the report read)",
+           (Step("pytest", PYTEST + " --junitxml={out}/junit.xml -m multigpu "
+                 "tests/parallel/test_transport.py; rc=$?; mkdir -p {out}/nccl; "
+                 "cp /tmp/epoverlap-nccl-*.log {out}/nccl/ 2>/dev/null; exit $rc",
+                 env={"EPOVERLAP_GPU_LOGS": "{out}/cli_logs"}, timeout_s=240),),
+           all_gpus=True),
     Recipe("train_step_vs_baseline", 2,
            "the training command's whole step (the train_step_schedules command, eager, "
            "sequential: --no-overlap-moe-expert-parallel-comm on both sides, which the earlier "

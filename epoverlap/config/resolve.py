@@ -88,10 +88,13 @@ def resolve_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> Run
     return dataclasses.replace(cfg, defaulted=tuple(defaulted))
 
 
-def fast_link(world_size: int) -> bool:
+def fast_link(world_size: int, emulated_hosts: int = 1) -> bool:
     """Whether the EP all-to-all runs over NVLink: one host (LOCAL_WORLD_SIZE, torchrun's, is
-    the world; without torchrun, one Slurm node) and NCCL's peer-to-peer transport not switched
-    off (NCCL_P2P_DISABLE). Every rank of a job reads the same environment, so all decide alike."""
+    the world; without torchrun, one Slurm node; not --emulate-hosts) and NCCL's peer-to-peer
+    transport not switched off (NCCL_P2P_DISABLE). Every rank of a job reads the same
+    environment, so all decide alike."""
+    if emulated_hosts > 1:
+        return False
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is not None:
         one_host = int(local) >= world_size
@@ -106,7 +109,8 @@ def _graph_choices(cfg: RunConfig, world_size: int) -> list:
     iteration over the sync-free budget dispatch (it moves a budget's fixed chunks, more bytes
     than the dropless dispatch: where bytes bind, through host memory or between hosts, that
     loses, so there the partial graphs come first); then partial graphs."""
-    if fast_link(world_size) and DispatchMode.of(cfg.moe).name == "dropless":
+    if (fast_link(world_size, cfg.parallel.emulate_hosts)
+            and DispatchMode.of(cfg.moe).name == "dropless"):
         return [_full_iteration, _partial_graphs]
     return [_partial_graphs]
 

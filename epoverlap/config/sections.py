@@ -138,6 +138,18 @@ class ParallelConfig:
     distributed_timeout_minutes: float = flag(
         10.0, "collective timeout of every process group: a peer rank that does not answer for "
         "this long ends the job, naming it (fractions allowed, >= 0.05)")
+    emulate_hosts: int = flag(
+        1, "tests and benchmarks on one machine: split its ranks into N emulated hosts of "
+        "LOCAL_WORLD_SIZE / N consecutive local ranks, each with its own NCCL host identity "
+        "(NCCL_HOSTID), so NCCL connects ranks of two emulated hosts over its network "
+        "transport and ranks of one over NVLink or host memory, as between real hosts "
+        "(needs NCCL; 1: off)", metavar="N")
+    nccl_transport_report: Optional[bool] = flag(
+        None, "after the first step, print which transport NCCL chose between which ranks, "
+        "read from NCCL's own INFO log (NCCL_DEBUG=INFO into a file per rank; not when "
+        "NCCL_DEBUG is already set); with --emulate-hosts the job fails when two emulated "
+        "hosts talk over anything but NCCL's network transport",
+        default_text="auto: on with --emulate-hosts > 1")
     moe_a2a_nccl_max_ctas: Optional[int] = flag(
         None, f"NCCL: at most N CTAs (SMs) for each all-to-all of the expert-parallel group "
         f"(its communicator's max_ctas, 1..{NCCL_MAX_CHANNELS}; none: NCCL's choice); other "
@@ -152,6 +164,14 @@ class ParallelConfig:
         "persistent grouped GEMM otherwise holds every SM: an all-to-all started beside it "
         "waits for SMs, and its last CTAs wait for the all-to-all. Same bits (each output tile "
         "is still one CTA's full-K sum); none: every SM")
+
+
+    @property
+    def transport_report(self) -> bool:
+        """--nccl-transport-report, or its auto value: on with emulated hosts."""
+        if self.nccl_transport_report is None:
+            return self.emulate_hosts > 1
+        return self.nccl_transport_report
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -162,6 +162,21 @@ def _validate_microbatches(cfg: RunConfig, world_size: int) -> None:
                  "microbatch in flight)")
 
 
+def _validate_emulated_hosts(cfg: RunConfig, world_size: int, cuda_available: bool) -> None:
+    """--emulate-hosts N and --nccl-transport-report: NCCL host identities and NCCL's log."""
+    hosts, p = cfg.parallel.emulate_hosts, cfg.parallel
+    require(hosts >= 1, "emulate_hosts", hosts, "must be >= 1 (1: off)")
+    on_gpu = cfg.resolved_device(cuda_available) == "cuda"
+    if hosts > 1:
+        require(on_gpu, "emulate_hosts", hosts, "sets NCCL host identities: needs a CUDA "
+                "device (NCCL); gloo has no transports to choose")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        require(local % hosts == 0 and local >= hosts, "emulate_hosts", hosts,
+                f"must divide the {local} ranks of this machine (LOCAL_WORLD_SIZE)")
+    require(not p.nccl_transport_report or on_gpu, "nccl_transport_report", True,
+            "reads NCCL's log: needs a CUDA device (NCCL)")
+
+
 def _validate_moe(cfg: RunConfig, world_size: int) -> None:
     moe, ep = cfg.moe, cfg.parallel.expert_model_parallel_size
     pp = cfg.parallel.pipeline_model_parallel_size
@@ -458,6 +473,7 @@ def check_config(cfg: RunConfig, world_size: int, cuda_available: bool,
              f"must be >= {MIN_TIMEOUT_MINUTES} (3 s): the liveness checks need a few "
              "heartbeats within it")
     _validate_pipeline(cfg, world_size)
+    _validate_emulated_hosts(cfg, world_size, cuda_available)
     _validate_moe(cfg, world_size)
     _validate_train(cfg.train, cfg.data_parallel_size(world_size), cuda_available)
     _validate_microbatches(cfg, world_size)

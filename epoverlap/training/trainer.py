@@ -16,13 +16,17 @@ entry points (`step`, `forward_backward`, `run_microbatches`,
 from __future__ import annotations
 
 import math
+import os
+import socket
 from typing import Callable, Optional
 
 from epoverlap.config import RunConfig
 from epoverlap.graphs.capture import CudaGraphBackend
 from epoverlap.parallel.groups import ParallelGroups
+from epoverlap.parallel.transport import gather_report
 from epoverlap.training.build import RunParts
 from epoverlap.training.checkpoint_files import CheckpointRef
+from epoverlap.training.environment import NCCL_LOG_FOR_REPORT
 from epoverlap.training.evaluate import Evaluator
 from epoverlap.training.manual_gc import ManualGC
 from epoverlap.training.metrics import Reporter, RunSummary, StepResult
@@ -126,6 +130,8 @@ class Trainer:
         """One step of the loop, appended to `results`: the step, its graph captures,
         compiles, evaluation, report, checkpoint."""
         result = self.step(step)
+        if step == self.start_step + 1 and self.cfg.parallel.transport_report:
+            self._report_transports()
         self.reporter.graphs_captured(step, self.stepper.capture_graphs())
         self.compile_watch.after_step(step - self.start_step)
         result.triton_variants = self.compile_watch.total()
@@ -136,6 +142,22 @@ class Trainer:
         self.reporter.step_done(result, results, tune_lines, self.evaluator.maybe_run(step))
         if self.checkpointer.due(step):
             self.checkpointer.save(step)
+
+    def _report_transports(self) -> None:
+        """After the first step (every all-to-all peer connected): which transport NCCL chose
+        between which ranks; with emulated hosts, fail unless hosts talk over the network."""
+        host = os.environ.get("NCCL_HOSTID") or socket.gethostname()
+        report = gather_report(os.environ.get(NCCL_LOG_FOR_REPORT), host)
+        if report is None:
+            self.log("transport: not reported (NCCL_DEBUG was set by the environment: NCCL's "
+                     "log is not this process's to read)")
+            return
+        for line in report.lines():
+            self.log(line)
+        problems = report.problems()
+        if problems and self.cfg.parallel.emulate_hosts > 1:
+            raise RuntimeError("--emulate-hosts: emulated hosts must talk over NCCL's network "
+                               "transport; " + "; ".join(problems))
 
     def _stop_after(self, step: int) -> bool:
         """Whether the run stops after `step` before --train-iters (`training.stop`): every
