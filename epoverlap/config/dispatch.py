@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 from epoverlap.kernels.capacity import get_capacity
 
 if TYPE_CHECKING:
-    from epoverlap.config import MoEConfig
+    from epoverlap.config import MoEConfig, RunConfig
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,33 @@ class DispatchMode:
         """No mode reads the host in preprocess; the torch reference permute does (its backward
         sizes a gather by the most rows any token has), the Triton one does not."""
         return kernel_backend == "torch"
+
+
+def a2a_chunks_blocker(cfg: "RunConfig", chunks: int) -> str:
+    """Why `chunks` chunks of local experts (--moe-a2a-chunks, `model.chunked`) cannot run
+    with `cfg`, in the words of a ConfigError ('' when they can): they need MoE layers over EP
+    ranks, at least `chunks` local experts, a dispatch whose split sizes the host reads with
+    one row per expert (dropless or capacity), and nodes no graph holds."""
+    if chunks == 1:
+        return ""
+    ep = cfg.parallel.expert_model_parallel_size or 1
+    if not any(cfg.moe_layer_pattern()) or ep <= 1:
+        return "needs MoE layers and --expert-model-parallel-size > 1 (no all-to-all to chunk)"
+    local = cfg.moe.num_experts // ep
+    if chunks > local:
+        return (f"must be <= the {local} local experts of a rank (--num-experts / "
+                f"--expert-model-parallel-size): a chunk is a group of them")
+    mode = DispatchMode.of(cfg.moe)
+    if mode.name not in ("dropless", "capacity") or mode.once_per_rank:
+        once = ", once per rank" if mode.once_per_rank else ""
+        return (f"needs the dropless or capacity dispatch, one row per expert (not "
+                f"{mode.name}{once})")
+    graphs = cfg.cuda_graph
+    if not (graphs.impl == "none" or (graphs.impl == "local" and graphs.modules
+                                      and "moe" not in graphs.modules)):
+        return ("needs eager all-to-alls: --cuda-graph-impl none, or local with "
+                "--cuda-graph-modules among attn, moe_router, moe_preprocess")
+    return ""
 
 
 def padded_rows(tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:

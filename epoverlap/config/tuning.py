@@ -8,6 +8,11 @@ changing the math (the overlap contract, docs/overlap.md: every schedule gives t
                         stage of one chunk, two or more microbatches; the training side drops
                         it when its memory estimate does not fit)
   delayed weight grads  off and on (a `+wgrad` suffix) for each overlap plan
+  chunked all-to-alls   --moe-a2a-chunks 4 (`TUNED_CHUNKS`, at most the local experts) on the
+                        first overlap plan with delayed weight grads (a `+k4` suffix), where
+                        the config can chunk (`config.dispatch.a2a_chunks_blocker`) and the
+                        flags leave the chunks at 1; only that one path (each path replays its
+                        own graphs: one more bank, not one per plan)
   sequential            last; no overlap
 
 An axis the user pinned is not tuned: --overlap-plan given keeps that plan (it is still timed
@@ -23,13 +28,14 @@ not a faster step); the SM carveout of the experts' grouped GEMMs (--moe-grouped
 its partner, the all-to-all's CTA limit --moe-a2a-nccl-max-ctas, is fixed when the EP
 communicator is made, so the carveout alone cannot be switched as the lever it is).
 
-Imports only `config.sections`.
+Imports only `config.sections` and `config.dispatch`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from epoverlap.config.dispatch import a2a_chunks_blocker
 from epoverlap.config.sections import RunConfig
 
 SEQUENTIAL = "sequential"
@@ -37,6 +43,8 @@ DEFAULT_PLAN = "combined_1f1b"
 PAIRED_ENDS = "combined_1f1b_paired_ends"
 WGRAD = "+wgrad"
 GRAPH_IMPLS = ("none", "local", "full_iteration")  # each path can replay its own graphs
+# the chunk count the tuner tries: 4 beat 8 and 1 through host memory (benchmarks/chunked.md)
+TUNED_CHUNKS = 4
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class TunePath:
     name: str
     plan: str
     delay_wgrad: bool
+    chunks: int = 1  # --moe-a2a-chunks of the path's MoE layers
 
 
 def probe_steps(cfg: RunConfig) -> int:
@@ -77,9 +86,24 @@ def candidate_paths(cfg: RunConfig) -> list[TunePath]:
     pinned_wgrad = probe_steps(cfg) > 0 or o.delay_wgrad_compute
     wgrads = [bool(o.delay_wgrad_compute)] if pinned_wgrad else [False, True]
     tuned_wgrad = len(wgrads) > 1
-    paths = [TunePath(plan + (WGRAD if wgrad and tuned_wgrad else ""), plan, wgrad)
+    chunks = o.moe_a2a_chunks
+    paths = [TunePath(plan + (WGRAD if wgrad and tuned_wgrad else ""), plan, wgrad, chunks)
              for plan in plans for wgrad in wgrads]
-    return paths + [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute))]
+    tried = tuned_chunks(cfg)
+    if tried > 1:
+        paths.append(TunePath(plans[0] + (WGRAD if tuned_wgrad else "") + f"+k{tried}",
+                              plans[0], True, tried))
+    return paths + [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute), chunks)]
+
+
+def tuned_chunks(cfg: RunConfig) -> int:
+    """The chunk count a chunked path of the tuner has (module docstring); 1: none. Not with
+    the deprecated probe (two paths), nor where the flags chose the chunks."""
+    if probe_steps(cfg) > 0 or cfg.overlap.moe_a2a_chunks != 1 or not cfg.moe.num_experts:
+        return 1
+    ep = cfg.parallel.expert_model_parallel_size or 1
+    chunks = min(TUNED_CHUNKS, cfg.moe.num_experts // ep)
+    return chunks if chunks > 1 and not a2a_chunks_blocker(cfg, chunks) else 1
 
 
 def paired_ends_differs(cfg: RunConfig) -> bool:
@@ -92,7 +116,8 @@ def paired_ends_differs(cfg: RunConfig) -> bool:
 def flags_path(cfg: RunConfig) -> TunePath:
     """The path the flags say (what --tune off runs)."""
     plan = cfg.plan_name
-    return TunePath(plan, plan, bool(cfg.overlap.delay_wgrad_compute))
+    return TunePath(plan, plan, bool(cfg.overlap.delay_wgrad_compute),
+                    cfg.overlap.moe_a2a_chunks)
 
 
 def untimed_steps(cfg: RunConfig, paths: int) -> int:

@@ -18,7 +18,7 @@ from typing import Optional
 from epoverlap.config.aliases import alias_conflict
 from epoverlap.config.compat import compat_rules
 from epoverlap.config.cuda_graph_rules import validate_cuda_graph_config
-from epoverlap.config.dispatch import DispatchMode
+from epoverlap.config.dispatch import DispatchMode, a2a_chunks_blocker
 from epoverlap.config.flags import _opt_float
 from epoverlap.config.io_rules import validate_io
 from epoverlap.config.parse import FLAGS, flag_of, require
@@ -302,29 +302,11 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
 
 def _validate_a2a_chunks(cfg: RunConfig) -> None:
     """--moe-a2a-chunks K: K groups of a rank's local experts, each with its own all-to-alls
-    (`model.chunked`): needs MoE layers over EP ranks, a dispatch whose split sizes the host
-    reads (dropless or capacity, one row per expert), and nodes the graphs leave eager."""
+    (`model.chunked`; what they need: `config.dispatch.a2a_chunks_blocker`)."""
     chunks = cfg.overlap.moe_a2a_chunks
     require(chunks >= 1, "moe_a2a_chunks", chunks, "must be >= 1 (1: unchunked)")
-    if chunks == 1:
-        return
-    ep = cfg.parallel.expert_model_parallel_size or 1
-    require(any(cfg.moe_layer_pattern()) and ep > 1, "moe_a2a_chunks", chunks,
-             "needs MoE layers and --expert-model-parallel-size > 1 (no all-to-all to chunk)")
-    local = cfg.moe.num_experts // ep
-    require(chunks <= local, "moe_a2a_chunks", chunks,
-            f"must be <= the {local} local experts of a rank (--num-experts / "
-            f"--expert-model-parallel-size): a chunk is a group of them")
-    mode = DispatchMode.of(cfg.moe)
-    require(mode.name in ("dropless", "capacity") and not mode.once_per_rank,
-            "moe_a2a_chunks", chunks, f"needs the dropless or capacity dispatch, one row "
-            f"per expert (not {mode.name}" + (", once per rank)" if mode.once_per_rank
-                                              else ")"))
-    graphs = cfg.cuda_graph
-    require(graphs.impl == "none" or (graphs.impl == "local" and graphs.modules
-                                      and "moe" not in graphs.modules),
-            "moe_a2a_chunks", chunks, "needs eager all-to-alls: --cuda-graph-impl none, or "
-            "local with --cuda-graph-modules among attn, moe_router, moe_preprocess")
+    blocker = a2a_chunks_blocker(cfg, chunks)
+    require(not blocker, "moe_a2a_chunks", chunks, blocker)
 
 
 def _validate_tune(cfg: RunConfig) -> None:

@@ -171,9 +171,9 @@ class TransformerLayer(nn.Module):
         if moe.moe_shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(m.hidden_size, moe.moe_shared_expert_intermediate_size,
                                         name=f"shared{layer}", **mlp_kwargs)
-        chunks = cfg.overlap.moe_a2a_chunks
-        self.chunked = (ChunkedMoE(dispatcher, self.experts, chunks, device)
-                        if chunks > 1 and not one_node else None)
+        self.a2a_chunks = 1 if one_node else cfg.overlap.moe_a2a_chunks
+        self._chunked: dict[int, ChunkedMoE] = {}  # by chunk count, built when first asked
+        self._device = device
 
     # ----------------------------------------------------------------- node segments
     def _hidden_dropout(self, x, dropout_seed: Optional[int], site: str):
@@ -267,8 +267,8 @@ class TransformerLayer(nn.Module):
                                 dropout_seed=None, **returned):
         """A chunked layer's combine (`model.chunked`): the returned chunks `returned_c0`,
         `returned_c1`, ... back into the permuted layout, unpermute, then the same tail."""
-        rows = [returned[f"returned_c{k}"] for k in range(self.chunked.chunks)]
-        moe_out = self.chunked.combine(rows, meta, row_id_map)
+        rows = [returned[f"returned_c{k}"] for k in range(len(returned))]
+        moe_out = self._chunks(len(rows)).combine(rows, meta, row_id_map)
         return {"hidden": self._moe_tail(moe_out, residual, shared_out, dropout_seed)}
 
     def _moe_tail(self, moe_out, residual, shared_out, dropout_seed):
@@ -317,7 +317,9 @@ class TransformerLayer(nn.Module):
         """A dropping node's inputs: `values` and the microbatch's dropout seed, if any."""
         return {**values, **{name: name for name in self._seed}}
 
-    def node_specs(self) -> list[NodeSpec]:
+    def node_specs(self, chunks: Optional[int] = None) -> list[NodeSpec]:
+        """This layer's nodes; an MoE layer's all-to-alls in `chunks` chunks (default: the
+        flags'; the tuner builds its chunked path's nodes beside the flags' ones)."""
         if not self.is_moe:
             return self._dense_node_specs()
         if self.one_node:
@@ -327,7 +329,7 @@ class TransformerLayer(nn.Module):
                              inputs=self._inputs({"hidden": hidden_value(self.layer)}),
                              outputs={"layer_out": hidden_value(self.layer + 1)},
                              has_weights=True, segments=segments)]
-        return self._moe_node_specs()
+        return self._moe_node_specs(chunks or self.a2a_chunks)
 
     def _dense_node_specs(self) -> list[NodeSpec]:
         L, attn_segments = self.layer, self._attn_segments()
@@ -355,17 +357,23 @@ class TransformerLayer(nn.Module):
                         inputs=self._inputs({"hidden": hidden_value(L)}), outputs=attn_out,
                         has_weights=True, segments=attn_segments)
 
-    def _chunked_moe_node_specs(self) -> list[NodeSpec]:
+    def _chunks(self, chunks: int) -> ChunkedMoE:
+        if chunks not in self._chunked:
+            self._chunked[chunks] = ChunkedMoE(self.dispatcher, self.experts, chunks,
+                                               self._device)
+        return self._chunked[chunks]
+
+    def _chunked_moe_node_specs(self, chunks: int) -> list[NodeSpec]:
         """attn, then the chunked layer's nodes (`model.chunked`), its combine ending here."""
         shared = ("shared_out",) if self.shared_expert is not None else ()
         combine_inputs = self._inputs(self._values("meta", "row_id_map", "residual", *shared))
-        return [self._moe_attn_spec()] + self.chunked.node_specs(
+        return [self._moe_attn_spec()] + self._chunks(chunks).node_specs(
             self.layer, self.chunked_combine_forward, combine_inputs)
 
-    def _moe_node_specs(self) -> list[NodeSpec]:
+    def _moe_node_specs(self, chunks: int) -> list[NodeSpec]:
         """attn, dispatch, mlp, combine (see the module docstring)."""
-        if self.chunked is not None:
-            return self._chunked_moe_node_specs()
+        if chunks > 1:
+            return self._chunked_moe_node_specs(chunks)
         L = self.layer
         shared = ("shared_out",) if self.shared_expert is not None else ()
         recv = self._values("recv_tokens", "recv_probs", "meta")
@@ -435,15 +443,16 @@ class MoEModel(nn.Module):
         """This stage's layers in forward order of its chunks."""
         return list(self.layers.values())
 
-    def node_specs(self) -> list[NodeSpec]:
-        """Every node of this stage in forward order, chunk by chunk."""
+    def node_specs(self, a2a_chunks: Optional[int] = None) -> list[NodeSpec]:
+        """Every node of this stage in forward order, chunk by chunk; MoE layers with
+        `a2a_chunks` chunks of experts (default: the flags')."""
         specs = []
         for chunk in self.chunks:
             first, end = chunk.layers[0], chunk.layers[-1] + 1
             specs.append(self._embed_spec() if chunk.has_embedding
                          else self._recv_spec(first, chunk.prev_stage))
             for layer in chunk.layers:
-                specs.extend(self.layers[str(layer)].node_specs())
+                specs.extend(self.layers[str(layer)].node_specs(a2a_chunks))
             specs.append(self._loss_spec(end) if chunk.has_loss
                          else self._send_spec(end - 1, chunk.next_stage))
         return specs

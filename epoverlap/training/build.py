@@ -63,16 +63,18 @@ from epoverlap.training.tuner import Tuner
 
 @dataclass
 class BuiltPath:
-    """One path of the tuner, built: its plan (this stage's) and the lanes it runs on; its
+    """One path of the tuner, built: its plan (this stage's), the lanes it runs on and the
+    executor of its nodes (the flags' one, or one over the nodes of its chunk count); its
     weight-grad deferral is `path.delay_wgrad`."""
 
     path: TunePath
     plan: list
     lanes: object
+    executor: Executor
 
 
 class RunParts:
-    """The built pieces of one run (see the module docstring). `plan`, `executor.lanes` and
+    """The built pieces of one run (see the module docstring). `plan`, `executor`, its lanes and
     `wgrad_queue.enabled` are the path in use (the tuner switches them, `switch_path`);
     `optimizer` and `lanes` may be replaced by a caller (a benchmark's own optimizer forms,
     serial lanes) before the first step."""
@@ -151,12 +153,17 @@ class RunParts:
         self.recorder = SpanRecorder(self.device, self.groups.rank, self.groups.world_size)
         self.faults = FaultInjector(self.groups.rank)
         self.graphs = self._step_graphs()
-        per_layer = self.graphs is not None and not self.graphs.full_iteration
-        self.executor = Executor(self.faults.wrap_specs(self.model.node_specs()), self.lanes,
-                                 self.wgrad_queue, self.recorder,
-                                 **({"run_factory": self.graphs.banks} if per_layer else {}))
+        self.executor = self._executor()
         self.stage_layouts, self.stage_plans = self.build_plans()
         self.plan = self.stage_plans[self.groups.pp_rank]
+
+    def _executor(self, a2a_chunks: Optional[int] = None) -> Executor:
+        """An executor over the model's nodes (MoE layers in `a2a_chunks` chunks; default:
+        the flags'), on the run's lanes, queue, recorder and per-layer graphs."""
+        per_layer = self.graphs is not None and not self.graphs.full_iteration
+        return Executor(self.faults.wrap_specs(self.model.node_specs(a2a_chunks)), self.lanes,
+                        self.wgrad_queue, self.recorder,
+                        **({"run_factory": self.graphs.banks} if per_layer else {}))
 
     def _select_first_bank(self) -> None:
         """The base budget's bank of the first path (banks are made lazily, a full-iteration
@@ -170,7 +177,8 @@ class RunParts:
         path (its plan and weight-grad deferral; default: the flags')."""
         cfg, g = self.cfg, self.groups
         path = path or flags_path(cfg)
-        mine = stage_layout([(spec.layer, spec.kind) for spec in self.model.node_specs()])
+        mine = stage_layout([(spec.layer, spec.kind)
+                             for spec in self.model.node_specs(path.chunks)])
         layouts = [mine]
         if g.pp_size > 1:
             layouts = [None] * g.pp_size
@@ -254,8 +262,11 @@ class RunParts:
                                 f"needed, {steps_left} left): {cfg.plan_name} as the flags say")
             return None, {}
         serial = self.lanes if self._two_lanes(False) else make_lanes(self.device, False)
+        flags_chunks = cfg.overlap.moe_a2a_chunks
         built = {path.name: BuiltPath(path, self.build_plans(path)[1][0],
-                                      serial if path.plan == SEQUENTIAL else self.lanes)
+                                      serial if path.plan == SEQUENTIAL else self.lanes,
+                                      self.executor if path.chunks == flags_chunks
+                                      else self._executor(path.chunks))
                  for path in paths if cached is None or path.name == cached.chosen}
         if serial is not self.lanes and not any(b.lanes is serial for b in built.values()):
             serial.close()
@@ -277,10 +288,11 @@ class RunParts:
                 or o.moe_a2a_chunks > 1)
 
     def switch_path(self, name: str) -> None:
-        """Run the tuner's path `name` from here on: its plan, lanes, weight-grad deferral and
-        its own bank of CUDA graphs."""
+        """Run the tuner's path `name` from here on: its plan, executor, lanes, weight-grad
+        deferral and its own bank of CUDA graphs."""
         built = self.paths[name]
-        self.plan, self.executor.lanes = built.plan, built.lanes
+        self.plan, self.executor = built.plan, built.executor
+        self.executor.lanes = built.lanes
         self.wgrad_queue.enabled = built.path.delay_wgrad
         if self.graphs is not None:
             self.graphs.schedule = name

@@ -97,10 +97,10 @@ def test_preset_then_explicit_flag_wins():
      "needs --overlap-moe-expert-parallel-comm"),
     (["--tune", "on", "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size",
       "2"], 4, "--tune", "--pipeline-model-parallel-size 1"),
-    (["--tune", "on", "--expert-model-parallel-size", "2", "--train-iters", "15"], 2,
-     "--tune", "--train-iters >= 16 (the first step, then 3 of each of 5 paths: combined_1f1b, "
+    (["--tune", "on", "--expert-model-parallel-size", "2", "--train-iters", "18"], 2,
+     "--tune", "--train-iters >= 19 (the first step, then 3 of each of 6 paths: combined_1f1b, "
      "combined_1f1b+wgrad, combined_1f1b_paired_ends, combined_1f1b_paired_ends+wgrad, "
-     "sequential)"),
+     "combined_1f1b+wgrad+k4, sequential)"),
     (["--tune", "off", "--tune-cache", "tuned"], 2, "--tune-cache", "not --tune off"),
     (["--overlap-moe-expert-parallel-comm", "--overlap-probe-steps", "3",
       "--pipeline-model-parallel-size", "2"], 2, "--overlap-probe-steps",

@@ -151,20 +151,37 @@ def _cfg(*flags: str, world: int = 2):
 def test_the_paths_of_a_config_and_its_pinned_axes():
     def names(*flags: str) -> list[str]:
         return [p.name for p in candidate_paths(_cfg(*flags))]
-    assert names() == [OVL, WG, PE, PE + "+wgrad", SEQUENTIAL]
+    # tiny: 8 experts, 4 local on EP 2: the chunked path has 4 chunks
+    assert names() == [OVL, WG, PE, PE + "+wgrad", WG + "+k4", SEQUENTIAL]
     # --overlap-plan pinned: that plan (still against sequential), the wgrad axis tuned
     assert names("--overlap-plan", "combined_1f1b_early_release") == [
-        "combined_1f1b_early_release", "combined_1f1b_early_release+wgrad", SEQUENTIAL]
+        "combined_1f1b_early_release", "combined_1f1b_early_release+wgrad",
+        "combined_1f1b_early_release+wgrad+k4", SEQUENTIAL]
     # --delay-wgrad-compute pinned: every path defers, no name says so
     paths = candidate_paths(_cfg("--delay-wgrad-compute"))
-    assert [p.name for p in paths] == [OVL, PE, SEQUENTIAL]
+    assert [p.name for p in paths] == [OVL, PE, OVL + "+k4", SEQUENTIAL]
     assert all(p.delay_wgrad for p in paths)
     # paired ends is a path of its own with two or more microbatches only
-    assert names("--num-microbatches", "1") == [OVL, WG, SEQUENTIAL]
+    assert names("--num-microbatches", "1") == [OVL, WG, WG + "+k4", SEQUENTIAL]
     # the overlap off: one path, nothing to tune
     assert names("--no-overlap-moe-expert-parallel-comm") == [SEQUENTIAL]
     # the deprecated probe: the flags' overlap plan against sequential
     assert names("--overlap-probe-steps", "2", "--delay-wgrad-compute") == [OVL, SEQUENTIAL]
+
+
+def test_the_chunked_path_where_the_config_can_chunk_and_the_flags_left_it_at_one():
+    def chunks(*flags: str, world: int = 2) -> list[int]:
+        return [p.chunks for p in candidate_paths(_cfg(*flags, world=world))]
+    assert chunks() == [1, 1, 1, 1, 4, 1]
+    # fewer local experts than 4: as many chunks as experts; one local expert: no chunks
+    assert chunks("--num-experts", "4")[4] == 2
+    assert 4 not in chunks("--num-experts", "2") and 2 not in chunks("--num-experts", "2")
+    # the flags' chunks: every path has them, no other count is tried
+    assert set(chunks("--moe-a2a-chunks", "2")) == {2}
+    # a dispatch or graphs the chunks cannot run with: no chunked path
+    for flags in (["--moe-dispatch-budget", "1.5"], ["--moe-dispatch-once-per-rank"],
+                  ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"]):
+        assert set(chunks(*flags)) == {1}, flags
 
 
 def test_auto_tunes_on_cuda_only_and_on_anywhere_off_never():

@@ -1,7 +1,7 @@
 """The path tuner through the real command (torchrun, 2 gloo ranks, EP 2, the overlap on):
-`--tune on --tune-steps 1` times the five paths (the combined 1F1B and its paired-ends form,
-each with delayed weight grads off and on, and the sequential schedule) one step each after
-the first, prints the decision's table, records it in the --log-json record of the deciding
+`--tune on --tune-steps 1` times the six paths (the combined 1F1B and its paired-ends form,
+each with delayed weight grads off and on, the combined 1F1B with delayed weight grads and the
+all-to-alls in 4 chunks of experts, and the sequential schedule) one step each after the first, prints the decision's table, records it in the --log-json record of the deciding
 step, and trains with every loss's bits those of a `--tune off` run."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ FLAGS = ["--preset", "tiny", "--mock-data", "--hidden-size", "64", "--seq-length
          "--micro-batch-size", "2", "--num-microbatches", "2", "--distributed-timeout-minutes",
          "3", "--train-iters", "8", "--log-interval", "1", "--kernel-backend", "torch"]
 PATHS = ["combined_1f1b", "combined_1f1b+wgrad", "combined_1f1b_paired_ends",
-         "combined_1f1b_paired_ends+wgrad", "sequential"]
+         "combined_1f1b_paired_ends+wgrad", "combined_1f1b+wgrad+k4", "sequential"]
 
 
 def _train(out: Path, name: str, flags: list[str]) -> tuple[str, list[dict]]:
@@ -52,9 +52,9 @@ def test_the_paths_take_turns_then_the_chosen_one_stays(runs):
     ran = [r["schedule"] for r in tuned]
     (deciding,) = [r for r in tuned if "tuned_path" in r]
     decision = deciding["tuned_path"]
-    assert ran[:6] == ["combined_1f1b"] + PATHS and ran[6:] == [decision["chosen"]] * 2
-    assert deciding["step"] == 6
-    assert decision["window"] == [2, 6] and list(decision["paths"]) == PATHS
+    assert ran[:7] == ["combined_1f1b"] + PATHS and ran[7:] == [decision["chosen"]]
+    assert deciding["step"] == 7
+    assert decision["window"] == [2, 7] and list(decision["paths"]) == PATHS
     assert decision["cached"] is False and decision["dropped"] == {}
     for name in PATHS:
         assert f"| tune: {name} |" in stdout
@@ -63,11 +63,11 @@ def test_the_paths_take_turns_then_the_chosen_one_stays(runs):
 def test_rank_0_prints_the_decisions_table_once(runs):
     _, (stdout, tuned) = runs
     lines = stdout.splitlines()
-    head = [i for i, line in enumerate(lines) if line.startswith("tune: steps 2-6, ")]
+    head = [i for i, line in enumerate(lines) if line.startswith("tune: steps 2-7, ")]
     assert len(head) == 1, stdout[-3000:]
     table = lines[head[0] + 1:head[0] + 2 + len(PATHS)]
     assert table[0].split() == ["path", "median", "min", "max", "steps"]
     assert [row.split()[0] for row in table[1:]] == PATHS
     chosen = [row.split()[0] for row in table[1:] if row.endswith("  chosen")]
     assert chosen == [tuned[-1]["schedule"]]
-    assert "(tuned: 5 paths, 1 timed step(s) each, steps 2-6)" in stdout
+    assert "(tuned: 6 paths, 1 timed step(s) each, steps 2-7)" in stdout
