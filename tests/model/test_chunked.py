@@ -23,7 +23,8 @@ from epoverlap.schedule.plan import (Action, combined_1f1b_paired_ends_plan, com
                                      sequential_plan, validate_plan)
 
 from dist_helpers import run_ranks
-from gloo_workers import TINY, assert_modes_match_sequential, mode_grads_and_losses
+from gloo_workers import (TINY, assert_modes_match_sequential, extreme_routing_training,
+                          mode_grads_and_losses)
 
 
 def test_expert_groups_are_contiguous_and_near_equal():
@@ -155,3 +156,13 @@ def test_chunked_training_is_bitwise_in_every_schedule(tmp_path, extra):
     results = run_ranks(mode_grads_and_losses, 2, 2, str(tmp_path), 6, SIX_EXPERTS + extra,
                         CHUNKED_SLOW, timeout_s=600)
     assert_modes_match_sequential(results, tmp_path, 6, CHUNKED_SLOW)
+
+
+def test_a_chunk_with_nothing_to_send_anywhere_trains_like_unchunked():
+    """Every token routed to EP rank 0's experts: rank 1's chunks of experts receive nothing
+    from anyone (all-to-alls of zero rows both ways); the losses are the unchunked run's."""
+    overlap = ["--overlap-moe-expert-parallel-comm"]
+    chunked = run_ranks(extreme_routing_training, 2, 2, overlap + ["--moe-a2a-chunks", "2"])
+    plain = run_ranks(extreme_routing_training, 2, 2, overlap)
+    assert chunked[0][1] == plain[0][1] and chunked[0][1][2:] == [0, 0]
+    assert [float.hex(x) for x in chunked[0][0]] == [float.hex(x) for x in plain[0][0]]
