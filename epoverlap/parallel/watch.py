@@ -33,7 +33,9 @@ that holds collectives instead (`Group.watched`).
 
 A heartbeat is a counter per rank in the rendezvous store (torchrun's agent store, or rank 0's
 store), bumped by the monitor thread every `interval_s`; a process whose counter did not move
-over a window of a few intervals is stopped or dead. Only liveness goes through the store;
+over a window of a few intervals is stopped or dead. Each rank also writes its host there
+(`host_label`), so a report whose silent ranks are all of a host's ranks names that host as
+lost (a node down, not a rank). Only liveness goes through the store;
 the heartbeat thread uses its own client connection, never the process groups' one.
 """
 
@@ -45,6 +47,7 @@ import os
 import re
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -104,6 +107,27 @@ def short_cause(error: BaseException) -> str:
     return text.split(". ")[0][:160]
 
 
+def host_label() -> str:
+    """The host a rank runs on, as a failure names it: its NCCL host identity when one is set
+    (`--emulate-hosts`), else the host name; with torchrun's nodes, the node's index too (two
+    "nodes" of one machine, or hosts sharing a name)."""
+    label = os.environ.get("NCCL_HOSTID") or socket.gethostname()
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        label += f" (node {os.environ.get('GROUP_RANK', '?')})"
+    return label
+
+
+def lost_hosts(silent: Sequence[int], hosts: Sequence[Optional[str]],
+               me: int) -> list[tuple[str, list[int]]]:
+    """The hosts (other than rank `me`'s) all of whose ranks are `silent`, with those ranks."""
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        if host is not None:
+            by_host.setdefault(host, []).append(rank)
+    return [(host, ranks) for host, ranks in by_host.items()
+            if hosts[me] != host and set(ranks) <= set(silent)]
+
+
 @dataclass(eq=False)
 class PeerFailure(RuntimeError):
     """A collective that could not complete because a peer failed, with where and who."""
@@ -115,6 +139,7 @@ class PeerFailure(RuntimeError):
     silent_for_s: float = 0.0
     store_answers: bool = True
     peers: tuple[int, ...] = ()  # the other ranks of the group in question, if any
+    hosts_lost: list = field(default_factory=list)  # (host, its ranks): every one silent
 
     def __post_init__(self):
         RuntimeError.__init__(self, self.what)
@@ -141,8 +166,10 @@ class PeerFailure(RuntimeError):
             return ("every peer still sends heartbeats (a mismatched collective, or a peer "
                     "stuck elsewhere)")
         noun = "rank" if len(self.silent) == 1 else "ranks"
+        lost = "".join(f"; host {host} lost (all its ranks: {ranks_text(ranks)})"
+                       for host, ranks in self.hosts_lost)
         return (f"{noun} {ranks_text(self.silent)} did not answer (no heartbeat in the last "
-                f"{self.silent_for_s:.1f} s: dead or stopped)")
+                f"{self.silent_for_s:.1f} s: dead or stopped){lost}")
 
 
 class Heartbeat:
@@ -156,6 +183,7 @@ class Heartbeat:
                                timeout=datetime.timedelta(seconds=store_timeout_s))
         self._store = dist.PrefixStore(f"epoverlap/heartbeat/{restart}", client)
         self.store_gone = False  # set at the first failed store call; no call is tried after
+        self._call(lambda: self._store.set(f"host/{rank}", host_label()))
 
     @classmethod
     def from_env(cls, rank: int, world_size: int) -> "Heartbeat":
@@ -167,6 +195,13 @@ class Heartbeat:
     def counters(self) -> Optional[list[int]]:
         """Every rank's count, or None when the store does not answer."""
         return self._call(lambda: [self._store.add(str(r), 0) for r in range(self.world_size)])
+
+    def hosts(self) -> Optional[list[Optional[str]]]:
+        """Every rank's `host_label` as it published it (None for a rank that never did), or
+        None when the store does not answer."""
+        keys = [f"host/{r}" for r in range(self.world_size)]
+        return self._call(lambda: [self._store.get(key).decode()
+                                   if self._store.check([key]) else None for key in keys])
 
     def _call(self, work):
         if self.store_gone:
@@ -318,6 +353,9 @@ class CollectiveWatch:
         failure.silent = [r for r in range(self.world_size)
                           if r != self.rank and after[r] == before[r]]
         failure.silent_for_s = time.monotonic() - start
+        hosts = self.heartbeat.hosts() if failure.silent else None
+        if hosts is not None:
+            failure.hosts_lost = lost_hosts(failure.silent, hosts, self.rank)
         return failure
 
     def _beat_for(self, seconds: float) -> None:

@@ -50,6 +50,9 @@ class FakeHeartbeat:
         with self.lock:
             return list(self.counts)
 
+    def hosts(self):
+        return None  # no rank published a host
+
 
 # ------------------------------------------------------------------------------ pure CPU
 def test_the_line_names_step_group_op_and_silent_ranks():
