@@ -5,12 +5,15 @@ ranks names the host as lost).
 
 Pure CPU: which hosts a set of silent ranks makes lost, and the line. Slow tier: two torchrun
 "nodes" of 2 gloo ranks each on this machine (`epoverlap-launch --nnodes 2`), the second
-node's launcher and ranks SIGKILLed mid-run."""
+node's launcher and ranks SIGKILLed mid-run; and with `--max-restarts`, the lost node started
+again: both resume from the newest checkpoint and finish."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -86,3 +89,46 @@ def test_the_other_node_names_the_lost_host_and_its_ranks():
     assert code != 0 and took < 60, (code, took, text[-3000:])
     lost = f"(node {group.pop()}) lost (all its ranks: {ranks_text(ranks)})"
     assert lost in text, text[-4000:]
+
+
+def _torchrun_node(port: int, out: Path, restarts: int) -> Job:
+    """One "node" of 2 gloo ranks: torchrun with the c10d rendezvous and --max-restarts,
+    saving every 2 steps and resuming from the newest checkpoint."""
+    ckpt = str(out / "ckpt")
+    return Job([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                "--nproc-per-node=2", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=host-loss-restart",
+                f"--max-restarts={restarts}", "-m", "epoverlap.train", "--preset", "tiny",
+                "--hidden-size", "64", "--seq-length", "64", "--num-microbatches", "2",
+                "--mock-data", "--train-iters", "40", "--log-interval", "1",
+                "--distributed-timeout-minutes", "0.25", "--save", ckpt, "--save-interval",
+                "2", "--load", ckpt],
+               env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+
+
+@pytest.mark.slow
+def test_after_a_lost_node_comes_back_the_job_resumes_from_the_last_checkpoint(tmp_path):
+    """The surviving node's torchrun restarts its ranks (--max-restarts 1) and waits at the
+    rendezvous; a new second node joins; both resume from the newest checkpoint and finish."""
+    port = free_port()
+    first = _torchrun_node(port, tmp_path, 1)
+    time.sleep(3)  # the first node's agent hosts the rendezvous
+    second = _torchrun_node(port, tmp_path, 0)
+    again = None
+    try:
+        assert first.wait_for_line("checkpoint: saved", 240), first.text("err")[-3000:]
+        assert first.wait_for_line("step    5/40", 120), first.text("err")[-3000:]
+        for pid in _tree(second.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert first.wait_for_line("lost (all its ranks: 2,3)", 60), first.text("err")[-3000:]
+        again = _torchrun_node(port, tmp_path, 0)
+        resumed = first.wait_for_line("checkpoint: resuming from", 240)
+        assert resumed, first.text("out")[-3000:] + first.text("err")[-3000:]
+        assert first.finish(timeout_s=240) == 0, first.text("err")[-3000:]
+        assert again.finish(timeout_s=60) == 0, again.text("err")[-3000:]
+    finally:
+        for job in (first, second, again):
+            if job is not None and job.proc.poll() is None:
+                job.proc.kill()
+    assert "step   40/40" in first.text("out")

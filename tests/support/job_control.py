@@ -30,10 +30,11 @@ def job_env() -> dict:
 class Job:
     """A command whose output lines are collected with their arrival times."""
 
-    def __init__(self, cmd: list[str]):
+    def __init__(self, cmd: list[str], env: Optional[dict] = None):
+        """`env`: variables added to `job_env()`."""
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=job_env(), cwd=REPO)
+                                     text=True, env={**job_env(), **(env or {})}, cwd=REPO)
         self.lines: "queue.Queue[tuple[float, str, str]]" = queue.Queue()
         self.seen: list[tuple[float, str, str]] = []
         for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr)):
