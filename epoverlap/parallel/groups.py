@@ -327,9 +327,19 @@ def _store_per_attempt(world_size: int, timeout: datetime.timedelta) -> Optional
                             store)
 
 
+def _attempt_of_rank_0() -> str:
+    """Rank 0's torchrun restart count, on every rank: the heartbeat keys' prefix. Each node's
+    agent counts its own restarts, so after a lost node is replaced by a fresh one the counts
+    differ between nodes; one prefix keeps every rank's heartbeat where the others look."""
+    attempt = [os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")]
+    dist.broadcast_object_list(attempt, src=0)
+    return str(attempt[0])
+
+
 def _start_watch(rank: int, world_size: int, timeout: datetime.timedelta,
                  on_gpu: bool) -> CollectiveWatch:
-    heartbeat = Heartbeat.from_env(rank, world_size) if world_size > 1 else None
+    heartbeat = (Heartbeat.from_env(rank, world_size, _attempt_of_rank_0())
+                 if world_size > 1 else None)
     watch = CollectiveWatch(rank, world_size, timeout.total_seconds(), on_gpu, heartbeat)
     watch.start()
     return watch

@@ -176,18 +176,23 @@ class Heartbeat:
     """This rank's counter in the rendezvous store; reads of every rank's counter."""
 
     def __init__(self, rank: int, world_size: int, host: str, port: int,
-                 store_timeout_s: float = 5.0):
+                 store_timeout_s: float = 5.0, attempt: Optional[str] = None):
+        """`attempt`: the same on every rank of this start of the job (default: torchrun's
+        restart count), so a restarted job's keys never meet the dead attempt's."""
         self.rank, self.world_size = rank, world_size
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt is None:
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                timeout=datetime.timedelta(seconds=store_timeout_s))
-        self._store = dist.PrefixStore(f"epoverlap/heartbeat/{restart}", client)
+        self._store = dist.PrefixStore(f"epoverlap/heartbeat/{attempt}", client)
         self.store_gone = False  # set at the first failed store call; no call is tried after
         self._call(lambda: self._store.set(f"host/{rank}", host_label()))
 
     @classmethod
-    def from_env(cls, rank: int, world_size: int) -> "Heartbeat":
-        return cls(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    def from_env(cls, rank: int, world_size: int, attempt: Optional[str] = None
+                 ) -> "Heartbeat":
+        return cls(rank, world_size, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                   attempt=attempt)
 
     def beat(self) -> None:
         self._call(lambda: self._store.add(str(self.rank), 1))
