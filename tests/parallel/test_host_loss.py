@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,17 @@ def test_a_host_is_lost_when_every_one_of_its_ranks_is_silent():
                                  "dead or stopped); host b (node 1) lost (all its ranks: 2,3)")
 
 
+def _wait_for_listener(port: int, job: Job, timeout_s: float = 60.0) -> None:
+    """Until something listens on `port` (the first node's agent hosting the rendezvous: the
+    node started next must join it, not host it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on port {port}: " + job.text("err")[-2000:])
+
+
 def _tree(pid: int) -> list[int]:
     found = [pid]
     for child in children(pid):
@@ -52,6 +64,37 @@ def _environ(pid: int) -> dict:
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
+def _workers(job: Job, timeout_s: float = 180.0) -> list[dict]:
+    """The environments of a node's 2 training ranks, once both run."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        envs = [env for env in map(_environ, _tree(job.proc.pid)[1:]) if "RANK" in env]
+        if len(envs) == 2:
+            return envs
+        time.sleep(0.2)
+    raise AssertionError("the node's ranks did not start: " + job.text("err")[-2000:])
+
+
+def _survivor_and_victim(nodes: list[Job]) -> tuple[Job, Job, list[int], str]:
+    """(the node of torchrun's group rank 0, the other one, the other one's global ranks, its
+    group rank). Group rank 0's agent hosts the ranks' store, so the node killed is the other
+    one: the survivors keep the store that says which ranks went silent and where they ran."""
+    envs = [_workers(node) for node in nodes]
+    group = [{env["GROUP_RANK"] for env in node_envs} for node_envs in envs]
+    assert all(len(g) == 1 for g in group), envs
+    victim = 0 if group[0] == {"1"} else 1
+    ranks = sorted(int(env["RANK"]) for env in envs[victim])
+    return nodes[1 - victim], nodes[victim], ranks, group[victim].pop()
+
+
+def _kill_node(job: Job) -> float:
+    """SIGKILL a node's launcher and every process under it; -> when."""
+    for pid in _tree(job.proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
 @pytest.mark.slow
 def test_the_other_node_names_the_lost_host_and_its_ranks():
     port = free_port()
@@ -63,42 +106,31 @@ def test_the_other_node_names_the_lost_host_and_its_ranks():
             "--seq-length", "64", "--num-microbatches", "2", "--mock-data", "--train-iters",
             "2000", "--log-interval", "1", "--distributed-timeout-minutes", "0.25"))
     first = node(0)
-    time.sleep(3)  # the first node's agent hosts the rendezvous (it binds the port first)
-    second = node(1)
+    _wait_for_listener(port, first)
+    nodes = [first, node(1)]
     try:
-        assert first.wait_for_line("step    3/2000", 240), first.text("err")[-3000:]
-        workers = [pid for pid in _tree(second.proc.pid)[1:]
-                   if _environ(pid).get("RANK") is not None]
-        envs = [_environ(pid) for pid in workers]
-        ranks = sorted(int(env["RANK"]) for env in envs)
-        group = {env["GROUP_RANK"] for env in envs}
-        assert len(ranks) == 2 and len(group) == 1, envs
-        killed = time.monotonic()
-        for pid in _tree(second.proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        code = first.finish(timeout_s=60)
+        survivor, victim, ranks, group = _survivor_and_victim(nodes)
+        assert survivor.wait_for_line("step    3/2000", 240), survivor.text("err")[-3000:]
+        killed = _kill_node(victim)
+        code = survivor.finish(timeout_s=60)
         took = time.monotonic() - killed
     finally:
-        for job in (first, second):
+        for job in nodes:
             if job.proc.poll() is None:
                 job.proc.kill()
-    text = first.text("out") + "\n" + first.text("err")
+    text = survivor.text("out") + "\n" + survivor.text("err")
     assert code != 0 and took < 60, (code, took, text[-3000:])
-    lost = f"(node {group.pop()}) lost (all its ranks: {ranks_text(ranks)})"
-    assert lost in text, text[-4000:]
+    assert f"(node {group}) lost (all its ranks: {ranks_text(ranks)})" in text, text[-4000:]
 
 
-def _torchrun_node(port: int, out: Path, restarts: int) -> Job:
-    """One "node" of 2 gloo ranks: torchrun with the c10d rendezvous and --max-restarts,
+def _torchrun_node(port: int, out: Path) -> Job:
+    """One "node" of 2 gloo ranks: torchrun with the c10d rendezvous and --max-restarts 1,
     saving every 2 steps and resuming from the newest checkpoint."""
     ckpt = str(out / "ckpt")
     return Job([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                 "--nproc-per-node=2", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=host-loss-restart",
-                f"--max-restarts={restarts}", "-m", "epoverlap.train", "--preset", "tiny",
+                "--max-restarts=1", "-m", "epoverlap.train", "--preset", "tiny",
                 "--hidden-size", "64", "--seq-length", "64", "--num-microbatches", "2",
                 "--mock-data", "--train-iters", "40", "--log-interval", "1",
                 "--distributed-timeout-minutes", "0.25", "--save", ckpt, "--save-interval",
@@ -109,26 +141,26 @@ def _torchrun_node(port: int, out: Path, restarts: int) -> Job:
 @pytest.mark.slow
 def test_after_a_lost_node_comes_back_the_job_resumes_from_the_last_checkpoint(tmp_path):
     """The surviving node's torchrun restarts its ranks (--max-restarts 1) and waits at the
-    rendezvous; a new second node joins; both resume from the newest checkpoint and finish."""
+    rendezvous; a new node joins in place of the lost one; both resume from the newest
+    checkpoint and finish."""
     port = free_port()
-    first = _torchrun_node(port, tmp_path, 1)
-    time.sleep(3)  # the first node's agent hosts the rendezvous
-    second = _torchrun_node(port, tmp_path, 0)
-    again = None
+    first = _torchrun_node(port, tmp_path)
+    _wait_for_listener(port, first)
+    nodes = [first, _torchrun_node(port, tmp_path)]
     try:
-        assert first.wait_for_line("checkpoint: saved", 240), first.text("err")[-3000:]
-        assert first.wait_for_line("step    5/40", 120), first.text("err")[-3000:]
-        for pid in _tree(second.proc.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        assert first.wait_for_line("lost (all its ranks: 2,3)", 60), first.text("err")[-3000:]
-        again = _torchrun_node(port, tmp_path, 0)
-        resumed = first.wait_for_line("checkpoint: resuming from", 240)
-        assert resumed, first.text("out")[-3000:] + first.text("err")[-3000:]
-        assert first.finish(timeout_s=240) == 0, first.text("err")[-3000:]
-        assert again.finish(timeout_s=60) == 0, again.text("err")[-3000:]
+        survivor, victim, ranks, _ = _survivor_and_victim(nodes)
+        assert survivor.wait_for_line("checkpoint: saved", 240), survivor.text("err")[-3000:]
+        assert survivor.wait_for_line("step    5/40", 120), survivor.text("err")[-3000:]
+        _kill_node(victim)
+        lost = f"lost (all its ranks: {ranks_text(ranks)})"
+        assert survivor.wait_for_line(lost, 60), survivor.text("err")[-3000:]
+        nodes.append(_torchrun_node(port, tmp_path))
+        assert survivor.finish(timeout_s=300) == 0, survivor.text("err")[-3000:]
+        assert nodes[-1].finish(timeout_s=60) == 0, nodes[-1].text("err")[-3000:]
     finally:
-        for job in (first, second, again):
-            if job is not None and job.proc.poll() is None:
+        for job in nodes:
+            if job.proc.poll() is None:
                 job.proc.kill()
-    assert "step   40/40" in first.text("out")
+    # rank 0 prints, on whichever node the second rendezvous made group rank 0
+    after = survivor.text("out") + nodes[-1].text("out")
+    assert "checkpoint: resuming from" in after and "step   40/40" in after, after[-3000:]
