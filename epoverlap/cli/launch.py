@@ -39,7 +39,19 @@ from epoverlap.cli.train import checked_config, error_lines
 from epoverlap.training.data import open_data_source
 
 PROG = "epoverlap-launch"
-LAUNCHER_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id")
+LAUNCHER_FLAGS = {  # the launcher's own flags (not passed to training): metavar, help
+    "--nproc": ("N", "ranks to start on this machine (default: one per visible GPU, or 2 on "
+                     "CPU)"),
+    "--nnodes": ("N", "nodes in the job, each running this command (default: 1, torchrun "
+                      "--standalone); flags are checked for N x --nproc ranks"),
+    "--rdzv-endpoint": ("HOST:PORT", "with --nnodes > 1, required: torchrun's c10d "
+                                     "rendezvous, on one of the nodes (the first), reachable "
+                                     "from every node"),
+    "--rdzv-id": ("ID", "the job's name at the rendezvous, the same on every node (default: "
+                        "epoverlap; under Slurm the job id)"),
+    "--node-rank": ("R", "this node's index, checked to be in [0, --nnodes); the c10d "
+                         "rendezvous numbers the nodes itself, so it is not passed on"),
+}
 
 
 def _has(flag: str, args: list[str]) -> bool:
@@ -84,21 +96,8 @@ def launch_parser():
                           "Several nodes: the same command on every node, with --nnodes and\n"
                           "--rdzv-endpoint (torchrun's c10d rendezvous).\n"
                           "Defaults marked auto below are resolved as under plain torchrun.")
-    parser.add_argument("--nproc", default=None, metavar="N",
-                        help="ranks to start on this machine (default: one per visible GPU, "
-                             "or 2 on CPU)")
-    parser.add_argument("--nnodes", default=None, metavar="N",
-                        help="nodes in the job, each running this command (default: 1, "
-                             "torchrun --standalone); flags are checked for N x --nproc ranks")
-    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                        help="with --nnodes > 1, required: torchrun's c10d rendezvous, on one "
-                             "of the nodes (the first), reachable from every node")
-    parser.add_argument("--rdzv-id", default=None, metavar="ID",
-                        help="the job's name at the rendezvous, the same on every node "
-                             "(default: epoverlap; under Slurm the job id)")
-    parser.add_argument("--node-rank", default=None, metavar="R",
-                        help="this node's index, checked to be in [0, --nnodes); the c10d "
-                             "rendezvous numbers the nodes itself, so it is not passed on")
+    for flag, (metavar, text) in LAUNCHER_FLAGS.items():
+        parser.add_argument(flag, default=None, metavar=metavar, help=text)
     return parser
 
 
