@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from epoverlap.model.dispatch import TokenDispatcher
+from epoverlap.model.dispatch import ExpertOrder, TokenDispatcher
 from epoverlap.model.moe import GroupedSwiGLUExperts
 from epoverlap.model.nodes import COMM, COMPUTE, NodeSpec, hidden_value, layer_value
 from epoverlap.parallel.comm import SplitExchange, all_to_all
@@ -109,13 +109,8 @@ class ChunkedMoE:
         self.comm, self.ops = dispatcher.comm, dispatcher.ops
         self.ranks = dispatcher.comm.size
         self.groups = expert_groups(dispatcher.num_local, chunks)
-        self._to_expert_major, self._to_rank_major = {}, {}
-        for start, end in self.groups:  # (rank, expert) blocks <-> (expert, rank), per size
-            size = end - start
-            self._to_expert_major[size] = _index(
-                [r * size + g for g in range(size) for r in range(self.ranks)], device)
-            self._to_rank_major[size] = _index(
-                [g * self.ranks + r for r in range(self.ranks) for g in range(size)], device)
+        self._orders = {size: ExpertOrder(self.ranks, size, device)  # per chunk size
+                        for size in {end - start for start, end in self.groups}}
 
     @property
     def chunks(self) -> int:
@@ -142,18 +137,11 @@ class ChunkedMoE:
     def experts_chunk(self, chunk: int, recv_tokens, recv_probs, meta: ChunkedMeta) -> dict:
         """Chunk `chunk`'s rows (source rank, expert) -> expert-major -> its experts -> back."""
         start, end = self.groups[chunk]
-        size = end - start
-        counts_RG = meta.recv_counts_RL[:, start:end]
-        tokens, probs = recv_tokens, recv_probs
-        if self.ranks > 1:
-            tokens, probs = self.ops.sort_chunks_by_idxs(
-                recv_tokens, counts_RG.reshape(-1), self._to_expert_major[size], recv_probs)
+        order, counts_RG = self._orders[end - start], meta.recv_counts_RL[:, start:end]
+        tokens, probs = order.to_expert_major(self.ops, recv_tokens, recv_probs, counts_RG)
         out = self.experts(tokens, probs, counts_RG.sum(dim=0), meta.expert_rows(chunk),
                            experts=(start, end))
-        if self.ranks > 1:
-            out = self.ops.sort_chunks_by_idxs(out, counts_RG.t().reshape(-1),
-                                               self._to_rank_major[size])[0]
-        return {f"expert_out_c{chunk}": out}
+        return {f"expert_out_c{chunk}": order.to_rank_major(self.ops, out, counts_RG)}
 
     def return_chunk(self, chunk: int, expert_out, meta: ChunkedMeta) -> dict:
         return {f"returned_c{chunk}": all_to_all(self.comm, expert_out,
@@ -204,8 +192,3 @@ class ChunkedMoE:
         return specs + [NodeSpec(name="combine", layer=layer, lane=COMM, fn=combine_fn,
                                  inputs={**combine_inputs, **returned},
                                  outputs={"hidden": hidden_value(layer + 1)})]
-
-
-def _index(values: list[int], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
-

@@ -5,8 +5,9 @@ Owns `TokenDispatcher` (the interface the MoE layer's nodes call: `preprocess`,
 whether the dispatch reads split sizes on the host), its subclasses, one per mode, and
 `make_dispatcher`, which picks the subclass once from the config's `DispatchMode`
 (`epoverlap.config.dispatch`, the config-side description of the mode). Also `DispatchMeta`
-(what the steps after the dispatch need) and the row moves the modes share; the budget mode's
-buffer size and overflow record is `model.budget.DispatchBudget`.
+(what the steps after the dispatch need), `ExpertOrder` (received blocks to the experts' order
+and back, shared with the chunked layer, `model.chunked`) and the row moves the modes share;
+the budget mode's buffer size and overflow record is `model.budget.DispatchBudget`.
 
 Modes (`DispatchMode.name`), and whether the host reads the device in the dispatch:
   dropless         `HostSplitDispatcher`: each rank sends what it routed; split sizes read on
@@ -150,6 +151,28 @@ class TokenDispatcher:
         return returned_NH
 
 
+class ExpertOrder:
+    """Received rows in blocks (source rank, local expert) <-> (local expert, source rank),
+    the order the grouped experts want, for `ranks` ranks and `experts` local experts (all of a
+    rank's, or a chunk's: `model.chunked`). `counts_RL` [R, L] (device): rows per block."""
+
+    def __init__(self, ranks: int, experts: int, device: torch.device):
+        self._to_expert_major = _index([r * experts + e for e in range(experts)
+                                        for r in range(ranks)], device)
+        self._to_rank_major = _index([e * ranks + r for r in range(ranks)
+                                      for e in range(experts)], device)
+
+    def to_expert_major(self, ops: MoEOps, rows_MH, probs_M, counts_RL):
+        """-> (rows, probs) in (local expert, source rank) blocks."""
+        return ops.sort_chunks_by_idxs(rows_MH, counts_RL.reshape(-1), self._to_expert_major,
+                                       probs_M)
+
+    def to_rank_major(self, ops: MoEOps, rows_MH, counts_RL):
+        """Back to the (source rank, local expert) blocks the rows arrived in."""
+        return ops.sort_chunks_by_idxs(rows_MH, counts_RL.t().reshape(-1),
+                                       self._to_rank_major)[0]
+
+
 class HostSplitDispatcher(TokenDispatcher):
     """dropless and capacity: split sizes exchanged early (`start_split_exchange`) and read on
     the host in `dispatch`; chunks sorted by the received counts."""
@@ -160,12 +183,7 @@ class HostSplitDispatcher(TokenDispatcher):
                  device: torch.device, mode: DispatchMode,
                  budget: Optional[DispatchBudget] = None):
         super().__init__(comm, num_experts, topk, ops, device, mode, budget)
-        ranks, local = comm.size, self.num_local
-        # chunk order (rank, expert) -> (expert, rank), and back
-        self._to_expert_major = _index([r * local + e for e in range(local)
-                                        for r in range(ranks)], device)
-        self._to_rank_major = _index([e * ranks + r for r in range(ranks)
-                                      for e in range(local)], device)
+        self._order = ExpertOrder(comm.size, self.num_local, device)
 
     def start_split_exchange(self, counts_E, row_id_map=None) -> SplitExchange:
         """Called when the router has counted, so the exchange runs while other work is issued,
@@ -195,14 +213,13 @@ class HostSplitDispatcher(TokenDispatcher):
     def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
         if self.comm.size == 1:
             return recv_MH, recv_probs_M, None
-        return self.ops.sort_chunks_by_idxs(recv_MH, meta.recv_counts_RL.reshape(-1),
-                                            self._to_expert_major, recv_probs_M) + (None,)
+        return self._order.to_expert_major(self.ops, recv_MH, recv_probs_M,
+                                           meta.recv_counts_RL) + (None,)
 
     def unsort(self, expert_out_MH, meta: DispatchMeta, local_row_id_map=None):
         if self.comm.size == 1:
             return expert_out_MH
-        splits_LR = meta.recv_counts_RL.t().reshape(-1)
-        return self.ops.sort_chunks_by_idxs(expert_out_MH, splits_LR, self._to_rank_major)[0]
+        return self._order.to_rank_major(self.ops, expert_out_MH, meta.recv_counts_RL)
 
 
 class PaddedCapacityDispatcher(TokenDispatcher):
