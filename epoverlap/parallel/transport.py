@@ -1,13 +1,14 @@
 """Which link NCCL really uses between which ranks, and emulated hosts on one machine.
 
-Owns `emulated_host_id` (the NCCL host identity of a rank under --emulate-hosts N: NCCL reads
-NCCL_HOSTID, when set, instead of hashing the host name, once per process, at its first
-communicator; ranks with different identities are different hosts to NCCL, so it connects them
-over its network transport, sockets on loopback here, and ranks of one identity over NVLink or
-host memory), `transport_log_env` (NCCL_DEBUG=INFO into a file of this process's own, so
-NCCL's connection lines can be read back) and `TransportReport` (those lines parsed, gathered
-over the ranks, printed, and checked: between two emulated hosts only the network transport
-may carry a byte, so nobody measures the wrong link by accident).
+Owns `nccl_host_identity` (the host NCCL takes a process to be on), `emulated_host_id` (the
+NCCL host identity of a rank under --emulate-hosts N: NCCL reads NCCL_HOSTID, when set, instead
+of hashing the host name, once per process, at its first communicator; ranks with different
+identities are different hosts to NCCL, so it connects them over its network transport,
+sockets over the machine's interface here, and ranks of one identity over NVLink or host
+memory), `transport_log_env` (NCCL_DEBUG=INFO into a file of this process's own, so NCCL's
+connection lines can be read back) and `TransportReport` (those lines parsed, gathered over the
+ranks, printed, and checked: between two emulated hosts only the network transport may carry a
+byte, so nobody measures the wrong link by accident).
 
 NCCL's connection line, one per channel and peer, written as a connection is set up (the
 all-to-all's peers connect at its first use):
@@ -47,6 +48,11 @@ def emulated_host_id(local_rank: int, local_world: int, hosts: int,
         raise ValueError(f"{local_world} local ranks do not split into {hosts} hosts")
     host = local_rank // (local_world // hosts)
     return f"{machine or socket.gethostname()}-emulated-host-{host}"
+
+
+def nccl_host_identity() -> str:
+    """The host NCCL takes this process to be on: NCCL_HOSTID when set, else the host name."""
+    return os.environ.get("NCCL_HOSTID") or socket.gethostname()
 
 
 def transport_log_env(folder: Optional[str] = None) -> dict:

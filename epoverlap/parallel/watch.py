@@ -47,7 +47,6 @@ import os
 import re
 import select
 import signal
-import socket
 import sys
 import threading
 import time
@@ -57,6 +56,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from epoverlap.parallel.transport import nccl_host_identity
 
 EXIT_PEER_FAILURE = 3
 ROUTED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -111,7 +112,7 @@ def host_label() -> str:
     """The host a rank runs on, as a failure names it: its NCCL host identity when one is set
     (`--emulate-hosts`), else the host name; with torchrun's nodes, the node's index too (two
     "nodes" of one machine, or hosts sharing a name)."""
-    label = os.environ.get("NCCL_HOSTID") or socket.gethostname()
+    label = nccl_host_identity()
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
         label += f" (node {os.environ.get('GROUP_RANK', '?')})"
     return label

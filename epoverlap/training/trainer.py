@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from typing import Callable, Optional
 
 from epoverlap.config import RunConfig
 from epoverlap.graphs.capture import CudaGraphBackend
 from epoverlap.parallel.groups import ParallelGroups
-from epoverlap.parallel.transport import gather_report
+from epoverlap.parallel.transport import gather_report, nccl_host_identity
 from epoverlap.training.build import RunParts
 from epoverlap.training.checkpoint_files import CheckpointRef
 from epoverlap.training.environment import NCCL_LOG_FOR_REPORT
@@ -146,8 +145,7 @@ class Trainer:
     def _report_transports(self) -> None:
         """After the first step (every all-to-all peer connected): which transport NCCL chose
         between which ranks; with emulated hosts, fail unless hosts talk over the network."""
-        host = os.environ.get("NCCL_HOSTID") or socket.gethostname()
-        report = gather_report(os.environ.get(NCCL_LOG_FOR_REPORT), host)
+        report = gather_report(os.environ.get(NCCL_LOG_FOR_REPORT), nccl_host_identity())
         if report is None:
             self.log("transport: not reported (NCCL_DEBUG was set by the environment: NCCL's "
                      "log is not this process's to read)")

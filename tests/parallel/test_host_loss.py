@@ -22,7 +22,7 @@ import pytest
 
 from epoverlap.parallel.watch import PeerFailure, lost_hosts, ranks_text
 from dist_helpers import free_port
-from job_control import Job, children, launcher_cmd
+from job_control import Job, descendants, environ, launcher_cmd
 
 
 def test_a_host_is_lost_when_every_one_of_its_ranks_is_silent():
@@ -49,26 +49,11 @@ def _wait_for_listener(port: int, job: Job, timeout_s: float = 60.0) -> None:
     raise AssertionError(f"nothing listens on port {port}: " + job.text("err")[-2000:])
 
 
-def _tree(pid: int) -> list[int]:
-    found = [pid]
-    for child in children(pid):
-        found += _tree(child)
-    return found
-
-
-def _environ(pid: int) -> dict:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return {}
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
-
-
 def _workers(job: Job, timeout_s: float = 180.0) -> list[dict]:
     """The environments of a node's 2 training ranks, once both run."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and job.proc.poll() is None:
-        envs = [env for env in map(_environ, _tree(job.proc.pid)[1:]) if "RANK" in env]
+        envs = [env for env in map(environ, descendants(job.proc.pid)) if "RANK" in env]
         if len(envs) == 2:
             return envs
         time.sleep(0.2)
@@ -89,7 +74,7 @@ def _survivor_and_victim(nodes: list[Job]) -> tuple[Job, Job, list[int], str]:
 
 def _kill_node(job: Job) -> float:
     """SIGKILL a node's launcher and every process under it; -> when."""
-    for pid in _tree(job.proc.pid):
+    for pid in [job.proc.pid] + descendants(job.proc.pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return time.monotonic()

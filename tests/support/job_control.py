@@ -91,14 +91,27 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid`, at any depth."""
+    found = []
+    for child in children(pid):
+        found += [child] + descendants(child)
+    return found
+
+
+def environ(pid: int) -> dict[str, str]:
+    """A process's environment ({} when it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
 def rank_pid(launcher_pid: int, rank: int) -> Optional[int]:
     """The process under `launcher_pid` whose environment has RANK=<rank>."""
     for pid in children(launcher_pid):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ:
+        if environ(pid).get("RANK") == str(rank):
             return pid
     return None
 
