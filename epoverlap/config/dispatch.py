@@ -27,13 +27,20 @@ class DispatchMode:
     drop_policy: str = "probs"
     budget: Optional[float] = None
     once_per_rank: bool = False  # --moe-dispatch-once-per-rank (not with a padded capacity)
+    hierarchy: str = "flat"  # --moe-dispatch-hierarchy: "node" sends once per host, then rank
 
     @classmethod
     def of(cls, moe: MoEConfig) -> "DispatchMode":
         return cls(capacity_factor=moe.capacity_factor,
                    pad_to_capacity=moe.moe_pad_expert_input_to_capacity,
                    drop_policy=moe.moe_token_drop_policy, budget=moe.moe_dispatch_budget,
-                   once_per_rank=moe.moe_dispatch_once_per_rank)
+                   once_per_rank=moe.moe_dispatch_once_per_rank,
+                   hierarchy=moe.moe_dispatch_hierarchy)
+
+    @property
+    def by_host(self) -> bool:
+        """--moe-dispatch-hierarchy node: once per destination host, then inside the host."""
+        return self.hierarchy == "node"
 
     @property
     def name(self) -> str:
@@ -87,6 +94,8 @@ def a2a_chunks_blocker(cfg: "RunConfig", chunks: int) -> str:
         return (f"must be <= the {local} local experts of a rank (--num-experts / "
                 f"--expert-model-parallel-size): a chunk is a group of them")
     mode = DispatchMode.of(cfg.moe)
+    if mode.by_host:
+        return "needs --moe-dispatch-hierarchy flat (one all-to-all to cut into chunks)"
     if mode.name not in ("dropless", "capacity") or mode.once_per_rank:
         once = ", once per rank" if mode.once_per_rank else ""
         return (f"needs the dropless or capacity dispatch, one row per expert (not "
@@ -96,6 +105,25 @@ def a2a_chunks_blocker(cfg: "RunConfig", chunks: int) -> str:
                                       and "moe" not in graphs.modules)):
         return ("needs eager all-to-alls: --cuda-graph-impl none, or local with "
                 "--cuda-graph-modules among attn, moe_router, moe_preprocess")
+    return ""
+
+
+def hierarchy_blocker(cfg: "RunConfig", world_size: int, per_host: int) -> str:
+    """Why --moe-dispatch-hierarchy node cannot run with `cfg` on hosts of `per_host` ranks, in
+    the words of a ConfigError ('' when it can): it needs an expert-parallel group of whole
+    hosts, at least two, a dispatch that reads its split sizes on the host with one row per
+    expert (dropless or capacity, unpadded), and real all-to-alls."""
+    if not DispatchMode.of(cfg.moe).by_host:
+        return ""
+    ep = cfg.parallel.expert_model_parallel_size or 1
+    if ep % per_host or ep // per_host < 2:
+        return (f"needs the expert-parallel group to span whole hosts, at least two: EP {ep} "
+                f"over hosts of {per_host} ranks (LOCAL_WORLD_SIZE / --emulate-hosts)")
+    mode = DispatchMode.of(cfg.moe)
+    if mode.name not in ("dropless", "capacity"):
+        return f"needs the dropless or capacity dispatch (not {mode.name})"
+    if cfg.overlap.comm_mode != "real":
+        return f"needs --comm-mode real (not {cfg.overlap.comm_mode})"
     return ""
 
 

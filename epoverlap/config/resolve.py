@@ -219,7 +219,8 @@ def path_text(cfg: RunConfig, device: str) -> str:
     default chose (the others the user gave)."""
     o, p, graphs = cfg.overlap, cfg.parallel, cfg.cuda_graph
     mode = DispatchMode.of(cfg.moe)
-    dispatch = mode.name + (", once per rank" if mode.once_per_rank else "")
+    dispatch = mode.name + (", by host" if mode.by_host else
+                            ", once per rank" if mode.once_per_rank else "")
     if o.moe_a2a_chunks > 1:
         dispatch += f", {o.moe_a2a_chunks} chunks"
     scope = graphs.impl if graphs.impl != "local" else \

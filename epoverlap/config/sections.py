@@ -22,6 +22,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DROP_POLICIES = ("probs", "position")  # as epoverlap.kernels.capacity
+DISPATCH_HIERARCHIES = ("flat", "node")  # --moe-dispatch-hierarchy (model.dispatch_dedup)
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release", "combined_1f1b_paired_ends")
 COMM_MODES = ("real", "local_copy")
@@ -108,6 +109,16 @@ class MoEConfig:
         "volume / up to min(topk, EP); the experts' rows and grads are the same, the combined "
         "output is summed per rank first (another rounding order). Dropless, capacity "
         "(unpadded) and budget dispatches")
+    moe_dispatch_hierarchy: str = flag(
+        "flat", "node: each token crosses between hosts once per destination host (to the rank "
+        "with its own index in that host), with the probs of that host's experts, and is "
+        "forwarded inside the host to the ranks holding its experts; the combine sums inside "
+        "the host first and crosses back once. Needs an expert-parallel group of whole hosts, "
+        "at least two (torchrun's nodes, or --emulate-hosts), and the dropless or capacity "
+        "(unpadded) dispatch. The experts' rows and grads are those of "
+        "--moe-dispatch-once-per-rank; the combined output is summed per host first (another "
+        "rounding order). flat: one all-to-all over the whole group",
+        choices=DISPATCH_HIERARCHIES)
 
     @property
     def enabled(self) -> bool:
@@ -142,14 +153,15 @@ class ParallelConfig:
         1, "tests and benchmarks on one machine: split its ranks into N emulated hosts of "
         "LOCAL_WORLD_SIZE / N consecutive local ranks, each with its own NCCL host identity "
         "(NCCL_HOSTID), so NCCL connects ranks of two emulated hosts over its network "
-        "transport and ranks of one over NVLink or host memory, as between real hosts "
-        "(needs NCCL; 1: off)", metavar="N")
+        "transport and ranks of one over NVLink or host memory, as between real hosts; on "
+        "gloo it only says which ranks share a host (--moe-dispatch-hierarchy, the lost-host "
+        "line) (1: off)", metavar="N")
     nccl_transport_report: Optional[bool] = flag(
         None, "after the first step, print which transport NCCL chose between which ranks, "
         "read from NCCL's own INFO log (NCCL_DEBUG=INFO into a file per rank; not when "
         "NCCL_DEBUG is already set); with --emulate-hosts the job fails when two emulated "
         "hosts talk over anything but NCCL's network transport",
-        default_text="auto: on with --emulate-hosts > 1")
+        default_text="auto: on with --emulate-hosts > 1 on CUDA")
     moe_a2a_nccl_max_ctas: Optional[int] = flag(
         None, f"NCCL: at most N CTAs (SMs) for each all-to-all of the expert-parallel group "
         f"(its communicator's max_ctas, 1..{NCCL_MAX_CHANNELS}; none: NCCL's choice); other "
@@ -166,11 +178,10 @@ class ParallelConfig:
         "is still one CTA's full-K sum); none: every SM")
 
 
-    @property
-    def transport_report(self) -> bool:
-        """--nccl-transport-report, or its auto value: on with emulated hosts."""
+    def transport_report(self, on_gpu: bool) -> bool:
+        """--nccl-transport-report, or its auto value: on with emulated hosts on NCCL."""
         if self.nccl_transport_report is None:
-            return self.emulate_hosts > 1
+            return on_gpu and self.emulate_hosts > 1
         return self.nccl_transport_report
 
 

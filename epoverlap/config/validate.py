@@ -18,7 +18,7 @@ from typing import Optional
 from epoverlap.config.aliases import alias_conflict
 from epoverlap.config.compat import compat_rules
 from epoverlap.config.cuda_graph_rules import validate_cuda_graph_config
-from epoverlap.config.dispatch import DispatchMode, a2a_chunks_blocker
+from epoverlap.config.dispatch import DispatchMode, a2a_chunks_blocker, hierarchy_blocker
 from epoverlap.config.flags import _opt_float
 from epoverlap.config.io_rules import validate_io
 from epoverlap.config.parse import FLAGS, flag_of, require
@@ -29,6 +29,7 @@ from epoverlap.config.tuning import (candidate_paths, probe_steps, steps_needed,
 from epoverlap.errors import ConfigError
 from epoverlap.kernels import triton_unavailable_reason
 from epoverlap.kernels.capacity import get_capacity
+from epoverlap.parallel.transport import ranks_per_host
 
 MAX_LAYERS = 4096
 MIN_TIMEOUT_MINUTES = 0.05
@@ -167,14 +168,19 @@ def _validate_emulated_hosts(cfg: RunConfig, world_size: int, cuda_available: bo
     hosts, p = cfg.parallel.emulate_hosts, cfg.parallel
     require(hosts >= 1, "emulate_hosts", hosts, "must be >= 1 (1: off)")
     on_gpu = cfg.resolved_device(cuda_available) == "cuda"
-    if hosts > 1:
-        require(on_gpu, "emulate_hosts", hosts, "sets NCCL host identities: needs a CUDA "
-                "device (NCCL); gloo has no transports to choose")
+    if hosts > 1:  # on gloo it only says which ranks share a host (no transports to choose)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         require(local % hosts == 0 and local >= hosts, "emulate_hosts", hosts,
                 f"must divide the {local} ranks of this machine (LOCAL_WORLD_SIZE)")
     require(not p.nccl_transport_report or on_gpu, "nccl_transport_report", True,
             "reads NCCL's log: needs a CUDA device (NCCL)")
+
+
+def _validate_hierarchy(cfg: RunConfig, world_size: int) -> None:
+    """--moe-dispatch-hierarchy node (what it needs: `config.dispatch.hierarchy_blocker`)."""
+    blocker = hierarchy_blocker(cfg, world_size,
+                                ranks_per_host(world_size, cfg.parallel.emulate_hosts))
+    require(not blocker, "moe_dispatch_hierarchy", cfg.moe.moe_dispatch_hierarchy, blocker)
 
 
 def _validate_moe(cfg: RunConfig, world_size: int) -> None:
@@ -457,6 +463,7 @@ def check_config(cfg: RunConfig, world_size: int, cuda_available: bool,
     _validate_pipeline(cfg, world_size)
     _validate_emulated_hosts(cfg, world_size, cuda_available)
     _validate_moe(cfg, world_size)
+    _validate_hierarchy(cfg, world_size)
     _validate_train(cfg.train, cfg.data_parallel_size(world_size), cuda_available)
     _validate_microbatches(cfg, world_size)
     _validate_overlap(cfg, cuda_available)

@@ -2,12 +2,12 @@
 
 Owns `TokenDispatcher` (the interface the MoE layer's nodes call: `preprocess`,
 `start_split_exchange`, `dispatch`, `sort_by_expert`, `unsort`, `combine`, and `reads_host`,
-whether the dispatch reads split sizes on the host), its subclasses, one per mode, and
-`make_dispatcher`, which picks the subclass once from the config's `DispatchMode`
-(`epoverlap.config.dispatch`, the config-side description of the mode). Also `DispatchMeta`
-(what the steps after the dispatch need), `ExpertOrder` (received blocks to the experts' order
-and back, shared with the chunked layer, `model.chunked`) and the row moves the modes share;
-the budget mode's buffer size and overflow record is `model.budget.DispatchBudget`.
+whether the dispatch reads split sizes on the host) and its subclasses that send one row per
+chosen expert, one per mode (`model.dispatch_dedup.make_dispatcher` picks one from the
+config's `DispatchMode`, `epoverlap.config.dispatch`). Also `DispatchMeta` (what the steps
+after the dispatch need), `ExpertOrder` (received blocks to the experts' order and back, shared
+with the chunked layer, `model.chunked`) and the row moves the modes share; the budget mode's
+buffer size and overflow record is `model.budget.DispatchBudget`.
 
 Modes (`DispatchMode.name`), and whether the host reads the device in the dispatch:
   dropless         `HostSplitDispatcher`: each rank sends what it routed; split sizes read on
@@ -26,22 +26,8 @@ Modes (`DispatchMode.name`), and whether the host reads the device in the dispat
                    recorded on the device (`DispatchBudget.demand_rows`) and the trainer reruns
                    the step at a larger budget: no token is ever silently dropped, no host read
                    inside the step.
-With --moe-dispatch-once-per-rank (dropless, capacity, budget; `OncePerRankHostSplitDispatcher`,
-`OncePerRankBudgetDispatcher`) the preprocess sends each token once to every rank holding one of
-its experts (`permute` over a [T, R] "to rank" map), each row with the probs of that rank's L
-experts (-1 where the expert was not chosen); the receiving rank copies the row to those experts
-(`sort_by_expert`, a second permute) and sums their outputs (`unsort`, its unpermute) before the
-combine returns one row per (token, rank). The experts see the same rows in the same order as
-without it ((local expert, source rank, token)); the combine sums per rank first. Split sizes:
-rows per rank counted apart and exchanged with the expert counts; with the budget nothing is
-exchanged: a rank's chunk holds its rows for that rank (at most one per token), and each
-received row's probs say which local experts it goes to (an empty slot's: none), so the receiver
-counts its experts' rows itself. Those (row, expert) pairs are budgeted too
-(`DispatchBudget.expert_rows`: the budget times a rank's balanced share, tokens x topk, rather
-than the chunks' rows times min(topk, L), which would size the experts' buffers for a routing
-that can never happen); pairs past it are cut and recorded, and the step reruns.
-On one EP rank once per rank is the plain dispatch (nothing to send once instead of several
-times), and `make_dispatcher` picks that.
+The dispatches that send a token once per rank, or once per host and then per rank, are
+`model.dispatch_dedup`, with `make_dispatcher`, which picks the strategy of every mode.
 The preprocess never reads the host in any mode (its row count is static: tokens x topk, or
 experts x capacity padded); only the torch reference permute does (`preprocess_syncs_host`).
 
@@ -157,9 +143,9 @@ class ExpertOrder:
     rank's, or a chunk's: `model.chunked`). `counts_RL` [R, L] (device): rows per block."""
 
     def __init__(self, ranks: int, experts: int, device: torch.device):
-        self._to_expert_major = _index([r * experts + e for e in range(experts)
+        self._to_expert_major = index_tensor([r * experts + e for e in range(experts)
                                         for r in range(ranks)], device)
-        self._to_rank_major = _index([e * ranks + r for r in range(ranks)
+        self._to_rank_major = index_tensor([e * ranks + r for r in range(ranks)
                                       for e in range(experts)], device)
 
     def to_expert_major(self, ops: MoEOps, rows_MH, probs_M, counts_RL):
@@ -276,10 +262,10 @@ class BudgetDispatcher(TokenDispatcher):
         ranks, local = comm.size, self.num_local
         # chunks (rank, expert or padding) -> experts' chunks, then padding; and back
         with_pad = local + 1
-        self._budget_to_expert_major = _index(
+        self._budget_to_expert_major = index_tensor(
             [r * with_pad + e for e in range(local) for r in range(ranks)]
             + [r * with_pad + local for r in range(ranks)], device)
-        self._budget_to_rank_major = _index(
+        self._budget_to_rank_major = index_tensor(
             [(e * ranks + r) if e < local else local * ranks + r
              for r in range(ranks) for e in range(with_pad)], device)
 
@@ -337,122 +323,6 @@ class BudgetDispatcher(TokenDispatcher):
         return move_rows(returned_NH, meta.return_index, meta.send_index)
 
 
-class _OncePerRank:
-    """The once-per-rank layout, mixed into a host-split or budget dispatcher: rows are
-    (token, rank) pairs with [N, L] probs (-1: expert not chosen); the receiver copies each row
-    to its chosen local experts and sums their outputs (see the module docstring)."""
-
-    once_per_rank = True
-
-    def permuted_rows(self, num_tokens: int) -> int:
-        """A token reaches at most min(topk, R) ranks."""
-        return num_tokens * min(self.topk, self.comm.size)
-
-    def preprocess(self, hidden_TH, probs_TE, routing_map_TE):
-        """-> (rows [N, H] rank-major, their probs [N, L], row-id map [T, R])."""
-        num_out = self.permuted_rows(hidden_TH.shape[0])
-        tokens, ranks = hidden_TH.shape[0], self.comm.size
-        routing_map_TRL = routing_map_TE.view(tokens, ranks, self.num_local)
-        to_rank_TR = routing_map_TRL.any(dim=2)
-        permuted_NH, _, row_id_map_TR = self.ops.permute(hidden_TH, to_rank_TR, None,
-                                                         num_out_tokens=num_out)
-        chosen_probs_XL = torch.where(routing_map_TE, probs_TE, -1.0).view(
-            tokens * ranks, self.num_local)  # X = (token, rank) pairs
-        source_N = rows_by_pair(row_id_map_TR, num_out)
-        permuted_probs_NL = move_rows(chosen_probs_XL, source_N, row_id_map_TR.reshape(-1))
-        return permuted_NH, permuted_probs_NL, row_id_map_TR
-
-    def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
-        """-> (rows, their probs, the row-id map of the copy to the local experts)."""
-        chosen_ML = recv_probs_M >= 0
-        return self.ops.permute(recv_MH, chosen_ML, torch.where(chosen_ML, recv_probs_M, 0.0),
-                                num_out_tokens=self._local_expert_rows(meta))
-
-    def unsort(self, expert_out_MH, meta: DispatchMeta, local_row_id_map=None):
-        """Each received row sums its local experts' outputs."""
-        return self.ops.unpermute(expert_out_MH, local_row_id_map)
-
-
-class OncePerRankHostSplitDispatcher(_OncePerRank, HostSplitDispatcher):
-    """dropless or capacity, once per rank: the rows per rank are counted from the [T, R]
-    row-id map and exchanged with the expert counts."""
-
-    def start_split_exchange(self, counts_E, row_id_map=None) -> SplitExchange:
-        return self.comm.start_split_exchange(counts_E, rows_per_rank(row_id_map))
-
-    def _exchange_now(self, counts_E) -> SplitExchange:
-        raise ValueError("dispatch once per rank: pass the exchange that "
-                         "`start_split_exchange(counts_E, row_id_map)` started")
-
-    def _local_expert_rows(self, meta: DispatchMeta) -> int:
-        return sum(meta.tokens_per_local_expert)
-
-
-class OncePerRankBudgetDispatcher(_OncePerRank, BudgetDispatcher):
-    """budget, once per rank: the rows per rank come from the [T, R] row-id map, no counts are
-    exchanged: each received row's probs say which local experts it goes to (an empty slot:
-    none); the (row, expert) pairs past `DispatchBudget.expert_rows` are cut and recorded."""
-
-    def _rows_to_send(self, counts_E, row_id_map):
-        return rows_per_rank(row_id_map), None
-
-    def _chunk_probs(self, send_probs_X, send_index):
-        """An empty slot chooses no expert."""
-        return torch.where((send_index >= 0).unsqueeze(1), send_probs_X, -1.0)
-
-    def _received(self, recv_probs_M, recv_RL, chunk: int):
-        expert_rows = self.budget.expert_rows
-        recv_probs_M = self._cut_expert_pairs(recv_probs_M, expert_rows)
-        return recv_probs_M, (recv_probs_M >= 0).sum(dim=0, keepdim=True), expert_rows
-
-    def _cut_expert_pairs(self, probs_ML: torch.Tensor, expert_rows: int) -> torch.Tensor:
-        """The (received row, local expert) pairs in the order the second permute gives them
-        rows (expert-major), those past `expert_rows` unchosen (probs -1); their count is
-        recorded for the rerun."""
-        chosen_ML = probs_ML >= 0
-        self.budget.note_expert_rows(chosen_ML.sum())
-        if expert_rows >= probs_ML.shape[0] * min(self.topk, self.num_local):
-            return probs_ML  # every pair fits: nothing to cut
-        row_LM = torch.cumsum(chosen_ML.t().reshape(-1), 0).view(chosen_ML.shape[1], -1) - 1
-        return torch.where(chosen_ML & (row_LM.t() < expert_rows), probs_ML, -1.0)
-
-    def _local_expert_rows(self, meta: DispatchMeta) -> int:
-        return meta.expert_rows
-
-
-_DISPATCHERS = {  # (DispatchMode.name, once per rank) -> strategy
-    ("dropless", False): HostSplitDispatcher,
-    ("capacity", False): HostSplitDispatcher,
-    ("capacity_padded", False): PaddedCapacityDispatcher,
-    ("budget", False): BudgetDispatcher,
-    ("dropless", True): OncePerRankHostSplitDispatcher,
-    ("capacity", True): OncePerRankHostSplitDispatcher,
-    ("budget", True): OncePerRankBudgetDispatcher,
-}
-
-
-def make_dispatcher(comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
-                    device: torch.device, mode: DispatchMode = DispatchMode(),
-                    budget: Optional[DispatchBudget] = None) -> TokenDispatcher:
-    """The strategy of `mode`, built once per model and shared by its MoE layers (it keeps no
-    per-layer state). `budget`: the model's `DispatchBudget`, in budget mode only. Once per
-    rank on one EP rank is the plain dispatch."""
-    if (mode.name == "budget") != (budget is not None):
-        raise ValueError(f"dispatch mode {mode.name} with budget {budget}")
-    if mode.once_per_rank and mode.name == "capacity_padded":
-        raise ValueError("dispatch once per rank with a padded capacity: its rows per rank "
-                         "are not a fixed capacity")
-    once_per_rank = mode.once_per_rank and comm.size > 1
-    if once_per_rank and budget is not None and budget.pairs is None:
-        raise ValueError("dispatch once per rank with a budget that does not budget the "
-                         "experts' rows (DispatchBudget pairs_per_dispatch)")
-    strategy = _DISPATCHERS[(mode.name, once_per_rank)]
-    dispatcher = strategy(comm, num_experts, topk, ops, device, mode, budget)
-    if dispatcher.reads_host != mode.dispatch_syncs_host:
-        raise AssertionError(f"{strategy.__name__} disagrees with the config on host reads")
-    return dispatcher
-
-
 def _budget_chunks(meta: DispatchMeta) -> torch.Tensor:
     """[R, L + 1] rows of each received chunk: per local expert, then padding."""
     kept_RL = meta.recv_counts_RL
@@ -488,21 +358,6 @@ def move_rows(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> 
     return _MoveRows.apply(src, index, inverse)
 
 
-def rows_per_rank(row_id_map_TR: torch.Tensor) -> torch.Tensor:
-    """Once per rank: the rows sent to each rank, from the preprocess's [T, R] row-id map. [R]."""
-    return (row_id_map_TR >= 0).sum(dim=0)
-
-
-def rows_by_pair(row_id_map_TR: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """For each of `num_rows` permuted rows, the flat (t * R + r) entry of the row-id map that
-    names it, -1 past the routed rows. [N] device, no host read: the map's row ids are distinct,
-    so a stable sort of them lists the entries in row order."""
-    unrouted = row_id_map_TR.numel()
-    keys_X = torch.where(row_id_map_TR >= 0, row_id_map_TR, unrouted).reshape(-1)
-    sorted_X, entry_X = torch.sort(keys_X, stable=True)
-    return torch.where(sorted_X[:num_rows] < unrouted, entry_X[:num_rows], -1)
-
-
 def budget_indices(send_R: torch.Tensor, chunk_rows: int, num_rows: int):
     """Permuted rows (expert-major, so rank r's rows are one run) <-> fixed chunks of
     `chunk_rows` slots per rank. -> (send_index [R*C]: slot -> row or -1 (empty),
@@ -534,5 +389,5 @@ def _swap_blocks(rows: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return blocks.reshape(rows.shape)
 
 
-def _index(values: list[int], device) -> torch.Tensor:
+def index_tensor(values: list[int], device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)

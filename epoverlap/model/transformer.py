@@ -47,7 +47,8 @@ from epoverlap.config import RunConfig
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.chunked import ChunkedMoE
-from epoverlap.model.dispatch import TokenDispatcher, make_dispatcher
+from epoverlap.model.dispatch import TokenDispatcher
+from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, causal_attention,
                                      hidden_dropout, uses_dropout)
 from epoverlap.model.linear import linear

@@ -1,7 +1,8 @@
 """Communication the model makes: the all-to-alls of the MoE dispatcher (differentiable) and
 the point-to-point transfers between pipeline stages.
 
-Owns `ExpertComm` (the EP group, a `groups.Group`, plus the comm mode), the autograd function
+Owns `ExpertComm` (the EP group, a `groups.Group`, plus the comm mode; `HostComms`, the
+hierarchical dispatch's groups between and inside hosts), the autograd function
 whose forward is an all_to_all_single and whose backward is the reverse all-to-all, and
 `PipelineComm` (send / receive one activation or grad to / from another stage of this rank's
 pipeline, the PP `Group`). These calls run on whatever stream/thread the caller is on;
@@ -25,6 +26,7 @@ compute-only baseline of the overlap benchmark (the split-size exchange still sy
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -122,14 +124,16 @@ def split_sizes(sent_RL: list, recv_RL: list, rank_rows: bool = False
 
 class ExpertComm:
     """All-to-all over the expert-parallel group (None when size is 1); `counts_group` (the
-    same ranks, another communicator) carries the early split-size exchange."""
+    same ranks, another communicator) carries the early split-size exchange. `by_host`: the
+    hierarchical dispatch's two stages (`HostComms`), where it is on."""
 
     def __init__(self, group: Optional[Group], size: int, mode: str = "real",
-                 counts_group: Optional[Group] = None):
+                 counts_group: Optional[Group] = None, by_host: Optional["HostComms"] = None):
         self.group = group
         self.size = size
         self.mode = mode
         self.counts_group = counts_group
+        self.by_host = by_host
         self.trace: Optional[list] = None  # set to [] to record every all-to-all's shape
         self._exchange_stream: Optional[torch.cuda.Stream] = None
 
@@ -172,12 +176,23 @@ class ExpertComm:
         """Start exchanging the per-expert send counts [E] of one dispatch (and, given, the
         rows sent to each rank [R], where they are not the sum of its experts' counts); the
         dispatch reads the split sizes with `SplitExchange.read()` (module docstring)."""
-        local = self.size == 1 or self.mode == "local_copy"
         send_RL = counts_E.view(self.size, -1)
         rank_rows = rows_R is not None
         if rank_rows:
             send_RL = torch.cat([send_RL, rows_R.view(self.size, 1).to(send_RL.dtype)], dim=1)
-        send_RL = send_RL.contiguous()
+        return self._start_exchange(send_RL.contiguous(), rank_rows)
+
+    def start_table_exchange(self, counts_V: torch.Tensor) -> SplitExchange:
+        """Start sending every rank of the group this rank's counts [V] (an all-gather, as
+        the split-size exchange runs it): the hierarchical dispatch's sizes depend on other
+        ranks' routing. `SplitExchange.read_pairs()[1]` is then the table [R][V], row = rank;
+        `recv_RL` the same on the device."""
+        return self._start_exchange(counts_V.view(1, -1).expand(self.size, -1).contiguous(),
+                                    rank_rows=False)
+
+    def _start_exchange(self, send_RL: torch.Tensor, rank_rows: bool) -> SplitExchange:
+        """Row r of `send_RL` goes to rank r, on the counts communicator and its stream."""
+        local = self.size == 1 or self.mode == "local_copy"
         if not local and self.counts_group is None:
             return _ExchangeAtRead(self, send_RL, rank_rows)  # `exchange_counts` at the read
         ones = [send_RL.shape[1]] * self.size
@@ -215,6 +230,26 @@ class ExpertComm:
             self._exchange_stream = torch.cuda.Stream(
                 device=device, priority=torch.cuda.Stream.priority_range()[1])
         return self._exchange_stream
+
+
+@dataclass
+class HostComms:
+    """The hierarchical dispatch's communicators (--moe-dispatch-hierarchy node): `between`
+    links this rank to the rank of its index in every host of the EP group (a rail), `within`
+    to its host's ranks. The EP group's ranks are host-major: EP rank = host x per_host +
+    index."""
+
+    between: ExpertComm
+    within: ExpertComm
+    ep_rank: int
+
+    @property
+    def hosts(self) -> int:
+        return self.between.size
+
+    @property
+    def per_host(self) -> int:
+        return self.within.size
 
 
 class AllToAll(torch.autograd.Function):

@@ -58,6 +58,8 @@ from epoverlap.parallel.watch import CollectiveWatch, Heartbeat
 WORLD, EXPERT_PARALLEL, EXPERT_DATA_PARALLEL = "world", "expert-parallel", "expert-data-parallel"
 PIPELINE, DATA_PARALLEL = "pipeline", "data-parallel"
 EXPERT_PARALLEL_SPLITS = "expert-parallel split sizes"  # same ranks as EP, own communicator
+EXPERT_PARALLEL_RAIL = "expert-parallel between hosts"  # --moe-dispatch-hierarchy node
+EXPERT_PARALLEL_HOST = "expert-parallel inside a host"
 
 
 def blocking_all_to_all(pg: dist.ProcessGroup) -> Callable[..., None]:
@@ -240,6 +242,17 @@ class RankLayout:
         return [list(range(b * self.ep_size, (b + 1) * self.ep_size))
                 for b in range(self.world_size // self.ep_size)]
 
+    def ep_host_groups(self, per_host: int) -> list[list[int]]:
+        """Each EP group cut into its hosts of `per_host` consecutive ranks (the hierarchical
+        dispatch's second stage, inside a host)."""
+        return [group[h:h + per_host] for group in self.ep_groups()
+                for h in range(0, self.ep_size, per_host)]
+
+    def ep_rail_groups(self, per_host: int) -> list[list[int]]:
+        """Per EP group and index inside a host: that rank of each of the group's hosts (the
+        hierarchical dispatch's first stage, between hosts)."""
+        return [group[i::per_host] for group in self.ep_groups() for i in range(per_host)]
+
     def edp_groups(self) -> list[list[int]]:
         """Per stage and ep_rank: the replicas of one expert shard."""
         return [list(range(p * self.dp_size + e, (p + 1) * self.dp_size, self.ep_size))
@@ -268,6 +281,8 @@ class ParallelGroups:
     ep_budget: Optional[NcclCtaBudget] = None  # the EP communicator's CTA limits, if any
     ep_splits: Optional[Group] = None  # the EP ranks' second communicator: the early split-size
     #                                    exchange of the dropless dispatch (parallel.comm)
+    ep_rail: Optional[Group] = None  # --moe-dispatch-hierarchy node: my index's rank of every
+    ep_host: Optional[Group] = None  # host of my EP group; my host's ranks of my EP group
 
     def __post_init__(self):
         if self.dp is None:
@@ -347,9 +362,11 @@ def _start_watch(rank: int, world_size: int, timeout: datetime.timedelta,
 
 def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10.0,
                      pp_size: int = 1,
-                     ep_budget: Optional[NcclCtaBudget] = None) -> ParallelGroups:
+                     ep_budget: Optional[NcclCtaBudget] = None,
+                     ep_per_host: Optional[int] = None) -> ParallelGroups:
     """Initialize torch.distributed and build the PP, DP, EP and EDP groups (the EP groups
-    with `ep_budget`'s NCCL CTA limits, if any)."""
+    with `ep_budget`'s NCCL CTA limits, if any; with `ep_per_host`, the hierarchical
+    dispatch's groups of each EP group over hosts of that many ranks)."""
     _ensure_env()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -369,17 +386,19 @@ def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     watch = _start_watch(rank, world_size, timeout, backend == "nccl")
     return expert_parallel_groups(ep_size, device, local_rank, watch=watch, timeout=timeout,
-                                  pp_size=pp_size, ep_budget=ep_budget)
+                                  pp_size=pp_size, ep_budget=ep_budget, ep_per_host=ep_per_host)
 
 
 def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int = 0, *,
                            watch: CollectiveWatch,
                            timeout: datetime.timedelta = datetime.timedelta(minutes=10),
                            pp_size: int = 1,
-                           ep_budget: Optional[NcclCtaBudget] = None) -> ParallelGroups:
+                           ep_budget: Optional[NcclCtaBudget] = None,
+                           ep_per_host: Optional[int] = None) -> ParallelGroups:
     """The PP, DP, EP and EDP groups of `pp_size` stages and `ep_size` over the initialized
     world (every rank must call), watched by `watch`; the EP groups with `ep_budget`'s NCCL CTA
-    limits. Called again with another EP size (or budget) in the same world, it gives a second,
+    limits; with `ep_per_host`, each EP group's rails and hosts (`RankLayout.ep_rail_groups`,
+    `ep_host_groups`). Called again with another EP size (or budget) in the same world, it gives a second,
     independent layout (tests resume one run's checkpoint at another EP size in one process
     group; the overlap benchmark sweeps budgets)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -393,12 +412,17 @@ def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int =
 
     world = Group(WORLD, tuple(range(world_size)), None, watch)
     staged = pp_size > 1
+    by_host = ep_per_host is not None
     return ParallelGroups(
         rank=rank, world_size=world_size, local_rank=local_rank, ep_size=ep_size,
         ep_rank=layout.ep_rank(rank), edp_size=layout.edp_size, edp_rank=layout.edp_rank(rank),
         device=device, backend=dist.get_backend(), world=world, watch=watch,
         ep=groups(EXPERT_PARALLEL, layout.ep_groups(), ep_budget), ep_budget=ep_budget,
         ep_splits=groups(EXPERT_PARALLEL_SPLITS, layout.ep_groups()) if ep_size > 1 else None,
+        ep_rail=groups(EXPERT_PARALLEL_RAIL, layout.ep_rail_groups(ep_per_host))
+        if by_host else None,
+        ep_host=groups(EXPERT_PARALLEL_HOST, layout.ep_host_groups(ep_per_host))
+        if by_host else None,
         edp=groups(EXPERT_DATA_PARALLEL, layout.edp_groups()),
         pp_size=pp_size, pp_rank=layout.pp_rank(rank),
         pp=groups(PIPELINE, layout.pp_groups()) if staged else None,

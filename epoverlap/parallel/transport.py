@@ -1,6 +1,7 @@
 """Which link NCCL really uses between which ranks, and emulated hosts on one machine.
 
-Owns `nccl_host_identity` (the host NCCL takes a process to be on), `emulated_host_id` (the
+Owns `nccl_host_identity` (the host NCCL takes a process to be on), `ranks_per_host` (how many
+consecutive ranks share a host, real or emulated), `emulated_host_id` (the
 NCCL host identity of a rank under --emulate-hosts N: NCCL reads NCCL_HOSTID, when set, instead
 of hashing the host name, once per process, at its first communicator; ranks with different
 identities are different hosts to NCCL, so it connects them over its network transport,
@@ -48,6 +49,14 @@ def emulated_host_id(local_rank: int, local_world: int, hosts: int,
         raise ValueError(f"{local_world} local ranks do not split into {hosts} hosts")
     host = local_rank // (local_world // hosts)
     return f"{machine or socket.gethostname()}-emulated-host-{host}"
+
+
+def ranks_per_host(world_size: int, emulated_hosts: int = 1) -> int:
+    """The ranks of one host: torchrun's LOCAL_WORLD_SIZE (the world without it), split by
+    --emulate-hosts. Ranks of one host are consecutive (torchrun numbers a node's ranks
+    together)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return max(1, local // max(1, emulated_hosts))
 
 
 def nccl_host_identity() -> str:

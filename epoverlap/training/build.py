@@ -39,7 +39,7 @@ from epoverlap.graphs.full_iteration import FullIterationGraph
 from epoverlap.kernels import make_moe_ops
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.transformer import MoEModel, count_parameters, model_dtype
-from epoverlap.parallel.comm import ExpertComm, PipelineComm
+from epoverlap.parallel.comm import ExpertComm, HostComms, PipelineComm
 from epoverlap.parallel.groups import ParallelGroups
 from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.recorder import SpanRecorder
@@ -105,7 +105,7 @@ class RunParts:
         """Communicator, model, its parameter counts, grad buffers, optimizer."""
         cfg, groups = self.cfg, self.groups
         self.comm = ExpertComm(groups.ep, groups.ep_size, cfg.overlap.comm_mode,
-                               counts_group=groups.ep_splits)
+                               counts_group=groups.ep_splits, by_host=_host_comms(groups))
         self.wgrad_queue = WeightGradQueue(enabled=cfg.overlap.delay_wgrad_compute)
         self.model = MoEModel(cfg, self.comm, groups.ep_rank, make_moe_ops(self.backend),
                               dtype=model_dtype(cfg), device=self.device,
@@ -331,3 +331,11 @@ class RunParts:
                 lanes.close()
         self.lanes.close()
         self.grads.close()
+
+
+def _host_comms(groups: ParallelGroups) -> Optional[HostComms]:
+    """The hierarchical dispatch's communicators, where its groups were built."""
+    if groups.ep_rail is None:
+        return None
+    return HostComms(ExpertComm(groups.ep_rail, groups.ep_rail.size),
+                     ExpertComm(groups.ep_host, groups.ep_host.size), groups.ep_rank)

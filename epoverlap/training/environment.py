@@ -1,20 +1,21 @@
 """Process-wide settings a training process makes before CUDA init: CUDA stream connections,
 NCCL's error handling, emulated hosts' NCCL identities and NCCL's log for the transport report,
-deterministic algorithms, the seed; and the expert-parallel group's NCCL CTA budget from the
-flags. Every command that builds a `Trainer` calls `setup_environment` first.
+deterministic algorithms, the seed; and from the flags, the expert-parallel group's NCCL CTA
+budget and its ranks per host for the hierarchical dispatch. Every command that builds a `Trainer` calls `setup_environment` first.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.utils.deterministic
 
 from epoverlap.config import RunConfig
+from epoverlap.config.dispatch import DispatchMode
 from epoverlap.parallel.groups import NcclCtaBudget
-from epoverlap.parallel.transport import emulated_host_id, transport_log_env
+from epoverlap.parallel.transport import emulated_host_id, ranks_per_host, transport_log_env
 
 NCCL_LOG_FOR_REPORT = "EPOVERLAP_NCCL_LOG"  # the NCCL log this process reads back, if any
 
@@ -26,7 +27,7 @@ def setup_environment(cfg: RunConfig, warn: Callable[[str], None]) -> None:
     on_gpu = cfg.resolved_device(torch.cuda.is_available()) == "cuda"
     if on_gpu:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        _nccl_hosts_and_log(cfg)
+    _nccl_hosts_and_log(cfg, on_gpu)
     if on_gpu and cfg.overlap.overlap_moe_expert_parallel_comm:
         connections = os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "8")
         if connections == "1":
@@ -37,20 +38,28 @@ def setup_environment(cfg: RunConfig, warn: Callable[[str], None]) -> None:
     torch.manual_seed(cfg.train.seed)
 
 
-def _nccl_hosts_and_log(cfg: RunConfig) -> None:
-    """--emulate-hosts: this rank's NCCL host identity; --nccl-transport-report: NCCL's INFO
-    log into a file of this process, named in NCCL_LOG_FOR_REPORT for the report after the
-    first step (`parallel.transport`)."""
+def _nccl_hosts_and_log(cfg: RunConfig, on_gpu: bool) -> None:
+    """--emulate-hosts: this rank's host identity (NCCL's; on gloo it names the rank's host in
+    the lost-host line); --nccl-transport-report: NCCL's INFO log into a file of this process,
+    named in NCCL_LOG_FOR_REPORT for the report after the first step (`parallel.transport`)."""
     p = cfg.parallel
     if p.emulate_hosts > 1:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         os.environ["NCCL_HOSTID"] = emulated_host_id(
             int(os.environ.get("LOCAL_RANK", "0")), local_world, p.emulate_hosts)
-    if p.transport_report:
+    if p.transport_report(on_gpu):
         log_env = transport_log_env()
         os.environ.update(log_env)
         if log_env:
             os.environ[NCCL_LOG_FOR_REPORT] = log_env["NCCL_DEBUG_FILE"]
+
+
+def ep_per_host(cfg: RunConfig) -> Optional[int]:
+    """The ranks of one host in the EP group, where the dispatch is hierarchical
+    (--moe-dispatch-hierarchy node); None: no host groups to build."""
+    if not DispatchMode.of(cfg.moe).by_host:
+        return None
+    return ranks_per_host(int(os.environ.get("WORLD_SIZE", "1")), cfg.parallel.emulate_hosts)
 
 
 def ep_cta_budget(cfg: RunConfig) -> NcclCtaBudget:

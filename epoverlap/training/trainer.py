@@ -129,7 +129,8 @@ class Trainer:
         """One step of the loop, appended to `results`: the step, its graph captures,
         compiles, evaluation, report, checkpoint."""
         result = self.step(step)
-        if step == self.start_step + 1 and self.cfg.parallel.transport_report:
+        if step == self.start_step + 1 and self.cfg.parallel.transport_report(
+                self.groups.device.type == "cuda"):
             self._report_transports()
         self.reporter.graphs_captured(step, self.stepper.capture_graphs())
         self.compile_watch.after_step(step - self.start_step)

@@ -15,7 +15,8 @@ import torch
 
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
-from epoverlap.model.dispatch import TokenDispatcher, make_dispatcher
+from epoverlap.model.dispatch import TokenDispatcher
+from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.kernels import make_moe_ops
 from epoverlap.simulator.costs import A2aShape

@@ -69,7 +69,7 @@ def test_emulated_hosts_are_not_a_fast_link(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--emulate-hosts", "2"], "needs a CUDA device"),
+    (["--emulate-hosts", "3"], "must divide the 2 ranks"),
     (["--emulate-hosts", "0"], "must be >= 1"),
     (["--nccl-transport-report"], "needs a CUDA device"),
 ])

@@ -14,9 +14,9 @@ from epoverlap.config import parse_config
 from epoverlap.model.linear import linear
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
-from epoverlap.model.dispatch import make_dispatcher
+from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.moe import Router
-from epoverlap.parallel.comm import ExpertComm
+from epoverlap.parallel.comm import ExpertComm, HostComms
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.trainer import Trainer
 from epoverlap.kernels import make_moe_ops
@@ -247,6 +247,53 @@ def once_per_rank_equivalence(rank, world_size, flag_sets, backend):
                 per_dispatch.append([probs.detach(), routing_map, rows.detach(),
                                      rows_probs.detach(), out.detach(), *grads, per_expert,
                                      payload, x_TH])
+            results.append(per_dispatch)
+        return results
+    finally:
+        destroy_distributed(groups)
+
+
+def by_host_equivalence(rank, world_size, hosts, flag_sets, backend):
+    """For each flag set: the layer of `_scaled_expert_layer` once per rank (flat) and by host
+    (--moe-dispatch-hierarchy node over `hosts` hosts of world / hosts ranks), EP = world.
+    -> per flag set, per dispatch: [probs, routing map, expert rows, their probs, output, token
+    grads, prob grads, expert weight grads, rows per local expert, rows this rank sends to
+    each host in the forward dispatch (flat: summed per host), x]."""
+    per_host = world_size // hosts
+    groups = init_distributed(world_size, "cpu", timeout_minutes=3, ep_per_host=per_host)
+    try:
+        ops = make_moe_ops(backend)
+        results = []
+        for flags in flag_sets:
+            cfg = parse_config(["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK),
+                                "--hidden-size", str(HIDDEN)] + flags)
+            router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
+                            device=torch.device("cpu"), aux_loss_scale=1.0,
+                            mode=DispatchMode.of(cfg.moe))
+            x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
+            per_dispatch = []
+            for hierarchy in ("flat", "node"):
+                mode = dataclasses.replace(DispatchMode.of(cfg.moe), once_per_rank=True,
+                                           hierarchy=hierarchy)
+                between = ExpertComm(groups.ep_rail, hosts)
+                by_host = HostComms(between, ExpertComm(groups.ep_host, per_host),
+                                    groups.ep_rank)
+                comm = ExpertComm(groups.ep, world_size, by_host=by_host)
+                comm.trace, between.trace = [], []
+                dispatcher = make_dispatcher(comm, EXPERTS, cfg.moe.moe_router_topk, ops,
+                                             groups.device, mode)
+                x = x_TH.clone().requires_grad_()
+                probs, routing_map, rows, rows_probs, per_expert, out, weights = \
+                    _scaled_expert_layer(router, dispatcher, x, rank)
+                grad_w = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+                grads = torch.autograd.grad((out * grad_w).sum(), [x, probs, weights])
+                trace = between.trace if hierarchy == "node" else comm.trace
+                sent = [splits[1] for splits in trace if splits[2] == (HIDDEN,)][0]
+                if hierarchy == "flat":
+                    sent = [sum(sent[h * per_host:(h + 1) * per_host]) for h in range(hosts)]
+                per_dispatch.append([probs.detach(), routing_map, rows.detach(),
+                                     rows_probs.detach(), out.detach(), *grads, per_expert,
+                                     sent, x_TH])
             results.append(per_dispatch)
         return results
     finally:

@@ -1,0 +1,341 @@
+"""Dispatches that send a token once per destination instead of once per chosen expert: once
+per EP rank (--moe-dispatch-once-per-rank), or once per host and then once per rank inside it
+(--moe-dispatch-hierarchy node); and `make_dispatcher`, which picks the strategy of every mode
+(the interface and the one-row-per-expert modes: `model.dispatch`).
+
+Once per rank (dropless, capacity, budget; `OncePerRankHostSplitDispatcher`,
+`OncePerRankBudgetDispatcher`): the preprocess sends each token once to every rank holding one of
+its experts (`permute` over a [T, R] "to rank" map), each row with the probs of that rank's L
+experts (-1 where the expert was not chosen); the receiving rank copies the row to those experts
+(`sort_by_expert`, a second permute) and sums their outputs (`unsort`, its unpermute) before the
+combine returns one row per (token, rank). The experts see the same rows in the same order as
+without it ((local expert, source rank, token)); the combine sums per rank first. Split sizes:
+rows per rank counted apart and exchanged with the expert counts; with the budget nothing is
+exchanged: a rank's chunk holds its rows for that rank (at most one per token), and each
+received row's probs say which local experts it goes to (an empty slot's: none), so the receiver
+counts its experts' rows itself. Those (row, expert) pairs are budgeted too
+(`DispatchBudget.expert_rows`: the budget times a rank's balanced share, tokens x topk, rather
+than the chunks' rows times min(topk, L), which would size the experts' buffers for a routing
+that can never happen); pairs past it are cut and recorded, and the step reruns.
+On one EP rank once per rank is the plain dispatch (nothing to send once instead of several
+times), and `make_dispatcher` picks that.
+
+By host (`ByHostDispatcher`, dropless or capacity): the EP group is G hosts of P ranks, EP rank =
+host x P + index (`parallel.comm.HostComms`). Stage 1, between hosts: each token goes once to
+every host holding one of its experts, to the rank of the sender's own index there (a rail),
+with the probs of that host's P x L experts; stage 2, inside the host: that rank sends each
+received row once to every rank of the host holding one of its experts, with the probs of that
+rank's L experts (the once-per-rank layout over the host). Both stages run in the `dispatch`
+node (the comm lane); the combine runs them backwards, each stage summing its rows per row it
+was sent (inside the host first, then per token). The receiver reorders its rows from (host
+mate, source host, token) to (source host, host mate, token), the order once per rank receives
+them in, so the experts see the same rows in the same order, and compute the same bits, as
+--moe-dispatch-once-per-rank; only the combine's sums (per host, then per token) and the
+backward's matching sums round apart. Split sizes: every rank sends every rank of the group its
+rows per host, its (token, rank) pairs and its expert counts, one small all-gather started when
+the router has counted (`ExpertComm.start_table_exchange`); the dispatch reads it on the host
+and derives both stages' sizes (`HostRoute`).
+
+Shape legend as `model.dispatch`; G hosts, P ranks per host, M1 rows received between hosts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from epoverlap.config.dispatch import DispatchMode
+from epoverlap.kernels import MoEOps
+from epoverlap.model.budget import DispatchBudget
+from epoverlap.model.dispatch import (BudgetDispatcher, DispatchMeta, HostSplitDispatcher,
+                                      PaddedCapacityDispatcher, TokenDispatcher, index_tensor,
+                                      move_rows)
+from epoverlap.parallel.comm import ExpertComm, SplitExchange, all_to_all
+
+
+class _OncePerRank:
+    """The once-per-rank layout, mixed into a host-split or budget dispatcher: rows are
+    (token, rank) pairs with [N, L] probs (-1: expert not chosen); the receiver copies each row
+    to its chosen local experts and sums their outputs (see the module docstring)."""
+
+    once_per_rank = True
+
+    def permuted_rows(self, num_tokens: int) -> int:
+        """A token reaches at most min(topk, R) ranks."""
+        return num_tokens * min(self.topk, self.comm.size)
+
+    def preprocess(self, hidden_TH, probs_TE, routing_map_TE):
+        """-> (rows [N, H] rank-major, their probs [N, L], row-id map [T, R])."""
+        return once_per_peer(self.ops, hidden_TH, probs_TE, routing_map_TE, self.comm.size,
+                             self.permuted_rows(hidden_TH.shape[0]))
+
+    def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
+        """-> (rows, their probs, the row-id map of the copy to the local experts)."""
+        chosen_ML = recv_probs_M >= 0
+        return self.ops.permute(recv_MH, chosen_ML, torch.where(chosen_ML, recv_probs_M, 0.0),
+                                num_out_tokens=self._local_expert_rows(meta))
+
+    def unsort(self, expert_out_MH, meta: DispatchMeta, local_row_id_map=None):
+        """Each received row sums its local experts' outputs."""
+        return self.ops.unpermute(expert_out_MH, local_row_id_map)
+
+
+class OncePerRankHostSplitDispatcher(_OncePerRank, HostSplitDispatcher):
+    """dropless or capacity, once per rank: the rows per rank are counted from the [T, R]
+    row-id map and exchanged with the expert counts."""
+
+    def start_split_exchange(self, counts_E, row_id_map=None) -> SplitExchange:
+        return self.comm.start_split_exchange(counts_E, rows_per_rank(row_id_map))
+
+    def _exchange_now(self, counts_E) -> SplitExchange:
+        raise ValueError("dispatch once per rank: pass the exchange that "
+                         "`start_split_exchange(counts_E, row_id_map)` started")
+
+    def _local_expert_rows(self, meta: DispatchMeta) -> int:
+        return sum(meta.tokens_per_local_expert)
+
+
+class OncePerRankBudgetDispatcher(_OncePerRank, BudgetDispatcher):
+    """budget, once per rank: the rows per rank come from the [T, R] row-id map, no counts are
+    exchanged: each received row's probs say which local experts it goes to (an empty slot:
+    none); the (row, expert) pairs past `DispatchBudget.expert_rows` are cut and recorded."""
+
+    def _rows_to_send(self, counts_E, row_id_map):
+        return rows_per_rank(row_id_map), None
+
+    def _chunk_probs(self, send_probs_X, send_index):
+        """An empty slot chooses no expert."""
+        return torch.where((send_index >= 0).unsqueeze(1), send_probs_X, -1.0)
+
+    def _received(self, recv_probs_M, recv_RL, chunk: int):
+        expert_rows = self.budget.expert_rows
+        recv_probs_M = self._cut_expert_pairs(recv_probs_M, expert_rows)
+        return recv_probs_M, (recv_probs_M >= 0).sum(dim=0, keepdim=True), expert_rows
+
+    def _cut_expert_pairs(self, probs_ML: torch.Tensor, expert_rows: int) -> torch.Tensor:
+        """The (received row, local expert) pairs in the order the second permute gives them
+        rows (expert-major), those past `expert_rows` unchosen (probs -1); their count is
+        recorded for the rerun."""
+        chosen_ML = probs_ML >= 0
+        self.budget.note_expert_rows(chosen_ML.sum())
+        if expert_rows >= probs_ML.shape[0] * min(self.topk, self.num_local):
+            return probs_ML  # every pair fits: nothing to cut
+        row_LM = torch.cumsum(chosen_ML.t().reshape(-1), 0).view(chosen_ML.shape[1], -1) - 1
+        return torch.where(chosen_ML & (row_LM.t() < expert_rows), probs_ML, -1.0)
+
+    def _local_expert_rows(self, meta: DispatchMeta) -> int:
+        return meta.expert_rows
+
+
+def rows_per_rank(row_id_map_TR: torch.Tensor) -> torch.Tensor:
+    """Once per rank: the rows sent to each rank, from the preprocess's [T, R] row-id map. [R]."""
+    return (row_id_map_TR >= 0).sum(dim=0)
+
+
+def rows_by_pair(row_id_map_TR: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """For each of `num_rows` permuted rows, the flat (t * R + r) entry of the row-id map that
+    names it, -1 past the routed rows. [N] device, no host read: the map's row ids are distinct,
+    so a stable sort of them lists the entries in row order."""
+    unrouted = row_id_map_TR.numel()
+    keys_X = torch.where(row_id_map_TR >= 0, row_id_map_TR, unrouted).reshape(-1)
+    sorted_X, entry_X = torch.sort(keys_X, stable=True)
+    return torch.where(sorted_X[:num_rows] < unrouted, entry_X[:num_rows], -1)
+
+
+def once_per_peer(ops: MoEOps, hidden_TH, probs_TE, routing_map_TE, peers: int,
+                  num_out: int):
+    """Each token's row once to every one of `peers` holding one of its experts (the experts in
+    `peers` equal runs), with the probs of that peer's experts (-1: not chosen). -> (rows [N, H]
+    peer-major, their probs [N, E / peers], row-id map [T, peers])."""
+    tokens, per_peer = hidden_TH.shape[0], routing_map_TE.shape[1] // peers
+    to_peer_TP = routing_map_TE.view(tokens, peers, per_peer).any(dim=2)
+    permuted_NH, _, row_id_map_TP = ops.permute(hidden_TH, to_peer_TP, None,
+                                                num_out_tokens=num_out)
+    chosen_probs_XK = torch.where(routing_map_TE, probs_TE, -1.0).view(
+        tokens * peers, per_peer)  # X = (token, peer) pairs
+    source_N = rows_by_pair(row_id_map_TP, num_out)
+    permuted_probs_NK = move_rows(chosen_probs_XK, source_N, row_id_map_TP.reshape(-1))
+    return permuted_NH, permuted_probs_NK, row_id_map_TP
+
+
+@dataclass(frozen=True)
+class HostRoute:
+    """One dispatch's split sizes by host, from the exchanged table (`of`): row s = EP rank
+    s's rows per host [G], (token, rank) pairs per rank [R] and expert counts [E]."""
+
+    between_send: list[int]  # stage 1: rows to the rail peer in each host
+    between_recv: list[int]  # stage 1: rows from the rail peer of each host
+    within_send: list[int]  # stage 2: rows to each rank of my host
+    within_recv: list[int]  # stage 2: rows from each rank of my host
+    tokens_per_local_expert: list[int]
+
+    @classmethod
+    def of(cls, table: list[list[int]], me: int, hosts: int, per_host: int,
+           local: int) -> "HostRoute":
+        ranks = hosts * per_host
+        host, index = divmod(me, per_host)
+        pairs, experts = hosts, hosts + ranks  # column offsets in a row of the table
+
+        def rail(h: int) -> list[int]:  # rank `index` of host h
+            return table[h * per_host + index]
+
+        def pairs_to_me_from(mate: int) -> int:  # over every source host, via host mate `mate`
+            return sum(table[h * per_host + mate][pairs + me] for h in range(hosts))
+
+        return cls(
+            between_send=table[me][:hosts],
+            between_recv=[rail(h)[host] for h in range(hosts)],
+            within_send=[sum(rail(h)[pairs + host * per_host + mate] for h in range(hosts))
+                         for mate in range(per_host)],
+            within_recv=[pairs_to_me_from(mate) for mate in range(per_host)],
+            tokens_per_local_expert=[sum(row[experts + me * local + e] for row in table)
+                                     for e in range(local)])
+
+
+@dataclass
+class ByHostMeta(DispatchMeta):
+    """`DispatchMeta` (`input_splits` / `output_splits`: stage 1's), and stage 2's."""
+
+    within_send: Optional[list[int]] = None
+    within_recv: Optional[list[int]] = None
+    within_row_id_map: Optional[torch.Tensor] = None  # [M1, P]: stage 2's permute
+    blocks_PG: Optional[torch.Tensor] = None  # [P, G] device: rows from (host mate, src host)
+
+
+class ByHostDispatcher(_OncePerRank, TokenDispatcher):
+    """--moe-dispatch-hierarchy node (module docstring). The preprocess's row-id map is
+    [T, G + R]: stage 1's row ids per host, then 1 where the token reaches a rank (counted for
+    the exchange; the combine's unpermute reads the first G columns)."""
+
+    reads_host = True
+
+    def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
+                 device: torch.device, mode: DispatchMode,
+                 budget: Optional[DispatchBudget] = None):
+        super().__init__(comm, num_experts, topk, ops, device, mode, budget)
+        self.route = comm.by_host
+        hosts, per_host = self.route.hosts, self.route.per_host
+        if hosts * per_host != comm.size:
+            raise ValueError(f"{hosts} hosts of {per_host} ranks for an EP group of {comm.size}")
+        self._to_source_major = index_tensor([p * hosts + h for h in range(hosts)
+                                        for p in range(per_host)], device)
+        self._to_mate_major = index_tensor([h * per_host + p for p in range(per_host)
+                                      for h in range(hosts)], device)
+
+    def permuted_rows(self, num_tokens: int) -> int:
+        """A token reaches at most min(topk, G) hosts."""
+        return num_tokens * min(self.topk, self.route.hosts)
+
+    def preprocess(self, hidden_TH, probs_TE, routing_map_TE):
+        """-> (rows [N, H] host-major, their probs [N, P x L], row-id map [T, G + R])."""
+        hosts, tokens = self.route.hosts, hidden_TH.shape[0]
+        rows_NH, probs_NK, row_id_map_TG = once_per_peer(
+            self.ops, hidden_TH, probs_TE, routing_map_TE, hosts,
+            self.permuted_rows(tokens))
+        to_rank_TR = routing_map_TE.view(tokens, self.comm.size, self.num_local).any(dim=2)
+        return rows_NH, probs_NK, torch.cat([row_id_map_TG, to_rank_TR.to(row_id_map_TG.dtype)],
+                                            dim=1)
+
+    def start_split_exchange(self, counts_E, row_id_map=None) -> SplitExchange:
+        """Rows per host, (token, rank) pairs, expert counts: to every rank (`HostRoute`)."""
+        hosts = self.route.hosts
+        rows_G = (row_id_map[:, :hosts] >= 0).sum(dim=0)
+        pairs_R = row_id_map[:, hosts:].sum(dim=0)
+        return self.comm.start_table_exchange(torch.cat([
+            rows_G.to(counts_E.dtype), pairs_R.to(counts_E.dtype), counts_E]))
+
+    def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
+                 exchange: Optional[SplitExchange] = None, row_id_map=None):
+        if exchange is None:
+            raise ValueError("dispatch by host: pass the exchange `start_split_exchange` started")
+        route, hosts, local = self.route, self.route.hosts, self.num_local
+        sizes = HostRoute.of(exchange.read_pairs()[1], route.ep_rank, hosts, route.per_host,
+                             local)
+        routed = sum(sizes.between_send)
+        recv_M1H = all_to_all(route.between, permuted_NH[:routed], sizes.between_recv,
+                              sizes.between_send)
+        recv_probs_M1K = all_to_all(route.between, permuted_probs_N[:routed],
+                                    sizes.between_recv, sizes.between_send)
+        rows_NH, probs_NL, within_map = once_per_peer(
+            self.ops, recv_M1H, recv_probs_M1K, recv_probs_M1K >= 0, route.per_host,
+            sum(sizes.within_send))
+        recv_MH = all_to_all(route.within, rows_NH, sizes.within_recv, sizes.within_send)
+        recv_probs_ML = all_to_all(route.within, probs_NL, sizes.within_recv, sizes.within_send)
+        table = exchange.recv_RL  # [R, V] device
+        experts = hosts + self.comm.size + route.ep_rank * local
+        meta = ByHostMeta(
+            input_splits=sizes.between_send, output_splits=sizes.between_recv,
+            recv_counts_RL=table[:, experts:experts + local],
+            tokens_per_local_expert=sizes.tokens_per_local_expert,
+            within_send=sizes.within_send, within_recv=sizes.within_recv,
+            within_row_id_map=within_map,
+            blocks_PG=table[:, hosts + route.ep_rank].view(hosts, route.per_host).t())
+        return recv_MH, recv_probs_ML, meta
+
+    def sort_by_expert(self, recv_MH, recv_probs_M, meta: ByHostMeta):
+        """(host mate, source host) blocks to (source host, host mate), then once per rank's
+        copy to the local experts."""
+        sizes = meta.blocks_PG.reshape(-1)
+        rows = self.ops.sort_chunks_by_idxs(recv_MH, sizes, self._to_source_major)[0]
+        probs = self.ops.sort_chunks_by_idxs(recv_probs_M, sizes, self._to_source_major)[0]
+        return super().sort_by_expert(rows, probs, meta)
+
+    def unsort(self, expert_out_MH, meta: ByHostMeta, local_row_id_map=None):
+        rows = super().unsort(expert_out_MH, meta, local_row_id_map)
+        return self.ops.sort_chunks_by_idxs(rows, meta.blocks_PG.t().reshape(-1),
+                                            self._to_mate_major)[0]
+
+    def combine(self, expert_out_MH, meta: ByHostMeta, row_id_map_TE):
+        """Inside the host back, each stage-1 row sums its ranks'; between hosts back, each
+        token sums its hosts'."""
+        route = self.route
+        back_NH = all_to_all(route.within, expert_out_MH, meta.within_send, meta.within_recv)
+        rows_M1H = self.ops.unpermute(back_NH, meta.within_row_id_map)
+        back_NH = all_to_all(route.between, rows_M1H, meta.input_splits, meta.output_splits)
+        return self.ops.unpermute(back_NH, row_id_map_TE[:, :route.hosts].contiguous())
+
+    def _local_expert_rows(self, meta: DispatchMeta) -> int:
+        return sum(meta.tokens_per_local_expert)
+
+
+_DISPATCHERS = {  # (DispatchMode.name, once per rank) -> strategy
+    ("dropless", False): HostSplitDispatcher,
+    ("capacity", False): HostSplitDispatcher,
+    ("capacity_padded", False): PaddedCapacityDispatcher,
+    ("budget", False): BudgetDispatcher,
+    ("dropless", True): OncePerRankHostSplitDispatcher,
+    ("capacity", True): OncePerRankHostSplitDispatcher,
+    ("budget", True): OncePerRankBudgetDispatcher,
+}
+_BY_HOST = ("dropless", "capacity")  # the modes --moe-dispatch-hierarchy node serves
+
+
+def make_dispatcher(comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
+                    device: torch.device, mode: DispatchMode = DispatchMode(),
+                    budget: Optional[DispatchBudget] = None) -> TokenDispatcher:
+    """The strategy of `mode`, built once per model and shared by its MoE layers (it keeps no
+    per-layer state). `budget`: the model's `DispatchBudget`, in budget mode only. Once per
+    rank on one EP rank is the plain dispatch. By host (`mode.by_host`): `ByHostDispatcher`
+    over `comm.by_host`."""
+    if (mode.name == "budget") != (budget is not None):
+        raise ValueError(f"dispatch mode {mode.name} with budget {budget}")
+    if mode.once_per_rank and mode.name == "capacity_padded":
+        raise ValueError("dispatch once per rank with a padded capacity: its rows per rank "
+                         "are not a fixed capacity")
+    once_per_rank = mode.once_per_rank and comm.size > 1
+    if once_per_rank and budget is not None and budget.pairs is None:
+        raise ValueError("dispatch once per rank with a budget that does not budget the "
+                         "experts' rows (DispatchBudget pairs_per_dispatch)")
+    if mode.by_host:
+        if comm.by_host is None or mode.name not in _BY_HOST:
+            raise ValueError(f"dispatch by host ({mode.name}) needs the dropless or capacity "
+                             f"dispatch and the communicators between and inside hosts")
+        strategy = ByHostDispatcher
+    else:
+        strategy = _DISPATCHERS[(mode.name, once_per_rank)]
+    dispatcher = strategy(comm, num_experts, topk, ops, device, mode, budget)
+    if dispatcher.reads_host != mode.dispatch_syncs_host:
+        raise AssertionError(f"{strategy.__name__} disagrees with the config on host reads")
+    return dispatcher

@@ -1,0 +1,80 @@
+"""--moe-dispatch-hierarchy node through the training command. CPU: each rule's one error line;
+4 gloo ranks as 2 emulated hosts of 2 (top-4, so the combine's per-host sums round apart from
+the flat dispatch): overlap + delayed wgrad against the sequential schedule, the same bits;
+against the flat once-per-rank dispatch, the same losses to rounding. GPU (2 GPUs as 2 hosts of
+1, bf16): nothing is summed apart with one rank per host, so the hierarchy equals the flat
+once-per-rank dispatch bit for bit, overlap on or off, and NCCL carries stage 1 over its
+network transport."""
+
+from __future__ import annotations
+
+import pytest
+
+from epoverlap.config import parse_config, validate_config
+from epoverlap.config.resolve import SEQUENTIAL_FLAG
+from epoverlap.errors import ConfigError
+
+from gpu_runs import identical_losses, needs_gpus, train_cli
+
+TINY = ["--preset", "tiny", "--device", "cpu"]
+NODE = ["--moe-dispatch-hierarchy", "node"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--expert-model-parallel-size", "4"], "span whole hosts, at least two: EP 4 over hosts "
+                                            "of 4 ranks"),
+    (["--expert-model-parallel-size", "4", "--emulate-hosts", "2", "--moe-dispatch-budget",
+      "2.0"], "needs the dropless or capacity dispatch (not budget)"),
+    (["--expert-model-parallel-size", "2", "--emulate-hosts", "2"], "EP 2 over hosts of 2"),
+    (["--expert-model-parallel-size", "4", "--emulate-hosts", "2", "--comm-mode",
+      "local_copy"], "needs --comm-mode real"),
+])
+def test_hierarchy_errors_name_the_flag(flags, message, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError) as err:
+        validate_config(parse_config(TINY + NODE + flags), 4, cuda_available=False)
+    assert "--moe-dispatch-hierarchy" in str(err.value) and message in str(err.value)
+
+
+def test_chunks_refuse_the_hierarchy_in_one_line(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    argv = TINY + NODE + ["--expert-model-parallel-size", "4", "--emulate-hosts", "2",
+                          "--moe-a2a-chunks", "2"]
+    with pytest.raises(ConfigError) as err:
+        validate_config(parse_config(argv), 4, cuda_available=False)
+    assert "--moe-a2a-chunks" in str(err.value) and "--moe-dispatch-hierarchy flat" in str(err.value)
+
+
+CPU_RUN = TINY + ["--expert-model-parallel-size", "4", "--emulate-hosts", "2",
+                  "--moe-router-topk", "4", "--num-microbatches", "4", "--train-iters", "4",
+                  "--deterministic-mode", "--mock-data"]
+
+
+@pytest.mark.slow
+def test_by_host_overlap_is_bitwise_sequential_and_near_flat_on_two_emulated_hosts(tmp_path):
+    _, seq = train_cli(tmp_path, "node_seq", 4, CPU_RUN + NODE + [SEQUENTIAL_FLAG])
+    out, ovl = train_cli(tmp_path, "node_ovl", 4, CPU_RUN + NODE + [
+        "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"])
+    assert "dispatch dropless, by host" in out
+    assert identical_losses(seq, ovl)
+    _, flat = train_cli(tmp_path, "flat", 4, CPU_RUN + ["--moe-dispatch-once-per-rank",
+                                                        SEQUENTIAL_FLAG])
+    assert [r["loss"] for r in seq] == pytest.approx([r["loss"] for r in flat], rel=1e-5)
+
+
+GPU_RUN = ["--preset", "small", "--train-iters", "12", "--expert-model-parallel-size", "2",
+           "--emulate-hosts", "2", "--bf16", "--deterministic-mode", "--mock-data",
+           "--cuda-graph-impl", "none", "--tune", "off"]
+
+
+@pytest.mark.multigpu
+@needs_gpus
+def test_by_host_on_two_gpus_as_two_hosts_is_the_flat_bits(tmp_path):
+    out, node = train_cli(tmp_path, "by_host_ovl", 2, GPU_RUN + NODE + [
+        "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"])
+    between = [line for line in out.splitlines() if "(between hosts)" in line]
+    assert between and all("NET/" in line for line in between), out[-3000:]
+    _, node_seq = train_cli(tmp_path, "by_host_seq", 2, GPU_RUN + NODE + [SEQUENTIAL_FLAG])
+    _, flat = train_cli(tmp_path, "flat_seq", 2, GPU_RUN + ["--moe-dispatch-once-per-rank",
+                                                            SEQUENTIAL_FLAG])
+    assert identical_losses(node_seq, node) and identical_losses(flat, node_seq)

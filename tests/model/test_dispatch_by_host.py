@@ -1,0 +1,115 @@
+"""--moe-dispatch-hierarchy node on gloo: 4 CPU ranks as 2 hosts of 2, and 2 as 2 hosts of 1.
+Against the flat once-per-rank dispatch: the experts receive the same rows and probs in the
+same order and their weights get the same grads, bit for bit; the output and the token and prob
+grads match it to rounding (the combine sums per host first) and an independent dense reference
+(out = x * 2 * sum_e p_e (e + 1)); with one rank per host nothing is summed apart, so every
+result is the same bits. Between hosts each rank sends one row per (token, other host), counted
+from the routing map, fewer than once per rank. One process: the split sizes of `HostRoute`
+against a brute-force walk of a random routing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from epoverlap.model.dispatch_dedup import HostRoute
+
+from dist_helpers import run_ranks
+from dispatch_workers import by_host_equivalence
+from test_dispatch_once_per_rank import CASES, _reference
+
+BY_HOST_CASES = {case: CASES[case] for case in ("dropless", "capacity", "top4")}
+
+
+def _brute_force_route(routing, hosts, per_host, local, me):
+    """Walk every token of every rank (routing[s][t] = the set of experts token t of rank s
+    chose) through both stages and count what `me` sends and receives."""
+    ranks = hosts * per_host
+    host, index = divmod(me, per_host)
+    rank_of = lambda expert: expert // local  # noqa: E731
+    between_send, between_recv = [0] * hosts, [0] * hosts
+    within_send, within_recv = [0] * per_host, [0] * per_host
+    per_expert = [0] * local
+    for source in range(ranks):
+        source_host, source_index = divmod(source, per_host)
+        for experts in routing[source]:
+            target_ranks = {rank_of(e) for e in experts}
+            target_hosts = {r // per_host for r in target_ranks}
+            if source == me:
+                for h in target_hosts:
+                    between_send[h] += 1
+            if source_index == index and host in target_hosts:
+                between_recv[source_host] += 1  # it reached me, the rail peer in my host
+                for r in target_ranks:
+                    if r // per_host == host:
+                        within_send[r % per_host] += 1
+            if me in target_ranks:
+                within_recv[source_index] += 1  # forwarded by my host mate of its index
+                for e in experts:
+                    if rank_of(e) == me:
+                        per_expert[e % local] += 1
+    return between_send, between_recv, within_send, within_recv, per_expert
+
+
+@pytest.mark.parametrize("hosts,per_host,local,topk", [(2, 2, 2, 2), (2, 3, 2, 4), (3, 2, 1, 3)])
+def test_host_route_split_sizes_match_a_brute_force_walk(hosts, per_host, local, topk):
+    ranks, rng = hosts * per_host, random.Random(hosts * 100 + per_host * 10 + topk)
+    experts = ranks * local
+    routing = [[set(rng.sample(range(experts), topk)) for _ in range(13)] for _ in range(ranks)]
+    table = []  # what each rank publishes: rows per host, (token, rank) pairs, expert counts
+    for source in range(ranks):
+        rows_G, pairs_R, counts_E = [0] * hosts, [0] * ranks, [0] * experts
+        for chosen in routing[source]:
+            for h in {e // local // per_host for e in chosen}:
+                rows_G[h] += 1
+            for r in {e // local for e in chosen}:
+                pairs_R[r] += 1
+            for e in chosen:
+                counts_E[e] += 1
+        table.append(rows_G + pairs_R + counts_E)
+    for me in range(ranks):
+        route = HostRoute.of(table, me, hosts, per_host, local)
+        assert (route.between_send, route.between_recv, route.within_send, route.within_recv,
+                route.tokens_per_local_expert) == _brute_force_route(routing, hosts, per_host,
+                                                                     local, me)
+
+
+def _rows_to_other_hosts(routing_map_TE, rank, hosts, per_host):
+    """Rows a rank sends between hosts by host: one per (token, host with its experts)."""
+    per_host_THX = routing_map_TE.view(routing_map_TE.shape[0], hosts, -1)
+    return [int(per_host_THX[:, h].any(dim=1).sum()) for h in range(hosts)]
+
+
+@pytest.mark.parametrize("ranks,hosts,backend", [(4, 2, "torch"), (2, 2, "torch"),
+                                                pytest.param(4, 2, "triton",
+                                                             marks=pytest.mark.slow)])
+def test_by_host_matches_once_per_rank(ranks, hosts, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    per_host = ranks // hosts
+    per_rank = run_ranks(by_host_equivalence, ranks, hosts, list(BY_HOST_CASES.values()),
+                         backend, timeout_s=600)
+    for rank, cases in enumerate(per_rank):
+        for case, (flat, node) in zip(BY_HOST_CASES, cases):
+            (probs, routing_map, rows, rows_probs, out, grad_x, grad_probs, grad_w,
+             per_expert, sent, x_TH) = node
+            where = (ranks, hosts, backend, rank, case)
+            assert torch.equal(probs, flat[0]) and torch.equal(routing_map, flat[1]), where
+            assert per_expert == flat[8], where
+            assert torch.equal(rows, flat[2]) and torch.equal(rows_probs, flat[3]), where
+            assert torch.equal(grad_w, flat[7]), where  # the experts' grads: same bits
+            if per_host == 1:  # nothing summed inside a host: the same bits everywhere
+                for got, want in zip((out, grad_x, grad_probs), flat[4:7]):
+                    assert torch.equal(got, want), where
+            torch.testing.assert_close(out, flat[4], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(grad_x, flat[5], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(grad_probs, flat[6], rtol=1e-5, atol=1e-5)
+            grad_TH = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+            out_ref, grad_probs_ref = _reference(x_TH, probs, routing_map, grad_TH)
+            torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(grad_probs, grad_probs_ref, rtol=1e-5, atol=1e-5)
+            assert sent == _rows_to_other_hosts(routing_map, rank, hosts, per_host), where
+            my_host = rank // per_host
+            assert all(s <= f for h, (s, f) in enumerate(zip(sent, flat[9])) if h != my_host)
