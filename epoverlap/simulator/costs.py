@@ -143,6 +143,8 @@ class A2aShape:
     dtype_bytes: int
     ep: int
     once_per_rank: bool = False
+    hosts: int = 1  # hosts the EP group spans (ranks host-major, ep / hosts per host)
+    by_host: bool = False  # --moe-dispatch-hierarchy node
 
     @classmethod
     def from_config(cls, cfg, ep: Optional[int] = None) -> "A2aShape":
@@ -168,6 +170,34 @@ class A2aShape:
         miss = (math.comb(self.num_experts - local, self.topk)
                 / math.comb(self.num_experts, self.topk))
         return self.tokens * self.ep * (1.0 - miss)
+
+    def _reach(self, groups: int) -> float:
+        """Chance that a token's k experts, drawn from E, hit a given one of `groups` equal
+        groups of experts: 1 - C(E - E / groups, k) / C(E, k)."""
+        return 1.0 - (math.comb(self.num_experts - self.num_experts // groups, self.topk)
+                      / math.comb(self.num_experts, self.topk))
+
+    @property
+    def rows_between_hosts(self) -> float:
+        """Rows a rank sends to other hosts per microbatch, routing balanced: once per expert,
+        the topk x (G - 1) / G of its rows whose experts live elsewhere; once per rank, one per
+        (token, rank of another host it reaches); by host, one per (token, other host it
+        reaches)."""
+        hosts = self.hosts
+        if hosts <= 1:
+            return 0.0
+        if self.by_host:
+            return self.tokens * (hosts - 1) * self._reach(hosts)
+        if self.sends_once_per_rank:
+            return self.tokens * (self.ep - self.ep // hosts) * self._reach(self.ep)
+        return self.tokens * self.topk * (hosts - 1) / hosts
+
+    @property
+    def bytes_between_hosts(self) -> float:
+        """The dispatch's bytes a rank sends to other hosts per microbatch: rows and their
+        fp32 probs (by host: the probs of the destination host's experts)."""
+        probs = (self.num_experts // self.hosts if self.by_host else self.probs_per_row)
+        return self.rows_between_hosts * (self.hidden * self.dtype_bytes + probs * PROBS_BYTES)
 
     @property
     def probs_per_row(self) -> int:
