@@ -67,12 +67,13 @@ HAND_PICKED = {"seq_graphs": SEQUENTIAL + " " + GRAPHS, "ovl_graphs": OVERLAP + 
                "ovl_full": OVERLAP + " " + FULL_ITERATION}
 
 
-def _default_path_steps(env: dict = None) -> tuple:
+def _default_path_steps(env: dict = None, picked: tuple = tuple(HAND_PICKED)) -> tuple:
     """A first default run that tunes and fills the cache (its tuning cost in its log), then
-    the default (from the cache) and each hand-picked path in 3 interleaved rounds."""
+    the default (from the cache) and each hand-picked path of `picked` in 3 interleaved
+    rounds."""
     cache = "--tune-cache {out}/tune_cache"
-    sides = " ".join([f"--side 'default={cache}'"] + [f"--side '{name}={flags} --tune off'"
-                                                     for name, flags in HAND_PICKED.items()])
+    sides = " ".join([f"--side 'default={cache}'"] + [f"--side '{name}={HAND_PICKED[name]} "
+                                                     f"--tune off'" for name in picked])
     return (Step("tune_first", DEFAULT_PATH_RUN + f" {cache} --log-json {{out}}/tune_first.jsonl",
                  env=dict(env or {}), timeout_s=120),
             Step("rounds", "{python} -m benchmarks.harness.bench_train_rounds --warmup 8 "
@@ -106,11 +107,26 @@ CHUNKED_SIDES = {"seq": SEQUENTIAL, "seq_k4": SEQUENTIAL + " --moe-a2a-chunks 4"
                  "comp": OVERLAP + " --comm-mode local_copy"}
 
 
-def _rounds(sides: dict, command: str, out: str, env: dict = None) -> Step:
+def _rounds(sides: dict, command: str, out: str, env: dict = None, rounds: int = 3,
+            timeout_s: int = 420) -> Step:
     flags = " ".join(f"--side '{name}={value}'" for name, value in sides.items())
     return Step(f"rounds_{out}", "{python} -m benchmarks.harness.bench_train_rounds --warmup 4 "
-                f"--rounds 3 --out {{out}}/{out} {flags} -- {command}", env=dict(env or {}),
-                timeout_s=420)
+                f"--rounds {rounds} --out {{out}}/{out} {flags} -- {command}",
+                env=dict(env or {}), timeout_s=timeout_s)
+
+
+# the hierarchical dispatch: a communication-bound shape (top-8 of 64 small experts) on the GPUs
+# as 2 emulated hosts, where the flat dispatch sends 4 of a token's 8 rows between hosts and the
+# hierarchy about 1
+HOSTS_RUN = (TRAIN + " --num-layers 2 --hidden-size 2048 --num-attention-heads 16"
+             " --num-query-groups 4 --seq-length 1024 --num-experts 64 --moe-router-topk 8"
+             " --moe-ffn-hidden-size 1024 --micro-batch-size 2 --num-microbatches 4"
+             " --mock-data --bf16 --moe-router-force-load-balancing --expert-model-parallel-size"
+             " {gpus} --emulate-hosts 2 --train-iters 10 --log-interval 100 --tune off " + GRAPHS)
+HOSTS_SIDES = {"flat_ovl": WGRAD, "once_ovl": WGRAD + " --moe-dispatch-once-per-rank",
+               "node_ovl": WGRAD + " --moe-dispatch-hierarchy node", "flat_seq": SEQUENTIAL,
+               "node_seq": SEQUENTIAL + " --moe-dispatch-hierarchy node",
+               "comp": OVERLAP + " --comm-mode local_copy"}
 
 
 def _chunked_bitwise_steps() -> tuple:
@@ -209,6 +225,11 @@ RECIPES = (
            "interleaved rounds, NVLink",
            "tune_first.log (the tuning run: its table and step times), train_rounds.json "
            "(every step's time per run), logs/*.jsonl", _default_path_steps()),
+    Recipe("default_path_all_gpus", 2,
+           "default_path_nvlink on every visible GPU (EP = GPUs), against the sequential paths "
+           "and the fastest hand-picked overlap path of 2 GPUs (full-iteration graphs)",
+           "as default_path_nvlink",
+           _default_path_steps(picked=("seq_graphs", "seq_full", "ovl_full")), all_gpus=True),
     Recipe("default_path_nop2p", 2,
            "default_path_nvlink with NCCL_P2P_DISABLE=1 (the all-to-alls through host memory)",
            "as default_path_nvlink", _default_path_steps({"NCCL_P2P_DISABLE": "1"})),
@@ -335,4 +356,41 @@ RECIPES = (
             Step("bench_pipeline", "{python} -m benchmarks.harness.bench_pipeline --gpus {gpus} "
                                    "--preset small --num-layers 8 --iters 12 --out-dir {out}",
                  timeout_s=300))),
+    Recipe("by_host_checks", 2,
+           "--moe-dispatch-hierarchy node on GPUs: the multigpu test (2 GPUs as 2 hosts of 1: "
+           "the flat once-per-rank bits, overlap on and off, NCCL's network transport between "
+           "hosts), the bytes each dispatch sends between hosts against the simulator (the "
+           "GPUs as 2 hosts), and one round of the training command per side at the "
+           "communication-bound shape (HOSTS_RUN)",
+           "junit.xml, cli_logs/, host_bytes.json, calibrate/train_rounds.json",
+           (Step("pytest", PYTEST + " --junitxml={out}/junit.xml -m multigpu "
+                 "tests/cli/test_dispatch_hierarchy_cli.py",
+                 env={"EPOVERLAP_GPU_LOGS": "{out}/cli_logs"}, timeout_s=200),
+            Step("host_bytes", "{torchrun} -m benchmarks.harness.bench_host_bytes --hosts 2 "
+                               "--out {out}/host_bytes.json", timeout_s=90),
+            _rounds(HOSTS_SIDES, HOSTS_RUN, "calibrate", rounds=1, timeout_s=300)),
+           all_gpus=True),
+    Recipe("by_host_step", 2,
+           "the training command at the communication-bound shape on the GPUs as 2 emulated "
+           "hosts, per dispatch (flat, once per rank, by host; overlap + delayed wgrad, and "
+           "sequential), and compute alone (local copies), 3 interleaved rounds",
+           "profile_*/ (span timelines of steps 8-10, by host, overlap and sequential), "
+           "step/train_rounds.json (every step's time per run), step/logs/",
+           tuple(Step(f"profile_{name}", f"{HOSTS_RUN} {HOSTS_SIDES[name]} --profile-steps 8:10 "
+                      f"--profile-dir {{out}}/profile_{name} && {{python}} -m "
+                      f"epoverlap.cli.timeline {{out}}/profile_{name} --no-png", timeout_s=90)
+                 for name in ("node_ovl", "node_seq"))
+           + (_rounds(HOSTS_SIDES, HOSTS_RUN, "step", timeout_s=480),), all_gpus=True),
+    Recipe("a2a_link_bandwidth", 2,
+           "all-to-all GB/s per GPU inside an emulated host, across emulated hosts (a rail: "
+           "NCCL's network transport, NCCL_HOSTID per host) and over all GPUs, 1 to 64 MiB per "
+           "rank, against each link's two-way point-to-point peak; the GPUs as 2 emulated hosts "
+           "(4 GPUs: 2 x 2, 2 GPUs: 2 x 1), then as one host (no emulation, the reference)",
+           "two_hosts.json, one_host.json (every iteration's time per rank, medians, GB/s, "
+           "peaks, NCCL's transport per connection)",
+           (Step("two_hosts", "{torchrun} -m benchmarks.harness.bench_a2a_links "
+                              "--emulate-hosts 2 --out {out}/two_hosts.json", timeout_s=240),
+            Step("one_host", "{torchrun} -m benchmarks.harness.bench_a2a_links "
+                             "--emulate-hosts 1 --out {out}/one_host.json", timeout_s=240)),
+           all_gpus=True),
 )
