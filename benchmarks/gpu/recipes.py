@@ -381,6 +381,14 @@ RECIPES = (
                       f"epoverlap.cli.timeline {{out}}/profile_{name} --no-png", timeout_s=90)
                  for name in ("node_ovl", "node_seq"))
            + (_rounds(HOSTS_SIDES, HOSTS_RUN, "step", timeout_s=480),), all_gpus=True),
+    Recipe("host_loss_gpus", 4,
+           "a lost host on GPUs: two torchrun nodes of 2 GPUs on this machine, each its own "
+           "NCCL host identity; the second SIGKILLed mid-run, the first names it within 60 s; "
+           "with --max-restarts a new node joins and both resume from the newest checkpoint "
+           "(tests/parallel/test_host_loss.py, multigpu)",
+           "junit.xml, pytest.log",
+           (Step("pytest", PYTEST + " --junitxml={out}/junit.xml -m multigpu -rA "
+                 "tests/parallel/test_host_loss.py", timeout_s=400),)),
     Recipe("a2a_link_bandwidth", 2,
            "all-to-all GB/s per GPU inside an emulated host, across emulated hosts (a rail: "
            "NCCL's network transport, NCCL_HOSTID per host) and over all GPUs, 1 to 64 MiB per "

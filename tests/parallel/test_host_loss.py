@@ -6,7 +6,8 @@ ranks names the host as lost).
 Pure CPU: which hosts a set of silent ranks makes lost, and the line. Slow tier: two torchrun
 "nodes" of 2 gloo ranks each on this machine (`epoverlap-launch --nnodes 2`), the second
 node's launcher and ranks SIGKILLed mid-run; and with `--max-restarts`, the lost node started
-again: both resume from the newest checkpoint and finish."""
+again: both resume from the newest checkpoint and finish. Multigpu tier (4 GPUs): the same
+loss with two "nodes" of 2 GPUs each, NCCL, each node its own NCCL host identity."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from epoverlap.parallel.watch import PeerFailure, lost_hosts, ranks_text
 from dist_helpers import free_port
@@ -80,8 +82,23 @@ def _kill_node(job: Job) -> float:
     return time.monotonic()
 
 
-@pytest.mark.slow
-def test_the_other_node_names_the_lost_host_and_its_ranks():
+def _gpu_node_env(node: int) -> dict:
+    """A GPU "node" of this machine: its 2 GPUs, and a host identity of its own, so NCCL
+    connects the two nodes over its network transport and the lost-host line names it."""
+    return {"CUDA_VISIBLE_DEVICES": f"{2 * node},{2 * node + 1}",
+            "NCCL_HOSTID": f"{socket.gethostname()}-node-{node}"}
+
+
+needs_4_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),
+                                    pytest.param("cuda", marks=[pytest.mark.multigpu,
+                                                                needs_4_gpus])])
+def test_the_other_node_names_the_lost_host_and_its_ranks(device):
+    """CPU: 2 gloo ranks per node. CUDA: 2 GPUs per node (4 in all), NCCL, each node its own
+    NCCL host identity, so the all-to-alls between the nodes go over NCCL's network transport."""
     port = free_port()
 
     def node(rank: int) -> Job:
@@ -89,7 +106,8 @@ def test_the_other_node_names_the_lost_host_and_its_ranks():
             "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}",
             "--rdzv-id", "host-loss", "--nproc", "2", "--preset", "tiny", "--hidden-size", "64",
             "--seq-length", "64", "--num-microbatches", "2", "--mock-data", "--train-iters",
-            "2000", "--log-interval", "1", "--distributed-timeout-minutes", "0.25"))
+            "2000", "--log-interval", "1", "--distributed-timeout-minutes", "0.25",
+            "--device", device), env=_gpu_node_env(rank) if device == "cuda" else None)
     first = node(0)
     _wait_for_listener(port, first)
     nodes = [first, node(1)]
@@ -108,10 +126,13 @@ def test_the_other_node_names_the_lost_host_and_its_ranks():
     assert f"(node {group}) lost (all its ranks: {ranks_text(ranks)})" in text, text[-4000:]
 
 
-def _torchrun_node(port: int, out: Path) -> Job:
-    """One "node" of 2 gloo ranks: torchrun with the c10d rendezvous and --max-restarts 1,
-    saving every 2 steps and resuming from the newest checkpoint."""
+def _torchrun_node(port: int, out: Path, device: str, node: int) -> Job:
+    """One "node" of 2 ranks (gloo, or 2 GPUs of their own): torchrun with the c10d rendezvous
+    and --max-restarts 1, saving every 2 steps and resuming from the newest checkpoint."""
     ckpt = str(out / "ckpt")
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if device == "cuda":
+        env.update(_gpu_node_env(node))
     return Job([sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                 "--nproc-per-node=2", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=host-loss-restart",
@@ -119,19 +140,21 @@ def _torchrun_node(port: int, out: Path) -> Job:
                 "--hidden-size", "64", "--seq-length", "64", "--num-microbatches", "2",
                 "--mock-data", "--train-iters", "40", "--log-interval", "1",
                 "--distributed-timeout-minutes", "0.25", "--save", ckpt, "--save-interval",
-                "2", "--load", ckpt],
-               env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+                "2", "--load", ckpt, "--device", device], env=env)
 
 
-@pytest.mark.slow
-def test_after_a_lost_node_comes_back_the_job_resumes_from_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),
+                                    pytest.param("cuda", marks=[pytest.mark.multigpu,
+                                                                needs_4_gpus])])
+def test_after_a_lost_node_comes_back_the_job_resumes_from_the_last_checkpoint(tmp_path,
+                                                                                device):
     """The surviving node's torchrun restarts its ranks (--max-restarts 1) and waits at the
     rendezvous; a new node joins in place of the lost one; both resume from the newest
     checkpoint and finish."""
     port = free_port()
-    first = _torchrun_node(port, tmp_path)
+    first = _torchrun_node(port, tmp_path, device, 0)
     _wait_for_listener(port, first)
-    nodes = [first, _torchrun_node(port, tmp_path)]
+    nodes = [first, _torchrun_node(port, tmp_path, device, 1)]
     try:
         survivor, victim, ranks, _ = _survivor_and_victim(nodes)
         assert survivor.wait_for_line("checkpoint: saved", 240), survivor.text("err")[-3000:]
@@ -139,7 +162,7 @@ def test_after_a_lost_node_comes_back_the_job_resumes_from_the_last_checkpoint(t
         _kill_node(victim)
         lost = f"lost (all its ranks: {ranks_text(ranks)})"
         assert survivor.wait_for_line(lost, 60), survivor.text("err")[-3000:]
-        nodes.append(_torchrun_node(port, tmp_path))
+        nodes.append(_torchrun_node(port, tmp_path, device, nodes.index(victim)))
         assert survivor.finish(timeout_s=300) == 0, survivor.text("err")[-3000:]
         assert nodes[-1].finish(timeout_s=60) == 0, nodes[-1].text("err")[-3000:]
     finally:
