@@ -123,10 +123,13 @@ HOSTS_RUN = (TRAIN + " --num-layers 2 --hidden-size 2048 --num-attention-heads 1
              " --moe-ffn-hidden-size 1024 --micro-batch-size 2 --num-microbatches 4"
              " --mock-data --bf16 --moe-router-force-load-balancing --expert-model-parallel-size"
              " {gpus} --emulate-hosts 2 --train-iters 10 --log-interval 100 --tune off " + GRAPHS)
-HOSTS_SIDES = {"flat_ovl": WGRAD, "once_ovl": WGRAD + " --moe-dispatch-once-per-rank",
-               "node_ovl": WGRAD + " --moe-dispatch-hierarchy node", "flat_seq": SEQUENTIAL,
+FLAT = " --moe-dispatch-hierarchy flat"  # with the hosts above, auto would take node
+HOSTS_SIDES = {"flat_ovl": WGRAD + FLAT,
+               "once_ovl": WGRAD + FLAT + " --moe-dispatch-once-per-rank",
+               "node_ovl": WGRAD + " --moe-dispatch-hierarchy node",
+               "flat_seq": SEQUENTIAL + FLAT,
                "node_seq": SEQUENTIAL + " --moe-dispatch-hierarchy node",
-               "comp": OVERLAP + " --comm-mode local_copy"}
+               "comp": OVERLAP + FLAT + " --comm-mode local_copy"}
 
 
 def _chunked_bitwise_steps() -> tuple:

@@ -1,6 +1,6 @@
 """The job's defaults, resolved in one place whichever command starts it.
 
-Four flags default to `auto` (a fifth, the budget, follows the graph scope), because their
+Five flags default to `auto` (a sixth, the budget, follows the graph scope), because their
 best value depends on the job: how many ranks it has, whether they run on CUDA devices, and
 over which link. `resolve_config` sets them once the world size and the device are known, so
 `torchrun -m epoverlap.train`, `epoverlap-train` and `epoverlap-launch` resolve the same
@@ -18,6 +18,10 @@ values:
                                      overflowing it is not rerun every step) when the
                                      dispatch is dropless; elsewhere, or where a rule refuses
                                      that, local capturing attn moe_router moe_preprocess
+  --moe-dispatch-hierarchy           node where the EP group spans two or more whole hosts
+                                     (torchrun's nodes, or --emulate-hosts) and top-k > 1: each
+                                     token then crosses to a host once, not once per expert
+                                     there; flat otherwise (one host, top-1: nothing to save)
 
 Which schedule runs (sequential or an overlap plan, delayed weight grads) the path tuner
 measures on GPUs (`--tune auto`, config.tuning and training.tuner).
@@ -43,6 +47,7 @@ from epoverlap.config.sections import RunConfig
 from epoverlap.config.tuning import candidate_paths, may_tune
 from epoverlap.config.validate import MAX_LAYERS, check_config
 from epoverlap.errors import ConfigError
+from epoverlap.parallel.transport import ranks_per_host
 
 EP_FLAG = "--expert-model-parallel-size"
 BF16_FLAG = "--bf16"
@@ -50,6 +55,7 @@ OVERLAP_FLAG = "--overlap-moe-expert-parallel-comm"
 SEQUENTIAL_FLAG = "--no-overlap-moe-expert-parallel-comm"  # pins the sequential schedule
 GRAPHS_FLAG = "--cuda-graph-impl"
 BUDGET_FLAG = "--moe-dispatch-budget"
+HIERARCHY_FLAG = "--moe-dispatch-hierarchy"
 FULL_ITERATION_BUDGET = 1.25  # chunk rows / mean rows per rank pair; overflow reruns the step
 BUDGET_MEMORY_STEPS = 20  # a step starts at the largest level one of the last 20 needed
 
@@ -62,6 +68,7 @@ def resolve_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> Run
         return cfg
     on_cuda = cfg.resolved_device(cuda_available) == "cuda"
     defaulted = list(cfg.defaulted)
+    hierarchy_auto = cfg.moe.moe_dispatch_hierarchy == AUTO
     if cfg.parallel.expert_model_parallel_size is None:
         cfg = _with(cfg, "parallel", expert_model_parallel_size=auto_ep_size(cfg, world_size))
         defaulted.append(EP_FLAG)
@@ -80,11 +87,16 @@ def resolve_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> Run
         cfg = _with(cfg, "cuda_graph", impl="none")
         defaulted.append(GRAPHS_FLAG)
         wanted.append(_graph_choices(cfg, world_size) if on_cuda else [])
+    if hierarchy_auto:  # named among the auto choices only where it chose node
+        cfg = _with(cfg, "moe", moe_dispatch_hierarchy="flat")
+        wanted.append([_by_host] if _spans_hosts(cfg, world_size) else [])
     budget = cfg.moe.moe_dispatch_budget
     cfg = _take_wanted(cfg, [options for options in wanted if options], world_size,
                        cuda_available)
     if cfg.moe.moe_dispatch_budget != budget:
         defaulted.append(BUDGET_FLAG)
+    if hierarchy_auto and DispatchMode.of(cfg.moe).by_host:
+        defaulted.append(HIERARCHY_FLAG)
     return dataclasses.replace(cfg, defaulted=tuple(defaulted))
 
 
@@ -132,7 +144,20 @@ def auto_ep_size(cfg: RunConfig, world_size: int) -> int:
 def _has_auto(cfg: RunConfig) -> bool:
     return (cfg.parallel.expert_model_parallel_size is None or cfg.train.bf16 is None
             or cfg.overlap.overlap_moe_expert_parallel_comm is None
-            or cfg.cuda_graph.impl == AUTO)
+            or cfg.cuda_graph.impl == AUTO or cfg.moe.moe_dispatch_hierarchy == AUTO)
+
+
+def _spans_hosts(cfg: RunConfig, world_size: int) -> bool:
+    """Whether the EP group spans two or more whole hosts and a token may reach several
+    experts (what the hierarchical dispatch saves on)."""
+    ep = cfg.parallel.expert_model_parallel_size
+    per_host = ranks_per_host(world_size, cfg.parallel.emulate_hosts)
+    return (_has_moe_layers(cfg) and cfg.moe.moe_router_topk > 1 and ep % per_host == 0
+            and ep // per_host >= 2)
+
+
+def _by_host(cfg: RunConfig) -> RunConfig:
+    return _with(cfg, "moe", moe_dispatch_hierarchy="node")
 
 
 def _has_moe_layers(cfg: RunConfig) -> bool:

@@ -22,7 +22,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DROP_POLICIES = ("probs", "position")  # as epoverlap.kernels.capacity
-DISPATCH_HIERARCHIES = ("flat", "node")  # --moe-dispatch-hierarchy (model.dispatch_dedup)
+DISPATCH_HIERARCHIES = ("auto", "flat", "node")  # --moe-dispatch-hierarchy (config.resolve)
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release", "combined_1f1b_paired_ends")
 COMM_MODES = ("real", "local_copy")
@@ -110,7 +110,7 @@ class MoEConfig:
         "output is summed per rank first (another rounding order). Dropless, capacity "
         "(unpadded) and budget dispatches")
     moe_dispatch_hierarchy: str = flag(
-        "flat", "node: each token crosses between hosts once per destination host (to the rank "
+        "auto", "node: each token crosses between hosts once per destination host (to the rank "
         "with its own index in that host), with the probs of that host's experts, and is "
         "forwarded inside the host to the ranks holding its experts; the combine sums inside "
         "the host first and crosses back once. Needs an expert-parallel group of whole hosts, "
@@ -118,7 +118,9 @@ class MoEConfig:
         "(unpadded) dispatch. The experts' rows and grads are those of "
         "--moe-dispatch-once-per-rank; the combined output is summed per host first (another "
         "rounding order). flat: one all-to-all over the whole group",
-        choices=DISPATCH_HIERARCHIES)
+        choices=DISPATCH_HIERARCHIES,
+        default_text="auto: node where the expert-parallel group spans two or more whole "
+        "hosts, top-k > 1 and the rules allow it; else flat")
 
     @property
     def enabled(self) -> bool:

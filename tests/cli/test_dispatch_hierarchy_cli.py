@@ -11,13 +11,14 @@ from __future__ import annotations
 import pytest
 
 from epoverlap.config import parse_config, validate_config
-from epoverlap.config.resolve import SEQUENTIAL_FLAG
+from epoverlap.config.resolve import SEQUENTIAL_FLAG, resolve_config
 from epoverlap.errors import ConfigError
 
 from gpu_runs import identical_losses, needs_gpus, train_cli
 
 TINY = ["--preset", "tiny", "--device", "cpu"]
 NODE = ["--moe-dispatch-hierarchy", "node"]
+FLAT = ["--moe-dispatch-hierarchy", "flat", "--moe-dispatch-once-per-rank"]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -57,8 +58,7 @@ def test_by_host_overlap_is_bitwise_sequential_and_near_flat_on_two_emulated_hos
         "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"])
     assert "dispatch dropless, by host" in out
     assert identical_losses(seq, ovl)
-    _, flat = train_cli(tmp_path, "flat", 4, CPU_RUN + ["--moe-dispatch-once-per-rank",
-                                                        SEQUENTIAL_FLAG])
+    _, flat = train_cli(tmp_path, "flat", 4, CPU_RUN + FLAT + [SEQUENTIAL_FLAG])
     assert [r["loss"] for r in seq] == pytest.approx([r["loss"] for r in flat], rel=1e-5)
 
 
@@ -75,6 +75,23 @@ def test_by_host_on_two_gpus_as_two_hosts_is_the_flat_bits(tmp_path):
     between = [line for line in out.splitlines() if "(between hosts)" in line]
     assert between and all("NET/" in line for line in between), out[-3000:]
     _, node_seq = train_cli(tmp_path, "by_host_seq", 2, GPU_RUN + NODE + [SEQUENTIAL_FLAG])
-    _, flat = train_cli(tmp_path, "flat_seq", 2, GPU_RUN + ["--moe-dispatch-once-per-rank",
-                                                            SEQUENTIAL_FLAG])
+    _, flat = train_cli(tmp_path, "flat_seq", 2, GPU_RUN + FLAT + [SEQUENTIAL_FLAG])
     assert identical_losses(node_seq, node) and identical_losses(flat, node_seq)
+
+
+@pytest.mark.parametrize("local, flags, want", [
+    ("2", [], "node"),  # 2 torchrun nodes of 2 ranks, EP 4 over both
+    ("4", [], "flat"),  # one host
+    ("4", ["--emulate-hosts", "2"], "node"),
+    ("2", ["--moe-router-topk", "1"], "flat"),  # one expert a token: nothing to send once
+    ("2", ["--expert-model-parallel-size", "2"], "flat"),  # EP inside a node
+    ("2", ["--moe-dispatch-budget", "2.0"], "flat"),  # a rule refuses node: auto takes flat
+    ("2", ["--moe-dispatch-hierarchy", "flat"], "flat"),  # given: kept
+])
+def test_the_auto_hierarchy_follows_the_hosts(local, flags, want, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    cfg = resolve_config(parse_config(TINY + flags), 4, cuda_available=False)
+    assert cfg.moe.moe_dispatch_hierarchy == want
+    chosen = want == "node" and "--moe-dispatch-hierarchy" not in flags
+    assert ("--moe-dispatch-hierarchy" in cfg.defaulted) == chosen  # the path line's "auto"
+    validate_config(parse_config(TINY + flags), 4, cuda_available=False)  # never an error
