@@ -115,6 +115,19 @@ def _reference(x_TH, probs_TE, routing_map_TE, grad_TH):
     return out_TH, grad_probs_TE
 
 
+def close_to_both(got: list, other: list) -> None:
+    """A dispatch's output, token grads and prob grads (a worker's result list) match another
+    dispatch's and the dense reference's to rounding."""
+    probs, routing_map, out, grad_x, grad_probs, x_TH = (got[0], got[1], got[4], got[5],
+                                                         got[6], got[10])
+    for mine, theirs in ((out, other[4]), (grad_x, other[5]), (grad_probs, other[6])):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    grad_TH = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    out_ref, grad_probs_ref = _reference(x_TH, probs, routing_map, grad_TH)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_probs, grad_probs_ref, rtol=1e-5, atol=1e-5)
+
+
 def _remote_rows(routing_map_TE, rank, ranks, once):
     """Rows this rank's dispatch sends to each other rank, counted from the routing map."""
     per_rank_TRL = routing_map_TE.view(routing_map_TE.shape[0], ranks, -1)
@@ -141,13 +154,7 @@ def test_once_per_rank_matches_the_dispatch_per_expert(ranks, backend):
             assert torch.equal(rows_probs[:routed], plain[3][:routed]), where
             assert rows[routed:].abs().sum() == 0 and plain[2][routed:].abs().sum() == 0
             assert torch.equal(grad_w, plain[7]), where  # the experts' grads: same bits
-            torch.testing.assert_close(out, plain[4], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(grad_x, plain[5], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(grad_probs, plain[6], rtol=1e-5, atol=1e-5)
-            grad_TH = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
-            out_ref, grad_probs_ref = _reference(x_TH, probs, routing_map, grad_TH)
-            torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(grad_probs, grad_probs_ref, rtol=1e-5, atol=1e-5)
+            close_to_both(once, plain)
             if case == "budget":  # equal chunks: the splits are not the rows
                 continue
             for all_to_alls, once_per_rank in ((splits, True), (plain[9], False)):

@@ -210,6 +210,27 @@ def _scaled_expert_layer(router, dispatcher, x_TH, rank):
     return probs, routing_map_TE, rows, rows_probs, per_expert, out, weights_L
 
 
+def _router_and_tokens(flags: list, ops, rank: int):
+    """The config of `flags` over this module's shape, its router, and this rank's tokens."""
+    cfg = parse_config(["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK),
+                        "--hidden-size", str(HIDDEN)] + flags)
+    router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
+                    device=torch.device("cpu"), aux_loss_scale=1.0, mode=DispatchMode.of(cfg.moe))
+    return cfg, router, torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
+
+
+def _layer_and_grads(router, dispatcher, x_TH, rank) -> list:
+    """`_scaled_expert_layer` and its backward: [probs, routing map, expert rows, their probs,
+    output, token grads, prob grads, expert weight grads, rows per local expert]."""
+    x = x_TH.clone().requires_grad_()
+    probs, routing_map, rows, rows_probs, per_expert, out, weights = \
+        _scaled_expert_layer(router, dispatcher, x, rank)
+    grad_w = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
+    grads = torch.autograd.grad((out * grad_w).sum(), [x, probs, weights])
+    return [probs.detach(), routing_map, rows.detach(), rows_probs.detach(), out.detach(),
+            *grads, per_expert]
+
+
 def once_per_rank_equivalence(rank, world_size, flag_sets, backend):
     """For each flag set: the layer of `_scaled_expert_layer` with and without
     --moe-dispatch-once-per-rank, EP = world, kernels of `backend`. -> per flag set, per
@@ -222,12 +243,7 @@ def once_per_rank_equivalence(rank, world_size, flag_sets, backend):
         ops = make_moe_ops(backend)
         results = []
         for flags in flag_sets:
-            cfg = parse_config(["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK),
-                                "--hidden-size", str(HIDDEN)] + flags)
-            router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
-                            device=torch.device("cpu"), aux_loss_scale=1.0,
-                            mode=DispatchMode.of(cfg.moe))
-            x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
+            cfg, router, x_TH = _router_and_tokens(flags, ops, rank)
             per_dispatch = []
             for once in (False, True):
                 mode = dataclasses.replace(DispatchMode.of(cfg.moe), once_per_rank=once)
@@ -238,15 +254,9 @@ def once_per_rank_equivalence(rank, world_size, flag_sets, backend):
                     mode.budget, world_size, TOKENS, topk, EXPERTS, once, groups.device)
                 dispatcher = make_dispatcher(comm, EXPERTS, topk, ops, groups.device, mode,
                                              budget)
-                x = x_TH.clone().requires_grad_()
-                probs, routing_map, rows, rows_probs, per_expert, out, weights = \
-                    _scaled_expert_layer(router, dispatcher, x, rank)
-                grad_w = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
-                grads = torch.autograd.grad((out * grad_w).sum(), [x, probs, weights])
+                results_of_layer = _layer_and_grads(router, dispatcher, x_TH, rank)
                 payload = [splits[1] for splits in comm.trace if splits[2] == (HIDDEN,)]
-                per_dispatch.append([probs.detach(), routing_map, rows.detach(),
-                                     rows_probs.detach(), out.detach(), *grads, per_expert,
-                                     payload, x_TH])
+                per_dispatch.append(results_of_layer + [payload, x_TH])
             results.append(per_dispatch)
         return results
     finally:
@@ -265,12 +275,7 @@ def by_host_equivalence(rank, world_size, hosts, flag_sets, backend):
         ops = make_moe_ops(backend)
         results = []
         for flags in flag_sets:
-            cfg = parse_config(["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK),
-                                "--hidden-size", str(HIDDEN)] + flags)
-            router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
-                            device=torch.device("cpu"), aux_loss_scale=1.0,
-                            mode=DispatchMode.of(cfg.moe))
-            x_TH = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
+            cfg, router, x_TH = _router_and_tokens(flags, ops, rank)
             per_dispatch = []
             for hierarchy in ("flat", "node"):
                 mode = dataclasses.replace(DispatchMode.of(cfg.moe), once_per_rank=True,
@@ -282,18 +287,12 @@ def by_host_equivalence(rank, world_size, hosts, flag_sets, backend):
                 comm.trace, between.trace = [], []
                 dispatcher = make_dispatcher(comm, EXPERTS, cfg.moe.moe_router_topk, ops,
                                              groups.device, mode)
-                x = x_TH.clone().requires_grad_()
-                probs, routing_map, rows, rows_probs, per_expert, out, weights = \
-                    _scaled_expert_layer(router, dispatcher, x, rank)
-                grad_w = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
-                grads = torch.autograd.grad((out * grad_w).sum(), [x, probs, weights])
+                results_of_layer = _layer_and_grads(router, dispatcher, x_TH, rank)
                 trace = between.trace if hierarchy == "node" else comm.trace
                 sent = [splits[1] for splits in trace if splits[2] == (HIDDEN,)][0]
                 if hierarchy == "flat":
                     sent = [sum(sent[h * per_host:(h + 1) * per_host]) for h in range(hosts)]
-                per_dispatch.append([probs.detach(), routing_map, rows.detach(),
-                                     rows_probs.detach(), out.detach(), *grads, per_expert,
-                                     sent, x_TH])
+                per_dispatch.append(results_of_layer + [sent, x_TH])
             results.append(per_dispatch)
         return results
     finally:
