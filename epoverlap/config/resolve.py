@@ -19,9 +19,12 @@ values:
                                      dispatch is dropless; elsewhere, or where a rule refuses
                                      that, local capturing attn moe_router moe_preprocess
   --moe-dispatch-hierarchy           node where the EP group spans two or more whole hosts
-                                     (torchrun's nodes, or --emulate-hosts) and top-k > 1: each
-                                     token then crosses to a host once, not once per expert
-                                     there; flat otherwise (one host, top-1: nothing to save)
+                                     (torchrun's nodes, or --emulate-hosts) and, routing
+                                     balanced, it sends at most 0.8 of the flat dispatch's rows
+                                     between them (tokens whose experts share a host cross
+                                     once); flat otherwise (one host; top-1; experts spread
+                                     over so many hosts that few tokens share one, where its
+                                     second stage costs more than it saves)
 
 Which schedule runs (sequential or an overlap plan, delayed weight grads) the path tuner
 measures on GPUs (`--tune auto`, config.tuning and training.tuner).
@@ -42,7 +45,7 @@ import math
 import os
 
 from epoverlap.config.cuda_graphs import AUTO, EP_OVERLAP_MODULES
-from epoverlap.config.dispatch import DispatchMode
+from epoverlap.config.dispatch import BY_HOST_MAX_SHARE, DispatchMode, by_host_row_share
 from epoverlap.config.sections import RunConfig
 from epoverlap.config.tuning import candidate_paths, may_tune
 from epoverlap.config.validate import MAX_LAYERS, check_config
@@ -148,12 +151,16 @@ def _has_auto(cfg: RunConfig) -> bool:
 
 
 def _spans_hosts(cfg: RunConfig, world_size: int) -> bool:
-    """Whether the EP group spans two or more whole hosts and a token may reach several
-    experts (what the hierarchical dispatch saves on)."""
+    """Whether the EP group spans two or more whole hosts and the hierarchical dispatch would
+    send at most `BY_HOST_MAX_SHARE` of the flat dispatch's rows between them (tokens whose
+    experts share hosts: what it saves on; top-1 saves nothing)."""
     ep = cfg.parallel.expert_model_parallel_size
     per_host = ranks_per_host(world_size, cfg.parallel.emulate_hosts)
-    return (_has_moe_layers(cfg) and cfg.moe.moe_router_topk > 1 and ep % per_host == 0
-            and ep // per_host >= 2)
+    if not _has_moe_layers(cfg) or ep % per_host or ep // per_host < 2:
+        return False
+    moe = cfg.moe
+    return (moe.num_experts % (ep // per_host) == 0 and by_host_row_share(
+        moe.num_experts, moe.moe_router_topk, ep // per_host) <= BY_HOST_MAX_SHARE)
 
 
 def _by_host(cfg: RunConfig) -> RunConfig:

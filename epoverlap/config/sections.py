@@ -120,7 +120,8 @@ class MoEConfig:
         "rounding order). flat: one all-to-all over the whole group",
         choices=DISPATCH_HIERARCHIES,
         default_text="auto: node where the expert-parallel group spans two or more whole "
-        "hosts, top-k > 1 and the rules allow it; else flat")
+        "hosts and, routing balanced, it sends at most 0.8 of flat's rows between them; else "
+        "flat")
 
     @property
     def enabled(self) -> bool:

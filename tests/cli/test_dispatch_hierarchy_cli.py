@@ -85,6 +85,8 @@ def test_by_host_on_two_gpus_as_two_hosts_is_the_flat_bits(tmp_path):
     ("4", ["--emulate-hosts", "2"], "node"),
     ("2", ["--moe-router-topk", "1"], "flat"),  # one expert a token: nothing to send once
     ("2", ["--expert-model-parallel-size", "2"], "flat"),  # EP inside a node
+    ("1", ["--num-experts", "16", "--moe-router-topk", "2"], "flat"),  # 4 hosts: share 0.90
+    ("2", ["--num-experts", "16", "--moe-router-topk", "2"], "node"),  # 2 hosts: share 0.77
     ("2", ["--moe-dispatch-budget", "2.0"], "flat"),  # a rule refuses node: auto takes flat
     ("2", ["--moe-dispatch-hierarchy", "flat"], "flat"),  # given: kept
 ])
