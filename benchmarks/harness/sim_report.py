@@ -238,17 +238,28 @@ def prediction_rows(cases) -> tuple[str, list[dict]]:
     return table(header, rows), points
 
 
+FLAT = ["--moe-dispatch-hierarchy", "flat"]  # over nodes the default is by host where it pays
+BY_HOST = ["--moe-dispatch-hierarchy", "node"]
+
+
 def dsv3_cases() -> list:
     ib = ["--link", "ib"]
     cases = [(f"dsv3_layer EP {ep}", ["--flops", "--shape", "dsv3_layer", "--ep", str(ep),
-                                      *ib, *dsv3_rates()], []) for ep in (16, 64, 256)]
+                                      *ib, *dsv3_rates()], FLAT) for ep in (16, 64, 256)]
     cases.append(("dsv3_layer EP 64, imbalance 1.5",
                   ["--flops", "--shape", "dsv3_layer", "--ep", "64", *ib, "--imbalance", "1.5",
-                   *dsv3_rates()], []))
+                   *dsv3_rates()], FLAT))
     cases.append(("DSv3 layers, 4 layers x 8 microbatches, EP 64",
                   ["--flops", "--shape", "dsv3_layer", "--ep", "64", *ib, *dsv3_rates()],
-                  ["--num-layers", "4", "--num-microbatches", "8"]))
+                  ["--num-layers", "4", "--num-microbatches", "8", *FLAT]))
     return cases
+
+
+def by_host_cases() -> list:
+    """The DSv3 layer over 400 Gb/s nodes of 8 GPUs, flat against the hierarchical dispatch."""
+    return [(f"dsv3_layer EP {ep}, {name}", ["--flops", "--shape", "dsv3_layer", "--ep",
+                                              str(ep), "--link", "ib", *dsv3_rates()], train)
+            for ep in (16, 64, 256) for name, train in (("flat", FLAT), ("by host", BY_HOST))]
 
 
 def megatron_cases() -> list:
@@ -259,7 +270,7 @@ def megatron_cases() -> list:
         for ep in eps:
             link = ["--link", "ib"] if ep > 8 else ["--link", "nvlink"]
             cases.append((f"{shape} EP {ep}", ["--flops", "--shape", shape, "--ep", str(ep),
-                                                *link, *rate], []))
+                                                *link, *rate], FLAT if ep > 8 else []))
     return cases
 
 
@@ -325,6 +336,7 @@ def main(argv=None) -> int:
         text, points = prediction_rows(dsv3_cases())
         print("## DSv3 predictions\n\n" + text + "\n")
         print("## Megatron predictions\n\n" + prediction_rows(megatron_cases())[0] + "\n")
+        print("## DSv3, flat and by host\n\n" + prediction_rows(by_host_cases())[0] + "\n")
         if args.plot:
             plot(points, Path(args.plot))
             print(f"wrote {args.plot}")

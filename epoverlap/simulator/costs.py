@@ -27,6 +27,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional, Sequence
 
+from epoverlap.config.dispatch import group_reach
 from epoverlap.profiling.spans import RankSpans
 from epoverlap.schedule.plan import Action
 
@@ -153,29 +154,42 @@ class A2aShape:
                    hidden=m.hidden_size, num_experts=cfg.moe.num_experts or 0,
                    dtype_bytes=2 if t.bf16 else 4,
                    ep=ep or cfg.parallel.expert_model_parallel_size,
-                   once_per_rank=cfg.moe.moe_dispatch_once_per_rank)
+                   once_per_rank=cfg.moe.moe_dispatch_once_per_rank,
+                   hosts=cfg.parallel.emulate_hosts,
+                   by_host=cfg.moe.moe_dispatch_hierarchy == "node")
 
     @property
     def sends_once_per_rank(self) -> bool:
         return self.once_per_rank and self.ep > 1
 
     @property
+    def sends_by_host(self) -> bool:
+        return self.by_host and self.hosts > 1
+
+    @property
     def rows(self) -> float:
         """Rows a rank sends per microbatch, routing balanced: one per (token, expert); once
         per rank, one per (token, rank holding one of its experts): a token's k experts drawn
-        from E miss a given rank's L with probability C(E - L, k) / C(E, k)."""
+        from E miss a given rank's L with probability C(E - L, k) / C(E, k); by host, stage 1's
+        rows: one per (token, host holding one of its experts)."""
+        if self.sends_by_host:
+            return self.tokens * self.hosts * self._reach(self.hosts)
         if not self.sends_once_per_rank:
             return self.tokens * self.topk
-        local = self.num_experts // self.ep
-        miss = (math.comb(self.num_experts - local, self.topk)
-                / math.comb(self.num_experts, self.topk))
-        return self.tokens * self.ep * (1.0 - miss)
+        return self.tokens * self.ep * self._reach(self.ep)
+
+    @property
+    def forwarded_rows(self) -> float:
+        """By host, stage 2: the rows a rank forwards to the other ranks of its host per
+        microbatch. It receives `rows` (balanced: what it sends); each goes to every rank of
+        the host holding one of the token's experts, a given rank with probability
+        reach(ranks) / reach(hosts)."""
+        per_host = self.ep // self.hosts
+        return (self.rows * (per_host - 1) * self._reach(self.ep) / self._reach(self.hosts))
 
     def _reach(self, groups: int) -> float:
-        """Chance that a token's k experts, drawn from E, hit a given one of `groups` equal
-        groups of experts: 1 - C(E - E / groups, k) / C(E, k)."""
-        return 1.0 - (math.comb(self.num_experts - self.num_experts // groups, self.topk)
-                      / math.comb(self.num_experts, self.topk))
+        """Chance that a token's k experts hit a given one of `groups` equal groups of them."""
+        return group_reach(self.num_experts, self.topk, groups)
 
     @property
     def rows_between_hosts(self) -> float:
@@ -201,12 +215,18 @@ class A2aShape:
 
     @property
     def probs_per_row(self) -> int:
-        """fp32 probs each row carries: its expert's, or once per rank its rank's L experts'."""
+        """fp32 probs each row carries: its expert's, or once per rank its rank's L experts',
+        by host (stage 1) its host's experts'."""
+        if self.sends_by_host:
+            return self.num_experts // self.hosts
         return self.num_experts // self.ep if self.sends_once_per_rank else 1
 
     @property
     def counts(self) -> int:
-        """int64 counts each rank sends in the split-size exchange (per expert; + per rank)."""
+        """int64 counts each rank sends in the split-size exchange (per expert; + per rank; by
+        host, to every rank: + per host and per rank)."""
+        if self.sends_by_host:
+            return self.ep * (self.num_experts + self.ep + self.hosts)
         return self.num_experts + (self.ep if self.sends_once_per_rank else 0)
 
 
@@ -239,6 +259,8 @@ class LinkModel:
     sync_us: float = 0.0  # forward dispatch: split sizes back on the host after this long
 
     def time_us(self, shape: A2aShape, action: Action, imbalance: float = 1.0) -> float:
+        if shape.sends_by_host:
+            return self._by_host_us(shape, action, imbalance)
         total, calls = a2a_volume(shape, action)
         ep = shape.ep
         heaviest = total * imbalance  # the most loaded rank sets the collective's time
@@ -250,6 +272,21 @@ class LinkModel:
                    intra / (self.nvlink_gbs * 1e3) if intra else 0.0,
                    local / (self.local_gbs * 1e3))
         return calls * self.latency_us + wire
+
+    def _by_host_us(self, shape: A2aShape, action: Action, imbalance: float) -> float:
+        """The hierarchical dispatch: stage 1 between hosts (its rows' share for other hosts
+        over this link, its own host's a local copy), then stage 2 inside the host over NVLink
+        (the forwarded rows, with their ranks' probs); one after the other in the node."""
+        total, calls = a2a_volume(shape, action)
+        heaviest = total * imbalance
+        hosts = shape.hosts
+        between = max(heaviest * (hosts - 1) / hosts / (self.bandwidth_gbs * 1e3),
+                      heaviest / hosts / (self.local_gbs * 1e3))
+        probs = shape.num_experts // shape.ep * PROBS_BYTES if action.node == "dispatch" else 0
+        row = shape.hidden * shape.dtype_bytes + probs
+        inside_gbs = self.nvlink_gbs or self.bandwidth_gbs
+        inside = shape.forwarded_rows * row * imbalance / (inside_gbs * 1e3)
+        return 2 * calls * self.latency_us + between + inside
 
     def local_copy_us(self, shape: A2aShape, action: Action) -> float:
         """The compute-only baseline's stand-in: every byte copied locally, no wire."""

@@ -76,10 +76,16 @@ class Scenario:
 
 # ---------------------------------------------------------------------------- model shape
 def model_config(args: argparse.Namespace, ep: Optional[int]):
-    """The RunConfig of the simulated model: the training flags after `--`."""
+    """The RunConfig of the simulated model: the training flags after `--`. A link of nodes
+    (`gpus_per_node`) the EP group spans several of makes them the job's hosts, as
+    --emulate-hosts does, so the dispatch resolves as it would there (the hierarchical one by
+    default; `-- --moe-dispatch-hierarchy flat` for one all-to-all over the group)."""
     flags = list(args.train_flags)
     if ep is not None:
         flags += ["--expert-model-parallel-size", str(ep)]
+        per_node = _gpus_per_node(args)
+        if per_node and ep > per_node and ep % per_node == 0 and "--emulate-hosts" not in flags:
+            flags += ["--emulate-hosts", str(ep // per_node)]
     flags += ["--overlap-moe-expert-parallel-comm"]
     cfg = parse_config(flags)
     ep = cfg.parallel.expert_model_parallel_size
@@ -99,9 +105,12 @@ def model_layout(cfg, ep: int) -> list:
     import torch
 
     from epoverlap.model.transformer import MoEModel
-    from epoverlap.parallel.comm import ExpertComm
+    from epoverlap.parallel.comm import ExpertComm, HostComms
     from epoverlap.kernels import make_moe_ops
-    model = MoEModel(cfg, ExpertComm(None, ep), 0, make_moe_ops("torch"),
+    hosts = cfg.parallel.emulate_hosts  # the hierarchical dispatch's stages (no groups here)
+    by_host = HostComms(ExpertComm(None, hosts), ExpertComm(None, ep // hosts), 0) \
+        if cfg.moe.moe_dispatch_hierarchy == "node" else None
+    model = MoEModel(cfg, ExpertComm(None, ep, by_host=by_host), 0, make_moe_ops("torch"),
                      dtype=torch.bfloat16, device=torch.device("meta"))
     return model.layout()
 
@@ -130,6 +139,14 @@ def _step_range(text: str) -> tuple[int, int]:
     except ValueError:
         raise SimInputError(f"--steps {text}: expected START:END, e.g. 2:4") from None
     return first, last
+
+
+def _gpus_per_node(args: argparse.Namespace) -> int:
+    """The GPUs of one node of the chosen link (0: every peer over the link)."""
+    if args.gpus_per_node is not None:
+        return args.gpus_per_node
+    link = sc.LINKS.get(args.link)
+    return link.gpus_per_node if link is not None else 0
 
 
 def link_model(args: argparse.Namespace, recorded, shape: sc.A2aShape) -> sc.LinkModel:
