@@ -233,6 +233,12 @@ RECIPES = (
            "and the fastest hand-picked overlap path of 2 GPUs (full-iteration graphs)",
            "as default_path_nvlink",
            _default_path_steps(picked=("seq_graphs", "seq_full", "ovl_full")), all_gpus=True),
+    Recipe("default_path_all_gpus_nop2p", 2,
+           "default_path_all_gpus with NCCL_P2P_DISABLE=1, against the best sequential path of "
+           "2 GPUs there (partial graphs)",
+           "as default_path_nvlink",
+           _default_path_steps({"NCCL_P2P_DISABLE": "1"}, picked=("seq_graphs",)),
+           all_gpus=True),
     Recipe("default_path_nop2p", 2,
            "default_path_nvlink with NCCL_P2P_DISABLE=1 (the all-to-alls through host memory)",
            "as default_path_nvlink", _default_path_steps({"NCCL_P2P_DISABLE": "1"})),
