@@ -220,9 +220,9 @@ class ByHostDispatcher(_OncePerRank, TokenDispatcher):
         if hosts * per_host != comm.size:
             raise ValueError(f"{hosts} hosts of {per_host} ranks for an EP group of {comm.size}")
         self._to_source_major = index_tensor([p * hosts + h for h in range(hosts)
-                                        for p in range(per_host)], device)
+                                              for p in range(per_host)], device)
         self._to_mate_major = index_tensor([h * per_host + p for p in range(per_host)
-                                      for h in range(hosts)], device)
+                                            for h in range(hosts)], device)
 
     def permuted_rows(self, num_tokens: int) -> int:
         """A token reaches at most min(topk, G) hosts."""
@@ -254,15 +254,14 @@ class ByHostDispatcher(_OncePerRank, TokenDispatcher):
         sizes = HostRoute.of(exchange.read_pairs()[1], route.ep_rank, hosts, route.per_host,
                              local)
         routed = sum(sizes.between_send)
-        recv_M1H = all_to_all(route.between, permuted_NH[:routed], sizes.between_recv,
-                              sizes.between_send)
-        recv_probs_M1K = all_to_all(route.between, permuted_probs_N[:routed],
-                                    sizes.between_recv, sizes.between_send)
+        recv_M1H, recv_probs_M1K = _send_rows(route.between, permuted_NH[:routed],
+                                              permuted_probs_N[:routed], sizes.between_recv,
+                                              sizes.between_send)
         rows_NH, probs_NL, within_map = once_per_peer(
             self.ops, recv_M1H, recv_probs_M1K, recv_probs_M1K >= 0, route.per_host,
             sum(sizes.within_send))
-        recv_MH = all_to_all(route.within, rows_NH, sizes.within_recv, sizes.within_send)
-        recv_probs_ML = all_to_all(route.within, probs_NL, sizes.within_recv, sizes.within_send)
+        recv_MH, recv_probs_ML = _send_rows(route.within, rows_NH, probs_NL, sizes.within_recv,
+                                            sizes.within_send)
         table = exchange.recv_RL  # [R, V] device
         experts = hosts + self.comm.size + route.ep_rank * local
         meta = ByHostMeta(
@@ -298,6 +297,11 @@ class ByHostDispatcher(_OncePerRank, TokenDispatcher):
 
     def _local_expert_rows(self, meta: DispatchMeta) -> int:
         return sum(meta.tokens_per_local_expert)
+
+
+def _send_rows(comm: ExpertComm, rows_NH, probs_NK, recv: list[int], send: list[int]):
+    """One stage's all-to-alls: the rows, then their probs. -> (rows, probs) received."""
+    return all_to_all(comm, rows_NH, recv, send), all_to_all(comm, probs_NK, recv, send)
 
 
 _DISPATCHERS = {  # (DispatchMode.name, once per rank) -> strategy
