@@ -47,7 +47,7 @@ from epoverlap.parallel.watch import ROUTED_SIGNALS, PeerFailure, route_signals
 from epoverlap.training.checkpoint_files import CheckpointRef, find_resume_checkpoint
 from epoverlap.training.data import open_data_source
 from epoverlap.training.memory import check_memory
-from epoverlap.training.environment import ep_cta_budget, ep_per_host, setup_environment
+from epoverlap.training.environment import ep_cta_budget, setup_environment
 from epoverlap.training.stop import exit_status
 from epoverlap.training.trainer import Trainer
 
@@ -217,7 +217,7 @@ def _train(argv: Optional[list[str]]) -> int:
     groups = init_distributed(cfg.parallel.expert_model_parallel_size, cfg.resolved_device(cuda),
                               cfg.parallel.distributed_timeout_minutes,
                               pp_size=cfg.parallel.pipeline_model_parallel_size,
-                              ep_budget=ep_cta_budget(cfg), ep_per_host=ep_per_host(cfg))
+                              ep_budget=ep_cta_budget(cfg))
     route_signals(groups.watch)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     trainer, status = None, 0

@@ -412,21 +412,31 @@ def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int =
 
     world = Group(WORLD, tuple(range(world_size)), None, watch)
     staged = pp_size > 1
-    by_host = ep_per_host is not None
-    return ParallelGroups(
+    made = ParallelGroups(
         rank=rank, world_size=world_size, local_rank=local_rank, ep_size=ep_size,
         ep_rank=layout.ep_rank(rank), edp_size=layout.edp_size, edp_rank=layout.edp_rank(rank),
         device=device, backend=dist.get_backend(), world=world, watch=watch,
         ep=groups(EXPERT_PARALLEL, layout.ep_groups(), ep_budget), ep_budget=ep_budget,
         ep_splits=groups(EXPERT_PARALLEL_SPLITS, layout.ep_groups()) if ep_size > 1 else None,
-        ep_rail=groups(EXPERT_PARALLEL_RAIL, layout.ep_rail_groups(ep_per_host))
-        if by_host else None,
-        ep_host=groups(EXPERT_PARALLEL_HOST, layout.ep_host_groups(ep_per_host))
-        if by_host else None,
         edp=groups(EXPERT_DATA_PARALLEL, layout.edp_groups()),
         pp_size=pp_size, pp_rank=layout.pp_rank(rank),
         pp=groups(PIPELINE, layout.pp_groups()) if staged else None,
         dp=groups(DATA_PARALLEL, layout.dp_groups()) if staged else world)
+    if ep_per_host is not None:
+        add_host_groups(made, ep_per_host, timeout)
+    return made
+
+
+def add_host_groups(groups: ParallelGroups, per_host: int,
+                    timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
+    """The hierarchical dispatch's groups of `groups`' EP layout over hosts of `per_host`
+    ranks (`ep_rail`, `ep_host`), made now where `expert_parallel_groups` did not (every rank
+    must call, as it builds its trainer)."""
+    layout = RankLayout(groups.world_size, groups.pp_size, groups.ep_size)
+    groups.ep_rail = _new_groups(EXPERT_PARALLEL_RAIL, layout.ep_rail_groups(per_host),
+                                 groups.rank, timeout, groups.watch)
+    groups.ep_host = _new_groups(EXPERT_PARALLEL_HOST, layout.ep_host_groups(per_host),
+                                 groups.rank, timeout, groups.watch)
 
 
 def destroy_distributed(groups: Optional[ParallelGroups] = None) -> None:

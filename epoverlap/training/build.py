@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from epoverlap.config import RunConfig, resolve_config
 from epoverlap.config.aliases import deprecation_note
+from epoverlap.config.dispatch import DispatchMode
 from epoverlap.config.tuning import (PAIRED_ENDS, SEQUENTIAL, TunePath, candidate_paths,
                                      flags_path, may_tune, probe_steps, steps_needed,
                                      timed_steps, tune_mode)
@@ -40,7 +42,8 @@ from epoverlap.kernels import make_moe_ops
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.transformer import MoEModel, count_parameters, model_dtype
 from epoverlap.parallel.comm import ExpertComm, HostComms, PipelineComm
-from epoverlap.parallel.groups import ParallelGroups
+from epoverlap.parallel.groups import ParallelGroups, add_host_groups
+from epoverlap.parallel.transport import ranks_per_host
 from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.recorder import SpanRecorder
 from epoverlap.schedule.executor import Executor, make_lanes
@@ -105,7 +108,7 @@ class RunParts:
         """Communicator, model, its parameter counts, grad buffers, optimizer."""
         cfg, groups = self.cfg, self.groups
         self.comm = ExpertComm(groups.ep, groups.ep_size, cfg.overlap.comm_mode,
-                               counts_group=groups.ep_splits, by_host=_host_comms(groups))
+                               counts_group=groups.ep_splits, by_host=_host_comms(cfg, groups))
         self.wgrad_queue = WeightGradQueue(enabled=cfg.overlap.delay_wgrad_compute)
         self.model = MoEModel(cfg, self.comm, groups.ep_rank, make_moe_ops(self.backend),
                               dtype=model_dtype(cfg), device=self.device,
@@ -333,9 +336,13 @@ class RunParts:
         self.grads.close()
 
 
-def _host_comms(groups: ParallelGroups) -> Optional[HostComms]:
-    """The hierarchical dispatch's communicators, where its groups were built."""
-    if groups.ep_rail is None:
+def _host_comms(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostComms]:
+    """The hierarchical dispatch's communicators (--moe-dispatch-hierarchy node), their groups
+    made here unless the process groups came with them."""
+    if not DispatchMode.of(cfg.moe).by_host:
         return None
+    if groups.ep_rail is None:
+        add_host_groups(groups, ranks_per_host(groups.world_size, cfg.parallel.emulate_hosts),
+                        datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
     return HostComms(ExpertComm(groups.ep_rail, groups.ep_rail.size),
                      ExpertComm(groups.ep_host, groups.ep_host.size), groups.ep_rank)

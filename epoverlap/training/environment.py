@@ -1,21 +1,20 @@
 """Process-wide settings a training process makes before CUDA init: CUDA stream connections,
 NCCL's error handling, emulated hosts' NCCL identities and NCCL's log for the transport report,
-deterministic algorithms, the seed; and from the flags, the expert-parallel group's NCCL CTA
-budget and its ranks per host for the hierarchical dispatch. Every command that builds a `Trainer` calls `setup_environment` first.
+deterministic algorithms, the seed; and the expert-parallel group's NCCL CTA budget from the
+flags. Every command that builds a `Trainer` calls `setup_environment` first.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.utils.deterministic
 
 from epoverlap.config import RunConfig
-from epoverlap.config.dispatch import DispatchMode
 from epoverlap.parallel.groups import NcclCtaBudget
-from epoverlap.parallel.transport import emulated_host_id, ranks_per_host, transport_log_env
+from epoverlap.parallel.transport import emulated_host_id, transport_log_env
 
 NCCL_LOG_FOR_REPORT = "EPOVERLAP_NCCL_LOG"  # the NCCL log this process reads back, if any
 
@@ -52,14 +51,6 @@ def _nccl_hosts_and_log(cfg: RunConfig, on_gpu: bool) -> None:
         os.environ.update(log_env)
         if log_env:
             os.environ[NCCL_LOG_FOR_REPORT] = log_env["NCCL_DEBUG_FILE"]
-
-
-def ep_per_host(cfg: RunConfig) -> Optional[int]:
-    """The ranks of one host in the EP group, where the dispatch is hierarchical
-    (--moe-dispatch-hierarchy node); None: no host groups to build."""
-    if not DispatchMode.of(cfg.moe).by_host:
-        return None
-    return ranks_per_host(int(os.environ.get("WORLD_SIZE", "1")), cfg.parallel.emulate_hosts)
 
 
 def ep_cta_budget(cfg: RunConfig) -> NcclCtaBudget:
