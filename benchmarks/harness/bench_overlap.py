@@ -5,6 +5,9 @@
         [--max-ctas default,16,8,2 [--min-ctas 1]] [--extra-flags "--comm-stream-priority normal"]
 
 Runs on any number of ranks (EP = the world size); GPUs with NCCL (bf16), or CPU with gloo.
+With `--extra-flags "--emulate-hosts 2"` the modes resolve the dispatch as a job over 2 hosts
+would (by host where it pays, `--moe-dispatch-hierarchy`), except T_comp: local copies need
+the flat dispatch, whose compute differs only by the hierarchy's second-stage permute.
 For each shape it builds a fresh model per mode and times the forward-backward of all
 microbatches (median over --iters after --warmup; the max over ranks; every timed step is kept
 too, `fb_ms_samples` / `step_ms_samples`: the slowest rank's, rounds one after the other):
@@ -14,6 +17,7 @@ too, `fb_ms_samples` / `step_ms_samples`: the slowest rank's, rounds one after t
   T_comp  the combined 1F1B schedule with every all-to-all replaced by a local copy of the same
           bytes (compute only)
   T_comm  the all-to-alls of one step alone, replayed back to back with the recorded sizes
+          (by host, each stage's over its own group, in the order they ran)
 and reports T_comm/T_comp (the ratio of the shape), T_seq/T_ovl, T_ovl/max(T_comp, T_comm),
 the realized share of the attainable saving (T_seq - T_ovl) / (T_seq - max(T_comp, T_comm)),
 exposed comm (T_ovl - T_comp), the full step time (plus grad reduction) and tokens/s/GPU, and
@@ -244,9 +248,7 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
         if profile_dir is not None:
             _profile_steps(trainer, inputs, profile_dir, args)
         if want_trace:
-            trainer.comm.trace = []
-            trainer.run_microbatches(1, inputs)
-            result["trace"], trainer.comm.trace = trainer.comm.trace, None
+            result["trace"] = _recorded_all_to_alls(trainer, inputs)
         tokens = groups.world_size * len(inputs) * inputs[0]["tokens"].numel()
         result["tokens_per_s_per_gpu"] = tokens / (result["step_ms"] / 1e3) / groups.world_size
         return result
@@ -297,25 +299,61 @@ def _profile_steps(trainer, inputs, profile_dir: Path, args) -> None:
     trainer.recorder.write(str(profile_dir))
 
 
+class _TaggedTrace:
+    """An `ExpertComm.trace` that appends each record, with the comm's group, to one list
+    shared by the EP comm and the hierarchical dispatch's two stages: the order they ran in."""
+
+    def __init__(self, into: list, group):
+        self.into, self.group = into, group
+
+    def append(self, record: tuple) -> None:
+        self.into.append(record + (self.group,))
+
+
+def _recorded_all_to_alls(trainer, inputs) -> list:
+    """One microbatch's all-to-alls, in order: (output splits, input splits, row shape,
+    dtype, group), over the EP group or, by host, a stage's (a one-rank stage left out: its
+    all-to-all is a local copy that never reaches the backend). By host the EP group carries
+    only the split-size exchanges; they ran beside the stages (their own communicator, started
+    from the compute lane), so the ranks saw them in different orders among the stages' calls:
+    replayed after them, they cannot wait on one another."""
+    comm = trainer.comm
+    comms = [comm] + ([comm.by_host.between, comm.by_host.within] if comm.by_host else [])
+    recorded = []
+    for each in comms:
+        each.trace = _TaggedTrace(recorded, each.group)
+    try:
+        trainer.run_microbatches(1, inputs)
+    finally:
+        for each in comms:
+            each.trace = None
+    replayed = [record for record in recorded if record[4] is None or record[4].size > 1]
+    if comm.by_host is None:
+        return replayed
+    return ([record for record in replayed if record[4] is not comm.group]
+            + [record for record in replayed if record[4] is comm.group])
+
+
 def replay_comm_ms(trace, groups, args) -> tuple:
-    """The recorded all-to-alls alone, back to back on one stream: the median of --iters
-    replays (max over ranks) and each replay's ms (the slowest rank's)."""
+    """The recorded all-to-alls alone, back to back on one stream, each over the group it ran
+    on: the median of --iters replays (max over ranks) and each replay's ms (the slowest
+    rank's)."""
     device = groups.device
     def elems(shape):
         return int(torch.tensor(shape).prod()) if shape else 1
-    biggest = max(max(sum(out), sum(inp)) * elems(shape) for out, inp, shape, _ in trace)
+    biggest = max(max(sum(out), sum(inp)) * elems(shape) for out, inp, shape, *_ in trace)
     buffers = {dtype: (torch.zeros(biggest, dtype=dtype, device=device),
                        torch.zeros(biggest, dtype=dtype, device=device))
                for dtype in {rec[3] for rec in trace}}
 
     def run_all():
-        for out_splits, in_splits, shape, dtype in trace:
+        for out_splits, in_splits, shape, dtype, group in trace:
             width = elems(shape)
             send, recv = buffers[dtype]
             send_view = send[: sum(in_splits) * width].view(-1, width)
             recv_view = recv[: sum(out_splits) * width].view(-1, width)
             dist.all_to_all_single(recv_view, send_view, out_splits, in_splits,
-                                   group=groups.ep_group)
+                                   group=group.pg if group is not None else groups.ep_group)
     run_all()
     times = []
     for _ in range(args.iters):

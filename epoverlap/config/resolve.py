@@ -154,13 +154,14 @@ def _spans_hosts(cfg: RunConfig, world_size: int) -> bool:
     """Whether the EP group spans two or more whole hosts and the hierarchical dispatch would
     send at most `BY_HOST_MAX_SHARE` of the flat dispatch's rows between them (tokens whose
     experts share hosts: what it saves on; top-1 saves nothing)."""
-    ep = cfg.parallel.expert_model_parallel_size
+    ep, moe = cfg.parallel.expert_model_parallel_size, cfg.moe
     per_host = ranks_per_host(world_size, cfg.parallel.emulate_hosts)
-    if not _has_moe_layers(cfg) or ep % per_host or ep // per_host < 2:
-        return False
-    moe = cfg.moe
-    return (moe.num_experts % (ep // per_host) == 0 and by_host_row_share(
-        moe.num_experts, moe.moe_router_topk, ep // per_host) <= BY_HOST_MAX_SHARE)
+    if (not _has_moe_layers(cfg) or not 1 <= ep <= world_size or ep % per_host
+            or ep // per_host < 2 or not 1 <= moe.moe_router_topk <= moe.num_experts
+            or moe.num_experts % (ep // per_host)):
+        return False  # not a layout over hosts (or refused by the check, naming the flag)
+    return by_host_row_share(moe.num_experts, moe.moe_router_topk,
+                             ep // per_host) <= BY_HOST_MAX_SHARE
 
 
 def _by_host(cfg: RunConfig) -> RunConfig:

@@ -8,6 +8,10 @@ network transport."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from epoverlap.config import parse_config, validate_config
@@ -15,6 +19,7 @@ from epoverlap.config.resolve import SEQUENTIAL_FLAG, resolve_config
 from epoverlap.errors import ConfigError
 
 from gpu_runs import identical_losses, needs_gpus, train_cli
+from job_control import REPO, job_env
 
 TINY = ["--preset", "tiny", "--device", "cpu"]
 NODE = ["--moe-dispatch-hierarchy", "node"]
@@ -97,3 +102,20 @@ def test_the_auto_hierarchy_follows_the_hosts(local, flags, want, monkeypatch):
     chosen = want == "node" and "--moe-dispatch-hierarchy" not in flags
     assert ("--moe-dispatch-hierarchy" in cfg.defaulted) == chosen  # the path line's "auto"
     validate_config(parse_config(TINY + flags), 4, cuda_available=False)  # never an error
+
+
+@pytest.mark.slow
+def test_bench_overlap_replays_both_stages_on_two_emulated_hosts(tmp_path):
+    """bench_overlap on 4 gloo ranks as 2 emulated hosts: the modes take the hierarchical
+    dispatch, and T_comm replays each stage's all-to-alls over its own group (the split-size
+    exchanges after them: replayed among the stages, ranks that saw them in other orders
+    waited on one another)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           "-m", "benchmarks.harness.bench_overlap", "--shapes", "quick", "--out-dir",
+           str(tmp_path), "--iters", "1", "--warmup", "0", "--rounds", "1", "--extra-flags",
+           "--emulate-hosts 2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=job_env(),
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    shape = json.loads((tmp_path / "bench_overlap.json").read_text())["results"][0]
+    assert all(shape[mode]["fb_ms"] > 0 for mode in ("seq", "ovl", "comp", "comm"))
