@@ -136,5 +136,7 @@ def test_config_fuzz_refusal_through_torchrun_is_one_line(cases):
     result = _torchrun(refused[0])  # torchrun itself exits 1 when a worker fails
     assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.stderr[-3000:]
     ours = [line for line in result.stderr.splitlines() if line.startswith("epoverlap-train")]
-    assert ours == [f"epoverlap-train: error: {refused[1]}"], result.stderr
+    # one line per problem (several refused Megatron-LM flags: one each)
+    assert ours == [f"epoverlap-train: error: {line}" for line in refused[1].splitlines()], \
+        result.stderr
     assert "[rank" not in result.stderr  # no worker traceback
