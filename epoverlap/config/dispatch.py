@@ -108,18 +108,18 @@ def a2a_chunks_blocker(cfg: "RunConfig", chunks: int) -> str:
     return ""
 
 
-def hierarchy_blocker(cfg: "RunConfig", world_size: int, per_host: int) -> str:
+def hierarchy_blocker(cfg: "RunConfig", per_host: int) -> str:
     """Why --moe-dispatch-hierarchy node cannot run with `cfg` on hosts of `per_host` ranks, in
     the words of a ConfigError ('' when it can): it needs an expert-parallel group of whole
     hosts, at least two, a dispatch that reads its split sizes on the host with one row per
     expert (dropless or capacity, unpadded), and real all-to-alls."""
-    if not DispatchMode.of(cfg.moe).by_host:
+    mode = DispatchMode.of(cfg.moe)
+    if not mode.by_host:
         return ""
     ep = cfg.parallel.expert_model_parallel_size or 1
     if ep % per_host or ep // per_host < 2:
         return (f"needs the expert-parallel group to span whole hosts, at least two: EP {ep} "
                 f"over hosts of {per_host} ranks (LOCAL_WORLD_SIZE / --emulate-hosts)")
-    mode = DispatchMode.of(cfg.moe)
     if mode.name not in ("dropless", "capacity"):
         return f"needs the dropless or capacity dispatch (not {mode.name})"
     if cfg.overlap.comm_mode != "real":

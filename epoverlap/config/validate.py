@@ -178,8 +178,7 @@ def _validate_emulated_hosts(cfg: RunConfig, world_size: int, cuda_available: bo
 
 def _validate_hierarchy(cfg: RunConfig, world_size: int) -> None:
     """--moe-dispatch-hierarchy node (what it needs: `config.dispatch.hierarchy_blocker`)."""
-    blocker = hierarchy_blocker(cfg, world_size,
-                                ranks_per_host(world_size, cfg.parallel.emulate_hosts))
+    blocker = hierarchy_blocker(cfg, ranks_per_host(world_size, cfg.parallel.emulate_hosts))
     require(not blocker, "moe_dispatch_hierarchy", cfg.moe.moe_dispatch_hierarchy, blocker)
 
 

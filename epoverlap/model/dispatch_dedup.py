@@ -81,6 +81,10 @@ class _OncePerRank:
         """Each received row sums its local experts' outputs."""
         return self.ops.unpermute(expert_out_MH, local_row_id_map)
 
+    def _local_expert_rows(self, meta: DispatchMeta) -> int:
+        """The local experts' rows: every (received row, chosen expert) pair, as counted."""
+        return sum(meta.tokens_per_local_expert)
+
 
 class OncePerRankHostSplitDispatcher(_OncePerRank, HostSplitDispatcher):
     """dropless or capacity, once per rank: the rows per rank are counted from the [T, R]
@@ -92,9 +96,6 @@ class OncePerRankHostSplitDispatcher(_OncePerRank, HostSplitDispatcher):
     def _exchange_now(self, counts_E) -> SplitExchange:
         raise ValueError("dispatch once per rank: pass the exchange that "
                          "`start_split_exchange(counts_E, row_id_map)` started")
-
-    def _local_expert_rows(self, meta: DispatchMeta) -> int:
-        return sum(meta.tokens_per_local_expert)
 
 
 class OncePerRankBudgetDispatcher(_OncePerRank, BudgetDispatcher):
@@ -294,9 +295,6 @@ class ByHostDispatcher(_OncePerRank, TokenDispatcher):
         rows_M1H = self.ops.unpermute(back_NH, meta.within_row_id_map)
         back_NH = all_to_all(route.between, rows_M1H, meta.input_splits, meta.output_splits)
         return self.ops.unpermute(back_NH, row_id_map_TE[:, :route.hosts].contiguous())
-
-    def _local_expert_rows(self, meta: DispatchMeta) -> int:
-        return sum(meta.tokens_per_local_expert)
 
 
 def _send_rows(comm: ExpertComm, rows_NH, probs_NK, recv: list[int], send: list[int]):

@@ -397,10 +397,10 @@ def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int =
                            ep_per_host: Optional[int] = None) -> ParallelGroups:
     """The PP, DP, EP and EDP groups of `pp_size` stages and `ep_size` over the initialized
     world (every rank must call), watched by `watch`; the EP groups with `ep_budget`'s NCCL CTA
-    limits; with `ep_per_host`, each EP group's rails and hosts (`RankLayout.ep_rail_groups`,
-    `ep_host_groups`). Called again with another EP size (or budget) in the same world, it gives a second,
-    independent layout (tests resume one run's checkpoint at another EP size in one process
-    group; the overlap benchmark sweeps budgets)."""
+    limits; with `ep_per_host`, each EP group's rails and hosts (`add_host_groups`). Called
+    again with another EP size (or budget) in the same world, it gives a second, independent
+    layout (tests resume one run's checkpoint at another EP size in one process group; the
+    overlap benchmark sweeps budgets)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     layout = RankLayout(world_size, pp_size, ep_size)
     backend = dist.get_backend()

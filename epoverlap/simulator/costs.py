@@ -200,7 +200,7 @@ class A2aShape:
         hosts = self.hosts
         if hosts <= 1:
             return 0.0
-        if self.by_host:
+        if self.sends_by_host:
             return self.tokens * (hosts - 1) * self._reach(hosts)
         if self.sends_once_per_rank:
             return self.tokens * (self.ep - self.ep // hosts) * self._reach(self.ep)
@@ -209,9 +209,9 @@ class A2aShape:
     @property
     def bytes_between_hosts(self) -> float:
         """The dispatch's bytes a rank sends to other hosts per microbatch: rows and their
-        fp32 probs (by host: the probs of the destination host's experts)."""
-        probs = (self.num_experts // self.hosts if self.by_host else self.probs_per_row)
-        return self.rows_between_hosts * (self.hidden * self.dtype_bytes + probs * PROBS_BYTES)
+        fp32 probs (`probs_per_row`)."""
+        return self.rows_between_hosts * (self.hidden * self.dtype_bytes
+                                          + self.probs_per_row * PROBS_BYTES)
 
     @property
     def probs_per_row(self) -> int:
