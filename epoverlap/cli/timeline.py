@@ -86,7 +86,26 @@ def format_span_summary(summary: dict[str, Any]) -> str:
     names = [c.removesuffix("_us") for c in _LAYER_COLUMNS]
     text += f"\n\n{layer_title} (times in us; exposure vs all compute of the rank)\n" + \
         _table(["rank", "layer", *names], layer_rows)
-    return text + "\n\n" + format_compute_nodes(summary["compute_nodes"])
+    return text + _whole_step_table(summary) + "\n\n" + \
+        format_compute_nodes(summary["compute_nodes"])
+
+
+_WHOLE_COLUMNS = ("whole_step_us", "step_time_us", "grad_reduce_us", "grad_clip_us",
+                  "optimizer_us", "whole_comm_us", "whole_compute_busy_us")
+
+
+def _whole_step_table(summary: dict[str, Any]) -> str:
+    """The step through the optimizer (span format 3), or "" for files without it."""
+    blocks = [(step["step"], step["ranks"]) for step in summary["steps"]]
+    blocks += [("mean", summary["mean_over_steps"])] if "mean_over_steps" in summary else []
+    rows = [[label, row["rank"], *(row.get(c) for c in _WHOLE_COLUMNS)]
+            for label, ranks in blocks for row in ranks if "whole_step_us" in row]
+    if not rows:
+        return ""
+    names = [c.removesuffix("_us").replace("step_time", "forward_backward")
+             for c in _WHOLE_COLUMNS]
+    return ("\n\nwhole step (times in us; comm and compute busy with the gradients' all-reduce, "
+            "clip and optimizer)\n" + _table(["step", "rank", *names], rows))
 
 
 def format_compute_nodes(nodes: Sequence[dict[str, Any]]) -> str:

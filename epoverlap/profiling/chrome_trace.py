@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from epoverlap.model.stages import describe_layers
-from epoverlap.profiling.spans import RankSpans, Span, StepSpans
+from epoverlap.profiling.spans import RankSpans, Span, StepPart, StepSpans
 from epoverlap.profiling.summary import InputError, bubbles, find_step
 
 LANE_TIDS = {"compute": 0, "comm": 1}
 STEP_TID = 2
 BUBBLE_TID = 3
+PART_CATEGORY = "step_part"  # the step's parts after its forward-backward, on their lanes
 # Reserved Chrome trace-viewer colour names (`cname`), cycled by microbatch.
 TRACE_PALETTE = (
     "thread_state_runnable",
@@ -47,7 +48,9 @@ def chrome_trace(ranks: list[RankSpans], steps: list[int], source: str) -> dict[
             events += [_span_event(rank_spans.rank, step.step, span, offset) for span in step.spans]
             events += [_bubble_event(rank_spans.rank, step.step, start, end, offset)
                        for start, end in bubbles(step)]
-            offset += step.step_time_us
+            events += [_part_event(rank_spans.rank, step.step, part, offset)
+                       for part in step.parts]
+            offset += step.whole_step_us or step.step_time_us
     other = {"source": source, "clock": ranks[0].clock, "world_size": ranks[0].world_size}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
@@ -67,7 +70,8 @@ def read_chrome_trace(path: str | Path) -> list[RankSpans]:
     offsets: dict[tuple[int, int], float] = {}
     for event in (e for e in complete if e.get("tid") == STEP_TID):
         key = (event["pid"], event["args"]["step"])
-        steps[key] = StepSpans(key[1], float(event["dur"]), [])
+        steps[key] = StepSpans(key[1], float(event["dur"]), [],
+                               event["args"].get("whole_step_us"))
         offsets[key] = float(event["ts"])
     lanes = {tid: lane for lane, tid in LANE_TIDS.items()}
     for event in (e for e in complete if e.get("tid") in lanes):
@@ -75,6 +79,10 @@ def read_chrome_trace(path: str | Path) -> list[RankSpans]:
         if key not in steps:
             raise InputError(f"{path}: span {event.get('name')!r} outside any step marker")
         start = float(event["ts"]) - offsets[key]
+        if event.get("cat") == PART_CATEGORY:
+            steps[key].parts.append(StepPart(event["name"], lanes[event["tid"]], start,
+                                             start + float(event["dur"])))
+            continue
         wait = event.get("args", {}).get("wait_us")
         steps[key].spans.append(Span.from_action(lanes[event["tid"]], event["name"], start,
                                                  start + float(event["dur"]),
@@ -126,7 +134,15 @@ def _bubble_event(rank: int, step: int, start: float, end: float,
             "args": {"step": step}}
 
 
+def _part_event(rank: int, step: int, part: StepPart, offset: float) -> dict[str, Any]:
+    return {"name": part.name, "cat": PART_CATEGORY, "ph": "X", "ts": offset + part.start_us,
+            "dur": part.duration_us, "pid": rank, "tid": LANE_TIDS[part.lane],
+            "cname": "grey", "args": {"step": step, "lane": part.lane}}
+
+
 def _step_event(rank: int, step: StepSpans, offset: float) -> dict[str, Any]:
+    """The forward-backward's window (the step's parts after it follow on the lanes)."""
     return {"name": f"step {step.step}", "cat": "step", "ph": "X", "ts": offset,
             "dur": step.step_time_us, "pid": rank, "tid": STEP_TID, "cname": "grey",
-            "args": {"step": step.step, "step_time_us": step.step_time_us}}
+            "args": {"step": step.step, "step_time_us": step.step_time_us,
+                     "whole_step_us": step.whole_step_us}}

@@ -9,7 +9,10 @@ action waited on the other lane and `end - start` the time it ran:
   - GPU: CUDA events recorded on the lane's stream around its `wait_event` (no host sync inside
     the step), read back after the step, plus an NVTX range with the action's name for nsys;
   - CPU: host clock (time.perf_counter) read on the thread that runs the action.
-After the profiled steps, `write` stores one file per rank in the `epoverlap-spans` format
+After the forward-backward (`end_forward_backward`) the step's own parts are marked the same
+way (`part(name)`: the gradients' all-reduce over data-parallel replicas on the comm lane, the
+clip and the optimizer on the compute lane, `spans.STEP_PARTS`), and `end_step` closes the
+whole step. After the profiled steps, `write` stores one file per rank in the `epoverlap-spans` format
 (epoverlap/profiling/spans.py, docs/span-format.md), which `epoverlap-timeline` reads.
 """
 
@@ -24,7 +27,8 @@ from typing import Callable, Optional
 import torch
 
 from epoverlap.profiling.intervals import measure, subtract
-from epoverlap.profiling.spans import Span, StepSpans, write_rank_span_file
+from epoverlap.profiling.spans import (STEP_PARTS, Span, StepPart, StepSpans,
+                                       write_rank_span_file)
 
 
 class SpanRecorder:
@@ -37,17 +41,43 @@ class SpanRecorder:
         self._active = False
         self._lock = threading.Lock()
         self._raw: list = []
+        self._parts: list = []
         self._step = 0
         self._t0: Optional[object] = None
+        self._fb_end: Optional[object] = None
 
     def begin_step(self, step: int) -> None:
-        self._active, self._step, self._raw = True, step, []
+        self._active, self._step, self._raw, self._parts = True, step, [], []
+        self._fb_end = None
         if self.on_gpu:
             torch.cuda.synchronize(self.device)
-            self._t0 = torch.cuda.Event(enable_timing=True)
-            self._t0.record()
-        else:
-            self._t0 = time.perf_counter()
+        self._t0 = self._mark()
+
+    def _mark(self):
+        """Now on this rank's clock: an event recorded on the current stream (GPU), or the host
+        clock."""
+        if not self.on_gpu:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def end_forward_backward(self) -> None:
+        """Mark the end of the executor's plan (the lanes joined into the current stream)."""
+        if self._active:
+            self._fb_end = self._mark()
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        """Mark one of the step's parts after its forward-backward (`STEP_PARTS`)."""
+        if not self._active:
+            yield
+            return
+        start = self._mark()
+        try:
+            yield
+        finally:
+            self._parts.append((name, start, self._mark()))
 
     @contextlib.contextmanager
     def span(self, action, lane: str, wait: Callable[[], None] = lambda: None):
@@ -81,29 +111,33 @@ class SpanRecorder:
             self._raw.append((lane, name, queued, start, end))
 
     def end_step(self) -> Optional[StepSpans]:
-        """Close the step (all lanes must be drained); convert raw marks to microseconds."""
+        """Close the step (all lanes must be drained); convert raw marks to microseconds. The
+        forward-backward's window ends at `end_forward_backward` (here, if it was not marked);
+        the whole step here."""
         if not self._active:
             return None
         self._active = False
+        stop = self._mark()
         if self.on_gpu:
-            stop = torch.cuda.Event(enable_timing=True)
-            stop.record()
             torch.cuda.synchronize(self.device)
             offset = self._t0.elapsed_time
 
             def us(mark) -> float:
                 return offset(mark) * 1e3
-            step_time = us(stop)
         else:
             t0 = self._t0
 
             def us(mark) -> float:
                 return (mark - t0) * 1e6
-            step_time = (time.perf_counter() - t0) * 1e6
         spans = [_span(lane, name, us(q), us(s), us(e)) for lane, name, q, s, e in self._raw]
-        step_time = max([step_time] + [s.end_us for s in spans])
+        fb_end = us(self._fb_end if self._fb_end is not None else stop)
+        step_time = max([fb_end] + [s.end_us for s in spans])
+        parts = [StepPart(name, STEP_PARTS[name], max(us(start), step_time),
+                          max(us(end), step_time)) for name, start, end in self._parts]
+        whole = max([us(stop), step_time] + [p.end_us for p in parts]) if parts else None
         record = StepSpans(step=self._step, step_time_us=step_time,
-                           spans=sorted(spans, key=lambda s: s.start_us))
+                           spans=sorted(spans, key=lambda s: s.start_us),
+                           whole_step_us=whole, parts=parts)
         self.steps.append(record)
         return record
 

@@ -7,7 +7,10 @@ compute or the comm lane) and calls `write_rank_span_file` once per rank; the ti
 `read_span_directory`. The file format is documented in
 docs/span-format.md; any change to it bumps SPAN_FORMAT_VERSION. Version 2 added each span's
 `queued_us` (when its lane reached it, before it waited on the other lane); version-1 files
-still read, with `queued_us` None (the wait unknown).
+still read, with `queued_us` None (the wait unknown). Version 3 added the step's end after the
+forward-backward (`whole_step_us`) and its parts there (`step_parts`: the gradient reduction
+over data-parallel replicas, the clip, the optimizer), so a step's comm counts the gradients'
+all-reduce too; version-2 files read with neither.
 
 Times are microseconds (float) relative to the rank's step start; every span lies inside
 [0, step_time_us] of its step. Every problem found while writing or reading raises
@@ -21,17 +24,19 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 SPAN_FORMAT = "epoverlap-spans"
-SPAN_FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+SPAN_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 LANES = ("compute", "comm")
 PHASES = ("forward", "backward", "wgrad")
 CLOCKS = ("host", "cuda_event")
 SPAN_FILE_GLOB = "spans-rank*.json"
+# What a step does after its forward-backward, in order, and the lane each part is counted on
+STEP_PARTS = {"grad_reduce": "comm", "grad_clip": "compute", "optimizer": "compute"}
 
 _PHASE_OF_LETTER = {"F": "forward", "B": "backward", "W": "wgrad"}
 _ACTION_RE = re.compile(r"^([FBW])(\d+)\.([A-Za-z_][A-Za-z0-9_]*)(?:\.L(\d+))?$")
@@ -76,13 +81,32 @@ class Span:
         return None if self.queued_us is None else self.start_us - self.queued_us
 
 
+@dataclass(frozen=True, slots=True)
+class StepPart:
+    """Work of the step after its forward-backward (`STEP_PARTS`: name -> lane), relative to
+    the rank's step start."""
+
+    name: str
+    lane: str
+    start_us: float
+    end_us: float
+
+    @property
+    def duration_us(self) -> float:
+        return self.end_us - self.start_us
+
+
 @dataclass
 class StepSpans:
-    """All spans of one training step on one rank; times relative to that rank's step start."""
+    """All spans of one training step on one rank; times relative to that rank's step start.
+    `step_time_us` ends with the forward-backward (the plan the executor ran); `whole_step_us`
+    (None: not recorded) with the optimizer, and `parts` are what ran in between."""
 
     step: int
     step_time_us: float
     spans: list[Span]
+    whole_step_us: float | None = None
+    parts: list[StepPart] = field(default_factory=list)
 
 
 @dataclass
@@ -171,6 +195,8 @@ def _step_to_json(step: StepSpans) -> dict[str, Any]:
         "step": step.step,
         "step_time_us": step.step_time_us,
         "spans": [asdict(span) for span in step.spans],
+        "whole_step_us": step.whole_step_us,
+        "step_parts": [asdict(part) for part in step.parts],
     }
 
 
@@ -247,7 +273,34 @@ def _parse_step(raw: Any, index: int, name: str, version: int) -> StepSpans:
         raise SpanFileError(f"{where}: 'spans' must be a list, got {_kind(raw_spans)}")
     spans = [_parse_span(item, i, step_time_us, where, version)
              for i, item in enumerate(raw_spans)]
-    return StepSpans(step, step_time_us, spans)
+    if version < 3 or raw.get("whole_step_us") is None:
+        return StepSpans(step, step_time_us, spans)
+    whole_us = _time_field(raw, "whole_step_us", where)
+    if whole_us < step_time_us:
+        raise SpanFileError(f"{where}: whole_step_us {whole_us} < step_time_us {step_time_us}")
+    raw_parts = raw.get("step_parts")
+    if not isinstance(raw_parts, list):
+        raise SpanFileError(f"{where}: 'step_parts' must be a list, got {_kind(raw_parts)}")
+    parts = [_parse_part(item, i, whole_us, where) for i, item in enumerate(raw_parts)]
+    return StepSpans(step, step_time_us, spans, whole_us, parts)
+
+
+def _parse_part(raw: Any, index: int, whole_us: float, where: str) -> StepPart:
+    where = f"{where} step part {index}"
+    if not isinstance(raw, dict):
+        raise SpanFileError(f"{where}: expected an object, got {_kind(raw)}")
+    name = _str_field(raw, "name", where)
+    if name not in STEP_PARTS:
+        raise SpanFileError(f"{where}: unknown part {name!r} (allowed: {', '.join(STEP_PARTS)})")
+    lane = _str_field(raw, "lane", where)
+    if lane != STEP_PARTS[name]:
+        raise SpanFileError(f"{where} ({name}): lane {lane!r}, expected {STEP_PARTS[name]!r}")
+    part = StepPart(name, lane, _time_field(raw, "start_us", where),
+                    _time_field(raw, "end_us", where))
+    if not part.start_us <= part.end_us <= whole_us:
+        raise SpanFileError(f"{where} ({name}): [{part.start_us}, {part.end_us}] is not inside "
+                            f"the whole step (whole_step_us {whole_us})")
+    return part
 
 
 def _parse_span(raw: Any, index: int, step_time_us: float, where: str, version: int) -> Span:

@@ -24,6 +24,12 @@ Metric definitions (all in microseconds, per rank and step, window = [0, step_ti
                    bubble_fraction = bubble_us / step_time_us. Marked in the trace (a `bubble`
                    track per rank) and the PNG (grey on the compute row). Each rank's trace
                    process is labelled with the layers its spans ran (its pipeline stage).
+Span files of version 3 also time the step after its forward-backward (the gradients'
+all-reduce, clip, optimizer: `spans.STEP_PARTS`), and each rank row then adds:
+  whole_step_us          the step through the optimizer (`StepSpans.whole_step_us`)
+  <part>_us              each part's duration (grad_reduce_us, grad_clip_us, optimizer_us)
+  whole_comm_us          comm_us + the comm-lane parts (the gradients' all-reduce)
+  whole_compute_busy_us  compute_busy_us + the compute-lane parts
 Per layer the busy times use only that layer's spans, but exposure is measured against ALL of the
 rank's compute (comm hidden behind another layer's compute counts as hidden). Spans with no layer
 (embed, loss) form the layer `null`. The mean-over-steps row averages each field over the steps;
@@ -60,6 +66,9 @@ DEFINITIONS = {
                      "wait_us = sum(start - queued)",
     "layers": "busy times from that layer's spans only; exposure against ALL compute of the rank",
     "mean_over_steps": "field means over steps; overlap_ratio = sum(hidden) / sum(comm)",
+    "whole_step_us": "the step through the optimizer (span format 3; absent before)",
+    "whole_comm_us": "comm_us + the comm-lane step parts (the gradients' all-reduce)",
+    "whole_compute_busy_us": "compute_busy_us + the compute-lane step parts (clip, optimizer)",
 }
 
 
@@ -96,10 +105,24 @@ def _rank_row(rank: int, step: StepSpans) -> dict[str, Any]:
                "compute_wait_us": compute_wait_us([s for s in step.spans if s.layer == layer])}
               for layer, figures in layer_metrics(step).items()]
     bubble_us = measure(bubbles(step))
-    return {"rank": rank, **step_metrics(step).as_dict(),
+    metrics = step_metrics(step).as_dict()
+    return {"rank": rank, **metrics,
             "compute_wait_us": compute_wait_us(step.spans), "bubble_us": bubble_us,
             "bubble_fraction": bubble_us / step.step_time_us if step.step_time_us else 0.0,
-            "layers": layers}
+            **whole_step_figures(step, metrics), "layers": layers}
+
+
+def whole_step_figures(step: StepSpans, metrics: dict[str, Any]) -> dict[str, float]:
+    """The whole step's figures (module docstring), {} for a step recorded without them."""
+    if step.whole_step_us is None:
+        return {}
+    figures = {"whole_step_us": step.whole_step_us}
+    lanes = {"comm": metrics["comm_us"], "compute": metrics["compute_busy_us"]}
+    for part in step.parts:
+        figures[f"{part.name}_us"] = figures.get(f"{part.name}_us", 0.0) + part.duration_us
+        lanes[part.lane] += part.duration_us
+    figures["whole_comm_us"], figures["whole_compute_busy_us"] = lanes["comm"], lanes["compute"]
+    return figures
 
 
 def mean_over_steps(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -72,16 +72,20 @@ class StepRunner:
         p.faults.begin_step(step)
         schedule = self._tune_schedule(step)
         losses, reruns = self.forward_backward(step)
-        spans = p.recorder.end_step() if profiled else None
+        p.recorder.end_forward_backward()
         p.faults.after_backward(p.model)
         if p.cfg.train.check_for_nan_in_loss_and_grad:
             check_finite(step, losses, p.model, p.grads, p.groups)
-        p.grads.reduce()
-        grad_norm = p.grads.clip(p.cfg.train.clip_grad)
+        with p.recorder.part("grad_reduce"):
+            p.grads.reduce()
+        with p.recorder.part("grad_clip"):
+            grad_norm = p.grads.clip(p.cfg.train.clip_grad)
         loss, aux, imbalance, self.stop_reason = self._reduce_stats(losses)
         lr = lr_at(step, p.cfg.train)
         if not p.cfg.train.skip_optimizer_step:
-            p.optimizer.step(lr)
+            with p.recorder.part("optimizer"):
+                p.optimizer.step(lr)
+        spans = p.recorder.end_step() if profiled else None
         elapsed = self.sync_time() - start
         self._tune_record(step, elapsed)
         result = self._result(step, loss, lr, grad_norm, aux, imbalance, elapsed)

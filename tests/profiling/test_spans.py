@@ -143,7 +143,7 @@ def _set_span(key, value):
     "mutate, reason",
     [
         (lambda d: d.update(format="chrome-trace"), "not an epoverlap span file"),
-        (lambda d: d.update(version=3), "unsupported span format version 3"),
+        (lambda d: d.update(version=4), "unsupported span format version 4"),
         (lambda d: d.pop("version"), "unsupported span format version None"),
         (lambda d: d.update(clock="wall"), "unknown clock 'wall'"),
         (lambda d: d.update(rank=1), "rank 1 is not below world_size 1"),
