@@ -111,8 +111,8 @@ def a2a_chunks_blocker(cfg: "RunConfig", chunks: int) -> str:
 def hierarchy_blocker(cfg: "RunConfig", per_host: int) -> str:
     """Why --moe-dispatch-hierarchy node cannot run with `cfg` on hosts of `per_host` ranks, in
     the words of a ConfigError ('' when it can): it needs an expert-parallel group of whole
-    hosts, at least two, a dispatch that reads its split sizes on the host with one row per
-    expert (dropless or capacity, unpadded), and real all-to-alls."""
+    hosts, at least two, a dispatch of data-dependent rows (dropless, capacity unpadded, or
+    the budget's fixed chunks of them), and real all-to-alls."""
     mode = DispatchMode.of(cfg.moe)
     if not mode.by_host:
         return ""
@@ -120,8 +120,8 @@ def hierarchy_blocker(cfg: "RunConfig", per_host: int) -> str:
     if ep % per_host or ep // per_host < 2:
         return (f"needs the expert-parallel group to span whole hosts, at least two: EP {ep} "
                 f"over hosts of {per_host} ranks (LOCAL_WORLD_SIZE / --emulate-hosts)")
-    if mode.name not in ("dropless", "capacity"):
-        return f"needs the dropless or capacity dispatch (not {mode.name})"
+    if mode.name not in ("dropless", "capacity", "budget"):
+        return f"needs the dropless, capacity or budget dispatch (not {mode.name})"
     if cfg.overlap.comm_mode != "real":
         return f"needs --comm-mode real (not {cfg.overlap.comm_mode})"
     return ""

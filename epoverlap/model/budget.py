@@ -2,6 +2,8 @@
 dispatchers (`model.dispatch.BudgetDispatcher`), read by the trainer after each forward-backward
 to decide a rerun (`training.step`) and by the graph banks, which hold one bank per budget level
 (`graphs.banks`). The sizing rules themselves are the config's (`config.dispatch`).
+`ByHostBudget` sizes the hierarchical dispatch's two stages (`model.dispatch_dedup.
+ByHostBudgetDispatcher`): a chunk per host, then a chunk per host mate, and the experts' rows.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from epoverlap.config.dispatch import budget_chunk_rows, budget_levels
+from epoverlap.config.dispatch import budget_chunk_rows, budget_levels, group_reach
 
 
 class DispatchBudget:
@@ -51,10 +53,14 @@ class DispatchBudget:
     @classmethod
     def for_dispatch(cls, factor: float, ranks: int, tokens: int, topk: int, num_experts: int,
                      once_per_rank: bool, device: torch.device,
-                     memory_steps: int = 0) -> "DispatchBudget":
+                     memory_steps: int = 0, hosts: int = 1) -> "DispatchBudget":
         """The budget of a dispatch of `tokens` tokens a microbatch: rows are (token, expert)
         pairs, or once per rank (EP > 1) (token, rank) pairs, at most min(topk, ranks) a token,
-        each going to at most min(topk, L) local experts, whose rows are budgeted apart."""
+        each going to at most min(topk, L) local experts, whose rows are budgeted apart. By
+        host (`hosts` > 1): `ByHostBudget`."""
+        if hosts > 1:
+            return ByHostBudget(factor, hosts, ranks // hosts, tokens, topk, num_experts,
+                                device, memory_steps)
         if once_per_rank and ranks > 1:
             return cls(factor, ranks, tokens * min(topk, ranks), device,
                        pairs_per_dispatch=tokens * topk,
@@ -122,3 +128,66 @@ class DispatchBudget:
         if self.fits(self.level, demand):
             return None
         return next(level for level in range(len(self.levels)) if self.fits(level, demand))
+
+
+class ByHostBudget(DispatchBudget):
+    """The budget of the hierarchical dispatch over `hosts` hosts of `per_host` ranks, three
+    buffers sized at each level f of `levels` (balanced routing's share times f, at most what
+    can ever come):
+
+      stage 1  `chunk_rows`: rows a rank sends each host (one per token reaching it): f x
+               tokens x reach(hosts), at most `tokens`;
+      stage 2  `within_rows`: rows a rank forwards each mate of its host (its rail's rows for
+               that mate's experts): f x hosts x tokens x reach(ranks), at most every row it
+               received (hosts x `chunk_rows`);
+      experts  `expert_rows`: (row, local expert) pairs, as once per rank: f x tokens x topk,
+               at most every received row (per_host x `within_rows`) times min(topk, L).
+
+    reach(g) = `config.dispatch.group_reach`: the chance a token's experts hit one of g equal
+    groups. At the top level (f = ranks) every buffer holds all it can ever get. Each buffer
+    records its demand; `fits` needs all three."""
+
+    def __init__(self, factor: float, hosts: int, per_host: int, tokens: int, topk: int,
+                 num_experts: int, device: torch.device, memory_steps: int = 0):
+        ranks = hosts * per_host
+        super().__init__(factor, ranks, tokens * min(topk, hosts), device,
+                         pairs_per_dispatch=tokens * topk,
+                         pairs_per_row=min(topk, num_experts // ranks),
+                         memory_steps=memory_steps)
+        self.hosts, self.per_host, self.tokens = hosts, per_host, tokens
+        self._host_share = tokens * group_reach(num_experts, topk, hosts)
+        self._mate_share = hosts * tokens * group_reach(num_experts, topk, ranks)
+        self.demand_within_rows = torch.zeros((), dtype=torch.int64, device=device)
+
+    def chunk_rows_at(self, level: int) -> int:
+        return min(self.tokens, math.ceil(self.levels[level] * self._host_share))
+
+    def within_rows_at(self, level: int) -> int:
+        return min(self.hosts * self.chunk_rows_at(level),
+                   math.ceil(self.levels[level] * self._mate_share))
+
+    @property
+    def within_rows(self) -> int:
+        return self.within_rows_at(self.level)
+
+    def expert_rows_at(self, level: int) -> int:
+        received = self.per_host * self.within_rows_at(level) * self.pairs_per_row
+        return min(received, math.ceil(self.levels[level] * self.pairs))
+
+    def note_within(self, send_P: torch.Tensor) -> None:
+        """Record on the device the most rows this rank forwards one host mate (no sync)."""
+        torch.maximum(self.demand_within_rows, send_P.max(), out=self.demand_within_rows)
+
+    def reset_demand(self) -> None:
+        super().reset_demand()
+        self.demand_within_rows.zero_()
+
+    def demand(self) -> torch.Tensor:
+        """[rows to one host, rows to one host mate, pairs on one rank's experts]."""
+        return torch.stack([self.demand_rows, self.demand_within_rows,
+                            self.demand_expert_rows])
+
+    def fits(self, level: int, demand: Sequence[int]) -> bool:
+        return (self.chunk_rows_at(level) >= demand[0]
+                and self.within_rows_at(level) >= demand[1]
+                and self.expert_rows_at(level) >= demand[2])

@@ -36,7 +36,19 @@ rows per host, its (token, rank) pairs and its expert counts, one small all-gath
 the router has counted (`ExpertComm.start_table_exchange`); the dispatch reads it on the host
 and derives both stages' sizes (`HostRoute`).
 
-Shape legend as `model.dispatch`; G hosts, P ranks per host, M1 rows received between hosts.
+By host with the budget (`ByHostBudgetDispatcher`, sync-free, so graphs can hold it): the
+same two stages in fixed chunks (`model.budget.ByHostBudget`): stage 1 one chunk per host, stage
+2 one chunk per host mate, each a rank's rows for it then empty slots (probs -1), so both
+stages' all-to-alls have equal splits and nothing is read on the host. Each mate also sends, in
+a small all-to-all, how many rows of its chunk came from each source host, so the receiver
+reorders (mate, source host) blocks to (source host, mate) on the device, empty slots last; the
+experts' (row, expert) pairs are cut at the budget's `expert_rows`. Rows past a chunk are cut
+and recorded (`ByHostBudget.demand`), and the step reruns at a level that holds them, so a step
+that counts is the dropless one: the experts see the rows of --moe-dispatch-hierarchy node in
+the same order and the combine sums them in the same order, bit for bit.
+
+Shape legend as `model.dispatch`; G hosts, P ranks per host, M1 rows received between hosts;
+C1, C2 the two stages' chunk rows.
 """
 
 from __future__ import annotations
@@ -48,10 +60,10 @@ import torch
 
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.kernels import MoEOps
-from epoverlap.model.budget import DispatchBudget
+from epoverlap.model.budget import ByHostBudget, DispatchBudget
 from epoverlap.model.dispatch import (BudgetDispatcher, DispatchMeta, HostSplitDispatcher,
-                                      PaddedCapacityDispatcher, TokenDispatcher, index_tensor,
-                                      move_rows)
+                                      PaddedCapacityDispatcher, TokenDispatcher, budget_indices,
+                                      index_tensor, kept_counts, move_rows)
 from epoverlap.parallel.comm import ExpertComm, SplitExchange, all_to_all
 
 
@@ -112,22 +124,24 @@ class OncePerRankBudgetDispatcher(_OncePerRank, BudgetDispatcher):
 
     def _received(self, recv_probs_M, recv_RL, chunk: int):
         expert_rows = self.budget.expert_rows
-        recv_probs_M = self._cut_expert_pairs(recv_probs_M, expert_rows)
+        recv_probs_M = cut_expert_pairs(self.budget, recv_probs_M, expert_rows, self.topk)
         return recv_probs_M, (recv_probs_M >= 0).sum(dim=0, keepdim=True), expert_rows
-
-    def _cut_expert_pairs(self, probs_ML: torch.Tensor, expert_rows: int) -> torch.Tensor:
-        """The (received row, local expert) pairs in the order the second permute gives them
-        rows (expert-major), those past `expert_rows` unchosen (probs -1); their count is
-        recorded for the rerun."""
-        chosen_ML = probs_ML >= 0
-        self.budget.note_expert_rows(chosen_ML.sum())
-        if expert_rows >= probs_ML.shape[0] * min(self.topk, self.num_local):
-            return probs_ML  # every pair fits: nothing to cut
-        row_LM = torch.cumsum(chosen_ML.t().reshape(-1), 0).view(chosen_ML.shape[1], -1) - 1
-        return torch.where(chosen_ML & (row_LM.t() < expert_rows), probs_ML, -1.0)
 
     def _local_expert_rows(self, meta: DispatchMeta) -> int:
         return meta.expert_rows
+
+
+def cut_expert_pairs(budget: DispatchBudget, probs_ML: torch.Tensor, expert_rows: int,
+                     topk: int) -> torch.Tensor:
+    """The (received row, local expert) pairs in the order the second permute gives them rows
+    (expert-major), those past `expert_rows` unchosen (probs -1); their count is recorded for
+    the rerun."""
+    chosen_ML = probs_ML >= 0
+    budget.note_expert_rows(chosen_ML.sum())
+    if expert_rows >= probs_ML.shape[0] * min(topk, probs_ML.shape[1]):
+        return probs_ML  # every pair fits: nothing to cut
+    row_LM = torch.cumsum(chosen_ML.t().reshape(-1), 0).view(chosen_ML.shape[1], -1) - 1
+    return torch.where(chosen_ML & (row_LM.t() < expert_rows), probs_ML, -1.0)
 
 
 def rows_per_rank(row_id_map_TR: torch.Tensor) -> torch.Tensor:
@@ -297,6 +311,114 @@ class ByHostDispatcher(_OncePerRank, TokenDispatcher):
         return self.ops.unpermute(back_NH, row_id_map_TE[:, :route.hosts].contiguous())
 
 
+@dataclass
+class ByHostBudgetMeta(DispatchMeta):
+    """`DispatchMeta` (`send_index` / `return_index`: stage 1's chunk slots), and stage 2's."""
+
+    within_send_index: Optional[torch.Tensor] = None  # [P*C2]: slot -> forwarded row or -1
+    within_return_index: Optional[torch.Tensor] = None  # [N2]: forwarded row -> slot or -1
+    within_row_id_map: Optional[torch.Tensor] = None  # [G*C1, P]: stage 2's permute
+    blocks: Optional[torch.Tensor] = None  # [P, G + 1] device: rows from (mate, source host)
+
+
+class ByHostBudgetDispatcher(ByHostDispatcher):
+    """--moe-dispatch-hierarchy node with --moe-dispatch-budget (module docstring): both
+    stages in fixed chunks of `ByHostBudget`, no host read."""
+
+    reads_host = False
+
+    def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
+                 device: torch.device, mode: DispatchMode,
+                 budget: Optional[DispatchBudget] = None):
+        super().__init__(comm, num_experts, topk, ops, device, mode, budget)
+        hosts, per_host = self.route.hosts, self.route.per_host
+        with_pad = hosts + 1  # per mate: a block per source host, then its empty slots
+        self._blocks_to_source_major = index_tensor(
+            [p * with_pad + h for h in range(hosts) for p in range(per_host)]
+            + [p * with_pad + hosts for p in range(per_host)], device)
+        self._blocks_to_mate_major = index_tensor(
+            [(h * per_host + p) if h < hosts else hosts * per_host + p
+             for p in range(per_host) for h in range(with_pad)], device)
+
+    def start_split_exchange(self, counts_E, row_id_map=None) -> None:
+        return None
+
+    def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
+                 exchange: Optional[SplitExchange] = None, row_id_map=None):
+        budget, route, hosts = self.budget, self.route, self.route.hosts
+        chunk = budget.chunk_rows
+        send_G = (row_id_map[:, :hosts] >= 0).sum(dim=0)
+        budget.note(send_G)
+        send_index, return_index = budget_indices(send_G, chunk, permuted_NH.shape[0])
+        recv_M1H, recv_probs_M1K = _send_chunks(route.between, permuted_NH, permuted_probs_N,
+                                                send_index, return_index)
+        rows_NH, probs_NL, within_map = once_per_peer(
+            self.ops, recv_M1H, recv_probs_M1K, recv_probs_M1K >= 0, route.per_host,
+            recv_M1H.shape[0] * min(self.topk, route.per_host))
+        send_P = (within_map >= 0).sum(dim=0)
+        budget.note_within(send_P)
+        within_send, within_return = budget_indices(send_P, budget.within_rows,
+                                                    rows_NH.shape[0])
+        recv_MH, recv_probs_ML = _send_chunks(route.within, rows_NH, probs_NL, within_send,
+                                              within_return)
+        blocks = self._received_blocks(within_map, chunk, budget.within_rows)
+        recv_MH, recv_probs_ML = (
+            self.ops.sort_chunks_by_idxs(t, blocks.reshape(-1), self._blocks_to_source_major)[0]
+            for t in (recv_MH, recv_probs_ML))
+        expert_rows = budget.expert_rows
+        recv_probs_ML = cut_expert_pairs(budget, recv_probs_ML, expert_rows, self.topk)
+        meta = ByHostBudgetMeta(
+            input_splits=None, output_splits=None,
+            recv_counts_RL=(recv_probs_ML >= 0).sum(dim=0, keepdim=True),
+            tokens_per_local_expert=None, chunk_rows=chunk, send_index=send_index,
+            return_index=return_index, expert_rows=expert_rows,
+            within_send_index=within_send, within_return_index=within_return,
+            within_row_id_map=within_map, blocks=blocks)
+        return recv_MH, recv_probs_ML, meta
+
+    def _received_blocks(self, within_map, chunk: int, within_rows: int) -> torch.Tensor:
+        """[P, G + 1]: the rows each host mate's chunk for this rank holds from each source
+        host, then its empty slots. Counted where they are sent (this rank's own chunks for its
+        mates, per source host, cut at the chunk) and exchanged in a small all-to-all."""
+        hosts, per_host = self.route.hosts, self.route.per_host
+        sent_PG = (within_map >= 0).view(hosts, chunk, per_host).sum(dim=1).t()
+        kept_PG = kept_counts(sent_PG, within_rows)
+        got_PG = all_to_all(self.route.within, kept_PG.contiguous(), None, None)
+        return torch.cat([got_PG, within_rows - got_PG.sum(dim=1, keepdim=True)], dim=1)
+
+    def sort_by_expert(self, recv_MH, recv_probs_M, meta: ByHostBudgetMeta):
+        """Rows arrive source-major already (`dispatch`): once per rank's copy to the experts."""
+        return _OncePerRank.sort_by_expert(self, recv_MH, recv_probs_M, meta)
+
+    def unsort(self, expert_out_MH, meta: ByHostBudgetMeta, local_row_id_map=None):
+        return _OncePerRank.unsort(self, expert_out_MH, meta, local_row_id_map)
+
+    def _local_expert_rows(self, meta: DispatchMeta) -> int:
+        return meta.expert_rows
+
+    def combine(self, expert_out_MH, meta: ByHostBudgetMeta, row_id_map_TE):
+        """Back to the mates' chunks, inside the host back (each forwarded row to its slot),
+        each stage-1 row sums its ranks'; between hosts back, each token sums its hosts'."""
+        route = self.route
+        sizes = meta.blocks.reshape(-1).index_select(0, self._blocks_to_source_major)
+        rows = self.ops.sort_chunks_by_idxs(expert_out_MH, sizes, self._blocks_to_mate_major)[0]
+        back_NH = move_rows(all_to_all(route.within, rows, None, None),
+                            meta.within_return_index, meta.within_send_index)
+        rows_M1H = self.ops.unpermute(back_NH, meta.within_row_id_map)
+        back_NH = move_rows(all_to_all(route.between, rows_M1H, None, None), meta.return_index,
+                            meta.send_index)
+        return self.ops.unpermute(back_NH, row_id_map_TE[:, :route.hosts].contiguous())
+
+
+def _send_chunks(comm: ExpertComm, rows_NH, probs_NK, send_index, return_index):
+    """One stage in fixed chunks: the rows to their slots (empty: zero rows, probs -1), then
+    equal-split all-to-alls of rows and probs. -> (rows, probs) received."""
+    chunk_XH = move_rows(rows_NH, send_index, return_index)
+    probs_XK = torch.where((send_index >= 0).unsqueeze(1),
+                           move_rows(probs_NK, send_index, return_index), -1.0)
+    return all_to_all(comm, chunk_XH, None, None), all_to_all(comm, probs_XK, None, None)
+
+
 def _send_rows(comm: ExpertComm, rows_NH, probs_NK, recv: list[int], send: list[int]):
     """One stage's all-to-alls: the rows, then their probs. -> (rows, probs) received."""
     return all_to_all(comm, rows_NH, recv, send), all_to_all(comm, probs_NK, recv, send)
@@ -311,7 +433,7 @@ _DISPATCHERS = {  # (DispatchMode.name, once per rank) -> strategy
     ("capacity", True): OncePerRankHostSplitDispatcher,
     ("budget", True): OncePerRankBudgetDispatcher,
 }
-_BY_HOST = ("dropless", "capacity")  # the modes --moe-dispatch-hierarchy node serves
+_BY_HOST = ("dropless", "capacity", "budget")  # the modes --moe-dispatch-hierarchy node serves
 
 
 def make_dispatcher(comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
@@ -332,9 +454,12 @@ def make_dispatcher(comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
                          "experts' rows (DispatchBudget pairs_per_dispatch)")
     if mode.by_host:
         if comm.by_host is None or mode.name not in _BY_HOST:
-            raise ValueError(f"dispatch by host ({mode.name}) needs the dropless or capacity "
-                             f"dispatch and the communicators between and inside hosts")
-        strategy = ByHostDispatcher
+            raise ValueError(f"dispatch by host ({mode.name}) needs the dropless, capacity or "
+                             f"budget dispatch and the communicators between and inside hosts")
+        if budget is not None and not isinstance(budget, ByHostBudget):
+            raise ValueError("dispatch by host with a budget that does not size its stages "
+                             "(model.budget.ByHostBudget)")
+        strategy = ByHostBudgetDispatcher if budget is not None else ByHostDispatcher
     else:
         strategy = _DISPATCHERS[(mode.name, once_per_rank)]
     dispatcher = strategy(comm, num_experts, topk, ops, device, mode, budget)

@@ -29,8 +29,9 @@ FLAT = ["--moe-dispatch-hierarchy", "flat", "--moe-dispatch-once-per-rank"]
 @pytest.mark.parametrize("flags, message", [
     (["--expert-model-parallel-size", "4"], "span whole hosts, at least two: EP 4 over hosts "
                                             "of 4 ranks"),
-    (["--expert-model-parallel-size", "4", "--emulate-hosts", "2", "--moe-dispatch-budget",
-      "2.0"], "needs the dropless or capacity dispatch (not budget)"),
+    (["--expert-model-parallel-size", "4", "--emulate-hosts", "2",
+      "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"],
+     "needs the dropless, capacity or budget dispatch (not capacity_padded)"),
     (["--expert-model-parallel-size", "2", "--emulate-hosts", "2"], "EP 2 over hosts of 2"),
     (["--expert-model-parallel-size", "4", "--emulate-hosts", "2", "--comm-mode",
       "local_copy"], "needs --comm-mode real"),
@@ -65,6 +66,13 @@ def test_by_host_overlap_is_bitwise_sequential_and_near_flat_on_two_emulated_hos
     assert identical_losses(seq, ovl)
     _, flat = train_cli(tmp_path, "flat", 4, CPU_RUN + FLAT + [SEQUENTIAL_FLAG])
     assert [r["loss"] for r in seq] == pytest.approx([r["loss"] for r in flat], rel=1e-5)
+    # the sync-free form: fixed chunks per host and per host mate; 0.5 overflows and reruns
+    for budget in ("1.25", "0.5"):
+        out, chunks = train_cli(tmp_path, f"node_budget_{budget}", 4, CPU_RUN + NODE + [
+            "--moe-dispatch-budget", budget, "--overlap-moe-expert-parallel-comm",
+            "--delay-wgrad-compute"])
+        assert "by host" in out and identical_losses(seq, chunks), budget
+    assert any(r.get("dispatch_reruns") for r in chunks), chunks
 
 
 GPU_RUN = ["--preset", "small", "--train-iters", "12", "--expert-model-parallel-size", "2",
@@ -92,7 +100,8 @@ def test_by_host_on_two_gpus_as_two_hosts_is_the_flat_bits(tmp_path):
     ("2", ["--expert-model-parallel-size", "2"], "flat"),  # EP inside a node
     ("1", ["--num-experts", "16", "--moe-router-topk", "2"], "flat"),  # 4 hosts: share 0.90
     ("2", ["--num-experts", "16", "--moe-router-topk", "2"], "node"),  # 2 hosts: share 0.77
-    ("2", ["--moe-dispatch-budget", "2.0"], "flat"),  # a rule refuses node: auto takes flat
+    ("2", ["--moe-dispatch-budget", "2.0"], "node"),  # the budget by host: both stages
+    ("2", ["--comm-mode", "local_copy"], "flat"),  # a rule refuses node: auto takes flat
     ("2", ["--moe-dispatch-hierarchy", "flat"], "flat"),  # given: kept
 ])
 def test_the_auto_hierarchy_follows_the_hosts(local, flags, want, monkeypatch):

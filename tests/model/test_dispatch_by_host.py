@@ -9,15 +9,17 @@ against a brute-force walk of a random routing."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 
+from epoverlap.model.budget import ByHostBudget, DispatchBudget
 from epoverlap.model.dispatch_dedup import HostRoute
 
 from dist_helpers import run_ranks
-from dispatch_workers import by_host_equivalence
+from dispatch_workers import by_host_budget_equivalence, by_host_equivalence
 from test_dispatch_once_per_rank import CASES, close_to_both
 
 BY_HOST_CASES = {case: CASES[case] for case in ("dropless", "capacity", "top4")}
@@ -107,3 +109,77 @@ def test_by_host_matches_once_per_rank(ranks, hosts, backend):
             assert sent == _rows_to_other_hosts(routing_map, rank, hosts, per_host), where
             my_host = rank // per_host
             assert all(s <= f for h, (s, f) in enumerate(zip(sent, flat[9])) if h != my_host)
+
+
+BUDGET_CASES = {"top2": [], "top4": ["--moe-router-topk", "4"]}
+
+
+def _same_as_dropless(got: list, want: list, where) -> None:
+    """The budget's results against the dropless dispatch's, bit for bit: the experts' rows and
+    probs (less the budget's empty rows at the end), their counts and weight grads, the
+    output and the token and prob grads."""
+    per_expert = want[8]
+    assert got[8] == per_expert, where
+    rows = sum(per_expert)
+    assert torch.equal(got[2][:rows], want[2]) and torch.equal(got[3][:rows], want[3]), where
+    assert not got[2][rows:].any(), where  # empty slots carry zero rows
+    for index in (0, 1, 4, 5, 6, 7):  # probs, routing, output, grads x / probs / weights
+        assert torch.equal(got[index], want[index]), (where, index)
+
+
+@pytest.mark.parametrize("ranks,hosts", [(4, 2), (2, 2)])
+def test_by_host_budget_is_the_dropless_by_host_dispatch_bit_for_bit(ranks, hosts):
+    """A budget that holds any routing (4.0 on <= 4 ranks: the top level) runs once and gives
+    the dropless by-host dispatch's bits."""
+    per_rank = run_ranks(by_host_budget_equivalence, ranks, hosts,
+                         list(BUDGET_CASES.values()), 4.0, "torch", timeout_s=600)
+    for rank, cases in enumerate(per_rank):
+        for case, (want, got, levels, sizes, demand) in zip(BUDGET_CASES, cases):
+            where = (ranks, hosts, rank, case)
+            assert levels == [0], where
+            _same_as_dropless(got, want, where)
+
+
+@pytest.mark.parametrize("ranks,hosts", [pytest.param(4, 2, marks=pytest.mark.slow), (2, 2)])
+def test_by_host_budget_cuts_records_and_its_rerun_is_dropless(ranks, hosts):
+    """At budget 0.5 every stage's chunk is below balanced routing: rows are cut, the demand
+    (rows to one host, to one mate, pairs on one rank's experts) exceeds the chunks, and the
+    reruns, each at a level that holds what the last one counted (rows cut in stage 1 are not
+    counted in stage 2, so that may take two), end with the dropless bits."""
+    per_rank = run_ranks(by_host_budget_equivalence, ranks, hosts,
+                         list(BUDGET_CASES.values()), 0.5, "torch", timeout_s=600)
+    for rank, cases in enumerate(per_rank):
+        for case, (want, got, levels, sizes, demand) in zip(BUDGET_CASES, cases):
+            where = (ranks, hosts, rank, case)
+            assert len(levels) >= 2 and levels == sorted(set(levels)), where
+            assert demand[0] > sizes[0] and demand[2] > sizes[2], (where, demand, sizes)
+            _same_as_dropless(got, want, where)
+
+
+def test_by_host_budget_sizes_each_stage_from_balanced_routing():
+    """64 experts top-2 over 2 hosts of 2, 1000 tokens: a token reaches a host with chance
+    1 - C(32, 2) / C(64, 2) and a rank with 1 - C(48, 2) / C(64, 2); each buffer is the level
+    times its balanced share, capped by what can come; the top level (f = ranks) holds
+    everything; `fits` needs all three demands."""
+    budget = DispatchBudget.for_dispatch(1.25, 4, 1000, 2, 64, True, torch.device("cpu"),
+                                         hosts=2)
+    assert isinstance(budget, ByHostBudget) and budget.levels == (1.25, 2.5, 4.0)
+    reach_host = 1 - math.comb(32, 2) / math.comb(64, 2)
+    reach_rank = 1 - math.comb(48, 2) / math.comb(64, 2)
+    assert budget.chunk_rows == math.ceil(1.25 * 1000 * reach_host) == 943
+    assert budget.within_rows == math.ceil(1.25 * 2 * 1000 * reach_rank) == 1102
+    assert budget.expert_rows == math.ceil(1.25 * 1000 * 2) == 2500
+    top = len(budget.levels) - 1
+    assert budget.chunk_rows_at(top) == 1000 and budget.within_rows_at(top) == 2000
+    assert budget.expert_rows_at(top) == 2 * 2000 * 2  # every received row, every expert
+    assert budget.rerun_level([943, 1102, 2500]) is None
+    assert budget.rerun_level([944, 0, 0]) == 1
+    assert budget.rerun_level([0, 1103, 0]) == 1
+    assert budget.rerun_level([0, 0, 2501]) == 1
+    assert budget.rerun_level([0, 2000, 0]) == 1 and budget.rerun_level([0, 0, 8000]) == top
+    budget.note(torch.tensor([3, 7]))
+    budget.note_within(torch.tensor([5, 2]))
+    budget.note_expert_rows(torch.tensor(11))
+    assert budget.demand().tolist() == [7, 5, 11]
+    budget.reset_demand()
+    assert budget.demand().tolist() == [0, 0, 0]

@@ -16,7 +16,7 @@ import torch
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.dispatch import TokenDispatcher
-from epoverlap.model.dispatch_dedup import make_dispatcher
+from epoverlap.model.dispatch_dedup import cut_expert_pairs, make_dispatcher
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.kernels import make_moe_ops
 from epoverlap.simulator.costs import A2aShape
@@ -55,15 +55,12 @@ def test_the_experts_pairs_past_the_budget_are_cut_in_permute_order_and_recorded
     four (expert 1 keeps row 0 only) and records the 5 wanted; pairs that fit are not cut."""
     budget = DispatchBudget(0.5, 2, 4, torch.device("cpu"), pairs_per_dispatch=4,
                             pairs_per_row=2)
-    dispatcher = make_dispatcher(ExpertComm(None, 2), 4, 2, make_moe_ops("torch"),
-                                 torch.device("cpu"),
-                                 DispatchMode(budget=0.5, once_per_rank=True), budget)
     probs_ML = torch.tensor([[0.5, 0.5], [-1.0, 0.9], [0.8, -1.0], [0.3, -1.0]])
-    cut = dispatcher._cut_expert_pairs(probs_ML, 4)
+    cut = cut_expert_pairs(budget, probs_ML, 4, topk=2)
     assert torch.equal(cut, torch.tensor([[0.5, 0.5], [-1.0, -1.0], [0.8, -1.0],
                                           [0.3, -1.0]]))
     assert int(budget.demand_expert_rows) == 5
-    assert torch.equal(dispatcher._cut_expert_pairs(probs_ML, 5), probs_ML)
+    assert torch.equal(cut_expert_pairs(budget, probs_ML, 5, topk=2), probs_ML)
 
 
 def test_preprocess_sends_each_token_once_per_rank_by_hand():

@@ -297,3 +297,52 @@ def by_host_equivalence(rank, world_size, hosts, flag_sets, backend):
         return results
     finally:
         destroy_distributed(groups)
+
+
+def _by_host_comm(groups, hosts: int, world_size: int) -> ExpertComm:
+    """The EP comm of the world with its stages between and inside `hosts` hosts."""
+    per_host = world_size // hosts
+    by_host = HostComms(ExpertComm(groups.ep_rail, hosts), ExpertComm(groups.ep_host, per_host),
+                        groups.ep_rank)
+    return ExpertComm(groups.ep, world_size, by_host=by_host)
+
+
+def by_host_budget_equivalence(rank, world_size, hosts, flag_sets, budget_factor, backend):
+    """For each flag set: the layer of `_scaled_expert_layer` by host, dropless and with the
+    budget `budget_factor` (`ByHostBudget`); the budget's layer reruns as the trainer does (its
+    demand max over ranks, `rerun_level`) until it fits. -> per flag set: (dropless results,
+    budget results, the budget levels run, the three chunk sizes at the first level, the
+    demand of the first run)."""
+    groups = init_distributed(world_size, "cpu", timeout_minutes=3, ep_per_host=world_size // hosts)
+    try:
+        ops = make_moe_ops(backend)
+        results = []
+        for flags in flag_sets:
+            cfg, router, x_TH = _router_and_tokens(flags, ops, rank)
+            topk = cfg.moe.moe_router_topk
+            mode = dataclasses.replace(DispatchMode.of(cfg.moe), hierarchy="node")
+            dropless = make_dispatcher(_by_host_comm(groups, hosts, world_size), EXPERTS, topk,
+                                       ops, groups.device, mode)
+            want = _layer_and_grads(router, dropless, x_TH, rank)
+            mode = dataclasses.replace(mode, budget=budget_factor)
+            budget = DispatchBudget.for_dispatch(budget_factor, world_size, TOKENS, topk,
+                                                 EXPERTS, True, groups.device, hosts=hosts)
+            dispatcher = make_dispatcher(_by_host_comm(groups, hosts, world_size), EXPERTS,
+                                         topk, ops, groups.device, mode, budget)
+            sizes = (budget.chunk_rows, budget.within_rows, budget.expert_rows)
+            levels, first_demand = [], None
+            while True:
+                budget.reset_demand()
+                got = _layer_and_grads(router, dispatcher, x_TH, rank)
+                levels.append(budget.level)
+                demand = budget.demand()
+                dist.all_reduce(demand, op=dist.ReduceOp.MAX)
+                first_demand = first_demand or demand.tolist()
+                level = budget.rerun_level(demand.tolist())
+                if level is None:
+                    break
+                budget.level = level
+            results.append((want, got, levels, sizes, first_demand))
+        return results
+    finally:
+        destroy_distributed(groups)
