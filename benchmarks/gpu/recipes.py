@@ -117,19 +117,33 @@ def _rounds(sides: dict, command: str, out: str, env: dict = None, rounds: int =
 
 # the hierarchical dispatch: a communication-bound shape (top-8 of 64 small experts) on the GPUs
 # as 2 emulated hosts, where the flat dispatch sends 4 of a token's 8 rows between hosts and the
-# hierarchy about 1
-HOSTS_RUN = (TRAIN + " --num-layers 2 --hidden-size 2048 --num-attention-heads 16"
-             " --num-query-groups 4 --seq-length 1024 --num-experts 64 --moe-router-topk 8"
-             " --moe-ffn-hidden-size 1024 --micro-batch-size 2 --num-microbatches 4"
-             " --mock-data --bf16 --moe-router-force-load-balancing --expert-model-parallel-size"
-             " {gpus} --emulate-hosts 2 --train-iters 10 --log-interval 100 --tune off " + GRAPHS)
+# hierarchy about 1. HOSTS_FLAGS: the training flags alone (the simulator takes them after --)
+HOSTS_FLAGS = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 16"
+               " --num-query-groups 4 --seq-length 1024 --num-experts 64 --moe-router-topk 8"
+               " --moe-ffn-hidden-size 1024 --micro-batch-size 2 --num-microbatches 4"
+               " --mock-data --bf16 --moe-router-force-load-balancing --expert-model-parallel-size"
+               " {gpus} --emulate-hosts 2 --train-iters 10 --log-interval 100 --tune off "
+               + GRAPHS)
+HOSTS_RUN = TRAIN + " " + HOSTS_FLAGS
 FLAT = " --moe-dispatch-hierarchy flat"  # with the hosts above, auto would take node
+LOCAL_COPY = " --comm-mode local_copy"
 HOSTS_SIDES = {"flat_ovl": WGRAD + FLAT,
                "once_ovl": WGRAD + FLAT + " --moe-dispatch-once-per-rank",
                "node_ovl": WGRAD + " --moe-dispatch-hierarchy node",
                "flat_seq": SEQUENTIAL + FLAT,
                "node_seq": SEQUENTIAL + " --moe-dispatch-hierarchy node",
-               "comp": OVERLAP + FLAT + " --comm-mode local_copy"}
+               "comp": OVERLAP + FLAT + LOCAL_COPY}
+# the simulator's inputs measured apart from the runs it predicts (hosts_sim_inputs): every comm
+# node timed alone at HOSTS_RUN's shape (tokens per rank = micro-batch 2 x seq 1024), compute
+# recorded with local copies for the all-to-alls; then the four runs it predicts, recorded
+HOSTS_TIMING = ("{torchrun} -m benchmarks.harness.bench_host_bytes --hosts 2 --tokens 2048"
+                " --hidden 2048 --cases 64:8 --time --iters 10 --warmup 3"
+                " $([ -f {out}/a2a_links.json ] && echo --links {out}/a2a_links.json)"
+                " --out {out}/host_timing.json")
+HOSTS_PROFILES = {"comp_seq": SEQUENTIAL + FLAT + LOCAL_COPY,
+                  "comp_wgrad": WGRAD + FLAT + LOCAL_COPY,
+                  **{name: HOSTS_SIDES[name]
+                     for name in ("flat_seq", "flat_ovl", "node_seq", "node_ovl")}}
 
 
 def _chunked_bitwise_steps() -> tuple:
@@ -390,6 +404,25 @@ RECIPES = (
                       f"epoverlap.cli.timeline {{out}}/profile_{name} --no-png", timeout_s=90)
                  for name in ("node_ovl", "node_seq"))
            + (_rounds(HOSTS_SIDES, HOSTS_RUN, "step", timeout_s=480),), all_gpus=True),
+    Recipe("hosts_sim_inputs", 4,
+           "the simulator on the GPUs as 2 emulated hosts from inputs measured apart from the "
+           "runs it predicts: each comm node of each dispatch timed alone at HOSTS_RUN's shape "
+           "(bench_host_bytes --time; the link peaks of bench_a2a_links), compute recorded with "
+           "local copies (sequential; overlap + delayed wgrad), then the four runs it predicts "
+           "recorded (flat and by host, sequential and overlap + delayed wgrad) and the "
+           "simulated step set against each (sim_hosts_check)",
+           "a2a_links.json, host_timing.json (per node: median, samples, bytes, GB/s), "
+           "profile_*/ (span files of steps 6-9), sim_hosts_check.json (per run: simulated, "
+           "measured, error, the command)",
+           (Step("a2a_links", "{torchrun} -m benchmarks.harness.bench_a2a_links --emulate-hosts 2"
+                              " --mib 16,64 --iters 10 --out {out}/a2a_links.json", timeout_s=120),
+            Step("host_timing", HOSTS_TIMING, timeout_s=150))
+           + tuple(Step(f"profile_{name}", f"{HOSTS_RUN} {flags} --profile-steps 6:9 "
+                        f"--profile-dir {{out}}/profile_{name}", timeout_s=100)
+                   for name, flags in HOSTS_PROFILES.items())
+           + (Step("check", "{python} -m benchmarks.harness.sim_hosts_check {out} "
+                            "--out {out}/sim_hosts_check.json", timeout_s=120),),
+           all_gpus=True),
     Recipe("host_loss_gpus", 4,
            "a lost host on GPUs: two torchrun nodes of 2 GPUs on this machine, each its own "
            "NCCL host identity; the second SIGKILLed mid-run, the first names it within 60 s; "

@@ -10,7 +10,11 @@ and event rules, the host, all-to-alls that couple the EP group), with durations
            given or calibrated on a measured time (`--calibrate comp:MS@EP`);
   comm     a link model (`--link nvlink|shm|ib`, bandwidth/latency overridable), one fitted to
            the run's own comm spans (`--link fit`), or those spans themselves (`--link
-           measured`: each collective's time from its last rank's arrival);
+           measured`: each collective's time from its last rank's arrival); or each comm
+           node's time from a microbenchmark of the dispatch's own calls (`--comm-from FILE`,
+           benchmarks/harness/bench_host_bytes.py --time: the case and dispatch of the training
+           flags, and its split-size exchange as the host sync), the recording then giving
+           compute only;
   host     eager launch cost per node from a launch-bound run's spans (`--host-from`), none
            for `--graphed-nodes` (a CUDA-graph replay), none at all without `--host-from`.
 The model shape (bytes of each all-to-all, FLOPs, plan size) comes from the training flags
@@ -128,6 +132,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         "or --expert-model-parallel-size)")
     parser.add_argument("--link", default="nvlink",
                         choices=["nvlink", "shm", "ib", "fit", "measured"])
+    parser.add_argument("--comm-from", metavar="FILE", help="each all-to-all node's time and "
+                        "the split-size host sync from this bench_host_bytes --time JSON (the "
+                        "training flags' case and dispatch), in place of --link's")
     parser.add_argument("--link-bandwidth-gbs", type=float, help="per-GPU GB/s (400 Gb/s = 50)")
     parser.add_argument("--link-latency-us", type=float, help="per all-to-all call")
     parser.add_argument("--gpus-per-node", type=int, help="peers in a node use NVLink (ib)")
@@ -183,6 +190,9 @@ def _check_args(args: argparse.Namespace) -> None:
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise SimInputError(f"--{name.replace('_', '-')} {value}: must be a finite number "
                                 ">= 0")
+    if args.comm_from and args.link in ("fit", "measured"):
+        raise SimInputError(f"--comm-from and --link {args.link}: both give the all-to-alls' "
+                            "times; keep one")
     if args.calibrate and not args.flops:
         raise SimInputError("--calibrate needs --flops (recorded spans are measured)")
     unknown = [n for n in args.graphed_nodes if n not in ("attn", "mlp", "embed", "loss")]

@@ -13,7 +13,10 @@ Owns
       comm     a link model (`link_model`: nvlink, shm or ib, each figure overridable), one
                fitted to the run's comm spans (`fitted_link`), or those spans themselves
                (--link measured), all-to-all volumes from the shape, `load_factor` for an
-               uneven routing (--imbalance);
+               uneven routing (--imbalance); or each node's time measured by a microbenchmark
+               of the dispatch's own calls (`comm_table`: --comm-from FILE, read by
+               epoverlap/simulator/comm_table.py), which also gives the split-size sync;
+               the recording then supplies compute only (no rank offsets, no replay);
       host     eager launch cost per node from a launch-bound GPU run (`host_costs`), or a CPU
                recording's own host time outside spans (`recorded_cpu_host`);
   - `build_scenario`, which assembles them (and describes each source, `Scenario.sources`);
@@ -35,11 +38,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from epoverlap.config import parse_config, resolve_config, validate_config
+from epoverlap.config.dispatch import DispatchMode
 from epoverlap.errors import ConfigError
+from epoverlap.model.nodes import COMM
 from epoverlap.profiling.chrome_trace import read_chrome_trace
 from epoverlap.profiling.spans import RankSpans, read_span_directory
 from epoverlap.schedule.plan import Action, build_plan, node_kinds
 from epoverlap.simulator import costs as sc
+from epoverlap.simulator.comm_table import CommTable, CommTableError, read_comm_table
 from epoverlap.simulator.engine import INLINE, SERIAL, STREAM, THREAD, SimResult, simulate
 
 MODES = ("seq", "ovl", "wgrad", "comp")
@@ -149,7 +155,35 @@ def _gpus_per_node(args: argparse.Namespace) -> int:
     return link.gpus_per_node if link is not None else 0
 
 
-def link_model(args: argparse.Namespace, recorded, shape: sc.A2aShape) -> sc.LinkModel:
+def comm_table(args: argparse.Namespace, cfg, shape: sc.A2aShape, layout: list
+               ) -> Optional[CommTable]:
+    """--comm-from FILE: the measured node times of the run's case and dispatch (None
+    without it). Refused where the benchmark timed another dispatch (it times the dropless
+    ones) or the comm lane runs other nodes (chunked all-to-alls, pipeline transfers)."""
+    path = getattr(args, "comm_from", None)
+    if path is None:
+        return None
+    mode = DispatchMode.of(cfg.moe).name
+    if mode != "dropless":
+        raise SimInputError(f"--comm-from {path} times the dropless dispatch; this run's is "
+                            f"{mode}")
+    others = sorted({kind.name for layer in layout for kind in layer
+                     if kind.lane == COMM and kind.name not in ("dispatch", "combine")})
+    if others:
+        raise SimInputError(f"--comm-from {path} times the dispatch and combine nodes; this "
+                            f"model's comm lane also runs {', '.join(others)}")
+    try:
+        return read_comm_table(path, shape)
+    except CommTableError as error:
+        raise SimInputError(str(error)) from None
+
+
+def link_model(args: argparse.Namespace, recorded, shape: sc.A2aShape,
+               table: Optional[CommTable] = None) -> sc.LinkModel:
+    """The link of --link and its overrides; with a comm table, its split-size sync is the
+    measured exchange's (unless --sync-us)."""
+    if table is not None and args.sync_us is None:
+        return replace(link_model(args, recorded, shape), sync_us=table.exchange_us)
     if args.link in ("fit", "measured"):
         if recorded is None:
             raise SimInputError(f"--link {args.link} needs a recorded run (--spans or --trace)")
@@ -289,23 +323,26 @@ def build_scenario(args: argparse.Namespace,
     if not 1.0 <= args.imbalance <= ep:
         raise SimInputError(f"--imbalance {args.imbalance}: allowed 1 (balanced) .. {ep} (EP)")
     shape = sc.A2aShape.from_config(cfg, ep)
-    link = link_model(args, recorded, shape)
+    layout = model_layout(cfg, ep)
+    table = comm_table(args, cfg, shape, layout)
+    link = link_model(args, recorded, shape, table)
     load = load_factor(args.imbalance, ep)
     if recorded is None and throughput is None:
         throughput = calibrated_throughput(args) if args.calibrate else base_throughput(args)
     compute = span_compute(recorded, load) if recorded else \
         flop_compute(cfg, ep, throughput, load)
-    comm, local, wire, sources = comm_sources(args, recorded, shape, link, cfg, throughput)
+    comm, local, wire, sources = comm_sources(args, recorded, shape, link, cfg, throughput,
+                                              table)
     lanes = args.lanes if args.lanes != "auto" else (
         THREAD if recorded and recorded[0].clock == "host" else STREAM)
     gpu = lanes != THREAD
-    layout = model_layout(cfg, ep)
     host = host_costs(args.host_from, args.graphed_nodes, layout, link.sync_us,
                       args.host_scale) if gpu else \
         recorded_cpu_host(recorded, layout)
+    simulated_run = None if table else recorded  # with a comm table: compute only
     scenario = Scenario(cfg, layout, ep, shape, lanes, compute, comm, local, wire, host=host,
                         sync=_dispatch_sync(link.sync_us if gpu else 0.0),
-                        recorded=recorded, starts=_mean_offsets(recorded, ep),
+                        recorded=simulated_run, starts=_mean_offsets(simulated_run, ep),
                         has_wgrad=compute.wgrad_recorded, comm_measured=args.link == "measured")
     scenario.sources = _describe(args, recorded, throughput, lanes) + sources
     return scenario
@@ -324,12 +361,18 @@ def _mean_offsets(recorded, ep: int) -> Optional[list[float]]:
     return [statistics.fmean(step[r] for step in offsets) for r in range(ep)]
 
 
-def comm_sources(args, recorded, shape, link, cfg, throughput):
+def comm_sources(args, recorded, shape, link, cfg, throughput,
+                 nodes: Optional[CommTable] = None):
     """(comm-lane time, the same as a local copy, the all-to-alls alone, description) for the
-    chosen --link; the comm lane also runs the combine's unpermute (its epilogue)."""
+    chosen --link; the comm lane also runs the combine's unpermute (its epilogue). A comm
+    table's times are whole nodes, epilogue included, the recording's comm spans unused."""
     epilogue = (lambda a: throughput.time_us(sc.FlopModel(cfg, shape.ep).work(a))) \
         if throughput is not None else (lambda a: 0.0)
     local = lambda r, a: link.local_copy_us(shape, a) + epilogue(a)  # noqa: E731
+    if nodes is not None:
+        only = ["the recording supplies compute only: no rank offsets from it, no replay of "
+                "its steps"] if recorded else []
+        return nodes.comm_us, local, nodes.comm_us, [nodes.describe(), *only]
     if args.link == "measured":
         table = sc.aligned_comm(recorded).durations
         return table, local, table, ["comm: each all-to-all's own recorded time (end minus "

@@ -2,7 +2,8 @@
 bytes each dispatch sends between hosts, counted from the recorded all-to-alls, against the
 simulator's balanced-routing formula (written apart from the dispatch): within 3% for every
 dispatch at top-8 of 64 and top-4 of 32 experts, and by host below once per rank below once
-per expert."""
+per expert; with --time, every comm node of every dispatch timed, its bytes the counted
+ones."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness.bench_host_bytes import DISPATCHES, changes_for_shape
+from epoverlap.simulator.costs import A2aShape
 from job_control import job_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,3 +38,41 @@ def test_bytes_between_hosts_match_the_simulators_dedup(tmp_path):
             assert got["bytes"] == pytest.approx(got["predicted_bytes"], rel=0.03), (case, name)
         sent = [dispatches[name]["bytes"] for name in ("by_host", "per_rank", "per_expert")]
         assert sent == sorted(sent) and sent[0] < 0.6 * sent[2], case
+
+
+@pytest.mark.slow
+def test_timing_covers_every_node_of_every_dispatch_with_the_counted_bytes(tmp_path):
+    """--time on 4 gloo ranks as 2 hosts: each dispatch's five nodes timed (positive medians,
+    one slowest-rank sample per iteration); the forward dispatch's bytes between hosts are the
+    counted ones, the combine's (either direction) the counted rows' hidden bytes; the link's
+    peak from --links gives each node's share of it."""
+    out, links = tmp_path / "host_timing.json", tmp_path / "links.json"
+    links.write_text(json.dumps({"peaks": {"inter": {"gbps": 2.0}}}))
+    hidden = 64
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           "-m", "benchmarks.harness.bench_host_bytes", "--hosts", "2", "--tokens", "256",
+           "--hidden", str(hidden), "--cases", "64:8", "--device", "cpu", "--time", "--iters",
+           "2", "--warmup", "1", "--links", str(links), "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=job_env(),
+                            cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| 64:8 | by_host | B.dispatch |" in result.stdout
+    record = json.loads(out.read_text())
+    assert record["timing"]["peak_between_hosts_gbps"] == 2.0 and record["dtype"] == "float32"
+    assert len(set(record["nccl_hostid_per_rank"])) == 2
+    for name, got in record["cases"]["64:8"].items():
+        nodes = got["timing"]["nodes"]
+        assert set(nodes) == {"F.dispatch", "B.dispatch", "F.combine", "B.combine", "exchange"}
+        for node, t in nodes.items():
+            assert t["median_us"] > 0 and len(t["samples_us"]) == 2, (name, node)
+            assert t["of_peak_between_hosts"] == pytest.approx(t["gbps_between_hosts"] / 2.0)
+        world = record["world"]
+        assert nodes["F.dispatch"]["bytes_between_hosts"] * world == pytest.approx(got["bytes"])
+        rows_bytes = got["rows"] * hidden * 4 / world
+        for node in ("B.combine", "F.combine"):
+            assert nodes[node]["bytes_between_hosts"] == pytest.approx(rows_bytes), (name, node)
+        assert nodes["B.dispatch"]["bytes_to_peers"] == pytest.approx(
+            nodes["F.dispatch"]["bytes_to_peers"]), name
+        counts = A2aShape(256, 8, hidden, 64, 4, world, hosts=2, **changes_for_shape(
+            DISPATCHES[name])).counts  # int64 counts a rank sends, its own share included
+        assert nodes["exchange"]["bytes_to_peers"] == counts * 8 * (world - 1) / world, name

@@ -1,0 +1,188 @@
+"""The simulator against the measured steps of the GPUs as 2 emulated hosts, from inputs
+measured apart from the runs it predicts (issue 44: within 10%, flat and by host).
+
+    python -m benchmarks.harness.sim_hosts_check DIR [--out FILE] [--train-flags FLAGS]
+
+DIR is laid out by the GPU recipe `hosts_sim_inputs` (benchmarks/gpu/recipes.py):
+  host_timing.json              bench_host_bytes --time at the run's shape: each comm node of
+                                each dispatch timed alone, and the split-size exchange
+  profile_comp_seq/             span files of the run, sequential, all-to-alls as local copies
+  profile_comp_wgrad/           the same, overlap + delayed weight grads
+  profile_{flat,node}_{seq,ovl}/  the runs predicted: flat or by host, sequential or overlap +
+                                delayed weight grads (HOSTS_SIDES)
+Each recorded run is simulated (`epoverlap-simulate`, through the functions the command runs)
+from the independent inputs only: compute from the local-copy recording of its schedule
+(sequential: comp_seq; overlap: comp_wgrad, whose W spans the overlap plan needs), every
+all-to-all and the forward dispatch's host sync from host_timing.json (`--comm-from`), no host
+launch cost; the model and plan from the run's training flags (the recipe's HOSTS_FLAGS, or
+--train-flags, and the side's). A run not recorded is listed as such.
+
+What is compared. The simulator's T of the run's mode (T_seq, or T_wgrad for the overlap with
+delayed weight grads) is the plan's actions on both lanes from the first action: the
+forward-backward. A recorded step's window is its `step_time_us` (the recorder's step: from its
+start, before the first action, to its last action's end, the grad reduction and optimizer
+outside it) or, where the step also holds step-level spans (the grad reduction, the optimizer:
+actions outside the plan's grammar), the end of its last plan action; the table's measured
+figure is that window's mean over steps and ranks. The window also holds the host's time before
+the first action (the step's data, zeroed grads: the prelude), which the simulator does not
+model: the simulated figure is T plus the compute recording's prelude (mean over its steps and
+ranks), an input independent of the all-to-alls; both are shown.
+
+Prints a markdown table (run, simulated, measured, error, the exact `epoverlap-simulate` command
+of each row) and writes the rows to --out (default DIR/sim_hosts_check.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+if not torch.cuda.is_available():  # the run's flags pick Triton kernels: interpreted on a CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from benchmarks.gpu.recipes import HOSTS_FLAGS, HOSTS_SIDES  # noqa: E402
+from epoverlap.cli import simulate as sim  # noqa: E402
+from epoverlap.profiling.spans import (RankSpans, StepSpans, parse_action,  # noqa: E402
+                                       read_span_directory)
+
+TIMING = "host_timing.json"
+RUNS = ("flat_seq", "flat_ovl", "node_seq", "node_ovl")
+COMPUTE_FROM = {"seq": "profile_comp_seq", "ovl": "profile_comp_wgrad"}  # schedule -> recording
+SIMULATED_MODE = {"seq": "seq", "ovl": "wgrad"}  # the *_ovl sides delay the weight grads
+
+
+# ---------------------------------------------------------------------------- measured
+def plan_spans(step: StepSpans) -> list:
+    """The step's spans of plan actions (`[FBW]<mb>.<node>[.L<layer>]`)."""
+    def in_plan(action: str) -> bool:
+        try:
+            parse_action(action)
+        except ValueError:
+            return False
+        return True
+    return [span for span in step.spans if in_plan(span.action)]
+
+
+def window_us(step: StepSpans) -> tuple[float, str]:
+    """(the step's forward-backward window, which figure it is) (module docstring)."""
+    spans = plan_spans(step)
+    if len(spans) == len(step.spans) or not spans:
+        return step.step_time_us, "step_time_us"
+    return max(span.end_us for span in spans), "last plan action's end"
+
+
+def prelude_us(step: StepSpans) -> float:
+    """The host's time from the step's start to its first plan action's queueing."""
+    spans = plan_spans(step)
+    return min((s.queued_us if s.queued_us is not None else s.start_us) for s in spans) \
+        if spans else 0.0
+
+
+def measured(ranks: list[RankSpans]) -> dict:
+    """The recorded windows (ms): mean over steps and ranks, the slowest rank's per step."""
+    windows = [[window_us(step) for step in rank.steps] for rank in ranks]
+    per_step = [max(w for w, _ in column) / 1e3 for column in zip(*windows)]
+    flat = [w / 1e3 for rank in windows for w, _ in rank]
+    return {"ms": statistics.fmean(flat), "slowest_rank_per_step_ms": per_step,
+            "window": sorted({name for rank in windows for _, name in rank}),
+            "steps": [step.step for step in ranks[0].steps], "ranks": len(ranks)}
+
+
+def mean_prelude_ms(ranks: list[RankSpans]) -> float:
+    return statistics.fmean(prelude_us(step) for rank in ranks for step in rank.steps) / 1e3
+
+
+# ---------------------------------------------------------------------------- simulated
+def run_flags(train_flags: str, run: str, world: int) -> list[str]:
+    """The training flags of one run: the model's, then its side's."""
+    return shlex.split(train_flags.format(gpus=world)) + shlex.split(HOSTS_SIDES[run])
+
+
+def simulator_flags(folder: Path, schedule: str, train: list[str]) -> list[str]:
+    return ["--spans", str(folder / COMPUTE_FROM[schedule]), "--comm-from",
+            str(folder / TIMING), "--no-png", "--", *train]
+
+
+def command(flags: list[str]) -> str:
+    """The flags as a shell command (with the environment the simulator needed here)."""
+    env = "TRITON_INTERPRET=1 " if os.environ.get("TRITON_INTERPRET") == "1" \
+        and not torch.cuda.is_available() else ""
+    return f"{env}epoverlap-simulate {shlex.join(flags)}"
+
+
+def simulate_ms(flags: list[str], mode: str) -> float:
+    """The simulator's T of `mode` (ms), as `epoverlap-simulate` computes it."""
+    scenario = sim.build_scenario(sim.parse_args(flags))
+    if mode == "wgrad" and not scenario.has_wgrad:
+        raise sim.SimInputError(f"{flags[1]}: no W spans, no T_wgrad")
+    return sim.run_mode(scenario, mode, scenario.starts).step_us / 1e3
+
+
+def check_run(folder: Path, run: str, train_flags: str) -> dict:
+    """One recorded run against its simulation (`missing` where an input is not there)."""
+    schedule = run.rsplit("_", 1)[1]
+    needed = [folder / f"profile_{run}", folder / COMPUTE_FROM[schedule], folder / TIMING]
+    missing = [path.name for path in needed if not path.exists()]
+    if missing:
+        return {"run": run, "missing": missing}
+    recorded = read_span_directory(folder / f"profile_{run}")
+    flags = simulator_flags(folder, schedule, run_flags(train_flags, run,
+                                                       recorded[0].world_size))
+    mode = SIMULATED_MODE[schedule]
+    t_ms = simulate_ms(flags, mode)
+    prelude = mean_prelude_ms(read_span_directory(folder / COMPUTE_FROM[schedule]))
+    got = measured(recorded)
+    return {"run": run, "mode": mode, "simulated_T_ms": t_ms, "prelude_ms": prelude,
+            "simulated_ms": t_ms + prelude, "measured_ms": got["ms"], "measured": got,
+            "error": (t_ms + prelude) / got["ms"] - 1.0, "command": command(flags)}
+
+
+# ---------------------------------------------------------------------------- report
+def table(rows: list[dict]) -> str:
+    lines = ["| run | T | simulated T ms | + prelude ms | simulated ms | measured ms (window) "
+             "| error | command |", "|" + " --- |" * 8]
+    for r in rows:
+        if "missing" in r:
+            lines.append(f"| {r['run']} | - | - | - | - | not recorded: "
+                         f"{', '.join(r['missing'])} missing | - | - |")
+            continue
+        window = " / ".join(r["measured"]["window"])
+        lines.append(f"| {r['run']} | T_{r['mode']} | {r['simulated_T_ms']:.1f} | "
+                     f"{r['prelude_ms']:.1f} | {r['simulated_ms']:.1f} | "
+                     f"{r['measured_ms']:.1f} ({window}) | {r['error']:+.1%} | "
+                     f"`{r['command']}` |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("folder", metavar="DIR", help="the hosts_sim_inputs recipe's folder")
+    parser.add_argument("--out", help="the rows as JSON (default DIR/sim_hosts_check.json)")
+    parser.add_argument("--train-flags", default=HOSTS_FLAGS,
+                        help="the runs' training flags before their side's ({gpus}: the "
+                             "recording's ranks; default: the recipe's HOSTS_FLAGS)")
+    args = parser.parse_args(argv)
+    folder = Path(args.folder)
+    try:
+        rows = [check_run(folder, run, args.train_flags) for run in RUNS]
+    except (sim.SimInputError, sim.SpanFileError, sim.sc.MissingDuration) as error:
+        print(f"sim_hosts_check: {error}", file=sys.stderr)
+        return 2
+    print(table(rows))
+    out = Path(args.out) if args.out else folder / "sim_hosts_check.json"
+    out.write_text(json.dumps({"folder": str(folder), "train_flags": args.train_flags,
+                               "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0 if any("missing" not in row for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
