@@ -140,6 +140,15 @@ HOSTS_TIMING = ("{torchrun} -m benchmarks.harness.bench_host_bytes --hosts 2 --t
                 " --hidden 2048 --cases 64:8 --time --iters 10 --warmup 3"
                 " $([ -f {out}/a2a_links.json ] && echo --links {out}/a2a_links.json)"
                 " --out {out}/host_timing.json")
+# the sync-free hierarchical dispatch (fixed chunks per host and per host mate) in one graph
+# of the whole iteration, beside the dropless one with partial graphs; the graph flags per side
+HOSTS_BARE_RUN = (TRAIN + " " + HOSTS_FLAGS).replace(" " + GRAPHS, "")
+NODE = " --moe-dispatch-hierarchy node"
+HOSTS_BUDGET_SIDES = {"node_ovl": WGRAD + NODE + " " + GRAPHS,
+                      "node_budget_full": WGRAD + NODE + " --moe-dispatch-budget 1.25"
+                                          " --cuda-graph-impl full_iteration",
+                      "node_seq": SEQUENTIAL + NODE + " " + GRAPHS,
+                      "comp": WGRAD + FLAT + LOCAL_COPY + " " + GRAPHS}
 HOSTS_PROFILES = {"comp_seq": SEQUENTIAL + FLAT + LOCAL_COPY,
                   "comp_wgrad": WGRAD + FLAT + LOCAL_COPY,
                   **{name: HOSTS_SIDES[name]
@@ -421,7 +430,23 @@ RECIPES = (
                         f"--profile-dir {{out}}/profile_{name}", timeout_s=100)
                    for name, flags in HOSTS_PROFILES.items())
            + (Step("check", "{python} -m benchmarks.harness.sim_hosts_check {out} "
-                            "--out {out}/sim_hosts_check.json", timeout_s=120),),
+                            "--out {out}/sim_hosts_check.json", timeout_s=120),)
+           + tuple(Step(f"share_{name}", "{python} -m benchmarks.harness.realized_share "
+                        f"--seq {{out}}/profile_{name}_seq --ovl {{out}}/profile_{name}_ovl "
+                        f"--comp {{out}}/profile_comp_wgrad --out {{out}}/share_{name}.json",
+                        timeout_s=60) for name in ("node", "flat")),
+           all_gpus=True),
+    Recipe("by_host_budget_step", 4,
+           "the sync-free hierarchical dispatch (--moe-dispatch-hierarchy node "
+           "--moe-dispatch-budget) in one CUDA graph of the whole iteration on the GPUs as 2 "
+           "emulated hosts: its bits against the dropless by-host dispatch (2 GPUs as 2 x 1, "
+           "4 as 2 x 2), then the step at the communication-bound shape against the dropless "
+           "one with partial graphs, sequential, and compute alone, 3 interleaved rounds",
+           "junit.xml, cli_logs/, step/train_rounds.json, step/logs/",
+           (Step("pytest", PYTEST + " --junitxml={out}/junit.xml -m multigpu -k budget "
+                 "tests/cli/test_dispatch_hierarchy_cli.py",
+                 env={"EPOVERLAP_GPU_LOGS": "{out}/cli_logs"}, timeout_s=200),
+            _rounds(HOSTS_BUDGET_SIDES, HOSTS_BARE_RUN, "step", timeout_s=330)),
            all_gpus=True),
     Recipe("host_loss_gpus", 4,
            "a lost host on GPUs: two torchrun nodes of 2 GPUs on this machine, each its own "

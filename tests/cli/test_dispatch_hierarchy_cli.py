@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from epoverlap.config import parse_config, validate_config
 from epoverlap.config.resolve import SEQUENTIAL_FLAG, resolve_config
@@ -90,6 +91,24 @@ def test_by_host_on_two_gpus_as_two_hosts_is_the_flat_bits(tmp_path):
     _, node_seq = train_cli(tmp_path, "by_host_seq", 2, GPU_RUN + NODE + [SEQUENTIAL_FLAG])
     _, flat = train_cli(tmp_path, "flat_seq", 2, GPU_RUN + FLAT + [SEQUENTIAL_FLAG])
     assert identical_losses(node_seq, node) and identical_losses(flat, node_seq)
+
+
+@pytest.mark.multigpu
+@needs_gpus
+@pytest.mark.parametrize("gpus", [2, pytest.param(4, marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs"))])
+def test_by_host_budget_in_one_graph_per_iteration_is_the_dropless_bits(tmp_path, gpus):
+    """The sync-free hierarchical dispatch (fixed chunks per host and per host mate) inside
+    one CUDA graph of the whole iteration, with the overlap and delayed wgrad, against the
+    dropless by-host dispatch run sequentially and eager: the same loss and grad norm bits.
+    2 GPUs as 2 hosts of 1, 4 GPUs as 2 hosts of 2 (stage 2 over NVLink)."""
+    run = GPU_RUN + ["--expert-model-parallel-size", str(gpus)]
+    _, seq = train_cli(tmp_path, f"by_host_seq_{gpus}", gpus, run + NODE + [SEQUENTIAL_FLAG])
+    out, graphed = train_cli(tmp_path, f"by_host_budget_full_{gpus}", gpus, run + NODE + [
+        "--moe-dispatch-budget", "1.25", "--overlap-moe-expert-parallel-comm",
+        "--delay-wgrad-compute", "--cuda-graph-impl", "full_iteration"])
+    assert "by host" in out and "full_iteration" in out, out[-3000:]
+    assert identical_losses(seq, graphed)
 
 
 @pytest.mark.parametrize("local, flags, want", [
