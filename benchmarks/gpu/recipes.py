@@ -413,7 +413,7 @@ RECIPES = (
                       f"epoverlap.cli.timeline {{out}}/profile_{name} --no-png", timeout_s=90)
                  for name in ("node_ovl", "node_seq"))
            + (_rounds(HOSTS_SIDES, HOSTS_RUN, "step", timeout_s=480),), all_gpus=True),
-    Recipe("hosts_sim_inputs", 4,
+    Recipe("hosts_sim_inputs", 2,
            "the simulator on the GPUs as 2 emulated hosts from inputs measured apart from the "
            "runs it predicts: each comm node of each dispatch timed alone at HOSTS_RUN's shape "
            "(bench_host_bytes --time; the link peaks of bench_a2a_links), compute recorded with "
@@ -436,7 +436,7 @@ RECIPES = (
                         f"--comp {{out}}/profile_comp_wgrad --out {{out}}/share_{name}.json",
                         timeout_s=60) for name in ("node", "flat")),
            all_gpus=True),
-    Recipe("by_host_budget_step", 4,
+    Recipe("by_host_budget_step", 2,
            "the sync-free hierarchical dispatch (--moe-dispatch-hierarchy node "
            "--moe-dispatch-budget) in one CUDA graph of the whole iteration on the GPUs as 2 "
            "emulated hosts: its bits against the dropless by-host dispatch (2 GPUs as 2 x 1, "
