@@ -67,18 +67,27 @@ HAND_PICKED = {"seq_graphs": SEQUENTIAL + " " + GRAPHS, "ovl_graphs": OVERLAP + 
                "ovl_full": OVERLAP + " " + FULL_ITERATION}
 
 
-def _default_path_steps(env: dict = None, picked: tuple = tuple(HAND_PICKED)) -> tuple:
+def _default_path_steps(env: dict = None, picked: tuple = tuple(HAND_PICKED),
+                        shape: str = "") -> tuple:
     """A first default run that tunes and fills the cache (its tuning cost in its log), then
     the default (from the cache) and each hand-picked path of `picked` in 3 interleaved
-    rounds."""
+    rounds; `shape`: flags over megatron-cmp's."""
+    run = DEFAULT_PATH_RUN + shape
     cache = "--tune-cache {out}/tune_cache"
     sides = " ".join([f"--side 'default={cache}'"] + [f"--side '{name}={HAND_PICKED[name]} "
                                                      f"--tune off'" for name in picked])
-    return (Step("tune_first", DEFAULT_PATH_RUN + f" {cache} --log-json {{out}}/tune_first.jsonl",
+    return (Step("tune_first", run + f" {cache} --log-json {{out}}/tune_first.jsonl",
                  env=dict(env or {}), timeout_s=120),
             Step("rounds", "{python} -m benchmarks.harness.bench_train_rounds --warmup 8 "
-                           "--out {out} --rounds 3 " + sides + " -- " + DEFAULT_PATH_RUN,
+                           "--out {out} --rounds 3 " + sides + " -- " + run,
                  env=dict(env or {}), timeout_s=420))
+
+
+# the defaults issue's other shapes, as flags over megatron-cmp (bench_overlap's SHAPES)
+E8_SHAPE = (" --num-experts 8 --moe-router-topk 8 --moe-ffn-hidden-size 4096"
+            " --micro-batch-size 8 --num-microbatches 4")
+RATIO_SHAPE = (" --num-layers 2 --seq-length 1024 --num-query-groups 4 --moe-ffn-hidden-size"
+               " 4096 --micro-batch-size 16 --num-microbatches 4")  # 1:1 with P2P off
 
 
 def _bitwise_steps() -> tuple:
@@ -262,6 +271,20 @@ RECIPES = (
            "as default_path_nvlink",
            _default_path_steps({"NCCL_P2P_DISABLE": "1"}, picked=("seq_graphs",)),
            all_gpus=True),
+    Recipe("default_path_e8", 2,
+           "default_path_nvlink at megatron-cmp with 8 experts top-8 of FFN 4096, micro-batch "
+           "8 x 4 (bench_overlap's megatron_e8_k8_f4096_mbs8x4), against the sequential paths "
+           "and full-iteration overlap",
+           "as default_path_nvlink",
+           _default_path_steps(picked=("seq_graphs", "seq_full", "ovl_full"), shape=E8_SHAPE)),
+    Recipe("default_path_ratio_nop2p", 2,
+           "default_path_nop2p at the shape where the all-to-all through host memory is about "
+           "1:1 with compute (bench_overlap's ratio_h2048_k4_f4096), against the sequential "
+           "paths and the overlap with partial graphs",
+           "as default_path_nvlink",
+           _default_path_steps({"NCCL_P2P_DISABLE": "1"},
+                               picked=("seq_graphs", "seq_full", "ovl_graphs"),
+                               shape=RATIO_SHAPE)),
     Recipe("default_path_nop2p", 2,
            "default_path_nvlink with NCCL_P2P_DISABLE=1 (the all-to-alls through host memory)",
            "as default_path_nvlink", _default_path_steps({"NCCL_P2P_DISABLE": "1"})),
