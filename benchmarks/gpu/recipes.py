@@ -273,10 +273,10 @@ RECIPES = (
            all_gpus=True),
     Recipe("default_path_e8", 2,
            "default_path_nvlink at megatron-cmp with 8 experts top-8 of FFN 4096, micro-batch "
-           "8 x 4 (bench_overlap's megatron_e8_k8_f4096_mbs8x4), against the sequential paths "
-           "and full-iteration overlap",
+           "8 x 4 (bench_overlap's megatron_e8_k8_f4096_mbs8x4), against the sequential and "
+           "overlapped full-iteration graphs (the fastest pair over NVLink at megatron-cmp)",
            "as default_path_nvlink",
-           _default_path_steps(picked=("seq_graphs", "seq_full", "ovl_full"), shape=E8_SHAPE)),
+           _default_path_steps(picked=("seq_full", "ovl_full"), shape=E8_SHAPE)),
     Recipe("default_path_ratio_nop2p", 2,
            "default_path_nop2p at the shape where the all-to-all through host memory is about "
            "1:1 with compute (bench_overlap's ratio_h2048_k4_f4096), against the sequential "

@@ -20,7 +20,8 @@ With the path tuner (--tune) each step runs the path the tuner gives it (`traini
 `RunParts.switch_path`); its decision, when it comes, is kept for the report (`tune_report`:
 the table's lines, and the `tuned_path` field of the step's JSON record), the losing paths'
 graph banks are released, and rank 0 writes --tune-cache. A path whose graph capture fails on
-some rank is dropped on every rank (`capture_graphs`). Steps with recorded
+some rank is dropped on every rank (`capture_graphs`); where the paths' graph banks do not
+fit side by side, the tuner takes the paths in turn (`_check_banks_fit`). Steps with recorded
 spans (--profile-steps) also measure the first rank's comm, exposed comm and overlap ratio
 (`profiling.overlap`). Nothing here logs: `training.metrics` reports.
 """
@@ -45,7 +46,7 @@ from epoverlap.training.numerics import check_finite
 from epoverlap.training.optim import lr_at
 from epoverlap.training.stop import REASONS, StopRequest
 from epoverlap.training.tune_cache import write_decision
-from epoverlap.training.tuner import TuneDecision
+from epoverlap.training.tuner import TuneDecision, fits_beside
 
 
 class StepRunner:
@@ -234,7 +235,38 @@ class StepRunner:
             for generator, state in zip(generators, states):
                 generator.set_state(state)
         self.capture_failed(error is not None, error)
+        if error is None and captured:
+            self._check_banks_fit(captured)
         return captured
+
+    def _check_banks_fit(self, captured: list) -> None:
+        """After a capture while the tuner primes the paths: whether the paths not primed yet
+        fit beside the banks held (`tuner.fits_beside`, every rank alike); if not, the tuner
+        takes the paths in turn and every path's banks but the first's are released."""
+        p, tuner = self.parts, self.parts.tuner
+        others = sum(1 for name in tuner.names if name not in tuner.primed)
+        if tuner.in_turn or tuner.decision is not None or not others:
+            return
+        bank_bytes = sum(bank.pool_bytes for _, bank in captured)
+        free = self._free_device_bytes()
+        fits = torch.tensor([float(fits_beside(bank_bytes, free, others))], device=p.device)
+        p.groups.world.all_reduce(fits, op=dist.ReduceOp.MIN)
+        if host_list(fits)[0]:
+            return
+        tuner.take_turns()
+        for name in tuner.names[1:]:
+            p.graphs.release_schedule(name)
+        self.tune_report.append(
+            f"tune: a path's CUDA graphs take {bank_bytes / 2**30:.1f} GiB, "
+            f"{(free or 0) / 2**30:.1f} GiB are free: the paths are timed one after another, "
+            "each holding its graphs in its turn")
+
+    def _free_device_bytes(self) -> Optional[int]:
+        """Free device memory (CUDA, the allocator's cache emptied first), else None."""
+        if self.parts.device.type != "cuda":
+            return None
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.parts.device)[0]
 
     # ----------------------------------------------------------------- the step's figures
     def _dropped_tokens(self) -> tuple[int, float]:
@@ -306,6 +338,10 @@ class StepRunner:
         if p.tuner is None:
             return None
         name = p.tuner.schedule_for(step)
+        if p.tuner.in_turn and p.graphs is not None:  # only the path in turn holds graphs
+            for other in p.tuner.names:
+                if other != name:
+                    p.graphs.release_schedule(other)
         p.switch_path(name)
         return name
 

@@ -22,6 +22,13 @@ training steps. A path whose graph capture fails on any rank is dropped on every
 graph banks are released after the decision. A decision from --tune-cache (`training.tune_cache`)
 is taken at once (`Tuner(cached=...)`): no path is timed.
 
+Where the paths' graph banks do not fit side by side (a full-iteration graph holds a whole
+iteration's activations: `fits_beside` after the first capture, agreed over the ranks), the
+paths are timed in turn (`take_turns`): each path's untimed step that records its graphs, then
+its timed steps, then the next path's, only the path in turn holding its bank (the trainer
+releases the others; the chosen path's graphs are captured again after the decision). Steps
+that drift between the paths' blocks weigh more than in the round-robin, the price of fitting.
+
 Owns `Tuner` (which path each step runs, the timings, the decision), `PathTiming` and
 `TuneDecision` (the decision's table, its --log-json record). The paths' plans, lanes and graph
 banks are built in `training.build` and switched in `training.step`.
@@ -118,6 +125,7 @@ class Tuner:
         self.phases: dict[int, tuple[str, str]] = {}  # step -> (path, phase)
         self.dropped: dict[str, str] = {}
         self.decision = cached
+        self.in_turn = False  # `take_turns`: one path after another
         # the window as planned (no path dropped): for the run's description
         self.start = first_step + 1 + (len(self.names) - 1 if prime else 0)
         self.end = self.start + steps * len(self.names) - 1
@@ -138,17 +146,33 @@ class Tuner:
             return self.decision.chosen
         if step <= self.first_step:
             name, phase = self.names[0], WARMUP
+        elif self.in_turn:  # the first path short of its timed steps, primed first
+            turns = self._timed_turns()
+            name = next(n for n in self.names if turns[n] < self.steps)
+            phase = TIMED if name in self.primed else PRIME
+            self.primed.add(name)
         elif self.prime and any(n not in self.primed for n in self.names):
             name, phase = next(n for n in self.names if n not in self.primed), PRIME
             self.primed.add(name)
         else:  # round-robin: the earliest path with the fewest timed turns so far
-            turns = {n: 0 for n in self.names}
-            for given, phase in self.phases.values():
-                if phase == TIMED and given in turns:
-                    turns[given] += 1
+            turns = self._timed_turns()
             name, phase = min(self.names, key=turns.__getitem__), TIMED
         self.phases[step] = (name, phase)
         return name
+
+    def _timed_turns(self) -> dict[str, int]:
+        turns = {n: 0 for n in self.names}
+        for given, phase in self.phases.values():
+            if phase == TIMED and given in turns:
+                turns[given] += 1
+        return turns
+
+    def take_turns(self) -> None:
+        """From the next step on, time the paths one after another (module docstring); a path
+        primed before, other than the first, is primed again in its turn."""
+        if self.decision is None and not self.in_turn:
+            self.in_turn = True
+            self.primed &= {self.names[0]}  # the others' graphs are released meanwhile
 
     def phase_of(self, step: int) -> Optional[str]:
         """warmup, prime or timed for a step the tuner gave a path to; None after the
@@ -213,3 +237,10 @@ class Tuner:
                   if self.prime else "")
         return (f" (tuned: {len(self.names)} paths, {self.steps} timed step(s) each, steps "
                 f"{self.start}-{self.end}{primed})")
+
+
+def fits_beside(bank_bytes: int, free_bytes: Optional[int], others: int) -> bool:
+    """Whether `others` more graph banks of `bank_bytes` each fit in `free_bytes` of device
+    memory, with room for the eager step that records each (about a bank's size again).
+    Unknown free memory (no CUDA device) fits."""
+    return free_bytes is None or free_bytes >= bank_bytes * (others + 1)

@@ -17,7 +17,7 @@ import torch
 from epoverlap.config import parse_config, resolve_config
 from epoverlap.config.tuning import SEQUENTIAL, candidate_paths, may_tune, steps_needed
 from epoverlap.training.tune_cache import cache_key, key_fields, read_decision
-from epoverlap.training.tuner import PRIME, TIMED, WARMUP, TuneDecision, Tuner
+from epoverlap.training.tuner import PRIME, TIMED, WARMUP, TuneDecision, Tuner, fits_beside
 
 OVL, WG, PE = "combined_1f1b", "combined_1f1b+wgrad", "combined_1f1b_paired_ends"
 PATHS = [OVL, WG, SEQUENTIAL]
@@ -347,3 +347,37 @@ def test_a_cached_rerun_skips_tuning_and_runs_the_cached_path_from_the_first_ste
                                 "--tune-cache", cache])
     assert [r.schedule for r in retuned][:6] == [OVL] + ALL
     assert json.loads(files[0].read_text())["chosen"] in ALL
+
+
+def test_in_turn_each_path_is_primed_then_timed_before_the_next():
+    """take_turns after the first path's capture: each other path's untimed recording step,
+    then its timed steps, then the next path's; the decision as in the round-robin."""
+    tuner = Tuner(PATHS, steps=2, first_step=3, prime=True)
+    tuner.take_turns()
+    ran, decisions = _run(tuner, 1, 14, {OVL: 0.3, WG: 0.2, SEQUENTIAL: 0.25})
+    assert ran == [OVL] * 5 + [WG] * 3 + [SEQUENTIAL] * 3 + [WG] * 3
+    assert [tuner.phase_of(s) for s in range(3, 12)] == [
+        WARMUP, TIMED, TIMED, PRIME, TIMED, TIMED, PRIME, TIMED, TIMED]
+    assert [step for step, _ in decisions] == [11] and decisions[0][1].chosen == WG
+
+
+def test_a_path_fits_beside_the_others_with_room_for_its_recording_step():
+    assert fits_beside(10, 40, 3) and not fits_beside(10, 39, 3)
+    assert fits_beside(86 * 2**30, None, 4)  # no CUDA device: unknown free memory fits
+
+
+def test_graphs_that_do_not_fit_side_by_side_are_tuned_in_turn_with_the_same_bits(monkeypatch):
+    """With the check of `fits_beside` failing, the tuner takes the paths one after another:
+    each path's bank captured in its turn (one capture per path, the chosen one's again after
+    the decision), at most one path's bank held, and the losses the untuned run's bits."""
+    fixed, _, _ = _train(GRAPHS + ["--train-iters", "16", "--tune", "off"])
+    monkeypatch.setattr("epoverlap.training.step.fits_beside", lambda *args: False)
+    tuned, lines, banks = _train(GRAPHS + ["--train-iters", "16", "--tune", "on",
+                                           "--tune-steps", "1"])
+    ran = [r.schedule for r in tuned]
+    # warm-up (2 steps) and the first path's timed step; then each other path twice
+    assert ran[:13] == [OVL, OVL, OVL] + [p for p in ALL[1:] for _ in range(2)] + [ran[13]] * 2
+    assert _hexes(tuned) == _hexes(fixed)
+    text = "\n".join(lines)
+    assert "the paths are timed one after another" in text
+    assert text.count("CUDA graphs: ") >= 5 and banks == [(ran[-1], 0)]
