@@ -158,6 +158,13 @@ HOSTS_BUDGET_SIDES = {"node_ovl": WGRAD + NODE + " " + GRAPHS,
                                           " --cuda-graph-impl full_iteration",
                       "node_seq": SEQUENTIAL + NODE + " " + GRAPHS,
                       "comp": WGRAD + FLAT + LOCAL_COPY + " " + GRAPHS}
+def _hierarchy_tests(select: str = "") -> Step:
+    """The hierarchy's multigpu tests (`select`: a -k filter), their logs kept."""
+    return Step("pytest", PYTEST + " --junitxml={out}/junit.xml -m multigpu " + select
+                + "tests/cli/test_dispatch_hierarchy_cli.py",
+                env={"EPOVERLAP_GPU_LOGS": "{out}/cli_logs"}, timeout_s=200)
+
+
 HOSTS_PROFILES = {"comp_seq": SEQUENTIAL + FLAT + LOCAL_COPY,
                   "comp_wgrad": WGRAD + FLAT + LOCAL_COPY,
                   **{name: HOSTS_SIDES[name]
@@ -418,9 +425,7 @@ RECIPES = (
            "GPUs as 2 hosts), and one round of the training command per side at the "
            "communication-bound shape (HOSTS_RUN)",
            "junit.xml, cli_logs/, host_bytes.json, calibrate/train_rounds.json",
-           (Step("pytest", PYTEST + " --junitxml={out}/junit.xml -m multigpu "
-                 "tests/cli/test_dispatch_hierarchy_cli.py",
-                 env={"EPOVERLAP_GPU_LOGS": "{out}/cli_logs"}, timeout_s=200),
+           (_hierarchy_tests(),
             Step("host_bytes", "{torchrun} -m benchmarks.harness.bench_host_bytes --hosts 2 "
                                "--out {out}/host_bytes.json", timeout_s=90),
             _rounds(HOSTS_SIDES, HOSTS_RUN, "calibrate", rounds=1, timeout_s=300)),
@@ -466,9 +471,7 @@ RECIPES = (
            "4 as 2 x 2), then the step at the communication-bound shape against the dropless "
            "one with partial graphs, sequential, and compute alone, 3 interleaved rounds",
            "junit.xml, cli_logs/, step/train_rounds.json, step/logs/",
-           (Step("pytest", PYTEST + " --junitxml={out}/junit.xml -m multigpu -k budget "
-                 "tests/cli/test_dispatch_hierarchy_cli.py",
-                 env={"EPOVERLAP_GPU_LOGS": "{out}/cli_logs"}, timeout_s=200),
+           (_hierarchy_tests("-k budget "),
             _rounds(HOSTS_BUDGET_SIDES, HOSTS_BARE_RUN, "step", timeout_s=330)),
            all_gpus=True),
     Recipe("host_loss_gpus", 4,

@@ -259,15 +259,9 @@ class BudgetDispatcher(TokenDispatcher):
                  device: torch.device, mode: DispatchMode,
                  budget: Optional[DispatchBudget] = None):
         super().__init__(comm, num_experts, topk, ops, device, mode, budget)
-        ranks, local = comm.size, self.num_local
         # chunks (rank, expert or padding) -> experts' chunks, then padding; and back
-        with_pad = local + 1
-        self._budget_to_expert_major = index_tensor(
-            [r * with_pad + e for e in range(local) for r in range(ranks)]
-            + [r * with_pad + local for r in range(ranks)], device)
-        self._budget_to_rank_major = index_tensor(
-            [(e * ranks + r) if e < local else local * ranks + r
-             for r in range(ranks) for e in range(with_pad)], device)
+        self._budget_to_expert_major, self._budget_to_rank_major = padded_block_transpose(
+            comm.size, self.num_local, device)
 
     def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
                  exchange: Optional[SplitExchange] = None, row_id_map=None):
@@ -387,6 +381,18 @@ def _swap_blocks(rows: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """Rows as blocks [A, B, C] -> [B, A, C] (a transpose of the two outer block indices)."""
     blocks = rows.view(*shape, *rows.shape[1:]).transpose(0, 1)
     return blocks.reshape(rows.shape)
+
+
+def padded_block_transpose(outer: int, inner: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block orders for `sort_chunks_by_idxs`: blocks laid out (o, i) for o < `outer`, i <=
+    `inner` (i == inner: o's padding) -> (i, o) for i < inner, then the paddings in o's order;
+    and the order back."""
+    with_pad = inner + 1
+    forward = index_tensor([o * with_pad + i for i in range(inner) for o in range(outer)]
+                           + [o * with_pad + inner for o in range(outer)], device)
+    back = index_tensor([(i * outer + o) if i < inner else inner * outer + o
+                         for o in range(outer) for i in range(with_pad)], device)
+    return forward, back
 
 
 def index_tensor(values: list[int], device) -> torch.Tensor:

@@ -63,7 +63,8 @@ from epoverlap.kernels import MoEOps
 from epoverlap.model.budget import ByHostBudget, DispatchBudget
 from epoverlap.model.dispatch import (BudgetDispatcher, DispatchMeta, HostSplitDispatcher,
                                       PaddedCapacityDispatcher, TokenDispatcher, budget_indices,
-                                      index_tensor, kept_counts, move_rows)
+                                      index_tensor, kept_counts, move_rows,
+                                      padded_block_transpose)
 from epoverlap.parallel.comm import ExpertComm, SplitExchange, all_to_all
 
 
@@ -331,14 +332,9 @@ class ByHostBudgetDispatcher(ByHostDispatcher):
                  device: torch.device, mode: DispatchMode,
                  budget: Optional[DispatchBudget] = None):
         super().__init__(comm, num_experts, topk, ops, device, mode, budget)
-        hosts, per_host = self.route.hosts, self.route.per_host
-        with_pad = hosts + 1  # per mate: a block per source host, then its empty slots
-        self._blocks_to_source_major = index_tensor(
-            [p * with_pad + h for h in range(hosts) for p in range(per_host)]
-            + [p * with_pad + hosts for p in range(per_host)], device)
-        self._blocks_to_mate_major = index_tensor(
-            [(h * per_host + p) if h < hosts else hosts * per_host + p
-             for p in range(per_host) for h in range(with_pad)], device)
+        # per mate: a block per source host, then its empty slots -> per source host; and back
+        self._blocks_to_source_major, self._blocks_to_mate_major = padded_block_transpose(
+            self.route.per_host, self.route.hosts, device)
 
     def start_split_exchange(self, counts_E, row_id_map=None) -> None:
         return None
