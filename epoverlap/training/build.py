@@ -290,6 +290,27 @@ class RunParts:
         return ((overlap_plan and bool(o.overlap_moe_expert_parallel_comm))
                 or o.moe_a2a_chunks > 1)
 
+    def drop_graphs(self) -> int:
+        """Run on without CUDA graphs from the next step (a capture the run cannot hold): every
+        bank released, each executor rebuilt without per-layer graphs. -> pool bytes freed."""
+        freed = sum(bank.pool_bytes for bank in self.graphs.banks.banks.values()
+                    if bank.captured)
+        self.graphs.release()
+        self.graphs = None
+        flags_chunks = self.cfg.overlap.moe_a2a_chunks
+        executor = self._executor()
+        for built in self.paths.values():
+            built.executor = executor if built.path.chunks == flags_chunks else \
+                self._executor(built.path.chunks)
+        lanes = self.executor.lanes
+        self.executor = executor
+        self.executor.lanes = lanes
+        if self.tuner is not None and self.tuner.chosen is not None:
+            self.switch_path(self.tuner.chosen)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
     def switch_path(self, name: str) -> None:
         """Run the tuner's path `name` from here on: its plan, executor, lanes, weight-grad
         deferral and its own bank of CUDA graphs."""

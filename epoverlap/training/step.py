@@ -46,6 +46,7 @@ from epoverlap.training.numerics import check_finite
 from epoverlap.training.optim import lr_at
 from epoverlap.training.stop import REASONS, StopRequest
 from epoverlap.training.tune_cache import write_decision
+from epoverlap.config.resolve import GRAPHS_FLAG
 from epoverlap.training.tuner import TuneDecision, fits_beside
 
 
@@ -225,7 +226,7 @@ class StepRunner:
         if p.graphs is None:
             return []
         if p.tuner is None or p.tuner.decision is not None or not p.graphs.due:
-            return p.graphs.capture_due(p.plan, self.select_budget_level)
+            return self._capture_or_drop_graphs()
         generators = p.router_generators()  # while tuning, a failed capture drops its path
         states = [g.get_state() for g in generators]
         try:
@@ -238,6 +239,37 @@ class StepRunner:
         if error is None and captured:
             self._check_banks_fit(captured)
         return captured
+
+    def _capture_or_drop_graphs(self) -> list:
+        """Capture what this step recorded. Where the graph scope was the auto default and the
+        capture fails on some rank (agreed over the ranks), the run goes on without graphs,
+        saying so in one line; a scope the flags gave fails the run."""
+        p = self.parts
+        auto = GRAPHS_FLAG in p.cfg.defaulted
+        if not auto or not p.graphs.due:
+            return p.graphs.capture_due(p.plan, self.select_budget_level)
+        generators = p.router_generators()
+        states = [g.get_state() for g in generators]
+        try:
+            captured, error = p.graphs.capture_due(p.plan, self.select_budget_level), None
+        except Exception as failure:  # noqa: BLE001  (agreed over the ranks just below)
+            captured, error = [], failure
+            for generator, state in zip(generators, states):
+                generator.set_state(state)
+        failed = torch.tensor([float(error is not None)], device=p.device)
+        p.groups.world.all_reduce(failed)
+        ranks = int(host_list(failed)[0])
+        if not ranks:
+            return captured
+        scope = p.cfg.cuda_graph.impl
+        freed = p.drop_graphs()
+        text = "" if error is None else f" ({type(error).__name__}: " \
+            f"{(str(error).strip().splitlines() or [''])[0][:200]})"
+        self.tune_report.append(
+            f"CUDA graphs: the capture failed on {ranks} rank(s){text}; the run goes on "
+            f"without graphs ({freed / 2**30:.3f} GiB released; the graph scope {scope} was "
+            f"the auto default, {GRAPHS_FLAG} pins one)")
+        return []
 
     def _check_banks_fit(self, captured: list) -> None:
         """After a capture while the tuner primes the paths: whether the paths not primed yet
