@@ -310,6 +310,11 @@ class OverlapConfig:
         "on CUDA devices with the overlap, one pipeline stage and steps enough; off: the "
         "flags' path", choices=TUNE_MODES, metavar="MODE")
     tune_steps: int = flag(3, "timed steps of each path (their median decides)")
+    tune_allow_rounding: bool = flag(
+        False, "let the tuner also time a path whose results round apart from the flags' "
+        "(the dispatch once per rank, --moe-dispatch-once-per-rank: fewer bytes, its combine "
+        "sums per rank first); a run that takes it differs from an untuned run in the last "
+        "bits, and a rerun from --tune-cache reproduces it")
     tune_cache: Optional[str] = flag(
         None, "a folder of tuning decisions: a run of the same shape, flags, GPUs, link and "
         "versions takes the decision from DIR/<key>.json and skips tuning (none: no cache)",

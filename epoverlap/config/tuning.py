@@ -13,6 +13,11 @@ changing the math (the overlap contract, docs/overlap.md: every schedule gives t
                         the config can chunk (`config.dispatch.a2a_chunks_blocker`) and the
                         flags leave the chunks at 1; only that one path (each path replays its
                         own graphs: one more bank, not one per plan)
+  once per rank         with --tune-allow-rounding only: the first overlap plan with delayed
+                        weight grads and the dispatch once per rank (a `+once` suffix), where
+                        the config can send once per rank (`once_per_rank_blocker`) and the
+                        flags did not; it changes the combine's rounding, so a run that takes
+                        it is not an untuned run's bits (its --tune-cache rerun is)
   sequential            last; no overlap
 
 An axis the user pinned is not tuned: --overlap-plan given keeps that plan (it is still timed
@@ -35,13 +40,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epoverlap.config.dispatch import a2a_chunks_blocker
+from epoverlap.config.dispatch import DispatchMode, a2a_chunks_blocker
 from epoverlap.config.sections import RunConfig
 
 SEQUENTIAL = "sequential"
 DEFAULT_PLAN = "combined_1f1b"
 PAIRED_ENDS = "combined_1f1b_paired_ends"
 WGRAD = "+wgrad"
+ONCE = "+once"
 GRAPH_IMPLS = ("none", "local", "full_iteration")  # each path can replay its own graphs
 # the chunk count the tuner tries: 4 beat 8 and 1 through host memory (benchmarks/chunked.md)
 TUNED_CHUNKS = 4
@@ -56,6 +62,7 @@ class TunePath:
     plan: str
     delay_wgrad: bool
     chunks: int = 1  # --moe-a2a-chunks of the path's MoE layers
+    once_per_rank: bool = False  # the dispatch once per rank where the flags' is not
 
 
 def probe_steps(cfg: RunConfig) -> int:
@@ -93,7 +100,25 @@ def candidate_paths(cfg: RunConfig) -> list[TunePath]:
     if tried > 1:
         paths.append(TunePath(plans[0] + (WGRAD if tuned_wgrad else "") + f"+k{tried}",
                               plans[0], True, tried))
+    if o.tune_allow_rounding and not once_per_rank_blocker(cfg):
+        wgrad = True if tuned_wgrad else bool(o.delay_wgrad_compute)
+        paths.append(TunePath(plans[0] + (WGRAD if wgrad and tuned_wgrad else "") + ONCE,
+                              plans[0], wgrad, chunks, once_per_rank=True))
     return paths + [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute), chunks)]
+
+
+def once_per_rank_blocker(cfg: RunConfig) -> str:
+    """Why the tuner has no once-per-rank path here ('' when it has): it needs EP > 1, the
+    dropless or capacity (unpadded) dispatch one row per expert, flat, and all-to-alls in one
+    piece (the budget's buffers and the chunked layer are sized for the flags' dispatch)."""
+    mode = DispatchMode.of(cfg.moe)
+    if not cfg.moe.num_experts or (cfg.parallel.expert_model_parallel_size or 1) < 2:
+        return "needs --expert-model-parallel-size > 1"
+    if mode.once_per_rank or mode.by_host:
+        return "the flags' dispatch already sends once per rank or host"
+    if mode.name not in ("dropless", "capacity") or cfg.overlap.moe_a2a_chunks != 1:
+        return "needs the dropless or capacity dispatch in one piece"
+    return ""
 
 
 def tuned_chunks(cfg: RunConfig) -> int:

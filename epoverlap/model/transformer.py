@@ -33,6 +33,7 @@ Q query heads, G key/value heads, D head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -416,6 +417,8 @@ class MoEModel(nn.Module):
         pattern = cfg.moe_layer_pattern()
         self.dispatch_mode = DispatchMode.of(cfg.moe)  # the one place the model reads it
         self.dispatch_budget = self.dispatcher = None
+        self._comm, self._device = comm, device
+        self._dispatchers: dict = {}  # once per rank or not -> its dispatcher (`use_dispatch`)
         if any(pattern):
             self.dispatch_budget = _dispatch_budget(cfg, self.dispatch_mode, comm, device)
             self.dispatcher = make_dispatcher(comm, cfg.moe.num_experts, cfg.moe.moe_router_topk,
@@ -493,6 +496,24 @@ class MoEModel(nn.Module):
     def layout(self) -> list[tuple[str, ...]]:
         """Node kinds of each layer, in forward order (what plan builders need)."""
         return [tuple(s.kind for s in layer.node_specs()) for layer in self.transformer_layers()]
+
+    def use_dispatch(self, once_per_rank: bool) -> None:
+        """Every MoE layer dispatches once per rank, or as the flags say (the tuner's
+        `+once` path switches at a step boundary; the nodes built after this call take its
+        inputs). The other dispatcher is made the first time it is asked for."""
+        if self.dispatcher is None or self.dispatcher.once_per_rank == once_per_rank:
+            return
+        self._dispatchers.setdefault(self.dispatcher.once_per_rank, self.dispatcher)
+        if once_per_rank not in self._dispatchers:
+            mode = dataclasses.replace(self.dispatch_mode, once_per_rank=once_per_rank)
+            self._dispatchers[once_per_rank] = make_dispatcher(
+                self._comm, self.cfg.moe.num_experts, self.cfg.moe.moe_router_topk, self.ops,
+                self._device, mode)
+        self.dispatcher = self._dispatchers[once_per_rank]
+        self.dispatch_mode = self.dispatcher.mode
+        for layer in self.layers.values():
+            if layer.is_moe:
+                layer.dispatcher = self.dispatcher
 
     def routers(self) -> list[Router]:
         return [layer.router for layer in self.transformer_layers() if layer.router is not None]

@@ -265,11 +265,8 @@ class RunParts:
                                 f"needed, {steps_left} left): {cfg.plan_name} as the flags say")
             return None, {}
         serial = self.lanes if self._two_lanes(False) else make_lanes(self.device, False)
-        flags_chunks = cfg.overlap.moe_a2a_chunks
-        built = {path.name: BuiltPath(path, self.build_plans(path)[1][0],
-                                      serial if path.plan == SEQUENTIAL else self.lanes,
-                                      self.executor if path.chunks == flags_chunks
-                                      else self._executor(path.chunks))
+        built = {path.name: self._built_path(path, serial if path.plan == SEQUENTIAL
+                                             else self.lanes)
                  for path in paths if cached is None or path.name == cached.chosen}
         if serial is not self.lanes and not any(b.lanes is serial for b in built.values()):
             serial.close()
@@ -290,6 +287,26 @@ class RunParts:
         return ((overlap_plan and bool(o.overlap_moe_expert_parallel_comm))
                 or o.moe_a2a_chunks > 1)
 
+    def _built_path(self, path: TunePath, lanes) -> BuiltPath:
+        """A path's plan and executor, over nodes of its chunk count and dispatch (the
+        model's dispatch switched for the build, then back to the flags')."""
+        self.model.use_dispatch(path.once_per_rank or self._flags_once_per_rank)
+        try:
+            return BuiltPath(path, self.build_plans(path)[1][0], lanes,
+                             self._path_executor(path))
+        finally:
+            self.model.use_dispatch(self._flags_once_per_rank)
+
+    def _path_executor(self, path: TunePath) -> Executor:
+        """The flags' executor where the path runs the flags' nodes, else one of its own."""
+        if path.chunks == self.cfg.overlap.moe_a2a_chunks and not path.once_per_rank:
+            return self.executor
+        return self._executor(path.chunks)
+
+    @property
+    def _flags_once_per_rank(self) -> bool:
+        return DispatchMode.of(self.cfg.moe).once_per_rank
+
     def drop_graphs(self) -> int:
         """Run on without CUDA graphs from the next step (a capture the run cannot hold): every
         bank released, each executor rebuilt without per-layer graphs. -> pool bytes freed."""
@@ -297,14 +314,15 @@ class RunParts:
                     if bank.captured)
         self.graphs.release()
         self.graphs = None
-        flags_chunks = self.cfg.overlap.moe_a2a_chunks
-        executor = self._executor()
-        for built in self.paths.values():
-            built.executor = executor if built.path.chunks == flags_chunks else \
-                self._executor(built.path.chunks)
-        lanes = self.executor.lanes
-        self.executor = executor
+        lanes, once = self.executor.lanes, self.model.dispatcher is not None and \
+            self.model.dispatcher.once_per_rank
+        self.model.use_dispatch(self._flags_once_per_rank)
+        self.executor = self._executor()
         self.executor.lanes = lanes
+        for built in self.paths.values():
+            self.model.use_dispatch(built.path.once_per_rank or self._flags_once_per_rank)
+            built.executor = self._path_executor(built.path)
+        self.model.use_dispatch(once)
         if self.tuner is not None and self.tuner.chosen is not None:
             self.switch_path(self.tuner.chosen)
         if self.device.type == "cuda":
@@ -318,6 +336,7 @@ class RunParts:
         self.plan, self.executor = built.plan, built.executor
         self.executor.lanes = built.lanes
         self.wgrad_queue.enabled = built.path.delay_wgrad
+        self.model.use_dispatch(built.path.once_per_rank or self._flags_once_per_rank)
         if self.graphs is not None:
             self.graphs.schedule = name
 

@@ -169,6 +169,19 @@ def test_the_paths_of_a_config_and_its_pinned_axes():
     assert names("--overlap-probe-steps", "2", "--delay-wgrad-compute") == [OVL, SEQUENTIAL]
 
 
+def test_the_once_per_rank_path_only_with_tune_allow_rounding_and_where_it_can_run():
+    def names(*flags: str) -> list[str]:
+        return [p.name for p in candidate_paths(_cfg("--tune-allow-rounding", *flags))]
+    once = [p for p in candidate_paths(_cfg("--tune-allow-rounding")) if p.once_per_rank]
+    assert [(p.name, p.plan, p.delay_wgrad) for p in once] == [(WG + "+once", OVL, True)]
+    assert names()[-2:] == [WG + "+once", SEQUENTIAL]
+    assert not any(p.once_per_rank for p in candidate_paths(_cfg()))  # not without the flag
+    for flags in (["--moe-dispatch-once-per-rank"], ["--moe-dispatch-budget", "2.0"],
+                  ["--moe-a2a-chunks", "2"], ["--expert-model-parallel-size", "1"]):
+        assert not any(n.endswith("+once") for n in names(*flags)), flags
+    assert names("--delay-wgrad-compute")[-2:] == [OVL + "+once", SEQUENTIAL]
+
+
 def test_the_chunked_path_where_the_config_can_chunk_and_the_flags_left_it_at_one():
     def chunks(*flags: str, world: int = 2) -> list[int]:
         return [p.chunks for p in candidate_paths(_cfg(*flags, world=world))]

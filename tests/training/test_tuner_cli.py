@@ -71,3 +71,34 @@ def test_rank_0_prints_the_decisions_table_once(runs):
     chosen = [row.split()[0] for row in table[1:] if row.endswith("  chosen")]
     assert chosen == [tuned[-1]["schedule"]]
     assert "(tuned: 6 paths, 1 timed step(s) each, steps 2-7)" in stdout
+
+
+@pytest.mark.slow
+def test_allow_rounding_times_the_dispatch_once_per_rank_and_a_cached_rerun_is_its_bits(
+        tmp_path):
+    """--tune-allow-rounding adds combined_1f1b+wgrad+once: the tuned run's steps before it
+    are an untuned run's bits, the step it ran sent once per rank; a rerun whose cached
+    decision names it runs it from the first step, the bits of the run pinned to it
+    (--moe-dispatch-once-per-rank --delay-wgrad-compute --tune off)."""
+    once = "combined_1f1b+wgrad+once"
+    cache = tmp_path / "cache"
+    _, fixed = _train(tmp_path, "fixed", ["--tune", "off"])
+    stdout, tuned = _train(tmp_path, "tuned", ["--tune", "on", "--tune-steps", "1",
+                                               "--tune-allow-rounding", "--tune-cache",
+                                               str(cache)])
+    ran = [r["schedule"] for r in tuned]
+    first = ran.index(once)
+    assert [r["loss_hex"] for r in tuned[:first + 1]] == [r["loss_hex"] for r in fixed[:first + 1]]
+    assert f"| tune: {once} |" in stdout
+    (decision_file,) = cache.glob("*.json")
+    decision = json.loads(decision_file.read_text())
+    decision["chosen"] = once  # as if it had been the fastest
+    decision_file.write_text(json.dumps(decision))
+    stdout, cached = _train(tmp_path, "cached", ["--tune", "on", "--tune-steps", "1",
+                                                 "--tune-allow-rounding", "--tune-cache",
+                                                 str(cache)])
+    assert f"tune: cached {once}" in stdout and {r["schedule"] for r in cached} == {once}
+    _, pinned = _train(tmp_path, "pinned", ["--tune", "off", "--moe-dispatch-once-per-rank",
+                                            "--delay-wgrad-compute"])
+    assert [(r["loss_hex"], r["grad_norm_hex"]) for r in cached] == [
+        (r["loss_hex"], r["grad_norm_hex"]) for r in pinned]
