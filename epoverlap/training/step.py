@@ -227,46 +227,46 @@ class StepRunner:
             return []
         if p.tuner is None or p.tuner.decision is not None or not p.graphs.due:
             return self._capture_or_drop_graphs()
-        generators = p.router_generators()  # while tuning, a failed capture drops its path
-        states = [g.get_state() for g in generators]
-        try:
-            captured, error = p.graphs.capture_due(p.plan, self.select_budget_level), None
-        except Exception as failure:  # noqa: BLE001  (agreed over the ranks just below)
-            captured, error = [], failure
-            for generator, state in zip(generators, states):
-                generator.set_state(state)
-        self.capture_failed(error is not None, error)
+        captured, error = self._try_capture()  # while tuning, a failed capture drops its path
+        self.capture_failed(self._ranks_failed(error), error)
         if error is None and captured:
             self._check_banks_fit(captured)
         return captured
 
-    def _capture_or_drop_graphs(self) -> list:
-        """Capture what this step recorded. Where the graph scope was the auto default and the
-        capture fails on some rank (agreed over the ranks), the run goes on without graphs,
-        saying so in one line; a scope the flags gave fails the run."""
+    def _try_capture(self) -> tuple[list, Optional[BaseException]]:
+        """Capture what this step recorded; a failure is returned, not raised (every rank
+        learns of it from `_ranks_failed`), the router generators as they were before."""
         p = self.parts
-        auto = GRAPHS_FLAG in p.cfg.defaulted
-        if not auto or not p.graphs.due:
-            return p.graphs.capture_due(p.plan, self.select_budget_level)
         generators = p.router_generators()
         states = [g.get_state() for g in generators]
         try:
-            captured, error = p.graphs.capture_due(p.plan, self.select_budget_level), None
-        except Exception as failure:  # noqa: BLE001  (agreed over the ranks just below)
-            captured, error = [], failure
+            return p.graphs.capture_due(p.plan, self.select_budget_level), None
+        except Exception as failure:  # noqa: BLE001  (agreed over the ranks by the caller)
             for generator, state in zip(generators, states):
                 generator.set_state(state)
-        failed = torch.tensor([float(error is not None)], device=p.device)
-        p.groups.world.all_reduce(failed)
-        ranks = int(host_list(failed)[0])
+            return [], failure
+
+    def _ranks_failed(self, error: Optional[BaseException]) -> int:
+        """How many ranks' captures failed (one all-reduce; captures happen at the same steps
+        on every rank)."""
+        count = torch.tensor([float(error is not None)], device=self.parts.device)
+        self.parts.groups.world.all_reduce(count)
+        return int(host_list(count)[0])
+
+    def _capture_or_drop_graphs(self) -> list:
+        """Capture what this step recorded. Where the graph scope was the auto default and the
+        capture fails on some rank, the run goes on without graphs, saying so in one line; a
+        scope the flags gave fails the run."""
+        p = self.parts
+        if GRAPHS_FLAG not in p.cfg.defaulted or not p.graphs.due:
+            return p.graphs.capture_due(p.plan, self.select_budget_level)
+        captured, error = self._try_capture()
+        ranks = self._ranks_failed(error)
         if not ranks:
             return captured
-        scope = p.cfg.cuda_graph.impl
-        freed = p.drop_graphs()
-        text = "" if error is None else f" ({type(error).__name__}: " \
-            f"{(str(error).strip().splitlines() or [''])[0][:200]})"
+        scope, freed = p.cfg.cuda_graph.impl, p.drop_graphs()
         self.tune_report.append(
-            f"CUDA graphs: the capture failed on {ranks} rank(s){text}; the run goes on "
+            f"CUDA graphs: the capture failed on {ranks} rank(s){_why(error)}; the run goes on "
             f"without graphs ({freed / 2**30:.3f} GiB released; the graph scope {scope} was "
             f"the auto default, {GRAPHS_FLAG} pins one)")
         return []
@@ -411,22 +411,16 @@ class StepRunner:
             self.tune_report.append(warning or f"tune: decision written to "
                                                f"{p.tune_cache.path}")
 
-    def capture_failed(self, failed: bool, error: Optional[BaseException]) -> None:
-        """After a step's graph captures while the tuner decides: every rank learns whether
-        any rank failed (one all-reduce; captures happen at the same steps on every rank); if
-        so the step's path is dropped on every rank and its banks released."""
+    def capture_failed(self, ranks: int, error: Optional[BaseException]) -> None:
+        """After a step's graph captures while the tuner decides: if `ranks` ranks failed
+        (`_ranks_failed`, the same on every rank), the step's path is dropped on every rank and
+        its banks released."""
         p = self.parts
-        count = torch.tensor([float(failed)], device=p.device)
-        p.groups.world.all_reduce(count)
-        ranks = int(host_list(count)[0])
         if ranks == 0:
             return
         name = p.graphs.schedule
         p.graphs.release_schedule(name)
-        why = f"its CUDA graph capture failed on {ranks} rank(s)"
-        if error is not None:  # this rank's own error (rank 0 prints the line)
-            text = str(error).strip()
-            why += f" ({type(error).__name__}: {text.splitlines()[0][:200] if text else ''})"
+        why = f"its CUDA graph capture failed on {ranks} rank(s){_why(error)}"
         p.wgrad_queue.clear()
         decision = p.tuner.drop(name, why)
         self.tune_report.append(f"tune: {name} dropped: {why}; the run goes on")
@@ -439,3 +433,12 @@ class StepRunner:
         report, self.tune_report = self.tune_report, []
         record, self.tuned_path = self.tuned_path, None
         return report, record
+
+
+def _why(error: Optional[BaseException]) -> str:
+    """' (TypeName: its first line)' of this rank's own capture error, '' without one (rank 0
+    prints the line)."""
+    if error is None:
+        return ""
+    text = str(error).strip()
+    return f" ({type(error).__name__}: {text.splitlines()[0][:200] if text else ''})"
