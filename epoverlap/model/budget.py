@@ -51,6 +51,19 @@ class DispatchBudget:
         self.demand_expert_rows = torch.zeros((), dtype=torch.int64, device=device)
 
     @classmethod
+    def of_model(cls, cfg, mode, comm, device: torch.device) -> Optional["DispatchBudget"]:
+        """The one budget every MoE layer's dispatcher shares (`mode`: the model's
+        `DispatchMode`; budget mode only, else None; by host it sizes both stages)."""
+        if mode.budget is None:
+            return None
+        hosts = comm.by_host.hosts if mode.by_host and comm.by_host is not None else 1
+        return cls.for_dispatch(mode.budget, comm.size,
+                                cfg.train.micro_batch_size * cfg.model.seq_length,
+                                cfg.moe.moe_router_topk, cfg.moe.num_experts,
+                                mode.once_per_rank, device,
+                                memory_steps=cfg.moe.moe_dispatch_budget_memory, hosts=hosts)
+
+    @classmethod
     def for_dispatch(cls, factor: float, ranks: int, tokens: int, topk: int, num_experts: int,
                      once_per_rank: bool, device: torch.device,
                      memory_steps: int = 0, hosts: int = 1) -> "DispatchBudget":

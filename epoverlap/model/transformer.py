@@ -420,7 +420,7 @@ class MoEModel(nn.Module):
         self._comm, self._device = comm, device
         self._dispatchers: dict = {}  # once per rank or not -> its dispatcher (`use_dispatch`)
         if any(pattern):
-            self.dispatch_budget = _dispatch_budget(cfg, self.dispatch_mode, comm, device)
+            self.dispatch_budget = DispatchBudget.of_model(cfg, self.dispatch_mode, comm, device)
             self.dispatcher = make_dispatcher(comm, cfg.moe.num_experts, cfg.moe.moe_router_topk,
                                               ops, device, self.dispatch_mode,
                                               self.dispatch_budget)
@@ -531,21 +531,6 @@ class MoEModel(nn.Module):
             out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})
             values.update({spec.outputs[local]: value for local, value in out.items()})
         return values["loss"]
-
-
-def _dispatch_budget(cfg: RunConfig, mode: DispatchMode, comm: ExpertComm,
-                     device) -> Optional[DispatchBudget]:
-    """The one budget every MoE layer's dispatcher shares (budget mode only; by host, it
-    sizes both stages)."""
-    if mode.budget is None:
-        return None
-    hosts = comm.by_host.hosts if mode.by_host and comm.by_host is not None else 1
-    return DispatchBudget.for_dispatch(mode.budget, comm.size,
-                                       cfg.train.micro_batch_size * cfg.model.seq_length,
-                                       cfg.moe.moe_router_topk, cfg.moe.num_experts,
-                                       mode.once_per_rank, device,
-                                       memory_steps=cfg.moe.moe_dispatch_budget_memory,
-                                       hosts=hosts)
 
 
 def model_dtype(cfg: RunConfig) -> torch.dtype:
