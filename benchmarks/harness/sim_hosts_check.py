@@ -20,10 +20,11 @@ launch cost; the model and plan from the run's training flags (the recipe's HOST
 What is compared. The simulator's T of the run's mode (T_seq, or T_wgrad for the overlap with
 delayed weight grads) is the plan's actions on both lanes from the first action: the
 forward-backward. A recorded step's window is its `step_time_us` (the recorder's step: from its
-start, before the first action, to its last action's end, the grad reduction and optimizer
-outside it) or, where the step also holds step-level spans (the grad reduction, the optimizer:
-actions outside the plan's grammar), the end of its last plan action; the table's measured
-figure is that window's mean over steps and ranks. The window also holds the host's time before
+start, before the first action, to its last action's end; span format 3 keeps the grad
+reduction, clip and optimizer apart, in `step_parts`, outside it) or, in a file whose steps
+also hold spans of actions outside the plan's grammar (another tool's, e.g. a
+`grad_allreduce`), the end of its last plan action; the table's measured figure is that
+window's mean over steps and ranks. The window also holds the host's time before
 the first action (the step's data, zeroed grads: the prelude), which the simulator does not
 model: the simulated figure is T plus the compute recording's prelude (mean over its steps and
 ranks), an input independent of the all-to-alls; both are shown.

@@ -220,12 +220,11 @@ class ByHostMeta(DispatchMeta):
     blocks_PG: Optional[torch.Tensor] = None  # [P, G] device: rows from (host mate, src host)
 
 
-class ByHostDispatcher(_OncePerRank, TokenDispatcher):
-    """--moe-dispatch-hierarchy node (module docstring). The preprocess's row-id map is
-    [T, G + R]: stage 1's row ids per host, then 1 where the token reaches a rank (counted for
-    the exchange; the combine's unpermute reads the first G columns)."""
-
-    reads_host = True
+class _ByHost(_OncePerRank, TokenDispatcher):
+    """What both by-host dispatches share: the EP group's hosts (`comm.by_host`), and the
+    preprocess: its row-id map is [T, G + R]: stage 1's row ids per host, then 1 where the
+    token reaches a rank (counted for the dropless form's exchange; the combine's unpermute
+    reads the first G columns)."""
 
     def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
                  device: torch.device, mode: DispatchMode,
@@ -235,10 +234,6 @@ class ByHostDispatcher(_OncePerRank, TokenDispatcher):
         hosts, per_host = self.route.hosts, self.route.per_host
         if hosts * per_host != comm.size:
             raise ValueError(f"{hosts} hosts of {per_host} ranks for an EP group of {comm.size}")
-        self._to_source_major = index_tensor([p * hosts + h for h in range(hosts)
-                                              for p in range(per_host)], device)
-        self._to_mate_major = index_tensor([h * per_host + p for p in range(per_host)
-                                            for h in range(hosts)], device)
 
     def permuted_rows(self, num_tokens: int) -> int:
         """A token reaches at most min(topk, G) hosts."""
@@ -253,6 +248,22 @@ class ByHostDispatcher(_OncePerRank, TokenDispatcher):
         to_rank_TR = routing_map_TE.view(tokens, self.comm.size, self.num_local).any(dim=2)
         return rows_NH, probs_NK, torch.cat([row_id_map_TG, to_rank_TR.to(row_id_map_TG.dtype)],
                                             dim=1)
+
+class ByHostDispatcher(_ByHost):
+    """--moe-dispatch-hierarchy node, dropless or capacity (module docstring): split sizes
+    from the exchanged table (`HostRoute`), read on the host."""
+
+    reads_host = True
+
+    def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
+                 device: torch.device, mode: DispatchMode,
+                 budget: Optional[DispatchBudget] = None):
+        super().__init__(comm, num_experts, topk, ops, device, mode, budget)
+        hosts, per_host = self.route.hosts, self.route.per_host
+        self._to_source_major = index_tensor([p * hosts + h for h in range(hosts)
+                                              for p in range(per_host)], device)
+        self._to_mate_major = index_tensor([h * per_host + p for p in range(per_host)
+                                            for h in range(hosts)], device)
 
     def start_split_exchange(self, counts_E, row_id_map=None) -> SplitExchange:
         """Rows per host, (token, rank) pairs, expert counts: to every rank (`HostRoute`)."""
@@ -322,11 +333,10 @@ class ByHostBudgetMeta(DispatchMeta):
     blocks: Optional[torch.Tensor] = None  # [P, G + 1] device: rows from (mate, source host)
 
 
-class ByHostBudgetDispatcher(ByHostDispatcher):
+class ByHostBudgetDispatcher(_ByHost):
     """--moe-dispatch-hierarchy node with --moe-dispatch-budget (module docstring): both
-    stages in fixed chunks of `ByHostBudget`, no host read."""
-
-    reads_host = False
+    stages in fixed chunks of `ByHostBudget`, no host read; the rows reach the experts in
+    once per rank's order already (`dispatch`)."""
 
     def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
                  device: torch.device, mode: DispatchMode,
@@ -335,9 +345,6 @@ class ByHostBudgetDispatcher(ByHostDispatcher):
         # per mate: a block per source host, then its empty slots -> per source host; and back
         self._blocks_to_source_major, self._blocks_to_mate_major = padded_block_transpose(
             self.route.per_host, self.route.hosts, device)
-
-    def start_split_exchange(self, counts_E, row_id_map=None) -> None:
-        return None
 
     def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
                  exchange: Optional[SplitExchange] = None, row_id_map=None):
@@ -381,13 +388,6 @@ class ByHostBudgetDispatcher(ByHostDispatcher):
         kept_PG = kept_counts(sent_PG, within_rows)
         got_PG = all_to_all(self.route.within, kept_PG.contiguous(), None, None)
         return torch.cat([got_PG, within_rows - got_PG.sum(dim=1, keepdim=True)], dim=1)
-
-    def sort_by_expert(self, recv_MH, recv_probs_M, meta: ByHostBudgetMeta):
-        """Rows arrive source-major already (`dispatch`): once per rank's copy to the experts."""
-        return _OncePerRank.sort_by_expert(self, recv_MH, recv_probs_M, meta)
-
-    def unsort(self, expert_out_MH, meta: ByHostBudgetMeta, local_row_id_map=None):
-        return _OncePerRank.unsort(self, expert_out_MH, meta, local_row_id_map)
 
     def _local_expert_rows(self, meta: DispatchMeta) -> int:
         return meta.expert_rows

@@ -288,14 +288,10 @@ class RunParts:
                 or o.moe_a2a_chunks > 1)
 
     def _built_path(self, path: TunePath, lanes) -> BuiltPath:
-        """A path's plan and executor, over nodes of its chunk count and dispatch (the
-        model's dispatch switched for the build, then back to the flags')."""
-        self.model.use_dispatch(path.once_per_rank or self._flags_once_per_rank)
-        try:
+        """A path's plan and executor, over nodes of its chunk count and dispatch."""
+        with self._nodes_of(path):
             return BuiltPath(path, self.build_plans(path)[1][0], lanes,
                              self._path_executor(path))
-        finally:
-            self.model.use_dispatch(self._flags_once_per_rank)
 
     def _path_executor(self, path: TunePath) -> Executor:
         """The flags' executor where the path runs the flags' nodes, else one of its own."""
@@ -303,9 +299,18 @@ class RunParts:
             return self.executor
         return self._executor(path.chunks)
 
-    @property
-    def _flags_once_per_rank(self) -> bool:
-        return DispatchMode.of(self.cfg.moe).once_per_rank
+    @contextlib.contextmanager
+    def _nodes_of(self, path: TunePath):
+        """The model dispatching as `path` does (its nodes' inputs follow), then as before."""
+        before = self.model.dispatcher is not None and self.model.dispatcher.once_per_rank
+        self.model.use_dispatch(self._once_per_rank(path))
+        try:
+            yield
+        finally:
+            self.model.use_dispatch(before)
+
+    def _once_per_rank(self, path: TunePath) -> bool:
+        return path.once_per_rank or DispatchMode.of(self.cfg.moe).once_per_rank
 
     def drop_graphs(self) -> int:
         """Run on without CUDA graphs from the next step (a capture the run cannot hold): every
@@ -314,15 +319,13 @@ class RunParts:
                     if bank.captured)
         self.graphs.release()
         self.graphs = None
-        lanes, once = self.executor.lanes, self.model.dispatcher is not None and \
-            self.model.dispatcher.once_per_rank
-        self.model.use_dispatch(self._flags_once_per_rank)
-        self.executor = self._executor()
+        lanes = self.executor.lanes
+        with self._nodes_of(flags_path(self.cfg)):
+            self.executor = self._executor()
         self.executor.lanes = lanes
         for built in self.paths.values():
-            self.model.use_dispatch(built.path.once_per_rank or self._flags_once_per_rank)
-            built.executor = self._path_executor(built.path)
-        self.model.use_dispatch(once)
+            with self._nodes_of(built.path):
+                built.executor = self._path_executor(built.path)
         if self.tuner is not None and self.tuner.chosen is not None:
             self.switch_path(self.tuner.chosen)
         if self.device.type == "cuda":
@@ -336,7 +339,7 @@ class RunParts:
         self.plan, self.executor = built.plan, built.executor
         self.executor.lanes = built.lanes
         self.wgrad_queue.enabled = built.path.delay_wgrad
-        self.model.use_dispatch(built.path.once_per_rank or self._flags_once_per_rank)
+        self.model.use_dispatch(self._once_per_rank(built.path))
         if self.graphs is not None:
             self.graphs.schedule = name
 
