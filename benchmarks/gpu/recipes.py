@@ -59,6 +59,7 @@ ROUNDS = "{python} -m benchmarks.harness.bench_train_rounds --warmup 3 --out {ou
 # the default-path sweep: the command with no path flag, and the hand-picked paths pinned
 DEFAULT_PATH_RUN = (TRAIN + " --preset megatron-cmp --mock-data --train-iters 24"
                     " --log-interval 100")
+TUNE_FIRST_ITERS = 40
 FULL_ITERATION = "--moe-dispatch-budget 1.25 --cuda-graph-impl full_iteration"
 DEFAULT_BITWISE_RUN = (TRAIN + " --preset small --deterministic-mode --seed 3 --train-iters 30"
                        " --log-interval 10")
@@ -76,7 +77,9 @@ def _default_path_steps(env: dict = None, picked: tuple = tuple(HAND_PICKED),
     cache = "--tune-cache {out}/tune_cache"
     sides = " ".join([f"--side 'default={cache}'"] + [f"--side '{name}={HAND_PICKED[name]} "
                                                      f"--tune off'" for name in picked])
-    return (Step("tune_first", run + f" {cache} --log-json {{out}}/tune_first.jsonl",
+    # long enough for the tuner's every path (24 steps fit 5 paths; the chunked one makes 6)
+    return (Step("tune_first", run + f" --train-iters {TUNE_FIRST_ITERS} {cache} "
+                 "--log-json {out}/tune_first.jsonl",
                  env=dict(env or {}), timeout_s=120),
             Step("rounds", "{python} -m benchmarks.harness.bench_train_rounds --warmup 8 "
                            "--out {out} --rounds 3 " + sides + " -- " + run,

@@ -260,7 +260,7 @@ class RunParts:
         needed = steps_needed(cfg, len(paths))
         steps_left = cfg.train.train_iters - self.start_step
         if cached is None and (len(paths) < 2 or steps_left < needed):
-            if tune_mode(cfg) == "on":  # (auto: silently)
+            if len(paths) > 1 or tune_mode(cfg) == "on":  # (auto, nothing to choose: silent)
                 self._log_first(f"tune: not tuned ({len(paths)} path(s); {needed} steps "
                                 f"needed, {steps_left} left): {cfg.plan_name} as the flags say")
             return None, {}
