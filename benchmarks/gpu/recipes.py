@@ -170,6 +170,9 @@ def _hierarchy_tests(select: str = "") -> Step:
 
 HOSTS_PROFILES = {"comp_seq": SEQUENTIAL + FLAT + LOCAL_COPY,
                   "comp_wgrad": WGRAD + FLAT + LOCAL_COPY,
+                  # by host's own compute (its preprocess, stage-2 permute, reorders)
+                  "comp_node_seq": SEQUENTIAL + NODE + LOCAL_COPY,
+                  "comp_node_wgrad": WGRAD + NODE + LOCAL_COPY,
                   **{name: HOSTS_SIDES[name]
                      for name in ("flat_seq", "flat_ovl", "node_seq", "node_ovl")}}
 
@@ -448,7 +451,8 @@ RECIPES = (
            "the simulator on the GPUs as 2 emulated hosts from inputs measured apart from the "
            "runs it predicts: each comm node of each dispatch timed alone at HOSTS_RUN's shape "
            "(bench_host_bytes --time; the link peaks of bench_a2a_links), compute recorded with "
-           "local copies (sequential; overlap + delayed wgrad), then the four runs it predicts "
+           "local copies (sequential; overlap + delayed wgrad; flat and by host), then the four "
+           "runs it predicts "
            "recorded (flat and by host, sequential and overlap + delayed wgrad) and the "
            "simulated step set against each (sim_hosts_check)",
            "a2a_links.json, host_timing.json (per node: median, samples, bytes, GB/s), "

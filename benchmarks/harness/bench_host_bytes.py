@@ -31,11 +31,16 @@ backward on the node's own outputs, from a random grad):
               the residual add;
   B.combine   its backward: token grads, in the dispatch's direction;
   exchange    the split-size exchange (by host, the table exchange) the dispatch reads on the
-              host: `start_split_exchange` and its read, on the host's wall clock (the forward
+              host: from the counts on the device to the host's read of them (the forward
               dispatch's host sync).
-An iteration's time is the slowest rank's (CUDA: events around the call after a one-element
-all-reduce and a short GPU sleep, `bench_a2a_links.time_ms`; CPU: wall clock after a barrier);
-the figure is the median over --iters after --warmup. Each node's bytes come from the
+An iteration's time is the slowest rank's; the figure is the median over --iters after
+--warmup. CUDA (`node_ms`): the stream first sleeps long enough (LAUNCH_AHEAD_CYCLES) for the
+host to queue all of the node's launches, then a one-element all-reduce starts every rank
+together, then events bracket the node. So, as in a comm-bound training step whose host runs
+ahead, the time is the device's from a common start: neither the host's launches (autograd,
+Triton, NCCL's enqueue) nor a rank whose sleep ran long count. A sample whose start event had
+already fired when the host finished queueing the node is `host_late` (its host time may
+count); the record keeps their number per node. CPU: wall clock after a barrier. Each node's bytes come from the
 all-to-alls it recorded: per rank (mean over the ranks) those to other ranks and, of them, to
 other hosts. GB/s per GPU = those bytes / the median time; with --links (bench_a2a_links'
 JSON) the between-hosts GB/s against that link's measured peak.
@@ -57,7 +62,6 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness.bench_a2a_links import time_ms
 from epoverlap.config import parse_config
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.kernels import make_moe_ops
@@ -71,6 +75,9 @@ from epoverlap.simulator.costs import PROBS_BYTES, A2aShape
 DISPATCHES = {"per_expert": dict(once_per_rank=False), "per_rank": dict(once_per_rank=True),
               "by_host": dict(once_per_rank=True, hierarchy="node")}
 NODES = ("F.dispatch", "B.dispatch", "F.combine", "B.combine", "exchange")  # the timed order
+# The stream's sleep before a node: ~10 ms at H100/H200 clocks, far longer than the host takes
+# to queue a node (a backward through autograd and Triton launches: about 1 ms at most)
+LAUNCH_AHEAD_CYCLES = 20_000_000
 
 
 # ---------------------------------------------------------------------------- bytes sent
@@ -174,17 +181,24 @@ class NodeBench:
         self.grad_hidden = torch.randn_like(routed.x_TH)
         self._pending: Optional[tuple] = None
 
-    def calls(self) -> list[tuple[str, Callable[[], None], str]]:
-        return [("F.dispatch", self.dispatch_forward, "device"),
-                ("B.dispatch", self.backward, "device"),
-                ("F.combine", self.combine_forward, "device"),
-                ("B.combine", self.backward, "device"),
-                ("exchange", self.exchange_and_read, "host")]
+    def calls(self) -> list[tuple[str, Callable[[], object], Optional[Callable]]]:
+        """(node, queue it, then finish it on the host or None) in the timed order."""
+        return [("F.dispatch", self.dispatch_forward, None),
+                ("B.dispatch", self.backward, None),
+                ("F.combine", self.combine_forward, None),
+                ("B.combine", self.backward, None),
+                ("exchange", self.start_exchange, self.read)]
+
+    def start_exchange(self):
+        return self.dispatcher.start_split_exchange(self.routed.counts, self.routed.row_id_map)
+
+    @staticmethod
+    def read(exchange) -> None:
+        exchange.read()
 
     def exchange_and_read(self):
-        exchange = self.dispatcher.start_split_exchange(self.routed.counts,
-                                                        self.routed.row_id_map)
-        exchange.read()
+        exchange = self.start_exchange()
+        self.read(exchange)
         return exchange
 
     def _dispatch(self, rows, probs):
@@ -214,35 +228,54 @@ def _leaf(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- timing
-def host_ms(fn: Callable[[], object], cuda: bool, flag: torch.Tensor) -> float:
-    """`fn`'s wall time on the host (it syncs the host itself), started with every rank."""
-    dist.all_reduce(flag)  # blocks the host on gloo; on CUDA the synchronize below does
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+def node_ms(queue: Callable[[], object], finish: Optional[Callable], cuda: bool,
+            flag: torch.Tensor) -> tuple[float, bool]:
+    """One timed node, every rank started together (module docstring): (ms, host_late)."""
+    if not cuda:
+        dist.barrier()
+        start = time.perf_counter()
+        pending = queue()
+        if finish is not None:
+            finish(pending)
+        return (time.perf_counter() - start) * 1e3, False
+    torch.cuda._sleep(LAUNCH_AHEAD_CYCLES)
+    dist.all_reduce(flag)  # after the sleep: the ranks' streams leave it together
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    pending = queue()
+    host_late = start.query()  # the device reached the node before the host had queued it
+    if finish is not None:
+        finish(pending)  # a host read: the stream waits for what it read
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), host_late
 
 
 def node_samples(bench: NodeBench, args, cuda: bool, flag: torch.Tensor) -> dict:
-    """node -> every rank's times (ms) [rank][iteration] after --warmup untimed rounds."""
+    """node -> (every rank's times (ms) [rank][iteration], every rank's host-late samples)
+    after --warmup untimed rounds."""
     mine: dict[str, list[float]] = {node: [] for node in NODES}
+    late = dict.fromkeys(NODES, 0)
     for iteration in range(args.warmup + args.iters):
-        for node, fn, clock in bench.calls():
-            ms = (host_ms if clock == "host" else time_ms)(fn, cuda, flag)
+        for node, queue, finish in bench.calls():
+            ms, host_late = node_ms(queue, finish, cuda, flag)
             if iteration >= args.warmup:
                 mine[node].append(ms)
+                late[node] += host_late
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return {node: [rank[node] for rank in gathered] for node in NODES}
+    dist.all_gather_object(gathered, (mine, late))
+    return {node: ([rank[0][node] for rank in gathered], sum(rank[1][node] for rank in gathered))
+            for node in NODES}
 
 
 def node_bytes(bench: NodeBench, peers: list[Peers], device) -> dict[str, Sent]:
     """node -> what a rank sent in it, mean over the ranks."""
     per_node = {}
-    for node, fn, _ in bench.calls():
+    for node, queue, finish in bench.calls():
         _clear(peers)
-        fn()
+        pending = queue()
+        if finish is not None:
+            finish(pending)
         per_node[node] = sent_in(peers, bench.routed.x_TH.shape[1])
     _clear(peers)
     sums = torch.tensor([dataclasses.astuple(per_node[node]) for node in NODES],
@@ -261,10 +294,12 @@ def time_dispatch(groups, bench: NodeBench, peers: list[Peers], args, peak_gbps)
     samples = node_samples(bench, args, cuda, flag)
     nodes = {}
     for node in NODES:
-        slowest_us = [max(column) * 1e3 for column in zip(*samples[node])]
+        times, host_late = samples[node]
+        slowest_us = [max(column) * 1e3 for column in zip(*times)]
         median_us = statistics.median(slowest_us)
         gbps = sent[node].between_hosts / (median_us * 1e3)
         nodes[node] = {"median_us": median_us, "samples_us": slowest_us,
+                       "host_late_samples": host_late,
                        "bytes_to_peers": sent[node].to_peers,
                        "bytes_between_hosts": sent[node].between_hosts,
                        "gbps_per_gpu": sent[node].to_peers / (median_us * 1e3),
@@ -407,7 +442,8 @@ def record_of(args, groups, world: int, cases: dict, host_ids: list,
     if args.time:
         record["timing"] = {"iters": args.iters, "warmup": args.warmup,
                             "clock": "cuda_event" if groups.device.type == "cuda" else "host",
-                            "exchange_clock": "host", "links": args.links,
+                            "method": "launch_ahead" if groups.device.type == "cuda" else
+                            "barrier", "links": args.links,
                             "peak_between_hosts_gbps": peak}
     return record
 

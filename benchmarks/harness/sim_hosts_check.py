@@ -8,11 +8,13 @@ DIR is laid out by the GPU recipe `hosts_sim_inputs` (benchmarks/gpu/recipes.py)
                                 each dispatch timed alone, and the split-size exchange
   profile_comp_seq/             span files of the run, sequential, all-to-alls as local copies
   profile_comp_wgrad/           the same, overlap + delayed weight grads
+  profile_comp_node_{seq,wgrad}/  the same by host (its own preprocess and reorders); where
+                                absent, the by-host runs take the flat ones
   profile_{flat,node}_{seq,ovl}/  the runs predicted: flat or by host, sequential or overlap +
                                 delayed weight grads (HOSTS_SIDES)
 Each recorded run is simulated (`epoverlap-simulate`, through the functions the command runs)
-from the independent inputs only: compute from the local-copy recording of its schedule
-(sequential: comp_seq; overlap: comp_wgrad, whose W spans the overlap plan needs), every
+from the independent inputs only: compute from the local-copy recording of its schedule and
+dispatch (sequential: comp_seq; overlap: comp_wgrad, whose W spans the overlap plan needs), every
 all-to-all and the forward dispatch's host sync from host_timing.json (`--comm-from`), no host
 launch cost; the model and plan from the run's training flags (the recipe's HOSTS_FLAGS, or
 --train-flags, and the side's). A run not recorded is listed as such.
@@ -107,9 +109,17 @@ def run_flags(train_flags: str, run: str, world: int) -> list[str]:
     return shlex.split(train_flags.format(gpus=world)) + shlex.split(HOSTS_SIDES[run])
 
 
-def simulator_flags(folder: Path, schedule: str, train: list[str]) -> list[str]:
-    return ["--spans", str(folder / COMPUTE_FROM[schedule]), "--comm-from",
-            str(folder / TIMING), "--no-png", "--", *train]
+def compute_from(folder: Path, run: str) -> Path:
+    """The local-copy recording a run's compute comes from: its schedule's, by host its own
+    dispatch's where recorded (`profile_comp_node_*`), else the flat one."""
+    dispatch, schedule = run.rsplit("_", 1)
+    flat = folder / COMPUTE_FROM[schedule]
+    own = flat.with_name(flat.name.replace("profile_comp_", f"profile_comp_{dispatch}_"))
+    return own if dispatch == "node" and own.exists() else flat
+
+
+def simulator_flags(compute: Path, timing: Path, train: list[str]) -> list[str]:
+    return ["--spans", str(compute), "--comm-from", str(timing), "--no-png", "--", *train]
 
 
 def command(flags: list[str]) -> str:
@@ -129,19 +139,20 @@ def simulate_ms(flags: list[str], mode: str) -> float:
 
 def check_run(folder: Path, run: str, train_flags: str) -> dict:
     """One recorded run against its simulation (`missing` where an input is not there)."""
-    schedule = run.rsplit("_", 1)[1]
-    needed = [folder / f"profile_{run}", folder / COMPUTE_FROM[schedule], folder / TIMING]
+    schedule, compute = run.rsplit("_", 1)[1], compute_from(folder, run)
+    needed = [folder / f"profile_{run}", compute, folder / TIMING]
     missing = [path.name for path in needed if not path.exists()]
     if missing:
         return {"run": run, "missing": missing}
     recorded = read_span_directory(folder / f"profile_{run}")
-    flags = simulator_flags(folder, schedule, run_flags(train_flags, run,
-                                                       recorded[0].world_size))
+    flags = simulator_flags(compute, folder / TIMING, run_flags(train_flags, run,
+                                                                recorded[0].world_size))
     mode = SIMULATED_MODE[schedule]
     t_ms = simulate_ms(flags, mode)
-    prelude = mean_prelude_ms(read_span_directory(folder / COMPUTE_FROM[schedule]))
+    prelude = mean_prelude_ms(read_span_directory(compute))
     got = measured(recorded)
-    return {"run": run, "mode": mode, "simulated_T_ms": t_ms, "prelude_ms": prelude,
+    return {"run": run, "mode": mode, "compute_from": compute.name,
+            "simulated_T_ms": t_ms, "prelude_ms": prelude,
             "simulated_ms": t_ms + prelude, "measured_ms": got["ms"], "measured": got,
             "error": (t_ms + prelude) / got["ms"] - 1.0, "command": command(flags)}
 

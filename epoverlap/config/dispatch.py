@@ -111,8 +111,9 @@ def a2a_chunks_blocker(cfg: "RunConfig", chunks: int) -> str:
 def hierarchy_blocker(cfg: "RunConfig", per_host: int) -> str:
     """Why --moe-dispatch-hierarchy node cannot run with `cfg` on hosts of `per_host` ranks, in
     the words of a ConfigError ('' when it can): it needs an expert-parallel group of whole
-    hosts, at least two, a dispatch of data-dependent rows (dropless, capacity unpadded, or
-    the budget's fixed chunks of them), and real all-to-alls."""
+    hosts, at least two, and a dispatch of data-dependent rows (dropless, capacity unpadded,
+    or the budget's fixed chunks of them). Under --comm-mode local_copy both stages are local
+    copies (`HostRoute.mirrored`): the compute-only baseline of the hierarchy."""
     mode = DispatchMode.of(cfg.moe)
     if not mode.by_host:
         return ""
@@ -122,8 +123,6 @@ def hierarchy_blocker(cfg: "RunConfig", per_host: int) -> str:
                 f"over hosts of {per_host} ranks (LOCAL_WORLD_SIZE / --emulate-hosts)")
     if mode.name not in ("dropless", "capacity", "budget"):
         return f"needs the dropless, capacity or budget dispatch (not {mode.name})"
-    if cfg.overlap.comm_mode != "real":
-        return f"needs --comm-mode real (not {cfg.overlap.comm_mode})"
     return ""
 
 

@@ -209,6 +209,22 @@ class HostRoute:
             tokens_per_local_expert=[sum(row[experts + me * local + e] for row in table)
                                      for e in range(local)])
 
+    @classmethod
+    def mirrored(cls, row: list[int], hosts: int, per_host: int, local: int) -> "HostRoute":
+        """--comm-mode local_copy: every all-to-all a local copy, so each stage brings back
+        what this rank sent (`row`: its own entry of the table): from host h its rows for
+        host h, from host mate m its rows for the ranks of index m, each expert's rows summed
+        over the ranks holding one of that index."""
+        ranks = hosts * per_host
+        pairs = row[hosts:hosts + ranks]
+        within = [sum(pairs[h * per_host + mate] for h in range(hosts))
+                  for mate in range(per_host)]
+        counts = row[hosts + ranks:]
+        return cls(between_send=row[:hosts], between_recv=row[:hosts], within_send=within,
+                   within_recv=within,
+                   tokens_per_local_expert=[sum(counts[s * local + e] for s in range(ranks))
+                                            for e in range(local)])
+
 
 @dataclass
 class ByHostMeta(DispatchMeta):
@@ -277,9 +293,8 @@ class ByHostDispatcher(_ByHost):
                  exchange: Optional[SplitExchange] = None, row_id_map=None):
         if exchange is None:
             raise ValueError("dispatch by host: pass the exchange `start_split_exchange` started")
-        route, hosts, local = self.route, self.route.hosts, self.num_local
-        sizes = HostRoute.of(exchange.read_pairs()[1], route.ep_rank, hosts, route.per_host,
-                             local)
+        route, hosts = self.route, self.route.hosts
+        sizes, recv_counts_RL, blocks_PG = self._sizes(exchange)
         routed = sum(sizes.between_send)
         recv_M1H, recv_probs_M1K = _send_rows(route.between, permuted_NH[:routed],
                                               permuted_probs_N[:routed], sizes.between_recv,
@@ -289,16 +304,31 @@ class ByHostDispatcher(_ByHost):
             sum(sizes.within_send))
         recv_MH, recv_probs_ML = _send_rows(route.within, rows_NH, probs_NL, sizes.within_recv,
                                             sizes.within_send)
-        table = exchange.recv_RL  # [R, V] device
-        experts = hosts + self.comm.size + route.ep_rank * local
         meta = ByHostMeta(
             input_splits=sizes.between_send, output_splits=sizes.between_recv,
-            recv_counts_RL=table[:, experts:experts + local],
+            recv_counts_RL=recv_counts_RL,
             tokens_per_local_expert=sizes.tokens_per_local_expert,
             within_send=sizes.within_send, within_recv=sizes.within_recv,
-            within_row_id_map=within_map,
-            blocks_PG=table[:, hosts + route.ep_rank].view(hosts, route.per_host).t())
+            within_row_id_map=within_map, blocks_PG=blocks_PG)
         return recv_MH, recv_probs_ML, meta
+
+    def _sizes(self, exchange: SplitExchange) -> tuple[HostRoute, torch.Tensor, torch.Tensor]:
+        """(both stages' sizes; [R, L] device: rows from each source rank per local expert;
+        [P, G] device: rows from each (host mate, source host)), from the exchanged table, or
+        under --comm-mode local_copy from this rank's own row (`HostRoute.mirrored`)."""
+        route, hosts, per_host, local = (self.route, self.route.hosts, self.route.per_host,
+                                         self.num_local)
+        host_table, ranks = exchange.read_pairs()[1], self.comm.size
+        table = exchange.recv_RL  # [R, V] device, there once read
+        if self.comm.mode == "local_copy":  # every row of the table is this rank's own
+            row = table[0]
+            return (HostRoute.mirrored(host_table[0], hosts, per_host, local),
+                    row[hosts + ranks:].view(ranks, local),
+                    row[hosts:hosts + ranks].view(hosts, per_host).t())
+        experts = hosts + ranks + route.ep_rank * local
+        return (HostRoute.of(host_table, route.ep_rank, hosts, per_host, local),
+                table[:, experts:experts + local],
+                table[:, hosts + route.ep_rank].view(hosts, per_host).t())
 
     def sort_by_expert(self, recv_MH, recv_probs_M, meta: ByHostMeta):
         """(host mate, source host) blocks to (source host, host mate), then once per rank's

@@ -442,10 +442,11 @@ def host_gaps(ranks: list[RankSpans], plan: Sequence[Action], kinds: dict,
     An action whose span starts more than `slack_us` after its own dependencies (its lane
     free, its microbatch's previous F/B action done) started when the host issued it. For two
     such actions next to each other in the plan, the host spent the time between their starts
-    on the first one (after the split-size sync, for the forward dispatch: the host waited
-    for the collective's start plus `sync_us` first)."""
+    on the first one (after the split-size read, for the forward dispatch: the host waited for
+    the exchange, `sync_us` from when the last rank had counted its rows, engine.py)."""
     from epoverlap.schedule.plan import action_lane
     aligned = aligned_comm(ranks)
+    counted_by = _counting_actions(plan)
     samples = []
     for rank_spans in ranks:
         for step in rank_spans.steps:
@@ -456,13 +457,26 @@ def host_gaps(ranks: list[RankSpans], plan: Sequence[Action], kinds: dict,
                 if str(this) not in issued or str(following) not in issued:
                     continue
                 begin = issued[str(this)]
-                if (this.kind, this.node) == ("F", "dispatch"):
-                    begin = max(begin, _collective_start(ranks, step.step, str(this), aligned)
-                                - shift + sync_us)
+                if (this.kind, this.node) == ("F", "dispatch") and this in counted_by:
+                    begin = max(begin, _last_end(ranks, step.step, str(counted_by[this]),
+                                                 aligned) - shift + sync_us)
                 cost = issued[str(following)] - begin
                 if cost >= 0:
                     samples.append((rank_spans.rank, this, cost))
     return DurationTable(samples)
+
+
+def _counting_actions(plan: Sequence[Action]) -> dict[Action, Action]:
+    """Each action -> the F/B action before it in its microbatch's chain (plan order)."""
+    last: dict[int, Action] = {}
+    before = {}
+    for action in plan:
+        if action.kind == "W":
+            continue
+        if action.microbatch in last:
+            before[action] = last[action.microbatch]
+        last[action.microbatch] = action
+    return before
 
 
 def _issue_times(plan, kinds, by_name, slack_us, action_lane) -> dict[str, float]:
@@ -485,15 +499,15 @@ def _issue_times(plan, kinds, by_name, slack_us, action_lane) -> dict[str, float
     return issued
 
 
-def _collective_start(ranks, step: int, name: str, aligned: AlignedComm) -> float:
-    """When the collective started on the common clock: its last rank's arrival."""
-    starts = []
+def _last_end(ranks, step: int, name: str, aligned: AlignedComm) -> float:
+    """When the action had ended on every rank, on the common clock."""
+    ends = []
     for rank_spans in ranks:
         for s in rank_spans.steps:
             if s.step == step:
                 span = next(x for x in s.spans if x.action == name)
-                starts.append(span.start_us + aligned.offsets[step][rank_spans.rank])
-    return max(starts)
+                ends.append(span.end_us + aligned.offsets[step][rank_spans.rank])
+    return max(ends)
 
 
 # ---------------------------------------------------------------------------- recorded plan

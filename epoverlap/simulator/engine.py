@@ -20,9 +20,15 @@ Owns `simulate` and the three lane models, each the timing twin of one lane back
 and the host that issues the actions. Serial and stream lanes (a GPU): the host walks the plan
 in order, spends `host_us` on each action, and an action cannot start before the host issued it
 nor end before the host finished issuing it (a launch-bound node lasts as long as its
-launches); the forward dispatch blocks the host until its split-size exchange is done
-(`sync_us` after the collective starts; `AllToAllDispatcher.dispatch`, the only host sync of a
-step). Thread and inline lanes (a CPU): the host thread runs the actions itself; `host_us` is
+launches). The forward dispatch reads its split sizes on the host (`HostSplitDispatcher.
+dispatch`, the only host sync of a step): the exchange was started at the end of the node
+before it in its microbatch's chain (the `attn` node, when the router has counted), on a
+stream and communicator of its own, so it does not queue behind the comm lane; it is a
+collective of its own, which starts when every rank's counts are ready (that node done) and
+lasts `sync_us`. The host blocks in the read until then, and only then issues the
+all-to-alls: the dispatch's collective cannot start before the read is done. Its span starts
+where the recorder's does, when the comm lane reaches the node (before the read).
+Thread and inline lanes (a CPU): the host thread runs the actions itself; `host_us` is
 its time before an action outside any span (the executor's own Python, the wait for the GIL).
 
 Every comm-lane action is an all-to-all over the EP group: it starts when every rank's comm lane
@@ -62,8 +68,9 @@ class Costs(Protocol):
         """Host time to issue the action (serial and stream lanes; 0: never the bottleneck)."""
 
     def sync_us(self, rank: int, action: Action) -> float:
-        """For an action that syncs the host: time from the collective's start until the host
-        may go on (the forward dispatch's split-size exchange); 0 for every other action."""
+        """For an action that reads split sizes on the host first: its exchange's time, from
+        the exchange's common start to the host's read (the forward dispatch); 0 for every
+        other action."""
 
 
 @dataclass(frozen=True)
@@ -101,8 +108,10 @@ class _SerialRank:
     """One FIFO for everything; the host issues in plan order (SerialLanes)."""
 
     def __init__(self, t0: float):
+        self.t0 = t0
         self.host = t0
         self.free = {COMPUTE: t0, COMM: t0}
+        self.event: dict[int, float] = {}  # microbatch -> end of its last F/B action
         self._issue = t0
 
     def _lane(self, lane: str) -> str:
@@ -121,13 +130,20 @@ class _SerialRank:
         self._recorded(action, chain, end)
         return start, end
 
-    def comm_ready(self, action: Action, host: float) -> float:
-        self._issue = self.host
-        return max(self.free[self._lane(COMM)], self._issue, self._wait_for(action, True))
+    def counted(self, action: Action) -> float:
+        """When this rank may start the action's split-size exchange: the node before it in
+        its microbatch's chain (which counted the rows) done."""
+        return self.event.get(action.microbatch, self.t0)
 
-    def comm_done(self, action: Action, start: float, dur: float, host: float, sync: float):
-        issue = self._issue
-        host_after = issue + host if sync <= 0 else max(issue, start + sync) + host
+    def comm_ready(self, action: Action, host: float, read_done: float) -> tuple[float, float]:
+        """(when the comm lane reaches the action: its span's start; when its collective may
+        start: reached, and issued by the host after its read of the split sizes)."""
+        reached = max(self.free[self._lane(COMM)], self.host, self._wait_for(action, True))
+        self._issue = max(self.host, read_done)
+        return reached, max(reached, self._issue)
+
+    def comm_done(self, action: Action, start: float, dur: float, host: float):
+        host_after = self._issue + host
         end = max(start + dur, host_after)
         self.host = host_after
         self.free[self._lane(COMM)] = end
@@ -135,7 +151,8 @@ class _SerialRank:
         return end
 
     def _recorded(self, action: Action, chain: bool, end: float) -> None:
-        pass
+        if chain:
+            self.event[action.microbatch] = end
 
     def finish(self) -> float:
         return max(self.host, *self.free.values())
@@ -144,19 +161,11 @@ class _SerialRank:
 class _StreamRank(_SerialRank):
     """A compute stream, a comm stream and one event per microbatch (CudaStreamLanes)."""
 
-    def __init__(self, t0: float):
-        super().__init__(t0)
-        self.event: dict[int, float] = {}
-
     def _lane(self, lane: str) -> str:
         return lane
 
     def _wait_for(self, action: Action, chain: bool) -> float:
         return self.event.get(action.microbatch, -math.inf) if chain else -math.inf
-
-    def _recorded(self, action: Action, chain: bool, end: float) -> None:
-        if chain:
-            self.event[action.microbatch] = end
 
 
 class _ThreadRank:
@@ -173,11 +182,12 @@ class _ThreadRank:
         self.host = start + dev
         return start, self.host
 
-    def comm_ready(self, action: Action, host: float) -> float:
+    def comm_ready(self, action: Action, host: float, read_done: float) -> tuple[float, float]:
         self.host += host
-        return max(self.comm_free, self.host)  # handed over when the host reaches it
+        ready = max(self.comm_free, self.host)  # handed over when the host reaches it
+        return ready, ready
 
-    def comm_done(self, action: Action, start: float, dur: float, host: float, sync: float):
+    def comm_done(self, action: Action, start: float, dur: float, host: float):
         end = start + dur
         self.comm_free = end
         self.pending[action.microbatch] = end
@@ -190,11 +200,11 @@ class _ThreadRank:
 class _InlineRank(_ThreadRank):
     """Everything on the host thread, comm included (SerialLanes on a CPU)."""
 
-    def comm_ready(self, action: Action, host: float) -> float:
+    def comm_ready(self, action: Action, host: float, read_done: float) -> tuple[float, float]:
         self.host += host
-        return self.host
+        return self.host, self.host
 
-    def comm_done(self, action: Action, start: float, dur: float, host: float, sync: float):
+    def comm_done(self, action: Action, start: float, dur: float, host: float):
         self.host = start + dur
         return self.host
 
@@ -204,7 +214,17 @@ _RANK_MODELS = {SERIAL: _SerialRank, STREAM: _StreamRank, THREAD: _ThreadRank,
 
 
 # ---------------------------------------------------------------------------- the engine
-_Program = Generator[tuple[Action, float], float, RankTimeline]
+@dataclass(frozen=True)
+class Exchange:
+    """The split-size exchange of a comm action, a collective of its own (module docstring)."""
+
+    action: Action
+
+    def __str__(self) -> str:
+        return f"split-size exchange of {self.action}"
+
+
+_Program = Generator[tuple[object, float], float, RankTimeline]
 
 
 def _rank_program(rank: int, plan: Sequence[Action], kinds: dict, costs: Costs, lanes: str,
@@ -220,12 +240,14 @@ def _rank_program(rank: int, plan: Sequence[Action], kinds: dict, costs: Costs, 
                                            costs.compute_us(rank, action), host)
             timeline.spans.append(SimSpan(COMPUTE, action, start, end))
             continue
-        ready = model.comm_ready(action, host)
+        sync = costs.sync_us(rank, action) if lanes not in HOST_THREAD_LANES else 0.0
+        read_done = -math.inf
+        if sync > 0:
+            read_done = (yield Exchange(action), model.counted(action)) + sync
+        reached, ready = model.comm_ready(action, host, read_done)
         start = yield action, ready
-        end = model.comm_done(action, start, costs.comm_us(rank, action), host,
-                              costs.sync_us(rank, action) if lanes not in HOST_THREAD_LANES
-                              else 0.0)
-        timeline.spans.append(SimSpan(COMM, action, ready, end))
+        end = model.comm_done(action, start, costs.comm_us(rank, action), host)
+        timeline.spans.append(SimSpan(COMM, action, reached, end))
     timeline.end_us = model.finish()
     return timeline
 

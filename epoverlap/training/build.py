@@ -387,5 +387,6 @@ def _host_comms(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostComms]:
     if groups.ep_rail is None:
         add_host_groups(groups, ranks_per_host(groups.world_size, cfg.parallel.emulate_hosts),
                         datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
-    return HostComms(ExpertComm(groups.ep_rail, groups.ep_rail.size),
-                     ExpertComm(groups.ep_host, groups.ep_host.size), groups.ep_rank)
+    mode = cfg.overlap.comm_mode  # local_copy: each stage's all-to-alls local copies too
+    return HostComms(ExpertComm(groups.ep_rail, groups.ep_rail.size, mode),
+                     ExpertComm(groups.ep_host, groups.ep_host.size, mode), groups.ep_rank)

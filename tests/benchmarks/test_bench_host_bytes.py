@@ -76,3 +76,44 @@ def test_timing_covers_every_node_of_every_dispatch_with_the_counted_bytes(tmp_p
         counts = A2aShape(256, 8, hidden, 64, 4, world, hosts=2, **changes_for_shape(
             DISPATCHES[name])).counts  # int64 counts a rank sends, its own share included
         assert nodes["exchange"]["bytes_to_peers"] == counts * 8 * (world - 1) / world, name
+
+
+def test_a_node_is_timed_from_a_common_start_after_the_host_queued_it(monkeypatch):
+    """CUDA's order, with the device calls stood in for (no GPU here): the long sleep is queued
+    first, then the all-reduce that lines the ranks' streams up, then the start event, then the
+    node; a start event already passed when the node was queued is reported host-late; a host
+    read (the exchange) finishes before the end event."""
+    from benchmarks.harness import bench_host_bytes as bench
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.name = "start" if not any(c[0] == "event" for c in calls) else "end"
+            calls.append(("event", self.name))
+
+        def record(self):
+            calls.append(("record", self.name))
+
+        def query(self):
+            calls.append(("query", self.name))
+            return self.name == "start" and passed
+
+        def synchronize(self):
+            calls.append(("synchronize", self.name))
+
+        def elapsed_time(self, other):
+            return 3.5
+
+    monkeypatch.setattr(bench.torch.cuda, "_sleep", lambda cycles: calls.append(("sleep",
+                                                                                   cycles)))
+    monkeypatch.setattr(bench.torch.cuda, "Event", Event)
+    monkeypatch.setattr(bench.dist, "all_reduce", lambda flag: calls.append(("all_reduce",)))
+    for passed in (False, True):
+        calls.clear()
+        got = bench.node_ms(lambda: calls.append(("queue",)) or "x",
+                            lambda pending: calls.append(("finish", pending)), True, None)
+        assert got == (3.5, passed)
+        assert calls == [("sleep", bench.LAUNCH_AHEAD_CYCLES), ("all_reduce",),
+                         ("event", "start"), ("event", "end"), ("record", "start"), ("queue",),
+                         ("query", "start"), ("finish", "x"), ("record", "end"),
+                         ("synchronize", "end")]

@@ -115,3 +115,13 @@ def test_the_table_runs_on_recordings_made_now(tmp_path):
     assert len(row["measured"]["window"]) == 1  # step_time_us, or the last plan action
     assert "--comm-from" in row["command"] and "| node_ovl | T_wgrad |" in done.stdout
     assert all("missing" in rows[name] for name in ("flat_seq", "flat_ovl", "node_seq"))
+
+
+def test_by_host_runs_take_compute_from_their_own_local_copy_recording(tmp_path):
+    """The by-host runs read `profile_comp_node_*` where recorded (the hierarchy's own compute
+    kernels), the flat one otherwise; the flat runs always the flat one."""
+    for name in ("profile_comp_seq", "profile_comp_wgrad", "profile_comp_node_wgrad"):
+        (tmp_path / name).mkdir()
+    assert check.compute_from(tmp_path, "node_ovl").name == "profile_comp_node_wgrad"
+    assert check.compute_from(tmp_path, "node_seq").name == "profile_comp_seq"
+    assert check.compute_from(tmp_path, "flat_ovl").name == "profile_comp_wgrad"

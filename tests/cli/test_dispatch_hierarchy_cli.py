@@ -34,8 +34,6 @@ FLAT = ["--moe-dispatch-hierarchy", "flat", "--moe-dispatch-once-per-rank"]
       "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"],
      "needs the dropless, capacity or budget dispatch (not capacity_padded)"),
     (["--expert-model-parallel-size", "2", "--emulate-hosts", "2"], "EP 2 over hosts of 2"),
-    (["--expert-model-parallel-size", "4", "--emulate-hosts", "2", "--comm-mode",
-      "local_copy"], "needs --comm-mode real"),
 ])
 def test_hierarchy_errors_name_the_flag(flags, message, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
@@ -74,6 +72,27 @@ def test_by_host_overlap_is_bitwise_sequential_and_near_flat_on_two_emulated_hos
             "--delay-wgrad-compute"])
         assert "by host" in out and identical_losses(seq, chunks), budget
     assert any(r.get("dispatch_reruns") for r in chunks), chunks
+
+
+@pytest.mark.slow
+def test_local_copies_run_the_hierarchy_and_record_its_compute(tmp_path):
+    """--comm-mode local_copy with the hierarchy (the compute-only baseline the simulator
+    reads by-host compute from): 4 gloo ranks as 2 hosts of 2 run it, overlap + delayed
+    wgrad, and the span files hold every node of the by-host layer on both lanes, its
+    weight grads too."""
+    from epoverlap.profiling.spans import read_span_directory
+    spans = tmp_path / "spans"
+    out, records = train_cli(tmp_path, "node_local", 4, CPU_RUN + NODE + [
+        "--train-iters", "2", "--num-microbatches", "2", "--comm-mode", "local_copy",
+        "--overlap-moe-expert-parallel-comm",
+        "--delay-wgrad-compute", "--profile-steps", "2:2", "--profile-dir", str(spans)])
+    assert "dispatch dropless, by host" in out and len(records) == 2
+    ranks = read_span_directory(spans)
+    assert len(ranks) == 4
+    kinds = {(s.lane, s.action[0], s.node) for s in ranks[0].steps[0].spans}
+    assert {("compute", p, n) for p in "FB" for n in ("attn", "mlp")} <= kinds
+    assert {("comm", p, n) for p in "FB" for n in ("dispatch", "combine")} <= kinds
+    assert {("compute", "W", n) for n in ("attn", "mlp")} <= kinds
 
 
 GPU_RUN = ["--preset", "small", "--train-iters", "12", "--expert-model-parallel-size", "2",

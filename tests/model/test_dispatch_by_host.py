@@ -183,3 +183,54 @@ def test_by_host_budget_sizes_each_stage_from_balanced_routing():
     assert budget.demand().tolist() == [7, 5, 11]
     budget.reset_demand()
     assert budget.demand().tolist() == [0, 0, 0]
+
+
+def _local_copy_layer(budget_factor, me: int, hosts=2, per_host=2, experts=8, topk=3,
+                      tokens=24):
+    """One rank's MoE layer by host with --comm-mode local_copy (one process, no group) and
+    identity experts: -> (combined [T, H], x [T, H], the experts' rows)."""
+    from epoverlap.config.dispatch import DispatchMode
+    from epoverlap.kernels import make_moe_ops
+    from epoverlap.model.dispatch_dedup import make_dispatcher
+    from epoverlap.parallel.comm import ExpertComm, HostComms
+    ranks, cpu = hosts * per_host, torch.device("cpu")
+    by_host = HostComms(ExpertComm(None, hosts, "local_copy"),
+                        ExpertComm(None, per_host, "local_copy"), me)
+    comm = ExpertComm(None, ranks, "local_copy", by_host=by_host)
+    budget = None if budget_factor is None else DispatchBudget.for_dispatch(
+        budget_factor, ranks, tokens, topk, experts, True, cpu, hosts=hosts)
+    mode = DispatchMode(budget=budget_factor, once_per_rank=True, hierarchy="node")
+    dispatcher = make_dispatcher(comm, experts, topk, make_moe_ops("torch"), cpu, mode, budget)
+    gen = torch.Generator().manual_seed(7 + me)
+    x_TH = torch.randn(tokens, 16, generator=gen)
+    chosen = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :topk]
+    routing_TE = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, chosen, True)
+    probs_TE = torch.rand(tokens, experts, generator=gen) * routing_TE
+    counts_E = routing_TE.sum(dim=0)
+    rows, probs, row_id_map = dispatcher.preprocess(x_TH, probs_TE, routing_TE)
+    exchange = dispatcher.start_split_exchange(counts_E, row_id_map)
+    recv, recv_probs, meta = dispatcher.dispatch(rows, probs, counts_E, exchange, row_id_map)
+    expert_rows, _, local_map = dispatcher.sort_by_expert(recv, recv_probs, meta)
+    back = dispatcher.unsort(expert_rows, meta, local_map)
+    return dispatcher.combine(back, meta, row_id_map), x_TH, expert_rows
+
+
+@pytest.mark.parametrize("budget_factor", [None, 4.0])
+@pytest.mark.parametrize("me", [0, 1, 3])
+def test_local_copy_by_host_brings_back_every_rank_its_own_rows(budget_factor, me):
+    """--comm-mode local_copy with the hierarchy (dropless: `HostRoute.mirrored`; the budget
+    form's chunks mirror by themselves): both stages' local copies give back what was sent,
+    so with identity experts each token's combine sums its own row once per chosen expert."""
+    combined, x_TH, expert_rows = _local_copy_layer(budget_factor, me)
+    if budget_factor is None:  # the dropless form sizes the experts' rows exactly
+        assert expert_rows.shape[0] == x_TH.shape[0] * 3
+    torch.testing.assert_close(combined, x_TH * 3)
+
+
+def test_host_route_mirrored_sizes_what_this_rank_sent():
+    # 2 hosts of 2, 2 local experts; this rank's row: rows per host, pairs per rank, counts
+    row = [5, 4] + [3, 2, 4, 1] + [1, 2, 0, 2, 3, 1, 0, 1]
+    route = HostRoute.mirrored(row, 2, 2, 2)
+    assert route.between_send == route.between_recv == [5, 4]
+    assert route.within_send == route.within_recv == [3 + 4, 2 + 1]
+    assert route.tokens_per_local_expert == [1 + 0 + 3 + 0, 2 + 2 + 1 + 1]

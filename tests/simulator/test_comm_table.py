@@ -150,11 +150,13 @@ def test_a_gpu_local_copy_recording_gives_compute_for_every_plan(timing_file, tm
                 assert compute(2, action) == COMPUTE_US[action.kind] + (
                     COMPUTE_US["W"] if holds_w else 0.0)
             result = run_mode(scenario, mode)
-            for rank in result.ranks:  # ranks alike: no wait for a peer in any comm span
-                for s in rank.spans:
+            for rank in result.ranks:  # ranks alike: no wait for a peer in any comm span;
+                for s in rank.spans:  # a forward dispatch's may hold its exchange's read
                     if s.lane == "comm":
-                        assert s.end_us - s.start_us == pytest.approx(
-                            expected[f"{s.action.kind}.{s.action.node}"])
+                        node = expected[f"{s.action.kind}.{s.action.node}"]
+                        read = expected["exchange"] if (s.action.kind, s.action.node) == (
+                            "F", "dispatch") else 0.0
+                        assert node - 1e-6 <= s.end_us - s.start_us <= node + read + 1e-6
         assert scenario.sync(0, Action("F", 0, "dispatch", 1)) == expected["exchange"]
         assert scenario.sync(0, Action("B", 0, "dispatch", 1)) == 0.0
         assert f"(case 8:2, {dispatch})" in scenario.sources[-2]

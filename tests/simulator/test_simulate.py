@@ -136,18 +136,43 @@ def test_host_issue_cost_and_the_dispatch_host_sync():
     # launch-bound: every action costs the host 2 us to issue; device times from the tables
     costs = table_costs(host=2.0, sync=1.0)
     spans = spans_of(simulate(plan, LAYOUT, costs, 1, SERIAL))
-    # embed: issued 0..2, runs 0..max(1, 2) = 2; attn: issued 2..4, runs 2..6
-    # dispatch: issued at 4, stream free at 6: runs 6..11; the host blocks until 6 + 1 = 7,
-    # then spends its 2 us: host at 9; mlp issued 9..11, runs max(11, 9) = 11..14
-    assert spans == {"F0.embed": (0, 2), "F0.attn.L0": (2, 6), "F0.dispatch.L0": (6, 11),
-                     "F0.mlp.L0": (11, 14)}
-    # a longer split-size exchange (4 us): the host blocks until 6 + 4 = 10, then spends its
-    # 2 us: the dispatch cannot end before 12 (its last launch), mlp is issued 12..14 and runs
-    # 12..15
+    # embed: issued 0..2, runs 0..max(1, 2) = 2; attn: issued 2..4, runs 2..6, and counts
+    # the rows: the split-size exchange runs 6..7. The stream reaches the dispatch at 6 (its
+    # span starts there), the host reads the sizes at 7 and issues the all-to-all 7..9: it
+    # runs 7..12; mlp is issued 9..11 and runs max(12, 9) = 12..15
+    assert spans == {"F0.embed": (0, 2), "F0.attn.L0": (2, 6), "F0.dispatch.L0": (6, 12),
+                     "F0.mlp.L0": (12, 15)}
+    # a longer exchange (4 us): read at 10, the all-to-all runs 10..15, mlp 15..18
     costs = table_costs(host=2.0, sync=4.0)
     spans = spans_of(simulate(plan, LAYOUT, costs, 1, SERIAL))
-    assert spans["F0.dispatch.L0"] == (6, 12)
-    assert spans["F0.mlp.L0"] == (12, 15)
+    assert spans["F0.dispatch.L0"] == (6, 15)
+    assert spans["F0.mlp.L0"] == (15, 18)
+
+
+def test_the_exchange_waits_for_the_counts_not_for_the_comm_lane():
+    # stream lanes, one rank: F0.attn 0..4 counts the rows; B1.combine (20 us) holds the comm
+    # lane 0..20. F0.dispatch's exchange starts at 4 on its own stream and is read at 6: the
+    # host goes on at 6 (not when the comm lane frees), so W1.mlp, issued next, runs 6..8
+    # while the all-to-all waits for the lane: 20..25 (its span from 20, when the lane
+    # reaches it)
+    plan = [Action.parse(a) for a in ("F0.attn.L0", "B1.combine.L0", "F0.dispatch.L0",
+                                      "W1.mlp.L0")]
+    costs = table_costs(sync=2.0, per_rank={(0, "B1.combine.L0"): 20.0})
+    spans = spans_of(simulate(plan, LAYOUT, costs, 1, STREAM))
+    assert spans == {"F0.attn.L0": (0, 4), "B1.combine.L0": (0, 20),
+                     "F0.dispatch.L0": (20, 25), "W1.mlp.L0": (6, 8)}
+
+
+def test_the_exchange_is_a_collective_that_starts_when_every_rank_has_counted():
+    plan = sequential_plan(LAYOUT, 1)
+    # rank 1 starts 2 us late and its F0.attn takes 10: it counts at 2 + 1 + 10 = 13, rank 0
+    # at 5. The exchange runs 13..16 on both; the all-to-all 16..21; each rank's dispatch span
+    # starts when its stream reached the node (5 and 13)
+    costs = table_costs(sync=3.0, per_rank={(1, "F0.attn.L0"): 10})
+    result = simulate(plan, LAYOUT, costs, 2, SERIAL, start_us=[0.0, 2.0])
+    assert spans_of(result, 0)["F0.dispatch.L0"] == (5, 21)
+    assert spans_of(result, 1)["F0.dispatch.L0"] == (13, 21)
+    assert spans_of(result, 0)["F0.mlp.L0"] == (21, 24) == spans_of(result, 1)["F0.mlp.L0"]
 
 
 def _recording(*per_rank):
@@ -174,14 +199,14 @@ def test_aligned_comm_finds_the_start_skew_and_each_collectives_own_time():
 def test_host_gaps_read_the_host_cost_from_late_starts():
     # embed runs 0..1; attn could start at 1 but starts at 3 (the host issued it at 3); the
     # dispatch could start at 7, starts at 9; mlp could start at 14, starts at 16. So the host
-    # spent 9 - 3 = 6 on attn; on the dispatch it first waited for the split sizes (the
-    # collective started at 9, + 2 us sync = 11), then spent 16 - 11 = 5
+    # spent 9 - 3 = 6 on attn; on the dispatch it first waited for the split sizes (attn,
+    # which counted the rows, ended at 7, + 2 us exchange = 9), then spent 16 - 9 = 7
     ranks = _recording([("compute", "F0.embed", 0, 1), ("compute", "F0.attn.L0", 3, 7),
                         ("comm", "F0.dispatch.L0", 9, 14), ("compute", "F0.mlp.L0", 16, 19)])
     plan = sequential_plan(LAYOUT, 1)
     gaps = host_gaps(ranks, plan, node_kinds(LAYOUT), sync_us=2.0, slack_us=0.5)
     assert gaps.means[(0, "F0.attn.L0")] == 6
-    assert gaps.means[(0, "F0.dispatch.L0")] == 5
+    assert gaps.means[(0, "F0.dispatch.L0")] == 7
     assert (0, "F0.embed") not in gaps.means  # it started on time: no evidence
 
 
