@@ -61,8 +61,6 @@ class CompatConfig:
     use_distributed_optimizer: bool = _accepted(
         "sharded optimizer state", "every rank keeps the optimizer state of its own "
         "parameters whole; the updates are the same")
-    overlap_grad_reduce: bool = _accepted("grad reduction beside the backward",
-                                          "grads are reduced once after the step's last backward")
     overlap_param_gather: bool = _accepted("parameter gather beside the forward",
                                            "parameters are not sharded, nothing is gathered")
     no_async_tensor_model_parallel_allreduce: bool = _accepted(

@@ -296,6 +296,10 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
                  "--pipeline-model-parallel-size > 1")
     require(not o.delay_wgrad_compute or o.overlap_moe_expert_parallel_comm,
              "delay_wgrad_compute", True, "requires --overlap-moe-expert-parallel-comm")
+    require(not o.overlap_grad_reduce or cfg.cuda_graph.impl != "full_iteration",
+             "overlap_grad_reduce", True, "not with --cuda-graph-impl full_iteration (the "
+             "graph would capture the data-parallel reduces, which the step runs after the "
+             "replay instead); use --no-overlap-grad-reduce")
     _validate_tune(cfg)
     _validate_a2a_chunks(cfg)
     if o.comm_stream_priority != "high":

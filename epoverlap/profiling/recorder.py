@@ -12,13 +12,17 @@ action waited on the other lane and `end - start` the time it ran:
 After the forward-backward (`end_forward_backward`) the step's own parts are marked the same
 way (`part(name)`: the gradients' all-reduce over data-parallel replicas on the comm lane, the
 clip and the optimizer on the compute lane, `spans.STEP_PARTS`), and `end_step` closes the
-whole step. After the profiled steps, `write` stores one file per rank in the `epoverlap-spans` format
+whole step. Gradient buckets reduced beside the backward (--overlap-grad-reduce) are spans on
+the comm lane (`grad_reduce.<bucket>`, node `grad_reduce`); the forward-backward then ends with
+the plan's last action, and what the reduces run after it is the part `grad_reduce`
+(`_reduce_tail`). After the profiled steps, `write` stores one file per rank in the `epoverlap-spans` format
 (epoverlap/profiling/spans.py, docs/span-format.md), which `epoverlap-timeline` reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -29,6 +33,7 @@ import torch
 from epoverlap.profiling.intervals import measure, subtract
 from epoverlap.profiling.spans import (STEP_PARTS, Span, StepPart, StepSpans,
                                        write_rank_span_file)
+from epoverlap.schedule.grad_reduce import GRAD_REDUCE, ReduceAction
 
 
 class SpanRecorder:
@@ -108,7 +113,7 @@ class SpanRecorder:
             finally:
                 end = time.perf_counter()
         with self._lock:
-            self._raw.append((lane, name, queued, start, end))
+            self._raw.append((lane, action, queued, start, end))
 
     def end_step(self) -> Optional[StepSpans]:
         """Close the step (all lanes must be drained); convert raw marks to microseconds. The
@@ -129,11 +134,11 @@ class SpanRecorder:
 
             def us(mark) -> float:
                 return (mark - t0) * 1e6
-        spans = [_span(lane, name, us(q), us(s), us(e)) for lane, name, q, s, e in self._raw]
+        spans = [_span(lane, action, us(q), us(s), us(e)) for lane, action, q, s, e in self._raw]
         fb_end = us(self._fb_end if self._fb_end is not None else stop)
-        step_time = max([fb_end] + [s.end_us for s in spans])
-        parts = [StepPart(name, STEP_PARTS[name], max(us(start), step_time),
-                          max(us(end), step_time)) for name, start, end in self._parts]
+        spans, step_time, tail = _reduce_tail(spans, fb_end)
+        parts = tail + [StepPart(name, STEP_PARTS[name], max(us(start), step_time),
+                                 max(us(end), step_time)) for name, start, end in self._parts]
         whole = max([us(stop), step_time] + [p.end_us for p in parts]) if parts else None
         record = StepSpans(step=self._step, step_time_us=step_time,
                            spans=sorted(spans, key=lambda s: s.start_us),
@@ -161,7 +166,32 @@ class SpanRecorder:
                                     clock, self.steps)
 
 
-def _span(lane: str, name: str, queued_us: float, start_us: float, end_us: float) -> Span:
+def _span(lane: str, action, queued_us: float, start_us: float, end_us: float) -> Span:
     """A span from its three marks (`queued` <= `start` by their order on one stream or
     thread; the min only guards the clock's rounding)."""
-    return Span.from_action(lane, name, start_us, end_us, queued_us=min(queued_us, start_us))
+    queued_us = min(queued_us, start_us)
+    if isinstance(action, ReduceAction):  # outside the action grammar: its fields given here
+        return Span(lane, str(action), action.microbatch, action.bucket.layer, GRAD_REDUCE,
+                    "backward", start_us, end_us, queued_us)
+    return Span.from_action(lane, str(action), start_us, end_us, queued_us=queued_us)
+
+
+def _reduce_tail(spans: list[Span], fb_end: float) -> tuple[list[Span], float, list[StepPart]]:
+    """(spans, forward-backward's end, parts): without bucket reduces among the spans the
+    window ends at `fb_end` or the last span; with them, at the plan's last action, and the
+    reduces' time after it becomes `grad_reduce` parts (a reduce running across the end: its
+    span up to it, a part after it)."""
+    plan = [s.end_us for s in spans if s.node != GRAD_REDUCE]
+    if len(plan) == len(spans):
+        return spans, max([fb_end] + plan), []
+    end = max(plan) if plan else fb_end
+    kept, tail = [], []
+    for span in spans:
+        if span.node == GRAD_REDUCE and span.end_us > end:
+            tail.append(StepPart(GRAD_REDUCE, STEP_PARTS[GRAD_REDUCE], max(span.start_us, end),
+                                 span.end_us))
+            if span.start_us < end:
+                kept.append(dataclasses.replace(span, end_us=end))
+        else:
+            kept.append(span)
+    return kept, end, tail

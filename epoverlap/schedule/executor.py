@@ -30,6 +30,12 @@ them. A lane runs a task as `task(wait)`: the task calls `wait()` (that wait, or
 thing, so the span recorder can time the wait apart from the work (its `queued` mark before
 it, `start` after). A tensor handed from one lane to the other is marked used on the consumer's stream
 (`record_stream`), so the caching allocator cannot hand its memory out early.
+
+With a bucket reducer (--overlap-grad-reduce, `schedule.grad_reduce`), each gradient bucket's
+data-parallel reduce runs on the comm lane after the action `reduce_points` names, waiting for
+everything the compute lane issued before it (`submit_after_compute`: CUDA, an event on the
+compute stream; threads, the compute lane's work is done when the host issues the next task);
+`drain` joins them with the rest of the comm lane, before the clip and the optimizer.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from epoverlap.model.nodes import COMM, COMPUTE, NodeSpec
+from epoverlap.schedule.grad_reduce import BucketReducer, ReduceAction, reduce_points
 from epoverlap.schedule.node_run import NodeRun
 from epoverlap.schedule.plan import Action
 from epoverlap.schedule.wgrad import WeightGradQueue
@@ -103,6 +110,11 @@ class SerialLanes:
                chunk: Optional[int] = None) -> None:
         task(no_wait)
 
+    def submit_after_compute(self, task: Task) -> None:
+        """A comm-lane task that runs after all compute-lane work submitted so far (a gradient
+        bucket's reduce), chained to no microbatch."""
+        task(no_wait)
+
     def hand_over(self, value, to_lane: str) -> None:
         pass
 
@@ -139,6 +151,11 @@ class ThreadLanes(SerialLanes):
             return
         task((lambda: self._wait(waits)) if chain else no_wait)
 
+    def submit_after_compute(self, task):
+        """The compute lane's work is done once the host gets here (it runs on this thread)."""
+        future = self._pool.submit(task, no_wait)
+        self._queued = [f for f in self._queued if not f.done()] + [future]
+
     def _wait(self, keys: Sequence[ChainKey]) -> None:
         for key in keys:
             future = self._pending.pop(key, None)
@@ -147,6 +164,8 @@ class ThreadLanes(SerialLanes):
 
     def drain(self):
         self._wait(list(self._pending))
+        for future in self._queued:  # the unchained ones too (gradient buckets' reduces)
+            future.result()
         self._queued.clear()
         self._chains.clear()
 
@@ -216,6 +235,15 @@ class CudaStreamLanes(SerialLanes):
             if switch:
                 torch.cuda.set_stream(self.compute_stream)
 
+    def submit_after_compute(self, task):
+        done = torch.cuda.Event()
+        done.record(self.compute_stream)
+        torch.cuda.set_stream(self.comm_stream)
+        try:
+            task(lambda: self.comm_stream.wait_event(done))
+        finally:
+            torch.cuda.set_stream(self.compute_stream)
+
     def hand_over(self, value, to_lane):
         stream = self.stream(to_lane)
         for tensor in _tensors_in(value):
@@ -254,17 +282,21 @@ class Executor:
 
     `run_factory(spec, microbatch)` gives the callable that runs a node's forward for one
     microbatch (default: the spec's own; `epoverlap.graphs` returns graph replays); the
-    executor never needs to know which.
+    executor never needs to know which. `grad_reduce`: the gradient buckets reduced beside the
+    backward (module docstring; None: the step reduces them after the plan).
     """
 
     def __init__(self, specs: Sequence[NodeSpec], lanes: SerialLanes,
                  wgrad_queue: Optional[WeightGradQueue] = None, recorder=None,
-                 run_factory: RunFactory = eager_runs):
+                 run_factory: RunFactory = eager_runs,
+                 grad_reduce: Optional[BucketReducer] = None):
         self.run_factory = run_factory
         self.specs = {spec.key: spec for spec in specs}
         self.lanes = lanes
         self.wgrad_queue = wgrad_queue or WeightGradQueue(enabled=False)
         self.recorder = recorder
+        self.grad_reduce = grad_reduce
+        self._reduce_points: dict[int, tuple] = {}  # id(plan) -> (plan, its reduce points)
         self._consumers = self._count_consumers(specs)
 
     @staticmethod
@@ -281,10 +313,13 @@ class Executor:
         without the loss head). Grads land in the params."""
         states = [_MicrobatchState(inputs) for inputs in microbatch_inputs]
         losses: list[Optional[torch.Tensor]] = [None] * len(states)
+        points = self.reduce_points(plan)
         self.lanes.begin()
         try:
-            for action in plan:
+            for index, action in enumerate(plan):
                 self._submit(action, states[action.microbatch], losses, loss_scale)
+                for bucket in points.get(index, ()):
+                    self._submit_reduce(bucket, action.microbatch)
         except BaseException:
             with contextlib.suppress(BaseException):
                 self.lanes.abort()
@@ -292,6 +327,31 @@ class Executor:
         self.lanes.drain()
         self.wgrad_queue.check_empty()
         return losses
+
+    def reduce_points(self, plan: Sequence[Action]) -> dict[int, list[int]]:
+        """`grad_reduce.reduce_points` of `plan` over this executor's nodes (made once per
+        plan); {} without a bucket reducer."""
+        if self.grad_reduce is None:
+            return {}
+        cached = self._reduce_points.get(id(plan))
+        if cached is None or cached[0] is not plan:
+            kinds = {key: spec.kind for key, spec in self.specs.items()}
+            cached = (plan, reduce_points(plan, kinds, self.grad_reduce.buckets))
+            self._reduce_points[id(plan)] = cached
+        return cached[1]
+
+    def _submit_reduce(self, bucket: int, microbatch: int) -> None:
+        reducer = self.grad_reduce
+        action = ReduceAction(reducer.buckets[bucket], microbatch)
+
+        def task(wait: Callable[[], None]) -> None:
+            if self.recorder is None:
+                wait()
+                reducer.reduce_bucket(bucket)
+                return
+            with self.recorder.span(action, COMM, wait):
+                reducer.reduce_bucket(bucket)
+        self.lanes.submit_after_compute(task)
 
     def _submit(self, action: Action, state: _MicrobatchState, losses: list,
                 loss_scale: float) -> None:

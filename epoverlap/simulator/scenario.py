@@ -43,6 +43,7 @@ from epoverlap.errors import ConfigError
 from epoverlap.model.nodes import COMM
 from epoverlap.profiling.chrome_trace import read_chrome_trace
 from epoverlap.profiling.spans import RankSpans, read_span_directory
+from epoverlap.schedule.grad_reduce import GRAD_REDUCE
 from epoverlap.schedule.plan import Action, build_plan, node_kinds
 from epoverlap.simulator import costs as sc
 from epoverlap.simulator.comm_table import CommTable, CommTableError, read_comm_table
@@ -124,18 +125,25 @@ def model_layout(cfg, ep: int) -> list:
 # ---------------------------------------------------------------------------- duration sources
 def read_recorded(args: argparse.Namespace) -> Optional[list[RankSpans]]:
     """The recorded run's spans (--spans DIR or --trace FILE), restricted to --steps."""
-    if args.spans:
-        ranks = read_span_directory(args.spans)
-    elif args.trace:
-        ranks = read_chrome_trace(args.trace)
-    else:
+    if not args.spans and not args.trace:
         return None
+    ranks = read_plan_spans(args.spans or args.trace, trace=not args.spans)
     if args.steps:
         first, last = _step_range(args.steps)
         for rank in ranks:
             rank.steps = [s for s in rank.steps if first <= s.step <= last]
         if not ranks[0].steps:
             raise SimInputError(f"--steps {args.steps}: no recorded step in that range")
+    return ranks
+
+
+def read_plan_spans(path: str, trace: bool) -> list[RankSpans]:
+    """A recording's spans (a span directory, or a Chrome trace), the plan's actions only: the
+    gradient buckets' reduces (--overlap-grad-reduce) are not simulated."""
+    ranks = read_chrome_trace(path) if trace else read_span_directory(path)
+    for rank in ranks:
+        rank.steps = [replace(step, spans=[s for s in step.spans if s.node != GRAD_REDUCE])
+                      for step in rank.steps]
     return ranks
 
 
@@ -265,7 +273,7 @@ def flop_compute(cfg, ep: int, throughput: sc.Throughput, load) -> ComputeSource
 @functools.lru_cache(maxsize=8)
 def _host_tables(path: str, like_layout: tuple, sync_us: float) -> tuple[dict, dict]:
     """(host gaps, compute span means) of a GPU recording, per (phase, node) and finer."""
-    ranks = read_span_directory(path) if Path(path).is_dir() else read_chrome_trace(path)
+    ranks = read_plan_spans(path, trace=not Path(path).is_dir())
     if ranks[0].clock == "host":
         raise SimInputError(f"--host-from {path}: a CPU recording (clock host) has no separate "
                             "host; give a GPU run's spans")

@@ -162,11 +162,14 @@ class RunParts:
 
     def _executor(self, a2a_chunks: Optional[int] = None) -> Executor:
         """An executor over the model's nodes (MoE layers in `a2a_chunks` chunks; default:
-        the flags'), on the run's lanes, queue, recorder and per-layer graphs."""
+        the flags'), on the run's lanes, queue, recorder and per-layer graphs; with
+        --overlap-grad-reduce it reduces the grad buckets beside the backward."""
         per_layer = self.graphs is not None and not self.graphs.full_iteration
+        beside = self.cfg.overlap.overlap_grad_reduce and self.groups.dp_size > 1
         return Executor(self.faults.wrap_specs(self.model.node_specs(a2a_chunks)), self.lanes,
                         self.wgrad_queue, self.recorder,
-                        **({"run_factory": self.graphs.banks} if per_layer else {}))
+                        **({"run_factory": self.graphs.banks} if per_layer else {}),
+                        grad_reduce=self.grads if beside else None)
 
     def _select_first_bank(self) -> None:
         """The base budget's bank of the first path (banks are made lazily, a full-iteration

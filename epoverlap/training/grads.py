@@ -3,12 +3,21 @@
 Owns `GradBuffers`. Every parameter gets `param.main_grad`, a view into one flat fp32 buffer
 for dense parameters and one for expert parameters. The deferrable GEMMs accumulate their
 weight grads there directly; every other parameter's autograd `.grad` is folded in by a
-post-accumulate hook and released. Reduction happens once per step, after the last backward
-and the last weight-grad action, inside each pipeline stage (DP = the ranks of the stage; the
-world without pipeline parallelism):
+post-accumulate hook and released. Reduction happens once per step, after the step's last
+contribution to each grad, inside each pipeline stage (DP = the ranks of the stage; the world
+without pipeline parallelism):
   dense:  sum over the stage's data-parallel group, divided by DP;
   expert: sum over the expert-data-parallel group, divided by DP (each EP rank's expert grad
           already sums the contributions of its whole EP group).
+It goes bucket by bucket (`bucket_layout`): per layer, its expert grads and its dense grads;
+the head's, the final norm's and the embedding's; each a view of its flat buffer, in the order
+the backward completes them (the head first, then the last layer). With --overlap-grad-reduce the
+executor reduces each bucket beside the rest of the backward (`schedule.grad_reduce` says
+when; `reduce_bucket`), otherwise `reduce` does them all after the plan, in the same order:
+the same tensors in the same order over the same groups, so the same bits either way (a
+collective's sum order depends on how a buffer is split, so the split never depends on the
+mode). `reduce` reduces what the executor has not, so it may always be called after a step's
+forward-backward.
 The global grad norm counts replicated parameters once, sums the expert shards over EP and the
 stages over PP (no parameter is tied across stages). It adds per-parameter squared L2 norms in
 the whole model's parameter order, so it has the same bits at any pipeline size. The
@@ -20,12 +29,14 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Optional
 
 import torch
 from torch import nn
 
 from epoverlap.parallel.groups import ParallelGroups
 from epoverlap.parallel.watch import host_list
+from epoverlap.schedule.grad_reduce import ReduceBucket
 
 
 def _fold_into_main_grad(param: torch.Tensor) -> None:
@@ -53,6 +64,11 @@ class GradBuffers:
         device = params[0].device
         self.dense_flat = self._attach(self.dense, device)
         self.expert_flat = self._attach(self.expert, device)
+        layout = bucket_layout(named)
+        self.buckets = [bucket for bucket, _, _ in layout]  # `BucketReducer.buckets`
+        self._views = [((self.expert_flat if expert else self.dense_flat)[start:end], expert)
+                       for _, expert, (start, end) in layout]  # views, no copies
+        self._reduced = [False] * len(self.buckets)
         for p in params:  # the dense GEMMs add their weight grads into main_grad themselves
             p.fuse_grad_accumulation = fuse_grad_accumulation
         self._hooks = [p.register_post_accumulate_grad_hook(_fold_into_main_grad)
@@ -74,18 +90,27 @@ class GradBuffers:
     def zero(self) -> None:
         self.dense_flat.zero_()
         self.expert_flat.zero_()
+        self._reduced = [False] * len(self.buckets)
 
     def reduce(self) -> None:
-        """Average over data-parallel replicas (see the module docstring for the scaling)."""
-        dp = self.groups.dp_size
-        if dp == 1:
+        """Average over data-parallel replicas (see the module docstring for the scaling) every
+        bucket the executor has not reduced since `zero`, in the buckets' order."""
+        for index, done in enumerate(self._reduced):
+            if not done:
+                self.reduce_bucket(index)
+
+    def reduce_bucket(self, index: int) -> None:
+        """Average bucket `index` over its data-parallel replicas (on the current stream)."""
+        self._reduced[index] = True
+        g = self.groups
+        if g.dp_size == 1:
             return
-        self.groups.dp.all_reduce(self.dense_flat)
-        if self.expert_flat.numel():
-            if self.groups.edp_size > 1:
-                self.groups.edp.all_reduce(self.expert_flat)
-            self.expert_flat.div_(dp)
-        self.dense_flat.div_(dp)
+        view, expert = self._views[index]
+        if not expert:
+            g.dp.all_reduce(view)
+        elif g.edp_size > 1:
+            g.edp.all_reduce(view)
+        view.div_(g.dp_size)
 
     def global_norm(self) -> float:
         """L2 norm of the whole (global) gradient. Collective over the EP and PP groups."""
@@ -117,12 +142,64 @@ class GradBuffers:
             hook.remove()
 
 
+def bucket_layout(named: list) -> list[tuple[ReduceBucket, bool, tuple[int, int]]]:
+    """(bucket, whether it is of the expert buffer, [start, end) in that buffer) of the
+    parameters `named` ((name, parameter) in buffer order): each layer's expert grads and its
+    dense grads, and each run of parameters outside the layers (named after its first one:
+    `head`, `final_norm`, `embedding`), in the order the backward completes them: those the
+    `loss` node writes, the layers from the last, those `embed` writes. Empty buckets are left
+    out."""
+    runs: list[list] = []  # [owner, expert, start, end, name]
+    offsets = [0, 0]
+    for name, param in named:
+        owner, expert = _owner(name), is_expert(param)
+        start = offsets[expert]
+        offsets[expert] += param.numel()
+        same = [run for run in runs if run[:2] == [owner, expert]]
+        if same and same[-1][3] == start:
+            same[-1][3] = offsets[expert]
+            continue
+        if same and owner[0] is not None:
+            raise ValueError(f"parameter {name}: layer {owner[0]}'s grads are not contiguous "
+                             "in the grad buffer")
+        runs.append([owner, expert, start, offsets[expert], name.split(".")[0]])
+    runs.sort(key=_backward_order)
+    return [(ReduceBucket(f"L{owner[0]}" + (".expert" if expert else "") if owner[0] is not None
+                          else label, *owner), expert, (start, end))
+            for owner, expert, start, end, label in runs if end > start]
+
+
+def _backward_order(run: list) -> tuple:
+    """Where the backward completes a bucket's run: the loss node's first, then the layers from
+    the last (expert grads first), then the embedding's; later in the buffer first."""
+    (layer, node), expert, start = run[0], run[1], run[2]
+    if layer is not None:
+        return (1, -layer, not expert, -start)
+    return (0 if node == "loss" else 2, 0, False, -start)
+
+
+def _layer_of(name: str) -> Optional[int]:
+    """n for a parameter of layer n (`layers.n.`), else None."""
+    match = re.match(r"layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def _owner(name: str) -> tuple[Optional[int], Optional[str]]:
+    """(layer, None) for a layer's parameter, else (None, the node that writes its grad): the
+    embedding's `embed`, every other parameter outside the layers (the final norm, the head)
+    `loss`."""
+    layer = _layer_of(name)
+    if layer is not None:
+        return (layer, None)
+    return (None, "embed" if name == "embedding" else "loss")
+
+
 def _model_order_key(name: str, position: int, stage_start: bool) -> tuple:
     """Where a parameter sits in the whole model: before the layers (the embedding), in layer
     n (`layers.n.`, in its layer's order), or after them (final norm, head)."""
-    match = re.match(r"layers\.(\d+)\.", name)
-    if match:
-        return (1, int(match.group(1)), position)
+    layer = _layer_of(name)
+    if layer is not None:
+        return (1, layer, position)
     return (0 if stage_start else 2, 0, position)
 
 

@@ -3,10 +3,13 @@
 Owns `StepRunner`. A step: the executor runs this rank's plan (sequential, or the combined 1F1B
 with --overlap-moe-expert-parallel-comm; with pipeline stages, this stage's 1F1B or interleaved
 1F1B plan) over all microbatches, by the CUDA graph bank of the budget level in use when there
-are graphs; then, only after the last backward and weight-grad action, grads are reduced (inside
-the stage), clipped by the whole model's norm, the expert biases updated from the all-reduced
-token counts, and the optimizer steps. With --check-for-nan-in-loss-and-grad the local losses
-and grads are checked before the reduction (`numerics`).
+are graphs; then, after the last backward and weight-grad action, grads are reduced (inside
+the stage: the buckets the executor has not reduced beside the backward, --overlap-grad-reduce,
+`training.grads`), clipped by the whole model's norm, the expert biases updated from the
+all-reduced token counts, and the optimizer steps. With --check-for-nan-in-loss-and-grad the
+losses and grads are checked before the optimizer (`numerics`): the local grads, or with
+--overlap-grad-reduce the reduced ones (a non-finite grad then shows on every rank of its
+data-parallel group).
 
 MoE dispatch modes (`epoverlap.model.dispatch`): with a capacity, every step counts the routed
 pairs dropped over all ranks and MoE layers; with the budget dispatch, after each

@@ -40,6 +40,8 @@ def _bad_inputs(tmp_path):
         (["--enable-cuda-graph", "--cuda-graph-impl", "full_iteration"],
          "--enable-cuda-graph=True: deprecated alias of --cuda-graph-impl local, which conflicts "
          "with --cuda-graph-impl full_iteration; drop --enable-cuda-graph"),
+        (["--overlap-grad-reduce", "--cuda-graph-impl", "full_iteration"],
+         "--overlap-grad-reduce=True: not with --cuda-graph-impl full_iteration"),
     ]
 
 

@@ -41,6 +41,8 @@ def test_gpus_over_nvlink_get_bf16_and_one_graph_of_the_iteration(gpu_rules, mon
     assert (cfg.train.bf16, cfg.overlap.overlap_moe_expert_parallel_comm) == (True, True)
     assert (cfg.cuda_graph.impl, cfg.moe.moe_dispatch_budget) == ("full_iteration", 1.25)
     assert "--moe-dispatch-budget" in cfg.defaulted
+    # the graph would capture the reduces beside the backward: they stay after it
+    assert cfg.overlap.overlap_grad_reduce is False
 
 
 @pytest.mark.parametrize("link", [{"NCCL_P2P_DISABLE": "1"},
@@ -66,6 +68,18 @@ def test_values_given_are_kept(gpu_rules):
         (1, False, False, "none")
     assert cfg.defaulted == ()
     assert "--no-bf16" in flags_text(cfg) and SEQUENTIAL_FLAG in flags_text(cfg)
+
+
+@pytest.mark.parametrize("argv, world, beside", [
+    ([], 4, True), ([], 1, False), ([SEQUENTIAL_FLAG], 4, False),
+    (["--pipeline-model-parallel-size", "2"], 2, False),  # one rank per stage: DP 1
+    ([SEQUENTIAL_FLAG, "--overlap-grad-reduce"], 4, True),
+    (["--no-overlap-grad-reduce"], 4, False)])
+def test_the_grad_reduce_goes_beside_the_backward_with_the_overlap_and_dp(argv, world, beside):
+    cfg = resolved(argv + ["--num-layers", "2"], world=world)
+    assert cfg.overlap.overlap_grad_reduce is beside
+    auto = "--overlap-grad-reduce" not in " ".join(argv)
+    assert ("--overlap-grad-reduce" in cfg.defaulted) == (beside and auto)
 
 
 def test_one_ep_rank_has_nothing_to_overlap():
@@ -125,7 +139,8 @@ def test_the_path_line_names_what_auto_chose(gpu_rules, monkeypatch):
     assert "graphs local (attn moe_router moe_preprocess)" in line
     assert "schedule combined_1f1b | delayed wgrad off" in path_text(cfg, "cpu")
     assert "set by auto defaults: --expert-model-parallel-size, " \
-        "--overlap-moe-expert-parallel-comm, --bf16, --cuda-graph-impl;" in line
+        "--overlap-moe-expert-parallel-comm, --bf16, --cuda-graph-impl, " \
+        "--overlap-grad-reduce;" in line
 
 
 def test_an_absurd_layer_count_is_refused_not_built():
