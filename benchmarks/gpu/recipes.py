@@ -168,6 +168,10 @@ def _hierarchy_tests(select: str = "") -> Step:
                 env={"EPOVERLAP_GPU_LOGS": "{out}/cli_logs"}, timeout_s=200)
 
 
+GRAD_REDUCE_PROFILES = {"node_seq": HOSTS_SIDES["node_seq"],
+                        "node_ovl_beside": HOSTS_SIDES["node_ovl"] + " --overlap-grad-reduce",
+                        "node_ovl_after": HOSTS_SIDES["node_ovl"] + " --no-overlap-grad-reduce",
+                        "comp_wgrad": WGRAD + FLAT + LOCAL_COPY + " --no-overlap-grad-reduce"}
 HOSTS_PROFILES = {"comp_seq": SEQUENTIAL + FLAT + LOCAL_COPY,
                   "comp_wgrad": WGRAD + FLAT + LOCAL_COPY,
                   # by host's own compute (its preprocess, stage-2 permute, reorders)
@@ -447,6 +451,20 @@ RECIPES = (
                       f"epoverlap.cli.timeline {{out}}/profile_{name} --no-png", timeout_s=90)
                  for name in ("node_ovl", "node_seq"))
            + (_rounds(HOSTS_SIDES, HOSTS_RUN, "step", timeout_s=480),), all_gpus=True),
+    Recipe("grad_reduce_share", 2,
+           "--overlap-grad-reduce on the GPUs as 2 emulated hosts at HOSTS_RUN's shape, by host: "
+           "profiled runs sequential, overlap + delayed wgrad with the gradients' reduce beside "
+           "the backward (the default) and after it (--no-overlap-grad-reduce), and compute "
+           "alone; the realized share of each on the forward-backward and on whole steps",
+           "profile_*/ (span files of steps 6-9), share_beside.json, share_after.json",
+           tuple(Step(f"profile_{name}", f"{HOSTS_RUN} {flags} --profile-steps 6:9 "
+                      f"--profile-dir {{out}}/profile_{name}", timeout_s=100)
+                 for name, flags in GRAD_REDUCE_PROFILES.items())
+           + tuple(Step(f"share_{name}", "{python} -m benchmarks.harness.realized_share "
+                        f"--seq {{out}}/profile_node_seq --ovl {{out}}/profile_node_ovl_{name} "
+                        f"--comp {{out}}/profile_comp_wgrad --out {{out}}/share_{name}.json",
+                        timeout_s=60) for name in ("beside", "after")),
+           all_gpus=True),
     Recipe("hosts_sim_inputs", 2,
            "the simulator on the GPUs as 2 emulated hosts from inputs measured apart from the "
            "runs it predicts: each comm node of each dispatch timed alone at HOSTS_RUN's shape "
