@@ -101,7 +101,7 @@ def test_without_megatron_core_it_says_how_to_install_it(monkeypatch, capsys):
 
 @pytest.mark.parametrize("argv, says", [
     (["--shapes", "quick,nope", "--systems", "epoverlap"], "--shapes quick,nope: allowed: "),
-    (["--systems", "epoverlap,torchtitan"], "--systems epoverlap,torchtitan: allowed: "),
+    (["--systems", "epoverlap,deepspeed"], "--systems epoverlap,deepspeed: allowed: "),
     (["--systems", "epoverlap", "--iters", "0"], "the timed steps >= 1"),
 ])
 def test_bad_flags_are_one_line_before_any_process_group(monkeypatch, capsys, argv, says):
