@@ -65,51 +65,47 @@ def _runs_table(results: list[dict]) -> list[str]:
     return lines
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table; none where there are no rows."""
+    if not rows:
+        return []
+    return ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"] + [
+        "| " + " | ".join(row) + " |" for row in rows]
+
+
 def _megatron_table(results: list[dict]) -> list[str]:
-    lines = ["| shape | Megatron best mode | ours seq / Megatron best | ours ovl / Megatron "
-             "best | overlap gain ours (seq/ovl) | overlap gain Megatron (seq/ovl) |",
-             "| --- " * 6 + "|"]
-    for r in results:
-        d = r["derived"]
-        lines.append(" | ".join([
-            f"| {r['shape']}", d.get("best_mode_megatron", "-"),
-            _f(d.get("epoverlap_seq_over_megatron_best")),
-            _f(d.get("epoverlap_ovl_over_megatron_best")),
-            _f(d.get("overlap_gain_epoverlap")), _f(d.get("overlap_gain_megatron"))]) + " |")
-    return lines
+    return _table(["shape", "Megatron best mode", "ours seq / Megatron best",
+                   "ours ovl / Megatron best", "overlap gain ours (seq/ovl)",
+                   "overlap gain Megatron (seq/ovl)"],
+                  [[r["shape"], r["derived"].get("best_mode_megatron", "-"),
+                    _f(r["derived"].get("epoverlap_seq_over_megatron_best")),
+                    _f(r["derived"].get("epoverlap_ovl_over_megatron_best")),
+                    _f(r["derived"].get("overlap_gain_epoverlap")),
+                    _f(r["derived"].get("overlap_gain_megatron"))] for r in results])
 
 
 def _flags_table(results: list[dict]) -> list[str]:
-    flagged = [r for r in results if "epoverlap_ovl_flags_over_megatron_best" in r["derived"]]
-    if not flagged:
-        return []
-    lines = ["| shape | ours ovl with --ours-ovl-flags / Megatron best | its gain over "
-             "our seq | ours seq with --ours-seq-flags / Megatron best | our overlap gain "
-             "with the flags (seq_flags / ovl_flags) |", "| --- " * 5 + "|"]
-    for r in flagged:
-        runs, d = r["runs"]["epoverlap"], r["derived"]
-        lines.append(f"| {r['shape']} | "
-                     f"{_f(d['epoverlap_ovl_flags_over_megatron_best'])} | "
-                     f"{_f(runs['seq']['step_ms'] / runs['ovl_flags']['step_ms'])} | "
-                     f"{_f(d.get('epoverlap_seq_flags_over_megatron_best'))} | "
-                     f"{_f(d.get('overlap_gain_epoverlap_flags'))} |")
-    return lines
+    return _table(["shape", "ours ovl with --ours-ovl-flags / Megatron best",
+                   "its gain over our seq", "ours seq with --ours-seq-flags / Megatron best",
+                   "our overlap gain with the flags (seq_flags / ovl_flags)"],
+                  [[r["shape"], _f(r["derived"]["epoverlap_ovl_flags_over_megatron_best"]),
+                    _f(r["runs"]["epoverlap"]["seq"]["step_ms"]
+                       / r["runs"]["epoverlap"]["ovl_flags"]["step_ms"]),
+                    _f(r["derived"].get("epoverlap_seq_flags_over_megatron_best")),
+                    _f(r["derived"].get("overlap_gain_epoverlap_flags"))]
+                   for r in results
+                   if "epoverlap_ovl_flags_over_megatron_best" in r["derived"]])
 
 
 def _torchtitan_table(results: list[dict]) -> list[str]:
-    ran = [r for r in results if "best_mode_torchtitan" in r["derived"]]
-    if not ran:
-        return []
-    lines = ["| shape | torchtitan best mode | its step ms | ours seq / torchtitan best | "
-             "ours ovl / torchtitan best |", "| --- " * 5 + "|"]
-    for r in ran:
-        d = r["derived"]
-        best = d["best_mode_torchtitan"]
-        lines.append(" | ".join([
-            f"| {r['shape']}", best, _f(r["runs"]["torchtitan"][best]["step_ms"], 1),
-            _f(d.get("epoverlap_seq_over_torchtitan_best")),
-            _f(d.get("epoverlap_ovl_over_torchtitan_best"))]) + " |")
-    return lines
+    return _table(["shape", "torchtitan best mode", "its step ms",
+                   "ours seq / torchtitan best", "ours ovl / torchtitan best"],
+                  [[r["shape"], r["derived"]["best_mode_torchtitan"],
+                    _f(r["runs"]["torchtitan"][r["derived"]["best_mode_torchtitan"]]
+                       ["step_ms"], 1),
+                    _f(r["derived"].get("epoverlap_seq_over_torchtitan_best")),
+                    _f(r["derived"].get("epoverlap_ovl_over_torchtitan_best"))]
+                   for r in results if "best_mode_torchtitan" in r["derived"]])
 
 
 def run_line(run: dict) -> str:
