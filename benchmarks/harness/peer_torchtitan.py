@@ -174,8 +174,25 @@ def prepare_model_config(model_cfg, job) -> None:
                               enable_ep=parallelism.expert_parallel_degree > 1)
 
 
+def torch_problem() -> Optional[str]:
+    """What this torch lacks of the FSDP API torchtitan 0.3.0's parallelize path imports (each
+    torchtitan release pins a torch nightly; 2.13.0 has both), or None."""
+    import torch.distributed.fsdp as fsdp
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+    missing = [name for module, name in ((fsdp, "DataParallelMeshDims"),
+                                         (_fsdp_common, "ShardPlacementResult"))
+               if not hasattr(module, name)]
+    if not missing:
+        return None
+    return (f"torchtitan refuses it: torch {torch.__version__} lacks {', '.join(missing)} "
+            "of FSDP, which torchtitan 0.3.0 imports (it pins a newer torch)")
+
+
 def refusal(cfg, world: int, mode: str, cuda: bool) -> Optional[str]:
     """Why torchtitan cannot run `mode` at this shape and world size, or None."""
+    problem = torch_problem()
+    if problem is not None:
+        return problem
     if not cuda:  # its device meshes take "cuda" where no accelerator is found
         return "torchtitan refuses it: its device meshes are CUDA only"
     if cfg.moe.num_experts % world:

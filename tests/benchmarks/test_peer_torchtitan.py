@@ -73,6 +73,16 @@ def test_refusals_are_torchtitans_own():
     assert "do not split" in peer_torchtitan.refusal(cfg, 3, "a2a", True)
 
 
+def test_a_torch_without_its_fsdp_api_is_refused_by_name(monkeypatch):
+    """torchtitan 0.3.0 imports FSDP names newer than some torch releases (2.11 on the GPU
+    machines lacks at least one, per public shims of it): every mode is refused, naming them."""
+    import torch.distributed.fsdp as fsdp
+    monkeypatch.delattr(fsdp, "DataParallelMeshDims", raising=False)
+    cfg = parse_config(SHAPES["quick"]).with_vocab_size(256)
+    why = peer_torchtitan.refusal(cfg, 2, "a2a", True)
+    assert "lacks DataParallelMeshDims" in why and torch.__version__ in why
+
+
 @pytest.mark.slow
 def test_all_to_all_training_on_two_cpu_ranks():
     """EP 2 over gloo, FSDP over both ranks: 3 steps of its step, the same mean loss on both
