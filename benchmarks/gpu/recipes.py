@@ -93,6 +93,26 @@ RATIO_SHAPE = (" --num-layers 2 --seq-length 1024 --num-query-groups 4 --moe-ffn
                " 4096 --micro-batch-size 16 --num-microbatches 4")  # 1:1 with P2P off
 
 
+# torchtitan 0.3.0 beside Megatron-core and ours (bench_peer --systems torchtitan,...): its wheel
+# and the ones its model, EP and training path import that the GPU machines lack
+TORCHTITAN_WHEELS = (".whl/torchtitan-*.whl", ".whl/spmd_types-*.whl", ".whl/tyro-*.whl",
+                     ".whl/typeguard-*.whl", ".whl/docstring_parser-*.whl",
+                     ".whl/megatron_core-*.whl")
+
+
+def _peer_torchtitan_steps(shapes: tuple, env: dict = None) -> tuple:
+    """torchtitan's CPU checks (its model at our shapes), then one bench_peer job per shape
+    (its minimal_async_ep buffer is one per process; a stop keeps the other shapes), 2 warmup
+    + 4 timed steps: 8 runs a shape, two of them compiled."""
+    return (Step("peer_tests", PYTEST + " --junitxml={out}/junit.xml -m 'not slow' "
+                                        "tests/benchmarks/test_peer_torchtitan.py",
+                 timeout_s=60),) + tuple(
+        Step(f"bench_peer_{shape}", "{torchrun} -m benchmarks.harness.bench_peer --systems "
+             f"torchtitan,megatron,epoverlap --shapes {shape} --warmup 2 --iters 4 "
+             f"--out-dir {{out}}/{shape}", env=dict(env or {}), timeout_s=220)
+        for shape in shapes)
+
+
 def _bitwise_steps() -> tuple:
     """Each schedule's run of the same command, then each log against the sequential one."""
     runs = {"seq": SEQUENTIAL + " " + EAGER, "ovl": OVERLAP + " " + EAGER,
@@ -254,6 +274,23 @@ RECIPES = (
             Step("bench_peer", "{torchrun} -m benchmarks.harness.bench_peer --shapes "
                                + MEGATRON_SHAPES + " --warmup 3 --iters 8 --out-dir {out}")),
            needs=(".whl/megatron_core-*.whl",)),
+    Recipe("peer_torchtitan", 2,
+           "torchtitan 0.3.0 (its all-to-all and minimal_async_ep dispatch, each eager and "
+           "compiled) beside Megatron-core 0.16.1 and epoverlap in one job per shape on the "
+           "same batches, at the two mbs8x4 Megatron-core shapes: step time, tokens/s, "
+           "TFLOP/s, memory",
+           "junit.xml; SHAPE/bench_peer.json per shape (per run: median and every timed "
+           "step's samples)",
+           _peer_torchtitan_steps(MEGATRON_SHAPES.split(",")[1:]), needs=TORCHTITAN_WHEELS),
+    Recipe("peer_torchtitan_mbs2x8", 2,
+           "peer_torchtitan at the third Megatron-core shape (megatron_e32_k4_mbs2x8)",
+           "as peer_torchtitan",
+           _peer_torchtitan_steps(MEGATRON_SHAPES.split(",")[:1]), needs=TORCHTITAN_WHEELS),
+    Recipe("peer_torchtitan_nop2p", 2,
+           "peer_torchtitan with NCCL_P2P_DISABLE=1 (the all-to-alls through host memory)",
+           "as peer_torchtitan",
+           _peer_torchtitan_steps(MEGATRON_SHAPES.split(",")[1:], {"NCCL_P2P_DISABLE": "1"}),
+           needs=TORCHTITAN_WHEELS),
     Recipe("kernel_speed", 1,
            "every Triton kernel op's GPU tests, then its time, GB/s and share of the copy "
            "bandwidth, eager and graphed, host us per call, against the torch reference",

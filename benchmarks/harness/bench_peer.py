@@ -1,8 +1,9 @@
 """Peer benchmark: the same proxy MoE model trained by Megatron-core and by epoverlap, each
-sequential and overlapped, in one job on the same GPUs, one run after the other.
+sequential and overlapped, and by torchtitan in its modes, in one job on the same GPUs, one run
+after the other.
 
     torchrun --standalone --nproc-per-node N -m benchmarks.harness.bench_peer [--shapes a,b] \
-        [--systems megatron,epoverlap] [--warmup 3] [--iters 5] [--out-dir DIR]
+        [--systems megatron,epoverlap[,torchtitan]] [--warmup 3] [--iters 5] [--out-dir DIR]
 
 EP = the world size. A shape is a benchmarks/harness/bench_overlap.py shape (default: its three Megatron
 shapes: the `megatron-cmp` preset and two variants), with forced balanced routing
@@ -30,6 +31,11 @@ Megatron-core is the optional `peer` extra (megatron-core==0.16.1), imported onl
 functions of its side. 0.16.1 without Transformer Engine leaves the TE names of its MoE
 utilities unbound and its router raises `NameError: te_general_gemm`; they are bound to None
 before use (`bind_missing_te_names`), which is what upstream's fix in 0.17.0 does.
+
+torchtitan (0.3.0, the `peer` extra too, Python >= 3.11) runs only where `--systems` names it:
+its side is benchmarks/harness/peer_torchtitan.py (its model at our shape, its modes a2a,
+a2a_compile, masync, masync_compile), imported then; its runs take our sequential config's
+shape and the same batches. The report is benchmarks/harness/peer_report.py's.
 """
 
 from __future__ import annotations
@@ -37,15 +43,13 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
-import math
 import os
 import shlex
 import statistics
 import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
+from functools import partial
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -63,8 +67,10 @@ from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
 from benchmarks.harness.bench_overlap import (OVERLAP, SHAPES, max_over_ranks,
                                               max_over_ranks_each, nccl_environment,
                                               nccl_environment_text, sync_time)
+from benchmarks.harness.peer_report import derived, markdown, run_line, write_report
 
-SYSTEMS = ("megatron", "epoverlap")
+SYSTEMS = ("megatron", "epoverlap", "torchtitan")
+DEFAULT_SYSTEMS = ("megatron", "epoverlap")
 MODES = {"seq": [SEQUENTIAL], "ovl": OVERLAP}
 DEFAULT_SHAPES = ("megatron_e32_k4_mbs2x8", "megatron_e32_k4_mbs8x4",
                   "megatron_e8_k8_f4096_mbs8x4")
@@ -363,78 +369,67 @@ def _megatron_samples(config, cfg: RunConfig, groups: ParallelGroups, data: Pref
     return [timed_step(groups.device, lambda s=step: step_fn(s)) for step in range(1, steps + 1)]
 
 
+# ---------------------------------------------------------------------------- torchtitan
+def run_torchtitan(cfg: RunConfig, groups: ParallelGroups, data: PrefetchedBatches,
+                   steps: int, mode: str) -> dict:
+    """`steps` training steps of torchtitan in `mode` -> {"samples": [...]} or {"skipped": why}
+    (its refusal, or the error a build or step raised on every rank)."""
+    from benchmarks.harness import peer_torchtitan
+    why = peer_torchtitan.refusal(cfg, groups.world_size, mode, torch.cuda.is_available())
+    if why is not None:
+        return {"skipped": why}
+    try:
+        return {"samples": _torchtitan_samples(cfg, groups, data, steps, mode)}
+    except Exception as error:  # noqa: BLE001 - reported per run, the other systems go on
+        return {"skipped": f"torchtitan failed: {type(error).__name__}: {error}"}
+    finally:
+        release_memory(groups.device)
+
+
+def _torchtitan_samples(cfg: RunConfig, groups: ParallelGroups, data: PrefetchedBatches,
+                        steps: int, mode: str) -> list[StepSample]:
+    from benchmarks.harness.peer_torchtitan import Session
+    session = Session(cfg, groups.world_size, mode, groups.device)
+    t = cfg.train
+
+    def step_fn(step: int) -> float:
+        batches = [data.batch(step, data.rank, mb, t.micro_batch_size, cfg.model.seq_length)
+                   for mb in range(t.num_microbatches)]
+        return session.step(batches, lr_at(step, t))
+    try:
+        return [timed_step(groups.device, lambda s=step: step_fn(s))
+                for step in range(1, steps + 1)]
+    finally:
+        session.close()
+
+
+def system_runs(systems: list[str], args) -> list[tuple]:
+    """(system, the run's name, our mode its config is made with, our extra flags, runner)
+    of every run of one shape."""
+    wanted = [(system, mode, mode, (), RUNNERS[system]) for system in systems
+              if system in RUNNERS for mode in MODES]
+    if "epoverlap" in systems and args.ours_seq_flags:  # our sequential step with more flags
+        wanted.append(("epoverlap", "seq_flags", "seq", args.ours_seq_flags, run_epoverlap))
+    if "epoverlap" in systems and args.ours_ovl_flags:  # our overlap with more flags
+        wanted.append(("epoverlap", "ovl_flags", "ovl", args.ours_ovl_flags, run_epoverlap))
+    if "torchtitan" in systems:
+        from benchmarks.harness.peer_torchtitan import MODES as TORCHTITAN_MODES
+        wanted += [("torchtitan", mode, "seq", (), partial(run_torchtitan, mode=mode))
+                   for mode in TORCHTITAN_MODES]
+    return wanted
+
+
+def torchtitan_caveats(systems: list[str]) -> tuple:
+    if "torchtitan" not in systems:
+        return ()
+    from benchmarks.harness.peer_torchtitan import CAVEATS as TORCHTITAN_CAVEATS
+    return TORCHTITAN_CAVEATS
+
+
 RUNNERS = {"megatron": run_megatron, "epoverlap": run_epoverlap}
 
 
 # ---------------------------------------------------------------------------- report
-def derived(runs: dict) -> dict:
-    """Per system its overlap gain (T_seq / T_ovl) and fastest mode, ours also with the extra
-    flags of both schedules where given (seq_flags / ovl_flags); our modes' tokens/s/GPU over
-    Megatron-core's fastest mode's."""
-    out = {}
-    done = {system: {mode: r for mode, r in modes.items() if "step_ms" in r}
-            for system, modes in runs.items()}
-    for system, modes in done.items():
-        if "seq" in modes and "ovl" in modes:
-            out[f"overlap_gain_{system}"] = modes["seq"]["step_ms"] / modes["ovl"]["step_ms"]
-        if "seq_flags" in modes and "ovl_flags" in modes:
-            out[f"overlap_gain_{system}_flags"] = (modes["seq_flags"]["step_ms"]
-                                                   / modes["ovl_flags"]["step_ms"])
-        if modes:
-            out[f"best_mode_{system}"] = min(modes, key=lambda mode: modes[mode]["step_ms"])
-    if "best_mode_megatron" in out:
-        best = done["megatron"][out["best_mode_megatron"]]["tokens_per_s_per_gpu"]
-        for mode, r in done.get("epoverlap", {}).items():
-            out[f"epoverlap_{mode}_over_megatron_best"] = r["tokens_per_s_per_gpu"] / best
-    return out
-
-
-def _f(value, digits: int = 2) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) \
-        else f"{value:.{digits}f}"
-
-
-def markdown(results: list[dict]) -> str:
-    """Two tables: every run, then per shape the comparison figures."""
-    lines = ["| shape | system | mode | step ms | tok/s/GPU | TFLOP/s/GPU | peak GiB | "
-             "loss first | loss last |", "| --- " * 9 + "|"]
-    for r in results:
-        for system, modes in r["runs"].items():
-            for mode, run in modes.items():
-                if "skipped" in run:
-                    lines.append(f"| {r['shape']} | {system} | {mode} | not run (see above) "
-                                 "| - | - | - | - | - |")
-                    continue
-                lines.append(" | ".join([
-                    f"| {r['shape']}", system, mode, _f(run["step_ms"], 1),
-                    f"{run['tokens_per_s_per_gpu'] / 1e3:.1f}k", _f(run["tflops_per_gpu"], 1),
-                    _f(run["peak_gib"]), _f(run["loss_first"], 3),
-                    _f(run["loss_last"], 3)]) + " |")
-    lines += ["", "| shape | Megatron best mode | ours seq / Megatron best | ours ovl / Megatron "
-              "best | overlap gain ours (seq/ovl) | overlap gain Megatron (seq/ovl) |",
-              "| --- " * 6 + "|"]
-    for r in results:
-        d = r["derived"]
-        lines.append(" | ".join([
-            f"| {r['shape']}", d.get("best_mode_megatron", "-"),
-            _f(d.get("epoverlap_seq_over_megatron_best")),
-            _f(d.get("epoverlap_ovl_over_megatron_best")),
-            _f(d.get("overlap_gain_epoverlap")), _f(d.get("overlap_gain_megatron"))]) + " |")
-    flagged = [r for r in results if "epoverlap_ovl_flags_over_megatron_best" in r["derived"]]
-    if flagged:
-        lines += ["", "| shape | ours ovl with --ours-ovl-flags / Megatron best | its gain over "
-                  "our seq | ours seq with --ours-seq-flags / Megatron best | our overlap gain "
-                  "with the flags (seq_flags / ovl_flags) |", "| --- " * 5 + "|"]
-        for r in flagged:
-            runs, d = r["runs"]["epoverlap"], r["derived"]
-            lines.append(f"| {r['shape']} | "
-                         f"{_f(d['epoverlap_ovl_flags_over_megatron_best'])} | "
-                         f"{_f(runs['seq']['step_ms'] / runs['ovl_flags']['step_ms'])} | "
-                         f"{_f(d.get('epoverlap_seq_flags_over_megatron_best'))} | "
-                         f"{_f(d.get('overlap_gain_epoverlap_flags'))} |")
-    return "\n".join(lines)
-
-
 def header(report: dict) -> list[str]:
     """The lines printed above the tables: setup, caveats, the runs not run and why."""
     lines = [f"bench_peer: {report['world']} rank(s) (EP = {report['world']}), "
@@ -443,25 +438,12 @@ def header(report: dict) -> list[str]:
              f"{nccl_environment_text(report.get('nccl_env', {}))}"]
     if "megatron" in report["systems"]:
         lines += [f"note: {caveat}" for caveat in CAVEATS]
+    lines += [f"note: {caveat}" for caveat in torchtitan_caveats(report["systems"])]
     for r in report["results"]:
         for system, modes in r["runs"].items():
             lines += [f"not run: {r['shape']} {system} {mode}: {run['skipped']}"
                       for mode, run in modes.items() if "skipped" in run]
     return lines
-
-
-def run_line(run: dict) -> str:
-    if "skipped" in run:
-        return f"not run: {run['skipped']}"
-    return (f"step {run['step_ms']:.1f} ms, {run['tokens_per_s_per_gpu'] / 1e3:.1f}k tok/s/GPU, "
-            f"loss {run['loss_first']:.3f} -> {run['loss_last']:.3f}")
-
-
-def write_report(report: dict, out_dir: str) -> Path:
-    path = Path(out_dir) / "bench_peer.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    return path
 
 
 # ---------------------------------------------------------------------------- main
@@ -471,17 +453,11 @@ def bench_shape(name: str, systems: list[str], groups: ParallelGroups, args,
     world = groups.world_size
     base = run_config(name, "seq", world, steps)
     data = PrefetchedBatches(base, groups.dp_rank, steps)
-    rated = base.with_vocab_size(data.vocab_size)  # the model both systems build
-    # (system, the run's name, its mode, our extra flags)
-    wanted = [(system, mode, mode, ()) for system in systems for mode in MODES]
-    if "epoverlap" in systems and args.ours_seq_flags:  # our sequential step with more flags
-        wanted.append(("epoverlap", "seq_flags", "seq", args.ours_seq_flags))
-    if "epoverlap" in systems and args.ours_ovl_flags:  # our overlap with more flags
-        wanted.append(("epoverlap", "ovl_flags", "ovl", args.ours_ovl_flags))
+    rated = base.with_vocab_size(data.vocab_size)  # the model every system builds
     runs: dict = {}
-    for system, run_name, mode, extra in wanted:
+    for system, run_name, mode, extra, runner in system_runs(systems, args):
         cfg = run_config(name, mode, world, steps, extra).with_vocab_size(data.vocab_size)
-        raw = RUNNERS[system](cfg, groups, data, steps)
+        raw = runner(cfg, groups, data, steps)
         run = summarize(raw["samples"], args.warmup, cfg) if "samples" in raw else raw
         runs.setdefault(system, {})[run_name] = run
         log(f"[bench_peer] {name} {system} {run_name}: {run_line(run)}")
@@ -495,8 +471,9 @@ def parse_args(argv: Optional[list[str]]):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                         help=f"benchmarks/harness/bench_overlap.py shapes ({', '.join(SHAPES)})")
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help="megatron needs the peer extra and CUDA GPUs")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"of {', '.join(SYSTEMS)}: megatron needs the peer extra and "
+                             "CUDA GPUs, torchtitan the peer extra")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--iters", type=int, default=5, help="timed steps after the warmup")
     parser.add_argument("--out-dir", default="runs/bench_peer")
@@ -529,6 +506,10 @@ def refusal(args) -> Optional[str]:
                 ">= 0 and the timed steps >= 1")
     if "megatron" in args.systems and not megatron_installed():
         return INSTALL_HINT
+    if "torchtitan" in args.systems:
+        from benchmarks.harness import peer_torchtitan
+        if not peer_torchtitan.torchtitan_installed():
+            return peer_torchtitan.INSTALL_HINT
     if "megatron" in args.systems and not torch.cuda.is_available():
         return ("bench_peer: --systems megatron: megatron-core's side runs on CUDA GPUs only "
                 "and none is visible here; on CPU run --systems epoverlap")
@@ -577,7 +558,8 @@ def full_report(args, world: int, results: list) -> dict:
             "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", "0"),
             "nccl_env": nccl_environment(),
             "ours_ovl_flags": args.ours_ovl_flags, "ours_seq_flags": args.ours_seq_flags,
-            "caveats": list(CAVEATS), "results": results}
+            "caveats": list(CAVEATS) + list(torchtitan_caveats(args.systems)),
+            "results": results}
 
 
 def device_name() -> str:

@@ -1,5 +1,6 @@
 """benchmarks/harness/bench_peer.py: the FLOP count both systems are rated by, against a hand count; the
-report (derived figures, tables, JSON); the one-line refusals before any process group; our
+report (derived figures, tables, JSON; ours against Megatron-core's and torchtitan's best
+modes); the one-line refusals before any process group; our
 side end to end on two CPU ranks; Megatron-core's model as the tool translates our config,
 against ours (needs the peer extra; built on the CPU); the whole benchmark on one and two GPUs
 (markers `gpu`, `multigpu`)."""
@@ -99,9 +100,30 @@ def test_without_megatron_core_it_says_how_to_install_it(monkeypatch, capsys):
     assert "pip install -e '.[peer]'" in bench_peer.INSTALL_HINT
 
 
+def test_without_torchtitan_it_says_how_to_install_it(monkeypatch, capsys):
+    from benchmarks.harness import peer_torchtitan
+    monkeypatch.setitem(sys.modules, "torchtitan", None)  # `import torchtitan...` fails
+    monkeypatch.setitem(sys.modules, "torchtitan.models.common", None)
+    assert _refusal(monkeypatch, capsys, ["--shapes", "quick", "--systems",
+                                          "epoverlap,torchtitan"]) == peer_torchtitan.INSTALL_HINT
+
+
+def test_report_rates_ours_against_torchtitans_best_mode():
+    runs = {"epoverlap": {"seq": _run(200.0, 160e3), "ovl": _run(160.0, 200e3)},
+            "torchtitan": {"a2a": _run(400.0, 80e3), "a2a_compile": _run(320.0, 100e3),
+                           "masync": {"skipped": "torchtitan refuses it: EP 1"}}}
+    d = bench_peer.derived(runs)
+    assert d["best_mode_torchtitan"] == "a2a_compile"
+    assert d["epoverlap_seq_over_torchtitan_best"] == 1.6
+    assert d["epoverlap_ovl_over_torchtitan_best"] == 2.0
+    table = bench_peer.markdown([{"shape": "quick", "runs": runs, "derived": d}])
+    assert "| quick | torchtitan | masync | not run (see above) |" in table
+    assert table.splitlines()[-1] == "| quick | a2a_compile | 320.0 | 1.60 | 2.00 |"
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--shapes", "quick,nope", "--systems", "epoverlap"], "--shapes quick,nope: allowed: "),
-    (["--systems", "epoverlap,torchtitan"], "--systems epoverlap,torchtitan: allowed: "),
+    (["--systems", "epoverlap,deepspeed"], "--systems epoverlap,deepspeed: allowed: "),
     (["--systems", "epoverlap", "--iters", "0"], "the timed steps >= 1"),
 ])
 def test_bad_flags_are_one_line_before_any_process_group(monkeypatch, capsys, argv, says):

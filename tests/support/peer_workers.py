@@ -54,3 +54,36 @@ def megatron_and_our_parameters(rank, world_size, flags):
     finally:
         bench_peer.destroy_megatron()
         dist.destroy_process_group()
+
+
+# torchtitan's modules that keep the device type they found at import ("cuda" where none is)
+TORCHTITAN_DEVICE_MODULES = ("torchtitan.tools.utils", "torchtitan.distributed.parallel_dims",
+                             "torchtitan.distributed.utils",
+                             "torchtitan.models.common.token_dispatcher")
+
+
+def torchtitan_cpu_steps(rank, world_size, flags, steps):
+    """bench_peer's torchtitan side (its all-to-all mode, eager) training `steps` steps on gloo
+    ranks, EP = world_size -> the losses. torchtitan presumes an accelerator (its meshes take
+    "cuda" where none is found); here its modules are told the CPU instead, the one change."""
+    import importlib
+    from epoverlap.config import parse_config
+    from benchmarks.harness.peer_torchtitan import Session
+    for name in TORCHTITAN_DEVICE_MODULES:
+        module = importlib.import_module(name)
+        module.device_type, module.device_module = "cpu", torch.cpu
+    dist.init_process_group("gloo")
+    try:
+        cfg = parse_config(flags).with_vocab_size(256)
+        session = Session(cfg, world_size, "a2a", torch.device("cpu"))
+        generator = torch.Generator().manual_seed(rank)
+        t, seq = cfg.train, cfg.model.seq_length
+        losses = []
+        for _ in range(steps):
+            batches = [tuple(torch.randint(0, 256, (t.micro_batch_size, seq), generator=generator)
+                             for _ in range(2)) for _ in range(t.num_microbatches)]
+            losses.append(session.step(batches, t.lr))
+        session.close()
+        return losses
+    finally:
+        dist.destroy_process_group()
