@@ -190,8 +190,8 @@ def _hierarchy_tests(select: str = "") -> Step:
 
 GRAD_REDUCE_PROFILES = {"node_seq": HOSTS_SIDES["node_seq"],
                         "node_ovl_beside": HOSTS_SIDES["node_ovl"] + " --overlap-grad-reduce",
-                        "node_ovl_after": HOSTS_SIDES["node_ovl"] + " --no-overlap-grad-reduce",
-                        "comp_wgrad": WGRAD + FLAT + LOCAL_COPY + " --no-overlap-grad-reduce"}
+                        "node_ovl_after": HOSTS_SIDES["node_ovl"],
+                        "comp_wgrad": WGRAD + FLAT + LOCAL_COPY}
 HOSTS_PROFILES = {"comp_seq": SEQUENTIAL + FLAT + LOCAL_COPY,
                   "comp_wgrad": WGRAD + FLAT + LOCAL_COPY,
                   # by host's own compute (its preprocess, stage-2 permute, reorders)
@@ -491,7 +491,7 @@ RECIPES = (
     Recipe("grad_reduce_share", 2,
            "--overlap-grad-reduce on the GPUs as 2 emulated hosts at HOSTS_RUN's shape, by host: "
            "profiled runs sequential, overlap + delayed wgrad with the gradients' reduce beside "
-           "the backward (the default) and after it (--no-overlap-grad-reduce), and compute "
+           "the backward (--overlap-grad-reduce) and after it (the default), and compute "
            "alone; the realized share of each on the forward-backward and on whole steps",
            "profile_*/ (span files of steps 6-9), share_beside.json, share_after.json",
            tuple(Step(f"profile_{name}", f"{HOSTS_RUN} {flags} --profile-steps 6:9 "

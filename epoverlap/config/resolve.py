@@ -1,6 +1,6 @@
 """The job's defaults, resolved in one place whichever command starts it.
 
-Six flags default to `auto` (a seventh, the budget, follows the graph scope), because their
+Five flags default to `auto` (a sixth, the budget, follows the graph scope), because their
 best value depends on the job: how many ranks it has, whether they run on CUDA devices, and
 over which link. `resolve_config` sets them once the world size and the device are known, so
 `torchrun -m epoverlap.train`, `epoverlap-train` and `epoverlap-launch` resolve the same
@@ -25,9 +25,6 @@ values:
                                      once); flat otherwise (one host; top-1; experts spread
                                      over so many hosts that few tokens share one, where its
                                      second stage costs more than it saves)
-  --overlap-grad-reduce              on with the EP overlap and data-parallel size > 1 (the same
-                                     bits either way); not beside a full-iteration graph, which
-                                     would capture the reduces (refused there)
 
 Which schedule runs (sequential or an overlap plan, delayed weight grads) the path tuner
 measures on GPUs (`--tune auto`, config.tuning and training.tuner).
@@ -62,7 +59,6 @@ SEQUENTIAL_FLAG = "--no-overlap-moe-expert-parallel-comm"  # pins the sequential
 GRAPHS_FLAG = "--cuda-graph-impl"
 BUDGET_FLAG = "--moe-dispatch-budget"
 HIERARCHY_FLAG = "--moe-dispatch-hierarchy"
-GRAD_REDUCE_FLAG = "--overlap-grad-reduce"
 FULL_ITERATION_BUDGET = 1.25  # chunk rows / mean rows per rank pair; overflow reruns the step
 BUDGET_MEMORY_STEPS = 20  # a step starts at the largest level one of the last 20 needed
 
@@ -97,10 +93,6 @@ def resolve_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> Run
     if hierarchy_auto:  # named among the auto choices only where it chose node
         cfg = _with(cfg, "moe", moe_dispatch_hierarchy="flat")
         wanted.append([_by_host] if _spans_hosts(cfg, world_size) else [])
-    grad_reduce_auto = cfg.overlap.overlap_grad_reduce is None
-    if grad_reduce_auto:  # last: it follows the overlap; named only where it chose on
-        cfg = _with(cfg, "overlap", overlap_grad_reduce=False)
-        wanted.append([_grad_reduce_beside(world_size)])
     budget = cfg.moe.moe_dispatch_budget
     cfg = _take_wanted(cfg, [options for options in wanted if options], world_size,
                        cuda_available)
@@ -108,8 +100,6 @@ def resolve_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> Run
         defaulted.append(BUDGET_FLAG)
     if hierarchy_auto and DispatchMode.of(cfg.moe).by_host:
         defaulted.append(HIERARCHY_FLAG)
-    if grad_reduce_auto and cfg.overlap.overlap_grad_reduce:
-        defaulted.append(GRAD_REDUCE_FLAG)
     return dataclasses.replace(cfg, defaulted=tuple(defaulted))
 
 
@@ -157,8 +147,7 @@ def auto_ep_size(cfg: RunConfig, world_size: int) -> int:
 def _has_auto(cfg: RunConfig) -> bool:
     return (cfg.parallel.expert_model_parallel_size is None or cfg.train.bf16 is None
             or cfg.overlap.overlap_moe_expert_parallel_comm is None
-            or cfg.cuda_graph.impl == AUTO or cfg.moe.moe_dispatch_hierarchy == AUTO
-            or cfg.overlap.overlap_grad_reduce is None)
+            or cfg.cuda_graph.impl == AUTO or cfg.moe.moe_dispatch_hierarchy == AUTO)
 
 
 def _spans_hosts(cfg: RunConfig, world_size: int) -> bool:
@@ -194,16 +183,6 @@ def _has_moe_layers(cfg: RunConfig) -> bool:
 
 def _wants_overlap(cfg: RunConfig) -> bool:
     return cfg.parallel.expert_model_parallel_size > 1 and _has_moe_layers(cfg)
-
-
-def _grad_reduce_beside(world_size: int):
-    """The gradients' reduce beside the backward where the EP overlap is on and there is a
-    data-parallel reduce (`cfg` unchanged elsewhere)."""
-    def option(cfg: RunConfig) -> RunConfig:
-        if cfg.overlap.overlap_moe_expert_parallel_comm and cfg.data_parallel_size(world_size) > 1:
-            return _with(cfg, "overlap", overlap_grad_reduce=True)
-        return cfg
-    return option
 
 
 def _bf16(cfg: RunConfig) -> RunConfig:

@@ -279,12 +279,12 @@ class OverlapConfig:
         default_text="auto: on with EP > 1 and MoE layers")
     delay_wgrad_compute: bool = flag(
         False, "split weight grads out and run them in the comm gaps")
-    overlap_grad_reduce: Optional[bool] = flag(
-        None, "all-reduce each layer's grads over the data-parallel replicas on the comm lane as "
+    overlap_grad_reduce: bool = flag(
+        False, "all-reduce each layer's grads over the data-parallel replicas on the comm lane as "
         "soon as the step's last backward and delayed weight grad of the layer are done, beside "
         "the rest of the backward, instead of all after it; the same bits either way (the same "
-        "buckets in the same order). Not with --cuda-graph-impl full_iteration",
-        default_text="auto: on with the EP overlap and data-parallel size > 1")
+        "buckets in the same order). Pays where the comm lane idles during the backward; where "
+        "the all-to-alls bind it delays them. Not with --cuda-graph-impl full_iteration")
     overlap_plan: Optional[str] = flag(
         None, "the combined 1F1B (F0 alone, F(i) beside B(i-1), B(M-1) alone); its "
         "early_release form (B.attn before F.mlp, for memory); paired_ends (F0 beside F1 and "

@@ -299,7 +299,7 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
     require(not o.overlap_grad_reduce or cfg.cuda_graph.impl != "full_iteration",
              "overlap_grad_reduce", True, "not with --cuda-graph-impl full_iteration (the "
              "graph would capture the data-parallel reduces, which the step runs after the "
-             "replay instead); use --no-overlap-grad-reduce")
+             "replay instead); leave --overlap-grad-reduce out")
     _validate_tune(cfg)
     _validate_a2a_chunks(cfg)
     if o.comm_stream_priority != "high":

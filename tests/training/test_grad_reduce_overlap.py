@@ -17,7 +17,7 @@ from epoverlap.training.trainer import Trainer
 
 SEQUENTIAL = ["--no-overlap-moe-expert-parallel-comm"]
 OVERLAP_WGRAD = ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
-ON, OFF = ["--overlap-grad-reduce"], ["--no-overlap-grad-reduce"]
+ON, OFF = ["--overlap-grad-reduce"], []
 MODES = {"sequential": SEQUENTIAL,  # the reference: reduced after the backward (auto: off)
          "sequential_beside": SEQUENTIAL + ON,
          "overlap_wgrad": OVERLAP_WGRAD,  # auto: on
