@@ -69,11 +69,11 @@ HAND_PICKED = {"seq_graphs": SEQUENTIAL + " " + GRAPHS, "ovl_graphs": OVERLAP + 
 
 
 def _default_path_steps(env: dict = None, picked: tuple = tuple(HAND_PICKED),
-                        shape: str = "") -> tuple:
+                        shape: str = "", preset: str = "megatron-cmp") -> tuple:
     """A first default run that tunes and fills the cache (its tuning cost in its log), then
     the default (from the cache) and each hand-picked path of `picked` in 3 interleaved
-    rounds; `shape`: flags over megatron-cmp's."""
-    run = DEFAULT_PATH_RUN + shape
+    rounds; `shape`: flags over `preset`'s."""
+    run = DEFAULT_PATH_RUN.replace("--preset megatron-cmp", f"--preset {preset}") + shape
     cache = "--tune-cache {out}/tune_cache"
     sides = " ".join([f"--side 'default={cache}'"] + [f"--side '{name}={HAND_PICKED[name]} "
                                                      f"--tune off'" for name in picked])
@@ -339,6 +339,17 @@ RECIPES = (
            _default_path_steps({"NCCL_P2P_DISABLE": "1"},
                                picked=("seq_graphs", "seq_full", "ovl_graphs"),
                                shape=RATIO_SHAPE)),
+    Recipe("default_path_qwen3", 2,
+           "default_path_nvlink at the qwen3-30b-a3b-proxy preset (128 experts top-8, expert "
+           "FFN 768, seq 4096, vocab 151936), against the sequential and overlapped partial "
+           "graphs; its step lines give TFLOP/s and MFU by Megatron-LM's formula",
+           "as default_path_nvlink",
+           _default_path_steps(picked=("seq_graphs", "ovl_graphs"), preset="qwen3-30b-a3b-proxy")),
+    Recipe("default_path_qwen3_nop2p", 2,
+           "default_path_qwen3 with NCCL_P2P_DISABLE=1",
+           "as default_path_nvlink",
+           _default_path_steps({"NCCL_P2P_DISABLE": "1"}, picked=("seq_graphs", "ovl_graphs"),
+                               preset="qwen3-30b-a3b-proxy")),
     Recipe("default_path_nop2p", 2,
            "default_path_nvlink with NCCL_P2P_DISABLE=1 (the all-to-alls through host memory)",
            "as default_path_nvlink", _default_path_steps({"NCCL_P2P_DISABLE": "1"})),
