@@ -2,7 +2,8 @@
 (`schedule.executor.CommHold`), so a local-copy recording's compute queues behind the comm lane
 as behind a real all-to-all. Checked on CPU: the executor calls the hold once per all-to-all
 action, on the comm lane's thread, inside the node's span; a training run's comm spans last at
-least the hold and its span files say it was held."""
+least the hold and its span files say it was held. On a GPU (marker `gpu`): the sleep kernel
+lasts about the hold."""
 
 from __future__ import annotations
 
@@ -131,3 +132,16 @@ def test_the_recorder_writes_the_hold_and_a_bad_one_does_not_read(tmp_path):
     path.write_text(path.read_text().replace("250.0", "-1"))
     with pytest.raises(ValueError, match="local_copy_hold_us"):
         read_span_directory(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_gpu_hold_lasts_about_its_time_on_the_current_stream():
+    """The cycles come from the clock timed at build: the sleep lasts about the hold."""
+    hold = CommHold(HOLD_US // 4, torch.device("cuda"))
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    start.record()
+    hold()
+    end.record()
+    end.synchronize()
+    assert 0.8 * HOLD_US / 4e3 <= start.elapsed_time(end) <= 1.5 * HOLD_US / 4e3
