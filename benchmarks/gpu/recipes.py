@@ -166,10 +166,12 @@ HOSTS_SIDES = {"flat_ovl": WGRAD + FLAT,
                "node_seq": SEQUENTIAL + " --moe-dispatch-hierarchy node",
                "comp": OVERLAP + FLAT + LOCAL_COPY}
 # the simulator's inputs measured apart from the runs it predicts (hosts_sim_inputs): every comm
-# node timed alone at HOSTS_RUN's shape (tokens per rank = micro-batch 2 x seq 1024), compute
-# recorded with local copies for the all-to-alls; then the four runs it predicts, recorded
+# node timed alone at HOSTS_RUN's shape (tokens per rank = micro-batch 2 x seq 1024, HOSTS_CASE
+# = its experts:topk), compute recorded with local copies for the all-to-alls; then the four
+# runs it predicts, recorded
+HOSTS_CASE = "64:8"
 HOSTS_TIMING = ("{torchrun} -m benchmarks.harness.bench_host_bytes --hosts 2 --tokens 2048"
-                " --hidden 2048 --cases 64:8 --time --iters 10 --warmup 3"
+                " --hidden 2048 --cases " + HOSTS_CASE + " --time --iters 10 --warmup 3"
                 " $([ -f {out}/a2a_links.json ] && echo --links {out}/a2a_links.json)"
                 " --out {out}/host_timing.json")
 # the sync-free hierarchical dispatch (fixed chunks per host and per host mate) in one graph
@@ -192,11 +194,23 @@ GRAD_REDUCE_PROFILES = {"node_seq": HOSTS_SIDES["node_seq"],
                         "node_ovl_beside": HOSTS_SIDES["node_ovl"] + " --overlap-grad-reduce",
                         "node_ovl_after": HOSTS_SIDES["node_ovl"],
                         "comp_wgrad": WGRAD + FLAT + LOCAL_COPY}
-HOSTS_PROFILES = {"comp_seq": SEQUENTIAL + FLAT + LOCAL_COPY,
-                  "comp_wgrad": WGRAD + FLAT + LOCAL_COPY,
+
+
+def _held(dispatch: str) -> str:
+    """Local copies, each all-to-all node holding the comm lane as long as `dispatch`'s nodes
+    took alone (the median in host_timing.json, measured first): the host then runs ahead of
+    the compute as in the runs predicted, and the compute spans are the device's."""
+    return (LOCAL_COPY + " --local-copy-hold-us $({python} -m benchmarks.harness."
+            f"sim_hosts_check {{out}} --hold-of {dispatch})")
+
+
+HOSTS_PROFILES = {"comp_seq": SEQUENTIAL + FLAT + _held("per_expert"),
+                  "comp_wgrad": WGRAD + FLAT + _held("per_expert"),
                   # by host's own compute (its preprocess, stage-2 permute, reorders)
-                  "comp_node_seq": SEQUENTIAL + NODE + LOCAL_COPY,
-                  "comp_node_wgrad": WGRAD + NODE + LOCAL_COPY,
+                  "comp_node_seq": SEQUENTIAL + NODE + _held("by_host"),
+                  "comp_node_wgrad": WGRAD + NODE + _held("by_host"),
+                  # unheld: the compute alone, realized_share's T_comp (a held step is not)
+                  "comp_alone": WGRAD + FLAT + LOCAL_COPY,
                   **{name: HOSTS_SIDES[name]
                      for name in ("flat_seq", "flat_ovl", "node_seq", "node_ovl")}}
 
@@ -517,8 +531,9 @@ RECIPES = (
            "the simulator on the GPUs as 2 emulated hosts from inputs measured apart from the "
            "runs it predicts: each comm node of each dispatch timed alone at HOSTS_RUN's shape "
            "(bench_host_bytes --time; the link peaks of bench_a2a_links), compute recorded with "
-           "local copies (sequential; overlap + delayed wgrad; flat and by host), then the four "
-           "runs it predicts "
+           "local copies held on the comm lane for the dispatch's median node time (sequential; "
+           "overlap + delayed wgrad; flat and by host; and unheld, the compute alone of the "
+           "realized share), then the four runs it predicts "
            "recorded (flat and by host, sequential and overlap + delayed wgrad) and the "
            "simulated step set against each (sim_hosts_check)",
            "a2a_links.json, host_timing.json (per node: median, samples, bytes, GB/s), "
@@ -534,7 +549,7 @@ RECIPES = (
                             "--out {out}/sim_hosts_check.json", timeout_s=120),)
            + tuple(Step(f"share_{name}", "{python} -m benchmarks.harness.realized_share "
                         f"--seq {{out}}/profile_{name}_seq --ovl {{out}}/profile_{name}_ovl "
-                        f"--comp {{out}}/profile_comp_wgrad --out {{out}}/share_{name}.json",
+                        f"--comp {{out}}/profile_comp_alone --out {{out}}/share_{name}.json",
                         timeout_s=60) for name in ("node", "flat")),
            all_gpus=True),
     Recipe("by_host_budget_step", 2,

@@ -16,6 +16,10 @@ step the slowest rank's time is taken, then the mean over the steps. Two windows
 
 share = (T_seq - T_ovl) / (T_seq - max(T_comp, T_comm)). Prints a markdown table; --out writes
 the figures and every step's samples as JSON.
+
+--comp must be an unheld local-copy run: a held one (`--local-copy-hold-us`, the simulator's
+compute input; its span files say `local_copy_hold_us`) lasts its holds too, so its step is
+not the compute alone; it is refused, one line, exit 2.
 """
 
 from __future__ import annotations
@@ -30,9 +34,15 @@ from epoverlap.profiling.spans import read_span_directory
 from epoverlap.profiling.summary import span_summary
 
 
-def _rows(directory: str) -> list[list[dict]]:
-    """Per recorded step, every rank's summary row (timeline figures)."""
+def _rows(directory: str, compute_alone: bool = False) -> list[list[dict]]:
+    """Per recorded step, every rank's summary row (timeline figures); `compute_alone`: the
+    run's step is taken for T_comp, so it must hold no comm lane (module docstring)."""
     ranks = read_span_directory(directory)
+    hold = ranks[0].local_copy_hold_us
+    if compute_alone and hold:
+        raise ValueError(f"--comp {directory}: a held local-copy run (--local-copy-hold-us "
+                         f"{hold:g}): its step holds the comm lane, not the compute alone; "
+                         "give a local-copy run without the hold")
     steps = [step.step for step in ranks[0].steps]
     return [step["ranks"] for step in span_summary(ranks, steps)["steps"]]
 
@@ -61,7 +71,7 @@ def window(seq, ovl, comp, whole: bool) -> dict:
 
 
 def report(dirs: dict) -> dict:
-    runs = {name: _rows(directory) for name, directory in dirs.items()}
+    runs = {name: _rows(directory, name == "comp") for name, directory in dirs.items()}
     out = {"dirs": dirs, "forward_backward": window(runs["seq"], runs["ovl"], runs["comp"], False)}
     if all("whole_step_us" in runs[name][0][0] for name in runs):
         out["whole_step"] = window(runs["seq"], runs["ovl"], runs["comp"], True)

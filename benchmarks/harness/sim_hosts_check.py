@@ -2,14 +2,23 @@
 measured apart from the runs it predicts (issue 44: within 10%, flat and by host).
 
     python -m benchmarks.harness.sim_hosts_check DIR [--out FILE] [--train-flags FLAGS]
+    python -m benchmarks.harness.sim_hosts_check DIR --hold-of DISPATCH
 
 DIR is laid out by the GPU recipe `hosts_sim_inputs` (benchmarks/gpu/recipes.py):
   host_timing.json              bench_host_bytes --time at the run's shape: each comm node of
                                 each dispatch timed alone, and the split-size exchange
-  profile_comp_seq/             span files of the run, sequential, all-to-alls as local copies
+  profile_comp_seq/             span files of the run, sequential, all-to-alls as local copies,
+                                each held on the comm lane (--local-copy-hold-us) for the
+                                median of the flat dispatch's nodes in host_timing.json
+                                (`--hold-of per_expert` prints it), so the host runs ahead of
+                                the compute as in the runs predicted and the compute spans are
+                                the device's (an unheld local-copy step is bound by the host's
+                                launches: its spans hold the gaps between them); recordings
+                                made before the hold existed are unheld, the row says which
   profile_comp_wgrad/           the same, overlap + delayed weight grads
-  profile_comp_node_{seq,wgrad}/  the same by host (its own preprocess and reorders); where
-                                absent, the by-host runs take the flat ones
+  profile_comp_node_{seq,wgrad}/  the same by host (its own preprocess and reorders; held for
+                                the by-host nodes' median); where absent, the by-host runs
+                                take the flat ones
   profile_{flat,node}_{seq,ovl}/  the runs predicted: flat or by host, sequential or overlap +
                                 delayed weight grads (HOSTS_SIDES)
 Each recorded run is simulated (`epoverlap-simulate`, through the functions the command runs)
@@ -31,8 +40,15 @@ the first action (the step's data, zeroed grads: the prelude), which the simulat
 model: the simulated figure is T plus the compute recording's prelude (mean over its steps and
 ranks), an input independent of the all-to-alls; both are shown.
 
-Prints a markdown table (run, simulated, measured, error, the exact `epoverlap-simulate` command
-of each row) and writes the rows to --out (default DIR/sim_hosts_check.json).
+What is read from a local-copy recording: its compute spans (each node's mean time; the
+comm spans and the step's length, which the hold lengthens, are not read) and its prelude
+(before the first action, where the hold has not started yet).
+
+Prints a markdown table (run, simulated, measured, error, the compute recording's hold, the
+exact `epoverlap-simulate` command of each row) and writes the rows to --out (default
+DIR/sim_hosts_check.json). `--hold-of DISPATCH` instead prints the hold (whole us) a local-copy
+recording of that dispatch takes: the median of its four comm nodes in DIR/host_timing.json at
+the recipe's case (HOSTS_CASE).
 """
 
 from __future__ import annotations
@@ -51,8 +67,9 @@ import torch
 if not torch.cuda.is_available():  # the run's flags pick Triton kernels: interpreted on a CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.gpu.recipes import HOSTS_FLAGS, HOSTS_SIDES  # noqa: E402
+from benchmarks.gpu.recipes import HOSTS_CASE, HOSTS_FLAGS, HOSTS_SIDES  # noqa: E402
 from epoverlap.cli import simulate as sim  # noqa: E402
+from epoverlap.simulator.comm_table import NODES  # noqa: E402
 from epoverlap.profiling.spans import (RankSpans, StepSpans, parse_action,  # noqa: E402
                                        read_span_directory)
 
@@ -149,9 +166,11 @@ def check_run(folder: Path, run: str, train_flags: str) -> dict:
                                                                 recorded[0].world_size))
     mode = SIMULATED_MODE[schedule]
     t_ms = simulate_ms(flags, mode)
-    prelude = mean_prelude_ms(read_span_directory(compute))
+    compute_ranks = read_span_directory(compute)
+    prelude = mean_prelude_ms(compute_ranks)
     got = measured(recorded)
     return {"run": run, "mode": mode, "compute_from": compute.name,
+            "compute_hold_us": compute_ranks[0].local_copy_hold_us,
             "simulated_T_ms": t_ms, "prelude_ms": prelude,
             "simulated_ms": t_ms + prelude, "measured_ms": got["ms"], "measured": got,
             "error": (t_ms + prelude) / got["ms"] - 1.0, "command": command(flags)}
@@ -160,18 +179,31 @@ def check_run(folder: Path, run: str, train_flags: str) -> dict:
 # ---------------------------------------------------------------------------- report
 def table(rows: list[dict]) -> str:
     lines = ["| run | T | simulated T ms | + prelude ms | simulated ms | measured ms (window) "
-             "| error | command |", "|" + " --- |" * 8]
+             "| error | compute held us | command |", "|" + " --- |" * 9]
     for r in rows:
         if "missing" in r:
             lines.append(f"| {r['run']} | - | - | - | - | not recorded: "
-                         f"{', '.join(r['missing'])} missing | - | - |")
+                         f"{', '.join(r['missing'])} missing | - | - | - |")
             continue
         window = " / ".join(r["measured"]["window"])
         lines.append(f"| {r['run']} | T_{r['mode']} | {r['simulated_T_ms']:.1f} | "
                      f"{r['prelude_ms']:.1f} | {r['simulated_ms']:.1f} | "
                      f"{r['measured_ms']:.1f} ({window}) | {r['error']:+.1%} | "
-                     f"`{r['command']}` |")
+                     f"{r['compute_hold_us']:.0f} | `{r['command']}` |")
     return "\n".join(lines)
+
+
+def hold_of(folder: Path, dispatch: str) -> int:
+    """The hold (whole us) of a local-copy recording of `dispatch` (module docstring)."""
+    path = folder / TIMING
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        nodes = record["cases"][HOSTS_CASE][dispatch]["timing"]["nodes"]
+        return round(statistics.median(float(nodes[node]["median_us"]) for node in NODES))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise sim.SimInputError(f"--hold-of {dispatch}: {path} has no median_us of the "
+                                f"{', '.join(NODES)} nodes of case {HOSTS_CASE} "
+                                f"({type(error).__name__}: {error})") from None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -181,9 +213,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--train-flags", default=HOSTS_FLAGS,
                         help="the runs' training flags before their side's ({gpus}: the "
                              "recording's ranks; default: the recipe's HOSTS_FLAGS)")
+    parser.add_argument("--hold-of", metavar="DISPATCH",
+                        choices=("per_expert", "per_rank", "by_host"),
+                        help="print the hold a local-copy recording of DISPATCH takes (us) "
+                             "and exit")
     args = parser.parse_args(argv)
     folder = Path(args.folder)
     try:
+        if args.hold_of:
+            print(hold_of(folder, args.hold_of))
+            return 0
         rows = [check_run(folder, run, args.train_flags) for run in RUNS]
     except (sim.SimInputError, sim.SpanFileError, sim.sc.MissingDuration) as error:
         print(f"sim_hosts_check: {error}", file=sys.stderr)

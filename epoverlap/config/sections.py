@@ -304,6 +304,12 @@ class OverlapConfig:
         choices=COMM_STREAM_PRIORITIES)
     comm_mode: str = flag("real", "benchmark only: local_copy replaces all-to-alls by local "
                           "copies", choices=COMM_MODES)
+    local_copy_hold_us: int = flag(
+        0, "benchmark only, with --comm-mode local_copy: each all-to-all node, after its local "
+        "copy, holds the comm lane N microseconds (GPU: a sleep kernel on the lane's stream; "
+        "CPU: the lane's thread sleeps), as a real all-to-all would, so the host queues the "
+        "compute behind it and the compute spans time the device's work, not the host's "
+        "launches; 0: no hold", metavar="N")
     overlap_probe_steps: int = flag(
         0, "deprecated: --tune on --tune-steps N over two paths only, the overlap plan and the "
         "sequential schedule; 0: not given")

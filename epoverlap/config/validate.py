@@ -23,7 +23,7 @@ from epoverlap.config.flags import _opt_float
 from epoverlap.config.io_rules import validate_io
 from epoverlap.config.parse import FLAGS, flag_of, require
 from epoverlap.config.sections import (MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS, ModelConfig, MoEConfig,
-                                       RunConfig, TrainConfig)
+                                       OverlapConfig, RunConfig, TrainConfig)
 from epoverlap.config.tuning import (candidate_paths, probe_steps, steps_needed, timed_steps,
                                      tune_blocker, tune_mode, untimed_steps)
 from epoverlap.errors import ConfigError
@@ -302,11 +302,21 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
              "replay instead); leave --overlap-grad-reduce out")
     _validate_tune(cfg)
     _validate_a2a_chunks(cfg)
+    _validate_local_copy_hold(o)
     if o.comm_stream_priority != "high":
         require(o.overlap_moe_expert_parallel_comm and cfg.resolved_device(cuda_available)
                  == "cuda", "comm_stream_priority", o.comm_stream_priority,
                  "sets the CUDA stream of the overlap's comm lane: needs a CUDA device and "
                  "--overlap-moe-expert-parallel-comm (without them there is no comm stream)")
+
+
+def _validate_local_copy_hold(o: OverlapConfig) -> None:
+    """--local-copy-hold-us N: a hold after each local copy, so only with local copies."""
+    hold = o.local_copy_hold_us
+    require(hold >= 0, "local_copy_hold_us", hold, "must be >= 0 (0: no hold)")
+    require(hold == 0 or o.comm_mode == "local_copy", "local_copy_hold_us", hold,
+            "holds the comm lane after each local copy: needs --comm-mode local_copy (with "
+            "real all-to-alls the lane is held by the all-to-alls themselves)")
 
 
 def _validate_a2a_chunks(cfg: RunConfig) -> None:

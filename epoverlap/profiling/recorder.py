@@ -39,8 +39,10 @@ from epoverlap.schedule.grad_reduce import GRAD_REDUCE, ReduceAction
 class SpanRecorder:
     """Records spans of the actions of selected steps."""
 
-    def __init__(self, device: torch.device, rank: int, world_size: int):
+    def __init__(self, device: torch.device, rank: int, world_size: int,
+                 local_copy_hold_us: float = 0.0):
         self.device, self.rank, self.world_size = device, rank, world_size
+        self.local_copy_hold_us = local_copy_hold_us  # written to the file (spans.RankSpans)
         self.on_gpu = device.type == "cuda"
         self.steps: list[StepSpans] = []
         self._active = False
@@ -163,7 +165,8 @@ class SpanRecorder:
             return None
         clock = "cuda_event" if self.on_gpu else "host"
         return write_rank_span_file(directory, self.rank, self.world_size, str(self.device),
-                                    clock, self.steps)
+                                    clock, self.steps,
+                                    local_copy_hold_us=self.local_copy_hold_us)
 
 
 def _span(lane: str, action, queued_us: float, start_us: float, end_us: float) -> Span:

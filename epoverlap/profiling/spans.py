@@ -119,6 +119,9 @@ class RankSpans:
     clock: str
     steps: list[StepSpans]
     path: str
+    # the run's --local-copy-hold-us: each all-to-all node held its comm lane that long after
+    # a local copy (optional top-level key, absent: 0, no hold)
+    local_copy_hold_us: float = 0.0
 
 
 def parse_action(action: str) -> tuple[str, int, str, int | None]:
@@ -155,6 +158,7 @@ def write_rank_span_file(
     device: str,
     clock: str,
     steps: list[StepSpans],
+    local_copy_hold_us: float = 0.0,
 ) -> Path:
     """Validate and write one rank's spans to `directory/spans-rankNNNNN.json`, atomically.
 
@@ -173,6 +177,8 @@ def write_rank_span_file(
         "time_unit": "us",
         "steps": [_step_to_json(step) for step in steps],
     }
+    if local_copy_hold_us:
+        document["local_copy_hold_us"] = local_copy_hold_us
     _parse_document(document, str(path))  # the writer refuses what the reader would refuse
     path.parent.mkdir(parents=True, exist_ok=True)
     handle = tempfile.NamedTemporaryFile(
@@ -258,7 +264,9 @@ def _parse_document(document: Any, name: str) -> RankSpans:
             raise SpanFileError(f"{name}: step {step.step} appears more than once")
         seen.add(step.step)
     steps.sort(key=lambda step: step.step)
-    return RankSpans(rank, world_size, device, clock, steps, name)
+    hold = _time_field(document, "local_copy_hold_us", name) \
+        if "local_copy_hold_us" in document else 0.0
+    return RankSpans(rank, world_size, device, clock, steps, name, hold)
 
 
 def _parse_step(raw: Any, index: int, name: str, version: int) -> StepSpans:

@@ -36,12 +36,20 @@ data-parallel reduce runs on the comm lane after the action `reduce_points` name
 everything the compute lane issued before it (`submit_after_compute`: CUDA, an event on the
 compute stream; threads, the compute lane's work is done when the host issues the next task);
 `drain` joins them with the rest of the comm lane, before the clip and the optimizer.
+
+With a `CommHold` (--local-copy-hold-us, a benchmark's local-copy recording), every all-to-all
+node (a comm node that is no pipeline transfer) holds its lane for a fixed time after its work,
+inside its span: the lane's stream sleeps (GPU) or its thread does (CPU). A local copy is nearly
+free, so without the hold a local-copy step is bound by the host's launches and its compute
+spans hold the host's gaps; held, the compute queues behind the comm lane as behind a real
+all-to-all, and its spans time the device's work with the host ahead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
@@ -74,6 +82,40 @@ def no_wait() -> None:
 
 
 ChainKey = object  # a microbatch m, or (m, c) for chunk c of a chunked MoE layer
+
+HOLD_PROBE_CYCLES = 2_000_000  # ~1 ms at GPU clocks: the sleep timed to learn the clock
+
+
+class CommHold:
+    """The hold of every all-to-all node (module docstring), `us` microseconds on the lane
+    that runs the node: a sleep kernel on the current stream (GPU; its cycles from the clock
+    timed once here, at build, before any graph capture) or the current thread's sleep (CPU:
+    there the compute runs on the host and has no launches to queue, so the hold changes no
+    compute span; the comm node lasts `us` on both backends)."""
+
+    def __init__(self, us: float, device: torch.device):
+        self.us = float(us)
+        self.cycles = (round(self.us * _sleep_cycles_per_us(device))
+                       if device.type == "cuda" else None)
+
+    def __call__(self) -> None:
+        if self.cycles is None:
+            time.sleep(self.us / 1e6)
+        else:
+            torch.cuda._sleep(self.cycles)
+
+
+def _sleep_cycles_per_us(device: torch.device) -> float:
+    """`torch.cuda._sleep` cycles per microsecond on `device`, timed (the nominal clock is not
+    the one the GPU runs at): the second of two probes, the first warming up."""
+    with torch.cuda.device(device):
+        for _ in range(2):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            torch.cuda._sleep(HOLD_PROBE_CYCLES)
+            end.record()
+            end.synchronize()
+        return HOLD_PROBE_CYCLES / (start.elapsed_time(end) * 1e3)
 
 
 class Chains:
@@ -283,14 +325,17 @@ class Executor:
     `run_factory(spec, microbatch)` gives the callable that runs a node's forward for one
     microbatch (default: the spec's own; `epoverlap.graphs` returns graph replays); the
     executor never needs to know which. `grad_reduce`: the gradient buckets reduced beside the
-    backward (module docstring; None: the step reduces them after the plan).
+    backward (module docstring; None: the step reduces them after the plan). `hold`: each
+    all-to-all node's hold (module docstring; None: none).
     """
 
     def __init__(self, specs: Sequence[NodeSpec], lanes: SerialLanes,
                  wgrad_queue: Optional[WeightGradQueue] = None, recorder=None,
                  run_factory: RunFactory = eager_runs,
-                 grad_reduce: Optional[BucketReducer] = None):
+                 grad_reduce: Optional[BucketReducer] = None,
+                 hold: Optional[CommHold] = None):
         self.run_factory = run_factory
+        self.hold = hold
         self.specs = {spec.key: spec for spec in specs}
         self.lanes = lanes
         self.wgrad_queue = wgrad_queue or WeightGradQueue(enabled=False)
@@ -358,14 +403,17 @@ class Executor:
         spec = self.specs[action.node_key]
         lane = COMPUTE if action.kind == "W" else spec.lane
         work = {"F": self._forward, "B": self._backward, "W": self._wgrad}[action.kind]
+        hold = self.hold if self.hold is not None and lane == COMM and spec.p2p is None else no_wait
 
         def task(wait: Callable[[], None]) -> None:
             if self.recorder is None:
                 wait()
                 work(action, spec, state, losses, loss_scale)
+                hold()
                 return
             with self.recorder.span(action, lane, wait):  # times the wait, then the work
                 work(action, spec, state, losses, loss_scale)
+                hold()
         self.lanes.submit(lane, action.microbatch, task, chain=action.kind != "W",
                           chunk=spec.chunk)
 

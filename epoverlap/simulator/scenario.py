@@ -277,6 +277,11 @@ def _host_tables(path: str, like_layout: tuple, sync_us: float) -> tuple[dict, d
     if ranks[0].clock == "host":
         raise SimInputError(f"--host-from {path}: a CPU recording (clock host) has no separate "
                             "host; give a GPU run's spans")
+    if ranks[0].local_copy_hold_us:
+        raise SimInputError(f"--host-from {path}: a held local-copy recording "
+                            f"(--local-copy-hold-us {ranks[0].local_copy_hold_us:g}): its host "
+                            "ran ahead, its gaps do not show the launches; give an unheld "
+                            "launch-bound run's spans")
     plan, layout = sc.recorded_plan(ranks, list(like_layout))
     return (sc.host_gaps(ranks, plan, node_kinds(layout), sync_us).means,
             sc.compute_table(ranks).means)

@@ -46,7 +46,7 @@ from epoverlap.parallel.groups import ParallelGroups, add_host_groups
 from epoverlap.parallel.transport import ranks_per_host
 from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.recorder import SpanRecorder
-from epoverlap.schedule.executor import Executor, make_lanes
+from epoverlap.schedule.executor import CommHold, Executor, make_lanes
 from epoverlap.schedule.pipeline import pipeline_plans, validate_pipeline
 from epoverlap.schedule.plan import stage_layout
 from epoverlap.schedule.wgrad import WeightGradQueue
@@ -153,7 +153,10 @@ class RunParts:
         cfg = self.cfg
         self.lanes = make_lanes(self.device, self._two_lanes(True),
                                 cfg.overlap.comm_stream_high_priority)
-        self.recorder = SpanRecorder(self.device, self.groups.rank, self.groups.world_size)
+        hold_us = cfg.overlap.local_copy_hold_us
+        self.comm_hold = CommHold(hold_us, self.device) if hold_us else None
+        self.recorder = SpanRecorder(self.device, self.groups.rank, self.groups.world_size,
+                                     local_copy_hold_us=hold_us)
         self.faults = FaultInjector(self.groups.rank)
         self.graphs = self._step_graphs()
         self.executor = self._executor()
@@ -169,7 +172,7 @@ class RunParts:
         return Executor(self.faults.wrap_specs(self.model.node_specs(a2a_chunks)), self.lanes,
                         self.wgrad_queue, self.recorder,
                         **({"run_factory": self.graphs.banks} if per_layer else {}),
-                        grad_reduce=self.grads if beside else None)
+                        grad_reduce=self.grads if beside else None, hold=self.comm_hold)
 
     def _select_first_bank(self) -> None:
         """The base budget's bank of the first path (banks are made lazily, a full-iteration

@@ -11,7 +11,8 @@ from benchmarks.harness import realized_share as rs
 from epoverlap.profiling.spans import Span, StepPart, StepSpans, write_rank_span_file
 
 
-def _run(directory, compute_ms, comm_ms, step_ms, reduce_ms, rank_extra_ms=(0.0, 0.0)):
+def _run(directory, compute_ms, comm_ms, step_ms, reduce_ms, rank_extra_ms=(0.0, 0.0),
+         hold_us=0.0):
     """Two ranks, two steps: one compute span at 0, one comm span after it, then the parts;
     rank r's step is `rank_extra_ms[r]` longer."""
     for rank, extra in enumerate(rank_extra_ms):
@@ -25,7 +26,8 @@ def _run(directory, compute_ms, comm_ms, step_ms, reduce_ms, rank_extra_ms=(0.0,
                      StepPart("optimizer", "compute", fb + reduce_ms * 1e3,
                               fb + reduce_ms * 1e3 + 1e3)]
             steps.append(StepSpans(number, fb, spans, fb + reduce_ms * 1e3 + 1e3, parts))
-        write_rank_span_file(directory, rank, 2, "cpu", "host", steps)
+        write_rank_span_file(directory, rank, 2, "cpu", "host", steps,
+                             local_copy_hold_us=hold_us)
 
 
 def test_known_answers_in_both_windows(tmp_path, capsys):
@@ -53,3 +55,14 @@ def test_a_missing_directory_is_one_line(tmp_path, capsys):
     assert rs.main(["--seq", str(tmp_path / "no"), "--ovl", str(tmp_path),
                     "--comp", str(tmp_path)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_held_compute_run_is_refused_in_one_line(tmp_path, capsys):
+    """A held local-copy run's step lasts its holds: it is not T_comp (module docstring)."""
+    dirs = {name: tmp_path / name for name in ("seq", "ovl", "comp")}
+    _run(dirs["seq"], compute_ms=30, comm_ms=100, step_ms=130, reduce_ms=40)
+    _run(dirs["ovl"], compute_ms=30, comm_ms=100, step_ms=104, reduce_ms=40)
+    _run(dirs["comp"], compute_ms=30, comm_ms=40, step_ms=70, reduce_ms=40, hold_us=4000.0)
+    assert rs.main([f"--{n}={d}" for n, d in dirs.items()]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--local-copy-hold-us 4000" in err

@@ -43,6 +43,7 @@ def test_rows_compare_the_forward_backward_window_and_name_their_command(tmp_pat
         ["--flops", "--", *shlex.split(TINY.format(gpus=4))])).layout
     write_timing(tmp_path / check.TIMING)
     gpu_recording(tmp_path / "profile_comp_wgrad", layout, 4, prelude_us=300.0)
+    _hold(tmp_path / "profile_comp_wgrad", 200.0)
     plan_end = gpu_recording(tmp_path / "profile_node_ovl", layout, 4, comm_us=200.0,
                              after_us=5000.0)
     assert check.main([str(tmp_path), "--train-flags", TINY]) == 0
@@ -53,6 +54,7 @@ def test_rows_compare_the_forward_backward_window_and_name_their_command(tmp_pat
     assert rows["flat_ovl"]["missing"] == ["profile_flat_ovl"]
     row = rows["node_ovl"]
     assert row["mode"] == "wgrad" and row["prelude_ms"] == pytest.approx(0.3)
+    assert row["compute_hold_us"] == 200.0  # the recording's hold, from its files
     assert row["measured"]["window"] == ["last plan action's end"]
     assert row["measured_ms"] == pytest.approx(plan_end / 1e3)
     assert row["simulated_ms"] == pytest.approx(row["simulated_T_ms"] + 0.3)
@@ -64,6 +66,25 @@ def test_rows_compare_the_forward_backward_window_and_name_their_command(tmp_pat
     assert check.simulate_ms(flags, "wgrad") == pytest.approx(row["simulated_T_ms"])
     assert f"| node_ovl | T_wgrad | {row['simulated_T_ms']:.1f} |" in out
     assert "| flat_seq | - |" in out
+
+
+def _hold(folder: Path, us: float) -> None:
+    """Mark a recording as held (--local-copy-hold-us), as the recorder writes it."""
+    for path in folder.glob("spans-rank*.json"):
+        document = json.loads(path.read_text())
+        path.write_text(json.dumps({**document, "local_copy_hold_us": us}))
+
+
+def test_the_hold_of_a_dispatch_is_the_median_of_its_nodes_timed_alone(tmp_path, capsys):
+    nodes = {"F.dispatch": 4000.0, "B.dispatch": 5000.0, "F.combine": 4200.0,
+             "B.combine": 4600.0, "exchange": 900.0}  # the exchange is no node of the lane
+    (tmp_path / check.TIMING).write_text(json.dumps({"cases": {check.HOSTS_CASE: {"by_host": {
+        "timing": {"nodes": {node: {"median_us": us} for node, us in nodes.items()}}}}}}))
+    assert check.main([str(tmp_path), "--hold-of", "by_host"]) == 0
+    assert capsys.readouterr().out == "4400\n"
+    assert check.main([str(tmp_path), "--hold-of", "per_expert"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--hold-of per_expert" in err
 
 
 def test_a_timing_of_another_shape_is_one_line_and_exit_2(tmp_path, capsys):

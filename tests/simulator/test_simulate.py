@@ -321,6 +321,19 @@ def test_recorded_gpu_run_replays_the_host_time_before_its_first_action():
     assert without / measured - 1 < -0.25, rows
 
 
+def test_host_costs_refuse_a_held_local_copy_recording(tmp_path):
+    """--host-from reads the launches from the gaps of a launch-bound run; a held recording's
+    host ran ahead (--local-copy-hold-us), so its gaps would say the launches cost nothing."""
+    from epoverlap.cli import simulate as sim
+    for path in GPU_HOST_BOUND.glob("spans-rank*.json"):
+        document = json.loads(path.read_text())
+        (tmp_path / path.name).write_text(json.dumps({**document, "local_copy_hold_us": 4e3}))
+    with pytest.raises(sim.SimInputError, match="--local-copy-hold-us 4000"):
+        sim.build_scenario(sim.parse_args(
+            ["--spans", str(GPU_HOST_BOUND), "--link", "measured", "--host-from", str(tmp_path),
+             "--", *_shape("ratio_h2048_k8_f128"), "--kernel-backend", "torch"]))
+
+
 def test_recorded_cpu_run_figures_are_consistent():
     sim, scenario = _scenario("--spans", str(CPU_RUN / "wgrad"), "--link", "measured")
     results = sim.run_all(scenario)
