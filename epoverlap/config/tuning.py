@@ -159,6 +159,18 @@ def steps_needed(cfg: RunConfig, paths: int) -> int:
     return untimed_steps(cfg, paths) + paths * timed_steps(cfg)
 
 
+def paths_within(cfg: RunConfig, paths: list[TunePath], steps_left: int) -> list[TunePath]:
+    """The paths the tuner can time in `steps_left` steps: all of them, else the first ones
+    (the tie-break order) as far as the steps reach, the sequential path kept last as the
+    baseline; [] when not even one overlap path and the sequential one fit."""
+    sequential = [path for path in paths if path.plan == SEQUENTIAL]
+    kept = [path for path in paths if path.plan != SEQUENTIAL]
+    while kept and steps_needed(cfg, len(kept) + len(sequential)) > steps_left:
+        kept.pop()
+    within = kept + sequential
+    return within if len(within) >= 2 and kept else []
+
+
 def tune_blocker(cfg: RunConfig) -> str:
     """Why this config cannot be tuned ('' when it can), in the words of a ConfigError."""
     impl = cfg.cuda_graph.impl

@@ -32,8 +32,8 @@ from epoverlap.config import RunConfig, resolve_config
 from epoverlap.config.aliases import deprecation_note
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.config.tuning import (PAIRED_ENDS, SEQUENTIAL, TunePath, candidate_paths,
-                                     flags_path, may_tune, probe_steps, steps_needed,
-                                     timed_steps, tune_mode)
+                                     flags_path, may_tune, paths_within, probe_steps,
+                                     steps_needed, timed_steps, tune_mode)
 from epoverlap.graphs.banks import GraphBanks, StepGraphs
 from epoverlap.graphs.capture import (CudaGraphBackend, GraphRunner, graphed_modules,
                                       graphs_span_moe_layer)
@@ -263,13 +263,11 @@ class RunParts:
         paths = self._paths_that_fit(candidate_paths(cfg))
         names = [path.name for path in paths]
         cached, self.tune_cache = agreed_cached_decision(self, names)
-        needed = steps_needed(cfg, len(paths))
-        steps_left = cfg.train.train_iters - self.start_step
-        if cached is None and (len(paths) < 2 or steps_left < needed):
-            if len(paths) > 1 or tune_mode(cfg) == "on":  # (auto, nothing to choose: silent)
-                self._log_first(f"tune: not tuned ({len(paths)} path(s); {needed} steps "
-                                f"needed, {steps_left} left): {cfg.plan_name} as the flags say")
-            return None, {}
+        if cached is None:
+            paths = self._paths_within(paths)
+            names = [path.name for path in paths]
+            if not paths:
+                return None, {}
         serial = self.lanes if self._two_lanes(False) else make_lanes(self.device, False)
         built = {path.name: self._built_path(path, serial if path.plan == SEQUENTIAL
                                              else self.lanes)
@@ -283,6 +281,27 @@ class RunParts:
         self.paths = built
         self.switch_path(tuner.schedule_for(self.start_step + 1))
         return tuner, built
+
+    def _paths_within(self, paths: list[TunePath]) -> list[TunePath]:
+        """The paths the run's steps leave time to tune (`paths_within`), saying what it
+        leaves out; a decision among fewer paths than the job has is not cached (a longer
+        run of the same key times them all)."""
+        cfg = self.cfg
+        steps_left = cfg.train.train_iters - self.start_step
+        within = paths_within(cfg, paths, steps_left) if len(paths) > 1 else []
+        needed = steps_needed(cfg, len(paths))
+        if not within:
+            if len(paths) > 1 or tune_mode(cfg) == "on":  # (auto, nothing to choose: silent)
+                self._log_first(f"tune: not tuned ({len(paths)} path(s); {needed} steps "
+                                f"needed, {steps_left} left): {cfg.plan_name} as the flags say")
+            return []
+        if len(within) < len(paths):
+            left_out = ", ".join(p.name for p in paths if p not in within)
+            self._log_first(f"tune: {steps_left} steps left, {needed} needed for all "
+                            f"{len(paths)} paths: timing {len(within)}, leaving out {left_out}"
+                            " (not cached)")
+            self.tune_cache = None
+        return within
 
     def _two_lanes(self, overlap_plan: bool) -> bool:
         """Whether a plan runs on two lanes (a comm stream or thread beside compute): an

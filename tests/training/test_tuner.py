@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from epoverlap.config import parse_config, resolve_config
-from epoverlap.config.tuning import SEQUENTIAL, candidate_paths, may_tune, steps_needed
+from epoverlap.config.tuning import (SEQUENTIAL, candidate_paths, may_tune, paths_within,
+                                     steps_needed)
 from epoverlap.training.tune_cache import cache_key, key_fields, read_decision
 from epoverlap.training.tuner import PRIME, TIMED, WARMUP, TuneDecision, Tuner, fits_beside
 
@@ -206,6 +207,16 @@ def test_auto_tunes_on_cuda_only_and_on_anywhere_off_never():
     assert steps_needed(cfg, 5) == 1 + 5 * 3
 
 
+def test_a_short_run_times_the_first_paths_it_has_steps_for_and_sequential():
+    cfg = _cfg("--tune-steps", "1")  # eager: one untimed step, then one timed step a path
+    paths = candidate_paths(cfg)
+    names = lambda steps: [p.name for p in paths_within(cfg, paths, steps)]
+    assert names(7) == [p.name for p in paths]  # 6 paths: 1 + 6 steps
+    assert names(5) == [OVL, WG, PE, SEQUENTIAL]
+    assert names(3) == [OVL, SEQUENTIAL]
+    assert names(2) == []  # not even one overlap path beside the sequential one
+
+
 # ----------------------------------------------------------------------------- the cache
 def _key(*flags: str, world: int = 2, env=None) -> str:
     with mock.patch.dict(os.environ, env or {}):
@@ -360,6 +371,17 @@ def test_a_cached_rerun_skips_tuning_and_runs_the_cached_path_from_the_first_ste
                                 "--tune-cache", cache])
     assert [r.schedule for r in retuned][:6] == [OVL] + ALL
     assert json.loads(files[0].read_text())["chosen"] in ALL
+
+
+def test_a_run_too_short_for_every_path_times_the_first_ones_and_caches_nothing(tmp_path):
+    cache = str(tmp_path / "tune")
+    tuned, lines, _ = _train(["--train-iters", "5", "--tune", "on", "--tune-steps", "1",
+                              "--tune-cache", cache])
+    assert [r.schedule for r in tuned][:5] == [OVL, OVL, WG, PE, SEQUENTIAL]
+    assert ("tune: 5 steps left, 6 needed for all 5 paths: timing 4, leaving out "
+            "combined_1f1b_paired_ends+wgrad (not cached)") in lines
+    assert tuned[-1].tuned_path is not None  # decided at the last step
+    assert not list(tmp_path.glob("tune/*.json"))
 
 
 def test_in_turn_each_path_is_primed_then_timed_before_the_next():
