@@ -139,7 +139,7 @@ def test_by_host_budget_in_one_graph_per_iteration_is_the_dropless_bits(tmp_path
     ("1", ["--num-experts", "16", "--moe-router-topk", "2"], "flat"),  # 4 hosts: share 0.90
     ("2", ["--num-experts", "16", "--moe-router-topk", "2"], "node"),  # 2 hosts: share 0.77
     ("2", ["--moe-dispatch-budget", "2.0"], "node"),  # the budget by host: both stages
-    ("2", ["--comm-mode", "local_copy"], "flat"),  # a rule refuses node: auto takes flat
+    ("2", ["--comm-mode", "local_copy"], "node"),  # local copies serve both stages too
     ("2", ["--moe-dispatch-hierarchy", "flat"], "flat"),  # given: kept
 ])
 def test_the_auto_hierarchy_follows_the_hosts(local, flags, want, monkeypatch):
