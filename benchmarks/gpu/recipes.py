@@ -60,7 +60,8 @@ ROUNDS = "{python} -m benchmarks.harness.bench_train_rounds --warmup 3 --out {ou
 DEFAULT_PATH_RUN = (TRAIN + " --preset megatron-cmp --mock-data --train-iters 24"
                     " --log-interval 100")
 TUNE_FIRST_ITERS = 40
-FULL_ITERATION = "--moe-dispatch-budget 1.25 --cuda-graph-impl full_iteration"
+BUDGET = "--moe-dispatch-budget 1.25"
+FULL_ITERATION = BUDGET + " --cuda-graph-impl full_iteration"
 DEFAULT_BITWISE_RUN = (TRAIN + " --preset small --deterministic-mode --seed 3 --train-iters 30"
                        " --log-interval 10")
 HAND_PICKED = {"seq_graphs": SEQUENTIAL + " " + GRAPHS, "ovl_graphs": OVERLAP + " " + GRAPHS,
@@ -215,12 +216,19 @@ HOSTS_PROFILES = {"comp_seq": SEQUENTIAL + FLAT + _held("per_expert"),
                      for name in ("flat_seq", "flat_ovl", "node_seq", "node_ovl")}}
 
 
-def _chunked_bitwise_steps() -> tuple:
-    """The bitwise command unchunked sequential, chunked sequential (K = 2) and chunked with
-    the overlap, delayed wgrad and partial graphs (K = 4), each compared with the first."""
-    runs = {"seq": SEQUENTIAL + " " + EAGER, "seq_k2": SEQUENTIAL + " " + EAGER
-            + " --moe-a2a-chunks 2", "ovl_wgrad_graphs_k4": WGRAD + " " + GRAPHS
-            + " --moe-a2a-chunks 4"}
+CHUNKED_BITS = {"seq": SEQUENTIAL + " " + EAGER, "seq_k2": SEQUENTIAL + " " + EAGER
+                + " --moe-a2a-chunks 2", "ovl_wgrad_graphs_k4": WGRAD + " " + GRAPHS
+                + " --moe-a2a-chunks 4"}
+# the same over the budget dispatch (sync-free), the last one in one graph of the iteration
+CHUNKED_BUDGET_BITS = {"seq": SEQUENTIAL + " " + EAGER + " " + BUDGET,
+                       "seq_k2": SEQUENTIAL + " " + EAGER + " " + BUDGET + " --moe-a2a-chunks 2",
+                       "ovl_wgrad_full_k4": WGRAD + " " + FULL_ITERATION
+                       + " --moe-a2a-chunks 4"}
+
+
+def _chunked_bitwise_steps(runs: dict) -> tuple:
+    """The bitwise command for each of `runs` (the first unchunked sequential), each later one
+    compared with the first."""
     steps = [Step(f"bits_{name}", f"{BITWISE_RUN} --train-iters 20 {flags} --log-json "
                   f"{{out}}/{name}.jsonl", timeout_s=120) for name, flags in runs.items()]
     return tuple(steps + [Step(f"compare_seq_{name}", "{python} -m epoverlap.cli.compare_losses "
@@ -385,8 +393,13 @@ RECIPES = (
            "K = 4, sequential and overlapped; compute alone with local copies), 3 interleaved "
            "rounds",
            "seq.jsonl, seq_k2.jsonl, ovl_wgrad_graphs_k4.jsonl; nop2p/train_rounds.json",
-           _chunked_bitwise_steps() + (_rounds(CHUNKED_SIDES, CHUNKED_RUN, "nop2p",
-                                               {"NCCL_P2P_DISABLE": "1"}),)),
+           _chunked_bitwise_steps(CHUNKED_BITS) + (_rounds(CHUNKED_SIDES, CHUNKED_RUN, "nop2p",
+                                                           {"NCCL_P2P_DISABLE": "1"}),)),
+    Recipe("chunked_budget_bits", 2,
+           "--moe-a2a-chunks over --moe-dispatch-budget on the GPU CLI path: bits of K = 2 "
+           "sequential and K = 4 overlapped in a full-iteration graph vs the unchunked budget "
+           "run (bf16, optimizer on)", "seq.jsonl, seq_k2.jsonl, ovl_wgrad_full_k4.jsonl",
+           _chunked_bitwise_steps(CHUNKED_BUDGET_BITS)),
     Recipe("chunked_sweep", 2,
            "--moe-a2a-chunks at the 1:1 shape with NCCL_P2P_DISABLE=1: K = 4 sequential (its "
            "chunks on two lanes) and K = 4, 8 with the overlap and paired ends, 3 interleaved "

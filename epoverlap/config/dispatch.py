@@ -2,8 +2,8 @@
 (dropless, capacity, capacity_padded, budget; once per rank or not), the facts validation and
 the memory estimate need (does the dispatch read split sizes on the host, does it drop tokens,
 how many rows a rank's experts compute), and the pure sizing rules the dispatcher shares
-(`padded_rows`, `budget_chunk_rows`, `budget_levels`). The dispatcher itself is
-`epoverlap.model.moe`; it imports these, never the reverse.
+(`padded_rows`, `budget_chunk_rows`, `budget_group_rows`, `budget_levels`). The dispatcher
+itself is `epoverlap.model.moe`; it imports these, never the reverse.
 """
 
 from __future__ import annotations
@@ -82,8 +82,11 @@ class DispatchMode:
 def a2a_chunks_blocker(cfg: "RunConfig", chunks: int) -> str:
     """Why `chunks` chunks of local experts (--moe-a2a-chunks, `model.chunked`) cannot run
     with `cfg`, in the words of a ConfigError ('' when they can): they need MoE layers over EP
-    ranks, at least `chunks` local experts, a dispatch whose split sizes the host reads with
-    one row per expert (dropless or capacity), and nodes no graph holds."""
+    ranks, at least `chunks` local experts, a flat dispatch one row per expert (dropless,
+    capacity, or the budget's fixed chunks per expert group: `model.chunked_budget`), and
+    nodes no graph makes one: local graphs of the pre-dispatch segments, or with the budget one
+    graph over the whole iteration (whole-layer graphs make each MoE layer one node, nothing
+    to chunk beside)."""
     if chunks == 1:
         return ""
     ep = cfg.parallel.expert_model_parallel_size or 1
@@ -96,15 +99,18 @@ def a2a_chunks_blocker(cfg: "RunConfig", chunks: int) -> str:
     mode = DispatchMode.of(cfg.moe)
     if mode.by_host:
         return "needs --moe-dispatch-hierarchy flat (one all-to-all to cut into chunks)"
-    if mode.name not in ("dropless", "capacity") or mode.once_per_rank:
+    if mode.name not in ("dropless", "capacity", "budget") or mode.once_per_rank:
         once = ", once per rank" if mode.once_per_rank else ""
-        return (f"needs the dropless or capacity dispatch, one row per expert (not "
+        return (f"needs the dropless, capacity or budget dispatch, one row per expert (not "
                 f"{mode.name}{once})")
     graphs = cfg.cuda_graph
+    if graphs.impl == "full_iteration" and mode.budget is not None:
+        return ""
     if not (graphs.impl == "none" or (graphs.impl == "local" and graphs.modules
                                       and "moe" not in graphs.modules)):
-        return ("needs eager all-to-alls: --cuda-graph-impl none, or local with "
-                "--cuda-graph-modules among attn, moe_router, moe_preprocess")
+        return ("needs nodes no graph merges: --cuda-graph-impl none, local with "
+                "--cuda-graph-modules among attn, moe_router, moe_preprocess, or "
+                "full_iteration with --moe-dispatch-budget")
     return ""
 
 
@@ -150,6 +156,13 @@ def padded_rows(tokens: int, topk: int, num_experts: int, capacity_factor: float
 def budget_chunk_rows(budget: float, rows: int, ranks: int) -> int:
     """Rows per destination rank at a budget: ceil(budget x rows / ranks), at most `rows`."""
     return min(rows, math.ceil(budget * rows / ranks))
+
+
+def budget_group_rows(budget: float, tokens: int, topk: int, group: int, experts: int) -> int:
+    """Rows per (rank pair, group of `group` of the `experts` experts) at a budget (the
+    chunked budget dispatch): ceil(budget x tokens x topk x group / experts), at most
+    tokens x min(topk, group), all a rank can route one group (reached at budget = experts)."""
+    return min(tokens * min(topk, group), math.ceil(budget * tokens * topk * group / experts))
 
 
 def budget_levels(factor: float, ranks: int) -> tuple[float, ...]:

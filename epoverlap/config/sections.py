@@ -296,7 +296,7 @@ class OverlapConfig:
         "dispatch of chunk i+1 and the combine of chunk i-1 run while the experts compute "
         "chunk i, forward and backward, inside one microbatch (the edges of the combined 1F1B "
         "and the sequential schedule have no partner microbatch to hide behind); the same "
-        "bits as K = 1. Dropless or capacity dispatch, at most the local expert count",
+        "bits as K = 1. Dropless, capacity or budget dispatch, at most the local expert count",
         metavar="K")
     comm_stream_priority: str = flag(
         "high", "CUDA priority of the overlap's comm stream (its all-to-alls run there); high "

@@ -4,6 +4,8 @@ to decide a rerun (`training.step`) and by the graph banks, which hold one bank 
 (`graphs.banks`). The sizing rules themselves are the config's (`config.dispatch`).
 `ByHostBudget` sizes the hierarchical dispatch's two stages (`model.dispatch_dedup.
 ByHostBudgetDispatcher`): a chunk per host, then a chunk per host mate, and the experts' rows.
+`GroupBudget` sizes the chunked layer's chunks, one per (rank pair, group of experts)
+(`model.chunked_budget`), at the shared budget's level; its demand joins the budget's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from epoverlap.config.dispatch import budget_chunk_rows, budget_levels, group_reach
+from epoverlap.config.dispatch import (budget_chunk_rows, budget_group_rows, budget_levels,
+                                      group_reach)
 
 
 class DispatchBudget:
@@ -49,6 +52,7 @@ class DispatchBudget:
         self.recent_levels: collections.deque = collections.deque(maxlen=memory_steps)
         self.demand_rows = torch.zeros((), dtype=torch.int64, device=device)
         self.demand_expert_rows = torch.zeros((), dtype=torch.int64, device=device)
+        self.groups: dict[tuple, GroupBudget] = {}  # the chunked layers' (`group_budget`)
 
     @classmethod
     def of_model(cls, cfg, mode, comm, device: torch.device) -> Optional["DispatchBudget"]:
@@ -122,18 +126,37 @@ class DispatchBudget:
         """Record on the device the pairs this dispatch brought the local experts (no sync)."""
         torch.maximum(self.demand_expert_rows, pairs, out=self.demand_expert_rows)
 
+    def group_budget(self, group_sizes: Sequence[int], topk: int,
+                     num_experts: int) -> "GroupBudget":
+        """The budget of chunks of local experts in groups of `group_sizes` (one per chunk
+        count, shared by the layers; made before any graph is captured, so its demand keeps
+        its address)."""
+        key = tuple(group_sizes)
+        if key not in self.groups:
+            self.groups[key] = GroupBudget(self, key, self.rows // topk, topk, num_experts)
+        return self.groups[key]
+
     def reset_demand(self) -> None:
         self.demand_rows.zero_()
         self.demand_expert_rows.zero_()
+        for group in self.groups.values():
+            group.demand_rows.zero_()
 
     def demand(self) -> torch.Tensor:
-        """[rows to one rank, pairs on one rank's experts] of the step, on the device."""
-        return torch.stack([self.demand_rows, self.demand_expert_rows])
+        """[rows to one rank, pairs on one rank's experts, then each `GroupBudget`'s rows to
+        one rank's group, group by group] of the step, on the device."""
+        return torch.cat([torch.stack([self.demand_rows, self.demand_expert_rows])]
+                         + [group.demand_rows for group in self.groups.values()])
 
     def fits(self, level: int, demand: Sequence[int]) -> bool:
         experts = self.expert_rows_at(level)
-        return self.chunk_rows_at(level) >= demand[0] and (experts is None
-                                                           or experts >= demand[1])
+        start, fits_groups = 2, True
+        for group in self.groups.values():
+            end = start + len(group.sizes)
+            fits_groups = fits_groups and group.fits(level, demand[start:end])
+            start = end
+        return (self.chunk_rows_at(level) >= demand[0] and fits_groups
+                and (experts is None or experts >= demand[1]))
 
     def rerun_level(self, demand: Sequence[int]) -> Optional[int]:
         """None when the level in use holds `demand` (`demand()`, max over ranks), else the
@@ -204,3 +227,37 @@ class ByHostBudget(DispatchBudget):
         return (self.chunk_rows_at(level) >= demand[0]
                 and self.within_rows_at(level) >= demand[1]
                 and self.expert_rows_at(level) >= demand[2])
+
+
+class GroupBudget:
+    """The chunked budget dispatch's chunk sizes (`model.chunked_budget`): at each level f of
+    the shared `DispatchBudget`, rank pairs exchange for group g of a rank's local experts (G_g
+    of the E experts) a chunk of f x tokens x topk x G_g / E rows (the balanced share), at most
+    all a rank can route the group (`config.dispatch.budget_group_rows`); the top level holds
+    that many. `demand_rows` [K] (device): the most rows any dispatch of the step routed to one
+    rank's group g, all-reduced and checked with the budget's (`DispatchBudget.fits`)."""
+
+    def __init__(self, budget: DispatchBudget, sizes: tuple, tokens: int, topk: int,
+                 num_experts: int):
+        self.budget, self.sizes = budget, sizes
+        self.tokens, self.topk, self.num_experts = tokens, topk, num_experts
+        self.demand_rows = torch.zeros(len(sizes), dtype=torch.int64,
+                                       device=budget.demand_rows.device)
+
+    def rows_at(self, level: int) -> list[int]:
+        """Each group's chunk rows at `level` (the top level: as if the budget were E)."""
+        top = level == len(self.budget.levels) - 1
+        factor = float(self.num_experts) if top else self.budget.levels[level]
+        return [budget_group_rows(factor, self.tokens, self.topk, size, self.num_experts)
+                for size in self.sizes]
+
+    @property
+    def rows(self) -> list[int]:
+        return self.rows_at(self.budget.level)
+
+    def note(self, send_RK: torch.Tensor) -> None:
+        """Record on the device the most rows this dispatch routes to one rank's group k."""
+        torch.maximum(self.demand_rows, send_RK.max(dim=0).values, out=self.demand_rows)
+
+    def fits(self, level: int, demand: Sequence[int]) -> bool:
+        return all(rows >= wanted for rows, wanted in zip(self.rows_at(level), demand))

@@ -101,7 +101,10 @@ def join_chunks(chunk_rows: Sequence[torch.Tensor], send_RK: Sequence[Sequence[i
 
 class ChunkedMoE:
     """The node callables of one chunked MoE layer (module docstring), over the layer's
-    dispatcher (dropless or capacity: split sizes read on the host) and experts."""
+    dispatcher (dropless or capacity: split sizes read on the host) and experts. `SIZES`: the
+    layer value `dispatch_c0` sizes the chunks by (the budget's form: `model.chunked_budget`)."""
+
+    SIZES = "split_exchange"
 
     def __init__(self, dispatcher: TokenDispatcher, experts: GroupedSwiGLUExperts,
                  chunks: int, device: torch.device):
@@ -116,10 +119,10 @@ class ChunkedMoE:
     def chunks(self) -> int:
         return len(self.groups)
 
-    def dispatch_first(self, permuted_tokens, permuted_probs, split_exchange: SplitExchange):
+    def dispatch_first(self, permuted_tokens, permuted_probs, sizes: SplitExchange):
         """Read the split sizes; cut the rows into the chunks' send buffers; send chunk 0."""
-        sent_RL, recv_RL = split_exchange.read_pairs()
-        meta = ChunkedMeta.of(self.groups, sent_RL, recv_RL, split_exchange.recv_RL)
+        sent_RL, recv_RL = sizes.read_pairs()
+        meta = ChunkedMeta.of(self.groups, sent_RL, recv_RL, sizes.recv_RL)
         routed = sum(map(sum, meta.send_RK))  # the rows past the routed ones are not sent
         tokens = split_by_chunk(permuted_tokens[:routed], meta.send_RK)
         probs = split_by_chunk(permuted_probs[:routed], meta.send_RK)
@@ -153,7 +156,6 @@ class ChunkedMoE:
         """The returned chunks in the permuted layout, each token's rows summed."""
         return self.ops.unpermute(join_chunks(returned, meta.send_RK), row_id_map)
 
-
     def node_specs(self, layer: int, combine_fn, combine_inputs: dict) -> list[NodeSpec]:
         """The layer's nodes after `attn` (module docstring): dispatch_c0..c(K-1), then mlp_cI
         and return_cI per chunk, then `combine`, which runs `combine_fn` on the returned
@@ -169,7 +171,8 @@ class ChunkedMoE:
         sends = [f"send_{what}_c{k}" for k in range(1, self.chunks)
                  for what in ("tokens", "probs")]
         specs = [NodeSpec(name="dispatch_c0", layer=layer, lane=COMM, fn=self.dispatch_first,
-                          inputs=values("permuted_tokens", "permuted_probs", "split_exchange"),
+                          inputs={**values("permuted_tokens", "permuted_probs"),
+                                  "sizes": layer_value(layer, self.SIZES)},
                           outputs=values("recv_tokens_c0", "recv_probs_c0", "meta", *sends),
                           slot="dispatch", chunk=0)]
         meta = {"meta": layer_value(layer, "meta")}

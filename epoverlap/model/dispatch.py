@@ -356,18 +356,36 @@ def budget_indices(send_R: torch.Tensor, chunk_rows: int, num_rows: int):
     """Permuted rows (expert-major, so rank r's rows are one run) <-> fixed chunks of
     `chunk_rows` slots per rank. -> (send_index [R*C]: slot -> row or -1 (empty),
     return_index [N]: row -> slot or -1 (cut: the rank's rows overflow the chunk))."""
-    ranks, device = send_R.numel(), send_R.device
-    end_R = torch.cumsum(send_R, 0)
-    start_R = end_R - send_R
-    slot_C = torch.arange(chunk_rows, device=device)
-    send_RC = torch.where(slot_C < send_R.unsqueeze(1), start_R.unsqueeze(1) + slot_C, -1)
+    send, return_N = chunk_indices(send_R.unsqueeze(1), [chunk_rows], num_rows)
+    return send[0], return_N
+
+
+def chunk_indices(send_RK: torch.Tensor, rows_K: Sequence[int], num_rows: int):
+    """`budget_indices` for K chunks: the permuted rows are runs (rank r, chunk k) in that
+    order, run (r, k) going to rank r in chunk k, whose buffer holds `rows_K[k]` slots per
+    rank. -> (send_index per chunk [R*C_k]: slot -> row or -1, return_index [N]: row -> slot
+    of the K buffers laid end to end, or -1 (cut))."""
+    ranks, chunks = send_RK.shape
+    device = send_RK.device
+    end_X = torch.cumsum(send_RK.reshape(-1), 0)
+    start_RK = (end_X - send_RK.reshape(-1)).view(ranks, chunks)
+    send = []
+    for k, rows in enumerate(rows_K):
+        slot_C = torch.arange(rows, device=device)
+        send.append(torch.where(slot_C < send_RK[:, k:k + 1], start_RK[:, k:k + 1] + slot_C,
+                                -1).reshape(-1))
     row_N = torch.arange(num_rows, device=device)
-    rank_N = torch.searchsorted(end_R, row_N, right=True)
-    owned_N = rank_N < ranks
-    rank_N = rank_N.clamp(max=ranks - 1)
-    offset_N = row_N - start_R.index_select(0, rank_N)
-    return_N = torch.where(owned_N & (offset_N < chunk_rows), rank_N * chunk_rows + offset_N, -1)
-    return send_RC.reshape(-1), return_N
+    run_N = torch.searchsorted(end_X, row_N, right=True)
+    owned_N = run_N < ranks * chunks
+    run_N = run_N.clamp(max=ranks * chunks - 1)
+    offset_N = row_N - start_RK.reshape(-1).index_select(0, run_N)
+    rank_N, chunk_N = run_N // chunks, run_N % chunks
+    return_N, base = torch.full_like(row_N, -1), 0
+    for k, rows in enumerate(rows_K):
+        held_N = owned_N & (chunk_N == k) & (offset_N < rows)
+        return_N = torch.where(held_N, base + rank_N * rows + offset_N, return_N)
+        base += ranks * rows
+    return send, return_N
 
 
 def kept_counts(recv_RL: torch.Tensor, chunk_rows: int) -> torch.Tensor:

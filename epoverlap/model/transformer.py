@@ -48,6 +48,7 @@ from epoverlap.config import RunConfig
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.chunked import ChunkedMoE
+from epoverlap.model.chunked_budget import make_chunked
 from epoverlap.model.dispatch import TokenDispatcher
 from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, causal_attention,
@@ -361,8 +362,8 @@ class TransformerLayer(nn.Module):
 
     def _chunks(self, chunks: int) -> ChunkedMoE:
         if chunks not in self._chunked:
-            self._chunked[chunks] = ChunkedMoE(self.dispatcher, self.experts, chunks,
-                                               self._device)
+            self._chunked[chunks] = make_chunked(self.dispatcher, self.experts, chunks,
+                                                 self._device)
         return self._chunked[chunks]
 
     def _chunked_moe_node_specs(self, chunks: int) -> list[NodeSpec]:

@@ -107,7 +107,10 @@ def test_chains_let_chunks_run_apart_and_join_them_after():
 @pytest.mark.parametrize("flags, message", [
     (["--moe-a2a-chunks", "3"], "must be <= the 2 local experts"),
     (["--moe-a2a-chunks", "0"], "must be >= 1"),
-    (["--moe-a2a-chunks", "2", "--moe-dispatch-budget", "1.5"], "not budget"),
+    (["--moe-a2a-chunks", "2", "--moe-dispatch-budget", "1.5", "--cuda-graph-impl", "local",
+      "--cuda-graph-modules", "moe"], "needs nodes no graph merges"),
+    (["--moe-a2a-chunks", "2", "--moe-expert-capacity-factor", "1.0",
+      "--moe-pad-expert-input-to-capacity"], "not capacity_padded"),
     (["--moe-a2a-chunks", "2", "--moe-dispatch-once-per-rank"], "once per rank"),
     (["--moe-a2a-chunks", "2", "--expert-model-parallel-size", "1"],
      "--expert-model-parallel-size > 1"),

@@ -192,9 +192,13 @@ def test_the_chunked_path_where_the_config_can_chunk_and_the_flags_left_it_at_on
     assert 4 not in chunks("--num-experts", "2") and 2 not in chunks("--num-experts", "2")
     # the flags' chunks: every path has them, no other count is tried
     assert set(chunks("--moe-a2a-chunks", "2")) == {2}
+    # the budget dispatch chunks too
+    budget = ["--moe-dispatch-budget", "1.5"]
+    assert chunks(*budget)[4] == 4
     # a dispatch or graphs the chunks cannot run with: no chunked path
-    for flags in (["--moe-dispatch-budget", "1.5"], ["--moe-dispatch-once-per-rank"],
-                  ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"]):
+    for flags in (["--moe-dispatch-once-per-rank"],
+                  ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"],
+                  budget + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"]):
         assert set(chunks(*flags)) == {1}, flags
 
 
