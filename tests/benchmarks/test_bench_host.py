@@ -149,8 +149,9 @@ def test_thread_counters_see_a_live_thread_run():
         go.set()
         tid = str(worker.native_id)
         deadline = time.monotonic() + 10
-        while (bench_host.thread_counters()[tid][4] <= before[tid][4]
-               and time.monotonic() < deadline):
+        def moved(now):  # it ran, and blocked again after its spin (on `stop`)
+            return now[tid][4] > before[tid][4] and now[tid][1] >= before[tid][1] + 1
+        while not moved(bench_host.thread_counters()) and time.monotonic() < deadline:
             time.sleep(0.01)
         after = bench_host.thread_counters()
     finally:
