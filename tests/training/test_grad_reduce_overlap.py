@@ -66,7 +66,7 @@ def _recorded_step(groups, flags):
 
 @pytest.mark.slow
 def test_the_spans_show_each_bucket_reduced_before_the_last_backward_ends():
-    cases = ((OVERLAP_WGRAD, True), (OVERLAP_WGRAD + OFF, False))
+    cases = ((OVERLAP_WGRAD + ON, True), (OVERLAP_WGRAD + OFF, False))
     for rank in run_ranks(recorded_steps, 2, [flags for flags, _ in cases]):
         for (resolved, step), (_, beside) in zip(rank, cases):
             assert resolved is beside
