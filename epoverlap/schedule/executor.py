@@ -181,6 +181,7 @@ class ThreadLanes(SerialLanes):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoverlap-comm")
         self._pending: dict[ChainKey, Future] = {}  # per chain key: its last comm node
         self._queued: list[Future] = []  # every comm node not known to be finished
+        self._unchained: list[Future] = []  # the step's comm tasks of no chain, until drained
         self._chains = Chains()
 
     def submit(self, lane, microbatch, task, chain, chunk=None):
@@ -194,8 +195,10 @@ class ThreadLanes(SerialLanes):
         task((lambda: self._wait(waits)) if chain else no_wait)
 
     def submit_after_compute(self, task):
-        """The compute lane's work is done once the host gets here (it runs on this thread)."""
+        """The compute lane's work is done once the host gets here (it runs on this thread).
+        Kept until `drain`, which raises its exception (no chain's wait would)."""
         future = self._pool.submit(task, no_wait)
+        self._unchained.append(future)
         self._queued = [f for f in self._queued if not f.done()] + [future]
 
     def _wait(self, keys: Sequence[ChainKey]) -> None:
@@ -206,8 +209,9 @@ class ThreadLanes(SerialLanes):
 
     def drain(self):
         self._wait(list(self._pending))
-        for future in self._queued:  # the unchained ones too (gradient buckets' reduces)
+        for future in self._unchained:  # gradient buckets' reduces: raised here if they failed
             future.result()
+        self._unchained.clear()
         self._queued.clear()
         self._chains.clear()
 
@@ -217,6 +221,7 @@ class ThreadLanes(SerialLanes):
         for future in self._queued:
             future.cancel()
         self._queued.clear()
+        self._unchained.clear()
         self._pending.clear()
 
     def close(self):

@@ -1,12 +1,16 @@
-"""When the gradient buckets' reduces are issued (--overlap-grad-reduce): plan data (pure CPU)."""
+"""When the gradient buckets' reduces are issued (--overlap-grad-reduce): plan data, and a
+failed reduce on the CPU comm thread surfacing (pure CPU)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 from torch import nn
 
 from epoverlap.model.nodes import COMM, COMPUTE, NodeKind, SEND
+from epoverlap.schedule.executor import ThreadLanes
 from epoverlap.schedule.grad_reduce import ReduceBucket, reduce_points
 from epoverlap.schedule.pipeline import pipeline_plans
 from epoverlap.schedule.plan import (Chunk, action_lane, build_plan, node_kinds,
@@ -106,3 +110,19 @@ def test_buckets_are_the_owners_slices_of_the_flat_buffers_in_backward_order():
                                                (None, "embed")]
     dense = sum(end - start for _, expert, (start, end) in layout if not expert)
     assert dense == sum(p.numel() for n, p in named if not getattr(p, "is_expert", False))
+
+
+def test_a_failed_reduce_on_the_comm_thread_is_raised_by_drain_after_later_comm_tasks():
+    lanes = ThreadLanes()
+    try:
+        lanes.begin()
+
+        def fails(wait):
+            raise RuntimeError("reduce failed")
+        lanes.submit_after_compute(fails)
+        time.sleep(0.05)  # it has failed before the next comm task is submitted
+        lanes.submit(COMM, 0, lambda wait: None, chain=True)
+        with pytest.raises(RuntimeError, match="reduce failed"):
+            lanes.drain()
+    finally:
+        lanes.close()
