@@ -118,6 +118,11 @@ class DispatchBudget:
     def expert_rows(self) -> Optional[int]:
         return self.expert_rows_at(self.level)
 
+    def check_rows(self, num_rows: int) -> None:
+        """A dispatch's permuted rows must be the count its chunks were sized for."""
+        if num_rows != self.rows:
+            raise RuntimeError(f"budget dispatch of {num_rows} rows, sized for {self.rows}")
+
     def note(self, send_R: torch.Tensor) -> None:
         """Record on the device the most rows this dispatch routes to one rank (no sync)."""
         torch.maximum(self.demand_rows, send_R.max(), out=self.demand_rows)

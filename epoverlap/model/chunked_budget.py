@@ -60,9 +60,7 @@ class ChunkedBudgetMoE(ChunkedMoE):
         """Count the rows per (rank, group) on the device, record the demand, cut the rows into
         the chunks' fixed blocks; send chunk 0."""
         rows_K, num_rows = self.budget.rows, permuted_tokens.shape[0]
-        if num_rows != self.dispatcher.budget.rows:
-            raise RuntimeError(f"budget dispatch of {num_rows} rows, sized for "
-                               f"{self.dispatcher.budget.rows}")
+        self.dispatcher.budget.check_rows(num_rows)
         counts_RL = sizes.view(self.ranks, -1)
         send_RK = torch.stack([counts_RL[:, a:b].sum(dim=1) for a, b in self.groups], dim=1)
         self.budget.note(send_RK)

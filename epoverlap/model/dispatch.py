@@ -266,8 +266,7 @@ class BudgetDispatcher(TokenDispatcher):
     def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
                  exchange: Optional[SplitExchange] = None, row_id_map=None):
         budget, num_rows = self.budget, permuted_NH.shape[0]
-        if num_rows != budget.rows:
-            raise RuntimeError(f"budget dispatch of {num_rows} rows, sized for {budget.rows}")
+        budget.check_rows(num_rows)
         chunk = budget.chunk_rows
         send_R, recv_RL = self._rows_to_send(counts_E, row_id_map)
         budget.note(send_R)

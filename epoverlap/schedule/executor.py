@@ -393,15 +393,8 @@ class Executor:
     def _submit_reduce(self, bucket: int, microbatch: int) -> None:
         reducer = self.grad_reduce
         action = ReduceAction(reducer.buckets[bucket], microbatch)
-
-        def task(wait: Callable[[], None]) -> None:
-            if self.recorder is None:
-                wait()
-                reducer.reduce_bucket(bucket)
-                return
-            with self.recorder.span(action, COMM, wait):
-                reducer.reduce_bucket(bucket)
-        self.lanes.submit_after_compute(task)
+        self.lanes.submit_after_compute(
+            self._task(action, COMM, lambda: reducer.reduce_bucket(bucket)))
 
     def _submit(self, action: Action, state: _MicrobatchState, losses: list,
                 loss_scale: float) -> None:
@@ -410,17 +403,23 @@ class Executor:
         work = {"F": self._forward, "B": self._backward, "W": self._wgrad}[action.kind]
         hold = self.hold if self.hold is not None and lane == COMM and spec.p2p is None else no_wait
 
+        def body() -> None:
+            work(action, spec, state, losses, loss_scale)
+            hold()
+        self.lanes.submit(lane, action.microbatch, self._task(action, lane, body),
+                          chain=action.kind != "W", chunk=spec.chunk)
+
+    def _task(self, action, lane: str, body: Callable[[], None]) -> Task:
+        """A lane task running `body` after its wait; recording, in a span of `action` that
+        times the wait, then the work."""
         def task(wait: Callable[[], None]) -> None:
             if self.recorder is None:
                 wait()
-                work(action, spec, state, losses, loss_scale)
-                hold()
+                body()
                 return
-            with self.recorder.span(action, lane, wait):  # times the wait, then the work
-                work(action, spec, state, losses, loss_scale)
-                hold()
-        self.lanes.submit(lane, action.microbatch, task, chain=action.kind != "W",
-                          chunk=spec.chunk)
+            with self.recorder.span(action, lane, wait):
+                body()
+        return task
 
     def _forward(self, action, spec: NodeSpec, state: _MicrobatchState, losses, loss_scale):
         inputs = {}

@@ -288,7 +288,7 @@ class RunParts:
         run of the same key times them all)."""
         cfg = self.cfg
         steps_left = cfg.train.train_iters - self.start_step
-        within = paths_within(cfg, paths, steps_left) if len(paths) > 1 else []
+        within = paths_within(cfg, paths, steps_left)
         needed = steps_needed(cfg, len(paths))
         if not within:
             if len(paths) > 1 or tune_mode(cfg) == "on":  # (auto, nothing to choose: silent)
