@@ -97,8 +97,60 @@ def machine(env: dict) -> dict:
     return info
 
 
+def _descendants(pid: int) -> list:
+    """Every process under `pid` now (from /proc): torchrun starts its workers in sessions of
+    their own, so killing the step's group alone would leave them holding the GPUs."""
+    parents = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def _signal_all(pids: list, sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pids: list) -> bool:
+    """Whether any of `pids` still runs (a zombie has exited: its memory is freed)."""
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM the step and every process under it (torchrun then stops its workers), SIGKILL
+    what is left after `grace_s`, and return once none of them runs."""
+    tree = [proc.pid] + _descendants(proc.pid)
+    _signal_all(tree, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _alive(tree):
+        time.sleep(0.2)
+    _signal_all(tree + _descendants(proc.pid), signal.SIGKILL)
+    proc.wait()
+    while _alive(tree):
+        time.sleep(0.2)
+
+
 def run_step(command: str, env: dict, log: Path, timeout: float) -> int:
-    """One step under bash, output to its log; past its limit its process group is killed: 124."""
+    """One step under bash, output to its log; past its limit it and every process under it
+    are stopped (stop_tree): 124."""
     with open(log, "w") as out:
         out.write(f"$ {command}\n")
         out.flush()
@@ -107,8 +159,7 @@ def run_step(command: str, env: dict, log: Path, timeout: float) -> int:
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_tree(proc)
             return 124
 
 

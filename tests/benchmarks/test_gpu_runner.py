@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import subprocess
 import sys
@@ -197,3 +198,16 @@ def test_no_step_starts_past_the_time_limit(tmp_path):
     _, record, _ = _record(out, "stub_ok")
     assert record["status"] == "cut: time limit before write"
     assert record["steps"][0]["rc"] is None
+
+
+def test_a_timed_out_step_leaves_no_process_behind(tmp_path):
+    """torchrun starts its workers in sessions of their own: a step past its limit must stop
+    them too, or they keep the GPUs' memory for every later step."""
+    pid_file = tmp_path / "child.pid"
+    spawn = (f"{sys.executable} -c \"import subprocess, time; child = subprocess.Popen("
+             f"['sleep', '300'], start_new_session=True); open('{pid_file}', 'w').write("
+             f"str(child.pid)); time.sleep(300)\"")
+    rc = run.run_step(spawn + " & wait", dict(os.environ), tmp_path / "step.log", timeout=3)
+    assert rc == 124
+    child = int(pid_file.read_text())
+    assert not run._alive([child])
