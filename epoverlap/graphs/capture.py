@@ -27,6 +27,9 @@ Memory (the rules of `torch.cuda.graph` pools, and how they are kept):
     event, so nothing reads a buffer after the next microbatch of the slot overwrites it.
   * Saved activations stay in the pool from the forward capture to the backward capture (the
     autograd graph holds them), as in eager mode; weight-grad inputs until the W capture.
+  * The warm-up run on the capture stream before the walk allocates outside the pool: its
+    cached blocks are released before the capture, and a capture the free memory cannot hold
+    is refused before it starts (`CudaGraphBackend.make_room`, `GraphMemoryError`).
 
 Capture-safety: warmup steps (`--cuda-graph-warmup-steps`) run first (Triton compiles,
 cuBLAS/autograd initialize); the router's balancing generator is registered with every graph
@@ -240,6 +243,13 @@ class _Replay(torch.autograd.Function):
         return (None, None, *input_grads)
 
 
+CAPTURE_ROOM = 1.05  # free memory a capture needs, over its warm-up run's reserve
+
+
+class GraphMemoryError(MemoryError):
+    """A capture refused before it started: the device has too little free memory for it."""
+
+
 class CudaGraphBackend:
     """Captures with `torch.cuda.graph` into one private pool on one side stream."""
 
@@ -266,6 +276,22 @@ class CudaGraphBackend:
     def reserved_bytes(self) -> int:
         torch.cuda.empty_cache()
         return torch.cuda.memory_reserved(self.device)
+
+    def make_room(self, reserved_before: int, what: str) -> None:
+        """After the warm-up run on the capture stream, before the capture: release the blocks
+        the warm-up left cached (the capture allocates in its own pool, so they would sit beside
+        it unused) and refuse the capture, before it starts, where the device has less free
+        than the warm-up needed (its reserve over `reserved_before`, measured with the cache
+        empty): a capture that runs out of memory midway can leave the stream and NCCL's
+        communicators in a state that later steps hang on."""
+        self.synchronize()
+        needed = torch.cuda.memory_reserved(self.device) - reserved_before
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if free < needed * CAPTURE_ROOM:
+            raise GraphMemoryError(
+                f"{what}: its capture needs about {needed / 2**30:.1f} GiB (what its warm-up "
+                f"run took), {free / 2**30:.1f} GiB of the device are free")
 
     def begin_warmup(self) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -381,6 +407,7 @@ class GraphRunner:
         reserved_before = backend.reserved_bytes()
         slots = microbatch_slots(plan)
         self._warm_up_on_capture_stream()
+        backend.make_room(reserved_before, "per-layer CUDA graphs")
         for action in plan:
             for graphs in self._graphs_of(action, slots[action.microbatch]):
                 {"F": graphs.capture_forward, "B": graphs.capture_backward,

@@ -15,8 +15,10 @@ the replay reads and updates them as in an eager step. Everything else a step al
 in the graph's private pool.
 
 Capture (after the last warmup step, which records the inputs' shapes): one eager run on the
-capture stream (per-stream handles and workspaces), then the capture itself; the routers'
-balancing generators are registered with the graph and their states restored afterwards.
+capture stream (per-stream handles and workspaces), its cached blocks released and the free
+memory checked against what it took (`CudaGraphBackend.make_room`), then the capture itself;
+the routers' balancing generators are registered with the graph and their states restored
+afterwards.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class FullIterationGraph:
         with backend.side_stream():
             self._body()
         backend.end_warmup()
+        backend.make_room(reserved_before, "the full-iteration CUDA graph")
         self.graph = backend.capture(self._body, self.generators)
         for generator, state in zip(self.generators, states):
             generator.set_state(state)

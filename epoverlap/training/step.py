@@ -231,7 +231,12 @@ class StepRunner:
         if p.tuner is None or p.tuner.decision is not None or not p.graphs.due:
             return self._capture_or_drop_graphs()
         captured, error = self._try_capture()  # while tuning, a failed capture drops its path
-        self.capture_failed(self._ranks_failed(error), error)
+        failed, short = self._ranks_failed(error)
+        if short and GRAPHS_FLAG in p.cfg.defaulted:
+            # out of memory: every path's graphs hold about as much, so none is dropped
+            self._graphs_off(failed, error)
+            return []
+        self.capture_failed(failed, error)
         if error is None and captured:
             self._check_banks_fit(captured)
         return captured
@@ -249,12 +254,14 @@ class StepRunner:
                 generator.set_state(state)
             return [], failure
 
-    def _ranks_failed(self, error: Optional[BaseException]) -> int:
-        """How many ranks' captures failed (one all-reduce; captures happen at the same steps
-        on every rank)."""
-        count = torch.tensor([float(error is not None)], device=self.parts.device)
+    def _ranks_failed(self, error: Optional[BaseException]) -> tuple[int, int]:
+        """How many ranks' captures failed, and how many of those for want of memory (one
+        all-reduce; captures happen at the same steps on every rank)."""
+        count = torch.tensor([float(error is not None), float(_out_of_memory(error))],
+                             device=self.parts.device)
         self.parts.groups.world.all_reduce(count)
-        return int(host_list(count)[0])
+        failed, short = host_list(count)
+        return int(failed), int(short)
 
     def _capture_or_drop_graphs(self) -> list:
         """Capture what this step recorded. Where the graph scope was the auto default and the
@@ -264,15 +271,22 @@ class StepRunner:
         if GRAPHS_FLAG not in p.cfg.defaulted or not p.graphs.due:
             return p.graphs.capture_due(p.plan, self.select_budget_level)
         captured, error = self._try_capture()
-        ranks = self._ranks_failed(error)
+        ranks, _ = self._ranks_failed(error)
         if not ranks:
             return captured
+        self._graphs_off(ranks, error)
+        return []
+
+    def _graphs_off(self, ranks: int, error: Optional[BaseException]) -> None:
+        """The auto graph scope's capture failed on `ranks` ranks: every bank released, the
+        run goes on without graphs (every path, while tuning), said in one line."""
+        p = self.parts
+        p.wgrad_queue.clear()
         scope, freed = p.cfg.cuda_graph.impl, p.drop_graphs()
         self.tune_report.append(
             f"CUDA graphs: the capture failed on {ranks} rank(s){_why(error)}; the run goes on "
             f"without graphs ({freed / 2**30:.3f} GiB released; the graph scope {scope} was "
             f"the auto default, {GRAPHS_FLAG} pins one)")
-        return []
 
     def _check_banks_fit(self, captured: list) -> None:
         """After a capture while the tuner primes the paths: whether the paths not primed yet
@@ -436,6 +450,13 @@ class StepRunner:
         report, self.tune_report = self.tune_report, []
         record, self.tuned_path = self.tuned_path, None
         return report, record
+
+
+def _out_of_memory(error: Optional[BaseException]) -> bool:
+    """Whether a capture failed for want of device memory (refused before it started, or
+    torch's or CUDA's out-of-memory error midway)."""
+    return error is not None and (isinstance(error, (MemoryError, torch.OutOfMemoryError))
+                                  or "out of memory" in str(error))
 
 
 def _why(error: Optional[BaseException]) -> str:
