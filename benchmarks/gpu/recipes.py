@@ -11,41 +11,12 @@ runs recipes and packs each one's record (benchmarks/gpu/run.py). In a command o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
-
-
-@dataclass(frozen=True)
-class Step:
-    name: str
-    command: str
-    env: dict = field(default_factory=dict)  # added to the environment (values formatted too)
-    timeout_s: int = 540
-
-
-@dataclass(frozen=True)
-class Recipe:
-    name: str  # what it measures, not when it was written
-    gpus: int  # GPUs it needs
-    measures: str
-    records: str  # the files under {out}, besides every step's log and record.json
-    steps: tuple
-    all_gpus: bool = False  # run on every visible GPU (at least `gpus`)
-    needs: tuple = ()  # globs the carried tree must match (wheels, an earlier tree)
-
+from benchmarks.gpu.recipe_parts import (BITWISE_RUN, EAGER, FULL_ITERATION, GRAPHS, OVERLAP,
+                                         PYTEST, SEQUENTIAL, TRAIN, WGRAD, Recipe, Step,
+                                         rounds_step)
+from benchmarks.gpu.recipes_chunked import CHUNKED_RECIPES
 
 MEGATRON_SHAPES = "megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4"
-# every pytest step names its own -m: it replaces the project's default `-m 'not slow'`
-PYTEST = "{python} -m pytest -q -p no:cacheprovider --durations=15"
-TRAIN = "{torchrun} -m epoverlap.train"
-# the bitwise contract's command: the path users run, bf16, optimizer on, deterministic
-BITWISE_RUN = (TRAIN + " --preset small --bf16 --deterministic-mode --seed 3 --train-iters 30"
-               " --log-interval 10 --expert-model-parallel-size {gpus}")
-OVERLAP = "--overlap-moe-expert-parallel-comm"
-WGRAD = OVERLAP + " --delay-wgrad-compute"
-GRAPHS = "--cuda-graph-impl local --cuda-graph-modules attn moe_router moe_preprocess"
-EAGER = "--cuda-graph-impl none"  # on GPUs the default is GRAPHS (epoverlap.config.resolve)
 OVERLAP_STEP = ("{torchrun} -m benchmarks.harness.bench_overlap --shapes " + MEGATRON_SHAPES
                 + " --warmup 2 --iters 6 --rounds 3 --profile-shapes megatron_e32_k4_mbs2x8"
                   " --profile-steps 2 --out-dir {out}")
@@ -60,8 +31,6 @@ ROUNDS = "{python} -m benchmarks.harness.bench_train_rounds --warmup 3 --out {ou
 DEFAULT_PATH_RUN = (TRAIN + " --preset megatron-cmp --mock-data --train-iters 24"
                     " --log-interval 100")
 TUNE_FIRST_ITERS = 40
-BUDGET = "--moe-dispatch-budget 1.25"
-FULL_ITERATION = BUDGET + " --cuda-graph-impl full_iteration"
 DEFAULT_BITWISE_RUN = (TRAIN + " --preset small --deterministic-mode --seed 3 --train-iters 30"
                        " --log-interval 10")
 HAND_PICKED = {"seq_graphs": SEQUENTIAL + " " + GRAPHS, "ovl_graphs": OVERLAP + " " + GRAPHS,
@@ -126,26 +95,6 @@ def _bitwise_steps() -> tuple:
               for name in runs if name != "seq"]
     return tuple(steps)
 
-
-# the chunked all-to-all (--moe-a2a-chunks): the shape where the all-to-all is 1:1 with compute
-# when it goes through host memory (bench_overlap's ratio_h2048_k4_f4096), the training command
-RATIO_1TO1 = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 16 --num-query-groups 4"
-              " --seq-length 1024 --num-experts 32 --moe-router-topk 4 --moe-ffn-hidden-size 4096"
-              " --micro-batch-size 16 --num-microbatches 4")
-CHUNKED_RUN = (TRAIN + " " + RATIO_1TO1 + " --mock-data --bf16 --moe-router-force-load-balancing"
-               " --expert-model-parallel-size {gpus} --train-iters 12 --log-interval 100"
-               " --tune off " + GRAPHS)
-CHUNKED_SIDES = {"seq": SEQUENTIAL, "seq_k4": SEQUENTIAL + " --moe-a2a-chunks 4",
-                 "ovl_wgrad": WGRAD, "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4",
-                 "comp": OVERLAP + " --comm-mode local_copy"}
-
-
-def _rounds(sides: dict, command: str, out: str, env: dict = None, rounds: int = 3,
-            timeout_s: int = 420) -> Step:
-    flags = " ".join(f"--side '{name}={value}'" for name, value in sides.items())
-    return Step(f"rounds_{out}", "{python} -m benchmarks.harness.bench_train_rounds --warmup 4 "
-                f"--rounds {rounds} --out {{out}}/{out} {flags} -- {command}",
-                env=dict(env or {}), timeout_s=timeout_s)
 
 
 # the hierarchical dispatch: a communication-bound shape (top-8 of 64 small experts) on the GPUs
@@ -215,25 +164,6 @@ HOSTS_PROFILES = {"comp_seq": SEQUENTIAL + FLAT + _held("per_expert"),
                   **{name: HOSTS_SIDES[name]
                      for name in ("flat_seq", "flat_ovl", "node_seq", "node_ovl")}}
 
-
-CHUNKED_BITS = {"seq": SEQUENTIAL + " " + EAGER, "seq_k2": SEQUENTIAL + " " + EAGER
-                + " --moe-a2a-chunks 2", "ovl_wgrad_graphs_k4": WGRAD + " " + GRAPHS
-                + " --moe-a2a-chunks 4"}
-# the same over the budget dispatch (sync-free), the last one in one graph of the iteration
-CHUNKED_BUDGET_BITS = {"seq": SEQUENTIAL + " " + EAGER + " " + BUDGET,
-                       "seq_k2": SEQUENTIAL + " " + EAGER + " " + BUDGET + " --moe-a2a-chunks 2",
-                       "ovl_wgrad_full_k4": WGRAD + " " + FULL_ITERATION
-                       + " --moe-a2a-chunks 4"}
-
-
-def _chunked_bitwise_steps(runs: dict) -> tuple:
-    """The bitwise command for each of `runs` (the first unchunked sequential), each later one
-    compared with the first."""
-    steps = [Step(f"bits_{name}", f"{BITWISE_RUN} --train-iters 20 {flags} --log-json "
-                  f"{{out}}/{name}.jsonl", timeout_s=120) for name, flags in runs.items()]
-    return tuple(steps + [Step(f"compare_seq_{name}", "{python} -m epoverlap.cli.compare_losses "
-                               f"{{out}}/seq.jsonl {{out}}/{name}.jsonl", timeout_s=60)
-                          for name in runs if name != "seq"])
 
 
 RECIPES = (
@@ -387,48 +317,6 @@ RECIPES = (
             Step("compare_pinned", "{python} -m epoverlap.cli.compare_losses {out}/tuned.jsonl "
                                    "{out}/pinned.jsonl", timeout_s=60)),
            all_gpus=True),
-    Recipe("chunked_nop2p", 2,
-           "--moe-a2a-chunks on the GPU CLI path: bits (chunked vs unchunked, bf16, optimizer "
-           "on), then the step at the 1:1 shape with NCCL_P2P_DISABLE=1 per path (unchunked and "
-           "K = 4, sequential and overlapped; compute alone with local copies), 3 interleaved "
-           "rounds",
-           "seq.jsonl, seq_k2.jsonl, ovl_wgrad_graphs_k4.jsonl; nop2p/train_rounds.json",
-           _chunked_bitwise_steps(CHUNKED_BITS) + (_rounds(CHUNKED_SIDES, CHUNKED_RUN, "nop2p",
-                                                           {"NCCL_P2P_DISABLE": "1"}),)),
-    Recipe("chunked_budget_bits", 2,
-           "--moe-a2a-chunks over --moe-dispatch-budget on the GPU CLI path: bits of K = 2 "
-           "sequential and K = 4 overlapped in a full-iteration graph vs the unchunked budget "
-           "run (bf16, optimizer on)", "seq.jsonl, seq_k2.jsonl, ovl_wgrad_full_k4.jsonl",
-           _chunked_bitwise_steps(CHUNKED_BUDGET_BITS)),
-    Recipe("chunked_sweep", 2,
-           "--moe-a2a-chunks at the 1:1 shape with NCCL_P2P_DISABLE=1: K = 4 sequential (its "
-           "chunks on two lanes) and K = 4, 8 with the overlap and paired ends, 3 interleaved "
-           "rounds; a profiled run of K = 4 (spans, epoverlap-timeline); 2 microbatches per "
-           "step (where the 1F1B hides least), unchunked sequential vs K = 4 overlapped",
-           "sweep/, mb2/ train_rounds.json; profile/ spans and timeline_summary.json",
-           (_rounds({"seq": SEQUENTIAL, "seq_k4": SEQUENTIAL + " --moe-a2a-chunks 4",
-                     "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4",
-                     "ovl_wgrad_k8": WGRAD + " --moe-a2a-chunks 8",
-                     "paired_wgrad_k4": WGRAD + " --overlap-plan combined_1f1b_paired_ends"
-                                        " --moe-a2a-chunks 4"},
-                    CHUNKED_RUN, "sweep", {"NCCL_P2P_DISABLE": "1"}),
-            Step("profile", CHUNKED_RUN + " " + WGRAD + " --moe-a2a-chunks 4 --profile-steps 8:10"
-                 " --profile-dir {out}/profile && {python} -m epoverlap.cli.timeline "
-                 "{out}/profile --no-png", env={"NCCL_P2P_DISABLE": "1"}, timeout_s=120),
-            _rounds({"seq": SEQUENTIAL, "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4"},
-                    CHUNKED_RUN + " --num-microbatches 2", "mb2", {"NCCL_P2P_DISABLE": "1"}))),
-    Recipe("chunked_report", 2,
-           "--moe-a2a-chunks 4 against unchunked in the overlap benchmark (T_seq, T_ovl, T_comp "
-           "and T_comm, the all-to-alls replayed alone) at the 1:1 shape with "
-           "NCCL_P2P_DISABLE=1; the training step over NVLink at that shape, 3 interleaved "
-           "rounds",
-           "k1/, k4/ bench_overlap.json; nvlink/train_rounds.json",
-           tuple(Step(f"overlap_k{k}", "{torchrun} -m benchmarks.harness.bench_overlap --shapes "
-                      "ratio_h2048_k4_f4096 --warmup 2 --iters 4 --rounds 1 "
-                      f"--out-dir {{out}}/k{k} --extra-flags '--moe-a2a-chunks {k}'",
-                      env={"NCCL_P2P_DISABLE": "1"}, timeout_s=150) for k in (1, 4))
-           + (_rounds({"seq": SEQUENTIAL, "ovl_wgrad": WGRAD,
-                       "ovl_wgrad_k4": WGRAD + " --moe-a2a-chunks 4"}, CHUNKED_RUN, "nvlink"),)),
     Recipe("emulated_hosts", 2,
            "--emulate-hosts: the GPUs as hosts of their own (NCCL_HOSTID per emulated host); the "
            "training command's transport report names NCCL's network transport between them, "
@@ -513,7 +401,7 @@ RECIPES = (
            (_hierarchy_tests(),
             Step("host_bytes", "{torchrun} -m benchmarks.harness.bench_host_bytes --hosts 2 "
                                "--out {out}/host_bytes.json", timeout_s=90),
-            _rounds(HOSTS_SIDES, HOSTS_RUN, "calibrate", rounds=1, timeout_s=300)),
+            rounds_step(HOSTS_SIDES, HOSTS_RUN, "calibrate", rounds=1, timeout_s=300)),
            all_gpus=True),
     Recipe("by_host_step", 2,
            "the training command at the communication-bound shape on the GPUs as 2 emulated "
@@ -525,7 +413,7 @@ RECIPES = (
                       f"--profile-dir {{out}}/profile_{name} && {{python}} -m "
                       f"epoverlap.cli.timeline {{out}}/profile_{name} --no-png", timeout_s=90)
                  for name in ("node_ovl", "node_seq"))
-           + (_rounds(HOSTS_SIDES, HOSTS_RUN, "step", timeout_s=480),), all_gpus=True),
+           + (rounds_step(HOSTS_SIDES, HOSTS_RUN, "step", timeout_s=480),), all_gpus=True),
     Recipe("grad_reduce_share", 2,
            "--overlap-grad-reduce on the GPUs as 2 emulated hosts at HOSTS_RUN's shape, by host: "
            "profiled runs sequential, overlap + delayed wgrad with the gradients' reduce beside "
@@ -573,7 +461,7 @@ RECIPES = (
            "one with partial graphs, sequential, and compute alone, 3 interleaved rounds",
            "junit.xml, cli_logs/, step/train_rounds.json, step/logs/",
            (_hierarchy_tests("-k budget "),
-            _rounds(HOSTS_BUDGET_SIDES, HOSTS_BARE_RUN, "step", timeout_s=330)),
+            rounds_step(HOSTS_BUDGET_SIDES, HOSTS_BARE_RUN, "step", timeout_s=330)),
            all_gpus=True),
     Recipe("host_loss_gpus", 4,
            "a lost host on GPUs: two torchrun nodes of 2 GPUs on this machine, each its own "
@@ -595,4 +483,4 @@ RECIPES = (
             Step("one_host", "{torchrun} -m benchmarks.harness.bench_a2a_links "
                              "--emulate-hosts 1 --out {out}/one_host.json", timeout_s=240)),
            all_gpus=True),
-)
+) + CHUNKED_RECIPES

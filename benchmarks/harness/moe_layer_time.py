@@ -1,0 +1,130 @@
+"""One MoE layer's forward and backward wall time, from profiled runs of one training command.
+
+    python -m benchmarks.harness.moe_layer_time NAME=DIR [NAME=DIR ...] [--out F.json]
+
+Each DIR is a span directory (`--profile-steps A:B --profile-dir DIR`); a NAME given more than
+once pools its runs (interleaved rounds of one side). A MoE layer's part of a
+microbatch's forward (or backward) is its dispatch, expert and combine nodes, chunked ones
+(`dispatch_c1`, `mlp_c1`, ...) included, on either lane: from the first of them to start to the
+last to end. Per (step, microbatch, layer) the forward and backward walls are summed, the
+slowest rank's sum taken, and the median over them reported, with each run's speedup over the
+first NAME (give the unchunked sequential run first: the chunked overlap's issue asks the
+layer's forward + backward against it, with the comm lane busy and nothing else beside it).
+
+Only layers with a dispatch node count (a dense layer's `mlp` is not a MoE layer). The wall
+includes waits between the layer's nodes, so with the combined 1F1B (another microbatch's
+nodes interleaved) it is not the layer's own cost: compare sequential runs. Prints a markdown
+table; --out writes every run's figures and samples as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from typing import Optional, Sequence
+
+from epoverlap.profiling.spans import RankSpans, read_span_directory
+
+MOE_NODES = ("dispatch", "mlp", "combine")
+PHASES = ("forward", "backward")
+_CHUNK = re.compile(r"_c\d+$")
+
+
+def base_node(node: str) -> str:
+    """`dispatch_c2` -> `dispatch`; other names as they are."""
+    return _CHUNK.sub("", node)
+
+
+def layer_walls(rank: RankSpans) -> dict:
+    """(step, microbatch, layer) -> {phase: wall us} of every MoE layer part on one rank."""
+    bounds: dict = defaultdict(lambda: [float("inf"), float("-inf"), False])
+    for step in rank.steps:
+        for span in step.spans:
+            node = base_node(span.node)
+            if span.layer is None or node not in MOE_NODES or span.phase not in PHASES:
+                continue
+            entry = bounds[(step.step, span.microbatch, span.layer, span.phase)]
+            entry[0] = min(entry[0], span.start_us)
+            entry[1] = max(entry[1], span.end_us)
+            entry[2] = entry[2] or node == "dispatch"
+    walls: dict = defaultdict(dict)
+    for (step, microbatch, layer, phase), (start, end, moe) in bounds.items():
+        if moe:
+            walls[(step, microbatch, layer)][phase] = end - start
+    return walls
+
+
+def run_samples(ranks: Sequence[RankSpans]) -> dict:
+    """Forward, backward and forward + backward wall (ms) of one run's MoE layer parts, each
+    (step, microbatch, layer) at its slowest rank."""
+    per_rank = [layer_walls(rank) for rank in ranks]
+    samples = {"forward": [], "backward": [], "both": []}
+    for key in sorted(set().union(*per_rank)):
+        parts = [walls[key] for walls in per_rank if key in walls]
+        slowest = max(parts, key=lambda p: sum(p.values()))
+        for phase in PHASES:
+            samples[phase].append(slowest.get(phase, 0.0) / 1e3)
+        samples["both"].append(sum(slowest.values()) / 1e3)
+    return samples
+
+
+def run_figures(runs: Sequence[Sequence[RankSpans]]) -> dict:
+    """The medians of the layer parts of `runs` (one or more runs of one side, pooled), the
+    samples kept."""
+    samples = {"forward": [], "backward": [], "both": []}
+    for ranks in runs:
+        for name, values in run_samples(ranks).items():
+            samples[name] += values
+    if not samples["both"]:
+        raise ValueError("no MoE layer part (dispatch, expert, combine nodes) in the spans")
+    return {"forward_ms": statistics.median(samples["forward"]),
+            "backward_ms": statistics.median(samples["backward"]),
+            "both_ms": statistics.median(samples["both"]), "parts": len(samples["both"]),
+            "runs": len(runs), "samples_ms": samples}
+
+
+def table(figures: dict) -> list[str]:
+    first = next(iter(figures.values()))["both_ms"]
+    lines = ["| run | forward ms | backward ms | forward + backward ms | layer parts | "
+             "first / run |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, f in figures.items():
+        lines.append(f"| {name} | {f['forward_ms']:.2f} | {f['backward_ms']:.2f} | "
+                     f"{f['both_ms']:.2f} | {f['parts']} | {first / f['both_ms']:.3f} |")
+    return lines
+
+
+def _named(text: str) -> tuple[str, str]:
+    name, sep, directory = text.partition("=")
+    if not sep or not name or not directory:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=DIR")
+    return name, directory
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=_named, metavar="NAME=DIR")
+    parser.add_argument("--out", help="write the figures and samples as JSON")
+    args = parser.parse_args(argv)
+    directories: dict = {}  # name -> its directories, in the order given
+    for name, directory in args.runs:
+        directories.setdefault(name, []).append(directory)
+    try:
+        figures = {name: run_figures([read_span_directory(d) for d in found])
+                   for name, found in directories.items()}
+    except ValueError as error:  # SpanFileError included: one line, the file named
+        print(f"moe_layer_time: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(table(figures)))
+    if args.out:
+        with open(args.out, "w") as out:
+            json.dump({"runs": {name: dict(run, directories=directories[name])
+                                for name, run in figures.items()}}, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
