@@ -39,7 +39,8 @@ HAND_PICKED = {"seq_graphs": SEQUENTIAL + " " + GRAPHS, "ovl_graphs": OVERLAP + 
 
 
 def _default_path_steps(env: dict = None, picked: tuple = tuple(HAND_PICKED),
-                        shape: str = "", preset: str = "megatron-cmp") -> tuple:
+                        shape: str = "", preset: str = "megatron-cmp",
+                        tune_timeout_s: int = 120) -> tuple:
     """A first default run that tunes and fills the cache (its tuning cost in its log), then
     the default (from the cache) and each hand-picked path of `picked` in 3 interleaved
     rounds; `shape`: flags over `preset`'s."""
@@ -50,12 +51,14 @@ def _default_path_steps(env: dict = None, picked: tuple = tuple(HAND_PICKED),
     # long enough for the tuner's every path (24 steps fit 5 paths; the chunked one makes 6)
     return (Step("tune_first", run + f" --train-iters {TUNE_FIRST_ITERS} {cache} "
                  "--log-json {out}/tune_first.jsonl",
-                 env=dict(env or {}), timeout_s=120),
+                 env=dict(env or {}), timeout_s=tune_timeout_s),
             Step("rounds", "{python} -m benchmarks.harness.bench_train_rounds --warmup 8 "
                            "--out {out} --rounds 3 " + sides + " -- " + run,
                  env=dict(env or {}), timeout_s=420))
 
 
+# the Qwen3 proxy's tuning run: 0.6 s steps on H100s and a capture per path of 4.3B parameters
+QWEN3_TUNE_S = 200
 # the defaults issue's other shapes, as flags over megatron-cmp (bench_overlap's SHAPES)
 E8_SHAPE = (" --num-experts 8 --moe-router-topk 8 --moe-ffn-hidden-size 4096"
             " --micro-batch-size 8 --num-microbatches 4")
@@ -296,12 +299,13 @@ RECIPES = (
            "FFN 768, seq 4096, vocab 151936), against the sequential and overlapped partial "
            "graphs; its step lines give TFLOP/s and MFU by Megatron-LM's formula",
            "as default_path_nvlink",
-           _default_path_steps(picked=("seq_graphs", "ovl_graphs"), preset="qwen3-30b-a3b-proxy")),
+           _default_path_steps(picked=("seq_graphs", "ovl_graphs"), preset="qwen3-30b-a3b-proxy",
+                               tune_timeout_s=QWEN3_TUNE_S)),
     Recipe("default_path_qwen3_nop2p", 2,
            "default_path_qwen3 with NCCL_P2P_DISABLE=1",
            "as default_path_nvlink",
            _default_path_steps({"NCCL_P2P_DISABLE": "1"}, picked=("seq_graphs", "ovl_graphs"),
-                               preset="qwen3-30b-a3b-proxy")),
+                               preset="qwen3-30b-a3b-proxy", tune_timeout_s=QWEN3_TUNE_S)),
     Recipe("default_path_nop2p", 2,
            "default_path_nvlink with NCCL_P2P_DISABLE=1 (the all-to-alls through host memory)",
            "as default_path_nvlink", _default_path_steps({"NCCL_P2P_DISABLE": "1"})),
