@@ -176,7 +176,16 @@ def prepare_model_config(model_cfg, job) -> None:
 
 def torch_problem() -> Optional[str]:
     """What this torch lacks of the FSDP API torchtitan 0.3.0's parallelize path imports (each
-    torchtitan release pins a torch nightly; 2.13.0 has both), or None."""
+    torchtitan release pins a torch nightly; 2.13.0 has both, 2.11.0 neither), or None.
+
+    This is the one place the torch version matters. On torch 2.11 it is more than two names:
+    `torchtitan.models.qwen3` (its package imports `parallelize`, then `distributed.fsdp`)
+    fails to import, and at EP > 1 its `apply_fsdp_to_decoder` gives the routed experts their
+    own FSDP mesh through `ShardPlacementResult(placement, mesh_info)`, a per-parameter mesh
+    2.11's `fully_shard` does not have. The releases before 0.3.0 (0.2.x) import on 2.11 but
+    are no way round: their MoE is CUDA-only (`torch.histc` on int64 routing indices, a Triton
+    permute kernel in the EP dispatch), their Qwen3 has no dense/MoE layer pattern nor a shared
+    expert of its own size, they have no `minimal_async_ep`, and their config API is another."""
     import torch.distributed.fsdp as fsdp
     from torch.distributed.fsdp._fully_shard import _fsdp_common
     missing = [name for module, name in ((fsdp, "DataParallelMeshDims"),
@@ -185,7 +194,16 @@ def torch_problem() -> Optional[str]:
     if not missing:
         return None
     return (f"torchtitan refuses it: torch {torch.__version__} lacks {', '.join(missing)} "
-            "of FSDP, which torchtitan 0.3.0 imports (it pins a newer torch)")
+            "of FSDP, which torchtitan 0.3.0 imports and its EP FSDP (a per-parameter mesh) "
+            "needs (it pins a newer torch)")
+
+
+def _require_its_torch() -> None:
+    """Raise where torch lacks torchtitan's FSDP API, before a half-done import of its Qwen3
+    package (whose model submodule would stay importable while the package is not)."""
+    problem = torch_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def refusal(cfg, world: int, mode: str, cuda: bool) -> Optional[str]:
@@ -213,6 +231,7 @@ def count_parameters(model) -> int:
 def build_local(cfg, device: str = "cpu"):
     """The model of `cfg` on one process (EP 1, local dispatch), initialized, fp32: for the
     parameter count and a forward on CPU."""
+    _require_its_torch()
     from torchtitan.tools import utils
     model_cfg = model_config(cfg)
     with torch.device("meta"), utils.set_default_dtype(torch.float32):
@@ -229,6 +248,7 @@ class Session:
     training step (`step`)."""
 
     def __init__(self, cfg, world: int, mode: str, device: torch.device):
+        _require_its_torch()
         from torchtitan.distributed import utils as dist_utils
         from torchtitan.distributed.parallel_dims import ParallelDims
         self.cfg, self.mode, self.device = cfg, mode, device
