@@ -34,6 +34,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.gpu import recipes as table
 
@@ -97,16 +98,24 @@ def machine(env: dict) -> dict:
     return info
 
 
+def _stat(pid: int) -> Optional[list]:
+    """The fields of /proc/PID/stat after the command name (state first, then the parent),
+    None where the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _descendants(pid: int) -> list:
     """Every process under `pid` now (from /proc): torchrun starts its workers in sessions of
     their own, so killing the step's group alone would leave them holding the GPUs."""
     parents = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    for entry in glob.glob("/proc/[0-9]*"):
+        child = int(entry.rsplit("/", 1)[1])
+        fields = _stat(child)
+        if fields is not None:
+            parents.setdefault(int(fields[1]), []).append(child)
     found, todo = [], [pid]
     while todo:
         children = parents.get(todo.pop(), [])
@@ -125,13 +134,7 @@ def _signal_all(pids: list, sig: int) -> None:
 
 def _alive(pids: list) -> bool:
     """Whether any of `pids` still runs (a zombie has exited: its memory is freed)."""
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                return True
-        except OSError:
-            pass
-    return False
+    return any((fields := _stat(pid)) is not None and fields[0] != "Z" for pid in pids)
 
 
 def stop_tree(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
