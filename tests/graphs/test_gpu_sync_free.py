@@ -39,18 +39,26 @@ def _parts(flags, one_node=False, delay=False):
                              delay, one_node)
 
 
-def _data(seed):
+def _data(seed, seq=128):
     gen = torch.Generator().manual_seed(seed)
-    return [{"tokens": torch.randint(0, 256, (2, 128), generator=gen).cuda(),
-             "labels": torch.randint(0, 256, (2, 128), generator=gen).cuda()}
+    return [{"tokens": torch.randint(0, 256, (2, seq), generator=gen).cuda(),
+             "labels": torch.randint(0, 256, (2, seq), generator=gen).cuda()}
             for _ in range(4)]
 
 
-def _measure(run, grads, seed=0):
+def _measure(run, grads, seed=0, seq=128):
     grads.zero()
-    losses = run(_data(seed))
+    losses = run(_data(seed, seq))
     torch.cuda.synchronize()
     return torch.stack(losses).float().cpu(), grads.dense_flat.cpu(), grads.expert_flat.cpu()
+
+
+def _record(bank, run, grads, seq=128):
+    """Two warmup steps (Triton compiles, cuBLAS), the second one recording."""
+    for _ in range(2):
+        bank.recording = True
+        _measure(run, grads, seed=1, seq=seq)
+    bank.recording = False
 
 
 def _run(flags, graphs=None, lanes_kind="serial", delay=False):
@@ -76,10 +84,7 @@ def _run(flags, graphs=None, lanes_kind="serial", delay=False):
     run = full.run if full else (lambda data: executor.run(plan, data, 0.25))
     try:
         if bank is not None:
-            for _ in range(2):  # warmup (Triton compiles, cuBLAS), the second one recording
-                bank.recording = True
-                _measure(run, grads, seed=1)
-            bank.recording = False
+            _record(bank, run, grads)
             bank.capture(plan)
             assert bank.graph_count() >= 1
         return _measure(run, grads)
@@ -333,8 +338,7 @@ def test_cli_probe_with_full_iteration_graphs_is_bitwise_the_sequential_run(tmp_
 def test_a_full_iteration_capture_holds_its_pool_not_also_its_warm_ups_blocks():
     """The warm-up run on the capture stream allocates outside the graph's pool; its blocks are
     released before the capture (`CudaGraphBackend.make_room`), so the device's reserve peaks
-    at about the pool, not the pool plus a whole iteration's activations again (what made the
-    qwen3 proxy's capture run out of memory on an 80 GB GPU)."""
+    at about the pool, not the pool plus a whole iteration's activations again."""
     from epoverlap.graphs.full_iteration import FullIterationGraph
     from epoverlap.schedule.executor import Executor, SerialLanes
     from epoverlap.schedule.plan import build_plan
@@ -346,17 +350,8 @@ def test_a_full_iteration_capture_holds_its_pool_not_also_its_warm_ups_blocks():
     lanes = SerialLanes()
     full = FullIterationGraph(Executor(model.node_specs(), lanes, queue), plan, 0.25,
                               device=torch.device("cuda"))
-    gen = torch.Generator().manual_seed(0)
-    data = [{"tokens": torch.randint(0, 256, (2, 2048), generator=gen).cuda(),
-             "labels": torch.randint(0, 256, (2, 2048), generator=gen).cuda()}
-            for _ in range(4)]
     try:
-        for _ in range(2):
-            full.recording = True
-            grads.zero()
-            full.run(data)
-        full.recording = False
-        torch.cuda.synchronize()
+        _record(full, full.run, grads, seq=2048)
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         torch.cuda.reset_peak_memory_stats()
