@@ -31,6 +31,7 @@ from epoverlap.profiling.spans import RankSpans, read_span_directory
 
 MOE_NODES = ("dispatch", "mlp", "combine")
 PHASES = ("forward", "backward")
+SAMPLES = PHASES + ("both",)  # "both": forward + backward of one layer part
 _CHUNK = re.compile(r"_c\d+$")
 
 
@@ -62,7 +63,7 @@ def run_samples(ranks: Sequence[RankSpans]) -> dict:
     """Forward, backward and forward + backward wall (ms) of one run's MoE layer parts, each
     (step, microbatch, layer) at its slowest rank."""
     per_rank = [layer_walls(rank) for rank in ranks]
-    samples = {"forward": [], "backward": [], "both": []}
+    samples = {name: [] for name in SAMPLES}
     for key in sorted(set().union(*per_rank)):
         parts = [walls[key] for walls in per_rank if key in walls]
         slowest = max(parts, key=lambda p: sum(p.values()))
@@ -75,7 +76,7 @@ def run_samples(ranks: Sequence[RankSpans]) -> dict:
 def run_figures(runs: Sequence[Sequence[RankSpans]]) -> dict:
     """The medians of the layer parts of `runs` (one or more runs of one side, pooled), the
     samples kept."""
-    samples = {"forward": [], "backward": [], "both": []}
+    samples = {name: [] for name in SAMPLES}
     for ranks in runs:
         for name, values in run_samples(ranks).items():
             samples[name] += values
