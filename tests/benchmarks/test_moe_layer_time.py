@@ -1,6 +1,7 @@
-"""benchmarks.harness.moe_layer_time: a MoE layer's forward and backward wall from hand-made
-span directories with known answers (chunked nodes on both lanes, a dense layer and the
-weight-grad phase left out, the slowest rank), then from a recorded CPU run."""
+"""benchmarks.harness.moe_layer_time: a MoE layer's forward and backward wall, its lanes' busy
+times and overlap bound from hand-made span directories with known answers (chunked nodes on
+both lanes, a dense layer and the weight-grad phase left out, the slowest rank), then from a
+recorded CPU run."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _spans(scale: float) -> list[Span]:
             at("compute", "F0.attn.L1", 9, 10),
             at("comm", "F0.dispatch_c0.L1", 10, 20), at("comm", "F0.dispatch_c1.L1", 20, 28),
             at("compute", "F0.mlp_c0.L1", 20, 30), at("compute", "F0.mlp_c1.L1", 28, 34),
-            at("comm", "F0.combine_c0.L1", 30, 36), at("comm", "F0.combine_c1.L1", 34, 40),
+            at("comm", "F0.return_c0.L1", 30, 36), at("comm", "F0.combine.L1", 34, 40),
             at("comm", "B0.combine_c0.L1", 50, 60), at("compute", "B0.mlp_c0.L1", 60, 70),
             at("comm", "B0.dispatch_c1.L1", 70, 90), at("compute", "W0.mlp_c0.L1", 90, 99),
             at("compute", "B0.mlp.L0", 99, 100)]
@@ -45,6 +46,25 @@ def test_a_moe_layer_part_is_its_nodes_first_start_to_last_end_at_the_slowest_ra
     assert figures["both_ms"] == pytest.approx(70 * 1.1)
 
 
+def test_each_lanes_busy_time_and_the_overlap_bound_of_a_layer_part(tmp_path):
+    _write(tmp_path / "a", [1000.0, 1100.0])
+    figures = mlt.run_figures([mlt.read_span_directory(tmp_path / "a")])
+    # forward: all-to-alls 10 + 8 + 6 + 6, experts 10 + 6; backward: 10 + 20 and 10 (the
+    # weight-grad span is not the backward's)
+    assert figures["comm_forward_ms"] == pytest.approx(30 * 1.1)
+    assert figures["compute_forward_ms"] == pytest.approx(16 * 1.1)
+    assert figures["comm_backward_ms"] == pytest.approx(30 * 1.1)
+    assert figures["compute_backward_ms"] == pytest.approx(10 * 1.1)
+    assert figures["bound_ms"] == pytest.approx((30 + 30) * 1.1)  # the larger lane per phase
+
+
+def test_the_share_of_the_attainable_saving_is_against_the_first_runs_bound():
+    first = {"both_ms": 70.0, "bound_ms": 60.0}
+    assert mlt.attainable_share(first, {"both_ms": 65.0}) == pytest.approx(0.5)
+    assert mlt.attainable_share(first, first) == 0.0
+    assert mlt.attainable_share({"both_ms": 60.0, "bound_ms": 60.0}, {"both_ms": 50.0}) is None
+
+
 def test_the_table_gives_each_run_against_the_first_and_the_json_its_samples(tmp_path, capsys):
     _write(tmp_path / "slow", [1000.0])
     _write(tmp_path / "fast", [500.0])
@@ -52,8 +72,8 @@ def test_the_table_gives_each_run_against_the_first_and_the_json_its_samples(tmp
     assert mlt.main([f"k1={tmp_path / 'slow'}", f"k4={tmp_path / 'fast'}", "--out",
                      str(out)]) == 0
     text = capsys.readouterr().out
-    assert "| k1 | 30.00 | 40.00 | 70.00 | 2 | 1.000 |" in text
-    assert "| k4 | 15.00 | 20.00 | 35.00 | 2 | 2.000 |" in text
+    assert "| k1 | 30.00 | 40.00 | 70.00 | 60.00 | 26.00 | 60.00 | 2 | 1.000 | 0.00 |" in text
+    assert "| k4 | 15.00 | 20.00 | 35.00 | 30.00 | 13.00 | 30.00 | 2 | 2.000 | 3.50 |" in text
     runs = json.loads(out.read_text())["runs"]
     assert runs["k4"]["samples_ms"]["both"] == [35.0, 35.0]
     assert runs["k1"]["directories"] == [str(tmp_path / "slow")]
