@@ -8,8 +8,9 @@ microbatch's forward (or backward) is its dispatch, expert and combine nodes, ch
 (`dispatch_c1`, `mlp_c1`, `return_c1`, ...) included, on either lane: from the first of them
 to start to the last to end. Per (step, microbatch, layer) the forward and backward walls
 are summed, the slowest rank's sum taken, and the median over them reported, with each run's
-speedup over the first NAME (give the unchunked sequential run first: the chunked overlap's issue asks the
-layer's forward + backward against it, with the comm lane busy and nothing else beside it).
+speedup over the first NAME (give the unchunked sequential run first: the chunked overlap's
+issue asks the layer's forward + backward against it, with the comm lane busy and nothing else
+beside it).
 
 Only layers with a dispatch node count (a dense layer's `mlp` is not a MoE layer). The wall
 includes waits between the layer's nodes, so with the combined 1F1B (another microbatch's
