@@ -64,6 +64,19 @@ QWEN3_TUNE_S = 200
 # on mock data its learned router collapses whatever the aux loss; steps are timed, as
 # Megatron-LM's MoE performance runs are, with the routing forced to balance
 QWEN3_BALANCED = " --moe-router-force-load-balancing"
+def _kernel_table_steps(run: str) -> tuple:
+    """Where `run`'s GPU time goes: 2 profiled eager sequential steps (10-11) with torch.profiler
+    traces, their kernel table, then the traces removed (tens of MiB a rank: over what a call
+    brings back)."""
+    return (Step("profile", f"{run} --train-iters 12 --log-interval 100 --tune off {SEQUENTIAL} "
+                 f"{EAGER} --profile-steps 10:11 --profile-dir {{out}}/profile "
+                 "--use-pytorch-profiler", timeout_s=240),
+            Step("kernel_table", "{python} -m benchmarks.harness.kernel_table {out}/profile "
+                 "--steps 2 --top 40 --out {out}/kernel_table.json && "
+                 "{python} -m epoverlap.cli.timeline {out}/profile --no-png && "
+                 "rm -f {out}/profile/torch-trace-rank*.json", timeout_s=180))
+
+
 # the defaults issue's other shapes, as flags over megatron-cmp (bench_overlap's SHAPES)
 E8_SHAPE = (" --num-experts 8 --moe-router-topk 8 --moe-ffn-hidden-size 4096"
             " --micro-batch-size 8 --num-microbatches 4")
@@ -496,4 +509,14 @@ RECIPES = (
             Step("one_host", "{torchrun} -m benchmarks.harness.bench_a2a_links "
                              "--emulate-hosts 1 --out {out}/one_host.json", timeout_s=240)),
            all_gpus=True),
+    Recipe("kernels_qwen3", 2,
+           "where the Qwen3-like proxy's step goes (its MFU): 2 profiled eager sequential steps "
+           "(routing forced to balance), GPU kernel time by kind and the top 40 kernels per rank "
+           "(benchmarks.harness.kernel_table), and the spans' timeline summary",
+           "kernel_table.json; profile/ span files and timeline_summary.json",
+           _kernel_table_steps(TRAIN + " --preset qwen3-30b-a3b-proxy" + QWEN3_BALANCED)),
+    Recipe("kernels_megatron_cmp", 2,
+           "kernels_qwen3 at megatron-cmp (EP = GPUs)", "as kernels_qwen3",
+           _kernel_table_steps(TRAIN + " --preset megatron-cmp --mock-data --bf16"
+                               " --expert-model-parallel-size {gpus}")),
 ) + CHUNKED_RECIPES

@@ -1,7 +1,8 @@
 """benchmarks/gpu: the recipe table (what every GPU check runs) and its runner, on CPU: the
 table names modules, test paths and shapes that exist under unique names, covers the checks
-the project relies on, and formats; the runner lists, refuses an unknown recipe in one line,
-and runs stubbed recipes: status, record and pack under --out."""
+the project relies on, formats, and its training commands pass the config's rules; the runner
+lists, refuses an unknown recipe in one line, and runs stubbed recipes: status, record and pack
+under --out."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -18,6 +20,9 @@ import pytest
 
 from benchmarks.gpu import recipes, run
 from benchmarks.gpu.recipes import Recipe, Step
+from epoverlap.config.parse import parse_config
+from epoverlap.config.resolve import validate_config
+from epoverlap.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = re.compile(r"-m ((?:benchmarks|epoverlap)\.[\w.]+)")
@@ -211,3 +216,39 @@ def test_a_timed_out_step_leaves_no_process_behind(tmp_path):
     assert rc == 124
     child = int(pid_file.read_text())
     assert not run._alive([child])
+
+
+def _training_argvs(command: str) -> list:
+    """The epoverlap.train argument lists of one formatted step command: each `TR -m
+    epoverlap.train ...` up to `&&`, and a bench_train_rounds command's base run with each
+    --side's flags added. A shell substitution `$(...)` stands for a number."""
+    words = shlex.split(re.sub(r"\$\([^)]*\)", "1", command))
+    argvs, i = [], 0
+    while i < len(words):
+        if words[i:i + 3] == ["TR", "-m", "epoverlap.train"]:
+            end = next((j for j in range(i + 3, len(words)) if words[j] in ("&&", ";", "||")),
+                       len(words))
+            argvs.append(words[i + 3:end])
+            i = end
+        i += 1
+    if "benchmarks.harness.bench_train_rounds" in words and argvs:
+        sides = [words[j + 1].partition("=")[2] for j, word in enumerate(words)
+                 if word == "--side"]
+        argvs = [argvs[0] + shlex.split(side) for side in sides] or argvs
+    return argvs
+
+
+def test_every_training_command_of_a_recipe_parses_and_validates():
+    """A typo in a recipe's training flags would cost a device call: every such command is
+    parsed and checked by the training command's own config rules, at the recipe's GPUs."""
+    checked = 0
+    for recipe in recipes.RECIPES:
+        for step in recipe.steps:
+            for argv in _training_argvs(step.command.format(**NAMES)):
+                try:
+                    cfg = parse_config(argv, printing=False)
+                    validate_config(cfg, world_size=recipe.gpus, cuda_available=True)
+                except (SystemExit, ConfigError) as error:
+                    pytest.fail(f"{recipe.name}/{step.name}: {' '.join(argv)}: {error}")
+                checked += 1
+    assert checked > 50
