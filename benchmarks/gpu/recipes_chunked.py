@@ -55,7 +55,31 @@ def _layer_time_steps() -> tuple:
                                 f"{named} --out {{out}}/moe_layer_time.json", timeout_s=60),)
 
 
+# megatron-cmp with P2P off, where the tuner timed its chunked path at 2.7x the others' step
+MEGATRON_NOP2P_RUN = (TRAIN + " --preset megatron-cmp --mock-data --bf16"
+                      " --expert-model-parallel-size {gpus} --train-iters 12 --log-interval 100"
+                      " --tune off " + GRAPHS + " " + WGRAD)
+
+
+def _megatron_chunk_profiles() -> tuple:
+    """Profiled runs (steps 8-10, spans) of megatron-cmp overlapped with delayed wgrad, K = 1
+    and 4, P2P off; the timeline summary of each and moe_layer_time over both."""
+    steps = [Step(f"profile_k{k}", f"{MEGATRON_NOP2P_RUN} --moe-a2a-chunks {k} --profile-steps "
+                  f"8:10 --profile-dir {{out}}/profile_k{k} && {{python}} -m "
+                  f"epoverlap.cli.timeline {{out}}/profile_k{k} --no-png",
+                  env={"NCCL_P2P_DISABLE": "1"}, timeout_s=150) for k in (1, 4)]
+    return tuple(steps) + (Step("layer_time", "{python} -m benchmarks.harness.moe_layer_time "
+                                "k1={out}/profile_k1 k4={out}/profile_k4 --out "
+                                "{out}/moe_layer_time.json", timeout_s=60),)
+
+
 CHUNKED_RECIPES = (
+    Recipe("chunked_megatron_profile", 2,
+           "why the chunked path (K = 4) is 2.7x slower at megatron-cmp with P2P off: spans of "
+           "the overlapped run with delayed wgrad at K = 1 and 4 (steps 8-10), each one's "
+           "timeline summary (lanes, exposed communication), and its MoE layers' lane times",
+           "profile_k1/, profile_k4/ (spans, timeline_summary.json), moe_layer_time.json",
+           _megatron_chunk_profiles()),
     Recipe("chunked_layer_time", 2,
            "one MoE layer's forward + backward wall (dispatch to combine, chunks on both lanes) "
            "at the 1:1 shape with NCCL_P2P_DISABLE=1, sequential, K = 1, 2, 4, from profiled "
