@@ -153,6 +153,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         "--host-from costs (a faster or slower host than the recording's)")
     parser.add_argument("--graphed-nodes", default="", help="comma list of nodes replayed as "
                         "CUDA graphs (no host launch cost), e.g. attn")
+    parser.add_argument("--comm-beside-compute", type=float, default=1.0, metavar="F",
+                        help="an all-to-all runs F times slower while its rank computes beside "
+                        "it (bench_a2a_links --beside-gemm measures F; 1: no slowdown)")
+    parser.add_argument("--compute-beside-comm", type=float, default=1.0, metavar="F",
+                        help="a compute action runs F times slower beside an all-to-all")
     parser.add_argument("--lanes", default="auto", choices=["auto", STREAM, THREAD])
     parser.add_argument("--out-dir", default="runs/simulate")
     parser.add_argument("--no-png", action="store_true")
@@ -190,6 +195,11 @@ def _check_args(args: argparse.Namespace) -> None:
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise SimInputError(f"--{name.replace('_', '-')} {value}: must be a finite number "
                                 ">= 0")
+    for name in ("comm_beside_compute", "compute_beside_comm"):
+        value = getattr(args, name)
+        if not (value >= 1 and math.isfinite(value)):
+            raise SimInputError(f"--{name.replace('_', '-')} {value}: must be a finite number "
+                                ">= 1 (a lane does not speed up beside the other)")
     if args.comm_from and args.link in ("fit", "measured"):
         raise SimInputError(f"--comm-from and --link {args.link}: both give the all-to-alls' "
                             "times; keep one")

@@ -23,7 +23,9 @@ Owns
   - `run_mode` / `run_all`: the scenario replayed (epoverlap/simulator/engine.py) as each of
     MODES: seq (the sequential plan on serial lanes), ovl (the overlap plan), wgrad (the
     overlap plan with delayed weight grads, where W durations exist), comp (the overlap plan
-    with every all-to-all a local copy: the compute-only baseline).
+    with every all-to-all a local copy: the compute-only baseline); ovl and wgrad with the
+    lanes slowing each other by `Scenario.beside` (--comm-beside-compute,
+    --compute-beside-comm: epoverlap/simulator/contention.py).
 Bad input raises `SimInputError`, whose message the command prints as one line.
 """
 
@@ -47,6 +49,7 @@ from epoverlap.schedule.grad_reduce import GRAD_REDUCE
 from epoverlap.schedule.plan import Action, build_plan, node_kinds
 from epoverlap.simulator import costs as sc
 from epoverlap.simulator.comm_table import CommTable, CommTableError, read_comm_table
+from epoverlap.simulator.contention import simulate_contended
 from epoverlap.simulator.engine import INLINE, SERIAL, STREAM, THREAD, SimResult, simulate
 
 MODES = ("seq", "ovl", "wgrad", "comp")
@@ -78,6 +81,9 @@ class Scenario:
     starts: Optional[list[float]] = None
     has_wgrad: bool = True
     comm_measured: bool = False
+    # (all-to-all beside compute, compute beside an all-to-all): slowdowns of the overlapped
+    # modes (epoverlap/simulator/contention.py)
+    beside: tuple[float, float] = (1.0, 1.0)
     sources: list[str] = field(default_factory=list)
 
 
@@ -356,8 +362,13 @@ def build_scenario(args: argparse.Namespace,
     scenario = Scenario(cfg, layout, ep, shape, lanes, compute, comm, local, wire, host=host,
                         sync=_dispatch_sync(link.sync_us if gpu else 0.0),
                         recorded=simulated_run, starts=_mean_offsets(simulated_run, ep),
-                        has_wgrad=compute.wgrad_recorded, comm_measured=args.link == "measured")
+                        has_wgrad=compute.wgrad_recorded, comm_measured=args.link == "measured",
+                        beside=(getattr(args, "comm_beside_compute", 1.0),
+                                getattr(args, "compute_beside_comm", 1.0)))
     scenario.sources = _describe(args, recorded, throughput, lanes) + sources
+    if scenario.beside != (1.0, 1.0):
+        scenario.sources.append(f"lanes beside each other (ovl, wgrad): all-to-alls x "
+                                f"{scenario.beside[0]:g}, compute x {scenario.beside[1]:g}")
     return scenario
 
 
@@ -467,6 +478,9 @@ def run_mode(scenario: Scenario, mode: str, starts=None, compute=None, comm=None
     lanes = scenario.overlap_lanes
     if mode == "seq":
         lanes = INLINE if lanes == THREAD else SERIAL
+    if mode in ("ovl", "wgrad"):  # comp's all-to-alls are local copies: not the link measured
+        return simulate_contended(plan, scenario.layout, costs, scenario.ep, lanes, starts,
+                                  *scenario.beside)
     return simulate(plan, scenario.layout, costs, scenario.ep, lanes, starts)
 
 
