@@ -457,7 +457,9 @@ RECIPES = (
     Recipe("hosts_sim_inputs", 2,
            "the simulator on the GPUs as 2 emulated hosts from inputs measured apart from the "
            "runs it predicts: each comm node of each dispatch timed alone at HOSTS_RUN's shape "
-           "(bench_host_bytes --time; the link peaks of bench_a2a_links), compute recorded with "
+           "(bench_host_bytes --time; the link peaks of bench_a2a_links, and each all-to-all "
+           "beside a loop of 4096^3 GEMMs: the simulator's --comm-beside-compute), compute "
+           "recorded with "
            "local copies held on the comm lane for the dispatch's median node time (sequential; "
            "overlap + delayed wgrad; flat and by host; and unheld, the compute alone of the "
            "realized share), then the four runs it predicts "
@@ -467,7 +469,8 @@ RECIPES = (
            "profile_*/ (span files of steps 6-9), sim_hosts_check.json (per run: simulated, "
            "measured, error, the command)",
            (Step("a2a_links", "{torchrun} -m benchmarks.harness.bench_a2a_links --emulate-hosts 2"
-                              " --mib 16,64 --iters 10 --out {out}/a2a_links.json", timeout_s=120),
+                              " --mib 16,64 --iters 10 --beside-gemm 4096 --out "
+                              "{out}/a2a_links.json", timeout_s=180),
             Step("host_timing", HOSTS_TIMING, timeout_s=150))
            + tuple(Step(f"profile_{name}", f"{HOSTS_RUN} {flags} --profile-steps 6:9 "
                         f"--profile-dir {{out}}/profile_{name}", timeout_s=100)

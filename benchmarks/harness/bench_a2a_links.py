@@ -1,7 +1,8 @@
 """All-to-all bandwidth per GPU on each link of one machine split into emulated hosts.
 
     torchrun --standalone --nproc-per-node 4 -m benchmarks.harness.bench_a2a_links \
-        --emulate-hosts 2 [--mib 1,4,16,64] [--iters 20] [--warmup 3] --out a2a_links.json
+        --emulate-hosts 2 [--mib 1,4,16,64] [--iters 20] [--warmup 3] [--beside-gemm 8192]
+        --out a2a_links.json
     ... --device cpu            # gloo, the same groups and records (no links to speak of)
 
 The world's ranks are split host-major into --emulate-hosts G hosts (host = rank // (world /
@@ -28,6 +29,12 @@ across hosts) exchanging --mib MiB both ways at once (`batch_isend_irecv`), the 
 GB/s per direction, the best over the sizes. Each all-to-all's `of_peak` is its link's GB/s
 (for `flat`: only the bytes that cross hosts, against the network's peak) over that peak.
 
+With --beside-gemm N (CUDA), each all-to-all is also timed while every rank runs a loop of
+bf16 N x N x N GEMMs on another stream, started with it and long enough to outlast it (1.5x
+its time alone): `beside_gemm` gives that median and its `slowdown` against the call alone,
+what `epoverlap-simulate --comm-beside-compute` takes (the link through host memory or a
+network slows while the GPU computes; NVLink hardly does).
+
 Rank 0 writes --out (JSON: the environment, the groups, every iteration's time of every rank,
 the medians, the peaks; on CUDA NCCL's transport per connection of the world's ranks, read
 after the flat group's runs, and the run fails when one between hosts is not the network) and
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -76,8 +84,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--transport-report", action=argparse.BooleanOptionalAction,
                         default=True, help="CUDA: record NCCL's transport per connection "
                         "(NCCL_DEBUG=INFO into a file, unless NCCL_DEBUG is set)")
+    parser.add_argument("--beside-gemm", type=int, default=0, metavar="N",
+                        help="CUDA: also time each all-to-all beside a loop of N x N x N bf16 "
+                        "GEMMs on another stream (0: not)")
     parser.add_argument("--out", help="the JSON record (rank 0 writes it)")
     args = parser.parse_args(argv)
+    if args.beside_gemm < 0:
+        parser.error(f"--beside-gemm {args.beside_gemm}: a GEMM size >= 1, or 0 for none")
     if args.iters < 1 or args.warmup < 0:
         parser.error(f"--iters {args.iters} must be >= 1, --warmup {args.warmup} >= 0")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -116,8 +129,43 @@ def link_share(kind: str, n: int, per: int) -> tuple[str, float]:
     return "intra", (n - 1) / n
 
 
-def time_ms(fn: Callable[[], object] | None, cuda: bool, flag: torch.Tensor) -> float | None:
-    """One iteration of `fn` (None on a rank that takes no part), started with every rank."""
+class BesideGemm:
+    """A loop of bf16 n x n x n GEMMs on a stream of its own, `repeats` long, launched beside a
+    timed call (`time_ms`)."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        self.b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        self.stream, self.repeats = torch.cuda.Stream(device), 1
+        for _ in range(3):  # warm up cuBLAS's choice, then time one GEMM
+            torch.mm(self.a, self.b)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            torch.mm(self.a, self.b)
+        end.record()
+        end.synchronize()
+        self.gemm_ms = start.elapsed_time(end) / 5
+
+    def to_outlast(self, ms: float) -> "BesideGemm":
+        """Enough GEMMs to run 1.5x `ms` (every rank asks with the same `ms`)."""
+        self.repeats = max(1, math.ceil(1.5 * ms / self.gemm_ms))
+        return self
+
+    def launch(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for _ in range(self.repeats):
+                torch.mm(self.a, self.b)
+
+    def wait(self) -> None:
+        self.stream.synchronize()
+
+
+def time_ms(fn: Callable[[], object] | None, cuda: bool, flag: torch.Tensor,
+            beside: BesideGemm | None = None) -> float | None:
+    """One iteration of `fn` (None on a rank that takes no part), started with every rank;
+    `beside`: its GEMMs launched with it (the last iteration's finished first)."""
     if not cuda:
         dist.barrier()
         start = time.perf_counter()
@@ -125,23 +173,30 @@ def time_ms(fn: Callable[[], object] | None, cuda: bool, flag: torch.Tensor) -> 
             return None
         fn()
         return (time.perf_counter() - start) * 1e3
+    if beside is not None:
+        beside.wait()
     dist.all_reduce(flag)  # every rank's stream leaves this together
     if fn is None:
         return None
     torch.cuda._sleep(SLEEP_CYCLES)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    if beside is not None:
+        beside.launch()
     fn()
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
 
 
-def samples(fn, args, cuda: bool, flag: torch.Tensor) -> list[list[float]]:
+def samples(fn, args, cuda: bool, flag: torch.Tensor,
+            beside: BesideGemm | None = None) -> list[list[float]]:
     """Every rank's --iters times (ms) after --warmup untimed ones: [rank][iteration]."""
     for _ in range(args.warmup):
-        time_ms(fn, cuda, flag)
-    mine = [time_ms(fn, cuda, flag) for _ in range(args.iters)]
+        time_ms(fn, cuda, flag, beside)
+    mine = [time_ms(fn, cuda, flag, beside) for _ in range(args.iters)]
+    if beside is not None:
+        beside.wait()
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return gathered
@@ -167,9 +222,10 @@ def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int) -> Callable[[], 
     return both_ways
 
 
-def all_to_all_results(args, kinds: dict, device, cuda, flag) -> list[dict]:
+def all_to_all_results(args, kinds: dict, device, cuda, flag,
+                       beside: BesideGemm | None = None) -> list[dict]:
     """Each group kind of `kinds` (`group_members`) at every size: the slowest rank's time and
-    GB/s per GPU."""
+    GB/s per GPU; with `beside`, also its time beside the GEMM loop and the slowdown."""
     rank, results = dist.get_rank(), []
     per = dist.get_world_size() // args.emulate_hosts
     for kind, lists in kinds.items():
@@ -181,6 +237,11 @@ def all_to_all_results(args, kinds: dict, device, cuda, flag) -> list[dict]:
             send = torch.ones(max(n, int(mib * MIB / 4) // n * n), device=device)
             call = partial(dist.all_to_all_single, torch.empty_like(send), send, group=mine)
             record, size = slowest(samples(call, args, cuda, flag)), send.numel() * 4
+            if beside is not None:
+                near = slowest(samples(call, args, cuda, flag, beside.to_outlast(record["ms"])))
+                record["beside_gemm"] = {"n": args.beside_gemm, "repeats": beside.repeats,
+                                         "gemm_ms": beside.gemm_ms, **near,
+                                         "slowdown": near["ms"] / record["ms"]}
             results.append({"group": kind, "members": lists, "ranks": n, "bytes": size,
                             "gbps_per_gpu": gbps(size * (n - 1) / n, record["ms"]),
                             "link": link, "link_gbps": gbps(size * share, record["ms"]),
@@ -227,6 +288,14 @@ def print_tables(record: dict) -> None:
         peak = f"{r['of_peak']:.2f}" if r["of_peak"] is not None else "-"
         print(f"| {r['group']} | {r['ranks']} | {r['bytes'] / MIB:g} | {r['ms']:.3f} | "
               f"{r['gbps_per_gpu']:.2f} | {r['link']} | {r['link_gbps']:.2f} | {peak} |")
+    beside = [r for r in record["results"] if "beside_gemm" in r]
+    if beside:
+        print(f"\nbeside a loop of {beside[0]['beside_gemm']['n']}^3 bf16 GEMMs on another "
+              "stream:\n| group | MiB per rank | ms alone | ms beside | slowdown |\n"
+              "| --- | --- | --- | --- | --- |")
+        for r in beside:
+            print(f"| {r['group']} | {r['bytes'] / MIB:g} | {r['ms']:.3f} | "
+                  f"{r['beside_gemm']['ms']:.3f} | {r['beside_gemm']['slowdown']:.3f} |")
     print("\n| link | pair | MiB | ms | GB/s per direction |\n| --- | --- | --- | --- | --- |")
     for link, peak in record["peaks"].items():
         for s in peak["sizes"]:
@@ -249,10 +318,15 @@ def main(argv=None) -> int:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    if args.beside_gemm and not cuda:
+        print("bench_a2a_links: --beside-gemm needs CUDA (a GEMM on a stream beside the "
+              "all-to-all's)", file=sys.stderr)
+        return 2
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     try:
         flag, groups = torch.zeros(1, device=device), group_members(world, args.emulate_hosts)
-        flat = all_to_all_results(args, {"flat": groups["flat"]}, device, cuda, flag)
+        beside = BesideGemm(args.beside_gemm, device) if args.beside_gemm else None
+        flat = all_to_all_results(args, {"flat": groups["flat"]}, device, cuda, flag, beside)
         # so far only communicators of the world's numbering have connected: NCCL's log names
         # global ranks (a subgroup's communicator numbers its own ranks from 0)
         report = gather_report(log_env.get("NCCL_DEBUG_FILE"), nccl_host_identity()) \
@@ -261,7 +335,8 @@ def main(argv=None) -> int:
         record = {"benchmark": "bench_a2a_links", "environment": environment(cuda),
                   "world": world, "hosts": args.emulate_hosts, "iters": args.iters,
                   "warmup": args.warmup, "groups": groups,
-                  "results": all_to_all_results(args, others, device, cuda, flag) + flat,
+                  "results": all_to_all_results(args, others, device, cuda, flag, beside)
+                  + flat,
                   "peaks": peak_results(args, device, cuda, flag),
                   "transport": report and {"lines": report.lines(),
                                            "problems": report.problems()}}

@@ -7,6 +7,11 @@ measured apart from the runs it predicts (issue 44: within 10%, flat and by host
 DIR is laid out by the GPU recipe `hosts_sim_inputs` (benchmarks/gpu/recipes.py):
   host_timing.json              bench_host_bytes --time at the run's shape: each comm node of
                                 each dispatch timed alone, and the split-size exchange
+  a2a_links.json                bench_a2a_links --beside-gemm (optional): each link's
+                                all-to-all alone and beside a GEMM loop; the slowdown of the
+                                group a run's inter-host bytes take (flat: every rank; by host:
+                                a rail), at its largest size, is the run's
+                                --comm-beside-compute (1 where not measured)
   profile_comp_seq/             span files of the run, sequential, all-to-alls as local copies,
                                 each held on the comm lane (--local-copy-hold-us) for the
                                 median of the flat dispatch's nodes in host_timing.json
@@ -24,9 +29,10 @@ DIR is laid out by the GPU recipe `hosts_sim_inputs` (benchmarks/gpu/recipes.py)
 Each recorded run is simulated (`epoverlap-simulate`, through the functions the command runs)
 from the independent inputs only: compute from the local-copy recording of its schedule and
 dispatch (sequential: comp_seq; overlap: comp_wgrad, whose W spans the overlap plan needs), every
-all-to-all and the forward dispatch's host sync from host_timing.json (`--comm-from`), no host
-launch cost; the model and plan from the run's training flags (the recipe's HOSTS_FLAGS, or
---train-flags, and the side's). A run not recorded is listed as such.
+all-to-all and the forward dispatch's host sync from host_timing.json (`--comm-from`), its
+slowdown beside compute from a2a_links.json, no host launch cost; the model and plan from the
+run's training flags (the recipe's HOSTS_FLAGS, or --train-flags, and the side's). A run not
+recorded is listed as such.
 
 What is compared. The simulator's T of the run's mode (T_seq, or T_wgrad for the overlap with
 delayed weight grads) is the plan's actions on both lanes from the first action: the
@@ -74,6 +80,8 @@ from epoverlap.profiling.spans import (RankSpans, StepSpans, parse_action,  # no
                                        read_span_directory)
 
 TIMING = "host_timing.json"
+LINKS = "a2a_links.json"  # bench_a2a_links --beside-gemm: the all-to-all's slowdown beside GEMMs
+BESIDE_GROUP = {"flat": "flat", "node": "inter"}  # the group whose bytes cross hosts
 RUNS = ("flat_seq", "flat_ovl", "node_seq", "node_ovl")
 COMPUTE_FROM = {"seq": "profile_comp_seq", "ovl": "profile_comp_wgrad"}  # schedule -> recording
 SIMULATED_MODE = {"seq": "seq", "ovl": "wgrad"}  # the *_ovl sides delay the weight grads
@@ -135,8 +143,28 @@ def compute_from(folder: Path, run: str) -> Path:
     return own if dispatch == "node" and own.exists() else flat
 
 
-def simulator_flags(compute: Path, timing: Path, train: list[str]) -> list[str]:
-    return ["--spans", str(compute), "--comm-from", str(timing), "--no-png", "--", *train]
+def beside_factor(folder: Path, run: str) -> tuple[float, str]:
+    """(the all-to-all's slowdown beside compute, where it comes from) for a run: from
+    DIR/a2a_links.json's `beside_gemm` record of the group its inter-host bytes take (flat:
+    every rank; by host: a rail), at the largest size; 1 where not measured."""
+    group = BESIDE_GROUP[run.rsplit("_", 1)[0]]
+    try:
+        results = json.loads((folder / LINKS).read_text(encoding="utf-8"))["results"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1.0, f"none ({LINKS} absent or unreadable)"
+    measured = [r for r in results if r.get("group") == group and "beside_gemm" in r]
+    if not measured:
+        return 1.0, f"none (no beside_gemm record of group {group} in {LINKS})"
+    largest = max(measured, key=lambda r: r["bytes"])
+    factor = max(1.0, float(largest["beside_gemm"]["slowdown"]))
+    return factor, f"{LINKS} group {group}, {largest['bytes'] / 2 ** 20:g} MiB per rank"
+
+
+def simulator_flags(compute: Path, timing: Path, train: list[str],
+                    beside: float = 1.0) -> list[str]:
+    contention = ["--comm-beside-compute", f"{beside:.4g}"] if beside != 1.0 else []
+    return ["--spans", str(compute), "--comm-from", str(timing), *contention, "--no-png",
+            "--", *train]
 
 
 def command(flags: list[str]) -> str:
@@ -162,8 +190,10 @@ def check_run(folder: Path, run: str, train_flags: str) -> dict:
     if missing:
         return {"run": run, "missing": missing}
     recorded = read_span_directory(folder / f"profile_{run}")
+    beside, beside_from = beside_factor(folder, run)
     flags = simulator_flags(compute, folder / TIMING, run_flags(train_flags, run,
-                                                                recorded[0].world_size))
+                                                                recorded[0].world_size),
+                            beside)
     mode = SIMULATED_MODE[schedule]
     t_ms = simulate_ms(flags, mode)
     compute_ranks = read_span_directory(compute)
@@ -171,6 +201,7 @@ def check_run(folder: Path, run: str, train_flags: str) -> dict:
     got = measured(recorded)
     return {"run": run, "mode": mode, "compute_from": compute.name,
             "compute_hold_us": compute_ranks[0].local_copy_hold_us,
+            "comm_beside_compute": beside, "comm_beside_compute_from": beside_from,
             "simulated_T_ms": t_ms, "prelude_ms": prelude,
             "simulated_ms": t_ms + prelude, "measured_ms": got["ms"], "measured": got,
             "error": (t_ms + prelude) / got["ms"] - 1.0, "command": command(flags)}
@@ -179,17 +210,19 @@ def check_run(folder: Path, run: str, train_flags: str) -> dict:
 # ---------------------------------------------------------------------------- report
 def table(rows: list[dict]) -> str:
     lines = ["| run | T | simulated T ms | + prelude ms | simulated ms | measured ms (window) "
-             "| error | compute held us | command |", "|" + " --- |" * 9]
+             "| error | compute held us | all-to-all beside compute | command |",
+             "|" + " --- |" * 10]
     for r in rows:
         if "missing" in r:
             lines.append(f"| {r['run']} | - | - | - | - | not recorded: "
-                         f"{', '.join(r['missing'])} missing | - | - | - |")
+                         f"{', '.join(r['missing'])} missing | - | - | - | - |")
             continue
         window = " / ".join(r["measured"]["window"])
         lines.append(f"| {r['run']} | T_{r['mode']} | {r['simulated_T_ms']:.1f} | "
                      f"{r['prelude_ms']:.1f} | {r['simulated_ms']:.1f} | "
                      f"{r['measured_ms']:.1f} ({window}) | {r['error']:+.1%} | "
-                     f"{r['compute_hold_us']:.0f} | `{r['command']}` |")
+                     f"{r['compute_hold_us']:.0f} | x{r['comm_beside_compute']:.3g} | "
+                     f"`{r['command']}` |")
     return "\n".join(lines)
 
 

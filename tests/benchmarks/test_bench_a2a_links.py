@@ -53,6 +53,7 @@ def test_arguments_and_their_defaults(monkeypatch):
     (["--emulate-hosts", "2"], 8, 4, "emulated hosts split one machine's ranks"),
     (["--mib", "1,0"], 4, 4, "--mib: invalid mib_list value"),
     (["--iters", "0"], 4, 4, "--iters 0 must be >= 1"),
+    (["--beside-gemm", "-1"], 4, 4, "--beside-gemm -1: a GEMM size >= 1, or 0 for none"),
 ])
 def test_bad_arguments_exit_2_naming_them(monkeypatch, capsys, argv, world, local_world,
                                           message):
@@ -62,6 +63,15 @@ def test_bad_arguments_exit_2_naming_them(monkeypatch, capsys, argv, world, loca
         bl.parse_args(argv)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_gemm_beside_needs_cuda_and_says_so_before_any_group(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert bl.parse_args([]).beside_gemm == 0
+    assert bl.main(["--device", "cpu", "--emulate-hosts", "1", "--beside-gemm", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--beside-gemm needs CUDA" in err
 
 
 @pytest.mark.slow

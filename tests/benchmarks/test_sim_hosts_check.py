@@ -68,6 +68,38 @@ def test_rows_compare_the_forward_backward_window_and_name_their_command(tmp_pat
     assert "| flat_seq | - |" in out
 
 
+def _links(path: Path) -> None:
+    """bench_a2a_links --beside-gemm's records: the rail slows 1.1x at 16 MiB, 1.25x at 64;
+    the flat group 1.4x at 64."""
+    def result(group, mib, slowdown):
+        return {"group": group, "bytes": mib * 2 ** 20, "ms": 10.0,
+                "beside_gemm": {"ms": 10.0 * slowdown, "slowdown": slowdown}}
+    path.write_text(json.dumps({"results": [result("inter", 16, 1.1), result("inter", 64, 1.25),
+                                            result("flat", 64, 1.4), result("intra", 64, 3.0)]}))
+
+
+def test_the_links_slowdown_beside_compute_of_the_runs_inter_host_group(tmp_path):
+    """Each run takes the slowdown of the group its bytes between hosts take, at the largest
+    size, into its simulation (its command says so); without a2a_links.json, none."""
+    assert check.beside_factor(tmp_path, "flat_ovl")[0] == 1.0
+    _links(tmp_path / check.LINKS)
+    assert check.beside_factor(tmp_path, "flat_ovl")[0] == pytest.approx(1.4)
+    assert check.beside_factor(tmp_path, "node_seq") == (pytest.approx(1.25),
+                                                        "a2a_links.json group inter, 64 MiB "
+                                                        "per rank")
+    layout = sim.build_scenario(sim.parse_args(
+        ["--flops", "--", *shlex.split(TINY.format(gpus=4))])).layout
+    write_timing(tmp_path / check.TIMING)
+    gpu_recording(tmp_path / "profile_comp_wgrad", layout, 4, prelude_us=300.0)
+    gpu_recording(tmp_path / "profile_node_ovl", layout, 4, comm_us=200.0)
+    row = check.check_run(tmp_path, "node_ovl", TINY)
+    assert row["comm_beside_compute"] == pytest.approx(1.25)
+    flags = shlex.split(row["command"].split("epoverlap-simulate ", 1)[1])
+    assert flags[4:6] == ["--comm-beside-compute", "1.25"]
+    plain = flags[:4] + flags[6:]
+    assert row["simulated_T_ms"] > check.simulate_ms(plain, "wgrad")
+
+
 def _hold(folder: Path, us: float) -> None:
     """Mark a recording as held (--local-copy-hold-us), as the recorder writes it."""
     for path in folder.glob("spans-rank*.json"):
