@@ -466,12 +466,18 @@ RECIPES = (
            "recorded (flat and by host, sequential and overlap + delayed wgrad) and the "
            "simulated step set against each (sim_hosts_check)",
            "a2a_links.json, host_timing.json (per node: median, samples, bytes, GB/s), "
+           "host_timing_exchange_beside.json (the same, an exchange beside each node), "
            "profile_*/ (span files of steps 6-9), sim_hosts_check.json (per run: simulated, "
            "measured, error, the command)",
            (Step("a2a_links", "{torchrun} -m benchmarks.harness.bench_a2a_links --emulate-hosts 2"
                               " --mib 16,64 --iters 10 --beside-gemm 4096 --out "
                               "{out}/a2a_links.json", timeout_s=180),
-            Step("host_timing", HOSTS_TIMING, timeout_s=150))
+            Step("host_timing", HOSTS_TIMING, timeout_s=150),
+            # the same with a split-size exchange beside each node: whether the overlapped
+            # run's all-to-alls are slower for the next microbatch's exchange beside them
+            Step("host_timing_exchange_beside", HOSTS_TIMING.replace(
+                "host_timing.json", "host_timing_exchange_beside.json") + " --exchange-beside",
+                 timeout_s=150))
            + tuple(Step(f"profile_{name}", f"{HOSTS_RUN} {flags} --profile-steps 6:9 "
                         f"--profile-dir {{out}}/profile_{name}", timeout_s=100)
                    for name, flags in HOSTS_PROFILES.items())

@@ -40,10 +40,13 @@ together, then events bracket the node. So, as in a comm-bound training step who
 ahead, the time is the device's from a common start: neither the host's launches (autograd,
 Triton, NCCL's enqueue) nor a rank whose sleep ran long count. A sample whose start event had
 already fired when the host finished queueing the node is `host_late` (its host time may
-count); the record keeps their number per node. CPU: wall clock after a barrier. Each node's bytes come from the
-all-to-alls it recorded: per rank (mean over the ranks) those to other ranks and, of them, to
-other hosts. GB/s per GPU = those bytes / the median time; with --links (bench_a2a_links'
-JSON) the between-hosts GB/s against that link's measured peak.
+count); the record keeps their number per node. CPU: wall clock after a barrier.
+--exchange-beside times each all-to-all node with a split-size exchange started just before it
+(as the overlapped schedule starts the next microbatch's while an all-to-all runs), finished by
+its read. Each node's bytes come from the all-to-alls it recorded: per rank (mean over the
+ranks) those to other ranks and, of them, to other hosts. GB/s per GPU = those bytes / the
+median time; with --links (bench_a2a_links' JSON) the between-hosts GB/s against that link's
+measured peak.
 """
 
 from __future__ import annotations
@@ -171,8 +174,9 @@ class NodeBench:
     runs it (module docstring). `calls()`: (node, fn, clock) in the timed order; a backward
     runs on the outputs of the forward just before it."""
 
-    def __init__(self, dispatcher, routed: Routed):
+    def __init__(self, dispatcher, routed: Routed, exchange_beside: bool = False):
         self.dispatcher, self.routed = dispatcher, routed
+        self.exchange_beside = exchange_beside
         self.exchange = self.exchange_and_read()  # read: the timed dispatches find the sizes
         with torch.no_grad():
             recv, recv_probs, self.meta = self._dispatch(routed.rows, routed.probs)
@@ -181,13 +185,27 @@ class NodeBench:
         self.grad_hidden = torch.randn_like(routed.x_TH)
         self._pending: Optional[tuple] = None
 
-    def calls(self) -> list[tuple[str, Callable[[], object], Optional[Callable]]]:
-        """(node, queue it, then finish it on the host or None) in the timed order."""
-        return [("F.dispatch", self.dispatch_forward, None),
-                ("B.dispatch", self.backward, None),
-                ("F.combine", self.combine_forward, None),
-                ("B.combine", self.backward, None),
+    def calls(self, beside: Optional[bool] = None
+              ) -> list[tuple[str, Callable[[], object], Optional[Callable]]]:
+        """(node, queue it, then finish it on the host or None) in the timed order; with
+        `beside` (default: `exchange_beside`), each all-to-all node queued just after a
+        split-size exchange (its own communicator and stream) and finished by reading it, as
+        the overlapped schedule starts the next microbatch's exchange while an all-to-all is
+        in flight."""
+        nodes = [("F.dispatch", self.dispatch_forward), ("B.dispatch", self.backward),
+                 ("F.combine", self.combine_forward), ("B.combine", self.backward)]
+        if self.exchange_beside if beside is None else beside:
+            return [(node, self._beside(queue), self.read) for node, queue in nodes] + [
                 ("exchange", self.start_exchange, self.read)]
+        return [(node, queue, None) for node, queue in nodes] + [
+            ("exchange", self.start_exchange, self.read)]
+
+    def _beside(self, queue: Callable[[], None]) -> Callable[[], object]:
+        def with_exchange():
+            exchange = self.start_exchange()
+            queue()
+            return exchange
+        return with_exchange
 
     def start_exchange(self):
         return self.dispatcher.start_split_exchange(self.routed.counts, self.routed.row_id_map)
@@ -269,9 +287,10 @@ def node_samples(bench: NodeBench, args, cuda: bool, flag: torch.Tensor) -> dict
 
 
 def node_bytes(bench: NodeBench, peers: list[Peers], device) -> dict[str, Sent]:
-    """node -> what a rank sent in it, mean over the ranks."""
+    """node -> what a rank sent in it, mean over the ranks (its own all-to-alls: no exchange
+    beside it)."""
     per_node = {}
-    for node, queue, finish in bench.calls():
+    for node, queue, finish in bench.calls(beside=False):
         _clear(peers)
         pending = queue()
         if finish is not None:
@@ -331,8 +350,8 @@ def measure(groups, args, experts: int, topk: int, peak_gbps: Optional[float]) -
                                         groups.ep_size, hosts=args.hosts,
                                         **changes_for_shape(changes)))
         if args.time:
-            result[name]["timing"] = time_dispatch(groups, NodeBench(dispatcher, routed), peers,
-                                                   args, peak_gbps)
+            bench = NodeBench(dispatcher, routed, args.exchange_beside)
+            result[name]["timing"] = time_dispatch(groups, bench, peers, args, peak_gbps)
     return result
 
 
@@ -412,12 +431,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=10, help="--time: timed iterations")
     parser.add_argument("--warmup", type=int, default=3, help="--time: untimed iterations first")
     parser.add_argument("--links", help="--time: bench_a2a_links' JSON, for the link's peak")
+    parser.add_argument("--exchange-beside", action="store_true",
+                        help="--time: each all-to-all node with a split-size exchange started "
+                             "beside it (NodeBench.calls)")
     args = parser.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.hosts < 2 or world % args.hosts:
         parser.error(f"--hosts {args.hosts} must be >= 2 and divide the {world} ranks")
     if args.iters < 1 or args.warmup < 0:
         parser.error(f"--iters {args.iters} must be >= 1, --warmup {args.warmup} >= 0")
+    if args.exchange_beside and not args.time:
+        parser.error("--exchange-beside times the nodes: it needs --time")
     return args
 
 
@@ -444,6 +468,7 @@ def record_of(args, groups, world: int, cases: dict, host_ids: list,
                             "clock": "cuda_event" if groups.device.type == "cuda" else "host",
                             "method": "launch_ahead" if groups.device.type == "cuda" else
                             "barrier", "links": args.links,
+                            "exchange_beside": args.exchange_beside,
                             "peak_between_hosts_gbps": peak}
     return record
 

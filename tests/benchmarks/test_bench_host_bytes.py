@@ -117,3 +117,41 @@ def test_a_node_is_timed_from_a_common_start_after_the_host_queued_it(monkeypatc
                          ("event", "start"), ("event", "end"), ("record", "start"), ("queue",),
                          ("query", "start"), ("finish", "x"), ("record", "end"),
                          ("synchronize", "end")]
+
+
+def test_with_the_exchange_beside_each_all_to_all_node_starts_one_first_and_reads_it():
+    from benchmarks.harness import bench_host_bytes as bench
+    order = []
+
+    class Exchange:
+        def read(self):
+            order.append("read")
+
+    def node(name):
+        return lambda: order.append(name)
+    nodes = object.__new__(bench.NodeBench)  # the calls' order only: no dispatcher needed
+    nodes.start_exchange = lambda: (order.append("exchange"), Exchange())[1]
+    nodes.dispatch_forward, nodes.backward = node("F.dispatch"), node("backward")
+    nodes.combine_forward = node("F.combine")
+    for beside in (True, False):
+        order.clear()
+        nodes.exchange_beside = beside
+        calls = nodes.calls()
+        assert [name for name, _, _ in calls] == list(bench.NODES)
+        for _, queue, finish in calls:
+            pending = queue()
+            if finish is not None:
+                finish(pending)
+        plain = ["F.dispatch", "backward", "F.combine", "backward"]
+        expected = [step for name in plain for step in ("exchange", name, "read")] if beside \
+            else plain
+        assert order == expected + ["exchange", "read"]
+
+
+def test_the_exchange_beside_needs_the_timing(monkeypatch, capsys):
+    from benchmarks.harness import bench_host_bytes as bench
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as stop:
+        bench.parse_args(["--exchange-beside"])
+    assert stop.value.code == 2 and "it needs --time" in capsys.readouterr().err
+    assert bench.parse_args(["--time", "--exchange-beside"]).exchange_beside
