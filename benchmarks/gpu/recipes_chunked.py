@@ -39,18 +39,22 @@ def _chunked_bitwise_steps(runs: dict) -> tuple:
 
 # one MoE layer's forward + backward, chunked against unchunked, both sequential (the chunks'
 # all-to-alls on the comm lane beside their experts), from profiled runs in interleaved rounds
-LAYER_TIME_CHUNKS = (1, 2, 4)
+LAYER_TIME_SIDES = {f"k{k}": f"--moe-a2a-chunks {k}" for k in (1, 2, 4)}
 LAYER_TIME_ROUNDS = 3
+# K = 4 with the lanes kept apart: the all-to-all on at most 8 SMs, the grouped GEMMs on the rest
+LEVERS = "--moe-a2a-nccl-max-ctas 8 --moe-grouped-gemm-sm-carveout 8"
+LAYER_LEVER_SIDES = {"k1": "--moe-a2a-chunks 1", "k4": "--moe-a2a-chunks 4",
+                     "k4_ctas8": f"--moe-a2a-chunks 4 {LEVERS}"}
 
 
-def _layer_time_steps() -> tuple:
-    """Per round, a profiled run per K of LAYER_TIME_CHUNKS (P2P off), then moe_layer_time over
-    every run, each K's rounds pooled."""
-    runs = [(r, k) for r in range(1, LAYER_TIME_ROUNDS + 1) for k in LAYER_TIME_CHUNKS]
-    steps = [Step(f"profile_k{k}_r{r}", f"{CHUNKED_RUN} {SEQUENTIAL} --moe-a2a-chunks {k} "
-                  f"--profile-steps 6:9 --profile-dir {{out}}/profile_k{k}_r{r}",
-                  env={"NCCL_P2P_DISABLE": "1"}, timeout_s=100) for r, k in runs]
-    named = " ".join(f"k{k}={{out}}/profile_k{k}_r{r}" for r, k in runs)
+def _layer_time_steps(sides: dict) -> tuple:
+    """Per round, a profiled sequential run per side of `sides` (name -> flags; the first the
+    unchunked one) at P2P off, then moe_layer_time over every run, each side's rounds pooled."""
+    runs = [(r, name) for r in range(1, LAYER_TIME_ROUNDS + 1) for name in sides]
+    steps = [Step(f"profile_{name}_r{r}", f"{CHUNKED_RUN} {SEQUENTIAL} {sides[name]} "
+                  f"--profile-steps 6:9 --profile-dir {{out}}/profile_{name}_r{r}",
+                  env={"NCCL_P2P_DISABLE": "1"}, timeout_s=100) for r, name in runs]
+    named = " ".join(f"{name}={{out}}/profile_{name}_r{r}" for r, name in runs)
     return tuple(steps) + (Step("layer_time", "{python} -m benchmarks.harness.moe_layer_time "
                                 f"{named} --out {{out}}/moe_layer_time.json", timeout_s=60),)
 
@@ -85,7 +89,12 @@ CHUNKED_RECIPES = (
            "at the 1:1 shape with NCCL_P2P_DISABLE=1, sequential, K = 1, 2, 4, from profiled "
            "runs in 3 interleaved rounds (benchmarks.harness.moe_layer_time)",
            "profile_k*_r*/ (span files of steps 6-9), moe_layer_time.json (per K: medians, "
-           "every layer part's sample)", _layer_time_steps()),
+           "every layer part's sample)", _layer_time_steps(LAYER_TIME_SIDES)),
+    Recipe("chunked_layer_levers", 2,
+           "chunked_layer_time at K = 1, K = 4, and K = 4 with the lanes kept apart (the "
+           "all-to-all on at most 8 CTAs, the grouped GEMMs on all SMs but 8): whether the "
+           "chunks' all-to-alls and experts slow each other less",
+           "as chunked_layer_time", _layer_time_steps(LAYER_LEVER_SIDES)),
     Recipe("chunked_nop2p", 2,
            "--moe-a2a-chunks on the GPU CLI path: bits (chunked vs unchunked, bf16, optimizer "
            "on), then the step at the 1:1 shape with NCCL_P2P_DISABLE=1 per path (unchunked and "

@@ -21,6 +21,7 @@ import pytest
 from benchmarks.gpu import recipes, run
 from benchmarks.gpu.recipes import Recipe, Step
 from epoverlap.config.parse import parse_config
+from epoverlap.config import validate
 from epoverlap.config.resolve import validate_config
 from epoverlap.errors import ConfigError
 
@@ -238,9 +239,11 @@ def _training_argvs(command: str) -> list:
     return argvs
 
 
-def test_every_training_command_of_a_recipe_parses_and_validates():
+def test_every_training_command_of_a_recipe_parses_and_validates(monkeypatch):
     """A typo in a recipe's training flags would cost a device call: every such command is
-    parsed and checked by the training command's own config rules, at the recipe's GPUs."""
+    parsed and checked by the training command's own config rules, at the recipe's GPUs (and
+    the GPU machines' torch, whose NCCL takes a communicator config)."""
+    monkeypatch.setattr(validate, "nccl_config_unavailable", lambda: None)
     checked = 0
     for recipe in recipes.RECIPES:
         for step in recipe.steps:
