@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 from epoverlap.model.nodes import COMM, COMPUTE
 from epoverlap.schedule.plan import Action, Layout
+from epoverlap.simulator.costs import NodeCosts
 from epoverlap.simulator.engine import (HOST_THREAD_LANES, SERIAL, Costs, RankTimeline,
                                         SimResult, simulate)
 
@@ -30,23 +31,12 @@ ROUNDS = 8
 TOLERANCE = 1e-4  # of the step time
 
 
-class _Stretched:
+def _stretched(costs: Costs, stretch: dict) -> NodeCosts:
     """`costs` with each (rank, action)'s device time multiplied by its stretch."""
-
-    def __init__(self, costs: Costs, stretch: dict):
-        self.costs, self.stretch = costs, stretch
-
-    def compute_us(self, rank: int, action: Action) -> float:
-        return self.costs.compute_us(rank, action) * self.stretch.get((rank, action), 1.0)
-
-    def comm_us(self, rank: int, action: Action) -> float:
-        return self.costs.comm_us(rank, action) * self.stretch.get((rank, action), 1.0)
-
-    def host_us(self, rank: int, action: Action) -> float:
-        return self.costs.host_us(rank, action)
-
-    def sync_us(self, rank: int, action: Action) -> float:
-        return self.costs.sync_us(rank, action)
+    def scaled(duration):
+        return lambda rank, action: duration(rank, action) * stretch.get((rank, action), 1.0)
+    return NodeCosts(scaled(costs.compute_us), scaled(costs.comm_us), costs.host_us,
+                     costs.sync_us)
 
 
 def covered(start: float, end: float, intervals: Sequence[tuple[float, float]]) -> float:
@@ -64,23 +54,23 @@ def covered(start: float, end: float, intervals: Sequence[tuple[float, float]]) 
     return total / (end - start)
 
 
-def _runs(timeline: RankTimeline, durations: dict) -> list[tuple]:
-    """(span, run start, run end) of one rank's replayed spans: a compute span runs its whole
-    span; a comm span runs from when its lane reached it, waiting for its peers included, so
-    its transfer is its last `durations[...]` microseconds."""
+def _runs(timeline: RankTimeline, costs: Costs) -> list[tuple]:
+    """(span, run start, run end) of one rank's replayed spans under `costs`: a compute span
+    runs its whole span; a comm span runs from when its lane reached it, waiting for its peers
+    included, so its transfer is its last `costs.comm_us` microseconds."""
     runs = []
     for span in timeline.spans:
         start = span.start_us
         if span.lane == COMM:
-            start = max(start, span.end_us - durations.get((timeline.rank, span.action), 0.0))
+            start = max(start, span.end_us - costs.comm_us(timeline.rank, span.action))
         runs.append((span, start, span.end_us))
     return runs
 
 
-def _stretches(timeline: RankTimeline, durations: dict, factors: dict) -> dict:
+def _stretches(timeline: RankTimeline, costs: Costs, factors: dict) -> dict:
     """(rank, action) -> stretch: 1 + (its lane's factor - 1) x the share of its run that the
-    other lane's runs cover, on one rank."""
-    runs = _runs(timeline, durations)
+    other lane's runs cover, on one rank replayed under `costs`."""
+    runs = _runs(timeline, costs)
     busy = {lane: sorted((start, end) for span, start, end in runs if span.lane == lane)
             for lane in (COMPUTE, COMM)}
     stretch = {}
@@ -105,22 +95,14 @@ def simulate_contended(plan: Sequence[Action], layout: Layout, costs: Costs, num
         return result
     factors = {COMM: comm_factor, COMPUTE: compute_factor}
     stretch: dict = {}
+    current = costs  # the costs `result` was replayed under
     for _ in range(ROUNDS - 1):
-        durations = {(timeline.rank, span.action): _device_us(costs, stretch, timeline.rank,
-                                                              span)
-                     for timeline in result.ranks for span in timeline.spans}
         found: dict = {}
         for timeline in result.ranks:
-            found.update(_stretches(timeline, durations, factors))
+            found.update(_stretches(timeline, current, factors))
         stretch = {key: (value + stretch.get(key, value)) / 2 for key, value in found.items()}
-        previous, result = result, simulate(plan, layout, _Stretched(costs, stretch),
-                                            num_ranks, lanes, start_us)
+        current = _stretched(costs, stretch)
+        previous, result = result, simulate(plan, layout, current, num_ranks, lanes, start_us)
         if abs(result.step_us - previous.step_us) <= TOLERANCE * previous.step_us:
             break
     return result
-
-
-def _device_us(costs: Costs, stretch: dict, rank: int, span) -> float:
-    base = costs.comm_us(rank, span.action) if span.lane == COMM \
-        else costs.compute_us(rank, span.action)
-    return base * stretch.get((rank, span.action), 1.0)

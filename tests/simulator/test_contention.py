@@ -23,9 +23,8 @@ def test_the_share_of_a_run_the_other_lane_covers():
 def test_each_actions_stretch_from_the_plain_replay():
     plan = combined_1f1b_plan(LAYOUT, 2)
     timeline = simulate(plan, LAYOUT, table_costs(), 1, STREAM).ranks[0]
-    durations = {(0, span.action): 5.0 for span in timeline.spans}
     got = {str(action): value for (_, action), value in
-           _stretches(timeline, durations, {"comm": 2.0, "compute": 1.0}).items()}
+           _stretches(timeline, table_costs(), {"comm": 2.0, "compute": 1.0}).items()}
     # by hand, from test_stream_lanes_follow_the_executor_event_rules' timeline: B0.combine
     # (20-25) beside F1.embed and F1.attn (20-25); F1.dispatch (25-30) beside B0.mlp (25-31);
     # B0.dispatch (31-36) beside F1.mlp (31-34): 3 of 5; the first forward's and the last
@@ -35,7 +34,7 @@ def test_each_actions_stretch_from_the_plain_replay():
                                  "B0.dispatch.L0": 1.6, "F1.combine.L0": 2.0,
                                  "B1.combine.L0": 1.0, "B1.dispatch.L0": 1.0})
     compute = {str(action): value for (_, action), value in
-               _stretches(timeline, durations, {"comm": 1.0, "compute": 1.5}).items()}
+               _stretches(timeline, table_costs(), {"comm": 1.0, "compute": 1.5}).items()}
     assert compute["F1.attn.L0"] == pytest.approx(1.5)  # 21-25 under B0.combine's 20-25
     assert compute["F0.attn.L0"] == 1.0 and compute["B1.attn.L0"] == 1.0
 
