@@ -23,7 +23,7 @@ from collections import defaultdict
 from typing import Optional, Sequence
 
 from epoverlap.profiling.summary import InputError
-from epoverlap.profiling.torch_trace import Kernel, read_torch_trace, torch_trace_paths
+from epoverlap.profiling.torch_trace import Kernel, device_kernels
 
 # kind -> name pattern; the first match names a kernel's kind
 KINDS = (
@@ -65,15 +65,9 @@ def rank_table(kernels: Sequence[Kernel], steps: int, top: int) -> dict:
 
 
 def tables(arguments: Sequence[str], steps: int, top: int) -> list[dict]:
-    """One table per (trace file, device), the rank from the trace or the file order."""
-    found = []
-    for index, path in enumerate(torch_trace_paths(arguments)):
-        rank, kernels = read_torch_trace(path)
-        for device in sorted({kernel.device for kernel in kernels}):
-            own = [kernel for kernel in kernels if kernel.device == device]
-            found.append({"file": str(path), "rank": index if rank is None else rank,
-                          "device": device, **rank_table(own, steps, top)})
-    return found
+    """One table per (trace file, device) (`device_kernels`)."""
+    return [{**where, **rank_table(own, steps, top)}
+            for where, own in device_kernels(arguments)]
 
 
 def markdown(found: Sequence[dict], per_step: bool) -> list[str]:

@@ -3,10 +3,11 @@ other kernels compute.
 
 Owns `read_torch_trace` (a trace file, gzipped or not, given as an object or a bare event list,
 to its GPU kernels and the rank in its `distributedInfo`), `torch_trace_paths` (files and
-directories of them), `kernel_metrics` (a device's window, first kernel start to last kernel
-end: the overlap figures of epoverlap/profiling/overlap.py, plus busy time per stream) and
-`torch_trace_summary` (one entry per trace file and device), which `epoverlap-timeline
---torch-trace` prints and stores. Bad input raises `InputError` naming the file.
+directories of them), `device_kernels` (their kernels per file and device), `kernel_metrics`
+(a device's window, first kernel start to last kernel end: the overlap figures of
+epoverlap/profiling/overlap.py, plus busy time per stream) and `torch_trace_summary` (one
+entry per trace file and device), which `epoverlap-timeline --torch-trace` prints and stores.
+Bad input raises `InputError` naming the file.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 from epoverlap.profiling.overlap import measure, window_metrics
 from epoverlap.profiling.summary import InputError
@@ -107,19 +108,22 @@ def kernel_metrics(kernels: Sequence[Kernel]) -> dict[str, Any]:
     return {**figures, "streams": streams}
 
 
-def torch_trace_summary(arguments: Sequence[str],
-                        skip: Collection[str] = ()) -> list[dict[str, Any]]:
-    """One entry per (trace file, device) with kernel metrics; rank from the trace or file order.
-    `skip`: file names a directory argument leaves out (torch_trace_paths)."""
-    entries = []
+def device_kernels(arguments: Sequence[str], skip: Collection[str] = ()
+                   ) -> Iterator[tuple[dict[str, Any], list[Kernel]]]:
+    """Per (trace file, device): ({file, rank, device}, its kernels); the rank from the trace,
+    else the file's order. `skip`: file names a directory argument leaves out
+    (torch_trace_paths)."""
     for index, path in enumerate(torch_trace_paths(arguments, skip)):
         rank, kernels = read_torch_trace(path)
-        devices = sorted({kernel.device for kernel in kernels}, key=_natural_key)
-        for device in devices:
-            own = [kernel for kernel in kernels if kernel.device == device]
-            entries.append({"file": str(path), "rank": index if rank is None else rank,
-                            "device": device, **kernel_metrics(own)})
-    return entries
+        for device in sorted({kernel.device for kernel in kernels}, key=_natural_key):
+            yield ({"file": str(path), "rank": index if rank is None else rank,
+                    "device": device}, [kernel for kernel in kernels if kernel.device == device])
+
+
+def torch_trace_summary(arguments: Sequence[str],
+                        skip: Collection[str] = ()) -> list[dict[str, Any]]:
+    """One entry per (trace file, device) with kernel metrics (`device_kernels`)."""
+    return [{**where, **kernel_metrics(own)} for where, own in device_kernels(arguments, skip)]
 
 
 def _natural_key(text: str) -> tuple[int, Any]:
