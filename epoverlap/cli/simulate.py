@@ -154,10 +154,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--graphed-nodes", default="", help="comma list of nodes replayed as "
                         "CUDA graphs (no host launch cost), e.g. attn")
     parser.add_argument("--comm-beside-compute", type=float, default=1.0, metavar="F",
-                        help="an all-to-all runs F times slower while its rank computes beside "
-                        "it (bench_a2a_links --beside-gemm measures F; 1: no slowdown)")
+                        help="stretch factor (>= 1) of an all-to-all while its rank computes "
+                        "beside it, for the share of it compute covers (1: none)")
     parser.add_argument("--compute-beside-comm", type=float, default=1.0, metavar="F",
-                        help="a compute action runs F times slower beside an all-to-all")
+                        help="stretch factor (>= 1) of a compute action beside an all-to-all")
     parser.add_argument("--lanes", default="auto", choices=["auto", STREAM, THREAD])
     parser.add_argument("--out-dir", default="runs/simulate")
     parser.add_argument("--no-png", action="store_true")
