@@ -46,8 +46,8 @@ PRESETS: dict[str, dict] = {
     # heads of head dim 128 (query width 4096 != hidden 2048); epoverlap's head dim is hidden /
     # heads, so this keeps head dim 128 and the 4 KV heads (KV width 512, as Qwen3's) with 16
     # query heads (query width 2048: half Qwen3's attention projections and core attention).
-    # Its router's aux loss (1e-3) is Qwen3's; the learning rate is a Qwen3-sized one (the tiny
-    # preset's 3e-3 collapses this router onto 8 experts within 3 steps on mock data).
+    # Its router's aux loss (1e-3) is Qwen3's, and its learning rate one of Qwen3's size: the
+    # default 3e-3 collapses this router on mock data.
     # Estimated (training/memory.py, EP = GPUs) 64 GiB per GPU at 2 GPUs, 51 at 4 (66 and 53
     # with --overlap-moe-expert-parallel-comm); 8 layers would be 78 GiB at 2.
     "qwen3-30b-a3b-proxy": dict(num_layers=6, hidden_size=2048, ffn_hidden_size=6144,
