@@ -57,6 +57,22 @@ def _default_path_steps(env: dict = None, picked: tuple = tuple(HAND_PICKED),
                  env=dict(env or {}), timeout_s=420))
 
 
+# the budget dispatch fitted to the demand (--moe-dispatch-budget-fit) against the fixed 1.25
+# budget, both in one graph of the iteration with the overlap (what the default over NVLink
+# ran before the fit): step time, and rows sent over the dropless dispatch's, at a top-4 shape
+# (megatron-cmp) and a top-8 one (E8_SHAPE, below), the tuner off
+FIT = " --moe-dispatch-budget-memory 20 --moe-dispatch-budget-fit"
+FIT_SIDES = {"fixed_ovl_full": HAND_PICKED["ovl_full"] + " --moe-dispatch-budget-memory 20",
+             "fit_ovl_full": HAND_PICKED["ovl_full"] + FIT}
+
+
+def _budget_fit_steps(shapes: dict) -> tuple:
+    """Per shape (name -> flags over megatron-cmp): the fitted and fixed budgets, 3 rounds."""
+    run = DEFAULT_PATH_RUN.replace("--train-iters 24", "--train-iters 20") + " --tune off"
+    return tuple(rounds_step(FIT_SIDES, run + flags, f"fit_{name}", timeout_s=270)
+                 for name, flags in shapes.items())
+
+
 # the Qwen3 proxy's tuning run: 0.6 s steps on H100s and a capture per path of 4.3B parameters;
 # its rounds time the default against the sequential path alone (a run takes about 50 s: 3
 # sides x 3 rounds would pass the rounds step's 420 s)
@@ -289,6 +305,13 @@ RECIPES = (
            "interleaved rounds, NVLink",
            "tune_first.log (the tuning run: its table and step times), train_rounds.json "
            "(every step's time per run), logs/*.jsonl", _default_path_steps()),
+    Recipe("budget_fit", 2,
+           "the budget dispatch fitted to the demand against the fixed 1.25 budget (overlap, "
+           "one graph of the iteration, --tune off), NVLink, 3 interleaved rounds each, at "
+           "megatron-cmp (top-4 of 32) and the e8 shape (top-8 of 8): step time and the rows "
+           "the fixed chunks sent other ranks over the dropless dispatch's (dispatch_wire)",
+           "fit_*/train_rounds.json (per step: ms, budget, dispatch_wire), fit_*/logs/",
+           _budget_fit_steps({"megatron_cmp": "", "e8_k8": E8_SHAPE})),
     Recipe("default_path_all_gpus", 2,
            "default_path_nvlink on every visible GPU (EP = GPUs), against the sequential paths "
            "and the fastest hand-picked overlap path of 2 GPUs (full-iteration graphs)",

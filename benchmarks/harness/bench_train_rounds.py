@@ -13,7 +13,8 @@ PYTHONPATH, so PYTHONPATH alone would run this tree's package on both sides.
 Round r runs the sides in their order rotated by r - 1 (two sides: AB, BA, AB, ...), so no side
 always runs first on a host whose speed drifts. Every step's step_time_s is kept from each run's
 --log-json; a side's figure is the median over its runs' steps after --warmup (min and max
-beside it). Writes DIR/train_rounds.json and prints a markdown table last. Exit status: 0, or 1
+beside it). With the budget dispatch each step's budget and rows sent over the dropless
+dispatch's (`dispatch_wire`) are kept too, and the side's median of the latter. Writes DIR/train_rounds.json and prints a markdown table last. Exit status: 0, or 1
 when a run failed or wrote no steps, 2 on bad arguments.
 """
 
@@ -50,8 +51,10 @@ def side_figures(runs: list, warmup: int) -> dict:
     timed = [ms for run in runs for ms in run["step_ms"][warmup:]]
     if not timed:
         return {"steps_timed": 0}
+    wire = [x for run in runs for x in run.get("dispatch_wire", [])[warmup:] if x is not None]
     return {"median_ms": statistics.median(timed), "min_ms": min(timed), "max_ms": max(timed),
-            "steps_timed": len(timed)}
+            "steps_timed": len(timed),
+            **({"median_wire": statistics.median(wire)} if wire else {})}
 
 
 def run_side(side: dict, round_index: int, command: list, out: Path) -> dict:
@@ -70,7 +73,9 @@ def run_side(side: dict, round_index: int, command: list, out: Path) -> dict:
     return {"round": round_index, "rc": rc, "seconds": round(time.time() - start, 1),
             "command": shlex.join(argv), "log": str(log.relative_to(out)),
             "step_ms": [r["step_time_s"] * 1e3 for r in records],
-            "loss_hex": [r.get("loss_hex") for r in records]}
+            "loss_hex": [r.get("loss_hex") for r in records],
+            "dispatch_budget": [r.get("dispatch_budget") for r in records],
+            "dispatch_wire": [r.get("dispatch_wire") for r in records]}
 
 
 def write_report(out: Path, command: list, rounds: int, warmup: int, sides: list,
@@ -87,14 +92,15 @@ def write_report(out: Path, command: list, rounds: int, warmup: int, sides: list
 def markdown(report: dict) -> str:
     first = next(iter(report["sides"].values())).get("median_ms")
     lines = [f"| side | median step ms (steps after {report['warmup']}) | min - max | steps | "
-             "/ first side |", "| --- | --- | --- | --- | --- |"]
+             "/ first side | a2a rows / exact |", "| --- | --- | --- | --- | --- | --- |"]
     for name, side in report["sides"].items():
         if not side.get("steps_timed"):
-            lines.append(f"| {name} | - | - | 0 | - |")
+            lines.append(f"| {name} | - | - | 0 | - | - |")
             continue
         ratio = f"{side['median_ms'] / first:.3f}" if first else "-"
+        wire = f"{side['median_wire']:.3f}" if "median_wire" in side else "-"
         lines.append(f"| {name} | {side['median_ms']:.1f} | {side['min_ms']:.1f} - "
-                     f"{side['max_ms']:.1f} | {side['steps_timed']} | {ratio} |")
+                     f"{side['max_ms']:.1f} | {side['steps_timed']} | {ratio} | {wire} |")
     return "\n".join(lines)
 
 

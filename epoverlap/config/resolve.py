@@ -15,9 +15,11 @@ values:
                                      full_iteration over the sync-free budget dispatch
                                      (--moe-dispatch-budget 1.25: still dropless; with
                                      --moe-dispatch-budget-memory 20, so a router that keeps
-                                     overflowing it is not rerun every step) when the
-                                     dispatch is dropless; elsewhere, or where a rule refuses
-                                     that, local capturing attn moe_router moe_preprocess
+                                     overflowing it is not rerun every step, and
+                                     --moe-dispatch-budget-fit, so its buffers follow the
+                                     demand) when the dispatch is dropless; elsewhere, or
+                                     where a rule refuses that, local capturing attn
+                                     moe_router moe_preprocess
   --moe-dispatch-hierarchy           node where the EP group spans two or more whole hosts
                                      (torchrun's nodes, or --emulate-hosts) and, routing
                                      balanced, it sends at most 0.8 of the flat dispatch's rows
@@ -195,9 +197,9 @@ def _overlap(cfg: RunConfig) -> RunConfig:
 
 def _full_iteration(cfg: RunConfig) -> RunConfig:
     """One graph of the whole iteration, over the budget dispatch (dropless: an overflowing
-    step is rerun at a larger budget)."""
+    step is rerun at a larger budget), fitted to the demand."""
     cfg = _with(cfg, "moe", moe_dispatch_budget=FULL_ITERATION_BUDGET,
-                moe_dispatch_budget_memory=BUDGET_MEMORY_STEPS)
+                moe_dispatch_budget_memory=BUDGET_MEMORY_STEPS, moe_dispatch_budget_fit=True)
     return _with(cfg, "cuda_graph", impl="full_iteration", modules=(), inference_scope="none")
 
 

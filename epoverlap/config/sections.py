@@ -102,6 +102,12 @@ class MoEConfig:
         "last N steps ended at, so a router that keeps overflowing the base budget is not rerun "
         "every step (the levels are saved in checkpoints: a resumed run starts where the saved "
         "one would have); 0: every step starts at the base budget")
+    moe_dispatch_budget_fit: bool = flag(
+        False, "with --moe-dispatch-budget: the base budget follows the demand, so the fixed "
+        "buffers move about the dropless dispatch's bytes: after the first step it becomes the "
+        "most rows to one rank of the last --moe-dispatch-budget-memory steps (at least 1), "
+        "plus 2%%; it grows after a step that overflowed it and shrinks at most every 100 "
+        "steps, recapturing the CUDA graphs that hold the dispatch (saved in checkpoints)")
     moe_dispatch_once_per_rank: bool = flag(
         False, "send each token once to every EP rank that holds one of its top-k experts (not "
         "once per expert), with the probs of that rank's experts; the receiving rank copies it "

@@ -218,6 +218,8 @@ def _validate_dispatch(cfg: RunConfig) -> None:
     require(memory >= 0, "moe_dispatch_budget_memory", memory, "must be >= 0 (0: no memory)")
     require(memory == 0 or budget is not None, "moe_dispatch_budget_memory", memory,
              "needs --moe-dispatch-budget (the levels it remembers)")
+    require(not moe.moe_dispatch_budget_fit or budget is not None, "moe_dispatch_budget_fit",
+             True, "needs --moe-dispatch-budget (the base budget it fits)")
     if budget is not None:
         require(budget > 0, "moe_dispatch_budget", budget,
                  "must be > 0 (1.0 = the balanced share of rows per EP rank)")

@@ -6,6 +6,14 @@ to decide a rerun (`training.step`) and by the graph banks, which hold one bank 
 ByHostBudgetDispatcher`): a chunk per host, then a chunk per host mate, and the experts' rows.
 `GroupBudget` sizes the chunked layer's chunks, one per (rank pair, group of experts)
 (`model.chunked_budget`), at the shared budget's level; its demand joins the budget's.
+
+With --moe-dispatch-budget-fit the base budget follows the demand (`BudgetFit`): after the
+first step it becomes the least factor that held the most any step of the window wanted, plus
+`FIT_MARGIN`; it grows at once after a step that overflowed it, and shrinks where the window
+needed less, at most every `FIT_SHRINK_STEPS` steps (each change recaptures the graphs that
+hold the dispatch). Every rank sees the same all-reduced demand, so every rank fits alike. The
+rows the fixed chunks move beside the rows the dropless dispatch would move (`wire_rows`) are
+counted on the device, for the step's report.
 """
 
 from __future__ import annotations
@@ -18,6 +26,10 @@ import torch
 
 from epoverlap.config.dispatch import (budget_chunk_rows, budget_group_rows, budget_levels,
                                       group_reach)
+
+FIT_MARGIN = 0.02  # the fitted base budget: the window's most demand, plus this share
+FIT_GRID = 128  # ... rounded up to a multiple of 1 / FIT_GRID
+FIT_SHRINK_STEPS = 100  # the fitted budget shrinks at most once in this many steps
 
 
 class DispatchBudget:
@@ -43,8 +55,9 @@ class DispatchBudget:
 
     def __init__(self, factor: float, ranks: int, rows_per_dispatch: int,
                  device: torch.device, pairs_per_dispatch: Optional[int] = None,
-                 pairs_per_row: int = 1, memory_steps: int = 0):
-        self.ranks, self.rows = ranks, rows_per_dispatch
+                 pairs_per_row: int = 1, memory_steps: int = 0, fit: bool = False,
+                 rank: int = 0):
+        self.ranks, self.rows, self.rank = ranks, rows_per_dispatch, rank
         self.pairs, self.pairs_per_row = pairs_per_dispatch, pairs_per_row
         self.levels = budget_levels(factor, ranks)
         self.level = 0
@@ -53,6 +66,10 @@ class DispatchBudget:
         self.demand_rows = torch.zeros((), dtype=torch.int64, device=device)
         self.demand_expert_rows = torch.zeros((), dtype=torch.int64, device=device)
         self.groups: dict[tuple, GroupBudget] = {}  # the chunked layers' (`group_budget`)
+        # [rows the chunks sent other ranks over the step's attempts, rows the dropless
+        # dispatch would have sent them in its last attempt]
+        self.wire_rows = torch.zeros(2, dtype=torch.int64, device=device)
+        self.fit = BudgetFit(max(memory_steps, 1)) if fit else None
 
     @classmethod
     def of_model(cls, cfg, mode, comm, device: torch.device) -> Optional["DispatchBudget"]:
@@ -65,24 +82,27 @@ class DispatchBudget:
                                 cfg.train.micro_batch_size * cfg.model.seq_length,
                                 cfg.moe.moe_router_topk, cfg.moe.num_experts,
                                 mode.once_per_rank, device,
-                                memory_steps=cfg.moe.moe_dispatch_budget_memory, hosts=hosts)
+                                memory_steps=cfg.moe.moe_dispatch_budget_memory, hosts=hosts,
+                                fit=cfg.moe.moe_dispatch_budget_fit, rank=comm.rank)
 
     @classmethod
     def for_dispatch(cls, factor: float, ranks: int, tokens: int, topk: int, num_experts: int,
-                     once_per_rank: bool, device: torch.device,
-                     memory_steps: int = 0, hosts: int = 1) -> "DispatchBudget":
+                     once_per_rank: bool, device: torch.device, memory_steps: int = 0,
+                     hosts: int = 1, fit: bool = False, rank: int = 0) -> "DispatchBudget":
         """The budget of a dispatch of `tokens` tokens a microbatch: rows are (token, expert)
         pairs, or once per rank (EP > 1) (token, rank) pairs, at most min(topk, ranks) a token,
         each going to at most min(topk, L) local experts, whose rows are budgeted apart. By
-        host (`hosts` > 1): `ByHostBudget`."""
+        host (`hosts` > 1): `ByHostBudget`. `rank`: this rank's index in the EP group."""
         if hosts > 1:
             return ByHostBudget(factor, hosts, ranks // hosts, tokens, topk, num_experts,
-                                device, memory_steps)
+                                device, memory_steps, fit)
         if once_per_rank and ranks > 1:
             return cls(factor, ranks, tokens * min(topk, ranks), device,
                        pairs_per_dispatch=tokens * topk,
-                       pairs_per_row=min(topk, num_experts // ranks), memory_steps=memory_steps)
-        return cls(factor, ranks, tokens * topk, device, memory_steps=memory_steps)
+                       pairs_per_row=min(topk, num_experts // ranks), memory_steps=memory_steps,
+                       fit=fit, rank=rank)
+        return cls(factor, ranks, tokens * topk, device, memory_steps=memory_steps, fit=fit,
+                   rank=rank)
 
     def start_level(self) -> int:
         """The level a training step starts at: the largest level one of the remembered steps
@@ -90,9 +110,55 @@ class DispatchBudget:
         by an all-reduce), so every rank starts alike."""
         return max(self.recent_levels, default=0)
 
-    def remember(self, level: int) -> None:
-        """A training step ended at `level`."""
+    def remember(self, level: int, demand: Optional[Sequence[int]] = None) -> None:
+        """A training step ended at `level`, its last attempt's all-reduced `demand`."""
         self.recent_levels.append(level)
+        if self.fit is not None and demand is not None:
+            self.fit.observe(self.needed_factor(demand))
+
+    @property
+    def max_levels(self) -> int:
+        """The most levels the budget can have (a fitted base is at least 1)."""
+        if self.fit is None:
+            return len(self.levels)
+        return len(budget_levels(min(1.0, self.levels[0]), self.ranks))
+
+    def refit(self) -> Optional[float]:
+        """Before a step: the fitted base budget, where it changes now (`BudgetFit.due`), the
+        levels rebuilt from it and the remembered levels forgotten (they name the old levels);
+        else None."""
+        if self.fit is None:
+            return None
+        factor = self.fit.due(self.levels[0], float(self.ranks))
+        if factor is None:
+            return None
+        self.levels, self.level = budget_levels(factor, self.ranks), 0
+        self.recent_levels.clear()
+        return factor
+
+    def fit_state(self) -> Optional[dict]:
+        """The base budget and the fit's state, for a checkpoint (None without a fit)."""
+        if self.fit is None:
+            return None
+        return {"base": self.levels[0], **self.fit.state()}
+
+    def load_fit_state(self, state: dict) -> None:
+        """`fit_state` of the saved run, where this run fits too."""
+        if self.fit is not None:
+            self.levels = budget_levels(state["base"], self.ranks)
+            self.fit.load(state)
+
+    def needed_factor(self, demand: Sequence[int]) -> float:
+        """The least factor whose chunks hold `demand` (`demand()`, max over ranks)."""
+        need = demand[0] * self.ranks / self.rows
+        if self.pairs is not None:
+            need = max(need, demand[1] / self.pairs)
+        start = 2
+        for group in self.groups.values():
+            end = start + len(group.sizes)
+            need = max(need, group.needed_factor(demand[start:end]))
+            start = end
+        return need
 
     @property
     def factor(self) -> float:
@@ -127,6 +193,13 @@ class DispatchBudget:
         """Record on the device the most rows this dispatch routes to one rank (no sync)."""
         torch.maximum(self.demand_rows, send_R.max(), out=self.demand_rows)
 
+    def note_wire(self, send_R: torch.Tensor, chunk_rows: int) -> None:
+        """Count on the device what a dispatch of fixed chunks sends the other ranks, and what
+        the dropless dispatch would have sent them (`send_R`: its rows per rank)."""
+        exact = send_R.sum() - send_R[self.rank]
+        self.wire_rows[0].add_(chunk_rows * (self.ranks - 1))
+        self.wire_rows[1].add_(exact)
+
     def note_expert_rows(self, pairs: torch.Tensor) -> None:
         """Record on the device the pairs this dispatch brought the local experts (no sync)."""
         torch.maximum(self.demand_expert_rows, pairs, out=self.demand_expert_rows)
@@ -142,10 +215,17 @@ class DispatchBudget:
         return self.groups[key]
 
     def reset_demand(self) -> None:
+        """Before an attempt: no demand yet, and no exact rows (the chunks' rows add up over a
+        step's attempts, `reset_wire`)."""
         self.demand_rows.zero_()
         self.demand_expert_rows.zero_()
+        self.wire_rows[1].zero_()
         for group in self.groups.values():
             group.demand_rows.zero_()
+
+    def reset_wire(self) -> None:
+        """Before a step."""
+        self.wire_rows.zero_()
 
     def demand(self) -> torch.Tensor:
         """[rows to one rank, pairs on one rank's experts, then each `GroupBudget`'s rows to
@@ -189,12 +269,13 @@ class ByHostBudget(DispatchBudget):
     records its demand; `fits` needs all three."""
 
     def __init__(self, factor: float, hosts: int, per_host: int, tokens: int, topk: int,
-                 num_experts: int, device: torch.device, memory_steps: int = 0):
+                 num_experts: int, device: torch.device, memory_steps: int = 0,
+                 fit: bool = False):
         ranks = hosts * per_host
         super().__init__(factor, ranks, tokens * min(topk, hosts), device,
                          pairs_per_dispatch=tokens * topk,
                          pairs_per_row=min(topk, num_experts // ranks),
-                         memory_steps=memory_steps)
+                         memory_steps=memory_steps, fit=fit)
         self.hosts, self.per_host, self.tokens = hosts, per_host, tokens
         self._host_share = tokens * group_reach(num_experts, topk, hosts)
         self._mate_share = hosts * tokens * group_reach(num_experts, topk, ranks)
@@ -233,6 +314,10 @@ class ByHostBudget(DispatchBudget):
                 and self.within_rows_at(level) >= demand[1]
                 and self.expert_rows_at(level) >= demand[2])
 
+    def needed_factor(self, demand: Sequence[int]) -> float:
+        return max(demand[0] / self._host_share, demand[1] / self._mate_share,
+                   demand[2] / self.pairs)
+
 
 class GroupBudget:
     """The chunked budget dispatch's chunk sizes (`model.chunked_budget`): at each level f of
@@ -266,3 +351,50 @@ class GroupBudget:
 
     def fits(self, level: int, demand: Sequence[int]) -> bool:
         return all(rows >= wanted for rows, wanted in zip(self.rows_at(level), demand))
+
+    def needed_factor(self, demand: Sequence[int]) -> float:
+        """The least factor whose chunks hold `demand` (each group's most rows to one rank)."""
+        return max(wanted * self.num_experts / (self.tokens * self.topk * size)
+                   for size, wanted in zip(self.sizes, demand))
+
+
+class BudgetFit:
+    """When the fitted base budget changes (--moe-dispatch-budget-fit), from the factors the
+    last `window` steps needed (`DispatchBudget.needed_factor`): after the first step; at
+    once where a step needed more than the base (it overflowed: rerun); where the window needs
+    less, once `FIT_SHRINK_STEPS` steps have passed since the last change."""
+
+    def __init__(self, window: int):
+        self.needs: collections.deque = collections.deque(maxlen=window)
+        self.fitted = False
+        self.steps_since = 0  # steps since the last change
+
+    def observe(self, need: float) -> None:
+        self.needs.append(need)
+        self.steps_since += 1
+
+    def target(self, top: float) -> float:
+        """The window's most need plus the margin, on the grid, within [1, `top`]."""
+        wanted = max(self.needs) * (1 + FIT_MARGIN)
+        return min(top, max(1.0, math.ceil(wanted * FIT_GRID) / FIT_GRID))
+
+    def due(self, base: float, top: float) -> Optional[float]:
+        """The new base budget if it changes now (else None)."""
+        if not self.needs:
+            return None
+        target = self.target(top)
+        grow = self.needs[-1] > base
+        shrink = (target * (1 + FIT_MARGIN) < base
+                  and self.steps_since >= FIT_SHRINK_STEPS)
+        if target == base or not (grow or shrink or not self.fitted):
+            return None
+        self.fitted, self.steps_since = True, 0
+        return target
+
+    def state(self) -> dict:
+        return {"needs": list(self.needs), "fitted": self.fitted,
+                "steps_since": self.steps_since}
+
+    def load(self, state: dict) -> None:
+        self.needs.extend(state["needs"])
+        self.fitted, self.steps_since = state["fitted"], state["steps_since"]

@@ -64,6 +64,7 @@ class ChunkedBudgetMoE(ChunkedMoE):
         counts_RL = sizes.view(self.ranks, -1)
         send_RK = torch.stack([counts_RL[:, a:b].sum(dim=1) for a, b in self.groups], dim=1)
         self.budget.note(send_RK)
+        self.dispatcher.budget.note_wire(send_RK.sum(dim=1), sum(rows_K))
         recv_RL = self.comm.exchange_counts(sizes)
         send, return_index = chunk_indices(send_RK, rows_K, num_rows)
         send_index = torch.cat(send)

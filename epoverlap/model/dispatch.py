@@ -270,6 +270,7 @@ class BudgetDispatcher(TokenDispatcher):
         chunk = budget.chunk_rows
         send_R, recv_RL = self._rows_to_send(counts_E, row_id_map)
         budget.note(send_R)
+        budget.note_wire(send_R, chunk)
         send_index, return_index = budget_indices(send_R, chunk, num_rows)
         send_XH = move_rows(permuted_NH, send_index, return_index)
         send_probs_X = self._chunk_probs(move_rows(permuted_probs_N, send_index, return_index),

@@ -219,7 +219,7 @@ class RunParts:
         per_level = budget is not None and holds_dispatch
         # a bank per path the tuner may switch to (`_tuner` keys them by path)
         paths = len(candidate_paths(self.cfg)) if tune_mode(self.cfg) != "off" else 1
-        banks = GraphBanks(make_bank, (len(budget.levels) if per_level else 1) * paths)
+        banks = GraphBanks(make_bank, (budget.max_levels if per_level else 1) * paths)
         return StepGraphs(banks, graph_cfg.warmup_steps, per_level, full)
 
     def _bank_factory(self, full: bool, watch) -> Callable[[], object]:

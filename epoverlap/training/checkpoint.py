@@ -201,12 +201,18 @@ class Checkpointer:
                 "ep_size": g.ep_size, "num_experts": self.num_experts,
                 "optimizer_state": with_optimizer, "loss_scale": None,
                 "torch_version": torch.__version__, "config": self.cfg.to_dict(),
-                "budget_levels": self._budget_levels()}
+                "budget_levels": self._budget_levels(), "budget_fit": self._budget_fit()}
 
     def _budget_levels(self) -> list:
         """The levels --moe-dispatch-budget-memory remembers ([] without it)."""
         budget = getattr(self.model, "dispatch_budget", None)
         return list(budget.recent_levels) if budget is not None else []
+
+    def _budget_fit(self) -> Optional[dict]:
+        """The fitted base budget and what it was fitted from (None without
+        --moe-dispatch-budget-fit)."""
+        budget = getattr(self.model, "dispatch_budget", None)
+        return budget.fit_state() if budget is not None else None
 
     # ------------------------------------------------------------------------------ load
     def resume(self, ref: Optional[files.CheckpointRef]) -> int:
@@ -260,10 +266,14 @@ class Checkpointer:
         return 0 if c.finetune else ref.step
 
     def _restore_budget_levels(self, ref: files.CheckpointRef) -> None:
-        """The remembered budget levels, so a resumed run starts each step where the saved run
-        would have (a fresh start with --finetune)."""
+        """The remembered budget levels and the fitted base budget (at the same EP size), so a
+        resumed run starts each step where the saved run would have (a fresh start with
+        --finetune)."""
         budget = getattr(self.model, "dispatch_budget", None)
         if budget is not None and not self.cfg.checkpoint.finetune:
+            fit = ref.meta.get("budget_fit")
+            if fit is not None and ref.meta["ep_size"] == self.groups.ep_size:
+                budget.load_fit_state(fit)
             top = len(budget.levels) - 1  # a run resumed at another EP size has other levels
             budget.recent_levels.extend(min(level, top)
                                         for level in ref.meta.get("budget_levels", []))

@@ -54,6 +54,7 @@ class StepResult:
     dropped_fraction: Optional[float] = None  # of all routed (token, expert) pairs
     dispatch_reruns: Optional[int] = None  # budget: reruns after an overflow
     dispatch_budget: Optional[float] = None  # budget: the budget the step's result came from
+    dispatch_wire: Optional[float] = None  # budget: rows sent / the dropless dispatch's rows
     deterministic: bool = False  # --deterministic-mode: bitwise comparisons with another run hold
     triton_variants: Optional[int] = None  # compiled Triton kernel variants so far (this rank)
     peak_reserved_gib: Optional[float] = None  # the caching allocator's peak (graph pools too)
@@ -116,12 +117,16 @@ def format_duration(seconds: float) -> str:
 
 
 def _dispatch_note(r: StepResult) -> str:
-    """' | dropped 12 (0.40%)' with a capacity; ' | reruns 1 (budget 2)' with a budget."""
+    """' | dropped 12 (0.40%)' with a capacity; ' | reruns 1 (budget 2) | a2a rows 1.250x
+    exact' with a budget (the rows its fixed chunks sent other ranks over the dropless
+    dispatch's)."""
     note = ""
     if r.dropped_tokens is not None:
         note += f" | dropped {r.dropped_tokens} ({100 * r.dropped_fraction:.2f}%)"
     if r.dispatch_reruns is not None:
         note += f" | reruns {r.dispatch_reruns} (budget {r.dispatch_budget:g})"
+    if r.dispatch_wire is not None:
+        note += f" | a2a rows {r.dispatch_wire:.3f}x exact"
     return note
 
 

@@ -63,6 +63,7 @@ class StepRunner:
         self.tuned_path: Optional[dict] = None  # the decision's JSON record, for its step
         self._tune_record_due = parts.tuner is not None and parts.tuner.cached
         self.stop_reason: Optional[str] = None  # every rank's agreed reason to stop now
+        self._last_demand: Optional[list] = None  # the budget's, of the last attempt
 
     # ----------------------------------------------------------------- the step
     def step(self, step: int) -> StepResult:
@@ -126,6 +127,18 @@ class StepRunner:
             result.dropped_tokens, result.dropped_fraction = self._dropped_tokens()
         if p.budget is not None:
             result.dispatch_reruns, result.dispatch_budget = reruns, p.budget.factor
+            result.dispatch_wire = self._wire_ratio()
+
+    def _wire_ratio(self) -> Optional[float]:
+        """Rows the budget's chunks sent other ranks this step (every attempt) over the rows
+        the dropless dispatch would have sent them, summed over all ranks (one all-reduce);
+        None where no chunk of fixed size was sent (one EP rank; the by-host dispatch)."""
+        p = self.parts
+        rows = p.budget.wire_rows.clone()
+        if p.groups.world_size > 1:
+            p.groups.world.all_reduce(rows)
+        sent, exact = host_list(rows)
+        return sent / exact if sent and exact else None
 
     def _profiled(self, step: int) -> bool:
         window = self.parts.cfg.log.profile_range
@@ -174,11 +187,29 @@ class StepRunner:
         router RNG state, so its result is the one a run at its budget level would give."""
         inputs = self.microbatches(step)
         budget = self.parts.budget
+        if budget is not None:
+            self._refit_budget(budget, step)
+            budget.reset_wire()
         start = budget.start_level() if budget is not None else 0
         result = self.until_it_fits(lambda level: self._attempt(step, inputs, level), start)
         if budget is not None:
-            budget.remember(budget.level)
+            budget.remember(budget.level, self._last_demand)
         return result
+
+    def _refit_budget(self, budget, step: int) -> None:
+        """--moe-dispatch-budget-fit: where the fitted base budget changes before this step,
+        the graphs sized by the old one are released (the next attempts record and capture
+        anew), said in one line."""
+        old = budget.levels[0]
+        factor = budget.refit()
+        if factor is None:
+            return
+        freed = ""
+        if self.parts.graphs is not None and self.parts.graphs.per_level:
+            self.parts.graphs.release()
+            freed = "; the CUDA graphs that hold the dispatch are recaptured"
+        self.tune_report.append(f"dispatch budget: before step {step}, fitted to the demand, "
+                                f"{old:g} -> {factor:g}{freed}")
 
     def until_it_fits(self, attempt, start: int = 0):
         """`attempt(level)` at budget level `start`, then again at the level `overflow_level`
@@ -220,7 +251,8 @@ class StepRunner:
         demand = budget.demand()
         if p.groups.world_size > 1:
             p.groups.world.all_reduce(demand, op=dist.ReduceOp.MAX)
-        return budget.rerun_level(host_list(demand))
+        self._last_demand = host_list(demand)
+        return budget.rerun_level(self._last_demand)
 
     def capture_graphs(self) -> list:
         """Capture the graph banks this step recorded (the last warmup step records the base

@@ -40,6 +40,7 @@ def test_gpus_over_nvlink_get_bf16_and_one_graph_of_the_iteration(gpu_rules, mon
     cfg = resolved([], world=2, cuda=True)
     assert (cfg.train.bf16, cfg.overlap.overlap_moe_expert_parallel_comm) == (True, True)
     assert (cfg.cuda_graph.impl, cfg.moe.moe_dispatch_budget) == ("full_iteration", 1.25)
+    assert (cfg.moe.moe_dispatch_budget_memory, cfg.moe.moe_dispatch_budget_fit) == (20, True)
     assert "--moe-dispatch-budget" in cfg.defaulted
     assert cfg.overlap.overlap_grad_reduce is False  # opt-in (it delays comm-bound steps)
 

@@ -237,3 +237,16 @@ def test_a_resumed_run_remembers_the_budget_levels_of_the_saved_one(tmp_path, on
     assert whole[0][1] >= 1 and whole[2][1] == 0  # step 1 overflowed; step 3 started above
     resumed = _train_results(argv, files.read_checkpoint(tmp_path / iter_name(2), str(tmp_path)))
     assert resumed == whole[2:]
+
+
+def test_a_resumed_run_keeps_the_fitted_budget_of_the_saved_one(tmp_path, one_thread):
+    """--moe-dispatch-budget-fit: the fitted base and the demand it came from are saved with
+    the checkpoint, so the resumed steps run at the uninterrupted run's budgets (a fresh fit
+    would start again at the flag's 0.25 and rerun step 3)."""
+    argv = FLAGS + ["--moe-dispatch-budget", "0.25", "--moe-dispatch-budget-memory", "4",
+                    "--moe-dispatch-budget-fit"]
+    whole = _train_results(argv + ["--save", str(tmp_path), "--save-interval", "2"])
+    assert whole[0][1] >= 1 and all(reruns == 0 and budget > 0.25
+                                    for _, reruns, budget in whole[1:])
+    resumed = _train_results(argv, files.read_checkpoint(tmp_path / iter_name(2), str(tmp_path)))
+    assert resumed == whole[2:]
