@@ -22,7 +22,9 @@ so it is deliberately coarser-safe than Triton's own specialization rather than 
   - the current device.
 Anything else (a tuple argument, a tensor descriptor, a callable grid), launch hooks installed
 (a profiler such as proton), Triton's global debug knob, or the interpreter
-(`TRITON_INTERPRET=1`, CPU) take Triton's own path unchanged. The entries per kernel are
+(`TRITON_INTERPRET=1`, CPU) take Triton's own path unchanged; under the interpreter one launch
+runs at a time (`_INTERPRETER`: it patches `triton.language` while a kernel runs, so the CPU
+comm lane's thread and the main thread must not interpret at once). The entries per kernel are
 bounded (`MAX_ENTRIES`, the oldest dropped first), so a run whose shapes keep changing costs at
 most Triton's own path plus one dict insert per call.
 
@@ -33,11 +35,13 @@ kernel are passed through.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Optional
 
 import torch
 
 MAX_ENTRIES = 64
+_INTERPRETER = threading.Lock()  # one interpreted launch at a time (module docstring)
 _INT32 = (-(2**31), 2**31 - 1)
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -96,7 +100,10 @@ class LaunchCache:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args: tuple, kwargs: dict):
-        knobs = self._runtime_knobs if self._jit and self.enabled else None
+        if not self._jit:  # the interpreter
+            with _INTERPRETER:
+                return self.fn[grid](*args, **kwargs)
+        knobs = self._runtime_knobs if self.enabled else None
         if knobs is None or callable(grid) or knobs.debug or hooks_installed(knobs):
             return self.fn[grid](*args, **kwargs)
         driver = self._driver.active

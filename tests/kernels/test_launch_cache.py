@@ -168,3 +168,34 @@ def test_the_real_kernels_pass_their_attributes_through():
     assert isinstance(kernel, LaunchCache)
     assert kernel.fn.__class__.__name__ in ("JITFunction", "InterpretedFunction")
     assert hasattr(kernel, "device_caches") or kernel.fn.__class__.__name__ != "JITFunction"
+
+
+class _PatchingInterpreter:
+    """Like Triton's interpreter: a launch patches a module-wide global for its duration
+    (triton.language), and a kernel that finds it unpatched mid-run fails."""
+
+    patched = 0
+
+    def __getitem__(self, grid):
+        def run(*args):
+            _PatchingInterpreter.patched += 1
+            try:
+                for _ in range(2000):
+                    if _PatchingInterpreter.patched != 1:
+                        raise RuntimeError("another launch patched the language mid-run")
+            finally:
+                _PatchingInterpreter.patched -= 1
+        return run
+
+
+def test_interpreted_launches_from_two_threads_run_one_at_a_time():
+    """On CPU the comm lane is a worker thread: its kernels and the main thread's must not be
+    interpreted at once (LaunchCache serializes the interpreter's launches)."""
+    import concurrent.futures
+
+    kernel = LaunchCache(_PatchingInterpreter())
+    assert not kernel._jit
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        launches = [pool.submit(kernel[(1,)], i) for i in range(200)]
+        for launch in launches:
+            launch.result()
