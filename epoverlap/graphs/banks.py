@@ -94,9 +94,12 @@ class StepGraphs:
         self.banks.release(keys)
         return freed
 
-    def begin_attempt(self, step: int, level: int) -> None:
+    def begin_attempt(self, step: int, level: int, capture: bool = True) -> None:
+        """Select `level`'s bank for an attempt of a step; it records (to be captured after
+        the step) if it has no graphs yet, the warmup is over and `capture` (else an
+        uncaptured bank runs eagerly)."""
         bank = self.banks.select(self.key(level))
-        bank.recording = not bank.captured and step >= self.warmup_steps
+        bank.recording = capture and not bank.captured and step >= self.warmup_steps
         if bank.recording:
             self._due.setdefault(self.key(level), level)
 

@@ -231,7 +231,10 @@ class StepRunner:
         self.select_budget_level(level)
         if p.graphs is None:
             return self.run_microbatches(step, inputs)
-        p.graphs.begin_attempt(step - p.start_step, level)  # warmup counts from here
+        # warmup counts from here; a fitted budget captures its base level only: a rerun above
+        # it runs eagerly, since the base grows before the next step (its bank would be freed)
+        capture = level == 0 or p.budget is None or p.budget.fit is None
+        p.graphs.begin_attempt(step - p.start_step, level, capture)
         try:
             return self.run_microbatches(step, inputs)
         finally:

@@ -130,9 +130,10 @@ FIT_RUNS = [("eager", TINY_BUDGET + OVERLAP), ("full_fit", TINY_BUDGET + OVERLAP
 def test_a_fitted_budget_recaptures_its_graph_and_keeps_the_bits():
     """A budget a quarter of the balanced share, fitted after the first step (2 gloo ranks,
     the overlap in one graph of the iteration, capture emulated, warmup 1): the first step
-    reruns and captures its two banks; the fit grows the base before the second, which
-    releases them, records and captures the fitted base's; every loss equals the unfitted
-    eager run's, fewer steps rerun."""
+    records and captures the base's bank, its rerun runs eagerly (no bank for a level the fit
+    leaves at once); the fit grows the base before the second, which releases the bank,
+    records and captures the fitted base's; every loss equals the unfitted eager run's, fewer
+    steps rerun."""
     for rank, runs in enumerate(run_ranks(graphed_training, 2, 2, 4, FIT_RUNS,
                                           timeout_s=600)):
         (eager, _, _), (steps, banks, lines) = runs["eager"], runs["full_fit"]
@@ -141,6 +142,8 @@ def test_a_fitted_budget_recaptures_its_graph_and_keeps_the_bits():
         assert sum(reruns for _, reruns, _ in steps) < sum(reruns for _, reruns, _ in eager)
         assert banks == [0], banks  # the banks of step 1 released, the fitted base's left
         captures = [line for line in lines if line.startswith("CUDA graphs (budget ")]
+        assert len(captures) == 2 and captures[0].startswith(
+            "CUDA graphs (budget 0.25): 1 captured after step 1"), captures  # not the rerun's
         assert captures[-1].startswith(f"CUDA graphs (budget {steps[1][2]:g}): 1 captured "
                                        "after step 2"), captures
         if rank == 0:  # the run's report
