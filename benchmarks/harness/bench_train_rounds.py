@@ -14,8 +14,9 @@ Round r runs the sides in their order rotated by r - 1 (two sides: AB, BA, AB, .
 always runs first on a host whose speed drifts. Every step's step_time_s is kept from each run's
 --log-json; a side's figure is the median over its runs' steps after --warmup (min and max
 beside it). With the budget dispatch each step's budget and rows sent over the dropless
-dispatch's (`dispatch_wire`) are kept too, and the side's median of the latter. Writes DIR/train_rounds.json and prints a markdown table last. Exit status: 0, or 1
-when a run failed or wrote no steps, 2 on bad arguments.
+dispatch's (`dispatch_wire`) are kept too, and the side's median of the latter. Writes
+DIR/train_rounds.json and prints a markdown table last. Exit status: 0, or 1 when a run failed
+or wrote no steps, 2 on bad arguments.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import torch
 from epoverlap.config import parse_config, validate_config
 from epoverlap.config.dispatch import budget_levels
 from epoverlap.errors import ConfigError
-from epoverlap.model.budget import (FIT_GRID, FIT_MARGIN, FIT_SHRINK_STEPS, BudgetFit,
-                                    ByHostBudget, DispatchBudget)
+from epoverlap.model.budget import (FIT_GRID, FIT_MARGIN, FIT_SHRINK_STEPS, ByHostBudget,
+                                    DispatchBudget)
 
 from dispatch_workers import graphed_training
 from dist_helpers import run_ranks
@@ -149,3 +149,6 @@ def test_a_fitted_budget_recaptures_its_graph_and_keeps_the_bits():
         if rank == 0:  # the run's report
             assert any(line.startswith("dispatch budget: before step 2, fitted to the demand, "
                                        "0.25 -> ") for line in lines), lines
+            last = next(line for line in lines if line.startswith("step    4/4 "))
+            sent = float(last.split(" | a2a rows ")[1].split("x exact")[0])
+            assert 1.0 <= sent <= 2.0, last  # no rerun: the chunks hold every row sent
