@@ -312,6 +312,15 @@ RECIPES = (
            "the fixed chunks sent other ranks over the dropless dispatch's (dispatch_wire)",
            "fit_*/train_rounds.json (per step: ms, budget, dispatch_wire), fit_*/logs/",
            _budget_fit_steps({"megatron_cmp": "", "e8_k8": E8_SHAPE})),
+    Recipe("symm_a2a", 2,
+           "the dispatch's all-to-all with split sizes on the device (symmetric memory's "
+           "all_to_all_vdev over NVSHMEM, eager and from a CUDA graph) against NCCL's with "
+           "exact splits and with fixed chunks (the budget's), 8192 and 32768 rows of 2048 "
+           "bf16 per rank, balanced and skewed 1.25, NVLink",
+           "symm_a2a.json (per case: every sample, medians, GB/s per GPU, output checked, "
+           "whether it captures)",
+           (Step("symm_a2a", "{torchrun} -m benchmarks.harness.bench_symm_a2a --iters 20 "
+                             "--out {out}/symm_a2a.json", timeout_s=240),)),
     Recipe("default_path_all_gpus", 2,
            "default_path_nvlink on every visible GPU (EP = GPUs), against the sequential paths "
            "and the fastest hand-picked overlap path of 2 GPUs (full-iteration graphs)",
