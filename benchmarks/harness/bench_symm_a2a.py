@@ -108,12 +108,22 @@ class Case:
         self.symm_in = symm_mem.empty(rows * hidden, dtype=torch.bfloat16, device=device)
         self.symm_out = symm_mem.empty(ranks * rows * hidden, dtype=torch.bfloat16,
                                        device=device)
-        self.in_splits = symm_mem.empty(ranks, dtype=torch.int64, device=device)
-        self.out_splits_offsets = symm_mem.empty((2, ranks), dtype=torch.int64, device=device)
-        for buffer in (self.symm_in, self.symm_out, self.in_splits, self.out_splits_offsets):
+        # torch's two signatures: (input, out, in_splits, out_splits_offsets [2, n], group) and
+        # the older (input, out, in_out_splits [3, n]: in, out, offsets, group)
+        # (each its own allocation: the op looks a symmetric tensor up by its start)
+        send = torch.tensor(self.send, device=device) * hidden
+        if len(torch.ops.symm_mem.all_to_all_vdev.default._schema.arguments) == 5:
+            self.splits = (symm_mem.empty(ranks, dtype=torch.int64, device=device),
+                           symm_mem.empty((2, ranks), dtype=torch.int64, device=device))
+            self.splits[0].copy_(send)
+            self.received = self.splits[1][0]  # elements from each rank, after a call
+        else:
+            self.splits = (symm_mem.empty((3, ranks), dtype=torch.int64, device=device),)
+            self.splits[0][0].copy_(send)
+            self.received = self.splits[0][1]
+        for buffer in (self.symm_in, self.symm_out) + self.splits:
             symm_mem.rendezvous(buffer, group=group_name)
         self.symm_in.copy_(self.inp.reshape(-1))
-        self.in_splits.copy_(torch.tensor(self.send, device=device) * hidden)
 
     def nccl_exact(self) -> None:
         dist.all_to_all_single(self.out, self.inp, self.recv, self.send)
@@ -122,15 +132,15 @@ class Case:
         dist.all_to_all_single(self.chunk_out, self.chunk_in)
 
     def symm_vdev(self) -> None:
-        torch.ops.symm_mem.all_to_all_vdev(self.symm_in, self.symm_out, self.in_splits,
-                                           self.out_splits_offsets, self.group_name)
+        torch.ops.symm_mem.all_to_all_vdev(self.symm_in, self.symm_out, *self.splits,
+                                           self.group_name)
 
     def checked(self) -> bool:
         """The symmetric call's received splits and rows equal NCCL's exact ones."""
         self.nccl_exact()
         self.symm_vdev()
         torch.cuda.synchronize()
-        splits = (self.out_splits_offsets[0] // self.hidden).tolist()
+        splits = (self.received // self.hidden).tolist()
         rows = self.symm_out[:self.rows_out * self.hidden].view(self.rows_out, self.hidden)
         return splits == self.recv and torch.equal(rows, self.out)
 
