@@ -205,6 +205,15 @@ HOSTS_PROFILES = {"comp_seq": SEQUENTIAL + FLAT + _held("per_expert"),
 
 
 
+# the overlap's realized share by host with the ends paired too (F0 beside F1, B(M-2) beside
+# B(M-1)): the seventh session's 2 x 2 runs left about 12.5 ms of a step's edges with nothing
+# beside them (benchmarks/multinode.md)
+PAIRED = " --overlap-plan combined_1f1b_paired_ends"
+SHARE_PROFILES = {"node_seq": HOSTS_SIDES["node_seq"], "node_ovl": HOSTS_SIDES["node_ovl"],
+                  "node_paired": HOSTS_SIDES["node_ovl"] + PAIRED,
+                  "comp_alone": HOSTS_PROFILES["comp_alone"]}
+
+
 RECIPES = (
     Recipe("gpu_tests_1gpu", 1,
            "the GPU pytest tier on one GPU (-m 'gpu and not multigpu'): kernels against the "
@@ -485,6 +494,19 @@ RECIPES = (
                         f"--seq {{out}}/profile_node_seq --ovl {{out}}/profile_node_ovl_{name} "
                         f"--comp {{out}}/profile_comp_wgrad --out {{out}}/share_{name}.json",
                         timeout_s=60) for name in ("beside", "after")),
+           all_gpus=True),
+    Recipe("hosts_share_paired", 2,
+           "the realized share of the by-host overlap on the GPUs as 2 emulated hosts, with the "
+           "combined 1F1B and with its ends paired (--overlap-plan combined_1f1b_paired_ends), "
+           "from profiled runs (steps 6-9) against the sequential run and the compute alone",
+           "profile_*/ (span files), share_ovl.json, share_paired.json",
+           tuple(Step(f"profile_{name}", f"{HOSTS_RUN} {flags} --profile-steps 6:9 "
+                      f"--profile-dir {{out}}/profile_{name}", timeout_s=100)
+                 for name, flags in SHARE_PROFILES.items())
+           + tuple(Step(f"share_{name}", "{python} -m benchmarks.harness.realized_share "
+                        f"--seq {{out}}/profile_node_seq --ovl {{out}}/profile_node_{name} "
+                        f"--comp {{out}}/profile_comp_alone --out {{out}}/share_{name}.json",
+                        timeout_s=60) for name in ("ovl", "paired")),
            all_gpus=True),
     Recipe("hosts_sim_inputs", 2,
            "the simulator on the GPUs as 2 emulated hosts from inputs measured apart from the "
