@@ -204,10 +204,11 @@ class StepRunner:
         factor = budget.refit()
         if factor is None:
             return
-        freed = ""
-        if self.parts.graphs is not None and self.parts.graphs.per_level:
-            self.parts.graphs.release()
-            freed = "; the CUDA graphs that hold the dispatch are recaptured"
+        freed, graphs = "", self.parts.graphs
+        if graphs is not None and graphs.per_level:
+            if any(bank.captured for bank in graphs.banks.banks.values()):
+                freed = "; the CUDA graphs that hold the dispatch are recaptured"
+            graphs.release()
         self.tune_report.append(f"dispatch budget: before step {step}, fitted to the demand, "
                                 f"{old:g} -> {factor:g}{freed}")
 

@@ -148,7 +148,8 @@ def test_a_fitted_budget_recaptures_its_graph_and_keeps_the_bits():
                                        "after step 2"), captures
         if rank == 0:  # the run's report
             assert any(line.startswith("dispatch budget: before step 2, fitted to the demand, "
-                                       "0.25 -> ") for line in lines), lines
+                                       "0.25 -> ") and line.endswith(" are recaptured")
+                       for line in lines), lines  # step 1 had captured the base's bank
             last = next(line for line in lines if line.startswith("step    4/4 "))
             sent = float(last.split(" | a2a rows ")[1].split("x exact")[0])
             assert 1.0 <= sent <= 2.0, last  # no rerun: the chunks hold every row sent
