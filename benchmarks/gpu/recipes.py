@@ -214,6 +214,19 @@ SHARE_PROFILES = {"node_seq": HOSTS_SIDES["node_seq"], "node_ovl": HOSTS_SIDES["
                   "comp_alone": HOSTS_PROFILES["comp_alone"]}
 
 
+def _share_steps(profiles: dict, shares: dict, comp: str) -> tuple:
+    """HOSTS_RUN profiled (steps 6-9) with each of `profiles` (name -> flags), then each
+    share of `shares` (name -> an overlapped profile) against profile_node_seq and the
+    compute alone of profile_`comp`."""
+    return (tuple(Step(f"profile_{name}", f"{HOSTS_RUN} {flags} --profile-steps 6:9 "
+                       f"--profile-dir {{out}}/profile_{name}", timeout_s=100)
+                  for name, flags in profiles.items())
+            + tuple(Step(f"share_{name}", "{python} -m benchmarks.harness.realized_share "
+                         f"--seq {{out}}/profile_node_seq --ovl {{out}}/profile_{ovl} "
+                         f"--comp {{out}}/profile_{comp} --out {{out}}/share_{name}.json",
+                         timeout_s=60) for name, ovl in shares.items()))
+
+
 RECIPES = (
     Recipe("gpu_tests_1gpu", 1,
            "the GPU pytest tier on one GPU (-m 'gpu and not multigpu'): kernels against the "
@@ -487,26 +500,16 @@ RECIPES = (
            "the backward (--overlap-grad-reduce) and after it (the default), and compute "
            "alone; the realized share of each on the forward-backward and on whole steps",
            "profile_*/ (span files of steps 6-9), share_beside.json, share_after.json",
-           tuple(Step(f"profile_{name}", f"{HOSTS_RUN} {flags} --profile-steps 6:9 "
-                      f"--profile-dir {{out}}/profile_{name}", timeout_s=100)
-                 for name, flags in GRAD_REDUCE_PROFILES.items())
-           + tuple(Step(f"share_{name}", "{python} -m benchmarks.harness.realized_share "
-                        f"--seq {{out}}/profile_node_seq --ovl {{out}}/profile_node_ovl_{name} "
-                        f"--comp {{out}}/profile_comp_wgrad --out {{out}}/share_{name}.json",
-                        timeout_s=60) for name in ("beside", "after")),
+           _share_steps(GRAD_REDUCE_PROFILES, {"beside": "node_ovl_beside",
+                                                "after": "node_ovl_after"}, "comp_wgrad"),
            all_gpus=True),
     Recipe("hosts_share_paired", 2,
            "the realized share of the by-host overlap on the GPUs as 2 emulated hosts, with the "
            "combined 1F1B and with its ends paired (--overlap-plan combined_1f1b_paired_ends), "
            "from profiled runs (steps 6-9) against the sequential run and the compute alone",
            "profile_*/ (span files), share_ovl.json, share_paired.json",
-           tuple(Step(f"profile_{name}", f"{HOSTS_RUN} {flags} --profile-steps 6:9 "
-                      f"--profile-dir {{out}}/profile_{name}", timeout_s=100)
-                 for name, flags in SHARE_PROFILES.items())
-           + tuple(Step(f"share_{name}", "{python} -m benchmarks.harness.realized_share "
-                        f"--seq {{out}}/profile_node_seq --ovl {{out}}/profile_node_{name} "
-                        f"--comp {{out}}/profile_comp_alone --out {{out}}/share_{name}.json",
-                        timeout_s=60) for name in ("ovl", "paired")),
+           _share_steps(SHARE_PROFILES, {"ovl": "node_ovl", "paired": "node_paired"},
+                        "comp_alone"),
            all_gpus=True),
     Recipe("hosts_sim_inputs", 2,
            "the simulator on the GPUs as 2 emulated hosts from inputs measured apart from the "
