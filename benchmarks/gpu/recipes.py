@@ -61,9 +61,8 @@ def _default_path_steps(env: dict = None, picked: tuple = tuple(HAND_PICKED),
 # budget, both in one graph of the iteration with the overlap (what the default over NVLink
 # ran before the fit): step time, and rows sent over the dropless dispatch's, at a top-4 shape
 # (megatron-cmp) and a top-8 one (E8_SHAPE, below), the tuner off
-FIT = " --moe-dispatch-budget-memory 20 --moe-dispatch-budget-fit"
-FIT_SIDES = {"fixed_ovl_full": HAND_PICKED["ovl_full"] + " --moe-dispatch-budget-memory 20",
-             "fit_ovl_full": HAND_PICKED["ovl_full"] + FIT}
+FIXED = HAND_PICKED["ovl_full"] + " --moe-dispatch-budget-memory 20"
+FIT_SIDES = {"fixed_ovl_full": FIXED, "fit_ovl_full": FIXED + " --moe-dispatch-budget-fit"}
 
 
 def _budget_fit_steps(shapes: dict) -> tuple:

@@ -72,7 +72,8 @@ class DispatchBudget:
         self.fit = BudgetFit(max(memory_steps, 1)) if fit else None
 
     @classmethod
-    def of_model(cls, cfg, mode, comm, device: torch.device) -> Optional["DispatchBudget"]:
+    def of_model(cls, cfg, mode, comm, device: torch.device,
+                 ep_rank: int) -> Optional["DispatchBudget"]:
         """The one budget every MoE layer's dispatcher shares (`mode`: the model's
         `DispatchMode`; budget mode only, else None; by host it sizes both stages)."""
         if mode.budget is None:
@@ -83,7 +84,7 @@ class DispatchBudget:
                                 cfg.moe.moe_router_topk, cfg.moe.num_experts,
                                 mode.once_per_rank, device,
                                 memory_steps=cfg.moe.moe_dispatch_budget_memory, hosts=hosts,
-                                fit=cfg.moe.moe_dispatch_budget_fit, rank=comm.rank)
+                                fit=cfg.moe.moe_dispatch_budget_fit, rank=ep_rank)
 
     @classmethod
     def for_dispatch(cls, factor: float, ranks: int, tokens: int, topk: int, num_experts: int,
@@ -153,12 +154,8 @@ class DispatchBudget:
         need = demand[0] * self.ranks / self.rows
         if self.pairs is not None:
             need = max(need, demand[1] / self.pairs)
-        start = 2
-        for group in self.groups.values():
-            end = start + len(group.sizes)
-            need = max(need, group.needed_factor(demand[start:end]))
-            start = end
-        return need
+        return max([need] + [group.needed_factor(wanted)
+                             for group, wanted in self._group_demands(demand)])
 
     @property
     def factor(self) -> float:
@@ -235,13 +232,18 @@ class DispatchBudget:
 
     def fits(self, level: int, demand: Sequence[int]) -> bool:
         experts = self.expert_rows_at(level)
-        start, fits_groups = 2, True
-        for group in self.groups.values():
-            end = start + len(group.sizes)
-            fits_groups = fits_groups and group.fits(level, demand[start:end])
-            start = end
+        fits_groups = all(group.fits(level, wanted)
+                          for group, wanted in self._group_demands(demand))
         return (self.chunk_rows_at(level) >= demand[0] and fits_groups
                 and (experts is None or experts >= demand[1]))
+
+    def _group_demands(self, demand: Sequence[int]) -> list[tuple["GroupBudget", Sequence[int]]]:
+        """Each `GroupBudget` with its part of `demand` (after the first two entries)."""
+        parts, start = [], 2
+        for group in self.groups.values():
+            parts.append((group, demand[start:start + len(group.sizes)]))
+            start += len(group.sizes)
+        return parts
 
     def rerun_level(self, demand: Sequence[int]) -> Optional[int]:
         """None when the level in use holds `demand` (`demand()`, max over ranks), else the
@@ -386,7 +388,7 @@ class BudgetFit:
         grow = self.needs[-1] > base
         shrink = (target * (1 + FIT_MARGIN) < base
                   and self.steps_since >= FIT_SHRINK_STEPS)
-        if target == base or not (grow or shrink or not self.fitted):
+        if target == base or (self.fitted and not grow and not shrink):
             return None
         self.fitted, self.steps_since = True, 0
         return target

@@ -421,7 +421,8 @@ class MoEModel(nn.Module):
         self._comm, self._device = comm, device
         self._dispatchers: dict = {}  # once per rank or not -> its dispatcher (`use_dispatch`)
         if any(pattern):
-            self.dispatch_budget = DispatchBudget.of_model(cfg, self.dispatch_mode, comm, device)
+            self.dispatch_budget = DispatchBudget.of_model(cfg, self.dispatch_mode, comm, device,
+                                                          ep_rank)
             self.dispatcher = make_dispatcher(comm, cfg.moe.num_experts, cfg.moe.moe_router_topk,
                                               ops, device, self.dispatch_mode,
                                               self.dispatch_budget)

@@ -139,11 +139,6 @@ class ExpertComm:
         self.trace: Optional[list] = None  # set to [] to record every all-to-all's shape
         self._exchange_stream: Optional[torch.cuda.Stream] = None
 
-    @property
-    def rank(self) -> int:
-        """This rank's index in the expert-parallel group."""
-        return self.group.rank if self.group is not None else 0
-
     def _record(self, output_splits, input_splits, row_shape, dtype, rows: int = 0) -> None:
         if self.trace is not None:  # splits None: equal chunks of `rows`, recorded as counts
             equal = [rows // self.size] * self.size

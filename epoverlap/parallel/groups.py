@@ -105,11 +105,6 @@ class Group:
     def size(self) -> int:
         return len(self.ranks)
 
-    @property
-    def rank(self) -> int:
-        """This process's index among the group's ranks."""
-        return self.ranks.index(dist.get_rank()) if self.size > 1 else 0
-
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         with self.watch.collective(self.name, self.ranks, "all_reduce"):
             dist.all_reduce(tensor, op=op, group=self.pg)
