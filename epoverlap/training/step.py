@@ -11,8 +11,10 @@ losses and grads are checked before the optimizer (`numerics`): the local grads,
 --overlap-grad-reduce the reduced ones (a non-finite grad then shows on every rank of its
 data-parallel group).
 
-MoE dispatch modes (`epoverlap.model.dispatch`): with a capacity, every step counts the routed
-pairs dropped over all ranks and MoE layers; with the budget dispatch, after each
+The step's agreed figures (loss, aux loss, imbalance, stop reason, dropped pairs, the budget's
+rows on the wire) come from one reduction and one host read (`training.step_stats`).
+
+MoE dispatch modes (`epoverlap.model.dispatch`): with the budget dispatch, after each
 forward-backward the most rows any dispatch wanted to send to one rank is all-reduced (one host
 read per step, after the step) and, if it overflowed the budget's chunk, the step's
 forward-backward is rerun from the same inputs, weights and router RNG state at the smallest
@@ -47,7 +49,7 @@ from epoverlap.training.metrics import StepResult
 from epoverlap.training.mfu import device_peak_tflops, mfu
 from epoverlap.training.numerics import check_finite
 from epoverlap.training.optim import lr_at
-from epoverlap.training.stop import REASONS, StopRequest
+from epoverlap.training.step_stats import StepStats, reduce_step_stats
 from epoverlap.training.tune_cache import write_decision
 from epoverlap.config.resolve import GRAPHS_FLAG
 from epoverlap.training.tuner import TuneDecision, fits_beside
@@ -86,7 +88,8 @@ class StepRunner:
             p.grads.reduce()
         with p.recorder.part("grad_clip"):
             grad_norm = p.grads.clip(p.cfg.train.clip_grad)
-        loss, aux, imbalance, self.stop_reason = self._reduce_stats(losses)
+        stats = reduce_step_stats(p, losses)
+        self.stop_reason = stats.stop_reason
         lr = lr_at(step, p.cfg.train)
         if not p.cfg.train.skip_optimizer_step:
             with p.recorder.part("optimizer"):
@@ -94,9 +97,9 @@ class StepRunner:
         spans = p.recorder.end_step() if profiled else None
         elapsed = self.sync_time() - start
         self._tune_record(step, elapsed)
-        result = self._result(step, loss, lr, grad_norm, aux, imbalance, elapsed)
+        result = self._result(step, stats, lr, grad_norm, elapsed)
         result.schedule = schedule
-        self._add_dispatch_stats(result, reruns)
+        self._add_dispatch_stats(result, stats, reruns)
         if spans is not None:
             overlap = step_metrics(spans).overlap
             result.comm_ms, result.exposed_comm_ms = overlap.comm_us / 1e3, \
@@ -104,7 +107,7 @@ class StepRunner:
             result.overlap_ratio = overlap.overlap_ratio
         return result
 
-    def _result(self, step, loss, lr, grad_norm, aux, imbalance, elapsed) -> StepResult:
+    def _result(self, step, stats: StepStats, lr, grad_norm, elapsed) -> StepResult:
         p = self.parts
         t, m = p.cfg.train, p.cfg.model
         tokens = p.groups.dp_size * t.num_microbatches * t.micro_batch_size * m.seq_length
@@ -113,32 +116,22 @@ class StepRunner:
         per_gpu = tokens / elapsed / 1e12 / p.groups.world_size
         tflops = training_flops_per_token(p.cfg) * per_gpu
         megatron_tflops = megatron_flops_per_token(p.cfg) * per_gpu
-        return StepResult(step, loss, lr, grad_norm, aux, imbalance, elapsed, tokens, peak,
-                          tflops, megatron_tflops_per_gpu=megatron_tflops,
+        return StepResult(step, stats.loss, lr, grad_norm, stats.aux_loss, stats.load_imbalance,
+                          elapsed, tokens, peak, tflops, megatron_tflops_per_gpu=megatron_tflops,
                           mfu=mfu(megatron_tflops, device_peak_tflops(p.device, t.bf16)),
                           deterministic=t.deterministic_mode,
                           # graph pools are reserved, not allocated, while graphs replay
                           peak_reserved_gib=(torch.cuda.max_memory_reserved(p.device) / 2**30
                                              if on_gpu else None))
 
-    def _add_dispatch_stats(self, result: StepResult, reruns: int) -> None:
+    def _add_dispatch_stats(self, result: StepResult, stats: StepStats, reruns: int) -> None:
         p = self.parts
         if p.model.dispatch_mode.drops_tokens:
-            result.dropped_tokens, result.dropped_fraction = self._dropped_tokens()
+            result.dropped_tokens, result.dropped_fraction = (stats.dropped_tokens,
+                                                              stats.dropped_fraction)
         if p.budget is not None:
             result.dispatch_reruns, result.dispatch_budget = reruns, p.budget.factor
-            result.dispatch_wire = self._wire_ratio()
-
-    def _wire_ratio(self) -> Optional[float]:
-        """Rows the budget's chunks sent other ranks this step (every attempt) over the rows
-        the dropless dispatch would have sent them, summed over all ranks (one all-reduce);
-        None where no chunk of fixed size was sent (one EP rank; the by-host dispatch)."""
-        p = self.parts
-        rows = p.budget.wire_rows.clone()
-        if p.groups.world_size > 1:
-            p.groups.world.all_reduce(rows)
-        sent, exact = host_list(rows)
-        return sent / exact if sent and exact else None
+            result.dispatch_wire = stats.dispatch_wire
 
     def _profiled(self, step: int) -> bool:
         window = self.parts.cfg.log.profile_range
@@ -352,69 +345,6 @@ class StepRunner:
             return None
         torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(self.parts.device)[0]
-
-    # ----------------------------------------------------------------- the step's figures
-    def _dropped_tokens(self) -> tuple[int, float]:
-        """Routed (token, expert) pairs dropped over capacity this step, all ranks and MoE
-        layers, and their share of all routed pairs."""
-        p = self.parts
-        routers = p.model.routers()
-        dropped = sum((r.step_dropped for r in routers),
-                      torch.zeros((), dtype=torch.int64, device=p.device))
-        if p.groups.world_size > 1:
-            p.groups.world.all_reduce(dropped)
-        t, m = p.cfg.train, p.cfg.model
-        routed = (p.groups.world_size * t.num_microbatches * t.micro_batch_size
-                  * m.seq_length * p.cfg.moe.moe_router_topk * len(routers))
-        return int(dropped), int(dropped) / routed
-
-    def _reduce_stats(self, losses: list) -> tuple[float, float, float, Optional[str]]:
-        """Mean loss and aux loss over microbatches and data-parallel ranks; max expert
-        imbalance; the reason every rank stops after this step, if any (`training.stop`: each
-        rank's flags ride in the same reduction). Each stage fills the slots of its layers (the
-        last stage the loss), sums them over its DP group, then the stages' slots are gathered
-        over the pipeline."""
-        p = self.parts
-        t, num_layers = p.cfg.train, p.cfg.model.num_layers
-        routers = p.model.routers()
-        flags = p.stop.local_flags() if p.stop is not None else [0.0] * len(REASONS)
-        # loss, aux of each layer, stop flags
-        stats = torch.zeros(1 + num_layers + len(flags), device=p.device)
-        if any(flags):  # (most steps have none: no host-to-device copy then)
-            stats[1 + num_layers:] = torch.tensor(flags)
-        counts = torch.zeros(num_layers, p.cfg.moe.num_experts or 0, dtype=torch.int64,
-                             device=p.device)
-        if any(loss is not None for loss in losses):
-            stats[0] = torch.stack(losses).sum().float()
-        for router in routers:
-            stats[1 + router.layer] = router.step_aux_loss.float()
-            counts[router.layer] = router.step_counts
-        self._sum_over_stages(stats)
-        self._sum_over_stages(counts)
-        scale = 1.0 / (t.num_microbatches * p.groups.dp_size)
-        for router in routers:
-            router.update_expert_bias(counts[router.layer])
-        moe_layers = [layer for layer, is_moe in enumerate(p.cfg.moe_layer_pattern())
-                      if is_moe]
-        # one host read for every figure
-        reads = [stats[0], stats[1:1 + num_layers].sum(), *stats[1 + num_layers:]]
-        if moe_layers:
-            moe_counts = counts[moe_layers].float()
-            per_layer = moe_counts.amax(dim=1) / moe_counts.mean(dim=1).clamp(min=1e-9)
-            reads.append(per_layer.max())
-        loss, aux, *rest = host_list(torch.stack(reads))
-        stop, imbalance = rest[:len(flags)], rest[len(flags):]
-        return (loss * scale, aux * scale, imbalance[0] if imbalance else 1.0,
-                StopRequest.agreed(stop))
-
-    def _sum_over_stages(self, slots: torch.Tensor) -> None:
-        """In place: sum over the stage's DP group, then over the pipeline (where every slot
-        is one stage's and the others add 0, so the sum is exact)."""
-        g = self.parts.groups
-        if g.dp_size > 1:
-            g.dp.all_reduce(slots)
-        if g.pp_size > 1:
-            g.pp.all_reduce(slots)
 
     # ----------------------------------------------------------------- the path tuner
     def _tune_schedule(self, step: int) -> Optional[str]:
