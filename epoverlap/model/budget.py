@@ -11,9 +11,10 @@ With --moe-dispatch-budget-fit the base budget follows the demand (`BudgetFit`):
 first step it becomes the least factor that held the most any step of the window wanted, plus
 `FIT_MARGIN`; it grows at once after a step that overflowed it, and shrinks where the window
 needed less, at most every `FIT_SHRINK_STEPS` steps (each change recaptures the graphs that
-hold the dispatch). Every rank sees the same all-reduced demand, so every rank fits alike. The
-rows the fixed chunks move beside the rows the dropless dispatch would move (`wire_rows`) are
-counted on the device, for the step's report.
+hold the dispatch). When the path tuner decides, the window keeps the chosen path's demand
+alone and the base may shrink to it at once. Every rank sees the same all-reduced demand, so
+every rank fits alike. The rows the fixed chunks move beside the rows the dropless dispatch
+would move (`wire_rows`) are counted on the device, for the step's report.
 """
 
 from __future__ import annotations
@@ -111,11 +112,18 @@ class DispatchBudget:
         by an all-reduce), so every rank starts alike."""
         return max(self.recent_levels, default=0)
 
-    def remember(self, level: int, demand: Optional[Sequence[int]] = None) -> None:
-        """A training step ended at `level`, its last attempt's all-reduced `demand`."""
+    def remember(self, level: int, demand: Optional[Sequence[int]] = None,
+                 path: Optional[str] = None) -> None:
+        """A training step ended at `level`, its last attempt's all-reduced `demand`, on the
+        tuner's `path` (None without the tuner)."""
         self.recent_levels.append(level)
         if self.fit is not None and demand is not None:
-            self.fit.observe(self.needed_factor(demand))
+            self.fit.observe(self.needed_factor(demand), path)
+
+    def keep_path(self, path: str) -> None:
+        """The tuner chose `path`: the fit forgets the other paths' demand."""
+        if self.fit is not None:
+            self.fit.keep_path(path)
 
     @property
     def max_levels(self) -> int:
@@ -368,12 +376,27 @@ class BudgetFit:
 
     def __init__(self, window: int):
         self.needs: collections.deque = collections.deque(maxlen=window)
+        self.paths: collections.deque = collections.deque(maxlen=window)  # the tuner's, or None
         self.fitted = False
         self.steps_since = 0  # steps since the last change
 
-    def observe(self, need: float) -> None:
+    def observe(self, need: float, path: Optional[str] = None) -> None:
         self.needs.append(need)
+        self.paths.append(path)
         self.steps_since += 1
+
+    def keep_path(self, path: str) -> None:
+        """The tuner chose `path`: the window keeps that path's needs alone (where it has
+        any), and the base may shrink to them before the next step, without waiting
+        `FIT_SHRINK_STEPS`: a candidate that needed more (the chunked layer's chunks) no longer
+        holds it up."""
+        kept = [need for need, of in zip(self.needs, self.paths) if of == path]
+        if kept:
+            self.needs.clear()
+            self.needs.extend(kept)
+            self.paths.clear()
+            self.paths.extend([path] * len(kept))
+            self.steps_since = max(self.steps_since, FIT_SHRINK_STEPS)
 
     def target(self, top: float) -> float:
         """The window's most need plus the margin, on the grid, within [1, `top`]."""
@@ -399,4 +422,5 @@ class BudgetFit:
 
     def load(self, state: dict) -> None:
         self.needs.extend(state["needs"])
+        self.paths.extend([None] * len(state["needs"]))
         self.fitted, self.steps_since = state["fitted"], state["steps_since"]

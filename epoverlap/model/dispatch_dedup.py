@@ -293,7 +293,7 @@ class ByHostDispatcher(_ByHost):
                  exchange: Optional[SplitExchange] = None, row_id_map=None):
         if exchange is None:
             raise ValueError("dispatch by host: pass the exchange `start_split_exchange` started")
-        route, hosts = self.route, self.route.hosts
+        route = self.route
         sizes, recv_counts_RL, blocks_PG = self._sizes(exchange)
         routed = sum(sizes.between_send)
         recv_M1H, recv_probs_M1K = _send_rows(route.between, permuted_NH[:routed],

@@ -66,6 +66,7 @@ class StepRunner:
         self._tune_record_due = parts.tuner is not None and parts.tuner.cached
         self.stop_reason: Optional[str] = None  # every rank's agreed reason to stop now
         self._last_demand: Optional[list] = None  # the budget's, of the last attempt
+        self._path: Optional[str] = None  # the tuner's path of this step
 
     # ----------------------------------------------------------------- the step
     def step(self, step: int) -> StepResult:
@@ -78,7 +79,7 @@ class StepRunner:
         if profiled:
             p.recorder.begin_step(step)
         p.faults.begin_step(step)
-        schedule = self._tune_schedule(step)
+        schedule = self._path = self._tune_schedule(step)
         losses, reruns = self.forward_backward(step)
         p.recorder.end_forward_backward()
         p.faults.after_backward(p.model)
@@ -186,7 +187,7 @@ class StepRunner:
         start = budget.start_level() if budget is not None else 0
         result = self.until_it_fits(lambda level: self._attempt(step, inputs, level), start)
         if budget is not None:
-            budget.remember(budget.level, self._last_demand)
+            budget.remember(budget.level, self._last_demand, self._path)
         return result
 
     def _refit_budget(self, budget, step: int) -> None:
@@ -381,10 +382,13 @@ class StepRunner:
             self._decided(decision)
 
     def _decided(self, decision: TuneDecision) -> None:
-        """The decision's table, the losers' banks released, the cache written (rank 0)."""
+        """The decision's table, the losers' banks released, the budget's fit left with the chosen
+        path's demand, the cache written (rank 0)."""
         p = self.parts
         self.tune_report += decision.table()
         self.tuned_path = decision.record()
+        if p.budget is not None:
+            p.budget.keep_path(decision.chosen)
         if p.graphs is not None:
             freed = {name: p.graphs.release_schedule(name) for name in p.tuner.losers()}
             self.tune_report.append(f"tune: the other paths' CUDA graphs released "

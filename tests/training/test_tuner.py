@@ -420,3 +420,27 @@ def test_graphs_that_do_not_fit_side_by_side_are_tuned_in_turn_with_the_same_bit
     text = "\n".join(lines)
     assert "the paths are timed one after another" in text
     assert text.count("CUDA graphs: ") >= 5 and banks == [(ran[-1], 0)]
+
+
+def test_the_fitted_budget_learns_each_steps_path_and_keeps_the_chosen_ones_demand():
+    """Each step's demand reaches the budget's fit with the path that step ran, and at the
+    decision the fit is told the chosen path (`BudgetFit.keep_path`)."""
+    from epoverlap.model.budget import BudgetFit
+
+    seen, kept = [], []
+    observe, keep = BudgetFit.observe, BudgetFit.keep_path
+
+    def spy_observe(fit, need, path=None):
+        seen.append(path)
+        observe(fit, need, path)
+
+    def spy_keep(fit, path):
+        kept.append(path)
+        keep(fit, path)
+    with mock.patch.object(BudgetFit, "observe", spy_observe), \
+            mock.patch.object(BudgetFit, "keep_path", spy_keep):
+        tuned, _, _ = _train(["--train-iters", "9", "--tune", "on", "--tune-steps", "1",
+                              "--moe-dispatch-budget", "1.0", "--moe-dispatch-budget-fit"])
+    assert seen == [r.schedule for r in tuned]
+    decided = next(r.tuned_path for r in tuned if r.tuned_path is not None)
+    assert kept == [decided["chosen"]] == [tuned[-1].schedule]
