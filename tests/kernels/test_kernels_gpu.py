@@ -248,23 +248,25 @@ def test_launch_cache_is_bitwise_tritons_path(name):
     same ops through Triton's own `JITFunction.run`, and the cache served the second run."""
     from epoverlap.kernels import launch_cache_stats, set_launch_cache
 
-    def served():
-        return {kernel: hits for kernel, (hits, _) in launch_cache_stats().items()}
-
     ops = make_moe_ops("triton")
     _every_op(ops, name)  # compiles and fills the caches
-    before = served()
+    before = launch_cache_stats()
     cached = _every_op(ops, name)
-    after = served()
+    after = launch_cache_stats()
     set_launch_cache(False)
     try:
         uncached = _every_op(ops, name)
-        assert served() == after, "a disabled cache served a launch"
+        assert launch_cache_stats() == after, "a disabled cache served or looked up a launch"
     finally:
         set_launch_cache(True)
-    unserved = [kernel for kernel in after if after[kernel] == before.get(kernel, 0)]
+    # the kernels the ops launched (looked up in the cache: served or missed); the other
+    # kernels loaded in this process (the loss's, the aux loss's) are not the ops'
+    launched = [kernel for kernel in after if after[kernel] != before.get(kernel, (0, 0))]
+    unserved = [kernel for kernel in launched
+                if after[kernel][0] == before.get(kernel, (0, 0))[0]]
     # every kernel the ops launch was served from the cache on the second run (the map build
-    # runs one of its two variants per shape, so one of those may stay unserved)
+    # runs one of its two variants per shape, so one of those may miss once)
+    assert len(launched) >= 5, (before, after)
     assert len(unserved) <= 2 and all("map" in kernel for kernel in unserved), (before, after)
     assert_same_run(cached, uncached, f"{name}: launch cache vs Triton's path")
 
