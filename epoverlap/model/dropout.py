@@ -115,8 +115,18 @@ def seeded_default_rng(device: torch.device, seed: int) -> Iterator[None]:
 def causal_attention(q_BQSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *,
                      p: float, seed: Optional[int], layer: int) -> torch.Tensor:
     """Causal SDPA (grouped-query when K/V have fewer heads than Q), with dropout p on the
-    attention probabilities drawn from `seed` (see the module doc); the plain call at p = 0."""
+    attention probabilities drawn from `seed` (see the module doc); the plain call at p = 0.
+
+    Grouped K/V go into SDPA as they are, except fp32 on CUDA: no fused kernel takes them
+    there (flash attention is 16-bit only), and SDPA's math fallback keeps the S x S scores of
+    every head for the backward, so K/V are expanded to the query heads for the
+    memory-efficient kernel."""
     gqa = k_BGSD.shape[1] != q_BQSD.shape[1]
+    if gqa and q_BQSD.is_cuda and q_BQSD.dtype == torch.float32:
+        repeat = q_BQSD.shape[1] // k_BGSD.shape[1]
+        k_BGSD, v_BGSD = (k_BGSD.repeat_interleave(repeat, dim=1),
+                          v_BGSD.repeat_interleave(repeat, dim=1))
+        gqa = False
     if p == 0.0:
         return F.scaled_dot_product_attention(q_BQSD, k_BGSD, v_BGSD, is_causal=True,
                                               enable_gqa=gqa)

@@ -112,9 +112,9 @@ class Attention(nn.Module):
         v_BGSD = v.view(batch, seq, self.kv_heads, dim).transpose(1, 2)
         q_BQSD = self.ops.rotary(q_BQSD, self.cos_SD, self.sin_SD)
         k_BGSD = self.ops.rotary(k_BGSD, self.cos_SD, self.sin_SD)
-        # grouped-query attention inside SDPA: expanding K/V with repeat_interleave first
-        # materializes the repeated keys and values (more GPU time and more host launches) for
-        # the same output bits
+        # grouped-query attention inside SDPA where a fused kernel takes it (16-bit on GPUs):
+        # expanding K/V with repeat_interleave first materializes the repeated keys and values
+        # (more GPU time and more host launches) for the same output bits
         out_BQSD = causal_attention(q_BQSD, k_BGSD, v_BGSD, layer=self.layer, seed=dropout_seed,
                                     p=self.dropout_p if self.training else 0.0)
         out_TX = out_BQSD.transpose(1, 2).reshape(batch * seq, self.heads * dim)

@@ -10,6 +10,7 @@ Per token of one microbatch (b = bytes of the model dtype; Q/G query/key-value h
 dim, k top-k, E experts, Fe expert FFN, V vocab), the activations kept for the backward are
 counted as the model makes them (model/transformer.py, model/moe.py):
   attention  b x (4H + (Q+2G)D + QD + GD + 2QD [K/V expanded when G < Q] + 2QD) + 4Q + 8
+             (K/V are expanded for fp32 on GPUs; 16-bit attention takes them grouped)
   MoE        b x (k (5H + 3Fe) + 2H + 3Fs) + 13E   (router fp32 scores, map; balanced routing)
   dense MLP  b x (3F + 2H)
   loss       V (b + 8) + 2H b                      (logits, fp32 copy, log-softmax)
