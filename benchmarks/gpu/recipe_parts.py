@@ -31,6 +31,8 @@ class Recipe:
 SEQUENTIAL = SEQUENTIAL_FLAG  # pins the sequential schedule
 # every pytest step names its own -m: it replaces the project's default `-m 'not slow'`
 PYTEST = "{python} -m pytest -q -p no:cacheprovider --durations=15"
+# a whole tier: each test named as it ends, so a step cut at its limit still says which failed
+TIER = "{python} -m pytest -v -rfE --tb=short -p no:cacheprovider --durations=15"
 TRAIN = "{torchrun} -m epoverlap.train"
 # the bitwise contract's command: the path users run, bf16, optimizer on, deterministic
 BITWISE_RUN = (TRAIN + " --preset small --bf16 --deterministic-mode --seed 3 --train-iters 30"

@@ -12,8 +12,8 @@ runs recipes and packs each one's record (benchmarks/gpu/run.py). In a command o
 from __future__ import annotations
 
 from benchmarks.gpu.recipe_parts import (BITWISE_RUN, EAGER, FULL_ITERATION, GRAPHS, OVERLAP,
-                                         PYTEST, SEQUENTIAL, TRAIN, WGRAD, Recipe, Step,
-                                         rounds_step)
+                                         PYTEST, SEQUENTIAL, TIER, TRAIN, WGRAD, Recipe,
+                                         Step, rounds_step)
 from benchmarks.gpu.recipes_chunked import CHUNKED_RECIPES
 
 MEGATRON_SHAPES = "megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4"
@@ -228,17 +228,24 @@ def _share_steps(profiles: dict, shares: dict, comp: str) -> tuple:
 
 RECIPES = (
     Recipe("gpu_tests_1gpu", 1,
-           "the GPU pytest tier on one GPU (-m 'gpu and not multigpu'): kernels against the "
-           "reference, graphs replaying like eager, the sync-free dispatch, one-GPU CLI runs",
-           "junit.xml",
-           (Step("pytest", PYTEST + " --junitxml={out}/junit.xml -m 'gpu and not multigpu' tests",
-                 timeout_s=560),)),
+           "the GPU pytest tier on one GPU (-m 'gpu and not multigpu') but tests/training: "
+           "kernels against the reference, graphs replaying like eager, the sync-free "
+           "dispatch, the memory estimate against a measured peak",
+           "junit.xml (each test's name and result also in the log as it runs)",
+           (Step("pytest", TIER + " --junitxml={out}/junit.xml -m 'gpu and not multigpu' "
+                                  "--ignore tests/training tests", timeout_s=560),)),
+    Recipe("gpu_tests_1gpu_training", 1,
+           "the rest of that tier, tests/training: one-GPU CLI runs bitwise (eager, partial "
+           "graphs, budget + full iteration, fused loss, resume), the optimizer forms",
+           "junit.xml (each test's name and result also in the log as it runs)",
+           (Step("pytest", TIER + " --junitxml={out}/junit.xml -m 'gpu and not multigpu' "
+                                  "tests/training", timeout_s=560),)),
     Recipe("gpu_tests_multigpu", 2,
            "the GPU pytest tier on 2+ GPUs (-m multigpu): the CLI runs bitwise across schedules "
            "under --deterministic-mode, overlap over NCCL, resume, a killed rank, pipeline, the "
            "simulator's replay of a recorded run",
            "junit.xml; cli_logs/ (every CLI run's --log-json and output)",
-           (Step("pytest", PYTEST + " --junitxml={out}/junit.xml -m multigpu tests",
+           (Step("pytest", TIER + " --junitxml={out}/junit.xml -m multigpu tests",
                  env={"EPOVERLAP_GPU_LOGS": "{out}/cli_logs", "EPOVERLAP_GPU_STEPS": "30"},
                  timeout_s=560),),
            all_gpus=True),

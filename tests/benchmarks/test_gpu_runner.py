@@ -98,8 +98,10 @@ def test_every_command_and_env_value_formats_with_the_runners_names():
 
 def test_the_table_covers_the_checks_the_project_relies_on():
     table = _by_name()
-    one = table["gpu_tests_1gpu"]
-    assert one.gpus == 1 and "-m 'gpu and not multigpu'" in one.steps[0].command
+    one, rest = table["gpu_tests_1gpu"], table["gpu_tests_1gpu_training"]
+    assert one.gpus == rest.gpus == 1
+    assert "-m 'gpu and not multigpu' --ignore tests/training tests" in one.steps[0].command
+    assert rest.steps[0].command.endswith("-m 'gpu and not multigpu' tests/training")
     multi = table["gpu_tests_multigpu"]
     assert multi.gpus >= 2 and "-m multigpu" in multi.steps[0].command
     assert "benchmarks.harness.check_bitwise" in table["bitwise_check"].steps[0].command
