@@ -226,29 +226,31 @@ def _share_steps(profiles: dict, shares: dict, comp: str) -> tuple:
                          timeout_s=60) for name, ovl in shares.items()))
 
 
+def _tier(name: str, gpus: int, measures: str, select: str, records: str = "",
+          env: dict = None, all_gpus: bool = False) -> Recipe:
+    """A GPU pytest tier (`select`: its -m and paths), its junit.xml beside the log."""
+    return Recipe(name, gpus, measures, "junit.xml (each test's name and result also in the "
+                                        "log as it ends)" + records,
+                  (Step("pytest", TIER + " --junitxml={out}/junit.xml " + select, env=env or {},
+                        timeout_s=560),), all_gpus=all_gpus)
+
+
 RECIPES = (
-    Recipe("gpu_tests_1gpu", 1,
-           "the GPU pytest tier on one GPU (-m 'gpu and not multigpu') but tests/training: "
-           "kernels against the reference, graphs replaying like eager, the sync-free "
-           "dispatch, the memory estimate against a measured peak",
-           "junit.xml (each test's name and result also in the log as it runs)",
-           (Step("pytest", TIER + " --junitxml={out}/junit.xml -m 'gpu and not multigpu' "
-                                  "--ignore tests/training tests", timeout_s=560),)),
-    Recipe("gpu_tests_1gpu_training", 1,
-           "the rest of that tier, tests/training: one-GPU CLI runs bitwise (eager, partial "
-           "graphs, budget + full iteration, fused loss, resume), the optimizer forms",
-           "junit.xml (each test's name and result also in the log as it runs)",
-           (Step("pytest", TIER + " --junitxml={out}/junit.xml -m 'gpu and not multigpu' "
-                                  "tests/training", timeout_s=560),)),
-    Recipe("gpu_tests_multigpu", 2,
-           "the GPU pytest tier on 2+ GPUs (-m multigpu): the CLI runs bitwise across schedules "
-           "under --deterministic-mode, overlap over NCCL, resume, a killed rank, pipeline, the "
-           "simulator's replay of a recorded run",
-           "junit.xml; cli_logs/ (every CLI run's --log-json and output)",
-           (Step("pytest", TIER + " --junitxml={out}/junit.xml -m multigpu tests",
-                 env={"EPOVERLAP_GPU_LOGS": "{out}/cli_logs", "EPOVERLAP_GPU_STEPS": "30"},
-                 timeout_s=560),),
-           all_gpus=True),
+    _tier("gpu_tests_1gpu", 1,
+          "the GPU pytest tier on one GPU (-m 'gpu and not multigpu') but tests/training: "
+          "kernels against the reference, graphs replaying like eager, the sync-free "
+          "dispatch, the memory estimate against a measured peak",
+          "-m 'gpu and not multigpu' --ignore tests/training tests"),
+    _tier("gpu_tests_1gpu_training", 1,
+          "the rest of that tier, tests/training: one-GPU CLI runs bitwise (eager, partial "
+          "graphs, budget + full iteration, fused loss, resume), the optimizer forms",
+          "-m 'gpu and not multigpu' tests/training"),
+    _tier("gpu_tests_multigpu", 2,
+          "the GPU pytest tier on 2+ GPUs (-m multigpu): the CLI runs bitwise across schedules "
+          "under --deterministic-mode, overlap over NCCL, resume, a killed rank, pipeline, the "
+          "simulator's replay of a recorded run",
+          "-m multigpu tests", "; cli_logs/ (every CLI run's --log-json and output)",
+          {"EPOVERLAP_GPU_LOGS": "{out}/cli_logs", "EPOVERLAP_GPU_STEPS": "30"}, all_gpus=True),
     Recipe("bitwise_check", 2,
            "one process per rank, bf16, optimizer on, --deterministic-mode: the raw bits of every "
            "reduced gradient of one step and the losses of 20 steps, sequential vs overlap vs "
