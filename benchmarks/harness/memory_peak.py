@@ -17,8 +17,6 @@ import argparse
 import collections
 import json
 import sys
-from typing import Optional
-
 import torch
 
 GIB = 2**30
@@ -58,13 +56,15 @@ def groups(blocks: dict) -> list[dict]:
     """Blocks grouped by `where`, largest first."""
     sums: dict = collections.defaultdict(lambda: [0, 0])
     for event in blocks.values():
-        sums[where(event)][0] += event["size"]
-        sums[where(event)][1] += 1
+        group = sums[where(event)]
+        group[0] += event["size"]
+        group[1] += 1
     return [{"where": key, "bytes": size, "blocks": count}
             for key, (size, count) in sorted(sums.items(), key=lambda kv: -kv[1][0])]
 
 
-def estimate_parts(flags: list) -> Optional[dict]:
+def estimate_parts(flags: list) -> dict:
+    """The memory estimate's parts (bytes) for the run's flags, on one GPU."""
     from epoverlap.config import parse_config, resolve_config
     from epoverlap.training.memory import estimate_memory
     estimate = estimate_memory(resolve_config(parse_config(flags), 1, True), 1)

@@ -66,7 +66,6 @@ class StepRunner:
         self._tune_record_due = parts.tuner is not None and parts.tuner.cached
         self.stop_reason: Optional[str] = None  # every rank's agreed reason to stop now
         self._last_demand: Optional[list] = None  # the budget's, of the last attempt
-        self._path: Optional[str] = None  # the tuner's path of this step
 
     # ----------------------------------------------------------------- the step
     def step(self, step: int) -> StepResult:
@@ -79,8 +78,8 @@ class StepRunner:
         if profiled:
             p.recorder.begin_step(step)
         p.faults.begin_step(step)
-        schedule = self._path = self._tune_schedule(step)
-        losses, reruns = self.forward_backward(step)
+        schedule = self._tune_schedule(step)
+        losses, reruns = self.forward_backward(step, schedule)
         p.recorder.end_forward_backward()
         p.faults.after_backward(p.model)
         if p.cfg.train.check_for_nan_in_loss_and_grad:
@@ -175,10 +174,12 @@ class StepRunner:
         p = self.parts
         return p.executor.run(p.plan, inputs, p.loss_scale())
 
-    def forward_backward(self, step: int) -> tuple[list[torch.Tensor], int]:
+    def forward_backward(self, step: int, path: Optional[str] = None
+                         ) -> tuple[list[torch.Tensor], int]:
         """`run_microbatches`, rerun while the budget dispatch overflowed (see the module
         docstring). -> (losses, reruns). A rerun starts from the same inputs, weights and
-        router RNG state, so its result is the one a run at its budget level would give."""
+        router RNG state, so its result is the one a run at its budget level would give.
+        `path`: the tuner's path the step runs, for the budget's fit."""
         inputs = self.microbatches(step)
         budget = self.parts.budget
         if budget is not None:
@@ -187,7 +188,7 @@ class StepRunner:
         start = budget.start_level() if budget is not None else 0
         result = self.until_it_fits(lambda level: self._attempt(step, inputs, level), start)
         if budget is not None:
-            budget.remember(budget.level, self._last_demand, self._path)
+            budget.remember(budget.level, self._last_demand, path)
         return result
 
     def _refit_budget(self, budget, step: int) -> None:
