@@ -18,8 +18,9 @@ batch made before the first step and fed to both systems). A step is the forward
 every microbatch, the gradient reduction and the AdamW step (same learning-rate schedule),
 each system through its own training machinery: ours `Trainer.step`; Megatron-core's
 Float16Module, DistributedDataParallel and `get_megatron_optimizer`, as Megatron-LM builds them.
-Reported per run: step time (median of the steps after the warmup, max over ranks; each timed
-step's time on the slowest rank in `step_ms_samples`),
+Reported per run: every timed step's time on the slowest rank (`step_ms_samples`, the steps
+after the warmup) and the step time as their median (`step_ms`; the tables recompute it from the
+samples, with their range),
 tokens/s/GPU, TFLOP/s/GPU (one FLOP count for both: `training_flops_per_token`), peak memory
 (allocated, max over ranks and timed steps) and the loss of the first and the last step (mean
 over microbatches and ranks); per shape, each system's overlap gain (T_seq / T_ovl) and our
@@ -157,11 +158,11 @@ def timed_step(device: torch.device, step_fn: Callable[[], float]) -> StepSample
 def summarize(samples: list[StepSample], warmup: int, cfg: RunConfig) -> dict:
     """One run's figures (collective: every rank calls it)."""
     timed = samples[warmup:]
-    step_s = max_over_ranks(statistics.median(s.seconds for s in timed))
+    # every timed step, not only the median (ms, the slowest rank's); the median is theirs
+    step_ms_samples = [x * 1e3 for x in max_over_ranks_each(s.seconds for s in timed)]
+    step_s = statistics.median(step_ms_samples) / 1e3
     tokens = tokens_per_step_per_gpu(cfg)
-    return {"step_ms": step_s * 1e3,
-            # every timed step, not only the median (ms, the slowest rank's)
-            "step_ms_samples": [x * 1e3 for x in max_over_ranks_each(s.seconds for s in timed)],
+    return {"step_ms": step_s * 1e3, "step_ms_samples": step_ms_samples,
             "tokens_per_s_per_gpu": tokens / step_s,
             "tflops_per_gpu": training_flops_per_token(cfg) * tokens / step_s / 1e12,
             "peak_gib": (None if timed[0].peak_gib is None

@@ -51,8 +51,10 @@ def test_flop_count_matches_a_hand_count():
 
 
 def _run(step_ms, tokens, loss=(5.5, 5.0)):
-    return {"step_ms": step_ms, "tokens_per_s_per_gpu": tokens, "tflops_per_gpu": 1.0,
-            "peak_gib": 2.0, "loss_first": loss[0], "loss_last": loss[1], "steps": 8}
+    """A run as summarize writes it: three timed steps whose median is `step_ms`."""
+    return {"step_ms": step_ms, "step_ms_samples": [step_ms * 1.2, step_ms, step_ms * 0.9],
+            "tokens_per_s_per_gpu": tokens, "tflops_per_gpu": 1.0, "peak_gib": 2.0,
+            "loss_first": loss[0], "loss_last": loss[1], "steps": 8}
 
 
 def test_report_figures_tables_and_json(tmp_path):
@@ -68,9 +70,10 @@ def test_report_figures_tables_and_json(tmp_path):
     results = [{"shape": "quick", "runs": runs, "derived": d},
                {"shape": "tiny", "runs": skipped, "derived": bench_peer.derived(skipped)}]
     table = bench_peer.markdown(results)
-    assert "| quick | epoverlap | ovl | 160.0 | 200.0k | 1.0 | 2.00 | 5.500 | 5.000 |" in table
+    assert ("| quick | epoverlap | ovl | 160.0 | 144.0 - 192.0 (3) | 200.0k | 1.0 | 2.00 | "
+            "5.500 | 5.000 |") in table
     assert "| quick | seq | 2.00 | 2.50 | 1.25 | 0.80 |" in table
-    assert "| tiny | megatron | ovl | not run (see above) |" in table
+    assert "| tiny | megatron | ovl | not run (see above) | - | - | - | - | - | - |" in table
     assert "| tiny | seq | - | - | - | - |" in table
     report = {"world": 1, "systems": ["megatron"], "warmup": 3, "steps": 8, "device": "x",
               "nccl_p2p_disable": "0", "results": results}
@@ -82,6 +85,59 @@ def test_report_figures_tables_and_json(tmp_path):
     assert header[-1] == "not run: tiny megatron ovl: EP = 1"
     path = bench_peer.write_report(report, str(tmp_path / "out"))
     assert json.loads(path.read_text()) == report
+
+
+def test_tables_take_each_median_from_the_steps_samples():
+    """A run whose stored step_ms is not its samples' median: the tables, the derived figures
+    and the log line use the samples' (tokens/s/GPU scaled to it)."""
+    ours = {**_run(200.0, 160e3), "step_ms_samples": [100.0, 400.0, 300.0, 250.0]}  # median 275
+    runs = {"megatron": {"seq": _run(550.0, 160e3 * 200 / 550)}, "epoverlap": {"seq": ours}}
+    d = bench_peer.derived(runs)
+    assert d["epoverlap_seq_over_megatron_best"] == pytest.approx(550.0 / 275.0)
+    table = bench_peer.markdown([{"shape": "quick", "runs": runs, "derived": d}])
+    assert "| quick | epoverlap | seq | 275.0 | 100.0 - 400.0 (4) | 116.4k | 0.7 |" in table
+    assert bench_peer.run_line(ours).startswith("step 275.0 ms (median of 4), 116.4k tok/s/GPU")
+
+
+def _fake_runner(seconds):
+    """A system's runner that times no model: each step takes the next of `seconds`."""
+    def runner(cfg, groups, data, steps, **kwargs):
+        return {"samples": [bench_peer.StepSample(s, 5.0, None) for s in seconds[:steps]]}
+    return runner
+
+
+def test_json_holds_every_timed_step_of_every_system(tmp_path, monkeypatch):
+    """bench_shape and the JSON on one gloo rank, each system's runner replaced by one with
+    known step times (Megatron-core's side needs a GPU, torchtitan's a long CPU run): every
+    system's every mode keeps its timed steps' samples after the warmup, and its step_ms is
+    their median."""
+    times = {"megatron": [9.0, 0.5, 0.7, 0.6], "epoverlap": [9.0, 0.2, 0.4, 0.3],
+             "torchtitan": [9.0, 0.3, 0.6, 0.5]}
+    monkeypatch.setattr(bench_peer, "RUNNERS", {name: _fake_runner(times[name])
+                                                for name in ("megatron", "epoverlap")})
+    monkeypatch.setattr(bench_peer, "run_epoverlap", bench_peer.RUNNERS["epoverlap"])  # flags
+    monkeypatch.setattr(bench_peer, "run_torchtitan", _fake_runner(times["torchtitan"]))
+    args = bench_peer.parse_args(["--shapes", "quick", "--warmup", "1", "--iters", "3",
+                                  "--systems", "megatron,epoverlap,torchtitan",
+                                  "--ours-ovl-flags=--delay-wgrad-compute"])
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # init_distributed sets them for one rank
+    groups = bench_peer.init_distributed(1, "cpu")
+    try:
+        result = bench_peer.bench_shape("quick", args.systems, groups, args, lambda msg: None)
+    finally:
+        bench_peer.destroy_distributed(groups)
+    path = bench_peer.write_report(bench_peer.full_report(args, 1, [result]), str(tmp_path))
+    runs = json.loads(path.read_text())["results"][0]["runs"]
+    from benchmarks.harness.peer_torchtitan import MODES as TORCHTITAN_MODES
+    assert set(runs) == {"megatron", "epoverlap", "torchtitan"}
+    assert set(runs["torchtitan"]) == set(TORCHTITAN_MODES)
+    assert set(runs["epoverlap"]) == {"seq", "ovl", "ovl_flags"}
+    for system, modes in runs.items():
+        for mode, run in modes.items():
+            expected = [1e3 * s for s in times[system][1:]]
+            assert run["step_ms_samples"] == pytest.approx(expected), (system, mode)
+            assert run["step_ms"] == pytest.approx(sorted(expected)[1])
 
 
 def _refusal(monkeypatch, capsys, argv):
