@@ -1,6 +1,6 @@
 """Run GPU recipes (benchmarks/gpu/recipes.py) and pack each one's record.
 
-    python -m benchmarks.gpu.run RECIPE [RECIPE ...] [--out DIR] [--time-limit S]
+    python -m benchmarks.gpu.run RECIPE [RECIPE ...] [--out DIR] [--time-limit S] [--dry-run]
     python -m benchmarks.gpu.run --list
 
 Run from the repo root of a copy of the tree on a GPU machine. It first makes the machine
@@ -11,13 +11,17 @@ multicast off (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DIS
 CUDA_VISIBLE_DEVICES set to the recipe's GPUs; a recipe that needs more GPUs than are visible,
 or a carried file that is not there, is skipped and packs nothing. Each recipe's folder (every
 step's log, record.json: the GPUs from nvidia-smi, the date, torch/CUDA/NCCL/triton versions,
-each step's exact command, environment additions, NCCL settings, exit status and seconds; and
-what its commands wrote) is packed into OUT/RECIPE.tgz; OUT/summary.md gets the table printed
-last.
+the code (`tree_state`: the commit, whether the tree was dirty, the sha256 of its diff), each
+step's exact command, environment additions, NCCL settings, exit status and seconds; tree.diff,
+the diff itself, where the tree was dirty; and what its commands wrote) is packed into
+OUT/RECIPE.tgz; OUT/summary.md gets the table printed last. --dry-run installs and runs
+nothing: each recipe named gets its folder, record (steps with no exit status) and pack, on any
+machine (a recipe this one could not run says so in its status).
 OUT is --out, else $OUT (what the GPU machines send back: at most 8 files of 16 MiB), else
 runs/gpu. --time-limit (default 570 s, one device call's 600 s less packing) cuts each step's
 limit to what is left and starts no step with less than 20 s left.
-Exit status: 0 every recipe ok or skipped, 1 one failed, 2 an unknown recipe (nothing run).
+Exit status: 0 every recipe ok or skipped (or dry run), 1 one failed, 2 an unknown recipe
+(nothing run).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -33,6 +38,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -92,10 +98,76 @@ def machine(env: dict) -> dict:
     gpus = subprocess.run(query, capture_output=True, text=True) if smi else None
     info["nvidia_smi"] = gpus.stdout.strip().splitlines() if gpus and gpus.returncode == 0 else []
     info["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=REPO)
-    info["commit"] = commit.stdout.strip() if commit.returncode == 0 else None
     return info
+
+
+@dataclass(frozen=True)
+class Tree:
+    """The code a run ran: `record` (record.json's "code") and `diff` (tree.diff's bytes)."""
+
+    record: dict
+    diff: bytes = b""
+
+    def text(self) -> str:
+        """One line for the summary: `1a2b3c4d5e6f (dirty, diff sha256 0f1e2d3c4b5a)`."""
+        code = self.record
+        if code["commit"] == UNKNOWN:
+            return f"unknown ({code['reason']})"
+        state = f"dirty, diff sha256 {code['diff_sha256'][:12]}" if code["dirty"] else "clean"
+        return f"{code['commit'][:12]} ({state})"
+
+
+UNKNOWN = "unknown"
+DIFF_FILE = "tree.diff"
+
+
+class _NoGit(Exception):
+    """git cannot say what the tree is (no usable .git, no git): the reason, in one line."""
+
+
+def _git(repo: Path, *args: str, differ_ok: bool = False) -> bytes:
+    """git's output in `repo` (bytes, as git wrote them); raises _NoGit with git's own words.
+    `differ_ok`: exit status 1 is an answer (`diff --no-index`: the files differ)."""
+    try:
+        done = subprocess.run(["git", "-c", "core.quotePath=true", *args], cwd=repo,
+                              capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise _NoGit(f"git {args[0]}: {error}") from None
+    if done.returncode == 0 or (differ_ok and done.returncode == 1):
+        return done.stdout
+    said = done.stderr.decode(errors="replace").strip().splitlines()
+    raise _NoGit(f"git {args[0]}: {said[0] if said else f'exit status {done.returncode}'}")
+
+
+def _diff(repo: Path) -> tuple:
+    """(the diff against HEAD: tracked changes, then each untracked file git does not ignore
+    as a new file, in byte order of its path; untracked count). `git apply` takes it."""
+    plain = ("--binary", "--no-color", "--no-ext-diff", "--no-textconv", "--src-prefix=a/",
+             "--dst-prefix=b/")
+    tracked = _git(repo, "diff", *plain, "HEAD", "--")
+    listed = _git(repo, "ls-files", "--others", "--exclude-standard", "-z")
+    untracked = sorted(name for name in listed.split(b"\0") if name)
+    added = [_git(repo, "diff", "--no-index", *plain, "--", os.devnull, os.fsdecode(name),
+                  differ_ok=True) for name in untracked]
+    return tracked + b"".join(added), len(untracked)
+
+
+def tree_state(repo: Path) -> Tree:
+    """The commit (git HEAD), whether the tree differs from it (tracked changes, or untracked
+    files git does not ignore), and the sha256 of that diff; "unknown", with git's reason,
+    where git cannot tell (a copy without its .git, no git, `repo` inside another repo)."""
+    try:
+        top = Path(os.fsdecode(_git(repo, "rev-parse", "--show-toplevel").strip()))
+        if top.resolve() != repo.resolve():
+            raise _NoGit(f"{repo} is not a git tree's root (its repository is {top})")
+        commit = _git(repo, "rev-parse", "--verify", "HEAD").decode().strip()
+        diff, untracked = _diff(repo)
+    except _NoGit as error:
+        return Tree({"commit": UNKNOWN, "dirty": UNKNOWN, "diff_sha256": UNKNOWN,
+                     "reason": str(error)})
+    return Tree({"commit": commit, "dirty": bool(diff),
+                 "diff_sha256": hashlib.sha256(diff).hexdigest(), "diff_bytes": len(diff),
+                 "untracked_files": untracked, "diff": DIFF_FILE if diff else None}, diff)
 
 
 def _stat(pid: int) -> Optional[list]:
@@ -173,19 +245,24 @@ def why_skipped(recipe, visible: int):
     return f"skipped: needs {', '.join(missing)} (not carried)" if missing else None
 
 
-def run_recipe(recipe, env: dict, info: dict, work: Path, out: Path, deadline: float) -> dict:
+def run_recipe(recipe, env: dict, info: dict, work: Path, out: Path, deadline: float,
+               tree: Tree, dry_run: bool = False) -> dict:
     status, start = why_skipped(recipe, info["gpus"]), time.time()
-    if status is not None:  # nothing to pack: the summary says why
+    if status is not None and not dry_run:  # nothing to pack: the summary says why
         return {"recipe": recipe.name, "status": status, "seconds": 0.0, "record": "-"}
+    if dry_run:
+        status = "dry run" + (f" (here it would be {status})" if status else "")
     folder = work / recipe.name
     shutil.rmtree(folder, ignore_errors=True)  # a warm machine keeps the last call's files
     folder.mkdir(parents=True)
+    if tree.diff:
+        (folder / DIFF_FILE).write_bytes(tree.diff)
     gpus = max(info["gpus"], recipe.gpus) if recipe.all_gpus else recipe.gpus
     names = {"python": sys.executable, "gpus": gpus, "out": folder,
              "torchrun": f"{sys.executable} -m torch.distributed.run --standalone "
                          f"--nproc-per-node={gpus}"}
     record = {"recipe": recipe.name, "measures": recipe.measures, "records": recipe.records,
-              "gpus": gpus, "machine": info, "steps": []}
+              "gpus": gpus, "code": tree.record, "machine": info, "steps": []}
     for step in recipe.steps:
         step_env = {key: value.format(**names) for key, value in step.env.items()}
         command = step.command.format(**names)
@@ -198,6 +275,9 @@ def run_recipe(recipe, env: dict, info: dict, work: Path, out: Path, deadline: f
                               if key.startswith(("NCCL_", "NVSHMEM_", "TORCH_SYMM_MEM_"))},
                  "log": f"{step.name}.log"}
         record["steps"].append(entry)
+        if dry_run:
+            entry["rc"] = None
+            continue
         if left < 20:
             entry["rc"], status = None, f"cut: time limit before {step.name}"
             break
@@ -223,11 +303,11 @@ def run_recipe(recipe, env: dict, info: dict, work: Path, out: Path, deadline: f
             "record": str(packed)}
 
 
-def summary(rows: list, info: dict, setup: str) -> str:
+def summary(rows: list, info: dict, setup: str, tree: Tree) -> str:
     lines = [f"GPUs: {', '.join(info['nvidia_smi']) or 'none'} | date {info['date']} | "
              f"torch {info.get('torch')} (CUDA {info.get('cuda')}) | NCCL {info.get('nccl')} | "
              f"triton {info.get('triton')} | python {info.get('python')} | "
-             f"commit {info.get('commit')} | {setup}", "",
+             f"commit {tree.text()} | {setup}", "",
              "| recipe | status | seconds | record |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['recipe']} | {r['status']} | {r['seconds']} | {r['record']} |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -253,6 +333,8 @@ def main(argv=None, recipes=None) -> int:
                         help="where the records are made before packing")
     parser.add_argument("--time-limit", type=float, default=570.0)
     parser.add_argument("--no-install", action="store_true")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="install and run nothing: write and pack each recipe's record")
     args = parser.parse_args(argv)
     if args.list:
         print(list_recipes(recipes))
@@ -264,20 +346,23 @@ def main(argv=None, recipes=None) -> int:
         print(f"benchmarks.gpu.run: {what} (--list names them)", file=sys.stderr)
         return 2
     deadline = time.time() + args.time_limit
+    tree = tree_state(REPO)  # before anything here writes into the tree
     out, work = Path(args.out).resolve(), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1"}
-    setup = prepare(env, work, not args.no_install)
+    setup = ("dry run: nothing installed or run" if args.dry_run
+             else prepare(env, work, not args.no_install))
     info = {**machine(env), "setup": setup}
-    rows = [run_recipe(known[name], env, info, work, out, deadline) for name in args.recipes]
-    text = summary(rows, info, setup)
+    rows = [run_recipe(known[name], env, info, work, out, deadline, tree, args.dry_run)
+            for name in args.recipes]
+    text = summary(rows, info, setup, tree)
     (out / "summary.md").write_text(text)
     print("\n" + text, end="")
     packed = sum(row["record"] != "-" for row in rows) + 1
     if packed > 8:
         print(f"note: {packed} files in {out}; a GPU machine sends back 8")
-    failed = [r for r in rows if not r["status"].startswith(("ok", "skipped"))]
+    failed = [r for r in rows if not r["status"].startswith(("ok", "skipped", "dry run"))]
     return 1 if failed else 0
 
 

@@ -11,8 +11,10 @@ values:
                                      MoE layers
   --bf16                             on CUDA devices
   --overlap-moe-expert-parallel-comm on with EP > 1 and MoE layers
-  --cuda-graph-impl                  on CUDA: over NVLink (one host, NCCL's peer-to-peer on),
-                                     full_iteration over the sync-free budget dispatch
+  --cuda-graph-impl                  on CUDA: over a fast link (`parallel.link`: one host,
+                                     NCCL's peer-to-peer on, peer access between its GPUs
+                                     and NVLink on each, or peer access where NVML cannot
+                                     say), full_iteration over the sync-free budget dispatch
                                      (--moe-dispatch-budget 1.25: still dropless; with
                                      --moe-dispatch-budget-memory 20, so a router that keeps
                                      overflowing it is not rerun every step, and
@@ -35,7 +37,8 @@ A value given on the command line (or by a preset) is never changed. Each auto v
 only where every rule accepts it beside the other flags given (`config.validate.check_config`);
 otherwise that flag resolves to its off value (fp32, the sequential schedule, no graphs), so an
 auto default never turns a command line that was valid into an error. The flags an auto default
-set are listed in `RunConfig.defaulted` (the run's path line says where each choice came from).
+set are listed in `RunConfig.defaulted` (the run's path line says where each choice came from),
+and the link the auto graph scope was chosen over in `RunConfig.link` (the path line names it).
 
 `validate_config` = resolve, then check every rule.
 """
@@ -44,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 from epoverlap.config.cuda_graphs import AUTO, EP_OVERLAP_MODULES
 from epoverlap.config.dispatch import BY_HOST_MAX_SHARE, DispatchMode, by_host_row_share
@@ -52,6 +54,7 @@ from epoverlap.config.sections import RunConfig
 from epoverlap.config.tuning import candidate_paths, may_tune
 from epoverlap.config.validate import MAX_LAYERS, check_config
 from epoverlap.errors import ConfigError
+from epoverlap.parallel.link import Link, find_link
 from epoverlap.parallel.transport import ranks_per_host
 
 EP_FLAG = "--expert-model-parallel-size"
@@ -91,7 +94,10 @@ def resolve_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> Run
     if cfg.cuda_graph.impl == AUTO:
         cfg = _with(cfg, "cuda_graph", impl="none")
         defaulted.append(GRAPHS_FLAG)
-        wanted.append(_graph_choices(cfg, world_size) if on_cuda else [])
+        link = find_link(world_size, cfg.parallel.emulate_hosts) if on_cuda else None
+        if link is not None:
+            cfg = dataclasses.replace(cfg, link=link.text())
+        wanted.append(_graph_choices(cfg, link) if link is not None else [])
     if hierarchy_auto:  # named among the auto choices only where it chose node
         cfg = _with(cfg, "moe", moe_dispatch_hierarchy="flat")
         wanted.append([_by_host] if _spans_hosts(cfg, world_size) else [])
@@ -105,29 +111,13 @@ def resolve_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> Run
     return dataclasses.replace(cfg, defaulted=tuple(defaulted))
 
 
-def fast_link(world_size: int, emulated_hosts: int = 1) -> bool:
-    """Whether the EP all-to-all runs over NVLink: one host (LOCAL_WORLD_SIZE, torchrun's, is
-    the world; without torchrun, one Slurm node; not --emulate-hosts) and NCCL's peer-to-peer
-    transport not switched off (NCCL_P2P_DISABLE). Every rank of a job reads the same
-    environment, so all decide alike."""
-    if emulated_hosts > 1:
-        return False
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is not None:
-        one_host = int(local) >= world_size
-    else:
-        one_host = int(os.environ.get("SLURM_NNODES", "1")) <= 1
-    p2p_off = os.environ.get("NCCL_P2P_DISABLE", "0").strip().lower() in ("1", "true", "yes")
-    return one_host and not p2p_off
-
-
-def _graph_choices(cfg: RunConfig, world_size: int) -> list:
-    """The auto graph scope on CUDA, preferred first: over a fast link, one graph of the whole
-    iteration over the sync-free budget dispatch (it moves a budget's fixed chunks, more bytes
-    than the dropless dispatch: where bytes bind, through host memory or between hosts, that
-    loses, so there the partial graphs come first); then partial graphs."""
-    if (fast_link(world_size, cfg.parallel.emulate_hosts)
-            and DispatchMode.of(cfg.moe).name == "dropless"):
+def _graph_choices(cfg: RunConfig, link: Link) -> list:
+    """The auto graph scope on CUDA, preferred first: over a fast link (`parallel.link`: every
+    rank finds the same), one graph of the whole iteration over the sync-free budget dispatch
+    (it moves a budget's fixed chunks, more bytes than the dropless dispatch: where bytes bind,
+    over PCIe, through host memory or between hosts, that loses, so there the partial graphs
+    come first); then partial graphs."""
+    if link.fast and DispatchMode.of(cfg.moe).name == "dropless":
         return [_full_iteration, _partial_graphs]
     return [_partial_graphs]
 
@@ -249,9 +239,10 @@ def _with(cfg: RunConfig, section: str, **changes) -> RunConfig:
 
 
 def path_text(cfg: RunConfig, device: str) -> str:
-    """The resolved path of a run in one line: dispatch, graph scope, schedule and delayed
-    wgrad (or the paths the tuner picks among), the levers set, and which of them an `auto`
-    default chose (the others the user gave)."""
+    """The resolved path of a run in one line: dispatch, graph scope (and the link the auto
+    one was chosen over, with why), schedule and delayed wgrad (or the paths the tuner picks
+    among), the levers set, and which of them an `auto` default chose (the others the user
+    gave)."""
     o, p, graphs = cfg.overlap, cfg.parallel, cfg.cuda_graph
     mode = DispatchMode.of(cfg.moe)
     dispatch = mode.name + (", by host" if mode.by_host else
@@ -273,6 +264,8 @@ def path_text(cfg: RunConfig, device: str) -> str:
     if may_tune(cfg, device):
         names = ", ".join(path.name for path in candidate_paths(cfg))
         schedule = f"schedule and delayed wgrad: the tuner's pick of {names}"
+    if cfg.link:
+        scope += f" | link {cfg.link}"
     return (f"path: dispatch {dispatch} | graphs {scope} | {schedule} | levers "
             f"{', '.join(levers) or 'none'} | {'bf16' if cfg.train.bf16 else 'fp32'} | "
             f"set by auto defaults: {auto}; the rest as given")

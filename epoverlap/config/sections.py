@@ -456,6 +456,9 @@ class RunConfig:
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     # the flags whose `auto` default config.resolve set (for the run's path line); not a flag
     defaulted: tuple[str, ...] = ()
+    # the link the auto graph scope was chosen over, `kind (why)` (parallel.link; for the path
+    # line); set by config.resolve on CUDA, empty where nothing asked; not a flag
+    link: str = ""
 
     def moe_layer_pattern(self) -> list[bool]:
         """For each layer: True if it is an MoE layer."""

@@ -2,11 +2,13 @@
 table names modules, test paths and shapes that exist under unique names, covers the checks
 the project relies on, formats, and its training commands pass the config's rules; the runner
 lists, refuses an unknown recipe in one line, and runs stubbed recipes: status, record and pack
-under --out."""
+under --out; a dry run records the code (commit, dirty flag, diff hash) of a git tree, and
+"unknown" with the reason where there is no usable git."""
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import re
@@ -170,8 +172,8 @@ def test_stubbed_recipes_record_their_status_and_pack_under_out(tmp_path, capsys
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [f"{name}.tgz" for name in ran] + ["summary.md"])
     members, record, logs = _record(out, "stub_ok")
-    assert members == ["stub_ok", "stub_ok/record.json", "stub_ok/result.txt",
-                       "stub_ok/write.log"]
+    assert [m for m in members if m != "stub_ok/tree.diff"] == [
+        "stub_ok", "stub_ok/record.json", "stub_ok/result.txt", "stub_ok/write.log"]
     folder = str(work / "stub_ok")
     assert f"multicast=0 {folder}/extra" in logs["stub_ok/write.log"]
     assert record["status"] == "ok" and record["recipe"] == "stub_ok"
@@ -196,6 +198,82 @@ def test_stubbed_recipes_record_their_status_and_pack_under_out(tmp_path, capsys
     assert ("| stub_needs_wheel | skipped: needs .whl/no_such_package-*.whl (not carried) | "
             "0.0 | - |") in summary
     assert capsys.readouterr().out.rstrip().endswith(summary.rstrip().splitlines()[-1])
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c",
+                           "commit.gpgsign=false", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def _dry_run(monkeypatch, repo: Path, out: Path) -> tuple:
+    """`stub_ok --dry-run` with the runner's tree at `repo` -> (members, record, summary)."""
+    monkeypatch.setattr(run, "REPO", repo)
+    monkeypatch.setattr(run, "machine", lambda env: {"gpus": 0, "nvidia_smi": [], "date": "d"})
+    rc = run.main(["stub_ok", "--dry-run", "--out", str(out), "--work", str(out / "work")],
+                  STUBS)
+    assert rc == 0
+    members, record, _ = _record(out, "stub_ok")
+    return members, record, (out / "summary.md").read_text()
+
+
+def test_a_dry_run_records_the_commit_the_dirty_flag_and_the_diff_hash(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.txt").write_text("one\n")
+    (repo / ".gitignore").write_text("ignored.txt\n")
+    _git(repo, "add", "a.txt", ".gitignore")
+    _git(repo, "commit", "-q", "-m", "first")
+    head = _git(repo, "rev-parse", "HEAD")
+    members, record, summary = _dry_run(monkeypatch, repo, tmp_path / "clean")
+    assert record["code"]["commit"] == head and record["code"]["dirty"] is False
+    assert record["code"]["diff"] is None and "stub_ok/tree.diff" not in members
+    assert record["status"] == "dry run" and [s["rc"] for s in record["steps"]] == [None]
+    assert "stub_ok/result.txt" not in members  # the step did not run
+    assert f"commit {head[:12]} (clean)" in summary
+    hashes = []
+    for n, change in enumerate([lambda: (repo / "a.txt").write_text("two\n"),
+                                lambda: (repo / "b.txt").write_text("new\n"),  # untracked
+                                lambda: (repo / "a.txt").write_text("three\n")]):
+        change()
+        (repo / "ignored.txt").write_text(f"ignored {n}\n")  # never part of the diff
+        out = tmp_path / f"dirty{n}"
+        members, record, summary = _dry_run(monkeypatch, repo, out)
+        code = record["code"]
+        with tarfile.open(out / "stub_ok.tgz") as tar:
+            diff = tar.extractfile("stub_ok/tree.diff").read()
+        assert code["commit"] == head and code["dirty"] is True and code["diff"] == "tree.diff"
+        assert code["diff_sha256"] == hashlib.sha256(diff).hexdigest()
+        assert f"commit {head[:12]} (dirty, diff sha256 {code['diff_sha256'][:12]})" in summary
+        hashes.append(code["diff_sha256"])
+    assert len(set(hashes)) == 3 and code["untracked_files"] == 1
+    copy = tmp_path / "copy"  # the diff, applied to the commit, gives the tree back
+    _git(tmp_path, "clone", "-q", str(repo), str(copy))
+    (tmp_path / "tree.diff").write_bytes(diff)
+    _git(copy, "apply", str(tmp_path / "tree.diff"))
+    assert [(copy / name).read_text() for name in ("a.txt", "b.txt")] == ["three\n", "new\n"]
+
+
+@pytest.mark.parametrize("where, why", [("plain", "git rev-parse: fatal: not a git repository"),
+                                        ("worktree_file", "git rev-parse: fatal: not a git "),
+                                        ("nested", "is not a git tree's root")])
+def test_a_tree_without_a_usable_git_is_recorded_as_unknown_with_the_reason(
+        tmp_path, monkeypatch, where, why):
+    monkeypatch.delenv("GIT_DIR", raising=False)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no repo above tmp_path
+    repo = tmp_path / "copy"
+    repo.mkdir()
+    if where == "worktree_file":  # a worktree copied without the repository it points to
+        (repo / ".git").write_text("gitdir: /nowhere/.git/worktrees/copy\n")
+    if where == "nested":  # a folder inside some other repository
+        _git(tmp_path, "init", "-q")
+        monkeypatch.delenv("GIT_CEILING_DIRECTORIES")
+    _, record, summary = _dry_run(monkeypatch, repo, tmp_path / "out")
+    code = record["code"]
+    assert (code["commit"], code["dirty"], code["diff_sha256"]) == ("unknown",) * 3
+    assert why in code["reason"], code["reason"]
+    assert f"commit unknown ({code['reason']})" in summary
 
 
 def test_no_step_starts_past_the_time_limit(tmp_path):

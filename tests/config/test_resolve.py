@@ -60,6 +60,27 @@ def test_where_bytes_bind_gpus_get_partial_graphs(gpu_rules, monkeypatch, link):
     assert "--overlap-moe-expert-parallel-comm" in cfg.defaulted
 
 
+@pytest.mark.parametrize("peer, nvlink, impl, link", [
+    (False, None, "local", "link host memory (no peer access between the 2 local GPUs)"),
+    (True, False, "local", "link pcie (peer access between the 2 local GPUs, NVLink not on"),
+    (True, True, "full_iteration", "link nvlink (peer access between the 2 local GPUs, NVLink"),
+    (True, None, "full_iteration", "link peer (peer access between the 2 local GPUs; NVLink "
+                                   "unknown: no NVML)")])
+def test_the_auto_graphs_follow_the_link_the_hardware_has(gpu_rules, monkeypatch, peer, nvlink,
+                                                          impl, link):
+    """A PCIe host without peer access, no NCCL variable set, gets the partial graphs; the
+    path line names the link found and why."""
+    one_host_over_nvlink(monkeypatch)
+    monkeypatch.setattr("epoverlap.parallel.link._sees", lambda gpus: True)
+    monkeypatch.setattr("epoverlap.parallel.link._peer_access", lambda gpus: peer)
+    monkeypatch.setattr("epoverlap.parallel.link._nvlink", lambda gpus: nvlink)
+    cfg = resolved([], world=2, cuda=True)
+    assert cfg.cuda_graph.impl == impl
+    scope = "local (attn moe_router moe_preprocess)" if impl == "local" else impl
+    assert f"graphs {scope} | {link}" in path_text(cfg, "cuda")
+    assert resolve_config(cfg, 2, True) == cfg
+
+
 def test_values_given_are_kept(gpu_rules):
     cfg = resolved(["--no-bf16", "--cuda-graph-impl", "none", SEQUENTIAL_FLAG,
                     "--expert-model-parallel-size", "1"], world=2, cuda=True)
@@ -132,7 +153,9 @@ def test_the_path_line_names_what_auto_chose(gpu_rules, monkeypatch):
     cfg = resolved([], world=2, cuda=True)
     line = path_text(cfg, "cuda")
     assert "the tuner's pick of combined_1f1b, combined_1f1b+wgrad" in line
-    assert "graphs local (attn moe_router moe_preprocess)" in line
+    assert "graphs local (attn moe_router moe_preprocess) | link host memory " \
+        "(NCCL_P2P_DISABLE set) |" in line
+    assert "| link " not in path_text(resolved([], world=2), "cpu")  # no link asked on CPU
     assert "schedule combined_1f1b | delayed wgrad off" in path_text(cfg, "cpu")
     assert "set by auto defaults: --expert-model-parallel-size, " \
         "--overlap-moe-expert-parallel-comm, --bf16, --cuda-graph-impl;" in line

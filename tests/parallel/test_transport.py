@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 from epoverlap.config import parse_config
-from epoverlap.config.resolve import fast_link, validate_config
+from epoverlap.config.resolve import validate_config
 from epoverlap.errors import ConfigError
+from epoverlap.parallel.link import find_link
 from epoverlap.parallel.transport import (TransportReport, emulated_host_id, parse_transports,
                                           transport_log_env)
 
@@ -65,7 +66,7 @@ def test_nccls_log_is_left_alone_when_the_user_set_nccl_debug(monkeypatch, tmp_p
 def test_emulated_hosts_are_not_a_fast_link(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
-    assert fast_link(4) and not fast_link(4, emulated_hosts=2)
+    assert find_link(4).fast and not find_link(4, emulated_hosts=2).fast
 
 
 @pytest.mark.parametrize("flags, message", [
