@@ -2,7 +2,8 @@
 peer shapes, eager or compiled, every step's line kept.
 
     python -m benchmarks.harness.peer_titan_1gpu --shape qwen3|mixtral|dsv3 \
-        --mode eager|compiled [--steps 30] [--out FILE.json] [-- TORCHTITAN FLAGS ...]
+        --mode eager|compiled [--steps 30] [--timeout 420] [--out FILE.json] \
+        [-- TORCHTITAN FLAGS ...]
 
 Installs nothing on the machine beyond the carry: `.titan/src` (torchtitan's package and its
 test tokenizer, `git archive` of the commit) goes first on PYTHONPATH, and the wheels of
@@ -24,7 +25,8 @@ the config logs every step) gives each step's tokens/s over the whole step (the 
 two step lines), the step time (tokens per step / tokens/s) and the allocator's peak reserved
 memory over the step. Writes FILE.json: every step's sample, the build (torchtitan commit,
 mode, torch and Python versions), the exact command and its environment additions, the exit
-status; the log beside it. Exit status: 0, or 1 when the run failed or logged no step.
+status (124: stopped at --timeout seconds); the log beside it. Exit status: 0, or 1 when the run
+failed or logged no step.
 
 `SHAPES` pairs each shape with its epoverlap preset and its torchtitan config function
 (benchmarks/harness/titan_shapes.py); `PEER_FLAGS` are the flags both systems' configs are read

@@ -95,7 +95,7 @@ class RandomTokens(BaseDataLoader):
         while True:
             ids = torch.randint(0, self.config.vocab_size, self.shape, generator=self.generator)
             self.batches += 1
-            yield {"input": ids[:, :-1]}, ids[:, 1:]
+            yield {"input": ids[:, :-1].contiguous()}, ids[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
         return {"batches": self.batches}
