@@ -3,7 +3,7 @@ titan_shapes.py): its log parser, its commands and figures without torchtitan; w
 (`.titan/`, or EPOVERLAP_TITAN_CARRY; absent in CI, where those tests skip), torchtitan
 d84e83dc4 imported from it, its configs parsed by its own ConfigManager, its model at the
 presets' structure with epoverlap's parameter count, one forward and backward, the random
-tokens."""
+tokens, and its Trainer training from the runner's command line on the CPU."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -144,16 +145,26 @@ needs_carry = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 
 
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory):
-    """tests/support/titan_checks.py's every check, in one process on the carry's path."""
+def carry_env(tmp_path_factory) -> dict:
+    """The environment of a process on the carry's path (the wheels in a folder of the test's)
+    with tests/support beside it."""
     site = tmp_path_factory.mktemp("titan-site")
     titan.install_wheels(site=site)
     standin = titan.write_standin(tmp_path_factory.mktemp("standin"))
     env = titan.titan_env(standin, site=site)
     env["PYTHONPATH"] += os.pathsep + str(REPO / "tests" / "support")
-    found = subprocess.run([sys.executable, str(REPO / "tests/support/titan_checks.py"),
-                            "every"], capture_output=True, text=True, env={**os.environ, **env},
-                           cwd=REPO, timeout=900)
+    return {**os.environ, **env, "DUMP": str(tmp_path_factory.mktemp("dump"))}
+
+
+def _titan_checks(env: dict, *argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tests/support/titan_checks.py"), *argv],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def checks(carry_env):
+    """tests/support/titan_checks.py's every check, in one process on the carry's path."""
+    found = _titan_checks(carry_env, "every")
     assert found.returncode == 0, found.stderr[-3000:]
     return json.loads(found.stdout.strip().splitlines()[-1])
 
@@ -203,3 +214,19 @@ def test_the_random_tokens(checks):
     assert found["input"] == found["labels"] == [2, 16] and found["shifted"]
     assert 0 <= found["low"] and found["high"] < 300
     assert found["seeded"] and found["fresh"] and found["state"] == {"batches": 2}
+
+
+@needs_carry
+def test_its_trainer_trains_the_shared_expert_shape_from_the_runners_command(carry_env):
+    """torchtitan's own Trainer built from the runner's command line (dsv3: a dense first
+    layer, shared experts) at small sizes on one CPU process: 3 step lines, as the parser reads
+    them (titan_checks.trainer names the CPU's stand-ins for the GPU)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    found = _titan_checks({**carry_env, "PORT": port}, "trainer", "dsv3")
+    log = found.stdout + found.stderr
+    assert found.returncode == 0 and "Training completed" in log, log[-3000:]
+    steps = titan.parse_titan_log(log, tokens_per_step=2 * 32)
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(math.isfinite(s["loss"]) and s["tokens_per_s"] > 0 for s in steps)

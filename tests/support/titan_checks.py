@@ -4,7 +4,8 @@
 
 Run in a process of its own whose PYTHONPATH is `peer_titan_1gpu.titan_env`'s (the carry's
 source first), so that another torchtitan installed here is never imported beside it.
-CHECK is one of: imports, configs, counts, forward, loader, or every (each by name)."""
+CHECK is one of: imports, configs, counts, forward, loader, or every (each by name); or
+`trainer SHAPE`, which prints torchtitan's own log of 3 training steps instead."""
 
 from __future__ import annotations
 
@@ -32,14 +33,18 @@ def _small_config(shape: str):
     return parse_config(flags)
 
 
-def _titan_model(cfg, device: str):
-    """torchtitan's model of `cfg`; on the CPU with its experts' for-loop path (its grouped
-    path permutes tokens with a Triton kernel)."""
+def _titan_config(cfg, device: str):
+    """torchtitan's model config of `cfg`; on the CPU with its experts' for-loop path (its
+    grouped path permutes tokens with a Triton kernel)."""
     from benchmarks.harness.titan_shapes import model_config
     config = model_config(cfg, cfg.data.vocab_size)
     config.layer.moe.experts.use_grouped_mm = device != "cpu"
+    return config
+
+
+def _titan_model(cfg, device: str):
     with torch.device(device):
-        return config.build()
+        return _titan_config(cfg, device).build()
 
 
 def imports() -> dict:
@@ -137,6 +142,55 @@ def loader() -> dict:
             "state": built.state_dict()}
 
 
+def _on_the_cpu() -> None:
+    """What torchtitan's Trainer needs from a GPU, stood in for on the CPU: the device type
+    (torch's, read by torchtitan at import), its memory monitor (CUDA's allocator stats), the
+    process groups' barrier after step 1 (CUDA device ids) and histc of int64 expert ids."""
+    import torch._utils
+    torch._utils._get_available_device_type = lambda: "cpu"
+    histc = torch.histc
+    torch.histc = lambda ids, *args, **kw: histc(ids.float(), *args, **kw).to(ids.dtype)
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.utils as dist_utils
+
+    class Monitor:
+        device_name, device_capacity_gib = "cpu", 1.0
+
+        def get_peak_stats(self):
+            return metrics.DeviceMemStats(0.5, 50.0, 0.5, 50.0, 0, 0)
+
+        def reset_peak_stats(self):
+            pass
+
+    metrics.build_device_memory_monitor = Monitor
+    dist_utils.set_pg_timeouts = lambda **kwargs: None
+
+
+def trainer(shape: str) -> None:
+    """torchtitan's Trainer, from the runner's own command line through its ConfigManager, at
+    `shape`'s small sizes, 3 steps on one gloo process: its experts' for-loop path, foreach
+    AdamW (the GPU runs take its defaults: grouped GEMMs, fused AdamW)."""
+    import os
+    _on_the_cpu()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29531"))
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger
+    from benchmarks.harness.peer_titan_1gpu import titan_command
+    init_logger()
+    argv = titan_command(shape, "eager", 3, os.environ.get("DUMP", "/tmp/titan-dump"))
+    config = ConfigManager().parse_args(argv[argv.index("torchtitan.train") + 1:]
+                                        + ["--optimizer.implementation", "foreach"])
+    cfg = _small_config(shape)
+    config.model_spec.model = _titan_config(cfg, "cpu")
+    config.dataloader.vocab_size, config.training.seq_len = (cfg.data.vocab_size,
+                                                             cfg.model.seq_length)
+    built = config.build()
+    built.train()
+    built.close()
+    torch.distributed.destroy_process_group()
+
+
 CHECKS = (imports, configs, counts, forward, loader)
 
 
@@ -145,4 +199,7 @@ def every() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(globals()[sys.argv[1]]()))
+    if sys.argv[1] == "trainer":
+        trainer(sys.argv[2])
+    else:
+        print(json.dumps(globals()[sys.argv[1]]()))
