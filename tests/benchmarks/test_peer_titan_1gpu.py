@@ -84,9 +84,11 @@ def test_the_carry_goes_first_on_the_path_and_the_standin_raises(tmp_path):
 
 
 def _run(steps_tps: list, warmup_reserved: float = 100.0) -> dict:
-    return {"rc": 0, "steps": [{"step": step, "tokens_per_s": tps, "step_ms": 8192e3 / tps,
-                                "peak_reserved_gib": warmup_reserved if step == 1 else 50.0}
-                               for step, tps in steps_tps]}
+    """A run's record of (step, tokens/s) pairs; step 1 reserves the most memory."""
+    steps = [{"step": step, "tokens_per_s": tps, "step_ms": 8192e3 / tps,
+              "peak_reserved_gib": warmup_reserved if step == 1 else 50.0}
+             for step, tps in steps_tps]
+    return {"rc": 0, "seconds": 1.0, "steps": steps}
 
 
 def test_figures_leave_the_warmup_out_and_compare_with_torchtitans_best():
@@ -109,6 +111,49 @@ def test_figures_leave_the_warmup_out_and_compare_with_torchtitans_best():
     report = {"shape": "qwen3", "preset": "p", "rounds": 1, "warmup": 1, "figures": failed}
     table = rounds.markdown(report)
     assert "| titan_compiled | - |" in table and "epoverlap_over_titan_best 2.00x" in table
+
+
+def test_epoverlaps_run_keeps_every_step_of_its_log_json(tmp_path, monkeypatch):
+    def fake_run(command, env, log, timeout_s):
+        path = Path(command[command.index("--log-json") + 1])
+        path.write_text("".join(json.dumps({"step": step, "loss": 5.0, "step_time_s": 0.25,
+                                            "tokens_per_s": 32768.0, "peak_reserved_gib": 70.0,
+                                            "peak_mem_gib": 60.0, "mfu": 0.13}) + "\n"
+                                for step in (1, 2)))
+        return 0
+
+    monkeypatch.setattr(rounds, "run_logged", fake_run)
+    run = rounds.run_epoverlap("mixtral", 2, tmp_path, "epoverlap_1", 60)
+    assert run["rc"] == 0 and "--preset mixtral-1gpu-proxy" in run["command"]
+    assert [(s["step"], s["step_ms"], s["peak_reserved_gib"]) for s in run["steps"]] == [
+        (1, 250.0, 70.0), (2, 250.0, 70.0)]
+
+
+def test_rounds_rotate_the_sides_and_report_after_every_run(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_side(side, shape, steps, logs, round_index, timeout_s):
+        calls.append((round_index, side))
+        reported = json.loads((tmp_path / "peer_titan.json").read_text()) \
+            if len(calls) > 1 else None
+        if reported:  # the run before this one is in the report already
+            assert sum(len(runs) for runs in reported["runs"].values()) == len(calls) - 1
+        tps = {"epoverlap": 30.0, "titan_eager": 20.0, "titan_compiled": 25.0}[side]
+        return {**_run([(1, 1.0), (2, tps), (3, tps)]), "round": round_index}
+
+    monkeypatch.setattr(rounds, "run_side", fake_side)
+    assert rounds.main(["--shape", "qwen3", "--rounds", "3", "--warmup", "1",
+                        "--out", str(tmp_path)]) == 0
+    assert [side for _, side in calls[:3]] == list(rounds.SIDES)
+    assert [side for _, side in calls[3:6]] == list(rounds.SIDES[1:] + rounds.SIDES[:1])
+    report = json.loads((tmp_path / "peer_titan.json").read_text())
+    assert report["figures"]["ratios"]["epoverlap_over_titan_best"] == pytest.approx(1.2)
+    assert report["megatron_flops_per_token"]["epoverlap"] > \
+        report["megatron_flops_per_token"]["titan_eager"]  # NullTokenizer's row
+    assert "| epoverlap | 30 |" in (tmp_path / "summary.md").read_text()
+    monkeypatch.setattr(rounds, "run_side", lambda *args: {"rc": 1, "seconds": 1.0, "steps": [],
+                                                            "round": 1})
+    assert rounds.main(["--shape", "qwen3", "--rounds", "1", "--out", str(tmp_path)]) == 1
 
 
 def test_each_shapes_epoverlap_command_validates_and_fits_one_h200(monkeypatch):
