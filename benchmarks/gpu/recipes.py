@@ -15,6 +15,7 @@ from benchmarks.gpu.recipe_parts import (BITWISE_RUN, EAGER, FULL_ITERATION, GRA
                                          PYTEST, SEQUENTIAL, TIER, TRAIN, WGRAD, Recipe,
                                          Step, rounds_step)
 from benchmarks.gpu.recipes_chunked import CHUNKED_RECIPES
+from benchmarks.harness.peer_titan_1gpu import SHAPES as TITAN_SHAPES
 
 MEGATRON_SHAPES = "megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4"
 OVERLAP_STEP = ("{torchrun} -m benchmarks.harness.bench_overlap --shapes " + MEGATRON_SHAPES
@@ -119,6 +120,29 @@ def _peer_torchtitan_steps(shapes: tuple, env: dict = None) -> tuple:
              f"torchtitan,megatron,epoverlap --shapes {shape} --warmup 2 --iters 4 "
              f"--out-dir {{out}}/{shape}", env=dict(env or {}), timeout_s=220)
         for shape in shapes)
+
+
+# torchtitan at commit d84e83dc4 (the newest whose MoE runs on torch 2.11) beside epoverlap on
+# one GPU: its source and the wheels its train path needs, carried as .titan/ (benchmarks/peer.md)
+TITAN_CARRY = (".titan/src/torchtitan/train.py", ".titan/whl/tyro-*.whl")
+
+
+def _peer_titan_recipe(shape: str) -> Recipe:
+    """epoverlap, torchtitan eager and torchtitan compiled at one shape, 3 interleaved rounds
+    of 30 steps (about 6-7 minutes: one recipe per shape fits one device call)."""
+    return Recipe(
+        f"peer_titan_1gpu_{shape}", 1,
+        "epoverlap's default path beside torchtitan d84e83dc4 (its own training command, eager "
+        f"and --compile.enable) at --preset {TITAN_SHAPES[shape].preset}, one GPU, 8192 "
+        "tokens a step, routing forced to balance, 3 interleaved rounds of 30 steps (the first 10 "
+        "left out): tokens/s, step time, MFU by Megatron-LM's formula over 989 TFLOP/s, peak "
+        "reserved memory, ratios",
+        "peer_titan.json (every run's command, exit status and every step's sample; the "
+        "figures), summary.md, logs/ (each run's log; torchtitan's runs' JSON)",
+        (Step(f"rounds_{shape}", "{python} -m benchmarks.harness.peer_titan_rounds --shape "
+              f"{shape} --rounds 3 --steps 30 --warmup 10 --run-timeout 240 --out {{out}}",
+              timeout_s=560),),
+        needs=TITAN_CARRY)
 
 
 def _bitwise_steps() -> tuple:
@@ -312,6 +336,7 @@ RECIPES = (
            "as peer_torchtitan",
            _peer_torchtitan_steps(MEGATRON_SHAPES.split(",")[1:], {"NCCL_P2P_DISABLE": "1"}),
            needs=TORCHTITAN_WHEELS),
+    *(_peer_titan_recipe(shape) for shape in TITAN_SHAPES),
     Recipe("kernel_speed", 1,
            "every Triton kernel op's GPU tests, then its time, GB/s and share of the copy "
            "bandwidth, eager and graphed, host us per call, against the torch reference",

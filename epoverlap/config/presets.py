@@ -57,4 +57,30 @@ PRESETS: dict[str, dict] = {
                                 lr=3e-4, min_lr=3e-5, mock_data=True,
                                 tokenizer_type="NullTokenizer", vocab_size=151936,
                                 micro_batch_size=1, num_microbatches=4),
+    # The one-GPU peer benchmark's two other shapes (benchmarks/peer.md: torchtitan beside
+    # epoverlap on one H200, 8192 tokens a step: micro-batch 1 x 2 of seq 4096), on mock data.
+    # Few large experts: Mixtral-8x7B's layer (hidden 4096, 32 / 8 heads of 128, 8 experts
+    # top-2 of FFN 14336, softmax, aux loss 0.02, every layer MoE) at 3 layers, its vocabulary
+    # 32000; its rotary base 1e6 is not set. About 6 GiB of bf16 weights a layer: the AdamW
+    # states of 4.6B parameters (about 85 GiB estimated with activations) fit one H200, where
+    # 4 layers (about 112) would leave little room for the peer's own.
+    "mixtral-1gpu-proxy": dict(num_layers=3, hidden_size=4096, ffn_hidden_size=14336,
+                               num_attention_heads=32, num_query_groups=8, seq_length=4096,
+                               num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336,
+                               moe_aux_loss_coeff=2e-2, lr=3e-4, min_lr=3e-5, mock_data=True,
+                               tokenizer_type="NullTokenizer", vocab_size=32000,
+                               micro_batch_size=1, num_microbatches=2),
+    # Shared experts: DeepSeek's fine-grained MoE layer as torchtitan ships it at 16B (hidden
+    # 2048, 64 routed experts top-6 of FFN 1408, 2 shared experts as one FFN of 2816, softmax
+    # over all experts before the top-k with no renormalization, the first layer dense with FFN
+    # 10944) at 6 layers, DeepSeek-V3's vocabulary 129280, GQA 16 / 4 heads of 128 in place of
+    # MLA (epoverlap has no MLA). About 74 GiB estimated on one GPU.
+    "dsv3-1gpu-proxy": dict(num_layers=6, hidden_size=2048, ffn_hidden_size=10944,
+                            num_attention_heads=16, num_query_groups=4, seq_length=4096,
+                            num_experts=64, moe_router_topk=6, moe_ffn_hidden_size=1408,
+                            moe_shared_expert_intermediate_size=2816,
+                            moe_router_pre_softmax=True, moe_first_k_dense_replace=1,
+                            moe_aux_loss_coeff=1e-3, lr=3e-4, min_lr=3e-5, mock_data=True,
+                            tokenizer_type="NullTokenizer", vocab_size=129280,
+                            micro_batch_size=1, num_microbatches=2),
 }
