@@ -119,7 +119,8 @@ def _both_layers(rank, world_size, groups, flags):
     ops = make_moe_ops("torch")
     mode = DispatchMode.of(cfg.moe)
     router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
-                    device=torch.device("cpu"), aux_loss_scale=1.0, mode=mode)
+                    device=torch.device("cpu"), aux_loss_scale=1.0, mode=mode,
+                    data_rank=rank)
     ours = make_dispatcher(ExpertComm(groups.ep, world_size), EXPERTS, TOPK, ops,
                            groups.device, mode)
     their_router, theirs = _megatron_parts(rank, world_size, groups.ep_group, cfg.moe)
@@ -215,7 +216,8 @@ def _router_and_tokens(flags: list, ops, rank: int):
     cfg = parse_config(["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK),
                         "--hidden-size", str(HIDDEN)] + flags)
     router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
-                    device=torch.device("cpu"), aux_loss_scale=1.0, mode=DispatchMode.of(cfg.moe))
+                    device=torch.device("cpu"), aux_loss_scale=1.0, mode=DispatchMode.of(cfg.moe),
+                    data_rank=rank)
     return cfg, router, torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
 
 
