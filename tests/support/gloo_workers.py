@@ -13,6 +13,8 @@ from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.training.trainer import Trainer
 from epoverlap.kernels import make_moe_ops
 
+from run_paths import assert_schedules_differ, read_run_record, write_run_record
+
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
@@ -80,8 +82,8 @@ def _trainer(ep, argv):
 
 def mode_grads_and_losses(rank, world_size, ep, out_dir, steps, extra=(), modes=None):
     """For each mode (`modes`, default `MODES`; one named "sequential"): bits of one step's
-    reduced grads, and a --log-json of `steps` steps. `extra`: flags every mode adds (dropout,
-    say)."""
+    reduced grads, a --log-json of `steps` steps and the run's record (`run_paths`) under
+    `out_dir`. `extra`: flags every mode adds (dropout, say)."""
     groups = init_distributed(ep, "cpu", timeout_minutes=3)
     results = {}
     try:
@@ -90,6 +92,7 @@ def mode_grads_and_losses(rank, world_size, ep, out_dir, steps, extra=(), modes=
             trainer = Trainer(_trainer(ep, flags + list(extra) + ["--train-iters", str(steps),
                                                                   "--log-json", log]), groups,
                               log=lambda msg: None)
+            write_run_record(trainer, out_dir, mode)
             try:
                 trainer.run_microbatches(step=1)
                 trainer.grads.reduce()
@@ -177,11 +180,20 @@ def groups_with_a_cta_budget(rank, world_size):
         destroy_distributed(groups)
 
 
-def assert_modes_match_sequential(results: list, log_dir, steps: int, modes=None) -> None:
+def assert_modes_match_sequential(results: list, log_dir, steps: int, modes=None,
+                                  differs=None) -> None:
     """What `mode_grads_and_losses` gave on every rank: each mode's reduced grads the
-    sequential mode's bits, and its --log-json's losses and grad norms too, every step."""
+    sequential mode's bits, and its --log-json's losses and grad norms too, every step. Each
+    mode's run differs from the sequential one where it claims to: `differs` maps a mode to
+    its check of the two run records (`run_paths`); the rest differ in schedule."""
     from epoverlap.cli.compare_losses import compare_loss_logs
     modes = modes or MODES
+    sequential = read_run_record(log_dir, "sequential")
+    assert "schedule sequential" in sequential[1], sequential
+    for mode in modes:
+        if mode != "sequential":
+            (differs or {}).get(mode, assert_schedules_differ)(
+                read_run_record(log_dir, mode), sequential)
     for rank, per_mode in enumerate(results):
         dense_ref, expert_ref = per_mode["sequential"]
         assert dense_ref.abs().sum() > 0 and expert_ref.abs().sum() > 0
@@ -195,4 +207,5 @@ def assert_modes_match_sequential(results: list, log_dir, steps: int, modes=None
                                        Path(log_dir) / f"{mode}.jsonl")
         assert comparison.identical, comparison.message
         assert comparison.steps_compared == comparison.grad_norms_compared == steps
+
 
