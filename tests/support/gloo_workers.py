@@ -209,3 +209,22 @@ def assert_modes_match_sequential(results: list, log_dir, steps: int, modes=None
         assert comparison.steps_compared == comparison.grad_norms_compared == steps
 
 
+
+def forced_balance_routings(rank, world_size, ep, builds):
+    """With --moe-router-force-load-balancing: each router's routing maps of its first two
+    forwards, from each of `builds` fresh trainers (the draw reads no token: zeros stand in)."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=3)
+    try:
+        per_build = []
+        for _ in range(builds):
+            trainer = Trainer(_trainer(ep, ["--moe-router-force-load-balancing"]), groups,
+                              log=lambda msg: None)
+            try:
+                tokens_TH = torch.zeros(64, trainer.cfg.model.hidden_size)
+                per_build.append([[router(tokens_TH)[1] for _ in range(2)]
+                                  for router in trainer.model.routers()])
+            finally:
+                trainer.close()
+        return groups.dp_rank, per_build
+    finally:
+        destroy_distributed(groups)
