@@ -336,8 +336,9 @@ def measure(groups, args, experts: int, topk: int, peak_gbps: Optional[float]) -
     device, ops = groups.device, make_moe_ops("triton" if groups.device.type == "cuda"
                                               else "torch")
     dtype = hidden_dtype(device)
-    router = Router(cfg.moe, args.hidden, 0, ops, seed=11 + groups.rank, std=0.02, dtype=dtype,
-                    device=device, aux_loss_scale=1.0, mode=DispatchMode.of(cfg.moe))
+    router = Router(cfg.moe, args.hidden, 0, ops, seed=11, std=0.02, dtype=dtype,
+                    device=device, aux_loss_scale=1.0, mode=DispatchMode.of(cfg.moe),
+                    data_rank=groups.rank)
     x_TH = torch.randn(args.tokens, args.hidden, dtype=dtype, device=device)
     result = {}
     for name, changes in DISPATCHES.items():

@@ -59,7 +59,9 @@ class Router(nn.Module):
     its grad also carries the aux-loss terms, so deferring it would move no real work.
 
     State a checkpoint keeps: `expert_bias` and `balancing_rng` (the generator of
-    --moe-router-force-load-balancing). `step_counts` / `step_aux_loss` / `step_dropped` are
+    --moe-router-force-load-balancing, seeded by the layer and the data-parallel rank whose
+    tokens this router routes, so ranks route differently, as learned routers do; each forward
+    draws once, in microbatch order, whatever the schedule). `step_counts` / `step_aux_loss` / `step_dropped` are
     per-step scratch.
 
     Measurement seam (no flag): `aux_loss_in_op` False computes the Switch aux loss with
@@ -74,8 +76,10 @@ class Router(nn.Module):
 
     def __init__(self, moe: MoEConfig, hidden: int, layer: int, ops: MoEOps, *, seed: int,
                  std: float, dtype: torch.dtype, device: torch.device, aux_loss_scale: float,
-                 mode: DispatchMode):
-        """`mode`: the model's dispatch mode (built once from the config), for its capacity."""
+                 mode: DispatchMode, data_rank: int):
+        """`mode`: the model's dispatch mode (built once from the config), for its capacity;
+        `data_rank`: the data-parallel rank whose tokens this router routes (seeds the forced
+        balance's draw)."""
         super().__init__()
         num_experts = moe.num_experts
         self.mode = mode
@@ -96,7 +100,8 @@ class Router(nn.Module):
         self.balancing_rng: Optional[torch.Generator] = None
         if moe.moe_router_force_load_balancing and torch.device(device).type != "meta":
             self.balancing_rng = torch.Generator(device=device)
-            self.balancing_rng.manual_seed(param_seed(seed, "balance", layer) % (2**63))
+            self.balancing_rng.manual_seed(param_seed(seed, "balance", layer, data_rank)
+                                           % (2**63))
         self.logit_bias: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.aux_loss_in_op = True
 

@@ -144,8 +144,10 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, cfg: RunConfig, layer: int, is_moe: bool, comm: ExpertComm,
                  ep_rank: int, ops: MoEOps, *, dtype, device, queue,
-                 dispatcher: Optional[TokenDispatcher] = None, one_node: bool = False):
-        """`dispatcher`: the model's dispatch strategy (MoE layers; shared by all of them)."""
+                 dispatcher: Optional[TokenDispatcher] = None, one_node: bool = False,
+                 data_rank: int = 0):
+        """`dispatcher`: the model's dispatch strategy (MoE layers; shared by all of them);
+        `data_rank`: the data-parallel rank whose tokens this layer routes."""
         super().__init__()
         m, moe, seed = cfg.model, cfg.moe, cfg.train.seed
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
@@ -167,7 +169,7 @@ class TransformerLayer(nn.Module):
         ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
         self.router = Router(moe, m.hidden_size, layer, ops, seed=seed, std=std, dtype=dtype,
                              device=device, aux_loss_scale=1.0 / cfg.train.num_microbatches,
-                             mode=dispatcher.mode)
+                             mode=dispatcher.mode, data_rank=data_rank)
         self.experts = GroupedSwiGLUExperts(
             moe, m.hidden_size, ffn, layer, ep_rank, comm.size, **mlp_kwargs,
             sm_carveout=cfg.parallel.moe_grouped_gemm_sm_carveout)
@@ -401,7 +403,10 @@ class MoEModel(nn.Module):
 
     def __init__(self, cfg: RunConfig, comm: ExpertComm, ep_rank: int, ops: MoEOps, *,
                  dtype: torch.dtype, device: torch.device, wgrad_queue=None, stage: int = 0,
-                 pipe: Optional[PipelineComm] = None, one_node_moe_layers: bool = False):
+                 pipe: Optional[PipelineComm] = None, one_node_moe_layers: bool = False,
+                 data_rank: int = 0):
+        """`data_rank`: the data-parallel rank whose tokens this model reads (0: one token
+        stream); the forced balance's routing draw differs by it (`Router`)."""
         super().__init__()
         m, seed = cfg.model, cfg.train.seed
         self.cfg, self.pipe, self.ops = cfg, pipe, ops
@@ -430,7 +435,7 @@ class MoEModel(nn.Module):
             str(layer): TransformerLayer(cfg, layer, pattern[layer], comm, ep_rank, ops,
                                          dtype=dtype, device=device, queue=wgrad_queue,
                                          dispatcher=self.dispatcher,
-                                         one_node=one_node_moe_layers)
+                                         one_node=one_node_moe_layers, data_rank=data_rank)
             for chunk in self.chunks for layer in chunk.layers})
         if any(chunk.has_loss for chunk in self.chunks):
             self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)

@@ -114,7 +114,8 @@ class RunParts:
                               dtype=model_dtype(cfg), device=self.device,
                               wgrad_queue=self.wgrad_queue, stage=groups.pp_rank,
                               pipe=self._pipeline_comm(),
-                              one_node_moe_layers=self.one_node_moe_layers)
+                              one_node_moe_layers=self.one_node_moe_layers,
+                              data_rank=groups.dp_rank)
         self.params = self._whole_model_parameters()
         self.grads = GradBuffers(self.model, groups, fuse_grad_accumulation=not
                                  cfg.train.no_gradient_accumulation_fusion)

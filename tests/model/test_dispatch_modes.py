@@ -12,6 +12,7 @@ from benchmarks.harness.bench_peer import megatron_installed
 
 from dist_helpers import run_ranks
 from dispatch_workers import graphed_training, megatron_dispatch_equivalence, mode_runs
+from run_paths import assert_paths_differ, assert_schedules_differ, read_run_record
 
 pytestmark = pytest.mark.slow
 needs_megatron = pytest.mark.skipif(not megatron_installed(),
@@ -47,26 +48,29 @@ def test_router_and_dispatcher_equal_megatron_core():
 
 
 OVERLAP = ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
+SEQUENTIAL = ["--no-overlap-moe-expert-parallel-comm"]  # at EP 2 the auto default is the overlap
 CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
 PADDED = CAPACITY + ["--moe-pad-expert-input-to-capacity"]
 TINY_BUDGET = ["--moe-dispatch-budget", "0.25"]  # a quarter of the balanced share: overflows
 ONCE = ["--moe-dispatch-once-per-rank"]
-RUNS = [("dropless", []), ("once", ONCE), ("once_ovl", ONCE + OVERLAP),
-        ("once_capacity", ONCE + CAPACITY), ("once_capacity_ovl", ONCE + CAPACITY + OVERLAP),
-        ("once_tiny_budget", ONCE + TINY_BUDGET),
-        ("once_tiny_budget_ovl", ONCE + TINY_BUDGET + OVERLAP),
-        ("capacity", CAPACITY), ("capacity_ovl", CAPACITY + OVERLAP),
-        ("padded", PADDED), ("padded_ovl", PADDED + OVERLAP),
-        ("budget", ["--moe-dispatch-budget", "2.0"]),
-        ("tiny_budget", TINY_BUDGET), ("tiny_budget_ovl", TINY_BUDGET + OVERLAP),
-        ("tiny_budget_memory", TINY_BUDGET + ["--moe-dispatch-budget-memory", "3"])]
+# every run without OVERLAP is pinned to the sequential schedule
+RUNS = [(name, flags if name.endswith("_ovl") else SEQUENTIAL + flags) for name, flags in [
+    ("dropless", []), ("once", ONCE), ("once_ovl", ONCE + OVERLAP),
+    ("once_capacity", ONCE + CAPACITY), ("once_capacity_ovl", ONCE + CAPACITY + OVERLAP),
+    ("once_tiny_budget", ONCE + TINY_BUDGET),
+    ("once_tiny_budget_ovl", ONCE + TINY_BUDGET + OVERLAP),
+    ("capacity", CAPACITY), ("capacity_ovl", CAPACITY + OVERLAP),
+    ("padded", PADDED), ("padded_ovl", PADDED + OVERLAP),
+    ("budget", ["--moe-dispatch-budget", "2.0"]),
+    ("tiny_budget", TINY_BUDGET), ("tiny_budget_ovl", TINY_BUDGET + OVERLAP),
+    ("tiny_budget_memory", TINY_BUDGET + ["--moe-dispatch-budget-memory", "3"])]]
 STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def mode_results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("modes")
-    return run_ranks(mode_runs, 2, 2, str(out_dir), STEPS, RUNS, timeout_s=600)
+    return out_dir, run_ranks(mode_runs, 2, 2, str(out_dir), STEPS, RUNS, timeout_s=600)
 
 
 def _bits(grads):
@@ -76,14 +80,18 @@ def _bits(grads):
 @pytest.mark.parametrize("mode", ["capacity", "padded", "tiny_budget", "once",
                                   "once_capacity", "once_tiny_budget"])
 def test_overlap_is_bitwise_equal_to_sequential_in_each_dispatch_mode(mode_results, mode):
-    for per_run in mode_results:
+    out_dir, per_rank = mode_results
+    records = read_run_record(out_dir, mode), read_run_record(out_dir, f"{mode}_ovl")
+    assert_schedules_differ(*records)
+    assert_paths_differ(*records, "delayed wgrad")
+    for per_run in per_rank:
         (sequential, seq_steps), (overlapped, ovl_steps) = per_run[mode], per_run[f"{mode}_ovl"]
         assert all(torch.equal(a, b) for a, b in zip(_bits(sequential), _bits(overlapped)))
         assert seq_steps == ovl_steps  # losses (bitwise), drops, reruns, budgets
 
 
 def test_capacity_modes_drop_and_count_the_same_tokens(mode_results):
-    steps = mode_results[0]
+    steps = mode_results[1][0]
     capacity, padded = steps["capacity"][1], steps["padded"][1]
     assert all(dropped > 0 for _, dropped, _, _ in capacity)
     assert [d for _, d, _, _ in capacity] == [d for _, d, _, _ in padded]
@@ -95,7 +103,7 @@ def test_once_per_rank_trains_as_the_dispatch_per_expert(mode_results):
     """Sending a token once per rank changes the combine's rounding order only: the losses
     stay within rounding of the dispatch per expert's, the same pairs are dropped at a
     capacity, and the expert grads (reduced) differ at most by rounding too."""
-    for per_run in mode_results:
+    for per_run in mode_results[1]:
         for once, plain in (("once", "dropless"), ("once_capacity", "capacity")):
             once_steps, plain_steps = per_run[once][1], per_run[plain][1]
             assert [d for _, d, _, _ in once_steps] == [d for _, d, _, _ in plain_steps]
@@ -108,7 +116,7 @@ def test_once_per_rank_trains_as_the_dispatch_per_expert(mode_results):
 def test_overflowing_budget_reruns_and_gives_the_dropless_losses(mode_results):
     """Every step of the tiny budget overflows, is rerun at a budget that holds its routing,
     and ends with exactly the dropless run's loss; the generous budget never reruns."""
-    for per_run in mode_results:
+    for per_run in mode_results[1]:
         dropless = [loss for loss, *_ in per_run["dropless"][1]]
         tiny = per_run["tiny_budget"][1]
         assert all(reruns >= 1 and budget > 0.25 for _, _, reruns, budget in tiny)
@@ -132,7 +140,7 @@ def test_a_budget_with_memory_starts_where_the_last_steps_ended(mode_results):
     """With --moe-dispatch-budget-memory a step starts at the level the steps before needed
     (here the first too: `mode_runs` runs one forward-backward before training): fewer reruns
     than the tiny budget's one or more every step, never the base budget, the same losses."""
-    for per_run in mode_results:
+    for per_run in mode_results[1]:
         tiny, remembered = per_run["tiny_budget"][1], per_run["tiny_budget_memory"][1]
         assert [loss for loss, *_ in remembered] == [loss for loss, *_ in tiny]
         assert sum(r for _, _, r, _ in remembered) < sum(r for _, _, r, _ in tiny)
@@ -164,6 +172,7 @@ def test_graph_banks_serve_the_overflow_reruns(tmp_path):
                                ("padded_full", "padded"), ("once_layer_graphs", "once"),
                                ("once_full_ovl", "once_ovl")):
             steps, banks, lines = runs[graphed]
+            assert_paths_differ(lines, runs[eager][2], "graphs")
             assert steps == runs[eager][0], (rank, graphed)
             assert runs[eager][1] is None
             summary = next(line for line in lines if line.startswith("done: "))

@@ -37,8 +37,8 @@ def test_ep2_matches_ep1_to_float32_rounding():
         assert abs(a - b) <= 1e-5 * abs(a), (ep1, ep2)
 
 
-@pytest.mark.parametrize("flags", [[], ["--overlap-moe-expert-parallel-comm",
-                                        "--delay-wgrad-compute"]])
+@pytest.mark.parametrize("flags", [["--no-overlap-moe-expert-parallel-comm"],
+                                   ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]])
 def test_routing_extremes_train_without_hanging(flags):
     results = run_ranks(extreme_routing_training, 2, 2, flags, timeout_s=180)
     for losses, counts in results:

@@ -23,6 +23,7 @@ from epoverlap.kernels import make_moe_ops
 from benchmarks.harness.bench_peer import bind_missing_te_names
 
 from gloo_workers import TINY
+from run_paths import run_record, write_run_record
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 20, 16, 8, 2
 
@@ -119,7 +120,8 @@ def _both_layers(rank, world_size, groups, flags):
     ops = make_moe_ops("torch")
     mode = DispatchMode.of(cfg.moe)
     router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
-                    device=torch.device("cpu"), aux_loss_scale=1.0, mode=mode)
+                    device=torch.device("cpu"), aux_loss_scale=1.0, mode=mode,
+                    data_rank=rank)
     ours = make_dispatcher(ExpertComm(groups.ep, world_size), EXPERTS, TOPK, ops,
                            groups.device, mode)
     their_router, theirs = _megatron_parts(rank, world_size, groups.ep_group, cfg.moe)
@@ -138,7 +140,7 @@ def _both_layers(rank, world_size, groups, flags):
 
 def mode_runs(rank, world_size, ep, out_dir, steps, runs):
     """For each (name, flags): bits of one step's reduced grads, and `steps` steps' results
-    (--log-json under out_dir/name.jsonl)."""
+    (--log-json under out_dir/name.jsonl, the run's record beside it: `run_paths`)."""
     groups = init_distributed(ep, "cpu", timeout_minutes=3)
     results = {}
     try:
@@ -147,6 +149,7 @@ def mode_runs(rank, world_size, ep, out_dir, steps, runs):
             cfg = parse_config(TINY + ["--expert-model-parallel-size", str(ep), "--train-iters",
                                        str(steps), "--log-json", log] + flags)
             trainer = Trainer(cfg, groups, log=lambda msg: None)
+            write_run_record(trainer, out_dir, name)
             try:
                 trainer.forward_backward(step=1)
                 trainer.grads.reduce()
@@ -164,7 +167,8 @@ def mode_runs(rank, world_size, ep, out_dir, steps, runs):
 def graphed_training(rank, world_size, ep, steps, runs):
     """For each (name, flags): train `steps` steps with the CUDA-graph capture emulated on the
     CPU (`test_graphs_cpu.EmulatedGraphs`); -> per run the step results (loss, reruns, budget),
-    the budget levels whose graph banks were captured, and the log lines."""
+    the budget levels whose graph banks were captured, and the log lines (first the run's
+    `config:` and `path:` lines, as the training command prints them: `run_paths`)."""
     from graph_emulation import EmulatedGraphs
     groups = init_distributed(ep, "cpu", timeout_minutes=3)
     results = {}
@@ -174,6 +178,7 @@ def graphed_training(rank, world_size, ep, steps, runs):
                                        str(steps), "--cuda-graph-warmup-steps", "1"] + flags)
             lines: list[str] = []
             trainer = Trainer(cfg, groups, log=lines.append, graph_backend=EmulatedGraphs)
+            lines[:0] = run_record(trainer)
             try:
                 steps_done = trainer.train()
                 banks = (None if trainer.graphs is None else
@@ -215,7 +220,8 @@ def _router_and_tokens(flags: list, ops, rank: int):
     cfg = parse_config(["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK),
                         "--hidden-size", str(HIDDEN)] + flags)
     router = Router(cfg.moe, HIDDEN, 0, ops, seed=7, std=0.5, dtype=torch.float32,
-                    device=torch.device("cpu"), aux_loss_scale=1.0, mode=DispatchMode.of(cfg.moe))
+                    device=torch.device("cpu"), aux_loss_scale=1.0, mode=DispatchMode.of(cfg.moe),
+                    data_rank=rank)
     return cfg, router, torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
 
 

@@ -13,6 +13,8 @@ from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.training.trainer import Trainer
 from epoverlap.kernels import make_moe_ops
 
+from run_paths import assert_schedules_differ, read_run_record, write_run_record
+
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "32",
         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
@@ -80,8 +82,8 @@ def _trainer(ep, argv):
 
 def mode_grads_and_losses(rank, world_size, ep, out_dir, steps, extra=(), modes=None):
     """For each mode (`modes`, default `MODES`; one named "sequential"): bits of one step's
-    reduced grads, and a --log-json of `steps` steps. `extra`: flags every mode adds (dropout,
-    say)."""
+    reduced grads, a --log-json of `steps` steps and the run's record (`run_paths`) under
+    `out_dir`. `extra`: flags every mode adds (dropout, say)."""
     groups = init_distributed(ep, "cpu", timeout_minutes=3)
     results = {}
     try:
@@ -90,6 +92,7 @@ def mode_grads_and_losses(rank, world_size, ep, out_dir, steps, extra=(), modes=
             trainer = Trainer(_trainer(ep, flags + list(extra) + ["--train-iters", str(steps),
                                                                   "--log-json", log]), groups,
                               log=lambda msg: None)
+            write_run_record(trainer, out_dir, mode)
             try:
                 trainer.run_microbatches(step=1)
                 trainer.grads.reduce()
@@ -177,11 +180,20 @@ def groups_with_a_cta_budget(rank, world_size):
         destroy_distributed(groups)
 
 
-def assert_modes_match_sequential(results: list, log_dir, steps: int, modes=None) -> None:
+def assert_modes_match_sequential(results: list, log_dir, steps: int, modes=None,
+                                  differs=None) -> None:
     """What `mode_grads_and_losses` gave on every rank: each mode's reduced grads the
-    sequential mode's bits, and its --log-json's losses and grad norms too, every step."""
+    sequential mode's bits, and its --log-json's losses and grad norms too, every step. Each
+    mode's run differs from the sequential one where it claims to: `differs` maps a mode to
+    its check of the two run records (`run_paths`); the rest differ in schedule."""
     from epoverlap.cli.compare_losses import compare_loss_logs
     modes = modes or MODES
+    sequential = read_run_record(log_dir, "sequential")
+    assert "schedule sequential" in sequential[1], sequential
+    for mode in modes:
+        if mode != "sequential":
+            (differs or {}).get(mode, assert_schedules_differ)(
+                read_run_record(log_dir, mode), sequential)
     for rank, per_mode in enumerate(results):
         dense_ref, expert_ref = per_mode["sequential"]
         assert dense_ref.abs().sum() > 0 and expert_ref.abs().sum() > 0
@@ -196,3 +208,23 @@ def assert_modes_match_sequential(results: list, log_dir, steps: int, modes=None
         assert comparison.identical, comparison.message
         assert comparison.steps_compared == comparison.grad_norms_compared == steps
 
+
+
+def forced_balance_routings(rank, world_size, ep, builds):
+    """With --moe-router-force-load-balancing: each router's routing maps of its first two
+    forwards, from each of `builds` fresh trainers (the draw reads no token: zeros stand in)."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=3)
+    try:
+        per_build = []
+        for _ in range(builds):
+            trainer = Trainer(_trainer(ep, ["--moe-router-force-load-balancing"]), groups,
+                              log=lambda msg: None)
+            try:
+                tokens_TH = torch.zeros(64, trainer.cfg.model.hidden_size)
+                per_build.append([[router(tokens_TH)[1] for _ in range(2)]
+                                  for router in trainer.model.routers()])
+            finally:
+                trainer.close()
+        return groups.dp_rank, per_build
+    finally:
+        destroy_distributed(groups)
