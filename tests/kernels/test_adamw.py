@@ -1,0 +1,145 @@
+"""The flat AdamW update (`epoverlap.kernels.adamw`, `adamw_triton`): the Triton kernel against
+its torch form bitwise over several steps (masters, moments, bf16 parameters), with windows that
+decay, that do not, and that hold both; the torch form against torch's own single-tensor AdamW
+(moments bitwise; masters within 2 fp32 epsilons of |master| + lr, torch's CPU square root
+being MKL's); the decay layout; the bf16 rounding at ties, infinities and overflow. CPU tier
+under the Triton interpreter; the same on a GPU where there is one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (the [triton] or [test] extra)")
+
+from epoverlap.kernels.adamw import (DECAY, NO_DECAY, adam_scalars, adamw_flat_torch,
+                                     decay_layout)
+
+BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
+# decayed ranges of n = 5000 values cut into windows of 512: whole windows of each kind, a
+# window with two decayed runs, one ending the buffer in the middle of a window
+N, BLOCK = 5000, 512
+RANGES = [(0, 1100), (1200, 1210), (1300, 2048), (3000, 5000)]
+
+
+def _state(device, n=N, seed=1) -> list[torch.Tensor]:
+    """master, grad, exp_avg, exp_avg_sq (fp32) and the bf16 parameter."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen)
+    tensors = [master, torch.randn(n, generator=gen) * 1e-3,
+               torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-6,
+               master.bfloat16()]
+    return [t.to(device) for t in tensors]
+
+
+def _scalars(step: int):
+    return adam_scalars(1e-2 / step, WD, *BETAS, EPS, float(step))
+
+
+def _decayed_mask(n, ranges) -> torch.Tensor:
+    mask = torch.zeros(n, dtype=torch.bool)
+    for start, end in ranges:
+        mask[start:end] = True
+    return mask
+
+
+def test_decay_layout_marks_each_window_and_each_value_of_a_mixed_one():
+    layout = decay_layout(RANGES, N, BLOCK, torch.device("cpu"))
+    mask = _decayed_mask(N, RANGES)
+    codes = layout.codes.tolist()
+    assert len(codes) == 10 and (codes[2], codes[5]) == (0, 1)
+    assert codes[4] == NO_DECAY and codes[3] == codes[9] == DECAY
+    assert sorted(c for c in codes if c >= 0) == list(range(layout.flags.shape[0])) == [0, 1]
+    for window, code in enumerate(codes):
+        values = mask[window * BLOCK:(window + 1) * BLOCK]
+        if code >= 0:
+            assert values.any() and not values.all()
+            assert torch.equal(layout.flags[code, :values.numel()].bool(), values)
+        else:
+            assert bool(values.all()) == (code == DECAY) and bool(values.any()) == (code == DECAY)
+
+
+@pytest.mark.parametrize("with_param", [True, False])
+def test_triton_update_is_the_torch_form_bit_for_bit(triton_device, with_param):
+    from epoverlap.kernels.adamw_triton import adamw_flat_triton
+
+    layout = decay_layout(RANGES, N, BLOCK, torch.device(triton_device))
+    want, got = _state(triton_device), _state(triton_device)
+    start = want[0].clone()
+    for step in range(1, 5):
+        grad = torch.randn(N, generator=torch.Generator().manual_seed(10 + step)) * 1e-3
+        want[1].copy_(grad)
+        got[1].copy_(grad)
+        adamw_flat_torch(*want[:4], want[4] if with_param else None, layout, _scalars(step))
+        adamw_flat_triton(*got[:4], got[4] if with_param else None, layout, _scalars(step))
+        for name, a, b in zip(("master", "grad", "exp_avg", "exp_avg_sq", "param"), want, got):
+            assert torch.equal(a.view(torch.int32 if a.dtype == torch.float32 else torch.int16),
+                               b.view(torch.int32 if b.dtype == torch.float32 else torch.int16)), \
+                (step, name)
+    assert torch.equal(got[4], got[0].bfloat16()) == with_param
+    assert not torch.equal(got[0], start)
+
+
+def test_only_the_matrices_decay():
+    """With gradients and moments 0 the update is the decay alone: decayed values times
+    (1 - lr * wd) in fp32, the rest untouched."""
+    master, grad, m, v, _ = _state("cpu")
+    grad.zero_(), m.zero_(), v.zero_()
+    before = master.clone()
+    layout = decay_layout(RANGES, N, BLOCK, torch.device("cpu"))
+    adamw_flat_torch(master, grad, m, v, None, layout, _scalars(1))
+    mask = _decayed_mask(N, RANGES)
+    assert torch.equal(master[mask], before[mask] * (1 - 1e-2 * WD))
+    assert torch.equal(master[~mask], before[~mask])
+
+
+def test_torch_form_is_torchs_single_tensor_adamw_but_for_mkls_square_root():
+    """torch.optim.AdamW(foreach=False) over two tensors (decayed, not) against the torch form
+    over their concatenation: moments bitwise every step; masters at most one ulp apart per
+    step taken (torch's CPU sqrt is MKL's, not correctly rounded; ours is)."""
+    steps, decayed = 6, 3000
+    master, grad, m, v, _ = _state("cpu")
+    m.zero_(), v.zero_()
+    params = [master[:decayed].clone(), master[decayed:].clone()]
+    torch_adamw = torch.optim.AdamW([{"params": params[:1], "weight_decay": WD},
+                                     {"params": params[1:], "weight_decay": 0.0}],
+                                    lr=1.0, betas=BETAS, eps=EPS, foreach=False)
+    layout = decay_layout([(0, decayed)], N, BLOCK, torch.device("cpu"))
+    worst = 0
+    for step in range(1, steps + 1):
+        grad.copy_(torch.randn(N, generator=torch.Generator().manual_seed(step)) * 1e-3)
+        for param, part in zip(params, grad.split([decayed, N - decayed])):
+            param.grad = part.clone()
+        for group in torch_adamw.param_groups:
+            group["lr"] = 1e-2 / step
+        torch_adamw.step()
+        adamw_flat_torch(master, grad, m, v, None, layout, _scalars(step))
+        state = [torch_adamw.state[p] for p in params]
+        assert torch.equal(m, torch.cat([s["exp_avg"] for s in state])), step
+        assert torch.equal(v, torch.cat([s["exp_avg_sq"] for s in state])), step
+        apart = (master - torch.cat(params)).abs()
+        scale = torch.finfo(torch.float32).eps * (master.abs() + 1e-2)
+        assert bool((apart <= 2 * scale).all()), (step, float((apart / scale).max()))
+        worst = max(worst, float(apart.max()))
+    assert worst > 0  # MKL's square root shows (were it 0, the docstrings would be wrong)
+
+
+def test_bf16_parameters_round_to_nearest_even_at_ties_and_overflow(triton_device):
+    """The kernel's bf16 rounding against torch's at the cases that tell rounding modes apart:
+    halfway values (to even, both ways), just above halfway, infinities, the largest finite
+    fp32 (rounds to inf), subnormals. The update is made a no-op (lr 0, moments 0)."""
+    from epoverlap.kernels.adamw_triton import adamw_flat_triton
+
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F808001, 0xBF818000, 0x7F800000,
+                         0xFF800000, 0x7F7FFFFF, 0x00018000, 0x3F80FFFF, 0x00000000],
+                        dtype=torch.int64).to(torch.int32)
+    values = bits.view(torch.float32).to(triton_device)
+    n = values.numel()
+    zeros = torch.zeros(n, device=triton_device)
+    param = torch.zeros(n, dtype=torch.bfloat16, device=triton_device)
+    layout = decay_layout([], n, 16, torch.device(triton_device))
+    master = values.clone()
+    adamw_flat_triton(master, zeros, zeros.clone(), zeros.clone(), param, layout,
+                      adam_scalars(0.0, WD, *BETAS, EPS, 1.0))
+    assert torch.equal(master.view(torch.int32), values.view(torch.int32))
+    assert torch.equal(param.view(torch.int16), values.bfloat16().view(torch.int16))
