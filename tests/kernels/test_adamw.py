@@ -7,6 +7,12 @@ under the Triton interpreter; the same on a GPU where there is one."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,6 +20,10 @@ pytest.importorskip("triton", reason="triton is not installed (the [triton] or [
 
 from epoverlap.kernels.adamw import (DECAY, NO_DECAY, adam_scalars, adamw_flat_torch,
                                      decay_layout)
+
+from kernel_test_utils import INTERPRETED
+
+REPO = Path(__file__).resolve().parents[2]
 
 BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
 # decayed ranges of n = 5000 values cut into windows of 512: whole windows of each kind, a
@@ -143,3 +153,40 @@ def test_bf16_parameters_round_to_nearest_even_at_ties_and_overflow(triton_devic
                       adam_scalars(0.0, WD, *BETAS, EPS, 1.0))
     assert torch.equal(master.view(torch.int32), values.view(torch.int32))
     assert torch.equal(param.view(torch.int16), values.bfloat16().view(torch.int16))
+
+
+_SM90_SCRIPT = """
+import json, sys
+sys.path.insert(0, "tests/kernels")
+import sm90_compile
+records, context = [], {}
+sm90_compile._install_fake_driver(records, context)
+import torch
+from epoverlap.kernels.adamw import adam_scalars, decay_layout
+from epoverlap.kernels.adamw_triton import adamw_flat_triton
+n = 1 << 16
+layout = decay_layout([(0, 1000)], n, 4096, torch.device("cpu"))
+for param in (torch.zeros(n, dtype=torch.bfloat16), None):
+    context["shape"] = "bf16 param" if param is not None else "fp32 only"
+    adamw_flat_triton(*[torch.zeros(n) for _ in range(4)], param, layout,
+                      adam_scalars(1e-3, 0.1, 0.9, 0.95, 1e-8, 1.0))
+print(json.dumps(records))
+"""
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="a GPU compiles the kernel for real")
+def test_the_kernel_compiles_for_sm90_to_ieee_operations_and_16_byte_accesses():
+    """sm_90 PTX of the launch configs: no spills; 16-byte loads of the four fp32 streams and
+    16-byte stores of the three (and of the bf16 parameter); no fp32 fma (the contraction is
+    off, so each operation rounds as the torch form's) and no approximate division or square
+    root."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], capture_output=True, text=True,
+                          cwd=REPO, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["shape"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    assert set(records) == {"bf16 param", "fp32 only"}
+    for shape, r in records.items():
+        assert r["local_bytes"] == 0 and r["fp32_fmas"] == 0 and r["approx_ops"] == 0, r
+        assert r["v4_loads"] >= 16 and r["v4_stores"] >= 12, r
+    assert records["bf16 param"]["v4_stores"] >= 14
