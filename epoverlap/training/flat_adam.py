@@ -95,21 +95,10 @@ class FlatAdamW:
         device = params[0].device
         self.segments = _grad_segments(params)
         self.offsets = [0] * len(params)  # each parameter's start in the flat buffers
-        size = 0
-        for segment in self.segments:
-            segment.start = size = -(-size // ALIGN) * ALIGN
-            ranges = []
-            for i in segment.members:
-                self.offsets[i] = size
-                if params[i].ndim >= 2:
-                    ranges.append((size - segment.start, size - segment.start + params[i].numel()))
-                size += params[i].numel()
-            segment.decay = decay_layout(_merged(ranges), segment.grad.numel(), BLOCK, device)
-        low = {p.dtype for p in params} - {torch.float32}
-        if len(low) > 1:
-            raise ValueError(f"the flat AdamW takes one low-precision dtype, not {sorted(map(str, low))}")
+        size = self._lay_out(device)
+        low = _low_precision_dtype(params)
         self.masters_flat = torch.zeros(size, dtype=torch.float32, device=device)
-        self.params_flat = torch.zeros(size, dtype=low.pop(), device=device) if low else None
+        self.params_flat = torch.zeros(size, dtype=low, device=device) if low else None
         self.masters = [self._attach(i, p) for i, p in enumerate(params)]
         self._index = {master: i for i, master in enumerate(self.masters)}
         self.exp_avg_flat: Optional[torch.Tensor] = None  # made at the first step (torch's)
@@ -117,6 +106,22 @@ class FlatAdamW:
         self.steps: Optional[torch.Tensor] = None  # [parameters] fp32 on the CPU
         self._states: list[dict] = []
         self._update = flat_update(device)
+
+    def _lay_out(self, device: torch.device) -> int:
+        """Each segment's start, each parameter's offset and each segment's decay layout (the
+        matrices); returns the flat buffers' size."""
+        size = 0
+        for segment in self.segments:
+            segment.start = size = -(-size // ALIGN) * ALIGN
+            ranges = []
+            for i in segment.members:
+                self.offsets[i] = size
+                end = size + self.params[i].numel()
+                if self.params[i].ndim >= 2:
+                    ranges.append((size - segment.start, end - segment.start))
+                size = end
+            segment.decay = decay_layout(_merged(ranges), segment.grad.numel(), BLOCK, device)
+        return size
 
     def _view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -169,6 +174,15 @@ class FlatAdamW:
                          self.exp_avg_sq_flat[span],
                          None if self.params_flat is None else self.params_flat[span],
                          segment.decay, scalars)
+
+
+def _low_precision_dtype(params: list) -> Optional[torch.dtype]:
+    """The parameters' dtype other than fp32 (bf16 in mixed precision), or None."""
+    low = {p.dtype for p in params} - {torch.float32}
+    if len(low) > 1:
+        raise ValueError("the flat AdamW takes one parameter dtype besides fp32, not "
+                         f"{sorted(map(str, low))}")
+    return low.pop() if low else None
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

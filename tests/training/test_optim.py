@@ -125,8 +125,8 @@ def test_created_state_is_the_state_a_first_step_makes(device, impl):
 
 def test_bench_optim_times_every_form_on_cpu():
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.harness.bench_optim", "--preset", "tiny", "--device", "cpu",
-         "--rounds", "2", "--iters", "1"], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "benchmarks.harness.bench_optim", "--preset", "tiny",
+         "--device", "cpu", "--rounds", "2", "--iters", "1"], capture_output=True, text=True, timeout=300,
         cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines()
