@@ -1,7 +1,7 @@
 """The optimizer step's cost in each AdamW form (`epoverlap.training.optim.ADAM_IMPLS`).
 
     python -m benchmarks.harness.bench_optim [--preset megatron-cmp] [--impls flat,fused,...]
-        [--rounds 10] [--iters 5] [--hbm-gbs 4300] [--one-at-a-time] [FLAGS...]
+        [--rounds 10] [--iters 5] [--hbm-gbs 4300] [--flat-block 4096] [--one-at-a-time] [FLAGS...]
 
 Builds the training command's model and grad buffers on one GPU (EP 1, bf16: every expert on
 this GPU, so more parameters than one rank of an EP run holds), fills `main_grad` with fixed
@@ -38,6 +38,7 @@ import torch
 
 from epoverlap.config import parse_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.training import flat_adam
 from epoverlap.training.optim import ADAM_IMPLS, MixedPrecisionAdamW
 from epoverlap.training.trainer import Trainer
 from benchmarks.harness.bench_host import launch_count
@@ -181,6 +182,7 @@ def print_forms(rows, count, samples, params, args, device) -> None:
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     how = "one form at a time" if args.one_at_a_time else "alternated rounds"
     print(f"\nbench_optim: {where}, preset {args.preset} {' '.join(args.model_flags)}, "
+          f"flat block {flat_adam.BLOCK}, "
           f"{len(params)} parameters, {numel / 1e6:.1f}M values, medians of {args.rounds} "
           f"{how} of {args.iters} steps; {moved / 1e9:.2f} GB a step must move, "
           f"{moved / args.hbm_gbs / 1e6:.2f} ms at {args.hbm_gbs:.0f} GB/s")
@@ -208,11 +210,14 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--hbm-gbs", type=float, default=4300.0,
                         help="the GPU's memory bandwidth in GB/s (measured; H200: ~4300)")
+    parser.add_argument("--flat-block", type=int, default=flat_adam.BLOCK,
+                        help="values per program of the flat form's kernel (a power of two)")
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="build, time and free each form in turn (chosen by itself where "
                              "the forms do not fit side by side)")
     args, args.model_flags = parser.parse_known_args(argv)
     impls = args.impls.split(",")
+    flat_adam.BLOCK = args.flat_block
     if not set(impls) <= set(ADAM_IMPLS):
         parser.error(f"--impls {args.impls}: forms of {','.join(ADAM_IMPLS)}")
     on_cpu = parse_config(args.model_flags).train.device == "cpu"
