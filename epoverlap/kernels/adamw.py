@@ -86,13 +86,13 @@ def decay_layout(ranges: list[tuple[int, int]], n: int, block: int,
     sizes[-1] = n - (windows - 1) * block
     mixed = ((decayed > 0) & (decayed < sizes)).nonzero().flatten().tolist()
     codes = torch.where(decayed == sizes, DECAY, NO_DECAY).to(torch.int32)
+    codes[mixed] = torch.arange(len(mixed), dtype=torch.int32)
     flags = torch.zeros((max(len(mixed), 1), block), dtype=torch.int8)
-    for row, window in enumerate(mixed):
-        codes[window] = row
-        low, high = window * block, (window + 1) * block
-        for start, end in ranges:
-            if start < high and end > low:
-                flags[row, max(start, low) - low:min(end, high) - low] = 1
+    for start, end in ranges:  # a mixed window holds one end of a range or a whole one
+        for window in {start // block, (end - 1) // block}:
+            if codes[window] >= 0:
+                low = window * block
+                flags[codes[window], max(start, low) - low:min(end, low + block) - low] = 1
     return DecayLayout(tuple(ranges), block, codes.to(device), flags.to(device))
 
 

@@ -142,7 +142,8 @@ class FlatAdamW:
 
     def state_of(self, master: torch.Tensor) -> dict:
         """{"step": 0-d fp32 CPU, "exp_avg", "exp_avg_sq"} of one master; {} before step 1."""
-        return self._states[self._index[master]] if self._states else {}
+        index = self._index.get(master)
+        return self._states[index] if self._states and index is not None else {}
 
     def create_state(self) -> None:
         """Zero moments and step counts (what the first step makes), for a checkpoint to fill."""

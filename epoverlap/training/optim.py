@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from epoverlap.config import TrainConfig
+from epoverlap.kernels import triton_installed
 from epoverlap.training.flat_adam import FlatAdamW
 
 
@@ -92,7 +93,10 @@ ADAM_IMPLS = ("flat", "fused", "foreach", "single")
 
 
 def default_adam_impl(device: torch.device) -> str:
-    return "flat" if device.type == "cuda" else "single"
+    """`flat` on GPUs (`fused` where Triton is not installed), `single` on CPUs."""
+    if device.type != "cuda":
+        return "single"
+    return "flat" if triton_installed() else "fused"
 
 
 class MixedPrecisionAdamW:

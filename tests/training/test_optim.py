@@ -100,8 +100,12 @@ def test_bf16_parameters_are_their_masters_rounded_as_a_copy_would(device):
         assert param.dtype == torch.bfloat16 and torch.equal(param, master.to(torch.bfloat16))
 
 
-def test_the_default_form_is_flat_on_gpus_and_single_on_cpus():
+def test_the_default_form_is_flat_on_gpus_and_single_on_cpus(monkeypatch):
+    from epoverlap.training import optim
+
     assert default_adam_impl(torch.device("cuda", 0)) == "flat"
+    monkeypatch.setattr(optim, "triton_installed", lambda: False)
+    assert default_adam_impl(torch.device("cuda", 0)) == "fused"  # torch's, without Triton
     assert default_adam_impl(torch.device("cpu")) == "single"
     with pytest.raises(ValueError, match="one of"):
         MixedPrecisionAdamW(_model("cpu", torch.float32), parse_config([]).train, "apex")
@@ -155,11 +159,13 @@ def test_global_grad_norm_is_the_norm_of_every_grad_and_clipping_reaches_the_lim
 
 def _buffered_model(dtype) -> tuple[nn.Module, list]:
     """A model whose grads are `GradBuffers` views (a dense and an expert buffer), matrices and
-    1-D parameters interleaved; and its trainable parameters."""
+    1-D parameters interleaved, one matrix fp32 whatever `dtype` (as a router kept in fp32);
+    and its trainable parameters."""
     from dist_helpers import single_rank_groups
     from epoverlap.training.grads import GradBuffers
 
     model = _model("cpu", dtype, ((64, 32), (600,), (8, 16, 4), (5,), (7, 3), (40,), (2, 9, 5)))
+    model.p4.data = model.p4.data.float()
     model.p2.is_expert = model.p6.is_expert = True
     GradBuffers(model, single_rank_groups())
     return model, [p for p in model.parameters()]
@@ -173,7 +179,9 @@ def test_the_flat_form_makes_each_parameter_a_view_of_its_flat_buffers():
     assert len(flat.segments) == 2 and [s.start % 64 for s in flat.segments] == [0, 0]
     for param, value, master in zip(params, before, optimizer.masters):
         assert torch.equal(param, value) and torch.equal(master, value.float())
-        assert param.untyped_storage().data_ptr() == flat.params_flat.untyped_storage().data_ptr()
+        own = flat.masters_flat if param.dtype == torch.float32 else flat.params_flat
+        assert param.untyped_storage().data_ptr() == own.untyped_storage().data_ptr()
+        assert (master is param) == (param.dtype == torch.float32)
         assert master.untyped_storage().data_ptr() == \
             flat.masters_flat.untyped_storage().data_ptr()
     assert optimizer.state_of(optimizer.masters[2]) == {}
@@ -184,8 +192,8 @@ def test_the_flat_form_makes_each_parameter_a_view_of_its_flat_buffers():
     assert state["exp_avg"].untyped_storage().data_ptr() == \
         flat.exp_avg_flat.untyped_storage().data_ptr()
     assert state["step"].shape == () and float(state["step"]) == 1.0
-    assert all(torch.equal(p, m.bfloat16()) for p, m in zip(params, optimizer.masters))
-    assert not torch.equal(params[0], before[0])
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(params, optimizer.masters))
+    assert not torch.equal(params[0], before[0]) and not torch.equal(params[4], before[4])
 
     fp32, fp32_params = _buffered_model(torch.float32)
     optimizer = MixedPrecisionAdamW(fp32, parse_config([]).train, "flat")
@@ -200,7 +208,8 @@ def test_flat_form_with_its_kernel_against_torchs_single_tensor_adamw(monkeypatc
     so that windows decay, do not and mix, against `single` (torch's single-tensor AdamW), from
     the same bf16 start and grads, 5 steps: Adam's moments bitwise, the masters within 2 fp32
     epsilons of |master| + lr (torch's CPU square root is MKL's: `kernels.adamw`), the step
-    counts equal, and each bf16 parameter its master rounded to nearest even."""
+    counts equal, and each bf16 parameter its master rounded to nearest even (the fp32 one its
+    own master)."""
     from epoverlap.kernels import triton_unavailable_reason
     from epoverlap.training import flat_adam
 
@@ -229,4 +238,4 @@ def test_flat_form_with_its_kernel_against_torchs_single_tensor_adamw(monkeypatc
             assert torch.equal(flat.state_of(a)[key], single.state_of(b)[key]), key
         scale = torch.finfo(torch.float32).eps * (b.abs() + 1e-2)
         assert bool(((a - b).abs() <= 2 * scale).all())
-        assert torch.equal(param, a.bfloat16())
+        assert torch.equal(param, a.to(param.dtype))
