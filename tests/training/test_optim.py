@@ -103,6 +103,7 @@ def test_bf16_parameters_are_their_masters_rounded_as_a_copy_would(device):
 def test_the_default_form_is_flat_on_gpus_and_single_on_cpus(monkeypatch):
     from epoverlap.training import optim
 
+    monkeypatch.setattr(optim, "triton_installed", lambda: True)
     assert default_adam_impl(torch.device("cuda", 0)) == "flat"
     monkeypatch.setattr(optim, "triton_installed", lambda: False)
     assert default_adam_impl(torch.device("cuda", 0)) == "fused"  # torch's, without Triton
