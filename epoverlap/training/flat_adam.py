@@ -14,6 +14,12 @@ and up), as the torch forms' two groups do, through a per-segment `kernels.adamw
 Per parameter, the masters and moments are views of the flat buffers and the step count is a
 view of one [parameters] fp32 CPU tensor, so a checkpoint keeps them per parameter, the same
 keys as the torch forms: one saved with either form resumes with the other.
+
+Two costs of the views. A parameter starts where its grad does, after the sizes of those before
+it in its buffer: a size not a multiple of 8 values would leave the parameters after it off
+16-byte alignment, which slows their GEMMs (no preset has such a size). And making them copies
+each parameter once into the flat bf16 buffer, allocated beside the parameters it replaces: 2
+bytes a value more at start-up, before the masters exist (torch's forms' peak is later).
 """
 
 from __future__ import annotations
