@@ -76,6 +76,9 @@ def decay_layout(ranges: list[tuple[int, int]], n: int, block: int,
                  device: torch.device) -> DecayLayout:
     """The layout of n values of which `ranges` ([start, end), sorted, disjoint) decay."""
     windows = -(-n // block)
+    if windows == 0:
+        return DecayLayout((), block, torch.zeros(0, dtype=torch.int32, device=device),
+                           torch.zeros((1, block), dtype=torch.int8, device=device))
     decayed = torch.zeros(windows, dtype=torch.int64)  # decayed values per window
     for start, end in ranges:
         first, last = start // block, (end - 1) // block

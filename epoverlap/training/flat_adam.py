@@ -19,7 +19,7 @@ Two costs of the views. A parameter starts where its grad does, after the sizes 
 it in its buffer: a size not a multiple of 8 values would leave the parameters after it off
 16-byte alignment, which slows their GEMMs (no preset has such a size). And making them copies
 each parameter once into the flat bf16 buffer, allocated beside the parameters it replaces: 2
-bytes a value more at start-up, before the masters exist (torch's forms' peak is later).
+bytes a value more at start-up, before Adam's moments exist (well under the training peak).
 """
 
 from __future__ import annotations

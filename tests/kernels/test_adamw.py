@@ -69,6 +69,13 @@ def test_decay_layout_marks_each_window_and_each_value_of_a_mixed_one():
             assert bool(values.all()) == (code == DECAY) and bool(values.any()) == (code == DECAY)
 
 
+def test_an_empty_buffer_has_no_windows():
+    layout = decay_layout([], 0, BLOCK, torch.device("cpu"))
+    assert layout.codes.numel() == 0
+    empty = torch.zeros(0)
+    adamw_flat_torch(empty, empty, empty, empty, None, layout, _scalars(1))
+
+
 @pytest.mark.parametrize("with_param", [True, False])
 def test_triton_update_is_the_torch_form_bit_for_bit(triton_device, with_param):
     from epoverlap.kernels.adamw_triton import adamw_flat_triton
