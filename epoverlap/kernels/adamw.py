@@ -22,8 +22,8 @@ rounded to fp32 (the product of two fp32 values is exact in fp64, so the only de
 true fp32 fma is a double rounding, where the fp64 sum lands on an fp32 halfway point: about
 one value in 2**29). The Triton kernel computes exactly the same, so the two agree bitwise.
 torch's own CPU AdamW takes its square root from MKL, which is not correctly rounded (one ulp
-off for about a fifth of the values here): the moments agree with it bitwise, about 1% of the
-masters do not, each within 2 fp32 epsilons of |master| + lr (tests/kernels/test_adamw.py).
+off for about a fifth of the values here): the moments agree with it bitwise (but for those
+double roundings; torch's lerp and addcmul are true fp32 fmas), about 1% of the masters do not, each within 2 fp32 epsilons of |master| + lr (tests/kernels/test_adamw.py).
 """
 
 from __future__ import annotations
