@@ -1,17 +1,28 @@
 """The optimizer step's cost in each AdamW form (`epoverlap.training.optim.ADAM_IMPLS`).
 
-    python -m benchmarks.harness.bench_optim [--preset megatron-cmp] [--rounds 10] [--iters 5] [FLAGS...]
+    python -m benchmarks.harness.bench_optim [--preset megatron-cmp] [--impls flat,fused,...]
+        [--rounds 10] [--iters 5] [--hbm-gbs 4300] [--flat-block 4096] [--one-at-a-time] [FLAGS...]
 
 Builds the training command's model and grad buffers on one GPU (EP 1, bf16: every expert on
 this GPU, so more parameters than one rank of an EP run holds), fills `main_grad` with fixed
 random values, and runs the mixed-precision AdamW step (fp32 masters, Adam's update, the bf16
-parameters written from the masters) in each form, the forms' timed steps alternated round by
-round, each form first in turn: host CPU time (the process, before the closing sync), GPU time
-(CUDA events around the steps) and wall time per step, medians over the rounds; kernel launches
-per step (torch.profiler); and how far each form's masters are from the `single` form's after 3
-steps from the same start (they may differ in the last bits; each is reproducible). Then the
-step before it, the global grad norm's per-parameter squares (`GradBuffers.global_norm`: one
-`_foreach_norm`) against the per-parameter `pow(2).sum()` they replaced, timed the same way. Extra FLAGS go to the model
+parameters written from the masters) in each form of `--impls` (default: all): host CPU time
+(the process, before the closing sync), GPU time (CUDA events around the steps) and wall time
+per step, medians over the rounds; kernel launches per step (torch.profiler); the bytes the
+step must move over the GPU time (GB/s) and that against `--hbm-gbs` (the fraction of the
+memory bound reached); and how far each form's masters are from the `single` form's after 3
+steps from the same start (they may differ in the last bits; each is reproducible; compared on
+the first 65536 values of each master). The bytes are those of the update's memory bound: per
+value the fp32 master read and written (8), the fp32 grad read (4), both moments read and
+written (16) and, for a bf16 parameter, its write (2): 30 bytes a value in bf16 runs.
+
+The forms' timed steps are alternated round by round, each form first in turn, all forms built
+at once (each holds its own masters and moments: 12 bytes a value). Where they do not fit beside
+one another (`--one-at-a-time`, or chosen when the GPU's free memory is short; e.g. --preset
+qwen3-30b-a3b-proxy, 4.2B values, 50 GB a form beside the model's 25 GB), each form is built,
+timed over all its rounds and freed before the next. Then the step before it, the global grad
+norm's per-parameter squares (`GradBuffers.global_norm`: one `_foreach_norm`) against the
+per-parameter `pow(2).sum()` they replaced, timed the same way. Extra FLAGS go to the model
 (e.g. --num-layers 8). Prints markdown tables last. `--device cpu` times the CPU forms (the
 tool's test).
 """
@@ -27,6 +38,7 @@ import torch
 
 from epoverlap.config import parse_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.training import flat_adam
 from epoverlap.training.optim import ADAM_IMPLS, MixedPrecisionAdamW
 from epoverlap.training.trainer import Trainer
 from benchmarks.harness.bench_host import launch_count
@@ -107,57 +119,124 @@ def print_norms(params: list, rounds: int, iters: int, device: torch.device) -> 
         print(f"| {name} | {_median_cells(runs_of)} | {count[name]} | {values[name]:.9g} |")
 
 
+SAMPLE = 65536  # values of each master kept (on the host) for the comparison with `single`
+LR = 1e-4
+
+
+def step_bytes(params: list) -> int:
+    """Bytes one step must move (module docstring): 28 a value, 30 for a bf16 parameter's."""
+    return sum(p.numel() * (28 if p.dtype == torch.float32 else 30) for p in params)
+
+
 def build(argv: list[str], on_cpu: bool):
     groups = init_distributed(1, "cpu" if on_cpu else "cuda")
     trainer = Trainer(parse_config(argv), groups, log=lambda msg: None)
     trainer.optimizer = None  # its masters and moments: this tool makes its own per form
+    trainer.checkpointer = None  # (which holds them too)
     return groups, trainer
+
+
+def make_form(model, cfg, impl: str, start: list) -> tuple[MixedPrecisionAdamW, list]:
+    """Form `impl` after 3 steps from the parameter values `start`; the first SAMPLE values of
+    each of its masters then (on the host)."""
+    optimizer = MixedPrecisionAdamW(model, cfg, impl)
+    with torch.no_grad():
+        for param, first, master in zip(optimizer.params, start, optimizer.masters):
+            param.copy_(first)
+            master.copy_(first)
+    for _ in range(3):
+        optimizer.step(LR)
+    return optimizer, [m.detach().flatten()[:SAMPLE].cpu() for m in optimizer.masters]
+
+
+def time_forms(model, cfg, impls: list[str], start: list, args, device):
+    """({form: [timed, ...]}, {form: launches}, {form: masters sample}): all forms built at
+    once and alternated, or (`args.one_at_a_time`) each built, timed and freed in turn."""
+    if not args.one_at_a_time:
+        forms = {impl: make_form(model, cfg, impl, start) for impl in impls}
+        steps = {impl: (lambda o=form[0]: o.step(LR)) for impl, form in forms.items()}
+        rows, count = alternated(steps, args.rounds, args.iters, device)
+        return rows, count, {impl: form[1] for impl, form in forms.items()}
+    rows, count, samples = {}, {}, {}
+    for impl in impls:
+        optimizer, samples[impl] = make_form(model, cfg, impl, start)
+        one, launches_of = alternated({impl: lambda: optimizer.step(LR)}, args.rounds,
+                                      args.iters, device)
+        rows[impl], count[impl] = one[impl], launches_of[impl]
+        del optimizer, one
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows, count, samples
+
+
+def _fits_side_by_side(params: list, impls: list[str], device: torch.device) -> bool:
+    """Whether every form's masters and moments (12 bytes a value each) fit in free memory."""
+    if device.type != "cuda":
+        return True
+    need = 12 * sum(p.numel() for p in params) * len(impls)
+    return need < 0.9 * torch.cuda.mem_get_info(device)[0]
+
+
+def print_forms(rows, count, samples, params, args, device) -> None:
+    numel, moved = sum(p.numel() for p in params), step_bytes(params)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    how = "one form at a time" if args.one_at_a_time else "alternated rounds"
+    print(f"\nbench_optim: {where}, preset {args.preset} {' '.join(args.model_flags)}, "
+          f"flat block {flat_adam.BLOCK}, "
+          f"{len(params)} parameters, {numel / 1e6:.1f}M values, medians of {args.rounds} "
+          f"{how} of {args.iters} steps; {moved / 1e9:.2f} GB a step must move, "
+          f"{moved / args.hbm_gbs / 1e6:.2f} ms at {args.hbm_gbs:.0f} GB/s")
+    print("| form | host CPU ms/step | GPU ms/step | wall ms/step | launches/step | GB/s | "
+          "of the bound | max abs diff from single after 3 steps |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for impl, runs in rows.items():
+        gpu_ms = medians(runs)["gpu_ms"]
+        rate = f"{moved / gpu_ms / 1e6:.0f} | {moved / gpu_ms / 1e6 / args.hbm_gbs:.0%}" \
+            if gpu_ms else "- | -"
+        diff = _diff(samples[impl], samples["single"]) if "single" in samples else "-"
+        print(f"| {impl} | {_median_cells(runs)} | {count[impl]} | {rate} | {diff} |")
+
+
+def _diff(sample: list, reference: list) -> str:
+    return f"{max(float((a - b).abs().max()) for a, b in zip(sample, reference)):.3g}"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="megatron-cmp")
+    parser.add_argument("--impls", default=",".join(ADAM_IMPLS),
+                        help=f"forms to time, comma-separated, of {','.join(ADAM_IMPLS)}")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--iters", type=int, default=5)
-    args, model_flags = parser.parse_known_args(argv)
-    on_cpu = parse_config(model_flags).train.device == "cpu"
+    parser.add_argument("--hbm-gbs", type=float, default=4300.0,
+                        help="the GPU's memory bandwidth in GB/s (measured; H200: ~4300)")
+    parser.add_argument("--flat-block", type=int, default=flat_adam.BLOCK,
+                        help="values per program of the flat form's kernel (a power of two)")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="build, time and free each form in turn (chosen by itself where "
+                             "the forms do not fit side by side)")
+    args, args.model_flags = parser.parse_known_args(argv)
+    impls = args.impls.split(",")
+    flat_adam.BLOCK = args.flat_block
+    if not set(impls) <= set(ADAM_IMPLS):
+        parser.error(f"--impls {args.impls}: forms of {','.join(ADAM_IMPLS)}")
+    on_cpu = parse_config(args.model_flags).train.device == "cpu"
     if not on_cpu and not torch.cuda.is_available():
         print("bench_optim: needs a CUDA device (or --device cpu)")
         return 2
     flags = ["--preset", args.preset, "--mock-data", *([] if on_cpu else ["--bf16"]),
-             "--cuda-graph-impl", "none", *model_flags]  # eager: no graph bank is built
+             "--cuda-graph-impl", "none", *args.model_flags]  # eager: no graph bank is built
     groups, trainer = build(flags, on_cpu)
     try:
         model, cfg, device = trainer.model, trainer.cfg.train, trainer.device
         params = [p for p in model.parameters() if p.requires_grad]
-        gen = torch.Generator().manual_seed(0)
+        gen = torch.Generator(device).manual_seed(0)
         for param in params:
-            param.main_grad.copy_(torch.randn(param.shape, generator=gen) * 1e-3)
-        start = [p.detach().clone() for p in params]
-        forms = {impl: MixedPrecisionAdamW(model, cfg, impl) for impl in ADAM_IMPLS}
-        masters = {}
-        for impl, optimizer in forms.items():  # 3 steps from the same start, then compare
-            with torch.no_grad():
-                for param, first, master in zip(params, start, optimizer.masters):
-                    param.copy_(first)
-                    master.copy_(first)
-            for _ in range(3):
-                optimizer.step(1e-4)
-            masters[impl] = [m.detach().clone() for m in optimizer.masters]
-        steps = {impl: (lambda o=optimizer: o.step(1e-4)) for impl, optimizer in forms.items()}
-        rows, count = alternated(steps, args.rounds, args.iters, device)
-        numel = sum(p.numel() for p in params)
-        where = torch.cuda.get_device_name() if not on_cpu else "CPU"
-        print(f"\nbench_optim: {where}, preset "
-              f"{args.preset} {' '.join(model_flags)}, {len(params)} parameters, "
-              f"{numel / 1e6:.1f}M values, medians of {args.rounds} alternated rounds of "
-              f"{args.iters} steps")
-        print("| form | host CPU ms/step | GPU ms/step | wall ms/step | launches/step | "
-              "max abs diff from single after 3 steps |\n| --- | --- | --- | --- | --- | --- |")
-        for impl, runs in rows.items():
-            diff = max(float((a - b).abs().max()) for a, b in zip(masters[impl],
-                                                                 masters["single"]))
-            print(f"| {impl} | {_median_cells(runs)} | {count[impl]} | {diff:.3g} |")
+            param.main_grad.normal_(0.0, 1e-3, generator=gen)
+        start = [p.detach().cpu() for p in params]  # on the host: the GPU holds the forms
+        args.one_at_a_time = args.one_at_a_time or not _fits_side_by_side(params, impls, device)
+        rows, count, samples = time_forms(model, cfg, impls, start, args, device)
+        print_forms(rows, count, samples, params, args, device)
         print_norms(params, args.rounds, args.iters, device)
         return 0
     finally:

@@ -9,6 +9,8 @@ Each op has a torch reference and a Triton kernel side by side (`router_topk.py`
 the Triton ones; `triton_reduce.py` holds device-side helpers they share; `launch_cache.py` is
 the host fast path of every Triton launch (the compiled kernel reused per launch key);
 `megatron_api.py` gives the routing ops Megatron-core's call signatures over either backend).
+Outside the table, `adamw.py` / `adamw_triton.py` hold the optimizer's flat AdamW update, which
+the optimizer's form chooses (`epoverlap.training.flat_adam`).
 The implementation is chosen once, by building an `MoEOps` table from the config's kernel
 backend; model code calls `ops.permute(...)` and never branches on the backend itself.
 

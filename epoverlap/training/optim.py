@@ -7,13 +7,18 @@ linear warmup, then Megatron-LM's constant, linear, cosine or WSD decay to the m
 checkpoint holds the masters and `state_of` each one (Adam's step and moments);
 `create_state` makes that state before any step, so a checkpoint can be loaded into it.
 
-Implementations (`ADAM_IMPLS`, torch's three forms of the same update): `fused` (one kernel
-over every tensor: each element read and written once; the default on CUDA), `foreach` (the
-single-tensor ops, each one launch over all tensors) and `single` (the ops per tensor: about
-ten launches and as many passes over memory per parameter; the default on CPU, which keeps the
-bits CPU runs always had). Each is elementwise, so results do not depend on how
-tensors are grouped (a checkpoint resumes bitwise across EP sizes); the forms may differ from
-one another in the last bits, so a run keeps one (benchmarks/optimizer.md).
+Implementations (`ADAM_IMPLS`, four forms of the same update): `flat` (`flat_adam.FlatAdamW`:
+the masters and moments in flat buffers laid out as the grad buffers, one Triton launch per grad
+buffer that reads and writes each value once and writes the bf16 parameter in the same pass;
+the default on CUDA), and torch's three over one master per parameter (`TorchAdamW`): `fused`
+(one kernel over every tensor, then a second pass copying the masters to the bf16
+parameters), `foreach` (the single-tensor ops, each one launch over all tensors) and `single`
+(the ops per tensor: about ten launches and as many passes over memory per parameter; the
+default on CPU, which keeps the bits CPU runs always had). Each is elementwise, so results do
+not depend on how tensors are grouped (a checkpoint resumes bitwise across EP sizes); the forms
+may differ from one another in the last bits, so a run keeps one (benchmarks/optimizer.md; how
+`flat` differs from `single`: `kernels.adamw`). Every form keeps its state per parameter
+(`state_of`), so a checkpoint saved with one resumes with another.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import torch
 from torch import nn
 
 from epoverlap.config import TrainConfig
+from epoverlap.kernels import triton_installed
+from epoverlap.training.flat_adam import FlatAdamW
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -82,24 +89,55 @@ def _wsd_coeff(step: int, cfg: TrainConfig) -> float:
     raise ValueError(f"--lr-wsd-decay-style {style!r}: not a WSD decay style")
 
 
-ADAM_IMPLS = ("fused", "foreach", "single")
+ADAM_IMPLS = ("flat", "fused", "foreach", "single")
 
 
 def default_adam_impl(device: torch.device) -> str:
-    return "fused" if device.type == "cuda" else "single"
+    """`flat` on GPUs (`fused` where Triton is not installed), `single` on CPUs."""
+    if device.type != "cuda":
+        return "single"
+    return "flat" if triton_installed() else "fused"
 
 
 class MixedPrecisionAdamW:
     """AdamW on fp32 masters; weight decay on matrices only (not norms or 1-D tensors).
-    `impl`: one of `ADAM_IMPLS` (module docstring); None: `default_adam_impl`."""
+    `impl`: one of `ADAM_IMPLS` (module docstring); None: `default_adam_impl`. Every
+    trainable parameter of `model` needs its `main_grad` (`grads.GradBuffers`)."""
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, impl: Optional[str] = None):
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone()
-                        for p in self.params]
-        self.impl = impl or default_adam_impl(self.masters[0].device)
+        self.impl = impl or default_adam_impl(self.params[0].device)
         if self.impl not in ADAM_IMPLS:
             raise ValueError(f"AdamW implementation {self.impl!r}: one of {ADAM_IMPLS}")
+        self.form = (FlatAdamW(self.params, cfg) if self.impl == "flat"
+                     else TorchAdamW(self.params, cfg, self.impl))
+        self.masters = self.form.masters  # the fp32 tensors Adam updates, one per parameter
+
+    def state_of(self, master: torch.Tensor) -> dict:
+        """Adam's state of one master: {"step": 0-d, "exp_avg", "exp_avg_sq"}; {} before step 1."""
+        return self.form.state_of(master)
+
+    def create_state(self) -> None:
+        """The state the first step creates (zeros), for a checkpoint to fill."""
+        self.form.create_state()
+
+    def copy_masters_to_params(self) -> None:
+        """bf16 parameters from their fp32 masters, rounded to nearest even."""
+        self.form.copy_masters_to_params()
+
+    def step(self, lr: float) -> None:
+        self.form.step(lr)
+
+
+class TorchAdamW:
+    """torch's AdamW (`fused`, `foreach` or `single`) over one fp32 master per parameter: for
+    an fp32 parameter the parameter itself, else an fp32 copy written back after each step."""
+
+    def __init__(self, params: list, cfg: TrainConfig, impl: str):
+        self.params = params
+        self.impl = impl
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone()
+                        for p in self.params]
         # the bf16 parameters written from their masters after each step (fp32 ones are them)
         self._copies = [(p, m) for p, m in zip(self.params, self.masters) if m is not p]
         decay = [m for p, m in zip(self.params, self.masters) if p.ndim >= 2]
@@ -111,12 +149,11 @@ class MixedPrecisionAdamW:
             foreach=self.impl == "foreach", fused=self.impl == "fused")
 
     def state_of(self, master: torch.Tensor) -> dict:
-        """Adam's state of one master: {"step": 0-d, "exp_avg", "exp_avg_sq"}; {} before step 1."""
         return self.optimizer.state.get(master, {})
 
     def create_state(self) -> None:
-        """The state torch's AdamW creates at its first step (zeros), for a checkpoint to fill:
-        the step count fp32 on the CPU, or beside the master for the fused form."""
+        """The state torch's AdamW creates at its first step (zeros): the step count fp32 on
+        the CPU, or beside the master for the fused form."""
         for master in self.masters:
             if not self.optimizer.state.get(master):
                 self.optimizer.state[master] = {
@@ -127,8 +164,7 @@ class MixedPrecisionAdamW:
 
     @torch.no_grad()
     def copy_masters_to_params(self) -> None:
-        """bf16 parameters from their fp32 masters, rounded to nearest even (one launch over
-        all of them where the tensors live on a GPU)."""
+        """One launch over all the bf16 parameters where the tensors live on a GPU."""
         if self._copies:
             params, masters = zip(*self._copies)
             torch._foreach_copy_(list(params), list(masters))

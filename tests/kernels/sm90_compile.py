@@ -68,7 +68,8 @@ def _install_fake_driver(records: list[dict], context: dict) -> None:
                                         compile["configs"][0])
         launch_options = json.loads(compile["specialization_data"])["options"]
         options = {k: compile[k] for k in ("num_warps", "num_stages", "num_ctas")}
-        options.update({k: launch_options[k] for k in ("debug", "sanitize_overflow")})
+        options.update({k: launch_options[k] for k in ("debug", "sanitize_overflow",
+                                                        "enable_fp_fusion")})
         kernel = triton.compile(src, target=GPUTarget("cuda", TARGET_ARCH, 32), options=options)
         records.append(dict(_describe(name, compile, kernel), shape=context.get("shape"),
                             debug=options["debug"]))
@@ -86,7 +87,9 @@ def _describe(name: str, compile: dict, kernel) -> dict:
             "regs": usage.get("REG"), "local_bytes": usage.get("LOCAL"),
             "stack_bytes": usage.get("STACK"),
             "v4_loads": len(re.findall(r"ld\.global(\.\w+)*\.v4", ptx)),
-            "v4_stores": len(re.findall(r"st\.global(\.\w+)*\.v4", ptx))}
+            "v4_stores": len(re.findall(r"st\.global(\.\w+)*\.v4", ptx)),
+            "fp32_fmas": len(re.findall(r"fma\.\w+\.f32", ptx)),
+            "approx_ops": len(re.findall(r"\.approx\.", ptx))}
 
 
 def _resource_usage(cubin: bytes, triton_dir: Path) -> dict:

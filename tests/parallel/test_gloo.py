@@ -1,6 +1,6 @@
 """gloo multi-process tier (2 and 4 CPU ranks): dispatch round trip, EP=1 vs EP=2, routing
 extremes under the overlap, and the bitwise overlap contract (grads and 20-step losses; a run
-whose overlap probe switches schedules mid-run included)."""
+whose overlap probe switches schedules mid-run included; with the flat AdamW form too)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import math
 import pytest
 
 from dist_helpers import run_ranks
-from gloo_workers import (assert_modes_match_sequential, dispatch_round_trip, ep_losses,
-                          extreme_routing_training, mode_grads_and_losses)
+from gloo_workers import (MODES, assert_modes_match_sequential, dispatch_round_trip, ep_losses,
+                          extreme_routing_training, flat_adam_grads_and_losses,
+                          mode_grads_and_losses)
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +56,12 @@ def test_overlap_is_bitwise_equal_to_sequential(world, ep, tmp_path):
         schedules = [json.loads(line)["schedule"] for line in records]
     assert schedules[:7] == ["combined_1f1b"] + ["combined_1f1b", "sequential"] * 3
     assert len(set(schedules[7:])) == 1, schedules
+
+
+def test_overlap_is_bitwise_equal_to_sequential_with_the_flat_adamw(tmp_path):
+    """The same with the flat AdamW form (its torch form on CPU): the updates are the same
+    elementwise function of the same grads in every mode."""
+    modes = {name: MODES[name] for name in ("sequential", "overlap", "overlap_wgrad")}
+    results = run_ranks(flat_adam_grads_and_losses, 2, 2, str(tmp_path), 6, modes,
+                        timeout_s=600)
+    assert_modes_match_sequential(results, tmp_path, 6, modes)

@@ -106,6 +106,13 @@ def mode_grads_and_losses(rank, world_size, ep, out_dir, steps, extra=(), modes=
         destroy_distributed(groups)
 
 
+def flat_adam_grads_and_losses(rank, world_size, ep, out_dir, steps, modes):
+    """`mode_grads_and_losses` with the flat AdamW form (the GPU default) for the CPU's own."""
+    from epoverlap.training import optim
+    optim.default_adam_impl = lambda device: "flat"
+    return mode_grads_and_losses(rank, world_size, ep, out_dir, steps, modes=modes)
+
+
 def ep_losses(rank, world_size, ep, steps):
     """Losses of a few steps with expert parallel size `ep` (same global model and data)."""
     groups = init_distributed(ep, "cpu", timeout_minutes=3)

@@ -1,8 +1,8 @@
 """GPU tier of checkpoints (markers `gpu`, `multigpu`; skipped without the GPUs): a run resumed
 from its step-3 checkpoint logs the same losses bit for bit and ends in the same state as the
 uninterrupted run: on 2 GPUs (NCCL, bf16, EP 2, overlap + delayed wgrad, expert bias and the
-router's CUDA balancing generator on), and on one (bf16, the fused AdamW, whose step count
-lives on the GPU); eager steps both (--cuda-graph-impl none: on CUDA the default is the partial
+router's CUDA balancing generator on), and on one (bf16, the GPU's default AdamW form, the flat
+one: its Triton update over flat buffers, the parameters views of one); eager steps both (--cuda-graph-impl none: on CUDA the default is the partial
 graphs)."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_resume_is_bitwise_on_two_gpus_with_bf16(tmp_path):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_resume_is_bitwise_on_one_gpu_with_bf16_and_the_fused_adamw(tmp_path):
+def test_resume_is_bitwise_on_one_gpu_with_bf16_and_the_flat_adamw(tmp_path):
     _resume_is_bitwise(tmp_path, 1, [])
 
 

@@ -1,8 +1,9 @@
-"""The optimizer's three AdamW forms (`epoverlap.training.optim.ADAM_IMPLS`): each the same
+"""The optimizer's four AdamW forms (`epoverlap.training.optim.ADAM_IMPLS`): each the same
 update to rounding, each reproducible, each independent of how parameters are grouped (so a
 checkpoint reshards bitwise), and the bf16 parameters written from their masters exactly as a
-per-tensor copy would; the global grad norm and clipping before them. CPU always; the same on
-a GPU (marker `gpu`)."""
+per-tensor copy would; the flat form's buffers and views, and the flat form with its Triton
+kernel (the interpreter on CPU) against torch's single-tensor AdamW over grad buffers; the
+global grad norm and clipping before them. CPU always; the same on a GPU (marker `gpu`)."""
 
 from __future__ import annotations
 
@@ -99,8 +100,13 @@ def test_bf16_parameters_are_their_masters_rounded_as_a_copy_would(device):
         assert param.dtype == torch.bfloat16 and torch.equal(param, master.to(torch.bfloat16))
 
 
-def test_the_default_form_is_fused_on_gpus_and_single_on_cpus():
-    assert default_adam_impl(torch.device("cuda", 0)) == "fused"
+def test_the_default_form_is_flat_on_gpus_and_single_on_cpus(monkeypatch):
+    from epoverlap.training import optim
+
+    monkeypatch.setattr(optim, "triton_installed", lambda: True)
+    assert default_adam_impl(torch.device("cuda", 0)) == "flat"
+    monkeypatch.setattr(optim, "triton_installed", lambda: False)
+    assert default_adam_impl(torch.device("cuda", 0)) == "fused"  # torch's, without Triton
     assert default_adam_impl(torch.device("cpu")) == "single"
     with pytest.raises(ValueError, match="one of"):
         MixedPrecisionAdamW(_model("cpu", torch.float32), parse_config([]).train, "apex")
@@ -124,14 +130,14 @@ def test_created_state_is_the_state_a_first_step_makes(device, impl):
 
 def test_bench_optim_times_every_form_on_cpu():
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.harness.bench_optim", "--preset", "tiny", "--device", "cpu",
-         "--rounds", "2", "--iters", "1"], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "benchmarks.harness.bench_optim", "--preset", "tiny",
+         "--device", "cpu", "--rounds", "2", "--iters", "1"], capture_output=True, text=True, timeout=300,
         cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines()
             if line.split("|")[1:2] and line.split("|")[1].strip() in ADAM_IMPLS]
     assert [row.split("|")[1].strip() for row in rows] == list(ADAM_IMPLS), result.stdout
-    assert rows[2].rstrip().endswith("| 0 |")  # single against itself
+    assert rows[-1].rstrip().endswith("| 0 |")  # single against itself
 
 
 def test_global_grad_norm_is_the_norm_of_every_grad_and_clipping_reaches_the_limit():
@@ -150,3 +156,87 @@ def test_global_grad_norm_is_the_norm_of_every_grad_and_clipping_reaches_the_lim
     assert grads.global_norm() == pytest.approx(want / 4, rel=1e-5)
     assert grads.clip(0.0) == pytest.approx(want / 4, rel=1e-5)  # 0: no clipping
     assert grads.global_norm() == pytest.approx(want / 4, rel=1e-5)
+
+
+def _buffered_model(dtype) -> tuple[nn.Module, list]:
+    """A model whose grads are `GradBuffers` views (a dense and an expert buffer), matrices and
+    1-D parameters interleaved, one matrix fp32 whatever `dtype` (as a router kept in fp32);
+    and its trainable parameters."""
+    from dist_helpers import single_rank_groups
+    from epoverlap.training.grads import GradBuffers
+
+    model = _model("cpu", dtype, ((64, 32), (600,), (8, 16, 4), (5,), (7, 3), (40,), (2, 9, 5)))
+    model.p4.data = model.p4.data.float()
+    model.p2.is_expert = model.p6.is_expert = True
+    GradBuffers(model, single_rank_groups())
+    return model, [p for p in model.parameters()]
+
+
+def test_the_flat_form_makes_each_parameter_a_view_of_its_flat_buffers():
+    model, params = _buffered_model(torch.bfloat16)
+    before = [p.detach().clone() for p in params]
+    optimizer = MixedPrecisionAdamW(model, parse_config([]).train, "flat")
+    flat = optimizer.form
+    assert len(flat.segments) == 2 and [s.start % 64 for s in flat.segments] == [0, 0]
+    for param, value, master in zip(params, before, optimizer.masters):
+        assert torch.equal(param, value) and torch.equal(master, value.float())
+        own = flat.masters_flat if param.dtype == torch.float32 else flat.params_flat
+        assert param.untyped_storage().data_ptr() == own.untyped_storage().data_ptr()
+        assert (master is param) == (param.dtype == torch.float32)
+        assert master.untyped_storage().data_ptr() == \
+            flat.masters_flat.untyped_storage().data_ptr()
+    assert optimizer.state_of(optimizer.masters[2]) == {}
+    for param in params:
+        param.main_grad.normal_()
+    optimizer.step(1e-2)
+    state = optimizer.state_of(optimizer.masters[2])
+    assert state["exp_avg"].untyped_storage().data_ptr() == \
+        flat.exp_avg_flat.untyped_storage().data_ptr()
+    assert state["step"].shape == () and float(state["step"]) == 1.0
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(params, optimizer.masters))
+    assert not torch.equal(params[0], before[0]) and not torch.equal(params[4], before[4])
+
+    fp32, fp32_params = _buffered_model(torch.float32)
+    optimizer = MixedPrecisionAdamW(fp32, parse_config([]).train, "flat")
+    assert optimizer.form.params_flat is None
+    assert all(m is p for m, p in zip(optimizer.masters, fp32_params))  # its own master
+    assert fp32_params[0].untyped_storage().data_ptr() == \
+        optimizer.form.masters_flat.untyped_storage().data_ptr()
+
+
+def test_flat_form_with_its_kernel_against_torchs_single_tensor_adamw(monkeypatch):
+    """The flat form as a GPU runs it (the Triton kernel, interpreted), windows of 256 values
+    so that windows decay, do not and mix, against `single` (torch's single-tensor AdamW), from
+    the same bf16 start and grads, 5 steps: Adam's moments bitwise, the masters within 2 fp32
+    epsilons of |master| + lr (torch's CPU square root is MKL's: `kernels.adamw`), the step
+    counts equal, and each bf16 parameter its master rounded to nearest even (the fp32 one its
+    own master)."""
+    from epoverlap.kernels import triton_unavailable_reason
+    from epoverlap.training import flat_adam
+
+    if triton_unavailable_reason() is not None:
+        pytest.skip(triton_unavailable_reason())
+    from epoverlap.kernels.adamw_triton import adamw_flat_triton
+    monkeypatch.setattr(flat_adam, "flat_update", lambda device: adamw_flat_triton)
+    monkeypatch.setattr(flat_adam, "BLOCK", 256)
+    cfg = parse_config(["--weight-decay", "0.1"]).train
+    forms = {}
+    for impl in ("flat", "single"):
+        model, params = _buffered_model(torch.bfloat16)
+        forms[impl] = (MixedPrecisionAdamW(model, cfg, impl), params)
+    codes = torch.cat([s.decay.codes for s in forms["flat"][0].form.segments]).tolist()
+    assert {-1, -2} <= set(codes) and max(codes) >= 0  # whole windows of each kind, and mixed
+    gen = torch.Generator().manual_seed(3)
+    for step in range(1, 6):
+        grads = [torch.randn(p.shape, generator=gen) for p in forms["flat"][1]]
+        for optimizer, params in forms.values():
+            for param, grad in zip(params, grads):
+                param.main_grad.copy_(grad)
+            optimizer.step(1e-2 / step)
+    flat, single = forms["flat"][0], forms["single"][0]
+    for a, b, param in zip(flat.masters, single.masters, forms["flat"][1]):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(flat.state_of(a)[key], single.state_of(b)[key]), key
+        scale = torch.finfo(torch.float32).eps * (b.abs() + 1e-2)
+        assert bool(((a - b).abs() <= 2 * scale).all())
+        assert torch.equal(param, a.to(param.dtype))
