@@ -265,7 +265,8 @@ def megatron_model(config, cfg: RunConfig):
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization="RMSNorm")
     return GPTModel(config=config, transformer_layer_spec=spec,
-                    vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.seq_length,
+                    vocab_size=cfg.model.padded_vocab_size,  # as Megatron-LM pads it
+                    max_sequence_length=cfg.model.seq_length,
                     position_embedding_type="rope", rotary_base=int(cfg.model.rotary_base),
                     share_embeddings_and_output_weights=False)
 

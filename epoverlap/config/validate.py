@@ -54,7 +54,7 @@ def _validate_choices(cfg: RunConfig) -> None:
 
 def _validate_model(m: ModelConfig) -> None:
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                 "vocab_size"):
+                 "vocab_size", "make_vocab_size_divisible_by"):
         require(getattr(m, name) >= 1, name, getattr(m, name), "must be >= 1")
     # layer lists are built per layer from here on: an absurd count is refused, not allocated
     require(m.num_layers <= MAX_LAYERS, "num_layers", m.num_layers, f"must be <= {MAX_LAYERS}")

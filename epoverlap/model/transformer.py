@@ -27,6 +27,10 @@ The MoE layers' dispatch steps (preprocess, dispatch, sort, unsort, combine) are
 model (`MoEModel.dispatcher`) and shared by its MoE layers. Value names between nodes come from
 `model.nodes` (`hidden_value`, `layer_value`).
 
+The embedding and output head have the vocabulary padded to --make-vocab-size-divisible-by
+rows (`ModelConfig.padded_vocab_size`, aligned logit GEMMs); the loss takes the real vocabulary,
+so the padding columns are out of its softmax and the loss is the unpadded model's.
+
 Shape legend: B microbatch sequences, S sequence length, T = B*S tokens, H hidden, V vocab,
 Q query heads, G key/value heads, D head dim.
 """
@@ -44,7 +48,7 @@ from torch import nn
 from epoverlap.kernels import MoEOps
 
 from epoverlap.parallel.comm import ExpertComm, PipelineComm
-from epoverlap.config import RunConfig
+from epoverlap.config import ModelConfig, RunConfig
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.chunked import ChunkedMoE
@@ -412,9 +416,7 @@ class MoEModel(nn.Module):
             if pipe is None:
                 raise ValueError(f"stage {stage} of a pipeline needs a PipelineComm")
         if any(chunk.has_embedding for chunk in self.chunks):
-            self.embedding = nn.Parameter(torch.empty(m.vocab_size, m.hidden_size, dtype=dtype,
-                                                      device=device))
-            seeded_normal_(self.embedding, m.init_method_std, param_seed(seed, "embedding"))
+            self.embedding = vocab_parameter(m, seed, "embedding", dtype, device)
         pattern = cfg.moe_layer_pattern()
         self.dispatch_mode = DispatchMode.of(cfg.moe)  # the one place the model reads it
         self.dispatch_budget = self.dispatcher = None
@@ -434,16 +436,15 @@ class MoEModel(nn.Module):
             for chunk in self.chunks for layer in chunk.layers})
         if any(chunk.has_loss for chunk in self.chunks):
             self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
-            self.head = nn.Parameter(torch.empty(m.vocab_size, m.hidden_size, dtype=dtype,
-                                                 device=device))
-            seeded_normal_(self.head, m.init_method_std, param_seed(seed, "head"))
+            self.head = vocab_parameter(m, seed, "head", dtype, device)
 
     def embed_forward(self, tokens):
         return {"hidden": F.embedding(tokens.reshape(-1), self.embedding)}
 
     def loss_forward(self, hidden, labels):
-        logits_TV = linear(self.final_norm(hidden), self.head)
-        return {"loss": self.ops.cross_entropy(logits_TV, labels.reshape(-1))}
+        logits_TV = linear(self.final_norm(hidden), self.head)  # [T, padded V]
+        return {"loss": self.ops.cross_entropy(logits_TV, labels.reshape(-1),
+                                               vocab=self.cfg.model.vocab_size)}
 
     def transformer_layers(self) -> list[TransformerLayer]:
         """This stage's layers in forward order of its chunks."""
@@ -535,6 +536,19 @@ class MoEModel(nn.Module):
         return values["loss"]
 
 
+def vocab_parameter(m: ModelConfig, seed: int, name: str, dtype: torch.dtype,
+                    device: torch.device) -> nn.Parameter:
+    """The embedding's or output head's [padded V, H] weight: its first V rows drawn as an
+    unpadded model's whole tensor is (the same values, so a padded run starts from the
+    unpadded one's weights), the padding rows zero (never looked up, out of the softmax)."""
+    weight = torch.empty(m.padded_vocab_size, m.hidden_size, dtype=dtype, device=device)
+    seeded_normal_(weight[:m.vocab_size], m.init_method_std, param_seed(seed, name))
+    if weight.device.type != "meta":
+        with torch.no_grad():
+            weight[m.vocab_size:].zero_()
+    return nn.Parameter(weight)
+
+
 def model_dtype(cfg: RunConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.train.bf16 else torch.float32
 
@@ -546,16 +560,47 @@ def count_parameters(model: MoEModel, ep_size: int) -> dict:
     return {"dense": dense, "expert_global": expert_local * ep_size, "expert_local": expert_local}
 
 
+GEMM_ALIGNMENT = 8  # elements: 16 bytes of bf16, what cuBLAS's tensor-core kernels align to
+
+
+def unaligned_gemm_dims(cfg: RunConfig) -> list[tuple[str, int, str]]:
+    """The model's GEMM dimensions that are not multiples of GEMM_ALIGNMENT elements, as
+    (what, size, the flags that set it): a tensor-core GEMM with such a leading dimension falls
+    back to a kernel of narrower loads, several times slower (the logit GEMM at vocabulary
+    151937: 98-151 TFLOP/s on an H200 against ~800 at 152064)."""
+    m, moe = cfg.model, cfg.moe
+    pattern = cfg.moe_layer_pattern()
+    dims = [("hidden size", m.hidden_size, "--hidden-size"),
+            ("head dim", m.head_dim, "--hidden-size / --num-attention-heads")]
+    if m.kv_heads != m.num_attention_heads:  # else the key/value width is the hidden size
+        dims.append(("key/value width", m.kv_heads * m.head_dim,
+                     "--num-query-groups x head dim"))
+    experts_take_ffn = any(pattern) and moe.moe_ffn_hidden_size is None
+    if not all(pattern) or experts_take_ffn:  # a dense layer, or experts of that width
+        dims.append(("FFN", m.ffn_hidden_size, "--ffn-hidden-size"))
+    if any(pattern):
+        if moe.moe_ffn_hidden_size is not None:
+            dims.append(("expert FFN", moe.moe_ffn_hidden_size, "--moe-ffn-hidden-size"))
+        dims.append(("router experts", moe.num_experts, "--num-experts"))
+        if moe.moe_shared_expert_intermediate_size:
+            dims.append(("shared expert FFN", moe.moe_shared_expert_intermediate_size,
+                         "--moe-shared-expert-intermediate-size"))
+    dims.append(("vocabulary", m.padded_vocab_size,
+                 "the data's tokenizer, padded to a multiple of "
+                 f"--make-vocab-size-divisible-by {m.make_vocab_size_divisible_by}"))
+    return [dim for dim in dims if dim[1] % GEMM_ALIGNMENT]
+
+
 def training_flops_per_token(cfg: RunConfig) -> float:
     """Matmul + attention FLOPs per token of one training step (3x forward; causal attention).
     Differs from `megatron_flops_per_token` only by the router GEMM (2 H E per token per MoE
     layer forward), which this counts and Megatron-LM does not; the causal attention (half the
-    S x S scores) is counted alike."""
+    S x S scores) and the logit GEMM over the padded vocabulary are counted alike."""
     m, moe = cfg.model, cfg.moe
     attn_params = m.hidden_size * (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim \
         + m.num_attention_heads * m.head_dim * m.hidden_size
     attn_scores = 2 * m.seq_length * m.num_attention_heads * m.head_dim
-    forward = 2 * m.vocab_size * m.hidden_size
+    forward = 2 * m.padded_vocab_size * m.hidden_size
     for is_moe in cfg.moe_layer_pattern():
         if is_moe:
             ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
@@ -579,9 +624,10 @@ def megatron_flops_per_token(cfg: RunConfig) -> float:
       per layer  6 (H (Q + 2G) D + Q D S / 2 x 2 + Q D H)   (qkv, causal QK^T and AV, out)
       dense MLP  6 H x 3F;  MoE layer  6 H x 3 (k Fe + Fs)  (the router is not counted)
       logits     6 H V
-    V is the model's vocabulary (the tokenizer's + 1 for NullTokenizer); Megatron-LM uses its
-    `padded_vocab_size` (rounded up to --make-vocab-size-divisible-by x TP), which epoverlap
-    does not pad to: at vocab 151937 that is 152064 there, 0.08% more logit FLOPs."""
+    V is the padded vocabulary, `ModelConfig.padded_vocab_size` (the tokenizer's, + 1 for
+    NullTokenizer, rounded up to --make-vocab-size-divisible-by), as Megatron-LM counts its
+    `padded_vocab_size` (rounded up to --make-vocab-size-divisible-by x TP, TP 1 here): the
+    logit GEMM runs over the padding rows too. At vocabulary 151937 that is 152064."""
     m, moe = cfg.model, cfg.moe
     query, kv = m.num_attention_heads * m.head_dim, m.kv_heads * m.head_dim
     attention = m.hidden_size * (query + 2 * kv) + query * m.seq_length / 2 * 2 \
@@ -591,4 +637,4 @@ def megatron_flops_per_token(cfg: RunConfig) -> float:
     mlp = sum(3 * (moe.moe_router_topk * expert_ffn + shared_ffn) if is_moe
               else 3 * m.ffn_hidden_size for is_moe in cfg.moe_layer_pattern())
     return 3 * 2 * (m.hidden_size * mlp + m.num_layers * attention
-                    + m.hidden_size * m.vocab_size)
+                    + m.hidden_size * m.padded_vocab_size)
