@@ -567,7 +567,7 @@ def unaligned_gemm_dims(cfg: RunConfig) -> list[tuple[str, int, str]]:
     """The model's GEMM dimensions that are not multiples of GEMM_ALIGNMENT elements, as
     (what, size, the flags that set it): a tensor-core GEMM with such a leading dimension falls
     back to a kernel of narrower loads, several times slower (the logit GEMM at vocabulary
-    151937: 98-151 TFLOP/s on an H200 against ~800 at 152064)."""
+    151937 against 152064, for one)."""
     m, moe = cfg.model, cfg.moe
     pattern = cfg.moe_layer_pattern()
     dims = [("hidden size", m.hidden_size, "--hidden-size"),
