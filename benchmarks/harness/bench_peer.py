@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from epoverlap.config import RunConfig, parse_config, resolve_config, validate_config
 from epoverlap.errors import ConfigError
-from epoverlap.model.transformer import training_flops_per_token
+from epoverlap.model.flops import training_flops_per_token
 from epoverlap.parallel.groups import ParallelGroups, destroy_distributed, init_distributed
 from epoverlap.training.data import open_data_source
 from epoverlap.training.environment import setup_environment

@@ -70,10 +70,8 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """The rows of the embedding and output layer: the vocabulary rounded up to a multiple
-        of --make-vocab-size-divisible-by (Megatron-LM's `_vocab_size_with_padding`, whose
-        multiple is also times the tensor-parallel size, always 1 here). The one place the
-        padded size is decided; `vocab_size` stays the real vocabulary (the softmax's)."""
+        """The embedding's and output layer's rows, decided here only: the vocabulary (the
+        softmax's) rounded up to a multiple of --make-vocab-size-divisible-by x TP (1 here)."""
         multiple = max(1, self.make_vocab_size_divisible_by)  # < 1 is refused by validation
         return -(-self.vocab_size // multiple) * multiple
 

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from epoverlap.model.transformer import GEMM_ALIGNMENT, model_dtype, unaligned_gemm_dims
+from epoverlap.model.flops import GEMM_ALIGNMENT, unaligned_gemm_dims
+from epoverlap.model.transformer import model_dtype
 from epoverlap.parallel.watch import host_list
 from epoverlap.training.console import warn_every_rank
 from epoverlap.training.tensorboard import TensorBoardLog

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from epoverlap.config import parse_config
-from epoverlap.model.transformer import training_flops_per_token
+from epoverlap.model.flops import training_flops_per_token
 from benchmarks.harness import bench_peer
 from benchmarks.harness.bench_overlap import SHAPES
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from epoverlap.config import parse_config
-from epoverlap.model.transformer import megatron_flops_per_token, training_flops_per_token
+from epoverlap.model.flops import megatron_flops_per_token, training_flops_per_token
 from epoverlap.training.mfu import device_peak_tflops, mfu, peak_bf16_tflops
 
 TOP2 = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256",

@@ -24,7 +24,8 @@ from epoverlap.config import parse_config
 from epoverlap.errors import CheckpointError
 from epoverlap.kernels import make_moe_ops
 from epoverlap.kernels.cross_entropy import cross_entropy_torch
-from epoverlap.model.transformer import MoEModel, unaligned_gemm_dims
+from epoverlap.model.flops import unaligned_gemm_dims
+from epoverlap.model.transformer import MoEModel
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.training.checkpoint_files import find_resume_checkpoint
 from epoverlap.training.trainer import Trainer
