@@ -31,8 +31,9 @@ twice their size in bf16) and the fp32 [T] logsumexp.
 
 Precision: fp32 inside; the loss agrees with the reference to fp32 rounding (summation order,
 exp / log ulps), the grad to one rounding of the logits' dtype. A row whose label is outside
-[0, V) (a padding column included) and not IGNORE_INDEX gets a NaN loss (the reference raises; a device check would need a
-host sync or a debug build): `--check-for-nan-in-loss-and-grad` stops such a step.
+[0, V) (a padding column included) and not IGNORE_INDEX gets a NaN loss (the reference raises;
+a device check would need a host sync or a debug build): `--check-for-nan-in-loss-and-grad`
+stops such a step.
 """
 
 from __future__ import annotations

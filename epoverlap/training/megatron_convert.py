@@ -137,15 +137,16 @@ def _vocab_rows(source, m: TensorMap, cfg: RunConfig, ckpt: MegatronCheckpoint, 
         build = source.build
         source.build, source.shape = (lambda t: build(t)[:expected[0]]), expected
         return
-    mdl = cfg.model
-    ours = (f"the vocabulary {mdl.vocab_size} padded to a multiple of "
-            f"--make-vocab-size-divisible-by {mdl.make_vocab_size_divisible_by}")
-    if rows < mdl.vocab_size:
+    model = cfg.model
+    ours = (f"the vocabulary {model.vocab_size} padded to a multiple of "
+            f"--make-vocab-size-divisible-by {model.make_vocab_size_divisible_by}")
+    if rows < model.vocab_size:
         hint = f"fewer rows than the vocabulary: {m.sized_by}"
     else:
         multiple = _megatron_multiple(ckpt)
-        same = (f"--make-vocab-size-divisible-by {multiple}" if multiple and
-                -(-mdl.vocab_size // multiple) * multiple == rows else
+        known = multiple is not None and rows == replace(
+            model, make_vocab_size_divisible_by=multiple).padded_vocab_size
+        same = (f"--make-vocab-size-divisible-by {multiple}" if known else
                 "the Megatron-LM run's --make-vocab-size-divisible-by x its "
                 "--tensor-model-parallel-size")
         hint = f"Megatron-LM padded it differently: give {same}" + (
