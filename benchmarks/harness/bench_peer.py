@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from epoverlap.config import RunConfig, parse_config, resolve_config, validate_config
 from epoverlap.errors import ConfigError
-from epoverlap.model.transformer import training_flops_per_token
+from epoverlap.model.flops import training_flops_per_token
 from epoverlap.parallel.groups import ParallelGroups, destroy_distributed, init_distributed
 from epoverlap.training.data import open_data_source
 from epoverlap.training.environment import setup_environment
@@ -266,7 +266,8 @@ def megatron_model(config, cfg: RunConfig):
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization="RMSNorm")
     return GPTModel(config=config, transformer_layer_spec=spec,
-                    vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.seq_length,
+                    vocab_size=cfg.model.padded_vocab_size,  # as Megatron-LM pads it
+                    max_sequence_length=cfg.model.seq_length,
                     position_embedding_type="rope", rotary_base=int(cfg.model.rotary_base),
                     share_embeddings_and_output_weights=False)
 

@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "embedding: copy the embedding into epoverlap's output head")
     parser.add_argument("--trim-vocab", action="store_true",
                         help="--from-megatron: keep the first rows of an embedding and output "
-                             "layer padded beyond the vocabulary (Megatron-LM's "
-                             "--make-vocab-size-divisible-by)")
+                             "layer padded to more rows than these flags pad the vocabulary to "
+                             "(the same --make-vocab-size-divisible-by as the Megatron-LM run, "
+                             "times its tensor-parallel size, needs no trim)")
     parser.add_argument("--megatron-layout", choices=LAYOUTS, default="auto",
                         help="--to-megatron: the decoder layers' keys: stacked ([layers, ...] "
                              "tensors, Megatron-core's default for alike layers with "

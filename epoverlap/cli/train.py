@@ -225,6 +225,9 @@ def _train(argv: Optional[list[str]]) -> int:
         trainer = Trainer(cfg, groups, log=_printer(groups.is_first()), data=data,
                           resume=resume)
         trainer.log(trainer.describe())
+        unaligned = trainer.unaligned_line()
+        if unaligned is not None:
+            trainer.log(unaligned)
         if groups.is_first():
             _write_resolved_config(trainer.cfg, groups.world_size, groups.device.type,
                                    trainer.log)

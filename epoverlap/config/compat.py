@@ -4,8 +4,9 @@ changes no result here; each says what is done instead) and those refused with a
 
 A pasted Megatron-LM MoE pretrain command line thus runs, or stops before training with one
 line per refused flag naming what is supported. The flags epoverlap implements (the learning-
-rate schedule, evaluation, dropouts, checkpoint loading options, exit handling, ...) are fields
-of their own sections; this module holds the rest:
+rate schedule, evaluation, dropouts, checkpoint loading options, exit handling, the vocabulary
+padding --make-vocab-size-divisible-by, ...) are fields of their own sections; this module holds
+the rest:
 
   CompatConfig      accepted flags, checked where a value matters (--normalization RMSNorm,
                     --tensor-model-parallel-size 1, --kv-channels = hidden / heads, ...)

@@ -42,7 +42,8 @@ PRESETS: dict[str, dict] = {
                        moe_first_k_dense_replace=0, micro_batch_size=1, num_microbatches=4),
     # Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts top-8 of expert FFN 768, softmax,
     # no shared expert, every layer MoE) at 6 of its 48 layers, seq 4096, on mock data at its
-    # vocabulary (NullTokenizer 151936: the model's is 151937). Qwen3 has 32 query heads / 4 KV
+    # vocabulary (NullTokenizer 151936: the model's is 151937, its embedding and output layer
+    # 152064 rows by --make-vocab-size-divisible-by 128). Qwen3 has 32 query heads / 4 KV
     # heads of head dim 128 (query width 4096 != hidden 2048); epoverlap's head dim is hidden /
     # heads, so this keeps head dim 128 and the 4 KV heads (KV width 512, as Qwen3's) with 16
     # query heads (query width 2048: half Qwen3's attention projections and core attention).

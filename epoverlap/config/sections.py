@@ -44,6 +44,12 @@ class ModelConfig:
     num_query_groups: Optional[int] = flag(None, "key/value heads (GQA)")
     seq_length: int = flag(128, "tokens per sequence")
     vocab_size: int = 256  # not a flag: the data's tokenizer sets it (cli.train); 256 = bytes
+    make_vocab_size_divisible_by: int = flag(
+        128, "the embedding and output layer get the vocabulary rounded up to a multiple of N "
+        "rows, so the logit GEMMs run on aligned tensor-core kernels; the padding rows start "
+        "at zero, are never looked up and are left out of the softmax (the loss is the "
+        "unpadded model's). Megatron-LM's flag and default (it multiplies N by the tensor-"
+        "parallel size, 1 here)", metavar="N")
     rotary_base: float = flag(10000.0, "rotary embedding base")
     norm_epsilon: float = flag(1e-5, "RMSNorm epsilon")
     init_method_std: float = flag(0.02, "weight init std")
@@ -61,6 +67,13 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The embedding's and output layer's rows, decided here only: the vocabulary (the
+        softmax's) rounded up to a multiple of --make-vocab-size-divisible-by x TP (1 here)."""
+        multiple = max(1, self.make_vocab_size_divisible_by)  # < 1 is refused by validation
+        return -(-self.vocab_size // multiple) * multiple
 
 
 @dataclass(kw_only=True, frozen=True)

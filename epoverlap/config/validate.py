@@ -56,6 +56,8 @@ def _validate_model(m: ModelConfig) -> None:
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                  "vocab_size"):
         require(getattr(m, name) >= 1, name, getattr(m, name), "must be >= 1")
+    require(m.make_vocab_size_divisible_by >= 1, "make_vocab_size_divisible_by",
+            m.make_vocab_size_divisible_by, "must be >= 1 (1: the vocabulary unpadded)")
     # layer lists are built per layer from here on: an absurd count is refused, not allocated
     require(m.num_layers <= MAX_LAYERS, "num_layers", m.num_layers, f"must be <= {MAX_LAYERS}")
     require(m.seq_length >= 2, "seq_length", m.seq_length, "must be >= 2")

@@ -32,7 +32,8 @@ class MoEOps:
     and topk_routing_with_score_function take Megatron-core's signatures and keyword names, see
     `megatron_api`; router_topk / router_topk_with_counts are our keyword-only router), and
     rms_norm(x, weight, eps), rotary(x_BNSD, cos_SD2, sin_SD2), swiglu(h_M2F, probs_M=None),
-    cross_entropy(logits_TV, labels_T)."""
+    cross_entropy(logits_TV, labels_T, vocab=None) (vocab: the real vocabulary, columns from it
+    on are an output layer's padding, out of the softmax)."""
 
     backend: str
     router_topk: Callable

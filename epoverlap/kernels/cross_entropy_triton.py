@@ -1,7 +1,8 @@
 """Cross-entropy in Triton: `cross_entropy_triton`, a drop-in for
 `cross_entropy.cross_entropy_torch`.
 
-Shape legend: T rows (tokens), V vocabulary, P forward programs.
+Shape legend: T rows (tokens), V vocabulary, N the logits' columns (V, or more where the
+output layer is padded: --make-vocab-size-divisible-by), P forward programs.
 
 `cross_entropy_triton` (the op table's) runs the fused kernels (`fused_cross_entropy`) from
 FUSED_MIN_VOCAB up and the reference below it. At a small vocabulary the reference's GPU time
@@ -9,7 +10,7 @@ is tiny and its chain of C++ ops costs the host less per forward + backward than
 Function with a Python backward; at a large one the fused loss needs a fraction of the
 reference's GPU time and memory (it never writes a T x V fp32 tensor, below). Which one runs
 is a pure function of V, so every rank, microbatch and schedule of a run computes the same
-bits.
+bits; V is the real vocabulary, so a padded output layer takes the unpadded one's path.
 
 What it replaces: the reference casts the [T, V] logits to fp32 (a new T x V fp32 tensor),
 takes their log-softmax (another, saved for the backward) and gathers the labels' entries; its
@@ -22,20 +23,23 @@ it back. Here the logits are read in their own dtype and nothing T x V is writte
   `_ce_mean_kernel`: one program sums the P partials in a fixed order: the mean loss (fp32
     scalar), and 1 / count for the backward.
   `_ce_bwd_kernel`: grad x = (exp(x - lse) - [v == label]) * grad_loss / count, written once in
-    the logits' dtype (0 on ignored rows). grad_loss is read on the device: no host sync.
+    the logits' dtype (0 on ignored rows, and on the padding columns V..N-1, which the forward
+    never reads: they are out of the softmax). grad_loss is read on the device: no host sync.
 Forward 2 launches, backward 1; deterministic (fixed summation orders, a pure function of V for
 the tiles). Saved for the backward: the logits (the reference saves an fp32 T x V log-softmax,
 twice their size in bf16) and the fp32 [T] logsumexp.
 
 Precision: fp32 inside; the loss agrees with the reference to fp32 rounding (summation order,
 exp / log ulps), the grad to one rounding of the logits' dtype. A row whose label is outside
-[0, V) and not IGNORE_INDEX gets a NaN loss (the reference raises; a device check would need a
-host sync or a debug build): `--check-for-nan-in-loss-and-grad` stops such a step.
+[0, V) (a padding column included) and not IGNORE_INDEX gets a NaN loss (the reference raises;
+a device check would need a host sync or a debug build): `--check-for-nan-in-loss-and-grad`
+stops such a step.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import triton
@@ -72,7 +76,7 @@ def _row_logits(logits_ptr, rows, row_ok, stride_t, cols, V):
 @launch_cached
 @triton.jit(do_not_specialize=["T", "P"])  # token counts vary between models and stages
 def _ce_fwd_kernel(
-    logits_ptr,   # [T, V] in: rows stride_t apart, unit stride along V
+    logits_ptr,   # [T, N] in: rows stride_t apart, unit stride along N; columns < V read
     labels_ptr,   # [T] int64 in
     lse_ptr,      # [T] fp32 out: logsumexp of each row
     part_ptr,     # [2, P] fp32 out: per program, its rows' loss sum, then its counted rows
@@ -127,13 +131,13 @@ def _ce_mean_kernel(
 @launch_cached
 @triton.jit(do_not_specialize=["T"])
 def _ce_bwd_kernel(
-    logits_ptr,  # [T, V] in: rows stride_t apart
+    logits_ptr,  # [T, N] in: rows stride_t apart; columns < V read
     labels_ptr,  # [T] int64 in
     lse_ptr,     # [T] fp32 in
     scale_ptr,   # [1] fp32 in: 1 / counted rows (the forward's)
     grad_ptr,    # [] in: grad of the mean loss
-    dx_ptr,      # [T, V] out (contiguous): the logits' dtype
-    T, V, stride_t,
+    dx_ptr,      # [T, N] out (contiguous): the logits' dtype; 0 from column V on
+    T, V, N, stride_t,
     IGNORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -143,23 +147,24 @@ def _ce_bwd_kernel(
     scale = tl.load(grad_ptr).to(tl.float32) * tl.load(scale_ptr)
     row_scale = tl.where(label != IGNORE, scale, 0.0)
     v0 = 0
-    while v0 < V:
+    while v0 < N:  # past V, x is -inf and the label never there: exp(-inf) - 0 gives 0
         cols = v0 + tl.arange(0, BLOCK_V)
         x = _row_logits(logits_ptr, rows, row_ok, stride_t, cols, V)
         onehot = (cols[None, :] == label[:, None]).to(tl.float32)
         dx = (tl.exp(x - lse[:, None]) - onehot) * row_scale[:, None]
-        mask = row_ok[:, None] & (cols < V)[None, :]
-        tl.store(dx_ptr + rows[:, None] * V + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        tl.store(dx_ptr + rows[:, None] * N + cols[None, :], dx.to(dx_ptr.dtype.element_ty),
                  mask=mask)
         v0 += BLOCK_V
 
 
 class _CrossEntropyTriton(torch.autograd.Function):
-    """Mean cross-entropy; saves the logits, labels, logsumexp and 1 / count."""
+    """Mean cross-entropy over the first `vocab` columns; saves the logits, labels, logsumexp
+    and 1 / count."""
 
     @staticmethod
-    def forward(ctx, logits_TV, labels_T):
-        rows, vocab = logits_TV.shape
+    def forward(ctx, logits_TV, labels_T, vocab):
+        rows = logits_TV.shape[0]
         block_t, block_v, num_warps = cross_entropy_tile(vocab)
         programs = cdiv(rows, block_t)
         device = logits_TV.device
@@ -173,40 +178,46 @@ class _CrossEntropyTriton(torch.autograd.Function):
                 IGNORE=IGNORE_INDEX, BLOCK_T=block_t, BLOCK_V=block_v, num_warps=num_warps)
         _ce_mean_kernel[(1,)](part_2P, loss, scale_1, programs, BLOCK=MEAN_BLOCK, num_warps=4)
         ctx.save_for_backward(logits_TV, labels_T, lse_T, scale_1)
+        ctx.vocab = vocab
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits_TV, labels_T, lse_T, scale_1 = ctx.saved_tensors
-        rows, vocab = logits_TV.shape
-        dx_TV = torch.empty((rows, vocab), dtype=logits_TV.dtype, device=logits_TV.device)
+        rows, columns = logits_TV.shape
+        dx_TV = torch.empty((rows, columns), dtype=logits_TV.dtype, device=logits_TV.device)
         if rows:
-            block_t, block_v, num_warps = cross_entropy_tile(vocab)
+            block_t, block_v, num_warps = cross_entropy_tile(ctx.vocab)
             _ce_bwd_kernel[(cdiv(rows, block_t),)](
-                logits_TV, labels_T, lse_T, scale_1, grad_loss.contiguous(), dx_TV, rows, vocab,
-                logits_TV.stride(0), IGNORE=IGNORE_INDEX, BLOCK_T=block_t, BLOCK_V=block_v,
-                num_warps=num_warps)
-        return dx_TV, None
+                logits_TV, labels_T, lse_T, scale_1, grad_loss.contiguous(), dx_TV, rows,
+                ctx.vocab, columns, logits_TV.stride(0), IGNORE=IGNORE_INDEX, BLOCK_T=block_t,
+                BLOCK_V=block_v, num_warps=num_warps)
+        return dx_TV, None, None
 
 
-def fused_cross_entropy(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy of logits [T, V] (fp32 or half) against labels [T] int64 ->
+def fused_cross_entropy(logits_TV: torch.Tensor, labels_T: torch.Tensor,
+                        vocab: Optional[int] = None) -> torch.Tensor:
+    """Mean token cross-entropy of logits [T, N] (fp32 or half) against labels [T] int64 ->
     fp32 scalar, by the Triton kernels at any V; rows labelled IGNORE_INDEX count in neither
-    the sum nor the mean.
+    the sum nor the mean. `vocab`: the real vocabulary V <= N (None: N); columns V..N-1 (an
+    output layer's padding) are left out of the softmax and get zero grad.
 
     Same contract as `cross_entropy.cross_entropy_torch` but for labels outside [0, V) (module
     docstring). Differentiable in the logits (their grad in their dtype). Forward 2 launches,
     backward 1; no host sync; deterministic.
     """
-    check_cross_entropy_args(logits_TV, labels_T)
+    vocab = check_cross_entropy_args(logits_TV, labels_T, vocab)
     if logits_TV.stride(-1) != 1:
         logits_TV = logits_TV.contiguous()
-    return _CrossEntropyTriton.apply(logits_TV, labels_T.contiguous())
+    return _CrossEntropyTriton.apply(logits_TV, labels_T.contiguous(), vocab)
 
 
-def cross_entropy_triton(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
-    """The op table's loss: `fused_cross_entropy` from V = FUSED_MIN_VOCAB up, the torch
-    reference below (module docstring)."""
-    if logits_TV.dim() == 2 and logits_TV.shape[1] >= FUSED_MIN_VOCAB:
-        return fused_cross_entropy(logits_TV, labels_T)
-    return cross_entropy_torch(logits_TV, labels_T)
+def cross_entropy_triton(logits_TV: torch.Tensor, labels_T: torch.Tensor,
+                         vocab: Optional[int] = None) -> torch.Tensor:
+    """The op table's loss over the first `vocab` columns (the real vocabulary; None: all):
+    `fused_cross_entropy` from V = FUSED_MIN_VOCAB up, the torch reference below (module
+    docstring)."""
+    real = vocab if vocab is not None else logits_TV.shape[-1]
+    if logits_TV.dim() == 2 and real >= FUSED_MIN_VOCAB:
+        return fused_cross_entropy(logits_TV, labels_T, vocab)
+    return cross_entropy_torch(logits_TV, labels_T, vocab)

@@ -14,7 +14,8 @@ router_topk_with_counts(logits, topk, **same) -> (probs, routing_map, tokens_per
 rms_norm(x [..., H], weight [H], eps) -> [..., H]
 rotary(x [B, N, S, D], cos [S, D/2], sin [S, D/2]) -> [B, N, S, D]
 swiglu(h [M, 2F], probs [M] | None = None) -> [M, F]
-cross_entropy(logits [T, V], labels [T] int64) -> fp32 scalar (mean over labels != -100)
+cross_entropy(logits [T, N], labels [T] int64, vocab=None) -> fp32 scalar (mean over labels
+    != -100; softmax over the first vocab columns, all with None)
 
 Output order is expert-major, ascending source token within an expert.
 """

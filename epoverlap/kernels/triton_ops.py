@@ -14,7 +14,8 @@ sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None) -> (output, pro
 rms_norm(x [..., H], weight [H], eps) -> [..., H]
 rotary(x [B, N, S, D], cos [S, D/2], sin [S, D/2]) -> [B, N, S, D]
 swiglu(h [M, 2F], probs [M] | None = None) -> [M, F]
-cross_entropy(logits [T, V], labels [T] int64) -> fp32 scalar (mean over labels != -100)
+cross_entropy(logits [T, N], labels [T] int64, vocab=None) -> fp32 scalar (mean over labels
+    != -100; softmax over the first vocab columns, all with None)
 
 Same signatures, outputs and row-id map format as `reference` (the torch backend), so a model
 switches backends by config alone (`make_moe_ops`). Every op is differentiable like its

@@ -27,6 +27,10 @@ The MoE layers' dispatch steps (preprocess, dispatch, sort, unsort, combine) are
 model (`MoEModel.dispatcher`) and shared by its MoE layers. Value names between nodes come from
 `model.nodes` (`hidden_value`, `layer_value`).
 
+The embedding and output head have the vocabulary padded to --make-vocab-size-divisible-by
+rows (`ModelConfig.padded_vocab_size`, aligned logit GEMMs); the loss takes the real vocabulary,
+so the padding columns are out of its softmax and the loss is the unpadded model's.
+
 Shape legend: B microbatch sequences, S sequence length, T = B*S tokens, H hidden, V vocab,
 Q query heads, G key/value heads, D head dim.
 """
@@ -44,7 +48,7 @@ from torch import nn
 from epoverlap.kernels import MoEOps
 
 from epoverlap.parallel.comm import ExpertComm, PipelineComm
-from epoverlap.config import RunConfig
+from epoverlap.config import ModelConfig, RunConfig
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.chunked import ChunkedMoE
@@ -417,9 +421,7 @@ class MoEModel(nn.Module):
             if pipe is None:
                 raise ValueError(f"stage {stage} of a pipeline needs a PipelineComm")
         if any(chunk.has_embedding for chunk in self.chunks):
-            self.embedding = nn.Parameter(torch.empty(m.vocab_size, m.hidden_size, dtype=dtype,
-                                                      device=device))
-            seeded_normal_(self.embedding, m.init_method_std, param_seed(seed, "embedding"))
+            self.embedding = vocab_parameter(m, seed, "embedding", dtype, device)
         pattern = cfg.moe_layer_pattern()
         self.dispatch_mode = DispatchMode.of(cfg.moe)  # the one place the model reads it
         self.dispatch_budget = self.dispatcher = None
@@ -439,16 +441,15 @@ class MoEModel(nn.Module):
             for chunk in self.chunks for layer in chunk.layers})
         if any(chunk.has_loss for chunk in self.chunks):
             self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
-            self.head = nn.Parameter(torch.empty(m.vocab_size, m.hidden_size, dtype=dtype,
-                                                 device=device))
-            seeded_normal_(self.head, m.init_method_std, param_seed(seed, "head"))
+            self.head = vocab_parameter(m, seed, "head", dtype, device)
 
     def embed_forward(self, tokens):
         return {"hidden": F.embedding(tokens.reshape(-1), self.embedding)}
 
     def loss_forward(self, hidden, labels):
-        logits_TV = linear(self.final_norm(hidden), self.head)
-        return {"loss": self.ops.cross_entropy(logits_TV, labels.reshape(-1))}
+        logits_TV = linear(self.final_norm(hidden), self.head)  # [T, padded V]
+        return {"loss": self.ops.cross_entropy(logits_TV, labels.reshape(-1),
+                                               vocab=self.cfg.model.vocab_size)}
 
     def transformer_layers(self) -> list[TransformerLayer]:
         """This stage's layers in forward order of its chunks."""
@@ -540,6 +541,19 @@ class MoEModel(nn.Module):
         return values["loss"]
 
 
+def vocab_parameter(m: ModelConfig, seed: int, name: str, dtype: torch.dtype,
+                    device: torch.device) -> nn.Parameter:
+    """The embedding's or output head's [padded V, H] weight: its first V rows drawn as an
+    unpadded model's whole tensor is (the same values, so a padded run starts from the
+    unpadded one's weights), the padding rows zero (never looked up, out of the softmax)."""
+    weight = torch.empty(m.padded_vocab_size, m.hidden_size, dtype=dtype, device=device)
+    seeded_normal_(weight[:m.vocab_size], m.init_method_std, param_seed(seed, name))
+    if weight.device.type != "meta":
+        with torch.no_grad():
+            weight[m.vocab_size:].zero_()
+    return nn.Parameter(weight)
+
+
 def model_dtype(cfg: RunConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.train.bf16 else torch.float32
 
@@ -549,51 +563,3 @@ def count_parameters(model: MoEModel, ep_size: int) -> dict:
     dense = sum(p.numel() for p in model.parameters() if not getattr(p, "is_expert", False))
     expert_local = sum(p.numel() for p in model.parameters() if getattr(p, "is_expert", False))
     return {"dense": dense, "expert_global": expert_local * ep_size, "expert_local": expert_local}
-
-
-def training_flops_per_token(cfg: RunConfig) -> float:
-    """Matmul + attention FLOPs per token of one training step (3x forward; causal attention).
-    Differs from `megatron_flops_per_token` only by the router GEMM (2 H E per token per MoE
-    layer forward), which this counts and Megatron-LM does not; the causal attention (half the
-    S x S scores) is counted alike."""
-    m, moe = cfg.model, cfg.moe
-    attn_params = m.hidden_size * (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim \
-        + m.num_attention_heads * m.head_dim * m.hidden_size
-    attn_scores = 2 * m.seq_length * m.num_attention_heads * m.head_dim
-    forward = 2 * m.vocab_size * m.hidden_size
-    for is_moe in cfg.moe_layer_pattern():
-        if is_moe:
-            ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
-            mlp = m.hidden_size * moe.num_experts + moe.moe_router_topk * 3 * m.hidden_size * ffn
-            mlp += 3 * m.hidden_size * (moe.moe_shared_expert_intermediate_size or 0)
-        else:
-            mlp = 3 * m.hidden_size * m.ffn_hidden_size
-        forward += 2 * (attn_params + mlp) + attn_scores
-    return 3.0 * forward
-
-
-def megatron_flops_per_token(cfg: RunConfig) -> float:
-    """FLOPs per token of one training step as Megatron-LM counts them (the TFLOP/s it logs):
-    `num_floating_point_operations(args, batch_size) / (batch_size * seq_length)`, the
-    `transformer_flops()` path of megatron/training/training.py at NVIDIA/Megatron-LM tag
-    core_v0.16.1 (commit 55ac7082517c3878ae653c07c09c534b8aed49f6), for the parts this model
-    has: GQA attention, SwiGLU dense and expert MLPs, top-k routed experts, a shared expert,
-    the logit layer; no MLA, MTP, linear attention or attention output gate. With
-    H hidden, S sequence, Q/G query/key-value heads, D head dim, F dense FFN, Fe expert FFN,
-    k top-k, Fs shared FFN, V vocabulary, 3 (forward, wgrad, dgrad) x 2 (multiply-add):
-      per layer  6 (H (Q + 2G) D + Q D S / 2 x 2 + Q D H)   (qkv, causal QK^T and AV, out)
-      dense MLP  6 H x 3F;  MoE layer  6 H x 3 (k Fe + Fs)  (the router is not counted)
-      logits     6 H V
-    V is the model's vocabulary (the tokenizer's + 1 for NullTokenizer); Megatron-LM uses its
-    `padded_vocab_size` (rounded up to --make-vocab-size-divisible-by x TP), which epoverlap
-    does not pad to: at vocab 151937 that is 152064 there, 0.08% more logit FLOPs."""
-    m, moe = cfg.model, cfg.moe
-    query, kv = m.num_attention_heads * m.head_dim, m.kv_heads * m.head_dim
-    attention = m.hidden_size * (query + 2 * kv) + query * m.seq_length / 2 * 2 \
-        + query * m.hidden_size
-    expert_ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
-    shared_ffn = moe.moe_shared_expert_intermediate_size or 0
-    mlp = sum(3 * (moe.moe_router_topk * expert_ffn + shared_ffn) if is_moe
-              else 3 * m.ffn_hidden_size for is_moe in cfg.moe_layer_pattern())
-    return 3 * 2 * (m.hidden_size * mlp + m.num_layers * attention
-                    + m.hidden_size * m.vocab_size)

@@ -370,8 +370,9 @@ class FlopModel:
         if node == "embed":
             return NodeWork(mem_bytes=2 * tokens * h * b)
         if node == "loss":
-            return NodeWork(gemm_flops=2 * tokens * h * m.vocab_size,
-                            mem_bytes=tokens * m.vocab_size * 4 * 2 + 2 * tokens * h * b)
+            vocab = m.padded_vocab_size  # the logit GEMM's rows
+            return NodeWork(gemm_flops=2 * tokens * h * vocab,
+                            mem_bytes=tokens * vocab * 4 * 2 + 2 * tokens * h * b)
         if node == "attn":
             return self._attn(m, moe, tokens, b)
         if node == "mlp":

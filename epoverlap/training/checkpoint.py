@@ -19,6 +19,10 @@ expert-data-parallel replica) is written once. Keys:
   rng/R/torch_cpu, rng/R/cuda       rank R's torch generators
   rng/R/NAME.balancing              rank R's router generator (--moe-router-force-load-balancing)
 
+The embedding and head are saved with the padded vocabulary's rows (--make-vocab-size-divisible-by).
+A checkpoint written before the vocabulary was padded holds the real V rows of each: it loads
+into the first V rows (weights and moments), the padding rows keeping their zeros.
+
 meta.json holds the step, which is also the data position (a batch is a function of seed, step,
 rank and microbatch), the world and EP sizes and the config. Loaded at another world size, rank
 r takes the RNG streams of saved rank r % saved_world. There is no loss scale (bf16 needs none).
@@ -48,6 +52,7 @@ from epoverlap.training import checkpoint_files as files
 from epoverlap.training.optim import MixedPrecisionAdamW
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+VOCAB_PARAMS = ("embedding", "head")  # [padded V, H]: their rows are the vocabulary's
 
 
 @dataclass
@@ -72,6 +77,11 @@ def _by_expert(key: str, tensor: torch.Tensor, expert: bool, first_expert: int) 
     if not expert:
         return {key: tensor}
     return {f"{key}/expert/{first_expert + e}": tensor[e] for e in range(tensor.shape[0])}
+
+
+def _first_rows(tensor: torch.Tensor, rows: Optional[int]) -> torch.Tensor:
+    """The tensor itself, or a view of its first `rows` rows."""
+    return tensor if rows is None else tensor[:rows]
 
 
 def _routers(model: nn.Module) -> list[tuple[str, Router]]:
@@ -147,16 +157,21 @@ class Checkpointer:
         return step == self.cfg.train.train_iters or bool(c.save_interval
                                                           and step % c.save_interval == 0)
 
-    def _entries(self, with_optimizer: bool) -> dict[str, torch.Tensor]:
-        """model/, optim/ and buffer/ entries: views of this rank's live tensors."""
+    def _entries(self, with_optimizer: bool,
+                 vocab_rows: Optional[int] = None) -> dict[str, torch.Tensor]:
+        """model/, optim/ and buffer/ entries: views of this rank's live tensors (of the
+        embedding's and head's first `vocab_rows` rows where given: an unpadded checkpoint)."""
         entries: dict[str, torch.Tensor] = {}
         for t in self.trainables:
-            entries.update(_by_expert(f"model/{t.name}", t.master, t.expert, self.first_expert))
+            rows = vocab_rows if t.name in VOCAB_PARAMS else None
+            entries.update(_by_expert(f"model/{t.name}", _first_rows(t.master, rows), t.expert,
+                                      self.first_expert))
             if with_optimizer:
                 state = self.optimizer.state_of(t.master)
                 for moment in MOMENTS:
-                    entries.update(_by_expert(f"optim/{t.name}/{moment}", state[moment],
-                                              t.expert, self.first_expert))
+                    entries.update(_by_expert(f"optim/{t.name}/{moment}",
+                                              _first_rows(state[moment], rows), t.expert,
+                                              self.first_expert))
                 entries[f"optim/{t.name}/step"] = state["step"]
         for name, router in _routers(self.model):
             if router.expert_bias is not None:
@@ -235,12 +250,13 @@ class Checkpointer:
         to continue after: its step, or 0 with --finetune (the weights alone). --no-load-optim
         leaves the optimizer fresh, --no-load-rng the random state --seed gave."""
         start, c = time.perf_counter(), self.cfg.checkpoint
-        self._check_same_model(ref)
+        vocab_rows = self._unpadded_vocab_rows(ref)
+        self._check_same_model(ref, vocab_rows)
         with_optimizer = bool(ref.meta.get("optimizer_state")) and not (c.no_load_optim
                                                                           or c.finetune)
         if with_optimizer:
             self.optimizer.create_state()
-        entries = self._entries(with_optimizer)
+        entries = self._entries(with_optimizer, vocab_rows)
         rng = {} if c.no_load_rng or c.finetune else self._rng_targets(ref)
         entries.update(rng)
         try:
@@ -260,7 +276,7 @@ class Checkpointer:
         prefix = f"rng/{self.groups.rank % ref.meta['world_size']}/"
         _set_rng_states(self.model, self.groups.device,
                         {key[len(prefix):]: value for key, value in rng.items()})
-        self._log_resume(ref, time.perf_counter() - start)
+        self._log_resume(ref, time.perf_counter() - start, vocab_rows)
         if not c.finetune:
             self.last_saved = (ref.step, str(ref.path))
         return 0 if c.finetune else ref.step
@@ -289,16 +305,31 @@ class Checkpointer:
                 targets[prefix + name] = torch.empty_like(state)
         return targets
 
-    def _check_same_model(self, ref: files.CheckpointRef) -> None:
-        """The global model/ and buffer/ keys and shapes must match the checkpoint's exactly.
-        Computed for the whole model (every expert), so every rank reaches the same verdict."""
+    def _unpadded_vocab_rows(self, ref: files.CheckpointRef) -> Optional[int]:
+        """The real vocabulary V when `ref` holds the embedding or head with V rows where this
+        model pads them to more (a checkpoint written before the vocabulary was padded, or
+        with --make-vocab-size-divisible-by 1): they load into the first V rows. Else None."""
+        m = self.cfg.model
+        if m.padded_vocab_size == m.vocab_size:
+            return None
+        saved = ref.index.state_dict_metadata
+        rows = {tuple(saved[f"model/{name}"].size)[0] for name in VOCAB_PARAMS
+                if f"model/{name}" in saved}
+        return m.vocab_size if rows == {m.vocab_size} else None
+
+    def _check_same_model(self, ref: files.CheckpointRef,
+                          vocab_rows: Optional[int] = None) -> None:
+        """The global model/ and buffer/ keys and shapes must match the checkpoint's exactly
+        (the embedding and head with `vocab_rows` rows where given). Computed for the whole
+        model (every expert), so every rank reaches the same verdict."""
         expected: dict[str, tuple] = {}
         for t in self.trainables:
             if t.expert:
                 for g in range(self.num_experts):
                     expected[f"model/{t.name}/expert/{g}"] = tuple(t.master.shape[1:])
             else:
-                expected[f"model/{t.name}"] = tuple(t.master.shape)
+                rows = vocab_rows if t.name in VOCAB_PARAMS else None
+                expected[f"model/{t.name}"] = tuple(_first_rows(t.master, rows).shape)
         for key, tensor in self._entries(False).items():
             if key.startswith("buffer/"):
                 expected[key] = tuple(tensor.shape)
@@ -310,7 +341,8 @@ class Checkpointer:
                                   f"written for another model: {problem}"
                                   f"{_flag_differences(ref.meta['config'], self.cfg)}")
 
-    def _log_resume(self, ref: files.CheckpointRef, seconds: float) -> None:
+    def _log_resume(self, ref: files.CheckpointRef, seconds: float,
+                    vocab_rows: Optional[int]) -> None:
         g, meta = self.groups, ref.meta
         layout = f"world {meta['world_size']}, EP {meta['ep_size']}"
         now = f"world {g.world_size}, EP {g.ep_size}"
@@ -324,6 +356,10 @@ class Checkpointer:
                                            ("random state", c.no_load_rng)) if on]
             what = (f"checkpoint: resuming from {ref.path} at step {ref.step}"
                     + (f" ({' and '.join(fresh)} afresh)" if fresh else ""))
+        if vocab_rows is not None:
+            reshard += (f"; its unpadded vocabulary of {vocab_rows} rows loaded into the first "
+                        f"of {self.cfg.model.padded_vocab_size} (--make-vocab-size-divisible-by "
+                        f"{self.cfg.model.make_vocab_size_divisible_by}), the padding rows zero")
         self.log(f"{what} (written by {layout}{reshard}; loaded in {seconds:.2f} s)")
 
 

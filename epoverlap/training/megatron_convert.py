@@ -60,8 +60,9 @@ def from_megatron(source: str, out: str, cfg: RunConfig, step: Optional[int] = N
     """Megatron-core checkpoint SOURCE (its folder, or a save folder: --step's iteration, else
     the newest) -> OUT/iter_NNNNNNN, an epoverlap checkpoint of the same step for `cfg`'s
     model. `untie`: a checkpoint without output_layer.weight (tied to the embedding) gives its
-    embedding to epoverlap's separate output head. `trim_vocab`: an embedding and output layer
-    with more rows than the vocabulary (Megatron-LM's padding) keep their first rows."""
+    embedding to epoverlap's separate output head. The embedding and output layer hold the
+    vocabulary padded as --make-vocab-size-divisible-by says (Megatron-LM's padding, its rows
+    kept); `trim_vocab`: ones padded to more rows keep their first rows."""
     folder, iteration = find_megatron_folder(source, step)
     ckpt = MegatronCheckpoint(folder)
     if iteration is None:  # a folder not named by its iteration: Megatron-LM's common.pt says
@@ -115,19 +116,53 @@ def _located(ckpt: MegatronCheckpoint, m: TensorMap, cfg: RunConfig, folder: Pat
         raise ConversionError(f"{folder}: {m.megatron} {list(m.megatron_shape)} (epoverlap's "
                               f"{m.ours}) is not in the checkpoint{hint}")
     expected = m.megatron_shape
-    vocab = m.megatron in (EMBEDDING, OUTPUT_LAYER)
-    if vocab and trim_vocab and source.shape[1:] == expected[1:] \
-            and source.shape[0] >= expected[0]:
-        rows, build = expected[0], source.build
-        source.build, source.shape = (lambda t: build(t)[:rows]), expected
-    if source.shape != expected:
-        more = (vocab and source.shape[1:] == expected[1:] and source.shape[0] > expected[0])
+    if m.megatron in (EMBEDDING, OUTPUT_LAYER) and source.shape[1:] == expected[1:]:
+        _vocab_rows(source, m, cfg, ckpt, folder, trim_vocab)
+    elif source.shape != expected:
         raise ConversionError(
             f"{folder}: {source.names} is {list(source.shape)} there, {list(expected)} for "
-            f"epoverlap's {m.ours} from these flags ({m.sized_by})"
-            + ("; Megatron-LM pads its vocabulary (--make-vocab-size-divisible-by): "
-               "--trim-vocab keeps the tokenizer's rows" if more else ""))
+            f"epoverlap's {m.ours} from these flags ({m.sized_by})")
     return source
+
+
+def _vocab_rows(source, m: TensorMap, cfg: RunConfig, ckpt: MegatronCheckpoint, folder: Path,
+                trim_vocab: bool) -> None:
+    """An embedding or output layer `source` of the right width: its rows are the padded
+    vocabulary's (kept as they are), or more with `trim_vocab` (the first ones kept); any other
+    row count is refused, naming the padding multiple that would match."""
+    rows, expected = source.shape[0], m.megatron_shape
+    if rows == expected[0]:
+        return
+    if trim_vocab and rows > expected[0]:
+        build = source.build
+        source.build, source.shape = (lambda t: build(t)[:expected[0]]), expected
+        return
+    model = cfg.model
+    ours = (f"the vocabulary {model.vocab_size} padded to a multiple of "
+            f"--make-vocab-size-divisible-by {model.make_vocab_size_divisible_by}")
+    if rows < model.vocab_size:
+        hint = f"fewer rows than the vocabulary: {m.sized_by}"
+    else:
+        multiple = _megatron_multiple(ckpt)
+        known = multiple is not None and rows == replace(
+            model, make_vocab_size_divisible_by=multiple).padded_vocab_size
+        same = (f"--make-vocab-size-divisible-by {multiple}" if known else
+                "the Megatron-LM run's --make-vocab-size-divisible-by x its "
+                "--tensor-model-parallel-size")
+        hint = f"Megatron-LM padded it differently: give {same}" + (
+            f", or --trim-vocab keeps the first {expected[0]} rows" if rows > expected[0]
+            else "")
+    raise ConversionError(f"{folder}: {source.names} is {list(source.shape)} there, "
+                          f"{list(expected)} for epoverlap's {m.ours} ({ours}); {hint}")
+
+
+def _megatron_multiple(ckpt: MegatronCheckpoint) -> Optional[int]:
+    """The Megatron-LM run's vocabulary padding multiple, from common.pt's args (None when
+    they do not say)."""
+    args = ckpt.args
+    divisor = getattr(args, "make_vocab_size_divisible_by", None)
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    return divisor * tp if isinstance(divisor, int) and isinstance(tp, int) else None
 
 
 def _renamed(m: TensorMap, megatron: str) -> TensorMap:

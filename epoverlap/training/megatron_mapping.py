@@ -28,6 +28,9 @@ epoverlap's dense weights are; epoverlap's grouped experts are [E, in, out].
   decoder.final_layernorm.weight    [H]                final_norm.weight            -
   output_layer.weight               [V, H]             head                         -
 
+V is the padded vocabulary in both (Megatron-LM's padded_vocab_size, epoverlap's
+--make-vocab-size-divisible-by): the padding rows are copied as they are, both ways.
+
 regroup: Megatron-core interleaves the fused QKV rows by key/value group (for each of the G
 groups: its Q/G query heads, then its key head, then its value head, D rows each); epoverlap
 keeps all query heads, then all key heads, then all value heads. Query head h belongs to group
@@ -92,15 +95,16 @@ _ALIASES = {"self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.wei
 # The flags that size each tensor, for a mismatch's message
 _SIZED_BY = {
     "embedding": "the vocabulary, which the data flags set (--tokenizer-type, --vocab-size, "
-                 "--tokenizer-model), and --hidden-size",
+                 "--tokenizer-model), padded by --make-vocab-size-divisible-by, and "
+                 "--hidden-size",
     "qkv": "--hidden-size, --num-attention-heads, --num-query-groups",
     "proj": "--hidden-size, --num-attention-heads",
     "dense_mlp": "--hidden-size, --ffn-hidden-size",
     "router": "--num-experts, --hidden-size",
     "experts": "--num-experts, --moe-ffn-hidden-size, --hidden-size",
     "shared_expert": "--moe-shared-expert-intermediate-size, --hidden-size",
-    "norm": "--hidden-size", "head": "the vocabulary, which the data flags set, and "
-                                           "--hidden-size"}
+    "norm": "--hidden-size", "head": "the vocabulary, which the data flags set, padded by "
+                                     "--make-vocab-size-divisible-by, and --hidden-size"}
 
 
 @dataclass(frozen=True)
@@ -230,13 +234,16 @@ def data_vocab_size(cfg: RunConfig) -> int:
 
 
 def config_from_meta(saved: dict) -> RunConfig:
-    """The model and MoE sections of an epoverlap checkpoint's meta.json config."""
+    """The model and MoE sections of an epoverlap checkpoint's meta.json config. One written
+    before the vocabulary was padded has no --make-vocab-size-divisible-by: its embedding and
+    head hold the vocabulary's own rows (a multiple of 1)."""
     defaults = parse_config([])
 
     def section(cls, values: dict):
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{name: value for name, value in values.items() if name in fields})
-    return dataclasses.replace(defaults, model=section(ModelConfig, saved.get("model", {})),
+    model = {"make_vocab_size_divisible_by": 1, **saved.get("model", {})}
+    return dataclasses.replace(defaults, model=section(ModelConfig, model),
                                moe=section(MoEConfig, saved.get("moe", {})))
 
 

@@ -7,7 +7,8 @@ parameters; activations of the microbatches in flight; the backward's transient 
 the estimate.
 
 Per token of one microbatch (b = bytes of the model dtype; Q/G query/key-value heads, D head
-dim, k top-k, E experts, Fe expert FFN, V vocab), the activations kept for the backward are
+dim, k top-k, E experts, Fe expert FFN, V vocab padded to --make-vocab-size-divisible-by, as
+the embedding, output layer and logits are), the activations kept for the backward are
 counted as the model makes them (model/transformer.py, model/moe.py):
   attention  b x (4H + (Q+2G)D + QD + GD + 2QD [K/V expanded when G < Q] + 2QD) + 4Q + 8
              (K/V are expanded for fp32 on GPUs; 16-bit attention takes them grouped)
@@ -79,8 +80,9 @@ def weight_sizes(cfg: RunConfig, ep_size: int, stage: int = 0) -> list[int]:
     m, moe = cfg.model, cfg.moe
     h, qd, gd = m.hidden_size, m.num_attention_heads * m.head_dim, m.kv_heads * m.head_dim
     chunks = _stage_chunks(cfg, stage)
-    sizes = [m.vocab_size * h] if chunks[0].has_embedding else []
-    sizes += [m.vocab_size * h, h] if chunks[-1].has_loss else []
+    vocab = m.padded_vocab_size
+    sizes = [vocab * h] if chunks[0].has_embedding else []
+    sizes += [vocab * h, h] if chunks[-1].has_loss else []
     pattern = cfg.moe_layer_pattern()
     for layer in (layer for chunk in chunks for layer in chunk.layers):
         sizes += [2 * h, h * (qd + 2 * gd), qd * h]
@@ -140,14 +142,14 @@ def _stage_estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
     rows = dispatch_rows_per_token(cfg) if cfg.moe.enabled else 0
     per_chunk = [[_layer_bytes_per_token(cfg, pattern[layer], b, rows) for layer in chunk.layers]
                  for chunk in chunks]
-    loss = m.vocab_size * (b + 8) + 2 * m.hidden_size * b if chunks[-1].has_loss else 0
+    loss = m.padded_vocab_size * (b + 8) + 2 * m.hidden_size * b if chunks[-1].has_loss else 0
     one_chunk = tokens * (m.hidden_size * b + max(sum(layers) for layers in per_chunk) + loss)
     in_flight_chunks, in_flight = _chunks_in_flight(cfg, stage)
     activations = in_flight_chunks * one_chunk
     if cfg.overlap.overlap_moe_expert_parallel_comm:
         activations += tokens * max(max(layers) for layers in per_chunk)
         in_flight += " + 1 layer"
-    grads_per_token = max(m.vocab_size * (8 + b) if loss else 0,
+    grads_per_token = max(m.padded_vocab_size * (8 + b) if loss else 0,
                           int(2 * rows * m.hidden_size * b))
     transient = max(max(sizes) * b, tokens * grads_per_token)
     return MemoryEstimate(states=sum(sizes) * per_param,

@@ -11,8 +11,8 @@ TensorBoard events of --tensorboard-dir (`training.tensorboard`) and the W&B run
 (`training.evaluate`), the load-imbalance warning, the path tuner's lines (its decision's table;
 the `tuned_path` field of the deciding step's record), the CUDA graph capture lines, the
 compiled Triton variants line, the spans and torch.profiler traces of --profile-steps, the
-run's description line and its summary. Rates are per GPU on CUDA and per
-rank on CPU. Nothing here changes what a step computes.
+run's description line, the unaligned-GEMM line and the run's summary. Rates are per GPU on
+CUDA and per rank on CPU. Nothing here changes what a step computes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from epoverlap.model.flops import GEMM_ALIGNMENT, unaligned_gemm_dims
 from epoverlap.model.transformer import model_dtype
 from epoverlap.parallel.watch import host_list
 from epoverlap.training.console import warn_every_rank
@@ -432,6 +433,16 @@ class Reporter:
                 f"{' + delayed wgrad' if cfg.overlap.delay_wgrad_compute else ''}"
                 f"{self._tune_text()} | kernels "
                 f"{p.backend} | {model_dtype(cfg)} | data: {p.data.description}")
+
+    def unaligned_line(self) -> Optional[str]:
+        """The start-up line naming the model's GEMM dimensions that are not multiples of
+        GEMM_ALIGNMENT elements and the flags that set each (None when every one is)."""
+        dims = unaligned_gemm_dims(self.parts.cfg)
+        if not dims:
+            return None
+        named = "; ".join(f"{what} {size} ({flags})" for what, size, flags in dims)
+        return (f"unaligned GEMMs: {named}: not multiples of {GEMM_ALIGNMENT} elements, so "
+                "their tensor-core GEMMs run several times slower")
 
     def _tune_text(self) -> str:
         tuner = self.parts.tuner

@@ -1,6 +1,6 @@
 """Model FLOPs utilization: the dense bf16 peak of the GPU a run is on (`PEAK_BF16_TFLOPS`,
 matched on substrings of `torch.cuda.get_device_name`) and the MFU of a step's Megatron-LM
-TFLOP/s (`model.transformer.megatron_flops_per_token`) against it. No MFU on CPU, in fp32
+TFLOP/s (`model.flops.megatron_flops_per_token`) against it. No MFU on CPU, in fp32
 or on a GPU the table does not name."""
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from epoverlap.model.dropout import dropout_inputs
-from epoverlap.model.transformer import megatron_flops_per_token, training_flops_per_token
+from epoverlap.model.flops import megatron_flops_per_token, training_flops_per_token
 from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.overlap import step_metrics
 from epoverlap.training.build import RunParts

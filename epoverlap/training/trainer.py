@@ -189,6 +189,10 @@ class Trainer:
     def describe(self) -> str:
         return self.reporter.describe()
 
+    def unaligned_line(self) -> Optional[str]:
+        """The start-up line on the model's unaligned GEMM dimensions (None: all aligned)."""
+        return self.reporter.unaligned_line()
+
     def close(self) -> None:
         self.parts.close()
 

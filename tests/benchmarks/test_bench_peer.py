@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from epoverlap.config import parse_config
-from epoverlap.model.transformer import training_flops_per_token
+from epoverlap.model.flops import training_flops_per_token
 from benchmarks.harness import bench_peer
 from benchmarks.harness.bench_overlap import SHAPES
 
@@ -34,11 +34,11 @@ needs_megatron = pytest.mark.skipif(not has_megatron, reason="megatron-core is n
 
 def test_flop_count_matches_a_hand_count():
     """One layer, hidden 8, 2 heads of 4 with 1 key/value group, sequence 4, 4 experts top-2 of
-    width 6, vocabulary 16: every matmul of one token's forward, counted by hand."""
+    width 6, vocabulary 16 (unpadded): every matmul of one token's forward, counted by hand."""
     cfg = parse_config(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2",
                         "--num-query-groups", "1", "--seq-length", "4", "--num-experts", "4",
-                        "--moe-router-topk", "2", "--moe-ffn-hidden-size", "6"]
-                       ).with_vocab_size(16)
+                        "--moe-router-topk", "2", "--moe-ffn-hidden-size", "6",
+                        "--make-vocab-size-divisible-by", "16"]).with_vocab_size(16)
     qkv = 2 * 8 * (2 * 4 + 2 * 1 * 4)  # 8 -> q (2 heads x 4) + k, v (1 group x 4 each)
     proj = 2 * (2 * 4) * 8
     router = 2 * 8 * 4

@@ -42,6 +42,8 @@ def _bad_inputs(tmp_path):
          "with --cuda-graph-impl full_iteration; drop --enable-cuda-graph"),
         (["--overlap-grad-reduce", "--cuda-graph-impl", "full_iteration"],
          "--overlap-grad-reduce=True: not with --cuda-graph-impl full_iteration"),
+        (["--make-vocab-size-divisible-by", "0"],
+         "--make-vocab-size-divisible-by=0: must be >= 1 (1: the vocabulary unpadded)"),
     ]
 
 
@@ -65,6 +67,24 @@ def test_the_launcher_checks_every_bad_input_before_starting_ranks(tmp_path, cap
             (["--nproc", "0"], "--nproc=0: must be >= 1")]:
         assert launch.main(flags) == 2, flags  # returns before torchrun starts anything
         _one_error_line(capsys.readouterr(), "epoverlap-launch", expected)
+
+
+def test_the_start_up_line_names_the_unaligned_gemm_dimensions(capfd):
+    """After the banner, one line: each GEMM dimension that is not a multiple of 8 elements and
+    the flags that set it (here the hidden size, head dim, key/value width and the unpadded
+    vocabulary 100 + 1)."""
+    assert train_main(TINY + ["--train-iters", "1", "--hidden-size", "60", "--num-attention-heads",
+                              "6", "--seq-length", "32", "--tokenizer-type", "NullTokenizer",
+                              "--vocab-size", "100", "--make-vocab-size-divisible-by", "1"]) == 0
+    lines = capfd.readouterr().out.splitlines()
+    banner = next(i for i, line in enumerate(lines) if line.startswith("epoverlap: world"))
+    assert lines[banner + 1] == (
+        "unaligned GEMMs: hidden size 60 (--hidden-size); head dim 10 (--hidden-size / "
+        "--num-attention-heads); key/value width 20 (--num-query-groups x head dim); "
+        "vocabulary 101 (the data's tokenizer, padded to a multiple of "
+        "--make-vocab-size-divisible-by 1): not multiples of 8 elements, so their tensor-core "
+        "GEMMs run several times slower")
+    assert sum(line.startswith("unaligned GEMMs") for line in lines) == 1
 
 
 @pytest.mark.parametrize("entry, prog", [(train_main, "epoverlap-train"),

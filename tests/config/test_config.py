@@ -33,6 +33,21 @@ def test_defaults_and_presets_validate():
         validate_config(parse_config(["--preset", name, "--mock-data"]), 4, False)
 
 
+@pytest.mark.parametrize("value", ["0", "-128"])
+def test_vocabulary_padding_multiple_is_at_least_one(value):
+    assert str(rejected(["--make-vocab-size-divisible-by", value])) == \
+        f"--make-vocab-size-divisible-by={value}: must be >= 1 (1: the vocabulary unpadded)"
+
+
+@pytest.mark.parametrize("vocab, multiple, padded", [(151937, 128, 152064), (50257, 128, 50304),
+                                                     (256, 128, 256), (151937, 1, 151937),
+                                                     (63, 64, 64)])
+def test_padded_vocabulary_is_the_next_multiple(vocab, multiple, padded):
+    cfg = parse_config(["--make-vocab-size-divisible-by", str(multiple)]).with_vocab_size(vocab)
+    assert (cfg.model.vocab_size, cfg.model.padded_vocab_size) == (vocab, padded)
+    check(["--make-vocab-size-divisible-by", str(multiple)])
+
+
 def test_preset_then_explicit_flag_wins():
     cfg = parse_config(["--preset", "tiny", "--hidden-size", "96"])
     assert cfg.model.hidden_size == 96

@@ -30,6 +30,16 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--seq-length", "32", "--train-iters", "4", "--mock-data"]
 
 
+def test_vocabulary_padding_is_implemented():
+    """--make-vocab-size-divisible-by pads the model's vocabulary as Megatron-LM's does (TP 1:
+    --tensor-model-parallel-size, which multiplies it there, is 1 here)."""
+    assert "--make-vocab-size-divisible-by" in KNOWN - REFUSED
+    cfg = parse_config(SMALL + ["--make-vocab-size-divisible-by", "64",
+                                "--tensor-model-parallel-size", "1"])
+    validate_config(cfg, 2, False)
+    assert cfg.with_vocab_size(50257).model.padded_vocab_size == 50304
+
+
 @pytest.mark.parametrize("group", [g for name in NAMES for g in flag_values(script_args(name))],
                          ids=lambda group: " ".join(group))
 def test_each_flag_alone_is_taken_or_refused_in_one_line_with_its_reason(group, tmp_path,

@@ -2,12 +2,13 @@
 
 CPU tier (Triton interpreter, small shapes): fp32 / bf16 / fp16 logits, V below, at and past
 one column step (multi-step walks forced with a small tile), several rows per program, ignored
-rows, no counted row, a label past V, strided logits, determinism, no host reads, the ops
-table, the model's loss through it, and an offline sm_90 compile (no spills). GPU tier
+rows, no counted row, a label past V, strided logits, a padded vocabulary (columns past the
+real V out of the softmax: the unpadded loss's bits, zero grads), determinism, no host reads,
+the ops table, the model's loss through it, and an offline sm_90 compile (no spills). GPU tier
 (`-m gpu`): vocabularies of real tokenizers, the same comparisons, determinism, no sync,
 CUDA-graph capture.
 
-Shape legend: T rows, V vocabulary.
+Shape legend: T rows, V vocabulary, N the logits' columns (V plus padding).
 """
 
 import dataclasses
@@ -48,10 +49,10 @@ def _inputs(rows, vocab, dtype, device, seed=0, ignored=0, scale=4.0):
     return logits, labels
 
 
-def _run(fn, logits, labels, grad_scale=1.0):
+def _run(fn, logits, labels, grad_scale=1.0, **vocab):
     """loss and the logits' grad (backward of grad_scale * loss)."""
     leaf = logits.detach().clone().requires_grad_()
-    loss = fn(leaf, labels)
+    loss = fn(leaf, labels, **vocab)
     (loss * grad_scale).backward()
     return loss.detach(), leaf.grad
 
@@ -150,9 +151,76 @@ def test_cross_entropy_edge_rows(triton_device):
     assert torch.isnan(fused_cross_entropy(logits[:0], labels[:0]))
 
 
+def _padded(logits, columns, value):
+    """`logits` [T, V] widened to [T, N] by columns of `value` (large: they would win the
+    softmax if it read them)."""
+    pad = torch.full((logits.shape[0], columns - logits.shape[1]), value, dtype=logits.dtype,
+                     device=logits.device)
+    return torch.cat([logits, pad], dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab,columns", [(37, 257, 384), (5, 100, 128), (3, 7, 8)])
+def test_padded_columns_are_out_of_the_softmax(triton_device, small_tile, dtype, rows, vocab,
+                                               columns):
+    """Logits with padding columns of 30 (each would take most of the probability) and the real
+    V: the loss and the first V columns' grad are the unpadded logits' bits, both
+    implementations (the kernel walks the same tiles, the reference softmaxes the same
+    values); the padding columns' grad is exactly zero."""
+    logits, labels = _inputs(rows, vocab, dtype, triton_device, ignored=min(2, rows - 1))
+    wide = _padded(logits, columns, 30.0)
+    for fn in (fused_cross_entropy, cross_entropy_torch, cross_entropy_triton):
+        loss, grad = _run(fn, wide, labels, vocab=vocab)
+        plain_loss, plain_grad = _run(fn, logits, labels)
+        assert grad.shape == (rows, columns) and grad.dtype == dtype
+        assert_same_run((loss, grad[:, :vocab]), (plain_loss, plain_grad), fn.__name__)
+        assert torch.count_nonzero(grad[:, vocab:]) == 0
+    _check(_run(fused_cross_entropy, wide, labels, vocab=vocab),
+           _padded_grad(_float64_reference(logits, labels), columns), dtype, "float64 padded")
+    # vocab = N (or None) reads every column: the padding then dominates the loss
+    assert _run(fused_cross_entropy, wide, labels, vocab=columns)[0] > 20
+
+
+def _padded_grad(reference, columns):
+    loss, grad = reference
+    return loss, _padded(grad, columns, 0.0)
+
+
+def test_padded_vocabulary_chooses_the_kernel_by_the_real_vocabulary(triton_device,
+                                                                     monkeypatch):
+    """The table's op picks the fused kernels or the reference by the real V, not the padded
+    columns: a padded run takes its unpadded twin's path (and bits)."""
+    monkeypatch.setattr(ce_module, "FUSED_MIN_VOCAB", 64)
+    fused_calls = []
+    real_apply = ce_module._CrossEntropyTriton.apply
+    monkeypatch.setattr(ce_module._CrossEntropyTriton, "apply",
+                        lambda *a: fused_calls.append(a[-1]) or real_apply(*a))
+    logits, labels = _inputs(6, 63, torch.float32, triton_device)
+    _run(cross_entropy_triton, _padded(logits, 128, 0.0), labels, vocab=63)
+    assert fused_calls == []
+    logits, labels = _inputs(6, 65, torch.float32, triton_device)
+    _run(cross_entropy_triton, _padded(logits, 128, 0.0), labels, vocab=65)
+    assert fused_calls == [65]
+
+
+def test_a_label_in_the_padding_is_nan(triton_device):
+    """A label in [V, N) is outside the vocabulary: NaN from the kernels (as past N), an error
+    from the reference."""
+    logits, labels = _inputs(4, 10, torch.float32, triton_device)
+    bad = labels.clone()
+    bad[1] = 12
+    wide = _padded(logits, 16, 0.0)
+    assert torch.isnan(fused_cross_entropy(wide, bad, vocab=10))
+    with pytest.raises((IndexError, RuntimeError)):
+        cross_entropy_torch(wide, bad, vocab=10)
+
+
 def test_cross_entropy_refuses_bad_arguments(triton_device):
     logits, labels = _inputs(4, 10, torch.float32, triton_device)
     for fn in (fused_cross_entropy, cross_entropy_torch):
+        for vocab in (0, 11):
+            with pytest.raises(ValueError, match=rf"vocab {vocab}: must be in \[1, 10\]"):
+                fn(logits, labels, vocab=vocab)
         with pytest.raises(ValueError, match=r"logits shape \(40,\): must be \[T, V\]"):
             fn(logits.reshape(-1), labels)
         with pytest.raises(ValueError, match=r"labels shape \(3,\): must be \(4,\)"):
@@ -199,13 +267,14 @@ def test_ops_table_and_the_model_loss(triton_device):
     calls = []
     ops = make_moe_ops("torch")
     counting = dataclasses.replace(
-        ops, cross_entropy=lambda *a: calls.append(1) or cross_entropy_torch(*a))
-    cfg = parse_config(["--preset", "tiny"])
+        ops, cross_entropy=lambda *a, **k: calls.append(k) or cross_entropy_torch(*a, **k))
+    cfg = parse_config(["--preset", "tiny"]).with_vocab_size(300)  # padded to 384
     model = MoEModel(cfg, ExpertComm(None, 1), 0, counting, dtype=torch.float32,
                      device=torch.device("cpu"))
     tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length))
     loss = model(tokens, tokens)
-    assert calls == [1] and loss.dtype == torch.float32
+    assert calls == [{"vocab": 300}] and loss.dtype == torch.float32
+    assert model.head.shape[0] == model.embedding.shape[0] == 384
 
 
 _SM90_SCRIPT = r"""
@@ -217,10 +286,10 @@ sm90_compile._install_fake_driver(records, context)
 import torch
 from epoverlap.kernels.cross_entropy_triton import fused_cross_entropy
 for dtype in (torch.bfloat16, torch.float32):
-    for vocab in (257, 32000, 151936):
-        context["shape"] = f"V{vocab}-{str(dtype).split('.')[-1]}"
-        logits = torch.randn(16, vocab, dtype=dtype, requires_grad=True)
-        fused_cross_entropy(logits, torch.randint(0, vocab, (16,))).backward()
+    for vocab, columns in ((257, 257), (32000, 32000), (151936, 151936), (151937, 152064)):
+        context["shape"] = f"V{vocab}-N{columns}-{str(dtype).split('.')[-1]}"
+        logits = torch.randn(16, columns, dtype=dtype, requires_grad=True)
+        fused_cross_entropy(logits, torch.randint(0, vocab, (16,)), vocab=vocab).backward()
 print(json.dumps(records))
 """
 
@@ -254,6 +323,19 @@ def test_gpu_cross_entropy(rows, vocab, dtype):
     _check(out, _run(cross_entropy_torch, logits, labels), dtype, "torch reference")
     _check(out, _float64_reference(logits, labels), dtype, "float64 reference")
     assert_same_run(out, _run(fused_cross_entropy, logits, labels), "rerun")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_padded_vocabulary():
+    """NullTokenizer's 151937 padded to 152064 columns: the unpadded loss's bits, zero grads
+    on the padding."""
+    logits, labels = _inputs(4096, 151937, torch.bfloat16, "cuda", seed=9, ignored=7)
+    wide = _padded(logits, 152064, 30.0)
+    loss, grad = _run(fused_cross_entropy, wide, labels, vocab=151937)
+    assert_same_run((loss, grad[:, :151937]), _run(fused_cross_entropy, logits, labels),
+                    "padded")
+    assert torch.count_nonzero(grad[:, 151937:]) == 0
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from epoverlap.config import parse_config
-from epoverlap.model.transformer import megatron_flops_per_token, training_flops_per_token
+from epoverlap.model.flops import megatron_flops_per_token, training_flops_per_token
 from epoverlap.training.mfu import device_peak_tflops, mfu, peak_bf16_tflops
 
 TOP2 = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256",
@@ -36,10 +36,20 @@ def test_megatron_formula_shared_expert_dense_first_layer():
     attention = 256 * (256 + 64 + 64) + 256 * 64 / 2 * 2 + 256 * 256
     dense = 256 * 3 * 512  # layer 0 (first-k-dense 1): SwiGLU FFN 512
     moe = 256 * 3 * (2 * 64 + 128)  # layers 1-2: top-2 x 64 + shared 128
-    logits = 256 * 1000
+    logits = 256 * 1024  # Megatron-LM's padded_vocab_size: 1000 rounded up to 8 x 128
     expected = 3 * 2 * (dense + 2 * moe + 3 * attention + logits)
-    assert expected == 9498624
+    assert expected == 9535488
     assert megatron_flops_per_token(cfg) == expected
+
+
+@pytest.mark.parametrize("count", [megatron_flops_per_token, training_flops_per_token])
+def test_logits_count_the_padded_vocabulary(count):
+    """Both counts take the logit GEMM over the padded rows (--make-vocab-size-divisible-by),
+    as Megatron-LM counts its padded_vocab_size: 6 H per padding row per token."""
+    padded = parse_config(SHARED).with_vocab_size(1000)
+    unpadded = parse_config(SHARED + ["--make-vocab-size-divisible-by", "1"]
+                            ).with_vocab_size(1000)
+    assert count(padded) - count(unpadded) == 3 * 2 * 256 * 24
 
 
 @pytest.mark.parametrize("flags", [TOP2, SHARED])

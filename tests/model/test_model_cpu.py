@@ -9,7 +9,8 @@ import torch
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.config import parse_config
 from epoverlap.model.linear import grouped_gemm, linear
-from epoverlap.model.transformer import MoEModel, training_flops_per_token
+from epoverlap.model.flops import training_flops_per_token
+from epoverlap.model.transformer import MoEModel
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
 from epoverlap.schedule.plan import build_plan
 from epoverlap.schedule.wgrad import WeightGradQueue

@@ -45,7 +45,9 @@ SIGMOID_BIAS_GROUPS = ["--num-experts", "8", "--moe-router-score-function", "sig
                        "--moe-router-enable-expert-bias", "--moe-router-num-groups", "2",
                        "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor",
                        "2.5"]
-CONFIGS = {"softmax": SOFTMAX, "sigmoid_bias_groups": SIGMOID_BIAS_GROUPS}
+PADDED_VOCAB = ["--make-vocab-size-divisible-by", "96"]  # 256 -> 288 rows, 32 of padding
+CONFIGS = {"softmax": SOFTMAX, "sigmoid_bias_groups": SIGMOID_BIAS_GROUPS,
+           "padded_vocab": PADDED_VOCAB}
 RUNS = {"sequential": ("sequential", SerialLanes, False),
         "combined_1f1b_threads_delayed_wgrad": ("combined_1f1b", ThreadLanes, True)}
 

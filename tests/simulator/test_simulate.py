@@ -324,9 +324,9 @@ def test_recorded_cpu_run_figures_are_consistent():
 # ---------------------------------------------------------------------------- FLOP model
 def test_flop_model_adds_up_to_the_projects_flops_per_token():
     """Summed over a microbatch's actions, forward GEMM + attention FLOPs x 3 equal
-    training_flops_per_token (epoverlap/model/transformer.py) x tokens, wgrad split or not."""
+    training_flops_per_token (epoverlap/model/flops.py) x tokens, wgrad split or not."""
     from epoverlap.config import parse_config
-    from epoverlap.model.transformer import training_flops_per_token
+    from epoverlap.model.flops import training_flops_per_token
     from epoverlap.simulator.costs import FlopModel
     from epoverlap.cli.simulate import model_layout
     cfg = parse_config(["--preset", "small", "--expert-model-parallel-size", "4"])

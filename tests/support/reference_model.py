@@ -11,7 +11,8 @@ as a mismatch here (the bitwise executor tests compare node callables with thems
 
 Facts taken from epoverlap's code (names, layouts, choices a reader could not guess):
   * Parameter names and layouts (`MoEModel.named_parameters()`):
-    embedding [V, H]; head [V, H] (untied); layers.i.input_norm.weight, .pre_mlp_norm.weight,
+    embedding [P, H]; head [P, H] (untied; P >= V the vocabulary padded, rows from V on out of
+    the softmax); layers.i.input_norm.weight, .pre_mlp_norm.weight,
     final_norm.weight [H]; layers.i.attention.qkv [(Q + 2G) * D, H] with rows
     [all Q query heads | G key heads | G value heads], each head D contiguous rows (Megatron
     interleaves q/k/v per query group instead: a checkpoint converter must reorder, the math is
@@ -81,6 +82,7 @@ class ReferenceHyper:
     norm_eps: float
     rotary_base: float
     aux_counts: str = "megatron"  # or "routed": see the module docstring
+    vocab: Optional[int] = None  # the real vocabulary (None: every row of the head)
 
     @classmethod
     def from_run_config(cls, cfg, aux_counts: str = "megatron") -> "ReferenceHyper":
@@ -93,7 +95,8 @@ class ReferenceHyper:
                    group_topk=moe.moe_router_group_topk,
                    scaling_factor=moe.moe_router_topk_scaling_factor,
                    aux_loss_coeff=moe.moe_aux_loss_coeff, z_loss_coeff=moe.moe_z_loss_coeff or 0.0,
-                   norm_eps=m.norm_epsilon, rotary_base=m.rotary_base, aux_counts=aux_counts)
+                   norm_eps=m.norm_epsilon, rotary_base=m.rotary_base, aux_counts=aux_counts,
+                   vocab=m.vocab_size)
 
 
 @dataclass
@@ -269,7 +272,7 @@ def microbatch_losses(params: dict, biases: dict, tokens_BS, labels_BS, hyper: R
             mlp_TH = swiglu_mlp(normed_TH, params[p + "dense_mlp.fc1"], params[p + "dense_mlp.fc2"])
         hidden_TH = hidden_TH + mlp_TH
     logits_TV = rms_norm(hidden_TH, params["final_norm.weight"], hyper.norm_eps) \
-        @ params["head"].T
+        @ params["head"][:hyper.vocab].T
     log_probs_TV = logits_TV.log_softmax(dim=-1)
     ce = -log_probs_TV.gather(1, labels_BS.reshape(-1, 1)).mean()
     return ce, extra_total, margin

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import enum
 import importlib.util
+import json
 import re
 import zlib
 from pathlib import Path
@@ -77,6 +78,7 @@ MIXED = ["--num-layers", "3", "--moe-layer-freq", "0,1,1",
          "--moe-shared-expert-intermediate-size", "16", "--moe-router-score-function",
          "sigmoid", "--moe-router-enable-expert-bias"] + SHAPE
 VOCAB = 64
+PADDED = 128  # the embedding's and output layer's rows: --make-vocab-size-divisible-by 128
 STEP = 7
 CONFIGS = {"moe": MOE, "mixed": MIXED}
 
@@ -94,6 +96,11 @@ def _convert(*argv, capsys=None):
 
 def _tensors(folder) -> dict:
     return checkpoint_tensors(Path(folder), ("model/", "buffer/"))
+
+
+def _megatron_tensors(folder) -> dict:
+    """Every tensor of a Megatron-core folder (not its linears' extra-state objects)."""
+    return checkpoint_tensors(Path(folder), ("embedding.", "decoder.", "output_layer."))
 
 
 def _same_bits(a: dict, b: dict) -> bool:
@@ -180,8 +187,13 @@ def test_a_shape_mismatch_is_refused_in_one_line(megatron_folder, tmp_path, caps
                     _with(_with(MIXED, "--num-layers", "2"), "--moe-layer-freq", "0,1"))
     assert "decoder.layers.2." in line and "has no place in epoverlap's model: a layer these " \
                                             "flags do not have" in line
-    line = _refusal(capsys, tmp_path, megatron_folder, _with(MIXED, "--vocab-size", "99"))
-    assert "embedding.word_embeddings.weight is [64, 32] there, [100, 32]" in line
+    line = _refusal(capsys, tmp_path, megatron_folder, _with(MIXED, "--vocab-size", "199"))
+    assert line.endswith("embedding.word_embeddings.weight is [128, 32] there, [256, 32] for "
+                         "epoverlap's embedding (the vocabulary 200 padded to a multiple of "
+                         "--make-vocab-size-divisible-by 128); fewer rows than the "
+                         "vocabulary: the vocabulary, which the data flags set "
+                         "(--tokenizer-type, --vocab-size, --tokenizer-model), padded by "
+                         "--make-vocab-size-divisible-by, and --hidden-size")
     line = _refusal(capsys, tmp_path, megatron_folder, MIXED + ["--moe-router-topk", "1"])
     assert line.endswith("common.pt: the Megatron-LM run had --moe-router-topk 2: these flags "
                          "give --moe-router-topk 1")
@@ -234,17 +246,69 @@ def test_what_does_not_map_is_refused_in_one_line(trained, tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_a_padded_vocabulary_is_trimmed_on_request(trained, tmp_path, capsys):
+def _padded_to(rows: int):
+    """An edit giving the embedding and output layer random padding rows up to `rows`."""
     def pad(entries):
         for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            entries[key] = torch.cat([entries[key], torch.randn(64, 32)])
-    padded = _megatron_copy(trained / "mixed", tmp_path / "padded", pad)
+            more = rows - entries[key].shape[0]
+            entries[key] = torch.cat([entries[key], torch.randn(more, 32)])
+    return pad
+
+
+def test_a_padded_vocabulary_is_trimmed_on_request(trained, tmp_path, capsys):
+    padded = _megatron_copy(trained / "mixed", tmp_path / "padded", _padded_to(192))
     line = _refusal(capsys, tmp_path, padded, MIXED)
-    assert "is [128, 32] there, [64, 32]" in line and "--trim-vocab" in line
+    assert "is [192, 32] there, [128, 32]" in line and "--trim-vocab keeps the first 128" in line
     assert main(["--from-megatron", str(padded), "--out", str(tmp_path / "trimmed"),
                  "--trim-vocab", *MIXED]) == 0
     assert _same_bits(_tensors(trained / "mixed" / "iter_0000002"),
                       _tensors(tmp_path / "trimmed" / "iter_0000002"))
+    capsys.readouterr()
+
+
+def test_a_megatron_padding_converts_both_ways_with_its_multiple(trained, tmp_path, capsys):
+    """A Megatron-LM run padded its vocabulary 64 to a multiple of 128 x TP 2 = 256 rows (its
+    padding rows nonzero): refused at these flags' 128, naming the multiple from its args;
+    with --make-vocab-size-divisible-by 256 every row converts in, and back out, bit for bit."""
+    source = _megatron_copy(trained / "mixed", tmp_path / "tp2", _padded_to(256))
+    torch.save({"args": argparse.Namespace(make_vocab_size_divisible_by=128,
+                                           tensor_model_parallel_size=2, padded_vocab_size=256)},
+               source / "iter_0000002" / "common.pt")
+    line = _refusal(capsys, tmp_path, source, MIXED)
+    assert ("is [256, 32] there, [128, 32] for epoverlap's embedding (the vocabulary 64 padded "
+            "to a multiple of --make-vocab-size-divisible-by 128); Megatron-LM padded it "
+            "differently: give --make-vocab-size-divisible-by 256, or --trim-vocab keeps the "
+            "first 128 rows") in line
+    flags = MIXED + ["--make-vocab-size-divisible-by", "256"]
+    assert main(["--from-megatron", str(source), "--out", str(tmp_path / "in"), *flags]) == 0
+    assert main(["--to-megatron", str(tmp_path / "in"), "--out", str(tmp_path / "out")]) == 0
+    theirs = _megatron_tensors(source / "iter_0000002")
+    back = _megatron_tensors(tmp_path / "out" / "iter_0000002")
+    assert theirs["output_layer.weight"].shape == (256, 32)
+    assert _same_bits(theirs, back)
+    common = read_common(tmp_path / "out" / "iter_0000002" / "common.pt")[0]
+    assert (common["args"].padded_vocab_size, common["args"].make_vocab_size_divisible_by) \
+        == (256, 256)
+    capsys.readouterr()
+
+
+def test_a_checkpoint_from_before_the_padding_converts_to_megatron(tmp_path, capsys):
+    """An epoverlap checkpoint whose meta.json has no --make-vocab-size-divisible-by (written
+    before the vocabulary was padded: 64 rows) converts as the unpadded model it is."""
+    trainer = Trainer(parse_config(MOE + ["--train-iters", "1", "--save", str(tmp_path / "old"),
+                                          "--make-vocab-size-divisible-by", "1"]),
+                      single_rank_groups(), log=lambda msg: None)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    meta_file = tmp_path / "old" / "iter_0000001" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["config"]["model"]["make_vocab_size_divisible_by"]
+    meta_file.write_text(json.dumps(meta))
+    assert main(["--to-megatron", str(tmp_path / "old"), "--out", str(tmp_path / "m")]) == 0
+    back = _megatron_tensors(tmp_path / "m" / "iter_0000001")
+    assert back["embedding.word_embeddings.weight"].shape == (VOCAB, 32)
     capsys.readouterr()
 
 
@@ -399,8 +463,8 @@ def epoverlap_logits(flags, folder) -> tuple[torch.Tensor, int]:
                 break
             out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})
             values.update({spec.outputs[local]: value for local, value in out.items()})
-        logits = F.linear(model.final_norm(hidden), model.head)
-    return logits.view(*tokens.shape, VOCAB), step
+        logits = F.linear(model.final_norm(hidden), model.head)  # padding columns included
+    return logits.view(*tokens.shape, PADDED), step
 
 
 @pytest.fixture(scope="module")
@@ -418,7 +482,7 @@ def test_epoverlap_gives_megatron_cores_logits(megatron_ep1, name):
     logits, step = epoverlap_logits(CONFIGS[name], root / "epoverlap" / name)
     assert step == STEP
     theirs = results[name]["logits"]
-    assert theirs.shape == logits.shape == (2, 16, VOCAB)
+    assert theirs.shape == logits.shape == (2, 16, PADDED)  # Megatron-LM's padding kept
     assert theirs.abs().max() > 0.5  # not a degenerate model
     torch.testing.assert_close(logits, theirs, rtol=1e-5, atol=1e-5)
 

@@ -223,6 +223,23 @@ def test_cli_with_the_fused_loss_is_bitwise_on_one_gpu(tmp_path):
 
 @pytest.mark.gpu
 @needs_gpu
+def test_padded_and_unpadded_vocabulary_train_alike_on_one_gpu(tmp_path):
+    """NullTokenizer's 32001 padded to 32128 (the default) and unpadded: the same initial real
+    weights, losses within bf16 rounding (the logit GEMMs take other kernels, the loss leaves
+    the padding out); the padded run names no unaligned GEMM, the unpadded one its vocabulary."""
+    flags = ["--preset", "tiny", "--bf16", "--train-iters", "4", "--kernel-backend", "triton",
+             *FUSED_LOSS_VOCAB, *EAGER, *SEQUENTIAL]
+    out_padded, padded = _train(tmp_path, "padded", 1, flags)
+    out_plain, plain = _train(tmp_path, "unpadded", 1,
+                              flags + ["--make-vocab-size-divisible-by", "1"])
+    assert "unaligned GEMMs" not in out_padded
+    assert "unaligned GEMMs: vocabulary 32001" in out_plain
+    for a, b in zip(padded, plain, strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=2.0 ** -8), (a["step"], a, b)
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_overlap_with_the_fused_loss_is_bitwise_the_sequential_schedule():
     """The combined 1F1B with delayed wgrad (two CUDA streams, EP 1) against the sequential
     schedule at a vocabulary the fused cross-entropy takes: the same losses, bit for bit."""
