@@ -77,7 +77,7 @@ def run_side(side: str, shape: str, steps: int, logs: Path, round_index: int,
 
 def flops_per_token(shape: str) -> dict:
     """Megatron-LM's FLOPs per token of each system's model of `shape`."""
-    from epoverlap.model.transformer import megatron_flops_per_token
+    from epoverlap.model.flops import megatron_flops_per_token
     cfg = epoverlap_config(SHAPES[shape].preset)
     vocab = cfg.data.vocab_size
     titan = megatron_flops_per_token(cfg.with_vocab_size(vocab))

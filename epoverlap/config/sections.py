@@ -70,8 +70,7 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """The embedding's and output layer's rows, decided here only: the vocabulary (the
-        softmax's) rounded up to a multiple of --make-vocab-size-divisible-by x TP (1 here)."""
+        """The embedding's and head's rows (decided here only): vocab_size rounded up."""
         multiple = max(1, self.make_vocab_size_divisible_by)  # < 1 is refused by validation
         return -(-self.vocab_size // multiple) * multiple
 
@@ -469,9 +468,7 @@ class RunConfig:
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     # the flags whose `auto` default config.resolve set (for the run's path line); not a flag
     defaulted: tuple[str, ...] = ()
-    # the link the auto graph scope was chosen over, `kind (why)` (parallel.link; for the path
-    # line); set by config.resolve on CUDA, empty where nothing asked; not a flag
-    link: str = ""
+    link: str = ""  # not a flag: the link config.resolve found on CUDA, `kind (why)`
 
     def moe_layer_pattern(self) -> list[bool]:
         """For each layer: True if it is an MoE layer."""
