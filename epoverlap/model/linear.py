@@ -22,6 +22,7 @@ free for the all-to-all kernels running beside it on the comm stream.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -53,6 +54,22 @@ def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor,
 _ADDMM_INTO_FP32 = torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", "CUDA")
 
 
+@functools.lru_cache(maxsize=8)
+def _addmm_takes_fp32_c(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this torch's `addmm(fp32 C, half, half, out_dtype=fp32, out=C)` runs (its
+    checks are on the host: a release that asked C in the inputs' dtype would raise here,
+    once, and the GEMM then add would be taken instead)."""
+    if not _ADDMM_INTO_FP32:
+        return False
+    c = torch.zeros(2, 2, device=device)
+    a = torch.ones(2, 2, dtype=dtype, device=device)
+    try:
+        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
 def fuses_weight_grad(param: torch.Tensor) -> bool:
     """Whether param's weight grads go into its fp32 `main_grad` inside the GEMM: a main grad is
     attached and `param.fuse_grad_accumulation` (set by the grad buffers unless
@@ -66,8 +83,9 @@ def _addmm_into(main_grad: torch.Tensor, grad_NO: torch.Tensor, x_NI: torch.Tens
     if x_NI.dtype == main_grad.dtype:  # fp32 training
         main_grad.addmm_(grad_NO.t(), x_NI)
         return True
-    if (_ADDMM_INTO_FP32 and x_NI.is_cuda and main_grad.dtype == torch.float32
-            and x_NI.dtype in (torch.bfloat16, torch.float16)):
+    if (x_NI.is_cuda and main_grad.dtype == torch.float32
+            and x_NI.dtype in (torch.bfloat16, torch.float16)
+            and _addmm_takes_fp32_c(x_NI.dtype, x_NI.device)):
         torch.addmm(main_grad, grad_NO.t(), x_NI, out_dtype=torch.float32, out=main_grad)
         return True
     return False
