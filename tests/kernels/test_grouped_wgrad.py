@@ -10,7 +10,9 @@ same bits. GPU tier (`-m gpu`): the Qwen3 proxy's expert shapes, the same compar
 SM carveout, no sync and CUDA-graph capture.
 
 Tolerances: the kernel and the reference both form the product in fp32 and differ only in
-the order of its sums, so fp32 rounding (relative 1e-5, absolute 1e-4 at products of ~10).
+the order of its sums, so fp32 rounding (relative 1e-5, absolute 1e-4 at products of ~10; on
+the GPU, with up to ~7000 rows an expert summed one after another, the absolute part grows
+with the rows: 5e-7 a row, about five standard deviations of that rounding).
 
 Shape legend: N rows, I input features, O output features, E experts.
 """
@@ -213,7 +215,7 @@ def test_gpu_proxy_shapes(width_in, width_out, skew, padding, dtype):
     counts = _proxy_counts(skew=skew)
     start, x, grad, ref, out = _both(counts, width_in, width_out, dtype, "cuda", config=None,
                                      padding=padding)
-    torch.testing.assert_close(out, ref, **FP32_CLOSE)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 + 5e-7 * max(counts))
     again = start.clone()
     offsets = torch.tensor(list(accumulate(counts)), dtype=torch.int32, device="cuda")
     grouped_weight_grad_triton(again, x, grad, offsets)
