@@ -14,7 +14,9 @@ microbatch's weight grad of each weight kind, into an fp32 main grad:
                  path: cuBLAS, bf16 inputs, fp32 C, beta 1), torch's default BLAS library;
       `cublaslt` the same call with torch.backends.cuda.preferred_blas_library("cublaslt");
       `triton`   the grouped kernel with one group (main_grad [1, O, I] += grad^T @ x).
-`--sweep` adds the grouped kernel at other tiles (`SWEEP`, labelled by their WgradConfig).
+`--sweep` adds the grouped kernel at other tiles (`SWEEP`, labelled by their WgradConfig), for
+the dense weights too, and for the experts one program per SM walking the tiles (the SM
+carveout's form, with a carveout of 0).
 
 Sides alternate round by round (each round: every side `iters` calls between two CUDA events);
 ms is the median over rounds of the time per call. TFLOP/s = 2 N I O / time (N rows, E x I x O
@@ -63,7 +65,7 @@ PROXY = (Case("experts fc1 [128, 2048, 1536]", 128, 4096 * 8, 2048, 1536),
 TINY = (Case("experts [4, 40, 72]", 4, 64, 40, 72), Case("dense [48, 40]", 0, 33, 40, 48))
 
 
-def _grouped_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable]:
+def _grouped_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable, Callable]:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(case.rows, case.width_in, generator=gen, device=device).bfloat16()
     grad = torch.randn(case.rows, case.width_out, generator=gen, device=device).bfloat16()
@@ -79,17 +81,20 @@ def _grouped_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable]:
             product = torch.stack([a.t() @ b for a, b in zip(x.split(counts), grad.split(counts))])
         main_grad.add_(product)
 
-    def fused(config=None):
-        return lambda: grouped_weight_grad_triton(main_grad, x, grad, offsets, config=config)
+    def fused(config=None, sm_carveout=None):
+        return lambda: grouped_weight_grad_triton(main_grad, x, grad, offsets,
+                                                  sm_carveout=sm_carveout, config=config)
 
     sides = {"old": old, f"fused {_label(wgrad_config(torch.bfloat16))}": fused()}
     if sweep:
         sides.update({f"fused {_label(c)}": fused(c) for c in SWEEP})
+        if device.type == "cuda":  # one program per SM walking the tiles
+            sides["fused persistent (carveout 0)"] = fused(sm_carveout=0)
     return sides, lambda: main_grad, lambda: grouped_weight_grad_torch(main_grad, x, grad,
                                                                        offsets, counts)
 
 
-def _dense_sides(case: Case, device) -> tuple[dict, Callable]:
+def _dense_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable, Callable]:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(case.rows, case.width_in, generator=gen, device=device).bfloat16()
     grad = torch.randn(case.rows, case.width_out, generator=gen, device=device).bfloat16()
@@ -106,10 +111,13 @@ def _dense_sides(case: Case, device) -> tuple[dict, Callable]:
         with _blas("cublaslt"):
             cublas()
 
-    def triton():
-        grouped_weight_grad_triton(main_grad.view(1, *main_grad.shape), grad, x, one_group)
+    def triton(config=None):
+        return lambda: grouped_weight_grad_triton(main_grad.view(1, *main_grad.shape), grad, x,
+                                                  one_group, config=config)
 
-    sides = {"old": old, "triton": triton}
+    sides = {"old": old, "triton": triton()}
+    if sweep:
+        sides.update({f"triton {_label(c)}": triton(c) for c in SWEEP})
     if device.type == "cuda":
         sides.update(cublas=cublas, cublaslt=cublaslt)
     return sides, lambda: main_grad, lambda: grouped_weight_grad_torch(
@@ -172,7 +180,7 @@ def run_case(case: Case, device, rounds: int, iters: int, sweep: bool) -> list[d
     if case.experts:
         sides, main_grad, reference = _grouped_sides(case, device, sweep)
     else:
-        sides, main_grad, reference = _dense_sides(case, device)
+        sides, main_grad, reference = _dense_sides(case, device, sweep)
     errors = _check(sides, main_grad, reference)
     times = _time(sides, rounds, iters) if device.type == "cuda" else {}
     flops = 2 * case.rows * case.width_in * case.width_out
