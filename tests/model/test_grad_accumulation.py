@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_helpers import one_process_model, single_rank_groups
+from kernel_test_utils import INTERPRETED
 from epoverlap.config import parse_config
 from epoverlap.kernels import triton_ops, triton_unavailable_reason
 from epoverlap.kernels.grouped_wgrad import grouped_weight_grad_torch
@@ -113,23 +114,24 @@ def test_half_precision_on_the_cpu_keeps_the_gemm_and_the_add():
 
 # ----------------------------------------------------------------------------- experts
 
-def _expert_weight(fuse: bool, experts=4, width_in=6, width_out=10, dtype=torch.float32):
+def _expert_weight(fuse: bool, device="cpu", experts=4, width_in=6, width_out=10):
     gen = torch.Generator().manual_seed(5)
     weight = torch.nn.Parameter(torch.randn(experts, width_in, width_out, generator=gen)
-                                .to(dtype))
-    weight.main_grad = torch.randn(experts, width_in, width_out, generator=gen)
+                                .to(device))
+    weight.main_grad = torch.randn(experts, width_in, width_out, generator=gen).to(device)
     weight.fuse_grad_accumulation = fuse
     return weight
 
 
 def _expert_backward(weight, counts, *, padding=0, host_counts=True, experts=None,
-                     op=grouped_weight_grad_torch, dtype=torch.float32):
-    """One backward through `grouped_gemm`; -> (x, grad) of the routed rows."""
+                     op=grouped_weight_grad_torch):
+    """One backward through `grouped_gemm` (fp32, on the weight's device); -> (x, grad) of
+    the routed rows."""
     gen = torch.Generator().manual_seed(6)
-    rows = sum(counts)
-    x = torch.randn(rows + padding, weight.shape[1], generator=gen).to(dtype)
-    grad = torch.randn(rows + padding, weight.shape[2], generator=gen).to(dtype)
-    offsets = expert_offsets(torch.tensor(counts))
+    rows, device = sum(counts), weight.device
+    x = torch.randn(rows + padding, weight.shape[1], generator=gen).to(device)
+    grad = torch.randn(rows + padding, weight.shape[2], generator=gen).to(device)
+    offsets = expert_offsets(torch.tensor(counts, device=device))
     out = grouped_gemm(x.requires_grad_(), weight, offsets, counts if host_counts else None,
                        experts=experts, grouped_weight_grad=op)
     out.backward(grad)
@@ -155,20 +157,30 @@ class _Calls:
         return self.op(*args, **kwargs)
 
 
-def _ops_to_test():
-    ops = [grouped_weight_grad_torch]
+def _triton_device() -> str:
+    """Where the Triton op runs here: the CPU under the interpreter, else CUDA."""
+    return "cpu" if INTERPRETED else "cuda"
+
+
+def _op_cases():
+    """(op, device): the torch reference on the CPU, the Triton kernel where it runs."""
+    cases = [(grouped_weight_grad_torch, "cpu")]
     if triton_unavailable_reason() is None:
-        ops.append(triton_ops.grouped_weight_grad)
-    return ops
+        cases.append((triton_ops.grouped_weight_grad, _triton_device()))
+    return cases
 
 
-@pytest.mark.parametrize("op", _ops_to_test(), ids=lambda op: op.__module__.split(".")[-1])
+def _case_id(case):
+    return case.__module__.split(".")[-1] if callable(case) else case
+
+
+@pytest.mark.parametrize("op,device", _op_cases(), ids=_case_id)
 @pytest.mark.parametrize("fuse", [True, False])
-def test_expert_main_grad_gets_the_sum_fused_or_not(fuse, op):
+def test_expert_main_grad_gets_the_sum_fused_or_not(fuse, op, device):
     """Fused: the table's op adds into main_grad (no product in between); unfused: the grouped
     GEMM and an add. Either way main_grad is the float64 sum; no autograd grad is left."""
     counts = [3, 0, 5, 2]
-    weight = _expert_weight(fuse)
+    weight = _expert_weight(fuse, device)
     start = weight.main_grad.clone()
     spy = _Calls(op)
     x, grad = _expert_backward(weight, counts, op=spy)
@@ -178,13 +190,13 @@ def test_expert_main_grad_gets_the_sum_fused_or_not(fuse, op):
     assert weight.grad is None
 
 
-@pytest.mark.parametrize("op", _ops_to_test(), ids=lambda op: op.__module__.split(".")[-1])
-def test_expert_chunk_and_device_only_counts(op):
+@pytest.mark.parametrize("op,device", _op_cases(), ids=_case_id)
+def test_expert_chunk_and_device_only_counts(op, device):
     """A chunk of the experts (`experts=(1, 3)`) lands in main_grad[1:3] only; with the counts
     known only on the device (the budget dispatch) the padding rows past the last offset are
     left out."""
     counts = [4, 3]
-    weight = _expert_weight(True)
+    weight = _expert_weight(True, device)
     start = weight.main_grad.clone()
     x, grad = _expert_backward(weight, counts, padding=5, host_counts=False, experts=(1, 3),
                                op=op)
@@ -202,7 +214,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
 
 def _main_grads(backend, plan_name, lanes_cls, delay):
     model, queue, grads = one_process_model(parse_config(MODEL), backend, torch.float32, "cpu",
-                                            delay)
+                                            delay)  # (the executor's CPU lanes)
     gen = torch.Generator().manual_seed(7)
     data = [{"tokens": torch.randint(0, 256, (2, 16), generator=gen),
              "labels": torch.randint(0, 256, (2, 16), generator=gen)} for _ in range(3)]
@@ -219,8 +231,8 @@ def _main_grads(backend, plan_name, lanes_cls, delay):
 def test_fused_grads_keep_their_bits_overlapped_and_deferred(backend, monkeypatch):
     """The fused weight grads (dense addmm_, the experts through the table's op) of the
     sequential inline run equal those of the overlapped plan with deferred weight grads."""
-    if backend == "triton" and triton_unavailable_reason() is not None:
-        pytest.skip(triton_unavailable_reason())
+    if backend == "triton" and not INTERPRETED:
+        pytest.skip("the Triton kernels run on CPU tensors under TRITON_INTERPRET only")
     spy = _Calls(triton_ops.grouped_weight_grad)
     monkeypatch.setattr(triton_ops, "grouped_weight_grad", spy)
     sequential = _main_grads(backend, "sequential", SerialLanes, False)
