@@ -97,8 +97,8 @@ def accumulate_weight_grad_gemm(param: torch.Tensor, grad_NO: torch.Tensor,
     `main_grad` itself (beta = 1, Megatron-LM's gradient-accumulation fusion): fp32 training
     by `addmm_`; bf16/fp16 by torch's `addmm` with an fp32 `out_dtype` on CUDA, which runs
     cuBLAS with half-precision inputs and the fp32 main grad as C, so no half-precision product
-    is written and no add runs. Where no such GEMM exists (half precision on the CPU) and
-    unfused, the GEMM writes the product and `accumulate_weight_grad` adds it. Every mode
+    is written and no add runs. Unfused, or where no such GEMM exists (half precision on the
+    CPU), the GEMM writes the product and `accumulate_weight_grad` adds it. Every mode
     (inline or deferred, overlapped or not) takes the same branch for a parameter, so they keep
     the same bits."""
     if fuses_weight_grad(param) and _addmm_into(param.main_grad, grad_NO, x_NI):
