@@ -495,6 +495,16 @@ RECIPES = (
            (Step("bench_loss", "{python} -m benchmarks.harness.bench_loss --shapes "
                                "1024x257,4096x257,8192x32000,4096x151936 --rounds 10 "
                                "--iters 5"),)),
+    Recipe("wgrad_kernel", 1,
+           "weight grads accumulated inside the GEMM at the Qwen3 proxy's shapes: the grouped "
+           "kernel's and the dense fused path's GPU tests, then their time against the GEMM "
+           "and the fp32 add (TFLOP/s, GB/s, the grouped kernel's tiles swept)",
+           "junit.xml, the table in the bench step's log",
+           (Step("wgrad_tests", PYTEST + " --junitxml={out}/junit.xml -m gpu "
+                                         "tests/kernels/test_grouped_wgrad.py "
+                                         "tests/model/test_grad_accumulation.py", timeout_s=250),
+            Step("bench_wgrad", "{python} -m benchmarks.harness.bench_wgrad --sweep --rounds 5 "
+                                "--iters 10", timeout_s=300))),
     Recipe("pipeline_bubble", 2,
            "the pipeline's GPU tests, then its bubble fraction measured (spans) against the "
            "analytic one, overlap on and off, and PP = GPUs against EP = GPUs",

@@ -252,9 +252,9 @@ class TrainConfig:
         False, "stop at a NaN/Inf loss or grad (before the optimizer step), naming rank and "
         "parameter")
     no_gradient_accumulation_fusion: bool = flag(
-        False, "fp32 training: dense weight-grad GEMMs write a product that is then added to "
-        "main_grad, instead of adding into main_grad inside the GEMM (bf16/fp16 always take "
-        "the two ops)")
+        False, "weight-grad GEMMs (dense and the experts' grouped ones) write their product, "
+        "which is then added to the fp32 main_grad, instead of adding into main_grad inside "
+        "the GEMM (one GEMM and one add kernel per weight and microbatch)")
     exit_signal_handler: bool = flag(
         False, "on SIGTERM or SIGINT, save a checkpoint (--save) of the last finished step "
         "before exiting")

@@ -16,11 +16,14 @@ rotary(x [B, N, S, D], cos [S, D/2], sin [S, D/2]) -> [B, N, S, D]
 swiglu(h [M, 2F], probs [M] | None = None) -> [M, F]
 cross_entropy(logits [T, N], labels [T] int64, vocab=None) -> fp32 scalar (mean over labels
     != -100; softmax over the first vocab columns, all with None)
+grouped_weight_grad(main_grad [E, I, O] fp32, x [N, I], grad [N, O], offsets [E] int32,
+                    counts=None, sm_carveout=None) -> None (main_grad[e] += x_e^T @ grad_e)
 
 Output order is expert-major, ascending source token within an expert.
 """
 
 from .cross_entropy import cross_entropy_torch as cross_entropy
+from .grouped_wgrad import grouped_weight_grad_torch as grouped_weight_grad
 from .permutation import permute_torch as permute
 from .permutation import unpermute_torch as unpermute
 from .rmsnorm import rms_norm_torch as rms_norm
@@ -31,4 +34,4 @@ from .sort_chunks import sort_chunks_by_idxs_torch as sort_chunks_by_idxs
 from .swiglu import swiglu_torch as swiglu
 
 __all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs",
-           "rms_norm", "rotary", "swiglu", "cross_entropy"]
+           "rms_norm", "rotary", "swiglu", "cross_entropy", "grouped_weight_grad"]

@@ -16,6 +16,8 @@ rotary(x [B, N, S, D], cos [S, D/2], sin [S, D/2]) -> [B, N, S, D]
 swiglu(h [M, 2F], probs [M] | None = None) -> [M, F]
 cross_entropy(logits [T, N], labels [T] int64, vocab=None) -> fp32 scalar (mean over labels
     != -100; softmax over the first vocab columns, all with None)
+grouped_weight_grad(main_grad [E, I, O] fp32, x [N, I], grad [N, O], offsets [E] int32,
+                    counts=None, sm_carveout=None) -> None (main_grad[e] += x_e^T @ grad_e)
 
 Same signatures, outputs and row-id map format as `reference` (the torch backend), so a model
 switches backends by config alone (`make_moe_ops`). Every op is differentiable like its
@@ -24,6 +26,7 @@ TRITON_INTERPRET=1 (see `epoverlap.kernels.triton_unavailable_reason`).
 """
 
 from .cross_entropy_triton import cross_entropy_triton as cross_entropy
+from .grouped_wgrad_triton import grouped_weight_grad_triton as grouped_weight_grad
 from .permutation_triton import permute_triton as permute
 from .permutation_triton import unpermute_triton as unpermute
 from .rmsnorm_triton import rms_norm_triton as rms_norm
@@ -34,4 +37,4 @@ from .sort_chunks_triton import sort_chunks_by_idxs_triton as sort_chunks_by_idx
 from .swiglu_triton import swiglu_triton as swiglu
 
 __all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs",
-           "rms_norm", "rotary", "swiglu", "cross_entropy"]
+           "rms_norm", "rotary", "swiglu", "cross_entropy", "grouped_weight_grad"]

@@ -1,11 +1,12 @@
 """GEMMs whose weight gradient can be split off the critical path: dense and grouped (experts).
 
-Owns the autograd functions `linear` and `grouped_gemm`, `accumulate_weight_grad` and
-`accumulate_weight_grad_gemm` (the dense weight grad added into `main_grad` by the GEMM). Their
-backward computes the input grad at once and offers the weight-grad GEMM to a
-`WeightGradQueue` (when one is given): deferred, it runs later at the plan's `W` action;
-otherwise inline. Both paths run the same GEMM and the same fp32 accumulation into
-`param.main_grad`, so deferring changes no bit of any gradient.
+Owns the autograd functions `linear` and `grouped_gemm`, `accumulate_weight_grad`,
+`accumulate_weight_grad_gemm` and `accumulate_expert_weight_grad` (the dense and the experts'
+weight grads added into `main_grad` by the GEMM itself: gradient-accumulation fusion, unless
+--no-gradient-accumulation-fusion). Their backward computes the input grad at once and offers
+the weight-grad GEMM to a `WeightGradQueue` (when one is given): deferred, it runs later at the
+plan's `W` action; otherwise inline. Both paths run the same GEMM and the same fp32
+accumulation into `param.main_grad`, so deferring changes no bit of any gradient.
 
 Shape legend: N rows (tokens), I input features, O output features, E local experts.
 
@@ -21,10 +22,12 @@ free for the all-to-all kernels running beside it on the comm stream.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 
+from epoverlap.kernels.grouped_wgrad import grouped_weight_grad_torch
 from epoverlap.parallel.watch import host_list
 
 
@@ -46,18 +49,59 @@ def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor,
         param.grad.add_(grad)
 
 
+# aten::addmm's dtype overload: a bf16/fp16 GEMM whose fp32 C is added to with beta = 1 (cuBLAS
+# with half inputs and an fp32 C, Megatron-LM's fused wgrad call); registered on CUDA only
+_ADDMM_INTO_FP32 = torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", "CUDA")
+
+
+@functools.lru_cache(maxsize=8)
+def _addmm_takes_fp32_c(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this torch's `addmm(fp32 C, half, half, out_dtype=fp32, out=C)` runs (its
+    checks are on the host: a release that asked C in the inputs' dtype would raise here,
+    once, and the GEMM then add would be taken instead)."""
+    if not _ADDMM_INTO_FP32:
+        return False
+    c = torch.zeros(2, 2, device=device)
+    a = torch.ones(2, 2, dtype=dtype, device=device)
+    try:
+        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def fuses_weight_grad(param: torch.Tensor) -> bool:
+    """Whether param's weight grads go into its fp32 `main_grad` inside the GEMM: a main grad is
+    attached and `param.fuse_grad_accumulation` (set by the grad buffers unless
+    --no-gradient-accumulation-fusion) is on."""
+    return (getattr(param, "main_grad", None) is not None
+            and getattr(param, "fuse_grad_accumulation", False))
+
+
+def _addmm_into(main_grad: torch.Tensor, grad_NO: torch.Tensor, x_NI: torch.Tensor) -> bool:
+    """main_grad += grad^T @ x as one GEMM when one exists for these dtypes; False otherwise."""
+    if x_NI.dtype == main_grad.dtype:  # fp32 training
+        main_grad.addmm_(grad_NO.t(), x_NI)
+        return True
+    if (x_NI.is_cuda and main_grad.dtype == torch.float32
+            and x_NI.dtype in (torch.bfloat16, torch.float16)
+            and _addmm_takes_fp32_c(x_NI.dtype, x_NI.device)):
+        torch.addmm(main_grad, grad_NO.t(), x_NI, out_dtype=torch.float32, out=main_grad)
+        return True
+    return False
+
+
 def accumulate_weight_grad_gemm(param: torch.Tensor, grad_NO: torch.Tensor,
                                 x_NI: torch.Tensor) -> None:
-    """param's grad += grad^T @ x. With `param.fuse_grad_accumulation` (set by the grad
-    buffers unless --no-gradient-accumulation-fusion) and x in main_grad's dtype (fp32
-    training), the GEMM accumulates into `main_grad` itself (beta = 1, Megatron-core's
-    gradient-accumulation fusion): one kernel instead of a GEMM and an add. bf16/fp16 keep the
-    GEMM and the add: torch's fp32-output GEMM (`addmm` with `out_dtype`) is a slower GEMM
-    than the bf16 one plus the add, so fusing there would make the step slower."""
-    main_grad = getattr(param, "main_grad", None)
-    if (main_grad is not None and getattr(param, "fuse_grad_accumulation", False)
-            and x_NI.dtype == main_grad.dtype):
-        main_grad.addmm_(grad_NO.t(), x_NI)
+    """param's grad += grad^T @ x. Fused (`fuses_weight_grad`), the GEMM accumulates into
+    `main_grad` itself (beta = 1, Megatron-LM's gradient-accumulation fusion): fp32 training
+    by `addmm_`; bf16/fp16 by torch's `addmm` with an fp32 `out_dtype` on CUDA, which runs
+    cuBLAS with half-precision inputs and the fp32 main grad as C, so no half-precision product
+    is written and no add runs. Unfused, or where no such GEMM exists (half precision on the
+    CPU), the GEMM writes the product and `accumulate_weight_grad` adds it. Every mode
+    (inline or deferred, overlapped or not) takes the same branch for a parameter, so they keep
+    the same bits."""
+    if fuses_weight_grad(param) and _addmm_into(param.main_grad, grad_NO, x_NI):
         return
     accumulate_weight_grad(param, grad_NO.t() @ x_NI)
 
@@ -172,12 +216,28 @@ def _expert_weights(weight_EIO: torch.Tensor, experts: Optional[tuple[int, int]]
     return weight_EIO if experts is None else weight_EIO[experts[0]:experts[1]]
 
 
+def accumulate_expert_weight_grad(param_EIO, x_NI, grad_NO, offsets_E, counts, experts,
+                                  sm_carveout, grouped_weight_grad) -> None:
+    """param's grad (of experts a..b-1 when `experts` is (a, b)) += per expert x_e^T @ grad_e.
+    Fused (`fuses_weight_grad`): `grouped_weight_grad` (the op table's, `epoverlap.kernels`)
+    adds the product into `main_grad` inside the GEMM; otherwise the grouped GEMM writes the
+    product [E, I, O] and `accumulate_weight_grad` adds it."""
+    if fuses_weight_grad(param_EIO):
+        grouped_weight_grad(_expert_weights(param_EIO.main_grad, experts), x_NI, grad_NO,
+                            offsets_E, counts=counts, sm_carveout=sm_carveout)
+        return
+    num_experts = _expert_weights(param_EIO, experts).shape[0]
+    accumulate_weight_grad(param_EIO, _mm_weight_grad(
+        x_NI, grad_NO, offsets_E, counts, num_experts, sm_carveout), experts)
+
+
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_NI, weight_EIO, offsets_E, counts, queue, sm_carveout, experts):
+    def forward(ctx, x_NI, weight_EIO, offsets_E, counts, queue, sm_carveout, experts,
+                grouped_weight_grad):
         ctx.save_for_backward(x_NI, weight_EIO, offsets_E)
         ctx.counts, ctx.queue, ctx.sm_carveout = counts, queue, sm_carveout
-        ctx.experts = experts
+        ctx.experts, ctx.grouped_weight_grad = experts, grouped_weight_grad
         return _mm_grouped(x_NI, _expert_weights(weight_EIO, experts), offsets_E, counts,
                            sm_carveout)
 
@@ -185,28 +245,32 @@ class _GroupedGemm(torch.autograd.Function):
     def backward(ctx, grad_NO):
         x_NI, weight_EIO, offsets_E = ctx.saved_tensors
         counts, carveout, experts = ctx.counts, ctx.sm_carveout, ctx.experts
+        fused_op = ctx.grouped_weight_grad
         weights = _expert_weights(weight_EIO, experts)
         grad_NO = grad_NO.contiguous()
         grad_x_NI = _mm_grouped(grad_NO, weights.transpose(1, 2), offsets_E, counts, carveout)
         if ctx.needs_input_grad[1]:
             def weight_grad_work(x_NI=x_NI, grad_NO=grad_NO, weight_EIO=weight_EIO):
-                accumulate_weight_grad(weight_EIO, _mm_weight_grad(
-                    x_NI, grad_NO, offsets_E, counts, weights.shape[0], carveout), experts)
+                accumulate_expert_weight_grad(weight_EIO, x_NI, grad_NO, offsets_E, counts,
+                                              experts, carveout, fused_op)
             _run_or_defer(ctx.queue, weight_grad_work)
-        return grad_x_NI, None, None, None, None, None, None
+        return grad_x_NI, None, None, None, None, None, None, None
 
 
 def grouped_gemm(x_NI: torch.Tensor, weight_EIO: torch.nn.Parameter, offsets_E: torch.Tensor,
                  counts: Optional[list[int]], queue=None,
                  sm_carveout: Optional[int] = None,
-                 experts: Optional[tuple[int, int]] = None) -> torch.Tensor:
+                 experts: Optional[tuple[int, int]] = None,
+                 grouped_weight_grad: Callable = grouped_weight_grad_torch) -> torch.Tensor:
     """Rows of expert e (counts[e] of them, in order) times weight[e]; deferrable weight grad.
     counts None: see the module docstring (device-only counts, padding rows at the end).
     `sm_carveout`: SMs the forward, input-grad and weight-grad GEMMs leave free (CUDA).
     `experts` (a, b): the rows are those of experts a..b-1 only (a chunk of them,
-    `model.chunked`): weight[a:b] multiplies them and their weight grad lands there."""
+    `model.chunked`): weight[a:b] multiplies them and their weight grad lands there.
+    `grouped_weight_grad`: the op table's (`MoEOps.grouped_weight_grad`) that adds the weight
+    grad into the fp32 main grad when the weight's grad accumulation is fused."""
     return _GroupedGemm.apply(x_NI, weight_EIO, offsets_E, counts, queue, sm_carveout,
-                              experts)
+                              experts, grouped_weight_grad)
 
 
 def expert_offsets(counts_E: torch.Tensor) -> torch.Tensor:

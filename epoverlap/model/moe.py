@@ -224,10 +224,10 @@ class GroupedSwiGLUExperts(nn.Module):
         the rows are local experts a..b-1's only (a chunk, `model.chunked`), counts theirs."""
         offsets_L = expert_offsets(counts_L)
         h_M2F = grouped_gemm(x_MH, self.fc1, offsets_L, counts_host, self.queue,
-                             self.sm_carveout, experts)
+                             self.sm_carveout, experts, self.ops.grouped_weight_grad)
         act_MF = self.ops.swiglu(h_M2F, probs_M)  # probs applied here, in fp32
         out_MH = grouped_gemm(act_MF, self.fc2, offsets_L, counts_host, self.queue,
-                              self.sm_carveout, experts)
+                              self.sm_carveout, experts, self.ops.grouped_weight_grad)
         if counts_host is None:
             row_M1 = torch.arange(out_MH.shape[0], device=out_MH.device).unsqueeze(1)
             out_MH = torch.where(row_M1 < offsets_L[-1:], out_MH, out_MH.new_zeros(()))

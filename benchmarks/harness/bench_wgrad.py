@@ -1,0 +1,234 @@
+"""Weight grads accumulated inside the GEMM against the GEMM and then the fp32 add.
+
+    python -m benchmarks.harness.bench_wgrad [--rounds 5] [--iters 10] [--sweep] [--device cuda|cpu]
+
+At the Qwen3 proxy's shapes (`--preset qwen3-30b-a3b-proxy`: hidden 2048, 16/4 heads of dim
+128, 128 experts top-8 of FFN 768, 4096 tokens a microbatch, vocabulary 151936), one
+microbatch's weight grad of each weight kind, into an fp32 main grad:
+  - experts (grouped, weights [E, I, O], rows spread evenly, 256 per expert):
+      `old`    torch._grouped_mm(x^T, grad) in bf16, then main_grad.add_ (what ran before);
+      `fused`  the Triton grouped kernel (`grouped_weight_grad_triton`, its default tiles);
+  - dense (weights [O, I], 4096 rows):
+      `old`      grad^T @ x in bf16, then main_grad.add_;
+      `cublas`   torch.addmm(main_grad, grad^T, x, out_dtype=fp32, out=main_grad) (the fused
+                 path: cuBLAS, bf16 inputs, fp32 C, beta 1), torch's default BLAS library;
+      `cublaslt` the same call with torch.backends.cuda.preferred_blas_library("cublaslt");
+      `triton`   the grouped kernel with one group (main_grad [1, O, I] += grad^T @ x).
+`--sweep` adds the grouped kernel at other tiles (`SWEEP`, labelled by their WgradConfig), for
+the dense weights too, and for the experts one program per SM walking the tiles (the SM
+carveout's form, with a carveout of 0).
+
+Sides alternate round by round (each round: every side `iters` calls between two CUDA events);
+ms is the median over rounds of the time per call. TFLOP/s = 2 N I O / time (N rows, E x I x O
+the grad); GB/s counts the compulsory HBM bytes: inputs once (2 N (I + O) in bf16) and the main
+grad read and written (8 E I O), plus for the `old` sides the bf16 product written and read
+(4 E I O). Before timing each side's result is compared with the fp32 product of the torch
+reference (`grouped_weight_grad_torch`; largest difference relative to the largest magnitude:
+`old` shows its bf16 rounding, about 4e-3). `--device cpu` (the tool's test) runs tiny shapes once,
+the Triton side under TRITON_INTERPRET. Prints a markdown table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from epoverlap.kernels.grouped_wgrad import grouped_weight_grad_torch
+from epoverlap.kernels.grouped_wgrad_triton import (WgradConfig, grouped_weight_grad_triton,
+                                                    wgrad_config)
+
+SWEEP = (WgradConfig(128, 128, 64, 8, 3, False), WgradConfig(128, 128, 32, 8, 4, True),
+         WgradConfig(128, 64, 64, 4, 3, True), WgradConfig(64, 128, 64, 4, 3, True),
+         WgradConfig(128, 256, 64, 8, 3, False), WgradConfig(256, 128, 64, 8, 3, False))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    experts: int  # 0: a dense weight
+    rows: int
+    width_in: int
+    width_out: int
+
+
+PROXY = (Case("experts fc1 [128, 2048, 1536]", 128, 4096 * 8, 2048, 1536),
+         Case("experts fc2 [128, 768, 2048]", 128, 4096 * 8, 768, 2048),
+         Case("qkv [3072, 2048]", 0, 4096, 2048, 3072),
+         Case("proj [2048, 2048]", 0, 4096, 2048, 2048),
+         Case("head [151936, 2048]", 0, 4096, 2048, 151936))
+TINY = (Case("experts [4, 40, 72]", 4, 64, 40, 72), Case("dense [48, 40]", 0, 33, 40, 48))
+
+
+def _grouped_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable, Callable]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(case.rows, case.width_in, generator=gen, device=device).bfloat16()
+    grad = torch.randn(case.rows, case.width_out, generator=gen, device=device).bfloat16()
+    per = case.rows // case.experts
+    counts = [per] * (case.experts - 1) + [case.rows - per * (case.experts - 1)]
+    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    main_grad = torch.zeros(case.experts, case.width_in, case.width_out, device=device)
+
+    def old():
+        if hasattr(torch, "_grouped_mm") and device.type == "cuda":
+            product = torch._grouped_mm(x.t(), grad, offs=offsets)
+        else:  # the CPU stand-in: a loop
+            product = torch.stack([a.t() @ b for a, b in zip(x.split(counts), grad.split(counts))])
+        main_grad.add_(product)
+
+    def fused(config=None, sm_carveout=None):
+        return lambda: grouped_weight_grad_triton(main_grad, x, grad, offsets,
+                                                  sm_carveout=sm_carveout, config=config)
+
+    sides = {"old": old, f"fused {_label(wgrad_config(torch.bfloat16))}": fused()}
+    if sweep:
+        sides.update({f"fused {_label(c)}": fused(c) for c in SWEEP})
+        if device.type == "cuda":  # one program per SM walking the tiles
+            sides["fused persistent (carveout 0)"] = fused(sm_carveout=0)
+    return sides, lambda: main_grad, lambda: grouped_weight_grad_torch(main_grad, x, grad,
+                                                                       offsets, counts)
+
+
+def _dense_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable, Callable]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(case.rows, case.width_in, generator=gen, device=device).bfloat16()
+    grad = torch.randn(case.rows, case.width_out, generator=gen, device=device).bfloat16()
+    main_grad = torch.zeros(case.width_out, case.width_in, device=device)
+    one_group = torch.tensor([case.rows], dtype=torch.int32, device=device)
+
+    def old():
+        main_grad.add_(grad.t() @ x)
+
+    def cublas():
+        torch.addmm(main_grad, grad.t(), x, out_dtype=torch.float32, out=main_grad)
+
+    def cublaslt():
+        with _blas("cublaslt"):
+            cublas()
+
+    def triton(config=None):
+        return lambda: grouped_weight_grad_triton(main_grad.view(1, *main_grad.shape), grad, x,
+                                                  one_group, config=config)
+
+    sides = {"old": old, "triton": triton()}
+    if sweep:
+        sides.update({f"triton {_label(c)}": triton(c) for c in SWEEP})
+    if device.type == "cuda":
+        sides.update(cublas=cublas, cublaslt=cublaslt)
+    return sides, lambda: main_grad, lambda: grouped_weight_grad_torch(
+        main_grad.view(1, *main_grad.shape), grad, x, one_group, [case.rows])
+
+
+@contextlib.contextmanager
+def _blas(library: str):
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def _label(config: WgradConfig) -> str:
+    return (f"{config.block_i}x{config.block_o}x{config.block_k} w{config.num_warps} "
+            f"s{config.num_stages}{' pre' if config.prefetch_c else ''}")
+
+
+def _check(sides: dict, main_grad: Callable, reference: Callable) -> dict:
+    """Each side's one call from zero against the fp32 product (the torch reference of the
+    grouped kernel): largest difference / largest value (`old` shows its bf16 product)."""
+    main_grad().zero_()
+    reference()
+    expected = main_grad().clone()
+    scale = expected.abs().max().item() or 1.0
+    errors = {}
+    for name, side in sides.items():
+        main_grad().zero_()
+        side()
+        errors[name] = (main_grad() - expected).abs().max().item() / scale
+    return errors
+
+
+def _time(sides: dict, rounds: int, iters: int) -> dict:
+    times = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, side in sides.items():
+            side()  # warm: compile, the BLAS library's first call
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                side()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / iters)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _bytes(case: Case, side: str) -> int:
+    groups = max(case.experts, 1)
+    grad_elems = groups * case.width_in * case.width_out
+    inputs = 2 * case.rows * (case.width_in + case.width_out)
+    return inputs + 8 * grad_elems + (4 * grad_elems if side == "old" else 0)
+
+
+def run_case(case: Case, device, rounds: int, iters: int, sweep: bool) -> list[dict]:
+    if case.experts:
+        sides, main_grad, reference = _grouped_sides(case, device, sweep)
+    else:
+        sides, main_grad, reference = _dense_sides(case, device, sweep)
+    errors = _check(sides, main_grad, reference)
+    times = _time(sides, rounds, iters) if device.type == "cuda" else {}
+    flops = 2 * case.rows * case.width_in * case.width_out
+    rows = []
+    for name in sides:
+        ms = times.get(name)
+        rows.append({"case": case.name, "side": name, "ms": ms, "error": errors[name],
+                     "tflops": flops / ms / 1e9 if ms else None,
+                     "gbs": _bytes(case, name) / ms / 1e6 if ms else None,
+                     "vs_old": times["old"] / ms if ms else None})
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| weight | side | ms | TFLOP/s | GB/s | speedup over old | diff to fp32 / max |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['side']} | {_fmt(r['ms'], '.3f')} | "
+                     f"{_fmt(r['tflops'], '.0f')} | {_fmt(r['gbs'], '.0f')} | "
+                     f"{_fmt(r['vs_old'], '.2f')} | {r['error']:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true", help="the grouped kernel at more tiles")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_wgrad: no CUDA device (use --device cpu for the tool's own check)")
+        return 0
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | "
+              f"BLAS default {torch.backends.cuda.preferred_blas_library()}")
+    rows = []
+    for case in PROXY if device.type == "cuda" else TINY:
+        rows += run_case(case, device, args.rounds, args.iters, args.sweep)
+        print(f"done: {case.name}", flush=True)
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
