@@ -328,13 +328,16 @@ def test_gpu_cross_entropy(rows, vocab, dtype):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_padded_vocabulary():
-    """NullTokenizer's 151937 padded to 152064 columns: the unpadded loss's bits, zero grads
-    on the padding."""
+    """NullTokenizer's 151937 padded to 152064 columns: the unpadded loss's bits, the real
+    columns' grads within an fp32 rounding (the kernel is compiled for another row stride:
+    152064 is a multiple of 16, 151937 is not, and on an H200 6868 of 622M grads differed by
+    at most 4e-9), zero grads on the padding."""
     logits, labels = _inputs(4096, 151937, torch.bfloat16, "cuda", seed=9, ignored=7)
     wide = _padded(logits, 152064, 30.0)
     loss, grad = _run(fused_cross_entropy, wide, labels, vocab=151937)
-    assert_same_run((loss, grad[:, :151937]), _run(fused_cross_entropy, logits, labels),
-                    "padded")
+    ref_loss, ref_grad = _run(fused_cross_entropy, logits, labels)
+    assert_same_run((loss,), (ref_loss,), "padded loss")
+    torch.testing.assert_close(grad[:, :151937].float(), ref_grad.float(), rtol=1e-5, atol=1e-8)
     assert torch.count_nonzero(grad[:, 151937:]) == 0
 
 
