@@ -151,6 +151,13 @@ def test_rounds_rotate_the_sides_and_report_after_every_run(tmp_path, monkeypatc
     assert report["megatron_flops_per_token"]["epoverlap"] > \
         report["megatron_flops_per_token"]["titan_eager"]  # NullTokenizer's row
     assert "| epoverlap | 30 |" in (tmp_path / "summary.md").read_text()
+    calls.clear()
+    assert rounds.main(["--shape", "qwen3", "--rounds", "3", "--warmup", "1", "--once",
+                        "titan_eager", "--out", str(tmp_path)]) == 0
+    assert [r for r, side in calls if side == "titan_eager"] == [1]  # the first round only
+    assert len(calls) == 7
+    with pytest.raises(SystemExit):
+        rounds.main(["--shape", "qwen3", "--once", "titan", "--out", str(tmp_path)])
     monkeypatch.setattr(rounds, "run_side", lambda *args: {"rc": 1, "seconds": 1.0, "steps": [],
                                                             "round": 1})
     assert rounds.main(["--shape", "qwen3", "--rounds", "1", "--out", str(tmp_path)]) == 1
