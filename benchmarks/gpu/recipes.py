@@ -15,7 +15,7 @@ from benchmarks.gpu.recipe_parts import (BITWISE_RUN, EAGER, FULL_ITERATION, GRA
                                          PYTEST, SEQUENTIAL, TIER, TRAIN, WGRAD, Recipe,
                                          Step, rounds_step)
 from benchmarks.gpu.recipes_chunked import CHUNKED_RECIPES
-from benchmarks.harness.peer_titan_1gpu import SHAPES as TITAN_SHAPES
+from benchmarks.harness.peer_titan_1gpu import PEER_FLAGS, SHAPES as TITAN_SHAPES
 
 MEGATRON_SHAPES = "megatron_e32_k4_mbs2x8,megatron_e32_k4_mbs8x4,megatron_e8_k8_f4096_mbs8x4"
 OVERLAP_STEP = ("{torchrun} -m benchmarks.harness.bench_overlap --shapes " + MEGATRON_SHAPES
@@ -139,12 +139,29 @@ def _peer_titan_recipe(shape: str) -> Recipe:
         "left out): tokens/s, step time, MFU by Megatron-LM's formula over 989 TFLOP/s, peak "
         "reserved memory, ratios",
         "peer_titan.json (every run's command, exit status and every step's sample; the "
-        "figures), summary.md, logs/ (each run's log; torchtitan's runs' JSON)",
+        "figures), summary.md, logs/ (each run's log; torchtitan's runs' JSON); a profiled "
+        "epoverlap run: profiled.jsonl, ktable.json, "
+        "roofline.json",
         (Step(f"rounds_{shape}", "{python} -m benchmarks.harness.peer_titan_rounds --shape "
               f"{shape} --rounds 3 --steps 30 --warmup 10 --run-timeout 240 --once titan_eager "
               "--out {out}",
-              timeout_s=560),),
+              timeout_s=480),
+         *_roofline_steps(f"--preset {TITAN_SHAPES[shape].preset} {' '.join(PEER_FLAGS)}")),
         needs=TITAN_CARRY)
+
+
+def _roofline_steps(flags: str) -> tuple:
+    """One profiled run of the training command at `flags` (torch.profiler over steps 20-21),
+    its kernel table and the roofline rows (benchmarks/harness/roofline.py). The traces stay
+    on the machine (/tmp/epoverlap-profile: tens of MB, past what a call sends back)."""
+    return (Step("profiled_run", "rm -rf /tmp/epoverlap-profile && {torchrun} -m epoverlap.train "
+                 + flags + " --train-iters 22 "
+                 "--log-interval 1 --log-json {out}/profiled.jsonl --profile-steps 20:21 "
+                 "--profile-dir /tmp/epoverlap-profile --use-pytorch-profiler", timeout_s=150),
+            Step("kernel_table", "{python} -m benchmarks.harness.kernel_table "
+                 "/tmp/epoverlap-profile --steps 2 --top 400 --out {out}/ktable.json", timeout_s=120),
+            Step("roofline", "{python} -m benchmarks.harness.roofline {out}/ktable.json --flags '"
+                 + flags + "' --out {out}/roofline.json", timeout_s=60))
 
 
 def _bitwise_steps() -> tuple:
