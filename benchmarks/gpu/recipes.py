@@ -152,7 +152,8 @@ def _peer_titan_recipe(shape: str) -> Recipe:
 
 def _roofline_steps(flags: str) -> tuple:
     """One profiled run of the training command at `flags` (torch.profiler over steps 20-21),
-    its kernel table and the roofline rows (benchmarks/harness/roofline.py). The traces stay
+    its kernel table, the roofline rows (benchmarks/harness/roofline.py) and the timeline's
+    tables of the step's parts (host time between the kernels included). The traces stay
     on the machine (/tmp/epoverlap-profile: tens of MB, past what a call sends back)."""
     return (Step("profiled_run", "rm -rf /tmp/epoverlap-profile && {torchrun} -m epoverlap.train "
                  + flags + " --train-iters 22 "
@@ -161,7 +162,10 @@ def _roofline_steps(flags: str) -> tuple:
             Step("kernel_table", "{python} -m benchmarks.harness.kernel_table "
                  "/tmp/epoverlap-profile --steps 2 --top 400 --out {out}/ktable.json", timeout_s=120),
             Step("roofline", "{python} -m benchmarks.harness.roofline {out}/ktable.json --flags '"
-                 + flags + "' --out {out}/roofline.json", timeout_s=60))
+                 + flags + "' --out {out}/roofline.json", timeout_s=60),
+            Step("step_parts", "epoverlap-timeline /tmp/epoverlap-profile --no-png --out-dir "
+                 "{out}/timeline && rm -f {out}/timeline/timeline_trace.json",
+                 timeout_s=60))
 
 
 def _bitwise_steps() -> tuple:
