@@ -1,14 +1,16 @@
-"""epoverlap.kernels: MoE token-routing ops (router top-k, permute, unpermute, chunk sort), the
-fused elementwise ops of the layers around them (RMSNorm, rotary, SwiGLU), the loss
-(cross-entropy) and the experts' weight grads added into their fp32 main grad (grouped wgrad).
+"""epoverlap.kernels: MoE token-routing ops (router top-k, permute, unpermute, chunk sort, row
+gather and padding-row zeroing), the fused elementwise ops of the layers around them (RMSNorm,
+rotary, SwiGLU), the loss (cross-entropy) and the experts' weight grads added into their fp32
+main grad (grouped wgrad).
 
 Each op has a torch reference and a Triton kernel side by side (`router_topk.py` /
 `router_topk_triton.py`, `permutation.py` / `permutation_triton.py` (its row-id map in
 `permutation_map_triton.py`), `sort_chunks.py` / `sort_chunks_triton.py`, `rmsnorm.py`,
-`rotary.py`, `swiglu.py`, `cross_entropy.py`, `grouped_wgrad.py` and their `*_triton.py`; `triton_ops.py` gathers
-the Triton ones; `triton_reduce.py` holds device-side helpers they share; `launch_cache.py` is
-the host fast path of every Triton launch (the compiled kernel reused per launch key);
-`megatron_api.py` gives the routing ops Megatron-core's call signatures over either backend).
+`rotary.py`, `swiglu.py`, `cross_entropy.py`, `grouped_wgrad.py`, `rows.py` and their
+`*_triton.py`; `triton_ops.py` gathers the Triton ones; `triton_reduce.py` holds device-side
+helpers they share; `launch_cache.py` is the host fast path of every Triton launch (the
+compiled kernel reused per launch key); `megatron_api.py` gives the routing ops Megatron-core's
+call signatures over either backend).
 Outside the table, `adamw.py` / `adamw_triton.py` hold the optimizer's flat AdamW update, which
 the optimizer's form chooses (`epoverlap.training.flat_adam`).
 The implementation is chosen once, by building an `MoEOps` table from the config's kernel
@@ -35,7 +37,9 @@ class MoEOps:
     cross_entropy(logits_TV, labels_T, vocab=None) (vocab: the real vocabulary, columns from it
     on are an output layer's padding, out of the softmax), grouped_weight_grad(main_grad_EIO,
     x_NI, grad_NO, offsets_E, counts=None, sm_carveout=None) (main_grad[e] += x_e^T @ grad_e in
-    fp32)."""
+    fp32), gather_rows(src_X, index_Y) (src[index], a zero row where index < 0: a plain copy,
+    `model.dispatch.move_rows` is its autograd form) and zero_rows_from(x_M, end_1) (rows from
+    the device-held end on zeroed; the Triton one writes into x: use the returned tensor)."""
 
     backend: str
     router_topk: Callable
@@ -49,6 +53,8 @@ class MoEOps:
     swiglu: Callable
     cross_entropy: Callable
     grouped_weight_grad: Callable
+    gather_rows: Callable
+    zero_rows_from: Callable
 
 
 def triton_installed() -> bool:
@@ -117,7 +123,7 @@ def make_moe_ops(backend: str) -> MoEOps:
 
 TRITON_KERNEL_MODULES = ("cross_entropy_triton", "grouped_wgrad_triton", "permutation_map_triton",
                          "permutation_triton", "rmsnorm_triton", "rotary_triton",
-                         "router_topk_triton", "sort_chunks_triton", "swiglu_triton")
+                         "router_topk_triton", "rows_triton", "sort_chunks_triton", "swiglu_triton")
 
 
 def _loaded_kernels():

@@ -18,6 +18,8 @@ cross_entropy(logits [T, N], labels [T] int64, vocab=None) -> fp32 scalar (mean 
     != -100; softmax over the first vocab columns, all with None)
 grouped_weight_grad(main_grad [E, I, O] fp32, x [N, I], grad [N, O], offsets [E] int32,
                     counts=None, sm_carveout=None) -> None (main_grad[e] += x_e^T @ grad_e)
+gather_rows(src [X, ...], index [Y] int) -> [Y, ...] (src[index], a zero row where index < 0)
+zero_rows_from(x [M, ...], end [1] int) -> x with rows >= end zeroed (differentiable)
 
 Output order is expert-major, ascending source token within an expert.
 """
@@ -27,6 +29,8 @@ from .grouped_wgrad import grouped_weight_grad_torch as grouped_weight_grad
 from .permutation import permute_torch as permute
 from .permutation import unpermute_torch as unpermute
 from .rmsnorm import rms_norm_torch as rms_norm
+from .rows import gather_rows_torch as gather_rows
+from .rows import zero_rows_from_torch as zero_rows_from
 from .rotary import rotary_torch as rotary
 from .router_topk import router_topk_torch as router_topk
 from .router_topk import router_topk_with_counts_torch as router_topk_with_counts
@@ -34,4 +38,5 @@ from .sort_chunks import sort_chunks_by_idxs_torch as sort_chunks_by_idxs
 from .swiglu import swiglu_torch as swiglu
 
 __all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs",
-           "rms_norm", "rotary", "swiglu", "cross_entropy", "grouped_weight_grad"]
+           "rms_norm", "rotary", "swiglu", "cross_entropy", "grouped_weight_grad", "gather_rows",
+           "zero_rows_from"]

@@ -18,6 +18,10 @@ cross_entropy(logits [T, N], labels [T] int64, vocab=None) -> fp32 scalar (mean 
     != -100; softmax over the first vocab columns, all with None)
 grouped_weight_grad(main_grad [E, I, O] fp32, x [N, I], grad [N, O], offsets [E] int32,
                     counts=None, sm_carveout=None) -> None (main_grad[e] += x_e^T @ grad_e)
+gather_rows(src [X, ...], index [Y] int) -> [Y, ...] (src[index], a zero row where index < 0;
+    a plain copy, not differentiable: `model.dispatch.move_rows` is its autograd form)
+zero_rows_from(x [M, ...], end [1] int) -> x with rows >= end zeroed, written into x when
+    contiguous (differentiable)
 
 Same signatures, outputs and row-id map format as `reference` (the torch backend), so a model
 switches backends by config alone (`make_moe_ops`). Every op is differentiable like its
@@ -30,6 +34,8 @@ from .grouped_wgrad_triton import grouped_weight_grad_triton as grouped_weight_g
 from .permutation_triton import permute_triton as permute
 from .permutation_triton import unpermute_triton as unpermute
 from .rmsnorm_triton import rms_norm_triton as rms_norm
+from .rows_triton import gather_rows_triton as gather_rows
+from .rows_triton import zero_rows_from_triton as zero_rows_from
 from .rotary_triton import rotary_triton as rotary
 from .router_topk_triton import router_topk_triton as router_topk
 from .router_topk_triton import router_topk_with_counts_triton as router_topk_with_counts
@@ -37,4 +43,5 @@ from .sort_chunks_triton import sort_chunks_by_idxs_triton as sort_chunks_by_idx
 from .swiglu_triton import swiglu_triton as swiglu
 
 __all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs",
-           "rms_norm", "rotary", "swiglu", "cross_entropy", "grouped_weight_grad"]
+           "rms_norm", "rotary", "swiglu", "cross_entropy", "grouped_weight_grad", "gather_rows",
+           "zero_rows_from"]

@@ -137,6 +137,20 @@ def unpermute_config(hidden: int, elem_size: int, num_experts: int, kind: str) -
     return CopyConfig(block_h, 4, block_t)
 
 
+ROW_TILE_BYTES = 16384
+ROW_TILE_MAX_ROWS = 1024
+
+
+@functools.lru_cache(maxsize=256)
+def row_tile_config(hidden: int, elem_size: int) -> CopyConfig:
+    """Tiles of the row gather and the padding-row zeroing (`rows_triton`): the plain copy's
+    BLOCK_H (`copy_config`) and BLOCK_T rows per program for ~16 KiB a tile (hidden 2048 bf16
+    -> 4 rows; [X] fp32 probs -> 1024 rows of 1), 4 warps up to 8 KiB a tile, else 8."""
+    block_h = copy_config(hidden, elem_size).block_h
+    rows = max(1, min(ROW_TILE_MAX_ROWS, ROW_TILE_BYTES // (block_h * elem_size)))
+    return CopyConfig(block_h, 4 if rows * block_h * elem_size <= 8192 else 8, rows)
+
+
 def rows_per_copy_program(block_h: int, elem_size: int) -> int:
     """Rows per program of the 2-D chunk-sort copy: about 16 KiB moved per program."""
     return max(1, min(64, 16384 // (block_h * elem_size)))

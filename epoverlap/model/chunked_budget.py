@@ -69,8 +69,9 @@ class ChunkedBudgetMoE(ChunkedMoE):
         send, return_index = chunk_indices(send_RK, rows_K, num_rows)
         send_index = torch.cat(send)
         blocks = [self.ranks * rows for rows in rows_K]
-        tokens = move_rows(permuted_tokens, send_index, return_index).split(blocks)
-        probs = move_rows(permuted_probs, send_index, return_index).split(blocks)
+        gather = self.ops.gather_rows
+        tokens = move_rows(permuted_tokens, send_index, return_index, gather).split(blocks)
+        probs = move_rows(permuted_probs, send_index, return_index, gather).split(blocks)
         kept_RL = torch.cat([kept_counts(recv_RL[:, a:b], rows)
                              for (a, b), rows in zip(self.groups, rows_K)], dim=1)
         meta = ChunkedBudgetMeta(rows_K, send_index, return_index, kept_RL)
@@ -103,7 +104,8 @@ class ChunkedBudgetMoE(ChunkedMoE):
     def combine(self, returned, meta: ChunkedBudgetMeta, row_id_map) -> torch.Tensor:
         """The returned blocks onto the permuted rows (a cut row's come back as zeros), each
         token's rows summed."""
-        rows = move_rows(torch.cat(list(returned)), meta.return_index, meta.send_index)
+        rows = move_rows(torch.cat(list(returned)), meta.return_index, meta.send_index,
+                         self.ops.gather_rows)
         return self.ops.unpermute(rows, row_id_map)
 
 

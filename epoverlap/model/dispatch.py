@@ -41,12 +41,13 @@ N = T * topk permuted rows, M rows received by this rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from epoverlap.config.dispatch import DispatchMode, padded_rows
 from epoverlap.kernels import MoEOps
+from epoverlap.kernels.rows import gather_rows_torch
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.parallel.comm import ExpertComm, SplitExchange, all_to_all
 
@@ -272,9 +273,10 @@ class BudgetDispatcher(TokenDispatcher):
         budget.note(send_R)
         budget.note_wire(send_R, chunk)
         send_index, return_index = budget_indices(send_R, chunk, num_rows)
-        send_XH = move_rows(permuted_NH, send_index, return_index)
-        send_probs_X = self._chunk_probs(move_rows(permuted_probs_N, send_index, return_index),
-                                         send_index)
+        gather = self.ops.gather_rows
+        send_XH = move_rows(permuted_NH, send_index, return_index, gather)
+        send_probs_X = self._chunk_probs(
+            move_rows(permuted_probs_N, send_index, return_index, gather), send_index)
         recv_MH = all_to_all(self.comm, send_XH, None, None)
         recv_probs_M = all_to_all(self.comm, send_probs_X, None, None)
         recv_probs_M, recv_counts_RL, expert_rows = self._received(recv_probs_M, recv_RL, chunk)
@@ -314,7 +316,8 @@ class BudgetDispatcher(TokenDispatcher):
 
     def _returned_rows(self, returned_NH, meta: DispatchMeta):
         """The chunks' slots back onto the permuted rows (a cut row's come back as zeros)."""
-        return move_rows(returned_NH, meta.return_index, meta.send_index)
+        return move_rows(returned_NH, meta.return_index, meta.send_index,
+                         self.ops.gather_rows)
 
 
 def _budget_chunks(meta: DispatchMeta) -> torch.Tensor:
@@ -324,32 +327,28 @@ def _budget_chunks(meta: DispatchMeta) -> torch.Tensor:
     return torch.cat([kept_RL, pad_R1], dim=1)
 
 
-def _pick_rows(src_XH: torch.Tensor, index_Y: torch.Tensor) -> torch.Tensor:
-    """out[y] = src[index[y]], a zero row where index[y] < 0."""
-    picked_YH = src_XH.index_select(0, index_Y.clamp(min=0))
-    return torch.where((index_Y >= 0).unsqueeze(1), picked_YH, picked_YH.new_zeros(()))
-
-
 class _MoveRows(torch.autograd.Function):
     """Rows moved by an index whose valid entries are one-to-one (`inverse` maps back): the
-    backward is the inverse move, a gather, so every grad is copied, never summed."""
+    backward is the inverse move, a gather, so every grad is copied, never summed. `gather`:
+    out[y] = src[index[y]], a zero row where index[y] < 0 (`MoEOps.gather_rows`)."""
 
     @staticmethod
-    def forward(ctx, src_XH, index_Y, inverse_X):
+    def forward(ctx, src_XH, index_Y, inverse_X, gather: Callable):
         ctx.save_for_backward(inverse_X)
-        return _pick_rows(src_XH, index_Y)
+        ctx.gather = gather
+        return gather(src_XH, index_Y)
 
     @staticmethod
     def backward(ctx, grad_YH):
         (inverse_X,) = ctx.saved_tensors
-        return _pick_rows(grad_YH, inverse_X), None, None
+        return ctx.gather(grad_YH, inverse_X), None, None, None
 
 
-def move_rows(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """`_MoveRows` for [X, H] rows or [X] values."""
-    if src.dim() == 1:
-        return _MoveRows.apply(src.unsqueeze(1), index, inverse).squeeze(1)
-    return _MoveRows.apply(src, index, inverse)
+def move_rows(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
+              gather: Callable = gather_rows_torch) -> torch.Tensor:
+    """`_MoveRows` for [X, H] rows or [X] / [X, K] values; `gather`: the op table's
+    `gather_rows` (the torch reference where no table is at hand)."""
+    return _MoveRows.apply(src, index, inverse, gather)
 
 
 def budget_indices(send_R: torch.Tensor, chunk_rows: int, num_rows: int):

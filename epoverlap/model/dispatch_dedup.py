@@ -172,7 +172,8 @@ def once_per_peer(ops: MoEOps, hidden_TH, probs_TE, routing_map_TE, peers: int,
     chosen_probs_XK = torch.where(routing_map_TE, probs_TE, -1.0).view(
         tokens * peers, per_peer)  # X = (token, peer) pairs
     source_N = rows_by_pair(row_id_map_TP, num_out)
-    permuted_probs_NK = move_rows(chosen_probs_XK, source_N, row_id_map_TP.reshape(-1))
+    permuted_probs_NK = move_rows(chosen_probs_XK, source_N, row_id_map_TP.reshape(-1),
+                                  ops.gather_rows)
     return permuted_NH, permuted_probs_NK, row_id_map_TP
 
 
@@ -383,8 +384,8 @@ class ByHostBudgetDispatcher(_ByHost):
         send_G = (row_id_map[:, :hosts] >= 0).sum(dim=0)
         budget.note(send_G)
         send_index, return_index = budget_indices(send_G, chunk, permuted_NH.shape[0])
-        recv_M1H, recv_probs_M1K = _send_chunks(route.between, permuted_NH, permuted_probs_N,
-                                                send_index, return_index)
+        recv_M1H, recv_probs_M1K = _send_chunks(self.ops, route.between, permuted_NH,
+                                                permuted_probs_N, send_index, return_index)
         rows_NH, probs_NL, within_map = once_per_peer(
             self.ops, recv_M1H, recv_probs_M1K, recv_probs_M1K >= 0, route.per_host,
             recv_M1H.shape[0] * min(self.topk, route.per_host))
@@ -392,8 +393,8 @@ class ByHostBudgetDispatcher(_ByHost):
         budget.note_within(send_P)
         within_send, within_return = budget_indices(send_P, budget.within_rows,
                                                     rows_NH.shape[0])
-        recv_MH, recv_probs_ML = _send_chunks(route.within, rows_NH, probs_NL, within_send,
-                                              within_return)
+        recv_MH, recv_probs_ML = _send_chunks(self.ops, route.within, rows_NH, probs_NL,
+                                              within_send, within_return)
         blocks = self._received_blocks(within_map, chunk, budget.within_rows)
         recv_MH, recv_probs_ML = (
             self.ops.sort_chunks_by_idxs(t, blocks.reshape(-1), self._blocks_to_source_major)[0]
@@ -428,20 +429,21 @@ class ByHostBudgetDispatcher(_ByHost):
         route = self.route
         sizes = meta.blocks.reshape(-1).index_select(0, self._blocks_to_source_major)
         rows = self.ops.sort_chunks_by_idxs(expert_out_MH, sizes, self._blocks_to_mate_major)[0]
+        gather = self.ops.gather_rows
         back_NH = move_rows(all_to_all(route.within, rows, None, None),
-                            meta.within_return_index, meta.within_send_index)
+                            meta.within_return_index, meta.within_send_index, gather)
         rows_M1H = self.ops.unpermute(back_NH, meta.within_row_id_map)
         back_NH = move_rows(all_to_all(route.between, rows_M1H, None, None), meta.return_index,
-                            meta.send_index)
+                            meta.send_index, gather)
         return self.ops.unpermute(back_NH, row_id_map_TE[:, :route.hosts].contiguous())
 
 
-def _send_chunks(comm: ExpertComm, rows_NH, probs_NK, send_index, return_index):
+def _send_chunks(ops: MoEOps, comm: ExpertComm, rows_NH, probs_NK, send_index, return_index):
     """One stage in fixed chunks: the rows to their slots (empty: zero rows, probs -1), then
     equal-split all-to-alls of rows and probs. -> (rows, probs) received."""
-    chunk_XH = move_rows(rows_NH, send_index, return_index)
+    chunk_XH = move_rows(rows_NH, send_index, return_index, ops.gather_rows)
     probs_XK = torch.where((send_index >= 0).unsqueeze(1),
-                           move_rows(probs_NK, send_index, return_index), -1.0)
+                           move_rows(probs_NK, send_index, return_index, ops.gather_rows), -1.0)
     return all_to_all(comm, chunk_XH, None, None), all_to_all(comm, probs_XK, None, None)
 
 

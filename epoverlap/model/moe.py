@@ -220,8 +220,10 @@ class GroupedSwiGLUExperts(nn.Module):
                 counts_host: Optional[list[int]], experts: Optional[tuple[int, int]] = None):
         """Rows sorted by local expert, counts_L [L] on the device. `counts_host` None: only the
         device knows the counts, and rows past the last expert's are padding (the budget
-        dispatch): the GEMMs leave them unwritten, so they come out as zeros. `experts` (a, b):
-        the rows are local experts a..b-1's only (a chunk, `model.chunked`), counts theirs."""
+        dispatch): the GEMMs leave them unwritten, so they are zeroed here (`MoEOps.
+        zero_rows_from`: the Triton op writes the zeros into the GEMM's output, which nothing
+        else holds, and leaves its other rows alone). `experts` (a, b): the rows are local
+        experts a..b-1's only (a chunk, `model.chunked`), counts theirs."""
         offsets_L = expert_offsets(counts_L)
         h_M2F = grouped_gemm(x_MH, self.fc1, offsets_L, counts_host, self.queue,
                              self.sm_carveout, experts, self.ops.grouped_weight_grad)
@@ -229,6 +231,5 @@ class GroupedSwiGLUExperts(nn.Module):
         out_MH = grouped_gemm(act_MF, self.fc2, offsets_L, counts_host, self.queue,
                               self.sm_carveout, experts, self.ops.grouped_weight_grad)
         if counts_host is None:
-            row_M1 = torch.arange(out_MH.shape[0], device=out_MH.device).unsqueeze(1)
-            out_MH = torch.where(row_M1 < offsets_L[-1:], out_MH, out_MH.new_zeros(()))
+            out_MH = self.ops.zero_rows_from(out_MH, offsets_L[-1:])
         return out_MH

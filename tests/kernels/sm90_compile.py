@@ -145,6 +145,11 @@ def _exercise_shape(ops, context, tokens, hidden, experts, topk, dtype, router_k
     out = ops.unpermute(rows * rows_probs[:, None], row_id_map, probs=merge)
     out.float().sum().backward()
     ops.unpermute(permuted.detach().requires_grad_(), row_id_map).float().sum().backward()
+    index = torch.arange(tokens * topk) - 1  # the budget dispatch's moves: [N, H], [N] probs
+    ops.gather_rows(permuted.detach(), index)
+    ops.gather_rows(permuted_probs.detach(), index)
+    padded = ops.zero_rows_from(x * 1, torch.tensor([tokens // 2], dtype=torch.int32))
+    padded.float().sum().backward()
 
 
 def main(argv: list[str]) -> int:

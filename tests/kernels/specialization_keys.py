@@ -2,7 +2,8 @@
 
 Run as a script (TRITON_INTERPRET unset): the sm_90 stand-in driver of `sm90_compile` records
 the specialization key of every launch instead of running it; the ops of one MoE layer (router,
-row-id map, permute, chunk sort, SwiGLU, unpermute, RMSNorm), forward and backward, run on CPU
+row-id map, permute, chunk sort, SwiGLU, unpermute, RMSNorm, row gather, padding-row
+zeroing), forward and backward, run on CPU
 tensors: TOKENS local tokens, then each RECEIVED row count in turn (what the expert side of
 dropless routing sees change from step to step). Usage: specialization_keys.py TOKENS RECEIVED... Prints JSON: kernel name -> number of distinct keys.
 """
@@ -38,6 +39,10 @@ def _layer_ops(tokens: int, received: int) -> None:
     (act_MF.float().sum() + rows_MH.float().sum()).backward()
     out_TH = ops.unpermute(permuted_NH, row_id_map_TE)
     out_TH.float().sum().backward()
+    index_M = torch.arange(received) - 1  # the budget dispatch's row moves, then its padding
+    ops.gather_rows(recv_MH.detach(), index_M)
+    ops.gather_rows(recv_probs_M.detach(), index_M)
+    ops.zero_rows_from(h_M2F * 1, torch.tensor([received // 2], dtype=torch.int32))
 
 
 def main(argv: list[str]) -> int:

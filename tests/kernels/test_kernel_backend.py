@@ -225,7 +225,7 @@ def test_every_kernel_compiles_for_sm90():
     assert names == {"_router_fwd_kernel", "_router_bwd_kernel", "_map_small_kernel",
                      "_map_count_kernel", "_map_write_kernel", "_permute_kernel",
                      "_unpermute_kernel", "_unpermute_bwd_kernel", "_chunk_src_rows_kernel",
-                     "_move_rows_kernel"}
+                     "_move_rows_kernel", "_gather_rows_kernel", "_zero_rows_kernel"}
     assert all(r["local_bytes"] == 0 for r in records), [r for r in records if r["local_bytes"]]
     benchmark_shapes = [r for r in records if r["shape"].startswith(("H7168", "H4096"))]
     # (Triton 3.9 gives the H=1000 scatter copy a 96-byte stack frame; 3.6 none)
@@ -235,6 +235,12 @@ def test_every_kernel_compiles_for_sm90():
                                                     "_unpermute_bwd_kernel", "_move_rows_kernel")
               and r["shape"].startswith(("H7168", "H4096")) and r["shape"].endswith("bfloat16")]
     assert len(copies) >= 8 and all(r["v4_loads"] and r["v4_stores"] for r in copies), copies
+    row_ops = [r for r in records if r["kernel"] in ("_gather_rows_kernel", "_zero_rows_kernel")
+               and r["shape"].startswith(("H7168", "H4096")) and "H" in r["signature"]]
+    assert len(row_ops) >= 6 and all(r["v4_stores"] for r in row_ops), row_ops  # rows, not probs
+    reads = [r for r in row_ops if r["kernel"] == "_gather_rows_kernel"
+             or r["constants"]["(7,)"] is True]  # the zeroing reads only as a copy (COPY)
+    assert len(reads) >= 4 and all(r["v4_loads"] for r in reads), reads
 
 
 def _variant_counts(tokens: int, received: list[int]) -> dict:
@@ -253,6 +259,7 @@ def test_changing_row_counts_never_needs_a_new_kernel_variant():
     one = _variant_counts(64, [64])
     many = _variant_counts(64, [1, 16, 17, 48, 64, 100, 333, 1024])
     assert {"_swiglu_fwd_kernel", "_swiglu_bwd_kernel", "_move_rows_kernel",
+            "_gather_rows_kernel", "_zero_rows_kernel",
             "_chunk_src_rows_kernel", "_permute_kernel", "_unpermute_kernel",
             "_router_fwd_kernel", "_rms_norm_fwd_kernel"} <= set(one)
     assert many == one
