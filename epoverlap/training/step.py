@@ -44,7 +44,7 @@ from epoverlap.model.flops import megatron_flops_per_token, training_flops_per_t
 from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.overlap import step_metrics
 from epoverlap.training.build import RunParts
-from epoverlap.training.data import step_batches
+from epoverlap.training.data import StepFeed
 from epoverlap.training.metrics import StepResult
 from epoverlap.training.mfu import device_peak_tflops, mfu
 from epoverlap.training.numerics import check_finite
@@ -66,6 +66,13 @@ class StepRunner:
         self._tune_record_due = parts.tuner is not None and parts.tuner.cached
         self.stop_reason: Optional[str] = None  # every rank's agreed reason to stop now
         self._last_demand: Optional[list] = None  # the budget's, of the last attempt
+        self._feed: Optional[StepFeed] = None  # the steps' batches, one made ahead
+
+    def close(self) -> None:
+        """Ends the data feed's worker (the batch it was making ahead is dropped)."""
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
 
     # ----------------------------------------------------------------- the step
     def step(self, step: int) -> StepResult:
@@ -149,8 +156,11 @@ class StepRunner:
         the same (step, DP rank, microbatch) as the data (`model.dropout`)."""
         p = self.parts
         t, rank = p.cfg.train, p.groups.dp_rank  # every stage of a pipeline reads alike
-        batches = step_batches(p.data, step, rank, t.num_microbatches, t.micro_batch_size,
-                               p.cfg.model.seq_length)
+        if self._feed is None or self._feed.source is not p.data:
+            self.close()
+            self._feed = StepFeed(p.data, rank, t.num_microbatches, t.micro_batch_size,
+                                  p.cfg.model.seq_length)
+        batches = self._feed.batches(step)
         return [{"tokens": tokens.to(p.device), "labels": labels.to(p.device),
                  **dropout_inputs(p.cfg, step, rank, mb)}
                 for mb, (tokens, labels) in enumerate(batches)]

@@ -194,6 +194,7 @@ class Trainer:
         return self.reporter.unaligned_line()
 
     def close(self) -> None:
+        self.stepper.close()
         self.parts.close()
 
 

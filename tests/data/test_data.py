@@ -16,7 +16,8 @@ from epoverlap.data.indexed import IndexedWriter, open_indexed
 from epoverlap.data.samples import BlendedSamples, DocumentSamples, blend_order, split_bounds
 from epoverlap.data.tokenizers import TokenizerError, build_tokenizer
 from epoverlap.errors import ConfigError
-from epoverlap.training.data import IndexedData, SyntheticData, open_data_source, step_batches
+from epoverlap.training.data import (IndexedData, StepFeed, SyntheticData, open_data_source,
+                                     step_batches)
 from epoverlap.cli import convert_data
 
 NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
@@ -346,3 +347,35 @@ def test_step_batches_asks_other_sources_one_microbatch_at_a_time():
     source = OneAtATime()
     batches = step_batches(source, 2, 0, 3, 1, 4)
     assert source.calls == [0, 1, 2] and [int(t[0, 0]) for t, _ in batches] == [0, 1, 2]
+
+
+class _CountingSource:
+    """A source that records which steps were made, on which thread, and fails at step 5."""
+
+    def __init__(self):
+        self.inner, self.made = SyntheticData(64, seed=3), []
+
+    def batch(self, step, rank, microbatch, batch, seq):
+        import threading
+        self.made.append((step, threading.current_thread().name))
+        if step == 5:
+            raise ValueError("step 5's batch is broken")
+        return self.inner.batch(step, rank, microbatch, batch, seq)
+
+
+def test_step_feed_gives_each_steps_batches_and_makes_the_next_one_ahead():
+    source = _CountingSource()
+    feed = StepFeed(source, rank=1, count=2, batch=2, seq=8)
+    try:
+        for step in (1, 2, 2, 3):  # step 2 asked twice (a rerun): made again, the same
+            got = feed.batches(step)
+            want = step_batches(source.inner, step, 1, 2, 2, 8)
+            assert all(torch.equal(a, b) for pair in zip(got, want) for a, b in zip(*pair))
+        feed._ahead[1].result()  # step 4, made on the worker before anyone asked
+        worker_steps = {step for step, thread in source.made if thread.startswith("epoverlap")}
+        assert {2, 3, 4} <= worker_steps
+        feed.batches(4)
+        with pytest.raises(ValueError, match="step 5's batch is broken"):
+            feed.batches(5)  # the worker's error, raised when step 5 asks
+    finally:
+        feed.close()
