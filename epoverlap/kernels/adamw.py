@@ -47,16 +47,19 @@ class AdamScalars:
     bias_correction2_sqrt: float  # sqrt(1 - beta2 ** step)
     eps: float
     neg_step_size: float  # -(lr / (1 - beta1 ** step))
+    grad_scale: float = 1.0  # the clip's factor, applied to each grad as it is read
 
 
 def adam_scalars(lr: float, weight_decay: float, beta1: float, beta2: float, eps: float,
-                 step: float) -> AdamScalars:
-    """torch's `_single_tensor_adam` host arithmetic (fp64) for step `step` (1-based)."""
+                 step: float, grad_scale: float = 1.0) -> AdamScalars:
+    """torch's `_single_tensor_adam` host arithmetic (fp64) for step `step` (1-based); the
+    grads are multiplied by `grad_scale` (fp32) as they are read: the bits of a clip that
+    scaled the grad buffers in place before the step."""
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     step_size = lr / bias_correction1
     return AdamScalars(1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
-                       bias_correction2 ** 0.5, eps, -step_size)
+                       bias_correction2 ** 0.5, eps, -step_size, grad_scale)
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,8 @@ def adamw_flat_torch(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     """One AdamW step over flat [n] fp32 buffers in place (module docstring); `param` [n]
     (bf16) written from the new masters, or None. Scalars are divided through 0-d tensors, as
     CUDA divides by a host scalar with a reciprocal: the same bits on either device."""
+    if s.grad_scale != 1.0:
+        grad = grad * s.grad_scale
     for start, end in decay.ranges:
         master[start:end].mul_(s.decay)
     _fma_(exp_avg, _scalar(s.one_minus_beta1, grad), grad - exp_avg)

@@ -64,7 +64,7 @@ def _store(ptr, value, ok, MASKED: tl.constexpr):
 @triton.jit
 def _adamw_window(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_ptr, flags_ptr,
                   code, offs, lanes, ok, decay, one_minus_beta1, beta2, one_minus_beta2,
-                  bias_correction2_sqrt, eps, neg_step_size,
+                  bias_correction2_sqrt, eps, neg_step_size, grad_scale,
                   BLOCK: tl.constexpr, WRITE_PARAM: tl.constexpr, MASKED: tl.constexpr):
     """One window's update (the values `offs`; `ok` where they exist if MASKED): its decay
     code, the flags if it is mixed, the values."""
@@ -73,7 +73,7 @@ def _adamw_window(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_ptr, 
                    mask=(ok & mixed) if MASKED else mixed, other=0)
     decays = (code == -1) | (flag != 0)
     p = _load(master_ptr + offs, ok, MASKED)
-    g = _load(grad_ptr + offs, ok, MASKED)
+    g = _load(grad_ptr + offs, ok, MASKED) * grad_scale  # the clip (1.0: the same bits)
     m = _load(exp_avg_ptr + offs, ok, MASKED)
     v = _load(exp_avg_sq_ptr + offs, ok, MASKED)
     p = tl.where(decays, p * decay, p)
@@ -100,6 +100,7 @@ def _adamw_flat_kernel(
     flags_ptr,       # [mixed windows, BLOCK] int8: 1 where a value of a mixed window decays
     n, first_window,  # the values; the window of program 0
     decay, one_minus_beta1, beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size,
+    grad_scale,
     BLOCK: tl.constexpr, WRITE_PARAM: tl.constexpr, MASKED: tl.constexpr,
 ):
     # the scalars are fp32 arguments on GPUs, Python floats under the interpreter
@@ -110,13 +111,14 @@ def _adamw_flat_kernel(
     bias_correction2_sqrt = tl.cast(bias_correction2_sqrt, tl.float32)
     eps = tl.cast(eps, tl.float32)
     neg_step_size = tl.cast(neg_step_size, tl.float32)
+    grad_scale = tl.cast(grad_scale, tl.float32)
     window = first_window + tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     offs = window.to(tl.int64) * BLOCK + lanes
     _adamw_window(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_ptr, flags_ptr,
                   tl.load(codes_ptr + window), offs, lanes, offs < n, decay, one_minus_beta1,
-                  beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size, BLOCK,
-                  WRITE_PARAM, MASKED)
+                  beta2, one_minus_beta2, bias_correction2_sqrt, eps, neg_step_size,
+                  grad_scale, BLOCK, WRITE_PARAM, MASKED)
 
 
 def num_warps_for(block: int) -> int:
@@ -138,6 +140,6 @@ def adamw_flat_triton(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
                 master, grad, exp_avg, exp_avg_sq, master if param is None else param,
                 decay.codes, decay.flags, n, first,
                 s.decay, s.one_minus_beta1, s.beta2, s.one_minus_beta2,
-                s.bias_correction2_sqrt, s.eps, s.neg_step_size,
+                s.bias_correction2_sqrt, s.eps, s.neg_step_size, s.grad_scale,
                 BLOCK=block, WRITE_PARAM=param is not None, MASKED=masked,
                 num_warps=num_warps_for(block), enable_fp_fusion=False)

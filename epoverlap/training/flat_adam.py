@@ -169,12 +169,13 @@ class FlatAdamW:
             self.params_flat.copy_(self.masters_flat)
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """One step; the grads are read times `grad_scale` (the clip's factor)."""
         self.create_state()
         self.steps += 1
         c = self.cfg
         scalars = adam_scalars(lr, c.weight_decay, c.adam_beta1, c.adam_beta2, c.adam_eps,
-                               self.steps[0].item())
+                               self.steps[0].item(), grad_scale)
         for segment in self.segments:
             span = slice(segment.start, segment.start + segment.grad.numel())
             self._update(self.masters_flat[span], segment.grad, self.exp_avg_flat[span],

@@ -128,11 +128,18 @@ class GradBuffers:
             g.pp.all_reduce(whole_sq)  # one stage per slot, the others 0
         return math.sqrt(host_list(whole_sq.double().sum()))
 
-    def clip(self, max_norm: float) -> float:
-        """Scale grads so the global norm is at most max_norm (0 disables). Returns the norm."""
+    def clip_factor(self, max_norm: float) -> tuple[float, float]:
+        """(the global norm, the factor that brings it to at most max_norm: 1.0 when it is
+        below or max_norm is 0). The grads are left as they are: the optimizer applies it."""
         norm = self.global_norm()
         if max_norm > 0 and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
+            return norm, max_norm / (norm + 1e-6)
+        return norm, 1.0
+
+    def clip(self, max_norm: float) -> float:
+        """Scale grads so the global norm is at most max_norm (0 disables). Returns the norm."""
+        norm, scale = self.clip_factor(max_norm)
+        if scale != 1.0:
             self.dense_flat.mul_(scale)
             self.expert_flat.mul_(scale)
         return norm

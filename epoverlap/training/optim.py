@@ -125,8 +125,11 @@ class MixedPrecisionAdamW:
         """bf16 parameters from their fp32 masters, rounded to nearest even."""
         self.form.copy_masters_to_params()
 
-    def step(self, lr: float) -> None:
-        self.form.step(lr)
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """One step on the main grads times `grad_scale`, the clip's factor
+        (`GradBuffers.clip_factor`): the flat form multiplies each grad as it reads it, the
+        torch forms scale the buffers first; the same fp32 products either way."""
+        self.form.step(lr, grad_scale)
 
 
 class TorchAdamW:
@@ -170,9 +173,11 @@ class TorchAdamW:
             torch._foreach_copy_(list(params), list(masters))
 
     @torch.no_grad()
-    def step(self, lr: float) -> None:
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if grad_scale != 1.0:
+            torch._foreach_mul_([param.main_grad for param in self.params], grad_scale)
         for param, master in zip(self.params, self.masters):
             master.grad = param.main_grad
         self.optimizer.step()

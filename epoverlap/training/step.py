@@ -94,13 +94,13 @@ class StepRunner:
         with p.recorder.part("grad_reduce"):
             p.grads.reduce()
         with p.recorder.part("grad_clip"):
-            grad_norm = p.grads.clip(p.cfg.train.clip_grad)
+            grad_norm, grad_scale = p.grads.clip_factor(p.cfg.train.clip_grad)
         stats = reduce_step_stats(p, losses)
         self.stop_reason = stats.stop_reason
         lr = lr_at(step, p.cfg.train)
         if not p.cfg.train.skip_optimizer_step:
             with p.recorder.part("optimizer"):
-                p.optimizer.step(lr)
+                p.optimizer.step(lr, grad_scale)  # the clip, applied as grads are read
         spans = p.recorder.end_step() if profiled else None
         elapsed = self.sync_time() - start
         self._tune_record(step, elapsed)

@@ -97,6 +97,30 @@ def test_triton_update_is_the_torch_form_bit_for_bit(triton_device, with_param):
     assert not torch.equal(got[0], start)
 
 
+@pytest.mark.parametrize("form", ["torch", "triton"])
+def test_a_grad_scale_gives_the_bits_of_grads_scaled_before_the_step(triton_device, form):
+    """The clip's factor applied as each grad is read = the buffers scaled in place first."""
+    from epoverlap.kernels.adamw_triton import adamw_flat_triton
+
+    update = adamw_flat_torch if form == "torch" else adamw_flat_triton
+    layout = decay_layout(RANGES, N, BLOCK, torch.device(triton_device))
+    first, then = _state(triton_device), _state(triton_device)
+    for step, scale in ((1, 0.37), (2, 1.0), (3, 1 / 3)):
+        grad = (torch.randn(N, generator=torch.Generator().manual_seed(20 + step)) * 1e-3).to(
+            triton_device)
+        first[1].copy_(grad.mul(scale))  # the old clip: the buffer scaled in place
+        then[1].copy_(grad)
+        update(*first[:4], first[4], layout, _scalars(step))
+        s = _scalars(step)
+        update(*then[:4], then[4], layout, adam_scalars(1e-2 / step, WD, *BETAS, EPS,
+                                                        float(step), grad_scale=scale))
+        for name, index in (("master", 0), ("exp_avg", 2), ("exp_avg_sq", 3)):
+            assert torch.equal(first[index].view(torch.int32), then[index].view(torch.int32)), \
+                (step, scale, name)
+        assert torch.equal(first[4].view(torch.int16), then[4].view(torch.int16))
+        assert s.grad_scale == 1.0
+
+
 def test_only_the_matrices_decay():
     """With gradients and moments 0 the update is the decay alone: decayed values times
     (1 - lr * wd) in fp32, the rest untouched."""

@@ -158,6 +158,35 @@ def test_global_grad_norm_is_the_norm_of_every_grad_and_clipping_reaches_the_lim
     assert grads.global_norm() == pytest.approx(want / 4, rel=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["flat", "single", "foreach"])
+def test_the_clip_factor_given_to_the_optimizer_is_the_old_in_place_clip_bit_for_bit(impl):
+    """`clip_factor` + `step(lr, factor)` (the training step's order) against the grads
+    scaled in place by `clip` before `step(lr)`, over steps that clip and one that does not."""
+    from dist_helpers import single_rank_groups
+    from epoverlap.training.grads import GradBuffers
+
+    runs = []
+    for deferred in (False, True):
+        model, params = _buffered_model(torch.bfloat16)
+        grads = GradBuffers(model, single_rank_groups())
+        optimizer = MixedPrecisionAdamW(model, parse_config([]).train, impl)
+        gen = torch.Generator().manual_seed(5)
+        for step, limit in ((1, 0.5), (2, 1e6), (3, 0.25)):
+            for param in params:
+                param.main_grad.copy_(torch.randn(param.shape, generator=gen))
+            if deferred:
+                norm, factor = grads.clip_factor(limit)
+                assert (factor == 1.0) == (step == 2)
+                optimizer.step(1e-2, factor)
+            else:
+                grads.clip(limit)
+                optimizer.step(1e-2)
+        runs.append([m.detach().clone() for m in optimizer.masters]
+                    + [p.detach().clone() for p in params])
+    for before, after in zip(*runs):
+        assert torch.equal(before, after)
+
+
 def _buffered_model(dtype) -> tuple[nn.Module, list]:
     """A model whose grads are `GradBuffers` views (a dense and an expert buffer), matrices and
     1-D parameters interleaved, one matrix fp32 whatever `dtype` (as a router kept in fp32);
