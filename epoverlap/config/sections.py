@@ -52,6 +52,9 @@ class ModelConfig:
         "parallel size, 1 here)", metavar="N")
     rotary_base: float = flag(10000.0, "rotary embedding base")
     norm_epsilon: float = flag(1e-5, "RMSNorm epsilon")
+    qk_layernorm: bool = flag(
+        False, "RMSNorm over each head's query and key before rotary, one weight [head dim] "
+        "each, shared by the heads (Megatron-core's q_layernorm / k_layernorm; Qwen3)")
     init_method_std: float = flag(0.02, "weight init std")
     attention_dropout: float = flag(
         0.0, "dropout on the attention probabilities in training (Megatron-LM's default is "
