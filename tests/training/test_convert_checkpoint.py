@@ -23,9 +23,9 @@ round differently; each is a few ulps of fp32 (~1e-7 relative) per op, a few lay
 Measured: max |diff| 1e-6 on logits up to 2.2 (8e-7 with query/key norms). Routing (top-k)
 is discrete: a token whose k-th and (k+1)-th expert scores were within that rounding could
 pick another expert and differ by far more; with these seeded weights (router weights 3x the
-others') none does, and the weights are fixed, so the test is deterministic. (The all-gather dispatcher and the inference
-RNG tracker are used on Megatron-core's side only because its all-to-all dispatcher and
-attention RNG fork need CUDA; neither holds weights.)
+others') none does, and the weights are fixed, so the test is deterministic. (The all-gather
+dispatcher and the inference RNG tracker are used on Megatron-core's side only because its
+all-to-all dispatcher and attention RNG fork need CUDA; neither holds weights.)
 """
 
 from __future__ import annotations
