@@ -234,7 +234,8 @@ def destroy_megatron() -> None:
 
 def megatron_config(cfg: RunConfig, ep: int):
     """Megatron-core's TransformerConfig of our config: the same layers, widths, heads, query
-    groups, experts, router and precision; RMSNorm, SwiGLU, no biases, no dropout, as ours.
+    groups, query/key norms, experts, router and precision; RMSNorm, SwiGLU, no biases, no
+    dropout, as ours.
     Raises AssertionError where Megatron-core refuses the combination."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -245,6 +246,7 @@ def megatron_config(cfg: RunConfig, ep: int):
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.kv_heads,
         kv_channels=m.head_dim, normalization="RMSNorm", layernorm_epsilon=m.norm_epsilon,
+        qk_layernorm=m.qk_layernorm,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         attention_dropout=0.0, hidden_dropout=0.0, init_method_std=m.init_method_std,
         num_moe_experts=moe.num_experts,

@@ -3,6 +3,7 @@ model and the runtime import and that imports neither.
 
   sections.py          the config dataclasses; each flag is declared beside its field
   cuda_graphs.py       the CUDA-graph section and the migration of its deprecated spellings
+  data_text.py         the data flags' text read: --split proportions, --data-path blends
   flags.py             how a field becomes a flag (`flag`, the generated argparse surface)
   parse.py             the training command's parser and `parse_config`
   presets.py           --preset NAME
@@ -15,6 +16,7 @@ model and the runtime import and that imports neither.
 """
 
 from epoverlap.config.cuda_graphs import CudaGraphConfig
+from epoverlap.config.data_text import parse_blend, parse_split
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.config.parse import CHOICES, FLAGS, build_parser, config_from_args, flag_of, \
     parse_config
@@ -22,7 +24,7 @@ from epoverlap.config.presets import PRESETS
 from epoverlap.config.sections import (DEFAULT_SPLIT, SECTIONS, CheckpointConfig, DataConfig,
                                        KernelConfig, LogConfig, ModelConfig, MoEConfig,
                                        OverlapConfig, ParallelConfig, RunConfig, TrainConfig,
-                                       moe_layer_pattern, parse_blend, parse_split)
+                                       moe_layer_pattern)
 from epoverlap.config.resolve import resolve_config, validate_config
 from epoverlap.config.validate import nccl_config_unavailable, world_size_from_env
 

@@ -103,6 +103,8 @@ class CompatConfig:
     max_position_embeddings: Optional[int] = flag(None, "the longest sequence (>= "
                                                   "--seq-length; rotary needs no table)",
                                                   group=GROUP)
+    rotary_percent: float = flag(1.0, "the share of each head's dimensions rotated (only 1.0)",
+                                 group=GROUP)
     kv_channels: Optional[int] = flag(None, "per-head width (must be --hidden-size / "
                                       "--num-attention-heads)", group=GROUP)
     ddp_bucket_size: Optional[int] = flag(None, "grad reduction bucket size",
@@ -135,12 +137,9 @@ NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
     ("--qk-head-dim", 1, "multi-latent attention is not implemented"),
     ("--qk-pos-emb-head-dim", 1, "multi-latent attention is not implemented"),
     ("--v-head-dim", 1, "multi-latent attention is not implemented"),
-    ("--qk-layernorm", 0, "query/key layer norms are not implemented"),
     ("--apply-query-key-layer-scaling", 0, "query-key layer scaling is an fp16 measure; fp16 is "
      "not implemented"),
     ("--rotary-scaling-factor", 1, "rotary scaling (long context) is not implemented"),
-    ("--rotary-percent", 1, "partial rotary embeddings are not implemented; every head "
-     "dimension is rotated"),
     ("--moe-input-jitter-eps", 1, "router input jitter is not implemented"),
     ("--num-shared-experts", 1, "give the shared experts' total width with "
      "--moe-shared-expert-intermediate-size"),
@@ -212,6 +211,9 @@ def compat_rules(cfg, require: Callable[[bool, str, object, str], None]) -> None
     require(c.max_position_embeddings is None or c.max_position_embeddings >= m.seq_length,
             "max_position_embeddings", c.max_position_embeddings,
             f"must be >= --seq-length={m.seq_length}")
+    require(c.rotary_percent == 1.0, "rotary_percent", c.rotary_percent,
+            "must be 1.0: partial rotary embeddings are not implemented; every head dimension "
+            "is rotated")
     require(c.kv_channels is None or c.kv_channels == m.head_dim, "kv_channels", c.kv_channels,
             f"must be --hidden-size / --num-attention-heads = {m.head_dim} (per-head width)")
     require(not c.group_query_attention or m.num_query_groups is not None,

@@ -9,12 +9,12 @@ virtual stages, data-parallel size, the device and kernel backend `auto` resolve
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 from epoverlap.config.compat import CompatConfig
 from epoverlap.config.cuda_graphs import CudaGraphConfig
+from epoverlap.config.data_text import parse_blend, parse_split
 from epoverlap.config.flags import flag
 from epoverlap.data.tokenizers import TOKENIZER_TYPES
 
@@ -52,6 +52,9 @@ class ModelConfig:
         "parallel size, 1 here)", metavar="N")
     rotary_base: float = flag(10000.0, "rotary embedding base")
     norm_epsilon: float = flag(1e-5, "RMSNorm epsilon")
+    qk_layernorm: bool = flag(
+        False, "RMSNorm over each head's query and key before rotary, one weight [head dim] "
+        "each, shared by the heads (Megatron-core's q_layernorm / k_layernorm; Qwen3)")
     init_method_std: float = flag(0.02, "weight init std")
     attention_dropout: float = flag(
         0.0, "dropout on the attention probabilities in training (Megatron-LM's default is "
@@ -554,47 +557,3 @@ def moe_layer_pattern(num_layers: int, moe: MoEConfig) -> list[bool]:
         pattern = [layer % every == 0 for layer in range(num_layers)]
     return [is_moe and layer >= moe.moe_first_k_dense_replace
             for layer, is_moe in enumerate(pattern)]
-
-
-def parse_split(text: str) -> tuple[float, float, float]:
-    """"969,30,1" -> normalized (train, valid, test) proportions. Raises ValueError."""
-    parts = [p.strip() for p in re.split(r"[,/]", text) if p.strip()]
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        raise ValueError("expected up to three comma-separated proportions, e.g. 969,30,1") \
-            from None
-    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or not values[0] > 0:
-        raise ValueError("up to three proportions >= 0 with the train one > 0, e.g. 969,30,1")
-    values += [0.0] * (3 - len(values))
-    total = sum(values)
-    return tuple(v / total for v in values)  # type: ignore[return-value]
-
-
-def parse_blend(items: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
-    """`--data-path` items -> (prefixes, weights or None). Raises ValueError.
-
-    Either prefixes only (A B ...), or weight-prefix pairs (0.3 A 0.7 B), as Megatron-core
-    reads them.
-    """
-    items = list(items)
-    if not items:
-        raise ValueError("give at least one PREFIX (of PREFIX.bin / PREFIX.idx)")
-    if len(items) % 2 == 0 and all(_is_number(w) for w in items[0::2]):
-        weights = [float(w) for w in items[0::2]]
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError("weights must be >= 0 and not all 0")
-        return items[1::2], weights
-    numbers = [item for item in items if _is_number(item)]
-    if numbers:
-        raise ValueError(f"{numbers[0]} looks like a weight: give WEIGHT PREFIX pairs for every "
-                         "dataset, or prefixes only")
-    return items, None
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False

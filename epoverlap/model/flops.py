@@ -44,7 +44,9 @@ def training_flops_per_token(cfg: RunConfig) -> float:
     """Matmul + attention FLOPs per token of one training step (3x forward; causal attention).
     Differs from `megatron_flops_per_token` only by the router GEMM (2 H E per token per MoE
     layer forward), which this counts and Megatron-LM does not; the causal attention (half the
-    S x S scores) and the logit GEMM over the padded vocabulary are counted alike."""
+    S x S scores) and the logit GEMM over the padded vocabulary are counted alike. Norms (the
+    query/key norms of --qk-layernorm too), rotary and activations are elementwise: no GEMM
+    FLOPs, in neither count."""
     m, moe = cfg.model, cfg.moe
     attn_params = m.hidden_size * (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim \
         + m.num_attention_heads * m.head_dim * m.hidden_size

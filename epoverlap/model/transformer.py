@@ -83,7 +83,9 @@ def rotary_tables(seq_len: int, head_dim: int, base: float, device) -> tuple:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary embeddings."""
+    """Causal grouped-query self-attention with rotary embeddings; with --qk-layernorm an
+    RMSNorm over each head's query (`q_norm`) and key (`k_norm`) before rotary, one weight
+    [D] each shared by the heads, as Megatron-core's q_layernorm / k_layernorm."""
 
     def __init__(self, cfg: RunConfig, layer: int, ops: MoEOps, *, dtype, device, queue):
         super().__init__()
@@ -100,6 +102,10 @@ class Attention(nn.Module):
         seeded_normal_(self.qkv, std, param_seed(seed, "qkv", layer))
         seeded_normal_(self.proj, std / math.sqrt(2 * m.num_layers), param_seed(seed, "proj",
                                                                                  layer))
+        self.q_norm = self.k_norm = None
+        if m.qk_layernorm:
+            self.q_norm = RMSNorm(self.head_dim, m.norm_epsilon, ops, dtype, device)
+            self.k_norm = RMSNorm(self.head_dim, m.norm_epsilon, ops, dtype, device)
         cos_SD, sin_SD = rotary_tables(m.seq_length, m.head_dim, m.rotary_base, device)
         self.register_buffer("cos_SD", cos_SD, persistent=False)
         self.register_buffer("sin_SD", sin_SD, persistent=False)
@@ -111,8 +117,11 @@ class Attention(nn.Module):
         batch = x_TH.shape[0] // seq
         qkv_TX = linear(x_TH, self.qkv, self.queue)
         q, k, v = qkv_TX.split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], -1)
-        q_BQSD = q.view(batch, seq, self.heads, dim).transpose(1, 2)
-        k_BGSD = k.view(batch, seq, self.kv_heads, dim).transpose(1, 2)
+        q_BSQD = q.view(batch, seq, self.heads, dim)
+        k_BSGD = k.view(batch, seq, self.kv_heads, dim)
+        if self.q_norm is not None:  # over D of each head, before rotary (Megatron-core's order)
+            q_BSQD, k_BSGD = self.q_norm(q_BSQD), self.k_norm(k_BSGD)
+        q_BQSD, k_BGSD = q_BSQD.transpose(1, 2), k_BSGD.transpose(1, 2)
         v_BGSD = v.view(batch, seq, self.kv_heads, dim).transpose(1, 2)
         q_BQSD = self.ops.rotary(q_BQSD, self.cos_SD, self.sin_SD)
         k_BGSD = self.ops.rotary(k_BGSD, self.cos_SD, self.sin_SD)

@@ -393,6 +393,8 @@ class FlopModel:
         attn = 2 * tokens * m.seq_length * m.num_attention_heads * d
         mem = (12 * tokens * h + 2 * self._sent_rows() * h) * b  # norms, rotary, residual,
         # permute
+        if m.qk_layernorm:  # the query and key heads copied to rows, then normed: 2 passes
+            mem += 4 * tokens * (m.num_attention_heads + m.kv_heads) * d * b
         return NodeWork(gemm_flops=2 * tokens * weights, attn_flops=attn, mem_bytes=mem)
 
     def _mlp(self, m, moe, tokens, b) -> NodeWork:

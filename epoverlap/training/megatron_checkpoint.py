@@ -69,7 +69,7 @@ _NOT_MODEL = re.compile(r"^((chained_\d+\.)?optimizer\.|rng_state|rerun_state_ma
 _UNMAPPED = (
     (r"(\.bias|layer_norm_bias)$", "biases (LayerNorm, --add-bias-linear) are not in "
      "epoverlap's model, whose norms are RMSNorm and whose linears have no bias"),
-    (r"(q|k)_layernorm", "query/key layer norms (--qk-layernorm) are not implemented"),
+    (r"(q|k)_layernorm", "query/key layer norms: these flags have no --qk-layernorm"),
     (r"position_embeddings", "learned position embeddings are not implemented; epoverlap's "
      "positions are rotary"),
     (r"shared_experts\.gate_weight", "the shared-expert gate (--moe-shared-expert-gate) is not "
@@ -371,7 +371,7 @@ def megatron_args(cfg: RunConfig, step: int) -> argparse.Namespace:
         rotary_percent=1.0, rotary_interleaved=False, norm_epsilon=m.norm_epsilon,
         normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
         add_position_embedding=False, untie_embeddings_and_output_weights=True,
-        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=False,
+        add_bias_linear=False, add_qkv_bias=False, qk_layernorm=m.qk_layernorm,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, ckpt_format="torch_dist",
         iteration=step, no_save_optim=True, no_save_rng=True)
     if moe.enabled:

@@ -14,6 +14,8 @@ epoverlap's dense weights are; epoverlap's grouped experts are [E, in, out].
   decoder.layers.I.self_attention.linear_qkv.weight    layers.I.attention.qkv       regroup
                                     [G(Q/G+2)D, H]     [(Q+2G)D, H]
   decoder.layers.I.self_attention.linear_proj.weight   layers.I.attention.proj      -
+  decoder.layers.I.self_attention.q_layernorm.weight   layers.I.attention.q_norm.weight -
+                                    [D]                (--qk-layernorm; k_norm alike)
   decoder.layers.I.mlp.linear_fc1.layer_norm_weight    layers.I.pre_mlp_norm.weight -
   decoder.layers.I.mlp.linear_fc1.weight  [2F, H]      layers.I.dense_mlp.fc1       -
   decoder.layers.I.mlp.linear_fc2.weight  [H, F]       layers.I.dense_mlp.fc2       -
@@ -36,10 +38,11 @@ groups: its Q/G query heads, then its key head, then its value head, D rows each
 keeps all query heads, then all key heads, then all value heads. Query head h belongs to group
 h // (Q/G) in both, as SDPA's grouped-query attention reads it. Both SwiGLU fc1 weights hold
 the gate rows first, then the up rows (silu(gate) * up); a tensor-parallel checkpoint stores
-them globally in that order too. The norms are RMSNorm with weight [H] in both (no bias, no
-zero-centred gamma); the input norm and the pre-MLP norm are keyed by the linear after them,
-as Transformer Engine fuses them (the local spec writes the same keys; `pre_mlp_layernorm.weight`
-and `input_layernorm.weight` are read too).
+them globally in that order too. The norms are RMSNorm with weight [H] in both (the query and
+key norms [D], shared by the heads; no bias, no zero-centred gamma); the input norm and the
+pre-MLP norm are keyed by the linear after them, as Transformer Engine fuses them (the local
+spec writes the same keys; `pre_mlp_layernorm.weight` and `input_layernorm.weight` are read
+too).
 
 What the tensors cannot show is checked against the Megatron-LM arguments a checkpoint's
 common.pt may hold (`check_megatron_args`): top-k, the router's score function and options,
@@ -79,6 +82,8 @@ _IN_LAYER = {
     "input_norm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "attention.qkv": "self_attention.linear_qkv.weight",
     "attention.proj": "self_attention.linear_proj.weight",
+    "attention.q_norm.weight": "self_attention.q_layernorm.weight",
+    "attention.k_norm.weight": "self_attention.k_layernorm.weight",
     "pre_mlp_norm.weight": "mlp.linear_fc1.layer_norm_weight",
     "dense_mlp.fc1": "mlp.linear_fc1.weight",
     "dense_mlp.fc2": "mlp.linear_fc2.weight",
@@ -99,6 +104,8 @@ _SIZED_BY = {
                  "--hidden-size",
     "qkv": "--hidden-size, --num-attention-heads, --num-query-groups",
     "proj": "--hidden-size, --num-attention-heads",
+    "q_norm": "--hidden-size / --num-attention-heads (the head dim)",
+    "k_norm": "--hidden-size / --num-attention-heads (the head dim)",
     "dense_mlp": "--hidden-size, --ffn-hidden-size",
     "router": "--num-experts, --hidden-size",
     "experts": "--num-experts, --moe-ffn-hidden-size, --hidden-size",
@@ -252,7 +259,8 @@ def _expected_args(cfg: RunConfig) -> list[tuple[str, object, str]]:
     """(Megatron-LM argument, the value this config needs, what to say if it differs)."""
     m, moe = cfg.model, cfg.moe
     same = [("rotary_base", m.rotary_base, "--rotary-base"),
-            ("norm_epsilon", m.norm_epsilon, "--norm-epsilon")]
+            ("norm_epsilon", m.norm_epsilon, "--norm-epsilon"),
+            ("qk_layernorm", m.qk_layernorm, "--qk-layernorm")]
     if moe.enabled:
         same += [(name, getattr(moe, name), "--" + name.replace("_", "-")) for name in
                  ("moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
@@ -260,7 +268,6 @@ def _expected_args(cfg: RunConfig) -> list[tuple[str, object, str]]:
                   "moe_router_group_topk")]
     fixed = [("rotary_percent", 1.0, "partial rotary embeddings are not implemented"),
              ("rotary_interleaved", False, "epoverlap rotates the two halves of each head"),
-             ("qk_layernorm", False, "query/key layer norms are not implemented"),
              ("add_bias_linear", False, "epoverlap's linears have no biases"),
              ("add_qkv_bias", False, "epoverlap's linears have no biases"),
              ("normalization", "RMSNorm", "epoverlap's norms are RMSNorm"),

@@ -86,6 +86,7 @@ def weight_sizes(cfg: RunConfig, ep_size: int, stage: int = 0) -> list[int]:
     pattern = cfg.moe_layer_pattern()
     for layer in (layer for chunk in chunks for layer in chunk.layers):
         sizes += [2 * h, h * (qd + 2 * gd), qd * h]
+        sizes += [2 * m.head_dim] if m.qk_layernorm else []
         if not pattern[layer]:
             sizes += [2 * m.ffn_hidden_size * h, m.ffn_hidden_size * h]
             continue
@@ -117,6 +118,8 @@ def _layer_bytes_per_token(cfg: RunConfig, is_moe: bool, b: int, rows: float) ->
     h, q, g, d = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim
     expanded = 2 * q * d if g < q else 0
     attn = b * (4 * h + (q + 2 * g) * d + q * d + g * d + expanded + 2 * q * d) + 4 * q + 8
+    if m.qk_layernorm:  # the query/key norms keep their input and an fp32 1/rms per head
+        attn += (q + g) * (b * d + 4)
     if not is_moe:
         return attn + b * (3 * m.ffn_hidden_size + 2 * h)
     ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size

@@ -244,12 +244,13 @@ def test_our_side_on_two_cpu_ranks(tmp_path):
 @needs_megatron
 @pytest.mark.slow
 def test_megatron_core_builds_the_same_model_as_ours():
-    """bench_peer's translation of our config (grouped-query attention, a dense layer, a shared
-    expert) gives Megatron-core's GPTModel the same parameters as ours: every non-expert
-    tensor's shape and the expert elements; Megatron-core refuses its overlap at EP 1."""
+    """bench_peer's translation of our config (grouped-query attention with query/key norms, a
+    dense layer, a shared expert) gives Megatron-core's GPTModel the same parameters as ours:
+    every non-expert tensor's shape and the expert elements; Megatron-core refuses its overlap
+    at EP 1."""
     flags = SHAPES["quick"] + ["--num-query-groups", "2", "--moe-layer-freq", "[0,1]",
                                "--moe-shared-expert-intermediate-size", "128",
-                               "--ffn-hidden-size", "384"]
+                               "--ffn-hidden-size", "384", "--qk-layernorm"]
     [result] = run_ranks(megatron_and_our_parameters, 1, flags, timeout_s=240)
     assert result["megatron"] == result["epoverlap"]
     assert result["megatron"][1] == 8 * 3 * 256 * 256  # one MoE layer: 8 experts, SwiGLU

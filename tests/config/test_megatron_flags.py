@@ -59,12 +59,20 @@ def test_each_flag_alone_is_taken_or_refused_in_one_line_with_its_reason(group, 
 
 def test_refused_flags_are_named_one_line_each():
     with pytest.raises(RefusedFlags) as info:
-        parse_config(SMALL + ["--fp16", "--recompute-granularity", "full", "--qk-layernorm"])
+        parse_config(SMALL + ["--fp16", "--recompute-granularity", "full", "--eod-mask-loss"])
     lines = str(info.value).splitlines()
     assert lines == [
         "--fp16=True: fp16 training is not implemented; use --bf16",
         "--recompute-granularity=full: activation recomputation is not implemented",
-        "--qk-layernorm=True: query/key layer norms are not implemented"]
+        "--eod-mask-loss=True: masking the loss at end-of-document tokens is not implemented"]
+
+
+def test_qwen3s_attention_flags_are_taken():
+    """Qwen3-30B-A3B's script: query/key norms, and every head dimension rotated."""
+    cfg = parse_config(SMALL + ["--qk-layernorm", "--rotary-percent", "1.0"])
+    validate_config(cfg, 2, False)
+    assert cfg.model.qk_layernorm and cfg.compat.rotary_percent == 1.0
+    assert not parse_config(SMALL).model.qk_layernorm
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -80,6 +88,8 @@ def test_refused_flags_are_named_one_line_each():
      "--seq-length=32"),
     (["--group-query-attention"], "--group-query-attention=True: needs --num-query-groups"),
     (["--ckpt-format", "torch"], "--ckpt-format=torch: allowed: torch_dist"),
+    (["--rotary-percent", "0.5"], "--rotary-percent=0.5: must be 1.0: partial rotary "
+     "embeddings are not implemented; every head dimension is rotated"),
 ])
 def test_values_epoverlap_does_not_build_are_refused_naming_what_is(argv, message):
     with pytest.raises(ConfigError) as info:

@@ -80,6 +80,17 @@ def test_overlap_and_optimizer_state_are_counted():
     assert seq.states == no_adam.states * 16 // 8  # fp32: 4 weight + 4 grad + 8 AdamW vs 8
 
 
+def test_query_key_norms_are_counted():
+    """--qk-layernorm: two weights [head dim] per layer (16 bytes each element: fp32 weight,
+    grad, AdamW moments), and each norm's saved input and fp32 1/rms per head."""
+    base = ["--preset", "small", "--expert-model-parallel-size", "2"]
+    plain, qk = (estimate_memory(parse_config(base + extra), 2) for extra in ([],
+                                                                             ["--qk-layernorm"]))
+    m = parse_config(base).model
+    assert qk.states - plain.states == m.num_layers * 2 * m.head_dim * 16
+    assert qk.activations > plain.activations
+
+
 def test_fixed_dispatch_buffers_are_counted():
     """Padding to capacity and the dispatch budget move more rows than tokens x topk; a
     capacity without padding, or a budget below the balanced share, does not (balanced)."""

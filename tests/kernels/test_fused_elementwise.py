@@ -117,18 +117,23 @@ def test_rms_norm_matches_reference(triton_device, dtype, shape):
     _check_rms(out, ref, x, dtype)
 
 
-@pytest.mark.parametrize("layout", ["row_slice", "transposed"])
+@pytest.mark.parametrize("layout", ["row_slice", "transposed", "query_heads"])
 def test_rms_norm_strided_input(triton_device, layout):
-    """x read in place from a slice of wider rows; a transposed x (copied first)."""
+    """x read in place from a slice of wider rows; a transposed x (copied first); the query
+    heads [B, S, Q, D] of a fused QKV projection's rows, normed over D (--qk-layernorm)."""
     dtype = torch.bfloat16
     if layout == "row_slice":
         leaf = _rand((20, 400), dtype, 1, triton_device)
         view = lambda a: a[:, :300]  # noqa: E731
-    else:
+    elif layout == "transposed":
         leaf = _rand((300, 20), dtype, 1, triton_device)
         view = lambda a: a.t()  # noqa: E731
+    else:  # T = 2 x 6 tokens, Q = 4 query and G = 2 key/value heads of D = 32
+        leaf = _rand((12, (4 + 2 * 2) * 32), dtype, 1, triton_device)
+        view = lambda a: a[:, :4 * 32].view(2, 6, 4, 32)  # noqa: E731
     x = view(leaf.detach())
-    assert x.stride() == ((400, 1) if layout == "row_slice" else (1, 20))
+    assert x.stride() == {"row_slice": (400, 1), "transposed": (1, 20),
+                          "query_heads": (6 * 256, 256, 32, 1)}[layout]
     _, weight = _rms_inputs(x.shape, dtype, triton_device)
     out = _run(lambda a, w: rms_norm_triton(view(a), w, 1e-6), [leaf, weight])
     ref = _run(lambda a, w: rms_norm_torch(view(a), w, 1e-6), [leaf, weight])

@@ -62,6 +62,12 @@ def test_epoverlap_count_adds_the_router_only(flags):
     assert training_flops_per_token(cfg) - megatron_flops_per_token(cfg) == router
 
 
+@pytest.mark.parametrize("count", [megatron_flops_per_token, training_flops_per_token])
+def test_query_key_norms_add_no_gemm_flops(count):
+    """--qk-layernorm: elementwise, as Megatron-LM's formula counts it (not at all)."""
+    assert count(parse_config(TOP2 + ["--qk-layernorm"])) == count(parse_config(TOP2)) > 0
+
+
 def test_dense_model_counts_no_router():
     cfg = parse_config(TOP2 + ["--num-experts", "0"])
     assert training_flops_per_token(cfg) == megatron_flops_per_token(cfg)

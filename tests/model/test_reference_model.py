@@ -46,8 +46,9 @@ SIGMOID_BIAS_GROUPS = ["--num-experts", "8", "--moe-router-score-function", "sig
                        "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor",
                        "2.5"]
 PADDED_VOCAB = ["--make-vocab-size-divisible-by", "96"]  # 256 -> 288 rows, 32 of padding
+QK_NORM = ["--qk-layernorm"]  # Qwen3's query/key norms (weights off 1: perturb_state)
 CONFIGS = {"softmax": SOFTMAX, "sigmoid_bias_groups": SIGMOID_BIAS_GROUPS,
-           "padded_vocab": PADDED_VOCAB}
+           "padded_vocab": PADDED_VOCAB, "qk_norm": QK_NORM}
 RUNS = {"sequential": ("sequential", SerialLanes, False),
         "combined_1f1b_threads_delayed_wgrad": ("combined_1f1b", ThreadLanes, True)}
 

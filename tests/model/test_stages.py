@@ -88,12 +88,13 @@ def test_a_stage_without_a_pipeline_comm_is_refused():
                  device=torch.device("cpu"), stage=0)
 
 
-@pytest.mark.parametrize("pp, virtual", [(2, 1), (4, 1), (2, 2)])
-def test_the_memory_estimate_counts_exactly_each_stages_parameters(pp, virtual):
+@pytest.mark.parametrize("pp, virtual, extra", [(2, 1, []), (4, 1, []), (2, 2, []),
+                                                (2, 1, ["--qk-layernorm"])])
+def test_the_memory_estimate_counts_exactly_each_stages_parameters(pp, virtual, extra):
     """The estimate's weight count per stage (arithmetic in training/memory.py) against the
     parameters the stage's model really builds."""
     argv = ["--pipeline-model-parallel-size", str(pp)] + (
-        ["--num-virtual-stages-per-pipeline-rank", str(virtual)] if virtual > 1 else [])
+        ["--num-virtual-stages-per-pipeline-rank", str(virtual)] if virtual > 1 else []) + extra
     cfg = parse_config(MODEL + argv)
     for stage in range(pp):
         elements = sum(p.numel() for p in build(argv, stage).parameters())

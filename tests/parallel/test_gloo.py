@@ -1,6 +1,7 @@
 """gloo multi-process tier (2 and 4 CPU ranks): dispatch round trip, EP=1 vs EP=2, routing
 extremes under the overlap, and the bitwise overlap contract (grads and 20-step losses; a run
-whose overlap probe switches schedules mid-run included; with the flat AdamW form too)."""
+whose overlap probe switches schedules mid-run included; with the flat AdamW form and with
+query/key norms too)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,15 @@ def test_overlap_is_bitwise_equal_to_sequential(world, ep, tmp_path):
         schedules = [json.loads(line)["schedule"] for line in records]
     assert schedules[:7] == ["combined_1f1b"] + ["combined_1f1b", "sequential"] * 3
     assert len(set(schedules[7:])) == 1, schedules
+
+
+def test_overlap_is_bitwise_equal_to_sequential_with_query_key_norms(tmp_path):
+    """--qk-layernorm (Qwen3's query/key RMSNorms, inside the attn node): the overlap with
+    delayed weight grads gives the sequential grads and losses bit for bit."""
+    modes = {name: MODES[name] for name in ("sequential", "overlap_wgrad")}
+    results = run_ranks(mode_grads_and_losses, 2, 2, str(tmp_path), 4, ["--qk-layernorm"],
+                        modes, timeout_s=600)
+    assert_modes_match_sequential(results, tmp_path, 4, modes)
 
 
 def test_overlap_is_bitwise_equal_to_sequential_with_the_flat_adamw(tmp_path):

@@ -339,6 +339,22 @@ def test_flop_model_adds_up_to_the_projects_flops_per_token():
         assert total == pytest.approx(training_flops_per_token(cfg) * tokens, rel=1e-9)
 
 
+def test_flop_model_counts_the_query_key_norms_as_memory_passes():
+    """--qk-layernorm: no FLOPs, the attn node's bytes grow by its two passes over the query
+    and key heads (copy to rows, norm)."""
+    from epoverlap.config import parse_config
+    from epoverlap.simulator.costs import FlopModel
+    base = ["--preset", "small", "--expert-model-parallel-size", "4"]
+    plain, qk = (FlopModel(parse_config(base + extra), 4).forward("attn", 1)
+                 for extra in ([], ["--qk-layernorm"]))
+    cfg = parse_config(base)
+    m, tokens = cfg.model, cfg.train.micro_batch_size * cfg.model.seq_length
+    element = 2 if cfg.train.bf16 else 4
+    heads_bytes = tokens * (m.num_attention_heads + m.kv_heads) * m.head_dim * element
+    assert (qk.gemm_flops, qk.attn_flops) == (plain.gemm_flops, plain.attn_flops)
+    assert qk.mem_bytes - plain.mem_bytes == 4 * heads_bytes
+
+
 def test_calibration_reproduces_the_target_time(tmp_path, capsys):
     from epoverlap.cli import simulate as sim
     assert sim.main(["--flops", "--ep", "8", "--link", "ib", "--calibrate", "comp:144.89@4",

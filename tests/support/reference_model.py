@@ -16,8 +16,10 @@ Facts taken from epoverlap's code (names, layouts, choices a reader could not gu
     final_norm.weight [H]; layers.i.attention.qkv [(Q + 2G) * D, H] with rows
     [all Q query heads | G key heads | G value heads], each head D contiguous rows (Megatron
     interleaves q/k/v per query group instead: a checkpoint converter must reorder, the math is
-    the same); attention.proj [H, Q * D]. Dense / shared-expert SwiGLU: fc1 [2F, H] applied as
-    x @ fc1.T, its rows [gate | up]; fc2 [H, F]. Routed experts: experts.fc1 [E, H, 2F] applied
+    the same); attention.proj [H, Q * D]; with --qk-layernorm attention.q_norm.weight and
+    .k_norm.weight [D], an RMSNorm over each query / key head before rotary. Dense /
+    shared-expert SwiGLU: fc1 [2F, H] applied as x @ fc1.T, its rows [gate | up]; fc2 [H, F].
+    Routed experts: experts.fc1 [E, H, 2F] applied
     as x @ fc1[e], columns [gate | up]; experts.fc2 [E, F, H]. router.weight [E, H].
     A layer is MoE iff it has `router.weight`; it has a shared expert iff `shared_expert.fc1`.
   * With expert parallelism, EP rank r holds global experts r*L .. r*L + L - 1 (L = E / EP):
@@ -123,7 +125,10 @@ def rotary_neox(x_BSXD, base):
     return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
 
 
-def causal_gqa_attention(x_TH, qkv_W, proj_W, hyper: ReferenceHyper, batch: int, seq: int):
+def causal_gqa_attention(x_TH, qkv_W, proj_W, hyper: ReferenceHyper, batch: int, seq: int,
+                         qk_norms=None):
+    """`qk_norms`: (query weight [D], key weight [D]) of an RMSNorm over each head's query and
+    key before rotary (--qk-layernorm), or None."""
     q_heads, kv_heads = hyper.heads, hyper.kv_heads
     dim = qkv_W.shape[0] // (q_heads + 2 * kv_heads)
     proj_TX = x_TH @ qkv_W.T
@@ -131,6 +136,9 @@ def causal_gqa_attention(x_TH, qkv_W, proj_W, hyper: ReferenceHyper, batch: int,
     k_BSGD = proj_TX[:, q_heads * dim:(q_heads + kv_heads) * dim].reshape(batch, seq, kv_heads,
                                                                            dim)
     v_BSGD = proj_TX[:, (q_heads + kv_heads) * dim:].reshape(batch, seq, kv_heads, dim)
+    if qk_norms is not None:
+        q_BSQD = rms_norm(q_BSQD, qk_norms[0], hyper.norm_eps)
+        k_BSGD = rms_norm(k_BSGD, qk_norms[1], hyper.norm_eps)
     q_BSQD = rotary_neox(q_BSQD, hyper.rotary_base)
     k_BSGD = rotary_neox(k_BSGD, hyper.rotary_base)
     kv_of_head = torch.arange(q_heads) // (q_heads // kv_heads)
@@ -260,9 +268,11 @@ def microbatch_losses(params: dict, biases: dict, tokens_BS, labels_BS, hyper: R
     for layer in range(num_layers(params)):
         p = f"layers.{layer}."
         normed_TH = rms_norm(hidden_TH, params[p + "input_norm.weight"], hyper.norm_eps)
+        qk_norms = ((params[p + "attention.q_norm.weight"], params[p + "attention.k_norm.weight"])
+                    if p + "attention.q_norm.weight" in params else None)
         hidden_TH = hidden_TH + causal_gqa_attention(normed_TH, params[p + "attention.qkv"],
                                                      params[p + "attention.proj"], hyper,
-                                                     batch, seq)
+                                                     batch, seq, qk_norms)
         normed_TH = rms_norm(hidden_TH, params[p + "pre_mlp_norm.weight"], hyper.norm_eps)
         if p + "router.weight" in params:
             mlp_TH, extra, layer_margin = moe_mlp(normed_TH, params, p, hyper,

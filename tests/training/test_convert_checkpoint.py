@@ -7,7 +7,8 @@ that differs, a tensor epoverlap has no place for, a tied output layer, a Megatr
 the tensors cannot show).
 
 With megatron-core 0.16.1 (one spawned process, gloo world of 1; its GPTModel built on the CPU
-as benchmarks/harness/bench_peer.py builds it, local spec): a GPTModel with MoE layers is given
+as benchmarks/harness/bench_peer.py builds it, local spec; one model with Qwen3's query/key
+norms, --qk-layernorm): a GPTModel with MoE layers is given
 seeded weights and saved with `dist_checkpointing.save` (stacked, per-layer and singleton
 layouts); the converted checkpoint loaded into epoverlap's model gives Megatron-core's logits on
 the same tokens; the conversion back is read by `dist_checkpointing.load` into a fresh GPTModel
@@ -19,12 +20,12 @@ the same math in another order: Megatron-core's attention is baddbmm + softmax w
 epoverlap's is SDPA, Megatron-core weights each expert's output by its routing probability
 after fc2 where epoverlap does inside the SwiGLU before fc2, the rotary and norm formulas
 round differently; each is a few ulps of fp32 (~1e-7 relative) per op, a few layers deep.
-Measured: max |diff| 7e-7 on logits up to 2.2. Routing (top-k) is discrete: a token whose
-k-th and (k+1)-th expert scores were within that rounding could pick another expert and differ
-by far more; with these seeded weights (router weights 3x the others') none does, and the
-weights are fixed, so the test is deterministic. (The all-gather dispatcher and the inference
-RNG tracker are used on Megatron-core's side only because its all-to-all dispatcher and
-attention RNG fork need CUDA; neither holds weights.)
+Measured: max |diff| 1e-6 on logits up to 2.2 (8e-7 with query/key norms). Routing (top-k)
+is discrete: a token whose k-th and (k+1)-th expert scores were within that rounding could
+pick another expert and differ by far more; with these seeded weights (router weights 3x the
+others') none does, and the weights are fixed, so the test is deterministic. (The all-gather
+dispatcher and the inference RNG tracker are used on Megatron-core's side only because its
+all-to-all dispatcher and attention RNG fork need CUDA; neither holds weights.)
 """
 
 from __future__ import annotations
@@ -77,10 +78,13 @@ MOE = ["--num-layers", "2"] + SHAPE
 MIXED = ["--num-layers", "3", "--moe-layer-freq", "0,1,1",
          "--moe-shared-expert-intermediate-size", "16", "--moe-router-score-function",
          "sigmoid", "--moe-router-enable-expert-bias"] + SHAPE
+# Qwen3's query/key norms (--qk-layernorm) on the all-MoE model: stacked too
+QK_NORM = MOE + ["--qk-layernorm"]
 VOCAB = 64
 PADDED = 128  # the embedding's and output layer's rows: --make-vocab-size-divisible-by 128
 STEP = 7
-CONFIGS = {"moe": MOE, "mixed": MIXED}
+CONFIGS = {"moe": MOE, "mixed": MIXED, "qk_norm": QK_NORM}
+STACKED = ("moe", "qk_norm")  # saved in Megatron-core's stacked layout (every layer MoE)
 
 
 def _with(flags: list, flag: str, value: str) -> list:
@@ -126,12 +130,12 @@ def trained(tmp_path_factory):
 
 # --------------------------------------------------------------------------- no megatron-core
 @pytest.mark.parametrize("name,layout", [("moe", "auto"), ("moe", "per-layer"),
-                                         ("mixed", "auto")])
+                                         ("mixed", "auto"), ("qk_norm", "auto")])
 def test_round_trip_is_bitwise(trained, tmp_path, capsys, name, layout):
     status, out = _convert("--to-megatron", trained / name, "--out", tmp_path / "m",
                            "--megatron-layout", layout, capsys=capsys)
     assert status == 0, out.err
-    expected = {("moe", "auto"): "stacked"}.get((name, layout), "per-layer")
+    expected = "stacked" if name in STACKED and layout == "auto" else "per-layer"
     assert f"layout: {expected} layer keys" in out.out
     assert "optimizer state: not converted" in out.out
     folder = tmp_path / "m" / "iter_0000002"
@@ -232,7 +236,7 @@ def test_what_does_not_map_is_refused_in_one_line(trained, tmp_path, capsys):
     qk = _megatron_copy(trained / "mixed", tmp_path / "qk", qk_norm)
     line = _refusal(capsys, tmp_path, qk, MIXED)
     assert "decoder.layers.0.self_attention.q_layernorm.weight [8] has no place in " \
-           "epoverlap's model: query/key layer norms (--qk-layernorm) are not implemented" in line
+           "epoverlap's model: query/key layer norms: these flags have no --qk-layernorm" in line
 
     tied = _megatron_copy(trained / "mixed", tmp_path / "tied",
                           lambda entries: entries.pop("output_layer.weight"))
@@ -400,7 +404,7 @@ def megatron_side(rank, world_size, root, converted=None):
         bench_peer.init_megatron(world_size)
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         for name, flags in CONFIGS.items():
-            model = models[name] = _megatron_model(bench_peer, flags, world_size, name == "moe")
+            model = models[name] = _megatron_model(bench_peer, flags, world_size, name in STACKED)
             _seeded(model, ep_rank)
             folder = root / "saved" / f"{name}-ep{world_size}" / f"iter_{STEP:07d}"
             layouts = {folder: None}
@@ -415,7 +419,7 @@ def megatron_side(rank, world_size, root, converted=None):
         if converted is None:
             converted = _both_ways(root)
         for name, folder in converted.items():
-            fresh = _megatron_model(bench_peer, CONFIGS[name], world_size, name == "moe")
+            fresh = _megatron_model(bench_peer, CONFIGS[name], world_size, name in STACKED)
             # as Megatron-LM loads: the model's entries under "model", common.pt's beside them
             metadata = dist_checkpointing.load_content_metadata(folder)
             loaded = dist_checkpointing.load(
