@@ -130,8 +130,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--steps", help="START:END recorded steps to use (default: all)")
     parser.add_argument("--ep", type=int, help="EP size (default: the recording's world size "
                         "or --expert-model-parallel-size)")
-    parser.add_argument("--link", default="nvlink",
-                        choices=["nvlink", "shm", "ib", "fit", "measured"])
+    parser.add_argument("--link", choices=["nvlink", "shm", "ib", "fit", "measured"],
+                        help="all-to-all times (default: measured for recorded spans with "
+                        "all-to-alls, else nvlink)")
     parser.add_argument("--comm-from", metavar="FILE", help="each all-to-all node's time and "
                         "the split-size host sync from this bench_host_bytes --time JSON (the "
                         "training flags' case and dispatch), in place of --link's")
