@@ -10,7 +10,8 @@ and event rules, the host, all-to-alls that couple the EP group), with durations
            given or calibrated on a measured time (`--calibrate comp:MS@EP`);
   comm     a link model (`--link nvlink|shm|ib`, bandwidth/latency overridable), one fitted to
            the run's own comm spans (`--link fit`), or those spans themselves (`--link
-           measured`: each collective's time from its last rank's arrival); or each comm
+           measured`: each collective's time from its last rank's arrival; the default for a
+           recording with all-to-all spans, `nvlink` otherwise, the report naming it); or each comm
            node's time from a microbenchmark of the dispatch's own calls (`--comm-from FILE`,
            benchmarks/harness/bench_host_bytes.py --time: the case and dispatch of the training
            flags, and its split-size exchange as the host sync), the recording then giving
