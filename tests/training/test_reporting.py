@@ -46,7 +46,7 @@ def test_eta_counts_the_steps_left_to_train_iters_after_a_resume():
     assert reporter._eta(done[-1], done) == ""  # step 20/20: nothing left
 
 
-# ------------------------------------------------------------------------------ the collapse warning
+# ---------------------------------------------------------------------------- the collapse warning
 def _watched(flags: list[str], imbalances: list[float], capsys) -> str:
     """What the imbalance watch prints over steps of these imbalances."""
     reporter = Reporter(SimpleNamespace(cfg=parse_config(flags),
