@@ -10,7 +10,8 @@ and event rules, the host, all-to-alls that couple the EP group), with durations
            given or calibrated on a measured time (`--calibrate comp:MS@EP`);
   comm     a link model (`--link nvlink|shm|ib`, bandwidth/latency overridable), one fitted to
            the run's own comm spans (`--link fit`), or those spans themselves (`--link
-           measured`: each collective's time from its last rank's arrival); or each comm
+           measured`: each collective's time from its last rank's arrival; the default for a
+           recording with all-to-all spans, `nvlink` otherwise, the report naming it); or each comm
            node's time from a microbenchmark of the dispatch's own calls (`--comm-from FILE`,
            benchmarks/harness/bench_host_bytes.py --time: the case and dispatch of the training
            flags, and its split-size exchange as the host sync), the recording then giving
@@ -130,8 +131,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--steps", help="START:END recorded steps to use (default: all)")
     parser.add_argument("--ep", type=int, help="EP size (default: the recording's world size "
                         "or --expert-model-parallel-size)")
-    parser.add_argument("--link", default="nvlink",
-                        choices=["nvlink", "shm", "ib", "fit", "measured"])
+    parser.add_argument("--link", choices=["nvlink", "shm", "ib", "fit", "measured"],
+                        help="all-to-all times (default: measured for recorded spans with "
+                        "all-to-alls, else nvlink)")
     parser.add_argument("--comm-from", metavar="FILE", help="each all-to-all node's time and "
                         "the split-size host sync from this bench_host_bytes --time JSON (the "
                         "training flags' case and dispatch), in place of --link's")

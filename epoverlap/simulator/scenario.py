@@ -192,6 +192,16 @@ def comm_table(args: argparse.Namespace, cfg, shape: sc.A2aShape, layout: list
         raise SimInputError(str(error)) from None
 
 
+def chosen_link(args: argparse.Namespace, recorded) -> str:
+    """--link, or where not given: the recording's own all-to-all times (measured) for a
+    recorded run with comm spans and no --comm-from, else the NVLink model."""
+    if args.link is not None:
+        return args.link
+    has_comm = recorded and any(span.lane == COMM for rank in recorded for step in rank.steps
+                                for span in step.spans)
+    return "measured" if has_comm and not getattr(args, "comm_from", None) else "nvlink"
+
+
 def link_model(args: argparse.Namespace, recorded, shape: sc.A2aShape,
                table: Optional[CommTable] = None) -> sc.LinkModel:
     """The link of --link and its overrides; with a comm table, its split-size sync is the
@@ -336,6 +346,8 @@ def recorded_cpu_host(recorded: Optional[list[RankSpans]], layout: list) -> sc.A
 def build_scenario(args: argparse.Namespace,
                    throughput: Optional[sc.Throughput] = None) -> Scenario:
     recorded = read_recorded(args)
+    given = args.link
+    args = argparse.Namespace(**{**vars(args), "link": chosen_link(args, recorded)})
     ep = args.ep or (recorded[0].world_size if recorded else None)
     cfg = model_config(args, ep)
     ep = cfg.parallel.expert_model_parallel_size
@@ -352,6 +364,10 @@ def build_scenario(args: argparse.Namespace,
         flop_compute(cfg, ep, throughput, load)
     comm, local, wire, sources = comm_sources(args, recorded, shape, link, cfg, throughput,
                                               table)
+    if given is None:  # say which link the default chose
+        why = "for a recording with all-to-all spans" if args.link == "measured" else \
+            "without a recording's all-to-all spans"
+        sources = [f"{sources[0]} (--link {args.link}: the default {why})", *sources[1:]]
     lanes = args.lanes if args.lanes != "auto" else (
         THREAD if recorded and recorded[0].clock == "host" else STREAM)
     gpu = lanes != THREAD

@@ -77,7 +77,17 @@ class StepResult:
 
 
 IMBALANCE_WARN_LIMIT = 4.0  # max/mean tokens per expert of the worst MoE layer
+IMBALANCE_WARN_SHARE = 0.9  # of the most a top-k router can reach: E / k
 IMBALANCE_WARN_STEPS = 20
+
+
+def imbalance_warn_limit(num_experts: Optional[int], topk: int) -> float:
+    """The load imbalance at or above which a step counts toward the collapse warning: 4, or
+    0.9 x E / k where that is lower (E / k, when k experts get every token, is the most a top-k
+    router can reach: 4.00 at 8 experts top-2); no limit without experts."""
+    if not num_experts:
+        return math.inf
+    return min(IMBALANCE_WARN_LIMIT, IMBALANCE_WARN_SHARE * num_experts / topk)
 
 
 PPL_LOSS_CAP = 20.0  # Megatron-LM's: ppl = exp(min(20, loss))
@@ -317,12 +327,15 @@ class Reporter:
         return f" | ETA {format_duration(left * sum(r.step_time_s for r in timed) / len(timed))}"
 
     def _watch_imbalance(self, r: StepResult) -> None:
-        """One warning when the worst layer's load imbalance stays above the limit for a while:
-        the router has collapsed onto a few experts (and the EP ranks wait on one)."""
-        limit, window = IMBALANCE_WARN_LIMIT, IMBALANCE_WARN_STEPS
-        self._imbalanced_steps = self._imbalanced_steps + 1 if r.load_imbalance > limit else 0
+        """One warning when the worst layer's load imbalance stays at or above the limit
+        (`imbalance_warn_limit`) for a while: the router has collapsed onto a few experts (and
+        the EP ranks wait on one)."""
+        moe = self.parts.cfg.moe
+        limit = imbalance_warn_limit(moe.num_experts, moe.moe_router_topk)
+        window = IMBALANCE_WARN_STEPS
+        self._imbalanced_steps = self._imbalanced_steps + 1 if r.load_imbalance >= limit else 0
         if self._imbalanced_steps == window and self.parts.groups.is_first():
-            warn_every_rank(f"load imbalance above {limit:g} for {window} steps (now "
+            warn_every_rank(f"load imbalance at or above {limit:.3g} for {window} steps (now "
                             f"{r.load_imbalance:.2f} at step {r.step}): the router sends most "
                             f"tokens to a few experts; raise --moe-aux-loss-coeff or use "
                             f"--moe-router-enable-expert-bias")

@@ -270,6 +270,32 @@ def test_recorded_cpu_run_is_reproduced_within_tolerance(mode, link, tolerance):
     assert abs(simulated / measured - 1) < tolerance, rows
 
 
+def test_recorded_spans_default_to_their_measured_all_to_alls_and_say_which_link(capsys,
+                                                                                 tmp_path):
+    """Without --link a recording replays its own all-to-all times (a CPU run's are not
+    NVLink's), a FLOP-count run uses the NVLink model, and the report names the link either
+    way; a --link given is used as given, with no default note."""
+    sim, recorded = _scenario("--spans", str(CPU_RUN / "ovl"))
+    assert recorded.comm_measured
+    rows = sim.replay_steps(recorded)
+    assert abs(sum(r["simulated_ms"] for r in rows) / sum(r["measured_ms"] for r in rows) - 1) \
+        < 0.05
+    _, nvlink = _scenario("--spans", str(CPU_RUN / "ovl"), "--link", "nvlink")
+    assert not nvlink.comm_measured
+    assert not any("default" in line for line in nvlink.sources if line.startswith("comm:"))
+    _, flops = _scenario("--flops", "--ep", "2")
+    assert [line for line in flops.sources if line.startswith("comm: link nvlink")]
+    assert sim.main(["--spans", str(CPU_RUN / "ovl"), "--no-png", "--out-dir", str(tmp_path),
+                     "--", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "(--link measured: the default for a recording with all-to-all spans)" in out
+    assert sim.main(["--flops", "--ep", "2", "--no-png", "--out-dir", str(tmp_path), "--",
+                     *TINY]) == 0
+    assert "comm: link nvlink" in capsys.readouterr().out
+    assert "(--link nvlink: the default without a recording's all-to-all spans)" in \
+        "\n".join(flops.sources)
+
+
 GPU_HOST_BOUND = REPO / "tests" / "fixtures" / "sim_gpu_f128_host_bound"
 
 

@@ -7,6 +7,7 @@ back at the end, also after a failing step."""
 from __future__ import annotations
 
 import gc
+import math
 import sys
 import types
 from dataclasses import replace
@@ -21,7 +22,8 @@ from epoverlap.config import parse_config
 from epoverlap.training import manual_gc as manual_gc_module
 from epoverlap.training.metrics import EvalResult
 from epoverlap.training.manual_gc import ManualGC
-from epoverlap.training.metrics import Reporter, StepResult, format_duration
+from epoverlap.training.metrics import (IMBALANCE_WARN_STEPS, Reporter, StepResult,
+                                        format_duration, imbalance_warn_limit)
 from epoverlap.training.tensorboard import SCALAR_TAGS, scalars_of
 from epoverlap.training.trainer import Trainer
 from epoverlap.training.wandb_log import WandbLog
@@ -42,6 +44,33 @@ def test_eta_counts_the_steps_left_to_train_iters_after_a_resume():
     assert reporter._eta(results[0], results[:1]) == f" | ETA {format_duration(9 * 9.0)}"
     done = [_result(step, 1.0) for step in (19, 20)]
     assert reporter._eta(done[-1], done) == ""  # step 20/20: nothing left
+
+
+# ---------------------------------------------------------------------------- the collapse warning
+def _watched(flags: list[str], imbalances: list[float], capsys) -> str:
+    """What the imbalance watch prints over steps of these imbalances."""
+    reporter = Reporter(SimpleNamespace(cfg=parse_config(flags),
+                                        groups=SimpleNamespace(is_first=lambda: True)))
+    for step, imbalance in enumerate(imbalances, 1):
+        reporter._watch_imbalance(replace(_result(step, 1.0), load_imbalance=imbalance))
+    return capsys.readouterr().err
+
+
+def test_the_collapse_warning_fires_at_8_experts_top_2_where_4_is_the_most(capsys):
+    assert imbalance_warn_limit(8, 2) == pytest.approx(3.6)  # 0.9 x E / k = 0.9 x 4
+    assert imbalance_warn_limit(64, 2) == 4.0 and imbalance_warn_limit(0, 2) == math.inf
+    e8k2 = ["--num-experts", "8", "--moe-router-topk", "2"]
+    # the tiny preset's collapse: 3.96-4.00, never above 4
+    collapsed = _watched(e8k2, [3.96, 4.0] * (IMBALANCE_WARN_STEPS // 2), capsys)
+    assert collapsed.count("warning: load imbalance at or above 3.6 for 20 steps") == 1
+    assert "(now 4.00 at step 20)" in collapsed
+    assert _watched(e8k2, [4.0] * (IMBALANCE_WARN_STEPS - 1), capsys) == ""  # one step short
+    streak_broken = [4.0] * 10 + [3.5] + [4.0] * (IMBALANCE_WARN_STEPS - 1)
+    assert _watched(e8k2, streak_broken, capsys) == ""
+    # with many experts the limit stays 4
+    e64 = ["--num-experts", "64", "--moe-router-topk", "2"]
+    assert _watched(e64, [3.9] * IMBALANCE_WARN_STEPS, capsys) == ""
+    assert "at or above 4 for 20" in _watched(e64, [4.0] * IMBALANCE_WARN_STEPS, capsys)
 
 
 # ------------------------------------------------------------------------------ W&B
