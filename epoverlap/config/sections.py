@@ -8,6 +8,7 @@ virtual stages, data-parallel size, the device and kernel backend `auto` resolve
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -94,8 +95,8 @@ class MoEConfig:
     moe_z_loss_coeff: Optional[float] = flag(None, "router z-loss coefficient")
     moe_router_dtype: Optional[str] = flag(None, "router gate dtype (none: the model's)",
                                            choices=ROUTER_DTYPES)
-    moe_layer_freq: str = flag("1", "every N-th layer is MoE, or a 0/1 list like 0,1,1,1",
-                               metavar="FREQ")
+    moe_layer_freq: str = flag("1", "every N-th layer is MoE, or a 0/1 list like 0,1,1,1 or "
+                               "Megatron-LM's ([0]*1+[1]*3)", metavar="FREQ")
     moe_first_k_dense_replace: int = flag(0, "first k layers dense")
     moe_router_force_load_balancing: bool = flag(
         False, "benchmark only: random router logits (balanced routing)")
@@ -250,7 +251,7 @@ class TrainConfig:
         False, "benchmark only: forward+backward+grad reduce, no update")
     check_for_nan_in_loss_and_grad: bool = flag(
         False, "stop at a NaN/Inf loss or grad (before the optimizer step), naming rank and "
-        "parameter")
+        "parameter", negatable=True)
     no_gradient_accumulation_fusion: bool = flag(
         False, "weight-grad GEMMs (dense and the experts' grouped ones) write their product, "
         "which is then added to the fp32 main_grad, instead of adding into main_grad inside "
@@ -546,14 +547,54 @@ def moe_layer_pattern(num_layers: int, moe: MoEConfig) -> list[bool]:
     """--moe-layer-freq N (every N-th layer, from layer 0) or a 0/1 list, minus first-k dense."""
     if not moe.enabled:
         return [False] * num_layers
-    freq = moe.moe_layer_freq.strip()
-    if "," in freq or freq.startswith("["):
-        pattern = [bool(int(x)) for x in freq.strip("[]").split(",") if x.strip()]
+    items = layer_freq_list(moe.moe_layer_freq)
+    if items is not None:
+        pattern = [bool(item) for item in items]
     else:
-        every = int(freq)
+        every = int(moe.moe_layer_freq)
         pattern = [layer % every == 0 for layer in range(num_layers)]
     return [is_moe and layer >= moe.moe_first_k_dense_replace
             for layer, is_moe in enumerate(pattern)]
+
+
+MAX_PATTERN = 1 << 16  # a --moe-layer-freq list longer than this is refused, not built
+
+
+def layer_freq_list(freq: str) -> Optional[list[int]]:
+    """--moe-layer-freq as a list, one entry per layer (None: an integer N). Takes 0,1,1,1,
+    [0,1,1,1] and Megatron-LM's list expressions: lists of integers joined by + and repeated
+    by * an integer, `([0]*1+[1]*3)`, `([1]*3+[0])*2` (what Megatron-LM evaluates, without
+    eval). Raises ValueError."""
+    text = freq.strip()
+    if "[" in text:
+        try:
+            return _list_expression(ast.parse(text, mode="eval").body)
+        except SyntaxError:
+            raise ValueError(text) from None
+    if "," in text:
+        return [int(item) for item in text.split(",") if item.strip()]
+    return None
+
+
+def _list_expression(node: ast.AST) -> list[int]:
+    if isinstance(node, ast.List):
+        return [_integer(item) for item in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _list_expression(node.left) + _list_expression(node.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        items, times = ((node.left, node.right) if isinstance(node.right, ast.Constant)
+                        else (node.right, node.left))
+        items, times = _list_expression(items), _integer(times)
+        if len(items) * times > MAX_PATTERN:
+            raise ValueError(f"longer than {MAX_PATTERN} layers")
+        return items * times
+    raise ValueError(ast.dump(node))
+
+
+def _integer(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int and node.value >= 0:
+        return node.value
+    raise ValueError(ast.dump(node))
 
 
 def parse_split(text: str) -> tuple[float, float, float]:
