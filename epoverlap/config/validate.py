@@ -478,16 +478,21 @@ def check_config(cfg: RunConfig, world_size: int, cuda_available: bool,
             errors.append(ConfigError(flag_of(field_name), value, allowed))
     _validate_choices(cfg, each)
     compat_rules(cfg, each)
-    for rule in _rule_groups(cfg, world_size, cuda_available, paths):
+    for number, rule in enumerate(_rule_groups(cfg, world_size, cuda_available, paths)):
         try:
             rule()
         except ConfigError as error:
             errors.append(error)
+            if number < GATES:  # the later groups build per-layer lists from these sizes
+                break
         except Exception:  # a group that assumes what a refused value broke: end the list
             if not errors:
                 raise
             break
     raise_together(errors)
+
+
+GATES = 2  # the first groups of `_rule_groups` (finite numbers, the model's sizes)
 
 
 def _rule_groups(cfg: RunConfig, world_size: int, cuda_available: bool,
