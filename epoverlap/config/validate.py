@@ -24,9 +24,10 @@ from epoverlap.config.cuda_graph_rules import validate_cuda_graph_config
 from epoverlap.config.dispatch import DispatchMode, a2a_chunks_blocker, hierarchy_blocker
 from epoverlap.config.flags import _opt_float
 from epoverlap.config.io_rules import validate_io
+from epoverlap.config.layer_freq import layer_freq_list
 from epoverlap.config.parse import FLAGS, flag_of, require
 from epoverlap.config.sections import (MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS, ModelConfig, MoEConfig,
-                                       OverlapConfig, RunConfig, TrainConfig, layer_freq_list)
+                                       OverlapConfig, RunConfig, TrainConfig)
 from epoverlap.config.tuning import (candidate_paths, probe_steps, steps_needed, timed_steps,
                                      tune_blocker, tune_mode, untimed_steps)
 from epoverlap.errors import ConfigError, raise_together

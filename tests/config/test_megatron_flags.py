@@ -269,7 +269,7 @@ def test_independent_rules_broken_are_named_together_one_line_each(tmp_path, mon
     ("([0]*1+[1]*1)", [0, 1]), ("([1]*3+[0])*2", [1, 1, 1, 0, 1, 1, 1, 0]),
     ("[0]+[1]*3", [0, 1, 1, 1]), ("0,1,1,1", [0, 1, 1, 1]), ("[0, 1]", [0, 1]), ("2", None)])
 def test_moe_layer_freq_takes_megatron_lm_s_list_expressions(freq, pattern):
-    from epoverlap.config.sections import layer_freq_list
+    from epoverlap.config.layer_freq import layer_freq_list
     assert layer_freq_list(freq) == pattern
 
 
