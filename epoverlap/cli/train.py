@@ -37,9 +37,10 @@ from typing import Callable, Optional
 
 import torch
 
-from epoverlap.config import (RunConfig, parse_config, resolve_config, validate_config,
+from epoverlap.config import (RunConfig, resolve_config, validate_config,
                               world_size_from_env)
-from epoverlap.config.parse import accepted_notes, flags_text
+from epoverlap.config.parse import (accepted_notes, flags_text, raise_refusals,
+                                    read_command_line)
 from epoverlap.config.resolve import path_text
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
@@ -142,15 +143,21 @@ def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: b
                    ) -> tuple[RunConfig, Optional[CheckpointRef], list[str]]:
     """Everything decided from the flags before the first collective: their rules, paths, what
     --load resumes from, the memory estimate. -> (config for this world, checkpoint to resume or
-    None, deprecation warnings to print once accepted). Raises ConfigError (one line naming a
-    flag or a checkpoint file; argparse's complaints too). `before_cuda` runs between the checks
+    None, deprecation warnings to print once accepted). Raises ConfigError naming every refusal
+    of the command line, one line each (or a checkpoint file); with arguments no flag takes,
+    argparse's usage line and the same lines (SystemExit, status 2). `before_cuda` runs between the checks
     that touch no CUDA and the memory check, which reads the GPU's size (process settings such
     as CUDA_DEVICE_MAX_CONNECTIONS go first). The data files are opened next, by
     `open_data_source`, also before any process group."""
     notes: list[str] = []
-    cfg = parse_config(argv, warn=notes.append, printing=printing)
-    cfg = resolve_config(cfg, world_size, cuda_available)
-    validate_config(cfg, world_size, cuda_available)
+    cfg, refusals = read_command_line(argv, warn=notes.append, printing=printing)
+    if cfg is not None:  # the rules' refusals beside the flags' own, in one run
+        try:
+            cfg = resolve_config(cfg, world_size, cuda_available)
+            validate_config(cfg, world_size, cuda_available)
+        except ConfigError as error:
+            refusals.append(error)
+    raise_refusals(refusals, printing, prog)
     resume = find_resume_checkpoint(cfg.checkpoint.load, cfg.checkpoint.save)
     before_cuda(cfg)
     check_memory(cfg, world_size, cfg.resolved_device(cuda_available), local_ranks)

@@ -24,6 +24,9 @@ from epoverlap.errors import ConfigError
 GROUP = "Megatron-LM flags accepted for pasted scripts"
 REFUSED_GROUP = "Megatron-LM flags not implemented (each is refused with its reason)"
 NO_TP = "tensor parallelism is not implemented; use expert/data/pipeline parallelism"
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")  # Megatron-core's AttnBackend
+NOT_SHARDED = ("nothing is sharded: every rank keeps its parameters, grads and optimizer state "
+               "whole and all-reduces the grads; the updates are the same")
 
 
 def _accepted(help: str, note: str) -> object:
@@ -76,11 +79,58 @@ class CompatConfig:
                                                     "size is fixed for a run")
     log_validation_ppl_to_tensorboard: bool = _accepted(
         "validation perplexity in TensorBoard", "it is logged with every validation loss")
+    log_memory_to_tensorboard: bool = _accepted(
+        "memory in TensorBoard", "TensorBoard gets no memory scalars; the end-of-run line has "
+        "the peak memory")
+    log_params_norm: bool = _accepted("the parameters' norm in the log",
+                                      "the step line shows no parameter norm")
+    log_num_zeros_in_grad: bool = _accepted("zero grads counted in the log",
+                                            "the step line shows no count of zero grads")
+    no_rope_fusion: bool = _accepted("rotary kernel choice", "epoverlap applies its own rotary "
+                                     "embedding; fused or not, the same math")
+    use_megatron_fsdp: bool = _accepted("Megatron-FSDP", NOT_SHARDED)
+    attention_backend: Optional[str] = flag(
+        None, "the attention kernels", choices=ATTENTION_BACKENDS,
+        note="epoverlap's local attention runs (torch's SDPA), whatever the backend",
+        why="Megatron-core's backends", group=GROUP)
+    logging_level: Optional[int] = flag(None, "Python logging level",
+                                        note="the log lines are the same at every level",
+                                        group=GROUP)
+    num_distributed_optimizer_instances: Optional[int] = flag(
+        None, "distributed optimizer copies", note=NOT_SHARDED, group=GROUP)
+    data_parallel_sharding_strategy: Optional[str] = flag(
+        None, "Megatron-FSDP's sharding", choices=("no_shard", "optim", "optim_grads",
+                                                   "optim_grads_params"),
+        note=NOT_SHARDED, why="Megatron-LM's strategies", group=GROUP)
+    outer_dp_sharding_strategy: Optional[str] = flag(
+        None, "Megatron-FSDP's sharding between hosts", choices=("no_shard", "optim"),
+        note=NOT_SHARDED, why="Megatron-LM's strategies", group=GROUP)
+    megatron_fsdp_main_params_dtype: Optional[str] = flag(
+        None, "Megatron-FSDP's master weights dtype", choices=("fp32",),
+        note="the master weights are fp32", why="the master weights are fp32; another dtype "
+        "rounds every update", group=GROUP)
+    megatron_fsdp_main_grads_dtype: Optional[str] = flag(
+        None, "Megatron-FSDP's grad accumulation dtype", choices=("fp32",),
+        note="grads are accumulated in fp32 (main_grad)", why="grads are accumulated in fp32 "
+        "(main_grad); another dtype rounds them", group=GROUP)
+    megatron_fsdp_grad_comm_dtype: Optional[str] = flag(
+        None, "Megatron-FSDP's grad reduction dtype", choices=("fp32",),
+        note="grads are reduced in fp32", why="grads are reduced in fp32; another dtype rounds "
+        "them", group=GROUP)
+    mscale: Optional[float] = flag(None, "YaRN's attention scale (multi-latent attention)",
+                                   note="it scales only with --rotary-scaling-factor above 1, "
+                                   "and rotary scaling is not implemented", group=GROUP)
+    mscale_all_dim: Optional[float] = flag(
+        None, "YaRN's attention scale of all dimensions (multi-latent attention)",
+        note="it scales only with --rotary-scaling-factor above 1, and rotary scaling is not "
+        "implemented", group=GROUP)
     normalization: str = flag("RMSNorm", "the norm layers", choices=("RMSNorm",),
                               why="the norms are RMSNorm", group=GROUP)
     position_embedding_type: str = flag("rope", "how positions are encoded", choices=("rope",),
                                         why="positions are rotary (RoPE)", group=GROUP)
-    transformer_impl: str = flag("local", "the layers' implementation", choices=("local",),
+    transformer_impl: str = flag("local", "the layers' implementation (transformer_engine: "
+                                 "accepted, epoverlap's own layers run)",
+                                 choices=("local", "transformer_engine"),
                                  why="epoverlap's own layers, no Transformer Engine", group=GROUP)
     moe_token_dispatcher_type: str = flag(
         "alltoall", "the MoE token dispatcher", choices=("alltoall",),
@@ -88,9 +138,11 @@ class CompatConfig:
         "--moe-dispatch-once-per-rank for its modes)", group=GROUP)
     moe_router_load_balancing_type: str = flag(
         "aux_loss", "the router's load balancing (none: no aux loss)",
-        choices=("aux_loss", "none"), why="the Switch aux loss, or "
+        choices=("aux_loss", "none"), why="the Switch aux loss over the batch, or none; "
+        "the per-sequence aux loss (seq_aux_loss) is not implemented, and it is another loss; "
         "--moe-router-enable-expert-bias for aux-loss-free balancing", group=GROUP)
-    ckpt_format: str = flag("torch_dist", "the checkpoint format", choices=("torch_dist",),
+    ckpt_format: str = flag("torch_dist", "the checkpoint format (fsdp_dtensor: only without "
+                            "--save and --load)", choices=("torch_dist", "fsdp_dtensor"),
                             why="checkpoints are torch.distributed.checkpoint folders",
                             group=GROUP)
     distributed_backend: Optional[str] = flag(
@@ -166,15 +218,8 @@ NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
 )
 
 
-class RefusedFlags(ConfigError):
-    """Megatron-LM flags given that epoverlap does not implement: one line each."""
-
-    def __init__(self, refusals: list[tuple[str, object, str]]):
-        super().__init__(*refusals[0])
-        self.lines = [str(ConfigError(*refusal)) for refusal in refusals]
-
-    def __str__(self) -> str:
-        return "\n".join(self.lines)
+class RefusedFlag(ConfigError):
+    """A Megatron-LM flag given that epoverlap does not implement: `--flag=value: why`."""
 
 
 def add_refused_flags(parser) -> None:
@@ -187,13 +232,11 @@ def add_refused_flags(parser) -> None:
                            help=f"refused: {why}", **kwargs)
 
 
-def check_refused(args) -> None:
-    """Raise RefusedFlags naming every NOT_IMPLEMENTED flag given on the command line."""
-    refusals = [(name, getattr(args, _refused_dest(name)), why)
-                for name, _, why in NOT_IMPLEMENTED
-                if getattr(args, _refused_dest(name), None) is not None]
-    if refusals:
-        raise RefusedFlags(refusals)
+def refused_flags(args) -> list[RefusedFlag]:
+    """A RefusedFlag for every NOT_IMPLEMENTED flag given on the command line, in table order."""
+    return [RefusedFlag(name, getattr(args, _refused_dest(name)), why)
+            for name, _, why in NOT_IMPLEMENTED
+            if getattr(args, _refused_dest(name), None) is not None]
 
 
 def _refused_dest(name: str) -> str:
@@ -218,6 +261,34 @@ def compat_rules(cfg, require: Callable[[bool, str, object, str], None]) -> None
             f"must be --hidden-size / --num-attention-heads = {m.head_dim} (per-head width)")
     require(not c.group_query_attention or m.num_query_groups is not None,
             "group_query_attention", True, "needs --num-query-groups")
+    require(c.ckpt_format != "fsdp_dtensor" or (cfg.checkpoint.save is None and
+                                                 cfg.checkpoint.load is None),
+            "ckpt_format", c.ckpt_format, "Megatron-FSDP's DTensor layout is not written or "
+            "read: checkpoints are torch.distributed.checkpoint folders in epoverlap's layout "
+            "(--ckpt-format torch_dist)")
+    require(c.num_distributed_optimizer_instances is None or
+            c.num_distributed_optimizer_instances >= 1, "num_distributed_optimizer_instances",
+            c.num_distributed_optimizer_instances, "must be >= 1")
     require(c.moe_router_load_balancing_type != "none" or cfg.moe.moe_aux_loss_coeff == 0,
             "moe_router_load_balancing_type", "none", "turns the aux loss off: drop "
             "--moe-aux-loss-coeff, or use aux_loss")
+
+
+def compat_notes(cfg) -> list[str]:
+    """'--flag VALUE (why)' for each value accepted because, beside the other flags given
+    (`cfg` a RunConfig), it changes nothing here (what every value of a flag changes nothing:
+    the flags' own notes, `Flag.note`)."""
+    c, moe, ckpt = cfg.compat, cfg.moe, cfg.checkpoint
+    notes = []
+    if c.transformer_impl == "transformer_engine":
+        notes.append("--transformer-impl transformer_engine (epoverlap's own layers and kernels "
+                     "run; Transformer Engine is not used)")
+    if c.ckpt_format == "fsdp_dtensor":
+        notes.append("--ckpt-format fsdp_dtensor (no --save or --load: no checkpoint is written "
+                     "or read)")
+    if ckpt.save_interval is not None and ckpt.save is None:
+        notes.append("--save-interval (no --save: nothing is saved)")
+    if moe.moe_router_pre_softmax and moe.moe_router_score_function == "sigmoid":
+        notes.append("--moe-router-pre-softmax (the scores are sigmoid's: Megatron-core applies "
+                     "it to softmax scores only, and so does epoverlap)")
+    return notes

@@ -110,7 +110,6 @@ def _validate_checkpoint(cfg: RunConfig) -> None:
         require(os.access(c.load, os.R_OK | os.X_OK), "load", c.load, "cannot be read")
     if c.save_interval is not None:
         require(c.save_interval >= 1, "save_interval", c.save_interval, "must be >= 1")
-        require(c.save is not None, "save_interval", c.save_interval, "needs --save DIR")
     require(not t.exit_signal_handler or c.save is not None, "exit_signal_handler", True,
             "saves a checkpoint on SIGTERM/SIGINT: needs --save DIR")
     if t.exit_duration_in_mins is not None:

@@ -3,7 +3,10 @@
 `build_parser` registers every flag `config.sections` declares (and the CUDA-graph flags with
 their deprecated forms), `config_from_args` / `parse_config` build a `RunConfig` from defaults,
 then the preset, then the flags given (old CUDA-graph spellings migrated, one warning each once
-the whole command line is accepted). No validation here: `config.validate`.
+the whole command line is accepted). `read_command_line` also returns the refusals of the
+flags themselves (arguments no flag takes, refused Megatron-LM flags) instead of raising them,
+so the training command names them beside the rules' refusals in one run. No validation here:
+`config.validate`.
 """
 
 from __future__ import annotations
@@ -11,13 +14,13 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
-from epoverlap.config.compat import add_refused_flags, check_refused
+from epoverlap.config.compat import add_refused_flags, compat_notes, refused_flags
 from epoverlap.config.cuda_graphs import add_cuda_graph_args, cuda_graph_config_from_args
 from epoverlap.config.flags import (CliParser, FlagField, add_flags, given_values, help_formatter,
                                     presets_help, section_flags)
 from epoverlap.config.presets import PRESETS
 from epoverlap.config.sections import SECTIONS, RunConfig
-from epoverlap.errors import ConfigError
+from epoverlap.errors import ConfigError, UnknownArguments, raise_together
 
 USAGE = "%(prog)s [--preset NAME] [FLAG VALUE ...]   (--help lists every flag)"
 SECTION_TITLES = {
@@ -50,14 +53,15 @@ def require(ok: bool, field_name: str, value: object, allowed: str) -> None:
 
 def accepted_notes(cfg: RunConfig) -> list[str]:
     """'--flag (what is done instead)' for each Megatron-LM flag given that changes nothing here
-    (config.compat), for the one line the training command prints about them."""
+    (config.compat), for the one line the training command prints about them: the flags that
+    never change anything, then the values that change nothing beside the other flags given."""
     notes = []
     for item in FLAGS:
         if item.flag.note:
             value = item.value(cfg)
             if value not in (None, False):
                 notes.append(f"{item.name} ({item.flag.note})")
-    return notes
+    return notes + compat_notes(cfg)
 
 
 def flags_text(cfg: RunConfig) -> str:
@@ -93,9 +97,13 @@ def build_parser(prog: str = "epoverlap-train", printing: bool = True) -> CliPar
 
 
 def config_from_args(args: argparse.Namespace,
-                     warn: Callable[[str], None] = lambda msg: None) -> RunConfig:
-    """Defaults <- preset <- explicit flags. No validation here (see config.validate)."""
-    check_refused(args)
+                     warn: Callable[[str], None] = lambda msg: None,
+                     refuse: bool = True) -> RunConfig:
+    """Defaults <- preset <- explicit flags. No validation here (see config.validate). With
+    `refuse`, refused Megatron-LM flags given raise (one line each); without, they are left to
+    the caller (`read_command_line`)."""
+    if refuse:
+        raise_together(refused_flags(args))
     notes: list[str] = []
     given = given_values(args, _PLAIN)
     values = {(_BY_FIELD[name].section, name): value
@@ -118,7 +126,41 @@ def config_from_args(args: argparse.Namespace,
     return config
 
 
+def read_command_line(argv: Optional[list[str]] = None,
+                      warn: Callable[[str], None] = lambda msg: None, printing: bool = True
+                      ) -> tuple[Optional[RunConfig], list[ConfigError]]:
+    """-> (the config the flags give, or None where they give none; the refusals of the flags
+    themselves): arguments no flag takes (one UnknownArguments, argparse's one line), refused
+    Megatron-LM flags (one each), a pair of flags that exclude each other. The config is built
+    without the refused flags, so its rules can be checked in the same run."""
+    args, unknown = build_parser(printing=printing).parse_known_args(argv)
+    refusals: list[ConfigError] = [UnknownArguments(unknown)] if unknown else []
+    refusals += refused_flags(args)
+    try:
+        return config_from_args(args, warn, refuse=False), refusals
+    except ConfigError as error:
+        return None, refusals + [error]
+
+
 def parse_config(argv: Optional[list[str]] = None,
                  warn: Callable[[str], None] = lambda msg: None,
                  printing: bool = True) -> RunConfig:
-    return config_from_args(build_parser(printing=printing).parse_args(argv), warn)
+    """The config the flags give; ConfigError naming every refusal of the flags themselves
+    (`read_command_line`), one line each."""
+    cfg, refusals = read_command_line(argv, warn, printing)
+    raise_refusals(refusals, printing)
+    return cfg
+
+
+def raise_refusals(refusals: list[ConfigError], printing: bool = True,
+                   prog: str = "epoverlap-train") -> None:
+    """Every refusal of a command line at once, one line each (none: return). Where an argument
+    is no flag's, as argparse says it: its usage line, then `PROG: error: ...` lines, exit
+    status 2 (SystemExit); otherwise one ConfigError (`errors.raise_together`)."""
+    if not any(isinstance(refusal, UnknownArguments) for refusal in refusals):
+        raise_together(refusals)
+        return
+    try:
+        raise_together(refusals)
+    except ConfigError as error:
+        build_parser(prog, printing).error(str(error).replace("\n", f"\n{prog}: error: "))

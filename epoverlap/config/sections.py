@@ -16,6 +16,7 @@ from epoverlap.config.compat import CompatConfig
 from epoverlap.config.cuda_graphs import CudaGraphConfig
 from epoverlap.config.data_text import parse_blend, parse_split
 from epoverlap.config.flags import flag
+from epoverlap.config.layer_freq import layer_freq_list
 from epoverlap.data.tokenizers import TOKENIZER_TYPES
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -97,8 +98,8 @@ class MoEConfig:
     moe_z_loss_coeff: Optional[float] = flag(None, "router z-loss coefficient")
     moe_router_dtype: Optional[str] = flag(None, "router gate dtype (none: the model's)",
                                            choices=ROUTER_DTYPES)
-    moe_layer_freq: str = flag("1", "every N-th layer is MoE, or a 0/1 list like 0,1,1,1",
-                               metavar="FREQ")
+    moe_layer_freq: str = flag("1", "every N-th layer is MoE, or a 0/1 list like 0,1,1,1 or "
+                               "Megatron-LM's ([0]*1+[1]*3)", metavar="FREQ")
     moe_first_k_dense_replace: int = flag(0, "first k layers dense")
     moe_router_force_load_balancing: bool = flag(
         False, "benchmark only: random router logits (balanced routing)")
@@ -253,7 +254,7 @@ class TrainConfig:
         False, "benchmark only: forward+backward+grad reduce, no update")
     check_for_nan_in_loss_and_grad: bool = flag(
         False, "stop at a NaN/Inf loss or grad (before the optimizer step), naming rank and "
-        "parameter")
+        "parameter", negatable=True)
     no_gradient_accumulation_fusion: bool = flag(
         False, "weight-grad GEMMs (dense and the experts' grouped ones) write their product, "
         "which is then added to the fp32 main_grad, instead of adding into main_grad inside "
@@ -549,11 +550,9 @@ def moe_layer_pattern(num_layers: int, moe: MoEConfig) -> list[bool]:
     """--moe-layer-freq N (every N-th layer, from layer 0) or a 0/1 list, minus first-k dense."""
     if not moe.enabled:
         return [False] * num_layers
-    freq = moe.moe_layer_freq.strip()
-    if "," in freq or freq.startswith("["):
-        pattern = [bool(int(x)) for x in freq.strip("[]").split(",") if x.strip()]
-    else:
-        every = int(freq)
-        pattern = [layer % every == 0 for layer in range(num_layers)]
+    items = layer_freq_list(moe.moe_layer_freq)
+    every = int(moe.moe_layer_freq) if items is None else 1
+    pattern = [bool(item) for item in items] if items is not None else \
+        [layer % every == 0 for layer in range(num_layers)]
     return [is_moe and layer >= moe.moe_first_k_dense_replace
             for layer, is_moe in enumerate(pattern)]

@@ -1,5 +1,8 @@
 """Every cross-field rule of the configuration: `check_config` checks them all and raises
-`ConfigError` naming the flag (as the user types it), the value and what is allowed.
+`ConfigError` naming the flag (as the user types it), the value and what is allowed: every
+refusal at once, one line per flag (each flag's own value and the Megatron-LM flags' rules all
+of them, the other groups of rules the first each breaks; a group that cannot run once an
+earlier one refused a value ends the list).
 
 Validation needs only the world size, whether CUDA is present and the file system (output
 paths must be writable: tried with a temporary file, nothing is created), so a bad invocation
@@ -13,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from epoverlap.config.aliases import alias_conflict
 from epoverlap.config.compat import compat_rules
@@ -21,12 +24,13 @@ from epoverlap.config.cuda_graph_rules import validate_cuda_graph_config
 from epoverlap.config.dispatch import DispatchMode, a2a_chunks_blocker, hierarchy_blocker
 from epoverlap.config.flags import _opt_float
 from epoverlap.config.io_rules import validate_io
+from epoverlap.config.layer_freq import layer_freq_list
 from epoverlap.config.parse import FLAGS, flag_of, require
 from epoverlap.config.sections import (MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS, ModelConfig, MoEConfig,
                                        OverlapConfig, RunConfig, TrainConfig)
 from epoverlap.config.tuning import (candidate_paths, probe_steps, steps_needed, timed_steps,
                                      tune_blocker, tune_mode, untimed_steps)
-from epoverlap.errors import ConfigError
+from epoverlap.errors import ConfigError, raise_together
 from epoverlap.kernels import triton_unavailable_reason
 from epoverlap.kernels.capacity import get_capacity
 from epoverlap.parallel.transport import ranks_per_host
@@ -43,7 +47,7 @@ def _validate_finite(cfg: RunConfig) -> None:
             require(math.isfinite(value), item.field.name, value, "must be a finite number")
 
 
-def _validate_choices(cfg: RunConfig) -> None:
+def _validate_choices(cfg: RunConfig, require=require) -> None:
     """Every flag that takes a name: the name is one its flag allows (the CUDA-graph flags check
     theirs as they are built, config.cuda_graphs)."""
     for item in FLAGS:
@@ -76,12 +80,12 @@ def _validate_model(m: ModelConfig) -> None:
 
 def _validate_layer_pattern(num_layers: int, moe: MoEConfig) -> None:
     freq = moe.moe_layer_freq.strip()
-    is_list = "," in freq or freq.startswith("[")
     try:
-        items = [int(x) for x in freq.strip("[]").split(",") if x.strip()] if is_list \
-            else [int(freq)]
+        listed = layer_freq_list(freq)
+        is_list, items = listed is not None, listed if listed is not None else [int(freq)]
     except ValueError:
-        raise ConfigError("--moe-layer-freq", freq, "an integer N or a 0/1 list") from None
+        raise ConfigError("--moe-layer-freq", freq, "an integer N, a 0/1 list (0,1,1,1) or "
+                          "Megatron-LM's list expression (([0]*1+[1]*3))") from None
     if is_list:
         require(len(items) == num_layers and set(items) <= {0, 1}, "moe_layer_freq", freq,
                  f"a 0/1 list needs exactly --num-layers={num_layers} entries")
@@ -95,8 +99,6 @@ def _validate_router(moe: MoEConfig) -> None:
     num_experts = moe.num_experts
     require(1 <= moe.moe_router_topk <= num_experts, "moe_router_topk", moe.moe_router_topk,
              f"must be in [1, --num-experts={num_experts}]")
-    require(not moe.moe_router_pre_softmax or moe.moe_router_score_function == "softmax",
-             "moe_router_pre_softmax", True, "only with --moe-router-score-function softmax")
     require(not moe.moe_router_enable_expert_bias or moe.moe_router_score_function == "sigmoid",
              "moe_router_enable_expert_bias", True,
              "only with --moe-router-score-function sigmoid")
@@ -470,27 +472,53 @@ def check_config(cfg: RunConfig, world_size: int, cuda_available: bool,
     False leaves out the output paths' checks (`validate_io`, which tries a temporary file in
     each folder): the resolution's trials of auto values change no path."""
     cfg = cfg.for_world(world_size)
-    _validate_finite(cfg)
-    _validate_choices(cfg)
-    _validate_model(cfg.model)
+    errors: list[ConfigError] = []
+
+    def each(ok: bool, field_name: str, value: object, allowed: str) -> None:
+        if not ok:  # a rule of one flag's value: every such refusal is named
+            errors.append(ConfigError(flag_of(field_name), value, allowed))
+    _validate_choices(cfg, each)
+    compat_rules(cfg, each)
+    for number, rule in enumerate(_rule_groups(cfg, world_size, cuda_available, paths)):
+        try:
+            rule()
+        except ConfigError as error:
+            errors.append(error)
+            if number < GATES:  # the later groups build per-layer lists from these sizes
+                break
+        except Exception:  # a group that assumes what a refused value broke: end the list
+            if not errors:
+                raise
+            break
+    raise_together(errors)
+
+
+GATES = 2  # the first groups of `_rule_groups` (finite numbers, the model's sizes)
+
+
+def _rule_groups(cfg: RunConfig, world_size: int, cuda_available: bool,
+                 paths: bool) -> list[Callable[[], None]]:
+    """The groups of rules, in order; each raises at the first rule it finds broken."""
     timeout = cfg.parallel.distributed_timeout_minutes
-    require(timeout >= MIN_TIMEOUT_MINUTES, "distributed_timeout_minutes", timeout,
-             f"must be >= {MIN_TIMEOUT_MINUTES} (3 s): the liveness checks need a few "
-             "heartbeats within it")
-    _validate_pipeline(cfg, world_size)
-    _validate_emulated_hosts(cfg, world_size, cuda_available)
-    _validate_moe(cfg, world_size)
-    _validate_hierarchy(cfg, world_size)
-    _validate_train(cfg.train, cfg.data_parallel_size(world_size), cuda_available)
-    _validate_microbatches(cfg, world_size)
-    _validate_overlap(cfg, cuda_available)
-    _validate_nccl_ctas(cfg, cuda_available)
-    _validate_kernel_backend(cfg, cuda_available)
-    if paths:
-        validate_io(cfg, cfg.resolved_device(cuda_available))
-    _validate_cuda_graphs(cfg, cuda_available)
-    _validate_dropout(cfg)
-    compat_rules(cfg, require)
+    return [
+        lambda: _validate_finite(cfg),
+        lambda: _validate_model(cfg.model),
+        lambda: require(timeout >= MIN_TIMEOUT_MINUTES, "distributed_timeout_minutes", timeout,
+                        f"must be >= {MIN_TIMEOUT_MINUTES} (3 s): the liveness checks need a "
+                        "few heartbeats within it"),
+        lambda: _validate_pipeline(cfg, world_size),
+        lambda: _validate_emulated_hosts(cfg, world_size, cuda_available),
+        lambda: _validate_moe(cfg, world_size),
+        lambda: _validate_hierarchy(cfg, world_size),
+        lambda: _validate_train(cfg.train, cfg.data_parallel_size(world_size), cuda_available),
+        lambda: _validate_microbatches(cfg, world_size),
+        lambda: _validate_overlap(cfg, cuda_available),
+        lambda: _validate_nccl_ctas(cfg, cuda_available),
+        lambda: _validate_kernel_backend(cfg, cuda_available),
+        lambda: validate_io(cfg, cfg.resolved_device(cuda_available)) if paths else None,
+        lambda: _validate_cuda_graphs(cfg, cuda_available),
+        lambda: _validate_dropout(cfg),
+    ]
 
 
 def world_size_from_env() -> int:

@@ -48,9 +48,9 @@ def _bad_inputs(tmp_path):
 
 
 def _one_error_line(captured, prog: str, expected: str) -> None:
-    lines = captured.err.splitlines()
-    assert len(lines) == 1, captured.err
-    assert lines[0].startswith(f"{prog}: error: ") and expected in lines[0], lines[0]
+    lines = captured.err.splitlines()  # the first names it; other rules broken follow
+    assert all(line.startswith(f"{prog}: error: ") for line in lines), captured.err
+    assert expected in lines[0], lines[0]
     assert "Traceback" not in captured.err and captured.out == ""
 
 

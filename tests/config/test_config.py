@@ -70,8 +70,6 @@ def test_preset_then_explicit_flag_wins():
     (["--moe-router-num-groups", "4"], 2, "--moe-router-group-topk", "both or neither"),
     (["--moe-router-score-function", "relu"], 2, "--moe-router-score-function", "softmax"),
     (["--moe-router-enable-expert-bias"], 2, "--moe-router-enable-expert-bias", "sigmoid"),
-    (["--moe-router-score-function", "sigmoid", "--moe-router-pre-softmax"], 2,
-     "--moe-router-pre-softmax", "softmax"),
     (["--moe-router-dtype", "fp16"], 2, "--moe-router-dtype", "fp32"),
     (["--moe-layer-freq", "1,0,1"], 2, "--moe-layer-freq", "--num-layers=2"),
     (["--moe-layer-freq", "x"], 2, "--moe-layer-freq", "0/1 list"),
@@ -209,7 +207,6 @@ def test_preset_then_explicit_flag_wins():
     (["--moe-router-topk-scaling-factor", "0"], 2, "--moe-router-topk-scaling-factor", "> 0"),
     (["--distributed-timeout-minutes", "0"], 2, "--distributed-timeout-minutes", ">= 0.05"),
     (["--profile-steps", ""], 2, "--profile-steps", "START:END"),
-    (["--save-interval", "5"], 2, "--save-interval", "needs --save"),
     (["--save", "x", "--save-interval", "0"], 2, "--save-interval", ">= 1"),
     (["--save", ""], 2, "--save", "must name a folder"),
     (["--pipeline-model-parallel-size", "3"], 4, "--pipeline-model-parallel-size",
@@ -242,10 +239,9 @@ def test_preset_then_explicit_flag_wins():
 ])
 def test_each_bad_value_names_its_flag(argv, world, flag, fragment):
     error = rejected(argv, world)
-    message = str(error)
-    assert message.startswith(flag + "="), message
-    assert fragment.lower() in message.lower(), message
-    assert "\n" not in message
+    message = str(error).splitlines()[0]  # other rules it breaks: a line each after it
+    assert message.startswith(flag + "="), str(error)
+    assert fragment.lower() in message.lower(), str(error)
 
 
 def test_pipeline_flags_resolve_virtual_stages_and_data_parallel_size():

@@ -1,17 +1,19 @@
-"""Megatron-LM pretrain command lines (pure CPU): every flag of two real Megatron-LM MoE
-pretrain scripts (tests/fixtures/megatron_scripts) is implemented, accepted for what
-epoverlap already is, or refused with one line naming why; never "unrecognized". Accepted
-flags that change nothing are named in one note; refused ones one line each."""
+"""Megatron-LM pretrain command lines (pure CPU): every flag of three real Megatron-LM MoE
+command lines (tests/fixtures/megatron_scripts) is implemented, accepted for what epoverlap
+already is, or refused with one line naming why; never "unrecognized". Accepted flags that
+change nothing are named in one note; every refusal of a command line comes in one run, one
+line each."""
 
 from __future__ import annotations
 
 import pytest
 
 from epoverlap.config import build_parser, parse_config, validate_config
-from epoverlap.config.compat import NOT_IMPLEMENTED, RefusedFlags
+from epoverlap.cli.train import checked_config
+from epoverlap.config.compat import GROUP, NOT_IMPLEMENTED, REFUSED_GROUP, RefusedFlag
 from epoverlap.config.parse import accepted_notes
-from epoverlap.errors import ConfigError
-from megatron_scripts import NAMES, flag_values, script_args
+from epoverlap.errors import ConfigError, ConfigErrors
+from megatron_scripts import EP_OVERLAP, NAMES, flag_values, script_args
 
 REFUSED = {name for name, _, _ in NOT_IMPLEMENTED}
 
@@ -54,11 +56,11 @@ def test_each_flag_alone_is_taken_or_refused_in_one_line_with_its_reason(group, 
         text = str(error)
         assert text.startswith("--") and ": " in text and len(text.splitlines()) == 1, text
         if group[0] in REFUSED:
-            assert isinstance(error, RefusedFlags) and text.startswith(group[0]), text
+            assert isinstance(error, RefusedFlag) and text.startswith(group[0]), text
 
 
 def test_refused_flags_are_named_one_line_each():
-    with pytest.raises(RefusedFlags) as info:
+    with pytest.raises(ConfigErrors) as info:
         parse_config(SMALL + ["--fp16", "--recompute-granularity", "full", "--eod-mask-loss"])
     lines = str(info.value).splitlines()
     assert lines == [
@@ -118,3 +120,179 @@ def test_the_mixtral_script_with_data_and_tokenizer_adapted_validates():
     cfg = cfg.for_world(2)
     assert (cfg.train.num_microbatches, cfg.parallel.expert_model_parallel_size) == (2, 2)
     assert cfg.model.rotary_base == 1e6 and cfg.moe.moe_aux_loss_coeff == 1e-2
+
+
+# Megatron-LM's EP-overlap functional test (deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap), as
+# pasted: what each of its 106 flags is here. Refused: the math or the input would differ.
+EP_OVERLAP_GROUPS = flag_values(script_args(EP_OVERLAP))
+EP_OVERLAP_REFUSED = [  # in the order of the one run's lines
+    "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+    "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor",
+    "--vocab-file", "--merge-file",  # the refused flags, in NOT_IMPLEMENTED's order
+    "--moe-router-load-balancing-type",  # seq_aux_loss: another loss
+    "--kv-channels",  # 128 with --hidden-size 512 / 8 heads = 64: another attention width
+    "--bf16",  # on CPU (fp32 here); on a GPU it is implemented
+    "--data-path",  # no tokenizer once --vocab-file is refused
+]
+EP_OVERLAP_ACCEPTED = [  # each named in the accepted-flags line, with what is done instead
+    "--use-mcore-models", "--swiglu", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--moe-grouped-gemm", "--moe-permute-fusion",
+    "--sequence-parallel", "--use-distributed-optimizer", "--overlap-param-gather",
+    "--log-throughput", "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+    "--log-memory-to-tensorboard", "--log-params-norm", "--log-num-zeros-in-grad",
+    "--no-rope-fusion", "--use-megatron-fsdp", "--attention-backend", "--logging-level",
+    "--num-distributed-optimizer-instances", "--data-parallel-sharding-strategy",
+    "--outer-dp-sharding-strategy", "--megatron-fsdp-main-params-dtype",
+    "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype", "--mscale",
+    "--mscale-all-dim", "--data-cache-path",
+    # values that change nothing beside the other flags given (config.compat.compat_notes)
+    "--transformer-impl", "--ckpt-format", "--save-interval", "--moe-router-pre-softmax",
+]
+
+
+def _group_of(flag: str) -> str:
+    """The --help group a flag is listed in."""
+    parser = build_parser()
+    for group in parser._action_groups:
+        if any(flag in action.option_strings for action in group._group_actions):
+            return group.title
+    raise KeyError(flag)
+
+
+def disposition(flag: str) -> str:
+    """implemented (a section's own flag), accepted (the Megatron-LM compat group) or refused."""
+    group = _group_of(flag)
+    return {GROUP: "accepted", REFUSED_GROUP: "refused"}.get(group, "implemented")
+
+
+def test_every_flag_of_the_ep_overlap_config_has_a_named_disposition():
+    counts = {"implemented": 0, "accepted": 0, "refused": 0}
+    for group in EP_OVERLAP_GROUPS:
+        counts[disposition(group[0])] += 1
+    assert len(EP_OVERLAP_GROUPS) == 106
+    # by --help group: 58 flags of epoverlap's own sections (--qk-layernorm among them), 39 of
+    # the Megatron-LM group, 9 of the refused group. On the command line (the tests below): 13
+    # refused (the 9, 3 values and --data-path, which needs the tokenizer --vocab-file would
+    # give), 32 accepted with no effect, each noted, and 61 implemented (with the 7 Megatron-LM
+    # flags whose value states what epoverlap is: --normalization RMSNorm, ...)
+    assert counts == {"implemented": 58, "accepted": 39, "refused": 9}, counts
+    assert len(EP_OVERLAP_REFUSED) == 13 and len(EP_OVERLAP_ACCEPTED) == 32
+
+
+def _ep_overlap_refusals(argv: list[str], capsys) -> list[str]:
+    with pytest.raises((ConfigError, SystemExit)) as info:
+        checked_config(argv, 2, cuda_available=False)
+    if isinstance(info.value, SystemExit):
+        assert info.value.code == 2
+        return capsys.readouterr().err.splitlines()
+    return str(info.value).splitlines()
+
+
+def test_the_ep_overlap_config_as_pasted_names_every_refusal_in_one_run(tmp_path, monkeypatch,
+                                                                       capsys):
+    monkeypatch.chdir(tmp_path)  # its ${TENSORBOARD_PATH} lands here
+    lines = _ep_overlap_refusals(script_args(EP_OVERLAP), capsys)
+    assert [line.split("=", 1)[0] for line in lines] == EP_OVERLAP_REFUSED, lines
+    assert len(lines) == 13 and not any("unrecognized" in line for line in lines)
+    assert "seq_aux_loss" in lines[9] and "per-sequence aux loss" in lines[9]
+
+
+def test_unknown_arguments_come_on_argparse_s_one_line_beside_every_refusal(tmp_path,
+                                                                           monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    lines = _ep_overlap_refusals(script_args(EP_OVERLAP) + ["--no-such-flag", "1", "--nor"],
+                                 capsys)
+    assert lines[0].startswith("usage: epoverlap-train ")
+    assert lines[1] == "epoverlap-train: error: unrecognized arguments: --no-such-flag 1 --nor"
+    assert [line.split(": error: ")[1].split("=")[0] for line in lines[2:]] == \
+        EP_OVERLAP_REFUSED
+
+
+def test_the_ep_overlap_config_less_its_refusals_validates_and_notes_each_accepted_flag(
+        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = [token for group in EP_OVERLAP_GROUPS if group[0] not in EP_OVERLAP_REFUSED
+            for token in group] + ["--mock-data"]
+    cfg, _, warnings = checked_config(argv, 2, cuda_available=False)
+    notes = accepted_notes(cfg)
+    assert [note.split(" ")[0] for note in notes] == EP_OVERLAP_ACCEPTED, notes
+    assert warnings == [] and cfg.moe_layer_pattern() == [False, True]
+    assert "--attention-backend (epoverlap's local attention runs (torch's SDPA), whatever " \
+        "the backend)" in notes
+    assert cfg.train.check_for_nan_in_loss_and_grad is False
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--megatron-fsdp-main-params-dtype", "bf16"], "--megatron-fsdp-main-params-dtype=bf16: "
+     "allowed: fp32 (the master weights are fp32; another dtype rounds every update)"),
+    (["--megatron-fsdp-grad-comm-dtype", "bf16"], "--megatron-fsdp-grad-comm-dtype=bf16: "
+     "allowed: fp32"),
+    (["--ckpt-format", "fsdp_dtensor", "--save", "ckpt"], "--ckpt-format=fsdp_dtensor: "
+     "Megatron-FSDP's DTensor layout is not written or read"),
+    (["--attention-backend", "fast"], "--attention-backend=fast: allowed: flash, fused, "
+     "unfused, local, auto"),
+    (["--moe-router-load-balancing-type", "seq_aux_loss"], "--moe-router-load-balancing-type="
+     "seq_aux_loss: allowed: aux_loss, none"),
+    (["--num-distributed-optimizer-instances", "0"], "--num-distributed-optimizer-instances=0: "
+     "must be >= 1"),
+])
+def test_values_that_would_change_the_math_are_refused(argv, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        validate_config(parse_config(SMALL + argv), 2, False)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_the_same_values_beside_other_flags_are_accepted_with_a_note(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv, note in (
+            (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor (no --save or "
+             "--load: no checkpoint is written or read)"),
+            (["--save-interval", "2"], "--save-interval (no --save: nothing is saved)"),
+            (["--transformer-impl", "transformer_engine"], "--transformer-impl "
+             "transformer_engine (epoverlap's own layers and kernels run; Transformer Engine "
+             "is not used)"),
+            (["--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid"],
+             "--moe-router-pre-softmax (the scores are sigmoid's: Megatron-core applies it to "
+             "softmax scores only, and so does epoverlap)")):
+        cfg = parse_config(SMALL + argv)
+        validate_config(cfg, 2, False)
+        assert accepted_notes(cfg) == [note]
+    cfg = parse_config(SMALL + ["--save-interval", "2", "--save", "ckpt",
+                                "--moe-router-pre-softmax"])
+    validate_config(cfg, 2, False)
+    assert accepted_notes(cfg) == []  # saved; softmax scores: both implemented
+
+
+def test_independent_rules_broken_are_named_together_one_line_each(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigErrors) as info:
+        validate_config(parse_config(SMALL + ["--lr", "-1", "--normalization", "LayerNorm",
+                                              "--kv-channels", "8", "--attention-dropout", "2",
+                                              "--moe-router-topk", "9"]), 2, False)
+    flags = [line.split("=")[0] for line in str(info.value).splitlines()]
+    assert flags == ["--normalization", "--kv-channels", "--moe-router-topk", "--lr",
+                     "--attention-dropout"], str(info.value)
+
+
+@pytest.mark.parametrize("freq, pattern", [
+    ("([0]*1+[1]*1)", [0, 1]), ("([1]*3+[0])*2", [1, 1, 1, 0, 1, 1, 1, 0]),
+    ("[0]+[1]*3", [0, 1, 1, 1]), ("0,1,1,1", [0, 1, 1, 1]), ("[0, 1]", [0, 1]), ("2", None)])
+def test_moe_layer_freq_takes_megatron_lm_s_list_expressions(freq, pattern):
+    from epoverlap.config.layer_freq import layer_freq_list
+    assert layer_freq_list(freq) == pattern
+
+
+@pytest.mark.parametrize("freq", ["__import__('os')", "[1]*10**9", "[1]*100000", "[x]",
+                                  "([0]+[1]", "[1.5]"])
+def test_moe_layer_freq_refuses_any_other_expression_in_one_line(freq):
+    with pytest.raises(ConfigError) as info:
+        validate_config(parse_config(SMALL + ["--moe-layer-freq", freq]), 2, False)
+    assert str(info.value).startswith(f"--moe-layer-freq={freq}: an integer N, a 0/1 list")
+
+
+def test_no_check_for_nan_in_loss_and_grad_turns_the_check_off():
+    on = parse_config(SMALL + ["--check-for-nan-in-loss-and-grad"])
+    off = parse_config(SMALL + ["--check-for-nan-in-loss-and-grad",
+                                "--no-check-for-nan-in-loss-and-grad"])
+    assert on.train.check_for_nan_in_loss_and_grad and not off.train.check_for_nan_in_loss_and_grad

@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_scripts"
-NAMES = ("mixtral_8x7b_distributed.args", "deepseek_v3_moe.args")
+NAMES = ("mixtral_8x7b_distributed.args", "deepseek_v3_moe.args",
+         "deepseek_proxy_ep_overlap.args")
+EP_OVERLAP = "deepseek_proxy_ep_overlap.args"  # Megatron-LM's EP-overlap functional test
 
 
 def script_args(name: str) -> list[str]:
