@@ -31,6 +31,11 @@ import signal
 import sys
 from typing import NamedTuple, Optional
 
+from epoverlap.cli.process_end import exit_now, stop_at_once
+
+if __name__ == "__main__":  # a signal while the heavy modules load: one line, no traceback
+    stop_at_once("epoverlap-launch", printing=True, when="before the ranks started")
+
 import torch
 
 from epoverlap.config import build_parser
@@ -188,6 +193,11 @@ def plan_launch(argv: list[str], nodes: Optional[Nodes] = None) -> tuple[int, bo
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The command (`argv` None: sys.argv, and the process exits once torchrun has returned)
+    or, given `argv`, its status."""
+    as_command = argv is None
+    if as_command:  # until torchrun takes the signals, as it starts the ranks
+        stop_at_once(PROG, printing=True, when="before the ranks started")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         nodes = plan_nodes(split_launcher_flags(argv)[0])
@@ -198,7 +208,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     torchrun_args = [*nodes.torchrun_args(nproc), "-m", "epoverlap.train", *train_args]
     print(f"{PROG}: {_where(nodes, nproc, on_gpu)}: torchrun {' '.join(torchrun_args)}",
           flush=True)
-    return run_torchrun(torchrun_args)
+    status = run_torchrun(torchrun_args)
+    if as_command:
+        exit_now(status)
+    return status
 
 
 def _where(nodes: Nodes, nproc: int, on_gpu: bool) -> str:
