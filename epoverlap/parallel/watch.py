@@ -409,8 +409,9 @@ class CollectiveWatch:
 
     def report_signal(self, name: str, failure: PeerFailure) -> None:
         """A termination signal, `failure` the probe's finding: name the collective this rank
-        is in and exit. Status 3 when some peer is silent, else 128 + the signal. Returns at
-        once when a report is already under way."""
+        is in and exit with status 3 when some peer is silent; else exit with 128 + the signal
+        after one line from the first rank of the node. Returns at once when a report is
+        already under way."""
         if not self._reporting.acquire(blocking=False):
             return
         entry, failed = self.oldest_unfinished(), self._last_failed
@@ -424,8 +425,15 @@ class CollectiveWatch:
             failure.what = f"stopped by {name} with no collective in flight"
         if failure.silent or not failure.store_answers:
             self._emit(failure, EXIT_PEER_FAILURE)
-        else:  # every peer alive, and no training loop to stop after its step
-            self._emit(failure.where_text(), 128 + signal.Signals[name])
+        else:  # every peer alive, no training loop to stop after its step: one line a node
+            self._exit_stopped(name)
+
+    def _exit_stopped(self, name: str) -> None:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            when = "before training" if self.step == 0 else f"after step {self.step}"
+            print(f"epoverlap-train: stopped by {name} {when}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        self._exit(128 + signal.Signals[name])
 
     def _emit(self, failure, status: int) -> None:
         print(f"epoverlap-train: error: {failure}", file=sys.stderr, flush=True)

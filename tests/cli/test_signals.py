@@ -21,7 +21,7 @@ import torch
 from dist_helpers import single_rank_groups
 from epoverlap.config import parse_config
 from epoverlap.training.trainer import Trainer
-from job_control import REPO, Job, job_env, launcher_cmd, rank_pid
+from job_control import REPO, Job, job_env, launcher_cmd, rank_pid, wait_exit
 
 QUICK = ["--hidden-size", "64", "--seq-length", "64", "--num-microbatches", "4",
          "--lr-warmup-iters", "2"]
@@ -33,16 +33,24 @@ def _records(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+STEP_LINE = re.compile(r"^step\s+(\d+)/")
+
+
 def _stopped_job(tmp_path, send, flags=QUICK) -> tuple[Job, int, int]:
-    """The main job with --exit-signal-handler, stopped by `send(job)` once step 3 is logged.
+    """The main job with --exit-signal-handler, stopped by `send(job)` once step 3 is logged:
+    after the step in progress or the next one (the stop flag rides in the step's reduction),
+    and the launcher exits within 3 s of that step's line.
     -> (job, exit status, the step the stop line names)."""
     job = Job(launcher_cmd("--nproc", "2", *flags, "--train-iters", "100",
                            "--exit-signal-handler", "--save", str(tmp_path / "ckpt"),
                            "--log-json", str(tmp_path / "run.jsonl")))
     try:
         assert job.wait_for_line("step    3/", 240), job.text("err")
+        sent = time.monotonic()
         send(job)
-        code = job.finish(90)
+        code = job.proc.wait(90)
+        exited = time.monotonic()
+        job.finish(5)
     finally:
         if job.proc.poll() is None:
             job.proc.kill()
@@ -52,6 +60,11 @@ def _stopped_job(tmp_path, send, flags=QUICK) -> tuple[Job, int, int]:
     assert len(stops) == 1, job.text("out")
     step, held = int(stops[0].group(2)), int(stops[0].group(3))
     assert step == held and step >= 3, stops[0].group(0)
+    steps = {int(m.group(1)): t for t, name, line in job.seen
+             if name == "out" and (m := STEP_LINE.match(line))}
+    at_signal = max(n for n, t in steps.items() if t <= sent)
+    assert step <= at_signal + 2, (at_signal, step)  # the step in progress, or the next
+    assert exited - steps[step] < 3.0, (exited - steps[step], job.text("out"))
     assert (tmp_path / "ckpt" / f"iter_{step:07d}" / "meta.json").is_file()
     return job, code, step
 
@@ -94,6 +107,43 @@ def test_sigterm_to_every_process_at_once_as_a_scheduler_sends_it(tmp_path):
             os.kill(pid, signal.SIGTERM)
     job, code, _ = _stopped_job(tmp_path, everyone)
     assert code == 143, job.text("err")
+
+
+def _ranks_up(job: Job, timeout_s: float) -> list[int]:
+    """Both ranks' process ids, once torchrun has started them (still in their start-up)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = [rank_pid(job.proc.pid, rank) for rank in (0, 1)]
+        if all(pids):
+            return pids
+        time.sleep(0.05)
+    raise AssertionError(f"no ranks after {timeout_s} s: {job.text('err')}")
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_start_up_ends_the_job_with_one_line_naming_sigint():
+    """Ctrl-C reaches the terminal's foreground process group: the launcher (torchrun starts
+    the ranks in sessions of their own, and forwards the signal to them). While the launcher
+    loads and checks the flags, and while the ranks load theirs: status 130, at most 3 lines
+    (the launcher's plan line aside), each naming SIGINT, no traceback, no rank left."""
+    for when in ("launcher", "ranks"):
+        job = Job(launcher_cmd("--nproc", "2", *QUICK, "--train-iters", "100"))
+        try:
+            if when == "launcher":
+                time.sleep(0.5)
+                pids = []
+            else:
+                pids = _ranks_up(job, 240)
+            job.proc.send_signal(signal.SIGINT)
+            code = job.finish(60)
+        finally:
+            if job.proc.poll() is None:
+                job.proc.kill()
+        lines = [line for _, _, line in job.seen if "torchrun --standalone" not in line]
+        assert code == 130, (when, lines)
+        assert 1 <= len(lines) <= 3, (when, lines)
+        assert all("stopped by SIGINT before" in line for line in lines), (when, lines)
+        assert all(wait_exit(pid, 10) is not None for pid in pids), when
 
 
 @pytest.mark.multigpu
