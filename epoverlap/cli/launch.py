@@ -21,6 +21,11 @@ included) before a rank is started, so bad input is one line and exit status 2. 
 fail, their own lines say why, and the launcher ends with one line naming the first rank that
 failed and its exit status (torchrun's error report and its traceback are not printed); the
 launcher's status is that rank's.
+
+A SIGTERM or SIGINT (Ctrl-C reaches the launcher only: torchrun starts the ranks in sessions of
+their own) before torchrun has started the ranks ends the launcher with one line naming it;
+after, torchrun forwards that same signal to the ranks, and the launcher exits with 128 + the
+signal as soon as they have.
 """
 
 from __future__ import annotations
