@@ -4,7 +4,6 @@ A signal is answered with one line from the first statement on (`cli.process_end
 the heavy imports, and the process exits as soon as the command returns."""
 
 import os
-import sys
 
 from epoverlap.cli.process_end import exit_now, stop_at_once
 
