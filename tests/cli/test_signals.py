@@ -36,10 +36,10 @@ def _records(path) -> list[dict]:
 STEP_LINE = re.compile(r"^step\s+(\d+)/")
 
 
-def _stopped_job(tmp_path, send, flags=QUICK) -> tuple[Job, int, int]:
+def _stopped_job(tmp_path, send, flags=QUICK, exit_within_s=3.0) -> tuple[Job, int, int]:
     """The main job with --exit-signal-handler, stopped by `send(job)` once step 3 is logged:
     after the step in progress or the next one (the stop flag rides in the step's reduction),
-    and the launcher exits within 3 s of that step's line.
+    and the launcher exits within `exit_within_s` of that step's line (the save included).
     -> (job, exit status, the step the stop line names)."""
     job = Job(launcher_cmd("--nproc", "2", *flags, "--train-iters", "100",
                            "--exit-signal-handler", "--save", str(tmp_path / "ckpt"),
@@ -64,7 +64,7 @@ def _stopped_job(tmp_path, send, flags=QUICK) -> tuple[Job, int, int]:
              if name == "out" and (m := STEP_LINE.match(line))}
     at_signal = max(n for n, t in steps.items() if t <= sent)
     assert step <= at_signal + 2, (at_signal, step)  # the step in progress, or the next
-    assert exited - steps[step] < 3.0, (exited - steps[step], job.text("out"))
+    assert exited - steps[step] < exit_within_s, (exited - steps[step], job.text("out"))
     assert (tmp_path / "ckpt" / f"iter_{step:07d}" / "meta.json").is_file()
     return job, code, step
 
@@ -151,7 +151,7 @@ def test_ctrl_c_during_start_up_ends_the_job_with_one_line_naming_sigint():
 def test_nccl_sigterm_to_the_launcher_saves_the_step_and_exits_143(tmp_path):
     """2 GPUs, NCCL, the launcher's GPU defaults (bf16, partial CUDA graphs, overlap)."""
     job, code, step = _stopped_job(tmp_path, lambda job: job.proc.send_signal(signal.SIGTERM),
-                                   flags=[])
+                                   flags=[], exit_within_s=10.0)  # a bigger save, NCCL's end
     assert code == 143, job.text("err")
     assert [r["step"] for r in _records(tmp_path / "run.jsonl")] == list(range(1, step + 1))
 
