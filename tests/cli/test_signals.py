@@ -1,7 +1,9 @@
 """Stops as a scheduler or a user makes them (2 CPU ranks, gloo): SIGTERM or SIGINT to the
-launcher, or to every process at once, stops every rank after the same step, saves it with
---exit-signal-handler, says in one line which step the last checkpoint holds and exits 143 (130)
-with no "did not answer" line; a resume from that checkpoint continues bit for bit. A stopped
+launcher, or to every process at once, stops every rank after the same step (the step in
+progress or the next), saves it with --exit-signal-handler, says in one line which step the last
+checkpoint holds and exits 143 (130) with no "did not answer" line, the launcher within 3 s of
+that step; a resume from that checkpoint continues bit for bit. Ctrl-C during start-up ends the
+job with at most 3 lines naming SIGINT. A stopped
 rank ends the job within the timeout plus the launcher's grace. --exit-interval and
 --exit-duration-in-mins stop the same way in process; an unwritable --save stops the launcher
 before any rank starts."""
