@@ -36,7 +36,7 @@ import signal
 import sys
 from typing import NamedTuple, Optional
 
-from epoverlap.cli.process_end import exit_now, stop_at_once
+from epoverlap.cli.process_end import exit_now, spawn_with_stops_held, stop_at_once
 
 if __name__ == "__main__":  # a signal while the heavy modules load: one line, no traceback
     stop_at_once("epoverlap-launch", printing=True, when="before the ranks started")
@@ -230,12 +230,14 @@ def _where(nodes: Nodes, nproc: int, on_gpu: bool) -> str:
 
 def run_torchrun(torchrun_args: list[str]) -> int:
     """torchrun in this process; one line for failed ranks; the first failure's status."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _quiet_torch_elastic()
+    start = getattr(SubprocessContext._start, "__wrapped__", SubprocessContext._start)
+    SubprocessContext._start = spawn_with_stops_held(start)
     _stop_workers_within_the_shutdown_timeout()
     try:
         run(parse_args(torchrun_args))

@@ -24,6 +24,22 @@ def stop_at_once(prog: str, printing: bool, when: str = "before training") -> No
         os._exit(128 + signum)
     for signum in STOP_SIGNALS:
         signal.signal(signum, stop)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # held by the launcher's spawn
+
+
+def spawn_with_stops_held(spawn):
+    """`spawn` (a function starting processes) wrapped so that SIGTERM and SIGINT are blocked
+    while it runs: the processes start with them blocked (a signal mask is inherited), so one
+    that arrives while a rank's interpreter starts waits for the rank's `stop_at_once` instead
+    of breaking its start-up with a traceback; one the launcher gets meanwhile is taken after."""
+    def spawn_held(*args, **kwargs):
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            return spawn(*args, **kwargs)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    spawn_held.__wrapped__ = spawn
+    return spawn_held
 
 
 def exit_now(status: int) -> None:
