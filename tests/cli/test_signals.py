@@ -48,8 +48,8 @@ def _stopped_job(tmp_path, send, flags=QUICK, exit_within_s=3.0) -> tuple[Job, i
                            "--log-json", str(tmp_path / "run.jsonl")))
     try:
         assert job.wait_for_line("step    3/", 240), job.text("err")
-        sent = time.monotonic()
         send(job)
+        sent = time.monotonic()  # every signal is out (`send` may look up the ranks first)
         code = job.proc.wait(90)
         exited = time.monotonic()
         job.finish(5)
