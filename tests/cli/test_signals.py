@@ -38,11 +38,11 @@ def _records(path) -> list[dict]:
 STEP_LINE = re.compile(r"^step\s+(\d+)/")
 
 
-def _stopped_job(tmp_path, send, flags=QUICK, exit_within_s=3.0, steps_after=2
-                 ) -> tuple[Job, int, int]:
+def _stopped_job(tmp_path, send, flags=QUICK, exit_within_s=3.0) -> tuple[Job, int, int]:
     """The main job with --exit-signal-handler, stopped by `send(job)` once step 3 is logged:
-    after the step in progress or the next one (the stop flag rides in the step's reduction),
-    and the launcher exits within `exit_within_s` of that step's line (the save included).
+    after the step in progress or the next one (the stop flag rides in the step's reduction;
+    its line within 1 s of the signal), and the launcher exits within `exit_within_s` of that
+    step's line (the save included).
     -> (job, exit status, the step the stop line names)."""
     job = Job(launcher_cmd("--nproc", "2", *flags, "--train-iters", "100",
                            "--exit-signal-handler", "--save", str(tmp_path / "ckpt"),
@@ -66,7 +66,11 @@ def _stopped_job(tmp_path, send, flags=QUICK, exit_within_s=3.0, steps_after=2
     steps = {int(m.group(1)): t for t, name, line in job.seen
              if name == "out" and (m := STEP_LINE.match(line))}
     at_signal = max(n for n, t in steps.items() if t <= sent)
-    assert step <= at_signal + steps_after, (at_signal, step)  # 2: in progress, or the next
+    # the step in progress or the next (at_signal + 2) on an idle host; the signal's way through
+    # the launcher and the ranks' thread wake-ups took up to ~0.5 s on the loaded 2-core test
+    # host, up to 4 of these 0.13 s steps: the time bound is the firm one (before: 3 s)
+    assert step <= at_signal + 4, (at_signal, step)
+    assert steps[step] - sent < 1.0, (steps[step] - sent, at_signal, step)
     assert exited - steps[step] < exit_within_s, (exited - steps[step], job.text("out"))
     assert (tmp_path / "ckpt" / f"iter_{step:07d}" / "meta.json").is_file()
     return job, code, step
@@ -108,7 +112,7 @@ def test_sigterm_to_every_process_at_once_as_a_scheduler_sends_it(tmp_path):
     def everyone(job):
         for pid in [rank_pid(job.proc.pid, rank) for rank in (0, 1)] + [job.proc.pid]:
             os.kill(pid, signal.SIGTERM)
-    job, code, _ = _stopped_job(tmp_path, everyone, steps_after=3)  # seen 3 here (twice)
+    job, code, _ = _stopped_job(tmp_path, everyone)
     assert code == 143, job.text("err")
 
 
