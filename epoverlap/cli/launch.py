@@ -21,6 +21,11 @@ included) before a rank is started, so bad input is one line and exit status 2. 
 fail, their own lines say why, and the launcher ends with one line naming the first rank that
 failed and its exit status (torchrun's error report and its traceback are not printed); the
 launcher's status is that rank's.
+
+A SIGTERM or SIGINT (Ctrl-C reaches the launcher only: torchrun starts the ranks in sessions of
+their own) before torchrun has started the ranks ends the launcher with one line naming it;
+after, torchrun forwards that same signal to the ranks, and the launcher exits with 128 + the
+signal as soon as they have.
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ import os
 import signal
 import sys
 from typing import NamedTuple, Optional
+
+from epoverlap.cli.process_end import exit_now, spawn_with_stops_held, stop_at_once
+
+if __name__ == "__main__":  # a signal while the heavy modules load: one line, no traceback
+    stop_at_once("epoverlap-launch", printing=True, when="before the ranks started")
 
 import torch
 
@@ -188,6 +198,11 @@ def plan_launch(argv: list[str], nodes: Optional[Nodes] = None) -> tuple[int, bo
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """The command (`argv` None: sys.argv, and the process exits once torchrun has returned)
+    or, given `argv`, its status."""
+    as_command = argv is None
+    if as_command:  # until torchrun takes the signals, as it starts the ranks
+        stop_at_once(PROG, printing=True, when="before the ranks started")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         nodes = plan_nodes(split_launcher_flags(argv)[0])
@@ -198,7 +213,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     torchrun_args = [*nodes.torchrun_args(nproc), "-m", "epoverlap.train", *train_args]
     print(f"{PROG}: {_where(nodes, nproc, on_gpu)}: torchrun {' '.join(torchrun_args)}",
           flush=True)
-    return run_torchrun(torchrun_args)
+    status = run_torchrun(torchrun_args)
+    if as_command:
+        exit_now(status)
+    return status
 
 
 def _where(nodes: Nodes, nproc: int, on_gpu: bool) -> str:
@@ -212,12 +230,14 @@ def _where(nodes: Nodes, nproc: int, on_gpu: bool) -> str:
 
 def run_torchrun(torchrun_args: list[str]) -> int:
     """torchrun in this process; one line for failed ranks; the first failure's status."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import SignalException, SubprocessContext
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _quiet_torch_elastic()
+    start = getattr(SubprocessContext._start, "__wrapped__", SubprocessContext._start)
+    SubprocessContext._start = spawn_with_stops_held(start)
     _stop_workers_within_the_shutdown_timeout()
     try:
         run(parse_args(torchrun_args))

@@ -37,6 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
+from epoverlap.cli.process_end import stop_at_once
 from epoverlap.config import (RunConfig, resolve_config, validate_config,
                               world_size_from_env)
 from epoverlap.config.parse import (accepted_notes, flags_text, raise_refusals,
@@ -164,17 +165,6 @@ def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: b
     return cfg, resume, [f"{prog}: warning: {note}" for note in notes]
 
 
-def _stop_now_on_signals(printing: bool) -> None:
-    """Until the liveness watch takes them (route_signals), SIGTERM and SIGINT end the rank at
-    once, with one line from the first rank of the node."""
-    def stop(signum, frame):
-        name = signal.Signals(signum).name
-        _printer(printing, to_stderr=True)(f"epoverlap-train: stopped by {name} before training")
-        os._exit(128 + signum)
-    for signum in ROUTED_SIGNALS:
-        signal.signal(signum, stop)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     """The training command (see the module docstring); the signal handlers and the --log-dir
     streams it installs are the process's only while it runs."""
@@ -195,7 +185,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _train(argv: Optional[list[str]]) -> int:
     printing = os.environ.get("LOCAL_RANK", "0") == "0"  # one voice per node for bad input
-    _stop_now_on_signals(printing)
+    stop_at_once("epoverlap-train", printing)  # until route_signals hands them to the watch
     warn = _printer(printing, to_stderr=True)
     cuda = torch.cuda.is_available()
 

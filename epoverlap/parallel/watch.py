@@ -24,8 +24,9 @@ status 3; the first report of a process is the only one that prints:
      CUDA synchronize behind a stuck NCCL kernel), where a Python handler would never run.
 
 A SIGTERM or SIGINT with every peer still beating is a stop for the whole job (a scheduler,
-Ctrl-C): the watch hands it to the training loop's `stop_handler`, which stops every rank after
-the same step (`on_signal`); the heartbeats go on meanwhile, so no peer is called silent.
+Ctrl-C): the watch hands it at once to the training loop's `stop_handler`, which stops every
+rank after the same step, and probes the peers meanwhile: a silent one turns the signal into
+its failure (`on_signal`); the heartbeats go on meanwhile, so no peer is called silent.
 
 Collectives captured in a CUDA graph are issued by its replays, not by the calls made while
 capturing: those are not tracked (`collective`), and the caller wraps each replay of a graph
@@ -369,7 +370,8 @@ class CollectiveWatch:
         and none may look silent to the others meanwhile."""
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
-            time.sleep(min(left, self.timing.interval_s))
+            if self._stop.wait(min(left, self.timing.interval_s)):
+                return  # closed: the run is over, nothing to report
             with contextlib.suppress(RuntimeError, dist.DistError):
                 self.heartbeat.beat()
 
@@ -385,24 +387,31 @@ class CollectiveWatch:
 
     def on_signal(self, signum: int) -> None:
         """SIGTERM or SIGINT: a peer that died (the launcher stopping the job because a rank
-        exited), or a stop for the whole job (a scheduler, Ctrl-C). Probe first (meanwhile a
-        collective with a dead peer fails or stalls): a silent peer is reported as a failure;
-        otherwise the training loop's `stop_handler` is asked to stop after the step in
-        progress (every rank agrees on which), once; without one the rank exits now."""
+        exited), or a stop for the whole job (a scheduler, Ctrl-C). With a training loop, its
+        `stop_handler` is asked at once to stop after the step in progress (its flag rides in
+        the step's stats reduction, so every rank learns of it at that reduction); then the
+        peers are probed: a silent peer is reported as a failure (meanwhile the collective with
+        it fails or stalls, so no rank gets past it), unless the run ended first (a reduction
+        every rank took part in after the signal: all alive). Without a training loop the rank
+        exits after the probe. Once per process."""
         name = signal.Signals(signum).name
         if self._reporting.locked() or self._stop_requested:
             return
-        failure = self.probe(PeerFailure(self.rank, self.step, ""))
-        if (failure.silent or not failure.store_answers) or self.stop_handler is None:
-            self.report_signal(name, failure)
-            return
         self._stop_requested = True
-        self.stop_handler(name)
+        handler = self.stop_handler
+        if handler is not None:
+            handler(name)
+        failure = self.probe(PeerFailure(self.rank, self.step, ""))
+        if self._stop.is_set():  # closed meanwhile: the run ended after the agreed step
+            return
+        if failure.silent or not failure.store_answers or handler is None:
+            self.report_signal(name, failure)
 
     def report_signal(self, name: str, failure: PeerFailure) -> None:
         """A termination signal, `failure` the probe's finding: name the collective this rank
-        is in and exit. Status 3 when some peer is silent, else 128 + the signal. Returns at
-        once when a report is already under way."""
+        is in and exit with status 3 when some peer is silent; else exit with 128 + the signal
+        after one line from the first rank of the node. Returns at once when a report is
+        already under way."""
         if not self._reporting.acquire(blocking=False):
             return
         entry, failed = self.oldest_unfinished(), self._last_failed
@@ -416,8 +425,15 @@ class CollectiveWatch:
             failure.what = f"stopped by {name} with no collective in flight"
         if failure.silent or not failure.store_answers:
             self._emit(failure, EXIT_PEER_FAILURE)
-        else:  # every peer alive, and no training loop to stop after its step
-            self._emit(failure.where_text(), 128 + signal.Signals[name])
+        else:  # every peer alive, no training loop to stop after its step: one line a node
+            self._exit_stopped(name)
+
+    def _exit_stopped(self, name: str) -> None:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            when = "before training" if self.step == 0 else f"after step {self.step}"
+            print(f"epoverlap-train: stopped by {name} {when}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        self._exit(128 + signal.Signals[name])
 
     def _emit(self, failure, status: int) -> None:
         print(f"epoverlap-train: error: {failure}", file=sys.stderr, flush=True)

@@ -1,7 +1,8 @@
 """Why a run stops before --train-iters, and every rank agreeing on the step it stops after.
 
 Owns `StopRequest`. Its reasons: a SIGTERM or SIGINT for the whole job (the liveness watch hands
-it over once it has seen every peer still beating: `watch.stop_handler`), and the time limit of
+it over at once, `watch.stop_handler`, and reports it as a peer's failure instead when its probe
+finds a peer silent), and the time limit of
 --exit-duration-in-mins. A signal reaches the ranks at slightly different moments, so the
 reasons are not acted on where they arise: each rank puts its own into the step's stats
 reduction as flags (`local_flags`), and the sums come back the same on every rank

@@ -194,6 +194,38 @@ def test_monitor_leaves_a_slow_collective_alone_while_every_peer_beats(capsys):
     assert exits == [] and capsys.readouterr().err == ""
 
 
+def test_a_signal_reaches_the_training_loop_before_the_probe_and_a_silent_peer_still_fails():
+    """The training loop's stop is asked at once (its flag rides in the next step's reduction,
+    not 2 s of probing later); the probe still turns the signal into a silent peer's failure."""
+    for frozen, exits_after in (((), []), ((2,), [3])):
+        watch, exits = _watch_with(frozen=frozen, timeout_s=8.0)  # a probe window of 2 s
+        handed = []
+        watch.stop_handler = lambda name: handed.append((name, time.monotonic()))
+        started = time.monotonic()
+        watch.on_signal(signal.SIGTERM)  # on this thread: returns after the probe
+        assert time.monotonic() - started >= watch.timing.window_s * 0.9, frozen
+        assert [name for name, _ in handed] == ["SIGTERM"], frozen
+        assert handed[0][1] - started < 0.5, frozen
+        assert exits == exits_after, frozen
+
+
+def test_a_run_that_ends_during_the_probe_reports_nothing():
+    """Every rank took part in the reduction that agreed on the stop, so all were alive: the
+    watch's close ends the probe at once and no failure is reported (the peer's heartbeat
+    standing still here would otherwise be one)."""
+    watch, exits = _watch_with(frozen=(2,), timeout_s=8.0)
+    handed = []
+    watch.stop_handler = handed.append
+    probing = threading.Thread(target=watch.on_signal, args=(signal.SIGTERM,))
+    probing.start()
+    time.sleep(0.3)
+    closed = time.monotonic()
+    watch.close()
+    probing.join(timeout=5)
+    assert not probing.is_alive() and time.monotonic() - closed < 1.0
+    assert handed == ["SIGTERM"] and exits == []
+
+
 SIGTERM_SCRIPT = textwrap.dedent("""
     import signal, sys, time
     sys.path[:0] = ["tests/parallel", "tests/support"]  # test_liveness imports job_control
