@@ -66,11 +66,13 @@ def _stopped_job(tmp_path, send, flags=QUICK, exit_within_s=3.0) -> tuple[Job, i
     steps = {int(m.group(1)): t for t, name, line in job.seen
              if name == "out" and (m := STEP_LINE.match(line))}
     at_signal = max(n for n, t in steps.items() if t <= sent)
-    # the step in progress or the next (at_signal + 2) on an idle host; the signal's way through
-    # the launcher and the ranks' thread wake-ups took up to ~0.5 s on the loaded 2-core test
-    # host, up to 4 of these 0.13 s steps: the time bound is the firm one (before: 3 s)
+    # The stop step's line within 1 s of the signal (before: about 3 s). Measured outside
+    # pytest the stop came 1-2 steps after the signal (benchmarks/data/cpu_2026-11-29_stops);
+    # here the lines reach the test through pipes read by threads on a 2-core host, so the
+    # last step the test saw before the signal lags by up to 5 of these ~0.1 s steps: a step
+    # count is not checked, the time is.
     assert steps[step] - sent < 1.0, (steps[step] - sent, at_signal, step)
-    assert step <= at_signal + 4, (at_signal, step, steps[step] - sent)
+    assert step >= at_signal, (at_signal, step)  # not before the signal
     assert exited - steps[step] < exit_within_s, (exited - steps[step], job.text("out"))
     assert (tmp_path / "ckpt" / f"iter_{step:07d}" / "meta.json").is_file()
     return job, code, step
