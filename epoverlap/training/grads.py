@@ -136,13 +136,6 @@ class GradBuffers:
             return norm, max_norm / (norm + 1e-6)
         return norm, 1.0
 
-    def clip(self, max_norm: float) -> float:
-        """Scale grads so the global norm is at most max_norm (0 disables). Returns the norm."""
-        norm, scale = self.clip_factor(max_norm)
-        if scale != 1.0:
-            self.dense_flat.mul_(scale)
-            self.expert_flat.mul_(scale)
-        return norm
 
     def close(self) -> None:
         for hook in self._hooks:
