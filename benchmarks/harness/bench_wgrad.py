@@ -1,10 +1,13 @@
 """Weight grads accumulated inside the GEMM against the GEMM and then the fp32 add.
 
     python -m benchmarks.harness.bench_wgrad [--rounds 5] [--iters 10] [--sweep] [--device cuda|cpu]
+        [--shapes qwen3,qwen3-step,mixtral]
 
 At the Qwen3 proxy's shapes (`--preset qwen3-30b-a3b-proxy`: hidden 2048, 16/4 heads of dim
 128, 128 experts top-8 of FFN 768, 4096 tokens a microbatch, vocabulary 151936), one
-microbatch's weight grad of each weight kind, into an fp32 main grad:
+microbatch's weight grad of each weight kind, into an fp32 main grad (`--shapes`: `qwen3-step`
+is the experts' with both microbatches' rows in one call, `mixtral` the experts' of `--preset
+mixtral-1gpu-proxy`, 1024 rows an expert):
   - experts (grouped, weights [E, I, O], rows spread evenly, 256 per expert):
       `old`    torch._grouped_mm(x^T, grad) in bf16, then main_grad.add_ (what ran before);
       `fused`  the Triton grouped kernel (`grouped_weight_grad_triton`, its default tiles);
@@ -45,7 +48,9 @@ from epoverlap.kernels.grouped_wgrad_triton import (WgradConfig, grouped_weight_
 
 SWEEP = (WgradConfig(128, 128, 64, 8, 3, False), WgradConfig(128, 128, 32, 8, 4, True),
          WgradConfig(128, 64, 64, 4, 3, True), WgradConfig(64, 128, 64, 4, 3, True),
-         WgradConfig(128, 256, 64, 8, 3, False), WgradConfig(256, 128, 64, 8, 3, False))
+         WgradConfig(64, 128, 64, 4, 4, False), WgradConfig(64, 64, 64, 4, 3, True),
+         WgradConfig(128, 256, 64, 8, 3, False), WgradConfig(256, 128, 64, 8, 3, False),
+         WgradConfig(128, 256, 64, 8, 4, False), WgradConfig(128, 128, 128, 8, 3, False))
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,13 @@ PROXY = (Case("experts fc1 [128, 2048, 1536]", 128, 4096 * 8, 2048, 1536),
          Case("qkv [3072, 2048]", 0, 4096, 2048, 3072),
          Case("proj [2048, 2048]", 0, 4096, 2048, 2048),
          Case("head [151936, 2048]", 0, 4096, 2048, 151936))
+# both microbatches' rows in one call (512 an expert): the main grad read and written once a step
+QWEN3_STEP = (Case("experts fc1 [128, 2048, 1536] x 2 microbatches", 128, 8192 * 8, 2048, 1536),
+              Case("experts fc2 [128, 768, 2048] x 2 microbatches", 128, 8192 * 8, 768, 2048))
+# `--preset mixtral-1gpu-proxy`: 8 experts top-2 of FFN 14336, hidden 4096, 1024 rows an expert
+MIXTRAL = (Case("experts fc1 [8, 4096, 28672]", 8, 4096 * 2, 4096, 28672),
+           Case("experts fc2 [8, 14336, 4096]", 8, 4096 * 2, 14336, 4096))
+SHAPES = {"qwen3": PROXY, "qwen3-step": QWEN3_STEP, "mixtral": MIXTRAL}
 TINY = (Case("experts [4, 40, 72]", 4, 64, 40, 72), Case("dense [48, 40]", 0, 33, 40, 48))
 
 
@@ -214,6 +226,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="the grouped kernel at more tiles")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--shapes", default="qwen3",
+                        help=f"comma-separated, of {', '.join(SHAPES)} (cuda only)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_wgrad: no CUDA device (use --device cpu for the tool's own check)")
@@ -223,7 +237,8 @@ def main(argv: list[str]) -> int:
         print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | "
               f"BLAS default {torch.backends.cuda.preferred_blas_library()}")
     rows = []
-    for case in PROXY if device.type == "cuda" else TINY:
+    cases = [c for name in args.shapes.split(",") for c in SHAPES[name]]
+    for case in cases if device.type == "cuda" else TINY:
         rows += run_case(case, device, args.rounds, args.iters, args.sweep)
         print(f"done: {case.name}", flush=True)
     print(table(rows))
