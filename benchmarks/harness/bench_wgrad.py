@@ -46,11 +46,10 @@ from epoverlap.kernels.grouped_wgrad import grouped_weight_grad_torch
 from epoverlap.kernels.grouped_wgrad_triton import (WgradConfig, grouped_weight_grad_triton,
                                                     wgrad_config)
 
-SWEEP = (WgradConfig(128, 128, 64, 8, 3, False), WgradConfig(128, 128, 32, 8, 4, True),
-         WgradConfig(128, 64, 64, 4, 3, True), WgradConfig(64, 128, 64, 4, 3, True),
-         WgradConfig(64, 128, 64, 4, 4, False), WgradConfig(64, 64, 64, 4, 3, True),
-         WgradConfig(128, 256, 64, 8, 3, False), WgradConfig(256, 128, 64, 8, 3, False),
-         WgradConfig(128, 256, 64, 8, 4, False), WgradConfig(128, 128, 128, 8, 3, False))
+SWEEP = (WgradConfig(128, 128, 64, 8, 3), WgradConfig(128, 64, 64, 4, 3),
+         WgradConfig(64, 128, 64, 4, 3), WgradConfig(64, 64, 64, 4, 4),
+         WgradConfig(128, 256, 64, 8, 3), WgradConfig(128, 256, 64, 8, 4),
+         WgradConfig(256, 128, 64, 8, 3))
 
 
 @dataclass(frozen=True)
@@ -97,13 +96,34 @@ def _grouped_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable, Cal
         return lambda: grouped_weight_grad_triton(main_grad, x, grad, offsets,
                                                   sm_carveout=sm_carveout, config=config)
 
-    sides = {"old": old, f"fused {_label(wgrad_config(torch.bfloat16))}": fused()}
+    half = case.rows // 2
+    first, second = (t.to(device) for t in counts_halves(counts, half))
+
+    def two_sources():  # the rows as two microbatches' sources in one launch
+        grouped_weight_grad_triton(main_grad, x[:half], grad[:half], first,
+                                   more=(x[half:], grad[half:], second))
+
+    def overwrite():  # the step's first weight grad: the old main grad never read
+        grouped_weight_grad_triton(main_grad, x, grad, offsets, accumulate=False)
+
+    default = wgrad_config(torch.bfloat16, case.rows / case.experts)
+    sides = {"old": old, f"fused {_label(default)}": fused(), "fused, two sources": two_sources,
+             "fused, overwrite": overwrite}
     if sweep:
         sides.update({f"fused {_label(c)}": fused(c) for c in SWEEP})
         if device.type == "cuda":  # one program per SM walking the tiles
             sides["fused persistent (carveout 0)"] = fused(sm_carveout=0)
     return sides, lambda: main_grad, lambda: grouped_weight_grad_torch(main_grad, x, grad,
                                                                        offsets, counts)
+
+
+def counts_halves(counts: list[int], half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The offsets of rows [0, half) and [half, N) of rows sorted by `counts` per expert, each
+    as a source of its own (its rows sorted by expert)."""
+    ends = torch.tensor(counts).cumsum(0)
+    first = ends.clamp(max=half)
+    second = (ends - half).clamp(min=0)
+    return first.to(torch.int32), second.to(torch.int32)
 
 
 def _dense_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable, Callable]:
@@ -148,7 +168,7 @@ def _blas(library: str):
 
 def _label(config: WgradConfig) -> str:
     return (f"{config.block_i}x{config.block_o}x{config.block_k} w{config.num_warps} "
-            f"s{config.num_stages}{' pre' if config.prefetch_c else ''}")
+            f"s{config.num_stages}")
 
 
 def _check(sides: dict, main_grad: Callable, reference: Callable) -> dict:
@@ -158,12 +178,14 @@ def _check(sides: dict, main_grad: Callable, reference: Callable) -> dict:
     reference()
     expected = main_grad().clone()
     scale = expected.abs().max().item() or 1.0
-    errors = {}
+    errors, results = {}, {}
     for name, side in sides.items():
         main_grad().zero_()
         side()
         errors[name] = (main_grad() - expected).abs().max().item() / scale
-    return errors
+        results[name] = main_grad().clone()
+    first_fused = next((r for n, r in results.items() if n != "old"), None)
+    return {name: (errors[name], torch.equal(results[name], first_fused)) for name in sides}
 
 
 def _time(sides: dict, rounds: int, iters: int) -> dict:
@@ -199,7 +221,8 @@ def run_case(case: Case, device, rounds: int, iters: int, sweep: bool) -> list[d
     rows = []
     for name in sides:
         ms = times.get(name)
-        rows.append({"case": case.name, "side": name, "ms": ms, "error": errors[name],
+        rows.append({"case": case.name, "side": name, "ms": ms, "error": errors[name][0],
+                     "same_bits": errors[name][1],
                      "tflops": flops / ms / 1e9 if ms else None,
                      "gbs": _bytes(case, name) / ms / 1e6 if ms else None,
                      "vs_old": times["old"] / ms if ms else None})
@@ -211,12 +234,13 @@ def _fmt(value, spec: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| weight | side | ms | TFLOP/s | GB/s | speedup over old | diff to fp32 / max |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| weight | side | ms | TFLOP/s | GB/s | speedup over old | diff to fp32 / max "
+             "| bits of the first fused side |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['side']} | {_fmt(r['ms'], '.3f')} | "
                      f"{_fmt(r['tflops'], '.0f')} | {_fmt(r['gbs'], '.0f')} | "
-                     f"{_fmt(r['vs_old'], '.2f')} | {r['error']:.1e} |")
+                     f"{_fmt(r['vs_old'], '.2f')} | {r['error']:.1e} | "
+                     f"{'same' if r['same_bits'] else 'differ'} |")
     return "\n".join(lines)
 
 

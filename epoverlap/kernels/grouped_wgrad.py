@@ -20,7 +20,7 @@ The reference reads the offsets on the host when `counts` is not given (one devi
 
 from __future__ import annotations
 
-from itertools import accumulate
+from itertools import accumulate as running_sum
 from typing import Optional
 
 import torch
@@ -29,10 +29,21 @@ import torch
 def grouped_weight_grad_torch(main_grad_EIO: torch.Tensor, x_NI: torch.Tensor,
                               grad_NO: torch.Tensor, offsets_E: torch.Tensor,
                               counts: Optional[list[int]] = None,
-                              sm_carveout: Optional[int] = None) -> None:
+                              sm_carveout: Optional[int] = None,
+                              more: Optional[tuple] = None, accumulate: bool = True) -> None:
     """main_grad [E, I, O] (fp32) += per expert x_e^T @ grad_e; x [N, I], grad [N, O] of one
-    dtype; offsets [E] int32 (counts [E] on the host, when known, spare the read)."""
-    ends = offsets_E.tolist() if counts is None else list(accumulate(counts))
+    dtype; offsets [E] int32 (counts [E] on the host, when known, spare the read). `more`
+    (x2, grad2, offsets2): a second source added after the first, as a second call would;
+    `accumulate` False: main_grad is overwritten (zeroed first)."""
+    if not accumulate:
+        main_grad_EIO.zero_()
+    _add_source(main_grad_EIO, x_NI, grad_NO, offsets_E, counts)
+    if more is not None:
+        _add_source(main_grad_EIO, *more, None)
+
+
+def _add_source(main_grad_EIO, x_NI, grad_NO, offsets_E, counts) -> None:
+    ends = offsets_E.tolist() if counts is None else list(running_sum(counts))
     start = 0
     for e, end in enumerate(ends):
         if end > start:

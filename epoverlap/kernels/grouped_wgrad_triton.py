@@ -10,11 +10,19 @@ Kernel (deterministic: no atomics, each main-grad element summed by one program 
     budget dispatch, whose counts only the device knows, work as they are), loops over its rows
     BLOCK_K at a time with x^T [BLOCK_I, BLOCK_K] @ grad [BLOCK_K, BLOCK_O] into an fp32
     register accumulator (`tl.dot`: tensor cores for bf16/fp16, IEEE fp32 for fp32 inputs,
-    never TF32), then reads the main grad's tile, adds, and stores it once. An expert with no
-    rows skips its tiles (main grad untouched), and rows past the last offset are never read.
+    never TF32) that starts as the main grad's tile, and stores it once. Because the sums start
+    from the main grad, a second source of rows (`more`: the next microbatch's) added in the
+    same launch gives the bits of a second launch, with the main grad read and written once
+    instead of twice. Without `accumulate` the accumulator starts at zero and the old main
+    grad is never read (the step's first weight grad: no zeroing pass needed). An expert with
+    no rows stores its tile unchanged (zeros without `accumulate`); rows past the last offset
+    are never read.
     Without an SM carveout every tile has its own program; with one, `SMs - carveout` programs
     walk the tiles in turn (a tile's sums do not depend on which program computes it, so the
     carveout changes no bit).
+
+Tiles (`wgrad_config`): chosen by the rows an expert has on average; every config adds 64
+rows a step, so the sums' order, hence the bits on a GPU, is the same whichever is taken.
 
 Traffic: the main grad is read and written once in fp32 (8 bytes per element; the rows are
 read once per output tile, from L2 after the first); the unfused path wrote the product in bf16
@@ -47,28 +55,32 @@ from .triton_utils import cdiv
 @dataclass(frozen=True)
 class WgradConfig:
     """Tiles and launch options of `_grouped_wgrad_kernel`: an output tile of block_i x block_o,
-    block_k rows per step, its warps and pipeline stages, and whether the main grad's tile is
-    loaded before the row loop (`prefetch_c`: its HBM latency hidden behind the loop, for 64
-    more registers a thread at 128 x 128 on 8 warps) or after it."""
+    block_k rows per step, its warps and pipeline stages."""
 
     block_i: int
     block_o: int
     block_k: int
     num_warps: int
     num_stages: int
-    prefetch_c: bool
 
 
-@functools.lru_cache(maxsize=64)
-def wgrad_config(dtype: torch.dtype) -> WgradConfig:
-    """The kernel's config, a pure function of the input dtype (no autotuning: the same tiles,
-    hence the same sums, in every process). Half precision: 128 x 128 tiles on 8 warps (two
-    warpgroups of Hopper's wgmma), 64 rows per step, 3 stages (96 KiB of shared memory), the
-    main grad's tile prefetched (242 registers, no spill, sm_90). fp32 inputs take FMA: smaller
-    tiles, no prefetch (it would spill)."""
-    if dtype in (torch.bfloat16, torch.float16):
-        return WgradConfig(128, 128, 64, 8, 3, True)
-    return WgradConfig(64, 64, 32, 4, 2, False)
+# Half precision, by the rows an expert has on average (bench_wgrad --sweep on an H200,
+# benchmarks/roofline.md): up to ~768 the op is bound by the fp32 main grad's traffic, and
+# small tiles on 4 warps keep more of it in flight (several blocks an SM); from 1024 it is
+# compute-bound, and 128 x 256 tiles on two warpgroups run the tensor cores fastest. Every
+# config adds 64 rows a step, so on a GPU the sums are the same whichever is taken.
+WGRAD_FEW_ROWS = WgradConfig(64, 128, 64, 4, 4)
+WGRAD_MANY_ROWS = WgradConfig(128, 256, 64, 8, 4)
+MANY_ROWS = 1024  # rows an expert from which WGRAD_MANY_ROWS is taken
+WGRAD_FP32 = WgradConfig(64, 64, 32, 4, 2)  # fp32 inputs take FMA: smaller tiles
+
+
+def wgrad_config(dtype: torch.dtype, rows_per_expert: float = 0.0) -> WgradConfig:
+    """The kernel's config: a pure function of the input dtype and the rows an expert has on
+    average (no autotuning: the same tiles in every process)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return WGRAD_FP32
+    return WGRAD_MANY_ROWS if rows_per_expert >= MANY_ROWS else WGRAD_FEW_ROWS
 
 
 @triton.jit
@@ -88,16 +100,38 @@ def _add_rows(acc, x_ptr, grad_ptr, k0, end, i, o, i_ok, o_ok, stride_x, stride_
     return tl.dot(xt, g, acc, input_precision="ieee", out_dtype=tl.float32)
 
 
+@triton.jit
+def _add_expert_rows(acc, x_ptr, grad_ptr, offsets_ptr, e, i, o, i_ok, o_ok, stride_x, stride_g,
+                     BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                     NUM_STAGES: tl.constexpr):
+    """acc + expert e's rows of one source (x, grad, offsets), BLOCK_K rows a step in order."""
+    start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+    end = tl.load(offsets_ptr + e).to(tl.int64)
+    if not INTERPRETED:
+        for k0 in tl.range(start, end, BLOCK_K, num_stages=NUM_STAGES):
+            acc = _add_rows(acc, x_ptr, grad_ptr, k0, end, i, o, i_ok, o_ok, stride_x,
+                            stride_g, BLOCK_K, INTERPRETED)
+    else:
+        k0 = start
+        while k0 < end:
+            acc = _add_rows(acc, x_ptr, grad_ptr, k0, end, i, o, i_ok, o_ok, stride_x,
+                            stride_g, BLOCK_K, INTERPRETED)
+            k0 += BLOCK_K
+    return acc
+
+
 @launch_cached
 @triton.jit
 def _grouped_wgrad_kernel(
     x_ptr,          # [N, I] in: rows sorted by expert, unit stride along I, rows stride_x apart
     grad_ptr,       # [N, O] in: x's dtype, unit stride along O, rows stride_g apart
     offsets_ptr,    # [E] in: int32 cumulative row end of each expert
-    main_grad_ptr,  # [E, I, O] in/out: fp32, contiguous; += x_e^T @ grad_e
-    I, O, stride_x, stride_g, num_tiles,
+    x2_ptr, grad2_ptr, offsets2_ptr,  # a second source of rows (TWO_SOURCES), the same layout
+    main_grad_ptr,  # [E, I, O] in/out: fp32, contiguous; (+)= x_e^T @ grad_e (+ x2_e^T @ grad2_e)
+    I, O, stride_x, stride_g, stride_x2, stride_g2, num_tiles,
     BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH_C: tl.constexpr,
+    INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, TWO_SOURCES: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     tiles_o = tl.cdiv(O, BLOCK_O)
     tiles_per_expert = tl.cdiv(I, BLOCK_I) * tiles_o
@@ -105,31 +139,22 @@ def _grouped_wgrad_kernel(
     while tile < num_tiles:
         e = tile // tiles_per_expert
         rest = tile % tiles_per_expert
-        start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
-        end = tl.load(offsets_ptr + e).to(tl.int64)
-        if end > start:
-            i = (rest // tiles_o) * BLOCK_I + tl.arange(0, BLOCK_I)
-            o = (rest % tiles_o) * BLOCK_O + tl.arange(0, BLOCK_O)
-            i_ok = i < I
-            o_ok = o < O
-            c_ptrs = main_grad_ptr + e.to(tl.int64) * I * O + i[:, None] * O + o[None, :]
-            c_ok = i_ok[:, None] & o_ok[None, :]
-            if PREFETCH_C:
-                c = tl.load(c_ptrs, mask=c_ok, other=0.0)
+        i = (rest // tiles_o) * BLOCK_I + tl.arange(0, BLOCK_I)
+        o = (rest % tiles_o) * BLOCK_O + tl.arange(0, BLOCK_O)
+        i_ok = i < I
+        o_ok = o < O
+        c_ptrs = main_grad_ptr + e.to(tl.int64) * I * O + i[:, None] * O + o[None, :]
+        c_ok = i_ok[:, None] & o_ok[None, :]
+        if ACCUMULATE:  # the sums start from the main grad: one call or two, the same bits
+            acc = tl.load(c_ptrs, mask=c_ok, other=0.0)
+        else:
             acc = tl.zeros((BLOCK_I, BLOCK_O), dtype=tl.float32)
-            if not INTERPRETED:
-                for k0 in tl.range(start, end, BLOCK_K, num_stages=NUM_STAGES):
-                    acc = _add_rows(acc, x_ptr, grad_ptr, k0, end, i, o, i_ok, o_ok, stride_x,
-                                    stride_g, BLOCK_K, INTERPRETED)
-            else:
-                k0 = start
-                while k0 < end:
-                    acc = _add_rows(acc, x_ptr, grad_ptr, k0, end, i, o, i_ok, o_ok, stride_x,
-                                    stride_g, BLOCK_K, INTERPRETED)
-                    k0 += BLOCK_K
-            if not PREFETCH_C:
-                c = tl.load(c_ptrs, mask=c_ok, other=0.0)
-            tl.store(c_ptrs, c + acc, mask=c_ok)
+        acc = _add_expert_rows(acc, x_ptr, grad_ptr, offsets_ptr, e, i, o, i_ok, o_ok,
+                               stride_x, stride_g, BLOCK_K, INTERPRETED, NUM_STAGES)
+        if TWO_SOURCES:
+            acc = _add_expert_rows(acc, x2_ptr, grad2_ptr, offsets2_ptr, e, i, o, i_ok, o_ok,
+                                   stride_x2, stride_g2, BLOCK_K, INTERPRETED, NUM_STAGES)
+        tl.store(c_ptrs, acc, mask=c_ok)
         tile += tl.num_programs(0)
 
 
@@ -153,31 +178,48 @@ def _unit_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
-def grouped_weight_grad_triton(main_grad_EIO: torch.Tensor, x_NI: torch.Tensor,
-                               grad_NO: torch.Tensor, offsets_E: torch.Tensor,
-                               counts: Optional[list[int]] = None,
-                               sm_carveout: Optional[int] = None,
-                               config: Optional[WgradConfig] = None) -> None:
-    """main_grad [E, I, O] (fp32, contiguous) += per expert x_e^T @ grad_e; x [N, I] and grad
-    [N, O] of one dtype (bf16, fp16 or fp32), offsets [E] int32 on x's device. Same contract as
-    `grouped_wgrad.grouped_weight_grad_torch`; `counts` is not needed (the kernel reads the
-    offsets on the device), `sm_carveout` leaves that many SMs free, `config` overrides
-    `wgrad_config` (benchmarks). 1 launch; no host sync; deterministic."""
-    experts, width_in, width_out = main_grad_EIO.shape
+def _checked(main_grad_EIO: torch.Tensor, x_NI: torch.Tensor, grad_NO: torch.Tensor) -> None:
     if main_grad_EIO.dtype != torch.float32 or not main_grad_EIO.is_contiguous():
         raise ValueError(f"grouped weight grad: main grad {main_grad_EIO.dtype} "
                          f"{tuple(main_grad_EIO.stride())}: must be contiguous fp32")
     if x_NI.dtype != grad_NO.dtype or x_NI.shape[0] != grad_NO.shape[0]:
         raise ValueError(f"grouped weight grad: x {x_NI.dtype} {tuple(x_NI.shape)} and grad "
                          f"{grad_NO.dtype} {tuple(grad_NO.shape)}: must share dtype and rows")
-    if experts == 0 or x_NI.shape[0] == 0 or main_grad_EIO.numel() == 0:
+
+
+def grouped_weight_grad_triton(main_grad_EIO: torch.Tensor, x_NI: torch.Tensor,
+                               grad_NO: torch.Tensor, offsets_E: torch.Tensor,
+                               counts: Optional[list[int]] = None,
+                               sm_carveout: Optional[int] = None,
+                               config: Optional[WgradConfig] = None,
+                               more: Optional[tuple] = None,
+                               accumulate: bool = True) -> None:
+    """main_grad [E, I, O] (fp32, contiguous) += per expert x_e^T @ grad_e; x [N, I] and grad
+    [N, O] of one dtype (bf16, fp16 or fp32), offsets [E] int32 on x's device. Same contract as
+    `grouped_wgrad.grouped_weight_grad_torch`; `counts` is not needed (the kernel reads the
+    offsets on the device), `sm_carveout` leaves that many SMs free, `config` overrides
+    `wgrad_config` (benchmarks). `more`: a second source (x2, grad2, offsets2) whose rows
+    are added after the first's, with the bits of a second call. `accumulate` False: the main
+    grad is overwritten (its old values never read; experts with no rows get zeros). 1 launch;
+    no host sync; deterministic."""
+    experts, width_in, width_out = main_grad_EIO.shape
+    _checked(main_grad_EIO, x_NI, grad_NO)
+    x2, g2, off2 = more if more is not None else (x_NI, grad_NO, offsets_E)
+    _checked(main_grad_EIO, x2, g2)
+    if experts == 0 or main_grad_EIO.numel() == 0:
         return
-    cfg = config or wgrad_config(x_NI.dtype)
-    x_NI, grad_NO = _unit_rows(x_NI), _unit_rows(grad_NO)
+    rows = x_NI.shape[0] + (x2.shape[0] if more is not None else 0)
+    if rows == 0:
+        if not accumulate:
+            main_grad_EIO.zero_()
+        return
+    cfg = config or wgrad_config(x_NI.dtype, rows / experts)
+    x_NI, grad_NO, x2, g2 = (_unit_rows(t) for t in (x_NI, grad_NO, x2, g2))
     num_tiles = experts * cdiv(width_in, cfg.block_i) * cdiv(width_out, cfg.block_o)
     programs = _programs(num_tiles, x_NI.device, sm_carveout)
     _grouped_wgrad_kernel[(programs,)](
-        x_NI, grad_NO, offsets_E, main_grad_EIO, width_in, width_out, x_NI.stride(0),
-        grad_NO.stride(0), num_tiles, BLOCK_I=cfg.block_i, BLOCK_O=cfg.block_o,
-        BLOCK_K=cfg.block_k, INTERPRETED=_interpreted(), NUM_STAGES=cfg.num_stages,
-        PREFETCH_C=cfg.prefetch_c, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        x_NI, grad_NO, offsets_E, x2, g2, off2, main_grad_EIO, width_in, width_out,
+        x_NI.stride(0), grad_NO.stride(0), x2.stride(0), g2.stride(0), num_tiles,
+        BLOCK_I=cfg.block_i, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k,
+        INTERPRETED=_interpreted(), NUM_STAGES=cfg.num_stages, TWO_SOURCES=more is not None,
+        ACCUMULATE=accumulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

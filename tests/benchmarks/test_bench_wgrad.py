@@ -14,10 +14,12 @@ def test_bench_wgrad_runs_every_side_on_cpu(capsys):
     rows = [[c.strip() for c in line.split("|")[1:-1]]
             for line in capsys.readouterr().out.splitlines() if line.startswith("| experts [")
             or line.startswith("| dense [")]
-    sides = {(r[0].split()[0], r[1].split()[0]) for r in rows}
+    sides = {(r[0].split()[0], r[1].split()[0].rstrip(",")) for r in rows}
     assert sides == {("experts", "old"), ("experts", "fused"), ("dense", "old"),
                      ("dense", "triton")}
-    assert len(rows) == 2 * (2 + len(bench_wgrad.SWEEP))  # old, default, the sweep; twice
+    # old, default, the sweep; twice; the experts' two sources and overwrite
+    assert len(rows) == 2 * (2 + len(bench_wgrad.SWEEP)) + 2
     for row in rows:
-        error = float(row[-1])
+        assert row[-1] in ("same", "differ")
+        error = float(row[-2])
         assert error < 1e-6 if row[1] != "old" else 1e-4 < error < 1e-2, row

@@ -30,12 +30,13 @@ pytest.importorskip("triton", reason="triton is not installed (the [triton] or [
 
 from epoverlap.kernels import grouped_wgrad_triton, make_moe_ops
 from epoverlap.kernels.grouped_wgrad import grouped_weight_grad_torch
-from epoverlap.kernels.grouped_wgrad_triton import WgradConfig, grouped_weight_grad_triton
+from epoverlap.kernels.grouped_wgrad_triton import (WGRAD_FEW_ROWS, WGRAD_MANY_ROWS, WgradConfig,
+                                                    grouped_weight_grad_triton, wgrad_config)
 
 from kernel_test_utils import INTERPRETED, eager_then_graph_replay, generator
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = WgradConfig(16, 32, 16, 4, 2, True)  # several tiles and row steps at small shapes
+SMALL = WgradConfig(16, 32, 16, 4, 2)  # several tiles and row steps at small shapes
 FP32_CLOSE = dict(rtol=1e-5, atol=1e-4)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED,
                                reason="needs a CUDA GPU (compiled Triton)")
@@ -91,7 +92,7 @@ def test_triton_equals_the_reference(triton_device, counts, width_in, width_out,
     torch.testing.assert_close(out.double(), expected, **FP32_CLOSE)
     torch.testing.assert_close(ref.double(), expected, **FP32_CLOSE)
     for e, count in enumerate(counts):
-        if count == 0:  # an expert with no rows is not touched (padding NaNs never read)
+        if count == 0:  # an expert with no rows keeps its values (padding NaNs never read)
             assert torch.equal(out[e], start[e]) and torch.equal(ref[e], start[e])
 
 
@@ -123,6 +124,44 @@ def test_default_config_and_a_chunk_of_the_experts(triton_device):
     torch.testing.assert_close(whole[1:3].double(), _float64_sum(main_grad, x, grad, counts),
                                **FP32_CLOSE)
     assert torch.equal(whole[0], before[0]) and torch.equal(whole[3], before[3])
+
+
+@pytest.mark.parametrize("op", ["torch", "triton"])
+def test_a_second_source_gives_the_bits_of_a_second_call(triton_device, op):
+    """`more` (the next microbatch's rows) in the same launch: the bits of two launches, each
+    op against itself (the sums start from the main grad)."""
+    fn = grouped_weight_grad_torch if op == "torch" else (
+        lambda *a, **k: grouped_weight_grad_triton(*a, config=SMALL, **k))
+    main_grad, x, grad, offsets = _inputs([7, 0, 40, 2], 40, 72, torch.bfloat16, triton_device)
+    _, x2, grad2, offsets2 = _inputs([0, 3, 21, 19], 40, 72, torch.bfloat16, triton_device,
+                                     padding=5, seed=1)
+    two_calls, one_call = main_grad.clone(), main_grad.clone()
+    fn(two_calls, x, grad, offsets)
+    fn(two_calls, x2, grad2, offsets2)
+    fn(one_call, x, grad, offsets, more=(x2, grad2, offsets2))
+    assert torch.equal(one_call, two_calls)
+    assert not torch.equal(one_call, main_grad)
+
+
+@pytest.mark.parametrize("op", ["torch", "triton"])
+def test_overwrite_gives_the_bits_of_zeroing_then_adding(triton_device, op):
+    """`accumulate=False` never reads the old main grad (NaN here) and writes zeros for an
+    expert with no rows: the bits of zeroing it first and adding."""
+    fn = grouped_weight_grad_torch if op == "torch" else (
+        lambda *a, **k: grouped_weight_grad_triton(*a, config=SMALL, **k))
+    main_grad, x, grad, offsets = _inputs([5, 0, 37, 1], 40, 72, torch.bfloat16, triton_device)
+    zeroed, written = torch.zeros_like(main_grad), torch.full_like(main_grad, float("nan"))
+    fn(zeroed, x, grad, offsets)
+    fn(written, x, grad, offsets, accumulate=False)
+    assert torch.equal(written, zeroed)
+    assert torch.equal(written[1], torch.zeros_like(written[1]))
+
+
+def test_config_by_rows_an_expert():
+    assert wgrad_config(torch.bfloat16, 256) == WGRAD_FEW_ROWS
+    assert wgrad_config(torch.bfloat16, 1024) == WGRAD_MANY_ROWS
+    assert wgrad_config(torch.float32, 1024).block_k == 32  # fp32: FMA tiles
+    assert {c.block_k for c in (WGRAD_FEW_ROWS, WGRAD_MANY_ROWS)} == {64}  # one sum order
 
 
 def test_refuses_a_main_grad_it_cannot_write(triton_device):
@@ -223,6 +262,22 @@ def test_gpu_proxy_shapes(width_in, width_out, skew, padding, dtype):
     carved = start.clone()
     grouped_weight_grad_triton(carved, x, grad, offsets, sm_carveout=8)
     assert torch.equal(carved, out)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_every_tile_config_gives_the_same_bits():
+    """The configs differ in tiles, warps and stages, never in the 64 rows a step: on the
+    tensor cores each output element's sums run in the same order, so the bits agree (the
+    kernel's config may follow the rows an expert has)."""
+    counts = _proxy_counts(experts=16, rows=16384, skew=True)
+    main_grad, x, grad, offsets = _inputs(counts, 2048, 1536, torch.bfloat16, "cuda")
+    outs = []
+    for config in (WGRAD_FEW_ROWS, WGRAD_MANY_ROWS, WgradConfig(128, 64, 64, 4, 3)):
+        out = main_grad.clone()
+        grouped_weight_grad_triton(out, x, grad, offsets, config=config)
+        outs.append(out)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
 @pytest.mark.gpu
