@@ -217,18 +217,34 @@ def _expert_weights(weight_EIO: torch.Tensor, experts: Optional[tuple[int, int]]
 
 
 def accumulate_expert_weight_grad(param_EIO, x_NI, grad_NO, offsets_E, counts, experts,
-                                  sm_carveout, grouped_weight_grad) -> None:
+                                  sm_carveout, grouped_weight_grad, queue=None) -> None:
     """param's grad (of experts a..b-1 when `experts` is (a, b)) += per expert x_e^T @ grad_e.
     Fused (`fuses_weight_grad`): `grouped_weight_grad` (the op table's, `epoverlap.kernels`)
-    adds the product into `main_grad` inside the GEMM; otherwise the grouped GEMM writes the
-    product [E, I, O] and `accumulate_weight_grad` adds it."""
-    if fuses_weight_grad(param_EIO):
-        grouped_weight_grad(_expert_weights(param_EIO.main_grad, experts), x_NI, grad_NO,
-                            offsets_E, counts=counts, sm_carveout=sm_carveout)
+    adds the product into `main_grad` inside the GEMM, where the queue (`schedule.wgrad`)
+    places it: paired with the next microbatch's rows, or overwriting the main grad as the
+    run's first; otherwise the grouped GEMM writes the product [E, I, O] and
+    `accumulate_weight_grad` adds it."""
+    if not fuses_weight_grad(param_EIO):
+        num_experts = _expert_weights(param_EIO, experts).shape[0]
+        accumulate_weight_grad(param_EIO, _mm_weight_grad(
+            x_NI, grad_NO, offsets_E, counts, num_experts, sm_carveout), experts)
         return
-    num_experts = _expert_weights(param_EIO, experts).shape[0]
-    accumulate_weight_grad(param_EIO, _mm_weight_grad(
-        x_NI, grad_NO, offsets_E, counts, num_experts, sm_carveout), experts)
+    main_grad = param_EIO.main_grad
+
+    def run(sources: list, accumulate: bool) -> None:
+        if experts is not None and not accumulate:  # a chunk of the experts: zero them all once
+            main_grad.zero_()
+            accumulate = True
+        (x, grad, offsets, known), more = sources[0], sources[1:]
+        grouped_weight_grad(_expert_weights(main_grad, experts), x, grad, offsets,
+                            counts=known, sm_carveout=sm_carveout,
+                            more=tuple(more[0][:3]) if more else None, accumulate=accumulate)
+
+    rows = (x_NI, grad_NO, offsets_E, counts)
+    if queue is None:
+        run([rows], True)
+    else:
+        queue.expert_grad(id(param_EIO), experts, rows, run)
 
 
 class _GroupedGemm(torch.autograd.Function):
@@ -252,7 +268,7 @@ class _GroupedGemm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             def weight_grad_work(x_NI=x_NI, grad_NO=grad_NO, weight_EIO=weight_EIO):
                 accumulate_expert_weight_grad(weight_EIO, x_NI, grad_NO, offsets_E, counts,
-                                              experts, carveout, fused_op)
+                                              experts, carveout, fused_op, ctx.queue)
             _run_or_defer(ctx.queue, weight_grad_work)
         return grad_x_NI, None, None, None, None, None, None, None
 

@@ -364,6 +364,7 @@ class Executor:
         states = [_MicrobatchState(inputs) for inputs in microbatch_inputs]
         losses: list[Optional[torch.Tensor]] = [None] * len(states)
         points = self.reduce_points(plan)
+        self.wgrad_queue.begin_run(len(states))
         self.lanes.begin()
         try:
             for index, action in enumerate(plan):
@@ -376,6 +377,7 @@ class Executor:
             raise
         self.lanes.drain()
         self.wgrad_queue.check_empty()
+        self.wgrad_queue.check_paired()
         return losses
 
     def reduce_points(self, plan: Sequence[Action]) -> dict[int, list[int]]:

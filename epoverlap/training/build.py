@@ -109,7 +109,8 @@ class RunParts:
         cfg, groups = self.cfg, self.groups
         self.comm = ExpertComm(groups.ep, groups.ep_size, cfg.overlap.comm_mode,
                                counts_group=groups.ep_splits, by_host=_host_comms(cfg, groups))
-        self.wgrad_queue = WeightGradQueue(enabled=cfg.overlap.delay_wgrad_compute)
+        self.wgrad_queue = WeightGradQueue(enabled=cfg.overlap.delay_wgrad_compute,
+                                           **expert_grad_placement(cfg))
         self.model = MoEModel(cfg, self.comm, groups.ep_rank, make_moe_ops(self.backend),
                               dtype=model_dtype(cfg), device=self.device,
                               wgrad_queue=self.wgrad_queue, stage=groups.pp_rank,
@@ -403,6 +404,15 @@ class RunParts:
                 lanes.close()
         self.lanes.close()
         self.grads.close()
+
+
+def expert_grad_placement(cfg: RunConfig) -> dict:
+    """Where the experts' fused weight grads go (`WeightGradQueue`): paired over microbatches
+    2k and 2k+1 and the run's first overwriting the main grad, whenever the weight grads are
+    fused into it and no per-layer CUDA graph splits a run (with --cuda-graph-impl local a
+    graph's capture is not one run of the plan). Neither changes a bit."""
+    on = not cfg.train.no_gradient_accumulation_fusion and cfg.cuda_graph.impl != "local"
+    return {"first_write": on, "pair_microbatches": on}
 
 
 def _host_comms(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostComms]:

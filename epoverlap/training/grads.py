@@ -87,10 +87,20 @@ class GradBuffers:
             offset += p.numel()
         return flat
 
-    def zero(self) -> None:
+    def zero(self, experts: bool = True) -> None:
+        """Zero the grads before a step; `experts` False leaves the expert grads, which the
+        step's first weight grads overwrite (`schedule.wgrad`, `first_write`)."""
         self.dense_flat.zero_()
-        self.expert_flat.zero_()
+        if experts:
+            self.expert_flat.zero_()
         self._reduced = [False] * len(self.buckets)
+
+    def zero_unwritten(self, written: set) -> None:
+        """Zero each expert grad the step left unzeroed and no weight grad wrote (`written`:
+        the ids of those written): no contribution is a zero grad."""
+        for p in self.expert:
+            if id(p) not in written:
+                p.main_grad.zero_()
 
     def reduce(self) -> None:
         """Average over data-parallel replicas (see the module docstring for the scaling) every

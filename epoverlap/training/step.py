@@ -170,15 +170,20 @@ class StepRunner:
         """Forward + backward of every microbatch, once, at the budget level selected (no
         rerun: see `forward_backward`); grads land in the main_grad buffers."""
         p = self.parts
-        p.grads.zero()
+        overwrite = p.wgrad_queue.first_write
+        p.grads.zero(experts=not overwrite)
         for router in p.model.routers():
             router.reset_step_stats()
         if p.budget is not None:
             p.budget.reset_demand()
         inputs = self.microbatches(step) if inputs is None else inputs
         if p.graphs is not None:
-            return p.graphs.run(inputs, self._run_eager)
-        return self._run_eager(inputs)
+            losses = p.graphs.run(inputs, self._run_eager)
+        else:
+            losses = self._run_eager(inputs)
+        if overwrite:
+            p.grads.zero_unwritten(p.wgrad_queue.written)
+        return losses
 
     def _run_eager(self, inputs: list[dict]) -> list[torch.Tensor]:
         p = self.parts
