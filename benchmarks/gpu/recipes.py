@@ -127,12 +127,13 @@ def _peer_torchtitan_steps(shapes: tuple, env: dict = None) -> tuple:
 TITAN_CARRY = (".titan/src/torchtitan/train.py", ".titan/whl/tyro-*.whl")
 
 
-def _peer_titan_recipe(shape: str) -> Recipe:
+def _peer_titan_recipe(shape: str, eager: bool = True) -> Recipe:
     """epoverlap and torchtitan compiled at one shape, 3 interleaved rounds of 30 steps, and
     torchtitan eager in the first round only (slower than compiled at every shape tried: about
-    4-5 minutes, one recipe per shape)."""
+    4-5 minutes, one recipe per shape); `eager` False: not at all (`_compiled` recipes, 3.5-4
+    minutes, for two shapes in one device call)."""
     return Recipe(
-        f"peer_titan_1gpu_{shape}", 1,
+        f"peer_titan_1gpu_{shape}" + ("" if eager else "_compiled"), 1,
         "epoverlap's default path beside torchtitan d84e83dc4 (its own training command, eager "
         f"and --compile.enable) at --preset {TITAN_SHAPES[shape].preset}, one GPU, 8192 "
         "tokens a step, routing forced to balance, 3 interleaved rounds of 30 steps (the first 10 "
@@ -143,8 +144,8 @@ def _peer_titan_recipe(shape: str) -> Recipe:
         "epoverlap run: profiled.jsonl, ktable.json, "
         "roofline.json",
         (Step(f"rounds_{shape}", "{python} -m benchmarks.harness.peer_titan_rounds --shape "
-              f"{shape} --rounds 3 --steps 30 --warmup 10 --run-timeout 240 --once titan_eager "
-              "--out {out}",
+              f"{shape} --rounds 3 --steps 30 --warmup 10 --run-timeout 240 "
+              + ("--once titan_eager " if eager else "--skip titan_eager ") + "--out {out}",
               timeout_s=480),
          *_roofline_steps(f"--preset {TITAN_SHAPES[shape].preset} {' '.join(PEER_FLAGS)}")),
         needs=TITAN_CARRY)
@@ -360,6 +361,7 @@ RECIPES = (
            _peer_torchtitan_steps(MEGATRON_SHAPES.split(",")[1:], {"NCCL_P2P_DISABLE": "1"}),
            needs=TORCHTITAN_WHEELS),
     *(_peer_titan_recipe(shape) for shape in TITAN_SHAPES),
+    *(_peer_titan_recipe(shape, eager=False) for shape in TITAN_SHAPES),
     Recipe("kernel_speed", 1,
            "every Triton kernel op's GPU tests, then its time, GB/s and share of the copy "
            "bandwidth, eager and graphed, host us per call, against the torch reference",

@@ -2,7 +2,7 @@
 shape, in interleaved rounds, every step kept.
 
     python -m benchmarks.harness.peer_titan_rounds --shape qwen3|mixtral|dsv3 [--rounds 3] \
-        [--steps 30] [--warmup 10] [--out DIR] [--once titan_eager]
+        [--steps 30] [--warmup 10] [--out DIR] [--once titan_eager] [--skip titan_eager]
 
 Each round runs three commands, one after the other, in an order rotated by one each round (no
 side always first on a machine whose speed drifts), each a fresh process of `--steps` steps:
@@ -13,7 +13,8 @@ side always first on a machine whose speed drifts), each a fresh process of `--s
   titan_compiled     from the same preset, local batch 2 (8192 tokens a step); compiled: its
                      --compile.enable
 `--once SIDE,...` runs those sides in the first round only (a mode already shown slower, to
-spend the device time on the sides compared). A system's figure is the median tokens/s over every step after `--warmup` of all its rounds
+spend the device time on the sides compared); `--skip SIDE,...` runs them not at all (their
+best-mode status cited from an earlier run of the same build). A system's figure is the median tokens/s over every step after `--warmup` of all its rounds
 (min and max beside it); its MFU is Megatron-LM's FLOPs per token (`megatron_flops_per_token`,
 each system at its own vocabulary: epoverlap's NullTokenizer adds a row) x tokens/s over the
 H200's dense bf16 peak, 989 TFLOP/s; its memory the largest peak the allocator reserved.
@@ -153,17 +154,20 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/peer_titan"))
     parser.add_argument("--once", default="", help="sides run in the first round only, "
                         f"comma-separated, of {','.join(SIDES)} (a mode shown slower there)")
+    parser.add_argument("--skip", default="", help="sides not run, comma-separated")
     args = parser.parse_args(argv)
     once = {side for side in args.once.split(",") if side}
-    if once - set(SIDES):
-        parser.error(f"--once {args.once}: each of {','.join(SIDES)}")
+    skip = {side for side in args.skip.split(",") if side}
+    if once - set(SIDES) or skip - set(SIDES[1:]):
+        parser.error(f"--once {args.once} / --skip {args.skip}: each of {','.join(SIDES)} "
+                     "(epoverlap never skipped)")
     out = args.out.resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     flops = flops_per_token(args.shape)
     runs = {side: [] for side in SIDES}
     for round_index in range(1, args.rounds + 1):
         for side in round_order(list(SIDES), round_index):
-            if side in once and round_index > 1:
+            if side in skip or (side in once and round_index > 1):
                 continue
             run = run_side(side, args.shape, args.steps, out / "logs", round_index,
                            args.run_timeout)
