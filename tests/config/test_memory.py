@@ -46,7 +46,8 @@ def test_estimate_bounds_every_peak_measured_on_h200s():
 def test_estimate_bounds_the_paired_ends_peaks_measured_on_h200s():
     """benchmarks/overlap.md run E: the paired-ends plan holds a microbatch more (peaks 23-24
     GiB where the combined 1F1B's were 16-17 at ratio_h2048_k4_f4096); counted, not missed."""
-    folder = REPO / "benchmarks" / "data" / "gpu_2026-11-23_x2e" / "call5_paired"
+    folder = (REPO / "benchmarks" / "data" / "comm_heavy_carveout_paired_ends_2gpu_2026-11-23"
+              / "call5_paired")
     rows = []
     for path in sorted(folder.glob("*.json")):
         report = json.loads(path.read_text())
