@@ -140,7 +140,7 @@ ROW_LABELS = {"": "off", "_graph": "on", "_budget": "budget, eager", "_full": "b
 
 
 def comm_ms(r: dict, suffix: str) -> float:
-    """T_comm of a row: the budget's all-to-alls (its fixed chunks) for the budget rows."""
+    """T_comm of a row: the budget's all-to-alls (its fixed blocks) for the budget rows."""
     return r["comm_budget" if suffix in ("_budget", "_full") else "comm"]["fb_ms"]
 
 
@@ -428,7 +428,7 @@ def bench_shape(name, groups, args, log, budget=NcclCtaBudget()) -> dict:
     _more_rounds(results, modes, base, groups, args, lambda msg: log(f"[bench_overlap] {label} "
                                                                       + msg))
     for comm, traced in (("comm", "ovl"), ("comm_budget", "ovl_budget")):
-        if traced in results:  # the budget's all-to-alls carry its fixed chunks
+        if traced in results:  # the budget's all-to-alls carry its fixed blocks
             results[comm] = replayed_comm(results[traced].pop("trace"), groups, args)
             log(f"[bench_overlap] {label} {comm.replace('_', ' ')} alone: "
                 f"{results[comm]['fb_ms']:.2f} ms")

@@ -65,7 +65,7 @@ def test_by_host_overlap_is_bitwise_sequential_and_near_flat_on_two_emulated_hos
     assert identical_losses(seq, ovl)
     _, flat = train_cli(tmp_path, "flat", 4, CPU_RUN + FLAT + [SEQUENTIAL_FLAG])
     assert [r["loss"] for r in seq] == pytest.approx([r["loss"] for r in flat], rel=1e-5)
-    # the sync-free form: fixed chunks per host and per host mate; 0.5 overflows and reruns
+    # the sync-free form: fixed blocks per host and per host mate; 0.5 overflows and reruns
     for budget in ("1.25", "0.5"):
         out, chunks = train_cli(tmp_path, f"node_budget_{budget}", 4, CPU_RUN + NODE + [
             "--moe-dispatch-budget", budget, "--overlap-moe-expert-parallel-comm",
@@ -117,7 +117,7 @@ def test_by_host_on_two_gpus_as_two_hosts_is_the_flat_bits(tmp_path):
 @pytest.mark.parametrize("gpus", [2, pytest.param(4, marks=pytest.mark.skipif(
     torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs"))])
 def test_by_host_budget_in_one_graph_per_iteration_is_the_dropless_bits(tmp_path, gpus):
-    """The sync-free hierarchical dispatch (fixed chunks per host and per host mate) inside
+    """The sync-free hierarchical dispatch (fixed blocks per host and per host mate) inside
     one CUDA graph of the whole iteration, with the overlap and delayed wgrad, against the
     dropless by-host dispatch run sequentially and eager: the same loss and grad norm bits.
     2 GPUs as 2 hosts of 1, 4 GPUs as 2 hosts of 2 (stage 2 over NVLink)."""
