@@ -12,8 +12,8 @@ runs recipes and packs each one's record (benchmarks/gpu/run.py). In a command o
 from __future__ import annotations
 
 from benchmarks.gpu.recipe_parts import (BITWISE_RUN, EAGER, FULL_ITERATION, GRAPHS, OVERLAP,
-                                         PYTEST, SEQUENTIAL, TIER, TRAIN, WGRAD, Recipe,
-                                         Step, rounds_step)
+                                         PYTEST, SEQUENTIAL, TIER, TRAIN, TRAIN_BENCH, WGRAD,
+                                         Recipe, Step, rounds_step)
 from benchmarks.gpu.recipes_chunked import CHUNKED_RECIPES
 from benchmarks.harness.peer_titan_1gpu import PEER_FLAGS, SHAPES as TITAN_SHAPES
 
@@ -191,7 +191,7 @@ HOSTS_FLAGS = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 16"
                " --mock-data --bf16 --moe-router-force-load-balancing --expert-model-parallel-size"
                " {gpus} --emulate-hosts 2 --train-iters 10 --log-interval 100 --tune off "
                + GRAPHS)
-HOSTS_RUN = TRAIN + " " + HOSTS_FLAGS
+HOSTS_RUN = TRAIN_BENCH + " " + HOSTS_FLAGS  # its sides include local copies
 FLAT = " --moe-dispatch-hierarchy flat"  # with the hosts above, auto would take node
 LOCAL_COPY = " --comm-mode local_copy"
 HOSTS_SIDES = {"flat_ovl": WGRAD + FLAT,
@@ -211,7 +211,7 @@ HOSTS_TIMING = ("{torchrun} -m benchmarks.harness.bench_host_bytes --hosts 2 --t
                 " --out {out}/host_timing.json")
 # the sync-free hierarchical dispatch (fixed blocks per host and per host mate) in one graph
 # of the whole iteration, beside the dropless one with partial graphs; the graph flags per side
-HOSTS_BARE_RUN = (TRAIN + " " + HOSTS_FLAGS).replace(" " + GRAPHS, "")
+HOSTS_BARE_RUN = (TRAIN_BENCH + " " + HOSTS_FLAGS).replace(" " + GRAPHS, "")
 NODE = " --moe-dispatch-hierarchy node"
 HOSTS_BUDGET_SIDES = {"node_ovl": WGRAD + NODE + " " + GRAPHS,
                       "node_budget_full": WGRAD + NODE + " --moe-dispatch-budget 1.25"

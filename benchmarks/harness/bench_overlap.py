@@ -62,13 +62,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from epoverlap.config import parse_config, validate_config
+from epoverlap.config import validate_config
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import (NcclCtaBudget, destroy_distributed,
                                        expert_parallel_groups, init_distributed)
 from epoverlap.training.environment import setup_environment
 from epoverlap.training.trainer import Trainer
 from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
+
+from benchmarks.harness.train_bench import parse_config  # --comm-mode local_copy: T_comp
 
 COMMON = ["--skip-optimizer-step", "--moe-router-force-load-balancing", "--mock-data",
           "--log-interval", "100000", "--train-iters", "1000", "--tune", "off"]

@@ -22,6 +22,8 @@ from epoverlap.errors import ConfigError
 from gpu_runs import identical_losses, needs_gpus, train_cli
 from job_control import REPO, job_env
 
+from benchmarks.harness import train_bench
+
 TINY = ["--preset", "tiny", "--device", "cpu"]
 NODE = ["--moe-dispatch-hierarchy", "node"]
 FLAT = ["--moe-dispatch-hierarchy", "flat", "--moe-dispatch-once-per-rank"]
@@ -76,8 +78,8 @@ def test_by_host_overlap_is_bitwise_sequential_and_near_flat_on_two_emulated_hos
 
 @pytest.mark.slow
 def test_local_copies_run_the_hierarchy_and_record_its_compute(tmp_path):
-    """--comm-mode local_copy with the hierarchy (the compute-only baseline the simulator
-    reads by-host compute from): 4 gloo ranks as 2 hosts of 2 run it, overlap + delayed
+    """The harness's --comm-mode local_copy with the hierarchy (the compute-only baseline the
+    simulator reads by-host compute from): 4 gloo ranks as 2 hosts of 2 run it, overlap + delayed
     wgrad, and the span files hold every node of the by-host layer on both lanes, its
     weight grads too."""
     from epoverlap.profiling.spans import read_span_directory
@@ -85,7 +87,8 @@ def test_local_copies_run_the_hierarchy_and_record_its_compute(tmp_path):
     out, records = train_cli(tmp_path, "node_local", 4, CPU_RUN + NODE + [
         "--train-iters", "2", "--num-microbatches", "2", "--comm-mode", "local_copy",
         "--overlap-moe-expert-parallel-comm",
-        "--delay-wgrad-compute", "--profile-steps", "2:2", "--profile-dir", str(spans)])
+        "--delay-wgrad-compute", "--profile-steps", "2:2", "--profile-dir", str(spans)],
+        module="benchmarks.harness.train_bench")
     assert "dispatch dropless, by host" in out and len(records) == 2
     ranks = read_span_directory(spans)
     assert len(ranks) == 4
@@ -139,16 +142,16 @@ def test_by_host_budget_in_one_graph_per_iteration_is_the_dropless_bits(tmp_path
     ("1", ["--num-experts", "16", "--moe-router-topk", "2"], "flat"),  # 4 hosts: share 0.90
     ("2", ["--num-experts", "16", "--moe-router-topk", "2"], "node"),  # 2 hosts: share 0.77
     ("2", ["--moe-dispatch-budget", "2.0"], "node"),  # the budget by host: both stages
-    ("2", ["--comm-mode", "local_copy"], "node"),  # local copies serve both stages too
+    ("2", ["--comm-mode", "local_copy"], "node"),  # the harness's local copies: both stages
     ("2", ["--moe-dispatch-hierarchy", "flat"], "flat"),  # given: kept
 ])
 def test_the_auto_hierarchy_follows_the_hosts(local, flags, want, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
-    cfg = resolve_config(parse_config(TINY + flags), 4, cuda_available=False)
+    cfg = resolve_config(train_bench.parse_config(TINY + flags), 4, cuda_available=False)
     assert cfg.moe.moe_dispatch_hierarchy == want
     chosen = want == "node" and "--moe-dispatch-hierarchy" not in flags
     assert ("--moe-dispatch-hierarchy" in cfg.defaulted) == chosen  # the path line's "auto"
-    validate_config(parse_config(TINY + flags), 4, cuda_available=False)  # never an error
+    validate_config(train_bench.parse_config(TINY + flags), 4, cuda_available=False)  # no error
 
 
 @pytest.mark.slow

@@ -17,6 +17,8 @@ from epoverlap.training import memory
 from epoverlap.training.memory import GIB, check_memory, estimate_memory
 from job_control import REPO, job_env
 
+from benchmarks.harness import train_bench
+
 MODES = {"seq": ["--no-overlap-moe-expert-parallel-comm"],
          "ovl": ["--overlap-moe-expert-parallel-comm"],
          "ovl_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
@@ -39,7 +41,7 @@ def test_estimate_bounds_every_peak_measured_on_h200s():
     rows = list(_measured_peaks())
     assert len(rows) >= 50
     for where, flags, world, peak_gib in rows:
-        estimate = estimate_memory(parse_config(flags), world).total / GIB
+        estimate = estimate_memory(train_bench.parse_config(flags), world).total / GIB
         assert peak_gib <= estimate <= HONEST * peak_gib, (where, peak_gib, estimate)
 
 
@@ -57,7 +59,7 @@ def test_estimate_bounds_the_paired_ends_peaks_measured_on_h200s():
                              shape[mode]["peak_gib"]))
     assert sum("paired" in name for name, *_ in rows) >= 9
     for name, mode, flags, world, peak_gib in rows:
-        estimate = estimate_memory(parse_config(flags), world).total / GIB
+        estimate = estimate_memory(train_bench.parse_config(flags), world).total / GIB
         assert peak_gib <= estimate <= HONEST * peak_gib, (name, mode, peak_gib, estimate)
 
 
