@@ -3,9 +3,10 @@ check, and the per-rank grid.
 
 Owns `pipeline_steps` (which forward and backward each stage runs, in order), `pipeline_plans`
 (every stage's steps as node actions, through `plan.expand_steps`, transfers put in order by
-`order_transfers`) and `named_plans` (the same for a plan's name, `plan.PLANS`), `simulate_pipeline` / `validate_pipeline` (every stage's plan run together:
-each P2P transfer must meet its peer), `format_steps` and `format_pipeline` (one column per
-stage, one row per tick of the lock-step run).
+`order_transfers`) and `named_plans` (the same for a plan's name, `plan.PLANS`),
+`simulate_pipeline` / `validate_pipeline` (every stage's plan run together: each P2P transfer
+must meet its peer), `format_steps` and `format_pipeline` (one column per stage, one row per
+tick of the lock-step run).
 
 The steps follow Megatron-core. With P stages, V model chunks per stage and M microbatches,
 stage p runs the forward table
