@@ -34,6 +34,8 @@ PYTEST = "{python} -m pytest -q -p no:cacheprovider --durations=15"
 # a whole tier: each test named as it ends, so a step cut at its limit still says which failed
 TIER = "{python} -m pytest -v -rfE --tb=short -p no:cacheprovider --durations=15"
 TRAIN = "{torchrun} -m epoverlap.train"
+# the same with the benchmark-only flags (--comm-mode local_copy, --local-copy-hold-us N)
+TRAIN_BENCH = "{torchrun} -m benchmarks.harness.train_bench"
 # the bitwise contract's command: the path users run, bf16, optimizer on, deterministic
 BITWISE_RUN = (TRAIN + " --preset small --bf16 --deterministic-mode --seed 3 --train-iters 30"
                " --log-interval 10 --expert-model-parallel-size {gpus}")

@@ -12,8 +12,8 @@ runs recipes and packs each one's record (benchmarks/gpu/run.py). In a command o
 from __future__ import annotations
 
 from benchmarks.gpu.recipe_parts import (BITWISE_RUN, EAGER, FULL_ITERATION, GRAPHS, OVERLAP,
-                                         PYTEST, SEQUENTIAL, TIER, TRAIN, WGRAD, Recipe,
-                                         Step, rounds_step)
+                                         PYTEST, SEQUENTIAL, TIER, TRAIN, TRAIN_BENCH, WGRAD,
+                                         Recipe, Step, rounds_step)
 from benchmarks.gpu.recipes_chunked import CHUNKED_RECIPES
 from benchmarks.harness.peer_titan_1gpu import PEER_FLAGS, SHAPES as TITAN_SHAPES
 
@@ -192,7 +192,7 @@ HOSTS_FLAGS = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 16"
                " --mock-data --bf16 --moe-router-force-load-balancing --expert-model-parallel-size"
                " {gpus} --emulate-hosts 2 --train-iters 10 --log-interval 100 --tune off "
                + GRAPHS)
-HOSTS_RUN = TRAIN + " " + HOSTS_FLAGS
+HOSTS_RUN = TRAIN_BENCH + " " + HOSTS_FLAGS  # its sides include local copies
 FLAT = " --moe-dispatch-hierarchy flat"  # with the hosts above, auto would take node
 LOCAL_COPY = " --comm-mode local_copy"
 HOSTS_SIDES = {"flat_ovl": WGRAD + FLAT,
@@ -210,9 +210,9 @@ HOSTS_TIMING = ("{torchrun} -m benchmarks.harness.bench_host_bytes --hosts 2 --t
                 " --hidden 2048 --cases " + HOSTS_CASE + " --time --iters 10 --warmup 3"
                 " $([ -f {out}/a2a_links.json ] && echo --links {out}/a2a_links.json)"
                 " --out {out}/host_timing.json")
-# the sync-free hierarchical dispatch (fixed chunks per host and per host mate) in one graph
+# the sync-free hierarchical dispatch (fixed blocks per host and per host mate) in one graph
 # of the whole iteration, beside the dropless one with partial graphs; the graph flags per side
-HOSTS_BARE_RUN = (TRAIN + " " + HOSTS_FLAGS).replace(" " + GRAPHS, "")
+HOSTS_BARE_RUN = (TRAIN_BENCH + " " + HOSTS_FLAGS).replace(" " + GRAPHS, "")
 NODE = " --moe-dispatch-hierarchy node"
 HOSTS_BUDGET_SIDES = {"node_ovl": WGRAD + NODE + " " + GRAPHS,
                       "node_budget_full": WGRAD + NODE + " --moe-dispatch-budget 1.25"
@@ -389,13 +389,13 @@ RECIPES = (
            "the budget dispatch fitted to the demand against the fixed 1.25 budget (overlap, "
            "one graph of the iteration, --tune off), NVLink, 3 interleaved rounds each, at "
            "megatron-cmp (top-4 of 32) and the e8 shape (top-8 of 8): step time and the rows "
-           "the fixed chunks sent other ranks over the dropless dispatch's (dispatch_wire)",
+           "the fixed blocks sent other ranks over the dropless dispatch's (dispatch_wire)",
            "fit_*/train_rounds.json (per step: ms, budget, dispatch_wire), fit_*/logs/",
            _budget_fit_steps({"megatron_cmp": "", "e8_k8": E8_SHAPE})),
     Recipe("symm_a2a", 2,
            "the dispatch's all-to-all with split sizes on the device (symmetric memory's "
            "all_to_all_vdev over NVSHMEM, eager and from a CUDA graph) against NCCL's with "
-           "exact splits and with fixed chunks (the budget's), 8192 and 32768 rows of 2048 "
+           "exact splits and with fixed blocks (the budget's), 8192 and 32768 rows of 2048 "
            "bf16 per rank, balanced and skewed 1.25, NVLink",
            "symm_a2a.json (per case: every sample, medians, GB/s per GPU, output checked, "
            "whether it captures)",

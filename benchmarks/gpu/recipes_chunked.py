@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from benchmarks.gpu.recipe_parts import (BITWISE_RUN, BUDGET, EAGER, FULL_ITERATION, GRAPHS,
-                                         OVERLAP, SEQUENTIAL, TRAIN, WGRAD, Recipe, Step,
-                                         rounds_step)
+                                         OVERLAP, SEQUENTIAL, TRAIN, TRAIN_BENCH, WGRAD, Recipe,
+                                         Step, rounds_step)
 
 # the chunked all-to-all (--moe-a2a-chunks): the shape where the all-to-all is 1:1 with compute
 # when it goes through host memory (bench_overlap's ratio_h2048_k4_f4096), the training command
 RATIO_1TO1 = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 16 --num-query-groups 4"
               " --seq-length 1024 --num-experts 32 --moe-router-topk 4 --moe-ffn-hidden-size 4096"
               " --micro-batch-size 16 --num-microbatches 4")
-CHUNKED_RUN = (TRAIN + " " + RATIO_1TO1 + " --mock-data --bf16 --moe-router-force-load-balancing"
+CHUNKED_RUN = (TRAIN_BENCH + " " + RATIO_1TO1  # its sides include local copies
+               + " --mock-data --bf16 --moe-router-force-load-balancing"
                " --expert-model-parallel-size {gpus} --train-iters 12 --log-interval 100"
                " --tune off " + GRAPHS)
 CHUNKED_SIDES = {"seq": SEQUENTIAL, "seq_k4": SEQUENTIAL + " --moe-a2a-chunks 4",

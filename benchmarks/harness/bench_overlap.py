@@ -62,13 +62,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from epoverlap.config import parse_config, validate_config
+from epoverlap.config import validate_config
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import (NcclCtaBudget, destroy_distributed,
                                        expert_parallel_groups, init_distributed)
 from epoverlap.training.environment import setup_environment
 from epoverlap.training.trainer import Trainer
 from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
+
+from benchmarks.harness.train_bench import parse_config  # --comm-mode local_copy: T_comp
 
 COMMON = ["--skip-optimizer-step", "--moe-router-force-load-balancing", "--mock-data",
           "--log-interval", "100000", "--train-iters", "1000", "--tune", "off"]
@@ -140,7 +142,7 @@ ROW_LABELS = {"": "off", "_graph": "on", "_budget": "budget, eager", "_full": "b
 
 
 def comm_ms(r: dict, suffix: str) -> float:
-    """T_comm of a row: the budget's all-to-alls (its fixed chunks) for the budget rows."""
+    """T_comm of a row: the budget's all-to-alls (its fixed blocks) for the budget rows."""
     return r["comm_budget" if suffix in ("_budget", "_full") else "comm"]["fb_ms"]
 
 
@@ -428,7 +430,7 @@ def bench_shape(name, groups, args, log, budget=NcclCtaBudget()) -> dict:
     _more_rounds(results, modes, base, groups, args, lambda msg: log(f"[bench_overlap] {label} "
                                                                       + msg))
     for comm, traced in (("comm", "ovl"), ("comm_budget", "ovl_budget")):
-        if traced in results:  # the budget's all-to-alls carry its fixed chunks
+        if traced in results:  # the budget's all-to-alls carry its fixed blocks
             results[comm] = replayed_comm(results[traced].pop("trace"), groups, args)
             log(f"[bench_overlap] {label} {comm.replace('_', ' ')} alone: "
                 f"{results[comm]['fb_ms']:.2f} ms")

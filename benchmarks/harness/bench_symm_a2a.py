@@ -12,7 +12,7 @@ rank r's next rank ((r + 1) mod n) gets s times the share of each other rank (1.
   nccl_exact    `all_to_all_single` with the exact splits (the dropless dispatch; its host
                 read of the split sizes is not timed here)
   nccl_chunks   `all_to_all_single` of equal chunks of the largest split (the budget dispatch's
-                fixed chunks: no host read, padding moved)
+                fixed blocks: no host read, padding moved)
   symm_vdev     `all_to_all_vdev`: the splits read on the device, the exact rows moved into a
                 symmetric buffer sized for the worst case (every rank's rows to one rank)
   symm_graph    the same call replayed from a CUDA graph (`graph`: whether it captured, else

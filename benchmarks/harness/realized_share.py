@@ -1,5 +1,5 @@
 """The overlap's realized share of the attainable saving, from three profiled runs of one
-training command: sequential, overlapped, and compute alone (`--comm-mode local_copy`).
+training command: sequential, overlapped, and compute alone (`train_bench --comm-mode local_copy`).
 
     python -m benchmarks.harness.realized_share --seq DIR --ovl DIR --comp DIR [--out F.json]
 

@@ -6,8 +6,9 @@ then their median and range, the way the reports' target tables read them
 
 Each DIR is one run of `bench_train_rounds` with a `default` side (a `default_path_*` recipe's
 folder: `train_rounds.json`, and for `tune` the tuning run's `tune_first.jsonl` and
-`tune_first.log` beside it). A side's step time is its `median_ms` in the JSON: every step after
-the warmup of all its rounds, pooled. The figures:
+`tune_first.log` beside it, or in the `raw.tar.xz` of a folder above it: data_archive). A
+side's step time is its `median_ms` in the JSON: every step after the warmup of all its rounds,
+pooled. The figures:
   hand  the default's step over the fastest other side's (target: <= 1.02)
   seq   the fastest sequential side's step (a name starting with `seq`) over the default's
         (targets: >= 1.10 over NVLink, >= 1.50 with P2P off, >= 1.00 everywhere)
@@ -29,6 +30,8 @@ import re
 import statistics
 import sys
 from pathlib import Path
+
+from benchmarks.harness.data_archive import read_text
 
 FIGURES = ("hand", "seq", "tune")
 
@@ -79,10 +82,10 @@ def run_figure(folder: Path, figure: str) -> tuple:
         return hand_figure(rounds), ""
     if figure == "seq":
         return seq_figure(rounds), ""
-    records = [json.loads(line) for line in (folder / "tune_first.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in read_text(folder / "tune_first.jsonl").splitlines()]
     step_ms = [r["step_time_s"] * 1e3 for r in sorted(records, key=lambda r: r["step"])]
     default_ms = side_steps(rounds)["default"]
-    end = window_end((folder / "tune_first.log").read_text())
+    end = window_end(read_text(folder / "tune_first.log"))
     return tune_figure(step_ms, default_ms), (
         f"(window ends at step {end} of {len(step_ms)}; the steps after it "
         f"{after_window(step_ms, end, default_ms):.3f}x the default's)")

@@ -4,7 +4,7 @@ PNG]`.
 Every row is one `epoverlap-simulate` scenario, printed with its flags, run through the same
 functions the command runs; measured figures are read from benchmarks/data/*.json (the overlap
 benchmark's runs), benchmarks/timelines/ (its span summaries and trace) and
-tests/data/sim_cpu_tiny/ (a recorded 2-rank gloo run). Prints markdown.
+tests/fixtures/sim_cpu_tiny/ (a recorded 2-rank gloo run). Prints markdown.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from epoverlap.cli import simulate as sim
 ROOT = Path(__file__).resolve().parents[2]
 DATA, TIMELINES = ROOT / "benchmarks" / "data", ROOT / "benchmarks" / "timelines"
 TRACE = "benchmarks/timelines/trace_2gpu_ovl.json"
-CPU_RUN = "tests/data/sim_cpu_tiny"
+CPU_RUN = "tests/fixtures/sim_cpu_tiny"
 # The x4 host runs the same 1-GPU training step in 88.9 ms, the x2 host (where the trace was
 # recorded) in 149.6 ms (benchmarks/baseline.md): host launch costs measured on the x2 host are
 # scaled by this for the runs of the x4 host.
@@ -55,7 +55,9 @@ def parse(flags: list[str]):
         at = flags.index("--shape")
         train = [*SHAPES[flags[at + 1]], "--bf16", *train]
         del flags[at:at + 2]
-    return sim.parse_args([*flags, "--", *train] if train else flags)
+    if "--kernel-backend" not in train:  # the simulator runs no kernel; this runs on any host
+        train += ["--kernel-backend", "torch"]
+    return sim.parse_args([*flags, "--", *train])
 
 
 def scenario(flags: list[str], **kwargs):

@@ -140,7 +140,8 @@ def _write_resolved_config(cfg: RunConfig, world_size: int, device: str,
 
 def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: bool,
                    local_ranks: int = 1, printing: bool = True, prog: str = "epoverlap-train",
-                   before_cuda: Callable[[RunConfig], None] = lambda cfg: None
+                   before_cuda: Callable[[RunConfig], None] = lambda cfg: None,
+                   settings: Callable[[RunConfig], RunConfig] = lambda cfg: cfg
                    ) -> tuple[RunConfig, Optional[CheckpointRef], list[str]]:
     """Everything decided from the flags before the first collective: their rules, paths, what
     --load resumes from, the memory estimate. -> (config for this world, checkpoint to resume or
@@ -148,13 +149,14 @@ def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: b
     of the command line, one line each (or a checkpoint file); with arguments no flag takes,
     argparse's usage line and the same lines (SystemExit, status 2). `before_cuda` runs between the checks
     that touch no CUDA and the memory check, which reads the GPU's size (process settings such
-    as CUDA_DEVICE_MAX_CONNECTIONS go first). The data files are opened next, by
-    `open_data_source`, also before any process group."""
+    as CUDA_DEVICE_MAX_CONNECTIONS go first). `settings` adds what a caller sets beside the
+    flags (the benchmark harness's all-to-all stand-in, `main`) before the rules run. The data
+    files are opened next, by `open_data_source`, also before any process group."""
     notes: list[str] = []
     cfg, refusals = read_command_line(argv, warn=notes.append, printing=printing)
     if cfg is not None:  # the rules' refusals beside the flags' own, in one run
         try:
-            cfg = resolve_config(cfg, world_size, cuda_available)
+            cfg = resolve_config(settings(cfg), world_size, cuda_available)
             validate_config(cfg, world_size, cuda_available)
         except ConfigError as error:
             refusals.append(error)
@@ -165,13 +167,16 @@ def checked_config(argv: Optional[list[str]], world_size: int, cuda_available: b
     return cfg, resume, [f"{prog}: warning: {note}" for note in notes]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None,
+         settings: Callable[[RunConfig], RunConfig] = lambda cfg: cfg) -> int:
     """The training command (see the module docstring); the signal handlers and the --log-dir
-    streams it installs are the process's only while it runs."""
+    streams it installs are the process's only while it runs. `settings`: config fields that
+    are no flags, set by a caller (`benchmarks.harness.train_bench`: the all-to-alls'
+    stand-in)."""
     handlers = {signum: signal.getsignal(signum) for signum in ROUTED_SIGNALS}
     streams = sys.stdout, sys.stderr
     try:
-        return _train(argv)
+        return _train(argv, settings)
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
@@ -183,7 +188,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout, sys.stderr = streams
 
 
-def _train(argv: Optional[list[str]]) -> int:
+def _train(argv: Optional[list[str]], settings: Callable[[RunConfig], RunConfig]) -> int:
     printing = os.environ.get("LOCAL_RANK", "0") == "0"  # one voice per node for bad input
     stop_at_once("epoverlap-train", printing)  # until route_signals hands them to the watch
     warn = _printer(printing, to_stderr=True)
@@ -195,7 +200,7 @@ def _train(argv: Optional[list[str]]) -> int:
     try:
         cfg, resume, warnings = checked_config(
             argv, world, cuda, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), printing,
-            before_cuda=environment)
+            before_cuda=environment, settings=settings)
         data = open_data_source(cfg, cfg.data_parallel_size(world))  # files, before any group
     except ConfigError as error:
         return _fail(error, 2, printing)

@@ -2,7 +2,7 @@
 (dropless, capacity, capacity_padded, budget; once per rank or not), the facts validation and
 the memory estimate need (does the dispatch read split sizes on the host, does it drop tokens,
 how many rows a rank's experts compute), and the pure sizing rules the dispatcher shares
-(`padded_rows`, `budget_chunk_rows`, `budget_group_rows`, `budget_levels`). The dispatcher
+(`padded_rows`, `budget_block_rows`, `budget_group_rows`, `budget_levels`). The dispatcher
 itself is `epoverlap.model.moe`; it imports these, never the reverse.
 """
 
@@ -62,12 +62,12 @@ class DispatchMode:
     def expert_rows(self, tokens: int, topk: int, num_experts: int, ranks: int) -> int:
         """Rows a rank's dispatch sends (and, routing balanced, its experts compute) for a
         microbatch of `tokens` tokens: tokens x topk (dropless, capacity: at most that),
-        experts x capacity padded, with the budget ranks x chunk at the first budget level
+        experts x capacity padded, with the budget ranks x block at the first budget level
         that holds balanced routing (>= 1; an imbalanced step reruns larger, up to `ranks`)."""
         rows = tokens * topk
         if self.budget is not None:
             level = next(b for b in budget_levels(self.budget, ranks) if b >= 1)
-            return ranks * budget_chunk_rows(level, rows, ranks)
+            return ranks * budget_block_rows(level, rows, ranks)
         if self.pad_to_capacity:
             return padded_rows(tokens, topk, num_experts, self.capacity_factor)
         return rows
@@ -83,7 +83,7 @@ def a2a_chunks_blocker(cfg: "RunConfig", chunks: int) -> str:
     """Why `chunks` chunks of local experts (--moe-a2a-chunks, `model.chunked`) cannot run
     with `cfg`, in the words of a ConfigError ('' when they can): they need MoE layers over EP
     ranks, at least `chunks` local experts, a flat dispatch one row per expert (dropless,
-    capacity, or the budget's fixed chunks per expert group: `model.chunked_budget`), and
+    capacity, or the budget's fixed blocks per expert group: `model.chunked_budget`), and
     nodes no graph makes one: local graphs of the pre-dispatch segments, or with the budget one
     graph over the whole iteration (whole-layer graphs make each MoE layer one node, nothing
     to chunk beside)."""
@@ -118,7 +118,7 @@ def hierarchy_blocker(cfg: "RunConfig", per_host: int) -> str:
     """Why --moe-dispatch-hierarchy node cannot run with `cfg` on hosts of `per_host` ranks, in
     the words of a ConfigError ('' when it can): it needs an expert-parallel group of whole
     hosts, at least two, and a dispatch of data-dependent rows (dropless, capacity unpadded,
-    or the budget's fixed chunks of them). Under --comm-mode local_copy both stages are local
+    or the budget's fixed blocks of them). Under --comm-mode local_copy both stages are local
     copies (`HostRoute.mirrored`): the compute-only baseline of the hierarchy."""
     mode = DispatchMode.of(cfg.moe)
     if not mode.by_host:
@@ -153,7 +153,7 @@ def padded_rows(tokens: int, topk: int, num_experts: int, capacity_factor: float
     return num_experts * get_capacity(tokens * topk, num_experts, capacity_factor)
 
 
-def budget_chunk_rows(budget: float, rows: int, ranks: int) -> int:
+def budget_block_rows(budget: float, rows: int, ranks: int) -> int:
     """Rows per destination rank at a budget: ceil(budget x rows / ranks), at most `rows`."""
     return min(rows, math.ceil(budget * rows / ranks))
 
@@ -166,7 +166,7 @@ def budget_group_rows(budget: float, tokens: int, topk: int, group: int, experts
 
 
 def budget_levels(factor: float, ranks: int) -> tuple[float, ...]:
-    """The budgets a rerun may use: factor, 2 x factor, ... up to `ranks` (whose chunk holds
+    """The budgets a rerun may use: factor, 2 x factor, ... up to `ranks` (whose block holds
     every row a rank routes, so it can never overflow)."""
     levels = [factor]
     while levels[-1] < ranks:

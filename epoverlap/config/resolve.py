@@ -64,7 +64,7 @@ SEQUENTIAL_FLAG = "--no-overlap-moe-expert-parallel-comm"  # pins the sequential
 GRAPHS_FLAG = "--cuda-graph-impl"
 BUDGET_FLAG = "--moe-dispatch-budget"
 HIERARCHY_FLAG = "--moe-dispatch-hierarchy"
-FULL_ITERATION_BUDGET = 1.25  # chunk rows / mean rows per rank pair; overflow reruns the step
+FULL_ITERATION_BUDGET = 1.25  # block rows / mean rows per rank pair; overflow reruns the step
 BUDGET_MEMORY_STEPS = 20  # a step starts at the largest level one of the last 20 needed
 
 
@@ -114,7 +114,7 @@ def resolve_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> Run
 def _graph_choices(cfg: RunConfig, link: Link) -> list:
     """The auto graph scope on CUDA, preferred first: over a fast link (`parallel.link`: every
     rank finds the same), one graph of the whole iteration over the sync-free budget dispatch
-    (it moves a budget's fixed chunks, more bytes than the dropless dispatch: where bytes bind,
+    (it moves a budget's fixed blocks, more bytes than the dropless dispatch: where bytes bind,
     over PCIe, through host memory or between hosts, that loses, so there the partial graphs
     come first); then partial graphs."""
     if link.fast and DispatchMode.of(cfg.moe).name == "dropless":

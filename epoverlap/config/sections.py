@@ -324,14 +324,14 @@ class OverlapConfig:
         "high", "CUDA priority of the overlap's comm stream (its all-to-alls run there); high "
         "lets their kernels start ahead of waiting compute kernels",
         choices=COMM_STREAM_PRIORITIES)
-    comm_mode: str = flag("real", "benchmark only: local_copy replaces all-to-alls by local "
-                          "copies", choices=COMM_MODES)
-    local_copy_hold_us: int = flag(
-        0, "benchmark only, with --comm-mode local_copy: each all-to-all node, after its local "
-        "copy, holds the comm lane N microseconds (GPU: a sleep kernel on the lane's stream; "
-        "CPU: the lane's thread sleeps), as a real all-to-all would, so the host queues the "
-        "compute behind it and the compute spans time the device's work, not the host's "
-        "launches; 0: no hold", metavar="N")
+    # Not flags: the benchmark harness's stand-in for the all-to-alls
+    # (`python -m benchmarks.harness.train_bench --comm-mode local_copy [--local-copy-hold-us
+    # N]`). local_copy replaces each all-to-all by a local copy of its bytes (the compute-only
+    # step); a hold keeps the comm lane busy N us after each copy, as a real all-to-all would
+    # (GPU: a sleep kernel on the lane's stream; CPU: the lane's thread sleeps), so the host
+    # queues the compute behind it and the compute spans time the device's work.
+    comm_mode: str = "real"  # COMM_MODES
+    local_copy_hold_us: int = 0  # 0: no hold
     overlap_probe_steps: int = flag(
         0, "deprecated: --tune on --tune-steps N over two paths only, the overlap plan and the "
         "sequential schedule; 0: not given")

@@ -26,8 +26,9 @@ from epoverlap.config.flags import _opt_float
 from epoverlap.config.io_rules import validate_io
 from epoverlap.config.layer_freq import layer_freq_list
 from epoverlap.config.parse import FLAGS, flag_of, require
-from epoverlap.config.sections import (MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS, ModelConfig, MoEConfig,
-                                       OverlapConfig, RunConfig, TrainConfig)
+from epoverlap.config.sections import (COMM_MODES, MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS,
+                                       ModelConfig, MoEConfig, OverlapConfig, RunConfig,
+                                       TrainConfig)
 from epoverlap.config.tuning import (candidate_paths, probe_steps, steps_needed, timed_steps,
                                      tune_blocker, tune_mode, untimed_steps)
 from epoverlap.errors import ConfigError, raise_together
@@ -317,7 +318,10 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
 
 
 def _validate_local_copy_hold(o: OverlapConfig) -> None:
-    """--local-copy-hold-us N: a hold after each local copy, so only with local copies."""
+    """The harness's stand-in (benchmarks.harness.train_bench, not product flags): a known
+    --comm-mode; --local-copy-hold-us N a hold after each local copy, so only with them."""
+    require(o.comm_mode in COMM_MODES, "comm_mode", o.comm_mode,
+            f"one of {', '.join(COMM_MODES)}")
     hold = o.local_copy_hold_us
     require(hold >= 0, "local_copy_hold_us", hold, "must be >= 0 (0: no hold)")
     require(hold == 0 or o.comm_mode == "local_copy", "local_copy_hold_us", hold,

@@ -2,7 +2,7 @@
 and `zero_rows_from_torch`.
 
   gather_rows(src, index) -> out[y] = src[index[y]], a zero row where index[y] < 0: the budget
-    dispatch's moves between the permuted rows and its fixed chunks (`model.dispatch.
+    dispatch's moves between the permuted rows and its fixed blocks (`model.dispatch.
     move_rows`, its autograd form: a one-to-one index, so the backward is the inverse gather).
   zero_rows_from(x, end) -> x with every row from `end` on zeroed: the experts' padding rows
     past the last expert's end, which the grouped GEMM leaves unwritten (`model.moe`).

@@ -3,8 +3,8 @@ dispatchers (`model.dispatch.BudgetDispatcher`), read by the trainer after each 
 to decide a rerun (`training.step`) and by the graph banks, which hold one bank per budget level
 (`graphs.banks`). The sizing rules themselves are the config's (`config.dispatch`).
 `ByHostBudget` sizes the hierarchical dispatch's two stages (`model.dispatch_dedup.
-ByHostBudgetDispatcher`): a chunk per host, then a chunk per host mate, and the experts' rows.
-`GroupBudget` sizes the chunked layer's chunks, one per (rank pair, group of experts)
+ByHostBudgetDispatcher`): a block per host, then a block per host mate, and the experts' rows.
+`GroupBudget` sizes the chunked layer's blocks, one per (rank pair, group of experts)
 (`model.chunked_budget`), at the shared budget's level; its demand joins the budget's.
 
 With --moe-dispatch-budget-fit the base budget follows the demand (`BudgetFit`): after the
@@ -13,7 +13,7 @@ first step it becomes the least factor that held the most any step of the window
 needed less, at most every `FIT_SHRINK_STEPS` steps (each change recaptures the graphs that
 hold the dispatch). When the path tuner decides, the window keeps the chosen path's demand
 alone and the base may shrink to it at once. Every rank sees the same all-reduced demand, so
-every rank fits alike. The rows the fixed chunks move beside the rows the dropless dispatch
+every rank fits alike. The rows the fixed blocks move beside the rows the dropless dispatch
 would move (`wire_rows`) are counted on the device, for the step's report.
 """
 
@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from epoverlap.config.dispatch import (budget_chunk_rows, budget_group_rows, budget_levels,
+from epoverlap.config.dispatch import (budget_block_rows, budget_group_rows, budget_levels,
                                       group_reach)
 
 FIT_MARGIN = 0.02  # the fitted base budget: the window's most demand, plus this share
@@ -36,12 +36,12 @@ FIT_SHRINK_STEPS = 100  # the fitted budget shrinks at most once in this many st
 class DispatchBudget:
     """The buffer size of the sync-free dropless dispatch, shared by every MoE layer of a model.
 
-    Each rank sends every EP rank one chunk of `chunk_rows` rows: ceil(factor x N / ranks), at
+    Each rank sends every EP rank one block of `block_rows` rows: ceil(factor x N / ranks), at
     most N, where N = tokens x topk of a microbatch (factor 1.0 = the balanced share). A
-    dispatch that routes more than a chunk's rows to one rank sends only the first chunk of them
+    dispatch that routes more than a block's rows to one rank sends only the first block of them
     and raises `demand_rows` (a device scalar: the most rows any dispatch of the step wanted to
-    send to one rank); after the step the trainer all-reduces it and, if it exceeds the chunk,
-    reruns the step at `rerun_level(demand)`, the smallest of `levels` whose chunk holds it.
+    send to one rank); after the step the trainer all-reduces it and, if it exceeds the block,
+    reruns the step at `rerun_level(demand)`, the smallest of `levels` whose block holds it.
 
     Once per rank a received row goes to up to min(topk, L) local experts, so the experts' rows
     are budgeted apart (`pairs_per_dispatch` = tokens x topk, the balanced share of (token,
@@ -49,9 +49,9 @@ class DispatchBudget:
     own demand (`demand_expert_rows`, the most pairs any dispatch brought one rank's experts).
     Without `pairs_per_dispatch` the rows are the pairs already: nothing apart to budget. The
     experts' demand is counted where the rows arrive, so a step whose sends overflowed counts
-    only the pairs of the rows that were sent: its rerun, whose chunks hold every row, may still
+    only the pairs of the rows that were sent: its rerun, whose blocks hold every row, may still
     overflow the experts' budget and run once more (never with k >= EP at a budget >= 1, whose
-    chunks hold one row per token).
+    blocks hold one row per token).
     """
 
     def __init__(self, factor: float, ranks: int, rows_per_dispatch: int,
@@ -67,7 +67,7 @@ class DispatchBudget:
         self.demand_rows = torch.zeros((), dtype=torch.int64, device=device)
         self.demand_expert_rows = torch.zeros((), dtype=torch.int64, device=device)
         self.groups: dict[tuple, GroupBudget] = {}  # the chunked layers' (`group_budget`)
-        # [rows the chunks sent other ranks over the step's attempts, rows the dropless
+        # [rows the blocks sent other ranks over the step's attempts, rows the dropless
         # dispatch would have sent them in its last attempt]
         self.wire_rows = torch.zeros(2, dtype=torch.int64, device=device)
         self.fit = BudgetFit(max(memory_steps, 1)) if fit else None
@@ -158,7 +158,7 @@ class DispatchBudget:
             self.fit.load(state)
 
     def needed_factor(self, demand: Sequence[int]) -> float:
-        """The least factor whose chunks hold `demand` (`demand()`, max over ranks)."""
+        """The least factor whose blocks hold `demand` (`demand()`, max over ranks)."""
         need = demand[0] * self.ranks / self.rows
         if self.pairs is not None:
             need = max(need, demand[1] / self.pairs)
@@ -169,12 +169,12 @@ class DispatchBudget:
     def factor(self) -> float:
         return self.levels[self.level]
 
-    def chunk_rows_at(self, level: int) -> int:
-        return budget_chunk_rows(self.levels[level], self.rows, self.ranks)
+    def block_rows_at(self, level: int) -> int:
+        return budget_block_rows(self.levels[level], self.rows, self.ranks)
 
     @property
-    def chunk_rows(self) -> int:
-        return self.chunk_rows_at(self.level)
+    def block_rows(self) -> int:
+        return self.block_rows_at(self.level)
 
     def expert_rows_at(self, level: int) -> Optional[int]:
         """Rows the local experts get at `level` (once per rank), else None: the budget times
@@ -182,7 +182,7 @@ class DispatchBudget:
         top level, `ranks` x the pairs: every pair of every rank, so it never overflows)."""
         if self.pairs is None:
             return None
-        received = self.ranks * self.chunk_rows_at(level) * self.pairs_per_row
+        received = self.ranks * self.block_rows_at(level) * self.pairs_per_row
         return min(received, math.ceil(self.levels[level] * self.pairs))
 
     @property
@@ -190,7 +190,7 @@ class DispatchBudget:
         return self.expert_rows_at(self.level)
 
     def check_rows(self, num_rows: int) -> None:
-        """A dispatch's permuted rows must be the count its chunks were sized for."""
+        """A dispatch's permuted rows must be the count its blocks were sized for."""
         if num_rows != self.rows:
             raise RuntimeError(f"budget dispatch of {num_rows} rows, sized for {self.rows}")
 
@@ -198,11 +198,11 @@ class DispatchBudget:
         """Record on the device the most rows this dispatch routes to one rank (no sync)."""
         torch.maximum(self.demand_rows, send_R.max(), out=self.demand_rows)
 
-    def note_wire(self, send_R: torch.Tensor, chunk_rows: int) -> None:
-        """Count on the device what a dispatch of fixed chunks sends the other ranks, and what
+    def note_wire(self, send_R: torch.Tensor, block_rows: int) -> None:
+        """Count on the device what a dispatch of fixed blocks sends the other ranks, and what
         the dropless dispatch would have sent them (`send_R`: its rows per rank)."""
         exact = send_R.sum() - send_R[self.rank]
-        self.wire_rows[0].add_(chunk_rows * (self.ranks - 1))
+        self.wire_rows[0].add_(block_rows * (self.ranks - 1))
         self.wire_rows[1].add_(exact)
 
     def note_expert_rows(self, pairs: torch.Tensor) -> None:
@@ -220,7 +220,7 @@ class DispatchBudget:
         return self.groups[key]
 
     def reset_demand(self) -> None:
-        """Before an attempt: no demand yet, and no exact rows (the chunks' rows add up over a
+        """Before an attempt: no demand yet, and no exact rows (the blocks' rows add up over a
         step's attempts, `reset_wire`)."""
         self.demand_rows.zero_()
         self.demand_expert_rows.zero_()
@@ -242,7 +242,7 @@ class DispatchBudget:
         experts = self.expert_rows_at(level)
         fits_groups = all(group.fits(level, wanted)
                           for group, wanted in self._group_demands(demand))
-        return (self.chunk_rows_at(level) >= demand[0] and fits_groups
+        return (self.block_rows_at(level) >= demand[0] and fits_groups
                 and (experts is None or experts >= demand[1]))
 
     def _group_demands(self, demand: Sequence[int]) -> list[tuple["GroupBudget", Sequence[int]]]:
@@ -266,11 +266,11 @@ class ByHostBudget(DispatchBudget):
     buffers sized at each level f of `levels` (balanced routing's share times f, at most what
     can ever come):
 
-      stage 1  `chunk_rows`: rows a rank sends each host (one per token reaching it): f x
+      stage 1  `block_rows`: rows a rank sends each host (one per token reaching it): f x
                tokens x reach(hosts), at most `tokens`;
       stage 2  `within_rows`: rows a rank forwards each mate of its host (its rail's rows for
                that mate's experts): f x hosts x tokens x reach(ranks), at most every row it
-               received (hosts x `chunk_rows`);
+               received (hosts x `block_rows`);
       experts  `expert_rows`: (row, local expert) pairs, as once per rank: f x tokens x topk,
                at most every received row (per_host x `within_rows`) times min(topk, L).
 
@@ -291,11 +291,11 @@ class ByHostBudget(DispatchBudget):
         self._mate_share = hosts * tokens * group_reach(num_experts, topk, ranks)
         self.demand_within_rows = torch.zeros((), dtype=torch.int64, device=device)
 
-    def chunk_rows_at(self, level: int) -> int:
+    def block_rows_at(self, level: int) -> int:
         return min(self.tokens, math.ceil(self.levels[level] * self._host_share))
 
     def within_rows_at(self, level: int) -> int:
-        return min(self.hosts * self.chunk_rows_at(level),
+        return min(self.hosts * self.block_rows_at(level),
                    math.ceil(self.levels[level] * self._mate_share))
 
     @property
@@ -320,7 +320,7 @@ class ByHostBudget(DispatchBudget):
                             self.demand_expert_rows])
 
     def fits(self, level: int, demand: Sequence[int]) -> bool:
-        return (self.chunk_rows_at(level) >= demand[0]
+        return (self.block_rows_at(level) >= demand[0]
                 and self.within_rows_at(level) >= demand[1]
                 and self.expert_rows_at(level) >= demand[2])
 
@@ -330,9 +330,9 @@ class ByHostBudget(DispatchBudget):
 
 
 class GroupBudget:
-    """The chunked budget dispatch's chunk sizes (`model.chunked_budget`): at each level f of
+    """The chunked budget dispatch's block sizes (`model.chunked_budget`): at each level f of
     the shared `DispatchBudget`, rank pairs exchange for group g of a rank's local experts (G_g
-    of the E experts) a chunk of f x tokens x topk x G_g / E rows (the balanced share), at most
+    of the E experts) a block of f x tokens x topk x G_g / E rows (the balanced share), at most
     all a rank can route the group (`config.dispatch.budget_group_rows`); the top level holds
     that many. `demand_rows` [K] (device): the most rows any dispatch of the step routed to one
     rank's group g, all-reduced and checked with the budget's (`DispatchBudget.fits`)."""
@@ -345,7 +345,7 @@ class GroupBudget:
                                        device=budget.demand_rows.device)
 
     def rows_at(self, level: int) -> list[int]:
-        """Each group's chunk rows at `level` (the top level: as if the budget were E)."""
+        """Each group's block rows at `level` (the top level: as if the budget were E)."""
         top = level == len(self.budget.levels) - 1
         factor = float(self.num_experts) if top else self.budget.levels[level]
         return [budget_group_rows(factor, self.tokens, self.topk, size, self.num_experts)
@@ -363,7 +363,7 @@ class GroupBudget:
         return all(rows >= wanted for rows, wanted in zip(self.rows_at(level), demand))
 
     def needed_factor(self, demand: Sequence[int]) -> float:
-        """The least factor whose chunks hold `demand` (each group's most rows to one rank)."""
+        """The least factor whose blocks hold `demand` (each group's most rows to one rank)."""
         return max(wanted * self.num_experts / (self.tokens * self.topk * size)
                    for size, wanted in zip(self.sizes, demand))
 
@@ -388,7 +388,7 @@ class BudgetFit:
     def keep_path(self, path: str) -> None:
         """The tuner chose `path`: the window keeps that path's needs alone (where it has
         any), and the base may shrink to them before the next step, without waiting
-        `FIT_SHRINK_STEPS`: a candidate that needed more (the chunked layer's chunks) no longer
+        `FIT_SHRINK_STEPS`: a candidate that needed more (the chunked layer's blocks) no longer
         holds it up."""
         kept = [need for need, of in zip(self.needs, self.paths) if of == path]
         if kept:

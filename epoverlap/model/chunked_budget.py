@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from epoverlap.model.chunked import ChunkedMoE
-from epoverlap.model.dispatch import (TokenDispatcher, chunk_indices, kept_counts, move_rows,
+from epoverlap.model.dispatch import (TokenDispatcher, block_indices, kept_counts, move_rows,
                                       padded_block_transpose)
 from epoverlap.model.moe import GroupedSwiGLUExperts
 from epoverlap.parallel.comm import all_to_all
@@ -66,7 +66,7 @@ class ChunkedBudgetMoE(ChunkedMoE):
         self.budget.note(send_RK)
         self.dispatcher.budget.note_wire(send_RK.sum(dim=1), sum(rows_K))
         recv_RL = self.comm.exchange_counts(sizes)
-        send, return_index = chunk_indices(send_RK, rows_K, num_rows)
+        send, return_index = block_indices(send_RK, rows_K, num_rows)
         send_index = torch.cat(send)
         blocks = [self.ranks * rows for rows in rows_K]
         gather = self.ops.gather_rows

@@ -21,8 +21,8 @@ Modes (`DispatchMode.name`), and whether the host reads the device in the dispat
                    expert gets exactly `capacity` rows from every rank (unrouted tokens with
                    prob 0 fill the gap), so every split size is known from shapes: no host read.
   budget           `BudgetDispatcher`: --moe-dispatch-budget: dropless, but every rank sends
-                   every rank one chunk of a fixed size (`DispatchBudget`): equal splits, counts
-                   kept on the device; a dispatch whose rows for one rank exceed the chunk is
+                   every rank one block of a fixed size (`DispatchBudget`): equal splits, counts
+                   kept on the device; a dispatch whose rows for one rank exceed the block is
                    recorded on the device (`DispatchBudget.demand_rows`) and the trainer reruns
                    the step at a larger budget: no token is ever silently dropped, no host read
                    inside the step.
@@ -56,16 +56,16 @@ from epoverlap.parallel.comm import ExpertComm, SplitExchange, all_to_all
 class DispatchMeta:
     """What the steps after the dispatch need. Split sizes are host lists where the mode reads
     them on the host (dropless, capacity) or knows them from shapes (capacity_padded), None for
-    equal chunks; `recv_counts_RL` is always on the device."""
+    equal blocks; `recv_counts_RL` is always on the device."""
 
     input_splits: Optional[list[int]]  # rows sent to each EP rank
     output_splits: Optional[list[int]]  # rows received from each EP rank
     recv_counts_RL: torch.Tensor  # [R, L] device: rows received per (source rank, local expert)
     tokens_per_local_expert: Optional[list[int]]  # host, summed over source ranks; None: device
     capacity: Optional[int] = None  # capacity_padded: rows per (rank, expert)
-    chunk_rows: Optional[int] = None  # budget: rows per (source rank) chunk
-    send_index: Optional[torch.Tensor] = None  # budget [R*C]: chunk slot -> permuted row or -1
-    return_index: Optional[torch.Tensor] = None  # budget [N]: permuted row -> chunk slot or -1
+    block_rows: Optional[int] = None  # budget: rows per (source rank) block
+    send_index: Optional[torch.Tensor] = None  # budget [R*C]: block slot -> permuted row or -1
+    return_index: Optional[torch.Tensor] = None  # budget [N]: permuted row -> block slot or -1
     expert_rows: Optional[int] = None  # budget once per rank: the local experts' rows (static)
 
 
@@ -162,7 +162,7 @@ class ExpertOrder:
 
 class HostSplitDispatcher(TokenDispatcher):
     """dropless and capacity: split sizes exchanged early (`start_split_exchange`) and read on
-    the host in `dispatch`; chunks sorted by the received counts."""
+    the host in `dispatch`; blocks sorted by the received counts."""
 
     reads_host = True
 
@@ -251,16 +251,16 @@ class PaddedCapacityDispatcher(TokenDispatcher):
 
 
 class BudgetDispatcher(TokenDispatcher):
-    """budget: fixed chunks of `DispatchBudget.chunk_rows` rows per rank; counts exchanged and
-    kept on the device; a rank's rows past its chunk are cut and recorded (`DispatchBudget.
-    note`) for the trainer's rerun. The received chunks hold each local expert's rows, then
+    """budget: fixed blocks of `DispatchBudget.block_rows` rows per rank; counts exchanged and
+    kept on the device; a rank's rows past its block are cut and recorded (`DispatchBudget.
+    note`) for the trainer's rerun. The received blocks hold each local expert's rows, then
     padding."""
 
     def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
                  device: torch.device, mode: DispatchMode,
                  budget: Optional[DispatchBudget] = None):
         super().__init__(comm, num_experts, topk, ops, device, mode, budget)
-        # chunks (rank, expert or padding) -> experts' chunks, then padding; and back
+        # blocks (rank, expert or padding) -> experts' blocks, then padding; and back
         self._budget_to_expert_major, self._budget_to_rank_major = padded_block_transpose(
             comm.size, self.num_local, device)
 
@@ -268,21 +268,21 @@ class BudgetDispatcher(TokenDispatcher):
                  exchange: Optional[SplitExchange] = None, row_id_map=None):
         budget, num_rows = self.budget, permuted_NH.shape[0]
         budget.check_rows(num_rows)
-        chunk = budget.chunk_rows
+        block = budget.block_rows
         send_R, recv_RL = self._rows_to_send(counts_E, row_id_map)
         budget.note(send_R)
-        budget.note_wire(send_R, chunk)
-        send_index, return_index = budget_indices(send_R, chunk, num_rows)
+        budget.note_wire(send_R, block)
+        send_index, return_index = budget_indices(send_R, block, num_rows)
         gather = self.ops.gather_rows
         send_XH = move_rows(permuted_NH, send_index, return_index, gather)
-        send_probs_X = self._chunk_probs(
+        send_probs_X = self._block_probs(
             move_rows(permuted_probs_N, send_index, return_index, gather), send_index)
         recv_MH = all_to_all(self.comm, send_XH, None, None)
         recv_probs_M = all_to_all(self.comm, send_probs_X, None, None)
-        recv_probs_M, recv_counts_RL, expert_rows = self._received(recv_probs_M, recv_RL, chunk)
+        recv_probs_M, recv_counts_RL, expert_rows = self._received(recv_probs_M, recv_RL, block)
         meta = DispatchMeta(input_splits=None, output_splits=None,
                             recv_counts_RL=recv_counts_RL, tokens_per_local_expert=None,
-                            chunk_rows=chunk, send_index=send_index, return_index=return_index,
+                            block_rows=block, send_index=send_index, return_index=return_index,
                             expert_rows=expert_rows)
         return recv_MH, recv_probs_M, meta
 
@@ -292,38 +292,38 @@ class BudgetDispatcher(TokenDispatcher):
         recv_RL = self.comm.exchange_counts(counts_E)
         return counts_E.view(self.comm.size, self.num_local).sum(dim=1), recv_RL
 
-    def _chunk_probs(self, send_probs_X, send_index):
-        """The probs of the chunks' slots as sent."""
+    def _block_probs(self, send_probs_X, send_index):
+        """The probs of the blocks' slots as sent."""
         return send_probs_X
 
-    def _received(self, recv_probs_M, recv_RL, chunk: int):
+    def _received(self, recv_probs_M, recv_RL, block: int):
         """-> (received probs, rows kept per (source rank, local expert), the local experts'
         rows or None)."""
-        return recv_probs_M, kept_counts(recv_RL, chunk), None
+        return recv_probs_M, kept_counts(recv_RL, block), None
 
     def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
         if self.comm.size == 1:
             return recv_MH, recv_probs_M, None
-        return self.ops.sort_chunks_by_idxs(recv_MH, _budget_chunks(meta).reshape(-1),
+        return self.ops.sort_chunks_by_idxs(recv_MH, _budget_blocks(meta).reshape(-1),
                                             self._budget_to_expert_major,
                                             recv_probs_M) + (None,)
 
     def unsort(self, expert_out_MH, meta: DispatchMeta, local_row_id_map=None):
         if self.comm.size == 1:
             return expert_out_MH
-        sizes = _budget_chunks(meta).reshape(-1).index_select(0, self._budget_to_expert_major)
+        sizes = _budget_blocks(meta).reshape(-1).index_select(0, self._budget_to_expert_major)
         return self.ops.sort_chunks_by_idxs(expert_out_MH, sizes, self._budget_to_rank_major)[0]
 
     def _returned_rows(self, returned_NH, meta: DispatchMeta):
-        """The chunks' slots back onto the permuted rows (a cut row's come back as zeros)."""
+        """The blocks' slots back onto the permuted rows (a cut row's come back as zeros)."""
         return move_rows(returned_NH, meta.return_index, meta.send_index,
                          self.ops.gather_rows)
 
 
-def _budget_chunks(meta: DispatchMeta) -> torch.Tensor:
-    """[R, L + 1] rows of each received chunk: per local expert, then padding."""
+def _budget_blocks(meta: DispatchMeta) -> torch.Tensor:
+    """[R, L + 1] rows of each received block: per local expert, then padding."""
     kept_RL = meta.recv_counts_RL
-    pad_R1 = meta.chunk_rows - kept_RL.sum(dim=1, keepdim=True)
+    pad_R1 = meta.block_rows - kept_RL.sum(dim=1, keepdim=True)
     return torch.cat([kept_RL, pad_R1], dim=1)
 
 
@@ -351,23 +351,24 @@ def move_rows(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
     return _MoveRows.apply(src, index, inverse, gather)
 
 
-def budget_indices(send_R: torch.Tensor, chunk_rows: int, num_rows: int):
-    """Permuted rows (expert-major, so rank r's rows are one run) <-> fixed chunks of
-    `chunk_rows` slots per rank. -> (send_index [R*C]: slot -> row or -1 (empty),
-    return_index [N]: row -> slot or -1 (cut: the rank's rows overflow the chunk))."""
-    send, return_N = chunk_indices(send_R.unsqueeze(1), [chunk_rows], num_rows)
+def budget_indices(send_R: torch.Tensor, block_rows: int, num_rows: int):
+    """Permuted rows (expert-major, so rank r's rows are one run) <-> fixed blocks of
+    `block_rows` slots per rank. -> (send_index [R*C]: slot -> row or -1 (empty),
+    return_index [N]: row -> slot or -1 (cut: the rank's rows overflow the block))."""
+    send, return_N = block_indices(send_R.unsqueeze(1), [block_rows], num_rows)
     return send[0], return_N
 
 
-def chunk_indices(send_RK: torch.Tensor, rows_K: Sequence[int], num_rows: int):
-    """`budget_indices` for K chunks: the permuted rows are runs (rank r, chunk k) in that
-    order, run (r, k) going to rank r in chunk k, whose buffer holds `rows_K[k]` slots per
-    rank. -> (send_index per chunk [R*C_k]: slot -> row or -1, return_index [N]: row -> slot
+def block_indices(send_RK: torch.Tensor, rows_K: Sequence[int], num_rows: int):
+    """`budget_indices` for K blocks per rank (the chunked layer's, one per group of experts):
+    the permuted rows are runs (rank r, block k) in that order, run (r, k) going to rank r in
+    block k, whose buffer holds `rows_K[k]` slots per
+    rank. -> (send_index per block [R*C_k]: slot -> row or -1, return_index [N]: row -> slot
     of the K buffers laid end to end, or -1 (cut))."""
-    ranks, chunks = send_RK.shape
+    ranks, blocks = send_RK.shape
     device = send_RK.device
     end_X = torch.cumsum(send_RK.reshape(-1), 0)
-    start_RK = (end_X - send_RK.reshape(-1)).view(ranks, chunks)
+    start_RK = (end_X - send_RK.reshape(-1)).view(ranks, blocks)
     send = []
     for k, rows in enumerate(rows_K):
         slot_C = torch.arange(rows, device=device)
@@ -375,23 +376,23 @@ def chunk_indices(send_RK: torch.Tensor, rows_K: Sequence[int], num_rows: int):
                                 -1).reshape(-1))
     row_N = torch.arange(num_rows, device=device)
     run_N = torch.searchsorted(end_X, row_N, right=True)
-    owned_N = run_N < ranks * chunks
-    run_N = run_N.clamp(max=ranks * chunks - 1)
+    owned_N = run_N < ranks * blocks
+    run_N = run_N.clamp(max=ranks * blocks - 1)
     offset_N = row_N - start_RK.reshape(-1).index_select(0, run_N)
-    rank_N, chunk_N = run_N // chunks, run_N % chunks
+    rank_N, block_N = run_N // blocks, run_N % blocks
     return_N, base = torch.full_like(row_N, -1), 0
     for k, rows in enumerate(rows_K):
-        held_N = owned_N & (chunk_N == k) & (offset_N < rows)
+        held_N = owned_N & (block_N == k) & (offset_N < rows)
         return_N = torch.where(held_N, base + rank_N * rows + offset_N, return_N)
         base += ranks * rows
     return send, return_N
 
 
-def kept_counts(recv_RL: torch.Tensor, chunk_rows: int) -> torch.Tensor:
-    """Rows of each (source rank, local expert) that fit the source's chunk (its first
-    `chunk_rows` rows, in expert order). [R, L] device."""
+def kept_counts(recv_RL: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """Rows of each (source rank, local expert) that fit the source's block (its first
+    `block_rows` rows, in expert order). [R, L] device."""
     end_RL = torch.cumsum(recv_RL, 1)
-    return end_RL.clamp(max=chunk_rows) - (end_RL - recv_RL).clamp(max=chunk_rows)
+    return end_RL.clamp(max=block_rows) - (end_RL - recv_RL).clamp(max=block_rows)
 
 
 def _swap_blocks(rows: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:

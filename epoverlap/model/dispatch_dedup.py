@@ -11,11 +11,11 @@ experts (-1 where the expert was not chosen); the receiving rank copies the row 
 combine returns one row per (token, rank). The experts see the same rows in the same order as
 without it ((local expert, source rank, token)); the combine sums per rank first. Split sizes:
 rows per rank counted apart and exchanged with the expert counts; with the budget nothing is
-exchanged: a rank's chunk holds its rows for that rank (at most one per token), and each
+exchanged: a rank's block holds its rows for that rank (at most one per token), and each
 received row's probs say which local experts it goes to (an empty slot's: none), so the receiver
 counts its experts' rows itself. Those (row, expert) pairs are budgeted too
 (`DispatchBudget.expert_rows`: the budget times a rank's balanced share, tokens x topk, rather
-than the chunks' rows times min(topk, L), which would size the experts' buffers for a routing
+than the blocks' rows times min(topk, L), which would size the experts' buffers for a routing
 that can never happen); pairs past it are cut and recorded, and the step reruns.
 On one EP rank once per rank is the plain dispatch (nothing to send once instead of several
 times), and `make_dispatcher` picks that.
@@ -37,18 +37,18 @@ the router has counted (`ExpertComm.start_table_exchange`); the dispatch reads i
 and derives both stages' sizes (`HostRoute`).
 
 By host with the budget (`ByHostBudgetDispatcher`, sync-free, so graphs can hold it): the
-same two stages in fixed chunks (`model.budget.ByHostBudget`): stage 1 one chunk per host, stage
-2 one chunk per host mate, each a rank's rows for it then empty slots (probs -1), so both
+same two stages in fixed blocks (`model.budget.ByHostBudget`): stage 1 one block per host, stage
+2 one block per host mate, each a rank's rows for it then empty slots (probs -1), so both
 stages' all-to-alls have equal splits and nothing is read on the host. Each mate also sends, in
-a small all-to-all, how many rows of its chunk came from each source host, so the receiver
+a small all-to-all, how many rows of its block came from each source host, so the receiver
 reorders (mate, source host) blocks to (source host, mate) on the device, empty slots last; the
-experts' (row, expert) pairs are cut at the budget's `expert_rows`. Rows past a chunk are cut
+experts' (row, expert) pairs are cut at the budget's `expert_rows`. Rows past a block are cut
 and recorded (`ByHostBudget.demand`), and the step reruns at a level that holds them, so a step
 that counts is the dropless one: the experts see the rows of --moe-dispatch-hierarchy node in
 the same order and the combine sums them in the same order, bit for bit.
 
 Shape legend as `model.dispatch`; G hosts, P ranks per host, M1 rows received between hosts;
-C1, C2 the two stages' chunk rows.
+C1, C2 the two stages' block rows.
 """
 
 from __future__ import annotations
@@ -119,11 +119,11 @@ class OncePerRankBudgetDispatcher(_OncePerRank, BudgetDispatcher):
     def _rows_to_send(self, counts_E, row_id_map):
         return rows_per_rank(row_id_map), None
 
-    def _chunk_probs(self, send_probs_X, send_index):
+    def _block_probs(self, send_probs_X, send_index):
         """An empty slot chooses no expert."""
         return torch.where((send_index >= 0).unsqueeze(1), send_probs_X, -1.0)
 
-    def _received(self, recv_probs_M, recv_RL, chunk: int):
+    def _received(self, recv_probs_M, recv_RL, block: int):
         expert_rows = self.budget.expert_rows
         recv_probs_M = cut_expert_pairs(self.budget, recv_probs_M, expert_rows, self.topk)
         return recv_probs_M, (recv_probs_M >= 0).sum(dim=0, keepdim=True), expert_rows
@@ -356,7 +356,7 @@ class ByHostDispatcher(_ByHost):
 
 @dataclass
 class ByHostBudgetMeta(DispatchMeta):
-    """`DispatchMeta` (`send_index` / `return_index`: stage 1's chunk slots), and stage 2's."""
+    """`DispatchMeta` (`send_index` / `return_index`: stage 1's block slots), and stage 2's."""
 
     within_send_index: Optional[torch.Tensor] = None  # [P*C2]: slot -> forwarded row or -1
     within_return_index: Optional[torch.Tensor] = None  # [N2]: forwarded row -> slot or -1
@@ -366,7 +366,7 @@ class ByHostBudgetMeta(DispatchMeta):
 
 class ByHostBudgetDispatcher(_ByHost):
     """--moe-dispatch-hierarchy node with --moe-dispatch-budget (module docstring): both
-    stages in fixed chunks of `ByHostBudget`, no host read; the rows reach the experts in
+    stages in fixed blocks of `ByHostBudget`, no host read; the rows reach the experts in
     once per rank's order already (`dispatch`)."""
 
     def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
@@ -380,11 +380,11 @@ class ByHostBudgetDispatcher(_ByHost):
     def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
                  exchange: Optional[SplitExchange] = None, row_id_map=None):
         budget, route, hosts = self.budget, self.route, self.route.hosts
-        chunk = budget.chunk_rows
+        block = budget.block_rows
         send_G = (row_id_map[:, :hosts] >= 0).sum(dim=0)
         budget.note(send_G)
-        send_index, return_index = budget_indices(send_G, chunk, permuted_NH.shape[0])
-        recv_M1H, recv_probs_M1K = _send_chunks(self.ops, route.between, permuted_NH,
+        send_index, return_index = budget_indices(send_G, block, permuted_NH.shape[0])
+        recv_M1H, recv_probs_M1K = _send_blocks(self.ops, route.between, permuted_NH,
                                                 permuted_probs_N, send_index, return_index)
         rows_NH, probs_NL, within_map = once_per_peer(
             self.ops, recv_M1H, recv_probs_M1K, recv_probs_M1K >= 0, route.per_host,
@@ -393,9 +393,9 @@ class ByHostBudgetDispatcher(_ByHost):
         budget.note_within(send_P)
         within_send, within_return = budget_indices(send_P, budget.within_rows,
                                                     rows_NH.shape[0])
-        recv_MH, recv_probs_ML = _send_chunks(self.ops, route.within, rows_NH, probs_NL,
+        recv_MH, recv_probs_ML = _send_blocks(self.ops, route.within, rows_NH, probs_NL,
                                               within_send, within_return)
-        blocks = self._received_blocks(within_map, chunk, budget.within_rows)
+        blocks = self._received_blocks(within_map, block, budget.within_rows)
         recv_MH, recv_probs_ML = (
             self.ops.sort_chunks_by_idxs(t, blocks.reshape(-1), self._blocks_to_source_major)[0]
             for t in (recv_MH, recv_probs_ML))
@@ -404,18 +404,18 @@ class ByHostBudgetDispatcher(_ByHost):
         meta = ByHostBudgetMeta(
             input_splits=None, output_splits=None,
             recv_counts_RL=(recv_probs_ML >= 0).sum(dim=0, keepdim=True),
-            tokens_per_local_expert=None, chunk_rows=chunk, send_index=send_index,
+            tokens_per_local_expert=None, block_rows=block, send_index=send_index,
             return_index=return_index, expert_rows=expert_rows,
             within_send_index=within_send, within_return_index=within_return,
             within_row_id_map=within_map, blocks=blocks)
         return recv_MH, recv_probs_ML, meta
 
-    def _received_blocks(self, within_map, chunk: int, within_rows: int) -> torch.Tensor:
-        """[P, G + 1]: the rows each host mate's chunk for this rank holds from each source
-        host, then its empty slots. Counted where they are sent (this rank's own chunks for its
-        mates, per source host, cut at the chunk) and exchanged in a small all-to-all."""
+    def _received_blocks(self, within_map, block: int, within_rows: int) -> torch.Tensor:
+        """[P, G + 1]: the rows each host mate's block for this rank holds from each source
+        host, then its empty slots. Counted where they are sent (this rank's own blocks for its
+        mates, per source host, cut at the block) and exchanged in a small all-to-all."""
         hosts, per_host = self.route.hosts, self.route.per_host
-        sent_PG = (within_map >= 0).view(hosts, chunk, per_host).sum(dim=1).t()
+        sent_PG = (within_map >= 0).view(hosts, block, per_host).sum(dim=1).t()
         kept_PG = kept_counts(sent_PG, within_rows)
         got_PG = all_to_all(self.route.within, kept_PG.contiguous(), None, None)
         return torch.cat([got_PG, within_rows - got_PG.sum(dim=1, keepdim=True)], dim=1)
@@ -424,7 +424,7 @@ class ByHostBudgetDispatcher(_ByHost):
         return meta.expert_rows
 
     def combine(self, expert_out_MH, meta: ByHostBudgetMeta, row_id_map_TE):
-        """Back to the mates' chunks, inside the host back (each forwarded row to its slot),
+        """Back to the mates' blocks, inside the host back (each forwarded row to its slot),
         each stage-1 row sums its ranks'; between hosts back, each token sums its hosts'."""
         route = self.route
         sizes = meta.blocks.reshape(-1).index_select(0, self._blocks_to_source_major)
@@ -438,13 +438,13 @@ class ByHostBudgetDispatcher(_ByHost):
         return self.ops.unpermute(back_NH, row_id_map_TE[:, :route.hosts].contiguous())
 
 
-def _send_chunks(ops: MoEOps, comm: ExpertComm, rows_NH, probs_NK, send_index, return_index):
-    """One stage in fixed chunks: the rows to their slots (empty: zero rows, probs -1), then
+def _send_blocks(ops: MoEOps, comm: ExpertComm, rows_NH, probs_NK, send_index, return_index):
+    """One stage in fixed blocks: the rows to their slots (empty: zero rows, probs -1), then
     equal-split all-to-alls of rows and probs. -> (rows, probs) received."""
-    chunk_XH = move_rows(rows_NH, send_index, return_index, ops.gather_rows)
+    block_XH = move_rows(rows_NH, send_index, return_index, ops.gather_rows)
     probs_XK = torch.where((send_index >= 0).unsqueeze(1),
                            move_rows(probs_NK, send_index, return_index, ops.gather_rows), -1.0)
-    return all_to_all(comm, chunk_XH, None, None), all_to_all(comm, probs_XK, None, None)
+    return all_to_all(comm, block_XH, None, None), all_to_all(comm, probs_XK, None, None)
 
 
 def _send_rows(comm: ExpertComm, rows_NH, probs_NK, recv: list[int], send: list[int]):

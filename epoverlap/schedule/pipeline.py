@@ -3,9 +3,10 @@ check, and the per-rank grid.
 
 Owns `pipeline_steps` (which forward and backward each stage runs, in order), `pipeline_plans`
 (every stage's steps as node actions, through `plan.expand_steps`, transfers put in order by
-`order_transfers`), `simulate_pipeline` / `validate_pipeline` (every stage's plan run together:
-each P2P transfer must meet its peer), `format_steps` and `format_pipeline` (one column per
-stage, one row per tick of the lock-step run).
+`order_transfers`) and `named_plans` (the same for a plan's name, `plan.PLANS`),
+`simulate_pipeline` / `validate_pipeline` (every stage's plan run together: each P2P transfer
+must meet its peer), `format_steps` and `format_pipeline` (one column per stage, one row per
+tick of the lock-step run).
 
 The steps follow Megatron-core. With P stages, V model chunks per stage and M microbatches,
 stage p runs the forward table
@@ -52,7 +53,7 @@ from typing import Optional, Sequence
 from epoverlap.model.nodes import COMM, SEND
 from epoverlap.schedule.plan import (Action, Chunk, PlanError, Step, action_lane,
                                      combined_1f1b_paired_ends_plan, expand_steps, node_kinds,
-                                     validate_plan)
+                                     plan_form, validate_plan)
 
 
 # --------------------------------------------------------------------------- steps
@@ -111,6 +112,15 @@ def pipeline_plans(stage_chunks: Sequence[Sequence[Chunk]], num_microbatches: in
                           chunks, combined, delay_wgrad, early_release)
              for stage, chunks in enumerate(stage_chunks)]
     return order_transfers(plans, stage_chunks)
+
+
+def named_plans(name: str, stage_chunks: Sequence[Sequence[Chunk]], num_microbatches: int,
+                delay_wgrad: bool = False) -> list[list[Action]]:
+    """Every stage's plan of the plan named `name` (`plan.PLANS`, the registry the one-stage
+    `plan.build_plan` reads too; for one stage of one chunk both give the same plan)."""
+    form = plan_form(name)
+    return pipeline_plans(stage_chunks, num_microbatches, form.combined, delay_wgrad,
+                          form.early_release, form.paired_ends)
 
 
 # --------------------------------------------------------------------------- transfers

@@ -6,7 +6,8 @@ Owns `Action` (forward / backward / weight-grad x node x microbatch x layer, pri
 back), `Chunk` (what one microbatch runs in one model chunk of a stage), `Step` (a forward and/or
 a backward of a chunk) and `expand_steps`, which turns steps into node actions; the one-stage
 builders (`sequential_plan`, `combined_1f1b_plan` and its early-attention-memory-release
-variant); `validate_plan`, which rejects a stage's plan that breaks a dependency and prints the
+variant, the paired ends); `PLANS`, the one registry from a plan's name to its form, and
+`build_plan`, a named plan of one stage; `validate_plan`, which rejects a stage's plan that breaks a dependency and prints the
 two-lane grid with the bad step marked; and `format_plan`, the two-lane grid itself. Pipeline
 schedules (1F1B, interleaved) make their steps in `schedule.pipeline` and expand them here.
 
@@ -339,20 +340,42 @@ def combined_1f1b_paired_ends_plan(layout, num_microbatches: int,
                         delay_wgrad)
 
 
-PLAN_BUILDERS = {
-    "sequential": lambda layout, m, d: sequential_plan(layout, m, d),
-    "combined_1f1b": lambda layout, m, d: combined_1f1b_plan(layout, m, d),
-    "combined_1f1b_early_release": lambda layout, m, d: combined_1f1b_plan(
-        layout, m, d, early_release=True),
-    "combined_1f1b_paired_ends": combined_1f1b_paired_ends_plan,
+@dataclass(frozen=True)
+class PlanForm:
+    """What a plan's name means to the builders: the combined 1F1B order or the sequential one,
+    and the combined order's variants."""
+
+    combined: bool
+    early_release: bool = False  # each paired step runs B.attn before F.mlp (memory)
+    paired_ends: bool = False  # F0 beside F1, B(M-2) beside B(M-1) (one stage of one chunk)
+
+
+# the one registry from a plan's name to its plan: the one-stage builder below and every
+# stage's plans (`pipeline.named_plans`) read it, for training and the simulator alike
+PLANS = {
+    "sequential": PlanForm(combined=False),
+    "combined_1f1b": PlanForm(combined=True),
+    "combined_1f1b_early_release": PlanForm(combined=True, early_release=True),
+    "combined_1f1b_paired_ends": PlanForm(combined=True, paired_ends=True),
 }
+
+
+def plan_form(name: str) -> PlanForm:
+    if name not in PLANS:
+        raise ValueError(f"plan {name!r}: allowed {', '.join(PLANS)}")
+    return PLANS[name]
 
 
 def build_plan(name: str, layout, num_microbatches: int,
                delay_wgrad: bool = False) -> list[Action]:
-    if name not in PLAN_BUILDERS:
-        raise ValueError(f"plan {name!r}: allowed {', '.join(PLAN_BUILDERS)}")
-    return PLAN_BUILDERS[name](layout, num_microbatches, delay_wgrad)
+    """The plan `name` (`PLANS`) of one stage of one chunk; a pipeline's: `pipeline.named_plans`
+    (the same plans for one stage)."""
+    form = plan_form(name)
+    if form.paired_ends:
+        return combined_1f1b_paired_ends_plan(layout, num_microbatches, delay_wgrad)
+    if form.combined:
+        return combined_1f1b_plan(layout, num_microbatches, delay_wgrad, form.early_release)
+    return sequential_plan(layout, num_microbatches, delay_wgrad)
 
 
 # --------------------------------------------------------------------------- printing

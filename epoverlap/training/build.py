@@ -47,7 +47,7 @@ from epoverlap.parallel.transport import ranks_per_host
 from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.recorder import SpanRecorder
 from epoverlap.schedule.executor import CommHold, Executor, make_lanes
-from epoverlap.schedule.pipeline import pipeline_plans, validate_pipeline
+from epoverlap.schedule.pipeline import named_plans, validate_pipeline
 from epoverlap.schedule.plan import stage_layout
 from epoverlap.schedule.wgrad import WeightGradQueue
 from epoverlap.training.checkpoint import Checkpointer
@@ -194,10 +194,7 @@ class RunParts:
         if g.pp_size > 1:
             layouts = [None] * g.pp_size
             g.pp.all_gather_object(layouts, mine)
-        plans = pipeline_plans(layouts, cfg.train.num_microbatches,
-                               combined=path.plan != SEQUENTIAL, delay_wgrad=path.delay_wgrad,
-                               early_release=path.plan == "combined_1f1b_early_release",
-                               paired_ends=path.plan == PAIRED_ENDS)
+        plans = named_plans(path.plan, layouts, cfg.train.num_microbatches, path.delay_wgrad)
         validate_pipeline(plans, layouts, cfg.train.num_microbatches, path.delay_wgrad)
         return layouts, plans
 

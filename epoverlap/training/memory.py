@@ -17,7 +17,7 @@ counted as the model makes them (model/transformer.py, model/moe.py):
   loss       V (b + 8) + 2H b                      (logits, fp32 copy, log-softmax)
 With a sync-free dispatch k counts the rows the dispatch moves per token instead
 (`DispatchMode.expert_rows`): experts x capacity / tokens with --moe-pad-expert-input-to-capacity
-(padding rows hold activations too), EP x chunk / tokens with --moe-dispatch-budget at the
+(padding rows hold activations too), EP x block / tokens with --moe-dispatch-budget at the
 first budget level that holds balanced routing (a step rerun at a larger budget needs more, up
 to EP x k). A capacity without padding keeps k: it can only drop rows.
 One microbatch in flight without the overlap; with it, one microbatch plus the largest layer of

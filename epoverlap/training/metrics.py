@@ -129,7 +129,7 @@ def format_duration(seconds: float) -> str:
 
 def _dispatch_note(r: StepResult) -> str:
     """' | dropped 12 (0.40%)' with a capacity; ' | reruns 1 (budget 2) | a2a rows 1.250x
-    exact' with a budget (the rows its fixed chunks sent other ranks over the dropless
+    exact' with a budget (the rows its fixed blocks sent other ranks over the dropless
     dispatch's)."""
     note = ""
     if r.dropped_tokens is not None:

@@ -16,7 +16,7 @@ rows on the wire) come from one reduction and one host read (`training.step_stat
 
 MoE dispatch modes (`epoverlap.model.dispatch`): with the budget dispatch, after each
 forward-backward the most rows any dispatch wanted to send to one rank is all-reduced (one host
-read per step, after the step) and, if it overflowed the budget's chunk, the step's
+read per step, after the step) and, if it overflowed the budget's block, the step's
 forward-backward is rerun from the same inputs, weights and router RNG state at the smallest
 budget level that holds it (`forward_backward`); the reruns and the budget the step's result
 came from go into its `StepResult`.

@@ -3,7 +3,7 @@
 Owns `reduce_step_stats` and `StepStats`: the mean loss and aux loss over microbatches and
 data-parallel ranks, the worst MoE layer's expert imbalance, the reason every rank stops after
 this step (`training.stop`: each rank's flags ride in the reduction), and the dispatch's tallies
-(with a capacity, the routed pairs dropped; with the budget dispatch, the rows its fixed chunks
+(with a capacity, the routed pairs dropped; with the budget dispatch, the rows its fixed blocks
 sent other ranks and the rows the dropless dispatch would have sent them). The expert biases are
 updated from the reduced token counts here, since they need the same sums.
 
@@ -34,7 +34,7 @@ class StepStats:
     stop_reason: Optional[str]
     dropped_tokens: int  # routed (token, expert) pairs over capacity, all ranks and MoE layers
     dropped_fraction: float  # of all routed pairs
-    dispatch_wire: Optional[float]  # None: no fixed chunk crossed to another rank
+    dispatch_wire: Optional[float]  # None: no fixed block crossed to another rank
 
 
 def reduce_step_stats(parts, losses: list) -> StepStats:

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from benchmarks.harness import bench_train_rounds, runs_median
+from benchmarks.harness import bench_train_rounds, data_archive, runs_median
 
 
 def _run(ms: list) -> dict:
@@ -52,6 +52,18 @@ def test_tune_figure_counts_the_steps_after_the_window_and_says_how_slow_they_ra
     assert value == pytest.approx((3 * 50 + 2 * 20) / (1000 * 100))
     assert note == "(window ends at step 4 of 6; the steps after it 1.200x the default's)"
     assert math.isnan(runs_median.after_window([1.0, 2.0], 2, 1.0))
+
+
+def test_tune_figure_reads_the_tuning_run_from_its_experiments_archive(tmp_path):
+    """As committed under benchmarks/data/: the logs packed into the experiment's raw.tar.xz,
+    train_rounds.json kept beside the report; the figure is the unpacked folder's."""
+    folder = _folder(tmp_path, "a", {"default": [100.0]},
+                     tune_ms=[5000.0, 150.0, 150.0, 150.0, 120.0, 120.0], window=4)
+    before = runs_median.run_figure(folder, "tune")
+    packed = data_archive.pack(tmp_path)
+    assert {p.name for p in packed} == {"tune_first.jsonl", "tune_first.log"}
+    assert not (folder / "tune_first.log").exists()
+    assert runs_median.run_figure(folder, "tune") == before
 
 
 def test_a_run_that_did_not_tune_has_no_tune_figure(tmp_path, capsys):

@@ -150,8 +150,9 @@ def test_the_table_runs_on_recordings_made_now(tmp_path):
                           "--tokens", "512", "--hidden", "64", "--cases", "8:2", "--device",
                           "cpu", "--time", "--iters", "2", "--warmup", "1", "--out",
                           str(tmp_path / check.TIMING))]
-    commands += [_torchrun("-m", "epoverlap.train", *train, *shlex.split(flags), "--profile-dir",
-                           str(tmp_path / f"profile_{name}")) for name, flags in runs.items()]
+    commands += [_torchrun("-m", "benchmarks.harness.train_bench", *train, *shlex.split(flags),
+                           "--profile-dir", str(tmp_path / f"profile_{name}"))
+                 for name, flags in runs.items()]
     for cmd in commands:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=job_env(),
                               cwd=REPO)

@@ -22,6 +22,8 @@ from epoverlap.errors import ConfigError
 from gpu_runs import identical_losses, needs_gpus, train_cli
 from job_control import REPO, job_env
 
+from benchmarks.harness import train_bench
+
 TINY = ["--preset", "tiny", "--device", "cpu"]
 NODE = ["--moe-dispatch-hierarchy", "node"]
 FLAT = ["--moe-dispatch-hierarchy", "flat", "--moe-dispatch-once-per-rank"]
@@ -65,7 +67,7 @@ def test_by_host_overlap_is_bitwise_sequential_and_near_flat_on_two_emulated_hos
     assert identical_losses(seq, ovl)
     _, flat = train_cli(tmp_path, "flat", 4, CPU_RUN + FLAT + [SEQUENTIAL_FLAG])
     assert [r["loss"] for r in seq] == pytest.approx([r["loss"] for r in flat], rel=1e-5)
-    # the sync-free form: fixed chunks per host and per host mate; 0.5 overflows and reruns
+    # the sync-free form: fixed blocks per host and per host mate; 0.5 overflows and reruns
     for budget in ("1.25", "0.5"):
         out, chunks = train_cli(tmp_path, f"node_budget_{budget}", 4, CPU_RUN + NODE + [
             "--moe-dispatch-budget", budget, "--overlap-moe-expert-parallel-comm",
@@ -76,8 +78,8 @@ def test_by_host_overlap_is_bitwise_sequential_and_near_flat_on_two_emulated_hos
 
 @pytest.mark.slow
 def test_local_copies_run_the_hierarchy_and_record_its_compute(tmp_path):
-    """--comm-mode local_copy with the hierarchy (the compute-only baseline the simulator
-    reads by-host compute from): 4 gloo ranks as 2 hosts of 2 run it, overlap + delayed
+    """The harness's --comm-mode local_copy with the hierarchy (the compute-only baseline the
+    simulator reads by-host compute from): 4 gloo ranks as 2 hosts of 2 run it, overlap + delayed
     wgrad, and the span files hold every node of the by-host layer on both lanes, its
     weight grads too."""
     from epoverlap.profiling.spans import read_span_directory
@@ -85,7 +87,8 @@ def test_local_copies_run_the_hierarchy_and_record_its_compute(tmp_path):
     out, records = train_cli(tmp_path, "node_local", 4, CPU_RUN + NODE + [
         "--train-iters", "2", "--num-microbatches", "2", "--comm-mode", "local_copy",
         "--overlap-moe-expert-parallel-comm",
-        "--delay-wgrad-compute", "--profile-steps", "2:2", "--profile-dir", str(spans)])
+        "--delay-wgrad-compute", "--profile-steps", "2:2", "--profile-dir", str(spans)],
+        module="benchmarks.harness.train_bench")
     assert "dispatch dropless, by host" in out and len(records) == 2
     ranks = read_span_directory(spans)
     assert len(ranks) == 4
@@ -117,7 +120,7 @@ def test_by_host_on_two_gpus_as_two_hosts_is_the_flat_bits(tmp_path):
 @pytest.mark.parametrize("gpus", [2, pytest.param(4, marks=pytest.mark.skipif(
     torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs"))])
 def test_by_host_budget_in_one_graph_per_iteration_is_the_dropless_bits(tmp_path, gpus):
-    """The sync-free hierarchical dispatch (fixed chunks per host and per host mate) inside
+    """The sync-free hierarchical dispatch (fixed blocks per host and per host mate) inside
     one CUDA graph of the whole iteration, with the overlap and delayed wgrad, against the
     dropless by-host dispatch run sequentially and eager: the same loss and grad norm bits.
     2 GPUs as 2 hosts of 1, 4 GPUs as 2 hosts of 2 (stage 2 over NVLink)."""
@@ -139,16 +142,16 @@ def test_by_host_budget_in_one_graph_per_iteration_is_the_dropless_bits(tmp_path
     ("1", ["--num-experts", "16", "--moe-router-topk", "2"], "flat"),  # 4 hosts: share 0.90
     ("2", ["--num-experts", "16", "--moe-router-topk", "2"], "node"),  # 2 hosts: share 0.77
     ("2", ["--moe-dispatch-budget", "2.0"], "node"),  # the budget by host: both stages
-    ("2", ["--comm-mode", "local_copy"], "node"),  # local copies serve both stages too
+    ("2", ["--comm-mode", "local_copy"], "node"),  # the harness's local copies: both stages
     ("2", ["--moe-dispatch-hierarchy", "flat"], "flat"),  # given: kept
 ])
 def test_the_auto_hierarchy_follows_the_hosts(local, flags, want, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
-    cfg = resolve_config(parse_config(TINY + flags), 4, cuda_available=False)
+    cfg = resolve_config(train_bench.parse_config(TINY + flags), 4, cuda_available=False)
     assert cfg.moe.moe_dispatch_hierarchy == want
     chosen = want == "node" and "--moe-dispatch-hierarchy" not in flags
     assert ("--moe-dispatch-hierarchy" in cfg.defaulted) == chosen  # the path line's "auto"
-    validate_config(parse_config(TINY + flags), 4, cuda_available=False)  # never an error
+    validate_config(train_bench.parse_config(TINY + flags), 4, cuda_available=False)  # no error
 
 
 @pytest.mark.slow

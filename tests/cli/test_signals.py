@@ -67,7 +67,7 @@ def _stopped_job(tmp_path, send, flags=QUICK, exit_within_s=3.0) -> tuple[Job, i
              if name == "out" and (m := STEP_LINE.match(line))}
     at_signal = max(n for n, t in steps.items() if t <= sent)
     # The stop step's line within 1 s of the signal (before: about 3 s). Measured outside
-    # pytest the stop came 1-2 steps after the signal (benchmarks/data/cpu_2026-11-29_stops);
+    # pytest the stop came 1-2 steps after the signal (benchmarks/data/signal_stops_cpu_2026-11-29);
     # here the lines reach the test through pipes read by threads on a 2-core host, so the
     # last step the test saw before the signal lags by up to 5 of these ~0.1 s steps: a step
     # count is not checked, the time is.

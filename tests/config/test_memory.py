@@ -17,6 +17,8 @@ from epoverlap.training import memory
 from epoverlap.training.memory import GIB, check_memory, estimate_memory
 from job_control import REPO, job_env
 
+from benchmarks.harness import train_bench
+
 MODES = {"seq": ["--no-overlap-moe-expert-parallel-comm"],
          "ovl": ["--overlap-moe-expert-parallel-comm"],
          "ovl_wgrad": ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"],
@@ -39,14 +41,15 @@ def test_estimate_bounds_every_peak_measured_on_h200s():
     rows = list(_measured_peaks())
     assert len(rows) >= 50
     for where, flags, world, peak_gib in rows:
-        estimate = estimate_memory(parse_config(flags), world).total / GIB
+        estimate = estimate_memory(train_bench.parse_config(flags), world).total / GIB
         assert peak_gib <= estimate <= HONEST * peak_gib, (where, peak_gib, estimate)
 
 
 def test_estimate_bounds_the_paired_ends_peaks_measured_on_h200s():
     """benchmarks/overlap.md run E: the paired-ends plan holds a microbatch more (peaks 23-24
     GiB where the combined 1F1B's were 16-17 at ratio_h2048_k4_f4096); counted, not missed."""
-    folder = REPO / "benchmarks" / "data" / "gpu_2026-11-23_x2e" / "call5_paired"
+    folder = (REPO / "benchmarks" / "data" / "comm_heavy_carveout_paired_ends_2gpu_2026-11-23"
+              / "call5_paired")
     rows = []
     for path in sorted(folder.glob("*.json")):
         report = json.loads(path.read_text())
@@ -56,7 +59,7 @@ def test_estimate_bounds_the_paired_ends_peaks_measured_on_h200s():
                              shape[mode]["peak_gib"]))
     assert sum("paired" in name for name, *_ in rows) >= 9
     for name, mode, flags, world, peak_gib in rows:
-        estimate = estimate_memory(parse_config(flags), world).total / GIB
+        estimate = estimate_memory(train_bench.parse_config(flags), world).total / GIB
         assert peak_gib <= estimate <= HONEST * peak_gib, (name, mode, peak_gib, estimate)
 
 

@@ -1,6 +1,6 @@
 """--moe-dispatch-budget-fit: when the fitted base budget changes (`BudgetFit`), the least
 factor that holds a demand (`needed_factor`, checked against `fits`, the rule the reruns use),
-the rows the fixed chunks send beside the dropless dispatch's (`note_wire`), and its flag's
+the rows the fixed blocks send beside the dropless dispatch's (`note_wire`), and its flag's
 rule. A training run that fits (2 gloo ranks, graphs emulated) is at the end (slow tier)."""
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_the_needed_factor_of_the_dispatch_by_host():
         assert not budget.fits(0, demand)
 
 
-def test_wire_rows_count_the_chunks_and_the_dropless_rows_to_other_ranks():
+def test_wire_rows_count_the_blocks_and_the_dropless_rows_to_other_ranks():
     budget = DispatchBudget(1.25, 3, 30, CPU, rank=1)
     budget.reset_wire()
     budget.note_wire(torch.tensor([4, 20, 6]), 12)  # 20 rows stay on this rank
@@ -179,4 +179,4 @@ def test_a_fitted_budget_recaptures_its_graph_and_keeps_the_bits():
                        for line in lines), lines  # step 1 had captured the base's bank
             last = next(line for line in lines if line.startswith("step    4/4 "))
             sent = float(last.split(" | a2a rows ")[1].split("x exact")[0])
-            assert 1.0 <= sent <= 2.0, last  # no rerun: the chunks hold every row sent
+            assert 1.0 <= sent <= 2.0, last  # no rerun: the blocks hold every row sent

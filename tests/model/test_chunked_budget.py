@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from epoverlap.model.budget import DispatchBudget
-from epoverlap.model.dispatch import chunk_indices
+from epoverlap.model.dispatch import block_indices
 
 from dispatch_workers import graphed_training, mode_runs
 from dist_helpers import run_ranks
@@ -23,7 +23,7 @@ def test_chunk_indices_put_each_run_in_its_chunk_and_cut_the_overflow():
     """Runs (rank r, chunk k) of send[r][k] rows; chunk k holds rows_K[k] slots per rank:
     each slot names its row (or -1), each row its slot in the buffers end to end (or -1)."""
     send_RK, rows_K = [[2, 0], [1, 3], [0, 2]], [2, 2]
-    send, ret = chunk_indices(torch.tensor(send_RK), rows_K, 9)
+    send, ret = block_indices(torch.tensor(send_RK), rows_K, 9)
     expected_send, expected_ret, row, base = [[], []], [-1] * 9, 0, [0, 3 * rows_K[0]]
     for r in range(3):
         for k in range(2):

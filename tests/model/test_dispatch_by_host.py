@@ -142,7 +142,7 @@ def test_by_host_budget_is_the_dropless_by_host_dispatch_bit_for_bit(ranks, host
 
 @pytest.mark.parametrize("ranks,hosts", [pytest.param(4, 2, marks=pytest.mark.slow), (2, 2)])
 def test_by_host_budget_cuts_records_and_its_rerun_is_dropless(ranks, hosts):
-    """At budget 0.5 every stage's chunk is below balanced routing: rows are cut, the demand
+    """At budget 0.5 every stage's block is below balanced routing: rows are cut, the demand
     (rows to one host, to one mate, pairs on one rank's experts) exceeds the chunks, and the
     reruns, each at a level that holds what the last one counted (rows cut in stage 1 are not
     counted in stage 2, so that may take two), end with the dropless bits."""
@@ -166,11 +166,11 @@ def test_by_host_budget_sizes_each_stage_from_balanced_routing():
     assert isinstance(budget, ByHostBudget) and budget.levels == (1.25, 2.5, 4.0)
     reach_host = 1 - math.comb(32, 2) / math.comb(64, 2)
     reach_rank = 1 - math.comb(48, 2) / math.comb(64, 2)
-    assert budget.chunk_rows == math.ceil(1.25 * 1000 * reach_host) == 943
+    assert budget.block_rows == math.ceil(1.25 * 1000 * reach_host) == 943
     assert budget.within_rows == math.ceil(1.25 * 2 * 1000 * reach_rank) == 1102
     assert budget.expert_rows == math.ceil(1.25 * 1000 * 2) == 2500
     top = len(budget.levels) - 1
-    assert budget.chunk_rows_at(top) == 1000 and budget.within_rows_at(top) == 2000
+    assert budget.block_rows_at(top) == 1000 and budget.within_rows_at(top) == 2000
     assert budget.expert_rows_at(top) == 2 * 2000 * 2  # every received row, every expert
     assert budget.rerun_level([943, 1102, 2500]) is None
     assert budget.rerun_level([944, 0, 0]) == 1

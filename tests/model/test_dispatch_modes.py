@@ -185,7 +185,7 @@ def test_graph_banks_serve_the_overflow_reruns(tmp_path):
             assert summary.endswith(f" | reruns {total} (in {len(steps)} steps)"), summary
             finals = {LEVELS.index(budget) for _, _, budget in steps}  # the levels that held
             assert banks[0] == 0 and finals <= set(banks), (rank, graphed, banks)
-            if graphed.startswith("once"):  # a rerun whose chunks hold every row can still
+            if graphed.startswith("once"):  # a rerun whose blocks hold every row can still
                 # overflow the experts' budget (its first try saw only the rows sent): again
                 assert len(banks) <= 1 + total, (rank, graphed, banks)
             else:

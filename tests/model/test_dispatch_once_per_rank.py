@@ -33,7 +33,7 @@ def _local_dispatcher(ranks: int, experts: int, topk: int) -> TokenDispatcher:
 
 
 def test_the_budget_sizes_the_experts_rows_by_the_pairs_not_the_received_rows():
-    """100 tokens a rank, top-4 of 8 experts on 2 ranks (L = 4), budget 1.25: a chunk holds 125
+    """100 tokens a rank, top-4 of 8 experts on 2 ranks (L = 4), budget 1.25: a block holds 125
     of a rank's 200 possible rows, and the local experts get ceil(1.25 x 100 x 4) = 500 rows,
     not every received row times min(4, L) = 1,000. At the top level (2.0) the chunk holds
     every row and the experts every pair of both ranks (800). A level holds a step when it
@@ -41,8 +41,8 @@ def test_the_budget_sizes_the_experts_rows_by_the_pairs_not_the_received_rows():
     budget = DispatchBudget(1.25, 2, 200, torch.device("cpu"), pairs_per_dispatch=400,
                             pairs_per_row=4)
     assert budget.levels == (1.25, 2.0)
-    assert (budget.chunk_rows_at(0), budget.expert_rows_at(0)) == (125, 500)
-    assert (budget.chunk_rows_at(1), budget.expert_rows_at(1)) == (200, 800)
+    assert (budget.block_rows_at(0), budget.expert_rows_at(0)) == (125, 500)
+    assert (budget.block_rows_at(1), budget.expert_rows_at(1)) == (200, 800)
     assert budget.rerun_level([125, 500]) is None
     assert budget.rerun_level([125, 501]) == 1 and budget.rerun_level([126, 0]) == 1
     per_expert = DispatchBudget(1.25, 2, 400, torch.device("cpu"))
@@ -101,7 +101,7 @@ def test_simulator_counts_the_rows_the_preprocess_makes(experts, topk, ranks):
 
 CASES = {"dropless": [], "capacity": ["--moe-expert-capacity-factor", "1.0"],
          "top4": ["--moe-router-topk", "4"],
-         "budget": ["--moe-dispatch-budget", "4.0"]}  # chunks that hold any routing (<= 4 ranks)
+         "budget": ["--moe-dispatch-budget", "4.0"]}  # blocks that hold any routing (<= 4 ranks)
 
 
 def _reference(x_TH, probs_TE, routing_map_TE, grad_TH):
@@ -152,7 +152,7 @@ def test_once_per_rank_matches_the_dispatch_per_expert(ranks, backend):
             assert rows[routed:].abs().sum() == 0 and plain[2][routed:].abs().sum() == 0
             assert torch.equal(grad_w, plain[7]), where  # the experts' grads: same bits
             close_to_both(once, plain)
-            if case == "budget":  # equal chunks: the splits are not the rows
+            if case == "budget":  # equal blocks: the splits are not the rows
                 continue
             for all_to_alls, once_per_rank in ((splits, True), (plain[9], False)):
                 dispatch = [n for r, n in enumerate(all_to_alls[0]) if r != rank]

@@ -104,7 +104,7 @@ def test_split_sizes_sum_rows_for_ranks_and_columns_for_local_experts():
 
 
 def test_trace_records_equal_chunks_as_row_counts():
-    """An all-to-all with splits None (the budget's fixed chunks) is traced with its row counts,
+    """An all-to-all with splits None (the budget's fixed blocks) is traced with its row counts,
     so bench_overlap can replay it alone (it once recorded None and the replay failed)."""
     from epoverlap.parallel.comm import ExpertComm
     comm = ExpertComm(None, 2, mode="local_copy")

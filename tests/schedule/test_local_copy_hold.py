@@ -13,11 +13,12 @@ import threading
 import pytest
 import torch
 
-from epoverlap.cli.train import main as train_main
 from epoverlap.model.nodes import COMM, COMPUTE, NodeSpec
 from epoverlap.profiling.recorder import SpanRecorder
 from epoverlap.profiling.spans import read_span_directory
 from epoverlap.schedule import executor as executor_module
+
+from benchmarks.harness.train_bench import main as train_bench_main
 from epoverlap.schedule.executor import CommHold, Executor, SerialLanes, ThreadLanes
 from epoverlap.schedule.plan import build_plan
 from epoverlap.schedule.wgrad import WeightGradQueue
@@ -102,7 +103,7 @@ def test_the_hold_sleeps_on_cpu_and_counts_cycles_on_gpu(monkeypatch):
 
 def _run(tmp_path, *extra) -> list:
     spans = tmp_path / "spans"
-    assert train_main(["--preset", "tiny", "--mock-data", "--train-iters", "2",
+    assert train_bench_main(["--preset", "tiny", "--mock-data", "--train-iters", "2",
                        "--comm-mode", "local_copy", "--profile-steps", "2:2",
                        "--profile-dir", str(spans), *extra]) == 0
     return read_span_directory(spans)

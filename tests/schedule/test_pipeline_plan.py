@@ -8,11 +8,12 @@ import pytest
 
 from epoverlap.model.nodes import COMM, COMPUTE, RECV, SEND, NodeKind
 from epoverlap.model.stages import describe_layers, stage_chunks, stage_layers
+from epoverlap.config.sections import OVERLAP_PLANS
 from epoverlap.schedule.pipeline import (PipelineError, format_pipeline, format_steps,
-                                         microbatch_groups, pipeline_plans, pipeline_steps,
-                                         simulate_pipeline, validate_pipeline)
-from epoverlap.schedule.plan import (EMBED, LOSS, Chunk, combined_1f1b_plan, expand_steps,
-                                     plan_to_string, sequential_plan, stage_layout)
+                                         microbatch_groups, named_plans, pipeline_plans,
+                                         pipeline_steps, simulate_pipeline, validate_pipeline)
+from epoverlap.schedule.plan import (EMBED, LOSS, PLANS, Chunk, build_plan, combined_1f1b_plan,
+                                     expand_steps, plan_to_string, sequential_plan, stage_layout)
 
 # Written here by hand, independently of the model's NodeSpecs (test_model_cpu checks those).
 MOE = (NodeKind("attn", COMPUTE, True), NodeKind("dispatch", COMM), NodeKind("mlp", COMPUTE, True),
@@ -57,6 +58,25 @@ def test_one_stage_pipeline_is_the_sequential_and_the_combined_plan(layout, dela
         assert combined == combined_1f1b_plan(layout, microbatches, delay)
         early = pipeline_plans([chunks], microbatches, True, delay, early_release=True)[0]
         assert early == combined_1f1b_plan(layout, microbatches, delay, early_release=True)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_a_plan_name_gives_one_stage_the_same_plan_on_both_roads(name):
+    """Training builds every stage's plans by name (`named_plans`), the simulator and the tests
+    one stage's (`build_plan`): one registry, `PLANS`, and the same actions."""
+    for layout in ([MOE], [DENSE, MOE]):
+        for microbatches in (1, 2, 4):
+            for delay in (False, True):
+                assert (named_plans(name, [[Chunk(0, layout)]], microbatches, delay)[0]
+                        == build_plan(name, layout, microbatches, delay)), (layout, delay)
+
+
+def test_the_registry_names_every_plan_the_flags_name_and_only_those():
+    assert set(PLANS) == {"sequential", *OVERLAP_PLANS}
+    for build in (lambda: named_plans("zigzag", [[Chunk(0, MOE)]], 2),
+                  lambda: build_plan("zigzag", [MOE], 2)):
+        with pytest.raises(ValueError, match="plan 'zigzag': allowed sequential, combined_1f1b"):
+            build()
 
 
 def test_golden_1f1b_steps():

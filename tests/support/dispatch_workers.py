@@ -317,7 +317,7 @@ def by_host_budget_equivalence(rank, world_size, hosts, flag_sets, budget_factor
     """For each flag set: the layer of `_scaled_expert_layer` by host, dropless and with the
     budget `budget_factor` (`ByHostBudget`); the budget's layer reruns as the trainer does (its
     demand max over ranks, `rerun_level`) until it fits. -> per flag set: (dropless results,
-    budget results, the budget levels run, the three chunk sizes at the first level, the
+    budget results, the budget levels run, the three block sizes at the first level, the
     demand of the first run)."""
     groups = init_distributed(world_size, "cpu", timeout_minutes=3, ep_per_host=world_size // hosts)
     try:
@@ -335,7 +335,7 @@ def by_host_budget_equivalence(rank, world_size, hosts, flag_sets, budget_factor
                                                  EXPERTS, True, groups.device, hosts=hosts)
             dispatcher = make_dispatcher(_by_host_comm(groups, hosts, world_size), EXPERTS,
                                          topk, ops, groups.device, mode, budget)
-            sizes = (budget.chunk_rows, budget.within_rows, budget.expert_rows)
+            sizes = (budget.block_rows, budget.within_rows, budget.expert_rows)
             levels, first_demand = [], None
             while True:
                 budget.reset_demand()

@@ -24,11 +24,12 @@ def gpu_env() -> dict:
     return env
 
 
-def train_cli(tmp_path, name, nproc, flags, timeout=900):
-    """One CLI training run (torchrun, like users run it); returns (stdout+stderr, records)."""
+def train_cli(tmp_path, name, nproc, flags, timeout=900, module="epoverlap.train"):
+    """One CLI training run (torchrun, like users run it); returns (stdout+stderr, records).
+    `module`: benchmarks.harness.train_bench for the benchmark-only flags."""
     log = tmp_path / f"{name}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "epoverlap.train", *flags, "--log-json", str(log)]
+           f"--nproc-per-node={nproc}", "-m", module, *flags, "--log-json", str(log)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=gpu_env(),
                             cwd=REPO)
     out = result.stdout + result.stderr

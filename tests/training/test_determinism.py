@@ -74,7 +74,7 @@ def _losses(tmp_path: Path, name: str, flags: list[str]) -> list[tuple[str, str]
 @pytest.mark.parametrize("name, flags", [
     # the overlap and delayed wgrad: two microbatches' tensors live, the wgrad queue's buffers
     ("overlap_wgrad", ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]),
-    # fixed-size dispatch chunks with padding rows, and reruns (a quarter of the balanced
+    # fixed-size dispatch blocks with padding rows, and reruns (a quarter of the balanced
     # share overflows every step)
     ("budget_reruns", ["--overlap-moe-expert-parallel-comm", "--moe-dispatch-budget",
                        "0.25"]),

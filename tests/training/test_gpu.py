@@ -181,7 +181,7 @@ def test_graphed_sequential_run_on_one_gpu_equals_eager_bitwise(tmp_path):
 @pytest.mark.parametrize("extra", [
     EAGER,
     GRAPHS,
-    # fixed chunks whose padding rows the grouped GEMMs leave unwritten, a rerun every step
+    # fixed blocks whose padding rows the grouped GEMMs leave unwritten, a rerun every step
     # (half the rows), and one graph over the whole step
     ["--moe-dispatch-budget", "0.5", "--cuda-graph-impl", "full_iteration"],
 ], ids=["eager", "partial_graphs", "budget_full_iteration"])
