@@ -241,7 +241,7 @@ class TrainConfig:
     adam_eps: float = flag(1e-8, "AdamW epsilon")
     clip_grad: float = flag(1.0, "global grad-norm clip (0: off)")
     seed: int = flag(1234, "random seed")
-    bf16: Optional[bool] = flag(None, "bf16 params and compute (GPU)",
+    bf16: Optional[bool] = flag(None, "bf16 params and compute (also on CPU)",
                                 default_text="auto: on CUDA devices, off on CPU")
     deterministic_mode: bool = flag(False, "deterministic algorithms")
     deterministic_fill_uninitialized_memory: bool = flag(

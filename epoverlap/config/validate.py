@@ -262,8 +262,6 @@ def _validate_train(t: TrainConfig, dp_size: int, cuda_available: bool) -> None:
     require(0 <= t.seed < 2**63, "seed", t.seed, "must be in [0, 2**63)")
     require(t.device != "cuda" or cuda_available, "device", t.device,
              "no CUDA device is visible here; use --device cpu or auto")
-    on_gpu = t.device == "cuda" or (t.device == "auto" and cuda_available)
-    require(not t.bf16 or on_gpu, "bf16", True, "needs a CUDA device (CPU runs are fp32)")
     require(t.deterministic_mode or not t.deterministic_fill_uninitialized_memory,
              "deterministic_fill_uninitialized_memory", True, "needs --deterministic-mode")
 

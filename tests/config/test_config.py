@@ -128,7 +128,6 @@ def test_preset_then_explicit_flag_wins():
     (["--kernel-backend", "cuda"], 2, "--kernel-backend", "triton"),
     (["--device", "tpu"], 2, "--device", "cpu"),
     (["--device", "cuda"], 2, "--device", "no CUDA device"),
-    (["--bf16"], 2, "--bf16", "CUDA device"),
     (["--micro-batch-size", "0"], 2, "--micro-batch-size", ">= 1"),
     (["--seq-length", "1"], 2, "--seq-length", ">= 2"),
     (["--lr", "0"], 2, "--lr", "> 0"),
