@@ -182,7 +182,8 @@ class TransformerLayer(nn.Module):
         ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
         self.router = Router(moe, m.hidden_size, layer, ops, seed=seed, std=std, dtype=dtype,
                              device=device, aux_loss_scale=1.0 / cfg.train.num_microbatches,
-                             mode=dispatcher.mode, data_rank=data_rank)
+                             mode=dispatcher.mode, data_rank=data_rank,
+                             seq_length=m.seq_length)
         self.experts = GroupedSwiGLUExperts(
             moe, m.hidden_size, ffn, layer, ep_rank, comm.size, **mlp_kwargs,
             sm_carveout=cfg.parallel.moe_grouped_gemm_sm_carveout)

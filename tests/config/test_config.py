@@ -146,7 +146,7 @@ def test_preset_then_explicit_flag_wins():
       "9"], 2, "--split", "proportions"),
     (["--data-path", "a", "--split", "0,1,0", "--tokenizer-type", "NullTokenizer",
       "--vocab-size", "9"], 2, "--split", "train one > 0"),
-    (["--mock-data", "--tokenizer-type", "GPT2BPETokenizer"], 2, "--tokenizer-type",
+    (["--mock-data", "--tokenizer-type", "BertWordPieceCase"], 2, "--tokenizer-type",
      "NullTokenizer"),
     (["--tokenizer-type", "NullTokenizer", "--vocab-size", "9"], 2, "--tokenizer-type",
      "raw bytes"),
