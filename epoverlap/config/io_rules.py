@@ -141,8 +141,6 @@ def _validate_eval(cfg: RunConfig) -> None:
     if cfg.data.split is not None or cfg.data.data_path:
         require(cfg.data.split_fractions[1] > 0, "eval_interval", e.eval_interval,
                 f"--split {cfg.data.split or DEFAULT_SPLIT} leaves no valid part to evaluate")
-    require(cfg.parallel.pipeline_model_parallel_size == 1, "eval_interval", e.eval_interval,
-            "is not built with --pipeline-model-parallel-size > 1 yet")
 
 
 def _validate_wandb(log: LogConfig) -> None:
