@@ -6,8 +6,9 @@ them:
   text is space-separated ids; vocabulary V + 1, the end-of-document id is V (Megatron-core's
   convention).
 - `HuggingFaceTokenizer` (`--tokenizer-model PATH`, a tokenizer.json or a folder holding one):
-  through the `tokenizers` package (the optional extra `hf`); end of document is the first of
-  the usual end-of-text tokens the vocabulary has.
+  the vocabulary (the model's and the added tokens) is read from the JSON with no package;
+  encoding text goes through the `tokenizers` package (the optional extra `hf`); end of
+  document is the first of the usual end-of-text tokens the vocabulary has.
 - `GPT2BPETokenizer` (`--vocab-file vocab.json --merge-file merges.txt`): GPT-2's byte-level
   BPE, read and applied in pure Python; vocabulary len(vocab.json), end of document
   `<|endoftext|>`. Words are split by GPT-2's pattern with `re` (its letters and digits are
@@ -74,27 +75,41 @@ class HuggingFaceTokenizer:
     name = "HuggingFaceTokenizer"
 
     def __init__(self, model: str):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise TokenizerError("HuggingFaceTokenizer needs the 'tokenizers' package "
-                                 "(pip install 'epoverlap[hf]')") from None
         path = Path(model)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
-            raise TokenizerError(f"{file}: no such tokenizer file (give a tokenizer.json or a "
-                                 "folder holding one)")
-        try:
-            self._tokenizer = Tokenizer.from_file(str(file))
-        except Exception as error:  # the library raises its own exception types
-            raise TokenizerError(f"{file}: not a Hugging Face tokenizer file "
-                                 f"({str(error).splitlines()[0]})") from None
-        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eod = next((self._tokenizer.token_to_id(token) for token in END_OF_TEXT_TOKENS
-                         if self._tokenizer.token_to_id(token) is not None), None)
+        self.file = path / "tokenizer.json" if path.is_dir() else path
+        if not self.file.is_file():
+            raise TokenizerError(f"{self.file}: no such tokenizer file (give a tokenizer.json or "
+                                 "a folder holding one)")
+        ids = _hf_vocabulary(self.file)
+        self.vocab_size = len(set(ids.values()))
+        self.eod = next((ids[token] for token in END_OF_TEXT_TOKENS if token in ids), None)
+        self._tokenizer = None
 
     def encode(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            try:
+                from tokenizers import Tokenizer
+            except ImportError:
+                raise TokenizerError("HuggingFaceTokenizer encodes text through the 'tokenizers' "
+                                     "package (pip install 'epoverlap[hf]')") from None
+            self._tokenizer = Tokenizer.from_file(str(self.file))
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _hf_vocabulary(file: Path) -> dict[str, int]:
+    """token -> id of a tokenizer.json: its model's vocabulary (an object for BPE, WordPiece
+    and WordLevel, a list of [piece, score] for Unigram) and its added tokens, as the
+    `tokenizers` package counts them (`get_vocab_size(with_added_tokens=True)`)."""
+    try:
+        spec = json.loads(file.read_text(encoding="utf-8"))
+        vocab = spec["model"]["vocab"]
+        ids = (dict(vocab) if isinstance(vocab, dict)
+               else {entry[0]: i for i, entry in enumerate(vocab)})
+        ids.update({added["content"]: added["id"] for added in spec.get("added_tokens") or []})
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+        raise TokenizerError(f"{file}: not a Hugging Face tokenizer file ({type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''})") from None
+    return ids
 
 
 # GPT-2's pre-tokenizer pattern, with `re`'s Unicode classes for \p{L} and \p{N}

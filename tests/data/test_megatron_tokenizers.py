@@ -103,3 +103,32 @@ def test_a_tokenizer_without_its_files_is_one_line(argv, message):
     with pytest.raises(ConfigError) as info:
         validate_config(parse_config(["--mock-data"] + argv), 1, False)
     assert str(info.value).splitlines()[0] == message
+
+
+def write_hf_tokenizer(folder, size: int = 4):
+    """A WordLevel tokenizer.json (as the `tokenizers` package writes one, the fields read
+    here): `size` - 1 words and <|endoftext|> as an added token."""
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, size - 1)}}
+    spec = {"version": "1.0", "added_tokens": [{"id": size - 1, "content": "<|endoftext|>",
+                                                "special": True}],
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return str(folder / "tokenizer.json")
+
+
+def test_hugging_face_vocabulary_is_read_without_the_package(tmp_path):
+    model = write_hf_tokenizer(tmp_path, 6)
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=model)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (6, 5)
+    (tmp_path / "bad.json").write_text('{"model": {}}')
+    with pytest.raises(TokenizerError, match="bad.json: not a Hugging Face tokenizer file"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "bad.json"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is not None,
+                    reason="tokenizers is installed")
+def test_hugging_face_tokenizer_names_the_extra_that_encodes_text(tmp_path):
+    tokenizer = build_tokenizer("HuggingFaceTokenizer",
+                                tokenizer_model=write_hf_tokenizer(tmp_path))
+    with pytest.raises(TokenizerError, match=r"pip install 'epoverlap\[hf\]'"):
+        tokenizer.encode("w1")
