@@ -16,27 +16,14 @@ from epoverlap.cli.train import checked_config
 from epoverlap.config.compat import GROUP, NOT_IMPLEMENTED, REFUSED_GROUP, RefusedFlag
 from epoverlap.config.parse import accepted_notes
 from epoverlap.errors import ConfigError, ConfigErrors
-from megatron_scripts import (DEEPSEEK_V2_LITE, DEEPSEEK_V3, EP_OVERLAP, MIXTRAL,
-                              MODEL_ARGS_ONLY, NAMES, QWEN3, dispositions, flag_values,
-                              refusal_lines, script_args, shrunk)
+from megatron_scripts import (DEEPSEEK_V2_LITE, DEEPSEEK_V3, EP_OVERLAP, MIXTRAL, NAMES,
+                              QWEN3, dispositions, flag_values, pasted, refusal_lines,
+                              script_args)
 
 REFUSED = {name for name, _, _ in NOT_IMPLEMENTED}
 
 
 KNOWN = {option for action in build_parser()._actions for option in action.option_strings}
-# the scripts' shell variables and Mixtral's positional arguments: relative paths
-VARIABLES = {"DATA_PATH": "data", "OUTPUT_PATH": "out", "TENSORBOARD_PATH": "tb",
-             "DATA_CACHE_PATH": "cache"}
-POSITIONAL = ("ckpt", "tokenizer.model", "data/text")
-RUN = ["--tokenizer-model", "tokenizer.json", "--data-path", "data/text"]  # model args only
-
-
-def pasted(name: str) -> list[str]:
-    """The script's arguments by the rule (and, for a model's arguments, the run's data)."""
-    return shrunk(script_args(name, VARIABLES, POSITIONAL)) + (
-        RUN if name in MODEL_ARGS_ONLY else [])
-
-
 SCRIPT_GROUPS = {name: flag_values(pasted(name)) for name in NAMES}
 SCRIPT_FLAGS = sorted({group[0] for groups in SCRIPT_GROUPS.values() for group in groups})
 
@@ -320,8 +307,8 @@ WANDB = ["--wandb-project"] if importlib.util.find_spec("wandb") is None else []
 # (implemented, accepted with no effect, refused) over all its flags.
 SCRIPT_OUTCOMES = {
     MIXTRAL: ([], (47, 10, 0)),  # PP 2 with --eval-interval: evaluation through the stages
-    QWEN3: ([], (27, 9, 0)),
-    DEEPSEEK_V2_LITE: (MLA[:1] + MLA[2:] + ["--rotary-scaling-factor"], (33, 12, 6)),
+    QWEN3: ([], (28, 9, 0)),
+    DEEPSEEK_V2_LITE: (MLA[:1] + MLA[2:] + ["--rotary-scaling-factor"], (34, 12, 6)),
     DEEPSEEK_V3: (["--recompute-granularity", "--recompute-modules", *MLA,
                    "--lr-decay-samples", "--lr-warmup-init", "--moe-flex-dispatcher-backend",
                    "--mtp-num-layers", "--mtp-loss-scaling-factor", "--lr-warmup-samples",

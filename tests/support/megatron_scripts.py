@@ -120,6 +120,67 @@ def _one(given: dict[str, list[str]], flag: str, default: str) -> str:
     return given[flag][0] if given.get(flag) else default
 
 
+# The rule's paths, under a run's folder ROOT: the scripts' shell variables, Mixtral's
+# positional arguments (checkpoint, tokenizer model, data) and, for a model's arguments only,
+# the run the caller adds (its tokenizer model, data and length).
+VOCAB = 256  # every tokenizer written below has this vocabulary (GPT-2's: 257)
+DOCUMENTS, DOCUMENT_TOKENS = 25_000, 40  # --split 99990,8,2's valid part: 2 documents
+
+
+def variables(root: Path) -> dict[str, str]:
+    return {"DATA_PATH": str(root / "data"), "OUTPUT_PATH": str(root / "out"),
+            "TENSORBOARD_PATH": str(root / "tb"), "DATA_CACHE_PATH": str(root / "cache")}
+
+
+def pasted(name: str, root: Path = Path(".")) -> list[str]:
+    """`name`'s arguments with the rule's paths under `root`, shrunk by the rule."""
+    args = script_args(name, variables(root), (str(root / "ckpt"), str(root / "tokenizer.model"),
+                                               str(root / "data" / "text")))
+    run = (["--tokenizer-model", str(root / "tokenizer.json"), "--data-path",
+            str(root / "data" / "text"), "--train-iters", SIZES["--train-iters"]]
+           if name in MODEL_ARGS_ONLY else [])
+    return shrunk(args) + run
+
+
+def write_run_files(root: Path) -> None:
+    """The data and tokenizer files the rule's paths name: one indexed dataset of DOCUMENTS
+    documents of DOCUMENT_TOKENS ids below VOCAB (at `data/text` and where the EP-overlap
+    config's ${DATA_PATH} puts it), a SentencePiece tokenizer.model, a Hugging Face
+    tokenizer.json and GPT-2 vocab.json / merges.txt, each of vocabulary VOCAB (GPT-2's
+    with <|endoftext|>)."""
+    import json
+    import numpy as np
+    from epoverlap.data.indexed import IndexedWriter
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (DOCUMENTS, DOCUMENT_TOKENS))
+    pile = root / "data" / "text" / "the_pile" / "shard00"
+    for prefix in (root / "data" / "text", pile / "my-gpt3_00_text_document"):
+        with IndexedWriter(str(prefix)) as writer:
+            for document in tokens:
+                writer.add_document(document)
+    pieces = ["<unk>", "<s>", "</s>"] + [f"p{i}" for i in range(VOCAB - 3)]
+    (root / "tokenizer.model").write_bytes(b"".join(
+        _field(1, _field(1, piece.encode()) + b"\x15\x00\x00\x00\x00") for piece in pieces))
+    vocab = {piece: i for i, piece in enumerate(pieces[:-1] + ["<|endoftext|>"])}
+    (root / "tokenizer.json").write_text(json.dumps(
+        {"model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}))
+    (pile / "bpe").mkdir(parents=True, exist_ok=True)
+    from epoverlap.data.tokenizers import _byte_chars
+    gpt2 = {char: i for i, char in enumerate(_byte_chars()[b] for b in range(256))}
+    (pile / "bpe" / "vocab.json").write_text(json.dumps({**gpt2, "<|endoftext|>": 256}))
+    (pile / "bpe" / "merges.txt").write_text("#version: 0.2\n")
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field."""
+    size, header = len(payload), bytearray()
+    while True:
+        header.append((size & 0x7F) | (0x80 if size > 0x7F else 0))
+        size >>= 7
+        if not size:
+            break
+    return bytes([number << 3 | 2]) + bytes(header) + payload
+
+
 def refusal_lines(argv: list[str], world: int = RANKS, open_data: bool = False) -> list[str]:
     """Every line `epoverlap-train` would refuse `argv` with on `world` CPU ranks, in one run
     (argparse's usage line left out); [] if it would train. With `open_data`, the data files
