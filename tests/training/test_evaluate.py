@@ -146,15 +146,18 @@ def test_eval_iters_0_evaluates_nothing(tmp_path, one_thread):
 def test_the_forward_is_in_eval_mode_without_autograd_and_the_mode_comes_back(one_thread):
     argv = FLAGS + ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "3"]
     trainer = Trainer(parse_config(argv), single_rank_groups(), log=lambda msg: None)
-    seen = []
-    trainer.model.register_forward_pre_hook(
-        lambda module, args: seen.append((module.training, torch.is_grad_enabled())))
+    seen, stage_forward = [], trainer.model.stage_forward
+
+    def watched(*args):
+        seen.append((trainer.model.training, torch.is_grad_enabled()))
+        return stage_forward(*args)
+    trainer.model.stage_forward = watched
     try:
         trainer.train()
         assert trainer.model.training
     finally:
         trainer.close()
-    # the training steps run through the executor; the evaluation forward is the model's
+    # the training steps run through the executor; the evaluation forward is the stage's
     assert seen == [(False, False)] * 3 * 4  # 3 batches x 4 microbatches
 
 
