@@ -11,8 +11,9 @@ Each batch is a forward only (torch.no_grad, the model in eval mode: dropout off
 rank's microbatches through `MoEModel.stage_forward`, one microbatch at a time through this
 stage's chunks in order (with pipeline stages each receives from the stage before and sends to
 the next; the stage holding the head has the losses), on every rank alike: the forward holds
-the MoE all-to-alls, so every rank runs the same batches. With the budget dispatch a batch whose dispatch overflowed is rerun at the
-level that holds it (`StepRunner.overflow_level`), never cut. The loss is the mean over
+the MoE all-to-alls, so every rank runs the same batches. With the budget dispatch a batch
+whose dispatch overflowed is rerun at the level that holds it (`StepRunner.overflow_level`),
+never cut. The loss is the mean over
 microbatches, batches and data-parallel ranks (summed over the DP group, then the pipeline,
 as the training loss is), one host read per evaluation.
 
