@@ -112,8 +112,10 @@ def _hf_vocabulary(file: Path) -> dict[str, int]:
     return ids
 
 
-# GPT-2's pre-tokenizer pattern, with `re`'s Unicode classes for \p{L} and \p{N}
-GPT2_PATTERN = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+""")
+# GPT-2's pre-tokenizer pattern, with `re`'s Unicode classes for \p{L} and \p{N} (`_` is
+# neither, as there)
+GPT2_PATTERN = re.compile(
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+""")
 
 
 @lru_cache(maxsize=1)

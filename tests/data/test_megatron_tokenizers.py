@@ -132,3 +132,29 @@ def test_hugging_face_tokenizer_names_the_extra_that_encodes_text(tmp_path):
                                 tokenizer_model=write_hf_tokenizer(tmp_path))
     with pytest.raises(TokenizerError, match=r"pip install 'epoverlap\[hf\]'"):
         tokenizer.encode("w1")
+
+
+def test_gpt2_words_cover_the_text_as_gpt2_s_pattern_splits_it():
+    """Every character lands in a word (none dropped); words split where GPT-2's do."""
+    from epoverlap.data.tokenizers import GPT2_PATTERN
+    text = "snake_case  x=1_000 Ünïcode's 42nd\tend \n"
+    words = GPT2_PATTERN.findall(text)
+    assert "".join(words) == text
+    assert words[:4] == ["snake", "_", "case", " "]
+    assert " Ünïcode" in words and "'s" in words and " 42" in words and "nd" in words
+
+
+def test_gpt2_words_are_gpt2_s_own_pattern_s_but_for_non_decimal_numbers():
+    """Against GPT-2's pattern as it is written (the `regex` package's \\p{L}, \\p{N}), on
+    random strings of letters, digits, `_`, punctuation, spaces, CJK and emoji: the same words.
+    (Numbers that are not decimal digits, ² or Ⅳ, are letters to `re`.)"""
+    import random
+    regex = pytest.importorskip("regex", reason="the regex package is not installed")
+    from epoverlap.data.tokenizers import GPT2_PATTERN
+    theirs = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"""
+                           r"""|\s+(?!\S)|\s+""")
+    alphabet = list("abcXYZ_019 \t\n=.,!'é中😀\u00a0\u2003")
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        assert GPT2_PATTERN.findall(text) == theirs.findall(text), repr(text)
