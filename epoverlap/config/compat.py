@@ -222,16 +222,11 @@ NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
     ("--test-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
     ("--dataloader-type", 1, "samples are read in Megatron-core's order by epoch (single); "
      "other orders are not implemented"),
-    ("--lr-decay-samples", 1, "give the decay in steps: --lr-decay-iters"),
-    ("--lr-warmup-init", 1, "the warmup starts at a learning rate of 0; another start is not "
-     "implemented"),
     ("--moe-flex-dispatcher-backend", 1, "the flex dispatcher (DeepEP, HybridEP) is not "
      "implemented; the all-to-all dispatcher's modes are --moe-dispatch-budget and "
      "--moe-dispatch-once-per-rank"),
     ("--mtp-num-layers", 1, "multi-token prediction is not implemented"),
     ("--mtp-loss-scaling-factor", 1, "multi-token prediction is not implemented"),
-    ("--lr-warmup-samples", 1, "give the warmup in steps: --lr-warmup-iters or "
-     "--lr-warmup-fraction"),
     ("--rampup-batch-size", "+", "batch size ramp-up is not implemented"),
     ("--optimizer", 1, "the optimizer is AdamW"),
     ("--moe-expert-capacity-factor-per-layer", 1, "one capacity factor for all layers: "

@@ -232,6 +232,14 @@ class TrainConfig:
     lr_warmup_iters: int = flag(2, "linear warmup steps")
     lr_warmup_fraction: Optional[float] = flag(
         None, "warmup as a fraction of the decay steps, instead of --lr-warmup-iters")
+    lr_warmup_init: float = flag(0.0, "the learning rate the warmup starts from")
+    lr_warmup_samples: Optional[int] = flag(
+        None, "with --train-samples: the warmup in sequences, instead of --lr-warmup-iters "
+        "(the schedule runs on sequences trained, step x global batch, as Megatron-LM's)")
+    lr_decay_samples: Optional[int] = flag(
+        None, "with --train-samples: the decay's end in sequences, instead of "
+        "--lr-decay-iters")
+    samples_per_step: Optional[int] = None  # not a flag: the global batch (for_world)
     lr_decay_style: str = flag(
         "cosine", "from the peak to --min-lr after the warmup (Megatron-LM's default is "
         "linear)", choices=LR_DECAY_STYLES)
@@ -281,15 +289,22 @@ class TrainConfig:
                                    "at the start)")
 
     @property
-    def decay_steps(self) -> int:
-        """The step the learning-rate decay ends at (from step 0)."""
+    def decay_steps(self) -> float:
+        """The step the learning-rate decay ends at (from step 0); given in sequences, a
+        fraction of a step where the global batch does not divide them (Megatron-LM's
+        schedule on sequences trained)."""
+        if self.lr_decay_samples is not None and self.samples_per_step:
+            return self.lr_decay_samples / self.samples_per_step
         return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
 
     @property
-    def warmup_steps(self) -> int:
-        """Warmup steps: --lr-warmup-fraction of the decay steps, else --lr-warmup-iters."""
+    def warmup_steps(self) -> float:
+        """Warmup steps: --lr-warmup-fraction of the decay steps, else --lr-warmup-samples
+        over the global batch, else --lr-warmup-iters."""
         if self.lr_warmup_fraction is not None:
             return int(self.lr_warmup_fraction * self.decay_steps)
+        if self.lr_warmup_samples is not None and self.samples_per_step:
+            return self.lr_warmup_samples / self.samples_per_step
         return self.lr_warmup_iters
 
 
@@ -538,9 +553,11 @@ class RunConfig:
         if t.global_batch_size is not None:
             changes["num_microbatches"] = t.global_batch_size // (t.micro_batch_size * dp)
         microbatches = changes.get("num_microbatches", t.num_microbatches)
+        per_step = t.micro_batch_size * microbatches * dp
         if t.train_samples is not None:
-            per_step = t.micro_batch_size * microbatches * dp
             changes["train_iters"] = max(1, t.train_samples // per_step)
+        if t.lr_decay_samples is not None or t.lr_warmup_samples is not None:
+            changes["samples_per_step"] = per_step
         if not changes:
             return self
         return dataclasses.replace(self, train=dataclasses.replace(t, **changes))

@@ -278,6 +278,13 @@ def _validate_lr_schedule(t: TrainConfig) -> None:
     """--lr-decay-iters, --lr-warmup-fraction, WSD's decay steps and --train-samples."""
     if t.train_samples is not None:
         require(t.train_samples >= 1, "train_samples", t.train_samples, "must be >= 1")
+    for name, least in (("lr_decay_samples", 1), ("lr_warmup_samples", 0)):
+        value = getattr(t, name)
+        if value is not None:
+            require(value >= least, name, value, f"must be >= {least}")
+            require(t.train_samples is not None, name, value, "needs --train-samples (the "
+                    "schedule in sequences; else give it in steps)")
+    require(t.lr_warmup_init >= 0, "lr_warmup_init", t.lr_warmup_init, "must be >= 0")
     decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
     if t.lr_decay_iters is not None:
         require(t.lr_decay_iters >= 1, "lr_decay_iters", t.lr_decay_iters, "must be >= 1")

@@ -233,6 +233,7 @@ def test_the_ep_overlap_config_less_its_refusals_validates_and_notes_each_accept
      "unfused, local, auto"),
     (["--moe-router-load-balancing-type", "global_aux_loss"],
      "--moe-router-load-balancing-type=global_aux_loss: allowed: aux_loss, seq_aux_loss, none"),
+    (["--lr-decay-samples", "8"], "--lr-decay-samples=8: needs --train-samples"),
     (["--rotary-scaling-factor", "40"], "--rotary-scaling-factor=40.0: must be 1.0: rotary "
      "scaling (long context) is not implemented"),
     (["--num-distributed-optimizer-instances", "0"], "--num-distributed-optimizer-instances=0: "
@@ -310,8 +311,8 @@ SCRIPT_OUTCOMES = {
     QWEN3: ([], (28, 9, 0)),
     DEEPSEEK_V2_LITE: (MLA[:1] + MLA[2:] + ["--rotary-scaling-factor"], (34, 12, 6)),
     DEEPSEEK_V3: (["--recompute-granularity", "--recompute-modules", *MLA,
-                   "--lr-decay-samples", "--lr-warmup-init", "--moe-flex-dispatcher-backend",
-                   "--mtp-num-layers", "--mtp-loss-scaling-factor", "--lr-warmup-samples",
+                   "--moe-flex-dispatcher-backend", "--mtp-num-layers",
+                   "--mtp-loss-scaling-factor",
                    "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype",
                    "--moe-token-dispatcher-type", "--rotary-scaling-factor", "--ckpt-format",
                    *WANDB], None),
