@@ -9,7 +9,7 @@ padding --make-vocab-size-divisible-by, ...) are fields of their own sections; t
 the rest:
 
   CompatConfig      accepted flags, checked where a value matters (--normalization RMSNorm,
-                    --tensor-model-parallel-size 1, --kv-channels = hidden / heads, ...)
+                    --tensor-model-parallel-size 1, ...)
   NOT_IMPLEMENTED   refused flags: (flag, values it takes, the reason)
 """
 
@@ -89,6 +89,30 @@ class CompatConfig:
     no_rope_fusion: bool = _accepted("rotary kernel choice", "epoverlap applies its own rotary "
                                      "embedding; fused or not, the same math")
     use_megatron_fsdp: bool = _accepted("Megatron-FSDP", NOT_SHARDED)
+    fsdp_double_buffer: bool = _accepted("Megatron-FSDP's double buffers", NOT_SHARDED)
+    use_nccl_ub: bool = _accepted("NCCL user buffers", "the collectives move the same bytes "
+                                  "from epoverlap's own buffers")
+    attention_softmax_in_fp32: bool = _accepted(
+        "fp32 attention softmax", "torch's SDPA picks the attention kernel; in fp32 runs the "
+        "softmax is fp32")
+    auto_detect_ckpt_format: bool = _accepted("checkpoint format detection", "--load reads "
+                                              "torch_dist folders")
+    enable_experimental: bool = _accepted("Megatron-LM's experimental features",
+                                          "epoverlap gates nothing behind it")
+    init_model_with_meta_device: bool = _accepted(
+        "initialization on the meta device", "each rank builds its parameters on its device "
+        "from the same seeds")
+    no_mmap_bin_files: bool = _accepted("reading .bin files without mmap", "the .bin files "
+                                        "are memory-mapped; the same tokens")
+    no_create_attention_mask_in_dataloader: bool = _accepted(
+        "no attention mask from the data loader", "the attention is causal in the kernel; "
+        "no mask is built")
+    calculate_per_token_loss: bool = _accepted(
+        "the loss averaged per token", "every sequence is full and no token is masked: the "
+        "mean per token is the mean per microbatch")
+    dist_ckpt_strictness: Optional[str] = flag(
+        None, "how unexpected checkpoint keys are handled", note="--load checks every key "
+        "against the model and refuses a mismatch in one line", group=GROUP)
     attention_backend: Optional[str] = flag(
         None, "the attention kernels", choices=ATTENTION_BACKENDS,
         note="epoverlap's local attention runs (torch's SDPA), whatever the backend",
@@ -136,11 +160,6 @@ class CompatConfig:
         "alltoall", "the MoE token dispatcher", choices=("alltoall",),
         why="the expert-parallel all-to-all dispatcher (see --moe-dispatch-budget and "
         "--moe-dispatch-once-per-rank for its modes)", group=GROUP)
-    moe_router_load_balancing_type: str = flag(
-        "aux_loss", "the router's load balancing (none: no aux loss)",
-        choices=("aux_loss", "none"), why="the Switch aux loss over the batch, or none; "
-        "the per-sequence aux loss (seq_aux_loss) is not implemented, and it is another loss; "
-        "--moe-router-enable-expert-bias for aux-loss-free balancing", group=GROUP)
     ckpt_format: str = flag("torch_dist", "the checkpoint format (fsdp_dtensor: only without "
                             "--save and --load)", choices=("torch_dist", "fsdp_dtensor"),
                             why="checkpoints are torch.distributed.checkpoint folders",
@@ -157,8 +176,8 @@ class CompatConfig:
                                                   group=GROUP)
     rotary_percent: float = flag(1.0, "the share of each head's dimensions rotated (only 1.0)",
                                  group=GROUP)
-    kv_channels: Optional[int] = flag(None, "per-head width (must be --hidden-size / "
-                                      "--num-attention-heads)", group=GROUP)
+    rotary_scaling_factor: float = flag(1.0, "YaRN's rotary scaling for long context (only "
+                                        "1.0: no scaling)", group=GROUP)
     ddp_bucket_size: Optional[int] = flag(None, "grad reduction bucket size",
                                           note="grads are reduced in flat buffers",
                                           group=GROUP)
@@ -182,6 +201,7 @@ NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
     ("--recompute-num-layers", 1, "activation recomputation is not implemented"),
     ("--recompute-activations", 0, "activation recomputation is not implemented"),
     ("--moe-layer-recompute", 0, "activation recomputation is not implemented"),
+    ("--recompute-modules", "+", "activation recomputation is not implemented"),
     ("--multi-latent-attention", 0, "multi-latent attention is not implemented; the "
      "attention is grouped-query (--num-query-groups)"),
     ("--q-lora-rank", 1, "multi-latent attention is not implemented"),
@@ -191,7 +211,6 @@ NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
     ("--v-head-dim", 1, "multi-latent attention is not implemented"),
     ("--apply-query-key-layer-scaling", 0, "query-key layer scaling is an fp16 measure; fp16 is "
      "not implemented"),
-    ("--rotary-scaling-factor", 1, "rotary scaling (long context) is not implemented"),
     ("--moe-input-jitter-eps", 1, "router input jitter is not implemented"),
     ("--num-shared-experts", 1, "give the shared experts' total width with "
      "--moe-shared-expert-intermediate-size"),
@@ -201,15 +220,13 @@ NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
     ("--train-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
     ("--valid-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
     ("--test-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
-    ("--vocab-file", 1, "GPT-2 BPE files are not read; use --tokenizer-type "
-     "HuggingFaceTokenizer --tokenizer-model tokenizer.json"),
-    ("--merge-file", 1, "GPT-2 BPE files are not read; use --tokenizer-type "
-     "HuggingFaceTokenizer --tokenizer-model tokenizer.json"),
     ("--dataloader-type", 1, "samples are read in Megatron-core's order by epoch (single); "
      "other orders are not implemented"),
-    ("--lr-decay-samples", 1, "give the decay in steps: --lr-decay-iters"),
-    ("--lr-warmup-samples", 1, "give the warmup in steps: --lr-warmup-iters or "
-     "--lr-warmup-fraction"),
+    ("--moe-flex-dispatcher-backend", 1, "the flex dispatcher (DeepEP, HybridEP) is not "
+     "implemented; the all-to-all dispatcher's modes are --moe-dispatch-budget and "
+     "--moe-dispatch-once-per-rank"),
+    ("--mtp-num-layers", 1, "multi-token prediction is not implemented"),
+    ("--mtp-loss-scaling-factor", 1, "multi-token prediction is not implemented"),
     ("--rampup-batch-size", "+", "batch size ramp-up is not implemented"),
     ("--optimizer", 1, "the optimizer is AdamW"),
     ("--moe-expert-capacity-factor-per-layer", 1, "one capacity factor for all layers: "
@@ -257,8 +274,8 @@ def compat_rules(cfg, require: Callable[[bool, str, object, str], None]) -> None
     require(c.rotary_percent == 1.0, "rotary_percent", c.rotary_percent,
             "must be 1.0: partial rotary embeddings are not implemented; every head dimension "
             "is rotated")
-    require(c.kv_channels is None or c.kv_channels == m.head_dim, "kv_channels", c.kv_channels,
-            f"must be --hidden-size / --num-attention-heads = {m.head_dim} (per-head width)")
+    require(c.rotary_scaling_factor == 1.0, "rotary_scaling_factor", c.rotary_scaling_factor,
+            "must be 1.0: rotary scaling (long context) is not implemented")
     require(not c.group_query_attention or m.num_query_groups is not None,
             "group_query_attention", True, "needs --num-query-groups")
     require(c.ckpt_format != "fsdp_dtensor" or (cfg.checkpoint.save is None and
@@ -269,9 +286,6 @@ def compat_rules(cfg, require: Callable[[bool, str, object, str], None]) -> None
     require(c.num_distributed_optimizer_instances is None or
             c.num_distributed_optimizer_instances >= 1, "num_distributed_optimizer_instances",
             c.num_distributed_optimizer_instances, "must be >= 1")
-    require(c.moe_router_load_balancing_type != "none" or cfg.moe.moe_aux_loss_coeff == 0,
-            "moe_router_load_balancing_type", "none", "turns the aux loss off: drop "
-            "--moe-aux-loss-coeff, or use aux_loss")
 
 
 def compat_notes(cfg) -> list[str]:

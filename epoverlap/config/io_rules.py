@@ -45,9 +45,10 @@ def _validate_data(d: DataConfig) -> None:
             d.blend
         except ValueError as error:
             raise ConfigError("--data-path", d.data_path, str(error)) from None
-        require(d.tokenizer_type is not None, "data_path", d.data_path,
-                 "needs --tokenizer-type (NullTokenizer with --vocab-size, or "
-                 "HuggingFaceTokenizer with --tokenizer-model)")
+        require(d.tokenizer is not None, "data_path", d.data_path,
+                 "needs --tokenizer-type (NullTokenizer with --vocab-size, HuggingFaceTokenizer "
+                 "or Llama2Tokenizer with --tokenizer-model, GPT2BPETokenizer with --vocab-file "
+                 "and --merge-file)")
     if d.split is not None:
         require(bool(d.data_path) or d.mock_data, "split", d.split,
                 "applies to --data-path datasets and --mock-data")
@@ -58,8 +59,12 @@ def _validate_data(d: DataConfig) -> None:
     _validate_tokenizer(d)
 
 
+MODEL_FILE = {"HuggingFaceTokenizer": "a tokenizer.json or a folder holding one",
+              "Llama2Tokenizer": "a SentencePiece tokenizer.model"}
+
+
 def _validate_tokenizer(d: DataConfig) -> None:
-    kind = d.tokenizer_type
+    kind = d.tokenizer
     if kind is not None:
         require(d.text_source is None, "tokenizer_type", kind, "--data reads raw bytes "
                  "(vocabulary 256); a tokenizer applies to --data-path and --mock-data")
@@ -67,11 +72,16 @@ def _validate_tokenizer(d: DataConfig) -> None:
              "only with --tokenizer-type NullTokenizer")
     require(kind != "NullTokenizer" or (d.vocab_size or 0) >= 1, "vocab_size", d.vocab_size,
              "--tokenizer-type NullTokenizer needs --vocab-size >= 1")
-    require(d.tokenizer_model is None or kind == "HuggingFaceTokenizer", "tokenizer_model",
-             d.tokenizer_model, "only with --tokenizer-type HuggingFaceTokenizer")
-    require(kind != "HuggingFaceTokenizer" or bool(d.tokenizer_model), "tokenizer_model",
-             d.tokenizer_model, "--tokenizer-type HuggingFaceTokenizer needs a tokenizer.json "
-             "or a folder holding one")
+    require(d.tokenizer_model is None or kind in MODEL_FILE, "tokenizer_model",
+             d.tokenizer_model, f"only with --tokenizer-type {' or '.join(MODEL_FILE)}")
+    require(kind not in MODEL_FILE or bool(d.tokenizer_model), "tokenizer_model",
+             d.tokenizer_model, f"--tokenizer-type {kind} needs {MODEL_FILE.get(kind)}")
+    for name in ("vocab_file", "merge_file"):
+        value = getattr(d, name)
+        require(value is None or kind == "GPT2BPETokenizer", name, value,
+                 "only with --tokenizer-type GPT2BPETokenizer")
+        require(kind != "GPT2BPETokenizer" or bool(value), name, value,
+                 "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
 
 
 def _validate_tensorboard(log: LogConfig) -> None:
@@ -131,8 +141,6 @@ def _validate_eval(cfg: RunConfig) -> None:
     if cfg.data.split is not None or cfg.data.data_path:
         require(cfg.data.split_fractions[1] > 0, "eval_interval", e.eval_interval,
                 f"--split {cfg.data.split or DEFAULT_SPLIT} leaves no valid part to evaluate")
-    require(cfg.parallel.pipeline_model_parallel_size == 1, "eval_interval", e.eval_interval,
-            "is not built with --pipeline-model-parallel-size > 1 yet")
 
 
 def _validate_wandb(log: LogConfig) -> None:

@@ -110,7 +110,9 @@ def config_from_args(args: argparse.Namespace,
               for name, value in (PRESETS[args.preset] if args.preset else {}).items()}
     for derived, source in (("num_microbatches", "global_batch_size"),
                             ("train_iters", "train_samples"),
-                            ("lr_warmup_iters", "lr_warmup_fraction")):
+                            ("lr_warmup_iters", "lr_warmup_fraction"),
+                            ("lr_warmup_iters", "lr_warmup_samples"),
+                            ("lr_decay_iters", "lr_decay_samples")):
         if ("train", source) in given:  # derived from it (RunConfig.for_world, TrainConfig)
             if ("train", derived) in given:
                 raise ConfigError(flag_of(source), given[("train", source)],

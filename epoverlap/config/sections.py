@@ -21,6 +21,7 @@ from epoverlap.data.tokenizers import TOKENIZER_TYPES
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 DROP_POLICIES = ("probs", "position")  # as epoverlap.kernels.capacity
 DISPATCH_HIERARCHIES = ("auto", "flat", "node")  # --moe-dispatch-hierarchy (config.resolve)
@@ -43,6 +44,8 @@ class ModelConfig:
     ffn_hidden_size: int = flag(256, "dense MLP width")
     num_attention_heads: int = flag(4, "query heads")
     num_query_groups: Optional[int] = flag(None, "key/value heads (GQA)")
+    kv_channels: Optional[int] = flag(None, "each head's width (none: --hidden-size / "
+                                      "--num-attention-heads); Qwen3 sets it wider")
     seq_length: int = flag(128, "tokens per sequence")
     vocab_size: int = 256  # not a flag: the data's tokenizer sets it (cli.train); 256 = bytes
     make_vocab_size_divisible_by: int = flag(
@@ -66,7 +69,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def kv_heads(self) -> int:
@@ -95,6 +98,10 @@ class MoEConfig:
     moe_router_enable_expert_bias: bool = flag(False, "aux-loss-free expert bias (sigmoid)")
     moe_router_bias_update_rate: float = flag(1e-3, "expert bias step per iteration")
     moe_aux_loss_coeff: float = flag(0.0, "Switch aux loss coefficient")
+    moe_router_load_balancing_type: str = flag(
+        "aux_loss", "what --moe-aux-loss-coeff weighs: the Switch loss over each microbatch "
+        "(aux_loss) or averaged over its sequences (seq_aux_loss, DeepSeek-V3's), or no loss "
+        "(none)", choices=LOAD_BALANCING_TYPES)
     moe_z_loss_coeff: Optional[float] = flag(None, "router z-loss coefficient")
     moe_router_dtype: Optional[str] = flag(None, "router gate dtype (none: the model's)",
                                            choices=ROUTER_DTYPES)
@@ -225,6 +232,14 @@ class TrainConfig:
     lr_warmup_iters: int = flag(2, "linear warmup steps")
     lr_warmup_fraction: Optional[float] = flag(
         None, "warmup as a fraction of the decay steps, instead of --lr-warmup-iters")
+    lr_warmup_init: float = flag(0.0, "the learning rate the warmup starts from")
+    lr_warmup_samples: Optional[int] = flag(
+        None, "with --train-samples: the warmup in sequences, instead of --lr-warmup-iters "
+        "(the schedule runs on sequences trained, step x global batch, as Megatron-LM's)")
+    lr_decay_samples: Optional[int] = flag(
+        None, "with --train-samples: the decay's end in sequences, instead of "
+        "--lr-decay-iters")
+    samples_per_step: Optional[int] = None  # not a flag: the global batch (for_world)
     lr_decay_style: str = flag(
         "cosine", "from the peak to --min-lr after the warmup (Megatron-LM's default is "
         "linear)", choices=LR_DECAY_STYLES)
@@ -241,7 +256,7 @@ class TrainConfig:
     adam_eps: float = flag(1e-8, "AdamW epsilon")
     clip_grad: float = flag(1.0, "global grad-norm clip (0: off)")
     seed: int = flag(1234, "random seed")
-    bf16: Optional[bool] = flag(None, "bf16 params and compute (GPU)",
+    bf16: Optional[bool] = flag(None, "bf16 params and compute (also on CPU)",
                                 default_text="auto: on CUDA devices, off on CPU")
     deterministic_mode: bool = flag(False, "deterministic algorithms")
     deterministic_fill_uninitialized_memory: bool = flag(
@@ -274,15 +289,22 @@ class TrainConfig:
                                    "at the start)")
 
     @property
-    def decay_steps(self) -> int:
-        """The step the learning-rate decay ends at (from step 0)."""
+    def decay_steps(self) -> float:
+        """The step the learning-rate decay ends at (from step 0); given in sequences, a
+        fraction of a step where the global batch does not divide them (Megatron-LM's
+        schedule on sequences trained)."""
+        if self.lr_decay_samples is not None and self.samples_per_step:
+            return self.lr_decay_samples / self.samples_per_step
         return self.lr_decay_iters if self.lr_decay_iters is not None else self.train_iters
 
     @property
-    def warmup_steps(self) -> int:
-        """Warmup steps: --lr-warmup-fraction of the decay steps, else --lr-warmup-iters."""
+    def warmup_steps(self) -> float:
+        """Warmup steps: --lr-warmup-fraction of the decay steps, else --lr-warmup-samples
+        over the global batch, else --lr-warmup-iters."""
         if self.lr_warmup_fraction is not None:
             return int(self.lr_warmup_fraction * self.decay_steps)
+        if self.lr_warmup_samples is not None and self.samples_per_step:
+            return self.lr_warmup_samples / self.samples_per_step
         return self.lr_warmup_iters
 
 
@@ -386,13 +408,22 @@ class DataConfig:
         "reads the train part", default_text=DEFAULT_SPLIT, metavar="TRAIN,VALID,TEST")
     mock_data: bool = flag(False, "synthetic tokens (a learnable random bigram chain) instead "
                            "of data")
-    tokenizer_type: Optional[str] = flag(None, "the vocabulary of --data-path / --mock-data",
-                                         choices=TOKENIZER_TYPES)
+    tokenizer_type: Optional[str] = flag(None, "the vocabulary of --data-path / --mock-data "
+                                         "(none with --vocab-file: GPT2BPETokenizer, as "
+                                         "Megatron-LM's tests use it)", choices=TOKENIZER_TYPES)
     tokenizer_model: Optional[str] = flag(
-        None, "HuggingFaceTokenizer: a tokenizer.json or a folder holding one", metavar="PATH")
+        None, "HuggingFaceTokenizer: a tokenizer.json or a folder holding one; Llama2Tokenizer: "
+        "a SentencePiece tokenizer.model", metavar="PATH")
+    vocab_file: Optional[str] = flag(None, "GPT2BPETokenizer: its vocab.json", metavar="PATH")
+    merge_file: Optional[str] = flag(None, "GPT2BPETokenizer: its merges.txt", metavar="PATH")
     vocab_size: Optional[int] = flag(
         None, "NullTokenizer: ids 0..N-1 (the model's vocabulary is N + 1, with "
         "end-of-document N)")
+
+    @property
+    def tokenizer(self) -> Optional[str]:
+        """The tokenizer type the run reads its vocabulary with (--tokenizer-type's default)."""
+        return self.tokenizer_type or ("GPT2BPETokenizer" if self.vocab_file else None)
 
     @property
     def text_source(self) -> Optional[str]:
@@ -522,9 +553,11 @@ class RunConfig:
         if t.global_batch_size is not None:
             changes["num_microbatches"] = t.global_batch_size // (t.micro_batch_size * dp)
         microbatches = changes.get("num_microbatches", t.num_microbatches)
+        per_step = t.micro_batch_size * microbatches * dp
         if t.train_samples is not None:
-            per_step = t.micro_batch_size * microbatches * dp
             changes["train_iters"] = max(1, t.train_samples // per_step)
+        if t.lr_decay_samples is not None or t.lr_warmup_samples is not None:
+            changes["samples_per_step"] = per_step
         if not changes:
             return self
         return dataclasses.replace(self, train=dataclasses.replace(t, **changes))

@@ -66,10 +66,15 @@ def _validate_model(m: ModelConfig) -> None:
     # layer lists are built per layer from here on: an absurd count is refused, not allocated
     require(m.num_layers <= MAX_LAYERS, "num_layers", m.num_layers, f"must be <= {MAX_LAYERS}")
     require(m.seq_length >= 2, "seq_length", m.seq_length, "must be >= 2")
-    require(m.hidden_size % m.num_attention_heads == 0, "num_attention_heads",
-             m.num_attention_heads, f"must divide --hidden-size={m.hidden_size}")
-    require(m.head_dim % 2 == 0, "hidden_size", m.hidden_size,
-             f"head dim hidden/heads={m.head_dim} must be even (rotary embeddings)")
+    if m.kv_channels is None:
+        require(m.hidden_size % m.num_attention_heads == 0, "num_attention_heads",
+                 m.num_attention_heads, f"must divide --hidden-size={m.hidden_size} (or give "
+                 "the head width, --kv-channels)")
+        require(m.head_dim % 2 == 0, "hidden_size", m.hidden_size,
+                 f"head dim hidden/heads={m.head_dim} must be even (rotary embeddings)")
+    else:
+        require(m.kv_channels >= 2 and m.kv_channels % 2 == 0, "kv_channels", m.kv_channels,
+                 "must be even and >= 2 (rotary embeddings)")
     require(m.rotary_base > 0, "rotary_base", m.rotary_base, "must be > 0")
     require(m.init_method_std >= 0, "init_method_std", m.init_method_std, "must be >= 0")
     require(m.norm_epsilon > 0, "norm_epsilon", m.norm_epsilon, "must be > 0")
@@ -106,6 +111,9 @@ def _validate_router(moe: MoEConfig) -> None:
     for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"):
         value = getattr(moe, name)
         require(value is None or value >= 0, name, value, "must be >= 0")
+    require(moe.moe_router_load_balancing_type != "none" or moe.moe_aux_loss_coeff == 0,
+            "moe_router_load_balancing_type", "none", "turns the aux loss off: drop "
+            "--moe-aux-loss-coeff, or use aux_loss")
     scaling = moe.moe_router_topk_scaling_factor
     require(scaling is None or scaling > 0, "moe_router_topk_scaling_factor", scaling,
              "must be > 0")
@@ -263,8 +271,6 @@ def _validate_train(t: TrainConfig, dp_size: int, cuda_available: bool) -> None:
     require(0 <= t.seed < 2**63, "seed", t.seed, "must be in [0, 2**63)")
     require(t.device != "cuda" or cuda_available, "device", t.device,
              "no CUDA device is visible here; use --device cpu or auto")
-    on_gpu = t.device == "cuda" or (t.device == "auto" and cuda_available)
-    require(not t.bf16 or on_gpu, "bf16", True, "needs a CUDA device (CPU runs are fp32)")
     require(t.deterministic_mode or not t.deterministic_fill_uninitialized_memory,
              "deterministic_fill_uninitialized_memory", True, "needs --deterministic-mode")
 
@@ -273,6 +279,13 @@ def _validate_lr_schedule(t: TrainConfig) -> None:
     """--lr-decay-iters, --lr-warmup-fraction, WSD's decay steps and --train-samples."""
     if t.train_samples is not None:
         require(t.train_samples >= 1, "train_samples", t.train_samples, "must be >= 1")
+    for name, least in (("lr_decay_samples", 1), ("lr_warmup_samples", 0)):
+        value = getattr(t, name)
+        if value is not None:
+            require(value >= least, name, value, f"must be >= {least}")
+            require(t.train_samples is not None, name, value, "needs --train-samples (the "
+                    "schedule in sequences; else give it in steps)")
+    require(t.lr_warmup_init >= 0, "lr_warmup_init", t.lr_warmup_init, "must be >= 0")
     decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
     if t.lr_decay_iters is not None:
         require(t.lr_decay_iters >= 1, "lr_decay_iters", t.lr_decay_iters, "must be >= 1")

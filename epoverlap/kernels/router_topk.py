@@ -172,6 +172,20 @@ def switch_aux_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, topk: int,
     return torch.sum(scores_TE.sum(dim=0) * counts_E.to(scores_TE.dtype)) * scale
 
 
+def seq_aux_loss(scores_TE: torch.Tensor, topk: int, coeff: float,
+                 seq_length: int) -> torch.Tensor:
+    """The per-sequence Switch loss (Megatron-core's seq_aux_loss, DeepSeek-V3's): the Switch
+    loss of each sequence's tokens alone, with their own plain top-k counts, averaged over the
+    sequences. `scores_TE`: `aux_loss_scores`, tokens sequence by sequence ([B x S, E])."""
+    num_experts = scores_TE.shape[1]
+    scores_BSE = scores_TE.view(-1, seq_length, num_experts)
+    top_BSK = torch.topk(scores_BSE, k=topk, dim=2).indices
+    counts_BE = torch.zeros_like(scores_BSE, dtype=torch.bool).scatter(2, top_BSK, True).sum(
+        dim=1, dtype=torch.int64)
+    scale = num_experts * coeff / (topk * seq_length * seq_length * scores_BSE.shape[0])
+    return torch.sum(scores_BSE.sum(dim=1) * counts_BE.to(scores_TE.dtype)) * scale
+
+
 class _AttachAuxLoss(torch.autograd.Function):
     """Identity on `x`; its backward also starts the aux loss's backward with grad `scale`."""
 

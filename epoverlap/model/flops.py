@@ -20,8 +20,9 @@ def unaligned_gemm_dims(cfg: RunConfig) -> list[tuple[str, int, str]]:
     m, moe = cfg.model, cfg.moe
     pattern = cfg.moe_layer_pattern()
     dims = [("hidden size", m.hidden_size, "--hidden-size"),
-            ("head dim", m.head_dim, "--hidden-size / --num-attention-heads")]
-    if m.kv_heads != m.num_attention_heads:  # else the key/value width is the hidden size
+            ("head dim", m.head_dim, "--kv-channels" if m.kv_channels else
+             "--hidden-size / --num-attention-heads")]
+    if m.kv_heads != m.num_attention_heads:  # else the query width's
         dims.append(("key/value width", m.kv_heads * m.head_dim,
                      "--num-query-groups x head dim"))
     experts_take_ffn = any(pattern) and moe.moe_ffn_hidden_size is None

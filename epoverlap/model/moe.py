@@ -30,7 +30,7 @@ from epoverlap.kernels import MoEOps
 from epoverlap.kernels.capacity import apply_router_token_dropping, dropped_pairs
 from epoverlap.kernels.router_topk import (SwitchAuxLoss, attach_aux_loss, aux_loss_scores,
                                           expert_token_counts, plain_topk_counts,
-                                          switch_aux_loss)
+                                          seq_aux_loss, switch_aux_loss)
 
 from epoverlap.config import MoEConfig
 from epoverlap.config.dispatch import DispatchMode
@@ -53,7 +53,8 @@ def param_seed(base_seed: int, *names: object) -> int:
 
 
 class Router(nn.Module):
-    """Gate linear + score function + top-k, with Switch aux loss, z-loss and expert bias.
+    """Gate linear + score function + top-k, with the Switch aux loss (over the microbatch or
+    per sequence, --moe-router-load-balancing-type), z-loss and expert bias.
 
     The gate's weight grad is computed inline, never deferred: the gate is tiny (E x H) and
     its grad also carries the aux-loss terms, so deferring it would move no real work.
@@ -76,17 +77,17 @@ class Router(nn.Module):
 
     def __init__(self, moe: MoEConfig, hidden: int, layer: int, ops: MoEOps, *, seed: int,
                  std: float, dtype: torch.dtype, device: torch.device, aux_loss_scale: float,
-                 mode: DispatchMode, data_rank: int):
+                 mode: DispatchMode, data_rank: int, seq_length: int = 0):
         """`mode`: the model's dispatch mode (built once from the config), for its capacity;
         `data_rank`: the data-parallel rank whose tokens this router routes (seeds the forced
-        balance's draw)."""
+        balance's draw); `seq_length`: the tokens of a sequence (seq_aux_loss's unit)."""
         super().__init__()
         num_experts = moe.num_experts
         self.mode = mode
         gate_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(moe.moe_router_dtype,
                                                                          dtype)
         self.moe, self.ops, self.layer = moe, ops, layer
-        self.aux_loss_scale = aux_loss_scale
+        self.aux_loss_scale, self.seq_length = aux_loss_scale, seq_length
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=gate_dtype,
                                                device=device))
         seeded_normal_(self.weight, std, param_seed(seed, "router", layer))
@@ -125,8 +126,9 @@ class Router(nn.Module):
         capacity, if one is set; the aux loss sees the routing before it, as Megatron-core's)."""
         moe = self.moe
         logits_TE = self._logits(x_TH)
+        per_sequence = moe.moe_router_load_balancing_type == "seq_aux_loss"
         aux_in_router = (moe.moe_aux_loss_coeff > 0 and self.aux_loss_in_op
-                         and self._aux_counts_are_routing_counts())
+                         and self._aux_counts_are_routing_counts() and not per_sequence)
         probs_TE, routing_map_TE, counts_E = self.ops.router_topk_with_counts(
             logits_TE, moe.moe_router_topk, score_function=moe.moe_router_score_function,
             use_pre_softmax=moe.moe_router_pre_softmax, num_groups=moe.moe_router_num_groups,
@@ -136,11 +138,7 @@ class Router(nn.Module):
                                    self.step_aux_loss) if aux_in_router else None)
         aux = None
         if moe.moe_aux_loss_coeff > 0 and not aux_in_router:
-            scores_TE = aux_loss_scores(logits_TE, moe.moe_router_score_function)
-            aux_counts_E = (counts_E if self._aux_counts_are_routing_counts()
-                            else plain_topk_counts(scores_TE, moe.moe_router_topk))
-            aux = switch_aux_loss(scores_TE, aux_counts_E, moe.moe_router_topk,
-                                  moe.moe_aux_loss_coeff)
+            aux = self._aux_loss(logits_TE, counts_E, per_sequence)
         if self.mode.drops_tokens:
             probs_TE, routing_map_TE, counts_E = self._apply_capacity(probs_TE, routing_map_TE)
         if aux is not None:
@@ -148,6 +146,18 @@ class Router(nn.Module):
             self.step_aux_loss += aux.detach()
         self.step_counts += counts_E
         return probs_TE, routing_map_TE, counts_E
+
+    def _aux_loss(self, logits_TE, counts_E, per_sequence: bool) -> torch.Tensor:
+        """The aux loss computed apart from the router op (Megatron-core's formulas)."""
+        moe = self.moe
+        scores_TE = aux_loss_scores(logits_TE, moe.moe_router_score_function)
+        if per_sequence:
+            return seq_aux_loss(scores_TE, moe.moe_router_topk, moe.moe_aux_loss_coeff,
+                                self.seq_length)
+        aux_counts_E = (counts_E if self._aux_counts_are_routing_counts()
+                        else plain_topk_counts(scores_TE, moe.moe_router_topk))
+        return switch_aux_loss(scores_TE, aux_counts_E, moe.moe_router_topk,
+                               moe.moe_aux_loss_coeff)
 
     def _aux_counts_are_routing_counts(self) -> bool:
         """Whether the Switch aux loss's tokens per expert are the routing's own counts, so the

@@ -182,7 +182,8 @@ class TransformerLayer(nn.Module):
         ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
         self.router = Router(moe, m.hidden_size, layer, ops, seed=seed, std=std, dtype=dtype,
                              device=device, aux_loss_scale=1.0 / cfg.train.num_microbatches,
-                             mode=dispatcher.mode, data_rank=data_rank)
+                             mode=dispatcher.mode, data_rank=data_rank,
+                             seq_length=m.seq_length)
         self.experts = GroupedSwiGLUExperts(
             moe, m.hidden_size, ffn, layer, ep_rank, comm.size, **mlp_kwargs,
             sm_carveout=cfg.parallel.moe_grouped_gemm_sm_carveout)
@@ -543,11 +544,19 @@ class MoEModel(nn.Module):
         if self.pipe is not None:
             raise RuntimeError("MoEModel.forward runs a whole model; a pipeline stage runs "
                                "through the executor")
+        return self.stage_forward(tokens, labels, dropout_seed)
+
+    def stage_forward(self, tokens: torch.Tensor, labels: torch.Tensor,
+                      dropout_seed: Optional[int] = None) -> Optional[torch.Tensor]:
+        """One microbatch through this stage's nodes in order, chunk by chunk, receiving from
+        and sending to the neighbor stages (forward only: evaluation). Every stage running its
+        microbatches in the same order issues its transfers in the one chain's order, so they
+        meet. -> the loss on the stage holding the head, else None."""
         values = {"tokens": tokens, "labels": labels, DROPOUT_SEED: dropout_seed}
         for spec in self.node_specs():
             out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})
             values.update({spec.outputs[local]: value for local, value in out.items()})
-        return values["loss"]
+        return values.get("loss")
 
 
 def vocab_parameter(m: ModelConfig, seed: int, name: str, dtype: torch.dtype,

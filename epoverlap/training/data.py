@@ -233,7 +233,7 @@ def open_data_source(cfg: RunConfig, world_size: int):
     d, seq = cfg.data, cfg.model.seq_length
     if d.text_source is not None:
         return _open_text(d.text_source, cfg.train.seed, seq)
-    vocab_size = _tokenizer_vocab(cfg) if d.tokenizer_type else cfg.model.vocab_size
+    vocab_size = tokenizer_vocab(cfg) if d.tokenizer else cfg.model.vocab_size
     if d.mock_data:
         source = SyntheticData(vocab_size, cfg.train.seed)
     else:
@@ -275,14 +275,17 @@ def _open_text(source: str, seed: int, seq: int) -> TextData:
     return data
 
 
-def _tokenizer_vocab(cfg: RunConfig) -> int:
+def tokenizer_vocab(cfg: RunConfig) -> int:
+    """The vocabulary of the data's tokenizer (--tokenizer-type and its files). Raises
+    ConfigError naming the flag."""
     d = cfg.data
     try:
-        return build_tokenizer(d.tokenizer_type, d.vocab_size, d.tokenizer_model).vocab_size
+        return build_tokenizer(d.tokenizer, d.vocab_size, d.tokenizer_model, d.vocab_file,
+                               d.merge_file).vocab_size
     except TokenizerError as error:
-        flag, value = (("--tokenizer-model", d.tokenizer_model)
-                       if d.tokenizer_type == "HuggingFaceTokenizer"
-                       else ("--tokenizer-type", d.tokenizer_type))
+        flag, value = (("--tokenizer-model", d.tokenizer_model) if d.tokenizer_model
+                       else ("--vocab-file", d.vocab_file) if d.vocab_file
+                       else ("--tokenizer-type", d.tokenizer))
         raise ConfigError(flag, value, str(error)) from None
 
 
@@ -303,15 +306,29 @@ def _open_indexed(cfg: RunConfig, vocab_size: int, world_size: int, part: int = 
             raise ConfigError("--data-path", prefixes[index], f"its {SPLIT_NAMES[part]} split "
                               f"(documents [{begin}, {end}) by --split "
                               f"{d.split or DEFAULT_SPLIT}) has {dataset.num_tokens} tokens, fewer "
-                              f"than --seq-length + 1 = {seq + 1}")
+                              f"than --seq-length + 1 = {seq + 1}{_working_split(dataset, part)}")
     steps = t.train_iters if steps is None else steps
     total = steps * t.num_microbatches * world_size * t.micro_batch_size
     samples = BlendedSamples(datasets, weights, total)
-    description = _describe(prefixes, samples, f"{d.tokenizer_type} vocabulary {vocab_size}",
+    description = _describe(prefixes, samples, f"{d.tokenizer} vocabulary {vocab_size}",
                             SPLIT_NAMES[part])
     return IndexedData(samples, vocab_size, description,
                        micro_batch_size=t.micro_batch_size,
                        num_microbatches=t.num_microbatches, world_size=world_size)
+
+
+def _working_split(dataset: DocumentSamples, part: int) -> str:
+    """'; ... --split A,B,0 would work': the valid part as the dataset's last documents, as few
+    as hold one sample (--split in document counts cuts exactly there); '' for another part or
+    a dataset too small for any."""
+    lengths = dataset.data.sequence_lengths[::-1].astype(np.int64).cumsum()
+    enough = np.nonzero(lengths >= dataset.seq_length + 1)[0]
+    total = len(lengths)
+    if part != 1 or not len(enough) or enough[0] + 1 >= total:
+        return ""
+    valid = int(enough[0]) + 1
+    return (f"; the valid part needs one sample: --split {total - valid},{valid},0 (document "
+            f"counts: its last {valid} of {total} documents) would hold one")
 
 
 def _split_samples(prefix: str, index: int, cfg: RunConfig, vocab_size: int,

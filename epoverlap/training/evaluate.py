@@ -8,12 +8,14 @@ would) reads validation batches (e - 1) * K + 1 .. e * K, as Megatron-LM's valid
 moves on from one evaluation to the next.
 
 Each batch is a forward only (torch.no_grad, the model in eval mode: dropout off) of this
-rank's microbatches through `MoEModel.forward` (one stage: pipeline parallelism is refused by
-the config), on every rank alike: the forward holds the MoE all-to-alls, so every rank runs
-the same batches. With the budget dispatch a batch whose dispatch overflowed is rerun at the
-level that holds it (`StepRunner.overflow_level`), never cut. The loss is the mean over
-microbatches, batches and data-parallel ranks (summed over the DP group as the training
-loss is), one host read per evaluation.
+rank's microbatches through `MoEModel.stage_forward`, one microbatch at a time through this
+stage's chunks in order (with pipeline stages each receives from the stage before and sends to
+the next; the stage holding the head has the losses), on every rank alike: the forward holds
+the MoE all-to-alls, so every rank runs the same batches. With the budget dispatch a batch
+whose dispatch overflowed is rerun at the level that holds it (`StepRunner.overflow_level`),
+never cut. The loss is the mean over
+microbatches, batches and data-parallel ranks (summed over the DP group, then the pipeline,
+as the training loss is), one host read per evaluation.
 
 Evaluation changes nothing training computes: the router's force-balancing generators, torch's
 global RNG and the budget level are restored afterwards, the data sources are pure functions
@@ -97,12 +99,21 @@ class Evaluator:
         self.stepper.select_budget_level(level)
         if p.budget is not None:
             p.budget.reset_demand()
-        return [p.model(tokens, labels).detach().float() for tokens, labels in inputs]
+        losses = [p.model.stage_forward(tokens, labels) for tokens, labels in inputs]
+        return [loss.detach().float() for loss in losses if loss is not None]
 
     def _mean_over_ranks(self, losses: list[torch.Tensor]) -> float:
-        """Mean of every microbatch loss of every data-parallel rank (fp64 sum; one read)."""
+        """Mean of every microbatch loss of every data-parallel rank (fp64 sums of the losses
+        and their count, over the DP group, then over the pipeline, where only the stage holding
+        the head has losses; one read)."""
         g = self.parts.groups
-        total = torch.stack(losses).double().sum()
+        total = torch.zeros(2, dtype=torch.float64, device=self.parts.device)
+        if losses:
+            total[0] = torch.stack(losses).double().sum()
+        total[1] = len(losses)
         if g.dp_size > 1:
             g.dp.all_reduce(total)
-        return host_list(total) / (len(losses) * g.dp_size)
+        if g.pp_size > 1:
+            g.pp.all_reduce(total)
+        loss_sum, count = host_list(total)
+        return loss_sum / count

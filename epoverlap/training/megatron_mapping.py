@@ -61,12 +61,13 @@ import torch
 
 from epoverlap.config import (MoEConfig, ModelConfig, RunConfig, build_parser, config_from_args,
                               parse_config, validate_config)
-from epoverlap.data.tokenizers import BYTE_VOCAB, TokenizerError, build_tokenizer
+from epoverlap.data.tokenizers import BYTE_VOCAB
 from epoverlap.errors import ConfigError
 from epoverlap.kernels import make_moe_ops
 from epoverlap.model.moe import Router
 from epoverlap.model.transformer import MoEModel
 from epoverlap.parallel.comm import ExpertComm
+from epoverlap.training.data import tokenizer_vocab
 
 
 class ConversionError(ValueError):
@@ -232,12 +233,7 @@ def data_vocab_size(cfg: RunConfig) -> int:
     d = cfg.data
     if d.text_source is not None:
         return BYTE_VOCAB
-    if not d.tokenizer_type:
-        return cfg.model.vocab_size
-    try:
-        return build_tokenizer(d.tokenizer_type, d.vocab_size, d.tokenizer_model).vocab_size
-    except TokenizerError as error:
-        raise ConfigError("--tokenizer-type", d.tokenizer_type, str(error)) from None
+    return tokenizer_vocab(cfg) if d.tokenizer else cfg.model.vocab_size
 
 
 def config_from_meta(saved: dict) -> RunConfig:

@@ -44,11 +44,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     with its `num_steps` = `step`: our step s applies the rate Megatron's scheduler holds after
     its s-th `step(1)` call, the rate Megatron's iteration s + 1 applies (its first iteration
     updates at `num_steps` 0, with a warmup at lr 0; ours at 1/warmup of the peak). The formulas
-    are its own, `init_lr` 0; the cosine keeps the form epoverlap always had,
-    min + 0.5 * (lr - min) * (1 + cos), the same number to rounding, so runs keep their bits."""
+    are its own (`init_lr` --lr-warmup-init, 0 by default; with --lr-decay-samples /
+    --lr-warmup-samples its schedule on sequences trained, here in steps of the global batch,
+    fractions of a step where it does not divide them); the cosine keeps the form epoverlap
+    always had, min + 0.5 * (lr - min) * (1 + cos), the same number to rounding, so runs keep
+    their bits."""
     warmup, end = cfg.warmup_steps, cfg.decay_steps
     if warmup and step <= warmup:
-        return cfg.lr * step / warmup
+        return cfg.lr_warmup_init + (cfg.lr - cfg.lr_warmup_init) * step / warmup
     if cfg.lr_decay_style == "constant":
         return cfg.lr
     progress = min(max(step - warmup, 0) / max(end - warmup, 1), 1.0)

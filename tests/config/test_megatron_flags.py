@@ -1,10 +1,13 @@
-"""Megatron-LM pretrain command lines (pure CPU): every flag of three real Megatron-LM MoE
-command lines (tests/fixtures/megatron_scripts) is implemented, accepted for what epoverlap
-already is, or refused with one line naming why; never "unrecognized". Accepted flags that
-change nothing are named in one note; every refusal of a command line comes in one run, one
-line each."""
+"""Megatron-LM pretrain command lines (pure CPU): every flag of Megatron-LM's own MoE scripts
+(tests/fixtures/megatron_scripts, verbatim from its main branch) is implemented, accepted for
+what epoverlap already is, or refused with one line naming why; never "unrecognized". Each
+script, shrunk by the one rule (`megatron_scripts.shrunk`), validates on 2 CPU ranks or is
+refused in one run with every reason; accepted flags that change nothing are named in one
+note."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 
@@ -13,13 +16,29 @@ from epoverlap.cli.train import checked_config
 from epoverlap.config.compat import GROUP, NOT_IMPLEMENTED, REFUSED_GROUP, RefusedFlag
 from epoverlap.config.parse import accepted_notes
 from epoverlap.errors import ConfigError, ConfigErrors
-from megatron_scripts import EP_OVERLAP, NAMES, flag_values, script_args
+from megatron_scripts import (DEEPSEEK_V2_LITE, DEEPSEEK_V3, EP_OVERLAP, MIXTRAL, NAMES,
+                              QWEN3, dispositions, flag_values, pasted, refusal_lines,
+                              script_args)
 
 REFUSED = {name for name, _, _ in NOT_IMPLEMENTED}
 
 
 KNOWN = {option for action in build_parser()._actions for option in action.option_strings}
-SCRIPT_FLAGS = sorted({group[0] for name in NAMES for group in flag_values(script_args(name))})
+SCRIPT_GROUPS = {name: flag_values(pasted(name)) for name in NAMES}
+SCRIPT_FLAGS = sorted({group[0] for groups in SCRIPT_GROUPS.values() for group in groups})
+
+
+def test_the_fixtures_are_megatron_lm_s_files_below_a_header_naming_their_commit():
+    from megatron_scripts import SCRIPTS, script_text
+    for name in NAMES:
+        head = (SCRIPTS / name).read_text().split("\n")[:8]
+        assert any(line.startswith("# source: NVIDIA/Megatron-LM ") or "NVIDIA/Megatron-LM"
+                   in line for line in head), name
+        assert any(len(word.strip(",;.")) == 40 and all(c in "0123456789abcdef"
+                                                       for c in word.strip(",;."))
+                   for line in head for word in line.split()), name
+        if name.endswith(".sh"):
+            assert script_text(name).startswith("#!/bin/bash\n"), name
 
 
 def test_every_flag_of_the_scripts_is_implemented_accepted_or_refused():
@@ -42,15 +61,15 @@ def test_vocabulary_padding_is_implemented():
     assert cfg.with_vocab_size(50257).model.padded_vocab_size == 50304
 
 
-@pytest.mark.parametrize("group", [g for name in NAMES for g in flag_values(script_args(name))],
-                         ids=lambda group: " ".join(group))
+@pytest.mark.parametrize("group", sorted({tuple(g) for groups in SCRIPT_GROUPS.values()
+                                           for g in groups}), ids=lambda group: " ".join(group))
 def test_each_flag_alone_is_taken_or_refused_in_one_line_with_its_reason(group, tmp_path,
                                                                          monkeypatch):
     """Each flag with the script's value, beside a small model: accepted, or one ConfigError
     line (never argparse's 'unrecognized arguments')."""
     monkeypatch.chdir(tmp_path)  # the scripts' output paths land here
     try:
-        cfg = parse_config(SMALL + group)
+        cfg = parse_config(SMALL + list(group))
         validate_config(cfg, 2, False)
     except ConfigError as error:  # this flag's, or a rule it takes part in (--lr vs --min-lr)
         text = str(error)
@@ -84,8 +103,7 @@ def test_qwen3s_attention_flags_are_taken():
      "are RMSNorm)"),
     (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type=flex: allowed: "
      "alltoall"),
-    (["--kv-channels", "32"], "--kv-channels=32: must be --hidden-size / "
-     "--num-attention-heads = 16"),
+    (["--kv-channels", "7"], "--kv-channels=7: must be even and >= 2"),
     (["--max-position-embeddings", "16"], "--max-position-embeddings=16: must be >= "
      "--seq-length=32"),
     (["--group-query-attention"], "--group-query-attention=True: needs --num-query-groups"),
@@ -109,30 +127,12 @@ def test_accepted_flags_that_change_nothing_are_named_with_what_is_done():
     assert len(notes) == 3 and any(n.startswith("--num-workers (") for n in notes)
 
 
-def test_the_mixtral_script_with_data_and_tokenizer_adapted_validates():
-    """The Mixtral example as pasted, but for its tokenizer (a Llama-2 sentencepiece model,
-    refused) and W&B (an optional extra): it validates on 2 CPU ranks."""
-    args = [g for g in flag_values(script_args("mixtral_8x7b_distributed.args"))
-            if g[0] not in ("--tokenizer-type", "--tokenizer-model", "--wandb-project",
-                            "--wandb-exp-name")]
-    cfg = parse_config([token for group in args for token in group])
-    validate_config(cfg, 2, False)
-    cfg = cfg.for_world(2)
-    assert (cfg.train.num_microbatches, cfg.parallel.expert_model_parallel_size) == (2, 2)
-    assert cfg.model.rotary_base == 1e6 and cfg.moe.moe_aux_loss_coeff == 1e-2
-
-
 # Megatron-LM's EP-overlap functional test (deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap), as
 # pasted: what each of its 106 flags is here. Refused: the math or the input would differ.
 EP_OVERLAP_GROUPS = flag_values(script_args(EP_OVERLAP))
-EP_OVERLAP_REFUSED = [  # in the order of the one run's lines
+EP_OVERLAP_REFUSED = [  # in the order of the one run's lines: multi-latent attention only
     "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
-    "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor",
-    "--vocab-file", "--merge-file",  # the refused flags, in NOT_IMPLEMENTED's order
-    "--moe-router-load-balancing-type",  # seq_aux_loss: another loss
-    "--kv-channels",  # 128 with --hidden-size 512 / 8 heads = 64: another attention width
-    "--bf16",  # on CPU (fp32 here); on a GPU it is implemented
-    "--data-path",  # no tokenizer once --vocab-file is refused
+    "--qk-pos-emb-head-dim", "--v-head-dim",
 ]
 EP_OVERLAP_ACCEPTED = [  # each named in the accepted-flags line, with what is done instead
     "--use-mcore-models", "--swiglu", "--disable-bias-linear",
@@ -170,13 +170,14 @@ def test_every_flag_of_the_ep_overlap_config_has_a_named_disposition():
     for group in EP_OVERLAP_GROUPS:
         counts[disposition(group[0])] += 1
     assert len(EP_OVERLAP_GROUPS) == 106
-    # by --help group: 58 flags of epoverlap's own sections (--qk-layernorm among them), 39 of
-    # the Megatron-LM group, 9 of the refused group. On the command line (the tests below): 13
-    # refused (the 9, 3 values and --data-path, which needs the tokenizer --vocab-file would
-    # give), 32 accepted with no effect, each noted, and 61 implemented (with the 7 Megatron-LM
-    # flags whose value states what epoverlap is: --normalization RMSNorm, ...)
-    assert counts == {"implemented": 58, "accepted": 39, "refused": 9}, counts
-    assert len(EP_OVERLAP_REFUSED) == 13 and len(EP_OVERLAP_ACCEPTED) == 32
+    # by --help group: 62 flags of epoverlap's own sections (--qk-layernorm, --kv-channels,
+    # --vocab-file, seq_aux_loss's --moe-router-load-balancing-type among them), 38 of the
+    # Megatron-LM group, 6 of the refused group. On the command line (the tests below): 6
+    # refused, 32 accepted with no effect, each noted, and 68 implemented (with the Megatron-LM
+    # flags whose value states what epoverlap is: --normalization RMSNorm,
+    # --rotary-scaling-factor 1.0, ...)
+    assert counts == {"implemented": 62, "accepted": 38, "refused": 6}, counts
+    assert len(EP_OVERLAP_REFUSED) == 6 and len(EP_OVERLAP_ACCEPTED) == 32
 
 
 def _ep_overlap_refusals(argv: list[str], capsys) -> list[str]:
@@ -193,8 +194,7 @@ def test_the_ep_overlap_config_as_pasted_names_every_refusal_in_one_run(tmp_path
     monkeypatch.chdir(tmp_path)  # its ${TENSORBOARD_PATH} lands here
     lines = _ep_overlap_refusals(script_args(EP_OVERLAP), capsys)
     assert [line.split("=", 1)[0] for line in lines] == EP_OVERLAP_REFUSED, lines
-    assert len(lines) == 13 and not any("unrecognized" in line for line in lines)
-    assert "seq_aux_loss" in lines[9] and "per-sequence aux loss" in lines[9]
+    assert len(lines) == 6 and not any("unrecognized" in line for line in lines)
 
 
 def test_unknown_arguments_come_on_argparse_s_one_line_beside_every_refusal(tmp_path,
@@ -212,7 +212,7 @@ def test_the_ep_overlap_config_less_its_refusals_validates_and_notes_each_accept
         tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv = [token for group in EP_OVERLAP_GROUPS if group[0] not in EP_OVERLAP_REFUSED
-            for token in group] + ["--mock-data"]
+            for token in group]
     cfg, _, warnings = checked_config(argv, 2, cuda_available=False)
     notes = accepted_notes(cfg)
     assert [note.split(" ")[0] for note in notes] == EP_OVERLAP_ACCEPTED, notes
@@ -231,8 +231,11 @@ def test_the_ep_overlap_config_less_its_refusals_validates_and_notes_each_accept
      "Megatron-FSDP's DTensor layout is not written or read"),
     (["--attention-backend", "fast"], "--attention-backend=fast: allowed: flash, fused, "
      "unfused, local, auto"),
-    (["--moe-router-load-balancing-type", "seq_aux_loss"], "--moe-router-load-balancing-type="
-     "seq_aux_loss: allowed: aux_loss, none"),
+    (["--moe-router-load-balancing-type", "global_aux_loss"],
+     "--moe-router-load-balancing-type=global_aux_loss: allowed: aux_loss, seq_aux_loss, none"),
+    (["--lr-decay-samples", "8"], "--lr-decay-samples=8: needs --train-samples"),
+    (["--rotary-scaling-factor", "40"], "--rotary-scaling-factor=40.0: must be 1.0: rotary "
+     "scaling (long context) is not implemented"),
     (["--num-distributed-optimizer-instances", "0"], "--num-distributed-optimizer-instances=0: "
      "must be >= 1"),
 ])
@@ -268,10 +271,10 @@ def test_independent_rules_broken_are_named_together_one_line_each(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigErrors) as info:
         validate_config(parse_config(SMALL + ["--lr", "-1", "--normalization", "LayerNorm",
-                                              "--kv-channels", "8", "--attention-dropout", "2",
+                                              "--rotary-percent", "0.5", "--attention-dropout", "2",
                                               "--moe-router-topk", "9"]), 2, False)
     flags = [line.split("=")[0] for line in str(info.value).splitlines()]
-    assert flags == ["--normalization", "--kv-channels", "--moe-router-topk", "--lr",
+    assert flags == ["--normalization", "--rotary-percent", "--moe-router-topk", "--lr",
                      "--attention-dropout"], str(info.value)
 
 
@@ -296,3 +299,36 @@ def test_no_check_for_nan_in_loss_and_grad_turns_the_check_off():
     off = parse_config(SMALL + ["--check-for-nan-in-loss-and-grad",
                                 "--no-check-for-nan-in-loss-and-grad"])
     assert on.train.check_for_nan_in_loss_and_grad and not off.train.check_for_nan_in_loss_and_grad
+
+
+MLA = ["--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+       "--qk-pos-emb-head-dim", "--v-head-dim"]
+WANDB = ["--wandb-project"] if importlib.util.find_spec("wandb") is None else []
+# Each script by the rule, on 2 CPU ranks: the flags its one run refuses, in order, and
+# (implemented, accepted with no effect, refused) over all its flags.
+SCRIPT_OUTCOMES = {
+    MIXTRAL: ([], (47, 10, 0)),  # PP 2 with --eval-interval: evaluation through the stages
+    QWEN3: ([], (28, 9, 0)),
+    DEEPSEEK_V2_LITE: (MLA[:1] + MLA[2:] + ["--rotary-scaling-factor"], (34, 12, 6)),
+    DEEPSEEK_V3: (["--recompute-granularity", "--recompute-modules", *MLA,
+                   "--moe-flex-dispatcher-backend", "--mtp-num-layers",
+                   "--mtp-loss-scaling-factor",
+                   "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype",
+                   "--moe-token-dispatcher-type", "--rotary-scaling-factor", "--ckpt-format",
+                   *WANDB], None),
+    EP_OVERLAP: (MLA, (68, 32, 6)),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_script_by_the_rule_validates_or_names_every_refusal_in_one_run(
+        name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the scripts' output paths land here
+    refused, counts = SCRIPT_OUTCOMES[name]
+    lines = refusal_lines(pasted(name))
+    assert [line.split("=", 1)[0] for line in lines] == refused, lines
+    if counts is not None:
+        kinds = dispositions(pasted(name))
+        assert not kinds["unrecognized"] and not kinds["refused later"], kinds
+        assert (len(kinds["implemented"]), len(kinds["accepted"]), len(kinds["refused"])) \
+            == counts, kinds

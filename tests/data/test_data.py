@@ -379,3 +379,18 @@ def test_step_feed_gives_each_steps_batches_and_makes_the_next_one_ahead():
             feed.batches(5)  # the worker's error, raised when step 5 asks
     finally:
         feed.close()
+
+
+def test_a_split_whose_valid_part_is_empty_names_a_split_that_holds_one_sample(tmp_path):
+    """Mixtral's --split 99990,8,2 on 40 documents leaves the valid part no document: the line
+    names --split in document counts whose valid part (the last documents) holds one sample,
+    and that split evaluates."""
+    prefix = write_documents(tmp_path / "d", [np.arange(10)] * 40)  # 10 tokens each
+    evaluate = ["--eval-interval", "2", "--eval-iters", "1"]
+    with pytest.raises(ConfigError) as info:
+        source([prefix], ["--split", "99990,8,2", *evaluate])
+    message = str(info.value)
+    assert "its valid split (documents [40, 40) by --split 99990,8,2) has 0 tokens" in message
+    assert message.endswith("the valid part needs one sample: --split 38,2,0 (document counts: "
+                            "its last 2 of 40 documents) would hold one"), message
+    assert source([prefix], ["--split", "38,2,0", *evaluate]).validation is not None

@@ -75,3 +75,15 @@ def test_overlap_is_bitwise_equal_to_sequential_with_the_flat_adamw(tmp_path):
     results = run_ranks(flat_adam_grads_and_losses, 2, 2, str(tmp_path), 6, modes,
                         timeout_s=600)
     assert_modes_match_sequential(results, tmp_path, 6, modes)
+
+
+def test_overlap_is_bitwise_equal_to_sequential_with_the_scripts_attention_and_loss(tmp_path):
+    """What Megatron-LM's MoE scripts ask for: bf16 on CPU, heads wider than hidden / heads
+    (--kv-channels, Qwen3's) and the per-sequence aux loss (seq_aux_loss, DeepSeek-V3's): the
+    overlap with delayed weight grads gives the sequential grads and losses bit for bit."""
+    modes = {name: MODES[name] for name in ("sequential", "overlap_wgrad")}
+    flags = ["--bf16", "--kv-channels", "64", "--moe-router-load-balancing-type",
+             "seq_aux_loss", "--moe-aux-loss-coeff", "0.01"]
+    results = run_ranks(mode_grads_and_losses, 2, 2, str(tmp_path), 4, flags, modes,
+                        timeout_s=600)
+    assert_modes_match_sequential(results, tmp_path, 4, modes)

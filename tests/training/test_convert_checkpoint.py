@@ -78,8 +78,9 @@ MOE = ["--num-layers", "2"] + SHAPE
 MIXED = ["--num-layers", "3", "--moe-layer-freq", "0,1,1",
          "--moe-shared-expert-intermediate-size", "16", "--moe-router-score-function",
          "sigmoid", "--moe-router-enable-expert-bias"] + SHAPE
-# Qwen3's query/key norms (--qk-layernorm) on the all-MoE model: stacked too
-QK_NORM = MOE + ["--qk-layernorm"]
+# Qwen3's attention on the all-MoE model (stacked too): query/key norms (--qk-layernorm) and
+# heads wider than --hidden-size / --num-attention-heads (--kv-channels; 32 / 4 = 8 here)
+QK_NORM = MOE + ["--qk-layernorm", "--kv-channels", "16"]
 VOCAB = 64
 PADDED = 128  # the embedding's and output layer's rows: --make-vocab-size-divisible-by 128
 STEP = 7

@@ -146,15 +146,18 @@ def test_eval_iters_0_evaluates_nothing(tmp_path, one_thread):
 def test_the_forward_is_in_eval_mode_without_autograd_and_the_mode_comes_back(one_thread):
     argv = FLAGS + ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "3"]
     trainer = Trainer(parse_config(argv), single_rank_groups(), log=lambda msg: None)
-    seen = []
-    trainer.model.register_forward_pre_hook(
-        lambda module, args: seen.append((module.training, torch.is_grad_enabled())))
+    seen, stage_forward = [], trainer.model.stage_forward
+
+    def watched(*args):
+        seen.append((trainer.model.training, torch.is_grad_enabled()))
+        return stage_forward(*args)
+    trainer.model.stage_forward = watched
     try:
         trainer.train()
         assert trainer.model.training
     finally:
         trainer.close()
-    # the training steps run through the executor; the evaluation forward is the model's
+    # the training steps run through the executor; the evaluation forward is the stage's
     assert seen == [(False, False)] * 3 * 4  # 3 batches x 4 microbatches
 
 
@@ -259,3 +262,29 @@ def test_a_valid_split_too_short_is_refused_naming_the_dataset(tmp_path):
     prefix = _documents(tmp_path / "d")
     with pytest.raises(ConfigError, match=r"its valid split \(documents \[100, 100\)"):
         _open(["--data-path", prefix, "--split", "100,0.001,0", "--eval-interval", "2"])
+
+
+# ------------------------------------------------------------------------------ pipeline stages
+PIPELINE = EVAL + ["--num-layers", "2", "--expert-model-parallel-size", "1"]
+
+
+def pipeline_run(rank, world_size, out_dir):
+    groups = init_distributed(1, "cpu", timeout_minutes=3, pp_size=2)
+    try:
+        return train(groups, FLAGS + PIPELINE + ["--pipeline-model-parallel-size", "2"],
+                     Path(out_dir) / f"pp-{rank}.jsonl")
+    finally:
+        destroy_distributed(groups)
+
+
+def test_pipeline_stages_evaluate_the_one_stage_model_s_validation_loss(tmp_path, one_thread):
+    """PP 2 on 2 gloo ranks (one layer a stage): every stage reports the validation loss the
+    same model on one stage gets, at the same steps (the stage holding the head computes it)."""
+    staged = run_ranks(pipeline_run, 2, str(tmp_path), timeout_s=400)
+    whole = train(single_rank_groups(), FLAGS + PIPELINE, tmp_path / "one.jsonl")
+    expected = [(e.step, e.loss) for e in whole["evaluations"]]
+    assert [step for step, _ in expected] == [2, 4]
+    for run in staged:
+        assert [e.step for e in run["evaluations"]] == [2, 4]
+        for (step, loss), mine in zip(expected, run["evaluations"]):
+            assert math.isclose(mine.loss, loss, rel_tol=1e-6), (step, mine.loss, loss)

@@ -133,3 +133,27 @@ def test_the_default_schedule_is_the_old_formula_bit_for_bit():
     for cfg in cases:
         for step in range(1, cfg.train_iters + 3):
             assert lr_at(step, cfg).hex() == _old_lr_at(step, cfg).hex(), (cfg, step)
+
+
+def test_a_schedule_in_sequences_is_megatron_lm_s_on_sequences_trained():
+    """--train-samples with --lr-warmup-samples / --lr-decay-samples: Megatron-LM steps its
+    scheduler by the global batch, so at step s it is at s x batch sequences; 3 warmup and 21
+    decay sequences over a batch of 2 end the warmup at 1.5 steps, the decay at 10.5."""
+    cfg = parse_config(["--micro-batch-size", "1", "--global-batch-size", "2",
+                        "--train-samples", "20", "--lr", "1.0", "--min-lr", "0.1",
+                        "--lr-decay-style", "linear", "--lr-warmup-samples", "3",
+                        "--lr-decay-samples", "21", "--lr-warmup-init", "0.2"]).for_world(2)
+    t = cfg.train
+    assert (t.train_iters, t.warmup_steps, t.decay_steps) == (10, 1.5, 10.5)
+
+    def megatron(samples: int) -> float:  # get_lr with num_steps in sequences
+        if samples <= 3:
+            return 0.2 + (1.0 - 0.2) * samples / 3
+        return 1.0 - (1.0 - 0.1) * (samples - 3) / (21 - 3)
+    for step in (1, 2, 5, 10):
+        assert math.isclose(lr_at(step, t), megatron(2 * step), rel_tol=1e-12), step
+
+
+def test_the_warmup_init_is_where_the_warmup_starts_and_0_keeps_the_bits():
+    assert _lrs(_cfg(lr_warmup_init=0.5), (1, 2)) == [0.75, 1.0]
+    assert _lrs(_cfg(lr_warmup_init=0.0), range(1, 12)) == _lrs(_cfg(), range(1, 12))
