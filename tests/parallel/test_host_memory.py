@@ -1,0 +1,291 @@
+"""The expert-parallel all-to-all through shared host memory (parallel/host_memory.py,
+--moe-a2a-transport host_memory).
+
+Tiers: pure CPU (the protocol with ranks as threads on one region: many exchanges of random
+splits through small slots, counters past the 32-bit wrap, bad split sizes and disagreeing
+ranks in one line, a silent peer named by the watch), gloo (the region made over a real EP
+group, every exchange bit-equal to gloo's; training losses and grads bit-equal to the process
+group's with the overlap on and off), GPU (`gpu`: two ranks sharing one GPU, control over gloo,
+data through the pinned region, against gloo's host copies; the same in one process on two
+ranks' streams).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from epoverlap.parallel.host_memory import (WRAP, HostMemoryTransport, Layout, SharedRegion,
+                                            geq, region_path)
+from epoverlap.parallel.watch import CollectiveWatch
+
+from dist_helpers import run_ranks
+from gpu_runs import needs_gpu
+from host_memory_workers import (HOST_MODES, against_gloo, expert_comm_against_gloo,
+                                 pair_in_one_process, random_splits, training_modes,
+                                 training_on_one_gpu)
+
+
+def _ranks_on_one_region(ranks: int, chunk_bytes: int, slots: int = 2, timeout_s: float = 20.0,
+                         tag: str = "t"):
+    layout = Layout(ranks, slots, chunk_bytes)
+    region = SharedRegion(region_path(f"test-{tag}-{id(layout)}"), layout.total_bytes,
+                          create=True)
+    region.unlink()
+    return region, [HostMemoryTransport(region, r, ranks, chunk_bytes, slots,
+                                        timeout_s=timeout_s) for r in range(ranks)]
+
+
+def _rows(source: int, exchange: int, rows: int) -> torch.Tensor:
+    """Rows whose values name their source, exchange and position."""
+    base = torch.arange(rows * 5, dtype=torch.float64).reshape(rows, 5)
+    return base + 1e6 * source + 1e9 * exchange
+
+
+def _run_threads(transports, tables, errors=None):
+    """Each rank (a thread) runs every exchange of `tables` ([exchange][source][dest] rows)."""
+    ranks = len(transports)
+    outputs = [[] for _ in range(ranks)]
+
+    def run(r):
+        try:
+            for e, table in enumerate(tables):
+                output = torch.empty(sum(table[s][r] for s in range(ranks)), 5,
+                                     dtype=torch.float64)
+                transports[r].all_to_all(output, _rows(r, e, sum(table[r])),
+                                         [table[s][r] for s in range(ranks)], table[r])
+                outputs[r].append(output)
+        except Exception as error:  # noqa: BLE001 - handed to the test
+            if errors is None:
+                raise
+            errors.append((r, error))
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return outputs
+
+
+def _expected(table, exchange: int, dest: int) -> torch.Tensor:
+    parts = []
+    for source, row in enumerate(table):
+        at = sum(row[:dest])
+        parts.append(_rows(source, exchange, sum(row))[at:at + row[dest]])
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("ranks, chunk_bytes, slots", [(2, 64, 2), (3, 40, 2), (4, 256, 3)])
+def test_many_exchanges_of_random_splits_arrive_in_place(ranks, chunk_bytes, slots):
+    """40 exchanges per rank through slots far smaller than a message (rows of 40 bytes, up
+    to 300 rows a pair: up to 300 chunks), zero-row pairs included: every row where the
+    plain all-to-all puts it, so slot reuse across chunks and exchanges is safe."""
+    import random
+    rng = random.Random(ranks)
+    tables = [random_splits(rng, ranks, 60) for _ in range(40)]
+    region, transports = _ranks_on_one_region(ranks, chunk_bytes, slots)
+    outputs = _run_threads(transports, tables)
+    for r in range(ranks):
+        assert len(outputs[r]) == len(tables)
+        for e, table in enumerate(tables):
+            assert torch.equal(outputs[r][e], _expected(table, e, r)), (r, e)
+    assert transports[0]._sent == [sum(-(-table[0][d] * 40 // chunk_bytes) for table in tables)
+                                   for d in range(ranks)]
+    region.close()
+
+
+def test_counters_wrap_past_32_bits():
+    """Chunk numbers continue across the 32-bit wrap (the flags compare cyclically, as the
+    driver's GEQ wait does)."""
+    assert geq(3, WRAP - 2) and not geq(WRAP - 2, 3) and geq(0, (0 - 1) % WRAP)
+    region, transports = _ranks_on_one_region(2, 64)
+    start = WRAP - 3
+    layout = transports[0].layout
+    for t in transports:
+        t._sent, t._taken = [start] * 2, [start] * 2
+    for s in range(2):  # the state after `start` chunks of every pair: all taken
+        for d in range(2):
+            for n in range(start - layout.slots, start):
+                slot = layout.slot(s, d, n)
+                region.words[layout.ready_at // 4 + slot] = (n + 1) % WRAP
+                region.words[layout.done_at // 4 + slot] = (n + 1) % WRAP
+    tables = [[[7, 9], [11, 3]]] * 3  # 7 rows of 40 bytes: 5 chunks a pair and exchange
+    outputs = _run_threads(transports, tables)
+    for e, table in enumerate(tables):
+        for r in range(2):
+            assert torch.equal(outputs[r][e], _expected(table, e, r))
+    assert transports[0]._sent[0] == (start + 15) and transports[0]._sent[0] > WRAP
+    region.close()
+
+
+def test_bad_split_sizes_fail_in_one_line():
+    region, (transport, _) = _ranks_on_one_region(2, 64)
+    with pytest.raises(ValueError, match=r"^all-to-all over host memory: input split sizes "
+                                         r"\[3, 3\] do not cover 5 rows over 2 ranks$"):
+        transport.all_to_all(torch.empty(4, 5), torch.empty(5, 5), [2, 2], [3, 3])
+    with pytest.raises(ValueError, match="output split sizes \\[2, -1\\]"):
+        transport.all_to_all(torch.empty(1, 5), torch.empty(4, 5), [2, -1], [2, 2])
+    region.close()
+
+
+def test_ranks_whose_split_sizes_disagree_are_named_in_one_line():
+    """Rank 1 expects 2 rows from rank 0, which sends 3: rank 1 says so, naming both."""
+    region, transports = _ranks_on_one_region(2, 4096, timeout_s=3)
+    errors = []
+
+    def rank(r, send, recv):
+        try:
+            transports[r].all_to_all(torch.empty(sum(recv), 5), torch.zeros(sum(send), 5),
+                                     recv, send)
+        except Exception as error:  # noqa: BLE001
+            errors.append((r, str(error)))
+    threads = [threading.Thread(target=rank, args=(0, [1, 3], [1, 1])),
+               threading.Thread(target=rank, args=(1, [1, 1], [2, 1]))]
+    [t.start() for t in threads]
+    [t.join(20) for t in threads]
+    mine = [text for r, text in errors if r == 1]
+    assert mine == ["all-to-all over host memory: rank 0 sent 60 bytes in chunks of 60, rank 1 "
+                    "expected 40 in chunks of 40 (the ranks' split sizes disagree)"], errors
+    region.close()
+
+
+class _Heartbeat:
+    """Rank 1's counter never moves; this rank's does."""
+
+    def __init__(self):
+        self.counts = [0, 0]
+
+    def beat(self):
+        self.counts[0] += 1
+
+    def counters(self):
+        return list(self.counts)
+
+    def hosts(self):
+        return None
+
+
+def test_a_silent_peer_is_named_by_the_watch_within_the_timeout(capsys):
+    """Rank 1 never takes part: rank 0's exchange waits on its flag, the watch's monitor
+    names rank 1 within the timeout (one line, exit status 3), as for any collective."""
+    exits = []
+    watch = CollectiveWatch(0, 2, 1.6, on_gpu=False, heartbeat=_Heartbeat(),
+                            exit_process=exits.append)
+    watch.step = 4
+    region, (transport, _) = _ranks_on_one_region(2, 64, timeout_s=30)
+    watch.start()
+    started = time.monotonic()
+    done = threading.Event()
+
+    def exchange():
+        try:
+            with watch.collective("expert-parallel", (0, 1), "all_to_all over host memory"):
+                transport.all_to_all(torch.empty(4, 5), torch.zeros(4, 5), [2, 2], [2, 2])
+        except Exception:  # noqa: BLE001 - never answered: the thread is left behind
+            pass
+        done.set()
+    threading.Thread(target=exchange, daemon=True).start()
+    while not exits and time.monotonic() - started < 10:
+        time.sleep(0.05)
+    watch.close()
+    assert exits == [3] and time.monotonic() - started < 5
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "rank 0: step 4: expert-parallel group (ranks 0,1) all_to_all " \
+        "over host memory has waited" in lines[0] and "rank 1 did not answer" in lines[0], lines
+
+
+def test_a_cpu_wait_past_the_timeout_raises_naming_the_peer():
+    region, (transport, _) = _ranks_on_one_region(2, 64, timeout_s=0.3)
+    with pytest.raises(RuntimeError, match=r"timed out after 0 s waiting for rank 1's chunk"):
+        transport.all_to_all(torch.empty(4, 5), torch.zeros(4, 5), [2, 2], [2, 2])
+    region.close()
+
+
+# ------------------------------------------------------------------------------ gloo
+def test_a_real_group_exchanges_like_gloo_and_leaves_no_file():
+    results = run_ranks(against_gloo, 2, "cpu", 12, 256, timeout_s=120)
+    assert [compared for compared, _ in results] == [12, 12]
+    assert all(gone for _, gone in results)
+
+
+def test_expert_comm_switches_transport_with_the_same_rows_and_is_watched():
+    results = run_ranks(expert_comm_against_gloo, 2, 6, timeout_s=120)
+    for seen in results:
+        assert "expert-parallel group (ranks 0,1) all_to_all over host memory" in seen, seen
+        assert "expert-parallel group (ranks 0,1) all_to_all" in seen, seen
+
+
+@pytest.mark.slow
+def test_training_over_host_memory_is_bitwise_the_process_groups(tmp_path):
+    """The process group's sequential and overlapped runs, and the same over host memory in
+    4 KiB slots (sequential, overlap, overlap with delayed wgrad): the same reduced grads,
+    losses and grad norms, every step."""
+    from gloo_workers import assert_modes_match_sequential
+    from run_paths import path_parts
+    results = run_ranks(training_modes, 2, str(tmp_path), 6, timeout_s=600)
+    # 3 runs of 7 steps (a grads step, then 6), 2 layers x 4 microbatches x 6 all-to-alls (the
+    # dispatch's rows and probabilities and the combine, forward and backward)
+    assert [carried for _, carried in results] == [3 * 7 * 2 * 4 * 6] * 2
+    results = [per_mode for per_mode, _ in results]
+
+    def differs(record, sequential):
+        assert "all-to-all over host memory (4 KiB slots)" in path_parts(record)["levers"]
+        assert "host memory" not in path_parts(sequential)["levers"]
+    assert_modes_match_sequential(results, tmp_path, 6, HOST_MODES,
+                                  differs={m: differs for m in HOST_MODES if "host" in m})
+
+
+# ------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@needs_gpu
+def test_two_ranks_sharing_one_gpu_exchange_like_gloo_host_copies():
+    """Two processes on cuda:0, control over gloo, data device -> pinned shared region ->
+    device on copy engines (chunks of 64 KiB), ordered by stream memory operations: every
+    exchange bit-equal to gloo's all-to-all of the same rows copied to the host."""
+    results = run_ranks(against_gloo, 2, "cuda", 20, 64 * 1024, timeout_s=300)
+    assert [compared for compared, _ in results] == [20, 20]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_two_ranks_streams_in_one_process_need_no_host_wait():
+    """Both ranks' exchanges issued from one thread, one after the other: only the streams'
+    flag waits order them (a host wait would deadlock), and the rows arrive in place."""
+    assert pair_in_one_process("cuda", 10, 16 * 1024) == 20
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_training_on_one_shared_gpu_is_bitwise_the_reference_exchange(tmp_path):
+    """Two ranks sharing cuda:0 (gloo for control): the process group's all-to-all there is
+    gloo's through host copies, the reference; over host memory (copy engines), sequential and
+    overlapped: the same grads, losses and grad norms."""
+    from gloo_workers import assert_modes_match_sequential
+    results = run_ranks(training_on_one_gpu, 2, str(tmp_path), 6, timeout_s=600)
+    assert_modes_match_sequential(results, tmp_path, 6, HOST_MODES,
+                                  differs={m: lambda a, b: None for m in HOST_MODES})
+
+
+def test_two_ranks_issued_from_one_thread_phase_by_phase_do_not_block():
+    """The issue order of the one-GPU benchmark (`exchange_together`), run on CPU where every
+    wait is the host's: a put never waits for a take queued after it (slots of 512 bytes:
+    many rounds)."""
+    assert pair_in_one_process("cpu", 6, 512) == 12
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_by_the_other_over_host_memory():
+    """The launcher's 2-rank job over host memory, rank 1 SIGSTOPped mid-step: rank 0, its
+    exchange waiting on rank 1's flags (or on the split sizes), names rank 1 within the
+    timeout, as over the process group."""
+    import signal
+    from test_liveness import QUICK_JOB, TIMEOUT_S, _check_named, _signal_mid_step
+    job, code, after_s = _signal_mid_step(signal.SIGSTOP, victim=1,
+                                          flags=QUICK_JOB + ["--moe-a2a-transport",
+                                                             "host_memory"])
+    assert after_s is not None and TIMEOUT_S / 2 <= after_s <= TIMEOUT_S + 15, after_s
+    line = _check_named(job, code, survivor=0, victim=1, status=3)
+    assert "expert-parallel" in line or "world" in line, line
