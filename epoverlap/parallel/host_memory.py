@@ -27,7 +27,8 @@ others' progress (the round argument, by induction on the rounds).
 On CUDA nothing waits on the host: each rank has a send stream (device-to-host copies,
 `cuMemcpyDtoHAsync`) and a receive stream (host-to-device), forked from and joined back into
 the caller's stream; the waits and flag writes are stream memory operations
-(`cuStreamWaitValue32` / `cuStreamWriteValue32`, through ctypes to libcuda: torch exposes none)
+(`cuStreamWaitValue32` / `cuStreamWriteValue32`, through ctypes to libcuda: torch has no
+wait, and its write is private to symmetric memory)
 on the region's device mapping. The two directions run on the two copy engines side by side,
 and the slots pipeline the chunks. On CPU (gloo ranks, the tests) the same protocol runs with
 plain copies and the host polling the flags (x86 store order: a flag written after the data is
