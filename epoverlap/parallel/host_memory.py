@@ -134,9 +134,10 @@ class SharedRegion:
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self.device_address: Optional[int] = None
 
-    def register(self) -> None:
+    def register(self, device: torch.device) -> None:
         """Pin the region for copy engines and map it for stream memory operations (once)."""
         if self.device_address is None:
+            driver().use_device(_index(device))
             self.device_address = driver().register(self.address, self.size)
 
     def unlink(self) -> None:
@@ -187,7 +188,7 @@ class HostMemoryTransport:
                                  "puts its flag waits in the compute's hardware queue, where "
                                  "a wait for a peer holds back the work the peer waits for: "
                                  "unset it or set it >= 4")
-            region.register()
+            region.register(self.device)
 
     # ------------------------------------------------------------------ the exchange
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
@@ -208,6 +209,7 @@ class HostMemoryTransport:
         recv = self._bytes_per_rank(output_splits, output.shape[0], row_bytes, "output")
         exchange = _Exchange(output, input, send, recv, _offsets(send), _offsets(recv))
         if self.device.type == "cuda":
+            driver().use_device(_index(self.device))
             exchange.streams = self._cuda_streams()
             caller = torch.cuda.current_stream(self.device)
             for stream in exchange.streams:
@@ -344,6 +346,10 @@ class HostMemoryTransport:
         return self.layout.total_bytes
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _row_bytes(tensor: torch.Tensor) -> int:
     return math.prod(tensor.shape[1:]) * tensor.element_size()
 
@@ -444,6 +450,7 @@ class _Driver:
     def __init__(self):
         self.lib = ctypes.CDLL("libcuda.so.1")
         self._calls = {}
+        self._thread = threading.local()  # the device whose context this thread has current
 
     def _fn(self, *names: str):
         for name in names:
@@ -463,8 +470,25 @@ class _Driver:
             raise RuntimeError(f"host-memory all-to-all: {call} failed with CUDA error "
                                f"{result} ({(text.value or b'?').decode()})")
 
+    def use_device(self, index: int) -> None:
+        """Make `index`'s primary context (the one torch's runtime calls use) current on this
+        thread, once per thread: a rank whose process group is gloo may not have touched the
+        device yet, and autograd runs the backward's all-to-alls on a thread of its own."""
+        if getattr(self._thread, "index", None) == index:
+            return
+        context = ctypes.c_void_p()
+        self._check(self._fn("cuCtxGetCurrent")(ctypes.byref(context)), "cuCtxGetCurrent")
+        if not context.value:
+            self._check(self._fn("cuInit")(ctypes.c_uint(0)), "cuInit")
+            device = ctypes.c_int()
+            self._check(self._fn("cuDeviceGet")(ctypes.byref(device), ctypes.c_int(index)),
+                        "cuDeviceGet")
+            self._check(self._fn("cuDevicePrimaryCtxRetain")(ctypes.byref(context), device),
+                        "cuDevicePrimaryCtxRetain")
+            self._check(self._fn("cuCtxSetCurrent")(context), "cuCtxSetCurrent")
+        self._thread.index = index
+
     def register(self, address: int, size: int) -> int:
-        torch.cuda.current_stream()  # the device's primary context current on this thread
         self._check(self._fn("cuMemHostRegister_v2", "cuMemHostRegister")(
             ctypes.c_void_p(address), ctypes.c_size_t(size), ctypes.c_uint(self.HOST_REGISTER)),
             "cuMemHostRegister")

@@ -12,6 +12,7 @@ ranks' streams).
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 
@@ -289,3 +290,74 @@ def test_a_stopped_rank_is_named_by_the_other_over_host_memory():
     assert after_s is not None and TIMEOUT_S / 2 <= after_s <= TIMEOUT_S + 15, after_s
     line = _check_named(job, code, survivor=0, victim=1, status=3)
     assert "expert-parallel" in line or "world" in line, line
+
+
+class _HostDriver:
+    """libcuda's calls as the CUDA branch issues them, run at once on host memory (the
+    region's address is its own device mapping here): a wait that is not yet satisfied when
+    issued fails, since in `exchange_together`'s order nothing queued later could satisfy it."""
+
+    def __init__(self):
+        self.calls = {"wait32": 0, "write32": 0, "copy_to_host": 0, "copy_to_device": 0}
+
+    def use_device(self, index):
+        pass
+
+    def wait32(self, stream, address, value):
+        self.calls["wait32"] += 1
+        seen = ctypes.c_uint32.from_address(address).value
+        assert geq(seen, value), f"a wait for {value} issued where the flag is {seen}"
+
+    def write32(self, stream, address, value):
+        self.calls["write32"] += 1
+        ctypes.c_uint32.from_address(address).value = value
+
+    def copy_to_host(self, host, device, size, stream):
+        self.calls["copy_to_host"] += 1
+        ctypes.memmove(host, device, size)
+
+    def copy_to_device(self, device, host, size, stream):
+        self.calls["copy_to_device"] += 1
+        ctypes.memmove(device, host, size)
+
+
+class _Stream:
+    cuda_stream = 0
+
+
+def test_the_cuda_branch_addresses_and_orders_its_chunks_right(monkeypatch):
+    """The CUDA branch (flag addresses, wait values, copy offsets) run on the host through a
+    driver that executes each call at once, two ranks issued phase by phase from one thread
+    (as the one-GPU benchmark does): every row in place, and every wait already satisfied
+    when issued (the order a single hardware queue would need)."""
+    import random
+    from epoverlap.parallel import host_memory
+    fake = _HostDriver()
+    monkeypatch.setattr(host_memory, "driver", lambda: fake)
+    region, transports = _ranks_on_one_region(2, 96, slots=2, tag="cudabranch")
+    region.device_address = region.address
+
+    def begin(self, output, input, output_splits, input_splits):
+        exchange = original_begin(self, output, input, output_splits, input_splits)
+        exchange.streams = (_Stream(), _Stream())
+        return exchange
+    original_begin = HostMemoryTransport._begin
+    monkeypatch.setattr(HostMemoryTransport, "_begin", begin)
+    monkeypatch.setattr(HostMemoryTransport, "_end", lambda self, exchange: None)
+    rng = random.Random(5)
+    for e in range(25):
+        table = random_splits(rng, 2, 30)
+        inputs = [_rows(r, e, sum(table[r])) for r in range(2)]
+        outputs = [torch.empty(sum(table[s][r] for s in range(2)), 5, dtype=torch.float64)
+                   for r in range(2)]
+        host_memory.exchange_together([(transports[r], outputs[r], inputs[r],
+                                        [table[s][r] for s in range(2)], table[r])
+                                       for r in range(2)])
+        for r in range(2):
+            assert torch.equal(outputs[r], _expected(table, e, r)), (e, r)
+    chunks = sum(transports[0]._sent) + sum(transports[1]._sent)
+    assert fake.calls == {"wait32": 2 * chunks, "write32": 2 * chunks,
+                          "copy_to_host": chunks, "copy_to_device": chunks}
+    assert chunks > 100
+    region.device_address = None  # never registered
+    region.close()

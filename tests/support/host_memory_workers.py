@@ -111,8 +111,11 @@ def training_on_one_gpu(rank, world_size, out_dir, steps):
     process group's all-to-all there is gloo's, through host copies (the reference), against
     the transport's copy engines; eager, untuned, fp32 deterministic."""
     import gloo_workers
+    from epoverlap.training.environment import make_deterministic
+    make_deterministic(on_gpu=True)  # the CLI's --deterministic-mode; Trainer alone does not
     made = init_distributed(world_size, "cpu", timeout_minutes=2)
-    on_gpu = dataclasses.replace(made, device=torch.device("cuda", 0))
+    on_gpu = dataclasses.replace(made, device=torch.device("cuda", 0), local_rank=0)
+    os.environ["LOCAL_RANK"] = "0"  # both ranks on GPU 0
     gpu_flags = ["--device", "cuda", "--cuda-graph-impl", "none", "--tune", "off"]
     modes = {name: flags + gpu_flags for name, flags in HOST_MODES.items()}
     gloo_workers.init_distributed = lambda *args, **kwargs: on_gpu  # this process only
