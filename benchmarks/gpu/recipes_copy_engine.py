@@ -37,7 +37,7 @@ def _knob_step(name: str, env: dict) -> Step:
     return Step(f"nccl_{name}", "mkdir -p {out}/" + name + " && {torchrun} -m "
                 "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads nccl "
                 "--max-ctas default --computes grouped --iters 10 --out-dir {out}/" + name,
-                env={**env, **log}, timeout_s=150)
+                env={**env, **log}, timeout_s=100)
 
 
 STEP_RUN = (TRAIN + " --preset megatron-cmp --mock-data --bf16 --expert-model-parallel-size "
@@ -57,9 +57,9 @@ COPY_ENGINE_RECIPES = (
            "slowdowns, duty, what the load ran as)",
            (Step("tests", TIER + " --junitxml={out}/junit.xml -m gpu "
                  "tests/parallel/test_host_memory.py tests/benchmarks/test_bench_contention.py "
-                 "-k 'host'", timeout_s=200),
+                 "-k 'host'", timeout_s=150),
             Step("contention", CONTENTION + " --loads host_transport,d2h_pinned,sm_copy,"
-                 "triton_copy --copy-ctas sms,16 --out-dir {out}/contention", timeout_s=240))),
+                 "triton_copy --copy-ctas sms,16 --out-dir {out}/contention", timeout_s=140))),
     Recipe("nccl_ce_knobs_2gpu", 2,
            "NCCL's own copy-engine and CTA knobs (NCCL_P2P_USE_CUDA_MEMCPY, "
            "NCCL_SHM_USE_CUDA_MEMCPY with NCCL_SHM_MEMCPY_MODE 1 and 3 under P2P off, "
