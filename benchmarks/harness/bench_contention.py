@@ -47,7 +47,7 @@ default as the runtime's):
               half the bytes in equal splits (so the GPU copies the all-to-all's bytes once
               device-to-host and once host-to-device, as one rank of a real pair does), on
               copy engines, their streams ordered by stream memory operations; in
-              --host-chunk-kib slots. Not in the default list.
+              --host-slot-kib slots. Not in the default list.
 `ran as` is asked of the profiler after all timings (a profiler session leaves CUPTI attached,
 which serialized later pinned copies with kernels on torch 2.11).
 
@@ -178,8 +178,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--loads", default=",".join(DEFAULT_LOADS),
                         help=f"comma list of {', '.join(LOADS)}")
     parser.add_argument("--computes", default=",".join(COMPUTES))
-    parser.add_argument("--host-chunk-kib", type=int, default=4096,
-                        help="slot size of the host_transport load (--moe-a2a-host-chunk-kib)")
+    parser.add_argument("--host-slot-kib", type=int, default=4096,
+                        help="slot size of the host_transport load (--moe-a2a-host-slot-kib)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0,
@@ -488,12 +488,12 @@ def copy_load(kind: str, sizes: BenchSizes, device) -> Callable[[], None]:
     return lambda: gpu.copy_(host, non_blocking=True)
 
 
-def host_transport_load(sizes: BenchSizes, device, chunk_kib: int) -> Callable[[], None]:
+def host_transport_load(sizes: BenchSizes, device, slot_kib: int) -> Callable[[], None]:
     """One exchange of two ranks' host-memory transports sharing this GPU (module
     docstring): each sends sizes.rows / 2 rows, half of them to each rank."""
     from epoverlap.parallel.host_memory import (HostMemoryTransport, Layout, SharedRegion,
                                                 exchange_together, region_path)
-    chunk = chunk_kib * 1024
+    chunk = slot_kib * 1024
     layout = Layout(2, 2, chunk)
     region = SharedRegion(region_path(f"bench-{os.getpid()}-{id(sizes)}"), layout.total_bytes,
                           create=True)
@@ -556,7 +556,7 @@ class Load:
     kind: str
     budget: Optional[NcclCtaBudget] = None
     ctas: Optional[int] = None
-    chunk_kib: int = 4096  # host_transport's slots
+    slot_kib: int = 4096  # host_transport's slots
 
     def label(self) -> str:
         if self.budget is not None:
@@ -569,7 +569,7 @@ class Load:
         if self.kind == "triton_copy":
             return triton_copy_load(self.ctas, sizes, device)
         if self.kind == "host_transport":
-            return host_transport_load(sizes, device, self.chunk_kib)
+            return host_transport_load(sizes, device, self.slot_kib)
         return copy_load(self.kind, sizes, device)
 
 
@@ -582,7 +582,7 @@ def loads_of(args, sms: int) -> list[Load]:
         elif kind == "triton_copy":
             loads += [Load(kind, ctas=sms if c == "sms" else int(c)) for c in args.copy_ctas]
         elif kind == "host_transport":
-            loads.append(Load(kind, chunk_kib=args.host_chunk_kib))
+            loads.append(Load(kind, slot_kib=args.host_slot_kib))
         else:
             loads.append(Load(kind))
     return loads

@@ -205,10 +205,11 @@ class ParallelConfig:
         "the flat dispatch and no CUDA graph over the all-to-alls; with --tune the process "
         "group's all-to-all is timed as one more path (`+group`)",
         choices=A2A_TRANSPORTS, metavar="KIND")
-    moe_a2a_host_chunk_kib: int = flag(
-        4096, "--moe-a2a-transport host_memory: the all-to-all moves through slots of N KiB, "
-        "two per pair of ranks (ranks^2 x 2 x N KiB of pinned host memory per host), so the "
-        "copies out of one rank and into the next pipeline", metavar="N")
+    moe_a2a_host_slot_kib: int = flag(
+        4096, "--moe-a2a-transport host_memory: the buffer's slot size; each pair of ranks "
+        "has two slots of N KiB (ranks^2 x 2 x N KiB of pinned host memory per host), so a "
+        "message moves in pieces of N KiB and one piece is copied in while the one before is "
+        "copied out", metavar="N")
     moe_grouped_gemm_sm_carveout: Optional[int] = flag(
         None, "CUDA: the experts' grouped GEMMs run on all SMs but N (torch's SM carveout), "
         "leaving N free for the all-to-all kernels that run beside them under "

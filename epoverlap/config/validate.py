@@ -413,7 +413,7 @@ def _validate_nccl_ctas(cfg: RunConfig, cuda_available: bool) -> None:
                  f"must be <= --moe-a2a-nccl-max-ctas={p.moe_a2a_nccl_max_ctas}")
 
 
-MAX_HOST_CHUNK_KIB = 1 << 20  # 1 GiB slots: past any all-to-all of one pair
+MAX_HOST_SLOT_KIB = 1 << 20  # 1 GiB slots: past any all-to-all of one pair
 
 
 def _validate_a2a_transport(cfg: RunConfig) -> None:
@@ -421,9 +421,9 @@ def _validate_a2a_transport(cfg: RunConfig) -> None:
     dispatch (by host the two stages have communicators of their own), and no CUDA graph that
     captures it (its chunk numbers are fixed when the copies are enqueued)."""
     p, graph = cfg.parallel, cfg.cuda_graph
-    chunk = p.moe_a2a_host_chunk_kib
-    require(4 <= chunk <= MAX_HOST_CHUNK_KIB, "moe_a2a_host_chunk_kib", chunk,
-            f"must be in [4, {MAX_HOST_CHUNK_KIB}] KiB")
+    slot = p.moe_a2a_host_slot_kib
+    require(4 <= slot <= MAX_HOST_SLOT_KIB, "moe_a2a_host_slot_kib", slot,
+            f"must be in [4, {MAX_HOST_SLOT_KIB}] KiB")
     if p.moe_a2a_transport != "host_memory":
         return
     name, value = "moe_a2a_transport", p.moe_a2a_transport

@@ -3,7 +3,8 @@
 
 Owns `SharedRegion` (one POSIX shared-memory file per EP group, mapped by every rank of it and,
 on CUDA, registered with the driver in each), `HostMemoryTransport` (one rank's side of the
-exchange) and `open_host_transport` (made collectively over the EP group).
+exchange), `open_host_transport` (made collectively over the EP group) and `exchange_together`
+(several ranks of one process issued from one thread: the one-GPU benchmark).
 
 Layout of the region, R ranks, S slots of C bytes per (source, destination) pair:
 
@@ -340,10 +341,6 @@ class HostMemoryTransport:
             self._streams = (torch.cuda.Stream(self.device, priority=high),
                              torch.cuda.Stream(self.device, priority=high))
         return self._streams
-
-    @property
-    def host_bytes(self) -> int:
-        return self.layout.total_bytes
 
 
 def _index(device: torch.device) -> int:

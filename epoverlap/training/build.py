@@ -415,7 +415,7 @@ def _host_transport(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostMemo
     p = cfg.parallel
     if p.moe_a2a_transport != "host_memory" or groups.ep_size == 1:
         return None
-    return open_host_transport(groups.ep, groups.ep_rank, p.moe_a2a_host_chunk_kib * 1024,
+    return open_host_transport(groups.ep, groups.ep_rank, p.moe_a2a_host_slot_kib * 1024,
                                groups.device, groups.watch.timing.timeout_s)
 
 

@@ -234,7 +234,7 @@ def test_the_host_transport_load_runs_on_copy_engines_beside_both_gemms(tmp_path
     """The host-memory all-to-all's load (two ranks' transports in this process, slots of
     256 KiB: several chunks a pair): timed alone and beside both GEMMs, and the profiler sees
     only copies (device-to-host and host-to-device), no kernel."""
-    result = _run_one_rank(tmp_path, "--loads", "host_transport", "--host-chunk-kib", "256")
+    result = _run_one_rank(tmp_path, "--loads", "host_transport", "--host-slot-kib", "256")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads((tmp_path / bc.JSON_FILE).read_text())["rows"]
     assert [(r["load"], r["compute"]) for r in rows] == [("host_transport", "gemm"),

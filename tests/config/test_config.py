@@ -397,6 +397,6 @@ def test_the_host_memory_transport_and_its_slots():
     check(HOST_MEMORY)
     check(HOST_MEMORY + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
                          "moe_router", "moe_preprocess"], cuda=True)
-    assert str(rejected(HOST_MEMORY + ["--moe-a2a-host-chunk-kib", "2"])) == \
-        "--moe-a2a-host-chunk-kib=2: must be in [4, 1048576] KiB"
+    assert str(rejected(HOST_MEMORY + ["--moe-a2a-host-slot-kib", "2"])) == \
+        "--moe-a2a-host-slot-kib=2: must be in [4, 1048576] KiB"
     assert "--moe-a2a-transport=nvlink" in str(rejected(["--moe-a2a-transport", "nvlink"]))

@@ -16,7 +16,7 @@ from epoverlap.parallel.host_memory import open_host_transport, region_path
 
 from gloo_workers import MODES, mode_grads_and_losses
 
-HOST = ["--moe-a2a-transport", "host_memory", "--moe-a2a-host-chunk-kib", "4"]
+HOST = ["--moe-a2a-transport", "host_memory", "--moe-a2a-host-slot-kib", "4"]
 # the process group's schedules, and the same over host memory in 4 KiB slots (many chunks)
 HOST_MODES = {"sequential": MODES["sequential"], "overlap": MODES["overlap"],
               "sequential_host": MODES["sequential"] + HOST,
