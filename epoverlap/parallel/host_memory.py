@@ -110,6 +110,21 @@ class Layout:
         return self.data_at + slot * self.chunk_bytes
 
 
+def _reserve(fd: int, path: str, size: int) -> None:
+    """Give the file its pages now: a /dev/shm too small for it fails here in one line, not
+    with a SIGBUS at the first copy into a page the file system could not supply."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        os.unlink(path)
+        folder = os.path.dirname(path)
+        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+        raise ValueError(f"--moe-a2a-transport host_memory: its buffer needs {size / 2**20:.0f} "
+                         f"MiB in {folder}, which has {free / 2**20:.0f} MiB free "
+                         f"({error.strerror}): lower --moe-a2a-host-slot-kib (ranks^2 x 2 "
+                         "slots) or enlarge it") from None
+
+
 def _round_up(value: int, unit: int) -> int:
     return -(-value // unit) * unit
 
@@ -125,7 +140,7 @@ class SharedRegion:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                _reserve(fd, path, size)
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)

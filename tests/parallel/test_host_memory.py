@@ -13,6 +13,7 @@ ranks' streams).
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 
@@ -361,3 +362,20 @@ def test_the_cuda_branch_addresses_and_orders_its_chunks_right(monkeypatch):
     assert chunks > 100
     region.device_address = None  # never registered
     region.close()
+
+
+def test_a_buffer_larger_than_the_shared_memory_fails_in_one_line(monkeypatch):
+    """posix_fallocate refusing the pages (a small /dev/shm, as in a default container) is
+    one line naming the flags, and no file is left behind."""
+    from epoverlap.parallel import host_memory
+
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(host_memory.os, "posix_fallocate", full)
+    path = region_path("test-full")
+    with pytest.raises(ValueError, match=r"^--moe-a2a-transport host_memory: its buffer needs "
+                                         r"64 MiB in /dev/shm, which has \d+ MiB free \(No "
+                                         r"space left on device\): lower "
+                                         r"--moe-a2a-host-slot-kib"):
+        SharedRegion(path, 64 * 2**20, create=True)
+    assert not os.path.exists(path)
