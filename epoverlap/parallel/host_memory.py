@@ -58,6 +58,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from epoverlap.errors import ConfigError
+
+FLAG = "--moe-a2a-transport"
 FLAG_BYTES = 4
 PAGE = 4096
 DEFAULT_SLOTS = 2
@@ -119,10 +122,14 @@ def _reserve(fd: int, path: str, size: int) -> None:
         os.unlink(path)
         folder = os.path.dirname(path)
         free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
-        raise ValueError(f"--moe-a2a-transport host_memory: its buffer needs {size / 2**20:.0f} "
-                         f"MiB in {folder}, which has {free / 2**20:.0f} MiB free "
-                         f"({error.strerror}): lower --moe-a2a-host-slot-kib (ranks^2 x 2 "
-                         "slots) or enlarge it") from None
+        raise ConfigError(FLAG, "host_memory",
+                          f"its buffer needs {_size_text(size)} in {folder}, which has "
+                          f"{_size_text(free)} free ({error.strerror}): lower "
+                          "--moe-a2a-host-slot-kib (ranks^2 x 2 slots) or enlarge it") from None
+
+
+def _size_text(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -200,10 +207,10 @@ class HostMemoryTransport:
         self._streams: Optional[tuple] = None
         if self.device.type == "cuda":
             if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-                raise ValueError("--moe-a2a-transport host_memory: CUDA_DEVICE_MAX_CONNECTIONS=1 "
-                                 "puts its flag waits in the compute's hardware queue, where "
-                                 "a wait for a peer holds back the work the peer waits for: "
-                                 "unset it or set it >= 4")
+                raise ConfigError(FLAG, "host_memory", "with CUDA_DEVICE_MAX_CONNECTIONS=1 its "
+                                  "flag waits share the compute's hardware queue, where a wait "
+                                  "for a peer holds back the work the peer waits for: unset it "
+                                  "or set it >= 4")
             region.register(self.device)
 
     # ------------------------------------------------------------------ the exchange
@@ -426,22 +433,30 @@ def open_host_transport(group, rank_in_group: int, chunk_bytes: int, device: tor
                         timeout_s: float, slots: int = DEFAULT_SLOTS) -> HostMemoryTransport:
     """Collective over `group` (a `groups.Group`): its first rank makes the region, every
     rank maps it, then the file is removed (the mappings stay; nothing is left behind when a
-    rank dies). Ranks on two hosts (`watch.host_label`) fail in one line."""
+    rank dies). Ranks on two hosts (`watch.host_label`), or a region the first rank could not
+    make, fail on every rank with the same one line (a `ConfigError`)."""
     from epoverlap.parallel.watch import host_label
     ranks = group.size
     seen: list = [None] * ranks
     group.all_gather_object(seen, (uuid.uuid4().hex, host_label()))
     hosts = sorted({host for _, host in seen})
     if len(hosts) > 1:
-        raise ValueError(f"--moe-a2a-transport host_memory: the expert-parallel group (ranks "
-                         f"{','.join(map(str, group.ranks))}) spans hosts {', '.join(hosts)}; "
-                         "its all-to-all goes through one host's memory: use "
-                         "--moe-a2a-transport process_group")
+        raise ConfigError(FLAG, "host_memory",
+                          f"the expert-parallel group (ranks {','.join(map(str, group.ranks))}) "
+                          f"spans hosts {', '.join(hosts)}; its all-to-all goes through one "
+                          "host's memory: use --moe-a2a-transport process_group")
     layout = Layout(ranks, slots, chunk_bytes)
-    path = region_path(seen[0][0])
-    first = rank_in_group == 0
-    region = SharedRegion(path, layout.total_bytes, create=True) if first else None
-    group.barrier()  # the file exists
+    path, first = region_path(seen[0][0]), rank_in_group == 0
+    region, failed = None, None
+    if first:
+        try:
+            region = SharedRegion(path, layout.total_bytes, create=True)
+        except ConfigError as error:
+            failed = error.allowed
+    outcome: list = [None] * ranks
+    group.all_gather_object(outcome, failed)  # the file exists, or every rank learns why not
+    if outcome[0] is not None:
+        raise ConfigError(FLAG, "host_memory", outcome[0])
     if region is None:
         region = SharedRegion(path, layout.total_bytes, create=False)
     group.barrier()  # every rank mapped it

@@ -27,8 +27,8 @@ from epoverlap.parallel.watch import CollectiveWatch
 from dist_helpers import run_ranks
 from gpu_runs import needs_gpu
 from host_memory_workers import (HOST_MODES, against_gloo, expert_comm_against_gloo,
-                                 pair_in_one_process, random_splits, training_modes,
-                                 training_on_one_gpu)
+                                 pair_in_one_process, random_splits, setup_refusals,
+                                 training_modes, training_on_one_gpu)
 
 
 def _ranks_on_one_region(ranks: int, chunk_bytes: int, slots: int = 2, timeout_s: float = 20.0,
@@ -213,6 +213,18 @@ def test_a_real_group_exchanges_like_gloo_and_leaves_no_file():
     assert all(gone for _, gone in results)
 
 
+def test_a_region_that_cannot_be_made_or_shared_is_one_line_on_every_rank():
+    """No room in /dev/shm on the first rank, then ranks on two hosts: every rank raises the
+    same line (none waits for a region that will not come)."""
+    first, second = run_ranks(setup_refusals, 2, timeout_s=120)
+    assert first == second and len(first) == 2, (first, second)
+    assert first[0].startswith("--moe-a2a-transport=host_memory: its buffer needs 36 KiB in "
+                               "/dev/shm"), first[0]
+    assert first[1] == ("--moe-a2a-transport=host_memory: the expert-parallel group (ranks 0,1) "
+                        "spans hosts node0, node1; its all-to-all goes through one host's "
+                        "memory: use --moe-a2a-transport process_group")
+
+
 def test_expert_comm_switches_transport_with_the_same_rows_and_is_watched():
     results = run_ranks(expert_comm_against_gloo, 2, 6, timeout_s=120)
     for seen in results:
@@ -373,8 +385,8 @@ def test_a_buffer_larger_than_the_shared_memory_fails_in_one_line(monkeypatch):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(host_memory.os, "posix_fallocate", full)
     path = region_path("test-full")
-    with pytest.raises(ValueError, match=r"^--moe-a2a-transport host_memory: its buffer needs "
-                                         r"64 MiB in /dev/shm, which has \d+ MiB free \(No "
+    with pytest.raises(ValueError, match=r"^--moe-a2a-transport=host_memory: its buffer needs "
+                                         r"64 MiB in /dev/shm, which has \d+ [MK]iB free \(No "
                                          r"space left on device\): lower "
                                          r"--moe-a2a-host-slot-kib"):
         SharedRegion(path, 64 * 2**20, create=True)

@@ -164,3 +164,28 @@ def pair_in_one_process(device_kind: str, exchanges: int, chunk_bytes: int) -> i
             compared += 1
     region.close()
     return compared
+
+
+def setup_refusals(rank, world_size):
+    """What each rank raises when the first rank cannot make the region (no room in
+    /dev/shm), then when the group spans two hosts: the same one line on every rank."""
+    from epoverlap.errors import ConfigError
+    from epoverlap.parallel import host_memory, watch
+    groups = init_distributed(world_size, "cpu", timeout_minutes=1)
+    lines = []
+    try:
+        def full(fd, offset, size):
+            raise OSError(28, "No space left on device")
+        host_memory.os.posix_fallocate = full
+        try:
+            open_host_transport(groups.ep, groups.ep_rank, 4096, groups.device, 30.0)
+        except ConfigError as error:
+            lines.append(str(error))
+        watch.host_label = lambda: f"node{rank}"
+        try:
+            open_host_transport(groups.ep, groups.ep_rank, 4096, groups.device, 30.0)
+        except ConfigError as error:
+            lines.append(str(error))
+        return lines
+    finally:
+        destroy_distributed(groups)
