@@ -57,9 +57,9 @@ COPY_ENGINE_RECIPES = (
            "slowdowns, duty, what the load ran as)",
            (Step("tests", TIER + " --junitxml={out}/junit.xml -m gpu "
                  "tests/parallel/test_host_memory.py tests/benchmarks/test_bench_contention.py "
-                 "-k 'host'", timeout_s=150),
+                 "-k 'host'", timeout_s=170),
             Step("contention", CONTENTION + " --loads host_transport,d2h_pinned,sm_copy,"
-                 "triton_copy --copy-ctas sms,16 --out-dir {out}/contention", timeout_s=140))),
+                 "triton_copy --copy-ctas sms,16 --out-dir {out}/contention", timeout_s=120))),
     Recipe("nccl_ce_knobs_2gpu", 2,
            "NCCL's own copy-engine and CTA knobs (NCCL_P2P_USE_CUDA_MEMCPY, "
            "NCCL_SHM_USE_CUDA_MEMCPY with NCCL_SHM_MEMCPY_MODE 1 and 3 under P2P off, "

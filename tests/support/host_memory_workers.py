@@ -109,7 +109,7 @@ def training_modes(rank, world_size, out_dir, steps):
 def training_on_one_gpu(rank, world_size, out_dir, steps):
     """Two ranks sharing cuda:0, gloo for control (NCCL refuses two ranks on one GPU): the
     process group's all-to-all there is gloo's, through host copies (the reference), against
-    the transport's copy engines; eager, untuned, fp32, deterministic, torch kernels."""
+    the transport's copy engines; eager, untuned, fp32, deterministic, Triton kernels."""
     import gloo_workers
     from epoverlap.training.environment import make_deterministic
     make_deterministic(on_gpu=True)  # the CLI's --deterministic-mode; Trainer alone does not
@@ -117,7 +117,7 @@ def training_on_one_gpu(rank, world_size, out_dir, steps):
     on_gpu = dataclasses.replace(made, device=torch.device("cuda", 0), local_rank=0)
     os.environ["LOCAL_RANK"] = "0"  # both ranks on GPU 0
     gpu_flags = ["--device", "cuda", "--cuda-graph-impl", "none", "--tune", "off",
-                 "--kernel-backend", "torch"]  # no Triton compiles: the bits of both sides alike
+                 "--kernel-backend", "triton"]  # the GPU tier's deterministic backend
     modes = {name: flags + gpu_flags for name, flags in HOST_MODES.items()}
     gloo_workers.init_distributed = lambda *args, **kwargs: on_gpu  # this process only
     gloo_workers.destroy_distributed = lambda groups: None
