@@ -120,6 +120,7 @@ def training_on_one_gpu(rank, world_size, out_dir, steps):
                  "--kernel-backend", "triton"]  # the GPU tier's deterministic backend
     modes = {name: flags + gpu_flags for name, flags in HOST_MODES.items()}
     gloo_workers.init_distributed = lambda *args, **kwargs: on_gpu  # this process only
+    _all_to_alls_through_host()
     gloo_workers.destroy_distributed = lambda groups: None
     try:
         return gloo_workers.mode_grads_and_losses(rank, world_size, 2, out_dir, steps,
@@ -189,3 +190,18 @@ def setup_refusals(rank, world_size):
         return lines
     finally:
         destroy_distributed(groups)
+
+
+def _all_to_alls_through_host() -> None:
+    """The process group's all-to-alls of CUDA tensors staged through host copies (gloo's
+    own all-to-all is documented for CPU tensors): the reference exchange. This process only."""
+    from epoverlap.parallel.groups import Group
+    plain = Group.all_to_all_single
+
+    def through_host(self, output, input, output_splits=None, input_splits=None):
+        if not output.is_cuda:
+            return plain(self, output, input, output_splits, input_splits)
+        staged = torch.empty(output.shape, dtype=output.dtype)
+        plain(self, staged, input.cpu(), output_splits, input_splits)
+        output.copy_(staged)
+    Group.all_to_all_single = through_host
