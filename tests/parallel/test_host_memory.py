@@ -13,6 +13,7 @@ ranks' streams).
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import threading
 import time
@@ -26,9 +27,9 @@ from epoverlap.parallel.watch import CollectiveWatch
 
 from dist_helpers import run_ranks
 from gpu_runs import needs_gpu
-from host_memory_workers import (HOST_MODES, against_gloo, expert_comm_against_gloo,
-                                 pair_in_one_process, random_splits, setup_refusals,
-                                 training_modes, training_on_one_gpu)
+from host_memory_workers import (HOST_MODES, ONE_GPU_MODES, against_gloo,
+                                 expert_comm_against_gloo, pair_in_one_process, random_splits,
+                                 setup_refusals, training_modes, training_on_one_gpu)
 
 
 def _ranks_on_one_region(ranks: int, chunk_bytes: int, slots: int = 2, timeout_s: float = 20.0,
@@ -235,15 +236,26 @@ def test_expert_comm_switches_transport_with_the_same_rows_and_is_watched():
 @pytest.mark.slow
 def test_training_over_host_memory_is_bitwise_the_process_groups(tmp_path):
     """The process group's sequential and overlapped runs, and the same over host memory in
-    4 KiB slots (sequential, overlap, overlap with delayed wgrad): the same reduced grads,
-    losses and grad norms, every step."""
+    4 KiB slots (sequential, overlap, overlap with delayed wgrad, and tuned: its paths switch
+    between host memory and the process group mid-run): the same reduced grads, losses and
+    grad norms, every step."""
     from gloo_workers import assert_modes_match_sequential
     from run_paths import path_parts
     results = run_ranks(training_modes, 2, str(tmp_path), 6, timeout_s=600)
-    # 3 runs of 7 steps (a grads step, then 6), 2 layers x 4 microbatches x 6 all-to-alls (the
-    # dispatch's rows and probabilities and the combine, forward and backward)
-    assert [carried for _, carried in results] == [3 * 7 * 2 * 4 * 6] * 2
-    results = [per_mode for per_mode, _ in results]
+    # a step: 2 layers x 4 microbatches x 6 all-to-alls (the dispatch's rows and
+    # probabilities and the combine, forward and backward); an untuned run: 7 steps (a grads
+    # step, then 6): 2 on the process group, 3 over host memory, then the tuned run's steps
+    per_step, run = 2 * 4 * 6, 7 * 2 * 4 * 6
+    with open(tmp_path / "tuned_host.jsonl") as records:
+        schedules = [json.loads(line)["schedule"] for line in records]
+    assert "combined_1f1b+group" in schedules, schedules
+    assert results[0][1:] == results[1][1:]
+    carried, chose = results[0][1:]
+    assert carried == chose["host"]  # ExpertComm's choice is what the transport carried
+    tuned_group, tuned_host = chose["group"] - 2 * run, chose["host"] - 3 * run
+    assert tuned_group >= per_step and tuned_group % per_step == 0, chose
+    assert tuned_host >= 5 * per_step and tuned_host % per_step == 0, chose
+    results = [per_mode for per_mode, _, _ in results]
 
     def differs(record, sequential):
         assert "all-to-all over host memory (4 KiB slots)" in path_parts(record)["levers"]
@@ -279,8 +291,8 @@ def test_training_on_one_shared_gpu_is_bitwise_the_reference_exchange(tmp_path):
     overlapped: the same grads, losses and grad norms."""
     from gloo_workers import assert_modes_match_sequential
     results = run_ranks(training_on_one_gpu, 2, str(tmp_path), 6, timeout_s=600)
-    assert_modes_match_sequential(results, tmp_path, 6, HOST_MODES,
-                                  differs={m: lambda a, b: None for m in HOST_MODES})
+    assert_modes_match_sequential(results, tmp_path, 6, ONE_GPU_MODES,
+                                  differs={m: lambda a, b: None for m in ONE_GPU_MODES})
 
 
 def test_two_ranks_issued_from_one_thread_phase_by_phase_do_not_block():

@@ -21,7 +21,11 @@ HOST = ["--moe-a2a-transport", "host_memory", "--moe-a2a-host-slot-kib", "4"]
 HOST_MODES = {"sequential": MODES["sequential"], "overlap": MODES["overlap"],
               "sequential_host": MODES["sequential"] + HOST,
               "overlap_host": MODES["overlap"] + HOST,
-              "overlap_wgrad_host": MODES["overlap_wgrad"] + HOST}
+              "overlap_wgrad_host": MODES["overlap_wgrad"] + HOST,
+              # the tuner over host memory: its paths include the process group's (+group)
+              "tuned_host": MODES["overlap_wgrad"] + HOST + [
+                  "--overlap-plan", "combined_1f1b", "--tune", "on", "--tune-steps", "1"]}
+ONE_GPU_MODES = {name: flags for name, flags in HOST_MODES.items() if name != "tuned_host"}
 
 
 def random_splits(rng: random.Random, ranks: int, most: int) -> list[list[int]]:
@@ -92,18 +96,24 @@ def expert_comm_against_gloo(rank, world_size, exchanges: int):
 
 
 def training_modes(rank, world_size, out_dir, steps):
-    """`mode_grads_and_losses` over the process group's schedules and host memory's, and the
-    exchanges the transport carried (none would mean the runs never used it)."""
+    """`mode_grads_and_losses` over the process group's schedules and host memory's, with the
+    EP all-to-alls counted by what carried them: {"host": .., "group": ..} as `ExpertComm`
+    chose, and the exchanges the transport itself carried (must equal "host")."""
     from epoverlap.parallel.host_memory import HostMemoryTransport
-    carried = [0]
-    exchange = HostMemoryTransport.all_to_all
+    carried, chose = [0], {"host": 0, "group": 0}
+    exchange, all_to_all = HostMemoryTransport.all_to_all, ExpertComm.all_to_all
 
     def counted(self, *args):
         carried[0] += 1
         return exchange(self, *args)
-    HostMemoryTransport.all_to_all = counted  # this rank's process only
-    return mode_grads_and_losses(rank, world_size, 2, out_dir, steps, modes=HOST_MODES), \
-        carried[0]
+
+    def chosen(self, *args):
+        if self.size > 1:
+            chose["host" if self.host_memory else "group"] += 1
+        return all_to_all(self, *args)
+    HostMemoryTransport.all_to_all, ExpertComm.all_to_all = counted, chosen  # this process
+    results = mode_grads_and_losses(rank, world_size, 2, out_dir, steps, modes=HOST_MODES)
+    return results, carried[0], chose
 
 
 def training_on_one_gpu(rank, world_size, out_dir, steps):
@@ -118,7 +128,7 @@ def training_on_one_gpu(rank, world_size, out_dir, steps):
     os.environ["LOCAL_RANK"] = "0"  # both ranks on GPU 0
     gpu_flags = ["--device", "cuda", "--cuda-graph-impl", "none", "--tune", "off",
                  "--kernel-backend", "triton"]  # the GPU tier's deterministic backend
-    modes = {name: flags + gpu_flags for name, flags in HOST_MODES.items()}
+    modes = {name: flags + gpu_flags for name, flags in ONE_GPU_MODES.items()}
     gloo_workers.init_distributed = lambda *args, **kwargs: on_gpu  # this process only
     _all_to_alls_through_host()
     gloo_workers.destroy_distributed = lambda groups: None
