@@ -40,6 +40,11 @@ def _knob_step(name: str, env: dict) -> Step:
                 env={**env, **log}, timeout_s=100)
 
 
+HOST_STEP = Step("host_memory", "mkdir -p {out}/host_memory && {torchrun} -m "
+                 "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads "
+                 "host_transport --computes grouped --iters 10 --out-dir {out}/host_memory",
+                 timeout_s=100)
+
 STEP_RUN = (TRAIN + " --preset megatron-cmp --mock-data --bf16 --expert-model-parallel-size "
             "{gpus} --train-iters 12 --log-interval 100 --tune off " + GRAPHS)
 STEP_SIDES = {"seq": SEQUENTIAL, "seq_host": SEQUENTIAL + HOST, "ovl_wgrad": WGRAD,
@@ -60,13 +65,15 @@ COPY_ENGINE_RECIPES = (
                  "-k 'host'", timeout_s=170),
             Step("contention", CONTENTION + " --loads host_transport,d2h_pinned,sm_copy,"
                  "triton_copy --copy-ctas sms,16 --out-dir {out}/contention", timeout_s=120))),
-    Recipe("nccl_ce_knobs_2gpu", 2,
-           "NCCL's own copy-engine and CTA knobs (NCCL_P2P_USE_CUDA_MEMCPY, "
-           "NCCL_SHM_USE_CUDA_MEMCPY with NCCL_SHM_MEMCPY_MODE 1 and 3 under P2P off, "
-           "NCCL_CTA_POLICY 1 and 2): the EP all-to-all's time alone and its and the GEMMs' "
-           "slowdowns beside each other, one run per knob, NCCL's log of the transport taken",
-           "KNOB/bench_contention.json and KNOB/nccl.*.log for each knob",
-           tuple(_knob_step(name, env) for name, env in NCCL_KNOBS.items())),
+    Recipe("copy_engine_a2a_2gpu", 2,
+           "the EP all-to-all across 2 GPUs beside the experts' grouped GEMM, alone and "
+           "beside (time, GB/s, both sides' slowdowns): NCCL under each of its own copy-engine "
+           "and CTA knobs (NCCL_P2P_USE_CUDA_MEMCPY, NCCL_SHM_USE_CUDA_MEMCPY with "
+           "NCCL_SHM_MEMCPY_MODE 1 and 3 under P2P off, NCCL_CTA_POLICY 1 and 2), one run per "
+           "knob with NCCL's log of the transport taken, then the host-memory transport",
+           "KNOB/bench_contention.json and KNOB/nccl.*.log for each knob; "
+           "host_memory/bench_contention.json",
+           tuple(_knob_step(name, env) for name, env in NCCL_KNOBS.items()) + (HOST_STEP,)),
     Recipe("copy_transport_step_2gpu", 2,
            "megatron-cmp's training step over host memory against NCCL, sequential and "
            "overlapped with delayed wgrads, interleaved rounds, over NVLink and with P2P off",

@@ -42,12 +42,13 @@ default as the runtime's):
               send side of an all-to-all it reads HBM; it moves only as fast as PCIe, so it loads
               HBM far less than an NVLink copy would (its GB/s is printed).
   h2d_pinned  the reverse (writes HBM); not in the default list.
-  host_transport  the all-to-all of --moe-a2a-transport host_memory (parallel/host_memory.py):
-              two ranks' transports on one shared pinned region in this process, each sending
-              half the bytes in equal splits (so the GPU copies the all-to-all's bytes once
-              device-to-host and once host-to-device, as one rank of a real pair does), on
-              copy engines, their streams ordered by stream memory operations; in
-              --host-slot-kib slots. Not in the default list.
+  host_transport  the all-to-all of --moe-a2a-transport host_memory (parallel/host_memory.py)
+              in --host-slot-kib slots, on copy engines, ordered by stream memory operations.
+              Under torchrun: across the expert-parallel group, the bytes in equal splits, as
+              the nccl load. On one rank: two ranks' transports on one shared pinned region in
+              this process, each sending half the bytes (so the GPU copies the all-to-all's
+              bytes once device-to-host and once host-to-device, as one rank of a real pair
+              does). Not in the default list.
 `ran as` is asked of the profiler after all timings (a profiler session leaves CUPTI attached,
 which serialized later pinned copies with kernels on torch 2.11).
 
@@ -488,12 +489,21 @@ def copy_load(kind: str, sizes: BenchSizes, device) -> Callable[[], None]:
     return lambda: gpu.copy_(host, non_blocking=True)
 
 
-def host_transport_load(sizes: BenchSizes, device, slot_kib: int) -> Callable[[], None]:
-    """One exchange of two ranks' host-memory transports sharing this GPU (module
-    docstring): each sends sizes.rows / 2 rows, half of them to each rank."""
+def host_transport_load(sizes: BenchSizes, device, slot_kib: int,
+                        groups=None) -> Callable[[], None]:
+    """One exchange of the host-memory transport (module docstring): across the ranks of
+    `groups.ep` (torchrun, one GPU each: each rank sends the all-to-all's bytes in equal
+    splits, as the nccl load does), or, on one rank, of two ranks' transports sharing this GPU,
+    each sending sizes.rows / 2 rows, half of them to each rank."""
     from epoverlap.parallel.host_memory import (HostMemoryTransport, Layout, SharedRegion,
-                                                exchange_together, region_path)
+                                                exchange_together, open_host_transport,
+                                                region_path)
     chunk = slot_kib * 1024
+    if groups is not None and groups.ep_size > 1:
+        transport = open_host_transport(groups.ep, groups.ep_rank, chunk, device, 600.0)
+        send = torch.randn(sizes.rows, sizes.hidden, dtype=torch.bfloat16, device=device)
+        recv = torch.empty_like(send)
+        return lambda: transport.all_to_all(recv, send)
     layout = Layout(2, 2, chunk)
     region = SharedRegion(region_path(f"bench-{os.getpid()}-{id(sizes)}"), layout.total_bytes,
                           create=True)
@@ -503,7 +513,6 @@ def host_transport_load(sizes: BenchSizes, device, slot_kib: int) -> Callable[[]
     sends = [torch.randn(half, sizes.hidden, dtype=torch.bfloat16, device=device)
              for _ in ranks]
     recvs = [torch.empty_like(send) for send in sends]
-
     calls = [(transport, recv, send, None, None)
              for transport, send, recv in zip(ranks, sends, recvs)]
     return lambda: exchange_together(calls)
@@ -569,7 +578,8 @@ class Load:
         if self.kind == "triton_copy":
             return triton_copy_load(self.ctas, sizes, device)
         if self.kind == "host_transport":
-            return host_transport_load(sizes, device, self.slot_kib)
+            return host_transport_load(sizes, device, self.slot_kib,
+                                       groups_of(NcclCtaBudget(None, None)))
         return copy_load(self.kind, sizes, device)
 
 
