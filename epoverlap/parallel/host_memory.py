@@ -1,5 +1,5 @@
 """The expert-parallel all-to-all through a shared host buffer, its bytes moved by copy engines
-(`--moe-a2a-transport host_memory`): no SM kernel, so it does not slow the experts' GEMMs.
+(`--moe-a2a-transport host_memory`): no SM kernel, so it holds no SM the experts' GEMMs need.
 
 Owns `SharedRegion` (one POSIX shared-memory file per EP group, mapped by every rank of it and,
 on CUDA, registered with the driver in each), `HostMemoryTransport` (one rank's side of the
@@ -29,9 +29,10 @@ On CUDA nothing waits on the host: each rank has a send stream (device-to-host c
 `cuMemcpyDtoHAsync`) and a receive stream (host-to-device), forked from and joined back into
 the caller's stream; the waits and flag writes are stream memory operations
 (`cuStreamWaitValue32` / `cuStreamWriteValue32`, through ctypes to libcuda: torch has no
-wait, and its write is private to symmetric memory)
-on the region's device mapping. The two directions run on the two copy engines side by side,
-and the slots pipeline the chunks. On CPU (gloo ranks, the tests) the same protocol runs with
+wait, and its write is private to symmetric memory) on the region's device mapping. A flag
+write follows its copy on the stream and, by default, a memory fence, so a peer that sees the
+flag sees the bytes. The two directions run on the two copy engines side by side, and the
+slots pipeline the chunks. On CPU (gloo ranks, the tests) the same protocol runs with
 plain copies and the host polling the flags (x86 store order: a flag written after the data is
 seen after it).
 
@@ -172,6 +173,7 @@ class SharedRegion:
 
     def close(self) -> None:
         if self.device_address is not None:
+            torch.cuda.synchronize()  # no copy or flag operation may still use the pages
             driver().unregister(self.address)
             self.device_address = None
         self.words.release()
