@@ -403,3 +403,16 @@ def test_a_buffer_larger_than_the_shared_memory_fails_in_one_line(monkeypatch):
                                          r"--moe-a2a-host-slot-kib"):
         SharedRegion(path, 64 * 2**20, create=True)
     assert not os.path.exists(path)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_by_the_other_over_host_memory():
+    """The same with rank 0 SIGKILLed: shared memory raises nothing when a peer dies, so a
+    survivor waiting on its flags is the monitor's to name (the heartbeat stopped)."""
+    import signal
+    from test_liveness import QUICK_JOB, TIMEOUT_S, _check_named, _signal_mid_step
+    job, code, after_s = _signal_mid_step(signal.SIGKILL, victim=0,
+                                          flags=QUICK_JOB + ["--moe-a2a-transport",
+                                                             "host_memory"])
+    assert after_s is not None and after_s <= TIMEOUT_S + 15, after_s
+    _check_named(job, code, survivor=1, victim=0, status=128 + signal.SIGKILL)
