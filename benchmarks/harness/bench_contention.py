@@ -42,6 +42,13 @@ default as the runtime's):
               send side of an all-to-all it reads HBM; it moves only as fast as PCIe, so it loads
               HBM far less than an NVLink copy would (its GB/s is printed).
   h2d_pinned  the reverse (writes HBM); not in the default list.
+  host_transport  the all-to-all of --moe-a2a-transport host_memory (parallel/host_memory.py)
+              in --host-slot-kib slots, on copy engines, ordered by stream memory operations.
+              Under torchrun: across the expert-parallel group, the bytes in equal splits, as
+              the nccl load. On one rank: two ranks' transports on one shared pinned region in
+              this process, each sending half the bytes (so the GPU copies the all-to-all's
+              bytes once device-to-host and once host-to-device, as one rank of a real pair
+              does). Not in the default list.
 `ran as` is asked of the profiler after all timings (a profiler session leaves CUPTI attached,
 which serialized later pinned copies with kernels on torch 2.11).
 
@@ -87,7 +94,8 @@ from epoverlap.parallel.groups import NcclCtaBudget
 from epoverlap.profiling.intervals import intersect, measure, union
 
 DEFAULT_SHAPES = ("megatron_e32_k4_mbs2x8", "megatron_e8_k8_f4096_mbs8x4")
-LOADS = ("nccl", "triton_copy", "sm_copy", "memcpy_d2d", "d2h_pinned", "h2d_pinned")
+LOADS = ("nccl", "triton_copy", "sm_copy", "memcpy_d2d", "d2h_pinned", "h2d_pinned",
+         "host_transport")
 DEFAULT_LOADS = LOADS[:5]
 COMPUTES = ("gemm", "grouped")
 ROW_ALIGN = 16  # rows per expert: a multiple of this (torch._grouped_mm's alignment)
@@ -171,6 +179,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--loads", default=",".join(DEFAULT_LOADS),
                         help=f"comma list of {', '.join(LOADS)}")
     parser.add_argument("--computes", default=",".join(COMPUTES))
+    parser.add_argument("--host-slot-kib", type=int, default=4096,
+                        help="slot size of the host_transport load (--moe-a2a-host-slot-kib)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0,
@@ -479,6 +489,35 @@ def copy_load(kind: str, sizes: BenchSizes, device) -> Callable[[], None]:
     return lambda: gpu.copy_(host, non_blocking=True)
 
 
+def host_transport_load(sizes: BenchSizes, device, slot_kib: int,
+                        groups=None) -> Callable[[], None]:
+    """One exchange of the host-memory transport (module docstring): across the ranks of
+    `groups.ep` (torchrun, one GPU each: each rank sends the all-to-all's bytes in equal
+    splits, as the nccl load does), or, on one rank, of two ranks' transports sharing this GPU,
+    each sending sizes.rows / 2 rows, half of them to each rank."""
+    from epoverlap.parallel.host_memory import (HostMemoryTransport, Layout, SharedRegion,
+                                                exchange_together, open_host_transport,
+                                                region_path)
+    chunk = slot_kib * 1024
+    if groups is not None and groups.ep_size > 1:
+        transport = open_host_transport(groups.ep, groups.ep_rank, chunk, device, 600.0)
+        send = torch.randn(sizes.rows, sizes.hidden, dtype=torch.bfloat16, device=device)
+        recv = torch.empty_like(send)
+        return lambda: transport.all_to_all(recv, send)
+    layout = Layout(2, 2, chunk)
+    region = SharedRegion(region_path(f"bench-{os.getpid()}-{id(sizes)}"), layout.total_bytes,
+                          create=True)
+    region.unlink()
+    ranks = [HostMemoryTransport(region, r, 2, chunk, device=device) for r in range(2)]
+    half = sizes.rows // 2
+    sends = [torch.randn(half, sizes.hidden, dtype=torch.bfloat16, device=device)
+             for _ in ranks]
+    recvs = [torch.empty_like(send) for send in sends]
+    calls = [(transport, recv, send, None, None)
+             for transport, send, recv in zip(ranks, sends, recvs)]
+    return lambda: exchange_together(calls)
+
+
 def nccl_load(groups, sizes: BenchSizes, device) -> Callable[[], None]:
     """all_to_all_single of the all-to-all's bytes (equal splits) over `groups.ep`."""
     send = torch.randn(sizes.rows, sizes.hidden, dtype=torch.bfloat16, device=device)
@@ -526,6 +565,7 @@ class Load:
     kind: str
     budget: Optional[NcclCtaBudget] = None
     ctas: Optional[int] = None
+    slot_kib: int = 4096  # host_transport's slots
 
     def label(self) -> str:
         if self.budget is not None:
@@ -537,6 +577,9 @@ class Load:
             return nccl_load(groups_of(self.budget), sizes, device)
         if self.kind == "triton_copy":
             return triton_copy_load(self.ctas, sizes, device)
+        if self.kind == "host_transport":
+            return host_transport_load(sizes, device, self.slot_kib,
+                                       groups_of(NcclCtaBudget(None, None)))
         return copy_load(self.kind, sizes, device)
 
 
@@ -548,6 +591,8 @@ def loads_of(args, sms: int) -> list[Load]:
             loads += [Load(kind, budget=budget) for budget in args.budgets]
         elif kind == "triton_copy":
             loads += [Load(kind, ctas=sms if c == "sms" else int(c)) for c in args.copy_ctas]
+        elif kind == "host_transport":
+            loads.append(Load(kind, slot_kib=args.host_slot_kib))
         else:
             loads.append(Load(kind))
     return loads

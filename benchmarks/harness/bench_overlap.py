@@ -121,6 +121,8 @@ SHAPES = {
                                                "--moe-ffn-hidden-size", "4096",
                                                "--micro-batch-size", "8",
                                                "--num-microbatches", "4"],
+    # the Qwen3-30B-A3B proxy preset: 128 experts of FFN 768, top-8, 4096 tokens per microbatch
+    "qwen3_proxy": ["--preset", "qwen3-30b-a3b-proxy"],
     # one DeepSeek-V3-like layer: hidden 7168, 256 experts, top-8, FFN 2048, 4096 tokens/rank
     "dsv3_layer": ["--num-layers", "1", "--hidden-size", "7168", "--num-attention-heads", "56",
                    "--num-query-groups", "8", "--seq-length", "4096", "--num-experts", "256",

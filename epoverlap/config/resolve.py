@@ -256,7 +256,9 @@ def path_text(cfg: RunConfig, device: str) -> str:
          p.moe_grouped_gemm_sm_carveout is not None),
         (f"NCCL max CTAs {p.moe_a2a_nccl_max_ctas}", p.moe_a2a_nccl_max_ctas is not None),
         (f"NCCL min CTAs {p.moe_a2a_nccl_min_ctas}", p.moe_a2a_nccl_min_ctas is not None),
-        (f"comm stream priority {o.comm_stream_priority}", o.comm_stream_priority != "high"))
+        (f"comm stream priority {o.comm_stream_priority}", o.comm_stream_priority != "high"),
+        (f"all-to-all over host memory ({p.moe_a2a_host_slot_kib} KiB slots)",
+         p.moe_a2a_transport == "host_memory"))
         if on]
     auto = ", ".join(cfg.defaulted) or "none"
     schedule = (f"schedule {cfg.plan_name} | delayed wgrad "

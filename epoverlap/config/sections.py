@@ -28,6 +28,7 @@ DISPATCH_HIERARCHIES = ("auto", "flat", "node")  # --moe-dispatch-hierarchy (con
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release", "combined_1f1b_paired_ends")
 COMM_MODES = ("real", "local_copy")
+A2A_TRANSPORTS = ("process_group", "host_memory")  # --moe-a2a-transport
 TUNE_MODES = ("auto", "on", "off")
 COMM_STREAM_PRIORITIES = ("high", "normal")
 NCCL_MAX_CHANNELS = 64  # NCCL's MAXCHANNELS: the most CTAs a collective may use
@@ -201,6 +202,21 @@ class ParallelConfig:
     moe_a2a_nccl_min_ctas: Optional[int] = flag(
         None, f"NCCL: at least N CTAs for each all-to-all of the expert-parallel group "
         f"(min_ctas, 1..{NCCL_MAX_CHANNELS}, <= the max)")
+    moe_a2a_transport: str = flag(
+        "process_group", "what carries the bytes of the expert-parallel all-to-alls: "
+        "process_group (NCCL's kernels on GPUs, gloo on CPU); host_memory (a pinned buffer "
+        "in shared host memory, filled and drained by the copy engines, ordered by stream "
+        "memory operations: no SM kernel, so it takes no SMs from the experts' GEMMs beside "
+        "it; at PCIe's bandwidth, not NVLink's). The "
+        "same bits either way. host_memory needs the expert-parallel group on one host, "
+        "the flat dispatch and no CUDA graph over the all-to-alls; with --tune the process "
+        "group's all-to-all is timed as one more path (`+group`)",
+        choices=A2A_TRANSPORTS, metavar="KIND")
+    moe_a2a_host_slot_kib: int = flag(
+        4096, "--moe-a2a-transport host_memory: the buffer's slot size; each pair of ranks "
+        "has two slots of N KiB (ranks^2 x 2 x N KiB of pinned host memory per host), so a "
+        "message moves in pieces of N KiB and one piece is copied in while the one before is "
+        "copied out", metavar="N")
     moe_grouped_gemm_sm_carveout: Optional[int] = flag(
         None, "CUDA: the experts' grouped GEMMs run on all SMs but N (torch's SM carveout), "
         "leaving N free for the all-to-all kernels that run beside them under "

@@ -18,6 +18,9 @@ changing the math (the overlap contract, docs/overlap.md: every schedule gives t
                         the config can send once per rank (`once_per_rank_blocker`) and the
                         flags did not; it changes the combine's rounding, so a run that takes
                         it is not an untuned run's bits (its --tune-cache rerun is)
+  the process group     with --moe-a2a-transport host_memory: the first overlap plan with
+                        delayed weight grads and the all-to-alls on the process group's own
+                        (NCCL) instead of host memory (a `+group` suffix); the same bits
   sequential            last; no overlap
 
 An axis the user pinned is not tuned: --overlap-plan given keeps that plan (it is still timed
@@ -48,6 +51,7 @@ DEFAULT_PLAN = "combined_1f1b"
 PAIRED_ENDS = "combined_1f1b_paired_ends"
 WGRAD = "+wgrad"
 ONCE = "+once"
+GROUP = "+group"  # the process group's all-to-all where the flags' goes through host memory
 GRAPH_IMPLS = ("none", "local", "full_iteration")  # each path can replay its own graphs
 # the chunk count the tuner tries: 4 beat 8 and 1 through host memory (benchmarks/chunked.md)
 TUNED_CHUNKS = 4
@@ -63,6 +67,7 @@ class TunePath:
     delay_wgrad: bool
     chunks: int = 1  # --moe-a2a-chunks of the path's MoE layers
     once_per_rank: bool = False  # the dispatch once per rank where the flags' is not
+    host_memory: bool = False  # the all-to-alls through host memory (--moe-a2a-transport)
 
 
 def probe_steps(cfg: RunConfig) -> int:
@@ -85,7 +90,8 @@ def candidate_paths(cfg: RunConfig) -> list[TunePath]:
     the flags' own, when there is nothing to tune."""
     o = cfg.overlap
     if not o.overlap_moe_expert_parallel_comm:
-        return [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute))]
+        return [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute),
+                         host_memory=flags_host_memory(cfg))]
     if probe_steps(cfg) > 0 or o.overlap_plan is not None:
         plans = [cfg.plan_name]
     else:
@@ -93,18 +99,28 @@ def candidate_paths(cfg: RunConfig) -> list[TunePath]:
     pinned_wgrad = probe_steps(cfg) > 0 or o.delay_wgrad_compute
     wgrads = [bool(o.delay_wgrad_compute)] if pinned_wgrad else [False, True]
     tuned_wgrad = len(wgrads) > 1
-    chunks = o.moe_a2a_chunks
-    paths = [TunePath(plan + (WGRAD if wgrad and tuned_wgrad else ""), plan, wgrad, chunks)
+    chunks, host = o.moe_a2a_chunks, flags_host_memory(cfg)
+    paths = [TunePath(plan + (WGRAD if wgrad and tuned_wgrad else ""), plan, wgrad, chunks,
+                      host_memory=host)
              for plan in plans for wgrad in wgrads]
     tried = tuned_chunks(cfg)
     if tried > 1:
         paths.append(TunePath(plans[0] + (WGRAD if tuned_wgrad else "") + f"+k{tried}",
-                              plans[0], True, tried))
+                              plans[0], True, tried, host_memory=host))
+    first_wgrad = True if tuned_wgrad else bool(o.delay_wgrad_compute)
+    first = plans[0] + (WGRAD if first_wgrad and tuned_wgrad else "")
     if o.tune_allow_rounding and not once_per_rank_blocker(cfg):
-        wgrad = True if tuned_wgrad else bool(o.delay_wgrad_compute)
-        paths.append(TunePath(plans[0] + (WGRAD if wgrad and tuned_wgrad else "") + ONCE,
-                              plans[0], wgrad, chunks, once_per_rank=True))
-    return paths + [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute), chunks)]
+        paths.append(TunePath(first + ONCE, plans[0], first_wgrad, chunks, once_per_rank=True,
+                              host_memory=host))
+    if host and probe_steps(cfg) == 0:
+        paths.append(TunePath(first + GROUP, plans[0], first_wgrad, chunks))
+    return paths + [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute), chunks,
+                             host_memory=host)]
+
+
+def flags_host_memory(cfg: RunConfig) -> bool:
+    """Whether the flags' all-to-alls go through host memory (--moe-a2a-transport)."""
+    return cfg.parallel.moe_a2a_transport == "host_memory"
 
 
 def once_per_rank_blocker(cfg: RunConfig) -> str:
@@ -142,7 +158,7 @@ def flags_path(cfg: RunConfig) -> TunePath:
     """The path the flags say (what --tune off runs)."""
     plan = cfg.plan_name
     return TunePath(plan, plan, bool(cfg.overlap.delay_wgrad_compute),
-                    cfg.overlap.moe_a2a_chunks)
+                    cfg.overlap.moe_a2a_chunks, host_memory=flags_host_memory(cfg))
 
 
 def untimed_steps(cfg: RunConfig, paths: int) -> int:

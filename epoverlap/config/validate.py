@@ -430,6 +430,33 @@ def _validate_nccl_ctas(cfg: RunConfig, cuda_available: bool) -> None:
                  f"must be <= --moe-a2a-nccl-max-ctas={p.moe_a2a_nccl_max_ctas}")
 
 
+MAX_HOST_SLOT_KIB = 1 << 20  # 1 GiB slots: past any all-to-all of one pair
+
+
+def _validate_a2a_transport(cfg: RunConfig) -> None:
+    """--moe-a2a-transport host_memory: an all-to-all to carry (EP > 1), over the flat
+    dispatch (by host the two stages have communicators of their own), and no CUDA graph that
+    captures it (its chunk numbers are fixed when the copies are enqueued)."""
+    p, graph = cfg.parallel, cfg.cuda_graph
+    slot = p.moe_a2a_host_slot_kib
+    require(4 <= slot <= MAX_HOST_SLOT_KIB, "moe_a2a_host_slot_kib", slot,
+            f"must be in [4, {MAX_HOST_SLOT_KIB}] KiB")
+    if p.moe_a2a_transport != "host_memory":
+        return
+    name, value = "moe_a2a_transport", p.moe_a2a_transport
+    require(cfg.moe.enabled and (p.expert_model_parallel_size or 1) > 1, name, value,
+            "carries the expert-parallel all-to-alls: needs MoE layers and "
+            "--expert-model-parallel-size > 1")
+    require(not DispatchMode.of(cfg.moe).by_host, name, value,
+            "carries the flat dispatch's all-to-alls: not with --moe-dispatch-hierarchy node")
+    captured = graph.impl == "full_iteration" or (
+        graph.impl == "local" and (not graph.modules or "moe" in graph.modules))
+    require(not captured, name, value,
+            "cannot be captured in a CUDA graph yet: not with --cuda-graph-impl "
+            f"{graph.impl} over the MoE layer (use graphs of attn moe_router moe_preprocess, "
+            "or none)")
+
+
 def nccl_config_unavailable() -> Optional[str]:
     """Why this torch build cannot configure an NCCL communicator's CTAs (None: it can).
     `ProcessGroupNCCL.Options().config` (an ncclConfig_t with max_ctas / min_ctas) exists in
@@ -531,6 +558,7 @@ def _rule_groups(cfg: RunConfig, world_size: int, cuda_available: bool,
         lambda: _validate_microbatches(cfg, world_size),
         lambda: _validate_overlap(cfg, cuda_available),
         lambda: _validate_nccl_ctas(cfg, cuda_available),
+        lambda: _validate_a2a_transport(cfg),
         lambda: _validate_kernel_backend(cfg, cuda_available),
         lambda: validate_io(cfg, cfg.resolved_device(cuda_available)) if paths else None,
         lambda: _validate_cuda_graphs(cfg, cuda_available),

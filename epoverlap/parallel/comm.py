@@ -18,6 +18,12 @@ host (the bottleneck of an eager step) while it could have been issuing the othe
 kernels. This stream is the one the executor does not own: it belongs to the exchange, like
 the internal streams of a process group, and nothing but the exchange runs on it.
 
+Transports (config `--moe-a2a-transport`): the all-to-alls go through the EP group's
+`all_to_all_single` (NCCL, gloo), or, given a `host_memory.HostMemoryTransport`, through shared
+host memory on copy engines, tracked by the watch as the EP group's collective all the same;
+`host_memory` switches between the two (the tuner times both). The split sizes and counts are
+exchanged over the process group either way.
+
 Comm modes (config `--comm-mode`, benchmarks only): `real`, or `local_copy`, which replaces
 each all-to-all by a local copy of the same bytes, as if every rank received what it sent: the
 compute-only baseline of the overlap benchmark (the split-size exchange still syncs the host).
@@ -34,6 +40,7 @@ from typing import Optional
 import torch
 
 from epoverlap.parallel.groups import Group
+from epoverlap.parallel.host_memory import HostMemoryTransport
 from epoverlap.parallel.watch import host_list
 
 
@@ -127,15 +134,22 @@ def split_sizes(sent_RL: list, recv_RL: list, rank_rows: bool = False
 class ExpertComm:
     """All-to-all over the expert-parallel group (None when size is 1); `counts_group` (the
     same ranks, another communicator) carries the early split-size exchange. `by_host`: the
-    hierarchical dispatch's two stages (`HostComms`), where it is on."""
+    hierarchical dispatch's two stages (`HostComms`), where it is on. `transport`: the
+    all-to-all through host memory (--moe-a2a-transport host_memory), used while `host_memory`
+    is True."""
+
+    HOST_MEMORY_OP = "all_to_all over host memory"
 
     def __init__(self, group: Optional[Group], size: int, mode: str = "real",
-                 counts_group: Optional[Group] = None, by_host: Optional["HostComms"] = None):
+                 counts_group: Optional[Group] = None, by_host: Optional["HostComms"] = None,
+                 transport: Optional[HostMemoryTransport] = None):
         self.group = group
         self.size = size
         self.mode = mode
         self.counts_group = counts_group
         self.by_host = by_host
+        self.transport = transport
+        self.host_memory = transport is not None
         self.trace: Optional[list] = None  # set to [] to record every all-to-all's shape
         self._exchange_stream: Optional[torch.cuda.Stream] = None
 
@@ -159,8 +173,18 @@ class ExpertComm:
         input_NH = input_NH.contiguous()
         rows = input_NH.shape[0] if output_splits is None else sum(output_splits)
         output = input_NH.new_empty((rows,) + tuple(input_NH.shape[1:]))
-        self.group.all_to_all_single(output, input_NH, output_splits, input_splits)
+        if self.host_memory:
+            with self.group.watched(self.HOST_MEMORY_OP):
+                self.transport.all_to_all(output, input_NH, output_splits, input_splits)
+        else:
+            self.group.all_to_all_single(output, input_NH, output_splits, input_splits)
         return output
+
+    def close(self) -> None:
+        """Unmap the host-memory transport's region, if any."""
+        if self.transport is not None:
+            self.transport.region.close()
+            self.transport, self.host_memory = None, False
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Per-expert send counts [E] -> counts received [ep, E_local] (row = source rank)."""

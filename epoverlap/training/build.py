@@ -43,6 +43,7 @@ from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.transformer import MoEModel, count_parameters, model_dtype
 from epoverlap.parallel.comm import ExpertComm, HostComms, PipelineComm
 from epoverlap.parallel.groups import ParallelGroups, add_host_groups
+from epoverlap.parallel.host_memory import HostMemoryTransport, open_host_transport
 from epoverlap.parallel.transport import ranks_per_host
 from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.recorder import SpanRecorder
@@ -108,7 +109,8 @@ class RunParts:
         """Communicator, model, its parameter counts, grad buffers, optimizer."""
         cfg, groups = self.cfg, self.groups
         self.comm = ExpertComm(groups.ep, groups.ep_size, cfg.overlap.comm_mode,
-                               counts_group=groups.ep_splits, by_host=_host_comms(cfg, groups))
+                               counts_group=groups.ep_splits, by_host=_host_comms(cfg, groups),
+                               transport=_host_transport(cfg, groups))
         self.wgrad_queue = WeightGradQueue(enabled=cfg.overlap.delay_wgrad_compute,
                                            **expert_grad_placement(cfg))
         self.model = MoEModel(cfg, self.comm, groups.ep_rank, make_moe_ops(self.backend),
@@ -358,12 +360,13 @@ class RunParts:
 
     def switch_path(self, name: str) -> None:
         """Run the tuner's path `name` from here on: its plan, executor, lanes, weight-grad
-        deferral and its own bank of CUDA graphs."""
+        deferral, all-to-all transport and its own bank of CUDA graphs."""
         built = self.paths[name]
         self.plan, self.executor = built.plan, built.executor
         self.executor.lanes = built.lanes
         self.wgrad_queue.enabled = built.path.delay_wgrad
         self.model.use_dispatch(self._once_per_rank(built.path))
+        self.comm.host_memory = built.path.host_memory and self.comm.transport is not None
         if self.graphs is not None:
             self.graphs.schedule = name
 
@@ -401,6 +404,17 @@ class RunParts:
                 lanes.close()
         self.lanes.close()
         self.grads.close()
+        self.comm.close()
+
+
+def _host_transport(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostMemoryTransport]:
+    """The all-to-all through shared host memory (--moe-a2a-transport host_memory), made
+    collectively over the EP group; None on the process group's own all-to-all."""
+    p = cfg.parallel
+    if p.moe_a2a_transport != "host_memory" or groups.ep_size == 1:
+        return None
+    return open_host_transport(groups.ep, groups.ep_rank, p.moe_a2a_host_slot_kib * 1024,
+                               groups.device, groups.watch.timing.timeout_s)
 
 
 def expert_grad_placement(cfg: RunConfig) -> dict:

@@ -368,3 +368,29 @@ def test_global_batch_size_sets_the_microbatch_count():
     assert cfg.for_world(4).for_world(4) == cfg.for_world(4)
     assert parse_config(["--preset", "tiny"]).for_world(4).train.num_microbatches == \
         PRESETS["tiny"]["num_microbatches"]
+
+
+HOST_MEMORY = ["--moe-a2a-transport", "host_memory"]
+
+
+@pytest.mark.parametrize("argv, world, fragment", [
+    (["--expert-model-parallel-size", "1"], 2, "needs MoE layers and "
+     "--expert-model-parallel-size > 1"),
+    (["--moe-dispatch-hierarchy", "node", "--emulate-hosts", "2"], 4,
+     "not with --moe-dispatch-hierarchy node"),
+    (["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"], 2,
+     "cannot be captured in a CUDA graph yet: not with --cuda-graph-impl local"),
+])
+def test_the_host_memory_transport_refuses_what_it_cannot_carry(argv, world, fragment):
+    error = str(rejected(HOST_MEMORY + argv, world))
+    line = next(line for line in error.splitlines() if line.startswith("--moe-a2a-transport"))
+    assert line.startswith("--moe-a2a-transport=host_memory: ") and fragment in line, error
+
+
+def test_the_host_memory_transport_and_its_slots():
+    check(HOST_MEMORY)
+    check(HOST_MEMORY + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
+                         "moe_router", "moe_preprocess"], cuda=True)
+    assert str(rejected(HOST_MEMORY + ["--moe-a2a-host-slot-kib", "2"])) == \
+        "--moe-a2a-host-slot-kib=2: must be in [4, 1048576] KiB"
+    assert "--moe-a2a-transport=nvlink" in str(rejected(["--moe-a2a-transport", "nvlink"]))

@@ -172,3 +172,15 @@ def test_asking_for_the_grad_reduce_beside_keeps_the_auto_graphs_partial(gpu_rul
     cfg = resolved(["--overlap-grad-reduce"], world=2, cuda=True)
     assert cfg.overlap.overlap_grad_reduce is True
     assert cfg.cuda_graph.impl == "local"  # a full-iteration graph would capture the reduces
+
+
+def test_over_host_memory_the_auto_graphs_stop_before_the_dispatch(gpu_rules, monkeypatch):
+    """--moe-a2a-transport host_memory cannot be captured: over NVLink, where the auto scope
+    would be one graph of the iteration, it takes the partial graphs instead (an auto value
+    never turns a valid command line into an error); the path line names the transport."""
+    one_host_over_nvlink(monkeypatch)
+    cfg = resolved(["--moe-a2a-transport", "host_memory"], world=2, cuda=True)
+    assert cfg.cuda_graph.impl == "local"
+    assert cfg.cuda_graph.modules == ("attn", "moe_router", "moe_preprocess")
+    assert cfg.moe.moe_dispatch_budget is None
+    assert "levers all-to-all over host memory (4096 KiB slots)" in path_text(cfg, "cuda")

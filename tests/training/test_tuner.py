@@ -183,6 +183,22 @@ def test_the_once_per_rank_path_only_with_tune_allow_rounding_and_where_it_can_r
     assert names("--delay-wgrad-compute")[-2:] == [OVL + "+once", SEQUENTIAL]
 
 
+def test_the_process_groups_path_where_the_flags_go_through_host_memory():
+    """--moe-a2a-transport host_memory: every path goes through host memory but one more,
+    the first overlap plan with delayed weight grads on the process group (`+group`); with
+    the process group's transport, no such path."""
+    host = ["--moe-a2a-transport", "host_memory"]
+    paths = candidate_paths(_cfg(*host))
+    assert [p.name for p in paths] == [OVL, WG, PE, PE + "+wgrad", WG + "+k4", WG + "+group",
+                                       SEQUENTIAL]
+    assert [p.host_memory for p in paths] == [True] * 5 + [False, True]
+    group = paths[5]
+    assert (group.plan, group.delay_wgrad, group.chunks) == (OVL, True, 1)
+    assert not any(p.host_memory or p.name.endswith("+group") for p in candidate_paths(_cfg()))
+    assert [p.name for p in candidate_paths(_cfg(*host, "--delay-wgrad-compute"))][-2:] == [
+        OVL + "+group", SEQUENTIAL]
+
+
 def test_the_chunked_path_where_the_config_can_chunk_and_the_flags_left_it_at_one():
     def chunks(*flags: str, world: int = 2) -> list[int]:
         return [p.chunks for p in candidate_paths(_cfg(*flags, world=world))]

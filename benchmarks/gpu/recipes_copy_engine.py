@@ -1,0 +1,84 @@
+"""The copy-engine all-to-all's GPU recipes (--moe-a2a-transport host_memory, issue 61;
+benchmarks/copy_engine.md): its GPU tests and contention on one GPU, and for two GPUs NCCL's own
+copy-engine knobs and the training step against NCCL."""
+
+from __future__ import annotations
+
+from benchmarks.gpu.recipe_parts import (GRAPHS, SEQUENTIAL, TIER, TRAIN, WGRAD, Recipe, Step,
+                                         rounds_step)
+
+# the all-to-all sizes of megatron-cmp (64 MiB per rank at EP 2) and the Qwen3 proxy (128 MiB)
+SHAPES = "megatron_e32_k4_mbs2x8,qwen3_proxy"
+CONTENTION = ("{python} -m benchmarks.harness.bench_contention --shapes " + SHAPES
+              + " --computes grouped,gemm --iters 20")
+HOST = " --moe-a2a-transport host_memory"
+# NCCL's knobs, each the environment of one 2-GPU run (what NCCL 2.28.9 reads: copy_engine.md)
+NCCL_KNOBS = {
+    "p2p_default": {},
+    "p2p_ce": {"NCCL_P2P_USE_CUDA_MEMCPY": "1", "NCCL_CREATE_THREAD_CONTEXT": "1"},
+    "shm_default": {"NCCL_P2P_DISABLE": "1"},
+    "shm_ce_send": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_USE_CUDA_MEMCPY": "1",
+                    "NCCL_SHM_MEMCPY_MODE": "1", "NCCL_CREATE_THREAD_CONTEXT": "1"},
+    "shm_ce_both": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_USE_CUDA_MEMCPY": "1",
+                    "NCCL_SHM_MEMCPY_MODE": "3", "NCCL_CREATE_THREAD_CONTEXT": "1"},
+    "cta_efficiency": {"NCCL_CTA_POLICY": "1"},
+    "cta_zero": {"NCCL_CTA_POLICY": "2"},
+}
+# NCCL's INFO lines say which transport each connection took (`via SHM/CE/CE`, `P2P/.../CE`)
+# and which environment settings it read
+NCCL_LOG = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,ENV",
+            "NCCL_DEBUG_FILE": "{out}/%s/nccl.%%h.%%p.log"}
+
+
+def _knob_step(name: str, env: dict) -> Step:
+    """NCCL's all-to-all across the GPUs (default CTAs) alone and beside the GEMMs, under one
+    knob's environment, with NCCL's log of what it chose."""
+    log = {key: value % name if "%s" in value else value for key, value in NCCL_LOG.items()}
+    return Step(f"nccl_{name}", "mkdir -p {out}/" + name + " && {torchrun} -m "
+                "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads nccl "
+                "--max-ctas default --computes grouped --iters 10 --out-dir {out}/" + name,
+                env={**env, **log}, timeout_s=100)
+
+
+HOST_STEP = Step("host_memory", "mkdir -p {out}/host_memory && {torchrun} -m "
+                 "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads "
+                 "host_transport --computes grouped --iters 10 --out-dir {out}/host_memory",
+                 timeout_s=100)
+
+STEP_RUN = (TRAIN + " --preset megatron-cmp --mock-data --bf16 --expert-model-parallel-size "
+            "{gpus} --train-iters 12 --log-interval 100 --tune off " + GRAPHS)
+STEP_SIDES = {"seq": SEQUENTIAL, "seq_host": SEQUENTIAL + HOST, "ovl_wgrad": WGRAD,
+              "ovl_wgrad_host": WGRAD + HOST}
+
+COPY_ENGINE_RECIPES = (
+    Recipe("copy_transport_1gpu", 1,
+           "the host-memory all-to-all on one GPU: its GPU tests (two ranks sharing the GPU, "
+           "control over gloo, exchanges and training losses against gloo's host copies; two "
+           "ranks' streams in one process) and its contention with the experts' grouped GEMM "
+           "and a dense GEMM at megatron-cmp's and the Qwen3 proxy's all-to-all sizes: each "
+           "side alone and beside, GB/s, against a device-to-host copy of the same bytes and "
+           "two SM copies (ATen's copy kernel, a copy kernel on every SM and on 16)",
+           "junit.xml; contention/bench_contention.json (every row: ms alone and beside, "
+           "slowdowns, duty, what the load ran as)",
+           (Step("tests", TIER + " --junitxml={out}/junit.xml -m gpu "
+                 "tests/parallel/test_host_memory.py tests/benchmarks/test_bench_contention.py "
+                 "-k 'host'", timeout_s=170),
+            Step("contention", CONTENTION + " --loads host_transport,d2h_pinned,sm_copy,"
+                 "triton_copy --copy-ctas sms,16 --out-dir {out}/contention", timeout_s=120))),
+    Recipe("copy_engine_a2a_2gpu", 2,
+           "the EP all-to-all across 2 GPUs beside the experts' grouped GEMM, alone and "
+           "beside (time, GB/s, both sides' slowdowns): NCCL under each of its own copy-engine "
+           "and CTA knobs (NCCL_P2P_USE_CUDA_MEMCPY, NCCL_SHM_USE_CUDA_MEMCPY with "
+           "NCCL_SHM_MEMCPY_MODE 1 and 3 under P2P off, NCCL_CTA_POLICY 1 and 2), one run per "
+           "knob with NCCL's log of the transport taken, then the host-memory transport",
+           "KNOB/bench_contention.json and KNOB/nccl.*.log for each knob; "
+           "host_memory/bench_contention.json",
+           tuple(_knob_step(name, env) for name, env in NCCL_KNOBS.items()) + (HOST_STEP,)),
+    Recipe("copy_transport_step_2gpu", 2,
+           "megatron-cmp's training step over host memory against NCCL, sequential and "
+           "overlapped with delayed wgrads, interleaved rounds, over NVLink and with P2P off",
+           "nvlink/train_rounds.json, nop2p/train_rounds.json, their logs/",
+           (rounds_step(STEP_SIDES, STEP_RUN, "nvlink", rounds=2, timeout_s=270),
+            rounds_step(STEP_SIDES, STEP_RUN, "nop2p", env={"NCCL_P2P_DISABLE": "1"},
+                        rounds=2, timeout_s=270))),
+)

@@ -1,0 +1,557 @@
+"""The expert-parallel all-to-all through a shared host buffer, its bytes moved by copy engines
+(`--moe-a2a-transport host_memory`): no SM kernel, so it holds no SM the experts' GEMMs need.
+
+Owns `SharedRegion` (one POSIX shared-memory file per EP group, mapped by every rank of it and,
+on CUDA, registered with the driver in each), `HostMemoryTransport` (one rank's side of the
+exchange), `open_host_transport` (made collectively over the EP group) and `exchange_together`
+(several ranks of one process issued from one thread: the one-GPU benchmark).
+
+Layout of the region, R ranks, S slots of C bytes per (source, destination) pair:
+
+    ready [R][R][S] uint32   written by the source: the number (1, 2, ...) of the pair's last
+                             chunk it put into the slot
+    done  [R][R][S] uint32   written by the destination: the number of the last chunk it took
+    sizes [R][R][S][2]       the chunk's bytes and its message's bytes (CPU: checked)
+    data  [R][R][S][C]       the slots
+
+Protocol. Chunk n of pair (s, d) (numbered over the transport's life, so exchanges reuse the
+slots) goes into slot n % S. The source waits until `done[s][d][n % S] >= n + 1 - S` (the
+chunk S before it was taken), copies the chunk in, then sets `ready = n + 1`; the destination
+waits for `ready >= n + 1`, copies the chunk out, then sets `done = n + 1`. Comparisons are
+cyclic on 32 bits, as the driver's (`cuStreamWaitValue32` GEQ). Both sides number the same
+chunks because they agree on the split sizes (the dispatch exchanged them over the process
+group: control stays there, only the data goes through here). Every rank sends its chunks in
+rounds: round i puts chunk i to each peer (this rank first, then the next ranks), then takes
+chunk i from each; a put waits only for a take S rounds earlier, so no rank can block the
+others' progress (the round argument, by induction on the rounds).
+
+On CUDA nothing waits on the host: each rank has a send stream (device-to-host copies,
+`cuMemcpyDtoHAsync`) and a receive stream (host-to-device), forked from and joined back into
+the caller's stream; the waits and flag writes are stream memory operations
+(`cuStreamWaitValue32` / `cuStreamWriteValue32`, through ctypes to libcuda: torch has no
+wait, and its write is private to symmetric memory) on the region's device mapping. A flag
+write follows its copy on the stream and, by default, a memory fence, so a peer that sees the
+flag sees the bytes. The two directions run on the two copy engines side by side, and the
+slots pipeline the chunks. On CPU (gloo ranks, the tests) the same protocol runs with
+plain copies and the host polling the flags (x86 store order: a flag written after the data is
+seen after it).
+
+Liveness: an exchange is tracked by the run's `CollectiveWatch` as the EP group's collective,
+so a dead or stopped peer is named within the timeout like any other; on CPU a wait past the
+timeout also raises itself ("timed out ...", which the watch turns into its one line).
+
+Not yet: capture in a CUDA graph (the chunk numbers are fixed when the copies are enqueued;
+a replay would reuse them), and ranks on more than one host (the region is one host's memory).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import mmap
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from epoverlap.errors import ConfigError
+
+FLAG = "--moe-a2a-transport"
+FLAG_BYTES = 4
+PAGE = 4096
+DEFAULT_SLOTS = 2
+WRAP = 1 << 32
+_SPIN_FAST = 200  # flag polls before the CPU wait starts sleeping
+
+
+def geq(value: int, target: int) -> bool:
+    """`value >= target` on 32-bit counters that wrap (the driver's GEQ: (int32)(v - t) >= 0)."""
+    return (value - target) % WRAP < WRAP // 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets in the region of R ranks, S slots per pair, C bytes per slot."""
+
+    ranks: int
+    slots: int
+    chunk_bytes: int
+
+    @property
+    def pair_slots(self) -> int:
+        return self.ranks * self.ranks * self.slots
+
+    @property
+    def ready_at(self) -> int:
+        return 0
+
+    @property
+    def done_at(self) -> int:
+        return self.pair_slots * FLAG_BYTES
+
+    @property
+    def sizes_at(self) -> int:
+        return 2 * self.pair_slots * FLAG_BYTES
+
+    @property
+    def data_at(self) -> int:
+        return _round_up(4 * self.pair_slots * FLAG_BYTES, PAGE)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.data_at + self.pair_slots * self.chunk_bytes
+
+    def slot(self, source: int, dest: int, chunk: int) -> int:
+        """Index of the slot chunk number `chunk` of pair (source, dest) uses."""
+        return (source * self.ranks + dest) * self.slots + chunk % self.slots
+
+    def data_offset(self, slot: int) -> int:
+        return self.data_at + slot * self.chunk_bytes
+
+
+def _reserve(fd: int, path: str, size: int) -> None:
+    """Give the file its pages now: a /dev/shm too small for it fails here in one line, not
+    with a SIGBUS at the first copy into a page the file system could not supply."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        os.unlink(path)
+        folder = os.path.dirname(path)
+        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+        raise ConfigError(FLAG, "host_memory",
+                          f"its buffer needs {_size_text(size)} in {folder}, which has "
+                          f"{_size_text(free)} free ({error.strerror}): lower "
+                          "--moe-a2a-host-slot-kib (ranks^2 x 2 slots) or enlarge it") from None
+
+
+def _size_text(size: int) -> str:
+    return f"{size / 2**20:.0f} MiB" if size >= 2**20 else f"{size / 2**10:.0f} KiB"
+
+
+def _round_up(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
+
+
+class SharedRegion:
+    """A file in /dev/shm mapped into this process: `words` (uint32 flags and sizes) and
+    `data` (a uint8 tensor over all of it); on CUDA, `register()` pins it and maps it for the
+    device (`device_address`)."""
+
+    def __init__(self, path: str, size: int, create: bool):
+        size = _round_up(size, PAGE)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                _reserve(fd, path, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.path, self.size = path, size
+        self.words = memoryview(self._map).cast("I")
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.device_address: Optional[int] = None
+
+    def register(self, device: torch.device) -> None:
+        """Pin the region for copy engines and map it for stream memory operations (once)."""
+        if self.device_address is None:
+            driver().use_device(_index(device))
+            self.device_address = driver().register(self.address, self.size)
+
+    def unlink(self) -> None:
+        """Remove the file (the mappings stay): after every rank mapped it."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        if self.device_address is not None:
+            torch.cuda.synchronize()  # no copy or flag operation may still use the pages
+            driver().unregister(self.address)
+            self.device_address = None
+        self.words.release()
+        self.data = None
+        try:
+            self._map.close()
+        except BufferError:  # a tensor view still alive elsewhere: the mapping goes with it
+            pass
+
+
+class HostMemoryTransport:
+    """One rank's side of the all-to-all through a `SharedRegion` (module docstring).
+
+    `all_to_all(output, input, output_splits, input_splits)`: rows input_splits[r] of the
+    contiguous `input` go to rank r, rows output_splits[r] of `output` come from rank r (None:
+    equal splits). On CUDA it syncs no host and orders the caller's stream after it; on CPU it
+    returns when done. `timeout_s` bounds a CPU wait."""
+
+    def __init__(self, region: SharedRegion, rank: int, ranks: int, chunk_bytes: int,
+                 slots: int = DEFAULT_SLOTS, device: Optional[torch.device] = None,
+                 timeout_s: float = 600.0, peer_names: Optional[Sequence[int]] = None):
+        self.layout = Layout(ranks, slots, chunk_bytes)
+        if region.size < self.layout.total_bytes:
+            raise ValueError(f"shared region of {region.size} bytes, {self.layout.total_bytes} "
+                             f"needed for {ranks} ranks x {slots} slots of {chunk_bytes}")
+        self.region, self.rank, self.ranks = region, rank, ranks
+        self.device = device if device is not None else torch.device("cpu")
+        self.timeout_s = timeout_s
+        self.peer_names = list(peer_names) if peer_names is not None else list(range(ranks))
+        self._sent = [0] * ranks  # chunks put to each destination so far
+        self._taken = [0] * ranks  # chunks taken from each source so far
+        self._lock = threading.Lock()
+        self._streams: Optional[tuple] = None
+        if self.device.type == "cuda":
+            if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+                raise ConfigError(FLAG, "host_memory", "with CUDA_DEVICE_MAX_CONNECTIONS=1 its "
+                                  "flag waits share the compute's hardware queue, where a wait "
+                                  "for a peer holds back the work the peer waits for: unset it "
+                                  "or set it >= 4")
+            region.register(self.device)
+
+    # ------------------------------------------------------------------ the exchange
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   output_splits: Optional[list[int]] = None,
+                   input_splits: Optional[list[int]] = None) -> None:
+        with self._lock:
+            exchange = self._begin(output, input, output_splits, input_splits)
+            for _ in self._phases(exchange):
+                pass
+            self._end(exchange)
+
+    def _begin(self, output: torch.Tensor, input: torch.Tensor,
+               output_splits: Optional[list[int]], input_splits: Optional[list[int]]
+               ) -> "_Exchange":
+        """Check the split sizes; on CUDA fork the send and receive streams off the caller's."""
+        row_bytes = _row_bytes(input)
+        send = self._bytes_per_rank(input_splits, input.shape[0], row_bytes, "input")
+        recv = self._bytes_per_rank(output_splits, output.shape[0], row_bytes, "output")
+        exchange = _Exchange(output, input, send, recv, _offsets(send), _offsets(recv))
+        if self.device.type == "cuda":
+            driver().use_device(_index(self.device))
+            exchange.streams = self._cuda_streams()
+            caller = torch.cuda.current_stream(self.device)
+            for stream in exchange.streams:
+                stream.wait_stream(caller)
+        return exchange
+
+    def _end(self, exchange: "_Exchange") -> None:
+        """On CUDA: the caller's stream waits for both streams; the tensors stay allocated
+        until they are done with them."""
+        if exchange.streams is not None:
+            send_stream, recv_stream = exchange.streams
+            exchange.input.record_stream(send_stream)
+            exchange.output.record_stream(recv_stream)
+            caller = torch.cuda.current_stream(self.device)
+            caller.wait_stream(send_stream)
+            caller.wait_stream(recv_stream)
+
+    def _phases(self, exchange: "_Exchange"):
+        """Issue the exchange round by round, yielding after each round's puts and after its
+        takes (`exchange_together` interleaves ranks of one process by these phases)."""
+        chunk = self.layout.chunk_bytes
+        puts = [math.ceil(b / chunk) for b in exchange.send]
+        takes = [math.ceil(b / chunk) for b in exchange.recv]
+        order = [(self.rank + p) % self.ranks for p in range(self.ranks)]
+        for i in range(max(puts + takes)):
+            for dest in order:
+                if i < puts[dest]:
+                    self._put(exchange, dest, i)
+            yield
+            for source in [(self.rank - p) % self.ranks for p in range(self.ranks)]:
+                if i < takes[source]:
+                    self._take(exchange, source, i)
+            yield
+
+    def _bytes_per_rank(self, splits: Optional[list[int]], rows: int, row_bytes: int,
+                        side: str) -> list[int]:
+        """Bytes to (from) each rank; bad split sizes fail in one line."""
+        if splits is None:
+            if rows % self.ranks:
+                raise ValueError(f"all-to-all over host memory: {rows} {side} rows do not "
+                                 f"split equally over {self.ranks} ranks")
+            splits = [rows // self.ranks] * self.ranks
+        if len(splits) != self.ranks or min(splits) < 0 or sum(splits) != rows:
+            raise ValueError(f"all-to-all over host memory: {side} split sizes {list(splits)} "
+                             f"do not cover {rows} rows over {self.ranks} ranks")
+        return [count * row_bytes for count in splits]
+
+    # ------------------------------------------------------------------ one chunk
+    def _put(self, exchange: "_Exchange", dest: int, i: int) -> None:
+        """Chunk i of this exchange to `dest`: wait for its slot, fill it, flag it ready."""
+        layout, n = self.layout, self._sent[dest]
+        slot = layout.slot(self.rank, dest, n)
+        chunk = layout.chunk_bytes
+        size = min(chunk, exchange.send[dest] - i * chunk)
+        at = exchange.send_at[dest] + i * chunk
+        if exchange.streams is not None:
+            cuda, flags, stream = driver(), self.region.device_address, \
+                exchange.streams[0].cuda_stream
+            cuda.wait32(stream, flags + layout.done_at + FLAG_BYTES * slot,
+                        (n + 1 - layout.slots) % WRAP)
+            cuda.copy_to_host(self.region.address + layout.data_offset(slot),
+                              exchange.input.data_ptr() + at, size, stream)
+            cuda.write32(stream, flags + layout.ready_at + FLAG_BYTES * slot, (n + 1) % WRAP)
+        else:
+            words = self.region.words
+            self._wait(layout.done_at // FLAG_BYTES + slot, n + 1 - layout.slots, dest, "take")
+            start = layout.data_offset(slot)
+            self.region.data[start:start + size].copy_(exchange.input_u8[at:at + size])
+            sizes = layout.sizes_at // FLAG_BYTES + 2 * slot
+            words[sizes], words[sizes + 1] = size, exchange.send[dest] % WRAP
+            words[layout.ready_at // FLAG_BYTES + slot] = (n + 1) % WRAP
+        self._sent[dest] = n + 1
+
+    def _take(self, exchange: "_Exchange", source: int, i: int) -> None:
+        """Chunk i of this exchange from `source`: wait for it, copy it out, free the slot."""
+        layout, n = self.layout, self._taken[source]
+        slot = layout.slot(source, self.rank, n)
+        chunk = layout.chunk_bytes
+        size = min(chunk, exchange.recv[source] - i * chunk)
+        at = exchange.recv_at[source] + i * chunk
+        if exchange.streams is not None:
+            cuda, flags, stream = driver(), self.region.device_address, \
+                exchange.streams[1].cuda_stream
+            cuda.wait32(stream, flags + layout.ready_at + FLAG_BYTES * slot, (n + 1) % WRAP)
+            cuda.copy_to_device(exchange.output.data_ptr() + at,
+                                self.region.address + layout.data_offset(slot), size, stream)
+            cuda.write32(stream, flags + layout.done_at + FLAG_BYTES * slot, (n + 1) % WRAP)
+        else:
+            words = self.region.words
+            self._wait(layout.ready_at // FLAG_BYTES + slot, n + 1, source, "chunk")
+            self._check_size(slot, size, exchange.recv[source], source)
+            start = layout.data_offset(slot)
+            exchange.output_u8[at:at + size].copy_(self.region.data[start:start + size])
+            words[layout.done_at // FLAG_BYTES + slot] = (n + 1) % WRAP
+        self._taken[source] = n + 1
+
+    def _check_size(self, slot: int, size: int, message: int, source: int) -> None:
+        """The chunk's and its message's bytes as the source wrote them: what this rank
+        expects, else the ranks' split sizes disagree (CPU only: on CUDA no host reads)."""
+        words = self.region.words
+        sizes = self.layout.sizes_at // FLAG_BYTES + 2 * slot
+        if (words[sizes], words[sizes + 1]) != (size, message % WRAP):
+            raise ValueError(
+                f"all-to-all over host memory: rank {self.peer_names[source]} sent "
+                f"{words[sizes + 1]} bytes in chunks of {words[sizes]}, rank "
+                f"{self.peer_names[self.rank]} expected {message} in chunks of {size} (the "
+                "ranks' split sizes disagree)")
+
+    def _wait(self, word: int, target: int, peer: int, what: str) -> None:
+        """Poll flag `word` until it reaches `target` (cyclic); sleeping once it is slow."""
+        words, polls = self.region.words, 0
+        deadline = None
+        while not geq(words[word], target % WRAP):
+            polls += 1
+            if polls < _SPIN_FAST:
+                time.sleep(0)
+                continue
+            now = time.monotonic()
+            deadline = deadline or now + self.timeout_s
+            if now > deadline:
+                raise RuntimeError(f"timed out after {self.timeout_s:.0f} s waiting for rank "
+                                   f"{self.peer_names[peer]}'s {what} in host memory")
+            time.sleep(min(1e-3, 1e-5 * (polls - _SPIN_FAST + 1)))
+
+    def _cuda_streams(self) -> tuple:
+        if self._streams is None:
+            high = torch.cuda.Stream.priority_range()[1]
+            self._streams = (torch.cuda.Stream(self.device, priority=high),
+                             torch.cuda.Stream(self.device, priority=high))
+        return self._streams
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _row_bytes(tensor: torch.Tensor) -> int:
+    return math.prod(tensor.shape[1:]) * tensor.element_size()
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (the same memory)."""
+    if tensor.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    at, total = [], 0
+    for size in sizes:
+        at.append(total)
+        total += size
+    return at
+
+
+@dataclass
+class _Exchange:
+    """One all-to-all in flight: its tensors, bytes to / from each rank and where they start;
+    on CUDA the send and receive streams."""
+
+    output: torch.Tensor
+    input: torch.Tensor
+    send: list[int]
+    recv: list[int]
+    send_at: list[int]
+    recv_at: list[int]
+    streams: Optional[tuple] = None
+
+    @property
+    def input_u8(self) -> torch.Tensor:
+        return _flat_bytes(self.input)
+
+    @property
+    def output_u8(self) -> torch.Tensor:
+        return _flat_bytes(self.output)
+
+
+def exchange_together(calls: Sequence[tuple]) -> None:
+    """Several ranks' exchanges issued from this one thread (the one-GPU benchmark and tests:
+    two ranks sharing a device in one process): `calls` of (transport, output, input,
+    output_splits, input_splits), issued phase by phase, every rank's puts of a round before
+    any take of it, so even streams that the device serializes (one hardware queue) cannot
+    wait on work queued behind them."""
+    started = [(t, t._begin(out, inp, out_s, in_s)) for t, out, inp, out_s, in_s in calls]
+    phases = [t._phases(exchange) for t, exchange in started]
+    while phases:
+        phases = [p for p in phases if next(p, StopIteration) is not StopIteration]
+    for transport, exchange in started:
+        transport._end(exchange)
+
+
+# ---------------------------------------------------------------------- the group's region
+def region_path(tag: str) -> str:
+    return f"/dev/shm/epoverlap-a2a-{tag}"
+
+
+def open_host_transport(group, rank_in_group: int, chunk_bytes: int, device: torch.device,
+                        timeout_s: float, slots: int = DEFAULT_SLOTS) -> HostMemoryTransport:
+    """Collective over `group` (a `groups.Group`): its first rank makes the region, every
+    rank maps it, then the file is removed (the mappings stay; nothing is left behind when a
+    rank dies). Ranks on two hosts (`watch.host_label`), or a region the first rank could not
+    make, fail on every rank with the same one line (a `ConfigError`)."""
+    from epoverlap.parallel.watch import host_label
+    ranks = group.size
+    seen: list = [None] * ranks
+    group.all_gather_object(seen, (uuid.uuid4().hex, host_label()))
+    hosts = sorted({host for _, host in seen})
+    if len(hosts) > 1:
+        raise ConfigError(FLAG, "host_memory",
+                          f"the expert-parallel group (ranks {','.join(map(str, group.ranks))}) "
+                          f"spans hosts {', '.join(hosts)}; its all-to-all goes through one "
+                          "host's memory: use --moe-a2a-transport process_group")
+    layout = Layout(ranks, slots, chunk_bytes)
+    path, first = region_path(seen[0][0]), rank_in_group == 0
+    region, failed = None, None
+    if first:
+        try:
+            region = SharedRegion(path, layout.total_bytes, create=True)
+        except ConfigError as error:
+            failed = error.allowed
+    outcome: list = [None] * ranks
+    group.all_gather_object(outcome, failed)  # the file exists, or every rank learns why not
+    if outcome[0] is not None:
+        raise ConfigError(FLAG, "host_memory", outcome[0])
+    if region is None:
+        region = SharedRegion(path, layout.total_bytes, create=False)
+    group.barrier()  # every rank mapped it
+    if first:
+        region.unlink()
+    return HostMemoryTransport(region, rank_in_group, ranks, chunk_bytes, slots, device,
+                               timeout_s, peer_names=list(group.ranks))
+
+
+# ---------------------------------------------------------------------- libcuda
+class _Driver:
+    """The few CUDA driver calls the transport needs, through ctypes (torch exposes no stream
+    memory operations); every call checked, a failure one line naming the call."""
+
+    WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+    HOST_REGISTER = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | _DEVICEMAP
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self._calls = {}
+        self._thread = threading.local()  # the device whose context this thread has current
+
+    def _fn(self, *names: str):
+        for name in names:
+            if name in self._calls:
+                return self._calls[name]
+            fn = getattr(self.lib, name, None)
+            if fn is not None:
+                fn.restype = ctypes.c_int
+                self._calls[name] = fn
+                return fn
+        raise RuntimeError(f"libcuda has none of {names}")
+
+    def _check(self, result: int, call: str) -> None:
+        if result != 0:
+            text = ctypes.c_char_p()
+            self._fn("cuGetErrorString")(result, ctypes.byref(text))
+            raise RuntimeError(f"host-memory all-to-all: {call} failed with CUDA error "
+                               f"{result} ({(text.value or b'?').decode()})")
+
+    def use_device(self, index: int) -> None:
+        """Make `index`'s primary context (the one torch's runtime calls use) current on this
+        thread, once per thread: a rank whose process group is gloo may not have touched the
+        device yet, and autograd runs the backward's all-to-alls on a thread of its own."""
+        if getattr(self._thread, "index", None) == index:
+            return
+        context = ctypes.c_void_p()
+        self._check(self._fn("cuCtxGetCurrent")(ctypes.byref(context)), "cuCtxGetCurrent")
+        if not context.value:
+            self._check(self._fn("cuInit")(ctypes.c_uint(0)), "cuInit")
+            device = ctypes.c_int()
+            self._check(self._fn("cuDeviceGet")(ctypes.byref(device), ctypes.c_int(index)),
+                        "cuDeviceGet")
+            self._check(self._fn("cuDevicePrimaryCtxRetain")(ctypes.byref(context), device),
+                        "cuDevicePrimaryCtxRetain")
+            self._check(self._fn("cuCtxSetCurrent")(context), "cuCtxSetCurrent")
+        self._thread.index = index
+
+    def register(self, address: int, size: int) -> int:
+        self._check(self._fn("cuMemHostRegister_v2", "cuMemHostRegister")(
+            ctypes.c_void_p(address), ctypes.c_size_t(size), ctypes.c_uint(self.HOST_REGISTER)),
+            "cuMemHostRegister")
+        device_address = ctypes.c_uint64()
+        self._check(self._fn("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")(
+            ctypes.byref(device_address), ctypes.c_void_p(address), ctypes.c_uint(0)),
+            "cuMemHostGetDevicePointer")
+        return device_address.value
+
+    def unregister(self, address: int) -> None:
+        self._fn("cuMemHostUnregister")(ctypes.c_void_p(address))
+
+    def wait32(self, stream: int, device_address: int, value: int) -> None:
+        self._check(self._fn("cuStreamWaitValue32_v2", "cuStreamWaitValue32")(
+            ctypes.c_void_p(stream), ctypes.c_uint64(device_address), ctypes.c_uint32(value),
+            ctypes.c_uint(self.WAIT_GEQ)), "cuStreamWaitValue32")
+
+    def write32(self, stream: int, device_address: int, value: int) -> None:
+        self._check(self._fn("cuStreamWriteValue32_v2", "cuStreamWriteValue32")(
+            ctypes.c_void_p(stream), ctypes.c_uint64(device_address), ctypes.c_uint32(value),
+            ctypes.c_uint(0)), "cuStreamWriteValue32")
+
+    def copy_to_host(self, host: int, device: int, size: int, stream: int) -> None:
+        self._check(self._fn("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync")(
+            ctypes.c_void_p(host), ctypes.c_uint64(device), ctypes.c_size_t(size),
+            ctypes.c_void_p(stream)), "cuMemcpyDtoHAsync")
+
+    def copy_to_device(self, device: int, host: int, size: int, stream: int) -> None:
+        self._check(self._fn("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync")(
+            ctypes.c_uint64(device), ctypes.c_void_p(host), ctypes.c_size_t(size),
+            ctypes.c_void_p(stream)), "cuMemcpyHtoDAsync")
+
+
+@functools.cache
+def driver() -> _Driver:
+    """libcuda, loaded at the first CUDA use of the transport (once per process)."""
+    return _Driver()

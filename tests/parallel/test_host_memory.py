@@ -1,0 +1,418 @@
+"""The expert-parallel all-to-all through shared host memory (parallel/host_memory.py,
+--moe-a2a-transport host_memory).
+
+Tiers: pure CPU (the protocol with ranks as threads on one region: many exchanges of random
+splits through small slots, counters past the 32-bit wrap, bad split sizes and disagreeing
+ranks in one line, a silent peer named by the watch), gloo (the region made over a real EP
+group, every exchange bit-equal to gloo's; training losses and grads bit-equal to the process
+group's with the overlap on and off), GPU (`gpu`: two ranks sharing one GPU, control over gloo,
+data through the pinned region, against gloo's host copies; the same in one process on two
+ranks' streams).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from epoverlap.parallel.host_memory import (WRAP, HostMemoryTransport, Layout, SharedRegion,
+                                            geq, region_path)
+from epoverlap.parallel.watch import CollectiveWatch
+
+from dist_helpers import run_ranks
+from gpu_runs import needs_gpu
+from host_memory_workers import (HOST_MODES, ONE_GPU_MODES, against_gloo,
+                                 expert_comm_against_gloo, pair_in_one_process, random_splits,
+                                 setup_refusals, training_modes, training_on_one_gpu)
+
+
+def _ranks_on_one_region(ranks: int, chunk_bytes: int, slots: int = 2, timeout_s: float = 20.0,
+                         tag: str = "t"):
+    layout = Layout(ranks, slots, chunk_bytes)
+    region = SharedRegion(region_path(f"test-{tag}-{id(layout)}"), layout.total_bytes,
+                          create=True)
+    region.unlink()
+    return region, [HostMemoryTransport(region, r, ranks, chunk_bytes, slots,
+                                        timeout_s=timeout_s) for r in range(ranks)]
+
+
+def _rows(source: int, exchange: int, rows: int) -> torch.Tensor:
+    """Rows whose values name their source, exchange and position."""
+    base = torch.arange(rows * 5, dtype=torch.float64).reshape(rows, 5)
+    return base + 1e6 * source + 1e9 * exchange
+
+
+def _run_threads(transports, tables, errors=None):
+    """Each rank (a thread) runs every exchange of `tables` ([exchange][source][dest] rows)."""
+    ranks = len(transports)
+    outputs = [[] for _ in range(ranks)]
+
+    def run(r):
+        try:
+            for e, table in enumerate(tables):
+                output = torch.empty(sum(table[s][r] for s in range(ranks)), 5,
+                                     dtype=torch.float64)
+                transports[r].all_to_all(output, _rows(r, e, sum(table[r])),
+                                         [table[s][r] for s in range(ranks)], table[r])
+                outputs[r].append(output)
+        except Exception as error:  # noqa: BLE001 - handed to the test
+            if errors is None:
+                raise
+            errors.append((r, error))
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return outputs
+
+
+def _expected(table, exchange: int, dest: int) -> torch.Tensor:
+    parts = []
+    for source, row in enumerate(table):
+        at = sum(row[:dest])
+        parts.append(_rows(source, exchange, sum(row))[at:at + row[dest]])
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("ranks, chunk_bytes, slots", [(2, 64, 2), (3, 40, 2), (4, 256, 3)])
+def test_many_exchanges_of_random_splits_arrive_in_place(ranks, chunk_bytes, slots):
+    """40 exchanges per rank through slots far smaller than a message (rows of 40 bytes, up
+    to 300 rows a pair: up to 300 chunks), zero-row pairs included: every row where the
+    plain all-to-all puts it, so slot reuse across chunks and exchanges is safe."""
+    import random
+    rng = random.Random(ranks)
+    tables = [random_splits(rng, ranks, 60) for _ in range(40)]
+    region, transports = _ranks_on_one_region(ranks, chunk_bytes, slots)
+    outputs = _run_threads(transports, tables)
+    for r in range(ranks):
+        assert len(outputs[r]) == len(tables)
+        for e, table in enumerate(tables):
+            assert torch.equal(outputs[r][e], _expected(table, e, r)), (r, e)
+    assert transports[0]._sent == [sum(-(-table[0][d] * 40 // chunk_bytes) for table in tables)
+                                   for d in range(ranks)]
+    region.close()
+
+
+def test_counters_wrap_past_32_bits():
+    """Chunk numbers continue across the 32-bit wrap (the flags compare cyclically, as the
+    driver's GEQ wait does)."""
+    assert geq(3, WRAP - 2) and not geq(WRAP - 2, 3) and geq(0, (0 - 1) % WRAP)
+    region, transports = _ranks_on_one_region(2, 64)
+    start = WRAP - 3
+    layout = transports[0].layout
+    for t in transports:
+        t._sent, t._taken = [start] * 2, [start] * 2
+    for s in range(2):  # the state after `start` chunks of every pair: all taken
+        for d in range(2):
+            for n in range(start - layout.slots, start):
+                slot = layout.slot(s, d, n)
+                region.words[layout.ready_at // 4 + slot] = (n + 1) % WRAP
+                region.words[layout.done_at // 4 + slot] = (n + 1) % WRAP
+    tables = [[[7, 9], [11, 3]]] * 3  # 7 rows of 40 bytes: 5 chunks a pair and exchange
+    outputs = _run_threads(transports, tables)
+    for e, table in enumerate(tables):
+        for r in range(2):
+            assert torch.equal(outputs[r][e], _expected(table, e, r))
+    assert transports[0]._sent[0] == (start + 15) and transports[0]._sent[0] > WRAP
+    region.close()
+
+
+def test_bad_split_sizes_fail_in_one_line():
+    region, (transport, _) = _ranks_on_one_region(2, 64)
+    with pytest.raises(ValueError, match=r"^all-to-all over host memory: input split sizes "
+                                         r"\[3, 3\] do not cover 5 rows over 2 ranks$"):
+        transport.all_to_all(torch.empty(4, 5), torch.empty(5, 5), [2, 2], [3, 3])
+    with pytest.raises(ValueError, match="output split sizes \\[2, -1\\]"):
+        transport.all_to_all(torch.empty(1, 5), torch.empty(4, 5), [2, -1], [2, 2])
+    region.close()
+
+
+def test_ranks_whose_split_sizes_disagree_are_named_in_one_line():
+    """Rank 1 expects 2 rows from rank 0, which sends 3: rank 1 says so, naming both."""
+    region, transports = _ranks_on_one_region(2, 4096, timeout_s=3)
+    errors = []
+
+    def rank(r, send, recv):
+        try:
+            transports[r].all_to_all(torch.empty(sum(recv), 5), torch.zeros(sum(send), 5),
+                                     recv, send)
+        except Exception as error:  # noqa: BLE001
+            errors.append((r, str(error)))
+    threads = [threading.Thread(target=rank, args=(0, [1, 3], [1, 1])),
+               threading.Thread(target=rank, args=(1, [1, 1], [2, 1]))]
+    [t.start() for t in threads]
+    [t.join(20) for t in threads]
+    mine = [text for r, text in errors if r == 1]
+    assert mine == ["all-to-all over host memory: rank 0 sent 60 bytes in chunks of 60, rank 1 "
+                    "expected 40 in chunks of 40 (the ranks' split sizes disagree)"], errors
+    region.close()
+
+
+class _Heartbeat:
+    """Rank 1's counter never moves; this rank's does."""
+
+    def __init__(self):
+        self.counts = [0, 0]
+
+    def beat(self):
+        self.counts[0] += 1
+
+    def counters(self):
+        return list(self.counts)
+
+    def hosts(self):
+        return None
+
+
+def test_a_silent_peer_is_named_by_the_watch_within_the_timeout(capsys):
+    """Rank 1 never takes part: rank 0's exchange waits on its flag, the watch's monitor
+    names rank 1 within the timeout (one line, exit status 3), as for any collective."""
+    exits = []
+    watch = CollectiveWatch(0, 2, 1.6, on_gpu=False, heartbeat=_Heartbeat(),
+                            exit_process=exits.append)
+    watch.step = 4
+    region, (transport, _) = _ranks_on_one_region(2, 64, timeout_s=30)
+    watch.start()
+    started = time.monotonic()
+    done = threading.Event()
+
+    def exchange():
+        try:
+            with watch.collective("expert-parallel", (0, 1), "all_to_all over host memory"):
+                transport.all_to_all(torch.empty(4, 5), torch.zeros(4, 5), [2, 2], [2, 2])
+        except Exception:  # noqa: BLE001 - never answered: the thread is left behind
+            pass
+        done.set()
+    threading.Thread(target=exchange, daemon=True).start()
+    while not exits and time.monotonic() - started < 10:
+        time.sleep(0.05)
+    watch.close()
+    assert exits == [3] and time.monotonic() - started < 5
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "rank 0: step 4: expert-parallel group (ranks 0,1) all_to_all " \
+        "over host memory has waited" in lines[0] and "rank 1 did not answer" in lines[0], lines
+
+
+def test_a_cpu_wait_past_the_timeout_raises_naming_the_peer():
+    region, (transport, _) = _ranks_on_one_region(2, 64, timeout_s=0.3)
+    with pytest.raises(RuntimeError, match=r"timed out after 0 s waiting for rank 1's chunk"):
+        transport.all_to_all(torch.empty(4, 5), torch.zeros(4, 5), [2, 2], [2, 2])
+    region.close()
+
+
+# ------------------------------------------------------------------------------ gloo
+def test_a_real_group_exchanges_like_gloo_and_leaves_no_file():
+    results = run_ranks(against_gloo, 2, "cpu", 12, 256, timeout_s=120)
+    assert [compared for compared, _ in results] == [12, 12]
+    assert all(gone for _, gone in results)
+
+
+def test_a_region_that_cannot_be_made_or_shared_is_one_line_on_every_rank():
+    """No room in /dev/shm on the first rank, then ranks on two hosts: every rank raises the
+    same line (none waits for a region that will not come)."""
+    first, second = run_ranks(setup_refusals, 2, timeout_s=120)
+    assert first == second and len(first) == 2, (first, second)
+    assert first[0].startswith("--moe-a2a-transport=host_memory: its buffer needs 36 KiB in "
+                               "/dev/shm"), first[0]
+    assert first[1] == ("--moe-a2a-transport=host_memory: the expert-parallel group (ranks 0,1) "
+                        "spans hosts node0, node1; its all-to-all goes through one host's "
+                        "memory: use --moe-a2a-transport process_group")
+
+
+def test_expert_comm_switches_transport_with_the_same_rows_and_is_watched():
+    results = run_ranks(expert_comm_against_gloo, 2, 6, timeout_s=120)
+    for seen in results:
+        assert "expert-parallel group (ranks 0,1) all_to_all over host memory" in seen, seen
+        assert "expert-parallel group (ranks 0,1) all_to_all" in seen, seen
+
+
+@pytest.mark.slow
+def test_training_over_host_memory_is_bitwise_the_process_groups(tmp_path):
+    """The process group's sequential and overlapped runs, and the same over host memory in
+    4 KiB slots (sequential, overlap, overlap with delayed wgrad, and tuned: its paths switch
+    between host memory and the process group mid-run): the same reduced grads, losses and
+    grad norms, every step."""
+    from gloo_workers import assert_modes_match_sequential
+    from run_paths import path_parts
+    results = run_ranks(training_modes, 2, str(tmp_path), 6, timeout_s=600)
+    # a step: 2 layers x 4 microbatches x 6 all-to-alls (the dispatch's rows and
+    # probabilities and the combine, forward and backward); an untuned run: 7 steps (a grads
+    # step, then 6): 2 on the process group, 3 over host memory, then the tuned run's steps
+    per_step, run = 2 * 4 * 6, 7 * 2 * 4 * 6
+    with open(tmp_path / "tuned_host.jsonl") as records:
+        schedules = [json.loads(line)["schedule"] for line in records]
+    assert "combined_1f1b+group" in schedules, schedules
+    assert results[0][1:] == results[1][1:]
+    carried, chose = results[0][1:]
+    assert carried == chose["host"]  # ExpertComm's choice is what the transport carried
+    tuned_group, tuned_host = chose["group"] - 2 * run, chose["host"] - 3 * run
+    assert tuned_group >= per_step and tuned_group % per_step == 0, chose
+    assert tuned_host >= 5 * per_step and tuned_host % per_step == 0, chose
+    results = [per_mode for per_mode, _, _ in results]
+
+    def differs(record, sequential):
+        assert "all-to-all over host memory (4 KiB slots)" in path_parts(record)["levers"]
+        assert "host memory" not in path_parts(sequential)["levers"]
+    assert_modes_match_sequential(results, tmp_path, 6, HOST_MODES,
+                                  differs={m: differs for m in HOST_MODES if "host" in m})
+
+
+# ------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@needs_gpu
+def test_two_ranks_sharing_one_gpu_exchange_like_gloo_host_copies():
+    """Two processes on cuda:0, control over gloo, data device -> pinned shared region ->
+    device on copy engines (chunks of 64 KiB), ordered by stream memory operations: every
+    exchange bit-equal to gloo's all-to-all of the same rows copied to the host."""
+    results = run_ranks(against_gloo, 2, "cuda", 20, 64 * 1024, timeout_s=300)
+    assert [compared for compared, _ in results] == [20, 20]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_two_ranks_streams_in_one_process_need_no_host_wait():
+    """Both ranks' exchanges issued from one thread, one after the other: only the streams'
+    flag waits order them (a host wait would deadlock), and the rows arrive in place."""
+    assert pair_in_one_process("cuda", 10, 16 * 1024) == 20
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_training_on_one_shared_gpu_is_bitwise_the_reference_exchange(tmp_path):
+    """Two ranks sharing cuda:0 (gloo for control): the process group's all-to-all there is
+    gloo's through host copies, the reference; over host memory (copy engines), sequential and
+    overlapped: the same grads, losses and grad norms."""
+    from gloo_workers import assert_modes_match_sequential
+    results = run_ranks(training_on_one_gpu, 2, str(tmp_path), 6, timeout_s=600)
+    assert_modes_match_sequential(results, tmp_path, 6, ONE_GPU_MODES,
+                                  differs={m: lambda a, b: None for m in ONE_GPU_MODES})
+
+
+def test_two_ranks_issued_from_one_thread_phase_by_phase_do_not_block():
+    """The issue order of the one-GPU benchmark (`exchange_together`), run on CPU where every
+    wait is the host's: a put never waits for a take queued after it (slots of 512 bytes:
+    many rounds)."""
+    assert pair_in_one_process("cpu", 6, 512) == 12
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_by_the_other_over_host_memory():
+    """The launcher's 2-rank job over host memory, rank 1 SIGSTOPped mid-step: rank 0, its
+    exchange waiting on rank 1's flags (or on the split sizes), names rank 1 within the
+    timeout, as over the process group."""
+    import signal
+    from test_liveness import QUICK_JOB, TIMEOUT_S, _check_named, _signal_mid_step
+    job, code, after_s = _signal_mid_step(signal.SIGSTOP, victim=1,
+                                          flags=QUICK_JOB + ["--moe-a2a-transport",
+                                                             "host_memory"])
+    assert after_s is not None and TIMEOUT_S / 2 <= after_s <= TIMEOUT_S + 15, after_s
+    line = _check_named(job, code, survivor=0, victim=1, status=3)
+    assert "expert-parallel" in line or "world" in line, line
+
+
+class _HostDriver:
+    """libcuda's calls as the CUDA branch issues them, run at once on host memory (the
+    region's address is its own device mapping here): a wait that is not yet satisfied when
+    issued fails, since in `exchange_together`'s order nothing queued later could satisfy it."""
+
+    def __init__(self):
+        self.calls = {"wait32": 0, "write32": 0, "copy_to_host": 0, "copy_to_device": 0}
+
+    def use_device(self, index):
+        pass
+
+    def wait32(self, stream, address, value):
+        self.calls["wait32"] += 1
+        seen = ctypes.c_uint32.from_address(address).value
+        assert geq(seen, value), f"a wait for {value} issued where the flag is {seen}"
+
+    def write32(self, stream, address, value):
+        self.calls["write32"] += 1
+        ctypes.c_uint32.from_address(address).value = value
+
+    def copy_to_host(self, host, device, size, stream):
+        self.calls["copy_to_host"] += 1
+        ctypes.memmove(host, device, size)
+
+    def copy_to_device(self, device, host, size, stream):
+        self.calls["copy_to_device"] += 1
+        ctypes.memmove(device, host, size)
+
+
+class _Stream:
+    cuda_stream = 0
+
+
+def test_the_cuda_branch_addresses_and_orders_its_chunks_right(monkeypatch):
+    """The CUDA branch (flag addresses, wait values, copy offsets) run on the host through a
+    driver that executes each call at once, two ranks issued phase by phase from one thread
+    (as the one-GPU benchmark does): every row in place, and every wait already satisfied
+    when issued (the order a single hardware queue would need)."""
+    import random
+    from epoverlap.parallel import host_memory
+    fake = _HostDriver()
+    monkeypatch.setattr(host_memory, "driver", lambda: fake)
+    region, transports = _ranks_on_one_region(2, 96, slots=2, tag="cudabranch")
+    region.device_address = region.address
+
+    def begin(self, output, input, output_splits, input_splits):
+        exchange = original_begin(self, output, input, output_splits, input_splits)
+        exchange.streams = (_Stream(), _Stream())
+        return exchange
+    original_begin = HostMemoryTransport._begin
+    monkeypatch.setattr(HostMemoryTransport, "_begin", begin)
+    monkeypatch.setattr(HostMemoryTransport, "_end", lambda self, exchange: None)
+    rng = random.Random(5)
+    for e in range(25):
+        table = random_splits(rng, 2, 30)
+        inputs = [_rows(r, e, sum(table[r])) for r in range(2)]
+        outputs = [torch.empty(sum(table[s][r] for s in range(2)), 5, dtype=torch.float64)
+                   for r in range(2)]
+        host_memory.exchange_together([(transports[r], outputs[r], inputs[r],
+                                        [table[s][r] for s in range(2)], table[r])
+                                       for r in range(2)])
+        for r in range(2):
+            assert torch.equal(outputs[r], _expected(table, e, r)), (e, r)
+    chunks = sum(transports[0]._sent) + sum(transports[1]._sent)
+    assert fake.calls == {"wait32": 2 * chunks, "write32": 2 * chunks,
+                          "copy_to_host": chunks, "copy_to_device": chunks}
+    assert chunks > 100
+    region.device_address = None  # never registered
+    region.close()
+
+
+def test_a_buffer_larger_than_the_shared_memory_fails_in_one_line(monkeypatch):
+    """posix_fallocate refusing the pages (a small /dev/shm, as in a default container) is
+    one line naming the flags, and no file is left behind."""
+    from epoverlap.parallel import host_memory
+
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(host_memory.os, "posix_fallocate", full)
+    path = region_path("test-full")
+    with pytest.raises(ValueError, match=r"^--moe-a2a-transport=host_memory: its buffer needs "
+                                         r"64 MiB in /dev/shm, which has \d+ [MK]iB free \(No "
+                                         r"space left on device\): lower "
+                                         r"--moe-a2a-host-slot-kib"):
+        SharedRegion(path, 64 * 2**20, create=True)
+    assert not os.path.exists(path)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_by_the_other_over_host_memory():
+    """The same with rank 0 SIGKILLed: shared memory raises nothing when a peer dies, so a
+    survivor waiting on its flags is the monitor's to name (the heartbeat stopped)."""
+    import signal
+    from test_liveness import QUICK_JOB, TIMEOUT_S, _check_named, _signal_mid_step
+    job, code, after_s = _signal_mid_step(signal.SIGKILL, victim=0,
+                                          flags=QUICK_JOB + ["--moe-a2a-transport",
+                                                             "host_memory"])
+    assert after_s is not None and after_s <= TIMEOUT_S + 15, after_s
+    _check_named(job, code, survivor=1, victim=0, status=128 + signal.SIGKILL)

@@ -1,0 +1,217 @@
+"""Per-rank bodies of the host-memory all-to-all's multi-process tests (--moe-a2a-transport
+host_memory): the exchange against gloo's own, training with the transport against the process
+group's, on CPU ranks and on two ranks sharing one GPU (control over gloo)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+
+import torch
+
+from epoverlap.parallel.comm import ExpertComm
+from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.parallel.host_memory import open_host_transport, region_path
+
+from gloo_workers import MODES, mode_grads_and_losses
+
+HOST = ["--moe-a2a-transport", "host_memory", "--moe-a2a-host-slot-kib", "4"]
+# the process group's schedules, and the same over host memory in 4 KiB slots (many chunks)
+HOST_MODES = {"sequential": MODES["sequential"], "overlap": MODES["overlap"],
+              "sequential_host": MODES["sequential"] + HOST,
+              "overlap_host": MODES["overlap"] + HOST,
+              "overlap_wgrad_host": MODES["overlap_wgrad"] + HOST,
+              # the tuner over host memory: its paths include the process group's (+group)
+              "tuned_host": MODES["overlap_wgrad"] + HOST + [
+                  "--overlap-plan", "combined_1f1b", "--tune", "on", "--tune-steps", "1"]}
+ONE_GPU_MODES = {name: flags for name, flags in HOST_MODES.items() if name != "tuned_host"}
+
+
+def random_splits(rng: random.Random, ranks: int, most: int) -> list[list[int]]:
+    """[source][destination] rows, zeros included (every rank draws the same table)."""
+    return [[rng.choice([0, rng.randrange(1, most)]) for _ in range(ranks)]
+            for _ in range(ranks)]
+
+
+def exchange_table(rank: int, ranks: int, exchanges: int, device: torch.device, seed: int = 7):
+    """Yield (input, output splits, input splits) of each exchange: bf16 rows whose bits say
+    source, exchange and position (so a misplaced row cannot pass)."""
+    rng = random.Random(seed)
+    for e in range(exchanges):
+        table = random_splits(rng, ranks, 300)
+        rows = sum(table[rank])
+        gen = torch.Generator().manual_seed(1000 * e + rank)
+        input_NH = torch.randn(rows, 24, generator=gen).to(torch.bfloat16).to(device)
+        yield input_NH, [table[s][rank] for s in range(ranks)], table[rank]
+
+
+def against_gloo(rank, world_size, device_kind: str, exchanges: int, chunk_bytes: int):
+    """Every exchange through host memory and through gloo (host copies): equal bits.
+    Returns (exchanges compared, whether the region's file is gone after setup)."""
+    groups = init_distributed(world_size, "cpu", timeout_minutes=1)
+    device = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
+    transport = open_host_transport(groups.ep, groups.ep_rank, chunk_bytes, device, 60.0)
+    try:
+        gone = rank != 0 or not os.path.exists(transport.region.path)  # rank 0 removed it
+        compared = 0
+        for input_NH, out_splits, in_splits in exchange_table(rank, world_size, exchanges,
+                                                              device):
+            output = input_NH.new_empty((sum(out_splits), 24))
+            transport.all_to_all(output, input_NH, out_splits, in_splits)
+            reference = torch.empty((sum(out_splits), 24), dtype=torch.bfloat16)
+            groups.ep.all_to_all_single(reference, input_NH.cpu(), out_splits, in_splits)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            assert torch.equal(output.cpu().view(torch.int16), reference.view(torch.int16)), \
+                (rank, compared)
+            compared += 1
+        return compared, gone
+    finally:
+        transport.region.close()
+        destroy_distributed(groups)
+
+
+def expert_comm_against_gloo(rank, world_size, exchanges: int):
+    """`ExpertComm` with the transport, switched off and on (the tuner's switch): the same
+    rows either way, and the watch sees the exchange as the EP group's collective."""
+    groups = init_distributed(world_size, "cpu", timeout_minutes=1)
+    transport = open_host_transport(groups.ep, groups.ep_rank, 4096, groups.device, 60.0)
+    comm = ExpertComm(groups.ep, world_size, transport=transport)
+    seen = []
+    begin = groups.watch.begin
+    groups.watch.begin = lambda where, peers: seen.append(where) or begin(where, peers)
+    try:
+        for input_NH, out_splits, in_splits in exchange_table(rank, world_size, exchanges,
+                                                              groups.device, seed=11):
+            comm.host_memory = True
+            through_host = comm.all_to_all(input_NH, out_splits, in_splits)
+            comm.host_memory = False
+            through_gloo = comm.all_to_all(input_NH, out_splits, in_splits)
+            assert torch.equal(through_host.view(torch.int16), through_gloo.view(torch.int16))
+        return sorted(set(seen))
+    finally:
+        comm.close()
+        destroy_distributed(groups)
+
+
+def training_modes(rank, world_size, out_dir, steps):
+    """`mode_grads_and_losses` over the process group's schedules and host memory's, with the
+    EP all-to-alls counted by what carried them: {"host": .., "group": ..} as `ExpertComm`
+    chose, and the exchanges the transport itself carried (must equal "host")."""
+    from epoverlap.parallel.host_memory import HostMemoryTransport
+    carried, chose = [0], {"host": 0, "group": 0}
+    exchange, all_to_all = HostMemoryTransport.all_to_all, ExpertComm.all_to_all
+
+    def counted(self, *args):
+        carried[0] += 1
+        return exchange(self, *args)
+
+    def chosen(self, *args):
+        if self.size > 1:
+            chose["host" if self.host_memory else "group"] += 1
+        return all_to_all(self, *args)
+    HostMemoryTransport.all_to_all, ExpertComm.all_to_all = counted, chosen  # this process
+    results = mode_grads_and_losses(rank, world_size, 2, out_dir, steps, modes=HOST_MODES)
+    return results, carried[0], chose
+
+
+def training_on_one_gpu(rank, world_size, out_dir, steps):
+    """Two ranks sharing cuda:0, gloo for control (NCCL refuses two ranks on one GPU): the
+    process group's all-to-all there is gloo's, through host copies (the reference), against
+    the transport's copy engines; eager, untuned, fp32, deterministic, Triton kernels."""
+    import gloo_workers
+    from epoverlap.training.environment import make_deterministic
+    make_deterministic(on_gpu=True)  # the CLI's --deterministic-mode; Trainer alone does not
+    made = init_distributed(world_size, "cpu", timeout_minutes=2)
+    on_gpu = dataclasses.replace(made, device=torch.device("cuda", 0), local_rank=0)
+    os.environ["LOCAL_RANK"] = "0"  # both ranks on GPU 0
+    gpu_flags = ["--device", "cuda", "--cuda-graph-impl", "none", "--tune", "off",
+                 "--kernel-backend", "triton"]  # the GPU tier's deterministic backend
+    modes = {name: flags + gpu_flags for name, flags in ONE_GPU_MODES.items()}
+    gloo_workers.init_distributed = lambda *args, **kwargs: on_gpu  # this process only
+    _all_to_alls_through_host()
+    gloo_workers.destroy_distributed = lambda groups: None
+    try:
+        return gloo_workers.mode_grads_and_losses(rank, world_size, 2, out_dir, steps,
+                                                  modes=modes)
+    finally:
+        destroy_distributed(made)
+
+
+def pair_in_one_process(device_kind: str, exchanges: int, chunk_bytes: int) -> int:
+    """Two ranks' transports on one region in one process, issued from one thread phase by
+    phase (`exchange_together`, the benchmark's form): on CUDA their streams order everything,
+    nothing waits on the host; on CPU the same order runs with host waits and must not block.
+    Against a plain gather of the rows."""
+    from epoverlap.parallel.host_memory import (HostMemoryTransport, Layout, SharedRegion,
+                                                exchange_together)
+    device = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
+    layout = Layout(2, 2, chunk_bytes)
+    region = SharedRegion(region_path(f"pair-{os.getpid()}"), layout.total_bytes, create=True)
+    region.unlink()
+    ranks = [HostMemoryTransport(region, r, 2, chunk_bytes, device=device, timeout_s=30)
+             for r in range(2)]
+    compared = 0
+    tables = [list(exchange_table(r, 2, exchanges, device, seed=3)) for r in range(2)]
+    outputs = [[None] * exchanges for _ in range(2)]
+    for e in range(exchanges):  # issued from one thread: on CUDA the streams wait, not the host
+        calls = []
+        for r in range(2):
+            input_NH, out_splits, in_splits = tables[r][e]
+            outputs[r][e] = input_NH.new_empty((sum(out_splits), 24))
+            calls.append((ranks[r], outputs[r][e], input_NH, out_splits, in_splits))
+        exchange_together(calls)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    for e in range(exchanges):
+        for r in range(2):
+            parts = []
+            for s in range(2):
+                input_NH, _, in_splits = tables[s][e]
+                at = sum(in_splits[:r])
+                parts.append(input_NH[at:at + in_splits[r]])
+            assert torch.equal(outputs[r][e].view(torch.int16), torch.cat(parts).view(torch.int16))
+            compared += 1
+    region.close()
+    return compared
+
+
+def setup_refusals(rank, world_size):
+    """What each rank raises when the first rank cannot make the region (no room in
+    /dev/shm), then when the group spans two hosts: the same one line on every rank."""
+    from epoverlap.errors import ConfigError
+    from epoverlap.parallel import host_memory, watch
+    groups = init_distributed(world_size, "cpu", timeout_minutes=1)
+    lines = []
+    try:
+        def full(fd, offset, size):
+            raise OSError(28, "No space left on device")
+        host_memory.os.posix_fallocate = full
+        try:
+            open_host_transport(groups.ep, groups.ep_rank, 4096, groups.device, 30.0)
+        except ConfigError as error:
+            lines.append(str(error))
+        watch.host_label = lambda: f"node{rank}"
+        try:
+            open_host_transport(groups.ep, groups.ep_rank, 4096, groups.device, 30.0)
+        except ConfigError as error:
+            lines.append(str(error))
+        return lines
+    finally:
+        destroy_distributed(groups)
+
+
+def _all_to_alls_through_host() -> None:
+    """The process group's all-to-alls of CUDA tensors staged through host copies (gloo's
+    own all-to-all is documented for CPU tensors): the reference exchange. This process only."""
+    from epoverlap.parallel.groups import Group
+    plain = Group.all_to_all_single
+
+    def through_host(self, output, input, output_splits=None, input_splits=None):
+        if not output.is_cuda:
+            return plain(self, output, input, output_splits, input_splits)
+        staged = torch.empty(output.shape, dtype=output.dtype)
+        plain(self, staged, input.cpu(), output_splits, input_splits)
+        output.copy_(staged)
+    Group.all_to_all_single = through_host
