@@ -114,7 +114,7 @@ def in_process_sides(preset: str, groups, cpu: bool = False) -> dict:
     precede cuBLAS's start), so `free` has it too here."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     from epoverlap.config import parse_config
-    from epoverlap.training.trainer import Trainer
+    from epoverlap.training.loop.trainer import Trainer
     from benchmarks.harness.bench_host import warm_up_and_capture
 
     sides = {}

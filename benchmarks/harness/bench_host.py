@@ -72,8 +72,8 @@ from epoverlap.parallel.comm import SplitExchange
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.schedule.executor import SerialLanes
 from epoverlap.schedule.node_run import as_node_leaf
-from epoverlap.training.environment import setup_environment
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.setup.environment import setup_environment
+from epoverlap.training.loop.trainer import Trainer
 from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
 
 SHAPES = {

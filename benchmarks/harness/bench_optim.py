@@ -38,9 +38,9 @@ import torch
 
 from epoverlap.config import parse_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
-from epoverlap.training import flat_adam
-from epoverlap.training.optim import ADAM_IMPLS, MixedPrecisionAdamW
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.optimizer import flat_adam
+from epoverlap.training.optimizer.optim import ADAM_IMPLS, MixedPrecisionAdamW
+from epoverlap.training.loop.trainer import Trainer
 from benchmarks.harness.bench_host import launch_count
 
 

@@ -66,8 +66,8 @@ from epoverlap.config import validate_config
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import (NcclCtaBudget, destroy_distributed,
                                        expert_parallel_groups, init_distributed)
-from epoverlap.training.environment import setup_environment
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.setup.environment import setup_environment
+from epoverlap.training.loop.trainer import Trainer
 from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
 
 from benchmarks.harness.train_bench import parse_config  # --comm-mode local_copy: T_comp

@@ -60,10 +60,10 @@ from epoverlap.config import RunConfig, parse_config, resolve_config, validate_c
 from epoverlap.errors import ConfigError
 from epoverlap.model.flops import training_flops_per_token
 from epoverlap.parallel.groups import ParallelGroups, destroy_distributed, init_distributed
-from epoverlap.training.data import open_data_source
-from epoverlap.training.environment import setup_environment
-from epoverlap.training.optim import lr_at
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.setup.data import open_data_source
+from epoverlap.training.setup.environment import setup_environment
+from epoverlap.training.optimizer.optim import lr_at
+from epoverlap.training.loop.trainer import Trainer
 from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
 from benchmarks.harness.bench_overlap import (OVERLAP, SHAPES, max_over_ranks,
                                               max_over_ranks_each, nccl_environment,

@@ -26,8 +26,8 @@ import torch
 from epoverlap.config import parse_config, validate_config
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
-from epoverlap.training.environment import setup_environment
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.setup.environment import setup_environment
+from epoverlap.training.loop.trainer import Trainer
 from epoverlap.cli.compare_losses import compare_loss_logs
 from epoverlap.config.resolve import SEQUENTIAL_FLAG as SEQUENTIAL
 

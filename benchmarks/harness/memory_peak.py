@@ -66,7 +66,7 @@ def groups(blocks: dict) -> list[dict]:
 def estimate_parts(flags: list) -> dict:
     """The memory estimate's parts (bytes) for the run's flags, on one GPU."""
     from epoverlap.config import parse_config, resolve_config
-    from epoverlap.training.memory import estimate_memory
+    from epoverlap.training.setup.memory import estimate_memory
     estimate = estimate_memory(resolve_config(parse_config(flags), 1, True), 1)
     return {"states": estimate.states, "activations": estimate.activations,
             "transient": estimate.transient, "total": estimate.total}

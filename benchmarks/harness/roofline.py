@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 from epoverlap.config.parse import parse_config
 from epoverlap.model.flops import megatron_flops_per_token
-from epoverlap.training.megatron_mapping import data_vocab_size
+from epoverlap.training.checkpoints.megatron_mapping import data_vocab_size
 
 # class -> kernel-name pattern (first match wins), in the order printed
 CLASSES = (

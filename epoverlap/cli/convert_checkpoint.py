@@ -31,9 +31,9 @@ import sys
 from typing import Optional, Sequence
 
 from epoverlap.errors import ConfigError
-from epoverlap.training.megatron_checkpoint import LAYOUTS
-from epoverlap.training.megatron_convert import from_megatron, to_megatron
-from epoverlap.training.megatron_mapping import ConversionError, model_config_of
+from epoverlap.training.checkpoints.megatron_checkpoint import LAYOUTS
+from epoverlap.training.checkpoints.megatron_convert import from_megatron, to_megatron
+from epoverlap.training.checkpoints.megatron_mapping import ConversionError, model_config_of
 
 PROG = "epoverlap-convert-checkpoint"
 

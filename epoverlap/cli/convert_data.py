@@ -32,7 +32,7 @@ import numpy as np
 from epoverlap.data.indexed import IndexedWriter, token_dtype_for
 from epoverlap.data.tokenizers import (CONVERTER_TOKENIZER_TYPES, ByteTokenizer, TokenizerError,
                                        build_tokenizer)
-from epoverlap.training.data import stdlib_folder, text_files
+from epoverlap.training.setup.data import stdlib_folder, text_files
 
 
 class InputError(ValueError):

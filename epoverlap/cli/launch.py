@@ -46,7 +46,7 @@ import torch
 from epoverlap.config import build_parser
 from epoverlap.errors import ConfigError
 from epoverlap.cli.train import checked_config, error_lines
-from epoverlap.training.data import open_data_source
+from epoverlap.training.setup.data import open_data_source
 
 PROG = "epoverlap-launch"
 LAUNCHER_FLAGS = {  # the launcher's own flags (not passed to training): metavar, help

@@ -46,12 +46,12 @@ from epoverlap.config.resolve import path_text
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.parallel.watch import ROUTED_SIGNALS, PeerFailure, route_signals
-from epoverlap.training.checkpoint_files import CheckpointRef, find_resume_checkpoint
-from epoverlap.training.data import open_data_source
-from epoverlap.training.memory import check_memory
-from epoverlap.training.environment import ep_cta_budget, setup_environment
-from epoverlap.training.stop import exit_status
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.checkpoints.checkpoint_files import CheckpointRef, find_resume_checkpoint
+from epoverlap.training.setup.data import open_data_source
+from epoverlap.training.setup.memory import check_memory
+from epoverlap.training.setup.environment import ep_cta_budget, setup_environment
+from epoverlap.training.loop.stop import exit_status
+from epoverlap.training.loop.trainer import Trainer
 
 
 def _printer(enabled: bool, to_stderr: bool = False) -> Callable[[str], None]:

@@ -14,7 +14,7 @@ import torch
 
 from dist_helpers import single_rank_groups
 from epoverlap.config import parse_config
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.loop.trainer import Trainer
 from benchmarks.harness import bench_a2a_host, bench_host, bench_launch
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -167,7 +167,7 @@ def test_each_shapes_epoverlap_command_validates_and_fits_one_h200(monkeypatch):
     """The epoverlap side's command (a typo would cost a device call) at one GPU, and its
     memory estimate under 100 GiB of the H200's 139."""
     from epoverlap.config import parse_config, resolve_config, validate, validate_config
-    from epoverlap.training.memory import GIB, GPU_RESERVE_BYTES, estimate_memory
+    from epoverlap.training.setup.memory import GIB, GPU_RESERVE_BYTES, estimate_memory
     monkeypatch.setattr(validate, "nccl_config_unavailable", lambda: None)
     for shape in titan.SHAPES.values():
         argv = rounds.epoverlap_command(shape.preset, 30, Path("/tmp/x.jsonl"))

@@ -22,7 +22,7 @@ import torch
 
 from dist_helpers import single_rank_groups
 from epoverlap.config import parse_config
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.loop.trainer import Trainer
 from job_control import REPO, Job, job_env, launcher_cmd, rank_pid, wait_exit
 
 QUICK = ["--hidden-size", "64", "--seq-length", "64", "--num-microbatches", "4",

@@ -263,7 +263,7 @@ def test_paths_that_are_files_or_folders_where_the_other_is_needed(tmp_path):
     file.write_text("ab")
     assert "must name a folder" in str(rejected(["--load", str(file)]))
     assert "is a folder" in str(rejected(["--log-json", str(tmp_path)]))
-    from epoverlap.training.data import open_data_source
+    from epoverlap.training.setup.data import open_data_source
     with pytest.raises(ConfigError) as info:  # the data files are checked with the data source
         open_data_source(parse_config(["--data", str(file)]), 1)
     assert str(info.value).startswith("--data") and "2 bytes" in str(info.value)

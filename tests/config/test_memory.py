@@ -13,8 +13,8 @@ import torch
 
 from epoverlap.config import parse_config, resolve_config
 from epoverlap.errors import ConfigError
-from epoverlap.training import memory
-from epoverlap.training.memory import GIB, check_memory, estimate_memory
+from epoverlap.training.setup import memory
+from epoverlap.training.setup.memory import GIB, check_memory, estimate_memory
 from job_control import REPO, job_env
 
 from benchmarks.harness import train_bench

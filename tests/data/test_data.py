@@ -16,8 +16,8 @@ from epoverlap.data.indexed import IndexedWriter, open_indexed
 from epoverlap.data.samples import BlendedSamples, DocumentSamples, blend_order, split_bounds
 from epoverlap.data.tokenizers import TokenizerError, build_tokenizer
 from epoverlap.errors import ConfigError
-from epoverlap.training.data import (IndexedData, StepFeed, SyntheticData, open_data_source,
-                                     step_batches)
+from epoverlap.training.setup.data import (IndexedData, StepFeed, SyntheticData, open_data_source,
+                                           step_batches)
 from epoverlap.cli import convert_data
 
 NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]

@@ -45,7 +45,7 @@ def _train(flags: list[str], auto_graphs: bool, backend=None):
     from graph_emulation import EmulatedGraphs
 
     from epoverlap.parallel.groups import destroy_distributed, init_distributed
-    from epoverlap.training.trainer import Trainer
+    from epoverlap.training.loop.trainer import Trainer
 
     cfg = parse_config(["--preset", "tiny", "--mock-data", "--kernel-backend", "torch",
                         "--log-interval", "1", "--overlap-moe-expert-parallel-comm", *flags])
@@ -119,7 +119,7 @@ def test_a_capture_the_free_memory_cannot_hold_is_refused_before_it_starts(monke
     import torch
 
     from epoverlap.graphs.capture import CudaGraphBackend, GraphMemoryError
-    from epoverlap.training.step import _out_of_memory
+    from epoverlap.training.loop.step import _out_of_memory
 
     gib, state = 2**30, {"reserved": 30 * 2**30, "total": 0}
     calls = []

@@ -9,7 +9,7 @@ import torch
 
 from epoverlap.config import parse_config
 from epoverlap.model.flops import megatron_flops_per_token, training_flops_per_token
-from epoverlap.training.mfu import device_peak_tflops, mfu, peak_bf16_tflops
+from epoverlap.training.telemetry.mfu import device_peak_tflops, mfu, peak_bf16_tflops
 
 TOP2 = ["--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "256",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "128",

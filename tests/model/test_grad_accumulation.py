@@ -21,7 +21,7 @@ from epoverlap.kernels.grouped_wgrad import grouped_weight_grad_torch
 from epoverlap.model.linear import expert_offsets, grouped_gemm, linear
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
 from epoverlap.schedule.plan import build_plan
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.loop.trainer import Trainer
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--num-query-groups", "2", "--seq-length", "8", "--num-experts", "4",

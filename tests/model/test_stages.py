@@ -19,7 +19,7 @@ from epoverlap.parallel.comm import ExpertComm, PipelineComm
 from epoverlap.parallel.groups import PIPELINE, Group
 from epoverlap.parallel.watch import CollectiveWatch
 from epoverlap.schedule.plan import stage_layout
-from epoverlap.training.memory import estimate_memory, weight_sizes
+from epoverlap.training.setup.memory import estimate_memory, weight_sizes
 from epoverlap.kernels import make_moe_ops
 
 REPO = Path(__file__).resolve().parents[2]

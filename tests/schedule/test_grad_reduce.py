@@ -15,7 +15,7 @@ from epoverlap.schedule.grad_reduce import ReduceBucket, reduce_points
 from epoverlap.schedule.pipeline import pipeline_plans
 from epoverlap.schedule.plan import (Chunk, action_lane, build_plan, node_kinds,
                                      sequential_plan)
-from epoverlap.training.grads import bucket_layout
+from epoverlap.training.optimizer.grads import bucket_layout
 
 MOE = (NodeKind("attn", COMPUTE, True), NodeKind("dispatch", COMM),
        NodeKind("mlp", COMPUTE, True), NodeKind("combine", COMM))

@@ -17,9 +17,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from epoverlap.config import parse_config
 from epoverlap.errors import NonFiniteError
 from epoverlap.parallel.groups import destroy_distributed, expert_parallel_groups, init_distributed
-from epoverlap.training.checkpoint_files import iter_name, read_checkpoint
-from epoverlap.training.faults import ENV
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.checkpoints.checkpoint_files import iter_name, read_checkpoint
+from epoverlap.training.loop.faults import ENV
+from epoverlap.training.loop.trainer import Trainer
 from gloo_workers import TINY
 
 # Expert bias and the router's balancing generator are on, so their restore is tested too.

@@ -18,7 +18,7 @@ from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.moe import Router
 from epoverlap.parallel.comm import ExpertComm, HostComms
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.loop.trainer import Trainer
 from epoverlap.kernels import make_moe_ops
 from benchmarks.harness.bench_peer import bind_missing_te_names
 

@@ -94,7 +94,7 @@ def one_process_model(cfg, backend: str, dtype, device, delay: bool = False,
     from epoverlap.model.transformer import MoEModel
     from epoverlap.parallel.comm import ExpertComm
     from epoverlap.schedule.wgrad import WeightGradQueue
-    from epoverlap.training.grads import GradBuffers
+    from epoverlap.training.optimizer.grads import GradBuffers
     from epoverlap.kernels import make_moe_ops
     queue = WeightGradQueue(enabled=delay)
     model = MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops(backend), dtype=dtype,

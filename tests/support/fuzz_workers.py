@@ -26,7 +26,7 @@ from epoverlap.config import CHOICES, RunConfig, build_parser, parse_config
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, expert_parallel_groups, init_distributed
 from epoverlap.cli.train import checked_config
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.loop.trainer import Trainer
 from gloo_workers import MODES, TINY
 
 INTS = ["-1", "0", "1", "2", "3", "4", "8", "16", str(2**63)]

@@ -10,7 +10,7 @@ from epoverlap.parallel.comm import ExpertComm
 from epoverlap.config import parse_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.model.dispatch_dedup import make_dispatcher
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.loop.trainer import Trainer
 from epoverlap.kernels import make_moe_ops
 
 from run_paths import assert_schedules_differ, read_run_record, write_run_record
@@ -108,7 +108,7 @@ def mode_grads_and_losses(rank, world_size, ep, out_dir, steps, extra=(), modes=
 
 def flat_adam_grads_and_losses(rank, world_size, ep, out_dir, steps, modes):
     """`mode_grads_and_losses` with the flat AdamW form (the GPU default) for the CPU's own."""
-    from epoverlap.training import optim
+    from epoverlap.training.optimizer import optim
     optim.default_adam_impl = lambda device: "flat"
     return mode_grads_and_losses(rank, world_size, ep, out_dir, steps, modes=modes)
 

@@ -121,7 +121,7 @@ def training_on_one_gpu(rank, world_size, out_dir, steps):
     process group's all-to-all there is gloo's, through host copies (the reference), against
     the transport's copy engines; eager, untuned, fp32, deterministic, Triton kernels."""
     import gloo_workers
-    from epoverlap.training.environment import make_deterministic
+    from epoverlap.training.setup.environment import make_deterministic
     make_deterministic(on_gpu=True)  # the CLI's --deterministic-mode; Trainer alone does not
     made = init_distributed(world_size, "cpu", timeout_minutes=2)
     on_gpu = dataclasses.replace(made, device=torch.device("cuda", 0), local_rank=0)

@@ -189,7 +189,7 @@ def refusal_lines(argv: list[str], world: int = RANKS, open_data: bool = False) 
     import io
     from epoverlap.cli.train import checked_config
     from epoverlap.errors import ConfigError
-    from epoverlap.training.data import open_data_source
+    from epoverlap.training.setup.data import open_data_source
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):

@@ -15,7 +15,7 @@ import torch
 
 from epoverlap.config import parse_config, resolve_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.loop.trainer import Trainer
 
 # 4 layers: 2 stages x 2 virtual stages of one layer each. --clip-grad is below the grad norm,
 # so every step's update goes through the clipping (and the grad norm must agree bitwise).

@@ -17,9 +17,9 @@ from checkpoint_workers import FLAGS, checkpoint_tensors, run, two_rank_suite
 from dist_helpers import run_ranks, single_rank_groups
 from epoverlap.config import parse_config
 from epoverlap.errors import CheckpointError
-from epoverlap.training import checkpoint_files as files
-from epoverlap.training.checkpoint_files import find_resume_checkpoint, iter_name
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.checkpoints import checkpoint_files as files
+from epoverlap.training.checkpoints.checkpoint_files import find_resume_checkpoint, iter_name
+from epoverlap.training.loop.trainer import Trainer
 from epoverlap.cli.compare_losses import compare_loss_logs
 
 # Measured (CPU, gloo, 2 ranks, fp32, TINY variants, 8 steps after a resume at step 2 written at
@@ -127,7 +127,7 @@ def test_a_checkpoint_of_one_adamw_form_resumes_with_another(tmp_path, monkeypat
     once: every key the same bits (masters, moments, step counts). The forms differ in the last
     bits of an update (`kernels.adamw`), so the steps after differ by rounding only; the same
     form resumes bitwise."""
-    from epoverlap.training import optim
+    from epoverlap.training.optimizer import optim
 
     argv = FLAGS + ["--train-iters", "4"]
     monkeypatch.setattr(optim, "default_adam_impl", lambda device: saved_with)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from epoverlap.config import parse_config
-from epoverlap.training.optim import lr_at
+from epoverlap.training.optimizer.optim import lr_at
 
 REPO = Path(__file__).resolve().parents[2]
 FLAGS = ["--preset", "tiny", "--mock-data", "--hidden-size", "64", "--seq-length", "64",

@@ -47,14 +47,15 @@ from dist_helpers import one_process_model, run_ranks, single_rank_groups
 from epoverlap.cli.convert_checkpoint import main
 from epoverlap.config import parse_config
 from epoverlap.model.dropout import DROPOUT_SEED
-from epoverlap.training.checkpoint import Checkpointer
-from epoverlap.training.checkpoint_files import find_resume_checkpoint
-from epoverlap.training.megatron_checkpoint import (megatron_entries, read_common,
-                                                    write_megatron)
-from epoverlap.training.megatron_convert import read_epoverlap
-from epoverlap.training.megatron_mapping import config_from_meta, model_config_of, tensor_maps
-from epoverlap.training.optim import MixedPrecisionAdamW
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.checkpoints.checkpoint import Checkpointer
+from epoverlap.training.checkpoints.checkpoint_files import find_resume_checkpoint
+from epoverlap.training.checkpoints.megatron_checkpoint import (megatron_entries, read_common,
+                                                                write_megatron)
+from epoverlap.training.checkpoints.megatron_convert import read_epoverlap
+from epoverlap.training.checkpoints.megatron_mapping import (config_from_meta, model_config_of,
+                                                             tensor_maps)
+from epoverlap.training.optimizer.optim import MixedPrecisionAdamW
+from epoverlap.training.loop.trainer import Trainer
 
 
 def _megatron_installed() -> bool:

@@ -22,7 +22,7 @@ import torch
 import torch.utils.deterministic
 
 from epoverlap.config import parse_config
-from epoverlap.training.environment import setup_environment
+from epoverlap.training.setup.environment import setup_environment
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--preset", "tiny", "--hidden-size", "64", "--seq-length", "64", "--num-microbatches",

@@ -24,10 +24,10 @@ from epoverlap.config import parse_config, validate_config
 from epoverlap.data.indexed import IndexedWriter
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
-from epoverlap.training.checkpoint_files import iter_name, read_checkpoint
-from epoverlap.training.data import (IndexedData, SyntheticData, open_data_source,
-                                     step_batches)
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.checkpoints.checkpoint_files import iter_name, read_checkpoint
+from epoverlap.training.setup.data import (IndexedData, SyntheticData, open_data_source,
+                                           step_batches)
+from epoverlap.training.loop.trainer import Trainer
 
 # FLAGS: the tiny model with the router's force-balancing generator and expert bias (state a
 # forward touches or a step updates), 4 steps

@@ -13,8 +13,9 @@ import torch
 from dist_helpers import single_rank_groups
 from epoverlap.config import parse_config
 from epoverlap.schedule.wgrad import WeightGradQueue
-from epoverlap.training import build, grads
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.loop import build
+from epoverlap.training.optimizer import grads
+from epoverlap.training.loop.trainer import Trainer
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--num-query-groups", "2", "--ffn-hidden-size", "48", "--moe-ffn-hidden-size", "24",

@@ -281,7 +281,7 @@ def _train_in_process(groups, flags: list) -> list:
     """`Trainer.train()` of `flags` (parsed, not validated) on `groups`, torn down after."""
     from epoverlap.config import parse_config
     from epoverlap.parallel.groups import destroy_distributed
-    from epoverlap.training.trainer import Trainer
+    from epoverlap.training.loop.trainer import Trainer
 
     try:
         trainer = Trainer(parse_config(flags), groups, log=lambda message: None)

@@ -14,7 +14,7 @@ from pipeline_workers import VIRTUAL, WGRAD, mode_results
 from run_paths import assert_flag_differs
 from epoverlap.config import parse_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.loop.trainer import Trainer
 
 SEQUENTIAL = ["--no-overlap-moe-expert-parallel-comm"]
 OVERLAP_WGRAD = ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]

@@ -10,8 +10,8 @@ import torch
 from checkpoint_workers import FLAGS
 from dist_helpers import single_rank_groups
 from epoverlap.config import parse_config
-from epoverlap.training.checkpoint_files import find_resume_checkpoint
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.checkpoints.checkpoint_files import find_resume_checkpoint
+from epoverlap.training.loop.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

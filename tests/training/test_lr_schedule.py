@@ -13,7 +13,7 @@ import pytest
 
 from epoverlap.config import parse_config
 from epoverlap.config.sections import TrainConfig
-from epoverlap.training.optim import lr_at
+from epoverlap.training.optimizer.optim import lr_at
 
 # peak 1.0, floor 0.1 (delta 0.9), warmup 2 steps, decay over 10 steps: after the warmup the
 # decay's progress at step s is (s - 2) / 8

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from epoverlap.config import parse_config
-from epoverlap.training.optim import ADAM_IMPLS, MixedPrecisionAdamW, default_adam_impl
+from epoverlap.training.optimizer.optim import ADAM_IMPLS, MixedPrecisionAdamW, default_adam_impl
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])]
@@ -101,7 +101,7 @@ def test_bf16_parameters_are_their_masters_rounded_as_a_copy_would(device):
 
 
 def test_the_default_form_is_flat_on_gpus_and_single_on_cpus(monkeypatch):
-    from epoverlap.training import optim
+    from epoverlap.training.optimizer import optim
 
     monkeypatch.setattr(optim, "triton_installed", lambda: True)
     assert default_adam_impl(torch.device("cuda", 0)) == "flat"
@@ -153,7 +153,7 @@ def _clip_in_place(grads, max_norm: float) -> float:
 
 def test_global_grad_norm_is_the_norm_of_every_grad_and_clipping_reaches_the_limit():
     from dist_helpers import single_rank_groups
-    from epoverlap.training.grads import GradBuffers
+    from epoverlap.training.optimizer.grads import GradBuffers
 
     model = _model("cpu", torch.float32)
     model.p2.is_expert = True  # an expert shard: counted in the expert slots
@@ -175,7 +175,7 @@ def test_the_clip_factor_given_to_the_optimizer_is_the_old_in_place_clip_bit_for
     """`clip_factor` + `step(lr, factor)` (the training step's order) against the grads
     scaled in place before `step(lr)`, over steps that clip and one that does not."""
     from dist_helpers import single_rank_groups
-    from epoverlap.training.grads import GradBuffers
+    from epoverlap.training.optimizer.grads import GradBuffers
 
     runs = []
     for deferred in (False, True):
@@ -204,7 +204,7 @@ def _buffered_model(dtype) -> tuple[nn.Module, list]:
     1-D parameters interleaved, one matrix fp32 whatever `dtype` (as a router kept in fp32);
     and its trainable parameters."""
     from dist_helpers import single_rank_groups
-    from epoverlap.training.grads import GradBuffers
+    from epoverlap.training.optimizer.grads import GradBuffers
 
     model = _model("cpu", dtype, ((64, 32), (600,), (8, 16, 4), (5,), (7, 3), (40,), (2, 9, 5)))
     model.p4.data = model.p4.data.float()
@@ -253,7 +253,7 @@ def test_flat_form_with_its_kernel_against_torchs_single_tensor_adamw(monkeypatc
     counts equal, and each bf16 parameter its master rounded to nearest even (the fp32 one its
     own master)."""
     from epoverlap.kernels import triton_unavailable_reason
-    from epoverlap.training import flat_adam
+    from epoverlap.training.optimizer import flat_adam
 
     if triton_unavailable_reason() is not None:
         pytest.skip(triton_unavailable_reason())

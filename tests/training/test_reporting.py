@@ -19,14 +19,14 @@ import torch
 from checkpoint_workers import FLAGS
 from dist_helpers import single_rank_groups
 from epoverlap.config import parse_config
-from epoverlap.training import manual_gc as manual_gc_module
-from epoverlap.training.metrics import EvalResult
-from epoverlap.training.manual_gc import ManualGC
-from epoverlap.training.metrics import (IMBALANCE_WARN_STEPS, Reporter, StepResult,
-                                        format_duration, imbalance_warn_limit)
-from epoverlap.training.tensorboard import SCALAR_TAGS, scalars_of
-from epoverlap.training.trainer import Trainer
-from epoverlap.training.wandb_log import WandbLog
+from epoverlap.training.loop import manual_gc as manual_gc_module
+from epoverlap.training.telemetry.metrics import EvalResult
+from epoverlap.training.loop.manual_gc import ManualGC
+from epoverlap.training.telemetry.metrics import (IMBALANCE_WARN_STEPS, Reporter, StepResult,
+                                                  format_duration, imbalance_warn_limit)
+from epoverlap.training.telemetry.tensorboard import SCALAR_TAGS, scalars_of
+from epoverlap.training.loop.trainer import Trainer
+from epoverlap.training.telemetry.wandb_log import WandbLog
 
 
 def _result(step: int, seconds: float) -> StepResult:
@@ -222,7 +222,7 @@ def test_manual_gc_in_a_run_and_after_a_failing_step(collections, one_thread):
 
 # ------------------------------------------------------------------------------ MFU
 def test_mfu_on_the_step_line_record_and_summary_only_when_known():
-    from epoverlap.training.metrics import RunSummary
+    from epoverlap.training.telemetry.metrics import RunSummary
     known = [replace(_result(step, seconds), megatron_tflops_per_gpu=tflops, mfu=tflops / 989.0)
              for step, seconds, tflops in ((1, 1.0, 300.0), (2, 3.0, 500.0))]
     record = known[0].to_json()

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from epoverlap.training.metrics import EvalResult
-from epoverlap.training.tensorboard import SCALAR_TAGS, TensorBoardLog
-from epoverlap.training.metrics import StepResult, format_duration
+from epoverlap.training.telemetry.metrics import EvalResult
+from epoverlap.training.telemetry.tensorboard import SCALAR_TAGS, TensorBoardLog
+from epoverlap.training.telemetry.metrics import StepResult, format_duration
 
 
 def test_step_records_round_trip_through_an_event_file(tmp_path):

@@ -17,8 +17,8 @@ import torch
 from epoverlap.config import parse_config, resolve_config
 from epoverlap.config.tuning import (SEQUENTIAL, candidate_paths, may_tune, paths_within,
                                      steps_needed)
-from epoverlap.training.tune_cache import cache_key, key_fields, read_decision
-from epoverlap.training.tuner import PRIME, TIMED, WARMUP, TuneDecision, Tuner, fits_beside
+from epoverlap.training.tuning.tune_cache import cache_key, key_fields, read_decision
+from epoverlap.training.tuning.tuner import PRIME, TIMED, WARMUP, TuneDecision, Tuner, fits_beside
 
 OVL, WG, PE = "combined_1f1b", "combined_1f1b+wgrad", "combined_1f1b_paired_ends"
 PATHS = [OVL, WG, SEQUENTIAL]
@@ -284,7 +284,7 @@ def _train(flags: list[str], graph_backend=None):
     from graph_emulation import EmulatedGraphs
 
     from epoverlap.parallel.groups import destroy_distributed, init_distributed
-    from epoverlap.training.trainer import Trainer
+    from epoverlap.training.loop.trainer import Trainer
 
     argv = ["--preset", "tiny", "--mock-data", "--kernel-backend", "torch", "--log-interval",
             "1", "--overlap-moe-expert-parallel-comm", *flags]
@@ -426,7 +426,7 @@ def test_graphs_that_do_not_fit_side_by_side_are_tuned_in_turn_with_the_same_bit
     each path's bank captured in its turn (one capture per path, the chosen one's again after
     the decision), at most one path's bank held, and the losses the untuned run's bits."""
     fixed, _, _ = _train(GRAPHS + ["--train-iters", "16", "--tune", "off"])
-    monkeypatch.setattr("epoverlap.training.step.fits_beside", lambda *args: False)
+    monkeypatch.setattr("epoverlap.training.loop.step.fits_beside", lambda *args: False)
     tuned, lines, banks = _train(GRAPHS + ["--train-iters", "16", "--tune", "on",
                                            "--tune-steps", "1"])
     ran = [r.schedule for r in tuned]

@@ -27,8 +27,8 @@ from epoverlap.kernels.cross_entropy import cross_entropy_torch
 from epoverlap.model.flops import unaligned_gemm_dims
 from epoverlap.model.transformer import MoEModel
 from epoverlap.parallel.comm import ExpertComm
-from epoverlap.training.checkpoint_files import find_resume_checkpoint
-from epoverlap.training.trainer import Trainer
+from epoverlap.training.checkpoints.checkpoint_files import find_resume_checkpoint
+from epoverlap.training.loop.trainer import Trainer
 
 VOCAB, PADDED = 300, 384
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -43,16 +43,16 @@ from epoverlap.model.dropout import dropout_inputs
 from epoverlap.model.flops import megatron_flops_per_token, training_flops_per_token
 from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.overlap import step_metrics
-from epoverlap.training.build import RunParts
-from epoverlap.training.data import StepFeed
-from epoverlap.training.metrics import StepResult
-from epoverlap.training.mfu import device_peak_tflops, mfu
-from epoverlap.training.numerics import check_finite
-from epoverlap.training.optim import lr_at
-from epoverlap.training.step_stats import StepStats, reduce_step_stats
-from epoverlap.training.tune_cache import write_decision
+from epoverlap.training.loop.build import RunParts
+from epoverlap.training.setup.data import StepFeed
+from epoverlap.training.telemetry.metrics import StepResult
+from epoverlap.training.telemetry.mfu import device_peak_tflops, mfu
+from epoverlap.training.optimizer.numerics import check_finite
+from epoverlap.training.optimizer.optim import lr_at
+from epoverlap.training.telemetry.step_stats import StepStats, reduce_step_stats
+from epoverlap.training.tuning.tune_cache import write_decision
 from epoverlap.config.resolve import GRAPHS_FLAG
-from epoverlap.training.tuner import TuneDecision, fits_beside
+from epoverlap.training.tuning.tuner import TuneDecision, fits_beside
 
 
 class StepRunner:

@@ -31,7 +31,7 @@ from torch import nn
 
 from epoverlap.config import TrainConfig
 from epoverlap.kernels import triton_installed
-from epoverlap.training.flat_adam import FlatAdamW
+from epoverlap.training.optimizer.flat_adam import FlatAdamW
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

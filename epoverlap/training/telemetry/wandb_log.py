@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from epoverlap.config import RunConfig
-from epoverlap.training.tensorboard import scalars_of
+from epoverlap.training.telemetry.tensorboard import scalars_of
 
 
 def wandb_mode() -> str:

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from epoverlap.parallel.watch import host_list
-from epoverlap.training.data import evaluates, step_batches, validation_source
-from epoverlap.training.metrics import EvalResult
+from epoverlap.training.setup.data import evaluates, step_batches, validation_source
+from epoverlap.training.telemetry.metrics import EvalResult
 
 if TYPE_CHECKING:
-    from epoverlap.training.build import RunParts
-    from epoverlap.training.step import StepRunner
+    from epoverlap.training.loop.build import RunParts
+    from epoverlap.training.loop.step import StepRunner
 
 class Evaluator:
     """Evaluation of one built run (module docstring); `run` is a collective."""

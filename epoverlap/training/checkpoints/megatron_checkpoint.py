@@ -51,8 +51,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from epoverlap.config import RunConfig
-from epoverlap.training import checkpoint_files as files
-from epoverlap.training.megatron_mapping import ConversionError, TensorMap
+from epoverlap.training.checkpoints import checkpoint_files as files
+from epoverlap.training.checkpoints.megatron_mapping import ConversionError, TensorMap
 
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
            "common_backend": "torch", "common_backend_version": 1}

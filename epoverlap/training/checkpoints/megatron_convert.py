@@ -26,16 +26,17 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from epoverlap.config import RunConfig
 from epoverlap.errors import CheckpointError
-from epoverlap.training import checkpoint_files as files
-from epoverlap.training.megatron_checkpoint import (COMMON, LAYOUTS, PER_LAYER,
-                                                    MegatronCheckpoint, default_layout,
-                                                    find_megatron_folder, megatron_args,
-                                                    megatron_entries, quiet_dcp,
-                                                    unmapped_reason, write_epoverlap,
-                                                    write_megatron)
-from epoverlap.training.megatron_mapping import (EMBEDDING, OUTPUT_LAYER, ConversionError,
-                                                 TensorMap, check_megatron_args,
-                                                 config_from_meta, tensor_maps)
+from epoverlap.training.checkpoints import checkpoint_files as files
+from epoverlap.training.checkpoints.megatron_checkpoint import (COMMON, LAYOUTS, PER_LAYER,
+                                                                MegatronCheckpoint, default_layout,
+                                                                find_megatron_folder, megatron_args,
+                                                                megatron_entries, quiet_dcp,
+                                                                unmapped_reason, write_epoverlap,
+                                                                write_megatron)
+from epoverlap.training.checkpoints.megatron_mapping import (EMBEDDING, OUTPUT_LAYER,
+                                                             ConversionError, TensorMap,
+                                                             check_megatron_args, config_from_meta,
+                                                             tensor_maps)
 
 OPTIMIZER_NOTE = ("optimizer state: not converted (Megatron-core's distributed optimizer keeps "
                   "it in flat per-group buffers, not per parameter); weights only, so a run "

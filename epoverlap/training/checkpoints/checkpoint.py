@@ -48,8 +48,8 @@ from epoverlap.errors import CheckpointError
 from epoverlap.model.moe import Router
 from epoverlap.parallel.groups import ParallelGroups
 from epoverlap.parallel.watch import host_list
-from epoverlap.training import checkpoint_files as files
-from epoverlap.training.optim import MixedPrecisionAdamW
+from epoverlap.training.checkpoints import checkpoint_files as files
+from epoverlap.training.optimizer.optim import MixedPrecisionAdamW
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 VOCAB_PARAMS = ("embedding", "head")  # [padded V, H]: their rows are the vocabulary's

@@ -30,13 +30,13 @@ import torch.distributed as dist
 from epoverlap.model.flops import GEMM_ALIGNMENT, unaligned_gemm_dims
 from epoverlap.model.transformer import model_dtype
 from epoverlap.parallel.watch import host_list
-from epoverlap.training.console import warn_every_rank
-from epoverlap.training.tensorboard import TensorBoardLog
-from epoverlap.training.tuner import PRIME, TIMED
-from epoverlap.training.wandb_log import WandbLog
+from epoverlap.training.telemetry.console import warn_every_rank
+from epoverlap.training.telemetry.tensorboard import TensorBoardLog
+from epoverlap.training.tuning.tuner import PRIME, TIMED
+from epoverlap.training.telemetry.wandb_log import WandbLog
 
 if TYPE_CHECKING:
-    from epoverlap.training.build import RunParts
+    from epoverlap.training.loop.build import RunParts
 
 
 @dataclass

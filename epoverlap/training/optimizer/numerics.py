@@ -17,7 +17,7 @@ from torch import nn
 from epoverlap.errors import NonFiniteError
 from epoverlap.parallel.groups import ParallelGroups
 from epoverlap.parallel.watch import host_list
-from epoverlap.training.grads import GradBuffers
+from epoverlap.training.optimizer.grads import GradBuffers
 
 
 def _local_problem(losses: Sequence[Optional[torch.Tensor]], model: nn.Module,

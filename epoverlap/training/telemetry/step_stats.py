@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from epoverlap.parallel.watch import host_list
-from epoverlap.training.stop import REASONS, StopRequest
+from epoverlap.training.loop.stop import REASONS, StopRequest
 
 TALLIES = 3  # dropped pairs, budget rows sent, the dropless dispatch's rows
 

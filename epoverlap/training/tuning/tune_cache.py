@@ -30,8 +30,8 @@ import torch
 
 from epoverlap.config import RunConfig
 from epoverlap.model.transformer import model_dtype
-from epoverlap.training.console import warn_every_rank
-from epoverlap.training.tuner import TuneDecision
+from epoverlap.training.telemetry.console import warn_every_rank
+from epoverlap.training.tuning.tuner import TuneDecision
 
 VERSION = 1
 # training flags that do not change which path is fastest

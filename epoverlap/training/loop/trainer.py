@@ -23,14 +23,14 @@ from epoverlap.config import RunConfig
 from epoverlap.graphs.capture import CudaGraphBackend
 from epoverlap.parallel.groups import ParallelGroups
 from epoverlap.parallel.transport import gather_report, nccl_host_identity
-from epoverlap.training.build import RunParts
-from epoverlap.training.checkpoint_files import CheckpointRef
-from epoverlap.training.environment import NCCL_LOG_FOR_REPORT
-from epoverlap.training.evaluate import Evaluator
-from epoverlap.training.manual_gc import ManualGC
-from epoverlap.training.metrics import Reporter, RunSummary, StepResult
-from epoverlap.training.step import StepRunner
-from epoverlap.training.stop import SIGNALS, StopRequest
+from epoverlap.training.loop.build import RunParts
+from epoverlap.training.checkpoints.checkpoint_files import CheckpointRef
+from epoverlap.training.setup.environment import NCCL_LOG_FOR_REPORT
+from epoverlap.training.loop.evaluate import Evaluator
+from epoverlap.training.loop.manual_gc import ManualGC
+from epoverlap.training.telemetry.metrics import Reporter, RunSummary, StepResult
+from epoverlap.training.loop.step import StepRunner
+from epoverlap.training.loop.stop import SIGNALS, StopRequest
 
 
 class _Part:

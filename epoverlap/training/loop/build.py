@@ -51,18 +51,18 @@ from epoverlap.schedule.executor import CommHold, Executor, make_lanes
 from epoverlap.schedule.pipeline import named_plans, validate_pipeline
 from epoverlap.schedule.plan import stage_layout
 from epoverlap.schedule.wgrad import WeightGradQueue
-from epoverlap.training.checkpoint import Checkpointer
-from epoverlap.training.checkpoint_files import CheckpointRef
-from epoverlap.training.compile_watch import CompileWatch
-from epoverlap.training.console import warn_every_rank
-from epoverlap.training.data import open_data_source
-from epoverlap.training.faults import FaultInjector
-from epoverlap.training.grads import GradBuffers
-from epoverlap.training.memory import available_memory, estimate_memory
-from epoverlap.training.optim import MixedPrecisionAdamW
-from epoverlap.training.stop import StopRequest
-from epoverlap.training.tune_cache import CacheTarget, agreed_cached_decision
-from epoverlap.training.tuner import Tuner
+from epoverlap.training.checkpoints.checkpoint import Checkpointer
+from epoverlap.training.checkpoints.checkpoint_files import CheckpointRef
+from epoverlap.training.loop.compile_watch import CompileWatch
+from epoverlap.training.telemetry.console import warn_every_rank
+from epoverlap.training.setup.data import open_data_source
+from epoverlap.training.loop.faults import FaultInjector
+from epoverlap.training.optimizer.grads import GradBuffers
+from epoverlap.training.setup.memory import available_memory, estimate_memory
+from epoverlap.training.optimizer.optim import MixedPrecisionAdamW
+from epoverlap.training.loop.stop import StopRequest
+from epoverlap.training.tuning.tune_cache import CacheTarget, agreed_cached_decision
+from epoverlap.training.tuning.tuner import Tuner
 
 
 @dataclass

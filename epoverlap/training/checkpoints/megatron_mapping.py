@@ -67,7 +67,7 @@ from epoverlap.kernels import make_moe_ops
 from epoverlap.model.moe import Router
 from epoverlap.model.transformer import MoEModel
 from epoverlap.parallel.comm import ExpertComm
-from epoverlap.training.data import tokenizer_vocab
+from epoverlap.training.setup.data import tokenizer_vocab
 
 
 class ConversionError(ValueError):
