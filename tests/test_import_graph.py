@@ -8,6 +8,8 @@
     imports count here: they tie the lower layer to the upper one all the same).
 (c) Nothing under `epoverlap/` imports `benchmarks` or `tests`.
 (d) No module under `epoverlap/` is longer than MAX_LINES lines.
+(e) `epoverlap/training/` is rooms: every module sits in a subpackage (its `__init__` aside),
+    none holding more than MAX_ROOM_FILES files.
 
 Each failure names the modules and the import line (file:line: statement).
 """
@@ -25,6 +27,7 @@ LAYERS = ("errors", "kernels", "data", "parallel", "config", "model", "schedule"
 TOP = "top"  # epoverlap/__init__.py and epoverlap/train.py: above every layer
 TOP_MODULES = ("epoverlap", "epoverlap.train")
 MAX_LINES = 600
+MAX_ROOM_FILES = 12
 
 
 
@@ -220,3 +223,14 @@ def _long_modules() -> list[str]:
 def test_no_module_is_longer_than_the_limit():
     long = _long_modules()
     assert not long, f"modules over {MAX_LINES} lines: " + "; ".join(long)
+
+
+def test_training_is_rooms_of_at_most_the_limit():
+    training = PACKAGE / "training"
+    loose = [path.name for path in training.glob("*.py") if path.name != "__init__.py"]
+    rooms = {room.name: len(list(room.glob("*.py"))) for room in training.iterdir()
+             if (room / "__init__.py").is_file()}
+    assert not loose, f"modules of epoverlap/training/ outside a room: {loose}"
+    assert len(rooms) > 1, f"rooms of epoverlap/training/: {rooms}"
+    big = {room: count for room, count in rooms.items() if count > MAX_ROOM_FILES}
+    assert not big, f"rooms over {MAX_ROOM_FILES} files: {big}"

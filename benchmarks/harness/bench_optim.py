@@ -1,4 +1,4 @@
-"""The optimizer step's cost in each AdamW form (`epoverlap.training.optim.ADAM_IMPLS`).
+"""The optimizer step's cost in each AdamW form (`epoverlap.training.optimizer.optim.ADAM_IMPLS`).
 
     python -m benchmarks.harness.bench_optim [--preset megatron-cmp] [--impls flat,fused,...]
         [--rounds 10] [--iters 5] [--hbm-gbs 4300] [--flat-block 4096] [--one-at-a-time] [FLAGS...]

@@ -121,7 +121,7 @@ class PrefetchedBatches:
     """Every (step, microbatch) batch of this rank for the whole run, made before the first
     step (the mock source walks its chain on the host, a few ms a step, which would be timed
     otherwise) and
-    read by both systems. The data source protocol of `epoverlap.training.data`."""
+    read by both systems. The data source protocol of `epoverlap.training.setup.data`."""
 
     def __init__(self, cfg: RunConfig, rank: int, steps: int):
         source = open_data_source(cfg, dist.get_world_size())

@@ -1,7 +1,7 @@
 """Where a training run's GPU memory peak goes: the training command run in this process with
 the CUDA allocator's history on, then the blocks alive at the run's highest allocated moment,
 grouped by the innermost epoverlap source line that allocated them, beside the memory
-estimate's parts (`epoverlap.training.memory`).
+estimate's parts (`epoverlap.training.setup.memory`).
 
     torchrun --standalone --nproc-per-node 1 -m benchmarks.harness.memory_peak \
         --out peak.json -- --preset small --seq-length 512 --train-iters 3 --mock-data ...

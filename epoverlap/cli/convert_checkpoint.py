@@ -17,7 +17,7 @@
 
 Every tensor's name and shape is checked against the epoverlap model before any data is read;
 the first that differs, or a Megatron-core tensor epoverlap's model has no place for, is one
-line naming it. Which tensor is which: `epoverlap.training.megatron_mapping`, and
+line naming it. Which tensor is which: `epoverlap.training.checkpoints.megatron_mapping`, and
 docs/megatron.md ("Bringing a Megatron-core checkpoint").
 
 Exit status 0 written (one line: what, where, the step; then notes), 2 bad input (one line

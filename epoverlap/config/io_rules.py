@@ -31,7 +31,8 @@ def validate_io(cfg: RunConfig, device: str) -> None:
 
 
 def _validate_data(d: DataConfig) -> None:
-    """Flag-level rules; the files themselves are checked by `training.data.open_data_source`."""
+    """Flag-level rules; the files themselves are checked by
+    `training.setup.data.open_data_source`."""
     given = [flag for flag, on in (("--data", d.data is not None),
                                    ("--data-path", bool(d.data_path)),
                                    ("--mock-data", d.mock_data)) if on]
@@ -107,8 +108,9 @@ def _writable_dir(path: Path) -> bool:
 
 
 def _validate_checkpoint(cfg: RunConfig) -> None:
-    """Paths and load options; what --load holds is checked by training.checkpoint_files,
-    also before training. --save must be writable now, not at the first save."""
+    """Paths and load options; what --load holds is checked by
+    training.checkpoints.checkpoint_files, also before training. --save must be writable now, not at
+    the first save."""
     c, t = cfg.checkpoint, cfg.train
     for name in ("save", "load"):
         path = getattr(c, name)

@@ -55,7 +55,7 @@ PRESETS: dict[str, dict] = {
     # query heads (query width 2048: half Qwen3's attention projections and core attention).
     # Its router's aux loss (1e-3) is Qwen3's, and its learning rate one of Qwen3's size: the
     # default 3e-3 collapses this router on mock data.
-    # Estimated (training/memory.py, EP = GPUs) 64 GiB per GPU at 2 GPUs, 51 at 4 (66 and 53
+    # Estimated (training/setup/memory.py, EP = GPUs) 64 GiB per GPU at 2 GPUs, 51 at 4 (66 and 53
     # with --overlap-moe-expert-parallel-comm); 8 layers would be 78 GiB at 2.
     "qwen3-30b-a3b-proxy": dict(num_layers=6, hidden_size=2048, ffn_hidden_size=6144,
                                 num_attention_heads=16, num_query_groups=4, seq_length=4096,

@@ -31,7 +31,7 @@ values:
                                      second stage costs more than it saves)
 
 Which schedule runs (sequential or an overlap plan, delayed weight grads) the path tuner
-measures on GPUs (`--tune auto`, config.tuning and training.tuner).
+measures on GPUs (`--tune auto`, config.tuning and training.tuning.tuner).
 
 A value given on the command line (or by a preset) is never changed. Each auto value is taken
 only where every rule accepts it beside the other flags given (`config.validate.check_config`);

@@ -1,5 +1,5 @@
 """The paths `--tune` chooses between, and the steps it takes: the config's side of the
-measured path tuner (`training.tuner` times the paths and decides).
+measured path tuner (`training.tuning.tuner` times the paths and decides).
 
 A path is a way to run the step that a built run can switch to at a step boundary without
 changing the math (the overlap contract, docs/overlap.md: every schedule gives the same bits):

@@ -7,7 +7,7 @@ earlier one refused a value ends the list).
 Validation needs only the world size, whether CUDA is present and the file system (output
 paths must be writable: tried with a temporary file, nothing is created), so a bad invocation
 exits before any process group work. The memory estimate, which needs the device's size, is
-training/memory.py's; the files of --data-path and --load are checked by the data and
+training/setup/memory.py's; the files of --data-path and --load are checked by the data and
 checkpoint readers, also before training.
 """
 

@@ -10,7 +10,7 @@ reads and writes), so a run that never overflows holds one bank. At most `max_ba
 exist (the number of budget levels: log2(EP size / budget) + 1), each in its own memory pool,
 and `memory_report` says what each holds.
 
-With the path tuner (`--tune`, `training.tuner`) a bank is also per path: the key is then
+With the path tuner (`--tune`, `training.tuning.tuner`) a bank is also per path: the key is then
 (path, level). A bank is captured for one plan: its graphs in that plan's order in its own
 pool, its buffers per microbatch slot as that plan's liveness gives them (`graphs.capture`: the
 sequential plan has one slot, the combined 1F1B two), and with or without

@@ -12,7 +12,7 @@ helpers they share; `launch_cache.py` is the host fast path of every Triton laun
 compiled kernel reused per launch key); `megatron_api.py` gives the routing ops Megatron-core's
 call signatures over either backend).
 Outside the table, `adamw.py` / `adamw_triton.py` hold the optimizer's flat AdamW update, which
-the optimizer's form chooses (`epoverlap.training.flat_adam`).
+the optimizer's form chooses (`epoverlap.training.optimizer.flat_adam`).
 The implementation is chosen once, by building an `MoEOps` table from the config's kernel
 backend; model code calls `ops.permute(...)` and never branches on the backend itself.
 

@@ -9,7 +9,7 @@ pair), its rows for the group's experts in order, then empty slots (zero rows, p
 counts are exchanged on the device (`ExpertComm.exchange_counts`). A rank whose rows for one
 rank's group overflow the block sends the first block of them and records its demand
 (`GroupBudget.note`); after the step the trainer reruns at the budget level that holds it, as
-for the unchunked budget (`training.step`). The blocks are cut from the permuted rows and put
+for the unchunked budget (`training.loop.step`). The blocks are cut from the permuted rows and put
 back by one row move each way (`model.dispatch.move_rows`: copies, grads copied back), so a
 step that fits gives the unchunked dropless layer's bits: an expert sees its rows from each
 source rank, rank by rank, padding after the group's last expert.

@@ -21,7 +21,7 @@ The transport is the first word after `via`: P2P (NVLink or PCIe peer access), S
 memory), NET (the network plugin: Socket, IB), COLLNET.
 
 Both settings must be in the environment before this process's first NCCL communicator
-(`training.environment.setup_environment` sets them, before `init_distributed`).
+(`training.setup.environment.setup_environment` sets them, before `init_distributed`).
 """
 
 from __future__ import annotations

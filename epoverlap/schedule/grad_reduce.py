@@ -5,7 +5,7 @@ Owns `ReduceBucket` (a bucket as the schedule sees it: its name and the owner wh
 write its grads: a layer, or the `embed` / `loss` node), `ReduceAction` (one bucket's reduce as
 the executor runs it and the span recorder names it, `grad_reduce.<bucket>`) and
 `reduce_points`, which says after which action of a plan each bucket's reduce is issued. The
-buckets themselves (views of the grad buffers, the groups) are `training.grads`'.
+buckets themselves (views of the grad buffers, the groups) are `training.optimizer.grads`'.
 
 A bucket is complete at the plan's last action that writes it: the last backward (B) of one of
 its owner's nodes, or the last delayed weight grad (W) of one; pipeline transfers (`send`,

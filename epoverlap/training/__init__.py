@@ -1,13 +1,19 @@
-"""Training: the trainer (`trainer`, a facade over `build`: the run's pieces built once,
-`step`: one optimizer step, and `metrics`: the step line, JSON records, TensorBoard, summary),
-data sources (`data`), optimizer and LR schedule (`optim`; its flat form `flat_adam`), fp32
-grad buffers and their reduction (`grads`), checkpoints (`checkpoint`: the saved state and its resharding;
-`checkpoint_files`: folders, atomic publishing, checks), the NaN/Inf check (`numerics`), the
-path tuner (`tuner`, its cache `tune_cache`), the Triton compile watch (`compile_watch`), the
-memory estimate (`memory`), the process environment (`environment`), Megatron-core checkpoint
-conversion (`megatron_mapping`: names and checks, `megatron_checkpoint`: its folders,
-`megatron_convert`: both directions) and test-only fault injection (`faults`).
-The training command and the main-job launcher are `epoverlap.cli`.
+"""Training: one run of the training command, in rooms with one owner each:
+
+  loop         the step and the loop: `Trainer`, the run built once (`build.RunParts`), one
+               optimizer step (`step.StepRunner`), evaluation, stopping, manual GC, the
+               Triton compile watch, test-only fault injection
+  setup        what a command sets and checks before it builds a run: the process
+               environment, data sources and the steps' feed, the memory estimate
+  optimizer    fp32 grad buffers and their reduction, the NaN/Inf check, AdamW and its flat
+               form, the learning-rate schedule
+  tuning       the measured path tuner (`--tune`) and its cache
+  checkpoints  the saved state, its folders, Megatron-core checkpoints in and out
+  telemetry    the step line, `--log-json`, TensorBoard, W&B, MFU, the step's agreed figures,
+               a rank's warning line
+
+`loop` may import every other room; the others import each other only as their own
+docstrings say. The training command and the main-job launcher are `epoverlap.cli`.
 
 The top layer: may import every other subpackage.
 """

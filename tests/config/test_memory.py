@@ -1,4 +1,4 @@
-"""Memory estimate (training/memory.py): above every peak measured on H200s and at most 1.45x
+"""Memory estimate (training/setup/memory.py): above every peak measured on H200s and at most 1.45x
 of it; refusals name the flags that drive it; the host's available memory read right. The
 `gpu` test checks it against a run here."""
 
@@ -66,7 +66,7 @@ def test_estimate_bounds_the_paired_ends_peaks_measured_on_h200s():
 def test_estimate_bounds_the_baseline_runs_with_the_optimizer():
     # benchmarks/baseline.md: --preset small --bf16 on H200s, AdamW on, peak GiB per GPU;
     # balanced routing (at 2 GPUs the learned router's imbalance 8.0 peaked at 3.38 GiB, 6%
-    # above the estimate: the estimate assumes balanced routing, see training/memory.py)
+    # above the estimate: the estimate assumes balanced routing, see training/setup/memory.py)
     for gpus, peak_gib in ((1, 4.76), (2, 3.13)):
         cfg = parse_config(["--preset", "small", "--bf16", "--expert-model-parallel-size",
                             str(gpus)])

@@ -91,7 +91,7 @@ def test_a_stage_without_a_pipeline_comm_is_refused():
 @pytest.mark.parametrize("pp, virtual, extra", [(2, 1, []), (4, 1, []), (2, 2, []),
                                                 (2, 1, ["--qk-layernorm"])])
 def test_the_memory_estimate_counts_exactly_each_stages_parameters(pp, virtual, extra):
-    """The estimate's weight count per stage (arithmetic in training/memory.py) against the
+    """The estimate's weight count per stage (arithmetic in training/setup/memory.py) against the
     parameters the stage's model really builds."""
     argv = ["--pipeline-model-parallel-size", str(pp)] + (
         ["--num-virtual-stages-per-pipeline-rank", str(virtual)] if virtual > 1 else []) + extra

@@ -8,9 +8,9 @@ parameter, the losses and the grad norms have the same bits. Nothing forbids it:
 runs the same ops on the same inputs on whichever stage holds it, each parameter's grad adds the
 microbatches in the same order (1F1B runs each chunk's backwards in microbatch order), the
 reductions over data-parallel ranks have the same groups, and the grad norm and the loss add
-per-parameter and per-layer slots in the whole model's order (`training.grads`, `trainer`).
-Then the same through the CLI: torchrun, `--log-json`, `epoverlap-compare-losses`, and the
-profiled step's spans through the timeline tool (a track group per rank, bubbles marked).
+per-parameter and per-layer slots in the whole model's order (`training.optimizer.grads`,
+`trainer`). Then the same through the CLI: torchrun, `--log-json`, `epoverlap-compare-losses`, and
+the profiled step's spans through the timeline tool (a track group per rank, bubbles marked).
 PP=2 on 2 ranks runs in the default tier; the rest is the slow tier (`-m slow`).
 """
 

@@ -38,10 +38,10 @@ Facts taken from epoverlap's code (names, layouts, choices a reader could not gu
     group limiting and expert bias) instead; they differ only with groups or an expert bias
     (test_reference_model.py::test_aux_loss_counts_follow_megatron_not_the_routed_experts).
   * Loss scaling: the executor scales each microbatch's cross-entropy by 1/M (M microbatches
-    per rank) and the aux / z losses' grads by the same 1/M (Router.aux_loss_scale, as
-    Megatron's MoEAuxLossAutoScaler.set_loss_scale(1 / num_microbatches)); grads are then
-    averaged over the W data-parallel ranks (training/grads.py: dense all-reduce / W, expert
-    sum over expert-data-parallel / W). So the objective is
+    per rank) and the aux / z losses' grads by the same 1/M (Router.aux_loss_scale, as Megatron's
+    MoEAuxLossAutoScaler.set_loss_scale(1 / num_microbatches)); grads are then averaged over the W
+    data-parallel ranks (training/optimizer/grads.py: dense all-reduce / W, expert sum over
+    expert-data-parallel / W). So the objective is
         J = 1/(W M) * sum over ranks r, microbatches m of [CE(r, m) + sum_layers (aux + z)(r, m)],
     each aux / z loss computed over the T tokens of its own microbatch.
 Everything else is the plain math: pre-norm residual blocks, RMSNorm with eps inside the root,

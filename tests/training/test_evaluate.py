@@ -1,4 +1,4 @@
-"""Evaluation (--eval-interval N --eval-iters K, `training.evaluate`): it changes no bit of
+"""Evaluation (--eval-interval N --eval-iters K, `training.loop.evaluate`): it changes no bit of
 training (losses, grad norms and the router's force-balancing generator, on 2 gloo ranks at
 EP 2 with and without the overlap, and in one process), it reports each evaluation (line, JSON
 fields), a budget dispatch that overflows is rerun and gives the dropless validation loss, a

@@ -1,5 +1,5 @@
-"""The learning-rate schedule (`training.optim.lr_at`): each --lr-decay-style (constant, linear,
-cosine, WSD with each --lr-wsd-decay-style) against values worked out by hand from
+"""The learning-rate schedule (`training.optimizer.optim.lr_at`): each --lr-decay-style (constant,
+linear, cosine, WSD with each --lr-wsd-decay-style) against values worked out by hand from
 Megatron-LM's `OptimizerParamScheduler.get_lr` at num_steps = our step; --lr-decay-iters,
 --lr-warmup-fraction and --lr-wsd-decay-iters; and the default (cosine over --train-iters
 after --lr-warmup-iters) equal bit for bit to the formula epoverlap had before the styles."""

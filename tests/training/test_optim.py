@@ -1,4 +1,4 @@
-"""The optimizer's four AdamW forms (`epoverlap.training.optim.ADAM_IMPLS`): each the same
+"""The optimizer's four AdamW forms (`epoverlap.training.optimizer.optim.ADAM_IMPLS`): each the same
 update to rounding, each reproducible, each independent of how parameters are grouped (so a
 checkpoint reshards bitwise), and the bf16 parameters written from their masters exactly as a
 per-tensor copy would; the flat form's buffers and views, and the flat form with its Triton

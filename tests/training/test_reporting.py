@@ -171,7 +171,7 @@ def test_a_failing_step_still_finishes_the_wandb_run(wandb_stub, tmp_path, one_t
 # ------------------------------------------------------------------------------ --manual-gc
 @pytest.fixture
 def collections(monkeypatch):
-    """Each gc.collect() of `training.manual_gc`, with whether the collector was enabled."""
+    """Each gc.collect() of `training.loop.manual_gc`, with whether the collector was enabled."""
     calls = []
     monkeypatch.setattr(manual_gc_module.gc, "collect", lambda: calls.append(gc.isenabled()))
     return calls

@@ -1,5 +1,5 @@
-"""The path tuner (`training/tuner.py`, `config/tuning.py`, `training/tune_cache.py`; pure CPU
-and one CPU process): which path each step runs, the decision from the slowest rank's step
+"""The path tuner (`training/tuning/tuner.py`, `config/tuning.py`, `training/tuning/tune_cache.py`;
+pure CPU and one CPU process): which path each step runs, the decision from the slowest rank's step
 times, dropped paths, the paths of a config and its pinned axes, the cache key and files, and
 in-process runs with emulated CUDA graphs that keep the bits of an untuned run. The 2-rank
 training command is tests/training/test_tuner_cli.py; a run switching schedules mid-run on 2

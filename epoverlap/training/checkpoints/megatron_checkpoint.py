@@ -1,5 +1,5 @@
 """Megatron-core torch_dist checkpoints read into, and written from, epoverlap checkpoints
-(`epoverlap-convert-checkpoint`; which tensor is which: `training.megatron_mapping`).
+(`epoverlap-convert-checkpoint`; which tensor is which: `training.checkpoints.megatron_mapping`).
 
 A Megatron-core checkpoint folder (what `dist_checkpointing.save` writes, and Megatron-LM's
 SAVE/iter_NNNNNNN with --ckpt-format torch_dist):
@@ -411,9 +411,9 @@ def write_megatron(out: str, step: int, entries: dict, common: dict) -> Path:
 
 def write_epoverlap(out: str, step: int, cfg: RunConfig, maps: list[TensorMap], values: dict,
                     converted_from: dict) -> Path:
-    """OUT/iter_NNNNNNN as epoverlap's checkpoint (`training.checkpoint`'s keys, experts by
-    global index), without optimizer or random state: --load takes the weights, and the
-    optimizer and the random state start as a fresh run's."""
+    """OUT/iter_NNNNNNN as epoverlap's checkpoint (`training.checkpoints.checkpoint`'s keys, experts
+    by global index), without optimizer or random state: --load takes the weights, and the optimizer
+    and the random state start as a fresh run's."""
     if files.checkpoint_folder(out, step).exists():
         raise ConversionError(f"{files.checkpoint_folder(out, step)}: exists already; remove it "
                               "or give another --out")

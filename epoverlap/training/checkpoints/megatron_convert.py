@@ -1,6 +1,6 @@
 """The two conversions of `epoverlap-convert-checkpoint`: a Megatron-core torch_dist checkpoint
 to an epoverlap checkpoint (`from_megatron`) and back (`to_megatron`). The tensor mapping is
-`training.megatron_mapping`, the folders `training.megatron_checkpoint`.
+`training.checkpoints.megatron_mapping`, the folders `training.checkpoints.megatron_checkpoint`.
 
 Both check every tensor's name and shape against the epoverlap model of the config before
 reading any data, in the model's parameter order, and refuse at the first that differs

@@ -1,6 +1,6 @@
 """Which tensor of a Megatron-core `GPTModel` is which parameter of epoverlap's model, and how
 its layout differs: the mapping `epoverlap-convert-checkpoint` uses both ways
-(`training.megatron_checkpoint` reads and writes the folders).
+(`training.checkpoints.megatron_checkpoint` reads and writes the folders).
 
 Names are the global keys of Megatron-core 0.16.1's sharded state dict (the torch_dist
 checkpoint's keys), per layer I (the stacked and per-expert forms on disk are
@@ -210,7 +210,7 @@ def _megatron_name(ours: str) -> tuple[Optional[int], str]:
     found = re.fullmatch(r"layers\.(\d+)\.(.+)", ours)
     if found is None or found.group(2) not in _IN_LAYER:
         raise RuntimeError(f"epoverlap parameter {ours} has no Megatron-core name "
-                           "(training.megatron_mapping)")
+                           "(training.checkpoints.megatron_mapping)")
     layer = int(found.group(1))
     return layer, f"decoder.layers.{layer}.{_IN_LAYER[found.group(2)]}"
 

@@ -7,13 +7,13 @@ fault injector, CUDA graph banks (--cuda-graph-impl local or full_iteration; by 
 when they hold the dispatch, `graphs.banks`), the executor, every pipeline stage's plan (built
 and checked together before the first step: `validate_pipeline`), the Triton compile watch,
 the checkpointer and the step a resumed run continues after, and the path tuner with each path
-it switches between, built (`BuiltPath`: plan, lanes, weight-grad deferral; `training.tuner`,
+it switches between, built (`BuiltPath`: plan, lanes, weight-grad deferral; `training.tuning.tuner`,
 the paths' list `config.tuning`). `close` releases what holds device memory or streams.
 
 The construction order is part of the run's contract: the collectives made while building
 (parameter counts and layouts over the pipeline, the checkpoint's load, the tuner's memory check
-and cache read) run in the same order on every rank. What runs a step is `training.step`; what
-reports it, `training.metrics`.
+and cache read) run in the same order on every rank. What runs a step is `training.loop.step`; what
+reports it, `training.telemetry.metrics`.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ class RunParts:
 
     # ----------------------------------------------------------------- the path tuner
     def _tuner(self) -> tuple[Optional[Tuner], dict[str, BuiltPath]]:
-        """--tune: the tuner, and each path it switches between, built (`training.tuner`;
+        """--tune: the tuner, and each path it switches between, built (`training.tuning.tuner`;
         one stage, eager or graphs each path replays its own of: config validation, and
         `config.tuning.may_tune` for auto, see to it). A decision from --tune-cache builds only
         the path it names."""

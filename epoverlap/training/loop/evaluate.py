@@ -1,11 +1,11 @@
 """Evaluation on validation data (--eval-interval N --eval-iters K).
 
-Owns `Evaluator` (its result is `training.metrics.EvalResult`). Every N steps and after the last step (`Evaluator.due`),
-the mean loss over K global batches of the run's validation data (`training.data.
-validation_source`: the --split valid part of --data-path, or a fresh --mock-data stream).
-Evaluation e of a run (e = ceil(step / N), so a resumed run reads what the uninterrupted one
-would) reads validation batches (e - 1) * K + 1 .. e * K, as Megatron-LM's validation iterator
-moves on from one evaluation to the next.
+Owns `Evaluator` (its result is `training.telemetry.metrics.EvalResult`). Every N steps and after
+the last step (`Evaluator.due`), the mean loss over K global batches of the run's validation data
+(`training.setup.data.validation_source`: the --split valid part of --data-path, or a fresh
+--mock-data stream). Evaluation e of a run (e = ceil(step / N), so a resumed run reads what the
+uninterrupted one would) reads validation batches (e - 1) * K + 1 .. e * K, as Megatron-LM's
+validation iterator moves on from one evaluation to the next.
 
 Each batch is a forward only (torch.no_grad, the model in eval mode: dropout off) of this
 rank's microbatches through `MoEModel.stage_forward`, one microbatch at a time through this

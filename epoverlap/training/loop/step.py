@@ -1,18 +1,18 @@
-"""One optimizer step of a built run (`training.build.RunParts`).
+"""One optimizer step of a built run (`training.loop.build.RunParts`).
 
 Owns `StepRunner`. A step: the executor runs this rank's plan (sequential, or the combined 1F1B
 with --overlap-moe-expert-parallel-comm; with pipeline stages, this stage's 1F1B or interleaved
 1F1B plan) over all microbatches, by the CUDA graph bank of the budget level in use when there
 are graphs; then, after the last backward and weight-grad action, grads are reduced (inside
 the stage: the buckets the executor has not reduced beside the backward, --overlap-grad-reduce,
-`training.grads`), clipped by the whole model's norm, the expert biases updated from the
+`training.optimizer.grads`), clipped by the whole model's norm, the expert biases updated from the
 all-reduced token counts, and the optimizer steps. With --check-for-nan-in-loss-and-grad the
 losses and grads are checked before the optimizer (`numerics`): the local grads, or with
 --overlap-grad-reduce the reduced ones (a non-finite grad then shows on every rank of its
 data-parallel group).
 
 The step's agreed figures (loss, aux loss, imbalance, stop reason, dropped pairs, the budget's
-rows on the wire) come from one reduction and one host read (`training.step_stats`).
+rows on the wire) come from one reduction and one host read (`training.telemetry.step_stats`).
 
 MoE dispatch modes (`epoverlap.model.dispatch`): with the budget dispatch, after each
 forward-backward the most rows any dispatch wanted to send to one rank is all-reduced (one host
@@ -21,14 +21,14 @@ forward-backward is rerun from the same inputs, weights and router RNG state at 
 budget level that holds it (`forward_backward`); the reruns and the budget the step's result
 came from go into its `StepResult`.
 
-With the path tuner (--tune) each step runs the path the tuner gives it (`training.tuner`,
+With the path tuner (--tune) each step runs the path the tuner gives it (`training.tuning.tuner`,
 `RunParts.switch_path`); its decision, when it comes, is kept for the report (`tune_report`:
 the table's lines, and the `tuned_path` field of the step's JSON record), the losing paths'
 graph banks are released, and rank 0 writes --tune-cache. A path whose graph capture fails on
 some rank is dropped on every rank (`capture_graphs`); where the paths' graph banks do not
 fit side by side, the tuner takes the paths in turn (`_check_banks_fit`). Steps with recorded
 spans (--profile-steps) also measure the first rank's comm, exposed comm and overlap ratio
-(`profiling.overlap`). Nothing here logs: `training.metrics` reports.
+(`profiling.overlap`). Nothing here logs: `training.telemetry.metrics` reports.
 """
 
 from __future__ import annotations

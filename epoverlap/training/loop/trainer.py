@@ -1,12 +1,12 @@
 """One training run: `Trainer`, the facade that wires its three parts and runs the loop.
 
 Owns the training loop (`Trainer.train`): for each step after the checkpoint's (a run built
-with `resume` continues after it), run the step (`training.step.StepRunner`), capture the CUDA
+with `resume` continues after it), run the step (`training.loop.step.StepRunner`), capture the CUDA
 graph banks it recorded, count Triton compiles, evaluate when --eval-interval says so
-(`training.evaluate`), report it (`training.metrics.Reporter`), save a checkpoint when
---save-interval says so and after the last step (`training.checkpoint`), collect garbage
-between steps with --manual-gc (`training.manual_gc`), and end with the spans, the compile
-line and one summary line. What the run is made of is built once in `training.build.RunParts`;
+(`training.loop.evaluate`), report it (`training.telemetry.metrics.Reporter`), save a checkpoint when
+--save-interval says so and after the last step (`training.checkpoints.checkpoint`), collect garbage
+between steps with --manual-gc (`training.loop.manual_gc`), and end with the spans, the compile
+line and one summary line. What the run is made of is built once in `training.loop.build.RunParts`;
 `Trainer` exposes those pieces under the names its callers use (`trainer.model`,
 `trainer.grads`, `trainer.plan`, ...), read and written through to the parts, and the step's
 entry points (`step`, `forward_backward`, `run_microbatches`,
@@ -159,7 +159,7 @@ class Trainer:
                                "transport; " + "; ".join(problems))
 
     def _stop_after(self, step: int) -> bool:
-        """Whether the run stops after `step` before --train-iters (`training.stop`): every
+        """Whether the run stops after `step` before --train-iters (`training.loop.stop`): every
         rank agreed on a signal or the time limit, or --exit-interval divides the step. Saves
         first where asked (--exit-signal-handler for a signal; any --save for the limits) and
         says in one line which step the last checkpoint holds."""

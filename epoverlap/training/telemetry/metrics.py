@@ -5,14 +5,14 @@ as float.hex, for bitwise comparison with `epoverlap-compare-losses`), `RunSumma
 end-of-run line), and `Reporter`: the per-step line on rank 0 (ending with the time left: the
 steps left to --train-iters times the mean step time so far, `format_duration`), the
 --log-json file (a resumed run keeps the records up to its checkpoint's step and appends), the
-TensorBoard events of --tensorboard-dir (`training.tensorboard`) and the W&B run of
---wandb-project (`training.wandb_log`; each sink of scalars takes the step's JSON record,
+TensorBoard events of --tensorboard-dir (`training.telemetry.tensorboard`) and the W&B run of
+--wandb-project (`training.telemetry.wandb_log`; each sink of scalars takes the step's JSON record,
 `write(record)`, and `close()`), the validation line and fields of a step that evaluated
-(`training.evaluate`), the load-imbalance warning, the path tuner's lines (its decision's table;
-the `tuned_path` field of the deciding step's record), the CUDA graph capture lines, the
-compiled Triton variants line, the spans and torch.profiler traces of --profile-steps, the
-run's description line, the unaligned-GEMM line and the run's summary. Rates are per GPU on
-CUDA and per rank on CPU. Nothing here changes what a step computes.
+(`training.loop.evaluate`), the load-imbalance warning, the path tuner's lines (its decision's
+table; the `tuned_path` field of the deciding step's record), the CUDA graph capture lines, the
+compiled Triton variants line, the spans and torch.profiler traces of --profile-steps, the run's
+description line, the unaligned-GEMM line and the run's summary. Rates are per GPU on CUDA and per
+rank on CPU. Nothing here changes what a step computes.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ class RunSummary:
     dispatch_reruns: Optional[int] = None  # budget reruns, all steps
     rerun_steps: Optional[int] = None  # steps rerun at least once
     megatron_tflops_per_gpu: Optional[float] = None  # time-weighted mean over the steps
-    mfu: Optional[float] = None  # the same against the peak (training.mfu)
+    mfu: Optional[float] = None  # the same against the peak (training.telemetry.mfu)
 
     def line(self, per_device: str) -> str:
         memory = ("allocated" if self.on_gpu else "RSS") + ", max over ranks"

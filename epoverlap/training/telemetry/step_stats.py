@@ -1,11 +1,11 @@
 """The figures of a step every rank agrees on, from one reduction and one host read.
 
 Owns `reduce_step_stats` and `StepStats`: the mean loss and aux loss over microbatches and
-data-parallel ranks, the worst MoE layer's expert imbalance, the reason every rank stops after
-this step (`training.stop`: each rank's flags ride in the reduction), and the dispatch's tallies
-(with a capacity, the routed pairs dropped; with the budget dispatch, the rows its fixed blocks
-sent other ranks and the rows the dropless dispatch would have sent them). The expert biases are
-updated from the reduced token counts here, since they need the same sums.
+data-parallel ranks, the worst MoE layer's expert imbalance, the reason every rank stops after this
+step (`training.loop.stop`: each rank's flags ride in the reduction), and the dispatch's tallies
+(with a capacity, the routed pairs dropped; with the budget dispatch, the rows its fixed blocks sent
+other ranks and the rows the dropless dispatch would have sent them). The expert biases are updated
+from the reduced token counts here, since they need the same sums.
 
 Each stage fills the slots of its layers (the last stage the loss) and adds its tallies, sums
 them over its DP group, then over the pipeline: a layer's slot is one stage's, where the others
@@ -39,7 +39,7 @@ class StepStats:
 
 def reduce_step_stats(parts, losses: list) -> StepStats:
     """After the step's last backward: this step's figures, the same on every rank of `parts`
-    (`training.build.RunParts`)."""
+    (`training.loop.build.RunParts`)."""
     p = parts
     t, num_layers = p.cfg.train, p.cfg.model.num_layers
     routers = p.model.routers()

@@ -19,7 +19,7 @@ and, for steps recorded with --profile-steps, from the first rank's spans
 (`profiling.overlap`): comm/comm-ms, comm/exposed-comm-ms, comm/overlap-ratio.
 
 Needs the `tensorboard` package (the optional extra `tensorboard`); the x axis is the step.
-`SCALAR_TAGS` is also what the W&B run logs (`training.wandb_log`), under the same names.
+`SCALAR_TAGS` is also what the W&B run logs (`training.telemetry.wandb_log`), under the same names.
 """
 
 from __future__ import annotations

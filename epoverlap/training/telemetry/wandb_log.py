@@ -1,7 +1,7 @@
 """Weights & Biases scalars of a run (`--wandb-project P [--wandb-exp-name N] [--wandb-save-dir
 D]`), logged by the first rank.
 
-Owns `WandbLog`, a sink of the same shape as `training.tensorboard.TensorBoardLog`:
+Owns `WandbLog`, a sink of the same shape as `training.telemetry.tensorboard.TensorBoardLog`:
 `write(record)` takes a step's JSON record and logs the scalars TensorBoard gets, under the same
 tags (`SCALAR_TAGS`: Megatron-LM's names, the validation loss and perplexity of a step that
 evaluated included) at that step; `close()` finishes the W&B run. The run's config is the

@@ -16,11 +16,11 @@ after the graphs' warm-up steps and every other path then runs one untimed step 
 its graphs (`prime`, captured after that step). Then the paths take turns, round-robin in their
 fixed order, until each has --tune-steps timed steps; each step's time is its slowest rank's (one
 all-reduce MAX of every timed step at the decision, so every rank decides alike) and the lowest
-median wins; a tie keeps the earlier path (the flags' own first). The tuning steps are real
-training steps. A path whose graph capture fails on any rank is dropped on every rank
-(`drop`, agreed by an all-reduce in `training.step`) and the run goes on; the losing paths'
-graph banks are released after the decision. A decision from --tune-cache (`training.tune_cache`)
-is taken at once (`Tuner(cached=...)`): no path is timed.
+median wins; a tie keeps the earlier path (the flags' own first). The tuning steps are real training
+steps. A path whose graph capture fails on any rank is dropped on every rank (`drop`, agreed by an
+all-reduce in `training.loop.step`) and the run goes on; the losing paths' graph banks are released
+after the decision. A decision from --tune-cache (`training.tuning.tune_cache`) is taken at once
+(`Tuner(cached=...)`): no path is timed.
 
 Where the paths' graph banks do not fit side by side (a full-iteration graph holds a whole
 iteration's activations: `fits_beside` after the first capture, agreed over the ranks), the
@@ -31,7 +31,7 @@ that drift between the paths' blocks weigh more than in the round-robin, the pri
 
 Owns `Tuner` (which path each step runs, the timings, the decision), `PathTiming` and
 `TuneDecision` (the decision's table, its --log-json record). The paths' plans, lanes and graph
-banks are built in `training.build` and switched in `training.step`.
+banks are built in `training.loop.build` and switched in `training.loop.step`.
 """
 
 from __future__ import annotations
