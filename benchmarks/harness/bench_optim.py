@@ -131,8 +131,8 @@ def step_bytes(params: list) -> int:
 def build(argv: list[str], on_cpu: bool):
     groups = init_distributed(1, "cpu" if on_cpu else "cuda")
     trainer = Trainer(parse_config(argv), groups, log=lambda msg: None)
-    trainer.optimizer = None  # its masters and moments: this tool makes its own per form
-    trainer.checkpointer = None  # (which holds them too)
+    # its masters and moments: this tool makes its own per form (the checkpointer holds them too)
+    trainer.parts.optimizer = trainer.stepper.optimizer = trainer.parts.checkpointer = None
     return groups, trainer
 
 

@@ -200,7 +200,7 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
     try:
         inputs = trainer.microbatches(1)
         static = _memory(device)
-        bank = trainer.graphs.banks.active if trainer.graphs is not None else None
+        bank = trainer.parts.graphs.banks.active if trainer.parts.graphs is not None else None
         for i in range(args.warmup):
             if bank is not None:
                 bank.recording = i == args.warmup - 1  # the last one records
@@ -209,7 +209,7 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
         graph_info = {}
         if bank is not None:
             bank.recording = False
-            bank.capture(trainer.plan)
+            bank.capture(trainer.parts.plan)
             graph_info = {"graphs": bank.graph_count(), "capture_s": bank.capture_seconds,
                           "graph_gib": bank.pool_bytes / 2**30}
         if device.type == "cuda":
@@ -291,16 +291,16 @@ def _profile_steps(trainer, inputs, profile_dir: Path, args) -> None:
     for step in range(1, args.profile_steps + 1):
         dist.barrier()
         sync_time(trainer.groups.device)
-        trainer.recorder.begin_step(step)
+        trainer.parts.recorder.begin_step(step)
         trainer.run_microbatches(1, inputs)
-        trainer.recorder.end_step()
+        trainer.parts.recorder.end_step()
         trainer.grads.reduce()
     if profiler is not None:
         profiler.stop()
         profile_dir.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(
             str(profile_dir.parent / f"torch-trace-{profile_dir.name}-rank{trainer.groups.rank}.json"))
-    trainer.recorder.write(str(profile_dir))
+    trainer.parts.recorder.write(str(profile_dir))
 
 
 class _TaggedTrace:
@@ -321,7 +321,7 @@ def _recorded_all_to_alls(trainer, inputs) -> list:
     only the split-size exchanges; they ran beside the stages (their own communicator, started
     from the compute lane), so the ranks saw them in different orders among the stages' calls:
     replayed after them, they cannot wait on one another."""
-    comm = trainer.comm
+    comm = trainer.parts.comm
     comms = [comm] + ([comm.by_host.between, comm.by_host.within] if comm.by_host else [])
     recorded = []
     for each in comms:

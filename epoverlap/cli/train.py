@@ -224,15 +224,14 @@ def _train(argv: Optional[list[str]], settings: Callable[[RunConfig], RunConfig]
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     trainer, status = None, 0
     try:
-        trainer = Trainer(cfg, groups, log=_printer(groups.is_first()), data=data,
-                          resume=resume)
-        trainer.log(trainer.describe())
+        log = _printer(groups.is_first())
+        trainer = Trainer(cfg, groups, log=log, data=data, resume=resume)
+        log(trainer.describe())
         unaligned = trainer.unaligned_line()
         if unaligned is not None:
-            trainer.log(unaligned)
+            log(unaligned)
         if groups.is_first():
-            _write_resolved_config(trainer.cfg, groups.world_size, groups.device.type,
-                                   trainer.log)
+            _write_resolved_config(trainer.cfg, groups.world_size, groups.device.type, log)
         trainer.train()
         status = exit_status(trainer.stopped_by)
     except PeerFailure as failure:

@@ -198,7 +198,7 @@ def test_exit_interval_stops_after_its_step_with_a_checkpoint(tmp_path):
     try:
         assert [r.step for r in trainer.train()] == [1, 2]
         assert trainer.stopped_by == "exit interval"
-        assert trainer.checkpointer.last_saved[0] == 2
+        assert trainer.parts.checkpointer.last_saved[0] == 2
     finally:
         trainer.close()
 

@@ -35,7 +35,7 @@ def run(groups, argv: list[str], resume_from: Optional[Path] = None,
     trainer = Trainer(parse_config(argv), groups, log=lambda msg: None, resume=ref)
     try:
         if save_at_start:  # the state just loaded, written back (at another EP size)
-            trainer.checkpointer.save(trainer.start_step)
+            trainer.parts.checkpointer.save(trainer.start_step)
         return [r.loss for r in trainer.train()]
     finally:
         trainer.close()
@@ -83,9 +83,9 @@ def resume_at_every_layout(ep2, out: Path) -> dict:
 
 
 def _adam_state(trainer: Trainer) -> list[torch.Tensor]:
-    state = [m.detach().clone() for m in trainer.optimizer.masters]
-    for master in trainer.optimizer.masters:
-        state += [v.clone() for v in trainer.optimizer.state_of(master).values()]
+    state = [m.detach().clone() for m in trainer.parts.optimizer.masters]
+    for master in trainer.parts.optimizer.masters:
+        state += [v.clone() for v in trainer.parts.optimizer.state_of(master).values()]
     return state + [r.expert_bias.clone() for r in trainer.model.routers()]
 
 

@@ -521,7 +521,7 @@ def test_training_resumes_from_the_conversion(megatron_ep1):
                       resume=find_resume_checkpoint(str(folder), None))
     try:
         assert trainer.start_step == STEP
-        assert not any(trainer.optimizer.state_of(m) for m in trainer.optimizer.masters)
+        assert not any(trainer.parts.optimizer.state_of(m) for m in trainer.parts.optimizer.masters)
         results = trainer.train()
         assert [r.step for r in results] == [STEP + 1] and results[0].loss < 10
     finally:

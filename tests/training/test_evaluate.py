@@ -27,6 +27,7 @@ from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.checkpoints.checkpoint_files import iter_name, read_checkpoint
 from epoverlap.training.setup.data import (IndexedData, SyntheticData, open_data_source,
                                            step_batches)
+from epoverlap.training.loop.build import router_generators
 from epoverlap.training.loop.trainer import Trainer
 
 # FLAGS: the tiny model with the router's force-balancing generator and expert bias (state a
@@ -48,7 +49,7 @@ def train(groups, argv: list[str], log_json: Path, resume=None, lines=None) -> d
     trainer.evaluator.run = lambda step: evaluations.append(run(step)) or evaluations[-1]
     try:
         records = [r.to_json() for r in trainer.train()]
-        rng = [g.get_state() for g in trainer.parts.router_generators()]
+        rng = [g.get_state() for g in router_generators(trainer.model)]
     finally:
         trainer.close()
     for evaluation in evaluations:

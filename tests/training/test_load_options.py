@@ -39,7 +39,7 @@ def _weights(trainer: Trainer) -> dict:
 
 
 def _optimizer_state(trainer: Trainer) -> list:
-    return [trainer.optimizer.state_of(master) for master in trainer.optimizer.masters]
+    return [trainer.parts.optimizer.state_of(master) for master in trainer.parts.optimizer.masters]
 
 
 def _balancing_states(trainer: Trainer) -> list:

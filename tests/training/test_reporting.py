@@ -29,6 +29,13 @@ from epoverlap.training.loop.trainer import Trainer
 from epoverlap.training.telemetry.wandb_log import WandbLog
 
 
+def _reporter(flags: list[str]) -> Reporter:
+    """A reporter of this config on one CPU rank, with none of a built run's other pieces."""
+    groups = SimpleNamespace(device=torch.device("cpu"), is_first=lambda: True)
+    return Reporter(parse_config(flags), groups, print, data=None, params={}, backend="torch",
+                    recorder=None, compile_watch=None)
+
+
 def _result(step: int, seconds: float) -> StepResult:
     return StepResult(step=step, loss=5.0 / step, lr=1e-3, grad_norm=0.5, aux_loss=0.02,
                       load_imbalance=1.5, step_time_s=seconds, tokens=1000, peak_mem_gib=None,
@@ -37,7 +44,7 @@ def _result(step: int, seconds: float) -> StepResult:
 
 # ------------------------------------------------------------------------------ the ETA
 def test_eta_counts_the_steps_left_to_train_iters_after_a_resume():
-    reporter = Reporter(SimpleNamespace(cfg=parse_config(["--train-iters", "20"])))
+    reporter = _reporter(["--train-iters", "20"])
     results = [_result(11, 9.0), _result(12, 1.0), _result(13, 2.0)]  # resumed at step 10
     # 7 steps left (not 20 - 3), at the mean of the steps after this process's first
     assert reporter._eta(results[-1], results) == f" | ETA {format_duration(7 * 1.5)}"
@@ -49,8 +56,7 @@ def test_eta_counts_the_steps_left_to_train_iters_after_a_resume():
 # ---------------------------------------------------------------------------- the collapse warning
 def _watched(flags: list[str], imbalances: list[float], capsys) -> str:
     """What the imbalance watch prints over steps of these imbalances."""
-    reporter = Reporter(SimpleNamespace(cfg=parse_config(flags),
-                                        groups=SimpleNamespace(is_first=lambda: True)))
+    reporter = _reporter(flags)
     for step, imbalance in enumerate(imbalances, 1):
         reporter._watch_imbalance(replace(_result(step, 1.0), load_imbalance=imbalance))
     return capsys.readouterr().err
@@ -229,8 +235,7 @@ def test_mfu_on_the_step_line_record_and_summary_only_when_known():
     assert record["megatron_tflops_per_gpu"] == 300.0 and record["mfu"] == 300.0 / 989.0
     cpu = replace(_result(1, 1.0), megatron_tflops_per_gpu=0.01)
     assert "mfu" not in cpu.to_json()
-    reporter = Reporter(SimpleNamespace(cfg=parse_config(["--train-iters", "2"]), tuner=None,
-                                        device=torch.device("cpu")))
+    reporter = _reporter(["--train-iters", "2"])
     assert " | MFU 30.3% | " in reporter._step_line(known[0], known)
     assert "MFU" not in reporter._step_line(cpu, [cpu])
     summary = RunSummary(steps=2, seconds=4.0, tokens=2000, first_loss=5.0, last_loss=2.5,

@@ -297,8 +297,8 @@ def _train(flags: list[str], graph_backend=None):
             try:
                 lines.append(trainer.describe())
                 results = trainer.train()
-                banks = None if trainer.graphs is None else sorted(
-                    key for key, bank in trainer.graphs.banks.banks.items() if bank.captured)
+                banks = None if trainer.parts.graphs is None else sorted(
+                    key for key, bank in trainer.parts.graphs.banks.banks.items() if bank.captured)
             finally:
                 trainer.close()
         finally:

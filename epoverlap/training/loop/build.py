@@ -60,7 +60,6 @@ from epoverlap.training.loop.faults import FaultInjector
 from epoverlap.training.optimizer.grads import GradBuffers
 from epoverlap.training.setup.memory import available_memory, estimate_memory
 from epoverlap.training.optimizer.optim import MixedPrecisionAdamW
-from epoverlap.training.loop.stop import StopRequest
 from epoverlap.training.tuning.tune_cache import CacheTarget, agreed_cached_decision
 from epoverlap.training.tuning.tuner import Tuner
 
@@ -79,9 +78,9 @@ class BuiltPath:
 
 class RunParts:
     """The built pieces of one run (see the module docstring). `plan`, `executor`, its lanes and
-    `wgrad_queue.enabled` are the path in use (the tuner switches them, `switch_path`);
-    `optimizer` and `lanes` may be replaced by a caller (a benchmark's own optimizer forms,
-    serial lanes) before the first step."""
+    `wgrad_queue.enabled` are the path in use (the tuner switches them, `switch_path`); `lanes`
+    may be replaced by a caller (serial lanes) before the first step. The step, the evaluator
+    and the reporter are handed the pieces they use (`training.loop.trainer`)."""
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups,
                  log: Callable[[str], None] = print, data=None,
@@ -102,7 +101,6 @@ class RunParts:
         self.tune_cache: Optional[CacheTarget] = None  # rank 0's --tune-cache file and key
         self.tuner, self.paths = self._tuner()
         self._select_first_bank()
-        self.stop: Optional[StopRequest] = None  # while the training loop runs (Trainer.train)
 
     # ----------------------------------------------------------------- model and state
     def _build_model(self) -> None:
@@ -200,12 +198,6 @@ class RunParts:
         validate_pipeline(plans, layouts, cfg.train.num_microbatches, path.delay_wgrad)
         return layouts, plans
 
-    def loss_scale(self) -> float:
-        return 1.0 / self.cfg.train.num_microbatches
-
-    def router_generators(self) -> list[torch.Generator]:
-        return [r.balancing_rng for r in self.model.routers() if r.balancing_rng is not None]
-
     # ----------------------------------------------------------------- CUDA graphs
     def _step_graphs(self) -> Optional[StepGraphs]:
         """CUDA graphs of this run (--cuda-graph-impl local or full_iteration), in banks by
@@ -226,10 +218,10 @@ class RunParts:
     def _bank_factory(self, full: bool, watch) -> Callable[[], object]:
         """What makes one bank: a full-iteration graph of the plan in use when it is made, or
         per-layer graphs of the model's nodes."""
-        graph_cfg, generators = self.cfg.cuda_graph, self.router_generators()
+        graph_cfg, generators = self.cfg.cuda_graph, router_generators(self.model)
         if full:
             def make_bank():
-                return FullIterationGraph(self.executor, self.plan, self.loss_scale(),
+                return FullIterationGraph(self.executor, self.plan, loss_scale(self.cfg),
                                           device=self.device, generators=generators,
                                           backend_factory=self.graph_backend,
                                           replay_watch=watch)
@@ -405,6 +397,16 @@ class RunParts:
         self.lanes.close()
         self.grads.close()
         self.comm.close()
+
+
+def loss_scale(cfg: RunConfig) -> float:
+    """What each microbatch's loss is scaled by: the step's loss is their mean."""
+    return 1.0 / cfg.train.num_microbatches
+
+
+def router_generators(model: MoEModel) -> list[torch.Generator]:
+    """The routers' force-balancing generators (a rerun or an evaluation restores them)."""
+    return [r.balancing_rng for r in model.routers() if r.balancing_rng is not None]
 
 
 def _host_transport(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostMemoryTransport]:

@@ -31,43 +31,47 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from epoverlap.parallel.watch import host_list
+from epoverlap.training.loop.build import router_generators
 from epoverlap.training.setup.data import evaluates, step_batches, validation_source
 from epoverlap.training.telemetry.metrics import EvalResult
 
 if TYPE_CHECKING:
-    from epoverlap.training.loop.build import RunParts
+    from epoverlap.config import RunConfig
+    from epoverlap.model.transformer import MoEModel
+    from epoverlap.parallel.groups import ParallelGroups
     from epoverlap.training.loop.step import StepRunner
 
 class Evaluator:
     """Evaluation of one built run (module docstring); `run` is a collective."""
 
-    def __init__(self, parts: RunParts, stepper: StepRunner):
-        self.parts, self.stepper = parts, stepper
-        self.enabled = evaluates(parts.cfg)
-        self.data = (validation_source(parts.cfg, parts.groups.dp_size, parts.data)
-                     if self.enabled else None)
+    def __init__(self, cfg: RunConfig, groups: ParallelGroups, model: MoEModel, data,
+                 stepper: StepRunner):
+        """`data`: the run's training source (the validation data follows it, see
+        `validation_source`); `stepper`: the run's step (its budget reruns and clock)."""
+        self.cfg, self.groups, self.device, self.model = cfg, groups, groups.device, model
+        self.budget, self.stepper = model.dispatch_budget, stepper
+        self.enabled = evaluates(cfg)
+        self.data = validation_source(cfg, groups.dp_size, data) if self.enabled else None
 
     def due(self, step: int) -> bool:
         if not self.enabled:
             return False
-        return step % self.parts.cfg.eval.eval_interval == 0 or \
-            step == self.parts.cfg.train.train_iters
+        return step % self.cfg.eval.eval_interval == 0 or step == self.cfg.train.train_iters
 
     def maybe_run(self, step: int) -> Optional[EvalResult]:
         return self.run(step) if self.due(step) else None
 
     def run(self, step: int) -> EvalResult:
         """The validation loss after `step` (every rank calls it)."""
-        p = self.parts
-        iters = p.cfg.eval.eval_iters
-        first = (math.ceil(step / p.cfg.eval.eval_interval) - 1) * iters + 1
+        iters = self.cfg.eval.eval_iters
+        first = (math.ceil(step / self.cfg.eval.eval_interval) - 1) * iters + 1
         start = self.stepper.sync_time()
-        generators = p.router_generators()
+        generators = router_generators(self.model)
         states = [g.get_state() for g in generators]
-        level = p.budget.level if p.budget is not None else None
-        was_training = p.model.training
-        cuda = [p.device] if p.device.type == "cuda" else []
-        p.model.eval()
+        level = self.budget.level if self.budget is not None else None
+        was_training = self.model.training
+        cuda = [self.device] if self.device.type == "cuda" else []
+        self.model.eval()
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=cuda):
                 losses, reruns = [], 0
@@ -77,7 +81,7 @@ class Evaluator:
                     reruns += batch_reruns
                 loss = self._mean_over_ranks(losses)
         finally:
-            p.model.train(was_training)
+            self.model.train(was_training)
             for generator, state in zip(generators, states):
                 generator.set_state(state)
             self.stepper.select_budget_level(level if level is not None else 0)
@@ -87,27 +91,25 @@ class Evaluator:
         """Global validation batch `index`: this rank's microbatch losses, rerun at a larger
         budget level while the dispatch overflowed, as a training step is
         (`StepRunner.until_it_fits`). -> (losses, reruns)."""
-        p = self.parts
-        t = p.cfg.train
-        inputs = [(tokens.to(p.device), labels.to(p.device)) for tokens, labels in
-                  step_batches(self.data, index, p.groups.dp_rank, t.num_microbatches,
-                               t.micro_batch_size, p.cfg.model.seq_length)]
+        t = self.cfg.train
+        inputs = [(tokens.to(self.device), labels.to(self.device)) for tokens, labels in
+                  step_batches(self.data, index, self.groups.dp_rank, t.num_microbatches,
+                               t.micro_batch_size, self.cfg.model.seq_length)]
         return self.stepper.until_it_fits(lambda level: self._forward(inputs, level))
 
     def _forward(self, inputs: list, level: int) -> list[torch.Tensor]:
-        p = self.parts
         self.stepper.select_budget_level(level)
-        if p.budget is not None:
-            p.budget.reset_demand()
-        losses = [p.model.stage_forward(tokens, labels) for tokens, labels in inputs]
+        if self.budget is not None:
+            self.budget.reset_demand()
+        losses = [self.model.stage_forward(tokens, labels) for tokens, labels in inputs]
         return [loss.detach().float() for loss in losses if loss is not None]
 
     def _mean_over_ranks(self, losses: list[torch.Tensor]) -> float:
         """Mean of every microbatch loss of every data-parallel rank (fp64 sums of the losses
         and their count, over the DP group, then over the pipeline, where only the stage holding
         the head has losses; one read)."""
-        g = self.parts.groups
-        total = torch.zeros(2, dtype=torch.float64, device=self.parts.device)
+        g = self.groups
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
         if losses:
             total[0] = torch.stack(losses).double().sum()
         total[1] = len(losses)

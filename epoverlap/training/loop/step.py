@@ -1,6 +1,9 @@
 """One optimizer step of a built run (`training.loop.build.RunParts`).
 
-Owns `StepRunner`. A step: the executor runs this rank's plan (sequential, or the combined 1F1B
+Owns `StepRunner`, made from the run's pieces it uses and the path in use (`PathInUse`: the
+plan, the executor and the CUDA graph banks, which the tuner switches).
+
+A step: the executor runs this rank's plan (sequential, or the combined 1F1B
 with --overlap-moe-expert-parallel-comm; with pipeline stages, this stage's 1F1B or interleaved
 1F1B plan) over all microbatches, by the CUDA graph bank of the budget level in use when there
 are graphs; then, after the last backward and weight-grad action, grads are reduced (inside
@@ -22,7 +25,7 @@ budget level that holds it (`forward_backward`); the reruns and the budget the s
 came from go into its `StepResult`.
 
 With the path tuner (--tune) each step runs the path the tuner gives it (`training.tuning.tuner`,
-`RunParts.switch_path`); its decision, when it comes, is kept for the report (`tune_report`:
+`PathInUse.switch_path`); its decision, when it comes, is kept for the report (`tune_report`:
 the table's lines, and the `tuned_path` field of the step's JSON record), the losing paths'
 graph banks are released, and rank 0 writes --tune-cache. A path whose graph capture fails on
 some rank is dropped on every rank (`capture_graphs`); where the paths' graph banks do not
@@ -34,7 +37,7 @@ spans (--profile-steps) also measure the first rank's comm, exposed comm and ove
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,7 +46,7 @@ from epoverlap.model.dropout import dropout_inputs
 from epoverlap.model.flops import megatron_flops_per_token, training_flops_per_token
 from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.overlap import step_metrics
-from epoverlap.training.loop.build import RunParts
+from epoverlap.training.loop.build import loss_scale, router_generators
 from epoverlap.training.setup.data import StepFeed
 from epoverlap.training.telemetry.metrics import StepResult
 from epoverlap.training.telemetry.mfu import device_peak_tflops, mfu
@@ -54,16 +57,57 @@ from epoverlap.training.tuning.tune_cache import write_decision
 from epoverlap.config.resolve import GRAPHS_FLAG
 from epoverlap.training.tuning.tuner import TuneDecision, fits_beside
 
+if TYPE_CHECKING:
+    from epoverlap.config import RunConfig
+    from epoverlap.graphs.banks import StepGraphs
+    from epoverlap.model.transformer import MoEModel
+    from epoverlap.parallel.groups import ParallelGroups
+    from epoverlap.profiling.recorder import SpanRecorder
+    from epoverlap.schedule.executor import Executor
+    from epoverlap.schedule.wgrad import WeightGradQueue
+    from epoverlap.training.loop.faults import FaultInjector
+    from epoverlap.training.loop.stop import StopRequest
+    from epoverlap.training.optimizer.grads import GradBuffers
+    from epoverlap.training.tuning.tune_cache import CacheTarget
+    from epoverlap.training.tuning.tuner import Tuner
+
+
+class PathInUse(Protocol):
+    """The path a step runs, which the tuner switches between steps (`RunParts` is one): this
+    stage's plan, the executor of its nodes and the CUDA graph banks (None without graphs)."""
+
+    plan: list
+    executor: Executor
+    graphs: Optional[StepGraphs]
+
+    def switch_path(self, name: str) -> None:
+        """Run the tuner's path `name` from here on."""
+
+    def drop_graphs(self) -> int:
+        """Run on without CUDA graphs. -> pool bytes freed."""
+
 
 class StepRunner:
-    """Runs steps of one built run; reads the run's pieces from `parts` at each use (a caller
-    may replace the optimizer or lanes, and the tuner switches the path)."""
+    """Runs steps of one built run, on the pieces it is given; the plan, executor and graph
+    banks are `path`'s at each use (the tuner switches them)."""
 
-    def __init__(self, parts: RunParts):
-        self.parts = parts
+    def __init__(self, cfg: RunConfig, groups: ParallelGroups, model: MoEModel,
+                 grads: GradBuffers, optimizer, data, *, wgrad_queue: WeightGradQueue,
+                 recorder: SpanRecorder, faults: FaultInjector, path: PathInUse,
+                 tuner: Optional[Tuner] = None, tune_cache: Optional[CacheTarget] = None,
+                 start_step: int = 0):
+        """`optimizer`: steps with `step(lr, grad_scale)`; `data`: the run's source
+        (`open_data_source`); `start_step`: the step a resumed run continues after."""
+        self.cfg, self.groups, self.device = cfg, groups, groups.device
+        self.model, self.budget = model, model.dispatch_budget
+        self.grads, self.optimizer, self.data = grads, optimizer, data
+        self.wgrad_queue, self.recorder, self.faults = wgrad_queue, recorder, faults
+        self.path, self.tuner, self.tune_cache = path, tuner, tune_cache
+        self.start_step = start_step
+        self.stop: Optional[StopRequest] = None  # while the training loop runs (Trainer.train)
         self.tune_report: list[str] = []  # the tuner's lines, reported after their step
         self.tuned_path: Optional[dict] = None  # the decision's JSON record, for its step
-        self._tune_record_due = parts.tuner is not None and parts.tuner.cached
+        self._tune_record_due = tuner is not None and tuner.cached
         self.stop_reason: Optional[str] = None  # every rank's agreed reason to stop now
         self._last_demand: Optional[list] = None  # the budget's, of the last attempt
         self._feed: Optional[StepFeed] = None  # the steps' batches, one made ahead
@@ -76,32 +120,31 @@ class StepRunner:
 
     # ----------------------------------------------------------------- the step
     def step(self, step: int) -> StepResult:
-        p = self.parts
-        p.groups.watch.step = step
+        self.groups.watch.step = step
         profiled = self._profiled(step)
-        if p.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(p.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         start = self.sync_time()
         if profiled:
-            p.recorder.begin_step(step)
-        p.faults.begin_step(step)
+            self.recorder.begin_step(step)
+        self.faults.begin_step(step)
         schedule = self._tune_schedule(step)
         losses, reruns = self.forward_backward(step, schedule)
-        p.recorder.end_forward_backward()
-        p.faults.after_backward(p.model)
-        if p.cfg.train.check_for_nan_in_loss_and_grad:
-            check_finite(step, losses, p.model, p.grads, p.groups)
-        with p.recorder.part("grad_reduce"):
-            p.grads.reduce()
-        with p.recorder.part("grad_clip"):
-            grad_norm, grad_scale = p.grads.clip_factor(p.cfg.train.clip_grad)
-        stats = reduce_step_stats(p, losses)
+        self.recorder.end_forward_backward()
+        self.faults.after_backward(self.model)
+        if self.cfg.train.check_for_nan_in_loss_and_grad:
+            check_finite(step, losses, self.model, self.grads, self.groups)
+        with self.recorder.part("grad_reduce"):
+            self.grads.reduce()
+        with self.recorder.part("grad_clip"):
+            grad_norm, grad_scale = self.grads.clip_factor(self.cfg.train.clip_grad)
+        stats = reduce_step_stats(self.cfg, self.groups, self.model, self.stop, losses)
         self.stop_reason = stats.stop_reason
-        lr = lr_at(step, p.cfg.train)
-        if not p.cfg.train.skip_optimizer_step:
-            with p.recorder.part("optimizer"):
-                p.optimizer.step(lr, grad_scale)  # the clip, applied as grads are read
-        spans = p.recorder.end_step() if profiled else None
+        lr = lr_at(step, self.cfg.train)
+        if not self.cfg.train.skip_optimizer_step:
+            with self.recorder.part("optimizer"):
+                self.optimizer.step(lr, grad_scale)  # the clip, applied as grads are read
+        spans = self.recorder.end_step() if profiled else None
         elapsed = self.sync_time() - start
         self._tune_record(step, elapsed)
         result = self._result(step, stats, lr, grad_norm, elapsed)
@@ -115,79 +158,74 @@ class StepRunner:
         return result
 
     def _result(self, step, stats: StepStats, lr, grad_norm, elapsed) -> StepResult:
-        p = self.parts
-        t, m = p.cfg.train, p.cfg.model
-        tokens = p.groups.dp_size * t.num_microbatches * t.micro_batch_size * m.seq_length
-        on_gpu = p.device.type == "cuda"
-        peak = torch.cuda.max_memory_allocated(p.device) / 2**30 if on_gpu else None
-        per_gpu = tokens / elapsed / 1e12 / p.groups.world_size
-        tflops = training_flops_per_token(p.cfg) * per_gpu
-        megatron_tflops = megatron_flops_per_token(p.cfg) * per_gpu
+        t, m = self.cfg.train, self.cfg.model
+        tokens = self.groups.dp_size * t.num_microbatches * t.micro_batch_size * m.seq_length
+        on_gpu = self.device.type == "cuda"
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if on_gpu else None
+        per_gpu = tokens / elapsed / 1e12 / self.groups.world_size
+        tflops = training_flops_per_token(self.cfg) * per_gpu
+        megatron_tflops = megatron_flops_per_token(self.cfg) * per_gpu
         return StepResult(step, stats.loss, lr, grad_norm, stats.aux_loss, stats.load_imbalance,
                           elapsed, tokens, peak, tflops, megatron_tflops_per_gpu=megatron_tflops,
-                          mfu=mfu(megatron_tflops, device_peak_tflops(p.device, t.bf16)),
+                          mfu=mfu(megatron_tflops, device_peak_tflops(self.device, t.bf16)),
                           deterministic=t.deterministic_mode,
                           # graph pools are reserved, not allocated, while graphs replay
-                          peak_reserved_gib=(torch.cuda.max_memory_reserved(p.device) / 2**30
+                          peak_reserved_gib=(torch.cuda.max_memory_reserved(self.device) / 2**30
                                              if on_gpu else None))
 
     def _add_dispatch_stats(self, result: StepResult, stats: StepStats, reruns: int) -> None:
-        p = self.parts
-        if p.model.dispatch_mode.drops_tokens:
+        if self.model.dispatch_mode.drops_tokens:
             result.dropped_tokens, result.dropped_fraction = (stats.dropped_tokens,
                                                               stats.dropped_fraction)
-        if p.budget is not None:
-            result.dispatch_reruns, result.dispatch_budget = reruns, p.budget.factor
+        if self.budget is not None:
+            result.dispatch_reruns, result.dispatch_budget = reruns, self.budget.factor
             result.dispatch_wire = stats.dispatch_wire
 
     def _profiled(self, step: int) -> bool:
-        window = self.parts.cfg.log.profile_range
+        window = self.cfg.log.profile_range
         return window is not None and window[0] <= step <= window[1]
 
     def sync_time(self) -> float:
         """perf_counter() once the device has finished what was queued."""
-        if self.parts.device.type == "cuda":
-            torch.cuda.synchronize(self.parts.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
     # ----------------------------------------------------------------- forward-backward
     def microbatches(self, step: int) -> list[dict]:
         """The step's microbatch dicts: tokens, labels and, with dropout, the dropout seed of
         the same (step, DP rank, microbatch) as the data (`model.dropout`)."""
-        p = self.parts
-        t, rank = p.cfg.train, p.groups.dp_rank  # every stage of a pipeline reads alike
-        if self._feed is None or self._feed.source is not p.data:
+        t, rank = self.cfg.train, self.groups.dp_rank  # every stage of a pipeline reads alike
+        if self._feed is None:
             self.close()
-            self._feed = StepFeed(p.data, rank, t.num_microbatches, t.micro_batch_size,
-                                  p.cfg.model.seq_length)
+            self._feed = StepFeed(self.data, rank, t.num_microbatches, t.micro_batch_size,
+                                  self.cfg.model.seq_length)
         batches = self._feed.batches(step)
-        return [{"tokens": tokens.to(p.device), "labels": labels.to(p.device),
-                 **dropout_inputs(p.cfg, step, rank, mb)}
+        return [{"tokens": tokens.to(self.device), "labels": labels.to(self.device),
+                 **dropout_inputs(self.cfg, step, rank, mb)}
                 for mb, (tokens, labels) in enumerate(batches)]
 
     def run_microbatches(self, step: int, inputs: Optional[list[dict]] = None
                          ) -> list[torch.Tensor]:
         """Forward + backward of every microbatch, once, at the budget level selected (no
         rerun: see `forward_backward`); grads land in the main_grad buffers."""
-        p = self.parts
-        overwrite = p.wgrad_queue.first_write
-        p.grads.zero(experts=not overwrite)
-        for router in p.model.routers():
+        overwrite = self.wgrad_queue.first_write
+        self.grads.zero(experts=not overwrite)
+        for router in self.model.routers():
             router.reset_step_stats()
-        if p.budget is not None:
-            p.budget.reset_demand()
+        if self.budget is not None:
+            self.budget.reset_demand()
         inputs = self.microbatches(step) if inputs is None else inputs
-        if p.graphs is not None:
-            losses = p.graphs.run(inputs, self._run_eager)
+        if self.path.graphs is not None:
+            losses = self.path.graphs.run(inputs, self._run_eager)
         else:
             losses = self._run_eager(inputs)
         if overwrite:
-            p.grads.zero_unwritten(p.wgrad_queue.written)
+            self.grads.zero_unwritten(self.wgrad_queue.written)
         return losses
 
     def _run_eager(self, inputs: list[dict]) -> list[torch.Tensor]:
-        p = self.parts
-        return p.executor.run(p.plan, inputs, p.loss_scale())
+        return self.path.executor.run(self.path.plan, inputs, loss_scale(self.cfg))
 
     def forward_backward(self, step: int, path: Optional[str] = None
                          ) -> tuple[list[torch.Tensor], int]:
@@ -196,7 +234,7 @@ class StepRunner:
         router RNG state, so its result is the one a run at its budget level would give.
         `path`: the tuner's path the step runs, for the budget's fit."""
         inputs = self.microbatches(step)
-        budget = self.parts.budget
+        budget = self.budget
         if budget is not None:
             self._refit_budget(budget, step)
             budget.reset_wire()
@@ -214,7 +252,7 @@ class StepRunner:
         factor = budget.refit()
         if factor is None:
             return
-        freed, graphs = "", self.parts.graphs
+        freed, graphs = "", self.path.graphs
         if graphs is not None and graphs.per_level:
             if any(bank.captured for bank in graphs.banks.banks.values()):
                 freed = "; the CUDA graphs that hold the dispatch are recaptured"
@@ -226,7 +264,7 @@ class StepRunner:
         """`attempt(level)` at budget level `start`, then again at the level `overflow_level`
         names, each time from the router generators' state before the first, until nothing
         overflowed (at once without the budget dispatch). -> (its last result, reruns)."""
-        generators = self.parts.router_generators()
+        generators = router_generators(self.model)
         states = [g.get_state() for g in generators]
         result, reruns = attempt(start), 0
         while (level := self.overflow_level()) is not None:
@@ -238,47 +276,44 @@ class StepRunner:
 
     def _attempt(self, step: int, inputs: list[dict], level: int) -> list[torch.Tensor]:
         """One forward-backward at a budget level, by that level's graph bank if it has one."""
-        p = self.parts
         self.select_budget_level(level)
-        if p.graphs is None:
+        if self.path.graphs is None:
             return self.run_microbatches(step, inputs)
         # warmup counts from here; a fitted budget captures its base level only: a rerun above
         # it runs eagerly, since the base grows before the next step (its bank would be freed)
-        capture = level == 0 or p.budget is None or p.budget.fit is None
-        p.graphs.begin_attempt(step - p.start_step, level, capture)
+        capture = level == 0 or self.budget is None or self.budget.fit is None
+        self.path.graphs.begin_attempt(step - self.start_step, level, capture)
         try:
             return self.run_microbatches(step, inputs)
         finally:
-            p.graphs.end_attempt()
+            self.path.graphs.end_attempt()
 
     def select_budget_level(self, level: int) -> None:
-        if self.parts.budget is not None:
-            self.parts.budget.level = level
+        if self.budget is not None:
+            self.budget.level = level
 
     def overflow_level(self) -> Optional[int]:
         """After a forward-backward: the budget level to rerun at, None if nothing overflowed.
         One all-reduce (max over ranks) and one host read."""
-        p = self.parts
-        budget = p.budget
+        budget = self.budget
         if budget is None:
             return None
         demand = budget.demand()
-        if p.groups.world_size > 1:
-            p.groups.world.all_reduce(demand, op=dist.ReduceOp.MAX)
+        if self.groups.world_size > 1:
+            self.groups.world.all_reduce(demand, op=dist.ReduceOp.MAX)
         self._last_demand = host_list(demand)
         return budget.rerun_level(self._last_demand)
 
     def capture_graphs(self) -> list:
         """Capture the graph banks this step recorded (the last warmup step records the base
         bank; a later rerun at a new budget level records that level's). -> [(level, bank)]."""
-        p = self.parts
-        if p.graphs is None:
+        if self.path.graphs is None:
             return []
-        if p.tuner is None or p.tuner.decision is not None or not p.graphs.due:
+        if self.tuner is None or self.tuner.decision is not None or not self.path.graphs.due:
             return self._capture_or_drop_graphs()
         captured, error = self._try_capture()  # while tuning, a failed capture drops its path
         failed, short = self._ranks_failed(error)
-        if short and GRAPHS_FLAG in p.cfg.defaulted:
+        if short and GRAPHS_FLAG in self.cfg.defaulted:
             # out of memory: every path's graphs hold about as much, so none is dropped
             self._graphs_off(failed, error)
             return []
@@ -290,11 +325,10 @@ class StepRunner:
     def _try_capture(self) -> tuple[list, Optional[BaseException]]:
         """Capture what this step recorded; a failure is returned, not raised (every rank
         learns of it from `_ranks_failed`), the router generators as they were before."""
-        p = self.parts
-        generators = p.router_generators()
+        generators = router_generators(self.model)
         states = [g.get_state() for g in generators]
         try:
-            return p.graphs.capture_due(p.plan, self.select_budget_level), None
+            return self.path.graphs.capture_due(self.path.plan, self.select_budget_level), None
         except Exception as failure:  # noqa: BLE001  (agreed over the ranks by the caller)
             for generator, state in zip(generators, states):
                 generator.set_state(state)
@@ -304,8 +338,8 @@ class StepRunner:
         """How many ranks' captures failed, and how many of those for want of memory (one
         all-reduce; captures happen at the same steps on every rank)."""
         count = torch.tensor([float(error is not None), float(_out_of_memory(error))],
-                             device=self.parts.device)
-        self.parts.groups.world.all_reduce(count)
+                             device=self.device)
+        self.groups.world.all_reduce(count)
         failed, short = host_list(count)
         return int(failed), int(short)
 
@@ -313,9 +347,8 @@ class StepRunner:
         """Capture what this step recorded. Where the graph scope was the auto default and the
         capture fails on some rank, the run goes on without graphs, saying so in one line; a
         scope the flags gave fails the run."""
-        p = self.parts
-        if GRAPHS_FLAG not in p.cfg.defaulted or not p.graphs.due:
-            return p.graphs.capture_due(p.plan, self.select_budget_level)
+        if GRAPHS_FLAG not in self.cfg.defaulted or not self.path.graphs.due:
+            return self.path.graphs.capture_due(self.path.plan, self.select_budget_level)
         captured, error = self._try_capture()
         ranks, _ = self._ranks_failed(error)
         if not ranks:
@@ -326,9 +359,8 @@ class StepRunner:
     def _graphs_off(self, ranks: int, error: Optional[BaseException]) -> None:
         """The auto graph scope's capture failed on `ranks` ranks: every bank released, the
         run goes on without graphs (every path, while tuning), said in one line."""
-        p = self.parts
-        p.wgrad_queue.clear()
-        scope, freed = p.cfg.cuda_graph.impl, p.drop_graphs()
+        self.wgrad_queue.clear()
+        scope, freed = self.cfg.cuda_graph.impl, self.path.drop_graphs()
         self.tune_report.append(
             f"CUDA graphs: the capture failed on {ranks} rank(s){_why(error)}; the run goes on "
             f"without graphs ({freed / 2**30:.3f} GiB released; the graph scope {scope} was "
@@ -338,19 +370,19 @@ class StepRunner:
         """After a capture while the tuner primes the paths: whether the paths not primed yet
         fit beside the banks held (`tuner.fits_beside`, every rank alike); if not, the tuner
         takes the paths in turn and every path's banks but the first's are released."""
-        p, tuner = self.parts, self.parts.tuner
+        tuner = self.tuner
         others = sum(1 for name in tuner.names if name not in tuner.primed)
         if tuner.in_turn or tuner.decision is not None or not others:
             return
         bank_bytes = sum(bank.pool_bytes for _, bank in captured)
         free = self._free_device_bytes()
-        fits = torch.tensor([float(fits_beside(bank_bytes, free, others))], device=p.device)
-        p.groups.world.all_reduce(fits, op=dist.ReduceOp.MIN)
+        fits = torch.tensor([float(fits_beside(bank_bytes, free, others))], device=self.device)
+        self.groups.world.all_reduce(fits, op=dist.ReduceOp.MIN)
         if host_list(fits)[0]:
             return
         tuner.take_turns()
         for name in tuner.names[1:]:
-            p.graphs.release_schedule(name)
+            self.path.graphs.release_schedule(name)
         self.tune_report.append(
             f"tune: a path's CUDA graphs take {bank_bytes / 2**30:.1f} GiB, "
             f"{(free or 0) / 2**30:.1f} GiB are free: the paths are timed one after another, "
@@ -358,77 +390,73 @@ class StepRunner:
 
     def _free_device_bytes(self) -> Optional[int]:
         """Free device memory (CUDA, the allocator's cache emptied first), else None."""
-        if self.parts.device.type != "cuda":
+        if self.device.type != "cuda":
             return None
         torch.cuda.empty_cache()
-        return torch.cuda.mem_get_info(self.parts.device)[0]
+        return torch.cuda.mem_get_info(self.device)[0]
 
     # ----------------------------------------------------------------- the path tuner
     def _tune_schedule(self, step: int) -> Optional[str]:
         """Switch to the path the tuner gives this step (plan, lanes, wgrad, graph bank)."""
-        p = self.parts
-        if p.tuner is None:
+        if self.tuner is None:
             return None
-        name = p.tuner.schedule_for(step)
-        if p.tuner.in_turn and p.graphs is not None:  # only the path in turn holds graphs
-            for other in p.tuner.names:
+        name, graphs = self.tuner.schedule_for(step), self.path.graphs
+        if self.tuner.in_turn and graphs is not None:  # only the path in turn holds graphs
+            for other in self.tuner.names:
                 if other != name:
-                    p.graphs.release_schedule(other)
-        p.switch_path(name)
+                    graphs.release_schedule(other)
+        self.path.switch_path(name)
         return name
 
     def _tune_record(self, step: int, elapsed: float) -> None:
         """Record the step's time; at the decision (or the first step of a cached one) keep
         its report, release the losers' graph banks and write the cache."""
-        p = self.parts
-        if p.tuner is None:
+        if self.tuner is None:
             return
         if self._tune_record_due:  # a decision from --tune-cache, reported at the first step
             self._tune_record_due = False
-            self.tune_report += p.tuner.decision.table()
-            self.tuned_path = p.tuner.decision.record()
+            self.tune_report += self.tuner.decision.table()
+            self.tuned_path = self.tuner.decision.record()
             return
 
         def slowest(times: list[float]) -> list[float]:
-            worst = torch.tensor(times, dtype=torch.float64, device=p.device)
-            p.groups.world.all_reduce(worst, op=dist.ReduceOp.MAX)
+            worst = torch.tensor(times, dtype=torch.float64, device=self.device)
+            self.groups.world.all_reduce(worst, op=dist.ReduceOp.MAX)
             return host_list(worst)
-        decision = p.tuner.record(step, elapsed, slowest)
+        decision = self.tuner.record(step, elapsed, slowest)
         if decision is not None:
             self._decided(decision)
 
     def _decided(self, decision: TuneDecision) -> None:
         """The decision's table, the losers' banks released, the budget's fit left with the chosen
         path's demand, the cache written (rank 0)."""
-        p = self.parts
         self.tune_report += decision.table()
         self.tuned_path = decision.record()
-        if p.budget is not None:
-            p.budget.keep_path(decision.chosen)
-        if p.graphs is not None:
-            freed = {name: p.graphs.release_schedule(name) for name in p.tuner.losers()}
+        if self.budget is not None:
+            self.budget.keep_path(decision.chosen)
+        if self.path.graphs is not None:
+            freed = {name: self.path.graphs.release_schedule(name) for name in self.tuner.losers()}
             self.tune_report.append(f"tune: the other paths' CUDA graphs released "
                                     f"({sum(freed.values()) / 2**30:.3f} GiB)")
-        if p.tune_cache is not None:
-            warning = write_decision(p.tune_cache.path, decision, p.tune_cache.fields)
+        if self.tune_cache is not None:
+            warning = write_decision(self.tune_cache.path, decision, self.tune_cache.fields)
             self.tune_report.append(warning or f"tune: decision written to "
-                                               f"{p.tune_cache.path}")
+                                               f"{self.tune_cache.path}")
 
     def capture_failed(self, ranks: int, error: Optional[BaseException]) -> None:
         """After a step's graph captures while the tuner decides: if `ranks` ranks failed
         (`_ranks_failed`, the same on every rank), the step's path is dropped on every rank and
         its banks released."""
-        p = self.parts
         if ranks == 0:
             return
-        name = p.graphs.schedule
-        p.graphs.release_schedule(name)
+        name = self.path.graphs.schedule
+        self.path.graphs.release_schedule(name)
         why = f"its CUDA graph capture failed on {ranks} rank(s){_why(error)}"
-        p.wgrad_queue.clear()
-        decision = p.tuner.drop(name, why)
+        self.wgrad_queue.clear()
+        decision = self.tuner.drop(name, why)
         self.tune_report.append(f"tune: {name} dropped: {why}; the run goes on")
         if decision is not None:
-            p.switch_path(decision.chosen)
+            self.path.switch_path(decision.chosen)
             self._decided(decision)
 
     def pop_tune_report(self) -> tuple[list[str], Optional[dict]]:

@@ -1,16 +1,16 @@
 """One training run: `Trainer`, the facade that wires its three parts and runs the loop.
 
-Owns the training loop (`Trainer.train`): for each step after the checkpoint's (a run built
-with `resume` continues after it), run the step (`training.loop.step.StepRunner`), capture the CUDA
-graph banks it recorded, count Triton compiles, evaluate when --eval-interval says so
-(`training.loop.evaluate`), report it (`training.telemetry.metrics.Reporter`), save a checkpoint when
---save-interval says so and after the last step (`training.checkpoints.checkpoint`), collect garbage
-between steps with --manual-gc (`training.loop.manual_gc`), and end with the spans, the compile
-line and one summary line. What the run is made of is built once in `training.loop.build.RunParts`;
-`Trainer` exposes those pieces under the names its callers use (`trainer.model`,
-`trainer.grads`, `trainer.plan`, ...), read and written through to the parts, and the step's
-entry points (`step`, `forward_backward`, `run_microbatches`,
-`microbatches`, `overflow_level`).
+Owns the training loop (`Trainer.train`): for each step after the checkpoint's (a run built with
+`resume` continues after it), run the step (`training.loop.step.StepRunner`), capture the CUDA graph
+banks it recorded, count Triton compiles, evaluate when --eval-interval says so
+(`training.loop.evaluate`), report it (`training.telemetry.metrics.Reporter`), save a checkpoint
+when --save-interval says so and after the last step (`training.checkpoints.checkpoint`), collect
+garbage between steps with --manual-gc (`training.loop.manual_gc`), and end with the spans, the
+compile line and one summary line. What the run is made of is built once in
+`training.loop.build.RunParts` (`trainer.parts`); `Trainer` hands the step, the evaluator and the
+reporter the pieces each uses, names the pieces its callers read most (`cfg`, `groups`, `device`,
+`model`, `grads`, `budget`, `start_step`), and exposes the step's entry points (`step`,
+`forward_backward`, `run_microbatches`, `microbatches`, `overflow_level`).
 """
 
 from __future__ import annotations
@@ -33,23 +33,9 @@ from epoverlap.training.loop.step import StepRunner
 from epoverlap.training.loop.stop import SIGNALS, StopRequest
 
 
-class _Part:
-    """An attribute of `Trainer` that is its `RunParts`' attribute of the same name (read and
-    written through, so a caller that replaces one replaces it for the step too)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __get__(self, trainer, owner=None):
-        return self if trainer is None else getattr(trainer.parts, self.name)
-
-    def __set__(self, trainer, value) -> None:
-        setattr(trainer.parts, self.name, value)
-
-
 class Trainer:
-    """Everything one training run needs, built once from a validated config; the pieces
-    named in `PARTS` are its `RunParts`'."""
+    """Everything one training run needs, built once from a validated config (`parts`), and
+    the loop over its steps."""
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups,
                  log: Callable[[str], None] = print, data=None,
@@ -58,16 +44,51 @@ class Trainer:
         """`data`: a source from `open_data_source` (opened here when None); the model's
         vocabulary is the source's. `graph_backend`: what captures CUDA graphs (the CPU tests
         pass an emulation)."""
-        self.parts = RunParts(cfg, groups, log, data, resume, graph_backend)
+        self.parts = p = RunParts(cfg, groups, log, data, resume, graph_backend)
         self.stopped_by: Optional[str] = None  # why train() ended before --train-iters
-        self.stepper = StepRunner(self.parts)
-        self.evaluator = Evaluator(self.parts, self.stepper)
-        self.reporter = Reporter(self.parts)
+        self.stepper = StepRunner(p.cfg, p.groups, p.model, p.grads, p.optimizer, p.data,
+                                  wgrad_queue=p.wgrad_queue, recorder=p.recorder,
+                                  faults=p.faults, path=p, tuner=p.tuner,
+                                  tune_cache=p.tune_cache, start_step=p.start_step)
+        self.evaluator = Evaluator(p.cfg, p.groups, p.model, p.data, self.stepper)
+        self.reporter = Reporter(p.cfg, p.groups, p.log, data=p.data, params=p.params,
+                                 backend=p.backend, recorder=p.recorder,
+                                 compile_watch=p.compile_watch, budget=p.budget, tuner=p.tuner,
+                                 start_step=p.start_step)
+
+    # ----------------------------------------------------------------- the pieces read most
+    @property
+    def cfg(self) -> RunConfig:
+        """The run's config, resolved (`auto` defaults chosen, the data's vocabulary)."""
+        return self.parts.cfg
+
+    @property
+    def groups(self) -> ParallelGroups:
+        return self.parts.groups
+
+    @property
+    def device(self):
+        return self.parts.device
+
+    @property
+    def model(self):
+        """The model, or this pipeline stage of it (`MoEModel`)."""
+        return self.parts.model
+
+    @property
+    def grads(self):
+        """The fp32 grad buffers (`GradBuffers`)."""
+        return self.parts.grads
 
     @property
     def budget(self):
         """The budget dispatch's shared `DispatchBudget` (None in the other modes)."""
         return self.parts.budget
+
+    @property
+    def start_step(self) -> int:
+        """The step a resumed run continues after (0 for a fresh run)."""
+        return self.parts.start_step
 
     @property
     def per_device(self) -> str:
@@ -96,13 +117,13 @@ class Trainer:
     def train(self) -> list[StepResult]:
         cfg, results = self.cfg, []
         if self.start_step >= cfg.train.train_iters:
-            self.log(f"checkpoint step {self.start_step} >= --train-iters="
+            self.parts.log(f"checkpoint step {self.start_step} >= --train-iters="
                      f"{cfg.train.train_iters}: nothing left to train")
             return results
         self.reporter.open_sinks()
         torch_profiler = self.reporter.torch_profiler()
-        self.parts.stop = StopRequest(cfg.train.exit_duration_in_mins)
-        self.groups.watch.stop_handler = self.parts.stop.signal
+        self.stepper.stop = StopRequest(cfg.train.exit_duration_in_mins)
+        self.groups.watch.stop_handler = self.stepper.stop.signal
         manual_gc = ManualGC(cfg.train.manual_gc, cfg.train.manual_gc_interval)
         try:
             manual_gc.start()
@@ -122,7 +143,7 @@ class Trainer:
         self.reporter.write_spans()
         self.reporter.report_compiles()
         if results:  # a resumed run may have had no step left to make
-            self.log(self.summarize(results).line(self.per_device))
+            self.parts.log(self.summarize(results).line(self.per_device))
         return results
 
     def _train_step(self, step: int, results: list[StepResult]) -> None:
@@ -132,27 +153,27 @@ class Trainer:
         if step == self.start_step + 1 and self.cfg.parallel.transport_report(
                 self.groups.device.type == "cuda"):
             self._report_transports()
-        self.reporter.graphs_captured(step, self.stepper.capture_graphs())
-        self.compile_watch.after_step(step - self.start_step)
-        result.triton_variants = self.compile_watch.total()
+        self.reporter.graphs_captured(step, self.stepper.capture_graphs(), self.parts.graphs)
+        self.parts.compile_watch.after_step(step - self.start_step)
+        result.triton_variants = self.parts.compile_watch.total()
         results.append(result)
         if not math.isfinite(result.loss):
             raise FloatingPointError(f"loss is {result.loss} at step {step}")
         tune_lines, result.tuned_path = self.stepper.pop_tune_report()
         self.reporter.step_done(result, results, tune_lines, self.evaluator.maybe_run(step))
-        if self.checkpointer.due(step):
-            self.checkpointer.save(step)
+        if self.parts.checkpointer.due(step):
+            self.parts.checkpointer.save(step)
 
     def _report_transports(self) -> None:
         """After the first step (every all-to-all peer connected): which transport NCCL chose
         between which ranks; with emulated hosts, fail unless hosts talk over the network."""
         report = gather_report(os.environ.get(NCCL_LOG_FOR_REPORT), nccl_host_identity())
         if report is None:
-            self.log("transport: not reported (NCCL_DEBUG was set by the environment: NCCL's "
+            self.parts.log("transport: not reported (NCCL_DEBUG was set by the environment: NCCL's "
                      "log is not this process's to read)")
             return
         for line in report.lines():
-            self.log(line)
+            self.parts.log(line)
         problems = report.problems()
         if problems and self.cfg.parallel.emulate_hosts > 1:
             raise RuntimeError("--emulate-hosts: emulated hosts must talk over NCCL's network "
@@ -171,14 +192,15 @@ class Trainer:
         self.stopped_by = reason
         save = (self.cfg.train.exit_signal_handler if reason in SIGNALS
                 else bool(self.cfg.checkpoint.save))
-        saved = self.checkpointer.last_saved
+        checkpointer = self.parts.checkpointer
+        saved = checkpointer.last_saved
         if save and (saved is None or saved[0] != step):
-            self.checkpointer.save(step)
-            saved = self.checkpointer.last_saved
+            checkpointer.save(step)
+            saved = checkpointer.last_saved
         holds = (f"the last checkpoint holds step {saved[0]} ({saved[1]})" if saved else
                  "no checkpoint holds this run (--save, and --exit-signal-handler for a "
                  "signal, save one)")
-        self.log(f"stopped by {reason} after step {step} of {self.cfg.train.train_iters}; "
+        self.parts.log(f"stopped by {reason} after step {step} of {self.cfg.train.train_iters}; "
                  f"{holds}")
         return True
 
@@ -197,10 +219,3 @@ class Trainer:
         self.stepper.close()
         self.parts.close()
 
-
-PARTS = ("cfg", "groups", "log", "device", "data", "backend", "graph_backend", "comm",
-         "wgrad_queue", "model", "params", "grads", "optimizer", "lanes", "recorder", "faults",
-         "graphs", "executor", "stage_layouts", "stage_plans", "plan", "compile_watch",
-         "checkpointer", "start_step", "tuner", "paths")
-for _name in PARTS:
-    setattr(Trainer, _name, _Part(_name))

@@ -22,7 +22,7 @@ import math
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,13 @@ from epoverlap.training.tuning.tuner import PRIME, TIMED
 from epoverlap.training.telemetry.wandb_log import WandbLog
 
 if TYPE_CHECKING:
-    from epoverlap.training.loop.build import RunParts
+    from epoverlap.config import RunConfig
+    from epoverlap.graphs.banks import StepGraphs
+    from epoverlap.model.budget import DispatchBudget
+    from epoverlap.parallel.groups import ParallelGroups
+    from epoverlap.profiling.recorder import SpanRecorder
+    from epoverlap.training.loop.compile_watch import CompileWatch
+    from epoverlap.training.tuning.tuner import Tuner
 
 
 @dataclass
@@ -212,10 +218,19 @@ class RunSummary:
 
 
 class Reporter:
-    """Every report of one run (see the module docstring), over its built `RunParts`."""
+    """Every report of one run (see the module docstring), from the run's pieces it reads."""
 
-    def __init__(self, parts: RunParts):
-        self.parts = parts
+    def __init__(self, cfg: RunConfig, groups: ParallelGroups, log: Callable[[str], None], *,
+                 data, params: dict, backend: str, recorder: SpanRecorder,
+                 compile_watch: CompileWatch, budget: Optional[DispatchBudget] = None,
+                 tuner: Optional[Tuner] = None, start_step: int = 0):
+        """`data`: the run's source (its description); `params`: the whole model's parameter
+        counts (`count_parameters`); `backend`: the kernels'; `start_step`: the step a resumed
+        run continues after."""
+        self.cfg, self.groups, self.device, self.log = cfg, groups, groups.device, log
+        self.data, self.params, self.backend = data, params, backend
+        self.recorder, self.compile_watch = recorder, compile_watch
+        self.budget, self.tuner, self.start_step = budget, tuner, start_step
         self._imbalanced_steps = 0
         self._json = None
         self._sinks: list = []  # TensorBoard, W&B: each write(record), close()
@@ -223,7 +238,7 @@ class Reporter:
     @property
     def per_device(self) -> str:
         """The unit of per-device rates: a GPU on CUDA, a rank (process) on CPU."""
-        return "/GPU" if self.parts.device.type == "cuda" else " per rank"
+        return "/GPU" if self.device.type == "cuda" else " per rank"
 
     # ----------------------------------------------------------------- sinks
     def open_sinks(self) -> None:
@@ -248,29 +263,27 @@ class Reporter:
             raise failure
 
     def _open_json(self):
-        p = self.parts
-        path = p.cfg.log.log_json
-        if path is None or not p.groups.is_first():
+        path = self.cfg.log.log_json
+        if path is None or not self.groups.is_first():
             return None
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        if p.start_step == 0 or not Path(path).exists():
+        if self.start_step == 0 or not Path(path).exists():
             return open(path, "w")
         kept = [line for line in Path(path).read_text().splitlines(keepends=True)
-                if _record_step(line) <= p.start_step]
+                if _record_step(line) <= self.start_step]
         Path(path).write_text("".join(kept))
         return open(path, "a")
 
     def _open_tensorboard(self) -> Optional[TensorBoardLog]:
-        directory = self.parts.cfg.log.tensorboard_dir
-        if directory is None or not self.parts.groups.is_first():
+        directory = self.cfg.log.tensorboard_dir
+        if directory is None or not self.groups.is_first():
             return None
         return TensorBoardLog(directory)
 
     def _open_wandb(self) -> Optional[WandbLog]:
-        p = self.parts
-        if p.cfg.log.wandb_project is None or not p.groups.is_first():
+        if self.cfg.log.wandb_project is None or not self.groups.is_first():
             return None
-        return WandbLog(p.cfg)
+        return WandbLog(self.cfg)
 
     # ----------------------------------------------------------------- per step
     def step_done(self, r: StepResult, results: list[StepResult],
@@ -280,7 +293,6 @@ class Reporter:
         imbalance watch, TensorBoard and W&B scalars, line (every --log-interval steps and the
         last), the validation line, and the tuner's lines of this step (its decision's
         table, a dropped path)."""
-        p = self.parts
         record = r.to_json()
         if evaluation is not None:
             record.update(evaluation.record())
@@ -290,17 +302,17 @@ class Reporter:
         self._watch_imbalance(r)
         for sink in self._sinks:
             sink.write(record)
-        total = p.cfg.train.train_iters
-        if p.groups.is_first() and (r.step % p.cfg.log.log_interval == 0 or r.step == total):
-            p.log(self._step_line(r, results))
-        if evaluation is not None and p.groups.is_first():
-            p.log(evaluation.line())
-        if p.groups.is_first():  # every rank decided alike
+        total = self.cfg.train.train_iters
+        if self.groups.is_first() and (r.step % self.cfg.log.log_interval == 0 or r.step == total):
+            self.log(self._step_line(r, results))
+        if evaluation is not None and self.groups.is_first():
+            self.log(evaluation.line())
+        if self.groups.is_first():  # every rank decided alike
             for line in tune_lines:
-                p.log(line)
+                self.log(line)
 
     def _step_line(self, r: StepResult, results: list[StepResult]) -> str:
-        tuner = self.parts.tuner
+        tuner = self.tuner
         mem = f" | mem {r.peak_mem_gib:.2f} GiB" if r.peak_mem_gib is not None else ""
         mfu = f" | MFU {100 * r.mfu:.1f}%" if r.mfu is not None else ""
         comm = (f" | exposed comm {r.exposed_comm_ms:.2f} of {r.comm_ms:.2f} ms"
@@ -310,7 +322,7 @@ class Reporter:
             comm += f" | tune: {r.schedule}"
         elif phase == PRIME:
             comm += f" | tune: {r.schedule} (untimed: its CUDA graphs are captured)"
-        return (f"step {r.step:4d}/{self.parts.cfg.train.train_iters} | loss {r.loss:.4f} | "
+        return (f"step {r.step:4d}/{self.cfg.train.train_iters} | loss {r.loss:.4f} | "
                 f"lr {r.lr:.2e} | grad norm {r.grad_norm:.3f} | aux {r.aux_loss:.4f} | "
                 f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"
                 f" | {r.step_time_s * 1e3:.1f} ms | {r.tflops_per_gpu:.3g} TFLOP/s"
@@ -320,7 +332,7 @@ class Reporter:
         """' | ETA 1m05s': the steps left after step `r` (to --train-iters, so also after a
         resume) times the mean time of this process's steps so far (first step left out once
         there are others: it carries one-time setup)."""
-        left = self.parts.cfg.train.train_iters - r.step
+        left = self.cfg.train.train_iters - r.step
         if left <= 0:
             return ""
         timed = results[1:] or results
@@ -330,71 +342,67 @@ class Reporter:
         """One warning when the worst layer's load imbalance stays at or above the limit
         (`imbalance_warn_limit`) for a while: the router has collapsed onto a few experts (and
         the EP ranks wait on one)."""
-        moe = self.parts.cfg.moe
+        moe = self.cfg.moe
         limit = imbalance_warn_limit(moe.num_experts, moe.moe_router_topk)
         window = IMBALANCE_WARN_STEPS
         self._imbalanced_steps = self._imbalanced_steps + 1 if r.load_imbalance >= limit else 0
-        if self._imbalanced_steps == window and self.parts.groups.is_first():
+        if self._imbalanced_steps == window and self.groups.is_first():
             warn_every_rank(f"load imbalance at or above {limit:.3g} for {window} steps (now "
                             f"{r.load_imbalance:.2f} at step {r.step}): the router sends most "
                             f"tokens to a few experts; raise --moe-aux-loss-coeff or use "
                             f"--moe-router-enable-expert-bias")
 
-    def graphs_captured(self, step: int, captured: list) -> None:
-        """The graph banks captured after `step`: count, time and memory of each, and of all
-        banks when there are several."""
-        p = self.parts
-        graphs = p.graphs
+    def graphs_captured(self, step: int, captured: list, graphs: Optional[StepGraphs]) -> None:
+        """The graph banks of `graphs` captured after `step`: count, time and memory of each,
+        and of all banks when there are several."""
         for level, bank in captured:
-            where = f" (budget {p.budget.levels[level]:g})" if graphs.per_level else ""
-            p.log(f"CUDA graphs{where}: {bank.graph_count()} captured after step {step} "
-                  f"in {bank.capture_seconds:.2f} s; graph memory "
-                  f"{bank.pool_bytes / 2**30:.3f} GiB (of it static buffers "
-                  f"{bank.buffer_bytes() / 2**30:.3f} GiB)")
+            where = f" (budget {self.budget.levels[level]:g})" if graphs.per_level else ""
+            self.log(f"CUDA graphs{where}: {bank.graph_count()} captured after step {step} "
+                     f"in {bank.capture_seconds:.2f} s; graph memory "
+                     f"{bank.pool_bytes / 2**30:.3f} GiB (of it static buffers "
+                     f"{bank.buffer_bytes() / 2**30:.3f} GiB)")
         if captured and len(graphs.banks.banks) > 1:
             by = " and ".join(what for what, keyed in (
-                ("budget level", graphs.per_level), ("path", p.tuner is not None))
+                ("budget level", graphs.per_level), ("path", self.tuner is not None))
                 if keyed)
-            p.log(f"CUDA graph banks by {by}: {graphs.banks.memory_report()}")
+            self.log(f"CUDA graph banks by {by}: {graphs.banks.memory_report()}")
 
     # ----------------------------------------------------------------- end of run
     def report_compiles(self) -> None:
         """One line: compiled Triton kernel variants per rank, and how many came after warmup."""
-        p = self.parts
-        watch, world, rank = p.compile_watch, p.groups.world_size, p.groups.rank
-        counts = torch.zeros(2, world, dtype=torch.int64, device=p.device)
+        watch, world, rank = self.compile_watch, self.groups.world_size, self.groups.rank
+        counts = torch.zeros(2, world, dtype=torch.int64, device=self.device)
         counts[0, rank] = watch.total() or 0
         counts[1, rank] = watch.late_compiles
         if world > 1:
-            p.groups.world.all_reduce(counts)
+            self.groups.world.all_reduce(counts)
         totals, lates = host_list(counts)
         late = sum(lates)
         if watch.total() is None and not any(totals):
             return
-        p.log(f"Triton kernel variants compiled per rank: {totals}; after the "
-              f"{watch.warmup_steps} warmup steps: {late}")
+        self.log(f"Triton kernel variants compiled per rank: {totals}; after the "
+                 f"{watch.warmup_steps} warmup steps: {late}")
 
     def summarize(self, results: list[StepResult]) -> RunSummary:
         """The run's figures; peak memory and exposed comm are the max over ranks (a
         collective: every rank calls it)."""
-        p = self.parts
-        on_gpu = p.device.type == "cuda"
+        on_gpu = self.device.type == "cuda"
         if on_gpu:
             peak = max((r.peak_mem_gib for r in results), default=0.0)
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-        exposed = p.recorder.mean_exposed_comm_ms()
+        exposed = self.recorder.mean_exposed_comm_ms()
         figures = torch.tensor([peak, -1.0 if exposed is None else exposed],
-                               dtype=torch.float64, device=p.device)
-        if p.groups.world_size > 1:
-            p.groups.world.all_reduce(figures, op=dist.ReduceOp.MAX)
+                               dtype=torch.float64, device=self.device)
+        if self.groups.world_size > 1:
+            self.groups.world.all_reduce(figures, op=dist.ReduceOp.MAX)
         peak, exposed = host_list(figures)
         summary = RunSummary(
             steps=len(results), seconds=sum(r.step_time_s for r in results),
             tokens=sum(r.tokens for r in results), first_loss=results[0].loss,
             last_loss=results[-1].loss, peak_mem_gib=peak, on_gpu=on_gpu,
             exposed_comm_ms=None if exposed < 0 else exposed,
-            profiled=p.cfg.log.profile_steps)
+            profiled=self.cfg.log.profile_steps)
         summary.add_dispatch_stats(results)
         summary.add_flops(results)
         return summary
@@ -402,42 +410,39 @@ class Reporter:
     def torch_profiler(self):
         """The torch.profiler of --use-pytorch-profiler over the --profile-steps window, started
         (None without one, or when a resumed run starts after the window)."""
-        p = self.parts
-        window, log = p.cfg.log.profile_range, p.cfg.log
-        if window is None or not log.use_pytorch_profiler or window[1] <= p.start_step:
+        window, log = self.cfg.log.profile_range, self.cfg.log
+        if window is None or not log.use_pytorch_profiler or window[1] <= self.start_step:
             return None
-        first = max(window[0], p.start_step + 1)  # a resumed run starts after start_step
+        first = max(window[0], self.start_step + 1)  # a resumed run starts after start_step
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if p.device.type == "cuda":
+        if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        out = Path(log.profile_dir) / f"torch-trace-rank{p.groups.rank:05d}.json"
+        out = Path(log.profile_dir) / f"torch-trace-rank{self.groups.rank:05d}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         profiler = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(wait=first - p.start_step - 1, warmup=0,
+            schedule=torch.profiler.schedule(wait=first - self.start_step - 1, warmup=0,
                                              active=window[1] - first + 1, repeat=1),
             on_trace_ready=lambda prof: prof.export_chrome_trace(str(out)))
         profiler.start()
         return profiler
 
     def write_spans(self) -> None:
-        p = self.parts
-        if p.cfg.log.profile_dir and p.recorder.steps:
-            path = p.recorder.write(p.cfg.log.profile_dir)
-            if p.groups.is_first():
-                p.log(f"spans written to {Path(path).parent} "
-                      f"(view: epoverlap-timeline {p.cfg.log.profile_dir})")
+        if self.cfg.log.profile_dir and self.recorder.steps:
+            path = self.recorder.write(self.cfg.log.profile_dir)
+            if self.groups.is_first():
+                self.log(f"spans written to {Path(path).parent} "
+                         f"(view: epoverlap-timeline {self.cfg.log.profile_dir})")
 
     # ----------------------------------------------------------------- the run's description
     def describe(self) -> str:
-        p = self.parts
-        cfg, g = p.cfg, p.groups
-        total = (p.params["dense"] + p.params["expert_global"]) / 1e6
+        cfg, g = self.cfg, self.groups
+        total = (self.params["dense"] + self.params["expert_global"]) / 1e6
         pipeline = ""
         if g.pp_size > 1:
             virtual = f" x {cfg.virtual_stages} virtual" if cfg.virtual_stages > 1 else ""
             pipeline = f"PP {g.pp_size}{virtual} x "
-        return (f"epoverlap: world {g.world_size} ({g.backend}, {p.device.type}) = "
+        return (f"epoverlap: world {g.world_size} ({g.backend}, {self.device.type}) = "
                 f"{pipeline}DP {g.dp_size} (EP {g.ep_size}{self._ep_budget_text()} x EDP "
                 f"{g.edp_size}) | "
                 f"{cfg.model.num_layers} layers, hidden "
@@ -445,12 +450,12 @@ class Reporter:
                 f"{cfg.moe.moe_router_topk} | {total:.1f}M params | plan {cfg.plan_name}"
                 f"{' + delayed wgrad' if cfg.overlap.delay_wgrad_compute else ''}"
                 f"{self._tune_text()} | kernels "
-                f"{p.backend} | {model_dtype(cfg)} | data: {p.data.description}")
+                f"{self.backend} | {model_dtype(cfg)} | data: {self.data.description}")
 
     def unaligned_line(self) -> Optional[str]:
         """The start-up line naming the model's GEMM dimensions that are not multiples of
         GEMM_ALIGNMENT elements and the flags that set each (None when every one is)."""
-        dims = unaligned_gemm_dims(self.parts.cfg)
+        dims = unaligned_gemm_dims(self.cfg)
         if not dims:
             return None
         named = "; ".join(f"{what} {size} ({flags})" for what, size, flags in dims)
@@ -458,9 +463,9 @@ class Reporter:
                 "their tensor-core GEMMs run several times slower")
 
     def _tune_text(self) -> str:
-        tuner = self.parts.tuner
+        tuner = self.tuner
         return "" if tuner is None else tuner.describe()
 
     def _ep_budget_text(self) -> str:
-        budget = self.parts.groups.ep_budget
+        budget = self.groups.ep_budget
         return "" if budget is None or budget.is_default else f", NCCL {budget.describe()}"

@@ -37,40 +37,40 @@ class StepStats:
     dispatch_wire: Optional[float]  # None: no fixed block crossed to another rank
 
 
-def reduce_step_stats(parts, losses: list) -> StepStats:
-    """After the step's last backward: this step's figures, the same on every rank of `parts`
-    (`training.loop.build.RunParts`)."""
-    p = parts
-    t, num_layers = p.cfg.train, p.cfg.model.num_layers
-    routers = p.model.routers()
-    flags = p.stop.local_flags() if p.stop is not None else [0.0] * len(REASONS)
+def reduce_step_stats(cfg, groups, model, stop: Optional[StopRequest], losses: list) -> StepStats:
+    """After the step's last backward: this step's figures, the same on every rank of `groups`
+    (`stop`: this rank's reasons to stop, None outside the training loop)."""
+    t, num_layers = cfg.train, cfg.model.num_layers
+    routers = model.routers()
+    flags = stop.local_flags() if stop is not None else [0.0] * len(REASONS)
     # loss, aux of each layer, stop flags
-    stats = torch.zeros(1 + num_layers + len(flags), device=p.device)
+    stats = torch.zeros(1 + num_layers + len(flags), device=groups.device)
     if any(flags):  # (most steps have none: no host-to-device copy then)
         stats[1 + num_layers:] = torch.tensor(flags)
     if any(loss is not None for loss in losses):
         stats[0] = torch.stack(losses).sum().float()
-    num_experts = p.cfg.moe.num_experts or 0
+    num_experts = cfg.moe.num_experts or 0
     # token counts of each layer's experts, then the tallies
-    ints = torch.zeros(num_layers * num_experts + TALLIES, dtype=torch.int64, device=p.device)
+    ints = torch.zeros(num_layers * num_experts + TALLIES, dtype=torch.int64,
+                       device=groups.device)
     counts = ints[:num_layers * num_experts].view(num_layers, num_experts)
     for router in routers:
         stats[1 + router.layer] = router.step_aux_loss.float()
         counts[router.layer] = router.step_counts
-    _add_tallies(parts, ints[-TALLIES:], routers)
-    _sum_over_stages(p.groups, stats)
-    _sum_over_stages(p.groups, ints)
+    _add_tallies(model.dispatch_budget, ints[-TALLIES:], routers)
+    _sum_over_stages(groups, stats)
+    _sum_over_stages(groups, ints)
     for router in routers:
         router.update_expert_bias(counts[router.layer])
-    moe_layers = [layer for layer, is_moe in enumerate(p.cfg.moe_layer_pattern()) if is_moe]
+    moe_layers = [layer for layer, is_moe in enumerate(cfg.moe_layer_pattern()) if is_moe]
     reads = torch.cat([stats[:1], stats[1:1 + num_layers].sum().view(1),
                        _worst_imbalance(counts, moe_layers).view(1), stats[1 + num_layers:]])
     loss, aux, imbalance, *rest = host_list(torch.cat([reads.double(),
                                                        ints[-TALLIES:].double()]))
     stop, (dropped, sent, exact) = rest[:-TALLIES], rest[-TALLIES:]
-    scale = 1.0 / (t.num_microbatches * p.groups.dp_size)
-    routed = (p.groups.dp_size * t.num_microbatches * t.micro_batch_size * p.cfg.model.seq_length
-              * p.cfg.moe.moe_router_topk * len(moe_layers))
+    scale = 1.0 / (t.num_microbatches * groups.dp_size)
+    routed = (groups.dp_size * t.num_microbatches * t.micro_batch_size * cfg.model.seq_length
+              * cfg.moe.moe_router_topk * len(moe_layers))
     return StepStats(loss * scale, aux * scale, imbalance, StopRequest.agreed(stop),
                      int(dropped), dropped / routed if routed else 0.0,
                      sent / exact if sent and exact else None)
@@ -84,12 +84,12 @@ def _worst_imbalance(counts: torch.Tensor, moe_layers: list) -> torch.Tensor:
     return (moe_counts.amax(dim=1) / moe_counts.mean(dim=1).clamp(min=1e-9)).max()
 
 
-def _add_tallies(parts, tallies: torch.Tensor, routers: list) -> None:
+def _add_tallies(budget, tallies: torch.Tensor, routers: list) -> None:
     """This rank's dropped pairs and budget rows, into `tallies` (on the device, no sync)."""
     for router in routers:
         tallies[0] += router.step_dropped
-    if parts.budget is not None:
-        tallies[1:] += parts.budget.wire_rows
+    if budget is not None:
+        tallies[1:] += budget.wire_rows
 
 
 def _sum_over_stages(groups, slots: torch.Tensor) -> None:
