@@ -1,8 +1,8 @@
 """The experts' fused weight grads paired over microbatches and written first (`schedule.wgrad`,
-`WeightGradQueue.expert_grad`; `training.loop.build.expert_grad_placement`): the queue's rules, and
-training runs on the CPU with the placement on (the default) and off giving the same bits of
-every loss, grad norm and weight, with the expert grads left unzeroed (NaN) before each step
-under the placement, so a first weight grad that added to them instead of overwriting shows.
+`WeightGradQueue.expert_grad`; `training.optimizer.grads.expert_grad_placement`): the queue's rules,
+and training runs on the CPU with the placement on (the default) and off giving the same bits of
+every loss, grad norm and weight, with the expert grads left unzeroed (NaN) before each step under
+the placement, so a first weight grad that added to them instead of overwriting shows.
 """
 
 from __future__ import annotations

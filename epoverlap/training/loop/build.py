@@ -57,7 +57,7 @@ from epoverlap.training.loop.compile_watch import CompileWatch
 from epoverlap.training.telemetry.console import warn_every_rank
 from epoverlap.training.setup.data import open_data_source
 from epoverlap.training.loop.faults import FaultInjector
-from epoverlap.training.optimizer.grads import GradBuffers
+from epoverlap.training.optimizer.grads import GradBuffers, expert_grad_placement
 from epoverlap.training.setup.memory import available_memory, estimate_memory
 from epoverlap.training.optimizer.optim import MixedPrecisionAdamW
 from epoverlap.training.tuning.tune_cache import CacheTarget, agreed_cached_decision
@@ -417,15 +417,6 @@ def _host_transport(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostMemo
         return None
     return open_host_transport(groups.ep, groups.ep_rank, p.moe_a2a_host_slot_kib * 1024,
                                groups.device, groups.watch.timing.timeout_s)
-
-
-def expert_grad_placement(cfg: RunConfig) -> dict:
-    """Where the experts' fused weight grads go (`WeightGradQueue`): paired over microbatches
-    2k and 2k+1 and the run's first overwriting the main grad, whenever the weight grads are
-    fused into it and no per-layer CUDA graph splits a run (with --cuda-graph-impl local a
-    graph's capture is not one run of the plan). Neither changes a bit."""
-    on = not cfg.train.no_gradient_accumulation_fusion and cfg.cuda_graph.impl != "local"
-    return {"first_write": on, "pair_microbatches": on}
 
 
 def _host_comms(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostComms]:

@@ -34,9 +34,19 @@ from typing import Optional
 import torch
 from torch import nn
 
+from epoverlap.config import RunConfig
 from epoverlap.parallel.groups import ParallelGroups
 from epoverlap.parallel.watch import host_list
 from epoverlap.schedule.grad_reduce import ReduceBucket
+
+
+def expert_grad_placement(cfg: RunConfig) -> dict:
+    """Where the experts' fused weight grads go (`WeightGradQueue`): paired over microbatches
+    2k and 2k+1 and the run's first overwriting the main grad, whenever the weight grads are
+    fused into it and no per-layer CUDA graph splits a run (with --cuda-graph-impl local a
+    graph's capture is not one run of the plan). Neither changes a bit."""
+    on = not cfg.train.no_gradient_accumulation_fusion and cfg.cuda_graph.impl != "local"
+    return {"first_write": on, "pair_microbatches": on}
 
 
 def _fold_into_main_grad(param: torch.Tensor) -> None:

@@ -2,5 +2,5 @@
 init (`environment`), the data sources and the feed of each step's batches (`data`), and the
 memory estimate checked against the device before anything is allocated (`memory`).
 
-Imports no other room of `training`.
+Imports the optimizer room only (where the experts' weight grads go, for the estimate).
 """

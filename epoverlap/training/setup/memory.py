@@ -20,6 +20,9 @@ With a sync-free dispatch k counts the rows the dispatch moves per token instead
 (padding rows hold activations too), EP x block / tokens with --moe-dispatch-budget at the
 first budget level that holds balanced routing (a step rerun at a larger budget needs more, up
 to EP x k). A capacity without padding keeps k: it can only drop rows.
+Where the experts' weight grads are paired over microbatches (training.optimizer.grads.
+expert_grad_placement), each MoE layer also holds one microbatch's expert rows until the next
+one's backward: b x k x (2H + 3Fe) per token a layer (each expert GEMM's input and output grad).
 One microbatch in flight without the overlap; with it, one microbatch plus the largest layer of
 the next (the combined 1F1B forward of layer l runs beside the backward of layer L-1-l); two
 plus that layer with the paired-ends plan (F(i-1) is held while F(i) runs beside B(i-2)). The
@@ -47,6 +50,7 @@ from epoverlap.errors import ConfigError
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.stages import ChunkPlacement, stage_chunks
 from epoverlap.schedule.pipeline import microbatch_groups, warmup_forwards
+from epoverlap.training.optimizer.grads import expert_grad_placement
 
 GIB = 2**30
 # Not in the estimate, needed beside it: CUDA context, NCCL buffers, allocator slack (GPU);
@@ -152,12 +156,28 @@ def _stage_estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
     if cfg.overlap.overlap_moe_expert_parallel_comm:
         activations += tokens * max(max(layers) for layers in per_chunk)
         in_flight += " + 1 layer"
+    paired = _paired_expert_rows(cfg, chunks, pattern, b, rows)
+    if paired:
+        activations += tokens * paired
+        in_flight += " + one microbatch's expert rows (paired weight grads)"
     grads_per_token = max(m.padded_vocab_size * (8 + b) if loss else 0,
                           int(2 * rows * m.hidden_size * b))
     transient = max(max(sizes) * b, tokens * grads_per_token)
     return MemoryEstimate(states=sum(sizes) * per_param,
                           activations=int(activations * UNCOUNTED_FACTOR),
                           transient=int(transient * UNCOUNTED_FACTOR), in_flight=in_flight)
+
+
+def _paired_expert_rows(cfg: RunConfig, chunks, pattern, b: int, rows: float) -> int:
+    """Bytes per token a stage's MoE layers hold while microbatch 2k's expert weight grads
+    wait for 2k+1's (`expert_grad_placement`): each expert GEMM's input and output grad, b x
+    rows x (2H + 3Fe) a layer; 0 where the grads are not paired."""
+    if not cfg.moe.enabled or cfg.train.num_microbatches < 2 or \
+            not expert_grad_placement(cfg)["pair_microbatches"]:
+        return 0
+    ffn = cfg.moe.moe_ffn_hidden_size or cfg.model.ffn_hidden_size
+    moe_layers = sum(pattern[layer] for chunk in chunks for layer in chunk.layers)
+    return int(moe_layers * b * rows * (2 * cfg.model.hidden_size + 3 * ffn))
 
 
 def _chunks_in_flight(cfg: RunConfig, stage: int) -> tuple[int, str]:
