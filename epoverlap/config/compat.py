@@ -23,6 +23,8 @@ from epoverlap.errors import ConfigError
 
 GROUP = "Megatron-LM flags accepted for pasted scripts"
 REFUSED_GROUP = "Megatron-LM flags not implemented (each is refused with its reason)"
+DYNAMIC_CP = ("dynamic context parallelism (a CP size per packed microbatch) is not "
+              "implemented: give a fixed --context-parallel-size")
 NO_TP = "tensor parallelism is not implemented; use expert/data/pipeline parallelism"
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")  # Megatron-core's AttnBackend
 NOT_SHARDED = ("nothing is sharded: every rank keeps its parameters, grads and optimizer state "
@@ -149,7 +151,6 @@ class CompatConfig:
         None, "the process groups' backend", choices=("nccl", "gloo"),
         note="NCCL on GPUs, gloo on CPUs", group=GROUP)
     tensor_model_parallel_size: int = flag(1, "tensor parallel size (only 1)", group=GROUP)
-    context_parallel_size: int = flag(1, "context parallel size (only 1)", group=GROUP)
     expert_tensor_parallel_size: Optional[int] = flag(None, "expert tensor parallel size (only "
                                                       "1)", group=GROUP)
     max_position_embeddings: Optional[int] = flag(None, "the longest sequence (>= "
@@ -198,6 +199,18 @@ NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
     ("--enable-shared-expert", 0, "give the shared experts' width with "
      "--moe-shared-expert-intermediate-size"),
     ("--eod-mask-loss", 0, "masking the loss at end-of-document tokens is not implemented"),
+    ("--reset-position-ids", 0, "packed samples (positions restarting per document) are not "
+     "implemented: every sample is one stream of positions"),
+    ("--reset-attention-mask", 0, "packed samples (attention kept inside each document) are "
+     "not implemented: attention is causal over the whole sample"),
+    ("--hierarchical-context-parallel-sizes", "+", "hierarchical CP serves --cp-comm-type "
+     "a2a+p2p, which is not implemented: give --context-parallel-size"),
+    ("--dynamic-context-parallel", 0, DYNAMIC_CP),
+    ("--hybrid-context-parallel", 0, DYNAMIC_CP),
+    ("--min-dynamic-context-parallel-size", 1, DYNAMIC_CP),
+    ("--max-seqlen-per-dp-cp-rank", 1, DYNAMIC_CP),
+    ("--calculate-per-token-loss", 0, "the loss is the mean over each microbatch's tokens, "
+     "averaged over microbatches and ranks (every token counts: no loss mask)"),
     ("--train-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
     ("--valid-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
     ("--test-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
@@ -246,11 +259,9 @@ def _refused_dest(name: str) -> str:
 def compat_rules(cfg, require: Callable[[bool, str, object, str], None]) -> None:
     """The accepted flags whose value must agree with the model (`cfg` a RunConfig)."""
     c, m = cfg.compat, cfg.model
-    for name in ("tensor_model_parallel_size", "context_parallel_size",
-                 "expert_tensor_parallel_size"):
+    for name in ("tensor_model_parallel_size", "expert_tensor_parallel_size"):
         value = getattr(c, name)
-        why = NO_TP if "tensor" in name else "context parallelism is not implemented"
-        require(value in (None, 1), name, value, f"must be 1: {why}")
+        require(value in (None, 1), name, value, f"must be 1: {NO_TP}")
     require(c.max_position_embeddings is None or c.max_position_embeddings >= m.seq_length,
             "max_position_embeddings", c.max_position_embeddings,
             f"must be >= --seq-length={m.seq_length}")

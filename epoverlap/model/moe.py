@@ -35,6 +35,7 @@ from epoverlap.kernels.router_topk import (SwitchAuxLoss, attach_aux_loss, aux_l
 from epoverlap.config import MoEConfig
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.linear import expert_offsets, grouped_gemm, linear
+from epoverlap.parallel.comm import ContextComm
 
 
 def seeded_normal_(tensor: torch.Tensor, std: float, seed: int) -> torch.Tensor:
@@ -76,17 +77,18 @@ class Router(nn.Module):
 
     def __init__(self, moe: MoEConfig, hidden: int, layer: int, ops: MoEOps, *, seed: int,
                  std: float, dtype: torch.dtype, device: torch.device, aux_loss_scale: float,
-                 mode: DispatchMode, data_rank: int):
+                 mode: DispatchMode, data_rank: int, cp_comm: Optional[ContextComm] = None):
         """`mode`: the model's dispatch mode (built once from the config), for its capacity;
         `data_rank`: the data-parallel rank whose tokens this router routes (seeds the forced
-        balance's draw)."""
+        balance's draw); `cp_comm`: the CP group, over which the aux loss counts tokens per
+        expert (`_aux_loss`)."""
         super().__init__()
         num_experts = moe.num_experts
         self.mode = mode
         gate_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(moe.moe_router_dtype,
                                                                          dtype)
         self.moe, self.ops, self.layer = moe, ops, layer
-        self.aux_loss_scale = aux_loss_scale
+        self.aux_loss_scale, self.cp_comm = aux_loss_scale, cp_comm
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=gate_dtype,
                                                device=device))
         seeded_normal_(self.weight, std, param_seed(seed, "router", layer))
@@ -126,7 +128,7 @@ class Router(nn.Module):
         moe = self.moe
         logits_TE = self._logits(x_TH)
         aux_in_router = (moe.moe_aux_loss_coeff > 0 and self.aux_loss_in_op
-                         and self._aux_counts_are_routing_counts())
+                         and self._aux_counts_are_routing_counts() and self.cp_comm is None)
         probs_TE, routing_map_TE, counts_E = self.ops.router_topk_with_counts(
             logits_TE, moe.moe_router_topk, score_function=moe.moe_router_score_function,
             use_pre_softmax=moe.moe_router_pre_softmax, num_groups=moe.moe_router_num_groups,
@@ -136,11 +138,7 @@ class Router(nn.Module):
                                    self.step_aux_loss) if aux_in_router else None)
         aux = None
         if moe.moe_aux_loss_coeff > 0 and not aux_in_router:
-            scores_TE = aux_loss_scores(logits_TE, moe.moe_router_score_function)
-            aux_counts_E = (counts_E if self._aux_counts_are_routing_counts()
-                            else plain_topk_counts(scores_TE, moe.moe_router_topk))
-            aux = switch_aux_loss(scores_TE, aux_counts_E, moe.moe_router_topk,
-                                  moe.moe_aux_loss_coeff)
+            aux = self._aux_loss(logits_TE, counts_E)
         if self.mode.drops_tokens:
             probs_TE, routing_map_TE, counts_E = self._apply_capacity(probs_TE, routing_map_TE)
         if aux is not None:
@@ -148,6 +146,22 @@ class Router(nn.Module):
             self.step_aux_loss += aux.detach()
         self.step_counts += counts_E
         return probs_TE, routing_map_TE, counts_E
+
+    def _aux_loss(self, logits_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """The Switch aux loss by separate ops. Under context parallelism the tokens per expert
+        are the whole sequence's (summed over the CP group, as Megatron-core sums them over its
+        TP x CP group) and the probabilities this rank's: the CP ranks' mean is then the aux
+        loss of the whole sequence on one rank."""
+        moe = self.moe
+        scores_TE = aux_loss_scores(logits_TE, moe.moe_router_score_function)
+        aux_counts_E = (counts_E if self._aux_counts_are_routing_counts()
+                        else plain_topk_counts(scores_TE, moe.moe_router_topk))
+        counted = None
+        if self.cp_comm is not None:
+            aux_counts_E = self.cp_comm.sum(aux_counts_E)
+            counted = scores_TE.shape[0] * self.cp_comm.size
+        return switch_aux_loss(scores_TE, aux_counts_E, moe.moe_router_topk,
+                               moe.moe_aux_loss_coeff, counted)
 
     def _aux_counts_are_routing_counts(self) -> bool:
         """Whether the Switch aux loss's tokens per expert are the routing's own counts, so the

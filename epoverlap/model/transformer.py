@@ -27,6 +27,11 @@ The MoE layers' dispatch steps (preprocess, dispatch, sort, unsort, combine) are
 model (`MoEModel.dispatcher`) and shared by its MoE layers. Value names between nodes come from
 `model.nodes` (`hidden_value`, `layer_value`).
 
+Under context parallelism (--context-parallel-size, `model.context`) the embed and loss nodes
+take this rank's chunks of each sequence, the rotary positions are those chunks', and the core
+attention inside `attn` exchanges K/V over the CP group; every other node is the same code
+over this rank's tokens.
+
 The embedding and output head have the vocabulary padded to --make-vocab-size-divisible-by
 rows (`ModelConfig.padded_vocab_size`, aligned logit GEMMs); the loss takes the real vocabulary,
 so the padding columns are out of its softmax and the loss is the unpadded model's.
@@ -47,12 +52,13 @@ from torch import nn
 
 from epoverlap.kernels import MoEOps
 
-from epoverlap.parallel.comm import ExpertComm, PipelineComm
+from epoverlap.parallel.comm import ContextComm, ExpertComm, PipelineComm
 from epoverlap.config import ModelConfig, RunConfig
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.chunked import ChunkedMoE
 from epoverlap.model.chunked_budget import make_chunked
+from epoverlap.model.context import ContextParallel
 from epoverlap.model.dispatch import TokenDispatcher
 from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, causal_attention,
@@ -87,12 +93,15 @@ class Attention(nn.Module):
     RMSNorm over each head's query (`q_norm`) and key (`k_norm`) before rotary, one weight
     [D] each shared by the heads, as Megatron-core's q_layernorm / k_layernorm."""
 
-    def __init__(self, cfg: RunConfig, layer: int, ops: MoEOps, *, dtype, device, queue):
+    def __init__(self, cfg: RunConfig, layer: int, ops: MoEOps, *, dtype, device, queue,
+                 context: Optional[ContextParallel] = None):
+        """`context`: this layer's view of the CP group (None without CP): the rotary
+        positions are its chunks' and the core attention exchanges K/V over it."""
         super().__init__()
         m = cfg.model
-        self.ops = ops
+        self.ops, self.context = ops, context
         self.heads, self.kv_heads, self.head_dim = m.num_attention_heads, m.kv_heads, m.head_dim
-        self.seq_length, self.queue = m.seq_length, queue
+        self.seq_length, self.queue = m.seq_length // (context.size if context else 1), queue
         self.layer, self.dropout_p = layer, m.attention_dropout
         qkv_out = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.qkv = nn.Parameter(torch.empty(qkv_out, m.hidden_size, dtype=dtype, device=device))
@@ -107,6 +116,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, m.norm_epsilon, ops, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, m.norm_epsilon, ops, dtype, device)
         cos_SD, sin_SD = rotary_tables(m.seq_length, m.head_dim, m.rotary_base, device)
+        if context is not None:  # [s, D]: the rows of the positions this rank holds
+            cos_SD, sin_SD = cos_SD[context.positions], sin_SD[context.positions]
         self.register_buffer("cos_SD", cos_SD, persistent=False)
         self.register_buffer("sin_SD", sin_SD, persistent=False)
 
@@ -128,8 +139,12 @@ class Attention(nn.Module):
         # grouped-query attention inside SDPA where a fused kernel takes it (16-bit on GPUs):
         # expanding K/V with repeat_interleave first materializes the repeated keys and values
         # (more GPU time and more host launches) for the same output bits
-        out_BQSD = causal_attention(q_BQSD, k_BGSD, v_BGSD, layer=self.layer, seed=dropout_seed,
-                                    p=self.dropout_p if self.training else 0.0)
+        if self.context is not None:  # S is this rank's s tokens (model.context)
+            out_BQSD = self.context.attention(q_BQSD, k_BGSD, v_BGSD)
+        else:
+            out_BQSD = causal_attention(q_BQSD, k_BGSD, v_BGSD, layer=self.layer,
+                                        seed=dropout_seed,
+                                        p=self.dropout_p if self.training else 0.0)
         out_TX = out_BQSD.transpose(1, 2).reshape(batch * seq, self.heads * dim)
         return linear(out_TX, self.proj, self.queue)
 
@@ -158,9 +173,10 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg: RunConfig, layer: int, is_moe: bool, comm: ExpertComm,
                  ep_rank: int, ops: MoEOps, *, dtype, device, queue,
                  dispatcher: Optional[TokenDispatcher] = None, one_node: bool = False,
-                 data_rank: int = 0):
+                 data_rank: int = 0, context: Optional[ContextParallel] = None):
         """`dispatcher`: the model's dispatch strategy (MoE layers; shared by all of them);
-        `data_rank`: the data-parallel rank whose tokens this layer routes."""
+        `data_rank`: the data-parallel rank whose tokens this layer routes; `context`: the
+        attention's view of the CP group (`Attention`)."""
         super().__init__()
         m, moe, seed = cfg.model, cfg.moe, cfg.train.seed
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
@@ -169,7 +185,8 @@ class TransformerLayer(nn.Module):
         # the microbatch's dropout seed, a named input of the nodes that drop (model.dropout)
         self._seed = (DROPOUT_SEED,) if uses_dropout(m) else ()
         self.input_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
-        self.attention = Attention(cfg, layer, ops, dtype=dtype, device=device, queue=queue)
+        self.attention = Attention(cfg, layer, ops, dtype=dtype, device=device, queue=queue,
+                                   context=context)
         self.pre_mlp_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
         mlp_kwargs = dict(seed=seed, std=std, out_std=out_std, dtype=dtype, device=device,
                           queue=queue, ops=ops)
@@ -182,7 +199,8 @@ class TransformerLayer(nn.Module):
         ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
         self.router = Router(moe, m.hidden_size, layer, ops, seed=seed, std=std, dtype=dtype,
                              device=device, aux_loss_scale=1.0 / cfg.train.num_microbatches,
-                             mode=dispatcher.mode, data_rank=data_rank)
+                             mode=dispatcher.mode, data_rank=data_rank,
+                             cp_comm=context.comm if context is not None else None)
         self.experts = GroupedSwiGLUExperts(
             moe, m.hidden_size, ffn, layer, ep_rank, comm.size, **mlp_kwargs,
             sm_carveout=cfg.parallel.moe_grouped_gemm_sm_carveout)
@@ -417,12 +435,18 @@ class MoEModel(nn.Module):
     def __init__(self, cfg: RunConfig, comm: ExpertComm, ep_rank: int, ops: MoEOps, *,
                  dtype: torch.dtype, device: torch.device, wgrad_queue=None, stage: int = 0,
                  pipe: Optional[PipelineComm] = None, one_node_moe_layers: bool = False,
-                 data_rank: int = 0):
+                 data_rank: int = 0, cp_comm: Optional[ContextComm] = None):
         """`data_rank`: the data-parallel rank whose tokens this model reads (0: one token
-        stream); the forced balance's routing draw differs by it (`Router`)."""
+        stream); the forced balance's routing draw differs by it (`Router`). `cp_comm`: the
+        CP group (None without CP): the embed and loss nodes take this rank's chunks of each
+        sequence and each layer's attention exchanges K/V over it (`model.context`)."""
         super().__init__()
         m, seed = cfg.model, cfg.train.seed
         self.cfg, self.pipe, self.ops = cfg, pipe, ops
+        types = cfg.cp_comm_types()
+        contexts = ({layer: ContextParallel(cp_comm, types[layer], m.seq_length, device)
+                     for layer in range(m.num_layers)} if cp_comm is not None else {})
+        self.context = contexts.get(0)  # whose positions the embed and loss take
         self.chunks = stage_chunks(m.num_layers, cfg.parallel.pipeline_model_parallel_size,
                                    cfg.virtual_stages, stage)
         if len(self.chunks) > 1 or not (self.chunks[0].has_embedding
@@ -446,16 +470,22 @@ class MoEModel(nn.Module):
             str(layer): TransformerLayer(cfg, layer, pattern[layer], comm, ep_rank, ops,
                                          dtype=dtype, device=device, queue=wgrad_queue,
                                          dispatcher=self.dispatcher,
-                                         one_node=one_node_moe_layers, data_rank=data_rank)
+                                         one_node=one_node_moe_layers, data_rank=data_rank,
+                                         context=contexts.get(layer))
             for chunk in self.chunks for layer in chunk.layers})
         if any(chunk.has_loss for chunk in self.chunks):
             self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
             self.head = vocab_parameter(m, seed, "head", dtype, device)
 
     def embed_forward(self, tokens):
+        """tokens [B, S] (this rank's chunks of them under CP) -> hidden [T, H]."""
+        if self.context is not None:
+            tokens = self.context.local(tokens)
         return {"hidden": F.embedding(tokens.reshape(-1), self.embedding)}
 
     def loss_forward(self, hidden, labels):
+        if self.context is not None:
+            labels = self.context.local(labels)
         logits_TV = linear(self.final_norm(hidden), self.head)  # [T, padded V]
         return {"loss": self.ops.cross_entropy(logits_TV, labels.reshape(-1),
                                                vocab=self.cfg.model.vocab_size)}

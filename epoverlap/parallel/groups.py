@@ -156,6 +156,21 @@ class Group:
         with self.watch.collective(self.name, self.ranks, "all_gather_object"):
             dist.all_gather_object(objects, obj, group=self.pg)
 
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """`output` [size x input's rows, ...]: every rank's `input`, in rank order."""
+        with self.watch.collective(self.name, self.ranks, "all_gather"):
+            dist.all_gather_single(output, input, group=self.pg)  # torch 2.13: the new name
+
+    def exchange(self, output: torch.Tensor, input: torch.Tensor, dst: int, src: int) -> None:
+        """Send `input` to rank `dst` while receiving `output` from rank `src` (global ranks),
+        both started before either is waited for (a ring's step: every rank sends and
+        receives at once)."""
+        with self.watch.collective(self.name, self.ranks, f"send to {dst}, recv from {src}"):
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, input, dst, self.pg),
+                                            dist.P2POp(dist.irecv, output, src, self.pg)])
+            for work in works:
+                work.wait()
+
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         with self.watch.collective(self.name, self.ranks, f"send to rank {dst}"):
             dist.send(tensor, dst=dst, group=self.pg)

@@ -438,7 +438,7 @@ class Reporter:
             virtual = f" x {cfg.virtual_stages} virtual" if cfg.virtual_stages > 1 else ""
             pipeline = f"PP {g.pp_size}{virtual} x "
         return (f"epoverlap: world {g.world_size} ({g.backend}, {p.device.type}) = "
-                f"{pipeline}DP {g.dp_size} (EP {g.ep_size}{self._ep_budget_text()} x EDP "
+                f"{pipeline}{self._cp_text()}DP {g.dp_size} (EP {g.ep_size}{self._ep_budget_text()} x EDP "
                 f"{g.edp_size}) | "
                 f"{cfg.model.num_layers} layers, hidden "
                 f"{cfg.model.hidden_size}, {cfg.moe.num_experts or 0} experts top-"
@@ -446,6 +446,15 @@ class Reporter:
                 f"{' + delayed wgrad' if cfg.overlap.delay_wgrad_compute else ''}"
                 f"{self._tune_text()} | kernels "
                 f"{p.backend} | {model_dtype(cfg)} | data: {p.data.description}")
+
+    def _cp_text(self) -> str:
+        """'CP 2 (p2p) x ' under context parallelism (then DP counts the ranks of a CP
+        group too: it is the dense grads' CP x DP), else nothing."""
+        g = self.parts.groups
+        if g.cp_size == 1:
+            return ""
+        types = " ".join(sorted(set(self.parts.cfg.cp_comm_types())))
+        return f"CP {g.cp_size} ({types}) x "
 
     def unaligned_line(self) -> Optional[str]:
         """The start-up line naming the model's GEMM dimensions that are not multiples of

@@ -1,0 +1,146 @@
+"""Context parallelism (CP): each sequence split over the ranks of a CP group, and the
+attention of each rank's queries over every rank's keys and values.
+
+Owns the causal load balance (`local_positions`): the sequence is cut into 2 x CP equal chunks
+and rank i holds chunks i and 2CP-1-i (Megatron-LM's get_batch_on_this_cp_rank), so under the
+causal mask every rank has the same work. The model takes this rank's tokens and labels
+(`ContextParallel.local`) in its embed and loss nodes, so the data path reads whole sequences,
+as Megatron-LM's does, and its rotary positions are the held chunks' (`model.transformer`).
+Everything but the core attention sees this rank's tokens only: norms, MLPs, router, dispatch.
+
+`ContextParallel.attention` exchanges K/V over the CP group (`parallel.comm.ContextComm`) as
+--cp-comm-type says:
+
+  allgather  every rank's K/V gathered (backward: each rank's K/V grads summed on their owner,
+             in rank order); each local query chunk then attends to the keys up to its own
+             end, causal aligned lower right (SDPA).
+  p2p        a ring of CP - 1 steps, each passing the K/V block held on to the next rank;
+             each step's partial attention (its output and log-sum-exp, `partial_attention`)
+             is merged into the running one (`merge`). With the load balance every block but
+             the rank's own is mask-free: a block from an earlier rank is seen by every local
+             query through its first chunk only, a block from a later rank by the second
+             local chunk only. Backward: autograd through the merges and the transfers (a
+             transfer's backward goes the other way round the ring).
+
+Both run inside the attn node, on the compute lane, and block it while they transfer.
+
+Shape legend: B sequences, Q query heads, G key/value heads, s = S / CP local tokens,
+c = s / 2 tokens of a chunk, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from epoverlap.model.dropout import grouped_kv
+from epoverlap.parallel.comm import ContextComm
+
+COMM_TYPES = ("p2p", "allgather")
+
+
+def local_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """[s] the positions rank `cp_rank` holds: chunks cp_rank and 2CP-1-cp_rank of 2CP."""
+    chunk = seq_length // (2 * cp_size)
+    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
+                      torch.arange(second * chunk, (second + 1) * chunk)])
+
+
+class ContextParallel:
+    """One layer's view of the CP group: this rank's positions and the K/V exchange."""
+
+    def __init__(self, comm: ContextComm, comm_type: str, seq_length: int,
+                 device: torch.device):
+        if comm_type not in COMM_TYPES:
+            raise ValueError(f"--cp-comm-type {comm_type}: allowed {', '.join(COMM_TYPES)}")
+        self.comm, self.comm_type = comm, comm_type
+        self.size, self.rank = comm.size, comm.rank
+        self.positions = local_positions(seq_length, self.size, self.rank).to(device)
+
+    def local(self, x_BS: torch.Tensor) -> torch.Tensor:
+        """[B, S] (tokens, labels) -> [B, s]: this rank's chunks."""
+        return x_BS[:, self.positions]
+
+    def attention(self, q_BQsD, k_BGsD, v_BGsD) -> torch.Tensor:
+        """Causal attention of the local queries over the whole sequence -> [B, Q, s, D]."""
+        if self.comm_type == "allgather":
+            return self._gathered(q_BQsD, k_BGsD, v_BGsD)
+        return self._ring(q_BQsD, k_BGsD, v_BGsD)
+
+    # ----------------------------------------------------------------- allgather
+    def _gathered(self, q_BQsD, k_BGsD, v_BGsD) -> torch.Tensor:
+        kv_RKBGsD = self.comm.gather(torch.stack([k_BGsD, v_BGsD]))
+        k_BGSD, v_BGSD = in_sequence_order(kv_RKBGsD)
+        c = q_BQsD.shape[2] // 2
+        outs = []
+        for half, chunk in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
+            end = (chunk + 1) * c
+            outs.append(_sdpa_lower_right(q_BQsD[:, :, half * c:(half + 1) * c],
+                                          k_BGSD[:, :, :end], v_BGSD[:, :, :end]))
+        return torch.cat(outs, dim=2)
+
+    # ----------------------------------------------------------------- p2p ring
+    def _ring(self, q_BQsD, k_BGsD, v_BGsD) -> torch.Tensor:
+        kv = torch.stack([k_BGsD, v_BGsD])
+        c = q_BQsD.shape[2] // 2
+        out, lse = partial_attention(q_BQsD, k_BGsD, v_BGsD, causal=True)
+        for step in range(1, self.size):
+            kv = self.comm.shift(kv)
+            source = (self.rank - step) % self.size
+            if source < self.rank:  # every local query sees the block's first chunk only
+                part = partial_attention(q_BQsD, kv[0][:, :, :c], kv[1][:, :, :c])
+                out, lse = merge(out, lse, *part)
+            else:  # the second local chunk sees the whole block, the first chunk none of it
+                part = partial_attention(q_BQsD[:, :, c:], kv[0], kv[1])
+                tail = merge(out[:, :, c:], lse[:, :, c:], *part)
+                out = torch.cat([out[:, :, :c], tail[0]], dim=2)
+                lse = torch.cat([lse[:, :, :c], tail[1]], dim=2)
+        return out.to(q_BQsD.dtype)
+
+
+def in_sequence_order(kv_RKBGsD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's [K, V] (rank r holding chunks r and 2R-1-r) -> K, V [B, G, S, D] in
+    position order."""
+    ranks = kv_RKBGsD.shape[0]
+    c = kv_RKBGsD.shape[4] // 2
+    order = [(n, 0) if n < ranks else (2 * ranks - 1 - n, 1) for n in range(2 * ranks)]
+    kv_KBGSD = torch.cat([kv_RKBGsD[r, :, :, :, half * c:(half + 1) * c] for r, half in order],
+                         dim=3)
+    return kv_KBGSD[0], kv_KBGSD[1]
+
+
+def _sdpa_lower_right(q_BQcD, k_BGnD, v_BGnD) -> torch.Tensor:
+    """Causal SDPA whose last query is the last key's position (query i of c sees keys up to
+    n - c + i)."""
+    k_BGnD, v_BGnD, gqa = grouped_kv(q_BQcD, k_BGnD, v_BGnD)
+    mask = causal_lower_right(q_BQcD.shape[2], k_BGnD.shape[2])
+    return F.scaled_dot_product_attention(q_BQcD, k_BGnD, v_BGnD, attn_mask=mask,
+                                          enable_gqa=gqa)
+
+
+def partial_attention(q_BQnD, k_BGmD, v_BGmD, causal: bool = False):
+    """Attention of n queries over m keys (causal: top-left aligned, n = m), in fp32 ->
+    (output [B, Q, n, D], log-sum-exp of each query's scores [B, Q, n])."""
+    repeat = q_BQnD.shape[1] // k_BGmD.shape[1]
+    k = k_BGmD.float().repeat_interleave(repeat, dim=1)
+    v = v_BGmD.float().repeat_interleave(repeat, dim=1)
+    scores_BQnm = q_BQnD.float() @ k.transpose(-1, -2) / math.sqrt(q_BQnD.shape[-1])
+    if causal:
+        n, m = scores_BQnm.shape[-2:]
+        hidden = torch.ones(n, m, dtype=torch.bool, device=q_BQnD.device).triu(1)
+        scores_BQnm = scores_BQnm.masked_fill(hidden, float("-inf"))
+    lse_BQn = torch.logsumexp(scores_BQnm, dim=-1)
+    out = torch.exp(scores_BQnm - lse_BQn.unsqueeze(-1)) @ v
+    return out, lse_BQn
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Two partial attentions of the same queries over disjoint keys -> their union's."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = (torch.exp(lse_a - lse).unsqueeze(-1) * out_a
+           + torch.exp(lse_b - lse).unsqueeze(-1) * out_b)
+    return out, lse

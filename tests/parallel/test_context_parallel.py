@@ -1,0 +1,64 @@
+"""Context parallelism on gloo ranks: the attention of CP 2 and 4 against a float64
+single-rank reference (output and the grads of q, k, v), both K/V exchanges; CP 2 and 4
+train to CP 1's losses (fp32 rounding) with either exchange; the overlap and delayed weight
+grads stay bit-identical to the sequential schedule under CP."""
+
+from __future__ import annotations
+
+import pytest
+
+from context_workers import attention_against_reference, cp_losses
+from dist_helpers import run_ranks
+from gloo_workers import MODES, assert_modes_match_sequential, mode_grads_and_losses
+
+
+def _assert_attention_matches(world: int, comm_type: str) -> None:
+    for rank, values in enumerate(run_ranks(attention_against_reference, world, comm_type)):
+        for name, (ours, reference) in values.items():
+            assert ours.abs().max() > 0, (rank, name)
+            assert (ours - reference).abs().max() < 1e-5, (rank, name)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_cp2_attention_and_its_grads_equal_a_single_rank_reference(comm_type):
+    _assert_attention_matches(2, comm_type)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_cp4_attention_and_its_grads_equal_a_single_rank_reference(comm_type):
+    _assert_attention_matches(4, comm_type)
+
+
+STEPS = ["--train-iters", "4"]
+
+
+@pytest.fixture(scope="module")
+def cp1_losses():
+    """One rank, CP 1, EP 1: the same sequences a CP group of any size reads (DP 1)."""
+    return run_ranks(cp_losses, 1, 1, 1, STEPS)[0][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp, ep", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_cp_trains_to_the_losses_of_cp1(cp1_losses, cp, ep, comm_type):
+    """Aux loss on (TINY's): its tokens per expert are the whole sequence's under CP."""
+    results = run_ranks(cp_losses, cp, cp, ep, STEPS + ["--cp-comm-type", comm_type],
+                        timeout_s=400)
+    for losses, _ in results:
+        assert losses == results[0][0]  # every rank reports the agreed loss
+    for ours, reference in zip(results[0][0], cp1_losses):
+        assert abs(ours - reference) <= 2e-6 * reference, (results[0][0], cp1_losses)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, cp, ep, comm_type", [(2, 2, 2, "p2p"), (4, 2, 2, "allgather")])
+def test_overlap_and_delayed_wgrad_are_bitwise_equal_to_sequential_under_cp(
+        world, cp, ep, comm_type, tmp_path):
+    """CP 2 (x DP 2 on 4 ranks): the combined 1F1B, with and without delayed weight grads,
+    gives the sequential schedule's grads and losses bit for bit."""
+    modes = {name: MODES[name] for name in ("sequential", "overlap", "overlap_wgrad")}
+    results = run_ranks(mode_grads_and_losses, world, ep, str(tmp_path), 4,
+                        ["--cp-comm-type", comm_type], modes, cp, timeout_s=600)
+    assert_modes_match_sequential(results, tmp_path, 4, modes)
