@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from context_workers import attention_against_reference, cp_losses
+from context_workers import attention_against_reference, cp_checkpoint_run, cp_losses
 from dist_helpers import run_ranks
 from gloo_workers import MODES, assert_modes_match_sequential, mode_grads_and_losses
 
@@ -62,3 +62,20 @@ def test_overlap_and_delayed_wgrad_are_bitwise_equal_to_sequential_under_cp(
     results = run_ranks(mode_grads_and_losses, world, ep, str(tmp_path), 4,
                         ["--cp-comm-type", comm_type], modes, cp, timeout_s=600)
     assert_modes_match_sequential(results, tmp_path, 4, modes)
+
+
+@pytest.mark.slow
+def test_a_cp_run_resumes_bitwise_at_its_cp_size_and_at_cp1_within_rounding(tmp_path):
+    """A: CP 2 (world 2, overlap + delayed wgrad), 4 steps, saved at 2. Resumed from step 2
+    at CP 2, steps 3-4 are A's bit for bit; resumed on one rank at CP 1 (the same sequences,
+    DP 1), within fp32 rounding: nothing in a checkpoint is per CP rank."""
+    from epoverlap.training.checkpoint_files import iter_name
+    flags = STEPS + ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
+    saved = str(tmp_path / "A")
+    whole = run_ranks(cp_checkpoint_run, 2, 2, 2, flags, saved, timeout_s=400)[0]
+    at_2 = str(tmp_path / "A" / iter_name(2))
+    resumed = run_ranks(cp_checkpoint_run, 2, 2, 2, flags, None, at_2, timeout_s=400)[0]
+    assert resumed == whole[2:]
+    on_one = run_ranks(cp_checkpoint_run, 1, 1, 1, flags, None, at_2, timeout_s=400)[0]
+    for ours, reference in zip(on_one, whole[2:]):
+        assert abs(ours - reference) <= 2e-6 * reference, (on_one, whole)

@@ -70,3 +70,23 @@ def cp_losses(rank, world_size, cp, ep, flags, out_dir=None):
             trainer.close()
     finally:
         destroy_distributed(groups)
+
+
+def cp_checkpoint_run(rank, world_size, cp, ep, flags, save_dir=None, resume_from=None):
+    """Losses of a run at CP `cp`, saving every 2 steps to `save_dir` and/or resuming from the
+    checkpoint folder `resume_from`."""
+    from epoverlap.training.checkpoint_files import read_checkpoint
+    groups = init_distributed(ep, "cpu", timeout_minutes=3, cp_size=cp)
+    try:
+        argv = TINY + ["--expert-model-parallel-size", str(ep), "--context-parallel-size",
+                       str(cp)] + list(flags)
+        if save_dir is not None:
+            argv += ["--save", save_dir, "--save-interval", "2"]
+        ref = read_checkpoint(Path(resume_from), resume_from) if resume_from else None
+        trainer = Trainer(parse_config(argv), groups, log=lambda msg: None, resume=ref)
+        try:
+            return [r.loss for r in trainer.train()]
+        finally:
+            trainer.close()
+    finally:
+        destroy_distributed(groups)
