@@ -22,7 +22,12 @@ Everything but the core attention sees this rank's tokens only: norms, MLPs, rou
              local chunk only. Backward: autograd through the merges and the transfers (a
              transfer's backward goes the other way round the ring).
 
-Both run inside the attn node, on the compute lane, and block it while they transfer.
+The ring runs inside the attn node, on the compute lane, and blocks it while it transfers.
+The all-gather is a node of its own on the comm lane where the model has the lane's
+communicator (`ContextComm.lane`): `qkv` (compute: norm, projection, rotary) -> `kv_gather`
+(comm) -> `attn` (compute: `attend_gathered`, then the rest of the attn node), so the
+combined 1F1B hides the gather, forward and backward, behind another microbatch's compute
+(`schedule.plan`); without it (one-node layers, tests) the gather runs inside the attention.
 
 Shape legend: B sequences, Q query heads, G key/value heads, s = S / CP local tokens,
 c = s / 2 tokens of a chunk, D head dim.
@@ -65,15 +70,25 @@ class ContextParallel:
         """[B, S] (tokens, labels) -> [B, s]: this rank's chunks."""
         return x_BS[:, self.positions]
 
+    @property
+    def on_comm_lane(self) -> bool:
+        """Whether the K/V exchange is a node of its own on the comm lane (module doc)."""
+        return self.comm_type == "allgather" and self.comm.lane is not None
+
     def attention(self, q_BQsD, k_BGsD, v_BGsD) -> torch.Tensor:
         """Causal attention of the local queries over the whole sequence -> [B, Q, s, D]."""
         if self.comm_type == "allgather":
-            return self._gathered(q_BQsD, k_BGsD, v_BGsD)
+            return self.attend_gathered(q_BQsD, self.comm.gather(torch.stack([k_BGsD, v_BGsD])))
         return self._ring(q_BQsD, k_BGsD, v_BGsD)
 
     # ----------------------------------------------------------------- allgather
-    def _gathered(self, q_BQsD, k_BGsD, v_BGsD) -> torch.Tensor:
-        kv_RKBGsD = self.comm.gather(torch.stack([k_BGsD, v_BGsD]))
+    def gather(self, kv_KBGsD: torch.Tensor) -> torch.Tensor:
+        """[K, V] stacked [2, B, G, s, D] -> every rank's [CP, 2, B, G, s, D], on the comm
+        lane's communicator (the `kv_gather` node)."""
+        return self.comm.lane.gather(kv_KBGsD)
+
+    def attend_gathered(self, q_BQsD, kv_RKBGsD) -> torch.Tensor:
+        """The local queries over every rank's gathered [K, V] -> [B, Q, s, D]."""
         k_BGSD, v_BGSD = in_sequence_order(kv_RKBGsD)
         c = q_BQsD.shape[2] // 2
         outs = []

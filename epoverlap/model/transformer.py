@@ -1,9 +1,10 @@
 """The decoder-only MoE language model, exposed as node callables.
 
 Owns the model: embedding; layers of [RMSNorm, causal GQA self-attention with rotary
-embeddings (torch SDPA), residual, RMSNorm, MoE or dense SwiGLU MLP, residual]; final norm;
-output head; cross-entropy. It knows nothing of schedules: each layer exposes its nodes
-(`NodeSpec`s) and `forward` simply runs them in order under one autograd graph.
+embeddings (torch SDPA; `model.attention`), residual, RMSNorm, MoE or dense SwiGLU MLP,
+residual]; final norm; output head; cross-entropy. It knows nothing of schedules: each layer
+exposes its nodes (`NodeSpec`s) and `forward` simply runs them in order under one autograd
+graph.
 
 Nodes of an MoE layer (overlap.md):
   attn     (compute) norm, attention, residual, pre-MLP norm, shared expert, router, permute
@@ -29,8 +30,9 @@ model (`MoEModel.dispatcher`) and shared by its MoE layers. Value names between 
 
 Under context parallelism (--context-parallel-size, `model.context`) the embed and loss nodes
 take this rank's chunks of each sequence, the rotary positions are those chunks', and the core
-attention inside `attn` exchanges K/V over the CP group; every other node is the same code
-over this rank's tokens.
+attention exchanges K/V over the CP group: inside `attn` (the p2p ring), or by a comm node
+`kv_gather` between `qkv` (norm, projection, rotary) and `attn` (the all-gather); every other
+node is the same code over this rank's tokens.
 
 The embedding and output head have the vocabulary padded to --make-vocab-size-divisible-by
 rows (`ModelConfig.padded_vocab_size`, aligned logit GEMMs); the loss takes the real vocabulary,
@@ -57,96 +59,18 @@ from epoverlap.config import ModelConfig, RunConfig
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.chunked import ChunkedMoE
+from epoverlap.model.attention import Attention, RMSNorm
 from epoverlap.model.chunked_budget import make_chunked
 from epoverlap.model.context import ContextParallel
 from epoverlap.model.dispatch import TokenDispatcher
 from epoverlap.model.dispatch_dedup import make_dispatcher
-from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, causal_attention,
-                                     hidden_dropout, uses_dropout)
+from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, hidden_dropout,
+                                     uses_dropout)
 from epoverlap.model.linear import linear
 from epoverlap.model.moe import GroupedSwiGLUExperts, Router, SwiGLU, param_seed, seeded_normal_
 from epoverlap.model.nodes import (COMM, COMPUTE, RECV, SEND, NodeSpec, Segment, hidden_value,
                                    layer_value, segmented)
 from epoverlap.model.stages import stage_chunks
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm through the op table (fused Triton kernel on GPU, torch reference on CPU)."""
-
-    def __init__(self, hidden: int, eps: float, ops: MoEOps, dtype, device):
-        super().__init__()
-        self.eps, self.ops = eps, ops
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-
-    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x_TH, self.weight, self.eps)
-
-
-def rotary_tables(seq_len: int, head_dim: int, base: float, device) -> tuple:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    angles_SD = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
-    return angles_SD.cos(), angles_SD.sin()
-
-
-class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary embeddings; with --qk-layernorm an
-    RMSNorm over each head's query (`q_norm`) and key (`k_norm`) before rotary, one weight
-    [D] each shared by the heads, as Megatron-core's q_layernorm / k_layernorm."""
-
-    def __init__(self, cfg: RunConfig, layer: int, ops: MoEOps, *, dtype, device, queue,
-                 context: Optional[ContextParallel] = None):
-        """`context`: this layer's view of the CP group (None without CP): the rotary
-        positions are its chunks' and the core attention exchanges K/V over it."""
-        super().__init__()
-        m = cfg.model
-        self.ops, self.context = ops, context
-        self.heads, self.kv_heads, self.head_dim = m.num_attention_heads, m.kv_heads, m.head_dim
-        self.seq_length, self.queue = m.seq_length // (context.size if context else 1), queue
-        self.layer, self.dropout_p = layer, m.attention_dropout
-        qkv_out = (self.heads + 2 * self.kv_heads) * self.head_dim
-        self.qkv = nn.Parameter(torch.empty(qkv_out, m.hidden_size, dtype=dtype, device=device))
-        self.proj = nn.Parameter(torch.empty(m.hidden_size, self.heads * self.head_dim,
-                                             dtype=dtype, device=device))
-        seed, std = cfg.train.seed, m.init_method_std
-        seeded_normal_(self.qkv, std, param_seed(seed, "qkv", layer))
-        seeded_normal_(self.proj, std / math.sqrt(2 * m.num_layers), param_seed(seed, "proj",
-                                                                                 layer))
-        self.q_norm = self.k_norm = None
-        if m.qk_layernorm:
-            self.q_norm = RMSNorm(self.head_dim, m.norm_epsilon, ops, dtype, device)
-            self.k_norm = RMSNorm(self.head_dim, m.norm_epsilon, ops, dtype, device)
-        cos_SD, sin_SD = rotary_tables(m.seq_length, m.head_dim, m.rotary_base, device)
-        if context is not None:  # [s, D]: the rows of the positions this rank holds
-            cos_SD, sin_SD = cos_SD[context.positions], sin_SD[context.positions]
-        self.register_buffer("cos_SD", cos_SD, persistent=False)
-        self.register_buffer("sin_SD", sin_SD, persistent=False)
-
-    def forward(self, x_TH: torch.Tensor, dropout_seed: Optional[int] = None) -> torch.Tensor:
-        """`dropout_seed`: the microbatch's (`model.dropout`), read with attention dropout in
-        training only."""
-        seq, dim = self.seq_length, self.head_dim
-        batch = x_TH.shape[0] // seq
-        qkv_TX = linear(x_TH, self.qkv, self.queue)
-        q, k, v = qkv_TX.split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], -1)
-        q_BSQD = q.view(batch, seq, self.heads, dim)
-        k_BSGD = k.view(batch, seq, self.kv_heads, dim)
-        if self.q_norm is not None:  # over D of each head, before rotary (Megatron-core's order)
-            q_BSQD, k_BSGD = self.q_norm(q_BSQD), self.k_norm(k_BSGD)
-        q_BQSD, k_BGSD = q_BSQD.transpose(1, 2), k_BSGD.transpose(1, 2)
-        v_BGSD = v.view(batch, seq, self.kv_heads, dim).transpose(1, 2)
-        q_BQSD = self.ops.rotary(q_BQSD, self.cos_SD, self.sin_SD)
-        k_BGSD = self.ops.rotary(k_BGSD, self.cos_SD, self.sin_SD)
-        # grouped-query attention inside SDPA where a fused kernel takes it (16-bit on GPUs):
-        # expanding K/V with repeat_interleave first materializes the repeated keys and values
-        # (more GPU time and more host launches) for the same output bits
-        if self.context is not None:  # S is this rank's s tokens (model.context)
-            out_BQSD = self.context.attention(q_BQSD, k_BGSD, v_BGSD)
-        else:
-            out_BQSD = causal_attention(q_BQSD, k_BGSD, v_BGSD, layer=self.layer,
-                                        seed=dropout_seed,
-                                        p=self.dropout_p if self.training else 0.0)
-        out_TX = out_BQSD.transpose(1, 2).reshape(batch * seq, self.heads * dim)
-        return linear(out_TX, self.proj, self.queue)
 
 
 class _FanOut(torch.autograd.Function):
@@ -222,6 +146,29 @@ class TransformerLayer(nn.Module):
         normed tokens go to three consumers (router, shared expert, permute), each through its
         own alias whose grads are summed in that fixed order (`_FanOut`)."""
         attn_out = self.attention(self.input_norm(hidden), dropout_seed)
+        return self._attention_tail(hidden, attn_out, dropout_seed)
+
+    def gathered_attention_segment(self, skip, q, kv_all, dropout_seed=None):
+        """The `attn` region after the comm lane's K/V gather (`model.context`): the local
+        queries over every rank's keys and values, then as `attention_segment`; `skip` is the
+        layer's input, handed on by the `qkv` node."""
+        attention = self.attention
+        attn_out = attention.output(attention.context.attend_gathered(q, kv_all))
+        return self._attention_tail(skip, attn_out, dropout_seed)
+
+    def qkv_forward(self, hidden):
+        """The `qkv` node before the K/V gather: norm, projection, rotary; the layer's input
+        goes on to the residual through an alias of its own (`_FanOut`)."""
+        skip, attn_in = _FanOut.apply(hidden, 2)
+        q, k, v = self.attention.project(self.input_norm(attn_in))
+        return {"skip": skip, "q": q, "kv": torch.stack([k, v])}
+
+    def kv_gather_forward(self, kv):
+        """The `kv_gather` node (comm lane): every CP rank's [K, V]."""
+        return {"kv_all": self.attention.context.gather(kv)}
+
+    def _attention_tail(self, hidden, attn_out, dropout_seed):
+        """Residual, pre-MLP norm and, in an MoE layer, the normed tokens' three aliases."""
         residual = hidden + self._hidden_dropout(attn_out, dropout_seed, ATTENTION_OUT)
         normed = self.pre_mlp_norm(residual)
         if not self.is_moe:
@@ -326,16 +273,45 @@ class TransformerLayer(nn.Module):
                 Segment("moe_combine", self.combine_segment,
                         ("expert_out", "meta", "row_id_map", "residual") + shared + self._seed,
                         ("layer_out",)))
+    @property
+    def _gathers_on_comm_lane(self) -> bool:
+        """Whether the attention's K/V gather is a comm node of its own, between `qkv` and
+        `attn` (`model.context`)."""
+        context = self.attention.context
+        return context is not None and context.on_comm_lane and not self.one_node
+
+    def _attn_head(self) -> tuple:
+        """The `attn` region's function and inputs: from the layer's input, or after the
+        K/V gather."""
+        if self._gathers_on_comm_lane:
+            return self.gathered_attention_segment, ("skip", "q", "kv_all") + self._seed
+        return self.attention_segment, ("hidden",) + self._seed
+
+    def _attn_node_inputs(self) -> dict:
+        if self._gathers_on_comm_lane:
+            return self._inputs(self._values("skip", "q", "kv_all"))
+        return self._inputs({"hidden": hidden_value(self.layer)})
+
+    def _kv_specs(self) -> list[NodeSpec]:
+        """`qkv` (compute) and `kv_gather` (comm) before `attn`, where the gather is a node."""
+        if not self._gathers_on_comm_lane:
+            return []
+        L = self.layer
+        return [NodeSpec(name="qkv", layer=L, lane=COMPUTE, fn=self.qkv_forward,
+                         inputs={"hidden": hidden_value(L)},
+                         outputs=self._values("skip", "q", "kv"), has_weights=True),
+                NodeSpec(name="kv_gather", layer=L, lane=COMM, fn=self.kv_gather_forward,
+                         inputs=self._values("kv"), outputs=self._values("kv_all"))]
+
     def _attn_segments(self) -> tuple[Segment, ...]:
+        head_fn, head_inputs = self._attn_head()
         if not self.is_moe:
-            return (Segment("attn", self.attention_segment, ("hidden",) + self._seed,
-                            ("residual", "normed")),)
+            return (Segment("attn", head_fn, head_inputs, ("residual", "normed")),)
         shared = self.shared_expert is not None
         normed = ("normed_router",) + (("normed_shared",) if shared else ()) + ("normed_permute",)
         router_out = ("probs", "routing_map", "expert_counts") + (("shared_out",) if shared
                                                                    else ())
-        segments = (Segment("attn", self.attention_segment, ("hidden",) + self._seed,
-                            ("residual",) + normed),
+        segments = (Segment("attn", head_fn, head_inputs, ("residual",) + normed),
                     Segment("moe_router", self.router_segment, normed[:-1], router_out),
                     Segment("moe_preprocess", self.preprocess_segment,
                             ("normed_permute", "probs", "routing_map"),
@@ -371,10 +347,10 @@ class TransformerLayer(nn.Module):
         L, attn_segments = self.layer, self._attn_segments()
         mlp_segments = (Segment("mlp", self.dense_mlp_segment,
                                 ("normed", "residual") + self._seed, ("hidden",)),)
-        return [
+        return self._kv_specs() + [
             NodeSpec(name="attn", layer=L, lane=COMPUTE,
                      fn=segmented(attn_segments, ("residual", "normed")),
-                     inputs=self._inputs({"hidden": hidden_value(L)}),
+                     inputs=self._attn_node_inputs(),
                      outputs=self._values("residual", "normed"),
                      has_weights=True, segments=attn_segments),
             NodeSpec(name="mlp", layer=L, lane=COMPUTE,
@@ -390,7 +366,7 @@ class TransformerLayer(nn.Module):
                                 self._dispatch_sizes, "row_id_map", *shared)
         return NodeSpec(name="attn", layer=L, lane=COMPUTE,
                         fn=segmented(attn_segments, tuple(attn_out)),
-                        inputs=self._inputs({"hidden": hidden_value(L)}), outputs=attn_out,
+                        inputs=self._attn_node_inputs(), outputs=attn_out,
                         has_weights=True, segments=attn_segments)
 
     def _chunks(self, chunks: int) -> ChunkedMoE:
@@ -403,7 +379,7 @@ class TransformerLayer(nn.Module):
         """attn, then the chunked layer's nodes (`model.chunked`), its combine ending here."""
         shared = ("shared_out",) if self.shared_expert is not None else ()
         combine_inputs = self._inputs(self._values("meta", "row_id_map", "residual", *shared))
-        return [self._moe_attn_spec()] + self._chunks(chunks).node_specs(
+        return self._kv_specs() + [self._moe_attn_spec()] + self._chunks(chunks).node_specs(
             self.layer, self.chunked_combine_forward, combine_inputs)
 
     def _moe_node_specs(self, chunks: int) -> list[NodeSpec]:
@@ -413,7 +389,7 @@ class TransformerLayer(nn.Module):
         L = self.layer
         shared = ("shared_out",) if self.shared_expert is not None else ()
         recv = self._values("recv_tokens", "recv_probs", "meta")
-        return [
+        return self._kv_specs() + [
             self._moe_attn_spec(),
             NodeSpec(name="dispatch", layer=L, lane=COMM, fn=self.dispatch_forward,
                      inputs=self._values(*self._dispatch_inputs), outputs=recv),

@@ -2,11 +2,11 @@
 the point-to-point transfers between pipeline stages.
 
 Owns `ExpertComm` (the EP group, a `groups.Group`, plus the comm mode; `HostComms`, the
-hierarchical dispatch's groups between and inside hosts), the autograd function
-whose forward is an all_to_all_single and whose backward is the reverse all-to-all,
-`ContextComm` (the context-parallel group's two differentiable K/V exchanges: an all-gather and
-one step of a ring; `model.context` uses them) and `PipelineComm` (send / receive one activation or grad to / from another stage of this rank's
-pipeline, the PP `Group`). These calls run on whatever stream/thread the caller is on;
+hierarchical dispatch's groups between and inside hosts), the autograd function whose forward
+is an all_to_all_single and whose backward is the reverse all-to-all, `ContextComm` (the
+context-parallel group's differentiable K/V exchanges: an all-gather and one step of a ring;
+`model.context` uses them) and `PipelineComm` (send / receive one activation or grad to / from
+another stage of this rank's pipeline, the PP `Group`). These calls run on whatever stream/thread the caller is on;
 choosing that is the executor's business.
 
 The split sizes of a dropless dispatch are exchanged early and read late (`SplitExchange`):
@@ -280,11 +280,15 @@ def all_to_all(comm: ExpertComm, input_NH: torch.Tensor, output_splits: Optional
 class ContextComm:
     """The context-parallel (CP) group's differentiable exchanges (`model.context`):
     `gather` (every rank's tensor, stacked in rank order) and `shift` (one step of a ring: my
-    tensor to the next rank, the previous rank's to me). Both block the caller until done."""
+    tensor to the next rank, the previous rank's to me). Both block the caller until done.
+    `lane`: a second communicator of the same ranks for the K/V gather of the comm lane, so
+    its collectives never interleave with those the compute lane issues meanwhile on `group`
+    (the ring, the aux loss's counts) in a different order on different ranks."""
 
-    def __init__(self, group: Group):
+    def __init__(self, group: Group, lane: Optional[Group] = None):
         self.group, self.size = group, group.size
         self.rank = group.ranks.index(dist.get_rank())
+        self.lane = ContextComm(lane) if lane is not None else None
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [...] -> [CP, ...]. Backward: each rank's slice of the grads goes to its owner,

@@ -64,6 +64,7 @@ from epoverlap.parallel.watch import CollectiveWatch, Heartbeat
 WORLD, EXPERT_PARALLEL, EXPERT_DATA_PARALLEL = "world", "expert-parallel", "expert-data-parallel"
 PIPELINE, DATA_PARALLEL = "pipeline", "data-parallel"
 CONTEXT_PARALLEL = "context-parallel"
+CONTEXT_PARALLEL_EXCHANGE = "context-parallel K/V gather"  # same ranks as CP, own communicator
 EXPERT_PARALLEL_SPLITS = "expert-parallel split sizes"  # same ranks as EP, own communicator
 EXPERT_PARALLEL_RAIL = "expert-parallel between hosts"  # --moe-dispatch-hierarchy node
 EXPERT_PARALLEL_HOST = "expert-parallel inside a host"
@@ -329,6 +330,9 @@ class ParallelGroups:
     dp: Optional[Group] = None  # this stage's CP x DP ranks, where dense grads are averaged
     #                             (Megatron-core's data-parallel group with CP); one stage: world
     cp: Optional[Group] = None  # the ranks holding the parts of my sequences; None without CP
+    cp_exchange: Optional[Group] = None  # the CP ranks' second communicator: the K/V gather
+    #                                      of the comm lane (model.context), apart from what
+    #                                      the compute lane issues on `cp` meanwhile
     ep_budget: Optional[NcclCtaBudget] = None  # the EP communicator's CTA limits, if any
     ep_splits: Optional[Group] = None  # the EP ranks' second communicator: the early split-size
     #                                    exchange of the dropless dispatch (parallel.comm)
@@ -471,8 +475,8 @@ def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int =
     initialized world (every rank must call), watched by `watch`; the EP groups with
     `ep_budget`'s NCCL CTA limits; with `ep_per_host`, each EP group's rails and hosts
     (`add_host_groups`). Called again with another EP size (or budget) in the same world, it
-    gives a second, independent layout (tests resume one run's checkpoint at another EP size in one process group; the
-    overlap benchmark sweeps budgets)."""
+    gives a second, independent layout (tests resume one run's checkpoint at another EP size
+    in one process group; the overlap benchmark sweeps budgets)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     layout = RankLayout(world_size, pp_size, ep_size, cp_size)
     backend = dist.get_backend()
@@ -494,7 +498,9 @@ def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int =
         pp_size=pp_size, pp_rank=layout.pp_rank(rank),
         pp=groups(PIPELINE, layout.pp_groups()) if staged else None,
         dp=groups(DATA_PARALLEL, layout.dp_cp_groups()) if staged else world,
-        cp=groups(CONTEXT_PARALLEL, layout.cp_groups()) if cp_size > 1 else None)
+        cp=groups(CONTEXT_PARALLEL, layout.cp_groups()) if cp_size > 1 else None,
+        cp_exchange=(groups(CONTEXT_PARALLEL_EXCHANGE, layout.cp_groups()) if cp_size > 1
+                     else None))
     if ep_per_host is not None:
         add_host_groups(made, ep_per_host, timeout)
     return made

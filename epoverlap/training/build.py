@@ -116,7 +116,8 @@ class RunParts:
                               pipe=self._pipeline_comm(),
                               one_node_moe_layers=self.one_node_moe_layers,
                               data_rank=groups.dp_rank,
-                              cp_comm=ContextComm(groups.cp) if groups.cp is not None else None)
+                              cp_comm=(ContextComm(groups.cp, groups.cp_exchange)
+                                       if groups.cp is not None else None))
         self.params = self._whole_model_parameters()
         self.grads = GradBuffers(self.model, groups, fuse_grad_accumulation=not
                                  cfg.train.no_gradient_accumulation_fusion)
@@ -126,8 +127,8 @@ class RunParts:
         cfg, groups = self.cfg, self.groups
         if groups.pp_size == 1:
             return None
-        return PipelineComm(groups.pp, (cfg.microbatch_tokens, cfg.model.hidden_size), model_dtype(cfg),
-                            self.device)
+        return PipelineComm(groups.pp, (cfg.microbatch_tokens, cfg.model.hidden_size),
+                            model_dtype(cfg), self.device)
 
     def _whole_model_parameters(self) -> dict:
         """count_parameters of the whole model: this stage's, summed over the pipeline."""

@@ -43,9 +43,16 @@ def cp1_losses():
 @pytest.mark.parametrize("cp, ep", [(2, 2), (4, 2)])
 @pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
 def test_cp_trains_to_the_losses_of_cp1(cp1_losses, cp, ep, comm_type):
-    """Aux loss on (TINY's): its tokens per expert are the whole sequence's under CP."""
+    """Aux loss on (TINY's): its tokens per expert are the whole sequence's under CP. The
+    all-gather is a comm node of its own between `qkv` and `attn`; the ring runs in `attn`."""
     results = run_ranks(cp_losses, cp, cp, ep, STEPS + ["--cp-comm-type", comm_type],
                         timeout_s=400)
+    names = [name for name, _ in results[0][1]]
+    if comm_type == "allgather":
+        assert names[:3] == ["qkv", "kv_gather", "attn"]
+        assert results[0][1][1] == ("kv_gather", "comm")
+    else:
+        assert names[0] == "attn" and "kv_gather" not in names
     for losses, _ in results:
         assert losses == results[0][0]  # every rank reports the agreed loss
     for ours, reference in zip(results[0][0], cp1_losses):
@@ -57,7 +64,8 @@ def test_cp_trains_to_the_losses_of_cp1(cp1_losses, cp, ep, comm_type):
 def test_overlap_and_delayed_wgrad_are_bitwise_equal_to_sequential_under_cp(
         world, cp, ep, comm_type, tmp_path):
     """CP 2 (x DP 2 on 4 ranks): the combined 1F1B, with and without delayed weight grads,
-    gives the sequential schedule's grads and losses bit for bit."""
+    gives the sequential schedule's grads and losses bit for bit (with the all-gather on the
+    comm lane beside the other microbatch's compute)."""
     modes = {name: MODES[name] for name in ("sequential", "overlap", "overlap_wgrad")}
     results = run_ranks(mode_grads_and_losses, world, ep, str(tmp_path), 4,
                         ["--cp-comm-type", comm_type], modes, cp, timeout_s=600)

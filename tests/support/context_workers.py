@@ -53,19 +53,18 @@ def attention_against_reference(rank, world_size, comm_type):
         destroy_distributed(groups)
 
 
-def cp_losses(rank, world_size, cp, ep, flags, out_dir=None):
-    """Losses of a short run at CP `cp` (every flag set in `flags`), and with `out_dir` one
-    step's reduced grads (dense, expert) of this rank."""
+def cp_losses(rank, world_size, cp, ep, flags):
+    """Losses of a short run at CP `cp` (every flag set in `flags`) and layer 0's nodes
+    (name, lane)."""
     groups = init_distributed(ep, "cpu", timeout_minutes=3, cp_size=cp)
     try:
         cfg = parse_config(TINY + ["--expert-model-parallel-size", str(ep),
                                    "--context-parallel-size", str(cp)] + list(flags))
         trainer = Trainer(cfg, groups, log=lambda msg: None)
         try:
-            trainer.run_microbatches(step=1)
-            trainer.grads.reduce()
-            grads = (trainer.grads.dense_flat.clone(), trainer.grads.expert_flat.clone())
-            return [r.loss for r in trainer.train()], grads
+            nodes = [(spec.name, spec.lane) for spec in trainer.model.node_specs()
+                     if spec.layer == 0]
+            return [r.loss for r in trainer.train()], nodes
         finally:
             trainer.close()
     finally:
