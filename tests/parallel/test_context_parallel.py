@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from context_workers import attention_against_reference, cp_checkpoint_run, cp_losses
+from context_workers import (attention_against_reference, cp_checkpoint_run, cp_losses,
+                             cp_pipeline_losses)
 from dist_helpers import run_ranks
 from gloo_workers import MODES, assert_modes_match_sequential, mode_grads_and_losses
 
@@ -53,8 +54,9 @@ def test_cp_trains_to_the_losses_of_cp1(cp1_losses, cp, ep, comm_type):
         assert results[0][1][1] == ("kv_gather", "comm")
     else:
         assert names[0] == "attn" and "kv_gather" not in names
-    for losses, _ in results:
+    for losses, _, _ in results:
         assert losses == results[0][0]  # every rank reports the agreed loss
+    assert f"CP {cp} ({comm_type}) x DP 1 (experts: EP {ep} x EDP {cp // ep})" in results[0][2]
     for ours, reference in zip(results[0][0], cp1_losses):
         assert abs(ours - reference) <= 2e-6 * reference, (results[0][0], cp1_losses)
 
@@ -87,3 +89,15 @@ def test_a_cp_run_resumes_bitwise_at_its_cp_size_and_at_cp1_within_rounding(tmp_
     on_one = run_ranks(cp_checkpoint_run, 1, 1, 1, flags, None, at_2, timeout_s=400)[0]
     for ours, reference in zip(on_one, whole[2:]):
         assert abs(ours - reference) <= 2e-6 * reference, (on_one, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_cp_over_pipeline_stages_trains_to_the_losses_of_cp1(cp1_losses, comm_type):
+    """PP 2 x CP 2 (the activations between stages are each rank's S / CP tokens), with the
+    overlap and delayed weight grads: CP 1's losses on the last stage."""
+    flags = STEPS + ["--cp-comm-type", comm_type, "--overlap-moe-expert-parallel-comm",
+                     "--delay-wgrad-compute"]
+    losses = run_ranks(cp_pipeline_losses, 4, 2, 2, flags, timeout_s=400)[-1]
+    for ours, reference in zip(losses, cp1_losses):
+        assert abs(ours - reference) <= 2e-6 * reference, (losses, cp1_losses)

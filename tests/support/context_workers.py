@@ -54,8 +54,8 @@ def attention_against_reference(rank, world_size, comm_type):
 
 
 def cp_losses(rank, world_size, cp, ep, flags):
-    """Losses of a short run at CP `cp` (every flag set in `flags`) and layer 0's nodes
-    (name, lane)."""
+    """Losses of a short run at CP `cp` (every flag set in `flags`), layer 0's nodes
+    (name, lane) and the run's banner."""
     groups = init_distributed(ep, "cpu", timeout_minutes=3, cp_size=cp)
     try:
         cfg = parse_config(TINY + ["--expert-model-parallel-size", str(ep),
@@ -64,7 +64,7 @@ def cp_losses(rank, world_size, cp, ep, flags):
         try:
             nodes = [(spec.name, spec.lane) for spec in trainer.model.node_specs()
                      if spec.layer == 0]
-            return [r.loss for r in trainer.train()], nodes
+            return [r.loss for r in trainer.train()], nodes, trainer.describe()
         finally:
             trainer.close()
     finally:
@@ -83,6 +83,22 @@ def cp_checkpoint_run(rank, world_size, cp, ep, flags, save_dir=None, resume_fro
             argv += ["--save", save_dir, "--save-interval", "2"]
         ref = read_checkpoint(Path(resume_from), resume_from) if resume_from else None
         trainer = Trainer(parse_config(argv), groups, log=lambda msg: None, resume=ref)
+        try:
+            return [r.loss for r in trainer.train()]
+        finally:
+            trainer.close()
+    finally:
+        destroy_distributed(groups)
+
+
+def cp_pipeline_losses(rank, world_size, cp, pp, flags):
+    """Losses of a short run at CP `cp` over `pp` pipeline stages (EP 1)."""
+    groups = init_distributed(1, "cpu", timeout_minutes=3, cp_size=cp, pp_size=pp)
+    try:
+        cfg = parse_config(TINY + ["--expert-model-parallel-size", "1", "--context-parallel-size",
+                                   str(cp), "--pipeline-model-parallel-size", str(pp)]
+                           + list(flags))
+        trainer = Trainer(cfg, groups, log=lambda msg: None)
         try:
             return [r.loss for r in trainer.train()]
         finally:
