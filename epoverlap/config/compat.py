@@ -268,8 +268,10 @@ def compat_rules(cfg, require: Callable[[bool, str, object, str], None]) -> None
     require(c.rotary_percent == 1.0, "rotary_percent", c.rotary_percent,
             "must be 1.0: partial rotary embeddings are not implemented; every head dimension "
             "is rotated")
-    require(c.kv_channels is None or c.kv_channels == m.head_dim, "kv_channels", c.kv_channels,
-            f"must be --hidden-size / --num-attention-heads = {m.head_dim} (per-head width)")
+    if m.num_attention_heads >= 1:  # (0 heads: --num-attention-heads's own rule refuses it)
+        require(c.kv_channels is None or c.kv_channels == m.head_dim, "kv_channels",
+                c.kv_channels, f"must be --hidden-size / --num-attention-heads = {m.head_dim} "
+                "(per-head width)")
     require(not c.group_query_attention or m.num_query_groups is not None,
             "group_query_attention", True, "needs --num-query-groups")
     require(c.ckpt_format != "fsdp_dtensor" or (cfg.checkpoint.save is None and
