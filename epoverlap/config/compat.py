@@ -198,7 +198,6 @@ NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
      "--moe-shared-expert-intermediate-size"),
     ("--enable-shared-expert", 0, "give the shared experts' width with "
      "--moe-shared-expert-intermediate-size"),
-    ("--eod-mask-loss", 0, "masking the loss at end-of-document tokens is not implemented"),
     ("--reset-position-ids", 0, "packed samples (positions restarting per document) are not "
      "implemented: every sample is one stream of positions"),
     ("--reset-attention-mask", 0, "packed samples (attention kept inside each document) are "

@@ -407,6 +407,10 @@ class DataConfig:
     vocab_size: Optional[int] = flag(
         None, "NullTokenizer: ids 0..N-1 (the model's vocabulary is N + 1, with "
         "end-of-document N)")
+    eod_mask_loss: bool = flag(
+        False, "the loss leaves out the prediction made at each end-of-document token (of the "
+        "next document's first token), as Megatron-LM's; --data-path datasets, whose tokenizer "
+        "names the end-of-document id")
 
     @property
     def text_source(self) -> Optional[str]:

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from epoverlap.kernels.cross_entropy import IGNORE_INDEX
 from epoverlap.model.dropout import grouped_kv
 from epoverlap.parallel.comm import ContextComm
 
@@ -69,6 +70,15 @@ class ContextParallel:
     def local(self, x_BS: torch.Tensor) -> torch.Tensor:
         """[B, S] (tokens, labels) -> [B, s]: this rank's chunks."""
         return x_BS[:, self.positions]
+
+    def loss_share(self, loss: torch.Tensor, labels_Bs: torch.Tensor) -> torch.Tensor:
+        """This rank's mean loss over its counted labels -> CP x its share of the sequence's
+        mean (the grads and the reported loss average it over the CP ranks): the counts of
+        labels are summed over the CP group, as Megatron-LM sums its loss mask's. Every rank
+        counting alike (no masked labels), the factor is 1."""
+        counted = (labels_Bs != IGNORE_INDEX).sum()
+        total = self.comm.sum(counted)
+        return loss * (counted.float() * self.size / total.clamp(min=1).float())
 
     @property
     def on_comm_lane(self) -> bool:

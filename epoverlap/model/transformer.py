@@ -460,11 +460,16 @@ class MoEModel(nn.Module):
         return {"hidden": F.embedding(tokens.reshape(-1), self.embedding)}
 
     def loss_forward(self, hidden, labels):
+        """The mean loss of this microbatch's counted labels (--eod-mask-loss leaves some out;
+        under CP, scaled to this rank's share of its CP group's counted labels)."""
         if self.context is not None:
             labels = self.context.local(labels)
         logits_TV = linear(self.final_norm(hidden), self.head)  # [T, padded V]
-        return {"loss": self.ops.cross_entropy(logits_TV, labels.reshape(-1),
-                                               vocab=self.cfg.model.vocab_size)}
+        loss = self.ops.cross_entropy(logits_TV, labels.reshape(-1),
+                                      vocab=self.cfg.model.vocab_size)
+        if self.context is not None and self.cfg.data.eod_mask_loss:
+            loss = self.context.loss_share(loss, labels)
+        return {"loss": loss}
 
     def transformer_layers(self) -> list[TransformerLayer]:
         """This stage's layers in forward order of its chunks."""

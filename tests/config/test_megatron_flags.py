@@ -61,12 +61,14 @@ def test_each_flag_alone_is_taken_or_refused_in_one_line_with_its_reason(group, 
 
 def test_refused_flags_are_named_one_line_each():
     with pytest.raises(ConfigErrors) as info:
-        parse_config(SMALL + ["--fp16", "--recompute-granularity", "full", "--eod-mask-loss"])
+        parse_config(SMALL + ["--fp16", "--recompute-granularity", "full",
+                              "--reset-position-ids"])
     lines = str(info.value).splitlines()
     assert lines == [
         "--fp16=True: fp16 training is not implemented; use --bf16",
         "--recompute-granularity=full: activation recomputation is not implemented",
-        "--eod-mask-loss=True: masking the loss at end-of-document tokens is not implemented"]
+        "--reset-position-ids=True: packed samples (positions restarting per document) are "
+        "not implemented: every sample is one stream of positions"]
 
 
 def test_qwen3s_attention_flags_are_taken():
@@ -171,10 +173,11 @@ def test_every_flag_of_the_ep_overlap_config_has_a_named_disposition():
         counts[disposition(group[0])] += 1
     assert len(EP_OVERLAP_GROUPS) == 106
     # by --help group: 59 flags of epoverlap's own sections (--qk-layernorm and
-    # --context-parallel-size among them), 38 of the Megatron-LM group, 9 of the refused group. On the command line (the tests below): 13
-    # refused (the 9, 3 values and --data-path, which needs the tokenizer --vocab-file would
-    # give), 32 accepted with no effect, each noted, and 61 implemented (with the 7 Megatron-LM
-    # flags whose value states what epoverlap is: --normalization RMSNorm, ...)
+    # --context-parallel-size among them), 38 of the Megatron-LM group, 9 of the refused
+    # group. On the command line (the tests below): 13 refused (the 9, 3 values and
+    # --data-path, which needs the tokenizer --vocab-file would give), 32 accepted with no
+    # effect, each noted, and 61 implemented (with the 7 Megatron-LM flags whose value states
+    # what epoverlap is: --normalization RMSNorm, ...)
     assert counts == {"implemented": 59, "accepted": 38, "refused": 9}, counts
     assert len(EP_OVERLAP_REFUSED) == 13 and len(EP_OVERLAP_ACCEPTED) == 32
 

@@ -88,3 +88,13 @@ def test_a_cp_group_reads_one_data_shard():
     layered = parse_config(TINY + ["--cp-comm-type", "allgather", "p2p"])
     assert layered.cp_comm_types() == ["allgather", "p2p"]
     assert parse_config(TINY).cp_comm_types() == ["p2p", "p2p"]
+
+
+def test_eod_mask_loss_leaves_out_the_label_after_each_end_of_document():
+    from epoverlap.kernels.cross_entropy import IGNORE_INDEX
+    from epoverlap.training.data import _inputs_and_labels
+    windows = torch.tensor([[3, 9, 4, 5, 9, 6]])
+    tokens, labels = _inputs_and_labels(windows, masked_eod=9)
+    assert tokens.tolist() == [[3, 9, 4, 5, 9]]
+    assert labels.tolist() == [[9, IGNORE_INDEX, 5, 9, IGNORE_INDEX]]
+    assert _inputs_and_labels(windows)[1].tolist() == [[9, 4, 5, 9, 6]]

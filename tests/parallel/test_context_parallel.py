@@ -101,3 +101,19 @@ def test_cp_over_pipeline_stages_trains_to_the_losses_of_cp1(cp1_losses, comm_ty
     losses = run_ranks(cp_pipeline_losses, 4, 2, 2, flags, timeout_s=400)[-1]
     for ours, reference in zip(losses, cp1_losses):
         assert abs(ours - reference) <= 2e-6 * reference, (losses, cp1_losses)
+
+
+@pytest.mark.slow
+def test_eod_mask_loss_under_cp_counts_labels_over_the_cp_group(tmp_path):
+    """--eod-mask-loss on short documents (the CP ranks' chunks count different numbers of
+    labels): CP 2 trains to CP 1's losses, which differ from the unmasked run's."""
+    from context_workers import cp_indexed_losses, write_short_documents
+    prefix = write_short_documents(str(tmp_path / "docs"))
+    masked = STEPS + ["--eod-mask-loss"]
+    cp1 = run_ranks(cp_indexed_losses, 1, 1, prefix, masked)[0]
+    cp2 = run_ranks(cp_indexed_losses, 2, 2, prefix, masked + ["--cp-comm-type", "allgather"],
+                    timeout_s=400)[0]
+    unmasked = run_ranks(cp_indexed_losses, 1, 1, prefix, STEPS)[0]
+    for ours, reference in zip(cp2, cp1):
+        assert abs(ours - reference) <= 2e-6 * reference, (cp2, cp1)
+    assert all(abs(a - b) > 2e-5 * b for a, b in zip(cp1, unmasked)), (cp1, unmasked)

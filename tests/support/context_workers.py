@@ -105,3 +105,37 @@ def cp_pipeline_losses(rank, world_size, cp, pp, flags):
             trainer.close()
     finally:
         destroy_distributed(groups)
+
+
+EOD_VOCAB = 50  # NullTokenizer ids 0..49; the end-of-document id is 50
+
+
+def write_short_documents(prefix: str, count: int = 400, seed: int = 5) -> str:
+    """An indexed dataset of `count` documents of 3-20 ids, each ended by the end-of-document
+    id: many document ends in every sequence, unevenly over a CP group's chunks."""
+    import numpy as np
+
+    from epoverlap.data.indexed import IndexedWriter
+    rng = np.random.default_rng(seed)
+    with IndexedWriter(prefix) as writer:
+        for _ in range(count):
+            ids = rng.integers(0, EOD_VOCAB, size=int(rng.integers(3, 21)))
+            writer.add_document(np.append(ids, EOD_VOCAB))
+    return prefix
+
+
+def cp_indexed_losses(rank, world_size, cp, prefix, flags):
+    """Losses of a short run at CP `cp` (EP 1) on the indexed dataset `prefix`."""
+    groups = init_distributed(1, "cpu", timeout_minutes=3, cp_size=cp)
+    try:
+        argv = [flag for flag in TINY if flag != "--mock-data"] + [
+            "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            str(EOD_VOCAB), "--split", "100,0,0", "--expert-model-parallel-size", "1",
+            "--context-parallel-size", str(cp)] + list(flags)
+        trainer = Trainer(parse_config(argv), groups, log=lambda msg: None)
+        try:
+            return [r.loss for r in trainer.train()]
+        finally:
+            trainer.close()
+    finally:
+        destroy_distributed(groups)
