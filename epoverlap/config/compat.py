@@ -198,10 +198,6 @@ NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
      "--moe-shared-expert-intermediate-size"),
     ("--enable-shared-expert", 0, "give the shared experts' width with "
      "--moe-shared-expert-intermediate-size"),
-    ("--reset-position-ids", 0, "packed samples (positions restarting per document) are not "
-     "implemented: every sample is one stream of positions"),
-    ("--reset-attention-mask", 0, "packed samples (attention kept inside each document) are "
-     "not implemented: attention is causal over the whole sample"),
     ("--hierarchical-context-parallel-sizes", "+", "hierarchical CP serves --cp-comm-type "
      "a2a+p2p, which is not implemented: give --context-parallel-size"),
     ("--dynamic-context-parallel", 0, DYNAMIC_CP),

@@ -48,8 +48,9 @@ def _validate_data(d: DataConfig) -> None:
         require(d.tokenizer_type is not None, "data_path", d.data_path,
                  "needs --tokenizer-type (NullTokenizer with --vocab-size, or "
                  "HuggingFaceTokenizer with --tokenizer-model)")
-    require(not d.eod_mask_loss or bool(d.data_path), "eod_mask_loss", True,
-            "needs --data-path: the other sources have no end-of-document tokens")
+    for name in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
+        require(not getattr(d, name) or bool(d.data_path), name, True,
+                "needs --data-path: the other sources have no end-of-document tokens")
     if d.split is not None:
         require(bool(d.data_path) or d.mock_data, "split", d.split,
                 "applies to --data-path datasets and --mock-data")

@@ -27,8 +27,7 @@ DISPATCH_HIERARCHIES = ("auto", "flat", "node")  # --moe-dispatch-hierarchy (con
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release", "combined_1f1b_paired_ends")
 COMM_MODES = ("real", "local_copy")
-# --cp-comm-type: Megatron-LM's values; the first two are implemented (model.context)
-CP_COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")
+CP_COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")  # Megatron-LM's; model.context: 2
 TUNE_MODES = ("auto", "on", "off")
 COMM_STREAM_PRIORITIES = ("high", "normal")
 NCCL_MAX_CHANNELS = 64  # NCCL's MAXCHANNELS: the most CTAs a collective may use
@@ -409,8 +408,17 @@ class DataConfig:
         "end-of-document N)")
     eod_mask_loss: bool = flag(
         False, "the loss leaves out the prediction made at each end-of-document token (of the "
-        "next document's first token), as Megatron-LM's; --data-path datasets, whose tokenizer "
-        "names the end-of-document id")
+        "next document's first token), as Megatron-LM's; --data-path datasets")
+    reset_position_ids: bool = flag(
+        False, "positions restart after each end-of-document token (the rotary angles of each "
+        "document of a packed sample start at 0), as Megatron-LM's; --data-path datasets")
+    reset_attention_mask: bool = flag(
+        False, "attention stays inside each document of a packed sample (a token sees the "
+        "earlier tokens of its own document only), as Megatron-LM's; --data-path datasets")
+
+    @property
+    def reads_documents(self) -> bool:  # the model needs the samples' document ends
+        return self.reset_position_ids or self.reset_attention_mask
 
     @property
     def text_source(self) -> Optional[str]:

@@ -176,6 +176,20 @@ def _validate_context_parallel(cfg: RunConfig, world_size: int) -> None:
             "parallelism are not implemented")
 
 
+def _validate_documents(cfg: RunConfig) -> None:
+    """--reset-attention-mask / --reset-position-ids: what they do not run with yet."""
+    d, m = cfg.data, cfg.model
+    if not d.reads_documents:
+        return
+    name = "reset_attention_mask" if d.reset_attention_mask else "reset_position_ids"
+    require(cfg.cuda_graph.impl in ("none", AUTO), "cuda_graph_impl", cfg.cuda_graph.impl,
+            f"must be none with {flag_of(name)}: per-document attention under CUDA graphs is "
+            "not implemented")
+    require(not d.reset_attention_mask or m.attention_dropout == 0, "attention_dropout",
+            m.attention_dropout, "must be 0 with --reset-attention-mask: attention dropout "
+            "with per-document attention is not implemented")
+
+
 def _validate_microbatches(cfg: RunConfig, world_size: int) -> None:
     """A pipeline of P stages needs at least P microbatches per step (one in flight each)."""
     pp, t = cfg.parallel.pipeline_model_parallel_size, cfg.train
@@ -535,6 +549,7 @@ def _rule_groups(cfg: RunConfig, world_size: int, cuda_available: bool,
                         "few heartbeats within it"),
         lambda: _validate_pipeline(cfg, world_size),
         lambda: _validate_context_parallel(cfg, world_size),
+        lambda: _validate_documents(cfg),
         lambda: _validate_emulated_hosts(cfg, world_size, cuda_available),
         lambda: _validate_moe(cfg, world_size),
         lambda: _validate_hierarchy(cfg, world_size),

@@ -22,6 +22,10 @@ Everything but the core attention sees this rank's tokens only: norms, MLPs, rou
              local chunk only. Backward: autograd through the merges and the transfers (a
              transfer's backward goes the other way round the ring).
 
+With --reset-attention-mask (`model.documents`) each query also sees only the keys of its own
+document: an explicit mask over the gathered keys, or per ring step (a query that sees nothing
+of a block adds nothing to the merge: its partial log-sum-exp is -inf).
+
 The ring runs inside the attn node, on the compute lane, and blocks it while it transfers.
 The all-gather is a node of its own on the comm lane where the model has the lane's
 communicator (`ContextComm.lane`): `qkv` (compute: norm, projection, rotary) -> `kv_gather`
@@ -36,12 +40,14 @@ c = s / 2 tokens of a chunk, D head dim.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from epoverlap.kernels.cross_entropy import IGNORE_INDEX
+from epoverlap.model.documents import Documents
 from epoverlap.model.dropout import grouped_kv
 from epoverlap.parallel.comm import ContextComm
 
@@ -60,12 +66,16 @@ class ContextParallel:
     """One layer's view of the CP group: this rank's positions and the K/V exchange."""
 
     def __init__(self, comm: ContextComm, comm_type: str, seq_length: int,
-                 device: torch.device):
+                 device: torch.device, documents: Optional[Documents] = None):
+        """`documents`: with --reset-attention-mask, attention stays inside each document
+        (the keys' documents from the microbatch's whole tokens, which every rank has)."""
         if comm_type not in COMM_TYPES:
             raise ValueError(f"--cp-comm-type {comm_type}: allowed {', '.join(COMM_TYPES)}")
         self.comm, self.comm_type = comm, comm_type
+        self.documents = documents if documents is not None and documents.reset_mask else None
         self.size, self.rank = comm.size, comm.rank
         self.positions = local_positions(seq_length, self.size, self.rank).to(device)
+        self.seq_length = seq_length
 
     def local(self, x_BS: torch.Tensor) -> torch.Tensor:
         """[B, S] (tokens, labels) -> [B, s]: this rank's chunks."""
@@ -85,11 +95,19 @@ class ContextParallel:
         """Whether the K/V exchange is a node of its own on the comm lane (module doc)."""
         return self.comm_type == "allgather" and self.comm.lane is not None
 
-    def attention(self, q_BQsD, k_BGsD, v_BGsD) -> torch.Tensor:
-        """Causal attention of the local queries over the whole sequence -> [B, Q, s, D]."""
+    def attention(self, q_BQsD, k_BGsD, v_BGsD, tokens_BS=None) -> torch.Tensor:
+        """Causal attention of the local queries over the whole sequence -> [B, Q, s, D]
+        (`tokens_BS`: the whole sequences, read with per-document attention)."""
         if self.comm_type == "allgather":
-            return self.attend_gathered(q_BQsD, self.comm.gather(torch.stack([k_BGsD, v_BGsD])))
-        return self._ring(q_BQsD, k_BGsD, v_BGsD)
+            kv_RKBGsD = self.comm.gather(torch.stack([k_BGsD, v_BGsD]))
+            return self.attend_gathered(q_BQsD, kv_RKBGsD, tokens_BS)
+        return self._ring(q_BQsD, k_BGsD, v_BGsD, tokens_BS)
+
+    def _visible(self, tokens_BS, q_pos, k_pos) -> Optional[torch.Tensor]:
+        """[B, 1, n, m] the per-document mask of these positions (None without it)."""
+        if self.documents is None:
+            return None
+        return self.documents.visible(self.documents.ids(tokens_BS), q_pos, k_pos)
 
     # ----------------------------------------------------------------- allgather
     def gather(self, kv_KBGsD: torch.Tensor) -> torch.Tensor:
@@ -97,30 +115,37 @@ class ContextParallel:
         lane's communicator (the `kv_gather` node)."""
         return self.comm.lane.gather(kv_KBGsD)
 
-    def attend_gathered(self, q_BQsD, kv_RKBGsD) -> torch.Tensor:
+    def attend_gathered(self, q_BQsD, kv_RKBGsD, tokens_BS=None) -> torch.Tensor:
         """The local queries over every rank's gathered [K, V] -> [B, Q, s, D]."""
         k_BGSD, v_BGSD = in_sequence_order(kv_RKBGsD)
         c = q_BQsD.shape[2] // 2
         outs = []
         for half, chunk in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             end = (chunk + 1) * c
-            outs.append(_sdpa_lower_right(q_BQsD[:, :, half * c:(half + 1) * c],
-                                          k_BGSD[:, :, :end], v_BGSD[:, :, :end]))
+            q_pos = self.positions[half * c:(half + 1) * c]
+            mask = self._visible(tokens_BS, q_pos, torch.arange(end, device=q_pos.device))
+            outs.append(_sdpa(q_BQsD[:, :, half * c:(half + 1) * c], k_BGSD[:, :, :end],
+                              v_BGSD[:, :, :end], mask))
         return torch.cat(outs, dim=2)
 
     # ----------------------------------------------------------------- p2p ring
-    def _ring(self, q_BQsD, k_BGsD, v_BGsD) -> torch.Tensor:
+    def _ring(self, q_BQsD, k_BGsD, v_BGsD, tokens_BS=None) -> torch.Tensor:
         kv = torch.stack([k_BGsD, v_BGsD])
-        c = q_BQsD.shape[2] // 2
-        out, lse = partial_attention(q_BQsD, k_BGsD, v_BGsD, causal=True)
+        c, mine = q_BQsD.shape[2] // 2, self.positions
+        out, lse = partial_attention(q_BQsD, k_BGsD, v_BGsD, causal=True,
+                                     visible=self._visible(tokens_BS, mine, mine))
         for step in range(1, self.size):
             kv = self.comm.shift(kv)
             source = (self.rank - step) % self.size
+            theirs = local_positions(self.seq_length, self.size, source).to(mine)
             if source < self.rank:  # every local query sees the block's first chunk only
-                part = partial_attention(q_BQsD, kv[0][:, :, :c], kv[1][:, :, :c])
+                mask = self._visible(tokens_BS, mine, theirs[:c])
+                part = partial_attention(q_BQsD, kv[0][:, :, :c], kv[1][:, :, :c],
+                                         visible=mask)
                 out, lse = merge(out, lse, *part)
             else:  # the second local chunk sees the whole block, the first chunk none of it
-                part = partial_attention(q_BQsD[:, :, c:], kv[0], kv[1])
+                mask = self._visible(tokens_BS, mine[c:], theirs)
+                part = partial_attention(q_BQsD[:, :, c:], kv[0], kv[1], visible=mask)
                 tail = merge(out[:, :, c:], lse[:, :, c:], *part)
                 out = torch.cat([out[:, :, :c], tail[0]], dim=2)
                 lse = torch.cat([lse[:, :, :c], tail[1]], dim=2)
@@ -138,28 +163,33 @@ def in_sequence_order(kv_RKBGsD: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return kv_KBGSD[0], kv_KBGSD[1]
 
 
-def _sdpa_lower_right(q_BQcD, k_BGnD, v_BGnD) -> torch.Tensor:
-    """Causal SDPA whose last query is the last key's position (query i of c sees keys up to
-    n - c + i)."""
+def _sdpa(q_BQcD, k_BGnD, v_BGnD, mask=None) -> torch.Tensor:
+    """SDPA under `mask` [B, 1, c, n], or causal with the last query at the last key's
+    position (query i of c sees keys up to n - c + i)."""
     k_BGnD, v_BGnD, gqa = grouped_kv(q_BQcD, k_BGnD, v_BGnD)
-    mask = causal_lower_right(q_BQcD.shape[2], k_BGnD.shape[2])
+    if mask is None:
+        mask = causal_lower_right(q_BQcD.shape[2], k_BGnD.shape[2])
     return F.scaled_dot_product_attention(q_BQcD, k_BGnD, v_BGnD, attn_mask=mask,
                                           enable_gqa=gqa)
 
 
-def partial_attention(q_BQnD, k_BGmD, v_BGmD, causal: bool = False):
-    """Attention of n queries over m keys (causal: top-left aligned, n = m), in fp32 ->
-    (output [B, Q, n, D], log-sum-exp of each query's scores [B, Q, n])."""
+def partial_attention(q_BQnD, k_BGmD, v_BGmD, causal: bool = False,
+                      visible: Optional[torch.Tensor] = None):
+    """Attention of n queries over m keys (causal: top-left aligned, n = m; `visible`
+    [B, 1, n, m]: which keys each query sees, instead), in fp32 -> (output [B, Q, n, D],
+    log-sum-exp of each query's scores [B, Q, n]; a query that sees no key: 0 and -inf)."""
     repeat = q_BQnD.shape[1] // k_BGmD.shape[1]
     k = k_BGmD.float().repeat_interleave(repeat, dim=1)
     v = v_BGmD.float().repeat_interleave(repeat, dim=1)
     scores_BQnm = q_BQnD.float() @ k.transpose(-1, -2) / math.sqrt(q_BQnD.shape[-1])
-    if causal:
+    if visible is None and causal:
         n, m = scores_BQnm.shape[-2:]
-        hidden = torch.ones(n, m, dtype=torch.bool, device=q_BQnD.device).triu(1)
-        scores_BQnm = scores_BQnm.masked_fill(hidden, float("-inf"))
+        visible = torch.ones(n, m, dtype=torch.bool, device=q_BQnD.device).tril()
+    if visible is not None:
+        scores_BQnm = scores_BQnm.masked_fill(~visible, float("-inf"))
     lse_BQn = torch.logsumexp(scores_BQnm, dim=-1)
-    out = torch.exp(scores_BQnm - lse_BQn.unsqueeze(-1)) @ v
+    finite_BQn = torch.where(torch.isfinite(lse_BQn), lse_BQn, 0.0)
+    out = torch.exp(scores_BQnm - finite_BQn.unsqueeze(-1)) @ v
     return out, lse_BQn
 
 

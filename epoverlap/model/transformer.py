@@ -63,6 +63,7 @@ from epoverlap.model.attention import Attention, RMSNorm
 from epoverlap.model.chunked_budget import make_chunked
 from epoverlap.model.context import ContextParallel
 from epoverlap.model.dispatch import TokenDispatcher
+from epoverlap.model.documents import Documents
 from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, hidden_dropout,
                                      uses_dropout)
@@ -97,10 +98,12 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg: RunConfig, layer: int, is_moe: bool, comm: ExpertComm,
                  ep_rank: int, ops: MoEOps, *, dtype, device, queue,
                  dispatcher: Optional[TokenDispatcher] = None, one_node: bool = False,
-                 data_rank: int = 0, context: Optional[ContextParallel] = None):
+                 data_rank: int = 0, context: Optional[ContextParallel] = None,
+                 documents: Optional[Documents] = None):
         """`dispatcher`: the model's dispatch strategy (MoE layers; shared by all of them);
         `data_rank`: the data-parallel rank whose tokens this layer routes; `context`: the
-        attention's view of the CP group (`Attention`)."""
+        attention's view of the CP group, `documents`: its packed samples' rules
+        (`Attention`)."""
         super().__init__()
         m, moe, seed = cfg.model, cfg.moe, cfg.train.seed
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
@@ -108,9 +111,12 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout_p = m.hidden_dropout
         # the microbatch's dropout seed, a named input of the nodes that drop (model.dropout)
         self._seed = (DROPOUT_SEED,) if uses_dropout(m) else ()
+        # the microbatch's tokens, a named input of the attention's nodes with per-document
+        # positions or masks (model.documents)
+        self._docs = ("tokens",) if documents is not None else ()
         self.input_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
         self.attention = Attention(cfg, layer, ops, dtype=dtype, device=device, queue=queue,
-                                   context=context)
+                                   context=context, documents=documents)
         self.pre_mlp_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
         mlp_kwargs = dict(seed=seed, std=std, out_std=out_std, dtype=dtype, device=device,
                           queue=queue, ops=ops)
@@ -141,26 +147,26 @@ class TransformerLayer(nn.Module):
         p = self.hidden_dropout_p if self.training else 0.0
         return hidden_dropout(x, p, dropout_seed, self.layer, site)
 
-    def attention_segment(self, hidden, dropout_seed=None):
+    def attention_segment(self, hidden, dropout_seed=None, tokens=None):
         """norm, attention, residual, pre-MLP norm (the `attn` region). In an MoE layer the
         normed tokens go to three consumers (router, shared expert, permute), each through its
         own alias whose grads are summed in that fixed order (`_FanOut`)."""
-        attn_out = self.attention(self.input_norm(hidden), dropout_seed)
+        attn_out = self.attention(self.input_norm(hidden), dropout_seed, tokens)
         return self._attention_tail(hidden, attn_out, dropout_seed)
 
-    def gathered_attention_segment(self, skip, q, kv_all, dropout_seed=None):
+    def gathered_attention_segment(self, skip, q, kv_all, dropout_seed=None, tokens=None):
         """The `attn` region after the comm lane's K/V gather (`model.context`): the local
         queries over every rank's keys and values, then as `attention_segment`; `skip` is the
         layer's input, handed on by the `qkv` node."""
         attention = self.attention
-        attn_out = attention.output(attention.context.attend_gathered(q, kv_all))
+        attn_out = attention.output(attention.context.attend_gathered(q, kv_all, tokens))
         return self._attention_tail(skip, attn_out, dropout_seed)
 
-    def qkv_forward(self, hidden):
+    def qkv_forward(self, hidden, tokens=None):
         """The `qkv` node before the K/V gather: norm, projection, rotary; the layer's input
         goes on to the residual through an alias of its own (`_FanOut`)."""
         skip, attn_in = _FanOut.apply(hidden, 2)
-        q, k, v = self.attention.project(self.input_norm(attn_in))
+        q, k, v = self.attention.project(self.input_norm(attn_in), tokens)
         return {"skip": skip, "q": q, "kv": torch.stack([k, v])}
 
     def kv_gather_forward(self, kv):
@@ -284,13 +290,15 @@ class TransformerLayer(nn.Module):
         """The `attn` region's function and inputs: from the layer's input, or after the
         K/V gather."""
         if self._gathers_on_comm_lane:
-            return self.gathered_attention_segment, ("skip", "q", "kv_all") + self._seed
-        return self.attention_segment, ("hidden",) + self._seed
+            return (self.gathered_attention_segment,
+                    ("skip", "q", "kv_all") + self._seed + self._docs)
+        return self.attention_segment, ("hidden",) + self._seed + self._docs
 
     def _attn_node_inputs(self) -> dict:
+        docs = {name: name for name in self._docs}
         if self._gathers_on_comm_lane:
-            return self._inputs(self._values("skip", "q", "kv_all"))
-        return self._inputs({"hidden": hidden_value(self.layer)})
+            return {**self._inputs(self._values("skip", "q", "kv_all")), **docs}
+        return {**self._inputs({"hidden": hidden_value(self.layer)}), **docs}
 
     def _kv_specs(self) -> list[NodeSpec]:
         """`qkv` (compute) and `kv_gather` (comm) before `attn`, where the gather is a node."""
@@ -298,7 +306,7 @@ class TransformerLayer(nn.Module):
             return []
         L = self.layer
         return [NodeSpec(name="qkv", layer=L, lane=COMPUTE, fn=self.qkv_forward,
-                         inputs={"hidden": hidden_value(L)},
+                         inputs={"hidden": hidden_value(L), **{n: n for n in self._docs}},
                          outputs=self._values("skip", "q", "kv"), has_weights=True),
                 NodeSpec(name="kv_gather", layer=L, lane=COMM, fn=self.kv_gather_forward,
                          inputs=self._values("kv"), outputs=self._values("kv_all"))]
@@ -338,7 +346,7 @@ class TransformerLayer(nn.Module):
             segments = self._attn_segments() + self._moe_segments()
             return [NodeSpec(name="moe_layer", layer=self.layer, lane=COMPUTE,
                              fn=segmented(segments, ("layer_out",)),
-                             inputs=self._inputs({"hidden": hidden_value(self.layer)}),
+                             inputs=self._attn_node_inputs(),
                              outputs={"layer_out": hidden_value(self.layer + 1)},
                              has_weights=True, segments=segments)]
         return self._moe_node_specs(chunks or self.a2a_chunks)
@@ -411,16 +419,20 @@ class MoEModel(nn.Module):
     def __init__(self, cfg: RunConfig, comm: ExpertComm, ep_rank: int, ops: MoEOps, *,
                  dtype: torch.dtype, device: torch.device, wgrad_queue=None, stage: int = 0,
                  pipe: Optional[PipelineComm] = None, one_node_moe_layers: bool = False,
-                 data_rank: int = 0, cp_comm: Optional[ContextComm] = None):
+                 data_rank: int = 0, cp_comm: Optional[ContextComm] = None,
+                 documents: Optional[Documents] = None):
         """`data_rank`: the data-parallel rank whose tokens this model reads (0: one token
         stream); the forced balance's routing draw differs by it (`Router`). `cp_comm`: the
         CP group (None without CP): the embed and loss nodes take this rank's chunks of each
-        sequence and each layer's attention exchanges K/V over it (`model.context`)."""
+        sequence and each layer's attention exchanges K/V over it (`model.context`).
+        `documents`: the packed samples' rules (--reset-position-ids, --reset-attention-mask;
+        `model.documents`), None without them."""
         super().__init__()
         m, seed = cfg.model, cfg.train.seed
         self.cfg, self.pipe, self.ops = cfg, pipe, ops
         types = cfg.cp_comm_types()
-        contexts = ({layer: ContextParallel(cp_comm, types[layer], m.seq_length, device)
+        contexts = ({layer: ContextParallel(cp_comm, types[layer], m.seq_length, device,
+                                            documents)
                      for layer in range(m.num_layers)} if cp_comm is not None else {})
         self.context = contexts.get(0)  # whose positions the embed and loss take
         self.chunks = stage_chunks(m.num_layers, cfg.parallel.pipeline_model_parallel_size,
@@ -447,7 +459,7 @@ class MoEModel(nn.Module):
                                          dtype=dtype, device=device, queue=wgrad_queue,
                                          dispatcher=self.dispatcher,
                                          one_node=one_node_moe_layers, data_rank=data_rank,
-                                         context=contexts.get(layer))
+                                         context=contexts.get(layer), documents=documents)
             for chunk in self.chunks for layer in chunk.layers})
         if any(chunk.has_loss for chunk in self.chunks):
             self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)

@@ -40,6 +40,7 @@ from epoverlap.graphs.capture import (CudaGraphBackend, GraphRunner, graphed_mod
 from epoverlap.graphs.full_iteration import FullIterationGraph
 from epoverlap.kernels import make_moe_ops
 from epoverlap.model.budget import DispatchBudget
+from epoverlap.model.documents import Documents
 from epoverlap.model.transformer import MoEModel, count_parameters, model_dtype
 from epoverlap.parallel.comm import ContextComm, ExpertComm, HostComms, PipelineComm
 from epoverlap.parallel.groups import ParallelGroups, add_host_groups
@@ -117,11 +118,20 @@ class RunParts:
                               one_node_moe_layers=self.one_node_moe_layers,
                               data_rank=groups.dp_rank,
                               cp_comm=(ContextComm(groups.cp, groups.cp_exchange)
-                                       if groups.cp is not None else None))
+                                       if groups.cp is not None else None),
+                              documents=self._documents())
         self.params = self._whole_model_parameters()
         self.grads = GradBuffers(self.model, groups, fuse_grad_accumulation=not
                                  cfg.train.no_gradient_accumulation_fusion)
         self.optimizer = MixedPrecisionAdamW(self.model, cfg.train)
+
+    def _documents(self) -> Optional[Documents]:
+        """The packed samples' rules, with the data's end-of-document id (None without
+        --reset-position-ids or --reset-attention-mask)."""
+        d = self.cfg.data
+        if not d.reads_documents:
+            return None
+        return Documents(self.data.eod, d.reset_position_ids, d.reset_attention_mask)
 
     def _pipeline_comm(self) -> Optional[PipelineComm]:
         cfg, groups = self.cfg, self.groups

@@ -208,11 +208,12 @@ class IndexedData:
 
     def __init__(self, samples: BlendedSamples, vocab_size: int, description: str, *,
                  micro_batch_size: int, num_microbatches: int, world_size: int,
-                 masked_eod: Optional[int] = None):
-        """`masked_eod`: the end-of-document id whose next token the loss leaves out
-        (--eod-mask-loss; None: every label counts)."""
+                 eod: Optional[int] = None, masked_eod: Optional[int] = None):
+        """`eod`: the end-of-document id (where the model's documents end, the reset flags);
+        `masked_eod`: the one whose next token the loss leaves out (--eod-mask-loss; None:
+        every label counts)."""
         self.samples, self.vocab_size, self.description = samples, vocab_size, description
-        self.masked_eod = masked_eod
+        self.eod, self.masked_eod = eod, masked_eod
         self.micro_batch_size, self.num_microbatches = micro_batch_size, num_microbatches
         self.world_size = world_size
 
@@ -291,14 +292,18 @@ def _tokenizer_vocab(cfg: RunConfig) -> int:
     return _tokenizer(cfg).vocab_size
 
 
-def _masked_eod(cfg: RunConfig) -> Optional[int]:
-    """The end-of-document id --eod-mask-loss masks after (None without the flag)."""
-    if not cfg.data.eod_mask_loss:
+def _eod(cfg: RunConfig) -> Optional[int]:
+    """The end-of-document id, where --eod-mask-loss or the reset flags need it (else None)."""
+    d = cfg.data
+    given = [flag for flag, on in (("--eod-mask-loss", d.eod_mask_loss),
+                                   ("--reset-position-ids", d.reset_position_ids),
+                                   ("--reset-attention-mask", d.reset_attention_mask)) if on]
+    if not given:
         return None
     eod = _tokenizer(cfg).eod
     if eod is None:
-        raise ConfigError("--eod-mask-loss", True, f"the {cfg.data.tokenizer_type} vocabulary "
-                          "has no end-of-document token")
+        raise ConfigError(given[0], True, f"the {d.tokenizer_type} vocabulary has no "
+                          "end-of-document token")
     return eod
 
 
@@ -339,7 +344,7 @@ def _open_indexed(cfg: RunConfig, vocab_size: int, world_size: int, part: int = 
     return IndexedData(samples, vocab_size, description,
                        micro_batch_size=t.micro_batch_size,
                        num_microbatches=t.num_microbatches, world_size=world_size,
-                       masked_eod=_masked_eod(cfg))
+                       eod=_eod(cfg), masked_eod=_eod(cfg) if cfg.data.eod_mask_loss else None)
 
 
 def _split_samples(prefix: str, index: int, cfg: RunConfig, vocab_size: int,

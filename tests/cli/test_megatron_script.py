@@ -37,10 +37,11 @@ def test_the_pasted_mixtral_example_trains_on_two_cpu_ranks(tmp_path):
 
 def test_the_launcher_refuses_each_unbuilt_flag_in_a_line_of_its_own():
     result = subprocess.run([sys.executable, "-m", "epoverlap.cli.launch", "--fp16",
-                             "--reset-position-ids"], capture_output=True, text=True, env=job_env(),
-                            cwd=REPO, timeout=120)
+                             "--dynamic-context-parallel"], capture_output=True, text=True,
+                            env=job_env(), cwd=REPO, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == [
         "epoverlap-launch: error: --fp16=True: fp16 training is not implemented; use --bf16",
-        "epoverlap-launch: error: --reset-position-ids=True: packed samples (positions "
-        "restarting per document) are not implemented: every sample is one stream of positions"]
+        "epoverlap-launch: error: --dynamic-context-parallel=True: dynamic context parallelism "
+        "(a CP size per packed microbatch) is not implemented: give a fixed "
+        "--context-parallel-size"]

@@ -117,3 +117,21 @@ def test_eod_mask_loss_under_cp_counts_labels_over_the_cp_group(tmp_path):
     for ours, reference in zip(cp2, cp1):
         assert abs(ours - reference) <= 2e-6 * reference, (cp2, cp1)
     assert all(abs(a - b) > 2e-5 * b for a, b in zip(cp1, unmasked)), (cp1, unmasked)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_per_document_attention_under_cp_trains_to_the_losses_of_cp1(tmp_path, comm_type):
+    """--reset-position-ids --reset-attention-mask --eod-mask-loss on short documents: CP 2
+    (the documents' masks per ring step, or over the gathered keys) gives CP 1's losses,
+    which differ from those of attention over the whole sample."""
+    from context_workers import cp_indexed_losses, write_short_documents
+    prefix = write_short_documents(str(tmp_path / "docs"))
+    packed = STEPS + ["--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]
+    cp1 = run_ranks(cp_indexed_losses, 1, 1, prefix, packed)[0]
+    cp2 = run_ranks(cp_indexed_losses, 2, 2, prefix, packed + ["--cp-comm-type", comm_type],
+                    timeout_s=400)[0]
+    whole = run_ranks(cp_indexed_losses, 1, 1, prefix, STEPS + ["--eod-mask-loss"])[0]
+    for ours, reference in zip(cp2, cp1):
+        assert abs(ours - reference) <= 2e-6 * reference, (cp2, cp1)
+    assert all(abs(a - b) > 2e-5 * b for a, b in zip(cp1, whole)), (cp1, whole)
