@@ -29,6 +29,7 @@ DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release", "combined_1f1b_paired_ends")
 COMM_MODES = ("real", "local_copy")
 A2A_TRANSPORTS = ("process_group", "host_memory")  # --moe-a2a-transport
+CP_COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")  # Megatron-LM's; model.context: 2
 TUNE_MODES = ("auto", "on", "off")
 COMM_STREAM_PRIORITIES = ("high", "normal")
 NCCL_MAX_CHANNELS = 64  # NCCL's MAXCHANNELS: the most CTAs a collective may use
@@ -174,6 +175,18 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = flag(
         1, "PP size: pipeline stages (1F1B schedule; ranks laid out as Megatron-core's "
         "tp-cp-ep-dp-pp)")
+    context_parallel_size: int = flag(
+        1, "CP size: each sequence is cut into 2 x CP chunks, rank i of a CP group holding "
+        "chunks i and 2CP-1-i (the causal load balance), and attention exchanges keys and "
+        "values over the group (--cp-comm-type); dense grads are averaged over CP x DP ranks, "
+        "the EP groups span a stage's ranks as Megatron-core's do")
+    cp_comm_type: tuple[str, ...] = flag(
+        ("p2p",), "how attention exchanges keys and values over the CP ranks: p2p (a ring of "
+        "CP - 1 point-to-point steps, each step's partial attention merged by its log-sum-exp) "
+        "or allgather (every rank's keys and values gathered, then one attention per local "
+        "chunk); one value for every layer, or one per layer", choices=CP_COMM_TYPES,
+        why="a2a and a2a+p2p split heads over the CP ranks by an all-to-all; not implemented",
+        metavar="TYPE")
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         None, "layers per model chunk: interleaved 1F1B with layers / (PP x this) chunks per "
         "stage")
@@ -435,6 +448,19 @@ class DataConfig:
     vocab_size: Optional[int] = flag(
         None, "NullTokenizer: ids 0..N-1 (the model's vocabulary is N + 1, with "
         "end-of-document N)")
+    eod_mask_loss: bool = flag(
+        False, "the loss leaves out the prediction made at each end-of-document token (of the "
+        "next document's first token), as Megatron-LM's; --data-path datasets")
+    reset_position_ids: bool = flag(
+        False, "positions restart after each end-of-document token (the rotary angles of each "
+        "document of a packed sample start at 0), as Megatron-LM's; --data-path datasets")
+    reset_attention_mask: bool = flag(
+        False, "attention stays inside each document of a packed sample (a token sees the "
+        "earlier tokens of its own document only), as Megatron-LM's; --data-path datasets")
+
+    @property
+    def reads_documents(self) -> bool:  # the model needs the samples' document ends
+        return self.reset_position_ids or self.reset_attention_mask
 
     @property
     def tokenizer(self) -> Optional[str]:
@@ -543,10 +569,26 @@ class RunConfig:
                                              * p.num_layers_per_virtual_pipeline_stage)
         return 1
 
-    def data_parallel_size(self, world_size: int) -> int:
-        """Ranks that read different data: one pipeline of PP stages per DP rank (a PP size
-        below 1, which validation refuses, counts as 1 so nothing divides by it first)."""
+    def stage_size(self, world_size: int) -> int:
+        """Ranks of one pipeline stage, CP x DP (a PP size below 1, which validation refuses,
+        counts as 1 so nothing divides by it first)."""
         return world_size // max(1, self.parallel.pipeline_model_parallel_size)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Ranks that read different data: a stage's ranks over CP (a CP group reads one
+        sequence; a CP size below 1, which validation refuses, counts as 1)."""
+        return self.stage_size(world_size) // max(1, self.parallel.context_parallel_size)
+
+    @property
+    def microbatch_tokens(self) -> int:
+        """Tokens of one microbatch on one rank: micro batch x sequence / CP."""
+        cp = max(1, self.parallel.context_parallel_size)
+        return self.train.micro_batch_size * self.model.seq_length // cp
+
+    def cp_comm_types(self) -> list[str]:
+        """--cp-comm-type of each layer (one value given: every layer's)."""
+        types = self.parallel.cp_comm_type
+        return list(types) * self.model.num_layers if len(types) == 1 else list(types)
 
     def resolved_device(self, cuda_available: bool) -> str:
         if self.train.device == "auto":
@@ -561,7 +603,7 @@ class RunConfig:
     def for_world(self, world_size: int) -> "RunConfig":
         """This config with num_microbatches derived from --global-batch-size and train_iters
         from --train-samples, if given (each data-parallel rank reads its own data: DP = world
-        / PP; a step reads micro batch x microbatches x DP sequences)."""
+        / (PP x CP); a step reads micro batch x microbatches x DP sequences)."""
         t, dp = self.train, self.data_parallel_size(world_size)
         changes = {}
         if t.micro_batch_size < 1 or dp < 1:  # refused by validation; nothing to derive

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 from epoverlap.config.aliases import alias_conflict
 from epoverlap.config.compat import compat_rules
 from epoverlap.config.cuda_graph_rules import validate_cuda_graph_config
+from epoverlap.config.cuda_graphs import AUTO
 from epoverlap.config.dispatch import DispatchMode, a2a_chunks_blocker, hierarchy_blocker
 from epoverlap.config.flags import _opt_float
 from epoverlap.config.io_rules import validate_io
@@ -54,7 +55,8 @@ def _validate_choices(cfg: RunConfig, require=require) -> None:
     for item in FLAGS:
         value = item.value(cfg)
         if item.flag.choices and item.section != "cuda_graph" and value is not None:
-            require(value in item.flag.choices, item.field.name, value, item.allowed_text())
+            for one in value if isinstance(value, tuple) else (value,):
+                require(one in item.flag.choices, item.field.name, one, item.allowed_text())
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -158,6 +160,49 @@ def _validate_pipeline(cfg: RunConfig, world_size: int) -> None:
                  f"--pipeline-model-parallel-size={pp})")
 
 
+def _validate_context_parallel(cfg: RunConfig, world_size: int) -> None:
+    """--context-parallel-size and --cp-comm-type (model.context): every rank holds two whole
+    chunks of each sequence; what CP does not run with yet is refused here."""
+    p, m = cfg.parallel, cfg.model
+    cp, pp, types = p.context_parallel_size, p.pipeline_model_parallel_size, p.cp_comm_type
+    require(cp >= 1 and world_size % (cp * pp) == 0, "context_parallel_size", cp,
+            f"CP x PP = {cp} x {pp} must divide the world size {world_size}")
+    require(len(types) in (1, m.num_layers), "cp_comm_type", " ".join(types),
+            f"give one type, or one per layer (--num-layers={m.num_layers})")
+    for one in types:
+        require(one in ("p2p", "allgather"), "cp_comm_type", one, "p2p or allgather: a2a "
+                "and a2a+p2p (heads split over the CP ranks by an all-to-all) are not "
+                "implemented")
+    if cp == 1:
+        return
+    require(m.seq_length % (2 * cp) == 0, "context_parallel_size", cp,
+            f"2 x CP must divide --seq-length={m.seq_length} (each rank holds 2 equal chunks)")
+    require(m.attention_dropout == 0, "attention_dropout", m.attention_dropout,
+            "must be 0 with --context-parallel-size > 1: attention dropout under context "
+            "parallelism is not implemented")
+    require(cfg.cuda_graph.impl in ("none", AUTO), "cuda_graph_impl", cfg.cuda_graph.impl,
+            "must be none with --context-parallel-size > 1: CUDA graphs under context "
+            "parallelism are not implemented")
+    require(cfg.moe.moe_router_load_balancing_type != "seq_aux_loss",
+            "moe_router_load_balancing_type", "seq_aux_loss", "aux_loss or none with "
+            "--context-parallel-size > 1: the per-sequence loss over a sequence split across "
+            "the CP ranks is not implemented")
+
+
+def _validate_documents(cfg: RunConfig) -> None:
+    """--reset-attention-mask / --reset-position-ids: what they do not run with yet."""
+    d, m = cfg.data, cfg.model
+    if not d.reads_documents:
+        return
+    name = "reset_attention_mask" if d.reset_attention_mask else "reset_position_ids"
+    require(cfg.cuda_graph.impl in ("none", AUTO), "cuda_graph_impl", cfg.cuda_graph.impl,
+            f"must be none with {flag_of(name)}: per-document attention under CUDA graphs is "
+            "not implemented")
+    require(not d.reset_attention_mask or m.attention_dropout == 0, "attention_dropout",
+            m.attention_dropout, "must be 0 with --reset-attention-mask: attention dropout "
+            "with per-document attention is not implemented")
+
+
 def _validate_microbatches(cfg: RunConfig, world_size: int) -> None:
     """A pipeline of P stages needs at least P microbatches per step (one in flight each)."""
     pp, t = cfg.parallel.pipeline_model_parallel_size, cfg.train
@@ -242,7 +287,7 @@ def _validate_dispatch(cfg: RunConfig) -> None:
              True, "cannot be combined with --moe-dispatch-once-per-rank (a padded capacity "
              "fixes the rows per expert, once per rank sends a row per rank)")
     if pad:
-        tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+        tokens = cfg.microbatch_tokens
         capacity = get_capacity(tokens * moe.moe_router_topk, moe.num_experts, factor)
         require(capacity <= tokens, "moe_expert_capacity_factor", factor,
                  f"with --moe-pad-expert-input-to-capacity the capacity ({capacity}) must not "
@@ -551,6 +596,8 @@ def _rule_groups(cfg: RunConfig, world_size: int, cuda_available: bool,
                         f"must be >= {MIN_TIMEOUT_MINUTES} (3 s): the liveness checks need a "
                         "few heartbeats within it"),
         lambda: _validate_pipeline(cfg, world_size),
+        lambda: _validate_context_parallel(cfg, world_size),
+        lambda: _validate_documents(cfg),
         lambda: _validate_emulated_hosts(cfg, world_size, cuda_available),
         lambda: _validate_moe(cfg, world_size),
         lambda: _validate_hierarchy(cfg, world_size),

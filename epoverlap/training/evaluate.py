@@ -44,7 +44,7 @@ class Evaluator:
     def __init__(self, parts: RunParts, stepper: StepRunner):
         self.parts, self.stepper = parts, stepper
         self.enabled = evaluates(parts.cfg)
-        self.data = (validation_source(parts.cfg, parts.groups.dp_size, parts.data)
+        self.data = (validation_source(parts.cfg, parts.groups.data_size, parts.data)
                      if self.enabled else None)
 
     def due(self, step: int) -> bool:
@@ -90,7 +90,7 @@ class Evaluator:
         p = self.parts
         t = p.cfg.train
         inputs = [(tokens.to(p.device), labels.to(p.device)) for tokens, labels in
-                  step_batches(self.data, index, p.groups.dp_rank, t.num_microbatches,
+                  step_batches(self.data, index, p.groups.data_rank, t.num_microbatches,
                                t.micro_batch_size, p.cfg.model.seq_length)]
         return self.stepper.until_it_fits(lambda level: self._forward(inputs, level))
 

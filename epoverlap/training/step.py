@@ -117,7 +117,7 @@ class StepRunner:
     def _result(self, step, stats: StepStats, lr, grad_norm, elapsed) -> StepResult:
         p = self.parts
         t, m = p.cfg.train, p.cfg.model
-        tokens = p.groups.dp_size * t.num_microbatches * t.micro_batch_size * m.seq_length
+        tokens = p.groups.dp_size * t.num_microbatches * p.cfg.microbatch_tokens
         on_gpu = p.device.type == "cuda"
         peak = torch.cuda.max_memory_allocated(p.device) / 2**30 if on_gpu else None
         per_gpu = tokens / elapsed / 1e12 / p.groups.world_size
@@ -152,14 +152,15 @@ class StepRunner:
 
     # ----------------------------------------------------------------- forward-backward
     def microbatches(self, step: int) -> list[dict]:
-        """The step's microbatch dicts: tokens, labels and, with dropout, the dropout seed of
-        the same (step, DP rank, microbatch) as the data (`model.dropout`)."""
+        """The step's microbatch dicts: tokens, labels (whole sequences: under CP the model
+        takes this rank's chunks) and, with dropout, the dropout seed of the same (step, rank
+        of the stage, microbatch) as the data (`model.dropout`)."""
         p = self.parts
         t, rank = p.cfg.train, p.groups.dp_rank  # every stage of a pipeline reads alike
         if self._feed is None or self._feed.source is not p.data:
             self.close()
-            self._feed = StepFeed(p.data, rank, t.num_microbatches, t.micro_batch_size,
-                                  p.cfg.model.seq_length)
+            self._feed = StepFeed(p.data, p.groups.data_rank, t.num_microbatches,
+                                  t.micro_batch_size, p.cfg.model.seq_length)
         batches = self._feed.batches(step)
         return [{"tokens": tokens.to(p.device), "labels": labels.to(p.device),
                  **dropout_inputs(p.cfg, step, rank, mb)}

@@ -69,7 +69,7 @@ def reduce_step_stats(parts, losses: list) -> StepStats:
                                                        ints[-TALLIES:].double()]))
     stop, (dropped, sent, exact) = rest[:-TALLIES], rest[-TALLIES:]
     scale = 1.0 / (t.num_microbatches * p.groups.dp_size)
-    routed = (p.groups.dp_size * t.num_microbatches * t.micro_batch_size * p.cfg.model.seq_length
+    routed = (p.groups.dp_size * t.num_microbatches * p.cfg.microbatch_tokens
               * p.cfg.moe.moe_router_topk * len(moe_layers))
     return StepStats(loss * scale, aux * scale, imbalance, StopRequest.agreed(stop),
                      int(dropped), dropped / routed if routed else 0.0,
