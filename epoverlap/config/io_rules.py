@@ -10,7 +10,8 @@ import tempfile
 from pathlib import Path
 
 from epoverlap.config.parse import flag_of, require
-from epoverlap.config.sections import DEFAULT_SPLIT, DataConfig, LogConfig, RunConfig
+from epoverlap.config.run import RunConfig
+from epoverlap.config.sections import DEFAULT_SPLIT, DataConfig, LogConfig
 from epoverlap.errors import ConfigError
 
 

@@ -50,7 +50,7 @@ import math
 
 from epoverlap.config.cuda_graphs import AUTO, EP_OVERLAP_MODULES
 from epoverlap.config.dispatch import BY_HOST_MAX_SHARE, DispatchMode, by_host_row_share
-from epoverlap.config.sections import RunConfig
+from epoverlap.config.run import RunConfig
 from epoverlap.config.tuning import candidate_paths, may_tune
 from epoverlap.config.validate import MAX_LAYERS, check_config
 from epoverlap.errors import ConfigError

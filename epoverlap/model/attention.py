@@ -22,7 +22,7 @@ from epoverlap.model.context import ContextParallel
 from epoverlap.model.documents import Documents
 from epoverlap.model.dropout import causal_attention, grouped_kv
 from epoverlap.model.linear import linear
-from epoverlap.model.moe import param_seed, seeded_normal_
+from epoverlap.model.init import param_seed, seeded_normal_
 
 
 class RMSNorm(nn.Module):

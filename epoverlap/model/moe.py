@@ -2,8 +2,8 @@
 is `model.dispatch`).
 
 Owns `Router` (gate, score function, top-k, aux losses, capacity, expert bias and its per-step
-update), `GroupedSwiGLUExperts` and `SwiGLU` (dense / shared MLP), and the seeded parameter init
-every module of the model uses (`seeded_normal_`, `param_seed`). The routing ops come from an
+update), `GroupedSwiGLUExperts` and `SwiGLU` (dense / shared MLP); their seeded init is
+`model.init`'s. The routing ops come from an
 `MoEOps` table chosen once by config (torch or Triton).
 
 With a capacity (`DispatchMode.drops_tokens`, Megatron-core's --moe-expert-capacity-factor) the
@@ -20,7 +20,6 @@ received by this rank, F expert FFN width.
 
 from __future__ import annotations
 
-import zlib
 from typing import Callable, Optional
 
 import torch
@@ -34,23 +33,9 @@ from epoverlap.kernels.router_topk import (SwitchAuxLoss, attach_aux_loss, aux_l
 
 from epoverlap.config import MoEConfig
 from epoverlap.config.dispatch import DispatchMode
+from epoverlap.model.init import param_seed, seeded_normal_
 from epoverlap.model.linear import expert_offsets, grouped_gemm, linear
 from epoverlap.parallel.comm import ContextComm
-
-
-def seeded_normal_(tensor: torch.Tensor, std: float, seed: int) -> torch.Tensor:
-    """Fill from a generator of its own, so init is independent of order, device count, EP.
-    A meta tensor (a shape-only model, e.g. the simulator's) has no values to fill."""
-    if tensor.device.type == "meta":
-        return tensor
-    generator = torch.Generator(device=tensor.device)
-    generator.manual_seed(seed % (2**63))
-    with torch.no_grad():
-        return tensor.normal_(0.0, std, generator=generator)
-
-
-def param_seed(base_seed: int, *names: object) -> int:
-    return base_seed * 1_000_003 + zlib.crc32("/".join(str(n) for n in names).encode())
 
 
 class Router(nn.Module):

@@ -68,7 +68,8 @@ from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, hidden_dropout,
                                      uses_dropout)
 from epoverlap.model.linear import linear
-from epoverlap.model.moe import GroupedSwiGLUExperts, Router, SwiGLU, param_seed, seeded_normal_
+from epoverlap.model.init import param_seed, seeded_normal_, vocab_parameter
+from epoverlap.model.moe import GroupedSwiGLUExperts, Router, SwiGLU
 from epoverlap.model.nodes import (COMM, COMPUTE, RECV, SEND, NodeSpec, Segment, hidden_value,
                                    layer_value, segmented)
 from epoverlap.model.stages import stage_chunks
@@ -580,19 +581,6 @@ class MoEModel(nn.Module):
             out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})
             values.update({spec.outputs[local]: value for local, value in out.items()})
         return values.get("loss")
-
-
-def vocab_parameter(m: ModelConfig, seed: int, name: str, dtype: torch.dtype,
-                    device: torch.device) -> nn.Parameter:
-    """The embedding's or output head's [padded V, H] weight: its first V rows drawn as an
-    unpadded model's whole tensor is (the same values, so a padded run starts from the
-    unpadded one's weights), the padding rows zero (never looked up, out of the softmax)."""
-    weight = torch.empty(m.padded_vocab_size, m.hidden_size, dtype=dtype, device=device)
-    seeded_normal_(weight[:m.vocab_size], m.init_method_std, param_seed(seed, name))
-    if weight.device.type != "meta":
-        with torch.no_grad():
-            weight[m.vocab_size:].zero_()
-    return nn.Parameter(weight)
 
 
 def model_dtype(cfg: RunConfig) -> torch.dtype:
