@@ -219,7 +219,8 @@ def _train(argv: Optional[list[str]], settings: Callable[[RunConfig], RunConfig]
     groups = init_distributed(cfg.parallel.expert_model_parallel_size, cfg.resolved_device(cuda),
                               cfg.parallel.distributed_timeout_minutes,
                               pp_size=cfg.parallel.pipeline_model_parallel_size,
-                              ep_budget=ep_cta_budget(cfg))
+                              ep_budget=ep_cta_budget(cfg),
+                              cp_size=cfg.parallel.context_parallel_size)
     route_signals(groups.watch)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     trainer, status = None, 0

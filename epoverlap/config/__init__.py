@@ -2,6 +2,7 @@
 model and the runtime import and that imports neither.
 
   sections.py          the config dataclasses; each flag is declared beside its field
+  run.py               RunConfig: the sections together and what is derived from several
   cuda_graphs.py       the CUDA-graph section and the migration of its deprecated spellings
   data_text.py         the data flags' text read: --split proportions, --data-path blends
   flags.py             how a field becomes a flag (`flag`, the generated argparse surface)
@@ -22,10 +23,10 @@ from epoverlap.config.dispatch import DispatchMode
 from epoverlap.config.parse import CHOICES, FLAGS, build_parser, config_from_args, flag_of, \
     parse_config
 from epoverlap.config.presets import PRESETS
-from epoverlap.config.sections import (DEFAULT_SPLIT, SECTIONS, CheckpointConfig, DataConfig,
-                                       KernelConfig, LogConfig, ModelConfig, MoEConfig,
-                                       OverlapConfig, ParallelConfig, RunConfig, TrainConfig,
-                                       moe_layer_pattern)
+from epoverlap.config.run import SECTIONS, RunConfig, moe_layer_pattern
+from epoverlap.config.sections import (DEFAULT_SPLIT, CheckpointConfig, DataConfig, KernelConfig,
+                                       LogConfig, ModelConfig, MoEConfig, OverlapConfig,
+                                       ParallelConfig, TrainConfig)
 from epoverlap.config.resolve import resolve_config, validate_config
 from epoverlap.config.validate import nccl_config_unavailable, world_size_from_env
 

@@ -23,6 +23,8 @@ from epoverlap.errors import ConfigError
 
 GROUP = "Megatron-LM flags accepted for pasted scripts"
 REFUSED_GROUP = "Megatron-LM flags not implemented (each is refused with its reason)"
+DYNAMIC_CP = ("dynamic context parallelism (a CP size per packed microbatch) is not "
+              "implemented: give a fixed --context-parallel-size")
 NO_TP = "tensor parallelism is not implemented; use expert/data/pipeline parallelism"
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")  # Megatron-core's AttnBackend
 NOT_SHARDED = ("nothing is sharded: every rank keeps its parameters, grads and optimizer state "
@@ -109,7 +111,7 @@ class CompatConfig:
         "no mask is built")
     calculate_per_token_loss: bool = _accepted(
         "the loss averaged per token", "every sequence is full and no token is masked: the "
-        "mean per token is the mean per microbatch")
+        "mean per token is the mean per microbatch (with --eod-mask-loss it is refused)")
     dist_ckpt_strictness: Optional[str] = flag(
         None, "how unexpected checkpoint keys are handled", note="--load checks every key "
         "against the model and refuses a mismatch in one line", group=GROUP)
@@ -168,7 +170,6 @@ class CompatConfig:
         None, "the process groups' backend", choices=("nccl", "gloo"),
         note="NCCL on GPUs, gloo on CPUs", group=GROUP)
     tensor_model_parallel_size: int = flag(1, "tensor parallel size (only 1)", group=GROUP)
-    context_parallel_size: int = flag(1, "context parallel size (only 1)", group=GROUP)
     expert_tensor_parallel_size: Optional[int] = flag(None, "expert tensor parallel size (only "
                                                       "1)", group=GROUP)
     max_position_embeddings: Optional[int] = flag(None, "the longest sequence (>= "
@@ -216,7 +217,12 @@ NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
      "--moe-shared-expert-intermediate-size"),
     ("--enable-shared-expert", 0, "give the shared experts' width with "
      "--moe-shared-expert-intermediate-size"),
-    ("--eod-mask-loss", 0, "masking the loss at end-of-document tokens is not implemented"),
+    ("--hierarchical-context-parallel-sizes", "+", "hierarchical CP serves --cp-comm-type "
+     "a2a+p2p, which is not implemented: give --context-parallel-size"),
+    ("--dynamic-context-parallel", 0, DYNAMIC_CP),
+    ("--hybrid-context-parallel", 0, DYNAMIC_CP),
+    ("--min-dynamic-context-parallel-size", 1, DYNAMIC_CP),
+    ("--max-seqlen-per-dp-cp-rank", 1, DYNAMIC_CP),
     ("--train-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
     ("--valid-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
     ("--test-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
@@ -263,11 +269,9 @@ def _refused_dest(name: str) -> str:
 def compat_rules(cfg, require: Callable[[bool, str, object, str], None]) -> None:
     """The accepted flags whose value must agree with the model (`cfg` a RunConfig)."""
     c, m = cfg.compat, cfg.model
-    for name in ("tensor_model_parallel_size", "context_parallel_size",
-                 "expert_tensor_parallel_size"):
+    for name in ("tensor_model_parallel_size", "expert_tensor_parallel_size"):
         value = getattr(c, name)
-        why = NO_TP if "tensor" in name else "context parallelism is not implemented"
-        require(value in (None, 1), name, value, f"must be 1: {why}")
+        require(value in (None, 1), name, value, f"must be 1: {NO_TP}")
     require(c.max_position_embeddings is None or c.max_position_embeddings >= m.seq_length,
             "max_position_embeddings", c.max_position_embeddings,
             f"must be >= --seq-length={m.seq_length}")
@@ -276,6 +280,10 @@ def compat_rules(cfg, require: Callable[[bool, str, object, str], None]) -> None
             "is rotated")
     require(c.rotary_scaling_factor == 1.0, "rotary_scaling_factor", c.rotary_scaling_factor,
             "must be 1.0: rotary scaling (long context) is not implemented")
+    require(not (c.calculate_per_token_loss and cfg.data.eod_mask_loss),
+            "calculate_per_token_loss", True, "with --eod-mask-loss the mean over the global "
+            "batch's counted tokens differs from the mean of the microbatches' means, which is "
+            "what runs here; not implemented")
     require(not c.group_query_attention or m.num_query_groups is not None,
             "group_query_attention", True, "needs --num-query-groups")
     require(c.ckpt_format != "fsdp_dtensor" or (cfg.checkpoint.save is None and

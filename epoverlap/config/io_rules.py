@@ -10,7 +10,8 @@ import tempfile
 from pathlib import Path
 
 from epoverlap.config.parse import flag_of, require
-from epoverlap.config.sections import DEFAULT_SPLIT, DataConfig, LogConfig, RunConfig
+from epoverlap.config.run import RunConfig
+from epoverlap.config.sections import DEFAULT_SPLIT, DataConfig, LogConfig
 from epoverlap.errors import ConfigError
 
 
@@ -50,6 +51,9 @@ def _validate_data(d: DataConfig) -> None:
                  "needs --tokenizer-type (NullTokenizer with --vocab-size, HuggingFaceTokenizer "
                  "or Llama2Tokenizer with --tokenizer-model, GPT2BPETokenizer with --vocab-file "
                  "and --merge-file)")
+    for name in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
+        require(not getattr(d, name) or bool(d.data_path), name, True,
+                "needs --data-path: the other sources have no end-of-document tokens")
     if d.split is not None:
         require(bool(d.data_path) or d.mock_data, "split", d.split,
                 "applies to --data-path datasets and --mock-data")

@@ -19,7 +19,7 @@ from epoverlap.config.cuda_graphs import add_cuda_graph_args, cuda_graph_config_
 from epoverlap.config.flags import (CliParser, FlagField, add_flags, given_values, help_formatter,
                                     presets_help, section_flags)
 from epoverlap.config.presets import PRESETS
-from epoverlap.config.sections import SECTIONS, RunConfig
+from epoverlap.config.run import SECTIONS, RunConfig
 from epoverlap.errors import ConfigError, UnknownArguments, raise_together
 
 USAGE = "%(prog)s [--preset NAME] [FLAG VALUE ...]   (--help lists every flag)"

@@ -50,7 +50,7 @@ import math
 
 from epoverlap.config.cuda_graphs import AUTO, EP_OVERLAP_MODULES
 from epoverlap.config.dispatch import BY_HOST_MAX_SHARE, DispatchMode, by_host_row_share
-from epoverlap.config.sections import RunConfig
+from epoverlap.config.run import RunConfig
 from epoverlap.config.tuning import candidate_paths, may_tune
 from epoverlap.config.validate import MAX_LAYERS, check_config
 from epoverlap.errors import ConfigError
@@ -130,7 +130,7 @@ def validate_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> No
 
 def auto_ep_size(cfg: RunConfig, world_size: int) -> int:
     """The largest EP size that divides both the ranks of a pipeline stage and the experts."""
-    stage_ranks = cfg.data_parallel_size(world_size)
+    stage_ranks = cfg.stage_size(world_size)
     if not _has_moe_layers(cfg) or stage_ranks < 1:
         return 1
     return math.gcd(stage_ranks, cfg.moe.num_experts)

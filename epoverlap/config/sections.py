@@ -2,21 +2,16 @@
 command-line flag declared as one (`flag`, see config.flags) right here: its name, help,
 allowed values and default live beside the field, nowhere else.
 
-`RunConfig` holds the sections and the values derived from several of them (the plan's name,
-virtual stages, data-parallel size, the device and kernel backend `auto` resolves to).
+`config.run.RunConfig` holds these sections and the values derived from several of them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
-from epoverlap.config.compat import CompatConfig
-from epoverlap.config.cuda_graphs import CudaGraphConfig
 from epoverlap.config.data_text import parse_blend, parse_split
 from epoverlap.config.flags import flag
-from epoverlap.config.layer_freq import layer_freq_list
 from epoverlap.data.tokenizers import TOKENIZER_TYPES
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -29,6 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release", "combined_1f1b_paired_ends")
 COMM_MODES = ("real", "local_copy")
 A2A_TRANSPORTS = ("process_group", "host_memory")  # --moe-a2a-transport
+CP_COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")  # Megatron-LM's; model.context: 2
 TUNE_MODES = ("auto", "on", "off")
 COMM_STREAM_PRIORITIES = ("high", "normal")
 NCCL_MAX_CHANNELS = 64  # NCCL's MAXCHANNELS: the most CTAs a collective may use
@@ -174,6 +170,18 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = flag(
         1, "PP size: pipeline stages (1F1B schedule; ranks laid out as Megatron-core's "
         "tp-cp-ep-dp-pp)")
+    context_parallel_size: int = flag(
+        1, "CP size: each sequence is cut into 2 x CP chunks, rank i of a CP group holding "
+        "chunks i and 2CP-1-i (the causal load balance), and attention exchanges keys and "
+        "values over the group (--cp-comm-type); dense grads are averaged over CP x DP ranks, "
+        "the EP groups span a stage's ranks as Megatron-core's do")
+    cp_comm_type: tuple[str, ...] = flag(
+        ("p2p",), "how attention exchanges keys and values over the CP ranks: p2p (a ring of "
+        "CP - 1 point-to-point steps, each step's partial attention merged by its log-sum-exp) "
+        "or allgather (every rank's keys and values gathered, then one attention per local "
+        "chunk); one value for every layer, or one per layer", choices=CP_COMM_TYPES,
+        why="a2a and a2a+p2p split heads over the CP ranks by an all-to-all; not implemented",
+        metavar="TYPE")
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         None, "layers per model chunk: interleaved 1F1B with layers / (PP x this) chunks per "
         "stage")
@@ -435,6 +443,19 @@ class DataConfig:
     vocab_size: Optional[int] = flag(
         None, "NullTokenizer: ids 0..N-1 (the model's vocabulary is N + 1, with "
         "end-of-document N)")
+    eod_mask_loss: bool = flag(
+        False, "the loss leaves out the prediction made at each end-of-document token (of the "
+        "next document's first token), as Megatron-LM's; --data-path datasets")
+    reset_position_ids: bool = flag(
+        False, "positions restart after each end-of-document token (the rotary angles of each "
+        "document of a packed sample start at 0), as Megatron-LM's; --data-path datasets")
+    reset_attention_mask: bool = flag(
+        False, "attention stays inside each document of a packed sample (a token sees the "
+        "earlier tokens of its own document only), as Megatron-LM's; --data-path datasets")
+
+    @property
+    def reads_documents(self) -> bool:  # the model needs the samples' document ends
+        return self.reset_position_ids or self.reset_attention_mask
 
     @property
     def tokenizer(self) -> Optional[str]:
@@ -501,107 +522,3 @@ class LogConfig:
             return None
         start, end = self.profile_steps.split(":")
         return int(start), int(end)
-
-
-@dataclass(kw_only=True, frozen=True)
-class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    overlap: OverlapConfig = field(default_factory=OverlapConfig)
-    kernels: KernelConfig = field(default_factory=KernelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    compat: CompatConfig = field(default_factory=CompatConfig)
-    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
-    # the flags whose `auto` default config.resolve set (for the run's path line); not a flag
-    defaulted: tuple[str, ...] = ()
-    link: str = ""  # not a flag: the link config.resolve found on CUDA, `kind (why)`
-
-    def moe_layer_pattern(self) -> list[bool]:
-        """For each layer: True if it is an MoE layer."""
-        return moe_layer_pattern(self.model.num_layers, self.moe)
-
-    @property
-    def plan_name(self) -> str:
-        """The schedule a step runs: --overlap-plan with the overlap on, else sequential."""
-        o = self.overlap
-        return o.overlap_plan_name if o.overlap_moe_expert_parallel_comm else "sequential"
-
-    @property
-    def virtual_stages(self) -> int:
-        """Model chunks per pipeline stage (V): --num-virtual-stages-per-pipeline-rank, or
-        layers / (P x --num-layers-per-virtual-pipeline-stage); 1 without either."""
-        p = self.parallel
-        if p.num_virtual_stages_per_pipeline_rank is not None:
-            return p.num_virtual_stages_per_pipeline_rank
-        if p.num_layers_per_virtual_pipeline_stage:
-            return self.model.num_layers // (p.pipeline_model_parallel_size
-                                             * p.num_layers_per_virtual_pipeline_stage)
-        return 1
-
-    def data_parallel_size(self, world_size: int) -> int:
-        """Ranks that read different data: one pipeline of PP stages per DP rank (a PP size
-        below 1, which validation refuses, counts as 1 so nothing divides by it first)."""
-        return world_size // max(1, self.parallel.pipeline_model_parallel_size)
-
-    def resolved_device(self, cuda_available: bool) -> str:
-        if self.train.device == "auto":
-            return "cuda" if cuda_available else "cpu"
-        return self.train.device
-
-    def resolved_kernel_backend(self, device: str) -> str:
-        if self.kernels.kernel_backend == "auto":
-            return "triton" if device == "cuda" else "torch"
-        return self.kernels.kernel_backend
-
-    def for_world(self, world_size: int) -> "RunConfig":
-        """This config with num_microbatches derived from --global-batch-size and train_iters
-        from --train-samples, if given (each data-parallel rank reads its own data: DP = world
-        / PP; a step reads micro batch x microbatches x DP sequences)."""
-        t, dp = self.train, self.data_parallel_size(world_size)
-        changes = {}
-        if t.micro_batch_size < 1 or dp < 1:  # refused by validation; nothing to derive
-            return self
-        if t.global_batch_size is not None:
-            changes["num_microbatches"] = t.global_batch_size // (t.micro_batch_size * dp)
-        microbatches = changes.get("num_microbatches", t.num_microbatches)
-        per_step = t.micro_batch_size * microbatches * dp
-        if t.train_samples is not None:
-            changes["train_iters"] = max(1, t.train_samples // per_step)
-        if t.lr_decay_samples is not None or t.lr_warmup_samples is not None:
-            changes["samples_per_step"] = per_step
-        if not changes:
-            return self
-        return dataclasses.replace(self, train=dataclasses.replace(t, **changes))
-
-    def with_vocab_size(self, vocab_size: int) -> "RunConfig":
-        """This config with the model's vocabulary set (to the data's tokenizer's)."""
-        return dataclasses.replace(self, model=dataclasses.replace(self.model,
-                                                                   vocab_size=vocab_size))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-# The sections the command line fills, in --help order.
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig, "train": TrainConfig,
-    "overlap": OverlapConfig, "kernels": KernelConfig, "data": DataConfig, "log": LogConfig,
-    "checkpoint": CheckpointConfig, "eval": EvalConfig, "compat": CompatConfig,
-    "cuda_graph": CudaGraphConfig}
-
-
-def moe_layer_pattern(num_layers: int, moe: MoEConfig) -> list[bool]:
-    """--moe-layer-freq N (every N-th layer, from layer 0) or a 0/1 list, minus first-k dense."""
-    if not moe.enabled:
-        return [False] * num_layers
-    items = layer_freq_list(moe.moe_layer_freq)
-    every = int(moe.moe_layer_freq) if items is None else 1
-    pattern = [bool(item) for item in items] if items is not None else \
-        [layer % every == 0 for layer in range(num_layers)]
-    return [is_moe and layer >= moe.moe_first_k_dense_replace
-            for layer, is_moe in enumerate(pattern)]

@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epoverlap.config.dispatch import DispatchMode, a2a_chunks_blocker
-from epoverlap.config.sections import RunConfig
+from epoverlap.config.run import RunConfig
 
 SEQUENTIAL = "sequential"
 DEFAULT_PLAN = "combined_1f1b"

@@ -23,12 +23,13 @@ from epoverlap.config.compat import compat_rules
 from epoverlap.config.cuda_graph_rules import validate_cuda_graph_config
 from epoverlap.config.dispatch import DispatchMode, a2a_chunks_blocker, hierarchy_blocker
 from epoverlap.config.flags import _opt_float
+from epoverlap.config.context_rules import validate_context_parallel, validate_documents
 from epoverlap.config.io_rules import validate_io
 from epoverlap.config.layer_freq import layer_freq_list
 from epoverlap.config.parse import FLAGS, flag_of, require
+from epoverlap.config.run import RunConfig
 from epoverlap.config.sections import (COMM_MODES, MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS,
-                                       ModelConfig, MoEConfig, OverlapConfig, RunConfig,
-                                       TrainConfig)
+                                       ModelConfig, MoEConfig, OverlapConfig, TrainConfig)
 from epoverlap.config.tuning import (candidate_paths, probe_steps, steps_needed, timed_steps,
                                      tune_blocker, tune_mode, untimed_steps)
 from epoverlap.errors import ConfigError, raise_together
@@ -54,7 +55,8 @@ def _validate_choices(cfg: RunConfig, require=require) -> None:
     for item in FLAGS:
         value = item.value(cfg)
         if item.flag.choices and item.section != "cuda_graph" and value is not None:
-            require(value in item.flag.choices, item.field.name, value, item.allowed_text())
+            for one in value if isinstance(value, tuple) else (value,):
+                require(one in item.flag.choices, item.field.name, one, item.allowed_text())
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -242,7 +244,7 @@ def _validate_dispatch(cfg: RunConfig) -> None:
              True, "cannot be combined with --moe-dispatch-once-per-rank (a padded capacity "
              "fixes the rows per expert, once per rank sends a row per rank)")
     if pad:
-        tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+        tokens = cfg.microbatch_tokens
         capacity = get_capacity(tokens * moe.moe_router_topk, moe.num_experts, factor)
         require(capacity <= tokens, "moe_expert_capacity_factor", factor,
                  f"with --moe-pad-expert-input-to-capacity the capacity ({capacity}) must not "
@@ -551,6 +553,8 @@ def _rule_groups(cfg: RunConfig, world_size: int, cuda_available: bool,
                         f"must be >= {MIN_TIMEOUT_MINUTES} (3 s): the liveness checks need a "
                         "few heartbeats within it"),
         lambda: _validate_pipeline(cfg, world_size),
+        lambda: validate_context_parallel(cfg, world_size),
+        lambda: validate_documents(cfg),
         lambda: _validate_emulated_hosts(cfg, world_size, cuda_available),
         lambda: _validate_moe(cfg, world_size),
         lambda: _validate_hierarchy(cfg, world_size),

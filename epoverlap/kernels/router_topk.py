@@ -165,10 +165,13 @@ def check_aux_loss_routing(routing_kwargs: dict) -> None:
 
 
 def switch_aux_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, topk: int,
-                    coeff: float) -> torch.Tensor:
-    """Switch load-balancing loss: E * sum_e f_e * P_e * coeff (Megatron-core's formula)."""
+                    coeff: float, counted_tokens: Optional[int] = None) -> torch.Tensor:
+    """Switch load-balancing loss: E * sum_e f_e * P_e * coeff (Megatron-core's formula); f_e
+    from `counts_E` over `counted_tokens` (default: the T tokens of `scores_TE`; under context
+    parallelism the whole sequence's counts, over its tokens), P_e over the T tokens."""
     num_tokens, num_experts = scores_TE.shape
-    scale = num_experts * coeff / (topk * num_tokens * num_tokens)
+    counted = counted_tokens or num_tokens
+    scale = num_experts * coeff / (topk * num_tokens * counted)
     return torch.sum(scores_TE.sum(dim=0) * counts_E.to(scores_TE.dtype)) * scale
 
 

@@ -80,8 +80,7 @@ class DispatchBudget:
         if mode.budget is None:
             return None
         hosts = comm.by_host.hosts if mode.by_host and comm.by_host is not None else 1
-        return cls.for_dispatch(mode.budget, comm.size,
-                                cfg.train.micro_batch_size * cfg.model.seq_length,
+        return cls.for_dispatch(mode.budget, comm.size, cfg.microbatch_tokens,
                                 cfg.moe.moe_router_topk, cfg.moe.num_experts,
                                 mode.once_per_rank, device,
                                 memory_steps=cfg.moe.moe_dispatch_budget_memory, hosts=hosts,

@@ -112,6 +112,17 @@ def seeded_default_rng(device: torch.device, seed: int) -> Iterator[None]:
         generator.set_state(state)
 
 
+def grouped_kv(q_BQSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor):
+    """(K, V, whether SDPA groups them): grouped-query K/V as they are, except fp32 on CUDA,
+    expanded to the query heads (see `causal_attention`)."""
+    gqa = k_BGSD.shape[1] != q_BQSD.shape[1]
+    if gqa and q_BQSD.is_cuda and q_BQSD.dtype == torch.float32:
+        repeat = q_BQSD.shape[1] // k_BGSD.shape[1]
+        return (k_BGSD.repeat_interleave(repeat, dim=1), v_BGSD.repeat_interleave(repeat, dim=1),
+                False)
+    return k_BGSD, v_BGSD, gqa
+
+
 def causal_attention(q_BQSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, *,
                      p: float, seed: Optional[int], layer: int) -> torch.Tensor:
     """Causal SDPA (grouped-query when K/V have fewer heads than Q), with dropout p on the
@@ -121,12 +132,7 @@ def causal_attention(q_BQSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.T
     there (flash attention is 16-bit only), and SDPA's math fallback keeps the S x S scores of
     every head for the backward, so K/V are expanded to the query heads for the
     memory-efficient kernel."""
-    gqa = k_BGSD.shape[1] != q_BQSD.shape[1]
-    if gqa and q_BQSD.is_cuda and q_BQSD.dtype == torch.float32:
-        repeat = q_BQSD.shape[1] // k_BGSD.shape[1]
-        k_BGSD, v_BGSD = (k_BGSD.repeat_interleave(repeat, dim=1),
-                          v_BGSD.repeat_interleave(repeat, dim=1))
-        gqa = False
+    k_BGSD, v_BGSD, gqa = grouped_kv(q_BQSD, k_BGSD, v_BGSD)
     if p == 0.0:
         return F.scaled_dot_product_attention(q_BQSD, k_BGSD, v_BGSD, is_causal=True,
                                               enable_gqa=gqa)

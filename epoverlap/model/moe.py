@@ -2,8 +2,8 @@
 is `model.dispatch`).
 
 Owns `Router` (gate, score function, top-k, aux losses, capacity, expert bias and its per-step
-update), `GroupedSwiGLUExperts` and `SwiGLU` (dense / shared MLP), and the seeded parameter init
-every module of the model uses (`seeded_normal_`, `param_seed`). The routing ops come from an
+update), `GroupedSwiGLUExperts` and `SwiGLU` (dense / shared MLP); their seeded init is
+`model.init`'s. The routing ops come from an
 `MoEOps` table chosen once by config (torch or Triton).
 
 With a capacity (`DispatchMode.drops_tokens`, Megatron-core's --moe-expert-capacity-factor) the
@@ -20,7 +20,6 @@ received by this rank, F expert FFN width.
 
 from __future__ import annotations
 
-import zlib
 from typing import Callable, Optional
 
 import torch
@@ -34,22 +33,9 @@ from epoverlap.kernels.router_topk import (SwitchAuxLoss, attach_aux_loss, aux_l
 
 from epoverlap.config import MoEConfig
 from epoverlap.config.dispatch import DispatchMode
+from epoverlap.model.init import param_seed, seeded_normal_
 from epoverlap.model.linear import expert_offsets, grouped_gemm, linear
-
-
-def seeded_normal_(tensor: torch.Tensor, std: float, seed: int) -> torch.Tensor:
-    """Fill from a generator of its own, so init is independent of order, device count, EP.
-    A meta tensor (a shape-only model, e.g. the simulator's) has no values to fill."""
-    if tensor.device.type == "meta":
-        return tensor
-    generator = torch.Generator(device=tensor.device)
-    generator.manual_seed(seed % (2**63))
-    with torch.no_grad():
-        return tensor.normal_(0.0, std, generator=generator)
-
-
-def param_seed(base_seed: int, *names: object) -> int:
-    return base_seed * 1_000_003 + zlib.crc32("/".join(str(n) for n in names).encode())
+from epoverlap.parallel.comm import ContextComm
 
 
 class Router(nn.Module):
@@ -77,10 +63,13 @@ class Router(nn.Module):
 
     def __init__(self, moe: MoEConfig, hidden: int, layer: int, ops: MoEOps, *, seed: int,
                  std: float, dtype: torch.dtype, device: torch.device, aux_loss_scale: float,
-                 mode: DispatchMode, data_rank: int, seq_length: int = 0):
+                 mode: DispatchMode, data_rank: int, seq_length: int = 0,
+                 cp_comm: Optional[ContextComm] = None):
         """`mode`: the model's dispatch mode (built once from the config), for its capacity;
         `data_rank`: the data-parallel rank whose tokens this router routes (seeds the forced
-        balance's draw); `seq_length`: the tokens of a sequence (seq_aux_loss's unit)."""
+        balance's draw); `seq_length`: the tokens of a sequence (seq_aux_loss's unit);
+        `cp_comm`: the CP group, over which the aux loss counts tokens per expert
+        (`_aux_loss`; seq_aux_loss is refused under CP)."""
         super().__init__()
         num_experts = moe.num_experts
         self.mode = mode
@@ -88,6 +77,7 @@ class Router(nn.Module):
                                                                          dtype)
         self.moe, self.ops, self.layer = moe, ops, layer
         self.aux_loss_scale, self.seq_length = aux_loss_scale, seq_length
+        self.cp_comm = cp_comm
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=gate_dtype,
                                                device=device))
         seeded_normal_(self.weight, std, param_seed(seed, "router", layer))
@@ -128,7 +118,8 @@ class Router(nn.Module):
         logits_TE = self._logits(x_TH)
         per_sequence = moe.moe_router_load_balancing_type == "seq_aux_loss"
         aux_in_router = (moe.moe_aux_loss_coeff > 0 and self.aux_loss_in_op
-                         and self._aux_counts_are_routing_counts() and not per_sequence)
+                         and self._aux_counts_are_routing_counts() and not per_sequence
+                         and self.cp_comm is None)
         probs_TE, routing_map_TE, counts_E = self.ops.router_topk_with_counts(
             logits_TE, moe.moe_router_topk, score_function=moe.moe_router_score_function,
             use_pre_softmax=moe.moe_router_pre_softmax, num_groups=moe.moe_router_num_groups,
@@ -147,8 +138,12 @@ class Router(nn.Module):
         self.step_counts += counts_E
         return probs_TE, routing_map_TE, counts_E
 
-    def _aux_loss(self, logits_TE, counts_E, per_sequence: bool) -> torch.Tensor:
-        """The aux loss computed apart from the router op (Megatron-core's formulas)."""
+    def _aux_loss(self, logits_TE: torch.Tensor, counts_E: torch.Tensor,
+                  per_sequence: bool) -> torch.Tensor:
+        """The aux loss by separate ops (Megatron-core's formulas). Under context parallelism
+        the Switch loss's tokens per expert are the whole sequence's (summed over the CP group,
+        as Megatron-core sums them over its TP x CP group) and the probabilities this rank's:
+        the CP ranks' mean is then the aux loss of the whole sequence on one rank."""
         moe = self.moe
         scores_TE = aux_loss_scores(logits_TE, moe.moe_router_score_function)
         if per_sequence:
@@ -156,8 +151,12 @@ class Router(nn.Module):
                                 self.seq_length)
         aux_counts_E = (counts_E if self._aux_counts_are_routing_counts()
                         else plain_topk_counts(scores_TE, moe.moe_router_topk))
+        counted = None
+        if self.cp_comm is not None:
+            aux_counts_E = self.cp_comm.sum(aux_counts_E)
+            counted = scores_TE.shape[0] * self.cp_comm.size
         return switch_aux_loss(scores_TE, aux_counts_E, moe.moe_router_topk,
-                               moe.moe_aux_loss_coeff)
+                               moe.moe_aux_loss_coeff, counted)
 
     def _aux_counts_are_routing_counts(self) -> bool:
         """Whether the Switch aux loss's tokens per expert are the routing's own counts, so the

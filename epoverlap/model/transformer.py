@@ -1,9 +1,10 @@
 """The decoder-only MoE language model, exposed as node callables.
 
 Owns the model: embedding; layers of [RMSNorm, causal GQA self-attention with rotary
-embeddings (torch SDPA), residual, RMSNorm, MoE or dense SwiGLU MLP, residual]; final norm;
-output head; cross-entropy. It knows nothing of schedules: each layer exposes its nodes
-(`NodeSpec`s) and `forward` simply runs them in order under one autograd graph.
+embeddings (torch SDPA; `model.attention`), residual, RMSNorm, MoE or dense SwiGLU MLP,
+residual]; final norm; output head; cross-entropy. It knows nothing of schedules: each layer
+exposes its nodes (`NodeSpec`s) and `forward` simply runs them in order under one autograd
+graph.
 
 Nodes of an MoE layer (overlap.md):
   attn     (compute) norm, attention, residual, pre-MLP norm, shared expert, router, permute
@@ -27,6 +28,12 @@ The MoE layers' dispatch steps (preprocess, dispatch, sort, unsort, combine) are
 model (`MoEModel.dispatcher`) and shared by its MoE layers. Value names between nodes come from
 `model.nodes` (`hidden_value`, `layer_value`).
 
+Under context parallelism (--context-parallel-size, `model.context`) the embed and loss nodes
+take this rank's chunks of each sequence, the rotary positions are those chunks', and the core
+attention exchanges K/V over the CP group: inside `attn` (the p2p ring), or by a comm node
+`kv_gather` between `qkv` (norm, projection, rotary) and `attn` (the all-gather); every other
+node is the same code over this rank's tokens.
+
 The embedding and output head have the vocabulary padded to --make-vocab-size-divisible-by
 rows (`ModelConfig.padded_vocab_size`, aligned logit GEMMs); the loss takes the real vocabulary,
 so the padding columns are out of its softmax and the loss is the unpadded model's.
@@ -47,91 +54,25 @@ from torch import nn
 
 from epoverlap.kernels import MoEOps
 
-from epoverlap.parallel.comm import ExpertComm, PipelineComm
+from epoverlap.parallel.comm import ContextComm, ExpertComm, PipelineComm
 from epoverlap.config import ModelConfig, RunConfig
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.chunked import ChunkedMoE
+from epoverlap.model.attention import Attention, RMSNorm
 from epoverlap.model.chunked_budget import make_chunked
+from epoverlap.model.context import ContextParallel
 from epoverlap.model.dispatch import TokenDispatcher
+from epoverlap.model.documents import Documents
 from epoverlap.model.dispatch_dedup import make_dispatcher
-from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, causal_attention,
-                                     hidden_dropout, uses_dropout)
+from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, hidden_dropout,
+                                     uses_dropout)
 from epoverlap.model.linear import linear
-from epoverlap.model.moe import GroupedSwiGLUExperts, Router, SwiGLU, param_seed, seeded_normal_
+from epoverlap.model.init import param_seed, seeded_normal_, vocab_parameter
+from epoverlap.model.moe import GroupedSwiGLUExperts, Router, SwiGLU
 from epoverlap.model.nodes import (COMM, COMPUTE, RECV, SEND, NodeSpec, Segment, hidden_value,
                                    layer_value, segmented)
 from epoverlap.model.stages import stage_chunks
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm through the op table (fused Triton kernel on GPU, torch reference on CPU)."""
-
-    def __init__(self, hidden: int, eps: float, ops: MoEOps, dtype, device):
-        super().__init__()
-        self.eps, self.ops = eps, ops
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-
-    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x_TH, self.weight, self.eps)
-
-
-def rotary_tables(seq_len: int, head_dim: int, base: float, device) -> tuple:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-    angles_SD = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
-    return angles_SD.cos(), angles_SD.sin()
-
-
-class Attention(nn.Module):
-    """Causal grouped-query self-attention with rotary embeddings; with --qk-layernorm an
-    RMSNorm over each head's query (`q_norm`) and key (`k_norm`) before rotary, one weight
-    [D] each shared by the heads, as Megatron-core's q_layernorm / k_layernorm."""
-
-    def __init__(self, cfg: RunConfig, layer: int, ops: MoEOps, *, dtype, device, queue):
-        super().__init__()
-        m = cfg.model
-        self.ops = ops
-        self.heads, self.kv_heads, self.head_dim = m.num_attention_heads, m.kv_heads, m.head_dim
-        self.seq_length, self.queue = m.seq_length, queue
-        self.layer, self.dropout_p = layer, m.attention_dropout
-        qkv_out = (self.heads + 2 * self.kv_heads) * self.head_dim
-        self.qkv = nn.Parameter(torch.empty(qkv_out, m.hidden_size, dtype=dtype, device=device))
-        self.proj = nn.Parameter(torch.empty(m.hidden_size, self.heads * self.head_dim,
-                                             dtype=dtype, device=device))
-        seed, std = cfg.train.seed, m.init_method_std
-        seeded_normal_(self.qkv, std, param_seed(seed, "qkv", layer))
-        seeded_normal_(self.proj, std / math.sqrt(2 * m.num_layers), param_seed(seed, "proj",
-                                                                                 layer))
-        self.q_norm = self.k_norm = None
-        if m.qk_layernorm:
-            self.q_norm = RMSNorm(self.head_dim, m.norm_epsilon, ops, dtype, device)
-            self.k_norm = RMSNorm(self.head_dim, m.norm_epsilon, ops, dtype, device)
-        cos_SD, sin_SD = rotary_tables(m.seq_length, m.head_dim, m.rotary_base, device)
-        self.register_buffer("cos_SD", cos_SD, persistent=False)
-        self.register_buffer("sin_SD", sin_SD, persistent=False)
-
-    def forward(self, x_TH: torch.Tensor, dropout_seed: Optional[int] = None) -> torch.Tensor:
-        """`dropout_seed`: the microbatch's (`model.dropout`), read with attention dropout in
-        training only."""
-        seq, dim = self.seq_length, self.head_dim
-        batch = x_TH.shape[0] // seq
-        qkv_TX = linear(x_TH, self.qkv, self.queue)
-        q, k, v = qkv_TX.split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], -1)
-        q_BSQD = q.view(batch, seq, self.heads, dim)
-        k_BSGD = k.view(batch, seq, self.kv_heads, dim)
-        if self.q_norm is not None:  # over D of each head, before rotary (Megatron-core's order)
-            q_BSQD, k_BSGD = self.q_norm(q_BSQD), self.k_norm(k_BSGD)
-        q_BQSD, k_BGSD = q_BSQD.transpose(1, 2), k_BSGD.transpose(1, 2)
-        v_BGSD = v.view(batch, seq, self.kv_heads, dim).transpose(1, 2)
-        q_BQSD = self.ops.rotary(q_BQSD, self.cos_SD, self.sin_SD)
-        k_BGSD = self.ops.rotary(k_BGSD, self.cos_SD, self.sin_SD)
-        # grouped-query attention inside SDPA where a fused kernel takes it (16-bit on GPUs):
-        # expanding K/V with repeat_interleave first materializes the repeated keys and values
-        # (more GPU time and more host launches) for the same output bits
-        out_BQSD = causal_attention(q_BQSD, k_BGSD, v_BGSD, layer=self.layer, seed=dropout_seed,
-                                    p=self.dropout_p if self.training else 0.0)
-        out_TX = out_BQSD.transpose(1, 2).reshape(batch * seq, self.heads * dim)
-        return linear(out_TX, self.proj, self.queue)
 
 
 class _FanOut(torch.autograd.Function):
@@ -158,9 +99,12 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg: RunConfig, layer: int, is_moe: bool, comm: ExpertComm,
                  ep_rank: int, ops: MoEOps, *, dtype, device, queue,
                  dispatcher: Optional[TokenDispatcher] = None, one_node: bool = False,
-                 data_rank: int = 0):
+                 data_rank: int = 0, context: Optional[ContextParallel] = None,
+                 documents: Optional[Documents] = None):
         """`dispatcher`: the model's dispatch strategy (MoE layers; shared by all of them);
-        `data_rank`: the data-parallel rank whose tokens this layer routes."""
+        `data_rank`: the data-parallel rank whose tokens this layer routes; `context`: the
+        attention's view of the CP group, `documents`: its packed samples' rules
+        (`Attention`)."""
         super().__init__()
         m, moe, seed = cfg.model, cfg.moe, cfg.train.seed
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
@@ -168,8 +112,12 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout_p = m.hidden_dropout
         # the microbatch's dropout seed, a named input of the nodes that drop (model.dropout)
         self._seed = (DROPOUT_SEED,) if uses_dropout(m) else ()
+        # the microbatch's tokens, a named input of the attention's nodes with per-document
+        # positions or masks (model.documents)
+        self._docs = ("tokens",) if documents is not None else ()
         self.input_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
-        self.attention = Attention(cfg, layer, ops, dtype=dtype, device=device, queue=queue)
+        self.attention = Attention(cfg, layer, ops, dtype=dtype, device=device, queue=queue,
+                                   context=context, documents=documents)
         self.pre_mlp_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
         mlp_kwargs = dict(seed=seed, std=std, out_std=out_std, dtype=dtype, device=device,
                           queue=queue, ops=ops)
@@ -183,7 +131,8 @@ class TransformerLayer(nn.Module):
         self.router = Router(moe, m.hidden_size, layer, ops, seed=seed, std=std, dtype=dtype,
                              device=device, aux_loss_scale=1.0 / cfg.train.num_microbatches,
                              mode=dispatcher.mode, data_rank=data_rank,
-                             seq_length=m.seq_length)
+                             seq_length=m.seq_length,
+                             cp_comm=context.comm if context is not None else None)
         self.experts = GroupedSwiGLUExperts(
             moe, m.hidden_size, ffn, layer, ep_rank, comm.size, **mlp_kwargs,
             sm_carveout=cfg.parallel.moe_grouped_gemm_sm_carveout)
@@ -200,11 +149,34 @@ class TransformerLayer(nn.Module):
         p = self.hidden_dropout_p if self.training else 0.0
         return hidden_dropout(x, p, dropout_seed, self.layer, site)
 
-    def attention_segment(self, hidden, dropout_seed=None):
+    def attention_segment(self, hidden, dropout_seed=None, tokens=None):
         """norm, attention, residual, pre-MLP norm (the `attn` region). In an MoE layer the
         normed tokens go to three consumers (router, shared expert, permute), each through its
         own alias whose grads are summed in that fixed order (`_FanOut`)."""
-        attn_out = self.attention(self.input_norm(hidden), dropout_seed)
+        attn_out = self.attention(self.input_norm(hidden), dropout_seed, tokens)
+        return self._attention_tail(hidden, attn_out, dropout_seed)
+
+    def gathered_attention_segment(self, skip, q, kv_all, dropout_seed=None, tokens=None):
+        """The `attn` region after the comm lane's K/V gather (`model.context`): the local
+        queries over every rank's keys and values, then as `attention_segment`; `skip` is the
+        layer's input, handed on by the `qkv` node."""
+        attention = self.attention
+        attn_out = attention.output(attention.context.attend_gathered(q, kv_all, tokens))
+        return self._attention_tail(skip, attn_out, dropout_seed)
+
+    def qkv_forward(self, hidden, tokens=None):
+        """The `qkv` node before the K/V gather: norm, projection, rotary; the layer's input
+        goes on to the residual through an alias of its own (`_FanOut`)."""
+        skip, attn_in = _FanOut.apply(hidden, 2)
+        q, k, v = self.attention.project(self.input_norm(attn_in), tokens)
+        return {"skip": skip, "q": q, "kv": torch.stack([k, v])}
+
+    def kv_gather_forward(self, kv):
+        """The `kv_gather` node (comm lane): every CP rank's [K, V]."""
+        return {"kv_all": self.attention.context.gather(kv)}
+
+    def _attention_tail(self, hidden, attn_out, dropout_seed):
+        """Residual, pre-MLP norm and, in an MoE layer, the normed tokens' three aliases."""
         residual = hidden + self._hidden_dropout(attn_out, dropout_seed, ATTENTION_OUT)
         normed = self.pre_mlp_norm(residual)
         if not self.is_moe:
@@ -309,16 +281,47 @@ class TransformerLayer(nn.Module):
                 Segment("moe_combine", self.combine_segment,
                         ("expert_out", "meta", "row_id_map", "residual") + shared + self._seed,
                         ("layer_out",)))
+    @property
+    def _gathers_on_comm_lane(self) -> bool:
+        """Whether the attention's K/V gather is a comm node of its own, between `qkv` and
+        `attn` (`model.context`)."""
+        context = self.attention.context
+        return context is not None and context.on_comm_lane and not self.one_node
+
+    def _attn_head(self) -> tuple:
+        """The `attn` region's function and inputs: from the layer's input, or after the
+        K/V gather."""
+        if self._gathers_on_comm_lane:
+            return (self.gathered_attention_segment,
+                    ("skip", "q", "kv_all") + self._seed + self._docs)
+        return self.attention_segment, ("hidden",) + self._seed + self._docs
+
+    def _attn_node_inputs(self) -> dict:
+        docs = {name: name for name in self._docs}
+        if self._gathers_on_comm_lane:
+            return {**self._inputs(self._values("skip", "q", "kv_all")), **docs}
+        return {**self._inputs({"hidden": hidden_value(self.layer)}), **docs}
+
+    def _kv_specs(self) -> list[NodeSpec]:
+        """`qkv` (compute) and `kv_gather` (comm) before `attn`, where the gather is a node."""
+        if not self._gathers_on_comm_lane:
+            return []
+        L = self.layer
+        return [NodeSpec(name="qkv", layer=L, lane=COMPUTE, fn=self.qkv_forward,
+                         inputs={"hidden": hidden_value(L), **{n: n for n in self._docs}},
+                         outputs=self._values("skip", "q", "kv"), has_weights=True),
+                NodeSpec(name="kv_gather", layer=L, lane=COMM, fn=self.kv_gather_forward,
+                         inputs=self._values("kv"), outputs=self._values("kv_all"))]
+
     def _attn_segments(self) -> tuple[Segment, ...]:
+        head_fn, head_inputs = self._attn_head()
         if not self.is_moe:
-            return (Segment("attn", self.attention_segment, ("hidden",) + self._seed,
-                            ("residual", "normed")),)
+            return (Segment("attn", head_fn, head_inputs, ("residual", "normed")),)
         shared = self.shared_expert is not None
         normed = ("normed_router",) + (("normed_shared",) if shared else ()) + ("normed_permute",)
         router_out = ("probs", "routing_map", "expert_counts") + (("shared_out",) if shared
                                                                    else ())
-        segments = (Segment("attn", self.attention_segment, ("hidden",) + self._seed,
-                            ("residual",) + normed),
+        segments = (Segment("attn", head_fn, head_inputs, ("residual",) + normed),
                     Segment("moe_router", self.router_segment, normed[:-1], router_out),
                     Segment("moe_preprocess", self.preprocess_segment,
                             ("normed_permute", "probs", "routing_map"),
@@ -345,7 +348,7 @@ class TransformerLayer(nn.Module):
             segments = self._attn_segments() + self._moe_segments()
             return [NodeSpec(name="moe_layer", layer=self.layer, lane=COMPUTE,
                              fn=segmented(segments, ("layer_out",)),
-                             inputs=self._inputs({"hidden": hidden_value(self.layer)}),
+                             inputs=self._attn_node_inputs(),
                              outputs={"layer_out": hidden_value(self.layer + 1)},
                              has_weights=True, segments=segments)]
         return self._moe_node_specs(chunks or self.a2a_chunks)
@@ -354,10 +357,10 @@ class TransformerLayer(nn.Module):
         L, attn_segments = self.layer, self._attn_segments()
         mlp_segments = (Segment("mlp", self.dense_mlp_segment,
                                 ("normed", "residual") + self._seed, ("hidden",)),)
-        return [
+        return self._kv_specs() + [
             NodeSpec(name="attn", layer=L, lane=COMPUTE,
                      fn=segmented(attn_segments, ("residual", "normed")),
-                     inputs=self._inputs({"hidden": hidden_value(L)}),
+                     inputs=self._attn_node_inputs(),
                      outputs=self._values("residual", "normed"),
                      has_weights=True, segments=attn_segments),
             NodeSpec(name="mlp", layer=L, lane=COMPUTE,
@@ -373,7 +376,7 @@ class TransformerLayer(nn.Module):
                                 self._dispatch_sizes, "row_id_map", *shared)
         return NodeSpec(name="attn", layer=L, lane=COMPUTE,
                         fn=segmented(attn_segments, tuple(attn_out)),
-                        inputs=self._inputs({"hidden": hidden_value(L)}), outputs=attn_out,
+                        inputs=self._attn_node_inputs(), outputs=attn_out,
                         has_weights=True, segments=attn_segments)
 
     def _chunks(self, chunks: int) -> ChunkedMoE:
@@ -386,7 +389,7 @@ class TransformerLayer(nn.Module):
         """attn, then the chunked layer's nodes (`model.chunked`), its combine ending here."""
         shared = ("shared_out",) if self.shared_expert is not None else ()
         combine_inputs = self._inputs(self._values("meta", "row_id_map", "residual", *shared))
-        return [self._moe_attn_spec()] + self._chunks(chunks).node_specs(
+        return self._kv_specs() + [self._moe_attn_spec()] + self._chunks(chunks).node_specs(
             self.layer, self.chunked_combine_forward, combine_inputs)
 
     def _moe_node_specs(self, chunks: int) -> list[NodeSpec]:
@@ -396,7 +399,7 @@ class TransformerLayer(nn.Module):
         L = self.layer
         shared = ("shared_out",) if self.shared_expert is not None else ()
         recv = self._values("recv_tokens", "recv_probs", "meta")
-        return [
+        return self._kv_specs() + [
             self._moe_attn_spec(),
             NodeSpec(name="dispatch", layer=L, lane=COMM, fn=self.dispatch_forward,
                      inputs=self._values(*self._dispatch_inputs), outputs=recv),
@@ -418,12 +421,22 @@ class MoEModel(nn.Module):
     def __init__(self, cfg: RunConfig, comm: ExpertComm, ep_rank: int, ops: MoEOps, *,
                  dtype: torch.dtype, device: torch.device, wgrad_queue=None, stage: int = 0,
                  pipe: Optional[PipelineComm] = None, one_node_moe_layers: bool = False,
-                 data_rank: int = 0):
+                 data_rank: int = 0, cp_comm: Optional[ContextComm] = None,
+                 documents: Optional[Documents] = None):
         """`data_rank`: the data-parallel rank whose tokens this model reads (0: one token
-        stream); the forced balance's routing draw differs by it (`Router`)."""
+        stream); the forced balance's routing draw differs by it (`Router`). `cp_comm`: the
+        CP group (None without CP): the embed and loss nodes take this rank's chunks of each
+        sequence and each layer's attention exchanges K/V over it (`model.context`).
+        `documents`: the packed samples' rules (--reset-position-ids, --reset-attention-mask;
+        `model.documents`), None without them."""
         super().__init__()
         m, seed = cfg.model, cfg.train.seed
         self.cfg, self.pipe, self.ops = cfg, pipe, ops
+        types = cfg.cp_comm_types()
+        contexts = ({layer: ContextParallel(cp_comm, types[layer], m.seq_length, device,
+                                            documents)
+                     for layer in range(m.num_layers)} if cp_comm is not None else {})
+        self.context = contexts.get(0)  # whose positions the embed and loss take
         self.chunks = stage_chunks(m.num_layers, cfg.parallel.pipeline_model_parallel_size,
                                    cfg.virtual_stages, stage)
         if len(self.chunks) > 1 or not (self.chunks[0].has_embedding
@@ -447,19 +460,30 @@ class MoEModel(nn.Module):
             str(layer): TransformerLayer(cfg, layer, pattern[layer], comm, ep_rank, ops,
                                          dtype=dtype, device=device, queue=wgrad_queue,
                                          dispatcher=self.dispatcher,
-                                         one_node=one_node_moe_layers, data_rank=data_rank)
+                                         one_node=one_node_moe_layers, data_rank=data_rank,
+                                         context=contexts.get(layer), documents=documents)
             for chunk in self.chunks for layer in chunk.layers})
         if any(chunk.has_loss for chunk in self.chunks):
             self.final_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
             self.head = vocab_parameter(m, seed, "head", dtype, device)
 
     def embed_forward(self, tokens):
+        """tokens [B, S] (this rank's chunks of them under CP) -> hidden [T, H]."""
+        if self.context is not None:
+            tokens = self.context.local(tokens)
         return {"hidden": F.embedding(tokens.reshape(-1), self.embedding)}
 
     def loss_forward(self, hidden, labels):
+        """The mean loss of this microbatch's counted labels (--eod-mask-loss leaves some out;
+        under CP, scaled to this rank's share of its CP group's counted labels)."""
+        if self.context is not None:
+            labels = self.context.local(labels)
         logits_TV = linear(self.final_norm(hidden), self.head)  # [T, padded V]
-        return {"loss": self.ops.cross_entropy(logits_TV, labels.reshape(-1),
-                                               vocab=self.cfg.model.vocab_size)}
+        loss = self.ops.cross_entropy(logits_TV, labels.reshape(-1),
+                                      vocab=self.cfg.model.vocab_size)
+        if self.context is not None and self.cfg.data.eod_mask_loss:
+            loss = self.context.loss_share(loss, labels)
+        return {"loss": loss}
 
     def transformer_layers(self) -> list[TransformerLayer]:
         """This stage's layers in forward order of its chunks."""
@@ -557,19 +581,6 @@ class MoEModel(nn.Module):
             out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})
             values.update({spec.outputs[local]: value for local, value in out.items()})
         return values.get("loss")
-
-
-def vocab_parameter(m: ModelConfig, seed: int, name: str, dtype: torch.dtype,
-                    device: torch.device) -> nn.Parameter:
-    """The embedding's or output head's [padded V, H] weight: its first V rows drawn as an
-    unpadded model's whole tensor is (the same values, so a padded run starts from the
-    unpadded one's weights), the padding rows zero (never looked up, out of the softmax)."""
-    weight = torch.empty(m.padded_vocab_size, m.hidden_size, dtype=dtype, device=device)
-    seeded_normal_(weight[:m.vocab_size], m.init_method_std, param_seed(seed, name))
-    if weight.device.type != "meta":
-        with torch.no_grad():
-            weight[m.vocab_size:].zero_()
-    return nn.Parameter(weight)
 
 
 def model_dtype(cfg: RunConfig) -> torch.dtype:

@@ -2,10 +2,11 @@
 the point-to-point transfers between pipeline stages.
 
 Owns `ExpertComm` (the EP group, a `groups.Group`, plus the comm mode; `HostComms`, the
-hierarchical dispatch's groups between and inside hosts), the autograd function
-whose forward is an all_to_all_single and whose backward is the reverse all-to-all, and
-`PipelineComm` (send / receive one activation or grad to / from another stage of this rank's
-pipeline, the PP `Group`). These calls run on whatever stream/thread the caller is on;
+hierarchical dispatch's groups between and inside hosts), the autograd function whose forward
+is an all_to_all_single and whose backward is the reverse all-to-all, `ContextComm` (the
+context-parallel group's differentiable K/V exchanges: an all-gather and one step of a ring;
+`model.context` uses them) and `PipelineComm` (send / receive one activation or grad to / from
+another stage of this rank's pipeline, the PP `Group`). These calls run on whatever stream/thread the caller is on;
 choosing that is the executor's business.
 
 The split sizes of a dropless dispatch are exchanged early and read late (`SplitExchange`):
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from epoverlap.parallel.groups import Group
 from epoverlap.parallel.host_memory import HostMemoryTransport
@@ -297,6 +299,79 @@ class AllToAll(torch.autograd.Function):
 def all_to_all(comm: ExpertComm, input_NH: torch.Tensor, output_splits: Optional[list[int]],
                input_splits: Optional[list[int]]) -> torch.Tensor:
     return AllToAll.apply(comm, input_NH, output_splits, input_splits)
+
+
+class ContextComm:
+    """The context-parallel (CP) group's differentiable exchanges (`model.context`):
+    `gather` (every rank's tensor, stacked in rank order) and `shift` (one step of a ring: my
+    tensor to the next rank, the previous rank's to me). Both block the caller until done.
+    `lane`: a second communicator of the same ranks for the K/V gather of the comm lane, so
+    its collectives never interleave with those the compute lane issues meanwhile on `group`
+    (the ring, the aux loss's counts) in a different order on different ranks."""
+
+    def __init__(self, group: Group, lane: Optional[Group] = None):
+        self.group, self.size = group, group.size
+        self.rank = group.ranks.index(dist.get_rank())
+        self.lane = ContextComm(lane) if lane is not None else None
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [...] -> [CP, ...]. Backward: each rank's slice of the grads goes to its owner,
+        which sums them in rank order (an all-to-all, then a sum: the same bits on any run)."""
+        return _Gather.apply(self, x)
+
+    def shift(self, x: torch.Tensor, step: int = 1) -> torch.Tensor:
+        """The tensor of the rank `step` places before me in the ring (mine goes `step` places
+        on). Backward: the grad goes the other way round."""
+        return _Shift.apply(self, x, step)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the CP group (not differentiable: counts)."""
+        total = x.detach().clone()
+        self.group.all_reduce(total)
+        return total
+
+    def _peer(self, offset: int) -> int:
+        return self.group.ranks[(self.rank + offset) % self.size]
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
+        self.group.all_gather_into(out, x.contiguous())
+        return out.view((self.size,) + tuple(x.shape))
+
+    def _scatter_sum(self, grads: torch.Tensor) -> torch.Tensor:
+        received = torch.empty_like(grads)
+        self.group.all_to_all_single(received, grads.contiguous())
+        total = received[0]
+        for grad in received[1:]:
+            total = total + grad
+        return total
+
+    def _shift(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self.group.exchange(out, x.contiguous(), self._peer(step), self._peer(-step))
+        return out
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm: ContextComm, x):
+        ctx.comm = comm
+        return comm._gather(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, ctx.comm._scatter_sum(grad)
+
+
+class _Shift(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm: ContextComm, x, step: int):
+        ctx.comm, ctx.step = comm, step
+        return comm._shift(x, step)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, ctx.comm._shift(grad, -ctx.step), None
 
 
 class PipelineComm:

@@ -4,18 +4,24 @@ Owns `RankLayout` (which rank holds which pipeline stage, expert shard and data 
 arithmetic), `Group` (a process group with its name and ranks, whose collectives go through the
 run's `CollectiveWatch`), `ParallelGroups` and `init_distributed` / `destroy_distributed`.
 
-Layout: world = pipeline-parallel (PP) x data-parallel (DP), and DP = expert-parallel (EP) x
-expert-data-parallel (EDP), in Megatron-core's default order `tp-cp-ep-dp-pp` (tp = cp = 1
-here; the first name varies fastest):
+Layout: world = pipeline-parallel (PP) x context-parallel (CP) x data-parallel (DP), in
+Megatron-core's default order `tp-cp-ep-dp-pp` (tp = 1 here; the first name varies fastest):
 
-    rank = ep_rank + EP x edp_rank + EP x EDP x pp_rank,   dp_rank = ep_rank + EP x edp_rank
+    rank = cp_rank + CP x dp_rank + CP x DP x pp_rank
 
-so a pipeline stage is a block of DP = world / PP consecutive ranks, the EP groups are blocks of
-EP consecutive ranks inside it, and a pipeline (the ranks that pass activations to each other)
-is the ranks with the same dp_rank, one per stage. Dense parameters of a stage are replicated
-over its DP group (grads averaged there); experts are sharded over the EP group and replicated
-over the EDP group (the ranks of the stage with the same ep_rank). Without pipeline parallelism
-the stage is the world.
+so a pipeline stage is a block of CP x DP = world / PP consecutive ranks, a CP group (the ranks
+that hold the parts of one sequence, `model.context`) is a block of CP consecutive ranks inside
+it, and a pipeline (the ranks that pass activations to each other) is the ranks with the same
+place in their stage, one per stage. Dense parameters of a stage are replicated over all its
+ranks, CP x DP (Megatron-core's data-parallel group with CP; grads averaged there: `dp`). The
+MoE layers see a stage's ranks as Megatron-core's expert generator does (cp = 1 there), with no
+regard to CP: CP x DP = EP x EDP,
+
+    rank = ep_rank + EP x edp_rank + EP x EDP x pp_rank
+
+the EP groups blocks of EP consecutive ranks, the experts sharded over the EP group and
+replicated over the EDP group (the ranks of the stage with the same ep_rank). Without pipeline
+parallelism the stage is the world; without CP, DP is the stage.
 
 Backend: NCCL with one GPU per local rank when the run is on CUDA, gloo on CPU. Without torchrun
 (no RANK/WORLD_SIZE in the environment) a single-process group is created on a free port.
@@ -57,6 +63,8 @@ from epoverlap.parallel.watch import CollectiveWatch, Heartbeat
 
 WORLD, EXPERT_PARALLEL, EXPERT_DATA_PARALLEL = "world", "expert-parallel", "expert-data-parallel"
 PIPELINE, DATA_PARALLEL = "pipeline", "data-parallel"
+CONTEXT_PARALLEL = "context-parallel"
+CONTEXT_PARALLEL_EXCHANGE = "context-parallel K/V gather"  # same ranks as CP, own communicator
 EXPERT_PARALLEL_SPLITS = "expert-parallel split sizes"  # same ranks as EP, own communicator
 EXPERT_PARALLEL_RAIL = "expert-parallel between hosts"  # --moe-dispatch-hierarchy node
 EXPERT_PARALLEL_HOST = "expert-parallel inside a host"
@@ -149,6 +157,21 @@ class Group:
         with self.watch.collective(self.name, self.ranks, "all_gather_object"):
             dist.all_gather_object(objects, obj, group=self.pg)
 
+    def all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """`output` [size x input's rows, ...]: every rank's `input`, in rank order."""
+        with self.watch.collective(self.name, self.ranks, "all_gather"):
+            dist.all_gather_single(output, input, group=self.pg)  # torch 2.13: the new name
+
+    def exchange(self, output: torch.Tensor, input: torch.Tensor, dst: int, src: int) -> None:
+        """Send `input` to rank `dst` while receiving `output` from rank `src` (global ranks),
+        both started before either is waited for (a ring's step: every rank sends and
+        receives at once)."""
+        with self.watch.collective(self.name, self.ranks, f"send to {dst}, recv from {src}"):
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, input, dst, self.pg),
+                                            dist.P2POp(dist.irecv, output, src, self.pg)])
+            for work in works:
+                work.wait()
+
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         with self.watch.collective(self.name, self.ranks, f"send to rank {dst}"):
             dist.send(tensor, dst=dst, group=self.pg)
@@ -203,40 +226,67 @@ def build_ep_options(budget: Optional[NcclCtaBudget], backend: str,
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Megatron-core's rank order for a world of `world_size` = PP x EP x EDP (module doc)."""
+    """Megatron-core's rank order for a world of `world_size` = PP x CP x DP = PP x EP x EDP
+    (module doc)."""
 
     world_size: int
     pp_size: int = 1
     ep_size: int = 1
+    cp_size: int = 1
 
     @property
-    def dp_size(self) -> int:
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage: CP x DP (= EP x EDP)."""
         return self.world_size // self.pp_size
 
     @property
+    def dp_size(self) -> int:
+        """Ranks that read different data (Megatron-core's data-parallel size)."""
+        return self.stage_size // self.cp_size
+
+    @property
     def edp_size(self) -> int:
-        return self.dp_size // self.ep_size
+        return self.stage_size // self.ep_size
 
     def pp_rank(self, rank: int) -> int:
-        return rank // self.dp_size
+        return rank // self.stage_size
+
+    def stage_rank(self, rank: int) -> int:
+        """The place of `rank` in its stage (its index in the stage's dense-grad group)."""
+        return rank % self.stage_size
+
+    def cp_rank(self, rank: int) -> int:
+        return rank % self.cp_size
 
     def dp_rank(self, rank: int) -> int:
-        return rank % self.dp_size
+        return self.stage_rank(rank) // self.cp_size
 
     def ep_rank(self, rank: int) -> int:
         return rank % self.ep_size
 
     def edp_rank(self, rank: int) -> int:
-        return self.dp_rank(rank) // self.ep_size
+        return self.stage_rank(rank) // self.ep_size
 
     def pp_groups(self) -> list[list[int]]:
-        """One pipeline per dp_rank: its ranks in stage order."""
-        return [list(range(d, self.world_size, self.dp_size)) for d in range(self.dp_size)]
+        """One pipeline per place in a stage: its ranks in stage order."""
+        return [list(range(d, self.world_size, self.stage_size))
+                for d in range(self.stage_size)]
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """One group per stage, CP x DP ranks (dense grads are averaged there; Megatron-core's
+        data-parallel group with CP)."""
+        return [list(range(p * self.stage_size, (p + 1) * self.stage_size))
+                for p in range(self.pp_size)]
 
     def dp_groups(self) -> list[list[int]]:
-        """One data-parallel group per stage (dense grads are averaged there)."""
-        return [list(range(p * self.dp_size, (p + 1) * self.dp_size))
-                for p in range(self.pp_size)]
+        """Per stage and cp_rank: the ranks reading different data (Megatron-core's "dp")."""
+        return [list(range(p * self.stage_size + c, (p + 1) * self.stage_size, self.cp_size))
+                for p in range(self.pp_size) for c in range(self.cp_size)]
+
+    def cp_groups(self) -> list[list[int]]:
+        """The ranks holding the parts of one sequence: blocks of CP consecutive ranks."""
+        return [list(range(b * self.cp_size, (b + 1) * self.cp_size))
+                for b in range(self.world_size // self.cp_size)]
 
     def ep_groups(self) -> list[list[int]]:
         return [list(range(b * self.ep_size, (b + 1) * self.ep_size))
@@ -255,7 +305,7 @@ class RankLayout:
 
     def edp_groups(self) -> list[list[int]]:
         """Per stage and ep_rank: the replicas of one expert shard."""
-        return [list(range(p * self.dp_size + e, (p + 1) * self.dp_size, self.ep_size))
+        return [list(range(p * self.stage_size + e, (p + 1) * self.stage_size, self.ep_size))
                 for p in range(self.pp_size) for e in range(self.ep_size)]
 
 
@@ -277,7 +327,12 @@ class ParallelGroups:
     pp_size: int = 1
     pp_rank: int = 0
     pp: Optional[Group] = None  # this rank's pipeline, its ranks by stage; None with one stage
-    dp: Optional[Group] = None  # this stage's data-parallel group; with one stage: the world
+    dp: Optional[Group] = None  # this stage's CP x DP ranks, where dense grads are averaged
+    #                             (Megatron-core's data-parallel group with CP); one stage: world
+    cp: Optional[Group] = None  # the ranks holding the parts of my sequences; None without CP
+    cp_exchange: Optional[Group] = None  # the CP ranks' second communicator: the K/V gather
+    #                                      of the comm lane (model.context), apart from what
+    #                                      the compute lane issues on `cp` meanwhile
     ep_budget: Optional[NcclCtaBudget] = None  # the EP communicator's CTA limits, if any
     ep_splits: Optional[Group] = None  # the EP ranks' second communicator: the early split-size
     #                                    exchange of the dropless dispatch (parallel.comm)
@@ -290,11 +345,30 @@ class ParallelGroups:
 
     @property
     def dp_size(self) -> int:
+        """Ranks of the stage, CP x DP: the dense grads' replicas."""
         return self.dp.size
 
     @property
     def dp_rank(self) -> int:
         return self.dp.ranks.index(self.rank)
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.cp is None else self.cp.size
+
+    @property
+    def cp_rank(self) -> int:
+        return 0 if self.cp is None else self.cp.ranks.index(self.rank)
+
+    @property
+    def data_size(self) -> int:
+        """Ranks of the stage that read different sequences: DP = stage / CP."""
+        return self.dp_size // self.cp_size
+
+    @property
+    def data_rank(self) -> int:
+        """Which of them this rank's sequences are (its CP group's: `RankLayout.dp_rank`)."""
+        return self.dp_rank // self.cp_size
 
     @property
     def ep_group(self) -> Optional[dist.ProcessGroup]:
@@ -363,8 +437,8 @@ def _start_watch(rank: int, world_size: int, timeout: datetime.timedelta,
 def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10.0,
                      pp_size: int = 1,
                      ep_budget: Optional[NcclCtaBudget] = None,
-                     ep_per_host: Optional[int] = None) -> ParallelGroups:
-    """Initialize torch.distributed and build the PP, DP, EP and EDP groups (the EP groups
+                     ep_per_host: Optional[int] = None, cp_size: int = 1) -> ParallelGroups:
+    """Initialize torch.distributed and build the PP, DP, CP, EP and EDP groups (the EP groups
     with `ep_budget`'s NCCL CTA limits, if any; with `ep_per_host`, the hierarchical
     dispatch's groups of each EP group over hosts of that many ranks)."""
     _ensure_env()
@@ -386,7 +460,8 @@ def init_distributed(ep_size: int, device_kind: str, timeout_minutes: float = 10
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
     watch = _start_watch(rank, world_size, timeout, backend == "nccl")
     return expert_parallel_groups(ep_size, device, local_rank, watch=watch, timeout=timeout,
-                                  pp_size=pp_size, ep_budget=ep_budget, ep_per_host=ep_per_host)
+                                  pp_size=pp_size, ep_budget=ep_budget, ep_per_host=ep_per_host,
+                                  cp_size=cp_size)
 
 
 def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int = 0, *,
@@ -394,15 +469,16 @@ def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int =
                            timeout: datetime.timedelta = datetime.timedelta(minutes=10),
                            pp_size: int = 1,
                            ep_budget: Optional[NcclCtaBudget] = None,
-                           ep_per_host: Optional[int] = None) -> ParallelGroups:
-    """The PP, DP, EP and EDP groups of `pp_size` stages and `ep_size` over the initialized
-    world (every rank must call), watched by `watch`; the EP groups with `ep_budget`'s NCCL CTA
-    limits; with `ep_per_host`, each EP group's rails and hosts (`add_host_groups`). Called
-    again with another EP size (or budget) in the same world, it gives a second, independent
-    layout (tests resume one run's checkpoint at another EP size in one process group; the
-    overlap benchmark sweeps budgets)."""
+                           ep_per_host: Optional[int] = None,
+                           cp_size: int = 1) -> ParallelGroups:
+    """The PP, DP, CP, EP and EDP groups of `pp_size` stages, `cp_size` and `ep_size` over the
+    initialized world (every rank must call), watched by `watch`; the EP groups with
+    `ep_budget`'s NCCL CTA limits; with `ep_per_host`, each EP group's rails and hosts
+    (`add_host_groups`). Called again with another EP size (or budget) in the same world, it
+    gives a second, independent layout (tests resume one run's checkpoint at another EP size
+    in one process group; the overlap benchmark sweeps budgets)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    layout = RankLayout(world_size, pp_size, ep_size)
+    layout = RankLayout(world_size, pp_size, ep_size, cp_size)
     backend = dist.get_backend()
     build_ep_options(ep_budget, backend, timeout)  # a budget on gloo: refused before any group
 
@@ -421,7 +497,10 @@ def expert_parallel_groups(ep_size: int, device: torch.device, local_rank: int =
         edp=groups(EXPERT_DATA_PARALLEL, layout.edp_groups()),
         pp_size=pp_size, pp_rank=layout.pp_rank(rank),
         pp=groups(PIPELINE, layout.pp_groups()) if staged else None,
-        dp=groups(DATA_PARALLEL, layout.dp_groups()) if staged else world)
+        dp=groups(DATA_PARALLEL, layout.dp_cp_groups()) if staged else world,
+        cp=groups(CONTEXT_PARALLEL, layout.cp_groups()) if cp_size > 1 else None,
+        cp_exchange=(groups(CONTEXT_PARALLEL_EXCHANGE, layout.cp_groups()) if cp_size > 1
+                     else None))
     if ep_per_host is not None:
         add_host_groups(made, ep_per_host, timeout)
     return made
@@ -432,7 +511,7 @@ def add_host_groups(groups: ParallelGroups, per_host: int,
     """The hierarchical dispatch's groups of `groups`' EP layout over hosts of `per_host`
     ranks (`ep_rail`, `ep_host`), made now where `expert_parallel_groups` did not (every rank
     must call, as it builds its trainer)."""
-    layout = RankLayout(groups.world_size, groups.pp_size, groups.ep_size)
+    layout = RankLayout(groups.world_size, groups.pp_size, groups.ep_size, groups.cp_size)
     groups.ep_rail = _new_groups(EXPERT_PARALLEL_RAIL, layout.ep_rail_groups(per_host),
                                  groups.rank, timeout, groups.watch)
     groups.ep_host = _new_groups(EXPERT_PARALLEL_HOST, layout.ep_host_groups(per_host),

@@ -24,6 +24,11 @@ microbatch B, layer N-1-i; overlap.md):
 The early-release variant moves B.attn right after B.dispatch (frees attention activations
 before F.mlp allocates, at the cost of exposing B.dispatch and F.combine). A combined step of
 two chunks is: B's tail, F's head, the layer pairs, F's tail, B's head.
+A layer whose attention gathers K/V on the comm lane (context parallelism, `model.context`)
+has `qkv` (compute) and `kv_gather` (comm) before `attn`; the pair then runs
+   B.combine | F.qkv | F.kv_gather | B.mlp | F.attn | F.dispatch | ... | B.attn | B.kv_gather
+   | W.attn | B.qkv | W.qkv
+so B.mlp hides the gather and W.attn its backward. A layout without them plans as before.
 """
 
 from __future__ import annotations
@@ -197,14 +202,16 @@ def _layer_pair(f_mb: Optional[int], f_layer: Optional[int], f_nodes: Sequence[N
                 for name in _slot_nodes(b_nodes, slot, deferrable=True)[::-1]] \
             if delay_wgrad and b_mb is not None else []
 
-    order = (bwd("combine") + fwd("attn") + bwd("mlp") + fwd("dispatch") + wgrad("mlp")
-             + bwd("dispatch"))
+    gathers = f_mb is not None and bool(_slot_nodes(f_nodes, GATHER))
+    head = (fwd("qkv") + fwd(GATHER) + bwd("mlp") + fwd("attn") if gathers
+            else fwd("attn") + bwd("mlp"))
+    order = bwd("combine") + head + fwd("dispatch") + wgrad("mlp") + bwd("dispatch")
     if early_release:
-        order += bwd("attn")
+        order += bwd("attn") + bwd(GATHER)
     order += fwd("mlp") + fwd("combine")
     if not early_release:
-        order += bwd("attn")
-    return order + wgrad("attn")
+        order += bwd("attn") + bwd(GATHER)
+    return order + wgrad("attn") + bwd("qkv") + wgrad("qkv")
 
 
 def _slot_nodes(nodes: Sequence[NodeKind], slot: str, deferrable: bool = False) -> list[str]:
@@ -218,10 +225,14 @@ def _slot_nodes(nodes: Sequence[NodeKind], slot: str, deferrable: bool = False) 
 # Two microbatches' nodes of one layer, same direction, each split-size read (F dispatch) issued
 # once the other microbatch has compute queued behind it, each all-to-all beside the other's
 # compute. A layer with other nodes interleaves them one by one in chain order.
-_FORWARD_PAIR = ("a.attn", "b.attn", "a.dispatch", "a.mlp", "b.dispatch", "b.mlp", "a.combine",
-                 "b.combine")
+# With a K/V gather (context parallelism) each microbatch's gather runs beside the other's
+# qkv or attn compute.
+GATHER = "kv_gather"
+_FORWARD_PAIR = ("a.qkv", "a.kv_gather", "b.qkv", "b.kv_gather", "a.attn", "b.attn",
+                 "a.dispatch", "a.mlp", "b.dispatch", "b.mlp", "a.combine", "b.combine")
 _BACKWARD_PAIR = ("a.combine", "b.combine", "a.mlp", "a.dispatch", "b.mlp", "a.W.mlp",
-                  "b.dispatch", "b.W.mlp", "a.attn", "a.W.attn", "b.attn", "b.W.attn")
+                  "b.dispatch", "b.W.mlp", "a.attn", "a.kv_gather", "a.W.attn", "b.attn",
+                  "b.kv_gather", "b.W.attn", "a.qkv", "a.W.qkv", "b.qkv", "b.W.qkv")
 
 
 def _same_direction_layer(kind: str, a: int, b: int, layer: int, nodes: Sequence[NodeKind],

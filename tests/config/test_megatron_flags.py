@@ -80,12 +80,14 @@ def test_each_flag_alone_is_taken_or_refused_in_one_line_with_its_reason(group, 
 
 def test_refused_flags_are_named_one_line_each():
     with pytest.raises(ConfigErrors) as info:
-        parse_config(SMALL + ["--fp16", "--recompute-granularity", "full", "--eod-mask-loss"])
+        parse_config(SMALL + ["--fp16", "--recompute-granularity", "full",
+                              "--dynamic-context-parallel"])
     lines = str(info.value).splitlines()
     assert lines == [
         "--fp16=True: fp16 training is not implemented; use --bf16",
         "--recompute-granularity=full: activation recomputation is not implemented",
-        "--eod-mask-loss=True: masking the loss at end-of-document tokens is not implemented"]
+        "--dynamic-context-parallel=True: dynamic context parallelism (a CP size per packed "
+        "microbatch) is not implemented: give a fixed --context-parallel-size"]
 
 
 def test_qwen3s_attention_flags_are_taken():
@@ -170,13 +172,13 @@ def test_every_flag_of_the_ep_overlap_config_has_a_named_disposition():
     for group in EP_OVERLAP_GROUPS:
         counts[disposition(group[0])] += 1
     assert len(EP_OVERLAP_GROUPS) == 106
-    # by --help group: 62 flags of epoverlap's own sections (--qk-layernorm, --kv-channels,
-    # --vocab-file, seq_aux_loss's --moe-router-load-balancing-type among them), 38 of the
-    # Megatron-LM group, 6 of the refused group. On the command line (the tests below): 6
+    # by --help group: 63 flags of epoverlap's own sections (--qk-layernorm, --kv-channels,
+    # --vocab-file, seq_aux_loss's --moe-router-load-balancing-type, --eod-mask-loss among
+    # them), 37 of the Megatron-LM group, 6 of the refused group. On the command line (the tests below): 6
     # refused, 32 accepted with no effect, each noted, and 68 implemented (with the Megatron-LM
     # flags whose value states what epoverlap is: --normalization RMSNorm,
     # --rotary-scaling-factor 1.0, ...)
-    assert counts == {"implemented": 62, "accepted": 38, "refused": 6}, counts
+    assert counts == {"implemented": 63, "accepted": 37, "refused": 6}, counts
     assert len(EP_OVERLAP_REFUSED) == 6 and len(EP_OVERLAP_ACCEPTED) == 32
 
 

@@ -365,7 +365,7 @@ def test_deterministic_and_no_host_reads(triton_device, monkeypatch):
 
 def test_model_norm_goes_through_the_op_table():
     """The model's RMSNorm calls the chosen backend's op (no formula of its own)."""
-    from epoverlap.model.transformer import RMSNorm
+    from epoverlap.model.attention import RMSNorm
     from epoverlap.kernels import make_moe_ops
     x, weight = _rms_inputs((5, 64), torch.bfloat16, "cpu")
     norm = RMSNorm(64, 1e-5, make_moe_ops("torch"), torch.bfloat16, "cpu")

@@ -178,3 +178,28 @@ def test_validator_rejects_missing_and_misplaced_weight_grads():
 def test_incomplete_plan_is_rejected():
     assert "B0.embed never runs" in str(_error(
         plan_to_string(sequential_plan([MOE], 1)).split(" B0.loss")[0]))
+
+
+# A layer whose attention gathers K/V on the comm lane (context parallelism, allgather).
+GATHERED = (NodeKind("qkv", COMPUTE, True), NodeKind("kv_gather", COMM),
+            NodeKind("attn", COMPUTE, True)) + MOE[1:]
+
+
+def _order(plan: list, *texts: str) -> list[int]:
+    strings = [str(action) for action in plan]
+    return [strings.index(text) for text in texts]
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_the_kv_gather_runs_beside_the_other_microbatch_s_compute(early):
+    """In a pair, F.kv_gather is issued before B.mlp, which hides it, and F.attn after it;
+    B.kv_gather comes after B.attn, with W.attn beside it before B.qkv."""
+    plan = build_plan("combined_1f1b_early_release" if early else "combined_1f1b",
+                      [GATHERED, GATHERED], 3, delay_wgrad=True)
+    validate_plan(plan, [GATHERED, GATHERED], 3, delay_wgrad=True)
+    order = _order(plan, "F1.qkv.L0", "F1.kv_gather.L0", "B0.mlp.L1", "F1.attn.L0")
+    assert order == sorted(order), plan_to_string(plan)
+    order = _order(plan, "B0.attn.L0", "B0.kv_gather.L0", "W0.attn.L0", "B0.qkv.L0",
+                   "W0.qkv.L0")
+    assert order == sorted(order), plan_to_string(plan)
+

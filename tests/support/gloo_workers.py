@@ -80,11 +80,12 @@ def _trainer(ep, argv):
     return cfg
 
 
-def mode_grads_and_losses(rank, world_size, ep, out_dir, steps, extra=(), modes=None):
+def mode_grads_and_losses(rank, world_size, ep, out_dir, steps, extra=(), modes=None, cp=1):
     """For each mode (`modes`, default `MODES`; one named "sequential"): bits of one step's
     reduced grads, a --log-json of `steps` steps and the run's record (`run_paths`) under
-    `out_dir`. `extra`: flags every mode adds (dropout, say)."""
-    groups = init_distributed(ep, "cpu", timeout_minutes=3)
+    `out_dir`. `extra`: flags every mode adds (dropout, say); `cp`: the CP size."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=3, cp_size=cp)
+    extra = list(extra) + ["--context-parallel-size", str(cp)]
     results = {}
     try:
         for mode, flags in (modes or MODES).items():

@@ -1,6 +1,8 @@
 """Checkpoint contents: the whole training state as the flat keyed dict that
 torch.distributed.checkpoint (DCP) writes and reads; saved every --save-interval steps, loaded
-by --load at any expert-parallel (and data-parallel) size. Where the files go and how a save is
+by --load at any expert-parallel (and data-parallel) size, and at any context-parallel size:
+nothing is kept per CP rank (a CP group's ranks hold the same dense weights; the data position
+is the step). Where the files go and how a save is
 made atomic is `checkpoint_files`.
 
 Owns `Checkpointer`. Every rank builds its dict from its live tensors, so DCP writes from them

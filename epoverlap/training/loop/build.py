@@ -40,8 +40,9 @@ from epoverlap.graphs.capture import (CudaGraphBackend, GraphRunner, graphed_mod
 from epoverlap.graphs.full_iteration import FullIterationGraph
 from epoverlap.kernels import make_moe_ops
 from epoverlap.model.budget import DispatchBudget
+from epoverlap.model.documents import Documents
 from epoverlap.model.transformer import MoEModel, count_parameters, model_dtype
-from epoverlap.parallel.comm import ExpertComm, HostComms, PipelineComm
+from epoverlap.parallel.comm import ContextComm, ExpertComm, HostComms, PipelineComm
 from epoverlap.parallel.groups import ParallelGroups, add_host_groups
 from epoverlap.parallel.host_memory import HostMemoryTransport, open_host_transport
 from epoverlap.parallel.transport import ranks_per_host
@@ -87,7 +88,7 @@ class RunParts:
                  resume: Optional[CheckpointRef] = None, graph_backend=CudaGraphBackend):
         self.graph_backend = graph_backend
         cfg = resolve_config(cfg, groups.world_size, groups.device.type == "cuda")
-        self.data = data if data is not None else open_data_source(cfg, groups.dp_size)
+        self.data = data if data is not None else open_data_source(cfg, groups.data_size)
         cfg = cfg.with_vocab_size(self.data.vocab_size)
         self.cfg, self.groups, self.log = cfg, groups, log
         self.device = groups.device
@@ -116,19 +117,29 @@ class RunParts:
                               wgrad_queue=self.wgrad_queue, stage=groups.pp_rank,
                               pipe=self._pipeline_comm(),
                               one_node_moe_layers=self.one_node_moe_layers,
-                              data_rank=groups.dp_rank)
+                              data_rank=groups.dp_rank,
+                              cp_comm=(ContextComm(groups.cp, groups.cp_exchange)
+                                       if groups.cp is not None else None),
+                              documents=self._documents())
         self.params = self._whole_model_parameters()
         self.grads = GradBuffers(self.model, groups, fuse_grad_accumulation=not
                                  cfg.train.no_gradient_accumulation_fusion)
         self.optimizer = MixedPrecisionAdamW(self.model, cfg.train)
 
+    def _documents(self) -> Optional[Documents]:
+        """The packed samples' rules, with the data's end-of-document id (None without
+        --reset-position-ids or --reset-attention-mask)."""
+        d = self.cfg.data
+        if not d.reads_documents:
+            return None
+        return Documents(self.data.eod, d.reset_position_ids, d.reset_attention_mask)
+
     def _pipeline_comm(self) -> Optional[PipelineComm]:
         cfg, groups = self.cfg, self.groups
         if groups.pp_size == 1:
             return None
-        tokens = cfg.train.micro_batch_size * cfg.model.seq_length
-        return PipelineComm(groups.pp, (tokens, cfg.model.hidden_size), model_dtype(cfg),
-                            self.device)
+        return PipelineComm(groups.pp, (cfg.microbatch_tokens, cfg.model.hidden_size),
+                            model_dtype(cfg), self.device)
 
     def _whole_model_parameters(self) -> dict:
         """count_parameters of the whole model: this stage's, summed over the pipeline."""

@@ -51,7 +51,7 @@ class Evaluator:
         self.cfg, self.groups, self.device, self.model = cfg, groups, groups.device, model
         self.budget, self.stepper = model.dispatch_budget, stepper
         self.enabled = evaluates(cfg)
-        self.data = validation_source(cfg, groups.dp_size, data) if self.enabled else None
+        self.data = validation_source(cfg, groups.data_size, data) if self.enabled else None
 
     def due(self, step: int) -> bool:
         if not self.enabled:
@@ -93,7 +93,7 @@ class Evaluator:
         (`StepRunner.until_it_fits`). -> (losses, reruns)."""
         t = self.cfg.train
         inputs = [(tokens.to(self.device), labels.to(self.device)) for tokens, labels in
-                  step_batches(self.data, index, self.groups.dp_rank, t.num_microbatches,
+                  step_batches(self.data, index, self.groups.data_rank, t.num_microbatches,
                                t.micro_batch_size, self.cfg.model.seq_length)]
         return self.stepper.until_it_fits(lambda level: self._forward(inputs, level))
 

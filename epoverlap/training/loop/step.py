@@ -159,7 +159,7 @@ class StepRunner:
 
     def _result(self, step, stats: StepStats, lr, grad_norm, elapsed) -> StepResult:
         t, m = self.cfg.train, self.cfg.model
-        tokens = self.groups.dp_size * t.num_microbatches * t.micro_batch_size * m.seq_length
+        tokens = self.groups.dp_size * t.num_microbatches * self.cfg.microbatch_tokens
         on_gpu = self.device.type == "cuda"
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if on_gpu else None
         per_gpu = tokens / elapsed / 1e12 / self.groups.world_size
@@ -193,13 +193,14 @@ class StepRunner:
 
     # ----------------------------------------------------------------- forward-backward
     def microbatches(self, step: int) -> list[dict]:
-        """The step's microbatch dicts: tokens, labels and, with dropout, the dropout seed of
-        the same (step, DP rank, microbatch) as the data (`model.dropout`)."""
+        """The step's microbatch dicts: tokens, labels (whole sequences: under CP the model
+        takes this rank's chunks) and, with dropout, the dropout seed of the same (step, rank
+        of the stage, microbatch) as the data (`model.dropout`)."""
         t, rank = self.cfg.train, self.groups.dp_rank  # every stage of a pipeline reads alike
         if self._feed is None:
             self.close()
-            self._feed = StepFeed(self.data, rank, t.num_microbatches, t.micro_batch_size,
-                                  self.cfg.model.seq_length)
+            self._feed = StepFeed(self.data, self.groups.data_rank, t.num_microbatches,
+                                  t.micro_batch_size, self.cfg.model.seq_length)
         batches = self._feed.batches(step)
         return [{"tokens": tokens.to(self.device), "labels": labels.to(self.device),
                  **dropout_inputs(self.cfg, step, rank, mb)}

@@ -48,6 +48,7 @@ from epoverlap.data.indexed import IndexedDataError, open_indexed
 from epoverlap.data.samples import BlendedSamples, DocumentSamples, split_bounds
 from epoverlap.data.tokenizers import BYTE_VOCAB, TokenizerError, build_tokenizer
 from epoverlap.errors import ConfigError
+from epoverlap.kernels.cross_entropy import IGNORE_INDEX
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".cfg", ".toml", ".yaml",
                  ".html", ".csv", ".tex", ".sh"}
@@ -87,8 +88,15 @@ def _batch_seed(seed: int, step: int, rank: int, microbatch: int) -> int:
 VALID_STREAM_OFFSET = 2**31
 
 
-def _inputs_and_labels(windows_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return windows_BL[:, :-1].contiguous(), windows_BL[:, 1:].contiguous()
+def _inputs_and_labels(windows_BL: torch.Tensor, masked_eod: Optional[int] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, labels) of windows of seq + 1 tokens; with `masked_eod` (--eod-mask-loss) the
+    label after each end-of-document input token is IGNORE_INDEX, out of the loss (Megatron-
+    LM's loss mask: 0 where the input is the end-of-document id)."""
+    tokens, labels = windows_BL[:, :-1].contiguous(), windows_BL[:, 1:].contiguous()
+    if masked_eod is not None:
+        labels = labels.masked_fill(tokens == masked_eod, IGNORE_INDEX)
+    return tokens, labels
 
 
 class TextData:
@@ -199,8 +207,13 @@ class IndexedData:
     """Samples of Megatron indexed datasets, in Megatron-core's global order (module doc)."""
 
     def __init__(self, samples: BlendedSamples, vocab_size: int, description: str, *,
-                 micro_batch_size: int, num_microbatches: int, world_size: int):
+                 micro_batch_size: int, num_microbatches: int, world_size: int,
+                 eod: Optional[int] = None, masked_eod: Optional[int] = None):
+        """`eod`: the end-of-document id (where the model's documents end, the reset flags);
+        `masked_eod`: the one whose next token the loss leaves out (--eod-mask-loss; None:
+        every label counts)."""
         self.samples, self.vocab_size, self.description = samples, vocab_size, description
+        self.eod, self.masked_eod = eod, masked_eod
         self.micro_batch_size, self.num_microbatches = micro_batch_size, num_microbatches
         self.world_size = world_size
 
@@ -212,7 +225,7 @@ class IndexedData:
             * batch
         windows_BL = np.stack([self.samples.sample(first + b) for b in range(batch)])
         _check_vocab(windows_BL, self.vocab_size, f"samples {first}..{first + batch - 1}")
-        return _inputs_and_labels(torch.from_numpy(windows_BL))
+        return _inputs_and_labels(torch.from_numpy(windows_BL), self.masked_eod)
 
 
 def _check_vocab(tokens: np.ndarray, vocab_size: int, where: str) -> None:
@@ -278,10 +291,29 @@ def _open_text(source: str, seed: int, seq: int) -> TextData:
 def tokenizer_vocab(cfg: RunConfig) -> int:
     """The vocabulary of the data's tokenizer (--tokenizer-type and its files). Raises
     ConfigError naming the flag."""
+    return _tokenizer(cfg).vocab_size
+
+
+def _eod(cfg: RunConfig) -> Optional[int]:
+    """The end-of-document id, where --eod-mask-loss or the reset flags need it (else None)."""
+    d = cfg.data
+    given = [flag for flag, on in (("--eod-mask-loss", d.eod_mask_loss),
+                                   ("--reset-position-ids", d.reset_position_ids),
+                                   ("--reset-attention-mask", d.reset_attention_mask)) if on]
+    if not given:
+        return None
+    eod = _tokenizer(cfg).eod
+    if eod is None:
+        raise ConfigError(given[0], True, f"the {d.tokenizer} vocabulary has no "
+                          "end-of-document token")
+    return eod
+
+
+def _tokenizer(cfg: RunConfig):
     d = cfg.data
     try:
         return build_tokenizer(d.tokenizer, d.vocab_size, d.tokenizer_model, d.vocab_file,
-                               d.merge_file).vocab_size
+                               d.merge_file)
     except TokenizerError as error:
         flag, value = (("--tokenizer-model", d.tokenizer_model) if d.tokenizer_model
                        else ("--vocab-file", d.vocab_file) if d.vocab_file
@@ -314,7 +346,8 @@ def _open_indexed(cfg: RunConfig, vocab_size: int, world_size: int, part: int = 
                             SPLIT_NAMES[part])
     return IndexedData(samples, vocab_size, description,
                        micro_batch_size=t.micro_batch_size,
-                       num_microbatches=t.num_microbatches, world_size=world_size)
+                       num_microbatches=t.num_microbatches, world_size=world_size,
+                       eod=_eod(cfg), masked_eod=_eod(cfg) if cfg.data.eod_mask_loss else None)
 
 
 def _working_split(dataset: DocumentSamples, part: int) -> str:

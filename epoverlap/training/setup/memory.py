@@ -109,7 +109,7 @@ def _stage_chunks(cfg: RunConfig, stage: int) -> list[ChunkPlacement]:
 
 def dispatch_rows_per_token(cfg: RunConfig) -> float:
     """Rows the MoE dispatch moves per token of a microbatch (the k of the formulas)."""
-    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    tokens = cfg.microbatch_tokens
     rows = DispatchMode.of(cfg.moe).expert_rows(tokens, cfg.moe.moe_router_topk,
                                                 cfg.moe.num_experts,
                                                 cfg.parallel.expert_model_parallel_size)
@@ -143,7 +143,7 @@ def _stage_estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
     b = 2 if t.bf16 else 4
     sizes = weight_sizes(cfg, cfg.parallel.expert_model_parallel_size, stage)
     per_param = b + 4 + (4 if t.bf16 else 0) + (0 if t.skip_optimizer_step else 8)
-    tokens = t.micro_batch_size * m.seq_length
+    tokens = cfg.microbatch_tokens
     pattern = cfg.moe_layer_pattern()
     chunks = _stage_chunks(cfg, stage)
     rows = dispatch_rows_per_token(cfg) if cfg.moe.enabled else 0

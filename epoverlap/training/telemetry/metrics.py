@@ -443,14 +443,23 @@ class Reporter:
             virtual = f" x {cfg.virtual_stages} virtual" if cfg.virtual_stages > 1 else ""
             pipeline = f"PP {g.pp_size}{virtual} x "
         return (f"epoverlap: world {g.world_size} ({g.backend}, {self.device.type}) = "
-                f"{pipeline}DP {g.dp_size} (EP {g.ep_size}{self._ep_budget_text()} x EDP "
-                f"{g.edp_size}) | "
+                f"{pipeline}{self._stage_text()} | "
                 f"{cfg.model.num_layers} layers, hidden "
                 f"{cfg.model.hidden_size}, {cfg.moe.num_experts or 0} experts top-"
                 f"{cfg.moe.moe_router_topk} | {total:.1f}M params | plan {cfg.plan_name}"
                 f"{' + delayed wgrad' if cfg.overlap.delay_wgrad_compute else ''}"
                 f"{self._tune_text()} | kernels "
                 f"{self.backend} | {model_dtype(cfg)} | data: {self.data.description}")
+
+    def _stage_text(self) -> str:
+        """A stage's ranks: 'DP 8 (EP 4 x EDP 2)', or under context parallelism 'CP 2 (p2p)
+        x DP 4 (experts: EP 8 x EDP 1)' (DP the ranks reading different sequences)."""
+        g = self.groups
+        experts = f"EP {g.ep_size}{self._ep_budget_text()} x EDP {g.edp_size}"
+        if g.cp_size == 1:
+            return f"DP {g.dp_size} ({experts})"
+        types = " ".join(sorted(set(self.cfg.cp_comm_types())))
+        return f"CP {g.cp_size} ({types}) x DP {g.data_size} (experts: {experts})"
 
     def unaligned_line(self) -> Optional[str]:
         """The start-up line naming the model's GEMM dimensions that are not multiples of

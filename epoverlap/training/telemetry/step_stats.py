@@ -69,7 +69,7 @@ def reduce_step_stats(cfg, groups, model, stop: Optional[StopRequest], losses: l
                                                        ints[-TALLIES:].double()]))
     stop, (dropped, sent, exact) = rest[:-TALLIES], rest[-TALLIES:]
     scale = 1.0 / (t.num_microbatches * groups.dp_size)
-    routed = (groups.dp_size * t.num_microbatches * t.micro_batch_size * cfg.model.seq_length
+    routed = (groups.dp_size * t.num_microbatches * cfg.microbatch_tokens
               * cfg.moe.moe_router_topk * len(moe_layers))
     return StepStats(loss * scale, aux * scale, imbalance, StopRequest.agreed(stop),
                      int(dropped), dropped / routed if routed else 0.0,

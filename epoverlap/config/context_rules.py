@@ -1,0 +1,52 @@
+"""The rules of context parallelism and of per-document attention (--context-parallel-size,
+--cp-comm-type, --reset-attention-mask, --reset-position-ids): what they need and what they do
+not run with yet, each refusal one line naming the flag (`check_config` runs them)."""
+
+from __future__ import annotations
+
+from epoverlap.config.cuda_graphs import AUTO
+from epoverlap.config.parse import flag_of, require
+from epoverlap.config.run import RunConfig
+
+
+def validate_context_parallel(cfg: RunConfig, world_size: int) -> None:
+    """--context-parallel-size and --cp-comm-type (model.context): every rank holds two whole
+    chunks of each sequence; what CP does not run with yet is refused here."""
+    p, m = cfg.parallel, cfg.model
+    cp, pp, types = p.context_parallel_size, p.pipeline_model_parallel_size, p.cp_comm_type
+    require(cp >= 1 and world_size % (cp * pp) == 0, "context_parallel_size", cp,
+            f"CP x PP = {cp} x {pp} must divide the world size {world_size}")
+    require(len(types) in (1, m.num_layers), "cp_comm_type", " ".join(types),
+            f"give one type, or one per layer (--num-layers={m.num_layers})")
+    for one in types:
+        require(one in ("p2p", "allgather"), "cp_comm_type", one, "p2p or allgather: a2a "
+                "and a2a+p2p (heads split over the CP ranks by an all-to-all) are not "
+                "implemented")
+    if cp == 1:
+        return
+    require(m.seq_length % (2 * cp) == 0, "context_parallel_size", cp,
+            f"2 x CP must divide --seq-length={m.seq_length} (each rank holds 2 equal chunks)")
+    require(m.attention_dropout == 0, "attention_dropout", m.attention_dropout,
+            "must be 0 with --context-parallel-size > 1: attention dropout under context "
+            "parallelism is not implemented")
+    require(cfg.cuda_graph.impl in ("none", AUTO), "cuda_graph_impl", cfg.cuda_graph.impl,
+            "must be none with --context-parallel-size > 1: CUDA graphs under context "
+            "parallelism are not implemented")
+    require(cfg.moe.moe_router_load_balancing_type != "seq_aux_loss",
+            "moe_router_load_balancing_type", "seq_aux_loss", "aux_loss or none with "
+            "--context-parallel-size > 1: the per-sequence loss over a sequence split across "
+            "the CP ranks is not implemented")
+
+
+def validate_documents(cfg: RunConfig) -> None:
+    """--reset-attention-mask / --reset-position-ids: what they do not run with yet."""
+    d, m = cfg.data, cfg.model
+    if not d.reads_documents:
+        return
+    name = "reset_attention_mask" if d.reset_attention_mask else "reset_position_ids"
+    require(cfg.cuda_graph.impl in ("none", AUTO), "cuda_graph_impl", cfg.cuda_graph.impl,
+            f"must be none with {flag_of(name)}: per-document attention under CUDA graphs is "
+            "not implemented")
+    require(not d.reset_attention_mask or m.attention_dropout == 0, "attention_dropout",
+            m.attention_dropout, "must be 0 with --reset-attention-mask: attention dropout "
+            "with per-document attention is not implemented")

@@ -1,0 +1,137 @@
+"""Context parallelism on gloo ranks: the attention of CP 2 and 4 against a float64
+single-rank reference (output and the grads of q, k, v), both K/V exchanges; CP 2 and 4
+train to CP 1's losses (fp32 rounding) with either exchange; the overlap and delayed weight
+grads stay bit-identical to the sequential schedule under CP."""
+
+from __future__ import annotations
+
+import pytest
+
+from context_workers import (attention_against_reference, cp_checkpoint_run, cp_losses,
+                             cp_pipeline_losses)
+from dist_helpers import run_ranks
+from gloo_workers import MODES, assert_modes_match_sequential, mode_grads_and_losses
+
+
+def _assert_attention_matches(world: int, comm_type: str) -> None:
+    for rank, values in enumerate(run_ranks(attention_against_reference, world, comm_type)):
+        for name, (ours, reference) in values.items():
+            assert ours.abs().max() > 0, (rank, name)
+            assert (ours - reference).abs().max() < 1e-5, (rank, name)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_cp2_attention_and_its_grads_equal_a_single_rank_reference(comm_type):
+    _assert_attention_matches(2, comm_type)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_cp4_attention_and_its_grads_equal_a_single_rank_reference(comm_type):
+    _assert_attention_matches(4, comm_type)
+
+
+STEPS = ["--train-iters", "4"]
+
+
+@pytest.fixture(scope="module")
+def cp1_losses():
+    """One rank, CP 1, EP 1: the same sequences a CP group of any size reads (DP 1)."""
+    return run_ranks(cp_losses, 1, 1, 1, STEPS)[0][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp, ep", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_cp_trains_to_the_losses_of_cp1(cp1_losses, cp, ep, comm_type):
+    """Aux loss on (TINY's): its tokens per expert are the whole sequence's under CP. The
+    all-gather is a comm node of its own between `qkv` and `attn`; the ring runs in `attn`."""
+    results = run_ranks(cp_losses, cp, cp, ep, STEPS + ["--cp-comm-type", comm_type],
+                        timeout_s=400)
+    names = [name for name, _ in results[0][1]]
+    if comm_type == "allgather":
+        assert names[:3] == ["qkv", "kv_gather", "attn"]
+        assert results[0][1][1] == ("kv_gather", "comm")
+    else:
+        assert names[0] == "attn" and "kv_gather" not in names
+    for losses, _, _ in results:
+        assert losses == results[0][0]  # every rank reports the agreed loss
+    assert f"CP {cp} ({comm_type}) x DP 1 (experts: EP {ep} x EDP {cp // ep})" in results[0][2]
+    for ours, reference in zip(results[0][0], cp1_losses):
+        assert abs(ours - reference) <= 2e-6 * reference, (results[0][0], cp1_losses)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, cp, ep, comm_type", [(2, 2, 2, "p2p"), (4, 2, 2, "allgather")])
+def test_overlap_and_delayed_wgrad_are_bitwise_equal_to_sequential_under_cp(
+        world, cp, ep, comm_type, tmp_path):
+    """CP 2 (x DP 2 on 4 ranks): the combined 1F1B, with and without delayed weight grads,
+    gives the sequential schedule's grads and losses bit for bit (with the all-gather on the
+    comm lane beside the other microbatch's compute)."""
+    modes = {name: MODES[name] for name in ("sequential", "overlap", "overlap_wgrad")}
+    results = run_ranks(mode_grads_and_losses, world, ep, str(tmp_path), 4,
+                        ["--cp-comm-type", comm_type], modes, cp, timeout_s=600)
+    assert_modes_match_sequential(results, tmp_path, 4, modes)
+
+
+@pytest.mark.slow
+def test_a_cp_run_resumes_bitwise_at_its_cp_size_and_at_cp1_within_rounding(tmp_path):
+    """A: CP 2 (world 2, overlap + delayed wgrad), 4 steps, saved at 2. Resumed from step 2
+    at CP 2, steps 3-4 are A's bit for bit; resumed on one rank at CP 1 (the same sequences,
+    DP 1), within fp32 rounding: nothing in a checkpoint is per CP rank."""
+    from epoverlap.training.checkpoints.checkpoint_files import iter_name
+    flags = STEPS + ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
+    saved = str(tmp_path / "A")
+    whole = run_ranks(cp_checkpoint_run, 2, 2, 2, flags, saved, timeout_s=400)[0]
+    at_2 = str(tmp_path / "A" / iter_name(2))
+    resumed = run_ranks(cp_checkpoint_run, 2, 2, 2, flags, None, at_2, timeout_s=400)[0]
+    assert resumed == whole[2:]
+    on_one = run_ranks(cp_checkpoint_run, 1, 1, 1, flags, None, at_2, timeout_s=400)[0]
+    for ours, reference in zip(on_one, whole[2:]):
+        assert abs(ours - reference) <= 2e-6 * reference, (on_one, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_cp_over_pipeline_stages_trains_to_the_losses_of_cp1(cp1_losses, comm_type):
+    """PP 2 x CP 2 (the activations between stages are each rank's S / CP tokens), with the
+    overlap and delayed weight grads: CP 1's losses on the last stage."""
+    flags = STEPS + ["--cp-comm-type", comm_type, "--overlap-moe-expert-parallel-comm",
+                     "--delay-wgrad-compute"]
+    losses = run_ranks(cp_pipeline_losses, 4, 2, 2, flags, timeout_s=400)[-1]
+    for ours, reference in zip(losses, cp1_losses):
+        assert abs(ours - reference) <= 2e-6 * reference, (losses, cp1_losses)
+
+
+@pytest.mark.slow
+def test_eod_mask_loss_under_cp_counts_labels_over_the_cp_group(tmp_path):
+    """--eod-mask-loss on short documents (the CP ranks' chunks count different numbers of
+    labels): CP 2 trains to CP 1's losses, which differ from the unmasked run's."""
+    from context_workers import cp_indexed_losses, write_short_documents
+    prefix = write_short_documents(str(tmp_path / "docs"))
+    masked = STEPS + ["--eod-mask-loss"]
+    cp1 = run_ranks(cp_indexed_losses, 1, 1, prefix, masked)[0]
+    cp2 = run_ranks(cp_indexed_losses, 2, 2, prefix, masked + ["--cp-comm-type", "allgather"],
+                    timeout_s=400)[0]
+    unmasked = run_ranks(cp_indexed_losses, 1, 1, prefix, STEPS)[0]
+    for ours, reference in zip(cp2, cp1):
+        assert abs(ours - reference) <= 2e-6 * reference, (cp2, cp1)
+    assert all(abs(a - b) > 2e-5 * b for a, b in zip(cp1, unmasked)), (cp1, unmasked)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_per_document_attention_under_cp_trains_to_the_losses_of_cp1(tmp_path, comm_type):
+    """--reset-position-ids --reset-attention-mask --eod-mask-loss on short documents: CP 2
+    (the documents' masks per ring step, or over the gathered keys) gives CP 1's losses,
+    which differ from those of attention over the whole sample."""
+    from context_workers import cp_indexed_losses, write_short_documents
+    prefix = write_short_documents(str(tmp_path / "docs"))
+    packed = STEPS + ["--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"]
+    cp1 = run_ranks(cp_indexed_losses, 1, 1, prefix, packed)[0]
+    cp2 = run_ranks(cp_indexed_losses, 2, 2, prefix, packed + ["--cp-comm-type", comm_type],
+                    timeout_s=400)[0]
+    whole = run_ranks(cp_indexed_losses, 1, 1, prefix, STEPS + ["--eod-mask-loss"])[0]
+    for ours, reference in zip(cp2, cp1):
+        assert abs(ours - reference) <= 2e-6 * reference, (cp2, cp1)
+    assert all(abs(a - b) > 2e-5 * b for a, b in zip(cp1, whole)), (cp1, whole)

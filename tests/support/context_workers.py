@@ -1,0 +1,141 @@
+"""Per-rank bodies of the context-parallel gloo tests (importable, so spawn can pickle them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from epoverlap.config import parse_config
+from epoverlap.model.context import ContextParallel
+from epoverlap.parallel.comm import ContextComm
+from epoverlap.parallel.groups import destroy_distributed, init_distributed
+from epoverlap.training.loop.trainer import Trainer
+
+from gloo_workers import TINY
+
+
+def reference_attention(q_BQSD, k_BGSD, v_BGSD) -> torch.Tensor:
+    """Causal grouped-query attention in float64 with an explicit mask: the whole sequence on
+    one rank, written apart from the model's (no SDPA, no log-sum-exp merging)."""
+    q, k, v = (x.double() for x in (q_BQSD, k_BGSD, v_BGSD))
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    seq = q.shape[2]
+    allowed = torch.arange(seq).view(-1, 1) >= torch.arange(seq).view(1, -1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def attention_against_reference(rank, world_size, comm_type):
+    """This rank's CP attention output and its q/k/v grads, beside the reference's rows and
+    grads at this rank's positions (one CP group of the whole world)."""
+    groups = init_distributed(1, "cpu", timeout_minutes=2, cp_size=world_size)
+    try:
+        gen = torch.Generator().manual_seed(7)
+        seq, B, Q, G, D = 8 * world_size, 2, 4, 2, 8
+        whole = [torch.randn(B, heads, seq, D, generator=gen, dtype=torch.float64)
+                 for heads in (Q, G, G)]
+        context = ContextParallel(ContextComm(groups.cp), comm_type, seq, groups.device)
+        pos = context.positions
+        mine = [x[:, :, pos].float().requires_grad_(True) for x in whole]
+        out = context.attention(*mine)
+        grad_out = torch.randn(B, Q, seq, D, generator=gen, dtype=torch.float64)
+        out.backward(grad_out[:, :, pos].float())
+        ref_in = [x.clone().requires_grad_(True) for x in whole]
+        ref = reference_attention(*ref_in)
+        ref.backward(grad_out)
+        return {"out": (out.detach().double(), ref[:, :, pos].detach()),
+                **{name: (x.grad.double(), r.grad[:, :, pos])
+                   for name, x, r in zip("qkv", mine, ref_in)}}
+    finally:
+        destroy_distributed(groups)
+
+
+def cp_losses(rank, world_size, cp, ep, flags):
+    """Losses of a short run at CP `cp` (every flag set in `flags`), layer 0's nodes
+    (name, lane) and the run's banner."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=3, cp_size=cp)
+    try:
+        cfg = parse_config(TINY + ["--expert-model-parallel-size", str(ep),
+                                   "--context-parallel-size", str(cp)] + list(flags))
+        trainer = Trainer(cfg, groups, log=lambda msg: None)
+        try:
+            nodes = [(spec.name, spec.lane) for spec in trainer.model.node_specs()
+                     if spec.layer == 0]
+            return [r.loss for r in trainer.train()], nodes, trainer.describe()
+        finally:
+            trainer.close()
+    finally:
+        destroy_distributed(groups)
+
+
+def cp_checkpoint_run(rank, world_size, cp, ep, flags, save_dir=None, resume_from=None):
+    """Losses of a run at CP `cp`, saving every 2 steps to `save_dir` and/or resuming from the
+    checkpoint folder `resume_from`."""
+    from epoverlap.training.checkpoints.checkpoint_files import read_checkpoint
+    groups = init_distributed(ep, "cpu", timeout_minutes=3, cp_size=cp)
+    try:
+        argv = TINY + ["--expert-model-parallel-size", str(ep), "--context-parallel-size",
+                       str(cp)] + list(flags)
+        if save_dir is not None:
+            argv += ["--save", save_dir, "--save-interval", "2"]
+        ref = read_checkpoint(Path(resume_from), resume_from) if resume_from else None
+        trainer = Trainer(parse_config(argv), groups, log=lambda msg: None, resume=ref)
+        try:
+            return [r.loss for r in trainer.train()]
+        finally:
+            trainer.close()
+    finally:
+        destroy_distributed(groups)
+
+
+def cp_pipeline_losses(rank, world_size, cp, pp, flags):
+    """Losses of a short run at CP `cp` over `pp` pipeline stages (EP 1)."""
+    groups = init_distributed(1, "cpu", timeout_minutes=3, cp_size=cp, pp_size=pp)
+    try:
+        cfg = parse_config(TINY + ["--expert-model-parallel-size", "1", "--context-parallel-size",
+                                   str(cp), "--pipeline-model-parallel-size", str(pp)]
+                           + list(flags))
+        trainer = Trainer(cfg, groups, log=lambda msg: None)
+        try:
+            return [r.loss for r in trainer.train()]
+        finally:
+            trainer.close()
+    finally:
+        destroy_distributed(groups)
+
+
+EOD_VOCAB = 50  # NullTokenizer ids 0..49; the end-of-document id is 50
+
+
+def write_short_documents(prefix: str, count: int = 400, seed: int = 5) -> str:
+    """An indexed dataset of `count` documents of 3-20 ids, each ended by the end-of-document
+    id: many document ends in every sequence, unevenly over a CP group's chunks."""
+    import numpy as np
+
+    from epoverlap.data.indexed import IndexedWriter
+    rng = np.random.default_rng(seed)
+    with IndexedWriter(prefix) as writer:
+        for _ in range(count):
+            ids = rng.integers(0, EOD_VOCAB, size=int(rng.integers(3, 21)))
+            writer.add_document(np.append(ids, EOD_VOCAB))
+    return prefix
+
+
+def cp_indexed_losses(rank, world_size, cp, prefix, flags):
+    """Losses of a short run at CP `cp` (EP 1) on the indexed dataset `prefix`."""
+    groups = init_distributed(1, "cpu", timeout_minutes=3, cp_size=cp)
+    try:
+        argv = [flag for flag in TINY if flag != "--mock-data"] + [
+            "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            str(EOD_VOCAB), "--split", "100,0,0", "--expert-model-parallel-size", "1",
+            "--context-parallel-size", str(cp)] + list(flags)
+        trainer = Trainer(parse_config(argv), groups, log=lambda msg: None)
+        try:
+            return [r.loss for r in trainer.train()]
+        finally:
+            trainer.close()
+    finally:
+        destroy_distributed(groups)
