@@ -98,13 +98,10 @@ class WeightGradQueue:
     def run(self, key: Hashable) -> int:
         """Run (and drop) the work queued under `key`, oldest first. Returns how many ran."""
         work_items = self._pending.pop(key, [])
-        outer, self._collecting = self._collecting, key  # the work's microbatch, for pairing
-        try:
-            with torch.no_grad():  # as inside the backward it was taken from: build no graph
-                for work in work_items:
-                    work()
-        finally:
-            self._collecting = outer
+        # under the key: the work's microbatch places its expert grads (`expert_grad`)
+        with self.collecting(key), torch.no_grad():  # as in the backward: build no graph
+            for work in work_items:
+                work()
         return len(work_items)
 
     def pending_keys(self) -> list:

@@ -12,6 +12,7 @@ from epoverlap.parallel.comm import ContextComm
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.loop.trainer import Trainer
 
+from checkpoint_workers import run as train_losses
 from gloo_workers import TINY
 
 
@@ -74,19 +75,13 @@ def cp_losses(rank, world_size, cp, ep, flags):
 def cp_checkpoint_run(rank, world_size, cp, ep, flags, save_dir=None, resume_from=None):
     """Losses of a run at CP `cp`, saving every 2 steps to `save_dir` and/or resuming from the
     checkpoint folder `resume_from`."""
-    from epoverlap.training.checkpoints.checkpoint_files import read_checkpoint
     groups = init_distributed(ep, "cpu", timeout_minutes=3, cp_size=cp)
     try:
         argv = TINY + ["--expert-model-parallel-size", str(ep), "--context-parallel-size",
                        str(cp)] + list(flags)
         if save_dir is not None:
             argv += ["--save", save_dir, "--save-interval", "2"]
-        ref = read_checkpoint(Path(resume_from), resume_from) if resume_from else None
-        trainer = Trainer(parse_config(argv), groups, log=lambda msg: None, resume=ref)
-        try:
-            return [r.loss for r in trainer.train()]
-        finally:
-            trainer.close()
+        return train_losses(groups, argv, Path(resume_from) if resume_from else None)
     finally:
         destroy_distributed(groups)
 
@@ -95,14 +90,9 @@ def cp_pipeline_losses(rank, world_size, cp, pp, flags):
     """Losses of a short run at CP `cp` over `pp` pipeline stages (EP 1)."""
     groups = init_distributed(1, "cpu", timeout_minutes=3, cp_size=cp, pp_size=pp)
     try:
-        cfg = parse_config(TINY + ["--expert-model-parallel-size", "1", "--context-parallel-size",
-                                   str(cp), "--pipeline-model-parallel-size", str(pp)]
-                           + list(flags))
-        trainer = Trainer(cfg, groups, log=lambda msg: None)
-        try:
-            return [r.loss for r in trainer.train()]
-        finally:
-            trainer.close()
+        return train_losses(groups, TINY + [
+            "--expert-model-parallel-size", "1", "--context-parallel-size", str(cp),
+            "--pipeline-model-parallel-size", str(pp)] + list(flags))
     finally:
         destroy_distributed(groups)
 
@@ -132,10 +122,6 @@ def cp_indexed_losses(rank, world_size, cp, prefix, flags):
             "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size",
             str(EOD_VOCAB), "--split", "100,0,0", "--expert-model-parallel-size", "1",
             "--context-parallel-size", str(cp)] + list(flags)
-        trainer = Trainer(parse_config(argv), groups, log=lambda msg: None)
-        try:
-            return [r.loss for r in trainer.train()]
-        finally:
-            trainer.close()
+        return train_losses(groups, argv)
     finally:
         destroy_distributed(groups)
