@@ -54,6 +54,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -163,6 +164,10 @@ class SharedRegion:
         if self.device_address is None:
             driver().use_device(_index(device))
             self.device_address = driver().register(self.address, self.size)
+            # a region dropped without close() must still unpin its pages before they are
+            # unmapped: a later mapping at the same address could not be pinned (CUDA 712)
+            self._unpin = weakref.finalize(self, _unpin, self.address)
+            self._unpin.atexit = False
 
     def unlink(self) -> None:
         """Remove the file (the mappings stay): after every rank mapped it."""
@@ -173,8 +178,7 @@ class SharedRegion:
 
     def close(self) -> None:
         if self.device_address is not None:
-            torch.cuda.synchronize()  # no copy or flag operation may still use the pages
-            driver().unregister(self.address)
+            self._unpin()
             self.device_address = None
         self.words.release()
         self.data = None
@@ -365,6 +369,11 @@ class HostMemoryTransport:
             self._streams = (torch.cuda.Stream(self.device, priority=high),
                              torch.cuda.Stream(self.device, priority=high))
         return self._streams
+
+
+def _unpin(address: int) -> None:
+    torch.cuda.synchronize()  # no copy or flag operation may still use the pages
+    driver().unregister(address)
 
 
 def _index(device: torch.device) -> int:

@@ -277,6 +277,21 @@ def test_two_ranks_sharing_one_gpu_exchange_like_gloo_host_copies():
 
 @pytest.mark.gpu
 @needs_gpu
+def test_a_region_dropped_without_close_unpins_before_its_pages_are_reused():
+    """Regions made, pinned and dropped one after another (as the contention benchmark does per
+    load): each drop unpins, so the next mapping, often at the same address, can be pinned."""
+    import gc
+    for i in range(4):
+        region = SharedRegion(region_path(f"drop-{os.getpid()}-{i}"), 4 << 20, create=True)
+        region.unlink()
+        region.register(torch.device("cuda", 0))
+        assert region.device_address
+        del region
+        gc.collect()
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_two_ranks_streams_in_one_process_need_no_host_wait():
     """Both ranks' exchanges issued from one thread, one after the other: only the streams'
     flag waits order them (a host wait would deadlock), and the rows arrive in place."""
