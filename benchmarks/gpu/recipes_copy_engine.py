@@ -58,13 +58,14 @@ COPY_ENGINE_RECIPES = (
            "and a dense GEMM at megatron-cmp's and the Qwen3 proxy's all-to-all sizes: each "
            "side alone and beside, GB/s, against a device-to-host copy of the same bytes and "
            "two SM copies (ATen's copy kernel, a copy kernel on every SM and on 16)",
-           "junit.xml; contention/bench_contention.json (every row: ms alone and beside, "
-           "slowdowns, duty, what the load ran as)",
+           "junit.xml; contention_{1,2,3}/bench_contention.json, three rounds (every row: ms "
+           "alone and beside, slowdowns, duty, what the load ran as)",
            (Step("tests", TIER + " --junitxml={out}/junit.xml -m gpu "
                  "tests/parallel/test_host_memory.py tests/benchmarks/test_bench_contention.py "
                  "-k 'host'", timeout_s=170),
-            Step("contention", CONTENTION + " --loads host_transport,d2h_pinned,sm_copy,"
-                 "triton_copy --copy-ctas sms,16 --out-dir {out}/contention", timeout_s=120))),
+            ) + tuple(Step(f"contention_{i}", CONTENTION + " --loads host_transport,d2h_pinned,"
+                           "sm_copy,triton_copy --copy-ctas sms,16 --out-dir {out}/contention_"
+                           + str(i), timeout_s=120) for i in (1, 2, 3))),
     Recipe("copy_engine_a2a_2gpu", 2,
            "the EP all-to-all across 2 GPUs beside the experts' grouped GEMM, alone and "
            "beside (time, GB/s, both sides' slowdowns): NCCL under each of its own copy-engine "
