@@ -125,3 +125,20 @@ def test_cp1_has_no_exchange():
     kv = cc.KvShape.from_config(parse_config(LONG))
     assert kv.comm_type(0) is None
     assert cc.ring_us(NO_LATENCY, kv, Action("F", 0, "attn", 0)) == 0.0
+
+
+def test_the_prediction_table_is_the_simulators():
+    """benchmarks/harness/cp_predictions.py (context_parallel.md's table) at a small shape:
+    each row's exchange is context_costs' and its steps are the simulated ones."""
+    from benchmarks.harness import cp_predictions
+    flags = LONG + ["--num-microbatches", "2"]
+    row = cp_predictions.row(flags, 4, "nvlink")
+    sim, scenario = _scenario(4, "allgather", "--num-microbatches", "2",
+                              "--expert-model-parallel-size", "4")  # EP = CP there
+    link = sim.sc.LINKS["nvlink"]
+    assert row["allgather_us"] == cc.kv_exchange_us(link, _kv(4), "allgather")
+    assert row["ring_us"] == cc.kv_exchange_us(link, _kv(4, "p2p"), "p2p")
+    assert row["sent_mib"] == 3 * row["kv_mib"]
+    assert row["wgrad_allgather_ms"] == pytest.approx(
+        sim.run_mode(scenario, "wgrad").step_us / 1e3)
+    assert "| 4 | nvlink |" in cp_predictions.table([row])
