@@ -16,6 +16,9 @@ and event rules, the host, all-to-alls that couple the EP group), with durations
            benchmarks/harness/bench_host_bytes.py --time: the case and dispatch of the training
            flags, and its split-size exchange as the host sync), the recording then giving
            compute only;
+  K/V      under --context-parallel-size, each layer's K/V exchange from the same link and
+           the shape (epoverlap/simulator/context_costs.py): the all-gather's `kv_gather`
+           node on the comm lane, the p2p ring inside `attn` on the compute lane;
   host     eager launch cost per node from a launch-bound run's spans (`--host-from`), none
            for `--graphed-nodes` (a CUDA-graph replay), none at all without `--host-from`.
 The model shape (bytes of each all-to-all, FLOPs, plan size) comes from the training flags

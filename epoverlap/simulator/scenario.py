@@ -17,6 +17,11 @@ Owns
                of the dispatch's own calls (`comm_table`: --comm-from FILE, read by
                epoverlap/simulator/comm_table.py), which also gives the split-size sync;
                the recording then supplies compute only (no rank offsets, no replay);
+      K/V      under context parallelism, each layer's exchange from the link and the shape
+               (epoverlap/simulator/context_costs.py): the all-gather's `kv_gather` node
+               (comm lane; a recording's own with --link measured), the ring inside `attn`
+               (added to its FLOP time; a recording's attn spans hold it); the model built
+               with the CP group (`model_layout`), a rank's tokens S / CP;
       host     eager launch cost per node from a launch-bound GPU run (`host_costs`), or a CPU
                recording's own host time outside spans (`recorded_cpu_host`);
   - `build_scenario`, which assembles them (and describes each source, `Scenario.sources`);
