@@ -8,15 +8,15 @@ Slow tier: each case spawns 1-4 gloo ranks (about a minute on a loaded 2-core ma
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+import torch
 
 from checkpoint_workers import checkpoint_tensors
 from context_workers import cp_checkpoint_run
 from dist_helpers import run_ranks
 from epoverlap.cli.convert_checkpoint import main as convert
 from epoverlap.training.checkpoints.checkpoint_files import iter_name
+from epoverlap.training.checkpoints.megatron_checkpoint import read_common
 from gloo_workers import TINY
 
 STEPS = ["--train-iters", "4"]
@@ -70,13 +70,19 @@ def test_cp4_and_cp1_saves_resume_at_cp2(cp2_saved, tmp_path):
 
 @pytest.mark.slow
 def test_a_cp_run_converts_to_megatron_core_and_back_and_loads_at_any_cp(cp2_saved, tmp_path):
-    """A@4 (CP 2) -> Megatron-core torch_dist -> epoverlap (the flags of a CP 2 run): every
-    weight's bits back; the conversion (weights only, a fresh optimizer) trains step 5 at CP 2
-    and at CP 1 to the same loss within rounding."""
+    """A@4 (CP 2) -> Megatron-core torch_dist (its args then saying CP 2, as a Megatron-LM CP
+    run's do) -> epoverlap (the flags of a CP 2 run): every weight's bits back; the
+    conversion (weights only, a fresh optimizer) trains step 5 at CP 2 and at CP 1 to the
+    same loss within rounding."""
     saved, _ = cp2_saved
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     assert convert(["--to-megatron", str(saved), "--out", str(mcore)]) == 0
-    assert (mcore / iter_name(4) / "common.pt").is_file()
+    common_pt = mcore / iter_name(4) / "common.pt"
+    common, why = read_common(common_pt)
+    assert why is None and "args" in common
+    # as a Megatron-LM CP run's own save says: its CP size is the run's, not the weights'
+    common["args"].context_parallel_size, common["args"].cp_comm_type = 2, "p2p"
+    torch.save(common, common_pt)
     flags = TINY + ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]
     assert convert(["--from-megatron", str(mcore), "--out", str(back), *flags]) == 0
     ours = checkpoint_tensors(saved / iter_name(4), ("model/", "buffer/"))
