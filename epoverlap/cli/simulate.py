@@ -26,7 +26,8 @@ after `--` (the training command's own flags, `--preset NAME` included).
 
 Prints, for one EP group: T_seq (sequential plan), T_ovl (combined 1F1B), T_wgrad (plus
 delayed weight grads, where W durations exist), T_comp (T_ovl's plan with every all-to-all a
-local copy: the compute-only baseline), T_comm (the all-to-alls back to back), T_ovl/max,
+local copy: the compute-only baseline), T_comm (the comm lane's collectives back to back:
+the all-to-alls, and under CP the K/V gathers), T_ovl/max,
 the realized share of the attainable saving (T_seq - T_ovl) / (T_seq - max(T_comp, T_comm)),
 exposed comm per layer (the timeline tool's definitions), and, for a recorded run, measured
 against simulated step time per step (epoverlap/simulator/replay.py). Writes to --out-dir the
@@ -70,7 +71,8 @@ def report(scenario: Scenario, results: dict[str, SimResult], replay: list[dict]
              "comp": "overlap plan, all-to-alls as local copies"}
     for mode in results:
         lines.append(f"T_{mode:<6} {fig[f'T_{mode}_ms']:10.2f} ms   ({names[mode]})")
-    lines.append(f"T_comm   {fig['T_comm_ms']:10.2f} ms   (all-to-alls back to back)")
+    lines.append(f"T_comm   {fig['T_comm_ms']:10.2f} ms   (the comm lane's collectives back to "
+                 "back: all-to-alls, K/V gathers)")
     lines.append(f"T_ovl / max(T_comp, T_comm) = {fig['ovl_over_max']:.3f};  T_seq / T_ovl = "
                  f"{fig['seq_over_ovl']:.3f}")
     for mode in ("ovl", "wgrad"):
