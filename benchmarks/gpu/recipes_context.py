@@ -3,8 +3,7 @@ GPUs and CP 4 on 4, over NVLink and with NCCL_P2P_DISABLE=1 (the K/V exchange th
 memory). Each recipe:
 
   losses    CP 1 on one GPU against CP N with either K/V exchange (p2p ring, all-gather), the
-            same sequences (DP 1), fp32 and --deterministic-mode: every step's relative loss
-            gap (`benchmarks.harness.loss_gap`; CP N does CP 1's math in another order);
+            same sequences (DP 1), fp32: every step's relative loss gap (`benchmarks.harness.loss_gap`; CP N does CP 1's math in another order);
   rounds    the bf16 step time of CP N p2p, CP N all-gather (overlapped, and the all-gather
             sequential) and the same GPUs as data-parallel replicas at CP 1 (the same global
             batch and tokens per GPU), interleaved rounds (`bench_train_rounds`);
@@ -27,7 +26,7 @@ MODEL = ("--preset megatron-cmp --mock-data --seq-length 4096 --micro-batch-size
 # one GPU of the recipe's, through torchrun as the training command runs (CP 1, DP 1, EP 1)
 ONE_GPU = ("CUDA_VISIBLE_DEVICES=0 {python} -m torch.distributed.run --standalone "
            "--nproc-per-node=1 -m epoverlap.train")
-LOSS_FLAGS = " --deterministic-mode --train-iters 20"
+LOSS_FLAGS = " --no-bf16 --train-iters 20"  # fp32 (on CUDA bf16 is the default)
 STEP_FLAGS = " --bf16 --train-iters 12"
 COMM_TYPES = ("p2p", "allgather")
 LOSS_RTOL = "1e-3"  # fp32: CP N sums the same attention in another order
@@ -87,8 +86,8 @@ def _recipe(cp: int, over: str, env: dict) -> Recipe:
     return Recipe(
         f"context_parallel_cp{cp}_{over}", cp,
         f"context parallelism at CP {cp} on {cp} GPUs, {over}: losses of CP {cp} with the "
-        f"p2p ring and the all-gather against CP 1 on one GPU (fp32, deterministic, 20 "
-        f"steps: every step's relative gap); bf16 step time of CP {cp} p2p, all-gather "
+        f"p2p ring and the all-gather against CP 1 on one GPU (fp32, 20 steps: every "
+        f"step's relative gap); bf16 step time of CP {cp} p2p, all-gather "
         f"(overlapped and sequential) and DP {cp} at CP 1 in 2 interleaved rounds; a profiled "
         f"CP {cp} all-gather run replayed by the simulator",
         "loss_cp1.jsonl, loss_cpN_{p2p,allgather}.jsonl, loss_gap.json; rounds/"
