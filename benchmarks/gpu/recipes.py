@@ -15,6 +15,7 @@ from benchmarks.gpu.recipe_parts import (BITWISE_RUN, EAGER, FULL_ITERATION, GRA
                                          PYTEST, SEQUENTIAL, TIER, TRAIN, TRAIN_BENCH, WGRAD,
                                          Recipe, Step, rounds_step)
 from benchmarks.gpu.recipes_chunked import CHUNKED_RECIPES
+from benchmarks.gpu.recipes_context import CONTEXT_RECIPES
 from benchmarks.gpu.recipes_copy_engine import COPY_ENGINE_RECIPES
 from benchmarks.harness.peer_titan_1gpu import PEER_FLAGS, SHAPES as TITAN_SHAPES
 
@@ -654,4 +655,4 @@ RECIPES = (
            "kernels_qwen3 at megatron-cmp (EP = GPUs)", "as kernels_qwen3",
            _kernel_table_steps(TRAIN + " --preset megatron-cmp --mock-data --bf16"
                                " --expert-model-parallel-size {gpus}")),
-) + CHUNKED_RECIPES + COPY_ENGINE_RECIPES
+) + CHUNKED_RECIPES + COPY_ENGINE_RECIPES + CONTEXT_RECIPES

@@ -16,6 +16,9 @@ and event rules, the host, all-to-alls that couple the EP group), with durations
            benchmarks/harness/bench_host_bytes.py --time: the case and dispatch of the training
            flags, and its split-size exchange as the host sync), the recording then giving
            compute only;
+  K/V      under --context-parallel-size, each layer's K/V exchange from the same link and
+           the shape (epoverlap/simulator/context_costs.py): the all-gather's `kv_gather`
+           node on the comm lane, the p2p ring inside `attn` on the compute lane;
   host     eager launch cost per node from a launch-bound run's spans (`--host-from`), none
            for `--graphed-nodes` (a CUDA-graph replay), none at all without `--host-from`.
 The model shape (bytes of each all-to-all, FLOPs, plan size) comes from the training flags
@@ -23,7 +26,8 @@ after `--` (the training command's own flags, `--preset NAME` included).
 
 Prints, for one EP group: T_seq (sequential plan), T_ovl (combined 1F1B), T_wgrad (plus
 delayed weight grads, where W durations exist), T_comp (T_ovl's plan with every all-to-all a
-local copy: the compute-only baseline), T_comm (the all-to-alls back to back), T_ovl/max,
+local copy: the compute-only baseline), T_comm (the comm lane's collectives back to back:
+the all-to-alls, and under CP the K/V gathers), T_ovl/max,
 the realized share of the attainable saving (T_seq - T_ovl) / (T_seq - max(T_comp, T_comm)),
 exposed comm per layer (the timeline tool's definitions), and, for a recorded run, measured
 against simulated step time per step (epoverlap/simulator/replay.py). Writes to --out-dir the
@@ -67,7 +71,8 @@ def report(scenario: Scenario, results: dict[str, SimResult], replay: list[dict]
              "comp": "overlap plan, all-to-alls as local copies"}
     for mode in results:
         lines.append(f"T_{mode:<6} {fig[f'T_{mode}_ms']:10.2f} ms   ({names[mode]})")
-    lines.append(f"T_comm   {fig['T_comm_ms']:10.2f} ms   (all-to-alls back to back)")
+    lines.append(f"T_comm   {fig['T_comm_ms']:10.2f} ms   (the comm lane's collectives back to "
+                 "back: all-to-alls, K/V gathers)")
     lines.append(f"T_ovl / max(T_comp, T_comm) = {fig['ovl_over_max']:.3f};  T_seq / T_ovl = "
                  f"{fig['seq_over_ovl']:.3f}")
     for mode in ("ovl", "wgrad"):

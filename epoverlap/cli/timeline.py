@@ -86,8 +86,10 @@ def format_span_summary(summary: dict[str, Any]) -> str:
     names = [c.removesuffix("_us") for c in _LAYER_COLUMNS]
     text += f"\n\n{layer_title} (times in us; exposure vs all compute of the rank)\n" + \
         _table(["rank", "layer", *names], layer_rows)
-    return text + _whole_step_table(summary) + "\n\n" + \
-        format_compute_nodes(summary["compute_nodes"])
+    text += _whole_step_table(summary) + "\n\n" + format_compute_nodes(summary["compute_nodes"])
+    if summary.get("comm_nodes"):
+        text += "\n\n" + format_comm_nodes(summary["comm_nodes"])
+    return text
 
 
 _WHOLE_COLUMNS = ("whole_step_us", "step_time_us", "grad_reduce_us", "grad_clip_us",
@@ -115,6 +117,16 @@ def format_compute_nodes(nodes: Sequence[dict[str, Any]]) -> str:
     return ("per compute node (times in us per step, summed over microbatches, mean over steps "
             "and ranks; wait: on the comm lane, before the node ran)\n" +
             _table(["layer", "node", "phase", "spans", "compute", "wait"], rows))
+
+
+def format_comm_nodes(nodes: Sequence[dict[str, Any]]) -> str:
+    """The per-comm-node table: each all-to-all, and the K/V gather of context parallelism
+    (`kv_gather`), with the part of it no compute covered."""
+    rows = [["-" if n["layer"] is None else n["layer"], n["node"], n["phase"], n["spans"],
+             n["comm_us"], n["exposed_us"]] for n in nodes]
+    return ("per comm node (times in us per step, summed over microbatches, mean over steps "
+            "and ranks; exposed: with no compute running)\n" +
+            _table(["layer", "node", "phase", "spans", "comm", "exposed"], rows))
 
 
 def format_torch_summary(entries: list[dict[str, Any]]) -> str:

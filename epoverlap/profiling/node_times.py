@@ -1,17 +1,21 @@
-"""Per compute node: the time it computed, apart from the time it waited on the other lane.
+"""Per compute node: the time it computed, apart from the time it waited on the other lane;
+per comm node: the time it ran and the part of it no compute covered.
 
 Owns `NodePhase` (a layer's node in one phase: `2 mlp backward`; not the model's `NodePhase`, a
 node type's lane), the per-node-phase figures of a run (`node_figures`: summed over the
 microbatches of a step, mean over the steps and ranks that ran the kind) and the comparison of
 two runs of one model (`compare_runs`: per kind and per layer, compute time of the second run
 over the first's: with a sequential run first and an overlapped one second, the compute
-slowdown under overlap).
+slowdown under overlap); and the comm nodes' (`comm_node_figures`: each all-to-all, the
+K/V all-gather of context parallelism, `kv_gather`, by name, with its exposed time).
 
 From one span (spans.py): `compute_us = end_us - start_us` (the action ran), `wait_us =
 start_us - queued_us` (its lane had reached it but its inputs from the other lane were not
 ready: the CUDA stream's `wait_event`, the CPU thread's wait for the comm thread). Spans of
 version-1 files carry no `queued_us`: their waits are None (unknown), their compute times
-stand. Only compute-lane spans count here; all times are microseconds.
+stand. From a comm-lane span: `comm_us = end_us - start_us`, `exposed_us` = the part of it
+when no compute-lane span of its rank's step ran (the timeline's exposure, per span). All
+times are microseconds.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
+from epoverlap.profiling.intervals import measure, subtract, union
 from epoverlap.profiling.spans import RankSpans, Span
 
 PHASE_ORDER = {"forward": 0, "backward": 1, "wgrad": 2}
@@ -97,6 +102,45 @@ def node_figures(ranks: Sequence[RankSpans], steps: Optional[Sequence[int]] = No
             sum(compute for _, compute, _ in rows) / len(rows),
             None if None in waits else sum(waits) / len(rows)))
     return figures
+
+
+@dataclass(frozen=True)
+class CommNodeFigures:
+    """One comm node kind in one run: spans per step, their time and its exposed part per step
+    (the mean of the steps and ranks that ran it)."""
+
+    kind: NodePhase
+    spans: float
+    comm_us: float
+    exposed_us: float
+
+    def as_dict(self) -> dict:
+        return {"layer": self.kind.layer, "node": self.kind.node, "phase": self.kind.phase,
+                "spans": self.spans, "comm_us": self.comm_us, "exposed_us": self.exposed_us}
+
+
+def comm_node_figures(ranks: Sequence[RankSpans], steps: Optional[Sequence[int]] = None
+                      ) -> list[CommNodeFigures]:
+    """Per comm node kind, sorted as `node_figures`: per step sums of its spans' time and
+    exposed time, mean over the (rank, step) pairs that ran it."""
+    samples: dict[NodePhase, list[tuple[int, float, float]]] = {}
+    for rank_spans in ranks:
+        for step in rank_spans.steps:
+            if steps is not None and step.step not in steps:
+                continue
+            compute = union((s.start_us, s.end_us) for s in step.spans if s.lane == "compute")
+            sums: dict[NodePhase, tuple[int, float, float]] = {}
+            for span in step.spans:
+                if span.lane != "comm":
+                    continue
+                count, total, exposed = sums.get(NodePhase.of(span), (0, 0, 0.0))
+                alone = measure(subtract([(span.start_us, span.end_us)], compute))
+                sums[NodePhase.of(span)] = (count + 1, total + span.duration_us, exposed + alone)
+            for kind, row in sums.items():
+                samples.setdefault(kind, []).append(row)
+    return [CommNodeFigures(kind, *(sum(row[i] for row in samples[kind]) / len(samples[kind])
+                                    for i in range(3)))
+            for kind in sorted(samples, key=NodePhase.sort_key)]
 
 
 @dataclass(frozen=True)

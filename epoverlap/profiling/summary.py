@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Sequence
 
-from epoverlap.profiling.node_times import compare_runs, node_figures
+from epoverlap.profiling.node_times import compare_runs, comm_node_figures, node_figures
 from epoverlap.profiling.overlap import (
     CommOverlap, Interval, comm_overlap, gaps, lane_intervals, measure, step_metrics)
 from epoverlap.profiling.spans import RankSpans, Span, StepSpans, read_span_directory
@@ -64,6 +64,10 @@ DEFINITIONS = {
     "compute_nodes": "per (layer, node, phase) compute-lane spans summed over microbatches, mean "
                      "over the steps and ranks that ran them: compute_us = sum(end - start), "
                      "wait_us = sum(start - queued)",
+    "comm_nodes": "per (layer, node, phase) comm-lane spans (all-to-alls, the K/V gather of "
+                  "context parallelism, kv_gather) summed over microbatches, mean over the "
+                  "steps and ranks that ran them: comm_us = sum(end - start), exposed_us = "
+                  "the part of them no compute-lane span of the rank covered",
     "layers": "busy times from that layer's spans only; exposure against ALL compute of the rank",
     "mean_over_steps": "field means over steps; overlap_ratio = sum(hidden) / sum(comm)",
     "whole_step_us": "the step through the optimizer (span format 3; absent before)",
@@ -146,6 +150,7 @@ def span_summary(ranks: list[RankSpans], steps: list[int]) -> dict[str, Any]:
     if len(steps) > 1:
         summary["mean_over_steps"] = [_rank_mean(per_step, index) for index in range(len(ranks))]
     summary["compute_nodes"] = [f.as_dict() for f in node_figures(ranks, steps)]
+    summary["comm_nodes"] = [f.as_dict() for f in comm_node_figures(ranks, steps)]
     return summary
 
 

@@ -150,7 +150,7 @@ class A2aShape:
     @classmethod
     def from_config(cls, cfg, ep: Optional[int] = None) -> "A2aShape":
         m, t = cfg.model, cfg.train
-        return cls(tokens=t.micro_batch_size * m.seq_length, topk=cfg.moe.moe_router_topk,
+        return cls(tokens=tokens_per_rank(cfg), topk=cfg.moe.moe_router_topk,
                    hidden=m.hidden_size, num_experts=cfg.moe.num_experts or 0,
                    dtype_bytes=2 if t.bf16 else 4,
                    ep=ep or cfg.parallel.expert_model_parallel_size,
@@ -228,6 +228,12 @@ class A2aShape:
         if self.sends_by_host:
             return self.ep * (self.num_experts + self.ep + self.hosts)
         return self.num_experts + (self.ep if self.sends_once_per_rank else 0)
+
+
+def tokens_per_rank(cfg) -> int:
+    """A microbatch's tokens on one rank: its sequences' S / CP (context parallelism)."""
+    return cfg.train.micro_batch_size * cfg.model.seq_length \
+        // cfg.parallel.context_parallel_size
 
 
 PROBS_BYTES = 4  # router probs travel in fp32
@@ -351,7 +357,8 @@ class FlopModel:
 
     Forward GEMMs 2 x tokens x weights; backward = activation grads (same FLOPs) + weight grads
     (same FLOPs; a W action when delayed); attention 2 x T x S x heads x head_dim forward
-    (causal), 2x that backward; memory-bound passes (norms, rotary, permute, chunk sort,
+    (causal; under CP a rank's T = S / CP queries over the sequence, balanced), 2x that
+    backward; memory-bound passes (norms, rotary, permute, chunk sort,
     SwiGLU, unpermute, residual adds) as bytes read + written. `load` scales the expert work
     of the most loaded rank."""
 
@@ -361,7 +368,7 @@ class FlopModel:
 
     def _dims(self):
         m, moe, t = self.cfg.model, self.cfg.moe, self.cfg.train
-        tokens = t.micro_batch_size * m.seq_length
+        tokens = tokens_per_rank(self.cfg)
         return m, moe, tokens, (2 if t.bf16 else 4)
 
     def forward(self, node: str, layer: Optional[int]) -> NodeWork:

@@ -23,8 +23,8 @@ from epoverlap.simulator.scenario import Scenario, recorded_cpu_host, run_mode, 
 
 
 def t_comm_us(scenario: Scenario) -> float:
-    """The step's all-to-alls alone, back to back (T_comm): per collective
-    the slowest rank's time."""
+    """The step's comm-lane collectives alone, back to back (T_comm: the all-to-alls, and
+    under CP the K/V gathers): per collective the slowest rank's time."""
     cfg = scenario.cfg
     plan = build_plan(cfg.overlap.overlap_plan_name, scenario.layout, cfg.train.num_microbatches)
     kinds = node_kinds(scenario.layout)

@@ -17,6 +17,11 @@ Owns
                of the dispatch's own calls (`comm_table`: --comm-from FILE, read by
                epoverlap/simulator/comm_table.py), which also gives the split-size sync;
                the recording then supplies compute only (no rank offsets, no replay);
+      K/V      under context parallelism, each layer's exchange from the link and the shape
+               (epoverlap/simulator/context_costs.py): the all-gather's `kv_gather` node
+               (comm lane; a recording's own with --link measured), the ring inside `attn`
+               (added to its FLOP time; a recording's attn spans hold it); the model built
+               with the CP group (`model_layout`), a rank's tokens S / CP;
       host     eager launch cost per node from a launch-bound GPU run (`host_costs`), or a CPU
                recording's own host time outside spans (`recorded_cpu_host`);
   - `build_scenario`, which assembles them (and describes each source, `Scenario.sources`);
@@ -47,6 +52,7 @@ from epoverlap.profiling.chrome_trace import read_chrome_trace
 from epoverlap.profiling.spans import RankSpans, read_span_directory
 from epoverlap.schedule.grad_reduce import GRAD_REDUCE
 from epoverlap.schedule.plan import Action, build_plan, node_kinds
+from epoverlap.simulator import context_costs as cc
 from epoverlap.simulator import costs as sc
 from epoverlap.simulator.comm_table import CommTable, CommTableError, read_comm_table
 from epoverlap.simulator.contention import simulate_contended
@@ -105,9 +111,10 @@ def model_config(args: argparse.Namespace, ep: Optional[int]):
     if ep is None or ep < 2:
         raise SimInputError(f"--ep {ep}: the simulator needs an EP group of 2 or more ranks "
                             "(--ep or --expert-model-parallel-size)")
+    world = math.lcm(ep, cfg.parallel.context_parallel_size)  # the EP and CP groups' ranks
     try:  # the simulated job's GPUs run bf16 only where its flags say so
-        cfg = resolve_config(cfg, ep, cuda_available=bool(cfg.train.bf16))
-        validate_config(cfg, ep, bool(cfg.train.bf16))
+        cfg = resolve_config(cfg, world, cuda_available=bool(cfg.train.bf16))
+        validate_config(cfg, world, bool(cfg.train.bf16))
     except ConfigError as error:
         raise SimInputError(str(error)) from None
     return cfg
@@ -123,9 +130,20 @@ def model_layout(cfg, ep: int) -> list:
     hosts = cfg.parallel.emulate_hosts  # the hierarchical dispatch's stages (no groups here)
     by_host = HostComms(ExpertComm(None, hosts), ExpertComm(None, ep // hosts), 0) \
         if cfg.moe.moe_dispatch_hierarchy == "node" else None
+    cp = cfg.parallel.context_parallel_size
     model = MoEModel(cfg, ExpertComm(None, ep, by_host=by_host), 0, make_moe_ops("torch"),
-                     dtype=torch.bfloat16, device=torch.device("meta"))
+                     dtype=torch.bfloat16, device=torch.device("meta"),
+                     cp_comm=_CpGroupShape(cp) if cp > 1 else None)
     return model.layout()
+
+
+class _CpGroupShape:
+    """The CP group as the model's layout reads it (`model.context`): its size, and a comm
+    lane's communicator for the all-gather; no process group."""
+
+    def __init__(self, size: int):
+        self.size, self.rank, self.group = size, 0, None
+        self.lane = self
 
 
 # ---------------------------------------------------------------------------- duration sources
@@ -278,11 +296,13 @@ def span_compute(recorded: list[RankSpans], load) -> ComputeSource:
     return ComputeSource(duration, load, wgrad_recorded=has_w)
 
 
-def flop_compute(cfg, ep: int, throughput: sc.Throughput, load) -> ComputeSource:
+def flop_compute(cfg, ep: int, throughput: sc.Throughput, load,
+                 ring: sc.ActionFn = sc.zero) -> ComputeSource:
+    """`ring`: the CP ring's transfers inside an `attn` action (context_costs.ring_us)."""
     models = {flag: sc.FlopModel(cfg, ep, delay_wgrad=flag) for flag in (False, True)}
 
     def duration(rank: int, action: Action, delay_wgrad: bool) -> float:
-        return throughput.time_us(models[delay_wgrad].work(action))
+        return throughput.time_us(models[delay_wgrad].work(action)) + ring(rank, action)
     return ComputeSource(duration, load, wgrad_recorded=True)
 
 
@@ -360,10 +380,16 @@ def build_scenario(args: argparse.Namespace,
     load = load_factor(args.imbalance, ep)
     if recorded is None and throughput is None:
         throughput = calibrated_throughput(args) if args.calibrate else base_throughput(args)
+    kv = cc.KvShape.from_config(cfg)
     compute = span_compute(recorded, load) if recorded else \
-        flop_compute(cfg, ep, throughput, load)
+        flop_compute(cfg, ep, throughput, load, lambda r, a: cc.ring_us(link, kv, a))
     comm, local, wire, sources = comm_sources(args, recorded, shape, link, cfg, throughput,
                                               table)
+    if kv.cp > 1:
+        measured = args.link == "measured"
+        comm, wire = (_with_kv_gather(fn, kv, link, measured) for fn in (comm, wire))
+        local = _with_kv_gather(local, kv, link, as_copy=True)
+        sources.append(describe_kv(kv, link, measured, recorded is not None))
     if given is None:  # say which link the default chose
         why = "for a recording with all-to-all spans" if args.link == "measured" else \
             "without a recording's all-to-all spans"
@@ -386,6 +412,36 @@ def build_scenario(args: argparse.Namespace,
         scenario.sources.append(f"lanes beside each other (ovl, wgrad): all-to-alls x "
                                 f"{scenario.beside[0]:g}, compute x {scenario.beside[1]:g}")
     return scenario
+
+
+def _with_kv_gather(fn: sc.ActionFn, kv: cc.KvShape, link: sc.LinkModel,
+                    measured: bool = False, as_copy: bool = False) -> sc.ActionFn:
+    """`fn`, but a `kv_gather` action's time from the link (context_costs), or as a local
+    copy (`as_copy`: the compute-only baseline); a recording's measured times kept."""
+    if measured and not as_copy:
+        return fn
+
+    def duration(rank: int, action: Action) -> float:
+        if not cc.is_gather(action):
+            return fn(rank, action)
+        return cc.gather_local_us(link, kv) if as_copy else \
+            cc.kv_exchange_us(link, kv, "allgather")
+    return duration
+
+
+def describe_kv(kv: cc.KvShape, link: sc.LinkModel, measured: bool, recorded: bool) -> str:
+    """The sources line of the K/V exchange: its bytes and time per layer and phase (a
+    recording's own where its spans hold it)."""
+    parts = []
+    for kind in sorted(set(kv.comm_types)):
+        sent, calls = cc.exchange_volume(kv, kind)
+        gather = kind == "allgather"
+        where = "kv_gather node, comm lane" if gather else "ring inside attn, compute lane"
+        time = "recorded" if (measured if gather else recorded) else \
+            f"{cc.kv_exchange_us(link, kv, kind):.1f} us"
+        parts.append(f"{kind} ({where}): {sent / 2**20:.2f} MiB in {calls} call(s), {time}")
+    return (f"K/V exchange, CP {kv.cp}, per layer and phase (K/V {kv.kv_bytes / 2**20:.2f} "
+            f"MiB per rank): " + "; ".join(parts))
 
 
 def _dispatch_sync(sync_us: float) -> sc.ActionFn:

@@ -210,3 +210,32 @@ def test_recorder_times_the_wait_apart_on_cpu_lanes():
     assert mlp.start_us >= dispatch.end_us  # ran after it
     assert 5e3 <= mlp.duration_us < 1e6  # its own 10 ms, not the wait
     assert dispatch.wait_us < 30e3  # nothing to wait for on the comm thread
+
+
+def test_comm_nodes_are_listed_by_name_with_their_exposed_part(tmp_path, capsys):
+    """Context parallelism's K/V gather beside the all-to-alls, by hand: compute runs 0-10 and
+    20-30; F0.kv_gather.L0 runs 5-25 (exposed 10-20: 10 us of 20), F0.dispatch.L0 30-40 (all
+    of it exposed), B0.kv_gather.L0 22-28 (hidden); rank 1 the same with the gather 5-15 (5
+    exposed). Means over the two ranks: gather forward 15 us, exposed 7.5."""
+    def step(gather_end):
+        return [span("compute", "F0.qkv.L0", 0, 0, 10),
+                span("comm", "F0.kv_gather.L0", 5, 5, gather_end),
+                span("compute", "F0.attn.L0", 20, 20, 30),
+                span("comm", "F0.dispatch.L0", 30, 30, 40),
+                span("comm", "B0.kv_gather.L0", 22, 22, 28)]
+    run = write_run(tmp_path / "cp", [[step(25)], [step(15)]])
+    assert tl.main([str(run), "--out-dir", str(tmp_path / "out"), "--no-png"]) == 0
+    summary = json.loads((tmp_path / "out" / tl.SUMMARY_FILE).read_text())
+    rows = {(n["node"], n["phase"]): n for n in summary["spans"]["comm_nodes"]}
+    assert sorted(rows) == [("dispatch", "forward"), ("kv_gather", "backward"),
+                            ("kv_gather", "forward")]
+    assert (rows[("kv_gather", "forward")]["comm_us"],
+            rows[("kv_gather", "forward")]["exposed_us"]) == (15.0, 7.5)
+    assert (rows[("kv_gather", "backward")]["comm_us"],
+            rows[("kv_gather", "backward")]["exposed_us"]) == (6.0, 0.0)
+    assert (rows[("dispatch", "forward")]["comm_us"],
+            rows[("dispatch", "forward")]["exposed_us"]) == (10.0, 10.0)
+    printed = capsys.readouterr().out
+    assert "per comm node" in printed
+    assert any(line.split() == ["0", "kv_gather", "forward", "1.0", "15.0", "7.5"]
+               for line in printed.splitlines()), printed
