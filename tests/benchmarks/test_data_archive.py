@@ -49,3 +49,15 @@ def test_read_text_reads_an_archived_file_by_its_recorded_path(tmp_path):
     assert data_archive.read_text(folder / "summary.md") == "| a |\n"
     with pytest.raises(FileNotFoundError, match="missing.log"):
         data_archive.read_text(folder / "call1" / "missing.log")
+
+
+def test_the_benchmarks_folder_stays_under_10_mb():
+    """Reports and their summaries in the tree, raw records packed per experiment: the whole
+    of benchmarks/ (less caches) under 10 MB, as the house's layout asks."""
+    from pathlib import Path
+    root = Path(data_archive.__file__).resolve().parents[1]
+    sizes = {p: p.stat().st_size for p in root.rglob("*")
+             if p.is_file() and "__pycache__" not in p.parts}
+    total = sum(sizes.values())
+    largest = sorted(sizes, key=sizes.get, reverse=True)[:3]
+    assert total < 10_000_000, (total, [(str(p.relative_to(root)), sizes[p]) for p in largest])
