@@ -28,9 +28,12 @@ from epoverlap.parallel.watch import CollectiveWatch
 
 from dist_helpers import run_ranks
 from gpu_runs import needs_gpu
-from host_memory_workers import (HOST_MODES, ONE_GPU_MODES, against_gloo,
-                                 expert_comm_against_gloo, pair_in_one_process, random_splits,
-                                 setup_refusals, training_modes, training_on_one_gpu)
+from host_memory_workers import (BUDGET_MODES, GRAPHED_ONE_GPU_MODES, HOST_MODES,
+                                 ONE_GPU_MODES, against_gloo, budget_training_modes,
+                                 captured_against_gloo,
+                                 expert_comm_against_gloo, graphed_training_on_one_gpu,
+                                 pair_in_one_process, random_splits, setup_refusals,
+                                 training_modes, training_on_one_gpu)
 
 
 def _ranks_on_one_region(ranks: int, chunk_bytes: int, slots: int = 2, timeout_s: float = 20.0,
@@ -229,6 +232,18 @@ def test_expert_comm_switches_transport_with_the_same_rows_and_is_watched():
         assert "expert-parallel group (ranks 0,1) all_to_all" in seen, seen
 
 
+def test_the_budget_dispatch_over_host_memory_is_bitwise_the_process_groups(tmp_path):
+    """The dispatch a graph can hold (--moe-dispatch-budget: equal blocks, the per-expert
+    counts kept on the device and sent over host memory too), sequential and overlapped over
+    host memory: the process group's grads, losses and grad norms, every step."""
+    from gloo_workers import assert_modes_match_sequential
+    per_rank = run_ranks(budget_training_modes, 2, str(tmp_path), 3, timeout_s=300)
+    for _, counts in per_rank:  # the counts of every MoE layer's dispatch, every microbatch
+        assert counts >= 2 * 4 * 3, counts
+    assert_modes_match_sequential([result for result, _ in per_rank], tmp_path, 3,
+                                  BUDGET_MODES, differs={"sequential_host": lambda a, b: None})
+
+
 @pytest.mark.slow
 def test_training_over_host_memory_is_bitwise_the_process_groups(tmp_path):
     """The process group's sequential and overlapped runs, and the same over host memory in
@@ -304,6 +319,37 @@ def test_training_on_one_shared_gpu_is_bitwise_the_reference_exchange(tmp_path):
     results = run_ranks(training_on_one_gpu, 2, str(tmp_path), 6, timeout_s=600)
     assert_modes_match_sequential(results, tmp_path, 6, ONE_GPU_MODES,
                                   differs={m: lambda a, b: None for m in ONE_GPU_MODES})
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_two_ranks_sharing_one_gpu_replay_a_captured_exchange_like_gloo():
+    """Two processes on cuda:0 each capture one exchange (4 KiB slots: several chunks a pair,
+    each slot used more than once) in a CUDA graph and replay it 8 times with new rows, eager
+    exchanges between replays: every result bit-equal to gloo's all-to-all of the same rows."""
+    results = run_ranks(captured_against_gloo, 2, 8, 4096, timeout_s=240)
+    assert results == [12, 12]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_full_iteration_graph_over_host_memory_is_bitwise_the_reference_exchange(tmp_path):
+    """Two ranks sharing cuda:0: the budget dispatch's step captured as one graph
+    (--cuda-graph-impl full_iteration, after one warmup step) over host memory, sequential and
+    overlapped, replayed steps 2-5: the grads, losses and grad norms of the eager reference
+    over the process group (gloo through host copies), every step."""
+    from gloo_workers import assert_modes_match_sequential
+    per_rank = run_ranks(graphed_training_on_one_gpu, 2, str(tmp_path), 5, timeout_s=300)
+    results = [result for result, _ in per_rank]
+    for _, seen in per_rank:  # one graph per graphed mode, replayed on most of its steps
+        assert seen["captures"] == 2 and seen["replays"] >= 2 * 3, seen
+
+    def graphed(record, sequential):
+        from run_paths import path_parts
+        assert "full_iteration" in path_parts(record)["graphs"], record
+        assert "all-to-all over host memory" in path_parts(record)["levers"], record
+    assert_modes_match_sequential(results, tmp_path, 5, GRAPHED_ONE_GPU_MODES,
+                                  differs={m: graphed for m in GRAPHED_ONE_GPU_MODES})
 
 
 def test_two_ranks_issued_from_one_thread_phase_by_phase_do_not_block():
