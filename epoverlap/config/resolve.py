@@ -19,8 +19,9 @@ values:
                                      --moe-dispatch-budget-memory 20, so a router that keeps
                                      overflowing it is not rerun every step, and
                                      --moe-dispatch-budget-fit, so its buffers follow the
-                                     demand) when the dispatch is dropless; elsewhere, or
-                                     where a rule refuses that, local capturing attn
+                                     demand) when the dispatch is dropless and not through
+                                     host memory; elsewhere, or where a rule refuses
+                                     that, local capturing attn
                                      moe_router moe_preprocess
   --moe-dispatch-hierarchy           node where the EP group spans two or more whole hosts
                                      (torchrun's nodes, or --emulate-hosts) and, routing
@@ -116,8 +117,9 @@ def _graph_choices(cfg: RunConfig, link: Link) -> list:
     rank finds the same), one graph of the whole iteration over the sync-free budget dispatch
     (it moves a budget's fixed blocks, more bytes than the dropless dispatch: where bytes bind,
     over PCIe, through host memory or between hosts, that loses, so there the partial graphs
-    come first); then partial graphs."""
-    if link.fast and DispatchMode.of(cfg.moe).name == "dropless":
+    come first, as with --moe-a2a-transport host_memory); then partial graphs."""
+    if (link.fast and DispatchMode.of(cfg.moe).name == "dropless"
+            and cfg.parallel.moe_a2a_transport != "host_memory"):
         return [_full_iteration, _partial_graphs]
     return [_partial_graphs]
 

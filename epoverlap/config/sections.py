@@ -216,8 +216,8 @@ class ParallelConfig:
         "in shared host memory, filled and drained by the copy engines, ordered by stream "
         "memory operations: no SM kernel, so it takes no SMs from the experts' GEMMs beside "
         "it; at PCIe's bandwidth, not NVLink's). The "
-        "same bits either way. host_memory needs the expert-parallel group on one host, "
-        "the flat dispatch and no CUDA graph over the all-to-alls; with --tune the process "
+        "same bits either way, eager or in CUDA graphs. host_memory needs the "
+        "expert-parallel group on one host and the flat dispatch; with --tune the process "
         "group's all-to-all is timed as one more path (`+group`)",
         choices=A2A_TRANSPORTS, metavar="KIND")
     moe_a2a_host_slot_kib: int = flag(

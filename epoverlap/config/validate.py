@@ -437,9 +437,11 @@ MAX_HOST_SLOT_KIB = 1 << 20  # 1 GiB slots: past any all-to-all of one pair
 
 def _validate_a2a_transport(cfg: RunConfig) -> None:
     """--moe-a2a-transport host_memory: an all-to-all to carry (EP > 1), over the flat
-    dispatch (by host the two stages have communicators of their own), and no CUDA graph that
-    captures it (its chunk numbers are fixed when the copies are enqueued)."""
-    p, graph = cfg.parallel, cfg.cuda_graph
+    dispatch (by host the two stages have communicators of their own). CUDA graphs may hold
+    it (its operations are the same at every replay); a graph that holds the all-to-all
+    needs split sizes fixed at capture, a sync-free dispatch, which the CUDA-graph rules
+    require already (`_validate_cuda_graphs`)."""
+    p = cfg.parallel
     slot = p.moe_a2a_host_slot_kib
     require(4 <= slot <= MAX_HOST_SLOT_KIB, "moe_a2a_host_slot_kib", slot,
             f"must be in [4, {MAX_HOST_SLOT_KIB}] KiB")
@@ -451,12 +453,6 @@ def _validate_a2a_transport(cfg: RunConfig) -> None:
             "--expert-model-parallel-size > 1")
     require(not DispatchMode.of(cfg.moe).by_host, name, value,
             "carries the flat dispatch's all-to-alls: not with --moe-dispatch-hierarchy node")
-    captured = graph.impl == "full_iteration" or (
-        graph.impl == "local" and (not graph.modules or "moe" in graph.modules))
-    require(not captured, name, value,
-            "cannot be captured in a CUDA graph yet: not with --cuda-graph-impl "
-            f"{graph.impl} over the MoE layer (use graphs of attn moe_router moe_preprocess, "
-            "or none)")
 
 
 def nccl_config_unavailable() -> Optional[str]:

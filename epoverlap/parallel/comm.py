@@ -22,8 +22,9 @@ the internal streams of a process group, and nothing but the exchange runs on it
 Transports (config `--moe-a2a-transport`): the all-to-alls go through the EP group's
 `all_to_all_single` (NCCL, gloo), or, given a `host_memory.HostMemoryTransport`, through shared
 host memory on copy engines, tracked by the watch as the EP group's collective all the same;
-`host_memory` switches between the two (the tuner times both). The split sizes and counts are
-exchanged over the process group either way.
+`host_memory` switches between the two (the tuner times both). The split sizes the host reads
+are exchanged over the process group either way; the counts kept on the device
+(`exchange_counts`, the budget dispatch's) go with the data.
 
 Comm modes (config `--comm-mode`, benchmarks only): `real`, or `local_copy`, which replaces
 each all-to-all by a local copy of the same bytes, as if every rank received what it sent: the
@@ -175,12 +176,17 @@ class ExpertComm:
         input_NH = input_NH.contiguous()
         rows = input_NH.shape[0] if output_splits is None else sum(output_splits)
         output = input_NH.new_empty((rows,) + tuple(input_NH.shape[1:]))
+        self._carry(output, input_NH, output_splits, input_splits)
+        return output
+
+    def _carry(self, output: torch.Tensor, input: torch.Tensor,
+               output_splits: Optional[list[int]], input_splits: Optional[list[int]]) -> None:
+        """One all-to-all, through host memory while `host_memory` is on, else the group's."""
         if self.host_memory:
             with self.group.watched(self.HOST_MEMORY_OP):
-                self.transport.all_to_all(output, input_NH, output_splits, input_splits)
+                self.transport.all_to_all(output, input, output_splits, input_splits)
         else:
-            self.group.all_to_all_single(output, input_NH, output_splits, input_splits)
-        return output
+            self.group.all_to_all_single(output, input, output_splits, input_splits)
 
     def close(self) -> None:
         """Unmap the host-memory transport's region, if any."""
@@ -189,14 +195,16 @@ class ExpertComm:
             self.transport, self.host_memory = None, False
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-        """Per-expert send counts [E] -> counts received [ep, E_local] (row = source rank)."""
+        """Per-expert send counts [E] -> counts received [ep, E_local] (row = source rank).
+        Kept on the device (the budget dispatch's counts), so through host memory while it
+        carries the data: a graph over the budget dispatch then holds no process-group call."""
         send_RL = counts_E.view(self.size, -1).contiguous()
         ones = [send_RL.shape[1]] * self.size
         self._record(ones, ones, (), send_RL.dtype)
         if self.size == 1 or self.mode == "local_copy":
             return send_RL.clone()
         recv_RL = torch.empty_like(send_RL)
-        self.group.all_to_all_single(recv_RL, send_RL)
+        self._carry(recv_RL, send_RL, None, None)
         return recv_RL
 
     def start_split_exchange(self, counts_E: torch.Tensor,

@@ -8,40 +8,50 @@ exchange), `open_host_transport` (made collectively over the EP group) and `exch
 
 Layout of the region, R ranks, S slots of C bytes per (source, destination) pair:
 
-    ready [R][R][S] uint32   written by the source: the number (1, 2, ...) of the pair's last
-                             chunk it put into the slot
-    done  [R][R][S] uint32   written by the destination: the number of the last chunk it took
+    flags [R][R][S] uint32   the slot's state: 0 empty, 1 full (the source fills an empty
+                             slot and sets 1; the destination empties a full one and sets 0)
     sizes [R][R][S][2]       the chunk's bytes and its message's bytes (CPU: checked)
     data  [R][R][S][C]       the slots
 
-Protocol. Chunk n of pair (s, d) (numbered over the transport's life, so exchanges reuse the
-slots) goes into slot n % S. The source waits until `done[s][d][n % S] >= n + 1 - S` (the
-chunk S before it was taken), copies the chunk in, then sets `ready = n + 1`; the destination
-waits for `ready >= n + 1`, copies the chunk out, then sets `done = n + 1`. Comparisons are
-cyclic on 32 bits, as the driver's (`cuStreamWaitValue32` GEQ). Both sides number the same
-chunks because they agree on the split sizes (the dispatch exchanged them over the process
-group: control stays there, only the data goes through here). Every rank sends its chunks in
-rounds: round i puts chunk i to each peer (this rank first, then the next ranks), then takes
-chunk i from each; a put waits only for a take S rounds earlier, so no rank can block the
-others' progress (the round argument, by induction on the rounds).
+Protocol. Chunk i of an exchange's message from s to d goes into slot i % S of the pair. The
+source waits until the slot is empty (`flag == 0`), copies the chunk in, then sets it full (1);
+the destination waits until it is full, copies the chunk out, then sets it empty (0). Each slot
+is a one-place buffer of one writer and one reader that take turns, so its k-th fill is its
+k-th emptying: both sides take the same chunk from it as long as they issue the same
+exchanges in the same order with the same split sizes (the dispatch exchanged them over the
+process group, or they follow from shapes: control stays there, only the data goes through
+here). Every rank sends its chunks in rounds: round i puts chunk i to each peer (this rank
+first, then the next ranks), then takes chunk i from each; a put waits only for a take of an
+earlier round or exchange, so no rank can block the others' progress (the round argument, by
+induction on the exchanges and their rounds).
+
+Replay-invariant: an exchange leaves every slot it used empty, and its operations (slots,
+values waited for and written, copies) depend only on its tensors and split sizes, never on
+how many exchanges came before. So the same enqueued operations are right every time they
+run: a CUDA graph that captured exchanges replays them (`--cuda-graph-impl full_iteration`,
+graphs of `moe` or whole layers), eager exchanges between replays included. The split sizes
+are then fixed at capture, which the sync-free dispatches give (the budget's equal blocks,
+padded capacity: validation refuses graphs over the dispatches that read their sizes on the
+host).
 
 On CUDA nothing waits on the host: each rank has a send stream (device-to-host copies,
 `cuMemcpyDtoHAsync`) and a receive stream (host-to-device), forked from and joined back into
 the caller's stream; the waits and flag writes are stream memory operations
-(`cuStreamWaitValue32` / `cuStreamWriteValue32`, through ctypes to libcuda: torch has no
-wait, and its write is private to symmetric memory) on the region's device mapping. A flag
-write follows its copy on the stream and, by default, a memory fence, so a peer that sees the
-flag sees the bytes. The two directions run on the two copy engines side by side, and the
-slots pipeline the chunks. On CPU (gloo ranks, the tests) the same protocol runs with
-plain copies and the host polling the flags (x86 store order: a flag written after the data is
-seen after it).
+(`cuStreamWaitValue32` EQ / `cuStreamWriteValue32`, through ctypes to libcuda: torch has no
+wait, and its write is private to symmetric memory) on the region's device mapping, and all
+of them can be captured. A flag write follows its copy on the stream and, by default, a memory
+fence, so a peer that sees the flag sees the bytes. The two directions run on the two copy
+engines side by side, and the slots pipeline the chunks. On CPU (gloo ranks, the tests) the
+same protocol runs with plain copies and the host polling the flags (x86 store order: a flag
+written after the data is seen after it).
 
 Liveness: an exchange is tracked by the run's `CollectiveWatch` as the EP group's collective,
 so a dead or stopped peer is named within the timeout like any other; on CPU a wait past the
-timeout also raises itself ("timed out ...", which the watch turns into its one line).
+timeout also raises itself ("timed out ...", which the watch turns into its one line). A
+captured exchange is watched at each replay (the caller wraps the replay in the EP group's
+`watched`), as a captured NCCL all-to-all is.
 
-Not yet: capture in a CUDA graph (the chunk numbers are fixed when the copies are enqueued;
-a replay would reuse them), and ranks on more than one host (the region is one host's memory).
+Not yet: ranks on more than one host (the region is one host's memory).
 """
 
 from __future__ import annotations
@@ -66,13 +76,9 @@ FLAG = "--moe-a2a-transport"
 FLAG_BYTES = 4
 PAGE = 4096
 DEFAULT_SLOTS = 2
-WRAP = 1 << 32
+EMPTY, FULL = 0, 1  # a slot's flag
 _SPIN_FAST = 200  # flag polls before the CPU wait starts sleeping
-
-
-def geq(value: int, target: int) -> bool:
-    """`value >= target` on 32-bit counters that wrap (the driver's GEQ: (int32)(v - t) >= 0)."""
-    return (value - target) % WRAP < WRAP // 2
+_WORD = 1 << 32  # a size word holds a message's bytes modulo this (CPU check)
 
 
 @dataclass(frozen=True)
@@ -88,27 +94,23 @@ class Layout:
         return self.ranks * self.ranks * self.slots
 
     @property
-    def ready_at(self) -> int:
+    def flags_at(self) -> int:
         return 0
 
     @property
-    def done_at(self) -> int:
+    def sizes_at(self) -> int:
         return self.pair_slots * FLAG_BYTES
 
     @property
-    def sizes_at(self) -> int:
-        return 2 * self.pair_slots * FLAG_BYTES
-
-    @property
     def data_at(self) -> int:
-        return _round_up(4 * self.pair_slots * FLAG_BYTES, PAGE)
+        return _round_up(3 * self.pair_slots * FLAG_BYTES, PAGE)
 
     @property
     def total_bytes(self) -> int:
         return self.data_at + self.pair_slots * self.chunk_bytes
 
     def slot(self, source: int, dest: int, chunk: int) -> int:
-        """Index of the slot chunk number `chunk` of pair (source, dest) uses."""
+        """Index of the slot chunk `chunk` of an exchange's message from source to dest uses."""
         return (source * self.ranks + dest) * self.slots + chunk % self.slots
 
     def data_offset(self, slot: int) -> int:
@@ -207,8 +209,6 @@ class HostMemoryTransport:
         self.device = device if device is not None else torch.device("cpu")
         self.timeout_s = timeout_s
         self.peer_names = list(peer_names) if peer_names is not None else list(range(ranks))
-        self._sent = [0] * ranks  # chunks put to each destination so far
-        self._taken = [0] * ranks  # chunks taken from each source so far
         self._lock = threading.Lock()
         self._streams: Optional[tuple] = None
         if self.device.type == "cuda":
@@ -288,70 +288,68 @@ class HostMemoryTransport:
 
     # ------------------------------------------------------------------ one chunk
     def _put(self, exchange: "_Exchange", dest: int, i: int) -> None:
-        """Chunk i of this exchange to `dest`: wait for its slot, fill it, flag it ready."""
-        layout, n = self.layout, self._sent[dest]
-        slot = layout.slot(self.rank, dest, n)
+        """Chunk i of this exchange to `dest`: wait for its slot to be empty, fill it, flag it
+        full."""
+        layout = self.layout
+        slot = layout.slot(self.rank, dest, i)
         chunk = layout.chunk_bytes
         size = min(chunk, exchange.send[dest] - i * chunk)
         at = exchange.send_at[dest] + i * chunk
         if exchange.streams is not None:
             cuda, flags, stream = driver(), self.region.device_address, \
                 exchange.streams[0].cuda_stream
-            cuda.wait32(stream, flags + layout.done_at + FLAG_BYTES * slot,
-                        (n + 1 - layout.slots) % WRAP)
+            cuda.wait32(stream, flags + layout.flags_at + FLAG_BYTES * slot, EMPTY)
             cuda.copy_to_host(self.region.address + layout.data_offset(slot),
                               exchange.input.data_ptr() + at, size, stream)
-            cuda.write32(stream, flags + layout.ready_at + FLAG_BYTES * slot, (n + 1) % WRAP)
+            cuda.write32(stream, flags + layout.flags_at + FLAG_BYTES * slot, FULL)
         else:
             words = self.region.words
-            self._wait(layout.done_at // FLAG_BYTES + slot, n + 1 - layout.slots, dest, "take")
+            self._wait(layout.flags_at // FLAG_BYTES + slot, EMPTY, dest, "take")
             start = layout.data_offset(slot)
             self.region.data[start:start + size].copy_(exchange.input_u8[at:at + size])
             sizes = layout.sizes_at // FLAG_BYTES + 2 * slot
-            words[sizes], words[sizes + 1] = size, exchange.send[dest] % WRAP
-            words[layout.ready_at // FLAG_BYTES + slot] = (n + 1) % WRAP
-        self._sent[dest] = n + 1
+            words[sizes], words[sizes + 1] = size, exchange.send[dest] % _WORD
+            words[layout.flags_at // FLAG_BYTES + slot] = FULL
 
     def _take(self, exchange: "_Exchange", source: int, i: int) -> None:
-        """Chunk i of this exchange from `source`: wait for it, copy it out, free the slot."""
-        layout, n = self.layout, self._taken[source]
-        slot = layout.slot(source, self.rank, n)
+        """Chunk i of this exchange from `source`: wait for its slot to be full, copy it out,
+        flag it empty."""
+        layout = self.layout
+        slot = layout.slot(source, self.rank, i)
         chunk = layout.chunk_bytes
         size = min(chunk, exchange.recv[source] - i * chunk)
         at = exchange.recv_at[source] + i * chunk
         if exchange.streams is not None:
             cuda, flags, stream = driver(), self.region.device_address, \
                 exchange.streams[1].cuda_stream
-            cuda.wait32(stream, flags + layout.ready_at + FLAG_BYTES * slot, (n + 1) % WRAP)
+            cuda.wait32(stream, flags + layout.flags_at + FLAG_BYTES * slot, FULL)
             cuda.copy_to_device(exchange.output.data_ptr() + at,
                                 self.region.address + layout.data_offset(slot), size, stream)
-            cuda.write32(stream, flags + layout.done_at + FLAG_BYTES * slot, (n + 1) % WRAP)
+            cuda.write32(stream, flags + layout.flags_at + FLAG_BYTES * slot, EMPTY)
         else:
-            words = self.region.words
-            self._wait(layout.ready_at // FLAG_BYTES + slot, n + 1, source, "chunk")
+            self._wait(layout.flags_at // FLAG_BYTES + slot, FULL, source, "chunk")
             self._check_size(slot, size, exchange.recv[source], source)
             start = layout.data_offset(slot)
             exchange.output_u8[at:at + size].copy_(self.region.data[start:start + size])
-            words[layout.done_at // FLAG_BYTES + slot] = (n + 1) % WRAP
-        self._taken[source] = n + 1
+            self.region.words[layout.flags_at // FLAG_BYTES + slot] = EMPTY
 
     def _check_size(self, slot: int, size: int, message: int, source: int) -> None:
         """The chunk's and its message's bytes as the source wrote them: what this rank
         expects, else the ranks' split sizes disagree (CPU only: on CUDA no host reads)."""
         words = self.region.words
         sizes = self.layout.sizes_at // FLAG_BYTES + 2 * slot
-        if (words[sizes], words[sizes + 1]) != (size, message % WRAP):
+        if (words[sizes], words[sizes + 1]) != (size, message % _WORD):
             raise ValueError(
                 f"all-to-all over host memory: rank {self.peer_names[source]} sent "
                 f"{words[sizes + 1]} bytes in chunks of {words[sizes]}, rank "
                 f"{self.peer_names[self.rank]} expected {message} in chunks of {size} (the "
                 "ranks' split sizes disagree)")
 
-    def _wait(self, word: int, target: int, peer: int, what: str) -> None:
-        """Poll flag `word` until it reaches `target` (cyclic); sleeping once it is slow."""
+    def _wait(self, word: int, state: int, peer: int, what: str) -> None:
+        """Poll flag `word` until it is `state`; sleeping once it is slow."""
         words, polls = self.region.words, 0
         deadline = None
-        while not geq(words[word], target % WRAP):
+        while words[word] != state:
             polls += 1
             if polls < _SPIN_FAST:
                 time.sleep(0)
@@ -482,7 +480,7 @@ class _Driver:
     """The few CUDA driver calls the transport needs, through ctypes (torch exposes no stream
     memory operations); every call checked, a failure one line naming the call."""
 
-    WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+    WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
     HOST_REGISTER = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | _DEVICEMAP
 
     def __init__(self):
@@ -542,7 +540,7 @@ class _Driver:
     def wait32(self, stream: int, device_address: int, value: int) -> None:
         self._check(self._fn("cuStreamWaitValue32_v2", "cuStreamWaitValue32")(
             ctypes.c_void_p(stream), ctypes.c_uint64(device_address), ctypes.c_uint32(value),
-            ctypes.c_uint(self.WAIT_GEQ)), "cuStreamWaitValue32")
+            ctypes.c_uint(self.WAIT_EQ)), "cuStreamWaitValue32")
 
     def write32(self, stream: int, device_address: int, value: int) -> None:
         self._check(self._fn("cuStreamWriteValue32_v2", "cuStreamWriteValue32")(

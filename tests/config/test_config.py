@@ -378,8 +378,6 @@ HOST_MEMORY = ["--moe-a2a-transport", "host_memory"]
      "--expert-model-parallel-size > 1"),
     (["--moe-dispatch-hierarchy", "node", "--emulate-hosts", "2"], 4,
      "not with --moe-dispatch-hierarchy node"),
-    (["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"], 2,
-     "cannot be captured in a CUDA graph yet: not with --cuda-graph-impl local"),
 ])
 def test_the_host_memory_transport_refuses_what_it_cannot_carry(argv, world, fragment):
     error = str(rejected(HOST_MEMORY + argv, world))
@@ -391,6 +389,24 @@ def test_the_host_memory_transport_and_its_slots():
     check(HOST_MEMORY)
     check(HOST_MEMORY + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
                          "moe_router", "moe_preprocess"], cuda=True)
+    budget = ["--moe-dispatch-budget", "1.25", "--bf16", "--kernel-backend", "triton"]
+    check(HOST_MEMORY + budget + ["--cuda-graph-impl", "full_iteration"], cuda=True)
+    check(HOST_MEMORY + budget + ["--no-overlap-moe-expert-parallel-comm", "--cuda-graph-impl",
+                                  "local", "--cuda-graph-modules", "moe"], cuda=True)
+
+
+def test_graphs_over_host_memory_need_split_sizes_fixed_at_capture():
+    """A graph that holds the all-to-all replays the sizes it captured: the dispatches that
+    read theirs on the host are refused there, in one line naming the flag to add."""
+    for flag, graphs in (("--cuda-graph-impl=full_iteration",
+                          ["--cuda-graph-impl", "full_iteration"]),
+                         ("--cuda-graph-modules=moe",
+                          ["--no-overlap-moe-expert-parallel-comm", "--cuda-graph-impl",
+                           "local", "--cuda-graph-modules", "moe"])):
+        error = str(rejected(HOST_MEMORY + ["--bf16", "--kernel-backend", "triton"] + graphs,
+                             cuda=True))
+        assert len(error.splitlines()) == 1 and error.startswith(flag + ": ") \
+            and "--moe-dispatch-budget" in error, error
     assert str(rejected(HOST_MEMORY + ["--moe-a2a-host-slot-kib", "2"])) == \
         "--moe-a2a-host-slot-kib=2: must be in [4, 1048576] KiB"
     assert "--moe-a2a-transport=nvlink" in str(rejected(["--moe-a2a-transport", "nvlink"]))

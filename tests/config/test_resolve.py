@@ -175,9 +175,10 @@ def test_asking_for_the_grad_reduce_beside_keeps_the_auto_graphs_partial(gpu_rul
 
 
 def test_over_host_memory_the_auto_graphs_stop_before_the_dispatch(gpu_rules, monkeypatch):
-    """--moe-a2a-transport host_memory cannot be captured: over NVLink, where the auto scope
-    would be one graph of the iteration, it takes the partial graphs instead (an auto value
-    never turns a valid command line into an error); the path line names the transport."""
+    """--moe-a2a-transport host_memory: over NVLink, where the auto scope would be one graph
+    of the iteration over the budget's fixed blocks, it takes the partial graphs instead (its
+    bytes bind, and the budget moves more of them than the dropless dispatch); the path line
+    names the transport."""
     one_host_over_nvlink(monkeypatch)
     cfg = resolved(["--moe-a2a-transport", "host_memory"], world=2, cuda=True)
     assert cfg.cuda_graph.impl == "local"

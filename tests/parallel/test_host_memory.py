@@ -2,8 +2,9 @@
 --moe-a2a-transport host_memory).
 
 Tiers: pure CPU (the protocol with ranks as threads on one region: many exchanges of random
-splits through small slots, counters past the 32-bit wrap, bad split sizes and disagreeing
-ranks in one line, a silent peer named by the watch), gloo (the region made over a real EP
+splits through small slots, every slot empty after each, bad split sizes and disagreeing
+ranks in one line, a silent peer named by the watch; the CUDA branch's recorded operations
+replayed as a graph would, by one thread per stream), gloo (the region made over a real EP
 group, every exchange bit-equal to gloo's; training losses and grads bit-equal to the process
 group's with the overlap on and off), GPU (`gpu`: two ranks sharing one GPU, control over gloo,
 data through the pinned region, against gloo's host copies; the same in one process on two
@@ -21,15 +22,18 @@ import time
 import pytest
 import torch
 
-from epoverlap.parallel.host_memory import (WRAP, HostMemoryTransport, Layout, SharedRegion,
-                                            geq, region_path)
+from epoverlap.parallel.host_memory import (EMPTY, FULL, HostMemoryTransport, Layout,
+                                            SharedRegion, region_path)
 from epoverlap.parallel.watch import CollectiveWatch
 
 from dist_helpers import run_ranks
 from gpu_runs import needs_gpu
-from host_memory_workers import (HOST_MODES, ONE_GPU_MODES, against_gloo,
-                                 expert_comm_against_gloo, pair_in_one_process, random_splits,
-                                 setup_refusals, training_modes, training_on_one_gpu)
+from host_memory_workers import (BUDGET_MODES, GRAPHED_ONE_GPU_MODES, HOST_MODES,
+                                 ONE_GPU_MODES, against_gloo, budget_training_modes,
+                                 captured_against_gloo,
+                                 expert_comm_against_gloo, graphed_training_on_one_gpu,
+                                 pair_in_one_process, random_splits, setup_refusals,
+                                 training_modes, training_on_one_gpu)
 
 
 def _ranks_on_one_region(ranks: int, chunk_bytes: int, slots: int = 2, timeout_s: float = 20.0,
@@ -95,32 +99,27 @@ def test_many_exchanges_of_random_splits_arrive_in_place(ranks, chunk_bytes, slo
         assert len(outputs[r]) == len(tables)
         for e, table in enumerate(tables):
             assert torch.equal(outputs[r][e], _expected(table, e, r)), (r, e)
-    assert transports[0]._sent == [sum(-(-table[0][d] * 40 // chunk_bytes) for table in tables)
-                                   for d in range(ranks)]
+    assert _flags(region, transports[0].layout) == [EMPTY] * transports[0].layout.pair_slots
     region.close()
 
 
-def test_counters_wrap_past_32_bits():
-    """Chunk numbers continue across the 32-bit wrap (the flags compare cyclically, as the
-    driver's GEQ wait does)."""
-    assert geq(3, WRAP - 2) and not geq(WRAP - 2, 3) and geq(0, (0 - 1) % WRAP)
+def _flags(region, layout) -> list[int]:
+    return list(region.words[layout.flags_at // 4:layout.flags_at // 4 + layout.pair_slots])
+
+
+def test_every_exchange_leaves_the_slots_as_it_found_them():
+    """The state between exchanges is the starting one (every slot empty), so nothing counts
+    up over a run (no counter to overflow, however many exchanges) and an exchange's
+    operations cannot depend on the ones before: the same splits, an exchange apart, touch the
+    same slots in the same order."""
     region, transports = _ranks_on_one_region(2, 64)
-    start = WRAP - 3
     layout = transports[0].layout
-    for t in transports:
-        t._sent, t._taken = [start] * 2, [start] * 2
-    for s in range(2):  # the state after `start` chunks of every pair: all taken
-        for d in range(2):
-            for n in range(start - layout.slots, start):
-                slot = layout.slot(s, d, n)
-                region.words[layout.ready_at // 4 + slot] = (n + 1) % WRAP
-                region.words[layout.done_at // 4 + slot] = (n + 1) % WRAP
-    tables = [[[7, 9], [11, 3]]] * 3  # 7 rows of 40 bytes: 5 chunks a pair and exchange
-    outputs = _run_threads(transports, tables)
+    tables = [[[7, 9], [11, 3]], [[1, 0], [2, 5]], [[7, 9], [11, 3]]]
     for e, table in enumerate(tables):
+        outputs = _run_threads(transports, [table])
         for r in range(2):
-            assert torch.equal(outputs[r][e], _expected(table, e, r))
-    assert transports[0]._sent[0] == (start + 15) and transports[0]._sent[0] > WRAP
+            assert torch.equal(outputs[r][0], _expected(table, 0, r)), (e, r)
+        assert _flags(region, layout) == [EMPTY] * layout.pair_slots, e
     region.close()
 
 
@@ -233,6 +232,18 @@ def test_expert_comm_switches_transport_with_the_same_rows_and_is_watched():
         assert "expert-parallel group (ranks 0,1) all_to_all" in seen, seen
 
 
+def test_the_budget_dispatch_over_host_memory_is_bitwise_the_process_groups(tmp_path):
+    """The dispatch a graph can hold (--moe-dispatch-budget: equal blocks, the per-expert
+    counts kept on the device and sent over host memory too), sequential and overlapped over
+    host memory: the process group's grads, losses and grad norms, every step."""
+    from gloo_workers import assert_modes_match_sequential
+    per_rank = run_ranks(budget_training_modes, 2, str(tmp_path), 3, timeout_s=300)
+    for _, counts in per_rank:  # the counts of every MoE layer's dispatch, every microbatch
+        assert counts >= 2 * 4 * 3, counts
+    assert_modes_match_sequential([result for result, _ in per_rank], tmp_path, 3,
+                                  BUDGET_MODES, differs={"sequential_host": lambda a, b: None})
+
+
 @pytest.mark.slow
 def test_training_over_host_memory_is_bitwise_the_process_groups(tmp_path):
     """The process group's sequential and overlapped runs, and the same over host memory in
@@ -310,6 +321,37 @@ def test_training_on_one_shared_gpu_is_bitwise_the_reference_exchange(tmp_path):
                                   differs={m: lambda a, b: None for m in ONE_GPU_MODES})
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_two_ranks_sharing_one_gpu_replay_a_captured_exchange_like_gloo():
+    """Two processes on cuda:0 each capture one exchange (4 KiB slots: several chunks a pair,
+    each slot used more than once) in a CUDA graph and replay it 8 times with new rows, eager
+    exchanges between replays: every result bit-equal to gloo's all-to-all of the same rows."""
+    results = run_ranks(captured_against_gloo, 2, 8, 4096, timeout_s=240)
+    assert results == [12, 12]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_full_iteration_graph_over_host_memory_is_bitwise_the_reference_exchange(tmp_path):
+    """Two ranks sharing cuda:0: the budget dispatch's step captured as one graph
+    (--cuda-graph-impl full_iteration, after one warmup step) over host memory, sequential and
+    overlapped, replayed steps 2-5: the grads, losses and grad norms of the eager reference
+    over the process group (gloo through host copies), every step."""
+    from gloo_workers import assert_modes_match_sequential
+    per_rank = run_ranks(graphed_training_on_one_gpu, 2, str(tmp_path), 5, timeout_s=300)
+    results = [result for result, _ in per_rank]
+    for _, seen in per_rank:  # one graph per graphed mode, replayed on most of its steps
+        assert seen["captures"] == 2 and seen["replays"] >= 2 * 3, seen
+
+    def graphed(record, sequential):
+        from run_paths import path_parts
+        assert "full_iteration" in path_parts(record)["graphs"], record
+        assert "all-to-all over host memory" in path_parts(record)["levers"], record
+    assert_modes_match_sequential(results, tmp_path, 5, GRAPHED_ONE_GPU_MODES,
+                                  differs={m: graphed for m in GRAPHED_ONE_GPU_MODES})
+
+
 def test_two_ranks_issued_from_one_thread_phase_by_phase_do_not_block():
     """The issue order of the one-GPU benchmark (`exchange_together`), run on CPU where every
     wait is the host's: a put never waits for a take queued after it (slots of 512 bytes:
@@ -346,7 +388,7 @@ class _HostDriver:
     def wait32(self, stream, address, value):
         self.calls["wait32"] += 1
         seen = ctypes.c_uint32.from_address(address).value
-        assert geq(seen, value), f"a wait for {value} issued where the flag is {seen}"
+        assert seen == value, f"a wait for {value} issued where the flag is {seen}"
 
     def write32(self, stream, address, value):
         self.calls["write32"] += 1
@@ -362,7 +404,8 @@ class _HostDriver:
 
 
 class _Stream:
-    cuda_stream = 0
+    def __init__(self, handle: int = 0):
+        self.cuda_stream = handle
 
 
 def test_the_cuda_branch_addresses_and_orders_its_chunks_right(monkeypatch):
@@ -385,8 +428,10 @@ def test_the_cuda_branch_addresses_and_orders_its_chunks_right(monkeypatch):
     monkeypatch.setattr(HostMemoryTransport, "_begin", begin)
     monkeypatch.setattr(HostMemoryTransport, "_end", lambda self, exchange: None)
     rng = random.Random(5)
+    chunks = 0
     for e in range(25):
         table = random_splits(rng, 2, 30)
+        chunks += sum(-(-rows * 40 // 96) for row in table for rows in row)
         inputs = [_rows(r, e, sum(table[r])) for r in range(2)]
         outputs = [torch.empty(sum(table[s][r] for s in range(2)), 5, dtype=torch.float64)
                    for r in range(2)]
@@ -395,10 +440,104 @@ def test_the_cuda_branch_addresses_and_orders_its_chunks_right(monkeypatch):
                                        for r in range(2)])
         for r in range(2):
             assert torch.equal(outputs[r], _expected(table, e, r)), (e, r)
-    chunks = sum(transports[0]._sent) + sum(transports[1]._sent)
     assert fake.calls == {"wait32": 2 * chunks, "write32": 2 * chunks,
                           "copy_to_host": chunks, "copy_to_device": chunks}
     assert chunks > 100
+    region.device_address = None  # never registered
+    region.close()
+
+
+class _Recorder:
+    """libcuda's calls as a capture sees them: recorded per stream, run later (a replay) by
+    one thread per stream, a wait polling its flag as the stream's wait operation does."""
+
+    def __init__(self):
+        self.ops: dict[int, list] = {}
+
+    def use_device(self, index):
+        pass
+
+    def wait32(self, stream, address, value):
+        def wait():
+            deadline = time.monotonic() + 20
+            while ctypes.c_uint32.from_address(address).value != value:
+                assert time.monotonic() < deadline, f"stream {stream} waits for {value}"
+                time.sleep(0)
+        self.ops.setdefault(stream, []).append(wait)
+
+    def write32(self, stream, address, value):
+        def write():
+            ctypes.c_uint32.from_address(address).value = value
+        self.ops.setdefault(stream, []).append(write)
+
+    def copy_to_host(self, host, device, size, stream):
+        self.ops.setdefault(stream, []).append(lambda: ctypes.memmove(host, device, size))
+
+    def copy_to_device(self, device, host, size, stream):
+        self.ops.setdefault(stream, []).append(lambda: ctypes.memmove(device, host, size))
+
+    def replay(self):
+        """Every stream's operations, each stream a thread (as the graph's branches run)."""
+        threads = [threading.Thread(target=lambda ops=ops: [op() for op in ops], daemon=True)
+                   for ops in self.ops.values()]
+        [t.start() for t in threads]
+        [t.join(60) for t in threads]
+        assert not any(t.is_alive() for t in threads)
+
+
+def test_recorded_exchanges_replay_right_every_time_with_eager_ones_between(monkeypatch):
+    """The CUDA branch's operations for a sequence of three exchanges (random splits through
+    slots of 96 bytes, many chunks) recorded once per rank, as a capture would, and run again
+    and again as a graph replays them (both ranks' send and receive streams concurrently) with
+    new rows in the same input tensors, eager (host-polled) exchanges between replays: every
+    replay's rows, and every eager exchange's, equal the plain all-to-all's bit for bit, and
+    every slot is empty after each replay (a replay of operations numbered once would copy
+    stale slots or wait forever)."""
+    import random
+    from epoverlap.parallel import host_memory
+    recorder = _Recorder()
+    monkeypatch.setattr(host_memory, "driver", lambda: recorder)
+    region, transports = _ranks_on_one_region(2, 96, slots=2, tag="replay")
+    region.device_address = region.address  # the host mapping stands for the device's
+    layout = transports[0].layout
+    capturing = [False]
+
+    def begin(self, output, input, output_splits, input_splits):
+        exchange = original_begin(self, output, input, output_splits, input_splits)
+        if capturing[0]:
+            exchange.streams = (_Stream(10 * self.rank), _Stream(10 * self.rank + 1))
+        return exchange
+    original_begin = HostMemoryTransport._begin
+    monkeypatch.setattr(HostMemoryTransport, "_begin", begin)
+    monkeypatch.setattr(HostMemoryTransport, "_end", lambda self, exchange: None)
+    rng = random.Random(9)
+    tables = [random_splits(rng, 2, 30) for _ in range(3)]
+    inputs = [[_rows(r, 0, sum(table[r])) for table in tables] for r in range(2)]
+    outputs = [[torch.empty(sum(table[s][r] for s in range(2)), 5, dtype=torch.float64)
+                for table in tables] for r in range(2)]
+    capturing[0] = True
+    for r in range(2):  # a capture issues, runs nothing: each rank alone, no peer needed
+        for e, table in enumerate(tables):
+            transports[r].all_to_all(outputs[r][e], inputs[r][e],
+                                     [table[s][r] for s in range(2)], table[r])
+    capturing[0] = False
+    assert _flags(region, layout) == [EMPTY] * layout.pair_slots  # nothing ran yet
+    for replay in range(1, 6):
+        for r in range(2):
+            for e, table in enumerate(tables):
+                inputs[r][e].copy_(_rows(r, 10 * replay + e, sum(table[r])))
+        recorder.replay()
+        eager = _run_threads(transports, [[[replay, 2], [3, replay]]] + tables)
+        for r in range(2):
+            for e, table in enumerate(tables):
+                expected = torch.cat([
+                    _rows(s, 10 * replay + e, sum(table[s]))[sum(table[s][:r]):][:table[s][r]]
+                    for s in range(2)])
+                assert torch.equal(outputs[r][e], expected), (replay, r, e)
+                assert torch.equal(eager[r][1 + e], _expected(table, 1 + e, r))
+            assert torch.equal(eager[r][0], _expected([[replay, 2], [3, replay]], 0, r))
+        assert _flags(region, layout) == [EMPTY] * layout.pair_slots, replay
+    assert sum(len(ops) for ops in recorder.ops.values()) > 200
     region.device_address = None  # never registered
     region.close()
 

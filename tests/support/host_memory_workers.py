@@ -72,6 +72,56 @@ def against_gloo(rank, world_size, device_kind: str, exchanges: int, chunk_bytes
         destroy_distributed(groups)
 
 
+def captured_against_gloo(rank, world_size, replays: int, chunk_bytes: int):
+    """One exchange (splits fixed, several chunks a pair) captured in a CUDA graph on cuda:0
+    and replayed `replays` times with new rows copied into its input, an eager exchange of
+    other splits after every other replay: each result bit-equal to gloo's all-to-all of the
+    same rows. Returns the exchanges compared."""
+    groups = init_distributed(world_size, "cpu", timeout_minutes=1)
+    device = torch.device("cuda", 0)
+    transport = open_host_transport(groups.ep, groups.ep_rank, chunk_bytes, device, 60.0)
+
+    def check(output, rows, out_splits, in_splits):
+        reference = torch.empty((sum(out_splits), 24), dtype=torch.bfloat16)
+        groups.ep.all_to_all_single(reference, rows, out_splits, in_splits)
+        assert torch.equal(output.cpu().view(torch.int16), reference.view(torch.int16))
+    try:
+        table = [[200, 150], [120, 260]]  # rows of 48 bytes: 2-4 chunks of 4 KiB a pair
+        out_splits = [table[s][rank] for s in range(world_size)]
+        in_splits = table[rank]
+        static_in = torch.zeros((sum(in_splits), 24), dtype=torch.bfloat16, device=device)
+        static_out = torch.zeros((sum(out_splits), 24), dtype=torch.bfloat16, device=device)
+        transport.all_to_all(static_out, static_in, out_splits, in_splits)  # streams made
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            transport.all_to_all(static_out, static_in, out_splits, in_splits)
+        eager = exchange_table(rank, world_size, replays, device, seed=13)
+        compared = 0
+        for replay in range(replays):
+            gen = torch.Generator().manual_seed(100 * replay + rank)
+            rows = torch.randn(sum(in_splits), 24, generator=gen).to(torch.bfloat16)
+            static_in.copy_(rows.to(device))
+            static_out.fill_(0)
+            graph.replay()
+            torch.cuda.synchronize(device)
+            check(static_out, rows, out_splits, in_splits)
+            compared += 1
+            input_NH, e_out, e_in = next(eager)
+            if replay % 2:
+                output = input_NH.new_empty((sum(e_out), 24))
+                transport.all_to_all(output, input_NH, e_out, e_in)
+                torch.cuda.synchronize(device)
+                check(output, input_NH.cpu(), e_out, e_in)
+                compared += 1
+        del graph
+        torch.cuda.synchronize(device)
+        return compared
+    finally:
+        transport.region.close()
+        destroy_distributed(groups)
+
+
 def expert_comm_against_gloo(rank, world_size, exchanges: int):
     """`ExpertComm` with the transport, switched off and on (the tuner's switch): the same
     rows either way, and the watch sees the exchange as the EP group's collective."""
@@ -116,7 +166,7 @@ def training_modes(rank, world_size, out_dir, steps):
     return results, carried[0], chose
 
 
-def training_on_one_gpu(rank, world_size, out_dir, steps):
+def training_on_one_gpu(rank, world_size, out_dir, steps, modes=None):
     """Two ranks sharing cuda:0, gloo for control (NCCL refuses two ranks on one GPU): the
     process group's all-to-all there is gloo's, through host copies (the reference), against
     the transport's copy engines; eager, untuned, fp32, deterministic, Triton kernels."""
@@ -126,9 +176,11 @@ def training_on_one_gpu(rank, world_size, out_dir, steps):
     made = init_distributed(world_size, "cpu", timeout_minutes=2)
     on_gpu = dataclasses.replace(made, device=torch.device("cuda", 0), local_rank=0)
     os.environ["LOCAL_RANK"] = "0"  # both ranks on GPU 0
-    gpu_flags = ["--device", "cuda", "--cuda-graph-impl", "none", "--tune", "off",
+    gpu_flags = ["--device", "cuda", "--tune", "off",
                  "--kernel-backend", "triton"]  # the GPU tier's deterministic backend
-    modes = {name: flags + gpu_flags for name, flags in ONE_GPU_MODES.items()}
+    modes = {name: (flags if "--cuda-graph-impl" in flags else
+                    flags + ["--cuda-graph-impl", "none"]) + gpu_flags
+             for name, flags in (modes or ONE_GPU_MODES).items()}
     gloo_workers.init_distributed = lambda *args, **kwargs: on_gpu  # this process only
     _all_to_alls_through_host()
     gloo_workers.destroy_distributed = lambda groups: None
@@ -137,6 +189,60 @@ def training_on_one_gpu(rank, world_size, out_dir, steps):
                                                   modes=modes)
     finally:
         destroy_distributed(made)
+
+
+# the budget dispatch (its counts kept on the device) over the process group and host memory
+BUDGET = ["--moe-dispatch-budget", "1.25"]
+BUDGET_MODES = {"sequential": MODES["sequential"] + BUDGET,
+                "sequential_host": MODES["sequential"] + BUDGET + HOST,
+                "overlap_host": MODES["overlap"] + BUDGET + HOST}
+
+
+def budget_training_modes(rank, world_size, out_dir, steps):
+    """`mode_grads_and_losses` over `BUDGET_MODES` -> (its results, the integer exchanges the
+    transport carried: the budget's counts, which go with the data)."""
+    from epoverlap.parallel.host_memory import HostMemoryTransport
+    counts = [0]
+    exchange = HostMemoryTransport.all_to_all
+
+    def counted(self, output, input, *args):
+        counts[0] += not input.is_floating_point()
+        return exchange(self, output, input, *args)
+    HostMemoryTransport.all_to_all = counted  # this process
+    return mode_grads_and_losses(rank, world_size, 2, out_dir, steps, modes=BUDGET_MODES), \
+        counts[0]
+
+
+# the reference, eager over the process group, then one graph of the iteration over host
+# memory, sequential and overlapped: the budget dispatch (2 = EP: it never overflows, so one
+# bank), bf16 (a graph holding the grouped GEMMs needs it), the capture after one step
+GRAPHED_BUDGET = ["--moe-dispatch-budget", "2", "--bf16", "--cuda-graph-warmup-steps", "1"]
+FULL_GRAPH = ["--cuda-graph-impl", "full_iteration"]
+GRAPHED_ONE_GPU_MODES = {
+    "sequential": MODES["sequential"] + GRAPHED_BUDGET + ["--cuda-graph-impl", "none"],
+    "sequential_host_graph": MODES["sequential"] + GRAPHED_BUDGET + HOST + FULL_GRAPH,
+    "overlap_host_graph": MODES["overlap"] + GRAPHED_BUDGET + HOST + FULL_GRAPH}
+
+
+def graphed_training_on_one_gpu(rank, world_size, out_dir, steps):
+    """`training_on_one_gpu` over `GRAPHED_ONE_GPU_MODES`: the full-iteration graph over host
+    memory replays steps 2 onwards; the reference runs eagerly over the process group (gloo,
+    whose calls a graph cannot hold). -> (its results, {"captures": .., "replays": ..} of the
+    full-iteration graphs in this process)."""
+    from epoverlap.graphs.full_iteration import FullIterationGraph
+    seen = {"captures": 0, "replays": 0}
+    capture, replay = FullIterationGraph.capture, torch.cuda.CUDAGraph.replay
+
+    def counted_capture(self, *args, **kwargs):
+        seen["captures"] += 1
+        return capture(self, *args, **kwargs)
+
+    def counted_replay(self):
+        seen["replays"] += 1
+        return replay(self)
+    FullIterationGraph.capture = counted_capture  # this process only
+    torch.cuda.CUDAGraph.replay = counted_replay
+    return training_on_one_gpu(rank, world_size, out_dir, steps, GRAPHED_ONE_GPU_MODES), seen
 
 
 def pair_in_one_process(device_kind: str, exchanges: int, chunk_bytes: int) -> int:
