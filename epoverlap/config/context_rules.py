@@ -1,5 +1,5 @@
 """The rules of context parallelism and of per-document attention (--context-parallel-size,
---cp-comm-type, --reset-attention-mask, --reset-position-ids): what they need and what they do
+--cp-comm-type, --dynamic-context-parallel, --reset-attention-mask, --reset-position-ids): what they need and what they do
 not run with yet, each refusal one line naming the flag (`check_config` runs them)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def validate_context_parallel(cfg: RunConfig, world_size: int) -> None:
         require(one in ("p2p", "allgather"), "cp_comm_type", one, "p2p or allgather: a2a "
                 "and a2a+p2p (heads split over the CP ranks by an all-to-all) are not "
                 "implemented")
+    validate_dynamic_context_parallel(cfg)
     if cp == 1:
         return
     require(m.seq_length % (2 * cp) == 0, "context_parallel_size", cp,
@@ -36,6 +37,38 @@ def validate_context_parallel(cfg: RunConfig, world_size: int) -> None:
             "moe_router_load_balancing_type", "seq_aux_loss", "aux_loss or none with "
             "--context-parallel-size > 1: the per-sequence loss over a sequence split across "
             "the CP ranks is not implemented")
+
+
+def _power_of_2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def validate_dynamic_context_parallel(cfg: RunConfig) -> None:
+    """--dynamic-context-parallel (model.context, `DynamicContext`): a set of powers of 2, the
+    segments independent only under per-document attention, every rank S / CP tokens."""
+    p, m = cfg.parallel, cfg.model
+    cp, least = p.context_parallel_size, p.min_dynamic_context_parallel_size
+    if not p.dynamic_context_parallel:
+        require(least == 1, "min_dynamic_context_parallel_size", least,
+                "1 without --dynamic-context-parallel (it is read only with it)")
+        require(p.max_seqlen_per_dp_cp_rank is None, "max_seqlen_per_dp_cp_rank",
+                p.max_seqlen_per_dp_cp_rank, "unset without --dynamic-context-parallel (it is "
+                "read only with it)")
+        return
+    require(cp > 1 and _power_of_2(cp), "dynamic_context_parallel", cp,
+            "needs --context-parallel-size a power of 2 above 1 (the sizes are its halvings)")
+    require(_power_of_2(least) and least <= cp, "min_dynamic_context_parallel_size", least,
+            f"a power of 2 from 1 to --context-parallel-size={cp}")
+    require(p.max_seqlen_per_dp_cp_rank in (None, m.seq_length // cp),
+            "max_seqlen_per_dp_cp_rank", p.max_seqlen_per_dp_cp_rank,
+            f"--seq-length / --context-parallel-size = {m.seq_length // cp}: every rank holds "
+            "S / CP tokens at every size (variable lengths per rank are not implemented)")
+    require(cfg.data.reset_attention_mask, "dynamic_context_parallel", True,
+            "needs --reset-attention-mask: a segment of a packed sample is computed apart from "
+            "the others only when attention stays inside each document")
+    require(cfg.cuda_graph.impl in ("none", AUTO), "cuda_graph_impl", cfg.cuda_graph.impl,
+            "must be none with --dynamic-context-parallel: graph banks per CP size are not "
+            "implemented (CUDA graphs under context parallelism are not either)")
 
 
 def validate_documents(cfg: RunConfig) -> None:

@@ -283,6 +283,11 @@ class RankLayout:
         return [list(range(p * self.stage_size + c, (p + 1) * self.stage_size, self.cp_size))
                 for p in range(self.pp_size) for c in range(self.cp_size)]
 
+    def cp_blocks(self, size: int) -> list[list[int]]:
+        """Every CP group cut into blocks of `size` consecutive ranks (dynamic CP's groups of
+        that size; `size` divides CP)."""
+        return [list(range(b, b + size)) for b in range(0, self.world_size, size)]
+
     def cp_groups(self) -> list[list[int]]:
         """The ranks holding the parts of one sequence: blocks of CP consecutive ranks."""
         return [list(range(b * self.cp_size, (b + 1) * self.cp_size))
@@ -516,6 +521,16 @@ def add_host_groups(groups: ParallelGroups, per_host: int,
                                  groups.rank, timeout, groups.watch)
     groups.ep_host = _new_groups(EXPERT_PARALLEL_HOST, layout.ep_host_groups(per_host),
                                  groups.rank, timeout, groups.watch)
+
+
+def context_groups(groups: ParallelGroups, sizes: tuple[int, ...],
+                   timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+                   ) -> dict[int, Group]:
+    """Dynamic CP's groups: my block of each size in `sizes` (every rank must call, in the
+    same order, as it builds its trainer)."""
+    layout = RankLayout(groups.world_size, groups.pp_size, groups.ep_size, groups.cp_size)
+    return {size: _new_groups(f"{CONTEXT_PARALLEL} of {size}", layout.cp_blocks(size),
+                              groups.rank, timeout, groups.watch) for size in sizes}
 
 
 def destroy_distributed(groups: Optional[ParallelGroups] = None) -> None:
