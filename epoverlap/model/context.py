@@ -119,7 +119,7 @@ class ContextParallel:
     def attention(self, q_BQsD, k_BGsD, v_BGsD, tokens_BS=None) -> torch.Tensor:
         """Causal attention of the local queries over the whole sequence -> [B, Q, s, D]
         (`tokens_BS`: the whole sequences, read with per-document attention)."""
-        if self.comm_type == "allgather":
+        if self.comm_type == "allgather" and self.size > 1:  # (size 1: dynamic CP's, no comm)
             kv_RKBGsD = self.comm.gather(torch.stack([k_BGsD, v_BGsD]))
             return self.attend_gathered(q_BQsD, kv_RKBGsD, tokens_BS)
         return self._ring(q_BQsD, k_BGsD, v_BGsD, tokens_BS)
@@ -230,6 +230,11 @@ class DynamicContext:
         begin = self.offset(size)
         end = begin + size * self.local_tokens
         return tokens_BS[:, begin:end], labels_BS[:, begin:end]
+
+    def report(self) -> str:
+        """'dynamic CP: microbatches at size 1: 5, at 2: 11 (this rank's CP group)'."""
+        sizes = ", at ".join(f"{size}: {self.chosen[size]}" for size in self.sizes)
+        return f"dynamic CP: microbatches at size {sizes} (this rank's CP group)"
 
     def local(self, x_BX: torch.Tensor) -> torch.Tensor:
         """[B, X] (a segment, or whole sequences: X = S) -> [B, s] this rank's chunks."""

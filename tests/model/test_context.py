@@ -161,7 +161,18 @@ def test_at_every_size_the_ranks_hold_every_position_once(size):
     (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
       "--max-seqlen-per-dp-cp-rank", "16"], "--seq-length / --context-parallel-size = 8"),
     (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
-      "--cuda-graph-impl", "local"], "graph banks per CP size are not implemented"),
+      "--cuda-graph-impl", "full_iteration"], "none or local with --dynamic-context-parallel"),
+    (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
+      "--cuda-graph-impl", "local"], "attn and/or mlp with --dynamic-context-parallel"),
+    (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
+      "--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router"],
+     "attn and/or mlp with --dynamic-context-parallel"),
+    (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
+      "--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
+      "--min-dynamic-context-parallel-size", "2"], "only the size-1 runner captures"),
+    (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
+      "--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "--tune", "on",
+      "--overlap-moe-expert-parallel-comm"], "a runner per CP size, not per path"),
     (["--min-dynamic-context-parallel-size", "2"], "read only with it"),
 ])
 def test_what_dynamic_cp_needs_is_refused_naming_the_flag(flags, says):
@@ -172,7 +183,23 @@ def test_dynamic_cp_accepts_megatrons_per_rank_length_when_it_is_s_over_cp():
     from epoverlap.config.context_rules import validate_dynamic_context_parallel
     argv = TINY + ["--context-parallel-size", "4", "--dynamic-context-parallel",
                    "--reset-attention-mask"]
-    for given in ([], ["--max-seqlen-per-dp-cp-rank", "8"]):
+    graphs = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "mlp"]
+    for given in ([], ["--max-seqlen-per-dp-cp-rank", "8"], graphs):
         cfg = parse_config(argv + given)
         validate_dynamic_context_parallel(cfg)  # the data rules need a --data-path
         assert cfg.parallel.min_dynamic_context_parallel_size == 1
+
+
+def test_the_auto_graph_scope_never_picks_graphs_under_dynamic_cp():
+    """Its capture-failure agreement is an all-reduce over every rank at the step a capture
+    comes; under dynamic CP each CP group's size-1 runner captures at a step of its own."""
+    import dataclasses
+
+    from epoverlap.config.context_rules import validate_dynamic_context_parallel
+    cfg = parse_config(TINY + ["--context-parallel-size", "4", "--dynamic-context-parallel",
+                               "--reset-attention-mask", "--cuda-graph-impl", "local",
+                               "--cuda-graph-modules", "attn"])
+    validate_dynamic_context_parallel(cfg)
+    auto = dataclasses.replace(cfg, defaulted=cfg.defaulted + ("--cuda-graph-impl",))
+    with pytest.raises(ConfigError, match="not the auto scope's"):
+        validate_dynamic_context_parallel(auto)

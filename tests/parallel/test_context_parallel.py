@@ -189,3 +189,22 @@ def test_dynamic_cp4_uses_sizes_1_2_and_4_and_trains_to_each_fixed_sizes_losses(
     assert top == fixed
     _assert_close(dynamic, fixed)
     _assert_close(dynamic, cp1)
+
+
+def test_dynamic_cp_graphs_replay_the_size_1_runner_bitwise_and_keep_sizes_apart(tmp_path):
+    """CP 2 (p2p), EP 2, the overlap, graphs of attention (emulated backend, input checks on):
+    the size-1 runner records in the first step after the warmup that has a size-1
+    microbatch, is captured and replays in later steps; size-2 microbatches run eagerly
+    beside it (their runner holds no graph, no slot). The losses are the eager run's bit for
+    bit, and the size-1 slots hold [B, S / CP] tokens only: a slot that served both sizes
+    would fail the input check or change the bits."""
+    from context_workers import dynamic_cp_graph_runs, write_aligned_documents
+    prefix = write_aligned_documents(str(tmp_path / "docs"), unit=16)
+    flags = ["--train-iters", "6", "--reset-attention-mask", "--eod-mask-loss",
+             "--overlap-moe-expert-parallel-comm"]
+    (eager, graphed), replays = run_ranks(dynamic_cp_graph_runs, 2, 2, prefix, flags,
+                                          timeout_s=600)[0]
+    assert graphed[0] == eager[0]
+    assert graphed[1] == eager[1] and set(eager[1]) == {1, 2}, eager[1]
+    assert graphed[2] == {1: (True, [(2, 16)]), 2: (False, [])}
+    assert replays > 0

@@ -167,3 +167,50 @@ def dynamic_cp_runs(rank, world_size, ep, prefix, flag_sets):
         return results
     finally:
         destroy_distributed(groups)
+
+
+DYNAMIC_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
+                  "--cuda-graph-warmup-steps", "1", "--cuda-graph-check-inputs"]
+
+
+def dynamic_cp_graph_runs(rank, world_size, ep, prefix, flags):
+    """Dynamic CP at CP = world (EP `ep`) on `prefix`, eager then with per-layer graphs of
+    attention under the emulated graph backend, in one process group: each run's losses, the
+    microbatches at each size, and for the graphed run each size's runner: (captured, the
+    shapes of the tokens its slot buffers hold) and the replays."""
+    from graph_emulation import EmulatedGraphs
+
+    class Counting(EmulatedGraphs):
+        replays = 0
+
+        def capture(self, body, generators):
+            graph = super().capture(body, generators)
+
+            def replay():
+                Counting.replays += 1
+                body()
+            graph.replay = replay
+            return graph
+
+    groups = init_distributed(ep, "cpu", timeout_minutes=3, cp_size=world_size)
+    try:
+        runs = []
+        for graphs in ([], DYNAMIC_GRAPHS):
+            argv = indexed_argv(prefix, world_size, ep) + list(flags) + graphs + [
+                "--dynamic-context-parallel"]
+            trainer = Trainer(parse_config(argv), groups, log=lambda msg: None,
+                              graph_backend=Counting)
+            try:
+                losses = [r.loss for r in trainer.train()]
+                runners = {}
+                if graphs:
+                    bank = trainer.parts.graphs.banks.active
+                    runners = {size: (runner.captured, sorted(
+                        {tuple(b.inputs["tokens"].shape) for b in runner.slot_buffers.values()
+                         if "tokens" in b.inputs})) for size, runner in bank.runners.items()}
+                runs.append((losses, dict(trainer.model.context.chosen), runners))
+            finally:
+                trainer.close()
+        return runs, Counting.replays
+    finally:
+        destroy_distributed(groups)

@@ -34,7 +34,7 @@ from epoverlap.config.dispatch import DispatchMode
 from epoverlap.config.tuning import (PAIRED_ENDS, SEQUENTIAL, TunePath, candidate_paths,
                                      flags_path, may_tune, paths_within, probe_steps,
                                      steps_needed, timed_steps, tune_mode)
-from epoverlap.graphs.banks import GraphBanks, StepGraphs
+from epoverlap.graphs.banks import GraphBanks, SizeBanks, StepGraphs
 from epoverlap.graphs.capture import (CudaGraphBackend, GraphRunner, graphed_modules,
                                       graphs_span_moe_layer)
 from epoverlap.graphs.full_iteration import FullIterationGraph
@@ -242,6 +242,9 @@ class RunParts:
                                    device=self.device, queue=self.wgrad_queue,
                                    generators=generators, check_inputs=graph_cfg.check_inputs,
                                    backend_factory=self.graph_backend, replay_watch=watch)
+        context = self.model.context
+        if not full and context is not None and context.dynamic:  # a runner per CP size
+            return lambda: SizeBanks(make_bank, context.sizes, context.local_tokens)
         return make_bank
 
     def _replay_watch(self, holds_dispatch: bool):
