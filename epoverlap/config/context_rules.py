@@ -1,6 +1,7 @@
 """The rules of context parallelism and of per-document attention (--context-parallel-size,
---cp-comm-type, --dynamic-context-parallel, --reset-attention-mask, --reset-position-ids): what they need and what they do
-not run with yet, each refusal one line naming the flag (`check_config` runs them)."""
+--cp-comm-type, --dynamic-context-parallel, --reset-attention-mask, --reset-position-ids):
+what they need and what they do not run with yet, each refusal one line naming the flag
+(`check_config` runs them)."""
 
 from __future__ import annotations
 

@@ -208,3 +208,16 @@ def test_dynamic_cp_graphs_replay_the_size_1_runner_bitwise_and_keep_sizes_apart
     assert graphed[1] == eager[1] and set(eager[1]) == {1, 2}, eager[1]
     assert graphed[2] == {1: (True, [(2, 16)]), 2: (False, [])}
     assert replays > 0
+
+
+@pytest.mark.slow
+def test_dynamic_cp_over_pipeline_stages_trains_to_fixed_cp_losses(tmp_path):
+    """PP 2 x CP 2: every stage cuts the same segments (the same data, the same CP rank), the
+    activations between stages stay S / CP tokens: fixed CP 2's losses within fp32 rounding."""
+    from context_workers import cp_pipeline_indexed_losses, write_aligned_documents
+    prefix = write_aligned_documents(str(tmp_path / "docs"), unit=16)
+    flags = STEPS + ["--reset-attention-mask", "--eod-mask-loss"]
+    fixed = run_ranks(cp_pipeline_indexed_losses, 4, 2, 2, prefix, flags, timeout_s=400)[-1]
+    dynamic = run_ranks(cp_pipeline_indexed_losses, 4, 2, 2, prefix,
+                        flags + ["--dynamic-context-parallel"], timeout_s=400)[-1]
+    _assert_close(dynamic, fixed)

@@ -214,3 +214,13 @@ def dynamic_cp_graph_runs(rank, world_size, ep, prefix, flags):
         return runs, Counting.replays
     finally:
         destroy_distributed(groups)
+
+
+def cp_pipeline_indexed_losses(rank, world_size, cp, pp, prefix, flags):
+    """Losses of a short run at CP `cp` over `pp` pipeline stages (EP 1) on `prefix`."""
+    groups = init_distributed(1, "cpu", timeout_minutes=3, cp_size=cp, pp_size=pp)
+    try:
+        return train_losses(groups, indexed_argv(prefix, cp) + [
+            "--pipeline-model-parallel-size", str(pp)] + list(flags))
+    finally:
+        destroy_distributed(groups)

@@ -194,8 +194,9 @@ class StepRunner:
     # ----------------------------------------------------------------- forward-backward
     def microbatches(self, step: int) -> list[dict]:
         """The step's microbatch dicts: tokens, labels (whole sequences: under CP the model
-        takes this rank's chunks; under dynamic CP the segment of this rank's size group) and, with dropout, the dropout seed of the same (step, rank
-        of the stage, microbatch) as the data (`model.dropout`)."""
+        takes this rank's chunks; under dynamic CP the segment of this rank's group at the
+        microbatch's size) and, with dropout, the dropout seed of the same (step, rank of the
+        stage, microbatch) as the data (`model.dropout`)."""
         t, rank = self.cfg.train, self.groups.dp_rank  # every stage of a pipeline reads alike
         if self._feed is None:
             self.close()
