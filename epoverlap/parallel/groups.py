@@ -11,7 +11,8 @@ Megatron-core's default order `tp-cp-ep-dp-pp` (tp = 1 here; the first name vari
 
 so a pipeline stage is a block of CP x DP = world / PP consecutive ranks, a CP group (the ranks
 that hold the parts of one sequence, `model.context`) is a block of CP consecutive ranks inside
-it (under dynamic CP also cut into blocks of each smaller size: `context_groups`), and a pipeline (the ranks that pass activations to each other) is the ranks with the same
+it (under dynamic CP also cut into blocks of each smaller size: `context_groups`), and a
+pipeline (the ranks that pass activations to each other) is the ranks with the same
 place in their stage, one per stage. Dense parameters of a stage are replicated over all its
 ranks, CP x DP (Megatron-core's data-parallel group with CP; grads averaged there: `dp`). The
 MoE layers see a stage's ranks as Megatron-core's expert generator does (cp = 1 there), with no
