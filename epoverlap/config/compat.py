@@ -23,8 +23,8 @@ from epoverlap.errors import ConfigError
 
 GROUP = "Megatron-LM flags accepted for pasted scripts"
 REFUSED_GROUP = "Megatron-LM flags not implemented (each is refused with its reason)"
-DYNAMIC_CP = ("dynamic context parallelism (a CP size per packed microbatch) is not "
-              "implemented: give a fixed --context-parallel-size")
+HYBRID_CP = ("hybrid context parallelism (sub-samples regrouped over the DP x CP ranks) is "
+             "not implemented: give --dynamic-context-parallel (a CP size per microbatch)")
 NO_TP = "tensor parallelism is not implemented; use expert/data/pipeline parallelism"
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")  # Megatron-core's AttnBackend
 NOT_SHARDED = ("nothing is sharded: every rank keeps its parameters, grads and optimizer state "
@@ -219,10 +219,7 @@ NOT_IMPLEMENTED: tuple[tuple[str, object, str], ...] = (
      "--moe-shared-expert-intermediate-size"),
     ("--hierarchical-context-parallel-sizes", "+", "hierarchical CP serves --cp-comm-type "
      "a2a+p2p, which is not implemented: give --context-parallel-size"),
-    ("--dynamic-context-parallel", 0, DYNAMIC_CP),
-    ("--hybrid-context-parallel", 0, DYNAMIC_CP),
-    ("--min-dynamic-context-parallel-size", 1, DYNAMIC_CP),
-    ("--max-seqlen-per-dp-cp-rank", 1, DYNAMIC_CP),
+    ("--hybrid-context-parallel", 0, HYBRID_CP),
     ("--train-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
     ("--valid-data-path", "+", "give --data-path with --split (train, valid, test parts)"),
     ("--test-data-path", "+", "give --data-path with --split (train, valid, test parts)"),

@@ -1,6 +1,7 @@
 """The rules of context parallelism and of per-document attention (--context-parallel-size,
---cp-comm-type, --reset-attention-mask, --reset-position-ids): what they need and what they do
-not run with yet, each refusal one line naming the flag (`check_config` runs them)."""
+--cp-comm-type, --dynamic-context-parallel, --reset-attention-mask, --reset-position-ids):
+what they need and what they do not run with yet, each refusal one line naming the flag
+(`check_config` runs them)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def validate_context_parallel(cfg: RunConfig, world_size: int) -> None:
         require(one in ("p2p", "allgather"), "cp_comm_type", one, "p2p or allgather: a2a "
                 "and a2a+p2p (heads split over the CP ranks by an all-to-all) are not "
                 "implemented")
+    validate_dynamic_context_parallel(cfg)
     if cp == 1:
         return
     require(m.seq_length % (2 * cp) == 0, "context_parallel_size", cp,
@@ -29,13 +31,65 @@ def validate_context_parallel(cfg: RunConfig, world_size: int) -> None:
     require(m.attention_dropout == 0, "attention_dropout", m.attention_dropout,
             "must be 0 with --context-parallel-size > 1: attention dropout under context "
             "parallelism is not implemented")
-    require(cfg.cuda_graph.impl in ("none", AUTO), "cuda_graph_impl", cfg.cuda_graph.impl,
-            "must be none with --context-parallel-size > 1: CUDA graphs under context "
-            "parallelism are not implemented")
+    require(cfg.cuda_graph.impl in ("none", AUTO) or p.dynamic_context_parallel,
+            "cuda_graph_impl", cfg.cuda_graph.impl, "must be none with --context-parallel-size "
+            "> 1: CUDA graphs under context parallelism are not implemented (but for the "
+            "size-1 graphs of --dynamic-context-parallel)")
     require(cfg.moe.moe_router_load_balancing_type != "seq_aux_loss",
             "moe_router_load_balancing_type", "seq_aux_loss", "aux_loss or none with "
             "--context-parallel-size > 1: the per-sequence loss over a sequence split across "
             "the CP ranks is not implemented")
+
+
+def _power_of_2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def validate_dynamic_context_parallel(cfg: RunConfig) -> None:
+    """--dynamic-context-parallel (model.context, `DynamicContext`): a set of powers of 2, the
+    segments independent only under per-document attention, every rank S / CP tokens."""
+    p, m = cfg.parallel, cfg.model
+    cp, least = p.context_parallel_size, p.min_dynamic_context_parallel_size
+    if not p.dynamic_context_parallel:
+        require(least == 1, "min_dynamic_context_parallel_size", least,
+                "1 without --dynamic-context-parallel (it is read only with it)")
+        require(p.max_seqlen_per_dp_cp_rank is None, "max_seqlen_per_dp_cp_rank",
+                p.max_seqlen_per_dp_cp_rank, "unset without --dynamic-context-parallel (it is "
+                "read only with it)")
+        return
+    require(cp > 1 and _power_of_2(cp), "dynamic_context_parallel", cp,
+            "needs --context-parallel-size a power of 2 above 1 (the sizes are its halvings)")
+    require(_power_of_2(least) and least <= cp, "min_dynamic_context_parallel_size", least,
+            f"a power of 2 from 1 to --context-parallel-size={cp}")
+    require(p.max_seqlen_per_dp_cp_rank in (None, m.seq_length // cp),
+            "max_seqlen_per_dp_cp_rank", p.max_seqlen_per_dp_cp_rank,
+            f"--seq-length / --context-parallel-size = {m.seq_length // cp}: every rank holds "
+            "S / CP tokens at every size (variable lengths per rank are not implemented)")
+    require(cfg.data.reset_attention_mask, "dynamic_context_parallel", True,
+            "needs --reset-attention-mask: a segment of a packed sample is computed apart from "
+            "the others only when attention stays inside each document")
+    _dynamic_cp_graphs(cfg)
+
+
+def _dynamic_cp_graphs(cfg: RunConfig) -> None:
+    """CUDA graphs under dynamic CP (`graphs.banks.SizeBanks`): per-layer graphs of attention
+    and dense MLPs, captured by the size-1 runner only (the larger sizes' graphs would hold the
+    K/V exchange); nothing that holds a collective over ranks choosing sizes apart."""
+    g, least = cfg.cuda_graph, cfg.parallel.min_dynamic_context_parallel_size
+    if g.impl in ("none", AUTO):
+        return
+    require(g.impl == "local", "cuda_graph_impl", g.impl, "none or local with "
+            "--dynamic-context-parallel (a runner per CP size of per-layer graphs)")
+    require(bool(g.modules) and set(g.modules) <= {"attn", "mlp"}, "cuda_graph_modules",
+            " ".join(g.modules) or "(every module)", "attn and/or mlp with "
+            "--dynamic-context-parallel: the router's aux-loss counts (over the CP group) and "
+            "the dispatch (over EP ranks that choose their sizes apart) are collectives the "
+            "size-1 graphs do not capture")
+    require(least == 1, "min_dynamic_context_parallel_size", least, "1 with --cuda-graph-impl "
+            "local: only the size-1 runner captures (larger sizes run eagerly)")
+    require(flag_of("cuda_graph_impl") not in cfg.defaulted, "cuda_graph_impl", g.impl,
+            "given, not the auto scope's, with --dynamic-context-parallel: the ranks capture "
+            "at the steps their sizes come, and the auto scope agrees on a capture over all")
 
 
 def validate_documents(cfg: RunConfig) -> None:
@@ -44,9 +98,10 @@ def validate_documents(cfg: RunConfig) -> None:
     if not d.reads_documents:
         return
     name = "reset_attention_mask" if d.reset_attention_mask else "reset_position_ids"
-    require(cfg.cuda_graph.impl in ("none", AUTO), "cuda_graph_impl", cfg.cuda_graph.impl,
-            f"must be none with {flag_of(name)}: per-document attention under CUDA graphs is "
-            "not implemented")
+    require(cfg.cuda_graph.impl in ("none", AUTO) or cfg.parallel.dynamic_context_parallel,
+            "cuda_graph_impl", cfg.cuda_graph.impl, f"must be none with {flag_of(name)}: "
+            "per-document attention under CUDA graphs is not implemented (but for the size-1 "
+            "graphs of --dynamic-context-parallel)")
     require(not d.reset_attention_mask or m.attention_dropout == 0, "attention_dropout",
             m.attention_dropout, "must be 0 with --reset-attention-mask: attention dropout "
             "with per-document attention is not implemented")

@@ -182,6 +182,20 @@ class ParallelConfig:
         "chunk); one value for every layer, or one per layer", choices=CP_COMM_TYPES,
         why="a2a and a2a+p2p split heads over the CP ranks by an all-to-all; not implemented",
         metavar="TYPE")
+    dynamic_context_parallel: bool = flag(
+        False, "dynamic CP: each microbatch runs at the smallest CP size of the set (powers of "
+        "2 from --min-dynamic-context-parallel-size to --context-parallel-size) whose segments "
+        "of size x S/CP tokens hold whole documents of every sequence; the CP group then splits "
+        "into CP/size groups of size ranks, each taking one segment (no rank idles, every token "
+        "is computed once); needs --reset-attention-mask; the groups of every size are made at "
+        "start")
+    min_dynamic_context_parallel_size: int = flag(
+        1, "the smallest CP size dynamic CP chooses (a power of 2, at most "
+        "--context-parallel-size)")
+    max_seqlen_per_dp_cp_rank: Optional[int] = flag(
+        None, "tokens of a sequence per rank under dynamic CP: every rank holds S/CP tokens at "
+        "every size, so when given it must be --seq-length / --context-parallel-size",
+        default_text="--seq-length / --context-parallel-size")
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         None, "layers per model chunk: interleaved 1F1B with layers / (PP x this) chunks per "
         "stage")

@@ -195,6 +195,10 @@ def tune_blocker(cfg: RunConfig) -> str:
                 "--overlap-moe-expert-parallel-comm")
     if cfg.parallel.pipeline_model_parallel_size != 1:
         return "needs --pipeline-model-parallel-size 1 (one stage's plan is switched)"
+    if cfg.parallel.dynamic_context_parallel and impl != "none":
+        return ("switches paths that each replay their own graphs; under "
+                "--dynamic-context-parallel the graphs are a runner per CP size, not per path: "
+                "use --cuda-graph-impl none")
     if impl not in GRAPH_IMPLS:
         return (f"switches paths that each replay their own graphs; --cuda-graph-impl {impl} is "
                 "not built: use --cuda-graph-impl none, local or full_iteration")

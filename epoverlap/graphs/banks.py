@@ -18,6 +18,13 @@ the weight-grad graphs of delayed weight grads, so a bank replayed under another
 hand two live microbatches one slot. The losing paths' banks are released after the decision,
 and a path's banks when its capture failed (`StepGraphs.release_schedule`).
 
+Under dynamic context parallelism (`model.context.DynamicContext`) the one bank is a
+`SizeBanks`: a `GraphRunner` per CP size of the run's set (made at start: bounded by the set),
+each with its own slot buffers and pool, a microbatch's nodes run by the runner of its size.
+The runner of size 1 records and captures; its graphs hold no CP exchange (a size-1
+segment's attention is local). The runners of larger sizes run their nodes eagerly: their
+graphs would hold the ring or the gather over the size's group, whose capture is not built.
+
 Why budgets and not token counts: our batches have a fixed sequence length and micro-batch
 size, so the token count per microbatch never varies and banks per token-count bucket (seed
 001's dynamic sizes) would hold one bank; the budget is the size that does vary at run time.
@@ -63,6 +70,71 @@ class GraphBanks:
         """Release the banks of `keys` (default: every bank) and their memory pools."""
         for key in list(self.banks) if keys is None else list(keys):
             self.banks.pop(key).release()
+
+
+GRAPHED_CP_SIZES = (1,)  # dynamic CP's sizes whose runners capture (module docstring)
+
+
+class SizeBanks:
+    """Dynamic CP's bank: a runner per CP size; `route(inputs)` before each run says which
+    runner each microbatch's nodes go to (the length of its tokens: its size x S / CP), so a
+    slot buffer only ever holds one size's tensors. Used where `GraphBanks` holds a
+    `GraphRunner`: `recording`, `captured` and `capture` speak for the runners of the graphed
+    sizes; one records in each step after the warmup until a step with a microbatch at its
+    size gave it every signature, and is captured after that step."""
+
+    def __init__(self, make_runner: Callable[[], object], sizes: tuple[int, ...],
+                 local_tokens: int, graphed: tuple[int, ...] = GRAPHED_CP_SIZES):
+        self.runners = {size: make_runner() for size in sizes}
+        self.graphed = tuple(size for size in sizes if size in graphed)
+        self.local_tokens = local_tokens
+        self.size_of: dict[int, int] = {}  # microbatch -> its CP size in this run
+
+    def route(self, inputs: list[dict]) -> None:
+        self.size_of = {microbatch: values["tokens"].shape[1] // self.local_tokens
+                        for microbatch, values in enumerate(inputs)}
+
+    def __call__(self, spec, microbatch: int):
+        return self.runners[self.size_of[microbatch]](spec, microbatch)
+
+    @property
+    def recording(self) -> bool:
+        return any(self.runners[size].recording for size in self.graphed)
+
+    @recording.setter
+    def recording(self, value: bool) -> None:
+        for size in self.graphed:
+            runner = self.runners[size]
+            runner.recording = value and not runner.captured
+
+    @property
+    def captured(self) -> bool:
+        return all(self.runners[size].captured for size in self.graphed)
+
+    def capture(self, plan) -> None:
+        """Capture every graphed runner a step recorded in full (the others wait)."""
+        for size in self.graphed:
+            runner = self.runners[size]
+            if not runner.captured and runner.recorded:
+                runner.capture(plan)
+
+    def graph_count(self) -> int:
+        return sum(runner.graph_count() for runner in self.runners.values())
+
+    def buffer_bytes(self) -> int:
+        return sum(runner.buffer_bytes() for runner in self.runners.values())
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(runner.pool_bytes for runner in self.runners.values())
+
+    @property
+    def capture_seconds(self) -> float:
+        return sum(self.runners[size].capture_seconds or 0.0 for size in self.graphed)
+
+    def release(self) -> None:
+        for runner in self.runners.values():
+            runner.release()
 
 
 class StepGraphs:
@@ -111,6 +183,8 @@ class StepGraphs:
         asks the per-layer bank in use for each node's callable)."""
         if self.full_iteration:
             return self.banks.active.run(inputs)
+        if isinstance(self.banks.active, SizeBanks):
+            self.banks.active.route(inputs)
         return eager_run(inputs)
 
     @property
@@ -128,7 +202,8 @@ class StepGraphs:
                 select_level(level)
                 bank = self.banks.select(key)
                 bank.capture(plan)
-                captured.append((level, bank))
+                if bank.captured or not isinstance(bank, SizeBanks):  # (it may wait: SizeBanks)
+                    captured.append((level, bank))
         finally:
             self._due.clear()
             select_level(0)

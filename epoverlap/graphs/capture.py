@@ -344,6 +344,13 @@ class GraphRunner:
     def captured(self) -> bool:
         return bool(self.graphs)
 
+    @property
+    def recorded(self) -> bool:
+        """Whether a recording step gave every graphed range its signature (`capture` can
+        run)."""
+        return all(key + (start,) in self.signatures
+                   for key, ranges in self.ranges.items() for start, _ in ranges)
+
     def __call__(self, spec: NodeSpec, microbatch: int) -> Callable[..., dict]:
         if spec.key not in self.ranges:
             return spec.fn

@@ -74,7 +74,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, m.norm_epsilon, ops, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, m.norm_epsilon, ops, dtype, device)
         cos_SD, sin_SD = rotary_tables(m.seq_length, m.head_dim, m.rotary_base, device)
-        self.per_token = documents is not None and documents.reset_positions
+        self.per_token = ((documents is not None and documents.reset_positions)
+                          or (context is not None and context.dynamic))
         if context is not None and not self.per_token:  # [s, D]: this rank's positions' rows
             cos_SD, sin_SD = cos_SD[context.positions], sin_SD[context.positions]
         self.register_buffer("cos_SD", cos_SD, persistent=False)
@@ -115,12 +116,13 @@ class Attention(nn.Module):
         return self._rotate(q_BQSD, positions_BS), self._rotate(k_BGSD, positions_BS), v_BGSD
 
     def _positions(self, tokens: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """[B, S] each local token's rotary position where they restart per document (None:
-        the table's rows are the positions)."""
+        """[B, S] each local token's rotary position where they restart per document or
+        dynamic CP picks the segment (None: the table's rows are the positions)."""
         if not self.per_token:
             return None
-        positions_BS = self.documents.positions(tokens)
-        return self.context.local(positions_BS) if self.context is not None else positions_BS
+        if self.context is not None:
+            return self.context.rotary_positions(tokens, self.documents)
+        return self.documents.positions(tokens)
 
     def _rotate(self, x_BNSD: torch.Tensor, positions_BS: Optional[torch.Tensor]):
         if positions_BS is None:

@@ -33,13 +33,28 @@ communicator (`ContextComm.lane`): `qkv` (compute: norm, projection, rotary) -> 
 combined 1F1B hides the gather, forward and backward, behind another microbatch's compute
 (`schedule.plan`); without it (one-node layers, tests) the gather runs inside the attention.
 
+Dynamic CP (--dynamic-context-parallel, `DynamicContext`): each microbatch runs at a size n
+of a set (powers of 2 from --min-dynamic-context-parallel-size to CP), the smallest whose
+segments of n x s tokens hold whole documents in every sequence (`DynamicContext.size_of`:
+an end-of-document token before every segment boundary; CP always qualifies). The CP group
+then works as CP / n groups of n consecutive ranks (made at start, `ContextComm.sizes`), group
+j taking segment j with the same load balance inside it: every rank still holds s tokens of
+the microbatch, no rank idles and every token is computed once; with per-document attention
+(required) the segments do not see each other, so the losses are those of the whole group.
+The segment is cut on the host before the batch goes to the device (`segments`), and the
+size is read back in each node from the length of the tokens it is given (S: the whole
+group's), so nodes of two microbatches at two sizes interleave under the overlapped
+schedule. The ring or gather runs inside `attn` at the microbatch's size; the counts of
+--eod-mask-loss and the aux loss stay summed over the whole CP group (one microbatch).
+
 Shape legend: B sequences, Q query heads, G key/value heads, s = S / CP local tokens,
-c = s / 2 tokens of a chunk, D head dim.
+c = s / 2 tokens of a chunk, D head dim, X = n x s a segment's tokens.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Optional
 
 import torch
@@ -64,6 +79,8 @@ def local_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.Tensor
 
 class ContextParallel:
     """One layer's view of the CP group: this rank's positions and the K/V exchange."""
+
+    dynamic = False
 
     def __init__(self, comm: ContextComm, comm_type: str, seq_length: int,
                  device: torch.device, documents: Optional[Documents] = None):
@@ -90,6 +107,10 @@ class ContextParallel:
         total = self.comm.sum(counted)
         return loss * (counted.float() * self.size / total.clamp(min=1).float())
 
+    def rotary_positions(self, tokens_BS: torch.Tensor, documents: Documents) -> torch.Tensor:
+        """[B, s] this rank's tokens' rotary positions, restarting per document."""
+        return self.local(documents.positions(tokens_BS))
+
     @property
     def on_comm_lane(self) -> bool:
         """Whether the K/V exchange is a node of its own on the comm lane (module doc)."""
@@ -98,7 +119,7 @@ class ContextParallel:
     def attention(self, q_BQsD, k_BGsD, v_BGsD, tokens_BS=None) -> torch.Tensor:
         """Causal attention of the local queries over the whole sequence -> [B, Q, s, D]
         (`tokens_BS`: the whole sequences, read with per-document attention)."""
-        if self.comm_type == "allgather":
+        if self.comm_type == "allgather" and self.size > 1:  # (size 1: dynamic CP's, no comm)
             kv_RKBGsD = self.comm.gather(torch.stack([k_BGsD, v_BGsD]))
             return self.attend_gathered(q_BQsD, kv_RKBGsD, tokens_BS)
         return self._ring(q_BQsD, k_BGsD, v_BGsD, tokens_BS)
@@ -150,6 +171,91 @@ class ContextParallel:
                 out = torch.cat([out[:, :, :c], tail[0]], dim=2)
                 lse = torch.cat([lse[:, :, :c], tail[1]], dim=2)
         return out.to(q_BQsD.dtype)
+
+
+def dynamic_sizes(cp_size: int, least: int) -> tuple[int, ...]:
+    """Dynamic CP's sizes: the powers of 2 from `least` to `cp_size`, ascending."""
+    return tuple(least << k for k in range((cp_size // least).bit_length()))
+
+
+def layer_contexts(cfg, cp_comm: Optional[ContextComm], device: torch.device,
+                   documents: Optional[Documents]) -> dict:
+    """Every layer's view of the CP group ({} without CP): a `DynamicContext` under
+    --dynamic-context-parallel, else a `ContextParallel`."""
+    if cp_comm is None:
+        return {}
+    types, seq = cfg.cp_comm_types(), cfg.model.seq_length
+    kind = DynamicContext if cfg.parallel.dynamic_context_parallel else ContextParallel
+    return {layer: kind(cp_comm, types[layer], seq, device, documents)
+            for layer in range(cfg.model.num_layers)}
+
+
+class DynamicContext:
+    """One layer's view of dynamic CP (module doc): a `ContextParallel` per size over that
+    size's group, the one in use read from the length X of the tokens a node is given."""
+
+    dynamic, on_comm_lane = True, False
+
+    def __init__(self, comm: ContextComm, comm_type: str, seq_length: int,
+                 device: torch.device, documents: Documents):
+        self.comm, self.size, self.rank = comm, comm.size, comm.rank
+        self.documents = documents
+        self.local_tokens = seq_length // comm.size
+        self.views = {n: ContextParallel(sub, comm_type, n * self.local_tokens, device,
+                                         documents) for n, sub in comm.sizes.items()}
+        self.sizes = tuple(sorted(self.views))
+        self.chosen: Counter = Counter()  # microbatches run at each size (`segments`)
+
+    def view(self, x_BX: torch.Tensor) -> ContextParallel:
+        return self.views[x_BX.shape[1] // self.local_tokens]
+
+    def offset(self, size: int) -> int:
+        """The first position of this rank's segment at `size`."""
+        return (self.rank // size) * size * self.local_tokens
+
+    def size_of(self, tokens_BS: torch.Tensor) -> int:
+        """The smallest size whose segment boundaries all follow an end-of-document token."""
+        ends_BS, seq = tokens_BS == self.documents.eod, tokens_BS.shape[1]
+        for size in self.sizes:
+            span = size * self.local_tokens
+            if bool(ends_BS[:, span - 1:seq - 1:span].all()):
+                return size
+        return self.size
+
+    def segments(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor):
+        """Whole sequences (host) -> this rank's segment of tokens and labels [B, X] at the
+        microbatch's size."""
+        size = self.size_of(tokens_BS)
+        self.chosen[size] += 1
+        begin = self.offset(size)
+        end = begin + size * self.local_tokens
+        return tokens_BS[:, begin:end], labels_BS[:, begin:end]
+
+    def report(self) -> str:
+        """'dynamic CP: microbatches at size 1: 5, at 2: 11 (this rank's CP group)'."""
+        sizes = ", at ".join(f"{size}: {self.chosen[size]}" for size in self.sizes)
+        return f"dynamic CP: microbatches at size {sizes} (this rank's CP group)"
+
+    def local(self, x_BX: torch.Tensor) -> torch.Tensor:
+        """[B, X] (a segment, or whole sequences: X = S) -> [B, s] this rank's chunks."""
+        return self.view(x_BX).local(x_BX)
+
+    def loss_share(self, loss: torch.Tensor, labels_Bs: torch.Tensor) -> torch.Tensor:
+        """As `ContextParallel.loss_share`, over the whole CP group (one microbatch)."""
+        return self.views[self.size].loss_share(loss, labels_Bs)
+
+    def attention(self, q_BQsD, k_BGsD, v_BGsD, tokens_BX) -> torch.Tensor:
+        """The local queries over their segment's keys, at the segment's size."""
+        return self.view(tokens_BX).attention(q_BQsD, k_BGsD, v_BGsD, tokens_BX)
+
+    def rotary_positions(self, tokens_BX: torch.Tensor, documents: Documents) -> torch.Tensor:
+        """[B, s] this rank's tokens' rotary positions in the whole sequence (restarting per
+        document with --reset-position-ids)."""
+        view = self.view(tokens_BX)
+        if documents.reset_positions:
+            return view.local(documents.positions(tokens_BX))
+        at = self.offset(tokens_BX.shape[1] // self.local_tokens) + view.positions
+        return at.expand(tokens_BX.shape[0], -1)
 
 
 def in_sequence_order(kv_RKBGsD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,7 +61,7 @@ from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.chunked import ChunkedMoE
 from epoverlap.model.attention import Attention, RMSNorm
 from epoverlap.model.chunked_budget import make_chunked
-from epoverlap.model.context import ContextParallel
+from epoverlap.model.context import ContextParallel, layer_contexts
 from epoverlap.model.dispatch import TokenDispatcher
 from epoverlap.model.documents import Documents
 from epoverlap.model.dispatch_dedup import make_dispatcher
@@ -432,10 +432,7 @@ class MoEModel(nn.Module):
         super().__init__()
         m, seed = cfg.model, cfg.train.seed
         self.cfg, self.pipe, self.ops = cfg, pipe, ops
-        types = cfg.cp_comm_types()
-        contexts = ({layer: ContextParallel(cp_comm, types[layer], m.seq_length, device,
-                                            documents)
-                     for layer in range(m.num_layers)} if cp_comm is not None else {})
+        contexts = layer_contexts(cfg, cp_comm, device, documents)
         self.context = contexts.get(0)  # whose positions the embed and loss take
         self.chunks = stage_chunks(m.num_layers, cfg.parallel.pipeline_model_parallel_size,
                                    cfg.virtual_stages, stage)

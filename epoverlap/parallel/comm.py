@@ -315,12 +315,16 @@ class ContextComm:
     tensor to the next rank, the previous rank's to me). Both block the caller until done.
     `lane`: a second communicator of the same ranks for the K/V gather of the comm lane, so
     its collectives never interleave with those the compute lane issues meanwhile on `group`
-    (the ring, the aux loss's counts) in a different order on different ranks."""
+    (the ring, the aux loss's counts) in a different order on different ranks. `sizes`:
+    under dynamic CP the communicators of my smaller groups by their size (`sizes` also holds
+    this one, at its own size)."""
 
-    def __init__(self, group: Group, lane: Optional[Group] = None):
+    def __init__(self, group: Group, lane: Optional[Group] = None,
+                 sizes: Optional[dict] = None):
         self.group, self.size = group, group.size
         self.rank = group.ranks.index(dist.get_rank())
         self.lane = ContextComm(lane) if lane is not None else None
+        self.sizes = {**(sizes or {}), self.size: self}
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [...] -> [CP, ...]. Backward: each rank's slice of the grads goes to its owner,

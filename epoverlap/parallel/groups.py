@@ -11,7 +11,8 @@ Megatron-core's default order `tp-cp-ep-dp-pp` (tp = 1 here; the first name vari
 
 so a pipeline stage is a block of CP x DP = world / PP consecutive ranks, a CP group (the ranks
 that hold the parts of one sequence, `model.context`) is a block of CP consecutive ranks inside
-it, and a pipeline (the ranks that pass activations to each other) is the ranks with the same
+it (under dynamic CP also cut into blocks of each smaller size: `context_groups`), and a
+pipeline (the ranks that pass activations to each other) is the ranks with the same
 place in their stage, one per stage. Dense parameters of a stage are replicated over all its
 ranks, CP x DP (Megatron-core's data-parallel group with CP; grads averaged there: `dp`). The
 MoE layers see a stage's ranks as Megatron-core's expert generator does (cp = 1 there), with no
@@ -283,6 +284,11 @@ class RankLayout:
         return [list(range(p * self.stage_size + c, (p + 1) * self.stage_size, self.cp_size))
                 for p in range(self.pp_size) for c in range(self.cp_size)]
 
+    def cp_blocks(self, size: int) -> list[list[int]]:
+        """Every CP group cut into blocks of `size` consecutive ranks (dynamic CP's groups of
+        that size; `size` divides CP)."""
+        return [list(range(b, b + size)) for b in range(0, self.world_size, size)]
+
     def cp_groups(self) -> list[list[int]]:
         """The ranks holding the parts of one sequence: blocks of CP consecutive ranks."""
         return [list(range(b * self.cp_size, (b + 1) * self.cp_size))
@@ -516,6 +522,16 @@ def add_host_groups(groups: ParallelGroups, per_host: int,
                                  groups.rank, timeout, groups.watch)
     groups.ep_host = _new_groups(EXPERT_PARALLEL_HOST, layout.ep_host_groups(per_host),
                                  groups.rank, timeout, groups.watch)
+
+
+def context_groups(groups: ParallelGroups, sizes: tuple[int, ...],
+                   timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+                   ) -> dict[int, Group]:
+    """Dynamic CP's groups: my block of each size in `sizes` (every rank must call, in the
+    same order, as it builds its trainer)."""
+    layout = RankLayout(groups.world_size, groups.pp_size, groups.ep_size, groups.cp_size)
+    return {size: _new_groups(f"{CONTEXT_PARALLEL} of {size}", layout.cp_blocks(size),
+                              groups.rank, timeout, groups.watch) for size in sizes}
 
 
 def destroy_distributed(groups: Optional[ParallelGroups] = None) -> None:

@@ -59,11 +59,11 @@ def test_each_script_trains_or_is_refused_in_one_run_on_two_cpu_ranks(name, run_
 
 def test_the_launcher_refuses_each_unbuilt_flag_in_a_line_of_its_own():
     result = subprocess.run([sys.executable, "-m", "epoverlap.cli.launch", "--fp16",
-                             "--dynamic-context-parallel"], capture_output=True, text=True,
+                             "--hybrid-context-parallel"], capture_output=True, text=True,
                             env=job_env(), cwd=REPO, timeout=120)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == [
         "epoverlap-launch: error: --fp16=True: fp16 training is not implemented; use --bf16",
-        "epoverlap-launch: error: --dynamic-context-parallel=True: dynamic context parallelism "
-        "(a CP size per packed microbatch) is not implemented: give a fixed "
-        "--context-parallel-size"]
+        "epoverlap-launch: error: --hybrid-context-parallel=True: hybrid context parallelism "
+        "(sub-samples regrouped over the DP x CP ranks) is not implemented: give "
+        "--dynamic-context-parallel (a CP size per microbatch)"]

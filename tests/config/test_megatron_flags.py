@@ -81,13 +81,14 @@ def test_each_flag_alone_is_taken_or_refused_in_one_line_with_its_reason(group, 
 def test_refused_flags_are_named_one_line_each():
     with pytest.raises(ConfigErrors) as info:
         parse_config(SMALL + ["--fp16", "--recompute-granularity", "full",
-                              "--dynamic-context-parallel"])
+                              "--hybrid-context-parallel"])
     lines = str(info.value).splitlines()
     assert lines == [
         "--fp16=True: fp16 training is not implemented; use --bf16",
         "--recompute-granularity=full: activation recomputation is not implemented",
-        "--dynamic-context-parallel=True: dynamic context parallelism (a CP size per packed "
-        "microbatch) is not implemented: give a fixed --context-parallel-size"]
+        "--hybrid-context-parallel=True: hybrid context parallelism (sub-samples regrouped "
+        "over the DP x CP ranks) is not implemented: give --dynamic-context-parallel (a CP "
+        "size per microbatch)"]
 
 
 def test_qwen3s_attention_flags_are_taken():

@@ -98,3 +98,108 @@ def test_eod_mask_loss_leaves_out_the_label_after_each_end_of_document():
     assert tokens.tolist() == [[3, 9, 4, 5, 9]]
     assert labels.tolist() == [[9, IGNORE_INDEX, 5, 9, IGNORE_INDEX]]
     assert _inputs_and_labels(windows)[1].tolist() == [[9, 4, 5, 9, 6]]
+
+
+def _dynamic_views(cp: int, rank: int, seq: int, eod: int):
+    """Rank `rank`'s `DynamicContext` of a CP group of `cp`, its communicators stand-ins (the
+    views read only their size and rank when made)."""
+    from types import SimpleNamespace
+
+    from epoverlap.model.context import DynamicContext, dynamic_sizes
+    from epoverlap.model.documents import Documents
+    sizes = {n: SimpleNamespace(size=n, rank=rank % n, lane=None)
+             for n in dynamic_sizes(cp, 1)}
+    comm = SimpleNamespace(size=cp, rank=rank, sizes=sizes)
+    return DynamicContext(comm, "p2p", seq, torch.device("cpu"), Documents(eod, False, True))
+
+
+def test_dynamic_sizes_are_the_powers_of_2_from_the_least():
+    from epoverlap.model.context import dynamic_sizes
+    assert dynamic_sizes(8, 1) == (1, 2, 4, 8)
+    assert dynamic_sizes(8, 4) == (4, 8)
+    assert dynamic_sizes(2, 2) == (2,)
+
+
+def test_dynamic_cp_picks_the_smallest_size_whose_segments_hold_whole_documents():
+    """CP 4, S 16 (s 4): ends before positions 4, 8, 12 -> 1; before 8 only -> 2; none -> 4;
+    both sequences of a microbatch must allow the size."""
+    eod = 9
+    context = _dynamic_views(4, 0, 16, eod)
+    every_4 = torch.tensor([[1, 2, 3, eod] * 4])
+    only_8 = torch.tensor([[1, 2, 3, 4, 5, 6, 7, eod] * 2])
+    none = torch.tensor([[1] * 15 + [eod]])
+    assert [context.size_of(t) for t in (every_4, only_8, none)] == [1, 2, 4]
+    assert context.size_of(torch.cat([every_4, only_8])) == 2
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_at_every_size_the_ranks_hold_every_position_once(size):
+    """Each rank's segment and its chunks in it: the positions of the CP group's ranks
+    (segment offset + the load balance inside the segment) are the sequence's, once each,
+    and a rank's tokens are the whole sequence's at those positions."""
+    seq, eod = 32, 99
+    tokens = torch.arange(seq).view(1, -1)
+    tokens[:, seq // 4 * size - 1::seq // 4 * size] = eod  # every size-`size` segment ends
+    held = []
+    for rank in range(4):
+        context = _dynamic_views(4, rank, seq, eod)
+        mine, labels = context.segments(tokens, tokens + 1)
+        assert context.chosen == {size: 1} and mine.shape[1] == size * seq // 4
+        assert torch.equal(labels, mine + 1)
+        positions = context.rotary_positions(mine, context.documents)[0]
+        assert torch.equal(context.local(mine)[0], tokens[0, positions])
+        held.append(positions)
+    assert sorted(torch.cat(held).tolist()) == list(range(seq))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--dynamic-context-parallel"], "needs --context-parallel-size a power of 2 above 1"),
+    (["--context-parallel-size", "4", "--dynamic-context-parallel"],
+     "needs --reset-attention-mask"),
+    (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
+      "--min-dynamic-context-parallel-size", "3"], "a power of 2 from 1 to"),
+    (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
+      "--max-seqlen-per-dp-cp-rank", "16"], "--seq-length / --context-parallel-size = 8"),
+    (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
+      "--cuda-graph-impl", "full_iteration"], "none or local with --dynamic-context-parallel"),
+    (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
+      "--cuda-graph-impl", "local"], "attn and/or mlp with --dynamic-context-parallel"),
+    (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
+      "--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router"],
+     "attn and/or mlp with --dynamic-context-parallel"),
+    (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
+      "--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
+      "--min-dynamic-context-parallel-size", "2"], "only the size-1 runner captures"),
+    (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
+      "--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "--tune", "on",
+      "--overlap-moe-expert-parallel-comm"], "a runner per CP size, not per path"),
+    (["--min-dynamic-context-parallel-size", "2"], "read only with it"),
+])
+def test_what_dynamic_cp_needs_is_refused_naming_the_flag(flags, says):
+    assert says in _refusal(flags)
+
+
+def test_dynamic_cp_accepts_megatrons_per_rank_length_when_it_is_s_over_cp():
+    from epoverlap.config.context_rules import validate_dynamic_context_parallel
+    argv = TINY + ["--context-parallel-size", "4", "--dynamic-context-parallel",
+                   "--reset-attention-mask"]
+    graphs = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "mlp"]
+    for given in ([], ["--max-seqlen-per-dp-cp-rank", "8"], graphs):
+        cfg = parse_config(argv + given)
+        validate_dynamic_context_parallel(cfg)  # the data rules need a --data-path
+        assert cfg.parallel.min_dynamic_context_parallel_size == 1
+
+
+def test_the_auto_graph_scope_never_picks_graphs_under_dynamic_cp():
+    """Its capture-failure agreement is an all-reduce over every rank at the step a capture
+    comes; under dynamic CP each CP group's size-1 runner captures at a step of its own."""
+    import dataclasses
+
+    from epoverlap.config.context_rules import validate_dynamic_context_parallel
+    cfg = parse_config(TINY + ["--context-parallel-size", "4", "--dynamic-context-parallel",
+                               "--reset-attention-mask", "--cuda-graph-impl", "local",
+                               "--cuda-graph-modules", "attn"])
+    validate_dynamic_context_parallel(cfg)
+    auto = dataclasses.replace(cfg, defaulted=cfg.defaulted + ("--cuda-graph-impl",))
+    with pytest.raises(ConfigError, match="not the auto scope's"):
+        validate_dynamic_context_parallel(auto)

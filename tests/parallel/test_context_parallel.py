@@ -1,7 +1,8 @@
 """Context parallelism on gloo ranks: the attention of CP 2 and 4 against a float64
 single-rank reference (output and the grads of q, k, v), both K/V exchanges; CP 2 and 4
 train to CP 1's losses (fp32 rounding) with either exchange; the overlap and delayed weight
-grads stay bit-identical to the sequential schedule under CP."""
+grads stay bit-identical to the sequential schedule under CP; dynamic CP switches sizes
+between microbatches and trains to the losses of each fixed size."""
 
 from __future__ import annotations
 
@@ -135,3 +136,88 @@ def test_per_document_attention_under_cp_trains_to_the_losses_of_cp1(tmp_path, c
     for ours, reference in zip(cp2, cp1):
         assert abs(ours - reference) <= 2e-6 * reference, (cp2, cp1)
     assert all(abs(a - b) > 2e-5 * b for a, b in zip(cp1, whole)), (cp1, whole)
+
+
+def _dynamic_cp_against_fixed(tmp_path, cp: int, ep: int, flags: list[str]):
+    """Fixed CP `cp`, dynamic CP (sizes 1 .. cp) and dynamic CP at its top size only, in one
+    process group of `cp` ranks, and CP 1 on one rank, on documents that end at multiples of
+    S / cp (so some microbatches fit smaller sizes and others do not)."""
+    from context_workers import cp_indexed_losses, dynamic_cp_runs, write_aligned_documents
+    prefix = write_aligned_documents(str(tmp_path / "docs"), unit=32 // cp)
+    dynamic = ["--dynamic-context-parallel"]
+    runs = [flags, flags + dynamic, flags + dynamic + ["--min-dynamic-context-parallel-size",
+                                                        str(cp)]]
+    fixed, chosen, top_only = run_ranks(dynamic_cp_runs, cp, ep, prefix, runs,
+                                        timeout_s=600)[0]
+    cp1 = run_ranks(cp_indexed_losses, 1, 1, prefix, flags)[0]
+    return fixed, chosen, top_only, cp1
+
+
+def _assert_close(ours, reference):
+    for a, b in zip(ours, reference, strict=True):
+        assert abs(a - b) <= 2e-6 * b, (ours, reference)
+
+
+def test_dynamic_cp_switches_size_per_microbatch_and_trains_to_each_fixed_sizes_losses(
+        tmp_path):
+    """CP 2 (p2p), EP 2, the combined 1F1B (a microbatch at size 1 beside one at size 2), per-
+    document attention, absolute positions, --eod-mask-loss: dynamic CP runs some microbatches
+    at size 1 and the others at 2, and gives fixed CP 2's and CP 1's losses within fp32
+    rounding (a segment's attention sums in another order than the ring's); held at size 2
+    it is fixed CP 2 bit for bit (the same reductions in the same order)."""
+    flags = STEPS + ["--reset-attention-mask", "--eod-mask-loss", "--cp-comm-type", "p2p",
+                     "--overlap-moe-expert-parallel-comm"]
+    (fixed, none), (dynamic, chosen), (top, at_top), cp1 = _dynamic_cp_against_fixed(
+        tmp_path, 2, 2, flags)
+    assert none == {} and at_top == {2: 16}
+    assert chosen.get(1, 0) > 0 and chosen.get(2, 0) > 0, chosen
+    assert top == fixed
+    _assert_close(dynamic, fixed)
+    _assert_close(dynamic, cp1)
+
+
+@pytest.mark.slow
+def test_dynamic_cp4_uses_sizes_1_2_and_4_and_trains_to_each_fixed_sizes_losses(tmp_path):
+    """CP 4 (EP 2), the all-gather, the combined 1F1B, positions restarting per document:
+    every size of the set is used, within fp32 rounding of fixed CP 4 and CP 1; held at 4,
+    fixed CP 4's bits."""
+    flags = STEPS + ["--reset-attention-mask", "--reset-position-ids", "--cp-comm-type",
+                     "allgather", "--overlap-moe-expert-parallel-comm"]
+    (fixed, _), (dynamic, chosen), (top, _), cp1 = _dynamic_cp_against_fixed(
+        tmp_path, 4, 2, flags)
+    assert set(chosen) == {1, 2, 4}, chosen
+    assert top == fixed
+    _assert_close(dynamic, fixed)
+    _assert_close(dynamic, cp1)
+
+
+def test_dynamic_cp_graphs_replay_the_size_1_runner_bitwise_and_keep_sizes_apart(tmp_path):
+    """CP 2 (p2p), EP 2, the overlap, graphs of attention (emulated backend, input checks on):
+    the size-1 runner records in the first step after the warmup that has a size-1
+    microbatch, is captured and replays in later steps; size-2 microbatches run eagerly
+    beside it (their runner holds no graph, no slot). The losses are the eager run's bit for
+    bit, and the size-1 slots hold [B, S / CP] tokens only: a slot that served both sizes
+    would fail the input check or change the bits."""
+    from context_workers import dynamic_cp_graph_runs, write_aligned_documents
+    prefix = write_aligned_documents(str(tmp_path / "docs"), unit=16)
+    flags = ["--train-iters", "6", "--reset-attention-mask", "--eod-mask-loss",
+             "--overlap-moe-expert-parallel-comm"]
+    (eager, graphed), replays = run_ranks(dynamic_cp_graph_runs, 2, 2, prefix, flags,
+                                          timeout_s=600)[0]
+    assert graphed[0] == eager[0]
+    assert graphed[1] == eager[1] and set(eager[1]) == {1, 2}, eager[1]
+    assert graphed[2] == {1: (True, [(2, 16)]), 2: (False, [])}
+    assert replays > 0
+
+
+@pytest.mark.slow
+def test_dynamic_cp_over_pipeline_stages_trains_to_fixed_cp_losses(tmp_path):
+    """PP 2 x CP 2: every stage cuts the same segments (the same data, the same CP rank), the
+    activations between stages stay S / CP tokens: fixed CP 2's losses within fp32 rounding."""
+    from context_workers import cp_pipeline_indexed_losses, write_aligned_documents
+    prefix = write_aligned_documents(str(tmp_path / "docs"), unit=16)
+    flags = STEPS + ["--reset-attention-mask", "--eod-mask-loss"]
+    fixed = run_ranks(cp_pipeline_indexed_losses, 4, 2, 2, prefix, flags, timeout_s=400)[-1]
+    dynamic = run_ranks(cp_pipeline_indexed_losses, 4, 2, 2, prefix,
+                        flags + ["--dynamic-context-parallel"], timeout_s=400)[-1]
+    _assert_close(dynamic, fixed)

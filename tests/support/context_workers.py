@@ -118,10 +118,109 @@ def cp_indexed_losses(rank, world_size, cp, prefix, flags):
     """Losses of a short run at CP `cp` (EP 1) on the indexed dataset `prefix`."""
     groups = init_distributed(1, "cpu", timeout_minutes=3, cp_size=cp)
     try:
-        argv = [flag for flag in TINY if flag != "--mock-data"] + [
-            "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size",
-            str(EOD_VOCAB), "--split", "100,0,0", "--expert-model-parallel-size", "1",
-            "--context-parallel-size", str(cp)] + list(flags)
-        return train_losses(groups, argv)
+        return train_losses(groups, indexed_argv(prefix, cp) + list(flags))
+    finally:
+        destroy_distributed(groups)
+
+
+def write_aligned_documents(prefix: str, unit: int, count: int = 300, seed: int = 6) -> str:
+    """An indexed dataset of documents of `unit` (3 in 5), 2 x or 4 x `unit` ids (the last the
+    end-of-document id): every document ends at a multiple of `unit` of the token stream, so
+    a sample either has an end before its position k x `unit` or runs a document across it
+    (dynamic CP's sizes then vary from microbatch to microbatch)."""
+    import numpy as np
+
+    from epoverlap.data.indexed import IndexedWriter
+    rng = np.random.default_rng(seed)
+    with IndexedWriter(prefix) as writer:
+        for _ in range(count):
+            length = unit * int(rng.choice([1, 1, 1, 2, 4]))
+            writer.add_document(np.append(rng.integers(0, EOD_VOCAB, size=length - 1),
+                                          EOD_VOCAB))
+    return prefix
+
+
+def indexed_argv(prefix: str, cp: int, ep: int = 1) -> list[str]:
+    """TINY on the indexed dataset `prefix` at CP `cp` and EP `ep`."""
+    return [flag for flag in TINY if flag != "--mock-data"] + [
+        "--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size",
+        str(EOD_VOCAB), "--split", "100,0,0", "--expert-model-parallel-size", str(ep),
+        "--context-parallel-size", str(cp)]
+
+
+def dynamic_cp_runs(rank, world_size, ep, prefix, flag_sets):
+    """One CP group of the whole world (EP `ep`) on the indexed dataset `prefix`: for each
+    flag set a run's losses and the microbatches dynamic CP ran at each size ({} when
+    fixed), in one process group."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=3, cp_size=world_size)
+    try:
+        results = []
+        for flags in flag_sets:
+            trainer = Trainer(parse_config(indexed_argv(prefix, world_size, ep) + list(flags)),
+                              groups, log=lambda msg: None)
+            try:
+                losses = [r.loss for r in trainer.train()]
+                context = trainer.model.context
+                results.append((losses, dict(context.chosen) if context.dynamic else {}))
+            finally:
+                trainer.close()
+        return results
+    finally:
+        destroy_distributed(groups)
+
+
+DYNAMIC_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
+                  "--cuda-graph-warmup-steps", "1", "--cuda-graph-check-inputs"]
+
+
+def dynamic_cp_graph_runs(rank, world_size, ep, prefix, flags):
+    """Dynamic CP at CP = world (EP `ep`) on `prefix`, eager then with per-layer graphs of
+    attention under the emulated graph backend, in one process group: each run's losses, the
+    microbatches at each size, and for the graphed run each size's runner: (captured, the
+    shapes of the tokens its slot buffers hold) and the replays."""
+    from graph_emulation import EmulatedGraphs
+
+    class Counting(EmulatedGraphs):
+        replays = 0
+
+        def capture(self, body, generators):
+            graph = super().capture(body, generators)
+
+            def replay():
+                Counting.replays += 1
+                body()
+            graph.replay = replay
+            return graph
+
+    groups = init_distributed(ep, "cpu", timeout_minutes=3, cp_size=world_size)
+    try:
+        runs = []
+        for graphs in ([], DYNAMIC_GRAPHS):
+            argv = indexed_argv(prefix, world_size, ep) + list(flags) + graphs + [
+                "--dynamic-context-parallel"]
+            trainer = Trainer(parse_config(argv), groups, log=lambda msg: None,
+                              graph_backend=Counting)
+            try:
+                losses = [r.loss for r in trainer.train()]
+                runners = {}
+                if graphs:
+                    bank = trainer.parts.graphs.banks.active
+                    runners = {size: (runner.captured, sorted(
+                        {tuple(b.inputs["tokens"].shape) for b in runner.slot_buffers.values()
+                         if "tokens" in b.inputs})) for size, runner in bank.runners.items()}
+                runs.append((losses, dict(trainer.model.context.chosen), runners))
+            finally:
+                trainer.close()
+        return runs, Counting.replays
+    finally:
+        destroy_distributed(groups)
+
+
+def cp_pipeline_indexed_losses(rank, world_size, cp, pp, prefix, flags):
+    """Losses of a short run at CP `cp` over `pp` pipeline stages (EP 1) on `prefix`."""
+    groups = init_distributed(1, "cpu", timeout_minutes=3, cp_size=cp, pp_size=pp)
+    try:
+        return train_losses(groups, indexed_argv(prefix, cp) + [
+            "--pipeline-model-parallel-size", str(pp)] + list(flags))
     finally:
         destroy_distributed(groups)

@@ -34,16 +34,17 @@ from epoverlap.config.dispatch import DispatchMode
 from epoverlap.config.tuning import (PAIRED_ENDS, SEQUENTIAL, TunePath, candidate_paths,
                                      flags_path, may_tune, paths_within, probe_steps,
                                      steps_needed, timed_steps, tune_mode)
-from epoverlap.graphs.banks import GraphBanks, StepGraphs
+from epoverlap.graphs.banks import GraphBanks, SizeBanks, StepGraphs
 from epoverlap.graphs.capture import (CudaGraphBackend, GraphRunner, graphed_modules,
                                       graphs_span_moe_layer)
 from epoverlap.graphs.full_iteration import FullIterationGraph
 from epoverlap.kernels import make_moe_ops
 from epoverlap.model.budget import DispatchBudget
+from epoverlap.model.context import dynamic_sizes
 from epoverlap.model.documents import Documents
 from epoverlap.model.transformer import MoEModel, count_parameters, model_dtype
 from epoverlap.parallel.comm import ContextComm, ExpertComm, HostComms, PipelineComm
-from epoverlap.parallel.groups import ParallelGroups, add_host_groups
+from epoverlap.parallel.groups import ParallelGroups, add_host_groups, context_groups
 from epoverlap.parallel.host_memory import HostMemoryTransport, open_host_transport
 from epoverlap.parallel.transport import ranks_per_host
 from epoverlap.parallel.watch import host_list
@@ -118,8 +119,7 @@ class RunParts:
                               pipe=self._pipeline_comm(),
                               one_node_moe_layers=self.one_node_moe_layers,
                               data_rank=groups.dp_rank,
-                              cp_comm=(ContextComm(groups.cp, groups.cp_exchange)
-                                       if groups.cp is not None else None),
+                              cp_comm=_context_comm(cfg, groups),
                               documents=self._documents())
         self.params = self._whole_model_parameters()
         self.grads = GradBuffers(self.model, groups, fuse_grad_accumulation=not
@@ -242,6 +242,9 @@ class RunParts:
                                    device=self.device, queue=self.wgrad_queue,
                                    generators=generators, check_inputs=graph_cfg.check_inputs,
                                    backend_factory=self.graph_backend, replay_watch=watch)
+        context = self.model.context
+        if not full and context is not None and context.dynamic:  # a runner per CP size
+            return lambda: SizeBanks(make_bank, context.sizes, context.local_tokens)
         return make_bank
 
     def _replay_watch(self, holds_dispatch: bool):
@@ -441,3 +444,17 @@ def _host_comms(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostComms]:
     mode = cfg.overlap.comm_mode  # local_copy: each stage's all-to-alls local copies too
     return HostComms(ExpertComm(groups.ep_rail, groups.ep_rail.size, mode),
                      ExpertComm(groups.ep_host, groups.ep_host.size, mode), groups.ep_rank)
+
+
+def _context_comm(cfg: RunConfig, groups: ParallelGroups) -> Optional[ContextComm]:
+    """The CP group's communicator (None without CP); under --dynamic-context-parallel with
+    those of the smaller sizes, their groups made here (`model.context`)."""
+    if groups.cp is None:
+        return None
+    p, sizes = cfg.parallel, {}
+    if p.dynamic_context_parallel:
+        smaller = dynamic_sizes(groups.cp_size, p.min_dynamic_context_parallel_size)[:-1]
+        made = context_groups(groups, smaller,
+                              datetime.timedelta(minutes=p.distributed_timeout_minutes))
+        sizes = {size: ContextComm(group) for size, group in made.items()}
+    return ContextComm(groups.cp, groups.cp_exchange, sizes)

@@ -194,14 +194,18 @@ class StepRunner:
     # ----------------------------------------------------------------- forward-backward
     def microbatches(self, step: int) -> list[dict]:
         """The step's microbatch dicts: tokens, labels (whole sequences: under CP the model
-        takes this rank's chunks) and, with dropout, the dropout seed of the same (step, rank
-        of the stage, microbatch) as the data (`model.dropout`)."""
+        takes this rank's chunks; under dynamic CP the segment of this rank's group at the
+        microbatch's size) and, with dropout, the dropout seed of the same (step, rank of the
+        stage, microbatch) as the data (`model.dropout`)."""
         t, rank = self.cfg.train, self.groups.dp_rank  # every stage of a pipeline reads alike
         if self._feed is None:
             self.close()
             self._feed = StepFeed(self.data, self.groups.data_rank, t.num_microbatches,
                                   t.micro_batch_size, self.cfg.model.seq_length)
         batches = self._feed.batches(step)
+        context = self.model.context
+        if context is not None and context.dynamic:  # this rank's segment (model.context)
+            batches = [context.segments(tokens, labels) for tokens, labels in batches]
         return [{"tokens": tokens.to(self.device), "labels": labels.to(self.device),
                  **dropout_inputs(self.cfg, step, rank, mb)}
                 for mb, (tokens, labels) in enumerate(batches)]

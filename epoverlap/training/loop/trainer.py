@@ -142,6 +142,8 @@ class Trainer:
                 torch_profiler.stop()
         self.reporter.write_spans()
         self.reporter.report_compiles()
+        if self.model.context is not None and self.model.context.dynamic:
+            self.parts.log(self.model.context.report())
         if results:  # a resumed run may have had no step left to make
             self.parts.log(self.summarize(results).line(self.per_device))
         return results

@@ -459,6 +459,9 @@ class Reporter:
         if g.cp_size == 1:
             return f"DP {g.dp_size} ({experts})"
         types = " ".join(sorted(set(self.cfg.cp_comm_types())))
+        p = self.cfg.parallel
+        if p.dynamic_context_parallel:  # 'CP 4 (p2p; dynamic from 1)'
+            types += f"; dynamic from {p.min_dynamic_context_parallel_size}"
         return f"CP {g.cp_size} ({types}) x DP {g.data_size} (experts: {experts})"
 
     def unaligned_line(self) -> Optional[str]:
