@@ -1,6 +1,7 @@
 """What the GPU recipes are made of: `Step` and `Recipe`, the training command's common flags,
 and the interleaved-rounds step (benchmarks/gpu/recipes.py has the placeholders a command may
-hold: {python}, {torchrun}, {gpus}, {out})."""
+hold: {python}, {torchrun}, {gpus}, {out}, {scratch}: a folder of the runner's
+for large files not sent back)."""
 
 from __future__ import annotations
 

@@ -157,16 +157,16 @@ def _roofline_steps(flags: str) -> tuple:
     """One profiled run of the training command at `flags` (torch.profiler over steps 20-21),
     its kernel table, the roofline rows (benchmarks/harness/roofline.py) and the timeline's
     tables of the step's parts (host time between the kernels included). The traces stay
-    on the machine (/tmp/epoverlap-profile: tens of MB, past what a call sends back)."""
-    return (Step("profiled_run", "rm -rf /tmp/epoverlap-profile && {torchrun} -m epoverlap.train "
+    on the machine ({scratch}/profile: tens of MB, past what a call sends back)."""
+    return (Step("profiled_run", "rm -rf {scratch}/profile && {torchrun} -m epoverlap.train "
                  + flags + " --train-iters 22 "
                  "--log-interval 1 --log-json {out}/profiled.jsonl --profile-steps 20:21 "
-                 "--profile-dir /tmp/epoverlap-profile --use-pytorch-profiler", timeout_s=150),
+                 "--profile-dir {scratch}/profile --use-pytorch-profiler", timeout_s=150),
             Step("kernel_table", "{python} -m benchmarks.harness.kernel_table "
-                 "/tmp/epoverlap-profile --steps 2 --top 400 --out {out}/ktable.json", timeout_s=120),
+                 "{scratch}/profile --steps 2 --top 400 --out {out}/ktable.json", timeout_s=120),
             Step("roofline", "{python} -m benchmarks.harness.roofline {out}/ktable.json --flags '"
                  + flags + "' --out {out}/roofline.json", timeout_s=60),
-            Step("step_parts", "epoverlap-timeline /tmp/epoverlap-profile --no-png --out-dir "
+            Step("step_parts", "epoverlap-timeline {scratch}/profile --no-png --out-dir "
                  "{out}/timeline && rm -f {out}/timeline/timeline_trace.json",
                  timeout_s=60))
 

@@ -8,7 +8,9 @@ ready: `pip install --no-deps --no-build-isolation -e .` (torch is there already
 reach no package registry) and the wheels carried in .whl/ into /tmp/site, put on PYTHONPATH
 (--no-install skips both). Then it runs each recipe's steps in order, under bash, with NVLink
 multicast off (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1) and
-CUDA_VISIBLE_DEVICES set to the recipe's GPUs; a recipe that needs more GPUs than are visible,
+CUDA_VISIBLE_DEVICES set to the recipe's GPUs (the first of those the caller's
+CUDA_VISIBLE_DEVICES names, if set: two runners on two GPUs of one machine, each with its own
+--work, run side by side); a recipe that needs more GPUs than are visible,
 or a carried file that is not there, is skipped and packs nothing. Each recipe's folder (every
 step's log, record.json: the GPUs from nvidia-smi, the date, torch/CUDA/NCCL/triton versions,
 the code (`tree_state`: the commit, whether the tree was dirty, the sha256 of its diff), each
@@ -66,6 +68,12 @@ def _quiet(cmd: list, log: Path, env: dict) -> bool:
     with open(log, "a") as out:
         return subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                               cwd=REPO).returncode == 0
+
+
+def visible_devices(env: dict, gpus: int) -> str:
+    """The recipe's GPUs: the first `gpus` of the caller's CUDA_VISIBLE_DEVICES, else 0..gpus-1."""
+    given = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return ",".join(given[:gpus] if given else map(str, range(gpus)))
 
 
 def prepare(env: dict, work: Path, install: bool) -> str:
@@ -258,7 +266,9 @@ def run_recipe(recipe, env: dict, info: dict, work: Path, out: Path, deadline: f
     if tree.diff:
         (folder / DIFF_FILE).write_bytes(tree.diff)
     gpus = max(info["gpus"], recipe.gpus) if recipe.all_gpus else recipe.gpus
-    names = {"python": sys.executable, "gpus": gpus, "out": folder,
+    scratch = work / f"{recipe.name}.scratch"  # large files that are not sent back
+    shutil.rmtree(scratch, ignore_errors=True)
+    names = {"python": sys.executable, "gpus": gpus, "out": folder, "scratch": scratch,
              "torchrun": f"{sys.executable} -m torch.distributed.run --standalone "
                          f"--nproc-per-node={gpus}"}
     record = {"recipe": recipe.name, "measures": recipe.measures, "records": recipe.records,
@@ -268,7 +278,7 @@ def run_recipe(recipe, env: dict, info: dict, work: Path, out: Path, deadline: f
         command = step.command.format(**names)
         full_env = {**env, **step_env}
         if gpus:
-            full_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(gpus)))
+            full_env["CUDA_VISIBLE_DEVICES"] = visible_devices(env, gpus)
         left = deadline - time.time()
         entry = {"name": step.name, "command": command, "env": step_env,
                  "nccl_env": {key: value for key, value in sorted(full_env.items())

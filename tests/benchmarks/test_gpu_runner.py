@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 MODULE = re.compile(r"-m ((?:benchmarks|epoverlap)\.[\w.]+)")
 TEST_PATH = re.compile(r"(?<![\w/])(tests(?:/[\w./]+)?)(?![\w/])")
 SHAPES = re.compile(r"--shapes (\S+)")
-NAMES = {"python": "PY", "torchrun": "TR", "gpus": 2, "out": "/o"}
+NAMES = {"python": "PY", "torchrun": "TR", "gpus": 2, "out": "/o", "scratch": "/s"}
 
 
 def _commands(recipe: Recipe) -> list:
@@ -335,3 +335,13 @@ def test_every_training_command_of_a_recipe_parses_and_validates(monkeypatch):
                     pytest.fail(f"{recipe.name}/{step.name}: {' '.join(argv)}: {error}")
                 checked += 1
     assert checked > 50
+
+
+def test_a_runner_takes_its_gpus_from_the_callers_visible_devices():
+    """Two runners on two GPUs of one machine (CUDA_VISIBLE_DEVICES=0 and =1) each keep theirs;
+    without the variable a recipe gets the first GPUs."""
+    from benchmarks.gpu.run import visible_devices
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "1"}, 1) == "1"
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": "2,3,1"}, 2) == "2,3"
+    assert visible_devices({}, 2) == "0,1"
+    assert visible_devices({"CUDA_VISIBLE_DEVICES": ""}, 1) == "0"
