@@ -82,6 +82,34 @@ def test_node_execution_matches_plain_autograd_bitwise(plan_name, lanes, delay):
     assert all(torch.isfinite(loss) for loss in losses)
 
 
+def _bound_dispatchers(specs) -> set:
+    """The dispatchers the MoE nodes among `specs` are bound to."""
+    return {spec.fn.keywords["dispatcher"] for spec in specs
+            if "dispatcher" in getattr(spec.fn, "keywords", {})}
+
+
+def test_nodes_by_another_dispatcher_bind_it_switch_nothing_and_keep_the_bits():
+    """`node_specs(dispatch=...)` (the nodes of a tuner's path) binds every MoE node to the
+    dispatcher it is given and changes nothing in the model: the nodes built next are the
+    model's own. At EP 1 the once-per-rank dispatcher is the plain one: the same bits."""
+    reference = plain_autograd_grads()
+    model, queue = build()
+    own, other = model.dispatcher, model.dispatcher_of(once_per_rank=True)
+    assert other is not own and model.dispatcher_of(once_per_rank=False) is own
+    specs = model.node_specs(dispatch=other)
+    assert _bound_dispatchers(specs) == {other}
+    assert _bound_dispatchers(model.node_specs()) == {own}
+    assert all(layer.dispatcher is own for layer in model.transformer_layers() if layer.is_moe)
+    plan = build_plan("combined_1f1b", model.layout(), MICROBATCHES)
+    lanes = ThreadLanes()
+    try:
+        Executor(specs, lanes, queue).run(plan, data(), 1 / MICROBATCHES)
+    finally:
+        lanes.close()
+    got = grads_of(model)
+    assert all(torch.equal(got[name], reference[name]) for name in reference)
+
+
 def test_every_parameter_gets_a_gradient():
     grads = plain_autograd_grads()
     model, _ = build()
