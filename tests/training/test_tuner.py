@@ -439,25 +439,28 @@ def test_graphs_that_do_not_fit_side_by_side_are_tuned_in_turn_with_the_same_bit
     assert text.count("CUDA graphs: ") >= 5 and banks == [(ran[-1], 0)]
 
 
-def test_the_fitted_budget_learns_each_steps_path_and_keeps_the_chosen_ones_demand():
-    """Each step's demand reaches the budget's fit with the path that step ran, and at the
-    decision the fit is told the chosen path (`BudgetFit.keep_path`)."""
+def test_the_fitted_budget_learns_each_steps_demand_and_keeps_the_chosen_paths_steps():
+    """Each step's demand reaches the budget's fit with its step, and at the decision the fit
+    keeps the steps that ran the chosen path (`BudgetFit.keep_steps`)."""
     from epoverlap.model.budget import BudgetFit
 
     seen, kept = [], []
-    observe, keep = BudgetFit.observe, BudgetFit.keep_path
+    observe, keep = BudgetFit.observe, BudgetFit.keep_steps
 
-    def spy_observe(fit, need, path=None):
-        seen.append(path)
-        observe(fit, need, path)
+    def spy_observe(fit, need, step=None):
+        seen.append(step)
+        observe(fit, need, step)
 
-    def spy_keep(fit, path):
-        kept.append(path)
-        keep(fit, path)
+    def spy_keep(fit, steps):
+        kept.append(steps)
+        keep(fit, steps)
     with mock.patch.object(BudgetFit, "observe", spy_observe), \
-            mock.patch.object(BudgetFit, "keep_path", spy_keep):
+            mock.patch.object(BudgetFit, "keep_steps", spy_keep):
         tuned, _, _ = _train(["--train-iters", "9", "--tune", "on", "--tune-steps", "1",
                               "--moe-dispatch-budget", "1.0", "--moe-dispatch-budget-fit"])
-    assert seen == [r.schedule for r in tuned]
-    decided = next(r.tuned_path for r in tuned if r.tuned_path is not None)
-    assert kept == [decided["chosen"]] == [tuned[-1].schedule]
+    assert seen == [r.step for r in tuned]
+    at = next(i for i, r in enumerate(tuned) if r.tuned_path is not None)
+    chosen = tuned[at].tuned_path["chosen"]
+    assert chosen == tuned[-1].schedule
+    assert kept == [{r.step for r in tuned[:at + 1] if r.schedule == chosen}]
+    assert 0 < len(kept[0]) < at + 1  # the chosen path's steps, not the others'

@@ -250,8 +250,7 @@ class StepRunner:
         result = self.until_it_fits(lambda level: self._attempt(step, inputs, level, path),
                                     start)
         if budget is not None:
-            budget.remember(budget.level, self._last_demand,
-                            path.name if self.tuner is not None else None)
+            budget.remember(budget.level, self._last_demand, step)
         return result
 
     def _refit_budget(self, budget, step: int, path: ExecutionPath) -> None:
@@ -439,12 +438,12 @@ class StepRunner:
             self._decided(decision)
 
     def _decided(self, decision: TuneDecision) -> None:
-        """The decision's table, the losers' banks released, the budget's fit left with the chosen
-        path's demand, the cache written (rank 0)."""
+        """The decision's table, the losers' banks released, the budget's fit left with the
+        demand of the steps that ran the chosen path, the cache written (rank 0)."""
         self.tune_report += decision.table()
         self.tuned_path = decision.record()
         if self.budget is not None:
-            self.budget.keep_path(decision.chosen)
+            self.budget.keep_steps(self.tuner.steps_of(decision.chosen))
         if self.runs.path.graphs is not None:
             freed = {name: self.runs.paths[name].graphs.release_path()
                      for name in self.tuner.losers()}

@@ -175,6 +175,10 @@ class Tuner:
             self.in_turn = True
             self.primed &= {self.names[0]}  # the others' graphs are released meanwhile
 
+    def steps_of(self, name: str) -> set[int]:
+        """The steps path `name` ran, of those the tuner gave a path to."""
+        return {step for step, (given, _) in self.phases.items() if given == name}
+
     def phase_of(self, step: int) -> Optional[str]:
         """warmup, prime or timed for a step the tuner gave a path to; None after the
         decision."""
