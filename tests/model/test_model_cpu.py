@@ -12,7 +12,7 @@ from epoverlap.model.linear import grouped_gemm, linear
 from epoverlap.model.flops import training_flops_per_token
 from epoverlap.model.transformer import MoEModel
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
-from epoverlap.schedule.plan import build_plan
+from epoverlap.schedule.pipeline import build_plan
 from epoverlap.schedule.wgrad import WeightGradQueue
 from epoverlap.kernels import make_moe_ops
 
