@@ -45,7 +45,6 @@ Q query heads, G key/value heads, D head dim.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Optional
@@ -459,7 +458,6 @@ class MoEModel(nn.Module):
         pattern = cfg.moe_layer_pattern()
         self.dispatch_mode = DispatchMode.of(cfg.moe)  # the one place the model reads it
         self.dispatch_budget = self.dispatcher = None
-        self._comm, self._device = comm, device
         if any(pattern):
             self.dispatch_budget = DispatchBudget.of_model(cfg, self.dispatch_mode, comm, device,
                                                           ep_rank)
@@ -502,7 +500,7 @@ class MoEModel(nn.Module):
     def node_specs(self, chunks: Optional[int] = None,
                    dispatch: Optional[TokenDispatcher] = None) -> list[NodeSpec]:
         """Every node of this stage in forward order, chunk by chunk; MoE layers with `chunks`
-        chunks of experts, by `dispatch` (`dispatcher_of`; defaults: the flags' chunks, the
+        chunks of experts, by `dispatch` (a path's dispatcher; defaults: the flags' chunks, the
         model's dispatcher). Pure: each call builds nodes, nothing in the model changes."""
         specs = []
         for chunk in self.chunks:
@@ -550,16 +548,6 @@ class MoEModel(nn.Module):
     def layout(self) -> list[tuple[str, ...]]:
         """Node kinds of each layer, in forward order (what plan builders need)."""
         return [tuple(s.kind for s in layer.node_specs()) for layer in self.transformer_layers()]
-
-    def dispatcher_of(self, once_per_rank: bool) -> Optional[TokenDispatcher]:
-        """The flags' dispatch sending once per rank or not, for `node_specs(dispatch=...)`:
-        the model's own where that is the flags', else a new one (the tuner's `+once` path,
-        which has no budget). None without MoE layers."""
-        if self.dispatcher is None or self.dispatch_mode.once_per_rank == once_per_rank:
-            return self.dispatcher
-        mode = dataclasses.replace(self.dispatch_mode, once_per_rank=once_per_rank)
-        return make_dispatcher(self._comm, self.cfg.moe.num_experts,
-                               self.cfg.moe.moe_router_topk, self.ops, self._device, mode)
 
     def routers(self) -> list[Router]:
         return [layer.router for layer in self.transformer_layers() if layer.router is not None]

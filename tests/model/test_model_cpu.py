@@ -3,11 +3,14 @@ lane backend equals plain autograd bit for bit; deferred weight grads equal inli
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.config import parse_config
+from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.linear import grouped_gemm, linear
 from epoverlap.model.flops import training_flops_per_token
 from epoverlap.model.transformer import MoEModel
@@ -94,8 +97,9 @@ def test_nodes_by_another_dispatcher_bind_it_switch_nothing_and_keep_the_bits():
     model's own. At EP 1 the once-per-rank dispatcher is the plain one: the same bits."""
     reference = plain_autograd_grads()
     model, queue = build()
-    own, other = model.dispatcher, model.dispatcher_of(once_per_rank=True)
-    assert other is not own and model.dispatcher_of(once_per_rank=False) is own
+    own = model.dispatcher
+    other = make_dispatcher(ExpertComm(None, 1), 4, 2, model.ops, torch.device("cpu"),
+                            dataclasses.replace(model.dispatch_mode, once_per_rank=True))
     specs = model.node_specs(dispatch=other)
     assert _bound_dispatchers(specs) == {other}
     assert _bound_dispatchers(model.node_specs()) == {own}

@@ -41,6 +41,8 @@ from epoverlap.graphs.capture import (CudaGraphBackend, GraphRunner, graphed_mod
 from epoverlap.graphs.full_iteration import FullIterationGraph
 from epoverlap.kernels import make_moe_ops
 from epoverlap.model.budget import DispatchBudget
+from epoverlap.model.dispatch import TokenDispatcher
+from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.documents import Documents
 from epoverlap.model.transformer import MoEModel, count_parameters, model_dtype
 from epoverlap.parallel.comm import ContextComm, ExpertComm, HostComms, PipelineComm
@@ -174,8 +176,7 @@ class RunParts:
         model's, of its chunks and dispatch), its executor on `lanes` (with
         --overlap-grad-reduce reducing the grad buckets beside the backward), this stage's
         plan, its graph banks (`keyed`: by its name, where the tuner has several paths)."""
-        dispatcher = self.model.dispatcher_of(
-            spec.once_per_rank or DispatchMode.of(self.cfg.moe).once_per_rank)
+        dispatcher = self._dispatcher(spec)
         specs = self.model.node_specs(spec.chunks, dispatcher)
         per_layer = self.graph_banks is not None and self.cfg.cuda_graph.impl == "local"
         beside = self.cfg.overlap.overlap_grad_reduce and self.groups.dp_size > 1
@@ -185,8 +186,23 @@ class RunParts:
                             grad_reduce=self.grads if beside else None, hold=self.comm_hold)
         plan = self.build_plans(spec, specs)[1][self.groups.pp_rank]
         graphs = self._path_graphs(spec.name if keyed else None, executor, plan, specs)
-        return ExecutionPath(spec, plan, executor, dispatcher, graphs, self.wgrad_queue,
-                             self.comm)
+        return ExecutionPath(spec, plan, executor, dispatcher, graphs, self.wgrad_queue)
+
+    def _dispatcher(self, spec: TunePath) -> Optional[TokenDispatcher]:
+        """A path's dispatcher: the model's own where the path dispatches as the flags do,
+        else one of its own: once per rank (the `+once` path; no budget: it needs none), or on
+        the process group where the flags' go through host memory (`+group`)."""
+        model = self.model
+        flags = model.dispatch_mode
+        once = spec.once_per_rank or flags.once_per_rank
+        on_group = not spec.host_memory and self.comm.transport is not None
+        if model.dispatcher is None or (once == flags.once_per_rank and not on_group):
+            return model.dispatcher
+        return make_dispatcher(self.comm.on_process_group() if on_group else self.comm,
+                               self.cfg.moe.num_experts, self.cfg.moe.moe_router_topk,
+                               model.ops, self.device,
+                               dataclasses.replace(flags, once_per_rank=once),
+                               model.dispatch_budget if once == flags.once_per_rank else None)
 
     def build_plans(self, path: TunePath, specs: list) -> tuple[list, list]:
         """Every stage's layout (its nodes' kinds, gathered over the pipeline) and plan named

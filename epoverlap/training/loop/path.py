@@ -3,13 +3,14 @@
 Owns `ExecutionPath`. A path is what a step runs by: its spec (`config.tuning.TunePath`: its
 name, its plan's name, weight-grad deferral, chunks of the all-to-alls, dispatch once per rank,
 the all-to-alls' transport), this stage's plan (made from the plan's name through the registry
-`schedule.plan.PLANS`), the dispatcher of its MoE layers, the executor of its nodes (the model's
-pure `node_specs(chunks=..., dispatch=...)`) on its lanes, and its CUDA graph banks
+`schedule.plan.PLANS`), the dispatcher of its MoE layers (its dispatch form and its
+all-to-alls' transport), the executor of its nodes (the model's pure
+`node_specs(chunks=..., dispatch=...)`) on its lanes, and its CUDA graph banks
 (`graphs.banks.StepGraphs`; None without graphs). One builder makes every path
 (`RunParts.build_path` in `training.loop.build`): the flags' path, or with the path tuner one
 per candidate. Nothing is switched between paths: the step is handed the path it runs
-(`training.loop.step`), and the path sets, as it starts, the two things every path shares: the
-weight-grad queue's deferral and whether the all-to-alls go through host memory (`engage`).
+(`training.loop.step`), and the path sets, as it starts, the one thing every path shares, the
+weight-grad queue's deferral (`engage`: the model's deferrable GEMMs hold the run's one queue).
 """
 
 from __future__ import annotations
@@ -24,14 +25,13 @@ from epoverlap.schedule.executor import Executor
 if TYPE_CHECKING:
     from epoverlap.graphs.banks import StepGraphs
     from epoverlap.model.dispatch import TokenDispatcher
-    from epoverlap.parallel.comm import ExpertComm
     from epoverlap.schedule.wgrad import WeightGradQueue
 
 
 @dataclass(frozen=True)
 class ExecutionPath:
-    """One path, built (module docstring). `wgrad_queue` and `comm` are the run's own, which
-    `engage` sets for this path."""
+    """One path, built (module docstring). `wgrad_queue` is the run's own, which `engage` sets
+    for this path."""
 
     spec: TunePath
     plan: list
@@ -39,7 +39,6 @@ class ExecutionPath:
     dispatcher: Optional[TokenDispatcher]
     graphs: Optional[StepGraphs]
     wgrad_queue: WeightGradQueue
-    comm: ExpertComm
 
     @property
     def name(self) -> str:
@@ -50,10 +49,8 @@ class ExecutionPath:
         return self.executor.lanes
 
     def engage(self) -> None:
-        """Before this path runs a forward: weight grads deferred as it says, the all-to-alls
-        through host memory where it says so and the run has the transport."""
+        """Before this path runs: weight grads deferred as it says."""
         self.wgrad_queue.enabled = self.spec.delay_wgrad
-        self.comm.host_memory = self.spec.host_memory and self.comm.transport is not None
 
     def without_graphs(self) -> ExecutionPath:
         """The same path run eagerly: its executor over the same nodes and lanes, without a
