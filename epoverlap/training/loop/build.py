@@ -158,7 +158,9 @@ class RunParts:
 
     # ----------------------------------------------------------------- what runs a step
     def _build_step_machinery(self) -> None:
-        """Lanes, recorder, faults, the graph banks, the flags' path (every stage's plan)."""
+        """Lanes, recorder, faults, the graph banks, the flags' path (built first: every
+        stage's plan checked over the pipeline before the checkpoint's load; with the tuner,
+        its candidates replace it)."""
         cfg = self.cfg
         self.lanes = make_lanes(self.device, self._two_lanes(True),
                                 cfg.overlap.comm_stream_high_priority)
