@@ -131,12 +131,12 @@ def measure(groups, argv, iters: int, warmup: int, per_node: int = 0,
         cells = trainer.cfg.model.num_layers * trainer.cfg.train.num_microbatches
         row = {"cpu_ms": cpu_ms, "wall_ms": wall_ms, "cpu_ms_per_layer_mb": cpu_ms / cells,
                "graphs": bank.graph_count() if bank is not None else 0}
-        if trainer.parts.graphs is None and per_node:
+        if trainer.parts.graph_banks is None and per_node:
             row["nodes"] = per_node_host_ms(trainer, inputs, iters)
             row["launches_per_step"] = kernel_launches(trainer, inputs,
                                                        top=per_node if per_node > 1 else 0)
             row["host_us_per_launch"] = row["cpu_ms"] * 1e3 / max(row["launches_per_step"], 1)
-        if trainer.parts.graphs is None and call_site_ops:
+        if trainer.parts.graph_banks is None and call_site_ops:
             row["call_sites"] = call_sites(trainer, inputs, call_site_ops)
         row["loss"] = _last_loss(trainer, inputs)
         return row
@@ -148,14 +148,15 @@ def measure(groups, argv, iters: int, warmup: int, per_node: int = 0,
 def warm_up_and_capture(trainer: Trainer, inputs, warmup: int):
     """`warmup` forward-backward passes; a graphed trainer records in the last one and then
     captures its graphs. -> the graphed trainer's active bank (None when eager)."""
-    bank = trainer.parts.graphs.banks.active if trainer.parts.graphs is not None else None
+    graphs = trainer.parts.path.graphs
+    bank = graphs.banks.active if graphs is not None else None
     for i in range(warmup):
         if bank is not None:
             bank.recording = i == warmup - 1
         trainer.run_microbatches(1, inputs)
     if bank is not None:
         bank.recording = False
-        bank.capture(trainer.parts.plan)
+        bank.capture(trainer.parts.path.plan)
     return bank
 
 
@@ -263,7 +264,7 @@ def per_node_host_ms(trainer: Trainer, inputs, iters: int) -> dict:
     exchanged split sizes (`SplitExchange.read`, part of F dispatch's time; a wait for the GPU
     to finish what the compute stream held when the exchange started, so it grows with how
     far the GPU lags the host)."""
-    executor, steps = trainer.parts.executor, []
+    executor, steps = trainer.parts.path.executor, []
     recorder = executor.recorder
     sync = _sync_of(trainer)
     read = SplitExchange.read
@@ -511,7 +512,7 @@ def schedule_ab(groups, argv, rounds: int, iters: int, warmup: int, top: int,
     for name, trainer in sides.items():
         if name.endswith("_one_stream"):  # the combined plan's order on serial lanes: no
             trainer.parts.lanes.close()         # second stream, event or hand-over
-            trainer.parts.lanes = trainer.parts.executor.lanes = SerialLanes()
+            trainer.parts.lanes = trainer.parts.path.executor.lanes = SerialLanes()
 
     def profile(trainer, inputs):
         if not top:

@@ -200,7 +200,8 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
     try:
         inputs = trainer.microbatches(1)
         static = _memory(device)
-        bank = trainer.parts.graphs.banks.active if trainer.parts.graphs is not None else None
+        graphs = trainer.parts.path.graphs
+        bank = graphs.banks.active if graphs is not None else None
         for i in range(args.warmup):
             if bank is not None:
                 bank.recording = i == args.warmup - 1  # the last one records
@@ -209,7 +210,7 @@ def measure_mode(groups, argv, args, profile_dir=None, want_trace=False) -> dict
         graph_info = {}
         if bank is not None:
             bank.recording = False
-            bank.capture(trainer.parts.plan)
+            bank.capture(trainer.parts.path.plan)
             graph_info = {"graphs": bank.graph_count(), "capture_s": bank.capture_seconds,
                           "graph_gib": bank.pool_bytes / 2**30}
         if device.type == "cuda":

@@ -60,7 +60,8 @@ TUNED_CHUNKS = 4
 @dataclass(frozen=True)
 class TunePath:
     """One path: its name (the step line's `tune:` and the log's `schedule`), the plan it
-    runs and whether weight grads are delayed."""
+    runs and whether weight grads are delayed, its chunks, dispatch and transport (built once
+    into what a step runs by: `training.loop.path.ExecutionPath`)."""
 
     name: str
     plan: str

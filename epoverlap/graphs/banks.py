@@ -1,8 +1,8 @@
 """Graph banks: one set of captured graphs per runtime size, the one in use picked at run time.
 
 Owns `GraphBanks`. A bank is a `GraphRunner` (per-layer graphs) or a `FullIterationGraph`,
-made by a factory; the key is the budget level of the sync-free dropless dispatch
-(`epoverlap.model.budget.DispatchBudget`), because the all-to-all buffers inside graphs that hold
+made by its path's factory (`StepGraphs.make_bank`); the key is the budget level of the
+sync-free dropless dispatch (`epoverlap.model.budget.DispatchBudget`), because the all-to-all buffers inside graphs that hold
 the dispatch are sized by it: the base budget's bank serves every step, and a step whose
 dispatch overflowed is rerun by the bank of the level that holds it. A bank is captured the
 first time it is needed after the warmup steps (its first run is eager and records what it
@@ -10,13 +10,13 @@ reads and writes), so a run that never overflows holds one bank. At most `max_ba
 exist (the number of budget levels: log2(EP size / budget) + 1), each in its own memory pool,
 and `memory_report` says what each holds.
 
-With the path tuner (`--tune`, `training.tuning.tuner`) a bank is also per path: the key is then
-(path, level). A bank is captured for one plan: its graphs in that plan's order in its own
-pool, its buffers per microbatch slot as that plan's liveness gives them (`graphs.capture`: the
+With the path tuner (`--tune`, `training.tuning.tuner`) a bank is also per path: each path has a
+`StepGraphs` of its own over the run's `GraphBanks`, its keys (path, level). A bank is captured
+for one plan: its graphs in that plan's order in its own pool, its buffers per microbatch slot as that plan's liveness gives them (`graphs.capture`: the
 sequential plan has one slot, the combined 1F1B two), and with or without
 the weight-grad graphs of delayed weight grads, so a bank replayed under another path could
 hand two live microbatches one slot. The losing paths' banks are released after the decision,
-and a path's banks when its capture failed (`StepGraphs.release_schedule`).
+and a path's banks when its capture failed (`StepGraphs.release_path`).
 
 Under dynamic context parallelism (`model.context.DynamicContext`) the one bank is a
 `SizeBanks`: a `GraphRunner` per CP size of the run's set (made at start: bounded by the set),
@@ -36,19 +36,20 @@ from typing import Callable, Hashable, Optional
 
 
 class GraphBanks:
-    """Banks by key; `select(key)` makes the bank in use (creating it, within the bound)."""
+    """Banks by key; `select(key)` makes the bank in use (creating it, within the bound, by
+    `make_bank`, else the one given here)."""
 
-    def __init__(self, make_bank: Callable[[], object], max_banks: int):
+    def __init__(self, make_bank: Optional[Callable[[], object]], max_banks: int):
         self.make_bank, self.max_banks = make_bank, max_banks
         self.banks: dict = {}
         self.key: Hashable = None
 
-    def select(self, key: Hashable):
+    def select(self, key: Hashable, make_bank: Optional[Callable[[], object]] = None):
         if key not in self.banks:
             if len(self.banks) >= self.max_banks:
                 raise RuntimeError(f"graph bank {key!r}: already {len(self.banks)} banks "
                                    f"({sorted(self.banks)}), the bound is {self.max_banks}")
-            self.banks[key] = self.make_bank()
+            self.banks[key] = (make_bank or self.make_bank)()
         self.key = key
         return self.banks[key]
 
@@ -138,29 +139,35 @@ class SizeBanks:
 
 
 class StepGraphs:
-    """The trainer's side of its CUDA graphs: which bank an attempt of a step uses, when a bank
-    records (its first eager attempt at or after the last warmup step) and when it is captured
-    (after that step). `per_level`: one bank per budget level (graphs that hold the dispatch);
-    else one bank for every level. `full_iteration`: the bank runs the whole plan itself."""
+    """One path's side of the run's CUDA graphs: which bank an attempt of a step uses, when a
+    bank records (its first eager attempt at or after the last warmup step) and when it is
+    captured (after that step). `per_level`: one bank per budget level (graphs that hold the
+    dispatch); else one bank for every level. `full_iteration`: the bank runs the whole plan
+    itself. `path`: the tuner's name of the path whose banks these are (None: the run's only
+    path); `make_bank`: what makes one of its banks."""
 
     def __init__(self, banks: GraphBanks, warmup_steps: int, per_level: bool,
-                 full_iteration: bool):
+                 full_iteration: bool, path: Optional[str] = None,
+                 make_bank: Optional[Callable[[], object]] = None):
         self.banks, self.warmup_steps = banks, warmup_steps
         self.per_level, self.full_iteration = per_level, full_iteration
+        self.path, self.make_bank = path, make_bank
         self._due: dict = {}  # bank key -> a budget level to capture it at
-        self.schedule: Optional[str] = None  # the tuner's path of this step (else None)
 
     def key(self, level: int) -> Hashable:
-        """The bank of `level` (0 unless per level), and of this step's path when the tuner
-        switches paths."""
+        """The bank of `level` (0 unless per level), of this path where the tuner has several."""
         level_key = level if self.per_level else 0
-        return level_key if self.schedule is None else (self.schedule, level_key)
+        return level_key if self.path is None else (self.path, level_key)
 
-    def release_schedule(self, schedule: str) -> int:
-        """Release every bank of `schedule` (a path the tuner dropped); -> the pool bytes
-        freed."""
+    def select(self, level: int):
+        """Make `level`'s bank of this path the one in use (created if new)."""
+        return self.banks.select(self.key(level), self.make_bank)
+
+    def release_path(self) -> int:
+        """Release every bank of this path (one the tuner dropped, or did not choose); -> the
+        pool bytes freed."""
         keys = [key for key in self.banks.banks
-                if isinstance(key, tuple) and key[0] == schedule]
+                if isinstance(key, tuple) and key[0] == self.path]
         freed = sum(self.banks.banks[key].pool_bytes for key in keys
                     if self.banks.banks[key].captured)
         self.banks.release(keys)
@@ -170,7 +177,7 @@ class StepGraphs:
         """Select `level`'s bank for an attempt of a step; it records (to be captured after
         the step) if it has no graphs yet, the warmup is over and `capture` (else an
         uncaptured bank runs eagerly)."""
-        bank = self.banks.select(self.key(level))
+        bank = self.select(level)
         bank.recording = capture and not bank.captured and step >= self.warmup_steps
         if bank.recording:
             self._due.setdefault(self.key(level), level)
@@ -200,15 +207,17 @@ class StepGraphs:
         try:
             for key, level in self._due.items():
                 select_level(level)
-                bank = self.banks.select(key)
+                bank = self.banks.select(key, self.make_bank)
                 bank.capture(plan)
                 if bank.captured or not isinstance(bank, SizeBanks):  # (it may wait: SizeBanks)
                     captured.append((level, bank))
         finally:
             self._due.clear()
             select_level(0)
-            self.banks.select(self.key(0))
+            self.select(0)
         return captured
 
     def release(self) -> None:
+        """Release every bank of the run, every path's (the budget they were sized by changed,
+        or the run goes on without graphs)."""
         self.banks.release()

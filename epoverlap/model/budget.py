@@ -11,8 +11,9 @@ With --moe-dispatch-budget-fit the base budget follows the demand (`BudgetFit`):
 first step it becomes the least factor that held the most any step of the window wanted, plus
 `FIT_MARGIN`; it grows at once after a step that overflowed it, and shrinks where the window
 needed less, at most every `FIT_SHRINK_STEPS` steps (each change recaptures the graphs that
-hold the dispatch). When the path tuner decides, the window keeps the chosen path's demand
-alone and the base may shrink to it at once. Every rank sees the same all-reduced demand, so
+hold the dispatch). The window can be cut to the demand of some of its steps (`keep_steps`: the
+path tuner's decision keeps the steps that ran the chosen path), and the base may then shrink
+to it at once. Every rank sees the same all-reduced demand, so
 every rank fits alike. The rows the fixed blocks move beside the rows the dropless dispatch
 would move (`wire_rows`) are counted on the device, for the step's report.
 """
@@ -112,17 +113,16 @@ class DispatchBudget:
         return max(self.recent_levels, default=0)
 
     def remember(self, level: int, demand: Optional[Sequence[int]] = None,
-                 path: Optional[str] = None) -> None:
-        """A training step ended at `level`, its last attempt's all-reduced `demand`, on the
-        tuner's `path` (None without the tuner)."""
+                 step: Optional[int] = None) -> None:
+        """Training step `step` ended at `level`, its last attempt's all-reduced `demand`."""
         self.recent_levels.append(level)
         if self.fit is not None and demand is not None:
-            self.fit.observe(self.needed_factor(demand), path)
+            self.fit.observe(self.needed_factor(demand), step)
 
-    def keep_path(self, path: str) -> None:
-        """The tuner chose `path`: the fit forgets the other paths' demand."""
+    def keep_steps(self, steps: set) -> None:
+        """The fit forgets the demand of every step but `steps` (`BudgetFit.keep_steps`)."""
         if self.fit is not None:
-            self.fit.keep_path(path)
+            self.fit.keep_steps(steps)
 
     @property
     def max_levels(self) -> int:
@@ -375,26 +375,27 @@ class BudgetFit:
 
     def __init__(self, window: int):
         self.needs: collections.deque = collections.deque(maxlen=window)
-        self.paths: collections.deque = collections.deque(maxlen=window)  # the tuner's, or None
+        self.steps: collections.deque = collections.deque(maxlen=window)  # each need's step
         self.fitted = False
         self.steps_since = 0  # steps since the last change
 
-    def observe(self, need: float, path: Optional[str] = None) -> None:
+    def observe(self, need: float, step: Optional[int] = None) -> None:
         self.needs.append(need)
-        self.paths.append(path)
+        self.steps.append(step)
         self.steps_since += 1
 
-    def keep_path(self, path: str) -> None:
-        """The tuner chose `path`: the window keeps that path's needs alone (where it has
-        any), and the base may shrink to them before the next step, without waiting
-        `FIT_SHRINK_STEPS`: a candidate that needed more (the chunked layer's blocks) no longer
-        holds it up."""
-        kept = [need for need, of in zip(self.needs, self.paths) if of == path]
+    def keep_steps(self, steps: set) -> None:
+        """The window keeps the needs of `steps` alone (where it has any; the path tuner's
+        decision: the steps that ran the chosen path), and the base may shrink to them before
+        the next step, without waiting `FIT_SHRINK_STEPS`: a candidate that needed more (the
+        chunked layer's blocks) no longer holds it up."""
+        kept = [(need, step) for need, step in zip(self.needs, self.steps) if step in steps]
         if kept:
             self.needs.clear()
-            self.needs.extend(kept)
-            self.paths.clear()
-            self.paths.extend([path] * len(kept))
+            self.steps.clear()
+            for need, step in kept:
+                self.needs.append(need)
+                self.steps.append(step)
             self.steps_since = max(self.steps_since, FIT_SHRINK_STEPS)
 
     def target(self, top: float) -> float:
@@ -421,5 +422,5 @@ class BudgetFit:
 
     def load(self, state: dict) -> None:
         self.needs.extend(state["needs"])
-        self.paths.extend([None] * len(state["needs"]))
+        self.steps.extend([None] * len(state["needs"]))
         self.fitted, self.steps_since = state["fitted"], state["steps_since"]

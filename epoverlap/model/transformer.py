@@ -25,7 +25,8 @@ block's output before its residual add (`model.dropout`) draw their masks from t
 dropout seed, a named input (`DROPOUT_SEED`) of attn, of a dense layer's mlp and of combine.
 The MoE layers' dispatch steps (preprocess, dispatch, sort, unsort, combine) are one
 `model.dispatch.TokenDispatcher`, the strategy of the configured dispatch mode, built once per
-model (`MoEModel.dispatcher`) and shared by its MoE layers. Value names between nodes come from
+model (`MoEModel.dispatcher`) and shared by its MoE layers; `node_specs(dispatch=...)` binds
+the nodes to another (the tuner's once-per-rank path), switching nothing. Value names between nodes come from
 `model.nodes` (`hidden_value`, `layer_value`).
 
 Under context parallelism (--context-parallel-size, `model.context`) the embed and loss nodes
@@ -44,7 +45,7 @@ Q query heads, G key/value heads, D head dim.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -91,6 +92,11 @@ class _FanOut(torch.autograd.Function):
             if grad is not None:
                 total = grad if total is None else total + grad
         return total, None
+
+
+def _by(dispatcher: TokenDispatcher, fn):
+    """A node's callable bound to the dispatcher its path runs by (`node_specs(dispatch=...)`)."""
+    return functools.partial(fn, dispatcher=dispatcher)
 
 
 class TransformerLayer(nn.Module):
@@ -140,7 +146,7 @@ class TransformerLayer(nn.Module):
             self.shared_expert = SwiGLU(m.hidden_size, moe.moe_shared_expert_intermediate_size,
                                         name=f"shared{layer}", **mlp_kwargs)
         self.a2a_chunks = 1 if one_node else cfg.overlap.moe_a2a_chunks
-        self._chunked: dict[int, ChunkedMoE] = {}  # by chunk count, built when first asked
+        self._chunked: dict[tuple, ChunkedMoE] = {}  # by (chunks, its dispatcher), when asked
         self._device = device
 
     # ----------------------------------------------------------------- node segments
@@ -195,38 +201,34 @@ class TransformerLayer(nn.Module):
             out["shared_out"] = self.shared_expert(normed_shared)
         return out
 
-    def preprocess_segment(self, normed_permute, probs, routing_map):
+    def preprocess_segment(self, normed_permute, probs, routing_map, *, dispatcher):
         """Permute token copies into expert-major rows (the `moe_preprocess` region)."""
-        permuted, permuted_probs, row_id_map = self.dispatcher.preprocess(normed_permute, probs,
-                                                                          routing_map)
+        permuted, permuted_probs, row_id_map = dispatcher.preprocess(normed_permute, probs,
+                                                                     routing_map)
         return {"permuted_tokens": permuted, "permuted_probs": permuted_probs,
                 "row_id_map": row_id_map}
 
-    def split_exchange_segment(self, expert_counts, row_id_map):
+    def split_exchange_segment(self, expert_counts, row_id_map, *, dispatcher):
         """Start the dispatch's split-size exchange as soon as the router has counted and the
         tokens are permuted (eager, never graphed: it reads nothing on the host; the dispatch
         does)."""
-        return {"split_exchange": self.dispatcher.start_split_exchange(expert_counts,
-                                                                       row_id_map)}
+        return {"split_exchange": dispatcher.start_split_exchange(expert_counts, row_id_map)}
 
-    @property
-    def _splits_early(self) -> bool:
+    def _splits_early(self, dispatcher) -> bool:
         """Whether the dispatch reads split sizes on the host, from an exchange started at the
         end of the `attn` node (else it takes the device counts)."""
-        return self.is_moe and self.dispatcher.reads_host
+        return self.is_moe and dispatcher.reads_host
 
-    @property
-    def _dispatch_sizes(self) -> str:
+    def _dispatch_sizes(self, dispatcher) -> str:
         """What sizes the dispatch: the early split-size exchange, or the device counts."""
-        return "split_exchange" if self._splits_early else "expert_counts"
+        return "split_exchange" if self._splits_early(dispatcher) else "expert_counts"
 
-    @property
-    def _dispatch_inputs(self) -> tuple[str, ...]:
+    def _dispatch_inputs(self, dispatcher) -> tuple[str, ...]:
         """Once per rank without an exchange (the budget), the rows per rank come from the
         preprocess's [T, R] row-id map."""
-        rank_rows = (self.is_moe and self.dispatcher.once_per_rank
-                     and not self._splits_early)
-        return (("permuted_tokens", "permuted_probs", self._dispatch_sizes)
+        rank_rows = (self.is_moe and dispatcher.once_per_rank
+                     and not self._splits_early(dispatcher))
+        return (("permuted_tokens", "permuted_probs", self._dispatch_sizes(dispatcher))
                 + (("row_id_map",) if rank_rows else ()))
 
     def dense_mlp_segment(self, normed, residual, dropout_seed=None):
@@ -235,31 +237,30 @@ class TransformerLayer(nn.Module):
 
     # ----------------------------------------------------------------- node callables
     def dispatch_forward(self, permuted_tokens, permuted_probs, expert_counts=None,
-                         split_exchange=None, row_id_map=None):
-        recv, recv_probs, meta = self.dispatcher.dispatch(permuted_tokens, permuted_probs,
-                                                          expert_counts, split_exchange,
-                                                          row_id_map)
+                         split_exchange=None, row_id_map=None, *, dispatcher):
+        recv, recv_probs, meta = dispatcher.dispatch(permuted_tokens, permuted_probs,
+                                                     expert_counts, split_exchange, row_id_map)
         return {"recv_tokens": recv, "recv_probs": recv_probs, "meta": meta}
 
-    def moe_mlp_forward(self, recv_tokens, recv_probs, meta):
-        tokens, probs, local_map = self.dispatcher.sort_by_expert(recv_tokens, recv_probs, meta)
+    def moe_mlp_forward(self, recv_tokens, recv_probs, meta, *, dispatcher):
+        tokens, probs, local_map = dispatcher.sort_by_expert(recv_tokens, recv_probs, meta)
         out = self.experts(tokens, probs, meta.recv_counts_RL.sum(dim=0),
                            meta.tokens_per_local_expert)
-        return {"expert_out": self.dispatcher.unsort(out, meta, local_map)}
+        return {"expert_out": dispatcher.unsort(out, meta, local_map)}
 
     def combine_forward(self, expert_out, meta, row_id_map, residual, shared_out=None,
-                        dropout_seed=None):
+                        dropout_seed=None, *, dispatcher):
         """All-to-all back, unpermute, + shared expert, hidden dropout, + residual. On the comm
         lane: its dropout mask comes from a generator of its own, never the global RNG."""
-        moe_out = self.dispatcher.combine(expert_out, meta, row_id_map)
+        moe_out = dispatcher.combine(expert_out, meta, row_id_map)
         return {"hidden": self._moe_tail(moe_out, residual, shared_out, dropout_seed)}
 
     def chunked_combine_forward(self, meta, row_id_map, residual, shared_out=None,
-                                dropout_seed=None, **returned):
+                                dropout_seed=None, *, chunked: ChunkedMoE, **returned):
         """A chunked layer's combine (`model.chunked`): the returned chunks `returned_c0`,
         `returned_c1`, ... back into the permuted layout, unpermute, then the same tail."""
         rows = [returned[f"returned_c{k}"] for k in range(len(returned))]
-        moe_out = self._chunks(len(rows)).combine(rows, meta, row_id_map)
+        moe_out = chunked.combine(rows, meta, row_id_map)
         return {"hidden": self._moe_tail(moe_out, residual, shared_out, dropout_seed)}
 
     def _moe_tail(self, moe_out, residual, shared_out, dropout_seed):
@@ -268,17 +269,19 @@ class TransformerLayer(nn.Module):
             moe_out = moe_out + shared_out
         return residual + self._hidden_dropout(moe_out, dropout_seed, MLP_OUT)
 
-    def combine_segment(self, **inputs):
+    def combine_segment(self, *, dispatcher, **inputs):
         """`combine_forward` inside the one-node layer (its output named apart from the input)."""
-        return {"layer_out": self.combine_forward(**inputs)["hidden"]}
+        return {"layer_out": self.combine_forward(**inputs, dispatcher=dispatcher)["hidden"]}
 
-    def _moe_segments(self) -> tuple[Segment, ...]:
+    def _moe_segments(self, dispatcher) -> tuple[Segment, ...]:
         """dispatch, experts, combine as segments of the one-node MoE layer."""
         shared = ("shared_out",) if self.shared_expert is not None else ()
         recv = ("recv_tokens", "recv_probs", "meta")
-        return (Segment("moe_dispatch", self.dispatch_forward, self._dispatch_inputs, recv),
-                Segment("moe_experts", self.moe_mlp_forward, recv, ("expert_out",)),
-                Segment("moe_combine", self.combine_segment,
+        return (Segment("moe_dispatch", _by(dispatcher, self.dispatch_forward),
+                        self._dispatch_inputs(dispatcher), recv),
+                Segment("moe_experts", _by(dispatcher, self.moe_mlp_forward), recv,
+                        ("expert_out",)),
+                Segment("moe_combine", _by(dispatcher, self.combine_segment),
                         ("expert_out", "meta", "row_id_map", "residual") + shared + self._seed,
                         ("layer_out",)))
     @property
@@ -313,7 +316,7 @@ class TransformerLayer(nn.Module):
                 NodeSpec(name="kv_gather", layer=L, lane=COMM, fn=self.kv_gather_forward,
                          inputs=self._values("kv"), outputs=self._values("kv_all"))]
 
-    def _attn_segments(self) -> tuple[Segment, ...]:
+    def _attn_segments(self, dispatcher=None) -> tuple[Segment, ...]:
         head_fn, head_inputs = self._attn_head()
         if not self.is_moe:
             return (Segment("attn", head_fn, head_inputs, ("residual", "normed")),)
@@ -323,11 +326,12 @@ class TransformerLayer(nn.Module):
                                                                    else ())
         segments = (Segment("attn", head_fn, head_inputs, ("residual",) + normed),
                     Segment("moe_router", self.router_segment, normed[:-1], router_out),
-                    Segment("moe_preprocess", self.preprocess_segment,
+                    Segment("moe_preprocess", _by(dispatcher, self.preprocess_segment),
                             ("normed_permute", "probs", "routing_map"),
                             ("permuted_tokens", "permuted_probs", "row_id_map")))
-        if self._splits_early:
-            segments += (Segment("moe_split_exchange", self.split_exchange_segment,
+        if self._splits_early(dispatcher):
+            segments += (Segment("moe_split_exchange", _by(dispatcher,
+                                                           self.split_exchange_segment),
                                  ("expert_counts", "row_id_map"), ("split_exchange",)),)
         return segments
 
@@ -339,19 +343,21 @@ class TransformerLayer(nn.Module):
         """A dropping node's inputs: `values` and the microbatch's dropout seed, if any."""
         return {**values, **{name: name for name in self._seed}}
 
-    def node_specs(self, chunks: Optional[int] = None) -> list[NodeSpec]:
-        """This layer's nodes; an MoE layer's all-to-alls in `chunks` chunks (default: the
-        flags'; the tuner builds its chunked path's nodes beside the flags' ones)."""
+    def node_specs(self, chunks: Optional[int] = None,
+                   dispatch: Optional[TokenDispatcher] = None) -> list[NodeSpec]:
+        """This layer's nodes; an MoE layer's all-to-alls in `chunks` chunks by `dispatch`
+        (defaults: the flags' chunks, the model's dispatcher). Pure: nothing here changes."""
         if not self.is_moe:
             return self._dense_node_specs()
+        dispatcher = dispatch or self.dispatcher
         if self.one_node:
-            segments = self._attn_segments() + self._moe_segments()
+            segments = self._attn_segments(dispatcher) + self._moe_segments(dispatcher)
             return [NodeSpec(name="moe_layer", layer=self.layer, lane=COMPUTE,
                              fn=segmented(segments, ("layer_out",)),
                              inputs=self._attn_node_inputs(),
                              outputs={"layer_out": hidden_value(self.layer + 1)},
                              has_weights=True, segments=segments)]
-        return self._moe_node_specs(chunks or self.a2a_chunks)
+        return self._moe_node_specs(chunks or self.a2a_chunks, dispatcher)
 
     def _dense_node_specs(self) -> list[NodeSpec]:
         L, attn_segments = self.layer, self._attn_segments()
@@ -369,43 +375,47 @@ class TransformerLayer(nn.Module):
                      outputs={"hidden": hidden_value(L + 1)},
                      has_weights=True, segments=mlp_segments)]
 
-    def _moe_attn_spec(self) -> NodeSpec:
-        L, attn_segments = self.layer, self._attn_segments()
+    def _moe_attn_spec(self, dispatcher) -> NodeSpec:
+        L, attn_segments = self.layer, self._attn_segments(dispatcher)
         shared = ("shared_out",) if self.shared_expert is not None else ()
         attn_out = self._values("residual", "permuted_tokens", "permuted_probs",
-                                self._dispatch_sizes, "row_id_map", *shared)
+                                self._dispatch_sizes(dispatcher), "row_id_map", *shared)
         return NodeSpec(name="attn", layer=L, lane=COMPUTE,
                         fn=segmented(attn_segments, tuple(attn_out)),
                         inputs=self._attn_node_inputs(), outputs=attn_out,
                         has_weights=True, segments=attn_segments)
 
-    def _chunks(self, chunks: int) -> ChunkedMoE:
-        if chunks not in self._chunked:
-            self._chunked[chunks] = make_chunked(self.dispatcher, self.experts, chunks,
-                                                 self._device)
-        return self._chunked[chunks]
+    def _chunks(self, chunks: int, dispatcher) -> ChunkedMoE:
+        """The chunked layer of `chunks` chunks over `dispatcher` (made when first asked)."""
+        key = (chunks, id(dispatcher))
+        if key not in self._chunked:
+            self._chunked[key] = make_chunked(dispatcher, self.experts, chunks, self._device)
+        return self._chunked[key]
 
-    def _chunked_moe_node_specs(self, chunks: int) -> list[NodeSpec]:
+    def _chunked_moe_node_specs(self, chunks: int, dispatcher) -> list[NodeSpec]:
         """attn, then the chunked layer's nodes (`model.chunked`), its combine ending here."""
         shared = ("shared_out",) if self.shared_expert is not None else ()
         combine_inputs = self._inputs(self._values("meta", "row_id_map", "residual", *shared))
-        return self._kv_specs() + [self._moe_attn_spec()] + self._chunks(chunks).node_specs(
-            self.layer, self.chunked_combine_forward, combine_inputs)
+        chunked = self._chunks(chunks, dispatcher)
+        combine = functools.partial(self.chunked_combine_forward, chunked=chunked)
+        return (self._kv_specs() + [self._moe_attn_spec(dispatcher)]
+                + chunked.node_specs(self.layer, combine, combine_inputs))
 
-    def _moe_node_specs(self, chunks: int) -> list[NodeSpec]:
+    def _moe_node_specs(self, chunks: int, dispatcher) -> list[NodeSpec]:
         """attn, dispatch, mlp, combine (see the module docstring)."""
         if chunks > 1:
-            return self._chunked_moe_node_specs(chunks)
+            return self._chunked_moe_node_specs(chunks, dispatcher)
         L = self.layer
         shared = ("shared_out",) if self.shared_expert is not None else ()
         recv = self._values("recv_tokens", "recv_probs", "meta")
+        d = dispatcher
         return self._kv_specs() + [
-            self._moe_attn_spec(),
-            NodeSpec(name="dispatch", layer=L, lane=COMM, fn=self.dispatch_forward,
-                     inputs=self._values(*self._dispatch_inputs), outputs=recv),
-            NodeSpec(name="mlp", layer=L, lane=COMPUTE, fn=self.moe_mlp_forward,
+            self._moe_attn_spec(d),
+            NodeSpec(name="dispatch", layer=L, lane=COMM, fn=_by(d, self.dispatch_forward),
+                     inputs=self._values(*self._dispatch_inputs(d)), outputs=recv),
+            NodeSpec(name="mlp", layer=L, lane=COMPUTE, fn=_by(d, self.moe_mlp_forward),
                      inputs=dict(recv), outputs=self._values("expert_out"), has_weights=True),
-            NodeSpec(name="combine", layer=L, lane=COMM, fn=self.combine_forward,
+            NodeSpec(name="combine", layer=L, lane=COMM, fn=_by(d, self.combine_forward),
                      inputs=self._inputs(self._values("expert_out", "meta", "row_id_map",
                                                       "residual", *shared)),
                      outputs={"hidden": hidden_value(L + 1)})]
@@ -445,8 +455,6 @@ class MoEModel(nn.Module):
         pattern = cfg.moe_layer_pattern()
         self.dispatch_mode = DispatchMode.of(cfg.moe)  # the one place the model reads it
         self.dispatch_budget = self.dispatcher = None
-        self._comm, self._device = comm, device
-        self._dispatchers: dict = {}  # once per rank or not -> its dispatcher (`use_dispatch`)
         if any(pattern):
             self.dispatch_budget = DispatchBudget.of_model(cfg, self.dispatch_mode, comm, device,
                                                           ep_rank)
@@ -486,16 +494,18 @@ class MoEModel(nn.Module):
         """This stage's layers in forward order of its chunks."""
         return list(self.layers.values())
 
-    def node_specs(self, a2a_chunks: Optional[int] = None) -> list[NodeSpec]:
-        """Every node of this stage in forward order, chunk by chunk; MoE layers with
-        `a2a_chunks` chunks of experts (default: the flags')."""
+    def node_specs(self, chunks: Optional[int] = None,
+                   dispatch: Optional[TokenDispatcher] = None) -> list[NodeSpec]:
+        """Every node of this stage in forward order, chunk by chunk; MoE layers with `chunks`
+        chunks of experts, by `dispatch` (a path's dispatcher; defaults: the flags' chunks, the
+        model's dispatcher). Pure: each call builds nodes, nothing in the model changes."""
         specs = []
         for chunk in self.chunks:
             first, end = chunk.layers[0], chunk.layers[-1] + 1
             specs.append(self._embed_spec() if chunk.has_embedding
                          else self._recv_spec(first, chunk.prev_stage))
             for layer in chunk.layers:
-                specs.extend(self.layers[str(layer)].node_specs(a2a_chunks))
+                specs.extend(self.layers[str(layer)].node_specs(chunks, dispatch))
             specs.append(self._loss_spec(end) if chunk.has_loss
                          else self._send_spec(end - 1, chunk.next_stage))
         return specs
@@ -536,24 +546,6 @@ class MoEModel(nn.Module):
         """Node kinds of each layer, in forward order (what plan builders need)."""
         return [tuple(s.kind for s in layer.node_specs()) for layer in self.transformer_layers()]
 
-    def use_dispatch(self, once_per_rank: bool) -> None:
-        """Every MoE layer dispatches once per rank, or as the flags say (the tuner's
-        `+once` path switches at a step boundary; the nodes built after this call take its
-        inputs). The other dispatcher is made the first time it is asked for."""
-        if self.dispatcher is None or self.dispatcher.once_per_rank == once_per_rank:
-            return
-        self._dispatchers.setdefault(self.dispatcher.once_per_rank, self.dispatcher)
-        if once_per_rank not in self._dispatchers:
-            mode = dataclasses.replace(self.dispatch_mode, once_per_rank=once_per_rank)
-            self._dispatchers[once_per_rank] = make_dispatcher(
-                self._comm, self.cfg.moe.num_experts, self.cfg.moe.moe_router_topk, self.ops,
-                self._device, mode)
-        self.dispatcher = self._dispatchers[once_per_rank]
-        self.dispatch_mode = self.dispatcher.mode
-        for layer in self.layers.values():
-            if layer.is_moe:
-                layer.dispatcher = self.dispatcher
-
     def routers(self) -> list[Router]:
         return [layer.router for layer in self.transformer_layers() if layer.router is not None]
 
@@ -568,13 +560,15 @@ class MoEModel(nn.Module):
         return self.stage_forward(tokens, labels, dropout_seed)
 
     def stage_forward(self, tokens: torch.Tensor, labels: torch.Tensor,
-                      dropout_seed: Optional[int] = None) -> Optional[torch.Tensor]:
-        """One microbatch through this stage's nodes in order, chunk by chunk, receiving from
-        and sending to the neighbor stages (forward only: evaluation). Every stage running its
-        microbatches in the same order issues its transfers in the one chain's order, so they
-        meet. -> the loss on the stage holding the head, else None."""
+                      dropout_seed: Optional[int] = None,
+                      dispatch: Optional[TokenDispatcher] = None) -> Optional[torch.Tensor]:
+        """One microbatch through this stage's nodes (by `dispatch`, default the model's
+        dispatcher) in order, chunk by chunk, receiving from and sending to the neighbor stages
+        (forward only: evaluation). Every stage running its microbatches in the same order
+        issues its transfers in the one chain's order, so they meet. -> the loss on the stage
+        holding the head, else None."""
         values = {"tokens": tokens, "labels": labels, DROPOUT_SEED: dropout_seed}
-        for spec in self.node_specs():
+        for spec in self.node_specs(dispatch=dispatch):
             out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})
             values.update({spec.outputs[local]: value for local, value in out.items()})
         return values.get("loss")

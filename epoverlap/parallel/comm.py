@@ -22,9 +22,10 @@ the internal streams of a process group, and nothing but the exchange runs on it
 Transports (config `--moe-a2a-transport`): the all-to-alls go through the EP group's
 `all_to_all_single` (NCCL, gloo), or, given a `host_memory.HostMemoryTransport`, through shared
 host memory on copy engines, tracked by the watch as the EP group's collective all the same;
-`host_memory` switches between the two (the tuner times both). The split sizes the host reads
-are exchanged over the process group either way; the counts kept on the device
-(`exchange_counts`, the budget dispatch's) go with the data.
+`on_process_group` is a view of the same communicator on the group's own (the tuner times
+both, each path with its own dispatcher). The split sizes the host reads are exchanged over the
+process group either way; the counts kept on the device (`exchange_counts`, the budget
+dispatch's) go with the data.
 
 Comm modes (config `--comm-mode`, benchmarks only): `real`, or `local_copy`, which replaces
 each all-to-all by a local copy of the same bytes, as if every rank received what it sent: the
@@ -36,6 +37,7 @@ its stages from its own counts, `model.dispatch_dedup.HostRoute.mirrored`).
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -187,6 +189,14 @@ class ExpertComm:
                 self.transport.all_to_all(output, input, output_splits, input_splits)
         else:
             self.group.all_to_all_single(output, input, output_splits, input_splits)
+
+    def on_process_group(self) -> "ExpertComm":
+        """This communicator with its all-to-alls on the process group's own, never host
+        memory: a view over the same groups (the tuner's `+group` path); closing stays this
+        one's."""
+        view = copy.copy(self)
+        view.host_memory = False
+        return view
 
     def close(self) -> None:
         """Unmap the host-memory transport's region, if any."""

@@ -2,8 +2,9 @@
 check, and the per-rank grid.
 
 Owns `pipeline_steps` (which forward and backward each stage runs, in order), `pipeline_plans`
-(every stage's steps as node actions, through `plan.expand_steps`, transfers put in order by
-`order_transfers`) and `named_plans` (the same for a plan's name, `plan.PLANS`),
+(every stage's steps of a plan's form as node actions, through `plan.expand_steps`, transfers
+put in order by `order_transfers`), `named_plans` (the one road from a plan's name to its plans,
+through the registry `plan.PLANS`) and `build_plan` (its one stage of one chunk),
 `simulate_pipeline` / `validate_pipeline` (every stage's plan run together: each P2P transfer
 must meet its peer), `format_steps` and `format_pipeline` (one column per stage, one row per
 tick of the lock-step run).
@@ -51,9 +52,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from epoverlap.model.nodes import COMM, SEND
-from epoverlap.schedule.plan import (Action, Chunk, PlanError, Step, action_lane,
-                                     combined_1f1b_paired_ends_plan, expand_steps, node_kinds,
-                                     plan_form, validate_plan)
+from epoverlap.schedule.plan import (Action, Chunk, PlanError, PlanForm, Step, action_lane,
+                                     as_chunks, combined_1f1b_paired_ends_plan, expand_steps,
+                                     node_kinds, plan_form, validate_plan)
 
 
 # --------------------------------------------------------------------------- steps
@@ -96,31 +97,35 @@ def pipeline_steps(stage: int, stages: int, virtual: int, num_microbatches: int,
 
 
 def pipeline_plans(stage_chunks: Sequence[Sequence[Chunk]], num_microbatches: int,
-                   combined: bool, delay_wgrad: bool = False,
-                   early_release: bool = False, paired_ends: bool = False) -> list[list[Action]]:
-    """Every stage's plan (stage_chunks[p]: stage p's chunks as its model declares them), with
-    the transfers of each link put in one order on both ends (`order_transfers`).
-    `paired_ends` (one stage of one chunk, combined): the warm-up forward beside the next
-    forward and the cool-down backward beside the one before it
-    (`plan.paired_ends_steps`)."""
-    stages = len(stage_chunks)
-    if paired_ends:
+                   form: PlanForm, delay_wgrad: bool = False) -> list[list[Action]]:
+    """Every stage's plan of `form` (stage_chunks[p]: stage p's chunks as its model declares
+    them), with the transfers of each link put in one order on both ends (`order_transfers`).
+    Paired ends (one stage of one chunk, combined): the warm-up forward beside the next
+    forward and the cool-down backward beside the one before it (`plan.paired_ends_steps`)."""
+    stages, combined = len(stage_chunks), form.combined
+    if form.paired_ends:
         if not combined or stages != 1 or len(stage_chunks[0]) != 1:
             raise ValueError("paired ends need the combined schedule on one stage of one chunk")
         return [combined_1f1b_paired_ends_plan(stage_chunks[0], num_microbatches, delay_wgrad)]
     plans = [expand_steps(pipeline_steps(stage, stages, len(chunks), num_microbatches, combined),
-                          chunks, combined, delay_wgrad, early_release)
+                          chunks, combined, delay_wgrad, form.early_release)
              for stage, chunks in enumerate(stage_chunks)]
     return order_transfers(plans, stage_chunks)
 
 
 def named_plans(name: str, stage_chunks: Sequence[Sequence[Chunk]], num_microbatches: int,
                 delay_wgrad: bool = False) -> list[list[Action]]:
-    """Every stage's plan of the plan named `name` (`plan.PLANS`, the registry the one-stage
-    `plan.build_plan` reads too; for one stage of one chunk both give the same plan)."""
-    form = plan_form(name)
-    return pipeline_plans(stage_chunks, num_microbatches, form.combined, delay_wgrad,
-                          form.early_release, form.paired_ends)
+    """Every stage's plan of the plan named `name`: the one road from a plan's name to its
+    plans (the registry `plan.PLANS`), for training and, through `build_plan`, the
+    simulator."""
+    return pipeline_plans(stage_chunks, num_microbatches, plan_form(name), delay_wgrad)
+
+
+def build_plan(name: str, layout, num_microbatches: int,
+               delay_wgrad: bool = False) -> list[Action]:
+    """The plan named `name` of one stage of one chunk (`layout`: its layers' node kinds, or
+    its chunk): `named_plans` of that one stage."""
+    return named_plans(name, [as_chunks(layout)], num_microbatches, delay_wgrad)[0]
 
 
 # --------------------------------------------------------------------------- transfers

@@ -6,9 +6,10 @@ Owns `Action` (forward / backward / weight-grad x node x microbatch x layer, pri
 back), `Chunk` (what one microbatch runs in one model chunk of a stage), `Step` (a forward and/or
 a backward of a chunk) and `expand_steps`, which turns steps into node actions; the one-stage
 builders (`sequential_plan`, `combined_1f1b_plan` and its early-attention-memory-release
-variant, the paired ends); `PLANS`, the one registry from a plan's name to its form, and
-`build_plan`, a named plan of one stage; `validate_plan`, which rejects a stage's plan that breaks a dependency and prints the
-two-lane grid with the bad step marked; and `format_plan`, the two-lane grid itself. Pipeline
+variant, the paired ends); `PLANS`, the one registry from a plan's name to its form
+(`PlanForm`; the one road from a name to its plans is `schedule.pipeline.named_plans`);
+`validate_plan`, which rejects a stage's plan that breaks a dependency and prints the two-lane
+grid with the bad step marked; and `format_plan`, the two-lane grid itself. Pipeline
 schedules (1F1B, interleaved) make their steps in `schedule.pipeline` and expand them here.
 
 A plan needs only the model's layout: the `NodeKind`s (name, lane, deferrable, p2p) of each
@@ -361,8 +362,8 @@ class PlanForm:
     paired_ends: bool = False  # F0 beside F1, B(M-2) beside B(M-1) (one stage of one chunk)
 
 
-# the one registry from a plan's name to its plan: the one-stage builder below and every
-# stage's plans (`pipeline.named_plans`) read it, for training and the simulator alike
+# the one registry from a plan's name to its form, read by `pipeline.named_plans` (every
+# stage's plans; one stage's, `pipeline.build_plan`) for training and the simulator alike
 PLANS = {
     "sequential": PlanForm(combined=False),
     "combined_1f1b": PlanForm(combined=True),
@@ -375,18 +376,6 @@ def plan_form(name: str) -> PlanForm:
     if name not in PLANS:
         raise ValueError(f"plan {name!r}: allowed {', '.join(PLANS)}")
     return PLANS[name]
-
-
-def build_plan(name: str, layout, num_microbatches: int,
-               delay_wgrad: bool = False) -> list[Action]:
-    """The plan `name` (`PLANS`) of one stage of one chunk; a pipeline's: `pipeline.named_plans`
-    (the same plans for one stage)."""
-    form = plan_form(name)
-    if form.paired_ends:
-        return combined_1f1b_paired_ends_plan(layout, num_microbatches, delay_wgrad)
-    if form.combined:
-        return combined_1f1b_plan(layout, num_microbatches, delay_wgrad, form.early_release)
-    return sequential_plan(layout, num_microbatches, delay_wgrad)
 
 
 # --------------------------------------------------------------------------- printing

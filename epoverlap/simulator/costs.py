@@ -536,7 +536,7 @@ def recorded_mode(ranks: list[RankSpans]) -> str:
 def recorded_plan(ranks: list[RankSpans], like_layout) -> tuple[list[Action], list]:
     """The plan a recording ran and its layout: layers and microbatches counted from its
     spans, each layer's node kinds taken from the layer of `like_layout` with the same nodes."""
-    from epoverlap.schedule.plan import build_plan
+    from epoverlap.schedule.pipeline import build_plan
     actions = [Action.parse(s.action) for s in ranks[0].steps[0].spans]
     layers = sorted({a.layer for a in actions if a.layer is not None})
     kinds_by_names = {frozenset(k.name for k in layer): layer for layer in like_layout}

@@ -16,7 +16,8 @@ import statistics
 from epoverlap.model.nodes import COMM
 from epoverlap.profiling.spans import RankSpans, Span, StepSpans
 from epoverlap.profiling.summary import span_summary
-from epoverlap.schedule.plan import action_lane, build_plan, node_kinds
+from epoverlap.schedule.pipeline import build_plan
+from epoverlap.schedule.plan import action_lane, node_kinds
 from epoverlap.simulator import costs as sc
 from epoverlap.simulator.engine import THREAD, SimResult
 from epoverlap.simulator.scenario import Scenario, recorded_cpu_host, run_mode, span_compute

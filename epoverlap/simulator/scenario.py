@@ -51,7 +51,8 @@ from epoverlap.model.nodes import COMM
 from epoverlap.profiling.chrome_trace import read_chrome_trace
 from epoverlap.profiling.spans import RankSpans, read_span_directory
 from epoverlap.schedule.grad_reduce import GRAD_REDUCE
-from epoverlap.schedule.plan import Action, build_plan, node_kinds
+from epoverlap.schedule.pipeline import build_plan
+from epoverlap.schedule.plan import Action, node_kinds
 from epoverlap.simulator import context_costs as cc
 from epoverlap.simulator import costs as sc
 from epoverlap.simulator.comm_table import CommTable, CommTableError, read_comm_table

@@ -1,7 +1,8 @@
 """Training: one run of the training command, in rooms with one owner each:
 
-  loop         the step and the loop: `Trainer`, the run built once (`build.RunParts`), one
-               optimizer step (`step.StepRunner`), evaluation, stopping, manual GC, the
+  loop         the step and the loop: `Trainer`, the run built once (`build.RunParts`) with
+               its execution paths (`path.ExecutionPath`), one optimizer step
+               (`step.StepRunner`), evaluation, stopping, manual GC, the
                Triton compile watch, test-only fault injection
   setup        what a command sets and checks before it builds a run: the process
                environment, data sources and the steps' feed, the memory estimate

@@ -59,7 +59,7 @@ def _train(flags: list[str], auto_graphs: bool, backend=None):
                               graph_backend=backend or EmulatedGraphs)
             try:
                 results = trainer.train()
-                graphs_on = trainer.parts.graphs is not None
+                graphs_on = trainer.parts.graph_banks is not None
             finally:
                 trainer.close()
         finally:

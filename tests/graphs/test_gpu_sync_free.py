@@ -67,7 +67,7 @@ def _run(flags, graphs=None, lanes_kind="serial", delay=False):
     from epoverlap.graphs.capture import GraphRunner, graphed_modules, graphs_span_moe_layer
     from epoverlap.graphs.full_iteration import FullIterationGraph
     from epoverlap.schedule.executor import CudaStreamLanes, Executor, SerialLanes
-    from epoverlap.schedule.plan import build_plan
+    from epoverlap.schedule.pipeline import build_plan
 
     one_node = isinstance(graphs, tuple) and graphs_span_moe_layer("local", graphs)
     model, queue, grads = _parts(flags, one_node, delay)
@@ -341,7 +341,7 @@ def test_a_full_iteration_capture_holds_its_pool_not_also_its_warm_ups_blocks():
     at about the pool, not the pool plus a whole iteration's activations again."""
     from epoverlap.graphs.full_iteration import FullIterationGraph
     from epoverlap.schedule.executor import Executor, SerialLanes
-    from epoverlap.schedule.plan import build_plan
+    from epoverlap.schedule.pipeline import build_plan
 
     wide = BUDGET + ["--seq-length", "2048", "--hidden-size", "1024", "--num-attention-heads", "8",
                      "--moe-ffn-hidden-size", "1024"]

@@ -19,7 +19,7 @@ from epoverlap.graphs.capture import (GraphRunner, graphed_modules, graphed_rang
                                       microbatch_slots)
 from epoverlap.model.nodes import Segment
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
-from epoverlap.schedule.plan import build_plan
+from epoverlap.schedule.pipeline import build_plan
 
 from dist_helpers import one_process_model
 from graph_emulation import EmulatedGraphs

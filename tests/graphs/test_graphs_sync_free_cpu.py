@@ -15,7 +15,7 @@ from epoverlap.graphs.banks import GraphBanks
 from epoverlap.graphs.capture import GraphRunner, graphed_modules, graphs_span_moe_layer
 from epoverlap.graphs.full_iteration import FullIterationGraph
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
-from epoverlap.schedule.plan import build_plan
+from epoverlap.schedule.pipeline import build_plan
 
 from dist_helpers import one_process_model
 from graph_emulation import EmulatedGraphs

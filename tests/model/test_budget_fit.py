@@ -71,29 +71,29 @@ def test_the_fit_stays_within_one_and_every_row():
 
 
 def _tuned_budget() -> DispatchBudget:
-    """A fitted budget after four tuning steps: the chosen path's "ovl" needed 1.1 and 1.08, a
-    chunked candidate's "ovl_k4" 1.5 and 1.45."""
+    """A fitted budget after four tuning steps: steps 1 and 3 (the path chosen later) needed
+    1.1 and 1.08, steps 2 and 4 (a chunked candidate's) 1.5 and 1.45."""
     budget = DispatchBudget(1.25, 2, 1024, CPU, memory_steps=20, fit=True)
-    for need, path in [(1.1, "ovl"), (1.5, "ovl_k4"), (1.08, "ovl"), (1.45, "ovl_k4")]:
+    for step, need in enumerate([1.1, 1.5, 1.08, 1.45], start=1):
         budget.refit()
-        budget.fit.observe(need, path)
+        budget.fit.observe(need, step)
     assert budget.refit() is None  # 1.5 grew the base before the third step, 1.45 fits it
     assert budget.levels[0] == pytest.approx(1.5 * (1 + FIT_MARGIN), abs=1 / FIT_GRID)
     return budget
 
 
-def test_the_tuners_choice_leaves_the_fit_with_its_path_demand_alone():
-    """At the decision the window forgets the other paths' demand, and the base shrinks to
-    the chosen path's before the next step, not 100 steps later."""
+def test_the_tuners_choice_leaves_the_fit_with_its_paths_steps_alone():
+    """At the decision the window forgets the demand of the steps other paths ran, and the
+    base shrinks to the chosen path's before the next step, not 100 steps later."""
     budget = _tuned_budget()
-    budget.keep_path("ovl")
-    assert list(budget.fit.needs) == [1.1, 1.08]
+    budget.keep_steps({1, 3})
+    assert list(budget.fit.needs) == [1.1, 1.08] and list(budget.fit.steps) == [1, 3]
     assert budget.refit() == math.ceil(1.1 * (1 + FIT_MARGIN) * FIT_GRID) / FIT_GRID
     chunked = _tuned_budget()
-    chunked.keep_path("ovl_k4")  # the chunked path chosen: its demand holds the base
+    chunked.keep_steps({2, 4})  # the chunked path chosen: its demand holds the base
     assert list(chunked.fit.needs) == [1.5, 1.45] and chunked.refit() is None
     other = _tuned_budget()
-    other.keep_path("seq")  # a path without a step in the window: the window stays
+    other.keep_steps({7})  # a path without a step in the window: the window stays
     assert len(other.fit.needs) == 4 and other.refit() is None
 
 

@@ -16,7 +16,7 @@ from epoverlap.model.dropout import (DROPOUT_SEED, MLP_OUT, dropout_inputs, hidd
 from epoverlap.model.transformer import MoEModel
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
-from epoverlap.schedule.plan import build_plan
+from epoverlap.schedule.pipeline import build_plan
 from epoverlap.schedule.wgrad import WeightGradQueue
 from epoverlap.kernels import make_moe_ops
 

@@ -20,7 +20,7 @@ from epoverlap.kernels import triton_ops, triton_unavailable_reason
 from epoverlap.kernels.grouped_wgrad import grouped_weight_grad_torch
 from epoverlap.model.linear import expert_offsets, grouped_gemm, linear
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
-from epoverlap.schedule.plan import build_plan
+from epoverlap.schedule.pipeline import build_plan
 from epoverlap.training.loop.trainer import Trainer
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -3,16 +3,19 @@ lane backend equals plain autograd bit for bit; deferred weight grads equal inli
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.config import parse_config
+from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.linear import grouped_gemm, linear
 from epoverlap.model.flops import training_flops_per_token
 from epoverlap.model.transformer import MoEModel
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
-from epoverlap.schedule.plan import build_plan
+from epoverlap.schedule.pipeline import build_plan
 from epoverlap.schedule.wgrad import WeightGradQueue
 from epoverlap.kernels import make_moe_ops
 
@@ -80,6 +83,35 @@ def test_node_execution_matches_plain_autograd_bitwise(plan_name, lanes, delay):
     for name in reference:
         assert torch.equal(got[name], reference[name]), name
     assert all(torch.isfinite(loss) for loss in losses)
+
+
+def _bound_dispatchers(specs) -> set:
+    """The dispatchers the MoE nodes among `specs` are bound to."""
+    return {spec.fn.keywords["dispatcher"] for spec in specs
+            if "dispatcher" in getattr(spec.fn, "keywords", {})}
+
+
+def test_nodes_by_another_dispatcher_bind_it_switch_nothing_and_keep_the_bits():
+    """`node_specs(dispatch=...)` (the nodes of a tuner's path) binds every MoE node to the
+    dispatcher it is given and changes nothing in the model: the nodes built next are the
+    model's own. At EP 1 the once-per-rank dispatcher is the plain one: the same bits."""
+    reference = plain_autograd_grads()
+    model, queue = build()
+    own = model.dispatcher
+    other = make_dispatcher(ExpertComm(None, 1), 4, 2, model.ops, torch.device("cpu"),
+                            dataclasses.replace(model.dispatch_mode, once_per_rank=True))
+    specs = model.node_specs(dispatch=other)
+    assert _bound_dispatchers(specs) == {other}
+    assert _bound_dispatchers(model.node_specs()) == {own}
+    assert all(layer.dispatcher is own for layer in model.transformer_layers() if layer.is_moe)
+    plan = build_plan("combined_1f1b", model.layout(), MICROBATCHES)
+    lanes = ThreadLanes()
+    try:
+        Executor(specs, lanes, queue).run(plan, data(), 1 / MICROBATCHES)
+    finally:
+        lanes.close()
+    got = grads_of(model)
+    assert all(torch.equal(got[name], reference[name]) for name in reference)
 
 
 def test_every_parameter_gets_a_gradient():

@@ -31,7 +31,7 @@ from epoverlap.config import parse_config
 from epoverlap.model.linear import expert_offsets, grouped_gemm
 from epoverlap.model.moe import GroupedSwiGLUExperts
 from epoverlap.schedule.executor import Executor, SerialLanes, ThreadLanes
-from epoverlap.schedule.plan import build_plan
+from epoverlap.schedule.pipeline import build_plan
 from gloo_workers import TINY, reduced_grads_for_reference
 from reference_model import ReferenceHyper, reference_loss_and_grads
 from test_model_cpu import MICROBATCHES, SMALL, build, data, grads_of

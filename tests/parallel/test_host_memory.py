@@ -225,7 +225,7 @@ def test_a_region_that_cannot_be_made_or_shared_is_one_line_on_every_rank():
                         "memory: use --moe-a2a-transport process_group")
 
 
-def test_expert_comm_switches_transport_with_the_same_rows_and_is_watched():
+def test_expert_comm_and_its_view_on_the_process_group_give_the_same_rows_and_are_watched():
     results = run_ranks(expert_comm_against_gloo, 2, 6, timeout_s=120)
     for seen in results:
         assert "expert-parallel group (ranks 0,1) all_to_all over host memory" in seen, seen

@@ -12,9 +12,8 @@ from torch import nn
 from epoverlap.model.nodes import COMM, COMPUTE, NodeKind, SEND
 from epoverlap.schedule.executor import ThreadLanes
 from epoverlap.schedule.grad_reduce import ReduceBucket, reduce_points
-from epoverlap.schedule.pipeline import pipeline_plans
-from epoverlap.schedule.plan import (Chunk, action_lane, build_plan, node_kinds,
-                                     sequential_plan)
+from epoverlap.schedule.pipeline import build_plan, pipeline_plans
+from epoverlap.schedule.plan import PLANS, Chunk, action_lane, node_kinds, sequential_plan
 from epoverlap.training.optimizer.grads import bucket_layout
 
 MOE = (NodeKind("attn", COMPUTE, True), NodeKind("dispatch", COMM),
@@ -80,7 +79,7 @@ def test_reduces_skip_past_the_comm_actions_right_after_the_last_writer():
 def test_pipeline_stages_reduce_their_own_layers_and_send_the_grad_back_first():
     stages = [[Chunk(0, (MOE,), tail=NodeKind("send", COMM, p2p=SEND))],
               [Chunk(1, (MOE,), head=NodeKind("recv", COMM, p2p="recv"))]]
-    plans = pipeline_plans(stages, 4, combined=True, delay_wgrad=True)
+    plans = pipeline_plans(stages, 4, PLANS["combined_1f1b"], delay_wgrad=True)
     last_stage = [ReduceBucket("loss", None, "loss"), ReduceBucket("L1", 1)]
     kinds = node_kinds(stages[1])
     issued = _issued(plans[1], kinds, last_stage)

@@ -37,7 +37,7 @@ import torch
 from epoverlap.model.nodes import COMM, COMPUTE, NodeSpec
 from epoverlap.schedule import executor as executor_module
 from epoverlap.schedule.executor import CudaStreamLanes, Executor
-from epoverlap.schedule.plan import build_plan
+from epoverlap.schedule.pipeline import build_plan
 from epoverlap.schedule.wgrad import WeightGradQueue
 
 ROWS = 4

@@ -20,7 +20,7 @@ from epoverlap.schedule import executor as executor_module
 
 from benchmarks.harness.train_bench import main as train_bench_main
 from epoverlap.schedule.executor import CommHold, Executor, SerialLanes, ThreadLanes
-from epoverlap.schedule.plan import build_plan
+from epoverlap.schedule.pipeline import build_plan
 from epoverlap.schedule.wgrad import WeightGradQueue
 
 LAYERS, MICROBATCHES = 2, 2

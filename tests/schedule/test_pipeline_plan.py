@@ -9,11 +9,13 @@ import pytest
 from epoverlap.model.nodes import COMM, COMPUTE, RECV, SEND, NodeKind
 from epoverlap.model.stages import describe_layers, stage_chunks, stage_layers
 from epoverlap.config.sections import OVERLAP_PLANS
-from epoverlap.schedule.pipeline import (PipelineError, format_pipeline, format_steps,
-                                         microbatch_groups, named_plans, pipeline_plans,
-                                         pipeline_steps, simulate_pipeline, validate_pipeline)
-from epoverlap.schedule.plan import (EMBED, LOSS, PLANS, Chunk, build_plan, combined_1f1b_plan,
-                                     expand_steps, plan_to_string, sequential_plan, stage_layout)
+from epoverlap.schedule.pipeline import (PipelineError, build_plan, format_pipeline,
+                                         format_steps, microbatch_groups, named_plans,
+                                         pipeline_plans, pipeline_steps, simulate_pipeline,
+                                         validate_pipeline)
+from epoverlap.schedule.plan import (EMBED, LOSS, PLANS, Chunk, PlanForm, combined_1f1b_plan,
+                                     combined_1f1b_paired_ends_plan, expand_steps,
+                                     plan_to_string, sequential_plan, stage_layout)
 
 # Written here by hand, independently of the model's NodeSpecs (test_model_cpu checks those).
 MOE = (NodeKind("attn", COMPUTE, True), NodeKind("dispatch", COMM), NodeKind("mlp", COMPUTE, True),
@@ -52,23 +54,35 @@ def test_stage_chunks_follow_megatron_core_layout():
 def test_one_stage_pipeline_is_the_sequential_and_the_combined_plan(layout, delay):
     chunks = [Chunk(0, tuple(layout))]
     for microbatches in (1, 3):
-        plain = pipeline_plans([chunks], microbatches, combined=False, delay_wgrad=delay)[0]
+        plain = pipeline_plans([chunks], microbatches, PLANS["sequential"], delay)[0]
         assert plain == sequential_plan(layout, microbatches, delay)
-        combined = pipeline_plans([chunks], microbatches, combined=True, delay_wgrad=delay)[0]
+        combined = pipeline_plans([chunks], microbatches, PLANS["combined_1f1b"], delay)[0]
         assert combined == combined_1f1b_plan(layout, microbatches, delay)
-        early = pipeline_plans([chunks], microbatches, True, delay, early_release=True)[0]
+        early = pipeline_plans([chunks], microbatches, PLANS["combined_1f1b_early_release"],
+                               delay)[0]
         assert early == combined_1f1b_plan(layout, microbatches, delay, early_release=True)
 
 
+ONE_STAGE_BUILDERS = {  # each registered plan's one-stage builder in `plan`
+    "sequential": sequential_plan,
+    "combined_1f1b": combined_1f1b_plan,
+    "combined_1f1b_early_release": lambda *args: combined_1f1b_plan(*args, early_release=True),
+    "combined_1f1b_paired_ends": combined_1f1b_paired_ends_plan,
+}
+
+
 @pytest.mark.parametrize("name", list(PLANS))
-def test_a_plan_name_gives_one_stage_the_same_plan_on_both_roads(name):
-    """Training builds every stage's plans by name (`named_plans`), the simulator and the tests
-    one stage's (`build_plan`): one registry, `PLANS`, and the same actions."""
+def test_a_plan_name_has_one_road_to_its_plans_and_one_stage_gets_its_builders_plan(name):
+    """Training (`named_plans`) and the simulator (`build_plan`, `named_plans` of one stage)
+    go from a name to its plans by one road, the registry `PLANS`; one stage of one chunk gets
+    the plan of that plan's one-stage builder."""
+    assert set(ONE_STAGE_BUILDERS) == set(PLANS)
     for layout in ([MOE], [DENSE, MOE]):
         for microbatches in (1, 2, 4):
             for delay in (False, True):
                 assert (named_plans(name, [[Chunk(0, layout)]], microbatches, delay)[0]
-                        == build_plan(name, layout, microbatches, delay)), (layout, delay)
+                        == build_plan(name, layout, microbatches, delay)
+                        == ONE_STAGE_BUILDERS[name](layout, microbatches, delay)), (layout, delay)
 
 
 def test_the_registry_names_every_plan_the_flags_name_and_only_those():
@@ -124,7 +138,7 @@ def test_every_microbatch_count_from_p_gives_valid_deadlock_free_plans(stages, v
                                                                        combined, delay):
     layouts = stage_layouts(stages, virtual)
     for microbatches in range(stages, 2 * stages + 2):
-        plans = pipeline_plans(layouts, microbatches, combined, delay)
+        plans = pipeline_plans(layouts, microbatches, PlanForm(combined), delay)
         simulation = validate_pipeline(plans, layouts, microbatches, delay)
         assert not simulation.stuck
         for stage, plan in enumerate(plans):
@@ -152,7 +166,7 @@ def test_steps_expanded_as_they_are_deadlock_in_an_interleaved_warmup():
 
 def test_cross_stage_check_rejects_transfers_in_mismatched_order():
     layouts = stage_layouts(2, 1)
-    plans = pipeline_plans(layouts, 2, combined=False)
+    plans = pipeline_plans(layouts, 2, PLANS["sequential"])
     first = next(i for i, a in enumerate(plans[1]) if str(a) == "F0.recv.L1")
     second = next(i for i, a in enumerate(plans[1]) if str(a) == "F1.recv.L1")
     broken = list(plans[1])
@@ -163,14 +177,14 @@ def test_cross_stage_check_rejects_transfers_in_mismatched_order():
 
 def test_a_stage_plan_that_breaks_a_dependency_names_the_stage():
     layouts = stage_layouts(2, 1)
-    plans = pipeline_plans(layouts, 2, combined=False)
+    plans = pipeline_plans(layouts, 2, PLANS["sequential"])
     with pytest.raises(PipelineError, match=r"^stage 0: invalid plan.*never runs"):
         validate_pipeline([plans[0][:-1], plans[1]], layouts, 2)
 
 
 def test_golden_per_rank_grid():
     layouts = stage_layouts(2, 1, layer=DENSE)
-    plans = pipeline_plans(layouts, 2, combined=False)
+    plans = pipeline_plans(layouts, 2, PLANS["sequential"])
     assert plan_to_string(plans[1]) == (
         "F0.recv.L1 F0.attn.L1 F0.mlp.L1 F0.loss B0.loss B0.mlp.L1 B0.attn.L1 F1.recv.L1 "
         "B0.recv.L1 F1.attn.L1 F1.mlp.L1 F1.loss B1.loss B1.mlp.L1 B1.attn.L1 B1.recv.L1")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from epoverlap.model.nodes import COMM, COMPUTE, NodeKind
-from epoverlap.schedule.plan import (Action, PlanError, Step, action_lane, build_plan,
-                                     combined_1f1b_plan, format_plan, node_kinds, parse_plan,
-                                     plan_to_string, sequential_plan, validate_plan)
+from epoverlap.schedule.pipeline import build_plan
+from epoverlap.schedule.plan import (Action, PlanError, Step, action_lane, combined_1f1b_plan,
+                                     format_plan, node_kinds, parse_plan, plan_to_string,
+                                     sequential_plan, validate_plan)
 
 # Written here by hand, independently of the model's NodeSpecs (test_model_cpu checks those).
 MOE = (NodeKind("attn", COMPUTE, True), NodeKind("dispatch", COMM), NodeKind("mlp", COMPUTE, True),

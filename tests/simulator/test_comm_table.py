@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from epoverlap.schedule.plan import Action, action_lane, build_plan, node_kinds
+from epoverlap.schedule.pipeline import build_plan
+from epoverlap.schedule.plan import Action, action_lane, node_kinds
 from epoverlap.simulator.comm_table import CommTableError, dispatch_of, read_comm_table
 from epoverlap.simulator.costs import A2aShape
 from epoverlap.simulator.engine import STREAM

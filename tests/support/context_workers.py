@@ -204,7 +204,7 @@ def dynamic_cp_graph_runs(rank, world_size, ep, prefix, flags):
                 losses = [r.loss for r in trainer.train()]
                 runners = {}
                 if graphs:
-                    bank = trainer.parts.graphs.banks.active
+                    bank = trainer.parts.graph_banks.active
                     runners = {size: (runner.captured, sorted(
                         {tuple(b.inputs["tokens"].shape) for b in runner.slot_buffers.values()
                          if "tokens" in b.inputs})) for size, runner in bank.runners.items()}

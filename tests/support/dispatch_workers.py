@@ -181,9 +181,9 @@ def graphed_training(rank, world_size, ep, steps, runs):
             lines[:0] = run_record(trainer)
             try:
                 steps_done = trainer.train()
-                graphs = trainer.parts.graphs
-                banks = (None if graphs is None else
-                         sorted(k for k, b in graphs.banks.banks.items() if b.captured))
+                store = trainer.parts.graph_banks
+                banks = (None if store is None else
+                         sorted(k for k, b in store.banks.items() if b.captured))
             finally:
                 trainer.close()
             results[name] = ([(r.loss, r.dispatch_reruns, r.dispatch_budget) for r in steps_done],

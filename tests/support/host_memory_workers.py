@@ -123,21 +123,22 @@ def captured_against_gloo(rank, world_size, replays: int, chunk_bytes: int):
 
 
 def expert_comm_against_gloo(rank, world_size, exchanges: int):
-    """`ExpertComm` with the transport, switched off and on (the tuner's switch): the same
-    rows either way, and the watch sees the exchange as the EP group's collective."""
+    """`ExpertComm` with the transport and its view on the process group (the tuner's `+group`
+    path): the same rows either way, and the watch sees the exchange as the EP group's
+    collective."""
     groups = init_distributed(world_size, "cpu", timeout_minutes=1)
     transport = open_host_transport(groups.ep, groups.ep_rank, 4096, groups.device, 60.0)
     comm = ExpertComm(groups.ep, world_size, transport=transport)
+    on_group = comm.on_process_group()
+    assert comm.host_memory and not on_group.host_memory
     seen = []
     begin = groups.watch.begin
     groups.watch.begin = lambda where, peers: seen.append(where) or begin(where, peers)
     try:
         for input_NH, out_splits, in_splits in exchange_table(rank, world_size, exchanges,
                                                               groups.device, seed=11):
-            comm.host_memory = True
             through_host = comm.all_to_all(input_NH, out_splits, in_splits)
-            comm.host_memory = False
-            through_gloo = comm.all_to_all(input_NH, out_splits, in_splits)
+            through_gloo = on_group.all_to_all(input_NH, out_splits, in_splits)
             assert torch.equal(through_host.view(torch.int16), through_gloo.view(torch.int16))
         return sorted(set(seen))
     finally:

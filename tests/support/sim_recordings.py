@@ -4,7 +4,8 @@ one plan, every action one after the other on every rank."""
 from __future__ import annotations
 
 from epoverlap.profiling.spans import Span, StepSpans, write_rank_span_file
-from epoverlap.schedule.plan import action_lane, build_plan, node_kinds
+from epoverlap.schedule.pipeline import build_plan
+from epoverlap.schedule.plan import action_lane, node_kinds
 
 COMPUTE_US = {"F": 50.0, "B": 80.0, "W": 30.0}  # compute spans by phase
 

@@ -149,9 +149,9 @@ def test_the_forward_is_in_eval_mode_without_autograd_and_the_mode_comes_back(on
     trainer = Trainer(parse_config(argv), single_rank_groups(), log=lambda msg: None)
     seen, stage_forward = [], trainer.model.stage_forward
 
-    def watched(*args):
+    def watched(*args, **kwargs):
         seen.append((trainer.model.training, torch.is_grad_enabled()))
-        return stage_forward(*args)
+        return stage_forward(*args, **kwargs)
     trainer.model.stage_forward = watched
     try:
         trainer.train()

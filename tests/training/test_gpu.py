@@ -33,7 +33,7 @@ def _single_gpu_grads(lanes_kind: str, delay: bool, graphs: bool = False, record
     from epoverlap.config import parse_config
     from epoverlap.graphs.capture import GraphRunner
     from epoverlap.schedule.executor import CudaStreamLanes, Executor, SerialLanes
-    from epoverlap.schedule.plan import build_plan
+    from epoverlap.schedule.pipeline import build_plan
 
     torch.use_deterministic_algorithms(True)
     cfg = parse_config(["--num-layers", "3", "--hidden-size", "256", "--num-attention-heads",

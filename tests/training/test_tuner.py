@@ -29,7 +29,7 @@ def _run(tuner: Tuner, first: int, last: int, seconds, slowest=lambda times: tim
     iterator of them). -> (paths run, decisions as (step, decision))."""
     ran, decisions = [], []
     for step in range(first, last + 1):
-        name = tuner.schedule_for(step)
+        name = tuner.path_for(step)
         ran.append(name)
         time = seconds[name]
         decision = tuner.record(step, time if isinstance(time, float) else next(time), slowest)
@@ -99,7 +99,7 @@ def test_with_graphs_each_other_path_runs_one_untimed_step_before_the_window():
 
 def test_a_path_that_fails_to_capture_is_dropped_and_the_run_goes_on():
     tuner = Tuner(PATHS, steps=2, first_step=2, prime=True)
-    assert [tuner.schedule_for(s) for s in (1, 2, 3)] == [OVL, OVL, WG]
+    assert [tuner.path_for(s) for s in (1, 2, 3)] == [OVL, OVL, WG]
     assert tuner.drop(WG, "its CUDA graph capture failed on 1 rank(s)") is None
     ran, decisions = _run(tuner, 4, 9, {OVL: 0.3, SEQUENTIAL: 0.2})
     assert ran == [SEQUENTIAL, OVL, SEQUENTIAL, OVL, SEQUENTIAL, SEQUENTIAL]
@@ -112,26 +112,26 @@ def test_a_path_that_fails_to_capture_is_dropped_and_the_run_goes_on():
 
 def test_the_first_path_dropped_and_the_last_path_left_is_chosen_untimed():
     tuner = Tuner([OVL, SEQUENTIAL], steps=3, first_step=2, prime=True)
-    assert tuner.schedule_for(2) == OVL
+    assert tuner.path_for(2) == OVL
     decision = tuner.drop(OVL, "capture failed")
     assert decision is not None and decision.chosen == SEQUENTIAL and decision.timings == []
-    assert tuner.schedule_for(3) == SEQUENTIAL and tuner.drop(SEQUENTIAL, "x") is None
+    assert tuner.path_for(3) == SEQUENTIAL and tuner.drop(SEQUENTIAL, "x") is None
     assert decision.table()[0] == ("tune: sequential, the only path left, for the rest of "
                                    "the run")
     fresh = Tuner(PATHS, steps=1, first_step=2, prime=True)
-    fresh.schedule_for(2)
+    fresh.path_for(2)
     fresh.drop(OVL, "capture failed")  # the next path was never primed: it primes first
-    assert [fresh.schedule_for(s) for s in (3, 4)] == [WG, SEQUENTIAL]
+    assert [fresh.path_for(s) for s in (3, 4)] == [WG, SEQUENTIAL]
     assert [fresh.phase_of(s) for s in (3, 4, 5)] == [PRIME, PRIME, None]
 
 
 def test_a_resumed_run_tunes_after_its_own_first_step_and_a_cached_one_never_times():
     tuner = Tuner(PATHS, steps=1, first_step=51)
-    assert [tuner.schedule_for(s) for s in (51, 52, 53, 54)] == [OVL] + PATHS
+    assert [tuner.path_for(s) for s in (51, 52, 53, 54)] == [OVL] + PATHS
     assert tuner.record(51, 9.0, lambda t: t) is None and tuner.times[OVL] == []
     cached = Tuner(PATHS, steps=1, first_step=1,
                    cached=TuneDecision(WG, [], cache_file="d/k.json", cached_rows={}))
-    assert [cached.schedule_for(s) for s in (1, 2, 3)] == [WG] * 3
+    assert [cached.path_for(s) for s in (1, 2, 3)] == [WG] * 3
     assert cached.record(2, 1.0, lambda t: t) is None and cached.cached
     assert cached.describe() == " (tuned: cached combined_1f1b+wgrad)"
 
@@ -297,8 +297,9 @@ def _train(flags: list[str], graph_backend=None):
             try:
                 lines.append(trainer.describe())
                 results = trainer.train()
-                banks = None if trainer.parts.graphs is None else sorted(
-                    key for key, bank in trainer.parts.graphs.banks.banks.items() if bank.captured)
+                store = trainer.parts.graph_banks
+                banks = None if store is None else sorted(
+                    key for key, bank in store.banks.items() if bank.captured)
             finally:
                 trainer.close()
         finally:
@@ -438,25 +439,28 @@ def test_graphs_that_do_not_fit_side_by_side_are_tuned_in_turn_with_the_same_bit
     assert text.count("CUDA graphs: ") >= 5 and banks == [(ran[-1], 0)]
 
 
-def test_the_fitted_budget_learns_each_steps_path_and_keeps_the_chosen_ones_demand():
-    """Each step's demand reaches the budget's fit with the path that step ran, and at the
-    decision the fit is told the chosen path (`BudgetFit.keep_path`)."""
+def test_the_fitted_budget_learns_each_steps_demand_and_keeps_the_chosen_paths_steps():
+    """Each step's demand reaches the budget's fit with its step, and at the decision the fit
+    keeps the steps that ran the chosen path (`BudgetFit.keep_steps`)."""
     from epoverlap.model.budget import BudgetFit
 
     seen, kept = [], []
-    observe, keep = BudgetFit.observe, BudgetFit.keep_path
+    observe, keep = BudgetFit.observe, BudgetFit.keep_steps
 
-    def spy_observe(fit, need, path=None):
-        seen.append(path)
-        observe(fit, need, path)
+    def spy_observe(fit, need, step=None):
+        seen.append(step)
+        observe(fit, need, step)
 
-    def spy_keep(fit, path):
-        kept.append(path)
-        keep(fit, path)
+    def spy_keep(fit, steps):
+        kept.append(steps)
+        keep(fit, steps)
     with mock.patch.object(BudgetFit, "observe", spy_observe), \
-            mock.patch.object(BudgetFit, "keep_path", spy_keep):
+            mock.patch.object(BudgetFit, "keep_steps", spy_keep):
         tuned, _, _ = _train(["--train-iters", "9", "--tune", "on", "--tune-steps", "1",
                               "--moe-dispatch-budget", "1.0", "--moe-dispatch-budget-fit"])
-    assert seen == [r.schedule for r in tuned]
-    decided = next(r.tuned_path for r in tuned if r.tuned_path is not None)
-    assert kept == [decided["chosen"]] == [tuned[-1].schedule]
+    assert seen == [r.step for r in tuned]
+    at = next(i for i, r in enumerate(tuned) if r.tuned_path is not None)
+    chosen = tuned[at].tuned_path["chosen"]
+    assert chosen == tuned[-1].schedule
+    assert kept == [{r.step for r in tuned[:at + 1] if r.schedule == chosen}]
+    assert 0 < len(kept[0]) < at + 1  # the chosen path's steps, not the others'

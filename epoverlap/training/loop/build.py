@@ -4,11 +4,13 @@ Owns `RunParts`: the data source (opened here unless given; the model's vocabula
 source's), the EP communicator, the model (or this pipeline stage of it, with its dispatch
 strategy built once, `model.dispatch`), fp32 grad buffers, optimizer, lanes, span recorder,
 fault injector, CUDA graph banks (--cuda-graph-impl local or full_iteration; by budget level
-when they hold the dispatch, `graphs.banks`), the executor, every pipeline stage's plan (built
-and checked together before the first step: `validate_pipeline`), the Triton compile watch,
-the checkpointer and the step a resumed run continues after, and the path tuner with each path
-it switches between, built (`BuiltPath`: plan, lanes, weight-grad deferral; `training.tuning.tuner`,
-the paths' list `config.tuning`). `close` releases what holds device memory or streams.
+when they hold the dispatch, `graphs.banks`), the Triton compile watch, the checkpointer and
+the step a resumed run continues after, and the run's execution paths (`paths`, each an
+`training.loop.path.ExecutionPath`: plan, executor, lanes, weight-grad deferral, dispatcher,
+graph banks), every one made by one builder (`build_path`): the flags' path, its every
+pipeline stage's plan built and checked together before the first step (`validate_pipeline`),
+or with the path tuner (`training.tuning.tuner`; the candidates' list `config.tuning`) the
+tuner and one path per candidate. `close` releases what holds device memory or streams.
 
 The construction order is part of the run's contract: the collectives made while building
 (parameter counts and layouts over the pipeline, the checkpoint's load, the tuner's memory check
@@ -22,7 +24,6 @@ import contextlib
 import dataclasses
 import datetime
 import os
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -41,6 +42,8 @@ from epoverlap.graphs.full_iteration import FullIterationGraph
 from epoverlap.kernels import make_moe_ops
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.context import dynamic_sizes
+from epoverlap.model.dispatch import TokenDispatcher
+from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.documents import Documents
 from epoverlap.model.transformer import MoEModel, count_parameters, model_dtype
 from epoverlap.parallel.comm import ContextComm, ExpertComm, HostComms, PipelineComm
@@ -59,6 +62,7 @@ from epoverlap.training.loop.compile_watch import CompileWatch
 from epoverlap.training.telemetry.console import warn_every_rank
 from epoverlap.training.setup.data import open_data_source
 from epoverlap.training.loop.faults import FaultInjector
+from epoverlap.training.loop.path import ExecutionPath
 from epoverlap.training.optimizer.grads import GradBuffers, expert_grad_placement
 from epoverlap.training.setup.memory import available_memory, estimate_memory
 from epoverlap.training.optimizer.optim import MixedPrecisionAdamW
@@ -66,23 +70,11 @@ from epoverlap.training.tuning.tune_cache import CacheTarget, agreed_cached_deci
 from epoverlap.training.tuning.tuner import Tuner
 
 
-@dataclass
-class BuiltPath:
-    """One path of the tuner, built: its plan (this stage's), the lanes it runs on and the
-    executor of its nodes (the flags' one, or one over the nodes of its chunk count); its
-    weight-grad deferral is `path.delay_wgrad`."""
-
-    path: TunePath
-    plan: list
-    lanes: object
-    executor: Executor
-
-
 class RunParts:
-    """The built pieces of one run (see the module docstring). `plan`, `executor`, its lanes and
-    `wgrad_queue.enabled` are the path in use (the tuner switches them, `switch_path`); `lanes`
-    may be replaced by a caller (serial lanes) before the first step. The step, the evaluator
-    and the reporter are handed the pieces they use (`training.loop.trainer`)."""
+    """The built pieces of one run (see the module docstring). `paths`: every path built, by
+    name; `path`: the one the run starts on (the only one without the tuner), whose lanes a
+    caller may replace (serial lanes) before the first step. The step, the evaluator and the
+    reporter are handed the pieces they use (`training.loop.trainer`)."""
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups,
                  log: Callable[[str], None] = print, data=None,
@@ -102,7 +94,11 @@ class RunParts:
         self.start_step = self.checkpointer.resume(resume)
         self.tune_cache: Optional[CacheTarget] = None  # rank 0's --tune-cache file and key
         self.tuner, self.paths = self._tuner()
-        self._select_first_bank()
+        self.path = self.paths[self.tuner.path_for(self.start_step + 1)
+                               if self.tuner is not None
+                               else self.flags_path.name]
+        if self.path.graphs is not None:  # the first path's base bank (made lazily)
+            self.path.graphs.select(0)
 
     # ----------------------------------------------------------------- model and state
     def _build_model(self) -> None:
@@ -162,7 +158,9 @@ class RunParts:
 
     # ----------------------------------------------------------------- what runs a step
     def _build_step_machinery(self) -> None:
-        """Lanes, recorder, faults, graphs, executor, every stage's plan."""
+        """Lanes, recorder, faults, the graph banks, the flags' path (built first: every
+        stage's plan checked over the pipeline before the checkpoint's load; with the tuner,
+        its candidates replace it)."""
         cfg = self.cfg
         self.lanes = make_lanes(self.device, self._two_lanes(True),
                                 cfg.overlap.comm_stream_high_priority)
@@ -171,36 +169,50 @@ class RunParts:
         self.recorder = SpanRecorder(self.device, self.groups.rank, self.groups.world_size,
                                      local_copy_hold_us=hold_us)
         self.faults = FaultInjector(self.groups.rank)
-        self.graphs = self._step_graphs()
-        self.executor = self._executor()
-        self.stage_layouts, self.stage_plans = self.build_plans()
-        self.plan = self.stage_plans[self.groups.pp_rank]
+        self.graph_banks = self._graph_banks()
+        self.flags_path = self.build_path(flags_path(cfg), self.lanes)
 
-    def _executor(self, a2a_chunks: Optional[int] = None) -> Executor:
-        """An executor over the model's nodes (MoE layers in `a2a_chunks` chunks; default:
-        the flags'), on the run's lanes, queue, recorder and per-layer graphs; with
-        --overlap-grad-reduce it reduces the grad buckets beside the backward."""
-        per_layer = self.graphs is not None and not self.graphs.full_iteration
+    # ----------------------------------------------------------------- a path, built
+    def build_path(self, spec: TunePath, lanes, keyed: bool = False) -> ExecutionPath:
+        """The one builder of a path (`training.loop.path`): its dispatcher, its nodes (the
+        model's, of its chunks and dispatch), its executor on `lanes` (with
+        --overlap-grad-reduce reducing the grad buckets beside the backward), this stage's
+        plan, its graph banks (`keyed`: by its name, where the tuner has several paths)."""
+        dispatcher = self._dispatcher(spec)
+        specs = self.model.node_specs(spec.chunks, dispatcher)
+        per_layer = self.graph_banks is not None and self.cfg.cuda_graph.impl == "local"
         beside = self.cfg.overlap.overlap_grad_reduce and self.groups.dp_size > 1
-        return Executor(self.faults.wrap_specs(self.model.node_specs(a2a_chunks)), self.lanes,
-                        self.wgrad_queue, self.recorder,
-                        **({"run_factory": self.graphs.banks} if per_layer else {}),
-                        grad_reduce=self.grads if beside else None, hold=self.comm_hold)
+        executor = Executor(self.faults.wrap_specs(specs), lanes, self.wgrad_queue,
+                            self.recorder,
+                            **({"run_factory": self.graph_banks} if per_layer else {}),
+                            grad_reduce=self.grads if beside else None, hold=self.comm_hold)
+        plan = self.build_plans(spec, specs)[1][self.groups.pp_rank]
+        graphs = self._path_graphs(spec.name if keyed else None, executor, plan, specs)
+        return ExecutionPath(spec, plan, executor, dispatcher, graphs, self.wgrad_queue)
 
-    def _select_first_bank(self) -> None:
-        """The base budget's bank of the first path (banks are made lazily, a full-iteration
-        one for the plan in use when it is made)."""
-        if self.graphs is not None:
-            self.graphs.banks.select(self.graphs.key(0))
+    def _dispatcher(self, spec: TunePath) -> Optional[TokenDispatcher]:
+        """A path's dispatcher: the model's own where the path dispatches as the flags do,
+        else one of its own: once per rank (the `+once` path; no budget: it needs none), or on
+        the process group where the flags' go through host memory (`+group`)."""
+        model = self.model
+        flags = model.dispatch_mode
+        once = spec.once_per_rank or flags.once_per_rank
+        on_group = not spec.host_memory and self.comm.transport is not None
+        if model.dispatcher is None or (once == flags.once_per_rank and not on_group):
+            return model.dispatcher
+        return make_dispatcher(self.comm.on_process_group() if on_group else self.comm,
+                               self.cfg.moe.num_experts, self.cfg.moe.moe_router_topk,
+                               model.ops, self.device,
+                               dataclasses.replace(flags, once_per_rank=once),
+                               model.dispatch_budget if once == flags.once_per_rank else None)
 
-    def build_plans(self, path: Optional[TunePath] = None) -> tuple[list, list]:
-        """Every stage's layout (its nodes' kinds, gathered over the pipeline) and plan; the
-        plans checked together (`validate_pipeline`) before the first step. `path`: a tuner's
-        path (its plan and weight-grad deferral; default: the flags')."""
+    def build_plans(self, path: TunePath, specs: list) -> tuple[list, list]:
+        """Every stage's layout (its nodes' kinds, gathered over the pipeline) and plan named
+        `path.plan` (the registry `schedule.plan.PLANS`, through `named_plans`), with its
+        weight-grad deferral; the plans checked together (`validate_pipeline`) before the
+        first step."""
         cfg, g = self.cfg, self.groups
-        path = path or flags_path(cfg)
-        mine = stage_layout([(spec.layer, spec.kind)
-                             for spec in self.model.node_specs(path.chunks)])
+        mine = stage_layout([(spec.layer, spec.kind) for spec in specs])
         layouts = [mine]
         if g.pp_size > 1:
             layouts = [None] * g.pp_size
@@ -210,35 +222,51 @@ class RunParts:
         return layouts, plans
 
     # ----------------------------------------------------------------- CUDA graphs
-    def _step_graphs(self) -> Optional[StepGraphs]:
-        """CUDA graphs of this run (--cuda-graph-impl local or full_iteration), in banks by
-        budget level when they hold the dispatch (see `epoverlap.graphs.banks`)."""
-        graph_cfg = self.cfg.cuda_graph
-        if graph_cfg.impl not in ("local", "full_iteration"):
+    def _graph_banks(self) -> Optional[GraphBanks]:
+        """The run's CUDA graph banks (--cuda-graph-impl local or full_iteration), every path's
+        (see `epoverlap.graphs.banks`); None without graphs."""
+        if self.cfg.cuda_graph.impl not in ("local", "full_iteration"):
             return None
-        full = graph_cfg.impl == "full_iteration"
-        holds_dispatch = full or self.one_node_moe_layers
-        make_bank = self._bank_factory(full, self._replay_watch(holds_dispatch))
-        budget = self.model.dispatch_budget
-        per_level = budget is not None and holds_dispatch
-        # a bank per path the tuner may switch to (`_tuner` keys them by path)
+        # a bank per budget level and per path the tuner may run (`_tuner` keys them by path)
         paths = len(candidate_paths(self.cfg)) if tune_mode(self.cfg) != "off" else 1
-        banks = GraphBanks(make_bank, (budget.max_levels if per_level else 1) * paths)
-        return StepGraphs(banks, graph_cfg.warmup_steps, per_level, full)
+        return GraphBanks(None, self._levels_per_path() * paths)
 
-    def _bank_factory(self, full: bool, watch) -> Callable[[], object]:
-        """What makes one bank: a full-iteration graph of the plan in use when it is made, or
-        per-layer graphs of the model's nodes."""
+    @property
+    def _graphs_hold_dispatch(self) -> bool:
+        return self.cfg.cuda_graph.impl == "full_iteration" or self.one_node_moe_layers
+
+    def _levels_per_path(self) -> int:
+        """A path's banks: one per budget level when they hold the budget dispatch, else one."""
+        budget = self.model.dispatch_budget
+        return budget.max_levels if budget is not None and self._graphs_hold_dispatch else 1
+
+    def _path_graphs(self, key: Optional[str], executor: Executor, plan: list,
+                     specs: list) -> Optional[StepGraphs]:
+        """A path's side of the graph banks, by budget level when they hold the dispatch."""
+        if self.graph_banks is None:
+            return None
+        graph_cfg = self.cfg.cuda_graph
+        full = graph_cfg.impl == "full_iteration"
+        make_bank = self._bank_factory(full, self._replay_watch(self._graphs_hold_dispatch),
+                                       executor, plan, specs)
+        per_level = self.model.dispatch_budget is not None and self._graphs_hold_dispatch
+        return StepGraphs(self.graph_banks, graph_cfg.warmup_steps, per_level, full, key,
+                          make_bank)
+
+    def _bank_factory(self, full: bool, watch, executor: Executor, plan: list,
+                      specs: list) -> Callable[[], object]:
+        """What makes one bank of a path: a full-iteration graph of its plan, or per-layer
+        graphs of its nodes."""
         graph_cfg, generators = self.cfg.cuda_graph, router_generators(self.model)
         if full:
             def make_bank():
-                return FullIterationGraph(self.executor, self.plan, loss_scale(self.cfg),
+                return FullIterationGraph(executor, plan, loss_scale(self.cfg),
                                           device=self.device, generators=generators,
                                           backend_factory=self.graph_backend,
                                           replay_watch=watch)
         else:
             def make_bank():
-                return GraphRunner(self.model.node_specs(), graphed_modules(graph_cfg.modules),
+                return GraphRunner(specs, graphed_modules(graph_cfg.modules),
                                    device=self.device, queue=self.wgrad_queue,
                                    generators=generators, check_inputs=graph_cfg.check_inputs,
                                    backend_factory=self.graph_backend, replay_watch=watch)
@@ -255,18 +283,19 @@ class RunParts:
         return lambda: self.groups.ep.watched("all_to_all (CUDA graph replay)")
 
     # ----------------------------------------------------------------- the path tuner
-    def _tuner(self) -> tuple[Optional[Tuner], dict[str, BuiltPath]]:
-        """--tune: the tuner, and each path it switches between, built (`training.tuning.tuner`;
+    def _tuner(self) -> tuple[Optional[Tuner], dict[str, ExecutionPath]]:
+        """--tune: the tuner, and each path it chooses between, built (`training.tuning.tuner`;
         one stage, eager or graphs each path replays its own of: config validation, and
         `config.tuning.may_tune` for auto, see to it). A decision from --tune-cache builds only
-        the path it names."""
+        the path it names. Without the tuner: None and the flags' path."""
+        alone = {self.flags_path.name: self.flags_path}
         cfg, probed = self.cfg, probe_steps(self.cfg)
         if probed and self.groups.is_first():
             warn_every_rank(deprecation_note(f"--overlap-probe-steps {probed}",
                                              f"--tune on --tune-steps {probed}")
                             + " (two paths: the overlap plan and sequential)")
         if not may_tune(cfg, self.device.type):
-            return None, {}
+            return None, alone
         paths = self._paths_that_fit(candidate_paths(cfg))
         names = [path.name for path in paths]
         cached, self.tune_cache = agreed_cached_decision(self, names)
@@ -274,19 +303,17 @@ class RunParts:
             paths = self._paths_within(paths)
             names = [path.name for path in paths]
             if not paths:
-                return None, {}
+                return None, alone
         serial = self.lanes if self._two_lanes(False) else make_lanes(self.device, False)
-        built = {path.name: self._built_path(path, serial if path.plan == SEQUENTIAL
-                                             else self.lanes)
+        built = {path.name: self.build_path(path, serial if path.plan == SEQUENTIAL
+                                            else self.lanes, keyed=True)
                  for path in paths if cached is None or path.name == cached.chosen}
         if serial is not self.lanes and not any(b.lanes is serial for b in built.values()):
             serial.close()
-        first = self.start_step + (1 if self.graphs is None else
+        first = self.start_step + (1 if self.graph_banks is None else
                                    max(cfg.cuda_graph.warmup_steps, 1))
-        tuner = Tuner(names, timed_steps(cfg), first, prime=self.graphs is not None,
+        tuner = Tuner(names, timed_steps(cfg), first, prime=self.graph_banks is not None,
                       cached=cached)
-        self.paths = built
-        self.switch_path(tuner.schedule_for(self.start_step + 1))
         return tuner, built
 
     def _paths_within(self, paths: list[TunePath]) -> list[TunePath]:
@@ -319,62 +346,19 @@ class RunParts:
         return ((overlap_plan and bool(o.overlap_moe_expert_parallel_comm))
                 or o.moe_a2a_chunks > 1)
 
-    def _built_path(self, path: TunePath, lanes) -> BuiltPath:
-        """A path's plan and executor, over nodes of its chunk count and dispatch."""
-        with self._nodes_of(path):
-            return BuiltPath(path, self.build_plans(path)[1][0], lanes,
-                             self._path_executor(path))
-
-    def _path_executor(self, path: TunePath) -> Executor:
-        """The flags' executor where the path runs the flags' nodes, else one of its own."""
-        if path.chunks == self.cfg.overlap.moe_a2a_chunks and not path.once_per_rank:
-            return self.executor
-        return self._executor(path.chunks)
-
-    @contextlib.contextmanager
-    def _nodes_of(self, path: TunePath):
-        """The model dispatching as `path` does (its nodes' inputs follow), then as before."""
-        before = self.model.dispatcher is not None and self.model.dispatcher.once_per_rank
-        self.model.use_dispatch(self._once_per_rank(path))
-        try:
-            yield
-        finally:
-            self.model.use_dispatch(before)
-
-    def _once_per_rank(self, path: TunePath) -> bool:
-        return path.once_per_rank or DispatchMode.of(self.cfg.moe).once_per_rank
-
     def drop_graphs(self) -> int:
         """Run on without CUDA graphs from the next step (a capture the run cannot hold): every
-        bank released, each executor rebuilt without per-layer graphs. -> pool bytes freed."""
-        freed = sum(bank.pool_bytes for bank in self.graphs.banks.banks.values()
+        bank released, each path made again without graphs (`ExecutionPath.without_graphs`).
+        -> pool bytes freed."""
+        freed = sum(bank.pool_bytes for bank in self.graph_banks.banks.values()
                     if bank.captured)
-        self.graphs.release()
-        self.graphs = None
-        lanes = self.executor.lanes
-        with self._nodes_of(flags_path(self.cfg)):
-            self.executor = self._executor()
-        self.executor.lanes = lanes
-        for built in self.paths.values():
-            with self._nodes_of(built.path):
-                built.executor = self._path_executor(built.path)
-        if self.tuner is not None and self.tuner.chosen is not None:
-            self.switch_path(self.tuner.chosen)
+        self.graph_banks.release()
+        self.graph_banks = None
+        self.paths = {name: path.without_graphs() for name, path in self.paths.items()}
+        self.path = self.paths[self.path.name]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
-
-    def switch_path(self, name: str) -> None:
-        """Run the tuner's path `name` from here on: its plan, executor, lanes, weight-grad
-        deferral, all-to-all transport and its own bank of CUDA graphs."""
-        built = self.paths[name]
-        self.plan, self.executor = built.plan, built.executor
-        self.executor.lanes = built.lanes
-        self.wgrad_queue.enabled = built.path.delay_wgrad
-        self.model.use_dispatch(self._once_per_rank(built.path))
-        self.comm.host_memory = built.path.host_memory and self.comm.transport is not None
-        if self.graphs is not None:
-            self.graphs.schedule = name
 
     def _paths_that_fit(self, paths: list[TunePath]) -> list[TunePath]:
         """`paths` without the paired-ends plan where its memory estimate (one microbatch's
@@ -403,8 +387,8 @@ class RunParts:
 
     # ----------------------------------------------------------------- teardown
     def close(self) -> None:
-        if self.graphs is not None:  # before any process group is destroyed
-            self.graphs.release()
+        if self.graph_banks is not None:  # before any process group is destroyed
+            self.graph_banks.release()
         for lanes in {id(b.lanes): b.lanes for b in self.paths.values()}.values():
             if lanes is not self.lanes:
                 lanes.close()

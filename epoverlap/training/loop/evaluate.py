@@ -8,7 +8,8 @@ uninterrupted one would) reads validation batches (e - 1) * K + 1 .. e * K, as M
 validation iterator moves on from one evaluation to the next.
 
 Each batch is a forward only (torch.no_grad, the model in eval mode: dropout off) of this
-rank's microbatches through `MoEModel.stage_forward`, one microbatch at a time through this
+rank's microbatches through `MoEModel.stage_forward`, by the dispatch and all-to-all transport
+of the path the step ran (`StepRunner.path_of`), one microbatch at a time through this
 stage's chunks in order (with pipeline stages each receives from the stage before and sends to
 the next; the stage holding the head has the losses), on every rank alike: the forward holds
 the MoE all-to-alls, so every rank runs the same batches. With the budget dispatch a batch
@@ -75,8 +76,10 @@ class Evaluator:
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=cuda):
                 losses, reruns = [], 0
+                path = self.stepper.path_of(step)
+                path.engage()
                 for index in range(first, first + iters):
-                    batch_losses, batch_reruns = self._batch(index)
+                    batch_losses, batch_reruns = self._batch(index, path.dispatcher)
                     losses += batch_losses
                     reruns += batch_reruns
                 loss = self._mean_over_ranks(losses)
@@ -87,21 +90,22 @@ class Evaluator:
             self.stepper.select_budget_level(level if level is not None else 0)
         return EvalResult(step, loss, self.stepper.sync_time() - start, iters, reruns)
 
-    def _batch(self, index: int) -> tuple[list[torch.Tensor], int]:
-        """Global validation batch `index`: this rank's microbatch losses, rerun at a larger
-        budget level while the dispatch overflowed, as a training step is
+    def _batch(self, index: int, dispatch) -> tuple[list[torch.Tensor], int]:
+        """Global validation batch `index`: this rank's microbatch losses by `dispatch`, rerun
+        at a larger budget level while the dispatch overflowed, as a training step is
         (`StepRunner.until_it_fits`). -> (losses, reruns)."""
         t = self.cfg.train
         inputs = [(tokens.to(self.device), labels.to(self.device)) for tokens, labels in
                   step_batches(self.data, index, self.groups.data_rank, t.num_microbatches,
                                t.micro_batch_size, self.cfg.model.seq_length)]
-        return self.stepper.until_it_fits(lambda level: self._forward(inputs, level))
+        return self.stepper.until_it_fits(lambda level: self._forward(inputs, level, dispatch))
 
-    def _forward(self, inputs: list, level: int) -> list[torch.Tensor]:
+    def _forward(self, inputs: list, level: int, dispatch) -> list[torch.Tensor]:
         self.stepper.select_budget_level(level)
         if self.budget is not None:
             self.budget.reset_demand()
-        losses = [self.model.stage_forward(tokens, labels) for tokens, labels in inputs]
+        losses = [self.model.stage_forward(tokens, labels, dispatch=dispatch)
+                  for tokens, labels in inputs]
         return [loss.detach().float() for loss in losses if loss is not None]
 
     def _mean_over_ranks(self, losses: list[torch.Tensor]) -> float:

@@ -1,9 +1,11 @@
 """One optimizer step of a built run (`training.loop.build.RunParts`).
 
-Owns `StepRunner`, made from the run's pieces it uses and the path in use (`PathInUse`: the
-plan, the executor and the CUDA graph banks, which the tuner switches).
+Owns `StepRunner`, made from the run's pieces it uses and its built paths (`RunPaths`; each an
+`training.loop.path.ExecutionPath`: plan, executor, lanes, weight-grad deferral, dispatcher,
+CUDA graph banks). Each step runs one path, handed down as an argument: the flags' one, or the
+one the tuner names for that step.
 
-A step: the executor runs this rank's plan (sequential, or the combined 1F1B
+A step: the path's executor runs this rank's plan (sequential, or the combined 1F1B
 with --overlap-moe-expert-parallel-comm; with pipeline stages, this stage's 1F1B or interleaved
 1F1B plan) over all microbatches, by the CUDA graph bank of the budget level in use when there
 are graphs; then, after the last backward and weight-grad action, grads are reduced (inside
@@ -24,9 +26,9 @@ forward-backward is rerun from the same inputs, weights and router RNG state at 
 budget level that holds it (`forward_backward`); the reruns and the budget the step's result
 came from go into its `StepResult`.
 
-With the path tuner (--tune) each step runs the path the tuner gives it (`training.tuning.tuner`,
-`PathInUse.switch_path`); its decision, when it comes, is kept for the report (`tune_report`:
-the table's lines, and the `tuned_path` field of the step's JSON record), the losing paths'
+With the path tuner (--tune) each step runs the path the tuner names for it
+(`training.tuning.tuner`, `path_of`); its decision, when it comes, is kept for the report
+(`tune_report`: the table's lines, and the `tuned_path` field of the step's JSON record), the losing paths'
 graph banks are released, and rank 0 writes --tune-cache. A path whose graph capture fails on
 some rank is dropped on every rank (`capture_graphs`); where the paths' graph banks do not
 fit side by side, the tuner takes the paths in turn (`_check_banks_fit`). Steps with recorded
@@ -59,12 +61,11 @@ from epoverlap.training.tuning.tuner import TuneDecision, fits_beside
 
 if TYPE_CHECKING:
     from epoverlap.config import RunConfig
-    from epoverlap.graphs.banks import StepGraphs
     from epoverlap.model.transformer import MoEModel
     from epoverlap.parallel.groups import ParallelGroups
     from epoverlap.profiling.recorder import SpanRecorder
-    from epoverlap.schedule.executor import Executor
     from epoverlap.schedule.wgrad import WeightGradQueue
+    from epoverlap.training.loop.path import ExecutionPath
     from epoverlap.training.loop.faults import FaultInjector
     from epoverlap.training.loop.stop import StopRequest
     from epoverlap.training.optimizer.grads import GradBuffers
@@ -72,28 +73,24 @@ if TYPE_CHECKING:
     from epoverlap.training.tuning.tuner import Tuner
 
 
-class PathInUse(Protocol):
-    """The path a step runs, which the tuner switches between steps (`RunParts` is one): this
-    stage's plan, the executor of its nodes and the CUDA graph banks (None without graphs)."""
+class RunPaths(Protocol):
+    """A run's built paths (`RunParts` is one): by name, the one the run starts on, and the
+    way to go on without CUDA graphs (every path made again without them)."""
 
-    plan: list
-    executor: Executor
-    graphs: Optional[StepGraphs]
-
-    def switch_path(self, name: str) -> None:
-        """Run the tuner's path `name` from here on."""
+    paths: dict[str, ExecutionPath]
+    path: ExecutionPath
 
     def drop_graphs(self) -> int:
         """Run on without CUDA graphs. -> pool bytes freed."""
 
 
 class StepRunner:
-    """Runs steps of one built run, on the pieces it is given; the plan, executor and graph
-    banks are `path`'s at each use (the tuner switches them)."""
+    """Runs steps of one built run, on the pieces it is given; each step by the path
+    `path_of` names for it (`runs`: the built paths)."""
 
     def __init__(self, cfg: RunConfig, groups: ParallelGroups, model: MoEModel,
                  grads: GradBuffers, optimizer, data, *, wgrad_queue: WeightGradQueue,
-                 recorder: SpanRecorder, faults: FaultInjector, path: PathInUse,
+                 recorder: SpanRecorder, faults: FaultInjector, runs: RunPaths,
                  tuner: Optional[Tuner] = None, tune_cache: Optional[CacheTarget] = None,
                  start_step: int = 0):
         """`optimizer`: steps with `step(lr, grad_scale)`; `data`: the run's source
@@ -102,7 +99,7 @@ class StepRunner:
         self.model, self.budget = model, model.dispatch_budget
         self.grads, self.optimizer, self.data = grads, optimizer, data
         self.wgrad_queue, self.recorder, self.faults = wgrad_queue, recorder, faults
-        self.path, self.tuner, self.tune_cache = path, tuner, tune_cache
+        self.runs, self.tuner, self.tune_cache = runs, tuner, tune_cache
         self.start_step = start_step
         self.stop: Optional[StopRequest] = None  # while the training loop runs (Trainer.train)
         self.tune_report: list[str] = []  # the tuner's lines, reported after their step
@@ -128,8 +125,8 @@ class StepRunner:
         if profiled:
             self.recorder.begin_step(step)
         self.faults.begin_step(step)
-        schedule = self._tune_schedule(step)
-        losses, reruns = self.forward_backward(step, schedule)
+        path = self._tune_path(step)
+        losses, reruns = self.forward_backward(step, path)
         self.recorder.end_forward_backward()
         self.faults.after_backward(self.model)
         if self.cfg.train.check_for_nan_in_loss_and_grad:
@@ -148,7 +145,7 @@ class StepRunner:
         elapsed = self.sync_time() - start
         self._tune_record(step, elapsed)
         result = self._result(step, stats, lr, grad_norm, elapsed)
-        result.schedule = schedule
+        result.schedule = path.name if self.tuner is not None else None
         self._add_dispatch_stats(result, stats, reruns)
         if spans is not None:
             overlap = step_metrics(spans).overlap
@@ -210,10 +207,19 @@ class StepRunner:
                  **dropout_inputs(self.cfg, step, rank, mb)}
                 for mb, (tokens, labels) in enumerate(batches)]
 
-    def run_microbatches(self, step: int, inputs: Optional[list[dict]] = None
-                         ) -> list[torch.Tensor]:
-        """Forward + backward of every microbatch, once, at the budget level selected (no
-        rerun: see `forward_backward`); grads land in the main_grad buffers."""
+    def path_of(self, step: int) -> ExecutionPath:
+        """The path step `step` runs: the tuner's for it, else the run's only one."""
+        if self.tuner is None:
+            return self.runs.path
+        return self.runs.paths[self.tuner.path_for(step)]
+
+    def run_microbatches(self, step: int, inputs: Optional[list[dict]] = None,
+                         path: Optional[ExecutionPath] = None) -> list[torch.Tensor]:
+        """Forward + backward of every microbatch by `path` (default: `path_of(step)`), once,
+        at the budget level selected (no rerun: see `forward_backward`); grads land in the
+        main_grad buffers."""
+        path = path or self.path_of(step)
+        path.engage()
         overwrite = self.wgrad_queue.first_write
         self.grads.zero(experts=not overwrite)
         for router in self.model.routers():
@@ -221,35 +227,37 @@ class StepRunner:
         if self.budget is not None:
             self.budget.reset_demand()
         inputs = self.microbatches(step) if inputs is None else inputs
-        if self.path.graphs is not None:
-            losses = self.path.graphs.run(inputs, self._run_eager)
+
+        def run_eager(inputs: list[dict]) -> list[torch.Tensor]:
+            return path.executor.run(path.plan, inputs, loss_scale(self.cfg))
+        if path.graphs is not None:
+            losses = path.graphs.run(inputs, run_eager)
         else:
-            losses = self._run_eager(inputs)
+            losses = run_eager(inputs)
         if overwrite:
             self.grads.zero_unwritten(self.wgrad_queue.written)
         return losses
 
-    def _run_eager(self, inputs: list[dict]) -> list[torch.Tensor]:
-        return self.path.executor.run(self.path.plan, inputs, loss_scale(self.cfg))
-
-    def forward_backward(self, step: int, path: Optional[str] = None
+    def forward_backward(self, step: int, path: Optional[ExecutionPath] = None
                          ) -> tuple[list[torch.Tensor], int]:
-        """`run_microbatches`, rerun while the budget dispatch overflowed (see the module
-        docstring). -> (losses, reruns). A rerun starts from the same inputs, weights and
-        router RNG state, so its result is the one a run at its budget level would give.
-        `path`: the tuner's path the step runs, for the budget's fit."""
+        """`run_microbatches` by `path` (default: `path_of(step)`), rerun while the budget
+        dispatch overflowed (see the module docstring). -> (losses, reruns). A rerun starts
+        from the same inputs, weights and router RNG state, so its result is the one a run at
+        its budget level would give."""
+        path = path or self.path_of(step)
         inputs = self.microbatches(step)
         budget = self.budget
         if budget is not None:
-            self._refit_budget(budget, step)
+            self._refit_budget(budget, step, path)
             budget.reset_wire()
         start = budget.start_level() if budget is not None else 0
-        result = self.until_it_fits(lambda level: self._attempt(step, inputs, level), start)
+        result = self.until_it_fits(lambda level: self._attempt(step, inputs, level, path),
+                                    start)
         if budget is not None:
-            budget.remember(budget.level, self._last_demand, path)
+            budget.remember(budget.level, self._last_demand, step)
         return result
 
-    def _refit_budget(self, budget, step: int) -> None:
+    def _refit_budget(self, budget, step: int, path: ExecutionPath) -> None:
         """--moe-dispatch-budget-fit: where the fitted base budget changes before this step,
         the graphs sized by the old one are released (the next attempts record and capture
         anew), said in one line."""
@@ -257,7 +265,7 @@ class StepRunner:
         factor = budget.refit()
         if factor is None:
             return
-        freed, graphs = "", self.path.graphs
+        freed, graphs = "", path.graphs
         if graphs is not None and graphs.per_level:
             if any(bank.captured for bank in graphs.banks.banks.values()):
                 freed = "; the CUDA graphs that hold the dispatch are recaptured"
@@ -279,19 +287,21 @@ class StepRunner:
             reruns += 1
         return result, reruns
 
-    def _attempt(self, step: int, inputs: list[dict], level: int) -> list[torch.Tensor]:
-        """One forward-backward at a budget level, by that level's graph bank if it has one."""
+    def _attempt(self, step: int, inputs: list[dict], level: int,
+                 path: ExecutionPath) -> list[torch.Tensor]:
+        """One forward-backward by `path` at a budget level, by that level's graph bank if it
+        has one."""
         self.select_budget_level(level)
-        if self.path.graphs is None:
-            return self.run_microbatches(step, inputs)
+        if path.graphs is None:
+            return self.run_microbatches(step, inputs, path)
         # warmup counts from here; a fitted budget captures its base level only: a rerun above
         # it runs eagerly, since the base grows before the next step (its bank would be freed)
         capture = level == 0 or self.budget is None or self.budget.fit is None
-        self.path.graphs.begin_attempt(step - self.start_step, level, capture)
+        path.graphs.begin_attempt(step - self.start_step, level, capture)
         try:
-            return self.run_microbatches(step, inputs)
+            return self.run_microbatches(step, inputs, path)
         finally:
-            self.path.graphs.end_attempt()
+            path.graphs.end_attempt()
 
     def select_budget_level(self, level: int) -> None:
         if self.budget is not None:
@@ -309,31 +319,32 @@ class StepRunner:
         self._last_demand = host_list(demand)
         return budget.rerun_level(self._last_demand)
 
-    def capture_graphs(self) -> list:
-        """Capture the graph banks this step recorded (the last warmup step records the base
+    def capture_graphs(self, step: int) -> list:
+        """Capture the graph banks step `step` recorded (the last warmup step records the base
         bank; a later rerun at a new budget level records that level's). -> [(level, bank)]."""
-        if self.path.graphs is None:
+        path = self.path_of(step)
+        if path.graphs is None:
             return []
-        if self.tuner is None or self.tuner.decision is not None or not self.path.graphs.due:
-            return self._capture_or_drop_graphs()
-        captured, error = self._try_capture()  # while tuning, a failed capture drops its path
+        if self.tuner is None or self.tuner.decision is not None or not path.graphs.due:
+            return self._capture_or_drop_graphs(path)
+        captured, error = self._try_capture(path)  # while tuning, a failed capture drops it
         failed, short = self._ranks_failed(error)
         if short and GRAPHS_FLAG in self.cfg.defaulted:
             # out of memory: every path's graphs hold about as much, so none is dropped
             self._graphs_off(failed, error)
             return []
-        self.capture_failed(failed, error)
+        self.capture_failed(failed, error, path)
         if error is None and captured:
             self._check_banks_fit(captured)
         return captured
 
-    def _try_capture(self) -> tuple[list, Optional[BaseException]]:
-        """Capture what this step recorded; a failure is returned, not raised (every rank
-        learns of it from `_ranks_failed`), the router generators as they were before."""
+    def _try_capture(self, path: ExecutionPath) -> tuple[list, Optional[BaseException]]:
+        """Capture what this step recorded by `path`; a failure is returned, not raised (every
+        rank learns of it from `_ranks_failed`), the router generators as they were before."""
         generators = router_generators(self.model)
         states = [g.get_state() for g in generators]
         try:
-            return self.path.graphs.capture_due(self.path.plan, self.select_budget_level), None
+            return path.graphs.capture_due(path.plan, self.select_budget_level), None
         except Exception as failure:  # noqa: BLE001  (agreed over the ranks by the caller)
             for generator, state in zip(generators, states):
                 generator.set_state(state)
@@ -348,13 +359,13 @@ class StepRunner:
         failed, short = host_list(count)
         return int(failed), int(short)
 
-    def _capture_or_drop_graphs(self) -> list:
-        """Capture what this step recorded. Where the graph scope was the auto default and the
-        capture fails on some rank, the run goes on without graphs, saying so in one line; a
-        scope the flags gave fails the run."""
-        if GRAPHS_FLAG not in self.cfg.defaulted or not self.path.graphs.due:
-            return self.path.graphs.capture_due(self.path.plan, self.select_budget_level)
-        captured, error = self._try_capture()
+    def _capture_or_drop_graphs(self, path: ExecutionPath) -> list:
+        """Capture what this step recorded by `path`. Where the graph scope was the auto
+        default and the capture fails on some rank, the run goes on without graphs, saying so
+        in one line; a scope the flags gave fails the run."""
+        if GRAPHS_FLAG not in self.cfg.defaulted or not path.graphs.due:
+            return path.graphs.capture_due(path.plan, self.select_budget_level)
+        captured, error = self._try_capture(path)
         ranks, _ = self._ranks_failed(error)
         if not ranks:
             return captured
@@ -365,7 +376,7 @@ class StepRunner:
         """The auto graph scope's capture failed on `ranks` ranks: every bank released, the
         run goes on without graphs (every path, while tuning), said in one line."""
         self.wgrad_queue.clear()
-        scope, freed = self.cfg.cuda_graph.impl, self.path.drop_graphs()
+        scope, freed = self.cfg.cuda_graph.impl, self.runs.drop_graphs()
         self.tune_report.append(
             f"CUDA graphs: the capture failed on {ranks} rank(s){_why(error)}; the run goes on "
             f"without graphs ({freed / 2**30:.3f} GiB released; the graph scope {scope} was "
@@ -387,7 +398,7 @@ class StepRunner:
             return
         tuner.take_turns()
         for name in tuner.names[1:]:
-            self.path.graphs.release_schedule(name)
+            self.runs.paths[name].graphs.release_path()
         self.tune_report.append(
             f"tune: a path's CUDA graphs take {bank_bytes / 2**30:.1f} GiB, "
             f"{(free or 0) / 2**30:.1f} GiB are free: the paths are timed one after another, "
@@ -401,17 +412,15 @@ class StepRunner:
         return torch.cuda.mem_get_info(self.device)[0]
 
     # ----------------------------------------------------------------- the path tuner
-    def _tune_schedule(self, step: int) -> Optional[str]:
-        """Switch to the path the tuner gives this step (plan, lanes, wgrad, graph bank)."""
-        if self.tuner is None:
-            return None
-        name, graphs = self.tuner.schedule_for(step), self.path.graphs
-        if self.tuner.in_turn and graphs is not None:  # only the path in turn holds graphs
+    def _tune_path(self, step: int) -> ExecutionPath:
+        """The path this step runs (`path_of`); the tuner taking the paths in turn, only that
+        path holds graphs."""
+        path = self.path_of(step)
+        if self.tuner is not None and self.tuner.in_turn and path.graphs is not None:
             for other in self.tuner.names:
-                if other != name:
-                    graphs.release_schedule(other)
-        self.path.switch_path(name)
-        return name
+                if other != path.name:
+                    self.runs.paths[other].graphs.release_path()
+        return path
 
     def _tune_record(self, step: int, elapsed: float) -> None:
         """Record the step's time; at the decision (or the first step of a cached one) keep
@@ -433,14 +442,15 @@ class StepRunner:
             self._decided(decision)
 
     def _decided(self, decision: TuneDecision) -> None:
-        """The decision's table, the losers' banks released, the budget's fit left with the chosen
-        path's demand, the cache written (rank 0)."""
+        """The decision's table, the losers' banks released, the budget's fit left with the
+        demand of the steps that ran the chosen path, the cache written (rank 0)."""
         self.tune_report += decision.table()
         self.tuned_path = decision.record()
         if self.budget is not None:
-            self.budget.keep_path(decision.chosen)
-        if self.path.graphs is not None:
-            freed = {name: self.path.graphs.release_schedule(name) for name in self.tuner.losers()}
+            self.budget.keep_steps(self.tuner.steps_of(decision.chosen))
+        if self.runs.path.graphs is not None:
+            freed = {name: self.runs.paths[name].graphs.release_path()
+                     for name in self.tuner.losers()}
             self.tune_report.append(f"tune: the other paths' CUDA graphs released "
                                     f"({sum(freed.values()) / 2**30:.3f} GiB)")
         if self.tune_cache is not None:
@@ -448,20 +458,19 @@ class StepRunner:
             self.tune_report.append(warning or f"tune: decision written to "
                                                f"{self.tune_cache.path}")
 
-    def capture_failed(self, ranks: int, error: Optional[BaseException]) -> None:
-        """After a step's graph captures while the tuner decides: if `ranks` ranks failed
-        (`_ranks_failed`, the same on every rank), the step's path is dropped on every rank and
-        its banks released."""
+    def capture_failed(self, ranks: int, error: Optional[BaseException],
+                       path: ExecutionPath) -> None:
+        """After a step's graph captures by `path` while the tuner decides: if `ranks` ranks
+        failed (`_ranks_failed`, the same on every rank), the path is dropped on every rank and
+        its banks released (the next step runs the path the tuner names then)."""
         if ranks == 0:
             return
-        name = self.path.graphs.schedule
-        self.path.graphs.release_schedule(name)
+        path.graphs.release_path()
         why = f"its CUDA graph capture failed on {ranks} rank(s){_why(error)}"
         self.wgrad_queue.clear()
-        decision = self.tuner.drop(name, why)
-        self.tune_report.append(f"tune: {name} dropped: {why}; the run goes on")
+        decision = self.tuner.drop(path.name, why)
+        self.tune_report.append(f"tune: {path.name} dropped: {why}; the run goes on")
         if decision is not None:
-            self.path.switch_path(decision.chosen)
             self._decided(decision)
 
     def pop_tune_report(self) -> tuple[list[str], Optional[dict]]:

@@ -48,7 +48,7 @@ class Trainer:
         self.stopped_by: Optional[str] = None  # why train() ended before --train-iters
         self.stepper = StepRunner(p.cfg, p.groups, p.model, p.grads, p.optimizer, p.data,
                                   wgrad_queue=p.wgrad_queue, recorder=p.recorder,
-                                  faults=p.faults, path=p, tuner=p.tuner,
+                                  faults=p.faults, runs=p, tuner=p.tuner,
                                   tune_cache=p.tune_cache, start_step=p.start_step)
         self.evaluator = Evaluator(p.cfg, p.groups, p.model, p.data, self.stepper)
         self.reporter = Reporter(p.cfg, p.groups, p.log, data=p.data, params=p.params,
@@ -155,7 +155,8 @@ class Trainer:
         if step == self.start_step + 1 and self.cfg.parallel.transport_report(
                 self.groups.device.type == "cuda"):
             self._report_transports()
-        self.reporter.graphs_captured(step, self.stepper.capture_graphs(), self.parts.graphs)
+        self.reporter.graphs_captured(step, self.stepper.capture_graphs(step),
+                                      self.stepper.path_of(step).graphs)
         self.parts.compile_watch.after_step(step - self.start_step)
         result.triton_variants = self.parts.compile_watch.total()
         results.append(result)

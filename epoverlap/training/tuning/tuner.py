@@ -31,7 +31,8 @@ that drift between the paths' blocks weigh more than in the round-robin, the pri
 
 Owns `Tuner` (which path each step runs, the timings, the decision), `PathTiming` and
 `TuneDecision` (the decision's table, its --log-json record). The paths' plans, lanes and graph
-banks are built in `training.loop.build` and switched in `training.loop.step`.
+banks are built in `training.loop.build` (`training.loop.path`), and `training.loop.step` runs
+each step by the path named here for it.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ class Tuner:
     def cached(self) -> bool:
         return self.decision is not None and self.decision.cache_file is not None
 
-    def schedule_for(self, step: int) -> str:
+    def path_for(self, step: int) -> str:
         """The path step `step` runs (asked once per step; a repeat gives the same path)."""
         if step in self.phases:
             return self.phases[step][0]
@@ -173,6 +174,10 @@ class Tuner:
         if self.decision is None and not self.in_turn:
             self.in_turn = True
             self.primed &= {self.names[0]}  # the others' graphs are released meanwhile
+
+    def steps_of(self, name: str) -> set[int]:
+        """The steps path `name` ran, of those the tuner gave a path to."""
+        return {step for step, (given, _) in self.phases.items() if given == name}
 
     def phase_of(self, step: int) -> Optional[str]:
         """warmup, prime or timed for a step the tuner gave a path to; None after the
