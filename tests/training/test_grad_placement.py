@@ -157,3 +157,55 @@ def test_the_memory_check_refuses_only_what_does_not_fit_unpaired(monkeypatch):
     monkeypatch.setattr(memory, "available_memory", lambda *args: (unpaired - 1, "a fake host"))
     with pytest.raises(ConfigError):
         memory.check_memory(cfg, 1, "cpu", 1)
+
+
+# ------------------------------------------------------------------ GPU
+
+GPU_FLAGS = ["--preset", "tiny", "--bf16", "--train-iters", "6", "--kernel-backend", "triton",
+             "--seq-length", "1024", "--micro-batch-size", "4", "--num-microbatches", "2",
+             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000",
+             "--moe-dispatch-budget", "0.5"]
+
+
+def _gpu_train(flags: list[str]) -> tuple[list, list]:
+    """Losses and grad norms (hex) and every weight after `flags` on this GPU, in process
+    (deterministic algorithms on, as --deterministic-mode sets them)."""
+    from unittest import mock
+
+    from epoverlap.parallel.groups import destroy_distributed, init_distributed
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        with mock.patch.dict("os.environ"):  # init_distributed sets RANK, MASTER_PORT, ...
+            groups = init_distributed(1, "cuda")
+            try:
+                trainer = Trainer(parse_config(GPU_FLAGS + flags), groups, log=lambda m: None)
+                try:
+                    results = [(r.loss.hex(), r.grad_norm.hex()) for r in trainer.train()]
+                    weights = [p.detach().cpu() for p in trainer.model.parameters()]
+                finally:
+                    trainer.close()
+            finally:
+                destroy_distributed(groups)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return results, weights
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_grads_into_the_main_grad_repeat_replay_and_keep_the_unfused_bits(monkeypatch):
+    """4096 tokens a microbatch (above 3072: torch's CUDA embedding backward sorts, the
+    fused kernel's order): the default placement twice, under one CUDA graph of the whole
+    iteration (the embedding's sort and kernel and every norm's captured), and the hook path
+    (autograd's grads added after the backward) give the same bits, bf16, Triton kernels."""
+    eager = _gpu_train(["--cuda-graph-impl", "none"])
+    assert all(math.isfinite(float.fromhex(loss)) for loss, _ in eager[0])
+    assert _same(eager, _gpu_train(["--cuda-graph-impl", "none"]))
+    assert _same(eager, _gpu_train(["--cuda-graph-impl", "full_iteration"]))
+    _hook_path(monkeypatch)
+    assert _same(eager, _gpu_train(["--cuda-graph-impl", "none"]))
