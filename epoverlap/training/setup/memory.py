@@ -144,8 +144,6 @@ def estimate_memory(cfg: RunConfig, world_size: int,
     largest over the pipeline stages. `paired`: whether the experts' weight grads are paired
     over microbatches (`place_expert_grads` decides); None: wherever the flags allow it (the
     most the run can need)."""
-    if paired is None:
-        paired = expert_grad_placement(cfg)["pair_microbatches"]
     stages = range(cfg.parallel.pipeline_model_parallel_size)
     return max((_stage_estimate(cfg, stage, paired) for stage in stages),
                key=lambda e: e.total)
@@ -193,7 +191,10 @@ def place_expert_grads(cfg: RunConfig, world_size: int, budget: Optional[int],
                                f" per rank; {where})")
 
 
-def _stage_estimate(cfg: RunConfig, stage: int, paired: bool) -> MemoryEstimate:
+def _stage_estimate(cfg: RunConfig, stage: int,
+                    paired: Optional[bool] = None) -> MemoryEstimate:
+    if paired is None:  # wherever the flags allow it
+        paired = expert_grad_placement(cfg)["pair_microbatches"]
     m, t = cfg.model, cfg.train
     b = 2 if t.bf16 else 4
     sizes = weight_sizes(cfg, cfg.parallel.expert_model_parallel_size, stage)
