@@ -4,12 +4,14 @@ the Triton form of `embedding.embedding_torch`.
 Shape legend: T tokens, V vocabulary rows (padded), H hidden.
 
 Forward: weight[tokens] (torch's F.embedding). Backward with a main grad: the tokens sorted
-(stable, so a vocabulary row's positions stay in order), then `_embedding_grad_kernel`, one
-program per (position, block of H columns). The program at the first position of a row's run
-(its segment) sums the segment's output-grad rows in fp32: partial sums of PARTIAL_ROWS (10)
-rows each, every one started from zero, then the partials summed in order from zero; it rounds
-the sum to the grad's dtype and adds it to the main grad's row in fp32. Every other program
-returns at once. No atomics: each element of the main grad is written by one program, so a run
+(stable, so a vocabulary row's positions stay in order), each position's segment end found
+(a segment is the run of positions holding one vocabulary row), then `_embedding_grad_kernel`,
+one program per (position, block of H columns). The program at the first position of a
+segment sums its output-grad rows in fp32: partial sums of PARTIAL_ROWS (10) rows each, every
+one started from zero (its rows' loads issued together), then the partials summed in order
+from zero; it rounds the sum to the grad's dtype and adds it to the main grad's row in fp32.
+Every other program returns at once. A row held by many tokens is summed by one program: its
+time grows with the row's count (tokens of real text: tens to hundreds). No atomics: each element of the main grad is written by one program, so a run
 repeats its bits; rows no token holds are neither read nor written (no dense [V, H] grad, no
 [V, H] add: the hook's cost it replaces).
 
@@ -45,11 +47,12 @@ MAX_BLOCK_H = 512
 @triton.jit(do_not_specialize=["T"])  # token counts vary: one variant
 def _embedding_grad_kernel(
     ids_ptr,        # [T] int64 in: the tokens' vocabulary rows, sorted (stable)
+    ends_ptr,       # [T] int64 in: the end of each sorted position's segment (its row's run)
     positions_ptr,  # [T] int64 in: the position (output-grad row) of each sorted id
     grad_ptr,       # [T, H] in: grad of the lookup's output, rows stride_g apart, unit stride
     main_grad_ptr,  # [V, H] fp32 in/out (contiguous): += each row's sum in the grad's dtype
     T, H, stride_g,
-    PARTIAL: tl.constexpr, BLOCK_H: tl.constexpr,
+    PARTIAL: tl.constexpr, PARTIAL_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     start = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -57,22 +60,21 @@ def _embedding_grad_kernel(
     row = tl.load(ids_ptr + start)
     before = tl.load(ids_ptr + start - 1, mask=start > 0, other=-1)
     if before != row:  # the first position of this row's segment
-        end = start + 1
-        after = tl.load(ids_ptr + end, mask=end < T, other=-1)
-        while after == row:
-            end += 1
-            after = tl.load(ids_ptr + end, mask=end < T, other=-1)
+        end = tl.load(ends_ptr + start)
+        slot = tl.arange(0, PARTIAL_POW2)
         total = tl.zeros((BLOCK_H,), dtype=tl.float32)
         p = start
-        while p < end:  # one partial sum of at most PARTIAL rows, from zero
-            stop = tl.minimum(p + PARTIAL, end)
+        while p < end:  # one partial sum of at most PARTIAL rows, from zero, in order
+            positions = tl.load(positions_ptr + p + slot, mask=(slot < PARTIAL) & (p + slot < end),
+                                other=0)
             part = tl.zeros((BLOCK_H,), dtype=tl.float32)
-            while p < stop:
-                position = tl.load(positions_ptr + p)
-                part += tl.load(grad_ptr + position * stride_g + h, mask=h_ok,
+            for i in tl.static_range(PARTIAL):  # the loads are independent: all in flight
+                position = tl.sum(tl.where(slot == i, positions, 0), axis=0)
+                # a row past the end adds +0.0, which changes no sum started from +0.0
+                part += tl.load(grad_ptr + position * stride_g + h, mask=h_ok & (p + i < end),
                                 other=0.0).to(tl.float32)
-                p += 1
             total += part
+            p += PARTIAL
         rounded = total.to(grad_ptr.dtype.element_ty).to(tl.float32)
         dst = main_grad_ptr + row * H + h
         tl.store(dst, tl.load(dst, mask=h_ok, other=0.0) + rounded, mask=h_ok)
@@ -81,17 +83,20 @@ def _embedding_grad_kernel(
 def add_embedding_grad(main_grad_VH: torch.Tensor, tokens_T: torch.Tensor,
                        grad_TH: torch.Tensor) -> None:
     """main_grad[v] += (sum of grad[t] over the tokens t == v), each sum rounded to grad's dtype
-    (the module docstring gives the order). 2 launches: the sort, the kernel."""
+    (the module docstring gives the order). 3 launches: the sort, each position's segment end
+    (a binary search in the sorted ids), the kernel; no host sync."""
     num_tokens, hidden = grad_TH.shape
     if num_tokens == 0 or hidden == 0:
         return
     if grad_TH.stride(-1) != 1:
         grad_TH = grad_TH.contiguous()
     ids_T, positions_T = torch.sort(tokens_T.to(torch.int64), stable=True)
+    ends_T = torch.searchsorted(ids_T, ids_T, right=True)
     block_h = min(next_pow2(hidden), MAX_BLOCK_H)
     _embedding_grad_kernel[(num_tokens, cdiv(hidden, block_h))](
-        ids_T, positions_T, grad_TH, main_grad_VH, num_tokens, hidden, grad_TH.stride(0),
-        PARTIAL=PARTIAL_ROWS, BLOCK_H=block_h, num_warps=4)
+        ids_T, ends_T, positions_T, grad_TH, main_grad_VH, num_tokens, hidden, grad_TH.stride(0),
+        PARTIAL=PARTIAL_ROWS, PARTIAL_POW2=next_pow2(PARTIAL_ROWS), BLOCK_H=block_h,
+        num_warps=4)
 
 
 class _EmbeddingIntoMainGrad(torch.autograd.Function):
@@ -106,7 +111,8 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TH):
         tokens_T, = ctx.saved_tensors
-        add_embedding_grad(ctx.main_grad, tokens_T, grad_TH)
+        if ctx.needs_input_grad[1]:
+            add_embedding_grad(ctx.main_grad, tokens_T, grad_TH)
         return None, None, None
 
 
