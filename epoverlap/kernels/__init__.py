@@ -36,7 +36,8 @@ class MoEOps:
     `megatron_api`; router_topk / router_topk_with_counts are our keyword-only router), and
     rms_norm(x, weight, eps, main_grad=None), embedding(tokens_T, weight_VH, main_grad=None)
     (with main_grad, fp32 of the weight's shape, the weight's grad is added there by the
-    backward and the weight gets none), rotary(x_BNSD, cos_SD2, sin_SD2), swiglu(h_M2F, probs_M=None),
+    backward and the weight gets none), rotary(x_BNSD, cos_SD2, sin_SD2),
+    swiglu(h_M2F, probs_M=None),
     cross_entropy(logits_TV, labels_T, vocab=None) (vocab: the real vocabulary, columns from it
     on are an output layer's padding, out of the softmax), grouped_weight_grad(main_grad_EIO,
     x_NI, grad_NO, offsets_E, counts=None, sm_carveout=None) (main_grad[e] += x_e^T @ grad_e in

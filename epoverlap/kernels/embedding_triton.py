@@ -11,18 +11,19 @@ segment sums its output-grad rows in fp32: partial sums of PARTIAL_ROWS (10) row
 one started from zero (its rows' loads issued together), then the partials summed in order
 from zero; it rounds the sum to the grad's dtype and adds it to the main grad's row in fp32.
 Every other program returns at once. A row held by many tokens is summed by one program: its
-time grows with the row's count (tokens of real text: tens to hundreds). No atomics: each element of the main grad is written by one program, so a run
-repeats its bits; rows no token holds are neither read nor written (no dense [V, H] grad, no
-[V, H] add: the hook's cost it replaces).
+time grows with the row's count (tokens of real text: tens to hundreds). No atomics: each
+element of the main grad is written by one program, so a run repeats its bits; rows no token
+holds are neither read nor written (no dense [V, H] grad, no [V, H] add: the hook's cost it
+replaces).
 
 The order is torch's CUDA embedding backward's where that sorts (more than 3072 tokens a
 call, aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu: a stable radix sort, partial sums of
 NROWS_PER_THREAD = 10 rows, the partials summed in order, rounded once to the grad's dtype)
 followed by the hook's fp32 add: the same bits as the unfused path there. Two reduction orders
 differ by design: at most 3072 tokens torch's CUDA backward takes another kernel (it sums the
-tokens in batches and rounds to the grad's dtype after each batch), and torch on CPU adds a
-row's tokens one at a time in position order in the grad's dtype (the same bits in fp32 while
-no row holds more than 10 tokens of a call). Under TRITON_INTERPRET the fp32 -> bf16 cast
+tokens in chunks of 32 and adds each chunk's sum to the grad in the grad's dtype), and torch
+on CPU adds a row's tokens one at a time in position order in the grad's dtype (the same bits
+in fp32 while no row holds more than 10 tokens of a call). Under TRITON_INTERPRET the fp32 -> bf16 cast
 truncates (GPU and torch round to nearest even). Loops with run-time bounds are `while` loops
 (see permutation_triton.py).
 """

@@ -4,10 +4,11 @@ Owns the autograd functions `linear` and `grouped_gemm`, `accumulate_weight_grad
 `accumulate_weight_grad_gemm` and `accumulate_expert_weight_grad` (the dense and the experts'
 weight grads added into `main_grad` by the GEMM itself: gradient-accumulation fusion, unless
 --no-gradient-accumulation-fusion), and `fused_main_grad` (the main grad the norms' and the
-embedding's ops add their weight grads into under the same rule). Their backward computes the input grad at once and offers
-the weight-grad GEMM to a `WeightGradQueue` (when one is given): deferred, it runs later at the
-plan's `W` action; otherwise inline. Both paths run the same GEMM and the same fp32
-accumulation into `param.main_grad`, so deferring changes no bit of any gradient.
+embedding's ops add their weight grads into under the same rule). The GEMMs' backward computes
+the input grad at once and offers the weight-grad GEMM to a `WeightGradQueue` (when one is
+given): deferred, it runs later at the plan's `W` action; otherwise inline. Both paths run the
+same GEMM and the same fp32 accumulation into `param.main_grad`, so deferring changes no bit of
+any gradient.
 
 Shape legend: N rows (tokens), I input features, O output features, E local experts.
 

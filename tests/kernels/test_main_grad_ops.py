@@ -279,7 +279,8 @@ print(json.dumps(records))
 @pytest.mark.skipif(not INTERPRETED, reason="a GPU compiles the kernels for real")
 def test_kernels_compile_for_sm90():
     """The embedding's grad kernel and the norm's weight-grad kernel (the script runs only its
-    form into the main grad) compile for sm_90 (the interpreter runs code a GPU compiler could refuse) without spills."""
+    form into the main grad) compile for sm_90 without spills (the interpreter runs code a GPU
+    compiler could refuse)."""
     import os
     import subprocess
     import sys
