@@ -524,14 +524,20 @@ RECIPES = (
                                "--iters 5"),)),
     Recipe("wgrad_kernel", 1,
            "weight grads accumulated inside the GEMM at the Qwen3 proxy's shapes: the grouped "
-           "kernel's and the dense fused path's GPU tests, then their time against the GEMM "
-           "and the fp32 add (TFLOP/s, GB/s, the grouped kernel's tiles swept)",
+           "kernel's, the dense fused path's, the norms' and the embedding's GPU tests (the "
+           "last two against the unfused path bit for bit, and in training), then their time "
+           "against the GEMM and the fp32 add (TFLOP/s, GB/s, the grouped kernel's tiles swept) "
+           "and the norms' and the embedding's against their backward then the add",
            "junit.xml, the table in the bench step's log",
            (Step("wgrad_tests", PYTEST + " --junitxml={out}/junit.xml -m gpu "
                                          "tests/kernels/test_grouped_wgrad.py "
-                                         "tests/model/test_grad_accumulation.py", timeout_s=250),
+                                         "tests/model/test_grad_accumulation.py "
+                                         "tests/kernels/test_main_grad_ops.py "
+                                         "tests/training/test_grad_placement.py", timeout_s=450),
             Step("bench_wgrad", "{python} -m benchmarks.harness.bench_wgrad --sweep --rounds 5 "
-                                "--iters 10", timeout_s=300))),
+                                "--iters 10", timeout_s=300),
+            Step("bench_main_grad_ops", "{python} -m benchmarks.harness.bench_main_grad_ops",
+                 timeout_s=120))),
     Recipe("pipeline_bubble", 2,
            "the pipeline's GPU tests, then its bubble fraction measured (spans) against the "
            "analytic one, overlap on and off, and PP = GPUs against EP = GPUs",

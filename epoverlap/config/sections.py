@@ -311,7 +311,8 @@ class TrainConfig:
     no_gradient_accumulation_fusion: bool = flag(
         False, "weight-grad GEMMs (dense and the experts' grouped ones) write their product, "
         "which is then added to the fp32 main_grad, instead of adding into main_grad inside "
-        "the GEMM (one GEMM and one add kernel per weight and microbatch)")
+        "the GEMM (one GEMM and one add kernel per weight and microbatch); the norms' and the "
+        "embedding's grads are likewise added after their backward")
     exit_signal_handler: bool = flag(
         False, "on SIGTERM or SIGINT, save a checkpoint (--save) of the last finished step "
         "before exiting")

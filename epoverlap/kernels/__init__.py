@@ -1,13 +1,14 @@
 """epoverlap.kernels: MoE token-routing ops (router top-k, permute, unpermute, chunk sort, row
 gather and padding-row zeroing), the fused elementwise ops of the layers around them (RMSNorm,
-rotary, SwiGLU), the loss (cross-entropy) and the experts' weight grads added into their fp32
-main grad (grouped wgrad).
+rotary, SwiGLU), the embedding lookup, the loss (cross-entropy) and the experts' weight grads
+added into their fp32 main grad (grouped wgrad).
 
 Each op has a torch reference and a Triton kernel side by side (`router_topk.py` /
 `router_topk_triton.py`, `permutation.py` / `permutation_triton.py` (its row-id map in
 `permutation_map_triton.py`), `sort_chunks.py` / `sort_chunks_triton.py`, `rmsnorm.py`,
-`rotary.py`, `swiglu.py`, `cross_entropy.py`, `grouped_wgrad.py`, `rows.py` and their
-`*_triton.py`; `triton_ops.py` gathers the Triton ones; `triton_reduce.py` holds device-side
+`rotary.py`, `swiglu.py`, `cross_entropy.py`, `grouped_wgrad.py`, `rows.py`, `embedding.py` and
+their `*_triton.py`; `main_grad.py` holds the references' way of sending a weight's grad into
+its fp32 main grad; `triton_ops.py` gathers the Triton ones; `triton_reduce.py` holds device-side
 helpers they share; `launch_cache.py` is the host fast path of every Triton launch (the
 compiled kernel reused per launch key); `megatron_api.py` gives the routing ops Megatron-core's
 call signatures over either backend).
@@ -33,7 +34,10 @@ class MoEOps:
     """One implementation of every op: the routing ops (permute, unpermute, sort_chunks_by_idxs
     and topk_routing_with_score_function take Megatron-core's signatures and keyword names, see
     `megatron_api`; router_topk / router_topk_with_counts are our keyword-only router), and
-    rms_norm(x, weight, eps), rotary(x_BNSD, cos_SD2, sin_SD2), swiglu(h_M2F, probs_M=None),
+    rms_norm(x, weight, eps, main_grad=None), embedding(tokens_T, weight_VH, main_grad=None)
+    (with main_grad, fp32 of the weight's shape, the weight's grad is added there by the
+    backward and the weight gets none), rotary(x_BNSD, cos_SD2, sin_SD2),
+    swiglu(h_M2F, probs_M=None),
     cross_entropy(logits_TV, labels_T, vocab=None) (vocab: the real vocabulary, columns from it
     on are an output layer's padding, out of the softmax), grouped_weight_grad(main_grad_EIO,
     x_NI, grad_NO, offsets_E, counts=None, sm_carveout=None) (main_grad[e] += x_e^T @ grad_e in
@@ -49,6 +53,7 @@ class MoEOps:
     unpermute: Callable
     sort_chunks_by_idxs: Callable
     rms_norm: Callable
+    embedding: Callable
     rotary: Callable
     swiglu: Callable
     cross_entropy: Callable
@@ -121,7 +126,8 @@ def make_moe_ops(backend: str) -> MoEOps:
     raise ValueError(f"kernel backend {backend!r}: allowed {KERNEL_BACKENDS}")
 
 
-TRITON_KERNEL_MODULES = ("cross_entropy_triton", "grouped_wgrad_triton", "permutation_map_triton",
+TRITON_KERNEL_MODULES = ("cross_entropy_triton", "embedding_triton", "grouped_wgrad_triton",
+                         "permutation_map_triton",
                          "permutation_triton", "rmsnorm_triton", "rotary_triton",
                          "router_topk_triton", "rows_triton", "sort_chunks_triton", "swiglu_triton")
 

@@ -11,7 +11,9 @@ permute(tokens, routing_map, probs=None, num_out_tokens=None)
 unpermute(permuted_tokens, row_id_map, restore_shape, probs=None, routing_map=None) -> [T, H]
 sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None) -> (output, probs | None)
 router_topk_with_counts(logits, topk, **same) -> (probs, routing_map, tokens_per_expert [E] int64)
-rms_norm(x [..., H], weight [H], eps) -> [..., H]
+rms_norm(x [..., H], weight [H], eps, main_grad=None) -> [..., H]
+embedding(tokens [T] int, weight [V, H], main_grad=None) -> [T, H] (weight[tokens])
+    (main_grad fp32 of the weight's shape: the weight's grad is added there, none returned)
 rotary(x [B, N, S, D], cos [S, D/2], sin [S, D/2]) -> [B, N, S, D]
 swiglu(h [M, 2F], probs [M] | None = None) -> [M, F]
 cross_entropy(logits [T, N], labels [T] int64, vocab=None) -> fp32 scalar (mean over labels
@@ -25,6 +27,7 @@ Output order is expert-major, ascending source token within an expert.
 """
 
 from .cross_entropy import cross_entropy_torch as cross_entropy
+from .embedding import embedding_torch as embedding
 from .grouped_wgrad import grouped_weight_grad_torch as grouped_weight_grad
 from .permutation import permute_torch as permute
 from .permutation import unpermute_torch as unpermute
@@ -38,5 +41,5 @@ from .sort_chunks import sort_chunks_by_idxs_torch as sort_chunks_by_idxs
 from .swiglu import swiglu_torch as swiglu
 
 __all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs",
-           "rms_norm", "rotary", "swiglu", "cross_entropy", "grouped_weight_grad", "gather_rows",
-           "zero_rows_from"]
+           "rms_norm", "embedding", "rotary", "swiglu", "cross_entropy", "grouped_weight_grad",
+           "gather_rows", "zero_rows_from"]

@@ -8,7 +8,10 @@ Kernels (deterministic: no atomics, fixed summation orders):
   `_rms_norm_bwd_kernel`: P programs, each walking a contiguous range of rows: dx per row, and
     the program's partial weight grad sum(dy * normed) over its rows in fp32 [P, H].
   `_rms_norm_dw_kernel`: sums the [P, H] partials over P in a fixed order, casts to the weight's
-    dtype. Backward: 2 launches (1 when the weight needs no grad).
+    dtype; with a main grad (`rms_norm_triton(..., main_grad=)`) it adds that value, in fp32, to
+    the main grad instead of writing a grad: the bits of writing the grad and the grad buffers'
+    hook adding it, without the add's launch. Backward: 2 launches (1 when the weight needs no
+    grad).
 
 Rounding follows the reference step by step, so the kernels differ from it only by summation
 order and rsqrt/division ulps: normed is rounded to x's dtype before the weight multiply; in the
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -132,14 +136,19 @@ def _rms_norm_bwd_kernel(
 @launch_cached
 @triton.jit(do_not_specialize=["P"])  # row counts vary per step: one variant
 def _rms_norm_dw_kernel(
-    dw_part_ptr,  # [P, H] fp32 in: per-program partial weight grads
-    dw_ptr,       # [H] out: their sum over P, the weight's dtype
+    dw_part_ptr,    # [P, H] fp32 in: per-program partial weight grads
+    dw_ptr,         # [H] out: their sum over P, the weight's dtype (only its dtype if INTO_MAIN)
+    main_grad_ptr,  # [H] fp32 in/out (if INTO_MAIN): += the sum rounded to dw's dtype
     P, H,
-    BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, INTO_MAIN: tl.constexpr,
 ):
     h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    dw = sum_partial_rows(dw_part_ptr, P, H, h, BLOCK_P)
-    tl.store(dw_ptr + h, dw.to(dw_ptr.dtype.element_ty), mask=h < H)
+    dw = sum_partial_rows(dw_part_ptr, P, H, h, BLOCK_P).to(dw_ptr.dtype.element_ty)
+    if INTO_MAIN:
+        main = tl.load(main_grad_ptr + h, mask=h < H, other=0.0)
+        tl.store(main_grad_ptr + h, main + dw.to(tl.float32), mask=h < H)
+    else:
+        tl.store(dw_ptr + h, dw, mask=h < H)
 
 
 def _unit_rows(t_TH: torch.Tensor) -> torch.Tensor:
@@ -160,12 +169,14 @@ def _launch_fwd(x_TH, weight_H, eps):
     return y_TH, rstd_T
 
 
-def _launch_bwd(dy_TH, x_TH, weight_H, rstd_T, need_dw):
+def _launch_bwd(dy_TH, x_TH, weight_H, rstd_T, need_dw, main_grad_H=None):
+    """(dx, dw): dw None when not needed or added into `main_grad_H` (then adding zero rows'
+    grad is left out)."""
     num_rows, hidden = x_TH.shape
     tile = rms_norm_tile(hidden)
     dx_TH = torch.empty((num_rows, hidden), dtype=x_TH.dtype, device=x_TH.device)
     if num_rows == 0:
-        return dx_TH, torch.zeros_like(weight_H) if need_dw else None
+        return dx_TH, torch.zeros_like(weight_H) if need_dw and main_grad_H is None else None
     blocks = cdiv(num_rows, tile.block_t)
     rows_per_program = cdiv(blocks, MAX_BWD_PROGRAMS) * tile.block_t
     programs = cdiv(num_rows, rows_per_program)
@@ -177,41 +188,51 @@ def _launch_bwd(dy_TH, x_TH, weight_H, rstd_T, need_dw):
         HAS_DW=need_dw, num_warps=tile.num_warps)
     if not need_dw:
         return dx_TH, None
-    dw_H = torch.empty_like(weight_H)
+    into_main = main_grad_H is not None
+    dw_H = weight_H if into_main else torch.empty_like(weight_H)  # into main: its dtype only
     _rms_norm_dw_kernel[(cdiv(hidden, 32),)](
-        dw_part_PH, dw_H, programs, hidden, BLOCK_P=128, BLOCK_H=32, num_warps=4)
-    return dx_TH, dw_H
+        dw_part_PH, dw_H, main_grad_H if into_main else dw_part_PH, programs, hidden,
+        BLOCK_P=128, BLOCK_H=32, INTO_MAIN=into_main, num_warps=4)
+    return dx_TH, None if into_main else dw_H
 
 
 class _RMSNormTriton(torch.autograd.Function):
-    """y = rms_norm(x, weight); saves x, weight and the per-row 1/rms (fp32 [T])."""
+    """y = rms_norm(x, weight); saves x, weight and the per-row 1/rms (fp32 [T]); with a main
+    grad the weight's grad is added there and none is returned."""
 
     @staticmethod
-    def forward(ctx, x_TH, weight_H, eps):
+    def forward(ctx, x_TH, weight_H, eps, main_grad_H):
         y_TH, rstd_T = _launch_fwd(x_TH, weight_H, eps)
         ctx.save_for_backward(x_TH, weight_H, rstd_T)
+        ctx.main_grad = main_grad_H
         return y_TH
 
     @staticmethod
     def backward(ctx, dy_TH):
         x_TH, weight_H, rstd_T = ctx.saved_tensors
         dx_TH, dw_H = _launch_bwd(_unit_rows(dy_TH), x_TH, weight_H, rstd_T,
-                                  ctx.needs_input_grad[1])
-        return dx_TH if ctx.needs_input_grad[0] else None, dw_H, None
+                                  ctx.needs_input_grad[1], ctx.main_grad)
+        return dx_TH if ctx.needs_input_grad[0] else None, dw_H, None, None
 
 
-def rms_norm_triton(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_triton(x_TH: torch.Tensor, weight_H: torch.Tensor, eps: float,
+                    main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., H] with weight [H] -> y [..., H] (contiguous).
 
     Same contract as `rmsnorm.rms_norm_torch` (y has x's dtype when the weight has it); any
     leading dims, any strides (rows are read in place when the last dim has unit stride).
-    Differentiable in x and weight. Forward 1 launch, backward 2 (1 without weight grad); no
-    host sync; deterministic. Needs H <= MAX_HIDDEN.
+    Differentiable in x and weight; with `main_grad` (fp32 [H], contiguous) the weight's grad
+    is added there by the backward's second kernel and the weight gets none. Forward 1 launch,
+    backward 2 (1 without weight grad); no host sync; deterministic. Needs H <= MAX_HIDDEN.
     """
     hidden = x_TH.shape[-1]
     if weight_H.shape != (hidden,):
         raise ValueError(f"rms_norm: weight shape {tuple(weight_H.shape)}, x shape "
                          f"{tuple(x_TH.shape)}: weight must be ({hidden},)")
+    if main_grad is not None and (main_grad.shape != (hidden,) or not main_grad.is_contiguous()
+                                  or main_grad.dtype != torch.float32):
+        raise ValueError(f"rms_norm: main grad {main_grad.dtype} {tuple(main_grad.shape)}: must "
+                         f"be contiguous fp32 ({hidden},)")
     x_2d = _unit_rows(x_TH.reshape(-1, hidden))
-    y_2d = _RMSNormTriton.apply(x_2d, weight_H.contiguous(), eps)
+    y_2d = _RMSNormTriton.apply(x_2d, weight_H.contiguous(), eps, main_grad)
     return y_2d.view(x_TH.shape)

@@ -11,7 +11,9 @@ permute(tokens, routing_map, probs=None, num_out_tokens=None)
     -> (permuted_tokens [N, H], permuted_probs [N] | None, row_id_map [T, E] int32)
 unpermute(permuted_tokens, row_id_map, restore_shape=None, probs=None, routing_map=None) -> [T, H]
 sort_chunks_by_idxs(input, split_sizes, sorted_idxs, probs=None) -> (output, probs | None)
-rms_norm(x [..., H], weight [H], eps) -> [..., H]
+rms_norm(x [..., H], weight [H], eps, main_grad=None) -> [..., H]
+embedding(tokens [T] int, weight [V, H], main_grad=None) -> [T, H] (weight[tokens])
+    (main_grad fp32 of the weight's shape: the weight's grad is added there, none returned)
 rotary(x [B, N, S, D], cos [S, D/2], sin [S, D/2]) -> [B, N, S, D]
 swiglu(h [M, 2F], probs [M] | None = None) -> [M, F]
 cross_entropy(logits [T, N], labels [T] int64, vocab=None) -> fp32 scalar (mean over labels
@@ -30,6 +32,7 @@ TRITON_INTERPRET=1 (see `epoverlap.kernels.triton_unavailable_reason`).
 """
 
 from .cross_entropy_triton import cross_entropy_triton as cross_entropy
+from .embedding_triton import embedding_triton as embedding
 from .grouped_wgrad_triton import grouped_weight_grad_triton as grouped_weight_grad
 from .permutation_triton import permute_triton as permute
 from .permutation_triton import unpermute_triton as unpermute
@@ -43,5 +46,5 @@ from .sort_chunks_triton import sort_chunks_by_idxs_triton as sort_chunks_by_idx
 from .swiglu_triton import swiglu_triton as swiglu
 
 __all__ = ["router_topk", "router_topk_with_counts", "permute", "unpermute", "sort_chunks_by_idxs",
-           "rms_norm", "rotary", "swiglu", "cross_entropy", "grouped_weight_grad", "gather_rows",
-           "zero_rows_from"]
+           "rms_norm", "embedding", "rotary", "swiglu", "cross_entropy", "grouped_weight_grad",
+           "gather_rows", "zero_rows_from"]

@@ -21,12 +21,14 @@ from epoverlap.kernels import MoEOps
 from epoverlap.model.context import ContextParallel
 from epoverlap.model.documents import Documents
 from epoverlap.model.dropout import causal_attention, grouped_kv
-from epoverlap.model.linear import linear
+from epoverlap.model.linear import fused_main_grad, linear
 from epoverlap.model.init import param_seed, seeded_normal_
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm through the op table (fused Triton kernel on GPU, torch reference on CPU)."""
+    """RMSNorm through the op table (fused Triton kernel on GPU, torch reference on CPU); its
+    weight grad goes into the weight's fp32 main grad inside the op's backward wherever the
+    GEMMs' do (`model.linear.fused_main_grad`)."""
 
     def __init__(self, hidden: int, eps: float, ops: MoEOps, dtype, device):
         super().__init__()
@@ -34,7 +36,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x_TH, self.weight, self.eps)
+        return self.ops.rms_norm(x_TH, self.weight, self.eps,
+                                 main_grad=fused_main_grad(self.weight))
 
 
 def rotary_tables(seq_len: int, head_dim: int, base: float, device) -> tuple:

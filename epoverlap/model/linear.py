@@ -3,10 +3,12 @@
 Owns the autograd functions `linear` and `grouped_gemm`, `accumulate_weight_grad`,
 `accumulate_weight_grad_gemm` and `accumulate_expert_weight_grad` (the dense and the experts'
 weight grads added into `main_grad` by the GEMM itself: gradient-accumulation fusion, unless
---no-gradient-accumulation-fusion). Their backward computes the input grad at once and offers
-the weight-grad GEMM to a `WeightGradQueue` (when one is given): deferred, it runs later at the
-plan's `W` action; otherwise inline. Both paths run the same GEMM and the same fp32
-accumulation into `param.main_grad`, so deferring changes no bit of any gradient.
+--no-gradient-accumulation-fusion), and `fused_main_grad` (the main grad the norms' and the
+embedding's ops add their weight grads into under the same rule). The GEMMs' backward computes
+the input grad at once and offers the weight-grad GEMM to a `WeightGradQueue` (when one is
+given): deferred, it runs later at the plan's `W` action; otherwise inline. Both paths run the
+same GEMM and the same fp32 accumulation into `param.main_grad`, so deferring changes no bit of
+any gradient.
 
 Shape legend: N rows (tokens), I input features, O output features, E local experts.
 
@@ -76,6 +78,13 @@ def fuses_weight_grad(param: torch.Tensor) -> bool:
     --no-gradient-accumulation-fusion) is on."""
     return (getattr(param, "main_grad", None) is not None
             and getattr(param, "fuse_grad_accumulation", False))
+
+
+def fused_main_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """param's fp32 `main_grad` where its weight grads go there directly (`fuses_weight_grad`):
+    what the norms and the embedding hand their op (`kernels.MoEOps`), whose backward then adds
+    the grad there; else None (autograd's grad, which the grad buffers' hook adds)."""
+    return param.main_grad if fuses_weight_grad(param) else None
 
 
 def _addmm_into(main_grad: torch.Tensor, grad_NO: torch.Tensor, x_NI: torch.Tensor) -> bool:

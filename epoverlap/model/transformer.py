@@ -50,7 +50,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from epoverlap.kernels import MoEOps
@@ -68,7 +67,7 @@ from epoverlap.model.documents import Documents
 from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, hidden_dropout,
                                      uses_dropout)
-from epoverlap.model.linear import linear
+from epoverlap.model.linear import fused_main_grad, linear
 from epoverlap.model.init import param_seed, seeded_normal_, vocab_parameter
 from epoverlap.model.moe import GroupedSwiGLUExperts, Router, SwiGLU
 from epoverlap.model.nodes import (COMM, COMPUTE, RECV, SEND, NodeSpec, Segment, hidden_value,
@@ -476,7 +475,8 @@ class MoEModel(nn.Module):
         """tokens [B, S] (this rank's chunks of them under CP) -> hidden [T, H]."""
         if self.context is not None:
             tokens = self.context.local(tokens)
-        return {"hidden": F.embedding(tokens.reshape(-1), self.embedding)}
+        return {"hidden": self.ops.embedding(tokens.reshape(-1), self.embedding,
+                                             main_grad=fused_main_grad(self.embedding))}
 
     def loss_forward(self, hidden, labels):
         """The mean loss of this microbatch's counted labels (--eod-mask-loss leaves some out;

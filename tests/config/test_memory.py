@@ -97,9 +97,11 @@ def test_paired_expert_weight_grads_are_counted(monkeypatch):
     cfg = resolve_config(parse_config(["--preset", "small", "--bf16", "--num-microbatches", "2",
                                        "--cuda-graph-impl", "none"]), 1, True)
     paired = estimate_memory(cfg, 1)
+    assert estimate_memory(cfg, 1, paired=True) == paired  # the flags allow it here
     monkeypatch.setattr(memory, "expert_grad_placement",
                         lambda cfg: {"first_write": True, "pair_microbatches": False})
     plain = estimate_memory(cfg, 1)
+    assert estimate_memory(cfg, 1, paired=False) == plain
     m, moe = cfg.model, cfg.moe
     tokens = cfg.train.micro_batch_size * m.seq_length
     layers = sum(cfg.moe_layer_pattern())

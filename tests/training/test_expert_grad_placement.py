@@ -1,5 +1,5 @@
 """The experts' fused weight grads paired over microbatches and written first (`schedule.wgrad`,
-`WeightGradQueue.expert_grad`; `training.optimizer.grads.expert_grad_placement`): the queue's rules,
+`WeightGradQueue.expert_grad`; `training.setup.memory.place_expert_grads`): the queue's rules,
 and training runs on the CPU with the placement on (the default) and off giving the same bits of
 every loss, grad norm and weight, with the expert grads left unzeroed (NaN) before each step under
 the placement, so a first weight grad that added to them instead of overwriting shows.
@@ -15,6 +15,7 @@ from epoverlap.config import parse_config
 from epoverlap.schedule.wgrad import WeightGradQueue
 from epoverlap.training.loop import build
 from epoverlap.training.optimizer import grads
+from epoverlap.training.setup import memory
 from epoverlap.training.loop.trainer import Trainer
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -79,8 +80,9 @@ def test_deferred_work_is_placed_by_its_own_microbatch():
 def _train(flags: list[str]) -> tuple[list, dict]:
     trainer = Trainer(parse_config(FLAGS + flags), single_rank_groups(), log=lambda msg: None)
     try:
-        assert trainer.parts.wgrad_queue.first_write == build.expert_grad_placement(
-            trainer.cfg)["first_write"]
+        queue, placed = trainer.parts.wgrad_queue, trainer.parts.expert_grads
+        assert (queue.first_write, queue.pair_microbatches) == (placed.first_write,
+                                                                placed.pair_microbatches)
         results = [(r.loss, r.grad_norm) for r in trainer.train()]
         params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     finally:
@@ -111,8 +113,8 @@ def test_placement_on_and_off_train_to_the_same_bits(flags, monkeypatch):
     monkeypatch.setattr(grads.GradBuffers, "zero", stale_experts)
     placed, placed_params = _train(flags)
     assert 2 in pairs  # microbatches were paired
-    monkeypatch.setattr(build, "expert_grad_placement",
-                        lambda cfg: {"first_write": False, "pair_microbatches": False})
+    monkeypatch.setattr(build, "place_expert_grads", lambda *args: memory.ExpertGradPlacement(
+        False, False, "off"))
     pairs.clear()
     plain, plain_params = _train(flags)
     assert pairs and set(pairs) == {1}

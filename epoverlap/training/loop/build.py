@@ -63,8 +63,9 @@ from epoverlap.training.telemetry.console import warn_every_rank
 from epoverlap.training.setup.data import open_data_source
 from epoverlap.training.loop.faults import FaultInjector
 from epoverlap.training.loop.path import ExecutionPath
-from epoverlap.training.optimizer.grads import GradBuffers, expert_grad_placement
-from epoverlap.training.setup.memory import available_memory, estimate_memory
+from epoverlap.training.optimizer.grads import GradBuffers
+from epoverlap.training.setup.memory import (ExpertGradPlacement, available_memory,
+                                             estimate_memory, place_expert_grads)
 from epoverlap.training.optimizer.optim import MixedPrecisionAdamW
 from epoverlap.training.tuning.tune_cache import CacheTarget, agreed_cached_decision
 from epoverlap.training.tuning.tuner import Tuner
@@ -107,8 +108,9 @@ class RunParts:
         self.comm = ExpertComm(groups.ep, groups.ep_size, cfg.overlap.comm_mode,
                                counts_group=groups.ep_splits, by_host=_host_comms(cfg, groups),
                                transport=_host_transport(cfg, groups))
+        self.expert_grads = self._place_expert_grads()
         self.wgrad_queue = WeightGradQueue(enabled=cfg.overlap.delay_wgrad_compute,
-                                           **expert_grad_placement(cfg))
+                                           **self.expert_grads.queue_options())
         self.model = MoEModel(cfg, self.comm, groups.ep_rank, make_moe_ops(self.backend),
                               dtype=model_dtype(cfg), device=self.device,
                               wgrad_queue=self.wgrad_queue, stage=groups.pp_rank,
@@ -121,6 +123,16 @@ class RunParts:
         self.grads = GradBuffers(self.model, groups, fuse_grad_accumulation=not
                                  cfg.train.no_gradient_accumulation_fusion)
         self.optimizer = MixedPrecisionAdamW(self.model, cfg.train)
+
+    def _place_expert_grads(self) -> ExpertGradPlacement:
+        """Where the experts' weight grads go: paired over microbatches where the memory
+        estimate leaves room under this rank's budget (`setup.memory.place_expert_grads`, the
+        one place that decides); the choice is logged once."""
+        budget, where = available_memory(self.device.type, self.groups.local_rank,
+                                         int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        placement = place_expert_grads(self.cfg, self.groups.world_size, budget, where)
+        self._log_first(placement.line)
+        return placement
 
     def _documents(self) -> Optional[Documents]:
         """The packed samples' rules, with the data's end-of-document id (None without
@@ -369,7 +381,8 @@ class RunParts:
             return paths
         trial = dataclasses.replace(cfg, overlap=dataclasses.replace(
             cfg.overlap, overlap_plan=PAIRED_ENDS))
-        needs = estimate_memory(trial, self.groups.world_size).total
+        needs = estimate_memory(trial, self.groups.world_size,
+                                paired=self.wgrad_queue.pair_microbatches).total
         budget, where = available_memory(self.device.type, self.groups.local_rank,
                                          int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         fits = torch.tensor([float(budget is None or needs <= budget)], device=self.device)

@@ -2,8 +2,10 @@
 
 Owns `GradBuffers`. Every parameter gets `param.main_grad`, a view into one flat fp32 buffer
 for dense parameters and one for expert parameters. The deferrable GEMMs accumulate their
-weight grads there directly; every other parameter's autograd `.grad` is folded in by a
-post-accumulate hook and released. Reduction happens once per step, after the step's last
+weight grads there directly, and so do the norms' and the embedding's ops
+(`model.linear.fused_main_grad`); with --no-gradient-accumulation-fusion every parameter's
+autograd `.grad` is folded in by a post-accumulate hook and released (the hook stays for any
+parameter whose op returns a grad). Reduction happens once per step, after the step's last
 contribution to each grad, inside each pipeline stage (DP = the ranks of the stage; the world
 without pipeline parallelism):
   dense:  sum over the stage's data-parallel group, divided by DP;
@@ -41,10 +43,11 @@ from epoverlap.schedule.grad_reduce import ReduceBucket
 
 
 def expert_grad_placement(cfg: RunConfig) -> dict:
-    """Where the experts' fused weight grads go (`WeightGradQueue`): paired over microbatches
-    2k and 2k+1 and the run's first overwriting the main grad, whenever the weight grads are
-    fused into it and no per-layer CUDA graph splits a run (with --cuda-graph-impl local a
-    graph's capture is not one run of the plan). Neither changes a bit."""
+    """Where the flags allow the experts' fused weight grads to go (`WeightGradQueue`): paired
+    over microbatches 2k and 2k+1 and the run's first overwriting the main grad, whenever the
+    weight grads are fused into it and no per-layer CUDA graph splits a run (with
+    --cuda-graph-impl local a graph's capture is not one run of the plan). Neither changes a
+    bit. Whether the pairing's held rows fit is decided by `setup.memory.place_expert_grads`."""
     on = not cfg.train.no_gradient_accumulation_fusion and cfg.cuda_graph.impl != "local"
     return {"first_write": on, "pair_microbatches": on}
 

@@ -2,9 +2,10 @@
 before anything is allocated.
 
 Owns `estimate_memory` (weights, fp32 grads, fp32 masters and AdamW state of this rank's
-parameters; activations of the microbatches in flight; the backward's transient grads) and
+parameters; activations of the microbatches in flight; the backward's transient grads),
 `check_memory`, which refuses a run that cannot fit with one line naming the flags that drive
-the estimate.
+the estimate, and `place_expert_grads`, the one place that decides whether the experts' weight
+grads are paired over microbatches (below).
 
 Per token of one microbatch (b = bytes of the model dtype; Q/G query/key-value heads, D head
 dim, k top-k, E experts, Fe expert FFN, V vocab padded to --make-vocab-size-divisible-by, as
@@ -20,9 +21,12 @@ With a sync-free dispatch k counts the rows the dispatch moves per token instead
 (padding rows hold activations too), EP x block / tokens with --moe-dispatch-budget at the
 first budget level that holds balanced routing (a step rerun at a larger budget needs more, up
 to EP x k). A capacity without padding keeps k: it can only drop rows.
-Where the experts' weight grads are paired over microbatches (training.optimizer.grads.
-expert_grad_placement), each MoE layer also holds one microbatch's expert rows until the next
-one's backward: b x k x (2H + 3Fe) per token a layer (each expert GEMM's input and output grad).
+Where the experts' weight grads are paired over microbatches, each MoE layer also holds one
+microbatch's expert rows until the next one's backward: b x k x (2H + 3Fe) per token a layer
+(each expert GEMM's input and output grad). Pairing saves time, not memory, so it is taken only
+where it fits: the flags allow it (training.optimizer.grads.expert_grad_placement) and the
+estimate with those rows stays PAIRING_HEADROOM under the rank's budget (`place_expert_grads`);
+otherwise one launch a microbatch, and the run is refused only when that does not fit.
 One microbatch in flight without the overlap; with it, one microbatch plus the largest layer of
 the next (the combined 1F1B forward of layer l runs beside the backward of layer L-1-l); two
 plus that layer with the paired-ends plan (F(i-1) is held while F(i) runs beside B(i-2)). The
@@ -60,6 +64,9 @@ CPU_RANK_OVERHEAD_BYTES = int(0.5 * GIB)
 # Small tensors the per-token formulas leave out (indices, probs copies, norms' rstd) and
 # allocation rounding: +5% on activations and transients.
 UNCOUNTED_FACTOR = 1.05
+# Share of the budget the paired expert rows must leave free: pairing is a speed choice, and a
+# learned router's imbalance peaked 6% above the balanced estimate (module docstring).
+PAIRING_HEADROOM = 0.10
 
 
 @dataclass(frozen=True)
@@ -131,14 +138,63 @@ def _layer_bytes_per_token(cfg: RunConfig, is_moe: bool, b: int, rows: float) ->
     return attn + int(b * (rows * (5 * h + 3 * ffn) + 2 * h + 3 * shared)) + 13 * moe.num_experts
 
 
-def estimate_memory(cfg: RunConfig, world_size: int) -> MemoryEstimate:
+def estimate_memory(cfg: RunConfig, world_size: int,
+                    paired: Optional[bool] = None) -> MemoryEstimate:
     """Peak bytes one rank needs for `cfg` (see the module docstring for what is counted): the
-    largest over the pipeline stages."""
+    largest over the pipeline stages. `paired`: whether the experts' weight grads are paired
+    over microbatches (`place_expert_grads` decides); None: wherever the flags allow it (the
+    most the run can need)."""
     stages = range(cfg.parallel.pipeline_model_parallel_size)
-    return max((_stage_estimate(cfg, stage) for stage in stages), key=lambda e: e.total)
+    return max((_stage_estimate(cfg, stage, paired) for stage in stages),
+               key=lambda e: e.total)
 
 
-def _stage_estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
+@dataclass(frozen=True)
+class ExpertGradPlacement:
+    """Where the experts' fused weight grads go (`schedule.wgrad.WeightGradQueue`'s options),
+    and the start-up line that says so."""
+
+    first_write: bool
+    pair_microbatches: bool
+    line: str
+
+    def queue_options(self) -> dict:
+        return {"first_write": self.first_write, "pair_microbatches": self.pair_microbatches}
+
+
+def place_expert_grads(cfg: RunConfig, world_size: int, budget: Optional[int],
+                       where: str) -> ExpertGradPlacement:
+    """The experts' weight-grad placement of a run whose ranks may use `budget` bytes each
+    (`available_memory`: `where` says what that figure is; None: unknown). The first write
+    (no zeroing) as the flags allow; the pairing where they allow it and the estimate with the
+    paired rows fits under the budget less PAIRING_HEADROOM, else one launch a microbatch. It
+    changes no bit either way, so ranks need not agree."""
+    allowed = expert_grad_placement(cfg)
+    first = allowed["first_write"]
+    if not allowed["pair_microbatches"] or not cfg.moe.enabled \
+            or cfg.train.num_microbatches < 2:
+        return ExpertGradPlacement(first, False, "expert weight grads: one launch a microbatch "
+                                   "(nothing to pair: unfused grads, per-layer CUDA graphs, no "
+                                   "MoE layer or one microbatch)")
+    needs = estimate_memory(cfg, world_size, paired=True).total
+    if budget is None:
+        return ExpertGradPlacement(first, False, "expert weight grads: one launch a microbatch "
+                                   f"(pairing needs about {_gib(needs)} and the memory at hand "
+                                   f"is unknown: {where})")
+    room = int(budget * (1 - PAIRING_HEADROOM))
+    pair = needs <= room
+    verdict = "microbatches 2k and 2k+1 paired" if pair else "one launch a microbatch"
+    relation = "within" if pair else "above"
+    return ExpertGradPlacement(first, pair, f"expert weight grads: {verdict} (the estimate with "
+                               f"the paired rows, {_gib(needs)}, is {relation} "
+                               f"{100 - round(100 * PAIRING_HEADROOM)}% of {_gib(max(budget, 0))}"
+                               f" per rank; {where})")
+
+
+def _stage_estimate(cfg: RunConfig, stage: int,
+                    paired: Optional[bool] = None) -> MemoryEstimate:
+    if paired is None:  # wherever the flags allow it
+        paired = expert_grad_placement(cfg)["pair_microbatches"]
     m, t = cfg.model, cfg.train
     b = 2 if t.bf16 else 4
     sizes = weight_sizes(cfg, cfg.parallel.expert_model_parallel_size, stage)
@@ -156,9 +212,9 @@ def _stage_estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
     if cfg.overlap.overlap_moe_expert_parallel_comm:
         activations += tokens * max(max(layers) for layers in per_chunk)
         in_flight += " + 1 layer"
-    paired = _paired_expert_rows(cfg, chunks, pattern, b, rows)
-    if paired:
-        activations += tokens * paired
+    held = _paired_expert_rows(cfg, chunks, pattern, b, rows) if paired else 0
+    if held:
+        activations += tokens * held
         in_flight += " + one microbatch's expert rows (paired weight grads)"
     grads_per_token = max(m.padded_vocab_size * (8 + b) if loss else 0,
                           int(2 * rows * m.hidden_size * b))
@@ -170,10 +226,9 @@ def _stage_estimate(cfg: RunConfig, stage: int) -> MemoryEstimate:
 
 def _paired_expert_rows(cfg: RunConfig, chunks, pattern, b: int, rows: float) -> int:
     """Bytes per token a stage's MoE layers hold while microbatch 2k's expert weight grads
-    wait for 2k+1's (`expert_grad_placement`): each expert GEMM's input and output grad, b x
-    rows x (2H + 3Fe) a layer; 0 where the grads are not paired."""
-    if not cfg.moe.enabled or cfg.train.num_microbatches < 2 or \
-            not expert_grad_placement(cfg)["pair_microbatches"]:
+    wait for 2k+1's: each expert GEMM's input and output grad, b x rows x (2H + 3Fe) a layer;
+    0 where nothing is paired (no MoE layer, one microbatch)."""
+    if not cfg.moe.enabled or cfg.train.num_microbatches < 2:
         return 0
     ffn = cfg.moe.moe_ffn_hidden_size or cfg.model.ffn_hidden_size
     moe_layers = sum(pattern[layer] for chunk in chunks for layer in chunk.layers)
@@ -228,13 +283,15 @@ def _mem_available_bytes(path: str = "/proc/meminfo") -> Optional[int]:
 
 
 def check_memory(cfg: RunConfig, world_size: int, device: str, local_ranks: int) -> None:
-    """Raise ConfigError (naming the flags that drive the estimate) when a rank cannot fit."""
+    """Raise ConfigError (naming the flags that drive the estimate) when a rank cannot fit, with
+    the experts' weight grads unpaired (where the paired rows do not fit the run does without
+    them: `place_expert_grads`)."""
     cfg = resolve_config(cfg, world_size, device == "cuda")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     budget, source = available_memory(device, local_rank, local_ranks)
     if budget is None:
         return
-    estimate = estimate_memory(cfg, world_size)
+    estimate = estimate_memory(cfg, world_size, paired=False)
     if estimate.total <= budget:
         return
     m, t = cfg.model, cfg.train
