@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dist_helpers import single_rank_groups
+from grad_poison import poison_unzeroed_expert_grads
 from epoverlap.config import parse_config
 from epoverlap.schedule.wgrad import WeightGradQueue
 from epoverlap.training.loop import build
-from epoverlap.training.optimizer import grads
 from epoverlap.training.setup import memory
 from epoverlap.training.loop.trainer import Trainer
 
@@ -104,13 +104,7 @@ def test_placement_on_and_off_train_to_the_same_bits(flags, monkeypatch):
                     lambda sources, accumulate: (pairs.append(len(sources)),
                                                  run(sources, accumulate)))
     monkeypatch.setattr(WeightGradQueue, "expert_grad", counting)
-    zero = grads.GradBuffers.zero
-
-    def stale_experts(self, experts=True):  # what a first weight grad that added would read
-        zero(self, experts)
-        if not experts:
-            self.expert_flat.fill_(float("nan"))
-    monkeypatch.setattr(grads.GradBuffers, "zero", stale_experts)
+    poison_unzeroed_expert_grads(monkeypatch)
     placed, placed_params = _train(flags)
     assert 2 in pairs  # microbatches were paired
     monkeypatch.setattr(build, "place_expert_grads", lambda *args: memory.ExpertGradPlacement(

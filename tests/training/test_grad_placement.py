@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dist_helpers import single_rank_groups
+from grad_poison import poison_unzeroed_expert_grads
 from epoverlap.config import parse_config, resolve_config
 from epoverlap.errors import ConfigError
 from epoverlap.model import attention, transformer
@@ -85,13 +86,7 @@ def test_no_parameter_adds_its_grad_per_microbatch(hook_adds):
                 "--delay-wgrad-compute"]),
 ])
 def test_fused_and_hooked_grads_train_to_the_same_bits(backend, flags, monkeypatch, hook_adds):
-    zero = grads.GradBuffers.zero
-
-    def stale_experts(self, experts=True):  # what a first weight grad that added would read
-        zero(self, experts)
-        if not experts:
-            self.expert_flat.fill_(float("nan"))
-    monkeypatch.setattr(grads.GradBuffers, "zero", stale_experts)
+    poison_unzeroed_expert_grads(monkeypatch)
     flags = flags + ["--kernel-backend", backend]
     fused, fused_params = _train(flags)
     assert hook_adds == []
