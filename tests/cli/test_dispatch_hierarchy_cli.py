@@ -44,13 +44,13 @@ def test_hierarchy_errors_name_the_flag(flags, message, monkeypatch):
     assert "--moe-dispatch-hierarchy" in str(err.value) and message in str(err.value)
 
 
-def test_chunks_refuse_the_hierarchy_in_one_line(monkeypatch):
+def test_waves_refuse_the_hierarchy_in_one_line(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     argv = TINY + NODE + ["--expert-model-parallel-size", "4", "--emulate-hosts", "2",
-                          "--moe-a2a-chunks", "2"]
+                          "--moe-a2a-waves", "2"]
     with pytest.raises(ConfigError) as err:
         validate_config(parse_config(argv), 4, cuda_available=False)
-    assert "--moe-a2a-chunks" in str(err.value) and "--moe-dispatch-hierarchy flat" in str(err.value)
+    assert "--moe-a2a-waves" in str(err.value) and "--moe-dispatch-hierarchy flat" in str(err.value)
 
 
 CPU_RUN = TINY + ["--expert-model-parallel-size", "4", "--emulate-hosts", "2",

@@ -72,7 +72,7 @@ def test_the_fit_stays_within_one_and_every_row():
 
 def _tuned_budget() -> DispatchBudget:
     """A fitted budget after four tuning steps: steps 1 and 3 (the path chosen later) needed
-    1.1 and 1.08, steps 2 and 4 (a chunked candidate's) 1.5 and 1.45."""
+    1.1 and 1.08, steps 2 and 4 (a waved candidate's) 1.5 and 1.45."""
     budget = DispatchBudget(1.25, 2, 1024, CPU, memory_steps=20, fit=True)
     for step, need in enumerate([1.1, 1.5, 1.08, 1.45], start=1):
         budget.refit()

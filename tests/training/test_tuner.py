@@ -152,18 +152,18 @@ def _cfg(*flags: str, world: int = 2):
 def test_the_paths_of_a_config_and_its_pinned_axes():
     def names(*flags: str) -> list[str]:
         return [p.name for p in candidate_paths(_cfg(*flags))]
-    # tiny: 8 experts, 4 local on EP 2: the chunked path has 4 chunks
-    assert names() == [OVL, WG, PE, PE + "+wgrad", WG + "+k4", SEQUENTIAL]
+    # tiny: 8 experts, 4 local on EP 2: the path in waves has 4
+    assert names() == [OVL, WG, PE, PE + "+wgrad", WG + "+w4", SEQUENTIAL]
     # --overlap-plan pinned: that plan (still against sequential), the wgrad axis tuned
     assert names("--overlap-plan", "combined_1f1b_early_release") == [
         "combined_1f1b_early_release", "combined_1f1b_early_release+wgrad",
-        "combined_1f1b_early_release+wgrad+k4", SEQUENTIAL]
+        "combined_1f1b_early_release+wgrad+w4", SEQUENTIAL]
     # --delay-wgrad-compute pinned: every path defers, no name says so
     paths = candidate_paths(_cfg("--delay-wgrad-compute"))
-    assert [p.name for p in paths] == [OVL, PE, OVL + "+k4", SEQUENTIAL]
+    assert [p.name for p in paths] == [OVL, PE, OVL + "+w4", SEQUENTIAL]
     assert all(p.delay_wgrad for p in paths)
     # paired ends is a path of its own with two or more microbatches only
-    assert names("--num-microbatches", "1") == [OVL, WG, WG + "+k4", SEQUENTIAL]
+    assert names("--num-microbatches", "1") == [OVL, WG, WG + "+w4", SEQUENTIAL]
     # the overlap off: one path, nothing to tune
     assert names("--no-overlap-moe-expert-parallel-comm") == [SEQUENTIAL]
     # the deprecated probe: the flags' overlap plan against sequential
@@ -178,7 +178,7 @@ def test_the_once_per_rank_path_only_with_tune_allow_rounding_and_where_it_can_r
     assert names()[-2:] == [WG + "+once", SEQUENTIAL]
     assert not any(p.once_per_rank for p in candidate_paths(_cfg()))  # not without the flag
     for flags in (["--moe-dispatch-once-per-rank"], ["--moe-dispatch-budget", "2.0"],
-                  ["--moe-a2a-chunks", "2"], ["--expert-model-parallel-size", "1"]):
+                  ["--moe-a2a-waves", "2"], ["--expert-model-parallel-size", "1"]):
         assert not any(n.endswith("+once") for n in names(*flags)), flags
     assert names("--delay-wgrad-compute")[-2:] == [OVL + "+once", SEQUENTIAL]
 
@@ -189,33 +189,33 @@ def test_the_process_groups_path_where_the_flags_go_through_host_memory():
     the process group's transport, no such path."""
     host = ["--moe-a2a-transport", "host_memory"]
     paths = candidate_paths(_cfg(*host))
-    assert [p.name for p in paths] == [OVL, WG, PE, PE + "+wgrad", WG + "+k4", WG + "+group",
+    assert [p.name for p in paths] == [OVL, WG, PE, PE + "+wgrad", WG + "+w4", WG + "+group",
                                        SEQUENTIAL]
     assert [p.host_memory for p in paths] == [True] * 5 + [False, True]
     group = paths[5]
-    assert (group.plan, group.delay_wgrad, group.chunks) == (OVL, True, 1)
+    assert (group.plan, group.delay_wgrad, group.waves) == (OVL, True, 1)
     assert not any(p.host_memory or p.name.endswith("+group") for p in candidate_paths(_cfg()))
     assert [p.name for p in candidate_paths(_cfg(*host, "--delay-wgrad-compute"))][-2:] == [
         OVL + "+group", SEQUENTIAL]
 
 
-def test_the_chunked_path_where_the_config_can_chunk_and_the_flags_left_it_at_one():
-    def chunks(*flags: str, world: int = 2) -> list[int]:
-        return [p.chunks for p in candidate_paths(_cfg(*flags, world=world))]
-    assert chunks() == [1, 1, 1, 1, 4, 1]
-    # fewer local experts than 4: as many chunks as experts; one local expert: no chunks
-    assert chunks("--num-experts", "4")[4] == 2
-    assert 4 not in chunks("--num-experts", "2") and 2 not in chunks("--num-experts", "2")
-    # the flags' chunks: every path has them, no other count is tried
-    assert set(chunks("--moe-a2a-chunks", "2")) == {2}
-    # the budget dispatch chunks too
+def test_the_path_in_waves_where_the_config_allows_it_and_the_flags_left_it_at_one():
+    def waves(*flags: str, world: int = 2) -> list[int]:
+        return [p.waves for p in candidate_paths(_cfg(*flags, world=world))]
+    assert waves() == [1, 1, 1, 1, 4, 1]
+    # fewer local experts than 4: as many waves as experts; one local expert: no waves
+    assert waves("--num-experts", "4")[4] == 2
+    assert 4 not in waves("--num-experts", "2") and 2 not in waves("--num-experts", "2")
+    # the flags' waves: every path has them, no other count is tried
+    assert set(waves("--moe-a2a-waves", "2")) == {2}
+    # the budget dispatch splits into waves too
     budget = ["--moe-dispatch-budget", "1.5"]
-    assert chunks(*budget)[4] == 4
-    # a dispatch or graphs the chunks cannot run with: no chunked path
+    assert waves(*budget)[4] == 4
+    # a dispatch or graphs the waves cannot run with: no path in waves
     for flags in (["--moe-dispatch-once-per-rank"],
                   ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"],
                   budget + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"]):
-        assert set(chunks(*flags)) == {1}, flags
+        assert set(waves(*flags)) == {1}, flags
 
 
 def test_auto_tunes_on_cuda_only_and_on_anywhere_off_never():

@@ -1,7 +1,7 @@
 """The path tuner through the real command (torchrun, 2 gloo ranks, EP 2, the overlap on):
 `--tune on --tune-steps 1` times the six paths (the combined 1F1B and its paired-ends form,
 each with delayed weight grads off and on, the combined 1F1B with delayed weight grads and the
-all-to-alls in 4 chunks of experts, and the sequential schedule) one step each after the first, prints the decision's table, records it in the --log-json record of the deciding
+all-to-alls in 4 waves of experts, and the sequential schedule) one step each after the first, prints the decision's table, records it in the --log-json record of the deciding
 step, and trains with every loss's bits those of a `--tune off` run."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ FLAGS = ["--preset", "tiny", "--mock-data", "--hidden-size", "64", "--seq-length
          "--micro-batch-size", "2", "--num-microbatches", "2", "--distributed-timeout-minutes",
          "3", "--train-iters", "8", "--log-interval", "1", "--kernel-backend", "torch"]
 PATHS = ["combined_1f1b", "combined_1f1b+wgrad", "combined_1f1b_paired_ends",
-         "combined_1f1b_paired_ends+wgrad", "combined_1f1b+wgrad+k4", "sequential"]
+         "combined_1f1b_paired_ends+wgrad", "combined_1f1b+wgrad+w4", "sequential"]
 
 
 def _train(out: Path, name: str, flags: list[str]) -> tuple[str, list[dict]]:
