@@ -1,4 +1,5 @@
-"""The chunked all-to-all's GPU recipes (`--moe-a2a-waves`, benchmarks/chunked.md)."""
+"""The GPU recipes of the all-to-alls in waves (`--moe-a2a-waves`, formerly `--moe-a2a-chunks`:
+benchmarks/chunked.md); the recipes keep the names their records were made under."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from benchmarks.gpu.recipe_parts import (BITWISE_RUN, BUDGET, EAGER, FULL_ITERAT
                                          OVERLAP, SEQUENTIAL, TRAIN, TRAIN_BENCH, WGRAD, Recipe,
                                          Step, rounds_step)
 
-# the chunked all-to-all (--moe-a2a-waves): the shape where the all-to-all is 1:1 with compute
+# the all-to-alls in waves (--moe-a2a-waves): the shape where the all-to-all is 1:1 with compute
 # when it goes through host memory (bench_overlap's ratio_h2048_k4_f4096), the training command
 RATIO_1TO1 = ("--num-layers 2 --hidden-size 2048 --num-attention-heads 16 --num-query-groups 4"
               " --seq-length 1024 --num-experts 32 --moe-router-topk 4 --moe-ffn-hidden-size 4096"
