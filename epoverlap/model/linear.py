@@ -290,8 +290,8 @@ def grouped_gemm(x_NI: torch.Tensor, weight_EIO: torch.nn.Parameter, offsets_E: 
     """Rows of expert e (counts[e] of them, in order) times weight[e]; deferrable weight grad.
     counts None: see the module docstring (device-only counts, padding rows at the end).
     `sm_carveout`: SMs the forward, input-grad and weight-grad GEMMs leave free (CUDA).
-    `experts` (a, b): the rows are those of experts a..b-1 only (a chunk of them,
-    `model.chunked`): weight[a:b] multiplies them and their weight grad lands there.
+    `experts` (a, b): the rows are those of experts a..b-1 only (a wave of them,
+    `model.waves`): weight[a:b] multiplies them and their weight grad lands there.
     `grouped_weight_grad`: the op table's (`MoEOps.grouped_weight_grad`) that adds the weight
     grad into the fp32 main grad when the weight's grad accumulation is fused."""
     return _GroupedGemm.apply(x_NI, weight_EIO, offsets_E, counts, queue, sm_carveout,
