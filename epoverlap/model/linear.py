@@ -36,7 +36,7 @@ from epoverlap.parallel.watch import host_list
 def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor,
                            experts: Optional[tuple[int, int]] = None) -> None:
     """param.main_grad += grad (fp32 buffer), or into param.grad when no buffer is attached.
-    `experts` (a, b): grad holds experts a..b-1 of an [E, ...] param (a chunk of them)."""
+    `experts` (a, b): grad holds experts a..b-1 of an [E, ...] param (a wave of them)."""
     main_grad = getattr(param, "main_grad", None)
     if experts is not None:
         start, end = experts
@@ -241,7 +241,7 @@ def accumulate_expert_weight_grad(param_EIO, x_NI, grad_NO, offsets_E, counts, e
     main_grad = param_EIO.main_grad
 
     def run(sources: list, accumulate: bool) -> None:
-        if experts is not None and not accumulate:  # a chunk of the experts: zero them all once
+        if experts is not None and not accumulate:  # a wave of the experts: zero them all once
             main_grad.zero_()
             accumulate = True
         (x, grad, offsets, known), more = sources[0], sources[1:]
