@@ -35,7 +35,7 @@ class Flag:
     name: Optional[str] = None  # default: "--" + the field name with dashes
     choices: tuple[str, ...] = ()
     megatron: Optional[str] = None  # Megatron-LM's spelling where it differs (accepted too)
-    old_name: Optional[str] = None  # our own former name: accepted, warned as deprecated
+    old_name: Optional[str] = None  # our former name: accepted, warned (not for switches yet)
     nargs: Optional[str] = None  # for tuple fields: "+" (default) or "*"
     group: Optional[str] = None  # the --help section it is listed in (None: the main one)
     default_text: Optional[str] = None  # how --help shows the default, where str() would not do
