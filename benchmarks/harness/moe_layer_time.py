@@ -4,11 +4,11 @@
 
 Each DIR is a span directory (`--profile-steps A:B --profile-dir DIR`); a NAME given more than
 once pools its runs (interleaved rounds of one side). A MoE layer's part of a
-microbatch's forward (or backward) is its dispatch, expert and combine nodes, chunked ones
-(`dispatch_c1`, `mlp_c1`, `return_c1`, ...) included, on either lane: from the first of them
+microbatch's forward (or backward) is its dispatch, expert and combine nodes, those in waves
+(`dispatch_w1`, `mlp_w1`, `return_w1`, ...) included, on either lane: from the first of them
 to start to the last to end. Per (step, microbatch, layer) the forward and backward walls
 are summed, the slowest rank's sum taken, and the median over them reported, with each run's
-speedup over the first NAME (give the unchunked sequential run first: the chunked overlap's
+speedup over the first NAME (give the unsplit sequential run first: the overlap in waves'
 issue asks the layer's forward + backward against it, with the comm lane busy and nothing else
 beside it).
 
@@ -19,9 +19,9 @@ nodes interleaved) it is not the layer's own cost: compare sequential runs.
 Beside the walls, each part's busy time per lane (its spans' durations summed: the all-to-alls
 on the comm lane, the experts on the compute lane) and its overlap bound, per phase the larger
 of the two lanes, summed: the wall a perfect overlap inside the layer would leave at those lane
-times. In the unchunked sequential run the lanes take turns, so the first run's bound is the
+times. In the unsplit sequential run the lanes take turns, so the first run's bound is the
 attainable wall, and each run's share is (first wall - run wall) / (first wall - first bound),
-the realized share of the attainable saving. A chunked run's own busy times show how its lanes
+the realized share of the attainable saving. A run in waves' own busy times show how its lanes
 slow beside each other. Prints a markdown table; --out writes every run's figures and samples
 as JSON.
 """
@@ -38,18 +38,18 @@ from typing import Optional, Sequence
 
 from epoverlap.profiling.spans import RankSpans, read_span_directory
 
-MOE_NODES = ("dispatch", "mlp", "return", "combine")  # return: a chunk's experts' rows back
+MOE_NODES = ("dispatch", "mlp", "return", "combine")  # return: a wave's experts' rows back
 PHASES = ("forward", "backward")
 LANES = ("comm", "compute")
 # per layer part: the walls, forward + backward, each lane's busy time per phase, the bound
 SAMPLES = PHASES + ("both",) + tuple(f"{lane}_{phase}" for lane in LANES for phase in PHASES) \
     + ("bound",)
-_CHUNK = re.compile(r"_c\d+$")
+_WAVE = re.compile(r"_w\d+$")  # read_span_directory gives older files' `_cK` as `_wK`
 
 
 def base_node(node: str) -> str:
-    """`dispatch_c2` -> `dispatch`; other names as they are."""
-    return _CHUNK.sub("", node)
+    """`dispatch_w2` -> `dispatch`; other names as they are."""
+    return _WAVE.sub("", node)
 
 
 def layer_parts(rank: RankSpans) -> dict:

@@ -79,26 +79,26 @@ class DispatchMode:
         return kernel_backend == "torch"
 
 
-def a2a_chunks_blocker(cfg: "RunConfig", chunks: int) -> str:
-    """Why `chunks` chunks of local experts (--moe-a2a-chunks, `model.chunked`) cannot run
+def a2a_waves_blocker(cfg: "RunConfig", waves: int) -> str:
+    """Why `waves` waves of local experts (--moe-a2a-waves, `model.waves`) cannot run
     with `cfg`, in the words of a ConfigError ('' when they can): they need MoE layers over EP
-    ranks, at least `chunks` local experts, a flat dispatch one row per expert (dropless,
-    capacity, or the budget's fixed blocks per expert group: `model.chunked_budget`), and
+    ranks, at least `waves` local experts, a flat dispatch one row per expert (dropless,
+    capacity, or the budget's fixed blocks per expert group: `model.waves_budget`), and
     nodes no graph makes one: local graphs of the pre-dispatch segments, or with the budget one
     graph over the whole iteration (whole-layer graphs make each MoE layer one node, nothing
-    to chunk beside)."""
-    if chunks == 1:
+    to split into waves)."""
+    if waves == 1:
         return ""
     ep = cfg.parallel.expert_model_parallel_size or 1
     if not any(cfg.moe_layer_pattern()) or ep <= 1:
-        return "needs MoE layers and --expert-model-parallel-size > 1 (no all-to-all to chunk)"
+        return "needs MoE layers and --expert-model-parallel-size > 1 (no all-to-all to split)"
     local = cfg.moe.num_experts // ep
-    if chunks > local:
+    if waves > local:
         return (f"must be <= the {local} local experts of a rank (--num-experts / "
-                f"--expert-model-parallel-size): a chunk is a group of them")
+                f"--expert-model-parallel-size): a wave is a group of them")
     mode = DispatchMode.of(cfg.moe)
     if mode.by_host:
-        return "needs --moe-dispatch-hierarchy flat (one all-to-all to cut into chunks)"
+        return "needs --moe-dispatch-hierarchy flat (one all-to-all to cut into waves)"
     if mode.name not in ("dropless", "capacity", "budget") or mode.once_per_rank:
         once = ", once per rank" if mode.once_per_rank else ""
         return (f"needs the dropless, capacity or budget dispatch, one row per expert (not "
@@ -160,7 +160,7 @@ def budget_block_rows(budget: float, rows: int, ranks: int) -> int:
 
 def budget_group_rows(budget: float, tokens: int, topk: int, group: int, experts: int) -> int:
     """Rows per (rank pair, group of `group` of the `experts` experts) at a budget (the
-    chunked budget dispatch): ceil(budget x tokens x topk x group / experts), at most
+    budget dispatch in waves): ceil(budget x tokens x topk x group / experts), at most
     tokens x min(topk, group), all a rank can route one group (reached at budget = experts)."""
     return min(tokens * min(topk, group), math.ceil(budget * tokens * topk * group / experts))
 

@@ -2,7 +2,8 @@
 
 A field is a flag when it is declared with `flag(default, help, ...)` beside its dataclass
 field: the flag's name (`--field-name` unless given), its help, its allowed values, its
-Megatron-LM spelling where that differs from ours, and the help group it is listed under. Its
+Megatron-LM spelling where that differs from ours, its own former name (still accepted and
+migrated with a `deprecated:` warning, `config.parse`), and the help group it is listed under. Its
 type is the field's annotation: int, float, str, bool (a switch), Optional[bool] (a switch
 whose default None is resolved from the job, `config.resolve`; it has a --no- form),
 Optional[int] / Optional[float] (where `none` reads as None) or tuple[str, ...] (several
@@ -34,6 +35,7 @@ class Flag:
     name: Optional[str] = None  # default: "--" + the field name with dashes
     choices: tuple[str, ...] = ()
     megatron: Optional[str] = None  # Megatron-LM's spelling where it differs (accepted too)
+    old_name: Optional[str] = None  # our former name: accepted, warned (not for switches yet)
     nargs: Optional[str] = None  # for tuple fields: "+" (default) or "*"
     group: Optional[str] = None  # the --help section it is listed in (None: the main one)
     default_text: Optional[str] = None  # how --help shows the default, where str() would not do
@@ -63,7 +65,7 @@ class FlagField:
 
     @property
     def dest(self) -> str:
-        return self.name.lstrip("-").replace("-", "_")
+        return dest_of(self.name)
 
     @property
     def option_strings(self) -> list[str]:
@@ -94,7 +96,8 @@ class FlagField:
         if self.flag.note:
             return f"{self.flag.help} (accepted; no effect: {self.flag.note})"
         allowed = f"one of: {', '.join(self.flag.choices)}; " if self.flag.choices else ""
-        return f"{self.flag.help} ({allowed}default: {self.default_text()})"
+        old = f"; {self.flag.old_name}: its deprecated name" if self.flag.old_name else ""
+        return f"{self.flag.help} ({allowed}default: {self.default_text()}{old})"
 
     def allowed_text(self) -> str:
         """What a value outside `choices` is told."""
@@ -187,6 +190,14 @@ def _add_flag(target, item: FlagField) -> None:
     else:
         kwargs["type"] = item.kind
     target.add_argument(*item.option_strings, **kwargs)
+    if item.flag.old_name:  # its own dest, so that parse can tell it was given and migrate it
+        target.add_argument(item.flag.old_name, **{**kwargs, "dest": dest_of(item.flag.old_name),
+                                                   "help": argparse.SUPPRESS})
+
+
+def dest_of(name: str) -> str:
+    """The namespace attribute of a flag's name: `--moe-a2a-waves` -> `moe_a2a_waves`."""
+    return name.lstrip("-").replace("-", "_")
 
 
 def given_values(args: argparse.Namespace, flags: list[FlagField]

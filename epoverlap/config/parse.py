@@ -2,11 +2,11 @@
 
 `build_parser` registers every flag `config.sections` declares (and the CUDA-graph flags with
 their deprecated forms), `config_from_args` / `parse_config` build a `RunConfig` from defaults,
-then the preset, then the flags given (old CUDA-graph spellings migrated, one warning each once
-the whole command line is accepted). `read_command_line` also returns the refusals of the
-flags themselves (arguments no flag takes, refused Megatron-LM flags) instead of raising them,
-so the training command names them beside the rules' refusals in one run. No validation here:
-`config.validate`.
+then the preset, then the flags given (old CUDA-graph spellings and our flags' former names,
+`Flag.old_name`, migrated, one warning each once the whole command line is accepted).
+`read_command_line` also returns the refusals of the flags themselves (arguments no flag takes,
+refused Megatron-LM flags) instead of raising them, so the training command names them beside
+the rules' refusals in one run. No validation here: `config.validate`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
+from epoverlap.config.aliases import FlagAlias, apply_aliases
 from epoverlap.config.compat import add_refused_flags, compat_notes, refused_flags
 from epoverlap.config.cuda_graphs import add_cuda_graph_args, cuda_graph_config_from_args
-from epoverlap.config.flags import (CliParser, FlagField, add_flags, given_values, help_formatter,
-                                    presets_help, section_flags)
+from epoverlap.config.flags import (CliParser, FlagField, add_flags, dest_of, given_values,
+                                    help_formatter, presets_help, section_flags)
 from epoverlap.config.presets import PRESETS
 from epoverlap.config.run import SECTIONS, RunConfig
 from epoverlap.errors import ConfigError, UnknownArguments, raise_together
@@ -33,6 +34,8 @@ FLAGS: list[FlagField] = [item for section, cls in SECTIONS.items()
                           for item in section_flags(section, cls)]
 _PLAIN = [item for item in FLAGS if item.section != "cuda_graph"]  # the CUDA graphs' are migrated
 _BY_FIELD = {item.field.name: item for item in FLAGS}
+# Our flags' former names, each migrated to the flag that replaced it (`config.aliases`).
+RENAMED = tuple(FlagAlias(item.flag.old_name, item.name) for item in _PLAIN if item.flag.old_name)
 assert len(_BY_FIELD) == len(FLAGS), "two sections declare a flag field of the same name"
 # The allowed values of every flag that takes a name, by flag (the config fuzz test draws here).
 CHOICES: dict[str, tuple[str, ...]] = {item.name: item.flag.choices for item in FLAGS
@@ -105,6 +108,7 @@ def config_from_args(args: argparse.Namespace,
     if refuse:
         raise_together(refused_flags(args))
     notes: list[str] = []
+    args = argparse.Namespace(**apply_aliases(vars(args), RENAMED, dest_of, notes))
     given = given_values(args, _PLAIN)
     values = {(_BY_FIELD[name].section, name): value
               for name, value in (PRESETS[args.preset] if args.preset else {}).items()}

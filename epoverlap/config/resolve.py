@@ -249,8 +249,8 @@ def path_text(cfg: RunConfig, device: str) -> str:
     mode = DispatchMode.of(cfg.moe)
     dispatch = mode.name + (", by host" if mode.by_host else
                             ", once per rank" if mode.once_per_rank else "")
-    if o.moe_a2a_chunks > 1:
-        dispatch += f", {o.moe_a2a_chunks} chunks"
+    if o.moe_a2a_waves > 1:
+        dispatch += f", {o.moe_a2a_waves} waves"
     scope = graphs.impl if graphs.impl != "local" else \
         f"local ({' '.join(graphs.modules) or 'whole layers'})"
     levers = [text for text, on in (

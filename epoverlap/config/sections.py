@@ -374,13 +374,13 @@ class OverlapConfig:
         "B(M-2) beside B(M-1): the ends overlap too, for one microbatch's activations more; "
         "one pipeline stage)", choices=OVERLAP_PLANS,
         default_text="combined_1f1b; not given, --tune may pick paired_ends")
-    moe_a2a_chunks: int = flag(
-        1, "split each MoE layer's all-to-alls into K chunks by groups of local experts: the "
-        "dispatch of chunk i+1 and the combine of chunk i-1 run while the experts compute "
-        "chunk i, forward and backward, inside one microbatch (the edges of the combined 1F1B "
+    moe_a2a_waves: int = flag(
+        1, "split each MoE layer's local experts into K waves, each with its own all-to-alls: "
+        "the dispatch of wave i+1 and the combine of wave i-1 run while the experts compute "
+        "wave i, forward and backward, inside one microbatch (the edges of the combined 1F1B "
         "and the sequential schedule have no partner microbatch to hide behind); the same "
         "bits as K = 1. Dropless, capacity or budget dispatch, at most the local expert count",
-        metavar="K")
+        metavar="K", old_name="--moe-a2a-chunks")
     comm_stream_priority: str = flag(
         "high", "CUDA priority of the overlap's comm stream (its all-to-alls run there); high "
         "lets their kernels start ahead of waiting compute kernels",

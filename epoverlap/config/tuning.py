@@ -8,10 +8,10 @@ changing the math (the overlap contract, docs/overlap.md: every schedule gives t
                         stage of one chunk, two or more microbatches; the training side drops
                         it when its memory estimate does not fit)
   delayed weight grads  off and on (a `+wgrad` suffix) for each overlap plan
-  chunked all-to-alls   --moe-a2a-chunks 4 (`TUNED_CHUNKS`, at most the local experts) on the
-                        first overlap plan with delayed weight grads (a `+k4` suffix), where
-                        the config can chunk (`config.dispatch.a2a_chunks_blocker`) and the
-                        flags leave the chunks at 1; only that one path (each path replays its
+  all-to-alls in waves  --moe-a2a-waves 4 (`TUNED_WAVES`, at most the local experts) on the
+                        first overlap plan with delayed weight grads (a `+w4` suffix), where
+                        the config allows waves (`config.dispatch.a2a_waves_blocker`) and the
+                        flags leave the waves at 1; only that one path (each path replays its
                         own graphs: one more bank, not one per plan)
   once per rank         with --tune-allow-rounding only: the first overlap plan with delayed
                         weight grads and the dispatch once per rank (a `+once` suffix), where
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epoverlap.config.dispatch import DispatchMode, a2a_chunks_blocker
+from epoverlap.config.dispatch import DispatchMode, a2a_waves_blocker
 from epoverlap.config.run import RunConfig
 
 SEQUENTIAL = "sequential"
@@ -53,20 +53,20 @@ WGRAD = "+wgrad"
 ONCE = "+once"
 GROUP = "+group"  # the process group's all-to-all where the flags' goes through host memory
 GRAPH_IMPLS = ("none", "local", "full_iteration")  # each path can replay its own graphs
-# the chunk count the tuner tries: 4 beat 8 and 1 through host memory (benchmarks/chunked.md)
-TUNED_CHUNKS = 4
+# the wave count the tuner tries: 4 beat 8 and 1 through host memory (benchmarks/chunked.md)
+TUNED_WAVES = 4
 
 
 @dataclass(frozen=True)
 class TunePath:
     """One path: its name (the step line's `tune:` and the log's `schedule`), the plan it
-    runs and whether weight grads are delayed, its chunks, dispatch and transport (built once
+    runs and whether weight grads are delayed, its waves, dispatch and transport (built once
     into what a step runs by: `training.loop.path.ExecutionPath`)."""
 
     name: str
     plan: str
     delay_wgrad: bool
-    chunks: int = 1  # --moe-a2a-chunks of the path's MoE layers
+    waves: int = 1  # --moe-a2a-waves of the path's MoE layers
     once_per_rank: bool = False  # the dispatch once per rank where the flags' is not
     host_memory: bool = False  # the all-to-alls through host memory (--moe-a2a-transport)
 
@@ -100,22 +100,22 @@ def candidate_paths(cfg: RunConfig) -> list[TunePath]:
     pinned_wgrad = probe_steps(cfg) > 0 or o.delay_wgrad_compute
     wgrads = [bool(o.delay_wgrad_compute)] if pinned_wgrad else [False, True]
     tuned_wgrad = len(wgrads) > 1
-    chunks, host = o.moe_a2a_chunks, flags_host_memory(cfg)
-    paths = [TunePath(plan + (WGRAD if wgrad and tuned_wgrad else ""), plan, wgrad, chunks,
+    waves, host = o.moe_a2a_waves, flags_host_memory(cfg)
+    paths = [TunePath(plan + (WGRAD if wgrad and tuned_wgrad else ""), plan, wgrad, waves,
                       host_memory=host)
              for plan in plans for wgrad in wgrads]
-    tried = tuned_chunks(cfg)
+    tried = tuned_waves(cfg)
     if tried > 1:
-        paths.append(TunePath(plans[0] + (WGRAD if tuned_wgrad else "") + f"+k{tried}",
+        paths.append(TunePath(plans[0] + (WGRAD if tuned_wgrad else "") + f"+w{tried}",
                               plans[0], True, tried, host_memory=host))
     first_wgrad = True if tuned_wgrad else bool(o.delay_wgrad_compute)
     first = plans[0] + (WGRAD if first_wgrad and tuned_wgrad else "")
     if o.tune_allow_rounding and not once_per_rank_blocker(cfg):
-        paths.append(TunePath(first + ONCE, plans[0], first_wgrad, chunks, once_per_rank=True,
+        paths.append(TunePath(first + ONCE, plans[0], first_wgrad, waves, once_per_rank=True,
                               host_memory=host))
     if host and probe_steps(cfg) == 0:
-        paths.append(TunePath(first + GROUP, plans[0], first_wgrad, chunks))
-    return paths + [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute), chunks,
+        paths.append(TunePath(first + GROUP, plans[0], first_wgrad, waves))
+    return paths + [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute), waves,
                              host_memory=host)]
 
 
@@ -127,25 +127,25 @@ def flags_host_memory(cfg: RunConfig) -> bool:
 def once_per_rank_blocker(cfg: RunConfig) -> str:
     """Why the tuner has no once-per-rank path here ('' when it has): it needs EP > 1, the
     dropless or capacity (unpadded) dispatch one row per expert, flat, and all-to-alls in one
-    piece (the budget's buffers and the chunked layer are sized for the flags' dispatch)."""
+    piece (the budget's buffers and the layer in waves are sized for the flags' dispatch)."""
     mode = DispatchMode.of(cfg.moe)
     if not cfg.moe.num_experts or (cfg.parallel.expert_model_parallel_size or 1) < 2:
         return "needs --expert-model-parallel-size > 1"
     if mode.once_per_rank or mode.by_host:
         return "the flags' dispatch already sends once per rank or host"
-    if mode.name not in ("dropless", "capacity") or cfg.overlap.moe_a2a_chunks != 1:
+    if mode.name not in ("dropless", "capacity") or cfg.overlap.moe_a2a_waves != 1:
         return "needs the dropless or capacity dispatch in one piece"
     return ""
 
 
-def tuned_chunks(cfg: RunConfig) -> int:
-    """The chunk count a chunked path of the tuner has (module docstring); 1: none. Not with
-    the deprecated probe (two paths), nor where the flags chose the chunks."""
-    if probe_steps(cfg) > 0 or cfg.overlap.moe_a2a_chunks != 1 or not cfg.moe.num_experts:
+def tuned_waves(cfg: RunConfig) -> int:
+    """The wave count the tuner's path in waves has (module docstring); 1: none. Not with
+    the deprecated probe (two paths), nor where the flags chose the waves."""
+    if probe_steps(cfg) > 0 or cfg.overlap.moe_a2a_waves != 1 or not cfg.moe.num_experts:
         return 1
     ep = cfg.parallel.expert_model_parallel_size or 1
-    chunks = min(TUNED_CHUNKS, cfg.moe.num_experts // ep)
-    return chunks if chunks > 1 and not a2a_chunks_blocker(cfg, chunks) else 1
+    waves = min(TUNED_WAVES, cfg.moe.num_experts // ep)
+    return waves if waves > 1 and not a2a_waves_blocker(cfg, waves) else 1
 
 
 def paired_ends_differs(cfg: RunConfig) -> bool:
@@ -159,7 +159,7 @@ def flags_path(cfg: RunConfig) -> TunePath:
     """The path the flags say (what --tune off runs)."""
     plan = cfg.plan_name
     return TunePath(plan, plan, bool(cfg.overlap.delay_wgrad_compute),
-                    cfg.overlap.moe_a2a_chunks, host_memory=flags_host_memory(cfg))
+                    cfg.overlap.moe_a2a_waves, host_memory=flags_host_memory(cfg))
 
 
 def untimed_steps(cfg: RunConfig, paths: int) -> int:

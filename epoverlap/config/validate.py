@@ -21,7 +21,7 @@ from typing import Callable, Optional
 from epoverlap.config.aliases import alias_conflict
 from epoverlap.config.compat import compat_rules
 from epoverlap.config.cuda_graph_rules import validate_cuda_graph_config
-from epoverlap.config.dispatch import DispatchMode, a2a_chunks_blocker, hierarchy_blocker
+from epoverlap.config.dispatch import DispatchMode, a2a_waves_blocker, hierarchy_blocker
 from epoverlap.config.flags import _opt_float
 from epoverlap.config.context_rules import validate_context_parallel, validate_documents
 from epoverlap.config.io_rules import validate_io
@@ -323,7 +323,7 @@ def _validate_overlap(cfg: RunConfig, cuda_available: bool) -> None:
              "graph would capture the data-parallel reduces, which the step runs after the "
              "replay instead); leave --overlap-grad-reduce out")
     _validate_tune(cfg)
-    _validate_a2a_chunks(cfg)
+    _validate_a2a_waves(cfg)
     _validate_local_copy_hold(o)
     if o.comm_stream_priority != "high":
         require(o.overlap_moe_expert_parallel_comm and cfg.resolved_device(cuda_available)
@@ -344,13 +344,13 @@ def _validate_local_copy_hold(o: OverlapConfig) -> None:
             "real all-to-alls the lane is held by the all-to-alls themselves)")
 
 
-def _validate_a2a_chunks(cfg: RunConfig) -> None:
-    """--moe-a2a-chunks K: K groups of a rank's local experts, each with its own all-to-alls
-    (`model.chunked`; what they need: `config.dispatch.a2a_chunks_blocker`)."""
-    chunks = cfg.overlap.moe_a2a_chunks
-    require(chunks >= 1, "moe_a2a_chunks", chunks, "must be >= 1 (1: unchunked)")
-    blocker = a2a_chunks_blocker(cfg, chunks)
-    require(not blocker, "moe_a2a_chunks", chunks, blocker)
+def _validate_a2a_waves(cfg: RunConfig) -> None:
+    """--moe-a2a-waves K: K groups of a rank's local experts, each with its own all-to-alls
+    (`model.waves`; what they need: `config.dispatch.a2a_waves_blocker`)."""
+    waves = cfg.overlap.moe_a2a_waves
+    require(waves >= 1, "moe_a2a_waves", waves, "must be >= 1 (1: unsplit)")
+    blocker = a2a_waves_blocker(cfg, waves)
+    require(not blocker, "moe_a2a_waves", waves, blocker)
 
 
 def _validate_tune(cfg: RunConfig) -> None:

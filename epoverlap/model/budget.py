@@ -4,8 +4,8 @@ decide a rerun (`training.loop.step`) and by the graph banks, which hold one ban
 (`graphs.banks`). The sizing rules themselves are the config's (`config.dispatch`). `ByHostBudget`
 sizes the hierarchical dispatch's two stages (`model.dispatch_dedup.ByHostBudgetDispatcher`): a
 block per host, then a block per host mate, and the experts' rows.
-`GroupBudget` sizes the chunked layer's blocks, one per (rank pair, group of experts)
-(`model.chunked_budget`), at the shared budget's level; its demand joins the budget's.
+`GroupBudget` sizes the blocks of a layer in waves, one per (rank pair, group of experts)
+(`model.waves_budget`), at the shared budget's level; its demand joins the budget's.
 
 With --moe-dispatch-budget-fit the base budget follows the demand (`BudgetFit`): after the
 first step it becomes the least factor that held the most any step of the window wanted, plus
@@ -67,7 +67,7 @@ class DispatchBudget:
         self.recent_levels: collections.deque = collections.deque(maxlen=memory_steps)
         self.demand_rows = torch.zeros((), dtype=torch.int64, device=device)
         self.demand_expert_rows = torch.zeros((), dtype=torch.int64, device=device)
-        self.groups: dict[tuple, GroupBudget] = {}  # the chunked layers' (`group_budget`)
+        self.groups: dict[tuple, GroupBudget] = {}  # the layers in waves (`group_budget`)
         # [rows the blocks sent other ranks over the step's attempts, rows the dropless
         # dispatch would have sent them in its last attempt]
         self.wire_rows = torch.zeros(2, dtype=torch.int64, device=device)
@@ -210,7 +210,7 @@ class DispatchBudget:
 
     def group_budget(self, group_sizes: Sequence[int], topk: int,
                      num_experts: int) -> "GroupBudget":
-        """The budget of chunks of local experts in groups of `group_sizes` (one per chunk
+        """The budget of waves of local experts in groups of `group_sizes` (one per wave
         count, shared by the layers; made before any graph is captured, so its demand keeps
         its address)."""
         key = tuple(group_sizes)
@@ -329,7 +329,7 @@ class ByHostBudget(DispatchBudget):
 
 
 class GroupBudget:
-    """The chunked budget dispatch's block sizes (`model.chunked_budget`): at each level f of
+    """The block sizes of the budget dispatch in waves (`model.waves_budget`): at each level f of
     the shared `DispatchBudget`, rank pairs exchange for group g of a rank's local experts (G_g
     of the E experts) a block of f x tokens x topk x G_g / E rows (the balanced share), at most
     all a rank can route the group (`config.dispatch.budget_group_rows`); the top level holds
@@ -388,7 +388,7 @@ class BudgetFit:
         """The window keeps the needs of `steps` alone (where it has any; the path tuner's
         decision: the steps that ran the chosen path), and the base may shrink to them before
         the next step, without waiting `FIT_SHRINK_STEPS`: a candidate that needed more (the
-        chunked layer's blocks) no longer holds it up."""
+        blocks of a layer in waves) no longer holds it up."""
         kept = [(need, step) for need, step in zip(self.needs, self.steps) if step in steps]
         if kept:
             self.needs.clear()

@@ -6,7 +6,7 @@ whether the dispatch reads split sizes on the host) and its subclasses that send
 chosen expert, one per mode (`model.dispatch_dedup.make_dispatcher` picks one from the
 config's `DispatchMode`, `epoverlap.config.dispatch`). Also `DispatchMeta` (what the steps
 after the dispatch need), `ExpertOrder` (received blocks to the experts' order and back, shared
-with the chunked layer, `model.chunked`) and the row moves the modes share; the budget mode's
+with the layer in waves, `model.waves`) and the row moves the modes share; the budget mode's
 buffer size and overflow record is `model.budget.DispatchBudget`.
 
 Modes (`DispatchMode.name`), and whether the host reads the device in the dispatch:
@@ -141,7 +141,7 @@ class TokenDispatcher:
 class ExpertOrder:
     """Received rows in blocks (source rank, local expert) <-> (local expert, source rank),
     the order the grouped experts want, for `ranks` ranks and `experts` local experts (all of a
-    rank's, or a chunk's: `model.chunked`). `counts_RL` [R, L] (device): rows per block."""
+    rank's, or a wave's: `model.waves`). `counts_RL` [R, L] (device): rows per block."""
 
     def __init__(self, ranks: int, experts: int, device: torch.device):
         self._to_expert_major = index_tensor([r * experts + e for e in range(experts)
@@ -360,7 +360,7 @@ def budget_indices(send_R: torch.Tensor, block_rows: int, num_rows: int):
 
 
 def block_indices(send_RK: torch.Tensor, rows_K: Sequence[int], num_rows: int):
-    """`budget_indices` for K blocks per rank (the chunked layer's, one per group of experts):
+    """`budget_indices` for K blocks per rank (a layer in waves': one per group of experts):
     the permuted rows are runs (rank r, block k) in that order, run (r, k) going to rank r in
     block k, whose buffer holds `rows_K[k]` slots per
     rank. -> (send_index per block [R*C_k]: slot -> row or -1, return_index [N]: row -> slot

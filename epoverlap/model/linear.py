@@ -36,7 +36,7 @@ from epoverlap.parallel.watch import host_list
 def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor,
                            experts: Optional[tuple[int, int]] = None) -> None:
     """param.main_grad += grad (fp32 buffer), or into param.grad when no buffer is attached.
-    `experts` (a, b): grad holds experts a..b-1 of an [E, ...] param (a chunk of them)."""
+    `experts` (a, b): grad holds experts a..b-1 of an [E, ...] param (a wave of them)."""
     main_grad = getattr(param, "main_grad", None)
     if experts is not None:
         start, end = experts
@@ -241,7 +241,7 @@ def accumulate_expert_weight_grad(param_EIO, x_NI, grad_NO, offsets_E, counts, e
     main_grad = param_EIO.main_grad
 
     def run(sources: list, accumulate: bool) -> None:
-        if experts is not None and not accumulate:  # a chunk of the experts: zero them all once
+        if experts is not None and not accumulate:  # a wave of the experts: zero them all once
             main_grad.zero_()
             accumulate = True
         (x, grad, offsets, known), more = sources[0], sources[1:]
@@ -290,8 +290,8 @@ def grouped_gemm(x_NI: torch.Tensor, weight_EIO: torch.nn.Parameter, offsets_E: 
     """Rows of expert e (counts[e] of them, in order) times weight[e]; deferrable weight grad.
     counts None: see the module docstring (device-only counts, padding rows at the end).
     `sm_carveout`: SMs the forward, input-grad and weight-grad GEMMs leave free (CUDA).
-    `experts` (a, b): the rows are those of experts a..b-1 only (a chunk of them,
-    `model.chunked`): weight[a:b] multiplies them and their weight grad lands there.
+    `experts` (a, b): the rows are those of experts a..b-1 only (a wave of them,
+    `model.waves`): weight[a:b] multiplies them and their weight grad lands there.
     `grouped_weight_grad`: the op table's (`MoEOps.grouped_weight_grad`) that adds the weight
     grad into the fp32 main grad when the weight's grad accumulation is fused."""
     return _GroupedGemm.apply(x_NI, weight_EIO, offsets_E, counts, queue, sm_carveout,

@@ -232,7 +232,7 @@ class GroupedSwiGLUExperts(nn.Module):
         dispatch): the GEMMs leave them unwritten, so they are zeroed here (`MoEOps.
         zero_rows_from`: the Triton op writes the zeros into the GEMM's output, which nothing
         else holds, and leaves its other rows alone). `experts` (a, b): the rows are local
-        experts a..b-1's only (a chunk, `model.chunked`), counts theirs."""
+        experts a..b-1's only (a wave, `model.waves`), counts theirs."""
         offsets_L = expert_offsets(counts_L)
         h_M2F = grouped_gemm(x_MH, self.fc1, offsets_L, counts_host, self.queue,
                              self.sm_carveout, experts, self.ops.grouped_weight_grad)

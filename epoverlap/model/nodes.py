@@ -16,10 +16,10 @@ the output activation to the next stage and receives its grad. Both run on the c
 their backward is not autograd's: `NodeSpec.backward` takes the grads of the node's outputs and
 returns those of its inputs (local names), as a transfer's reverse direction.
 
-A chunked MoE layer (--moe-a2a-chunks, `model.chunked`) cuts its dispatch, mlp and combine
-into per-chunk nodes (`dispatch_c0`, `mlp_c0`, `return_c0`, ...). Each such node names its
-`chunk` (the executor chains a chunk's nodes on their own event, so chunk i's experts run while
-chunk i+1's all-to-all does) and its `slot`, the unchunked node whose place it takes in a plan
+An MoE layer in waves (--moe-a2a-waves, `model.waves`) cuts its dispatch, mlp and combine
+into per-wave nodes (`dispatch_w0`, `mlp_w0`, `return_w0`, ...). Each such node names its
+`wave` (the executor chains a wave's nodes on their own event, so wave i's experts run while
+wave i+1's all-to-all does) and its `slot`, the unsplit node whose place it takes in a plan
 (dispatch_c* -> dispatch; mlp_c* and return_c* -> mlp); every other node's slot is its name.
 
 A node may also declare its forward as `Segment`s run in order over one namespace of local
@@ -55,15 +55,15 @@ def layer_value(layer: int, name: str) -> str:
 class NodeKind:
     """The facts a plan needs about a node: its name, its lane, whether a W action can run its
     weight grads later, whether it is a pipeline boundary (`p2p`: SEND or RECV; None for
-    every other node), and for a chunked MoE layer's nodes their slot and chunk. Written once,
+    every other node), and for the nodes of an MoE layer in waves their slot and wave. Written once,
     in the model's `NodeSpec`."""
 
     name: str
     lane: str
     deferrable: bool = False
     p2p: Optional[str] = None
-    slot: Optional[str] = None  # the unchunked node this one's place is (None: its own name)
-    chunk: Optional[int] = None  # the chunk of a chunked MoE layer it belongs to, if any
+    slot: Optional[str] = None  # the unsplit node this one's place is (None: its own name)
+    wave: Optional[int] = None  # its wave in an MoE layer in waves, if any
 
     @property
     def group(self) -> str:
@@ -118,12 +118,12 @@ class NodeSpec:
     segments: tuple[Segment, ...] = ()  # the forward as named pieces (fn runs them), if any
     p2p: Optional[str] = None  # SEND or RECV for a pipeline boundary node
     backward: Optional[Callable[..., dict]] = None  # P2P nodes: output grads -> input grads
-    slot: Optional[str] = None  # chunked MoE layers: the unchunked node's name (NodeKind)
-    chunk: Optional[int] = None  # chunked MoE layers: the chunk (NodeKind)
+    slot: Optional[str] = None  # MoE layers in waves: the unsplit node's name (NodeKind)
+    wave: Optional[int] = None  # MoE layers in waves: the wave (NodeKind)
 
     @property
     def kind(self) -> NodeKind:
-        return NodeKind(self.name, self.lane, self.has_weights, self.p2p, self.slot, self.chunk)
+        return NodeKind(self.name, self.lane, self.has_weights, self.p2p, self.slot, self.wave)
 
     @property
     def key(self) -> tuple[Optional[int], str]:

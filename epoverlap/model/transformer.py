@@ -11,8 +11,8 @@ Nodes of an MoE layer (overlap.md):
   dispatch (comm)    split-size exchange (the one host sync), all-to-all of tokens and probs
   mlp      (compute) sort by local expert, grouped SwiGLU experts, unsort
   combine  (comm)    all-to-all back, unpermute, + shared expert output, + residual
-With --moe-a2a-chunks K the dispatch, mlp and combine are cut into K chunks of local experts
-(`model.chunked`): dispatch_c0..c(K-1), mlp_cI and return_cI per chunk, then combine.
+With --moe-a2a-waves K the dispatch, mlp and combine are cut into K waves of local experts
+(`model.waves`): dispatch_w0..w(K-1), mlp_wI and return_wI per wave, then combine.
 A dense layer has `attn` (norm, attention, residual, pre-MLP norm) and `mlp` (MLP + residual).
 Plus `embed` (tokens -> hidden) and `loss` (final norm, head, cross-entropy), and with pipeline
 parallelism `recv` / `send` (comm) at the start / end of a stage's chunk (`model.stages`).
@@ -58,9 +58,9 @@ from epoverlap.parallel.comm import ContextComm, ExpertComm, PipelineComm
 from epoverlap.config import ModelConfig, RunConfig
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
-from epoverlap.model.chunked import ChunkedMoE
+from epoverlap.model.waves import WaveMoE
 from epoverlap.model.attention import Attention, RMSNorm
-from epoverlap.model.chunked_budget import make_chunked
+from epoverlap.model.waves_budget import make_waves
 from epoverlap.model.context import ContextParallel, layer_contexts
 from epoverlap.model.dispatch import TokenDispatcher
 from epoverlap.model.documents import Documents
@@ -144,8 +144,8 @@ class TransformerLayer(nn.Module):
         if moe.moe_shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(m.hidden_size, moe.moe_shared_expert_intermediate_size,
                                         name=f"shared{layer}", **mlp_kwargs)
-        self.a2a_chunks = 1 if one_node else cfg.overlap.moe_a2a_chunks
-        self._chunked: dict[tuple, ChunkedMoE] = {}  # by (chunks, its dispatcher), when asked
+        self.a2a_waves = 1 if one_node else cfg.overlap.moe_a2a_waves
+        self._in_waves: dict[tuple, WaveMoE] = {}  # by (waves, its dispatcher), when asked
         self._device = device
 
     # ----------------------------------------------------------------- node segments
@@ -254,12 +254,12 @@ class TransformerLayer(nn.Module):
         moe_out = dispatcher.combine(expert_out, meta, row_id_map)
         return {"hidden": self._moe_tail(moe_out, residual, shared_out, dropout_seed)}
 
-    def chunked_combine_forward(self, meta, row_id_map, residual, shared_out=None,
-                                dropout_seed=None, *, chunked: ChunkedMoE, **returned):
-        """A chunked layer's combine (`model.chunked`): the returned chunks `returned_c0`,
-        `returned_c1`, ... back into the permuted layout, unpermute, then the same tail."""
-        rows = [returned[f"returned_c{k}"] for k in range(len(returned))]
-        moe_out = chunked.combine(rows, meta, row_id_map)
+    def waves_combine_forward(self, meta, row_id_map, residual, shared_out=None,
+                                dropout_seed=None, *, in_waves: WaveMoE, **returned):
+        """The combine of a layer in waves (`model.waves`): the returned waves `returned_w0`,
+        `returned_w1`, ... back into the permuted layout, unpermute, then the same tail."""
+        rows = [returned[f"returned_w{k}"] for k in range(len(returned))]
+        moe_out = in_waves.combine(rows, meta, row_id_map)
         return {"hidden": self._moe_tail(moe_out, residual, shared_out, dropout_seed)}
 
     def _moe_tail(self, moe_out, residual, shared_out, dropout_seed):
@@ -342,10 +342,10 @@ class TransformerLayer(nn.Module):
         """A dropping node's inputs: `values` and the microbatch's dropout seed, if any."""
         return {**values, **{name: name for name in self._seed}}
 
-    def node_specs(self, chunks: Optional[int] = None,
+    def node_specs(self, waves: Optional[int] = None,
                    dispatch: Optional[TokenDispatcher] = None) -> list[NodeSpec]:
-        """This layer's nodes; an MoE layer's all-to-alls in `chunks` chunks by `dispatch`
-        (defaults: the flags' chunks, the model's dispatcher). Pure: nothing here changes."""
+        """This layer's nodes; an MoE layer's all-to-alls in `waves` waves by `dispatch`
+        (defaults: the flags' waves, the model's dispatcher). Pure: nothing here changes."""
         if not self.is_moe:
             return self._dense_node_specs()
         dispatcher = dispatch or self.dispatcher
@@ -356,7 +356,7 @@ class TransformerLayer(nn.Module):
                              inputs=self._attn_node_inputs(),
                              outputs={"layer_out": hidden_value(self.layer + 1)},
                              has_weights=True, segments=segments)]
-        return self._moe_node_specs(chunks or self.a2a_chunks, dispatcher)
+        return self._moe_node_specs(waves or self.a2a_waves, dispatcher)
 
     def _dense_node_specs(self) -> list[NodeSpec]:
         L, attn_segments = self.layer, self._attn_segments()
@@ -384,26 +384,26 @@ class TransformerLayer(nn.Module):
                         inputs=self._attn_node_inputs(), outputs=attn_out,
                         has_weights=True, segments=attn_segments)
 
-    def _chunks(self, chunks: int, dispatcher) -> ChunkedMoE:
-        """The chunked layer of `chunks` chunks over `dispatcher` (made when first asked)."""
-        key = (chunks, id(dispatcher))
-        if key not in self._chunked:
-            self._chunked[key] = make_chunked(dispatcher, self.experts, chunks, self._device)
-        return self._chunked[key]
+    def _waves(self, waves: int, dispatcher) -> WaveMoE:
+        """The layer in waves of `waves` waves over `dispatcher` (made when first asked)."""
+        key = (waves, id(dispatcher))
+        if key not in self._in_waves:
+            self._in_waves[key] = make_waves(dispatcher, self.experts, waves, self._device)
+        return self._in_waves[key]
 
-    def _chunked_moe_node_specs(self, chunks: int, dispatcher) -> list[NodeSpec]:
-        """attn, then the chunked layer's nodes (`model.chunked`), its combine ending here."""
+    def _waves_moe_node_specs(self, waves: int, dispatcher) -> list[NodeSpec]:
+        """attn, then the nodes of the layer in waves (`model.waves`), its combine ending here."""
         shared = ("shared_out",) if self.shared_expert is not None else ()
         combine_inputs = self._inputs(self._values("meta", "row_id_map", "residual", *shared))
-        chunked = self._chunks(chunks, dispatcher)
-        combine = functools.partial(self.chunked_combine_forward, chunked=chunked)
+        in_waves = self._waves(waves, dispatcher)
+        combine = functools.partial(self.waves_combine_forward, in_waves=in_waves)
         return (self._kv_specs() + [self._moe_attn_spec(dispatcher)]
-                + chunked.node_specs(self.layer, combine, combine_inputs))
+                + in_waves.node_specs(self.layer, combine, combine_inputs))
 
-    def _moe_node_specs(self, chunks: int, dispatcher) -> list[NodeSpec]:
+    def _moe_node_specs(self, waves: int, dispatcher) -> list[NodeSpec]:
         """attn, dispatch, mlp, combine (see the module docstring)."""
-        if chunks > 1:
-            return self._chunked_moe_node_specs(chunks, dispatcher)
+        if waves > 1:
+            return self._waves_moe_node_specs(waves, dispatcher)
         L = self.layer
         shared = ("shared_out",) if self.shared_expert is not None else ()
         recv = self._values("recv_tokens", "recv_probs", "meta")
@@ -494,10 +494,10 @@ class MoEModel(nn.Module):
         """This stage's layers in forward order of its chunks."""
         return list(self.layers.values())
 
-    def node_specs(self, chunks: Optional[int] = None,
+    def node_specs(self, waves: Optional[int] = None,
                    dispatch: Optional[TokenDispatcher] = None) -> list[NodeSpec]:
-        """Every node of this stage in forward order, chunk by chunk; MoE layers with `chunks`
-        chunks of experts, by `dispatch` (a path's dispatcher; defaults: the flags' chunks, the
+        """Every node of this stage in forward order, chunk by chunk; MoE layers with `waves`
+        waves of experts, by `dispatch` (a path's dispatcher; defaults: the flags' waves, the
         model's dispatcher). Pure: each call builds nodes, nothing in the model changes."""
         specs = []
         for chunk in self.chunks:
@@ -505,7 +505,7 @@ class MoEModel(nn.Module):
             specs.append(self._embed_spec() if chunk.has_embedding
                          else self._recv_spec(first, chunk.prev_stage))
             for layer in chunk.layers:
-                specs.extend(self.layers[str(layer)].node_specs(chunks, dispatch))
+                specs.extend(self.layers[str(layer)].node_specs(waves, dispatch))
             specs.append(self._loss_spec(end) if chunk.has_loss
                          else self._send_spec(end - 1, chunk.next_stage))
         return specs

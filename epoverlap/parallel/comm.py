@@ -72,8 +72,8 @@ class SplitExchange:
 
     def read_pairs(self) -> tuple[list, list]:
         """`read`'s counts before summing: host [R][L] lists of the rows sent to each (rank,
-        its local expert) and received from each (source rank, local expert) (a chunked
-        dispatch splits by groups of experts, `model.chunked`)."""
+        its local expert) and received from each (source rank, local expert) (the
+        dispatch in waves splits by groups of experts, `model.waves`)."""
         self.read()
         return self._pairs
 

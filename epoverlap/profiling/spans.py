@@ -1,4 +1,4 @@
-"""Span records and the per-rank span file format (format "epoverlap-spans", version 2).
+"""Span records and the per-rank span file format (format "epoverlap-spans", version 4).
 
 This module owns what a span is, how one rank's spans are written to disk, and how a directory
 of span files is read back and checked. The executor records one Span per action it runs (on the
@@ -10,7 +10,9 @@ docs/span-format.md; any change to it bumps SPAN_FORMAT_VERSION. Version 2 added
 still read, with `queued_us` None (the wait unknown). Version 3 added the step's end after the
 forward-backward (`whole_step_us`) and its parts there (`step_parts`: the gradient reduction
 over data-parallel replicas, the clip, the optimizer), so a step's comm counts the gradients'
-all-reduce too; version-2 files read with neither.
+all-reduce too; version-2 files read with neither. Version 4 renamed the nodes of an MoE layer
+in waves (--moe-a2a-waves) from `NAME_cK` to `NAME_wK` (`dispatch_w0`, `mlp_w1`, ...); older
+files read with their names in the new form (`_wave_names`), so every reader sees one name.
 
 Times are microseconds (float) relative to the rank's step start; every span lies inside
 [0, step_time_us] of its step. Every problem found while writing or reading raises
@@ -29,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 SPAN_FORMAT = "epoverlap-spans"
-SPAN_FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+SPAN_FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 LANES = ("compute", "comm")
 PHASES = ("forward", "backward", "wgrad")
 CLOCKS = ("host", "cuda_event")
@@ -40,6 +42,7 @@ STEP_PARTS = {"grad_reduce": "comm", "grad_clip": "compute", "optimizer": "compu
 
 _PHASE_OF_LETTER = {"F": "forward", "B": "backward", "W": "wgrad"}
 _ACTION_RE = re.compile(r"^([FBW])(\d+)\.([A-Za-z_][A-Za-z0-9_]*)(?:\.L(\d+))?$")
+_OLD_WAVE_RE = re.compile(r"_c(\d+)(?=\.L\d+$|$)")  # a wave's node before version 4: `mlp_c1`
 _FILE_NAME_RE = re.compile(r"^spans-rank(\d+)\.json$")
 _SPAN_KEYS = ("lane", "action", "microbatch", "layer", "node", "phase", "start_us", "end_us")
 
@@ -311,6 +314,13 @@ def _parse_part(raw: Any, index: int, whole_us: float, where: str) -> StepPart:
     return part
 
 
+def _wave_names(version: int, action: str, node: str) -> tuple[str, str]:
+    """(action, node) as version 4 names them: a wave's `_cK` suffix read as `_wK`."""
+    if version >= 4:
+        return action, node
+    return _OLD_WAVE_RE.sub(r"_w\1", action), _OLD_WAVE_RE.sub(r"_w\1", node)
+
+
 def _parse_span(raw: Any, index: int, step_time_us: float, where: str, version: int) -> Span:
     where = f"{where} span {index}"
     if not isinstance(raw, dict):
@@ -319,7 +329,8 @@ def _parse_span(raw: Any, index: int, step_time_us: float, where: str, version: 
     missing = [key for key in keys if key not in raw]
     if missing:
         raise SpanFileError(f"{where}: missing field(s) {', '.join(missing)}")
-    action = _str_field(raw, "action", where)
+    action, node = _wave_names(version, _str_field(raw, "action", where),
+                               _str_field(raw, "node", where))
     where = f"{where} ({action})"
     lane, phase = _str_field(raw, "lane", where), _str_field(raw, "phase", where)
     if lane not in LANES:
@@ -332,7 +343,7 @@ def _parse_span(raw: Any, index: int, step_time_us: float, where: str, version: 
         action=action,
         microbatch=_int_field(raw, "microbatch", where, minimum=0),
         layer=layer,
-        node=_str_field(raw, "node", where),
+        node=node,
         phase=phase,
         start_us=_time_field(raw, "start_us", where),
         end_us=_time_field(raw, "end_us", where),

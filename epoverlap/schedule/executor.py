@@ -20,10 +20,10 @@ compute of other microbatches too.
 
 Every F/B node of microbatch m waits on m's event (CUDA: `wait_event`; threads: the future of
 m's last comm node) before it runs and records it after, so one microbatch's nodes form a chain
-across the lanes while the two microbatches' chains share nothing and overlap freely. A chunked
-MoE layer's node of chunk c (`NodeSpec.chunk`) chains on an event of its own, (m, c): the first
-of the chunk waits on m's event, the next ones on the chunk's, and the next node of no chunk
-waits on m's and every open chunk's, so chunk c's experts run beside chunk c+1's all-to-all
+across the lanes while the two microbatches' chains share nothing and overlap freely. In waves
+an MoE layer's node of wave c (`NodeSpec.wave`) chains on an event of its own, (m, c): the first
+of the wave waits on m's event, the next ones on the wave's, and the next node of no wave
+waits on m's and every open wave's, so wave c's experts run beside wave c+1's all-to-all
 inside one microbatch (`Chains`). `W`
 actions run on the compute lane and neither wait on nor record the event: nothing waits on
 them. A lane runs a task as `task(wait)`: the task calls `wait()` (that wait, or nothing) first
@@ -81,7 +81,7 @@ def no_wait() -> None:
     """The wait of a task that depends on nothing on the other lane."""
 
 
-ChainKey = object  # a microbatch m, or (m, c) for chunk c of a chunked MoE layer
+ChainKey = object  # a microbatch m, or (m, c) for wave c of an MoE layer in waves
 
 HOLD_PROBE_CYCLES = 2_000_000  # ~1 ms at GPU clocks: the sleep timed to learn the clock
 
@@ -119,24 +119,24 @@ def _sleep_cycles_per_us(device: torch.device) -> float:
 
 
 class Chains:
-    """Which chain keys a node waits on and which it records (module docstring): chunk c's
-    first node waits on m, its next ones on (m, c); a node of no chunk waits on m and the open
-    chunks, and closes them."""
+    """Which chain keys a node waits on and which it records (module docstring): wave c's
+    first node waits on m, its next ones on (m, c); a node of no wave waits on m and the open
+    waves, and closes them."""
 
     def __init__(self):
-        self._open: dict[int, list[int]] = {}  # microbatch -> chunks with a recorded key
+        self._open: dict[int, list[int]] = {}  # microbatch -> waves with a recorded key
 
-    def step(self, microbatch: int, chunk: Optional[int]) -> tuple[list[ChainKey], ChainKey]:
+    def step(self, microbatch: int, wave: Optional[int]) -> tuple[list[ChainKey], ChainKey]:
         """-> (keys to wait on, key to record) for the next chained node."""
-        open_chunks = self._open.setdefault(microbatch, [])
-        if chunk is None:
-            waits = [microbatch] + [(microbatch, c) for c in open_chunks]
-            open_chunks.clear()
+        open_waves = self._open.setdefault(microbatch, [])
+        if wave is None:
+            waits = [microbatch] + [(microbatch, c) for c in open_waves]
+            open_waves.clear()
             return waits, microbatch
-        if chunk in open_chunks:
-            return [(microbatch, chunk)], (microbatch, chunk)
-        open_chunks.append(chunk)
-        return [microbatch], (microbatch, chunk)
+        if wave in open_waves:
+            return [(microbatch, wave)], (microbatch, wave)
+        open_waves.append(wave)
+        return [microbatch], (microbatch, wave)
 
     def clear(self) -> None:
         self._open.clear()
@@ -149,7 +149,7 @@ class SerialLanes:
         """A plan starts (before its first `submit`)."""
 
     def submit(self, lane: str, microbatch: int, task: Task, chain: bool,
-               chunk: Optional[int] = None) -> None:
+               wave: Optional[int] = None) -> None:
         task(no_wait)
 
     def submit_after_compute(self, task: Task) -> None:
@@ -184,8 +184,8 @@ class ThreadLanes(SerialLanes):
         self._unchained: list[Future] = []  # the step's comm tasks of no chain, until drained
         self._chains = Chains()
 
-    def submit(self, lane, microbatch, task, chain, chunk=None):
-        waits, record = self._chains.step(microbatch, chunk) if chain else ([], None)
+    def submit(self, lane, microbatch, task, chain, wave=None):
+        waits, record = self._chains.step(microbatch, wave) if chain else ([], None)
         if lane == COMM:  # FIFO after every compute node submitted before it: nothing to wait
             future = self._pool.submit(task, no_wait)
             if chain:
@@ -262,7 +262,7 @@ class CudaStreamLanes(SerialLanes):
             event = self._events[key] = torch.cuda.Event()
         return event
 
-    def submit(self, lane, microbatch, task, chain, chunk=None):
+    def submit(self, lane, microbatch, task, chain, wave=None):
         stream, switch = self.stream(lane), lane == COMM
         if switch:
             torch.cuda.set_stream(stream)
@@ -270,7 +270,7 @@ class CudaStreamLanes(SerialLanes):
             if not chain:
                 task(no_wait)
                 return
-            waits, record = self._chains.step(microbatch, chunk)
+            waits, record = self._chains.step(microbatch, wave)
             events = [self._event(key) for key in waits]
 
             def wait():
@@ -409,7 +409,7 @@ class Executor:
             work(action, spec, state, losses, loss_scale)
             hold()
         self.lanes.submit(lane, action.microbatch, self._task(action, lane, body),
-                          chain=action.kind != "W", chunk=spec.chunk)
+                          chain=action.kind != "W", wave=spec.wave)
 
     def _task(self, action, lane: str, body: Callable[[], None]) -> Task:
         """A lane task running `body` after its wait; recording, in a span of `action` that

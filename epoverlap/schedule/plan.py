@@ -216,9 +216,9 @@ def _layer_pair(f_mb: Optional[int], f_layer: Optional[int], f_nodes: Sequence[N
 
 
 def _slot_nodes(nodes: Sequence[NodeKind], slot: str, deferrable: bool = False) -> list[str]:
-    """Names of the nodes that run in `slot`, in forward order: the node of that name, or a
-    chunked MoE layer's nodes in its place (`NodeKind.group`); `deferrable`: only those with
-    weight grads to defer."""
+    """Names of the nodes that run in `slot`, in forward order: the node of that name, or
+    the nodes of an MoE layer in waves in its place (`NodeKind.group`); `deferrable`: only
+    those with weight grads to defer."""
     return [node.name for node in nodes
             if node.group == slot and (node.deferrable or not deferrable)]
 

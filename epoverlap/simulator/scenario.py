@@ -192,7 +192,7 @@ def comm_table(args: argparse.Namespace, cfg, shape: sc.A2aShape, layout: list
                ) -> Optional[CommTable]:
     """--comm-from FILE: the measured node times of the run's case and dispatch (None
     without it). Refused where the benchmark timed another dispatch (it times the dropless
-    ones) or the comm lane runs other nodes (chunked all-to-alls, pipeline transfers)."""
+    ones) or the comm lane runs other nodes (all-to-alls in waves, pipeline transfers)."""
     path = getattr(args, "comm_from", None)
     if path is None:
         return None

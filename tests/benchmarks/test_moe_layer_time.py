@@ -1,5 +1,5 @@
 """benchmarks.harness.moe_layer_time: a MoE layer's forward and backward wall, its lanes' busy
-times and overlap bound from hand-made span directories with known answers (chunked nodes on
+times and overlap bound from hand-made span directories with known answers (nodes in waves on
 both lanes, a dense layer and the weight-grad phase left out, the slowest rank), then from a
 recorded CPU run."""
 
@@ -17,17 +17,17 @@ RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "sim_cpu_tiny"
 
 
 def _spans(scale: float) -> list[Span]:
-    """Layer 0 dense (attn, mlp), layer 1 MoE in 2 chunks: forward 10..40 (x scale), backward
+    """Layer 0 dense (attn, mlp), layer 1 MoE in 2 waves: forward 10..40 (x scale), backward
     50..90; a weight-grad span after it that does not count."""
     def at(lane, action, start, end):
         return Span.from_action(lane, action, start * scale, end * scale)
     return [at("compute", "F0.attn.L0", 0, 5), at("compute", "F0.mlp.L0", 5, 9),
             at("compute", "F0.attn.L1", 9, 10),
-            at("comm", "F0.dispatch_c0.L1", 10, 20), at("comm", "F0.dispatch_c1.L1", 20, 28),
-            at("compute", "F0.mlp_c0.L1", 20, 30), at("compute", "F0.mlp_c1.L1", 28, 34),
-            at("comm", "F0.return_c0.L1", 30, 36), at("comm", "F0.combine.L1", 34, 40),
-            at("comm", "B0.combine_c0.L1", 50, 60), at("compute", "B0.mlp_c0.L1", 60, 70),
-            at("comm", "B0.dispatch_c1.L1", 70, 90), at("compute", "W0.mlp_c0.L1", 90, 99),
+            at("comm", "F0.dispatch_w0.L1", 10, 20), at("comm", "F0.dispatch_w1.L1", 20, 28),
+            at("compute", "F0.mlp_w0.L1", 20, 30), at("compute", "F0.mlp_w1.L1", 28, 34),
+            at("comm", "F0.return_w0.L1", 30, 36), at("comm", "F0.combine.L1", 34, 40),
+            at("comm", "B0.combine_w0.L1", 50, 60), at("compute", "B0.mlp_w0.L1", 60, 70),
+            at("comm", "B0.dispatch_w1.L1", 70, 90), at("compute", "W0.mlp_w0.L1", 90, 99),
             at("compute", "B0.mlp.L0", 99, 100)]
 
 

@@ -44,13 +44,13 @@ def test_hierarchy_errors_name_the_flag(flags, message, monkeypatch):
     assert "--moe-dispatch-hierarchy" in str(err.value) and message in str(err.value)
 
 
-def test_chunks_refuse_the_hierarchy_in_one_line(monkeypatch):
+def test_waves_refuse_the_hierarchy_in_one_line(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     argv = TINY + NODE + ["--expert-model-parallel-size", "4", "--emulate-hosts", "2",
-                          "--moe-a2a-chunks", "2"]
+                          "--moe-a2a-waves", "2"]
     with pytest.raises(ConfigError) as err:
         validate_config(parse_config(argv), 4, cuda_available=False)
-    assert "--moe-a2a-chunks" in str(err.value) and "--moe-dispatch-hierarchy flat" in str(err.value)
+    assert "--moe-a2a-waves" in str(err.value) and "--moe-dispatch-hierarchy flat" in str(err.value)
 
 
 CPU_RUN = TINY + ["--expert-model-parallel-size", "4", "--emulate-hosts", "2",
@@ -69,11 +69,11 @@ def test_by_host_overlap_is_bitwise_sequential_and_near_flat_on_two_emulated_hos
     assert [r["loss"] for r in seq] == pytest.approx([r["loss"] for r in flat], rel=1e-5)
     # the sync-free form: fixed blocks per host and per host mate; 0.5 overflows and reruns
     for budget in ("1.25", "0.5"):
-        out, chunks = train_cli(tmp_path, f"node_budget_{budget}", 4, CPU_RUN + NODE + [
+        out, budgeted = train_cli(tmp_path, f"node_budget_{budget}", 4, CPU_RUN + NODE + [
             "--moe-dispatch-budget", budget, "--overlap-moe-expert-parallel-comm",
             "--delay-wgrad-compute"])
-        assert "by host" in out and identical_losses(seq, chunks), budget
-    assert any(r.get("dispatch_reruns") for r in chunks), chunks
+        assert "by host" in out and identical_losses(seq, budgeted), budget
+    assert any(r.get("dispatch_reruns") for r in budgeted), budgeted
 
 
 @pytest.mark.slow

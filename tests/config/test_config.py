@@ -113,7 +113,7 @@ def test_preset_then_explicit_flag_wins():
     (["--tune", "on", "--expert-model-parallel-size", "2", "--train-iters", "18"], 2,
      "--tune", "--train-iters >= 19 (the first step, then 3 of each of 6 paths: combined_1f1b, "
      "combined_1f1b+wgrad, combined_1f1b_paired_ends, combined_1f1b_paired_ends+wgrad, "
-     "combined_1f1b+wgrad+k4, sequential)"),
+     "combined_1f1b+wgrad+w4, sequential)"),
     (["--tune", "off", "--tune-cache", "tuned"], 2, "--tune-cache", "not --tune off"),
     (["--overlap-moe-expert-parallel-comm", "--overlap-probe-steps", "3",
       "--pipeline-model-parallel-size", "2"], 2, "--overlap-probe-steps",
@@ -293,6 +293,19 @@ def test_deprecated_cuda_graph_flag_is_migrated_with_a_warning():
     cfg = parse_config(BASE + ["--enable-cuda-graph"], warn=warnings.append)
     assert cfg.cuda_graph.impl == "local"
     assert any("--cuda-graph-impl local" in w for w in warnings)
+
+
+def test_the_all_to_alls_former_chunks_flag_is_migrated_to_waves_with_one_warning():
+    warnings = []
+    cfg = parse_config(BASE + ["--moe-a2a-chunks", "2"], warn=warnings.append)
+    assert cfg.overlap.moe_a2a_waves == 2
+    assert warnings == ["deprecated: --moe-a2a-chunks -> --moe-a2a-waves 2"]
+    warnings.clear()
+    assert parse_config(BASE + ["--moe-a2a-waves", "3"], warn=warnings.append
+                        ).overlap.moe_a2a_waves == 3 and warnings == []
+    with pytest.raises(ConfigError, match="--moe-a2a-chunks=2: deprecated alias of "
+                       "--moe-a2a-waves 2, which conflicts with --moe-a2a-waves 3"):
+        parse_config(BASE + ["--moe-a2a-chunks", "2", "--moe-a2a-waves", "3"])
 
 
 def test_negative_capacity_factor_means_dropless_as_in_megatron_core():

@@ -328,7 +328,7 @@ def test_cli_probe_with_full_iteration_graphs_is_bitwise_the_sequential_run(tmp_
         "--overlap-probe-steps", "3"])
     assert "tune: steps 3-8, " in out, out[-3000:]
     assert "tune: the other paths' CUDA graphs released" in out
-    assert [r["schedule"] for r in probed][:8] == ["combined_1f1b", "sequential"] + [
+    assert [r["path"] for r in probed][:8] == ["combined_1f1b", "sequential"] + [
         "combined_1f1b", "sequential"] * 3
     assert _identical(sequential, probed)
 

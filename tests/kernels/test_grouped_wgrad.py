@@ -112,9 +112,9 @@ def test_two_runs_and_fewer_programs_give_the_same_bits(triton_device, monkeypat
     assert torch.equal(runs[0], runs[2])
 
 
-def test_default_config_and_a_chunk_of_the_experts(triton_device):
-    """The default tiles (wider than these widths); a slice [a:b] of the main grad (a chunk of
-    the experts, `model.chunked`) changes that slice only."""
+def test_default_config_and_a_wave_of_the_experts(triton_device):
+    """The default tiles (wider than these widths); a slice [a:b] of the main grad (a wave of
+    the experts, `model.waves`) changes that slice only."""
     counts = [9, 70]
     main_grad, x, grad, offsets = _inputs(counts, 24, 40, torch.bfloat16, triton_device)
     whole = torch.randn(4, 24, 40, generator=generator(5, triton_device), device=triton_device)

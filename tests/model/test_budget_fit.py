@@ -72,7 +72,7 @@ def test_the_fit_stays_within_one_and_every_row():
 
 def _tuned_budget() -> DispatchBudget:
     """A fitted budget after four tuning steps: steps 1 and 3 (the path chosen later) needed
-    1.1 and 1.08, steps 2 and 4 (a chunked candidate's) 1.5 and 1.45."""
+    1.1 and 1.08, steps 2 and 4 (a waved candidate's) 1.5 and 1.45."""
     budget = DispatchBudget(1.25, 2, 1024, CPU, memory_steps=20, fit=True)
     for step, need in enumerate([1.1, 1.5, 1.08, 1.45], start=1):
         budget.refit()
@@ -89,9 +89,9 @@ def test_the_tuners_choice_leaves_the_fit_with_its_paths_steps_alone():
     budget.keep_steps({1, 3})
     assert list(budget.fit.needs) == [1.1, 1.08] and list(budget.fit.steps) == [1, 3]
     assert budget.refit() == math.ceil(1.1 * (1 + FIT_MARGIN) * FIT_GRID) / FIT_GRID
-    chunked = _tuned_budget()
-    chunked.keep_steps({2, 4})  # the chunked path chosen: its demand holds the base
-    assert list(chunked.fit.needs) == [1.5, 1.45] and chunked.refit() is None
+    in_waves = _tuned_budget()
+    in_waves.keep_steps({2, 4})  # the path in waves chosen: its demand holds the base
+    assert list(in_waves.fit.needs) == [1.5, 1.45] and in_waves.refit() is None
     other = _tuned_budget()
     other.keep_steps({7})  # a path without a step in the window: the window stays
     assert len(other.fit.needs) == 4 and other.refit() is None

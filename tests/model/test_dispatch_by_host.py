@@ -143,7 +143,7 @@ def test_by_host_budget_is_the_dropless_by_host_dispatch_bit_for_bit(ranks, host
 @pytest.mark.parametrize("ranks,hosts", [pytest.param(4, 2, marks=pytest.mark.slow), (2, 2)])
 def test_by_host_budget_cuts_records_and_its_rerun_is_dropless(ranks, hosts):
     """At budget 0.5 every stage's block is below balanced routing: rows are cut, the demand
-    (rows to one host, to one mate, pairs on one rank's experts) exceeds the chunks, and the
+    (rows to one host, to one mate, pairs on one rank's experts) exceeds the blocks, and the
     reruns, each at a level that holds what the last one counted (rows cut in stage 1 are not
     counted in stage 2, so that may take two), end with the dropless bits."""
     per_rank = run_ranks(by_host_budget_equivalence, ranks, hosts,
@@ -219,7 +219,7 @@ def _local_copy_layer(budget_factor, me: int, hosts=2, per_host=2, experts=8, to
 @pytest.mark.parametrize("me", [0, 1, 3])
 def test_local_copy_by_host_brings_back_every_rank_its_own_rows(budget_factor, me):
     """--comm-mode local_copy with the hierarchy (dropless: `HostRoute.mirrored`; the budget
-    form's chunks mirror by themselves): both stages' local copies give back what was sent,
+    form's blocks mirror by themselves): both stages' local copies give back what was sent,
     so with identity experts each token's combine sums its own row once per chosen expert."""
     combined, x_TH, expert_rows = _local_copy_layer(budget_factor, me)
     if budget_factor is None:  # the dropless form sizes the experts' rows exactly

@@ -54,9 +54,9 @@ def test_overlap_is_bitwise_equal_to_sequential(world, ep, tmp_path):
     assert_modes_match_sequential(results, tmp_path, 20)
     # the probe's run switched schedules mid-run (same losses as above), then kept one
     with open(tmp_path / "probe_wgrad.jsonl") as records:
-        schedules = [json.loads(line)["schedule"] for line in records]
-    assert schedules[:7] == ["combined_1f1b"] + ["combined_1f1b", "sequential"] * 3
-    assert len(set(schedules[7:])) == 1, schedules
+        paths = [json.loads(line)["path"] for line in records]
+    assert paths[:7] == ["combined_1f1b"] + ["combined_1f1b", "sequential"] * 3
+    assert len(set(paths[7:])) == 1, paths
 
 
 def test_overlap_is_bitwise_equal_to_sequential_with_query_key_norms(tmp_path):

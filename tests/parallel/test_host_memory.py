@@ -258,8 +258,8 @@ def test_training_over_host_memory_is_bitwise_the_process_groups(tmp_path):
     # step, then 6): 2 on the process group, 3 over host memory, then the tuned run's steps
     per_step, run = 2 * 4 * 6, 7 * 2 * 4 * 6
     with open(tmp_path / "tuned_host.jsonl") as records:
-        schedules = [json.loads(line)["schedule"] for line in records]
-    assert "combined_1f1b+group" in schedules, schedules
+        paths = [json.loads(line)["path"] for line in records]
+    assert "combined_1f1b+group" in paths, paths
     assert results[0][1:] == results[1][1:]
     carried, chose = results[0][1:]
     assert carried == chose["host"]  # ExpertComm's choice is what the transport carried

@@ -117,6 +117,26 @@ def test_writer_refuses_bad_span(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+def test_files_before_version_4_read_a_waves_nodes_by_their_new_names(tmp_path):
+    """Versions 1-3 named a wave's nodes `NAME_cK`; they read as version 4's `NAME_wK`, the
+    other names as they were. A version-4 file keeps what it says."""
+    spans = [Span.from_action("comm", "F0.dispatch_w1.L2", 0.0, 1.0),
+             Span.from_action("compute", "W0.mlp_w0.L2", 1.0, 2.0),
+             Span.from_action("compute", "F0.mlp.L1", 2.0, 3.0)]
+    path = write_rank_span_file(tmp_path, 0, 1, "cpu", "host", [StepSpans(0, 5.0, spans)])
+    document = _document(path)
+    for raw in document["steps"][0]["spans"][:2]:
+        raw["action"], raw["node"] = (raw[key].replace("_w", "_c") for key in ("action", "node"))
+    for version, expected in ((3, spans), (4, None)):
+        document["version"] = version
+        path.write_text(json.dumps(document))
+        back = read_rank_span_file(path).steps[0].spans
+        if expected is not None:
+            assert back == expected
+        else:
+            assert [s.node for s in back] == ["dispatch_c1", "mlp_c0", "mlp"]
+
+
 # One bad file: mutate a valid document, expect the file named and the reason.
 
 
@@ -143,7 +163,7 @@ def _set_span(key, value):
     "mutate, reason",
     [
         (lambda d: d.update(format="chrome-trace"), "not an epoverlap span file"),
-        (lambda d: d.update(version=4), "unsupported span format version 4"),
+        (lambda d: d.update(version=5), "unsupported span format version 5"),
         (lambda d: d.pop("version"), "unsupported span format version None"),
         (lambda d: d.update(clock="wall"), "unknown clock 'wall'"),
         (lambda d: d.update(rank=1), "rank 1 is not below world_size 1"),

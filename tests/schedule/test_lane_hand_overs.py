@@ -197,7 +197,7 @@ class _ReleasingLanes(CudaStreamLanes):
         self._held: dict = {}
         self._microbatch = None
 
-    def submit(self, lane, microbatch, task, chain, chunk=None):
+    def submit(self, lane, microbatch, task, chain, wave=None):
         def holding_task(wait):
             def wait_and_release():
                 wait()
@@ -205,7 +205,7 @@ class _ReleasingLanes(CudaStreamLanes):
                     self._held.pop((lane, microbatch), None)
             self._microbatch = microbatch
             task(wait_and_release)
-        super().submit(lane, microbatch, holding_task, chain, chunk)
+        super().submit(lane, microbatch, holding_task, chain, wave)
 
     def hand_over(self, value, to_lane):
         made_on = COMPUTE if to_lane == COMM else COMM

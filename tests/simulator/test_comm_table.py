@@ -93,7 +93,7 @@ def test_a_missing_dispatch_timing_names_the_flag_that_writes_it(tmp_path):
 
 @pytest.mark.parametrize("flags, needle", [
     (["--moe-router-topk", "4"], "no case 8:4"),
-    (["--moe-a2a-chunks", "2"], "comm lane also runs"),
+    (["--moe-a2a-waves", "2"], "comm lane also runs"),
     (["--moe-expert-capacity-factor", "1.5"], "times the dropless dispatch; this run's is "
                                               "capacity"),
 ])

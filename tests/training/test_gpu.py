@@ -299,9 +299,9 @@ def test_overlap_probe_switches_cuda_lanes_mid_run_bitwise():
     """The probe hands the executor two CUDA streams with events (the combined 1F1B) and serial
     lanes (sequential) in turn mid-run; every step's loss equals the never-probed run's."""
     fixed, probed = _probe_run("cuda", 0), _probe_run("cuda", 3)
-    assert [r.schedule for r in probed][:7] == ["combined_1f1b"] + [
+    assert [r.path for r in probed][:7] == ["combined_1f1b"] + [
         "combined_1f1b", "sequential"] * 3
-    assert len({r.schedule for r in probed[7:]}) == 1
+    assert len({r.path for r in probed[7:]}) == 1
     assert [float.hex(r.loss) for r in probed] == [float.hex(r.loss) for r in fixed]
 
 
@@ -313,10 +313,10 @@ def test_overlap_probe_with_partial_graphs_replays_each_schedules_own_bank_bitwi
     both, streams and events against serial lanes; every loss equals the never-probed
     graphed run's."""
     fixed, probed = _probe_run("cuda", 0, graphs=True), _probe_run("cuda", 3, graphs=True)
-    assert [r.schedule for r in probed][:9] == ["combined_1f1b", "combined_1f1b",
+    assert [r.path for r in probed][:9] == ["combined_1f1b", "combined_1f1b",
                                                 "sequential"] + [
         "combined_1f1b", "sequential"] * 3
-    assert len({r.schedule for r in probed[9:]}) == 1
+    assert len({r.path for r in probed[9:]}) == 1
     assert [float.hex(r.loss) for r in probed] == [float.hex(r.loss) for r in fixed]
 
 
@@ -334,7 +334,7 @@ def test_cli_probe_run_is_bitwise_the_sequential_run(tmp_path):
         "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute",
         "--overlap-probe-steps", "3"])
     assert "tune: steps 2-7, " in out, out[-3000:]
-    assert [r["schedule"] for r in probed][1:7] == ["combined_1f1b", "sequential"] * 3
+    assert [r["path"] for r in probed][1:7] == ["combined_1f1b", "sequential"] * 3
     assert _identical(sequential, probed)
 
 
@@ -354,7 +354,7 @@ def test_cli_probe_with_partial_graphs_is_bitwise_the_sequential_run(tmp_path):
         "--delay-wgrad-compute", "--overlap-probe-steps", "3"])
     assert "tune: steps 4-9, " in out, out[-3000:]
     assert "tune: the other paths' CUDA graphs released" in out
-    assert [r["schedule"] for r in probed][:9] == ["combined_1f1b", "combined_1f1b",
+    assert [r["path"] for r in probed][:9] == ["combined_1f1b", "combined_1f1b",
                                                    "sequential"] + [
         "combined_1f1b", "sequential"] * 3
     assert _identical(sequential, probed)

@@ -243,3 +243,11 @@ def test_mfu_on_the_step_line_record_and_summary_only_when_known():
     summary.add_flops(known)
     assert summary.megatron_tflops_per_gpu == pytest.approx(450.0)  # time-weighted
     assert summary.line("/GPU").endswith("| 450 TFLOP/s (Megatron-LM formula), MFU 45.5%")
+
+
+# ------------------------------------------------------------------------------ the path
+def test_the_record_names_a_tuned_steps_path_under_path_and_its_former_key_schedule():
+    tuned = replace(_result(1, 1.0), path="combined_1f1b+wgrad+w4").to_json()
+    assert tuned["path"] == tuned["schedule"] == "combined_1f1b+wgrad+w4"
+    untuned = _result(1, 1.0).to_json()
+    assert "path" not in untuned and "schedule" not in untuned

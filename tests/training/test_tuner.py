@@ -152,18 +152,18 @@ def _cfg(*flags: str, world: int = 2):
 def test_the_paths_of_a_config_and_its_pinned_axes():
     def names(*flags: str) -> list[str]:
         return [p.name for p in candidate_paths(_cfg(*flags))]
-    # tiny: 8 experts, 4 local on EP 2: the chunked path has 4 chunks
-    assert names() == [OVL, WG, PE, PE + "+wgrad", WG + "+k4", SEQUENTIAL]
+    # tiny: 8 experts, 4 local on EP 2: the path in waves has 4
+    assert names() == [OVL, WG, PE, PE + "+wgrad", WG + "+w4", SEQUENTIAL]
     # --overlap-plan pinned: that plan (still against sequential), the wgrad axis tuned
     assert names("--overlap-plan", "combined_1f1b_early_release") == [
         "combined_1f1b_early_release", "combined_1f1b_early_release+wgrad",
-        "combined_1f1b_early_release+wgrad+k4", SEQUENTIAL]
+        "combined_1f1b_early_release+wgrad+w4", SEQUENTIAL]
     # --delay-wgrad-compute pinned: every path defers, no name says so
     paths = candidate_paths(_cfg("--delay-wgrad-compute"))
-    assert [p.name for p in paths] == [OVL, PE, OVL + "+k4", SEQUENTIAL]
+    assert [p.name for p in paths] == [OVL, PE, OVL + "+w4", SEQUENTIAL]
     assert all(p.delay_wgrad for p in paths)
     # paired ends is a path of its own with two or more microbatches only
-    assert names("--num-microbatches", "1") == [OVL, WG, WG + "+k4", SEQUENTIAL]
+    assert names("--num-microbatches", "1") == [OVL, WG, WG + "+w4", SEQUENTIAL]
     # the overlap off: one path, nothing to tune
     assert names("--no-overlap-moe-expert-parallel-comm") == [SEQUENTIAL]
     # the deprecated probe: the flags' overlap plan against sequential
@@ -178,7 +178,7 @@ def test_the_once_per_rank_path_only_with_tune_allow_rounding_and_where_it_can_r
     assert names()[-2:] == [WG + "+once", SEQUENTIAL]
     assert not any(p.once_per_rank for p in candidate_paths(_cfg()))  # not without the flag
     for flags in (["--moe-dispatch-once-per-rank"], ["--moe-dispatch-budget", "2.0"],
-                  ["--moe-a2a-chunks", "2"], ["--expert-model-parallel-size", "1"]):
+                  ["--moe-a2a-waves", "2"], ["--expert-model-parallel-size", "1"]):
         assert not any(n.endswith("+once") for n in names(*flags)), flags
     assert names("--delay-wgrad-compute")[-2:] == [OVL + "+once", SEQUENTIAL]
 
@@ -189,33 +189,33 @@ def test_the_process_groups_path_where_the_flags_go_through_host_memory():
     the process group's transport, no such path."""
     host = ["--moe-a2a-transport", "host_memory"]
     paths = candidate_paths(_cfg(*host))
-    assert [p.name for p in paths] == [OVL, WG, PE, PE + "+wgrad", WG + "+k4", WG + "+group",
+    assert [p.name for p in paths] == [OVL, WG, PE, PE + "+wgrad", WG + "+w4", WG + "+group",
                                        SEQUENTIAL]
     assert [p.host_memory for p in paths] == [True] * 5 + [False, True]
     group = paths[5]
-    assert (group.plan, group.delay_wgrad, group.chunks) == (OVL, True, 1)
+    assert (group.plan, group.delay_wgrad, group.waves) == (OVL, True, 1)
     assert not any(p.host_memory or p.name.endswith("+group") for p in candidate_paths(_cfg()))
     assert [p.name for p in candidate_paths(_cfg(*host, "--delay-wgrad-compute"))][-2:] == [
         OVL + "+group", SEQUENTIAL]
 
 
-def test_the_chunked_path_where_the_config_can_chunk_and_the_flags_left_it_at_one():
-    def chunks(*flags: str, world: int = 2) -> list[int]:
-        return [p.chunks for p in candidate_paths(_cfg(*flags, world=world))]
-    assert chunks() == [1, 1, 1, 1, 4, 1]
-    # fewer local experts than 4: as many chunks as experts; one local expert: no chunks
-    assert chunks("--num-experts", "4")[4] == 2
-    assert 4 not in chunks("--num-experts", "2") and 2 not in chunks("--num-experts", "2")
-    # the flags' chunks: every path has them, no other count is tried
-    assert set(chunks("--moe-a2a-chunks", "2")) == {2}
-    # the budget dispatch chunks too
+def test_the_path_in_waves_where_the_config_allows_it_and_the_flags_left_it_at_one():
+    def waves(*flags: str, world: int = 2) -> list[int]:
+        return [p.waves for p in candidate_paths(_cfg(*flags, world=world))]
+    assert waves() == [1, 1, 1, 1, 4, 1]
+    # fewer local experts than 4: as many waves as experts; one local expert: no waves
+    assert waves("--num-experts", "4")[4] == 2
+    assert 4 not in waves("--num-experts", "2") and 2 not in waves("--num-experts", "2")
+    # the flags' waves: every path has them, no other count is tried
+    assert set(waves("--moe-a2a-waves", "2")) == {2}
+    # the budget dispatch splits into waves too
     budget = ["--moe-dispatch-budget", "1.5"]
-    assert chunks(*budget)[4] == 4
-    # a dispatch or graphs the chunks cannot run with: no chunked path
+    assert waves(*budget)[4] == 4
+    # a dispatch or graphs the waves cannot run with: no path in waves
     for flags in (["--moe-dispatch-once-per-rank"],
                   ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"],
                   budget + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"]):
-        assert set(chunks(*flags)) == {1}, flags
+        assert set(waves(*flags)) == {1}, flags
 
 
 def test_auto_tunes_on_cuda_only_and_on_anywhere_off_never():
@@ -277,6 +277,23 @@ def test_a_cache_file_that_does_not_parse_or_names_no_path_is_ignored(tmp_path):
     assert decision.table()[-1].endswith("chosen (cached)")
 
 
+def test_a_cache_file_written_before_waves_were_named_so_still_reads(tmp_path):
+    """Its key: the overlap field under its former name, so the key is the one written then;
+    its path names: `+k4` reads as `+w4`, the rows and the dropped ones too."""
+    fields = key_fields(_cfg(world=2), 2, torch.device("cpu"))["overlap"]
+    assert fields["moe_a2a_chunks"] == 1 and "moe_a2a_waves" not in fields
+    old, new = WG + "+k4", WG + "+w4"
+    row = {"median_ms": 1.0, "min_ms": 1.0, "max_ms": 1.0, "steps": 1}
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps({"chosen": old, "paths": {old: row, WG: row},
+                                "dropped": {OVL + "+k4": "graphs"}}))
+    decision, warning = read_decision(path, PATHS + [new])
+    assert warning is None and decision.chosen == new
+    assert set(decision.rows()) == {new, WG} and decision.dropped == {OVL + "+w4": "graphs"}
+    _, warning = read_decision(path, PATHS)  # a run without the path in waves: one line
+    assert f"it names {new!r}, not a path of this run" in warning and "\n" not in warning
+
+
 # ----------------------------------------------------------------------------- in-process runs
 def _train(flags: list[str], graph_backend=None):
     """The tiny model on one CPU process, the overlap at EP 1 (a comm thread), mock data.
@@ -324,7 +341,7 @@ def test_tuning_with_graphs_gives_each_path_its_bank_and_keeps_the_bits():
     fixed, _, fixed_banks = _train(GRAPHS + ["--train-iters", "13", "--tune", "off"])
     tuned, lines, banks = _train(GRAPHS + ["--train-iters", "13", "--tune", "on",
                                            "--tune-steps", "1"])
-    ran = [r.schedule for r in tuned]
+    ran = [r.path for r in tuned]
     assert ran[:11] == [OVL, OVL] + ALL[1:] + ALL and set(ran[11:]) == {ran[11]}
     assert _hexes(tuned) == _hexes(fixed)
     assert fixed_banks == [0] and banks == [(ran[11], 0)]
@@ -361,7 +378,7 @@ def test_a_path_whose_capture_fails_is_dropped_and_the_bits_stay():
     _SecondCaptureFails.made = 0
     tuned, lines, banks = _train(GRAPHS + ["--train-iters", "12", "--tune", "on",
                                            "--tune-steps", "1"], _SecondCaptureFails)
-    ran = [r.schedule for r in tuned]
+    ran = [r.path for r in tuned]
     left = [OVL, PE, PE + "+wgrad", SEQUENTIAL]
     assert ran[:10] == [OVL, OVL, WG] + left[1:] + left and WG not in ran[3:]
     assert _hexes(tuned) == _hexes(fixed)
@@ -379,9 +396,9 @@ def test_a_cached_rerun_skips_tuning_and_runs_the_cached_path_from_the_first_ste
     files = list((tmp_path / "tune").glob("*.json"))
     assert len(files) == 1 and f"tune: decision written to {files[0]}" in lines
     chosen = json.loads(files[0].read_text())["chosen"]
-    assert chosen == first[-1].schedule and chosen in ALL
+    assert chosen == first[-1].path and chosen in ALL
     again, lines, _ = _train(["--train-iters", "3", "--tune", "on", "--tune-cache", cache])
-    assert [r.schedule for r in again] == [chosen] * 3
+    assert [r.path for r in again] == [chosen] * 3
     assert f"tune: cached {chosen} ({files[0]})" in lines
     assert again[0].tuned_path["cached"] is True and again[0].tuned_path["chosen"] == chosen
     assert again[1].tuned_path is None
@@ -390,7 +407,7 @@ def test_a_cached_rerun_skips_tuning_and_runs_the_cached_path_from_the_first_ste
     files[0].write_text('{"chosen": "zigzag"}')  # not a path of this run: tuned again
     retuned, lines, _ = _train(["--train-iters", "7", "--tune", "on", "--tune-steps", "1",
                                 "--tune-cache", cache])
-    assert [r.schedule for r in retuned][:6] == [OVL] + ALL
+    assert [r.path for r in retuned][:6] == [OVL] + ALL
     assert json.loads(files[0].read_text())["chosen"] in ALL
 
 
@@ -398,7 +415,7 @@ def test_a_run_too_short_for_every_path_times_the_first_ones_and_caches_nothing(
     cache = str(tmp_path / "tune")
     tuned, lines, _ = _train(["--train-iters", "5", "--tune", "on", "--tune-steps", "1",
                               "--tune-cache", cache])
-    assert [r.schedule for r in tuned][:5] == [OVL, OVL, WG, PE, SEQUENTIAL]
+    assert [r.path for r in tuned][:5] == [OVL, OVL, WG, PE, SEQUENTIAL]
     assert ("tune: 5 steps left, 6 needed for all 5 paths: timing 4, leaving out "
             "combined_1f1b_paired_ends+wgrad (not cached)") in lines
     assert tuned[-1].tuned_path is not None  # decided at the last step
@@ -430,7 +447,7 @@ def test_graphs_that_do_not_fit_side_by_side_are_tuned_in_turn_with_the_same_bit
     monkeypatch.setattr("epoverlap.training.loop.step.fits_beside", lambda *args: False)
     tuned, lines, banks = _train(GRAPHS + ["--train-iters", "16", "--tune", "on",
                                            "--tune-steps", "1"])
-    ran = [r.schedule for r in tuned]
+    ran = [r.path for r in tuned]
     # warm-up (2 steps) and the first path's timed step; then each other path twice
     assert ran[:13] == [OVL, OVL, OVL] + [p for p in ALL[1:] for _ in range(2)] + [ran[13]] * 2
     assert _hexes(tuned) == _hexes(fixed)
@@ -461,6 +478,6 @@ def test_the_fitted_budget_learns_each_steps_demand_and_keeps_the_chosen_paths_s
     assert seen == [r.step for r in tuned]
     at = next(i for i, r in enumerate(tuned) if r.tuned_path is not None)
     chosen = tuned[at].tuned_path["chosen"]
-    assert chosen == tuned[-1].schedule
-    assert kept == [{r.step for r in tuned[:at + 1] if r.schedule == chosen}]
+    assert chosen == tuned[-1].path
+    assert kept == [{r.step for r in tuned[:at + 1] if r.path == chosen}]
     assert 0 < len(kept[0]) < at + 1  # the chosen path's steps, not the others'

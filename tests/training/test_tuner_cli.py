@@ -1,8 +1,8 @@
 """The path tuner through the real command (torchrun, 2 gloo ranks, EP 2, the overlap on):
 `--tune on --tune-steps 1` times the six paths (the combined 1F1B and its paired-ends form,
 each with delayed weight grads off and on, the combined 1F1B with delayed weight grads and the
-all-to-alls in 4 chunks of experts, and the sequential schedule) one step each after the first, prints the decision's table, records it in the --log-json record of the deciding
-step, and trains with every loss's bits those of a `--tune off` run."""
+all-to-alls in 4 waves of experts, and the sequential schedule) one step each after the first,
+prints the decision's table, records it in the --log-json record of the deciding step, and trains with every loss's bits those of a `--tune off` run."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ FLAGS = ["--preset", "tiny", "--mock-data", "--hidden-size", "64", "--seq-length
          "--micro-batch-size", "2", "--num-microbatches", "2", "--distributed-timeout-minutes",
          "3", "--train-iters", "8", "--log-interval", "1", "--kernel-backend", "torch"]
 PATHS = ["combined_1f1b", "combined_1f1b+wgrad", "combined_1f1b_paired_ends",
-         "combined_1f1b_paired_ends+wgrad", "combined_1f1b+wgrad+k4", "sequential"]
+         "combined_1f1b_paired_ends+wgrad", "combined_1f1b+wgrad+w4", "sequential"]
 
 
 def _train(out: Path, name: str, flags: list[str]) -> tuple[str, list[dict]]:
@@ -44,12 +44,13 @@ def test_tuning_keeps_every_losss_bits(runs):
     (_, fixed), (_, tuned) = runs
     assert [r["loss_hex"] for r in tuned] == [r["loss_hex"] for r in fixed]
     assert [r["grad_norm_hex"] for r in tuned] == [r["grad_norm_hex"] for r in fixed]
-    assert all("schedule" not in r for r in fixed)
+    assert all("path" not in r and "schedule" not in r for r in fixed)
 
 
 def test_the_paths_take_turns_then_the_chosen_one_stays(runs):
     _, (stdout, tuned) = runs
-    ran = [r["schedule"] for r in tuned]
+    ran = [r["path"] for r in tuned]
+    assert [r["schedule"] for r in tuned] == ran  # the key's former name, for one release
     (deciding,) = [r for r in tuned if "tuned_path" in r]
     decision = deciding["tuned_path"]
     assert ran[:7] == ["combined_1f1b"] + PATHS and ran[7:] == [decision["chosen"]]
@@ -69,7 +70,7 @@ def test_rank_0_prints_the_decisions_table_once(runs):
     assert table[0].split() == ["path", "median", "min", "max", "steps"]
     assert [row.split()[0] for row in table[1:]] == PATHS
     chosen = [row.split()[0] for row in table[1:] if row.endswith("  chosen")]
-    assert chosen == [tuned[-1]["schedule"]]
+    assert chosen == [tuned[-1]["path"]]
     assert "(tuned: 6 paths, 1 timed step(s) each, steps 2-7)" in stdout
 
 
@@ -86,7 +87,7 @@ def test_allow_rounding_times_the_dispatch_once_per_rank_and_a_cached_rerun_is_i
     stdout, tuned = _train(tmp_path, "tuned", ["--tune", "on", "--tune-steps", "1",
                                                "--tune-allow-rounding", "--tune-cache",
                                                str(cache)])
-    ran = [r["schedule"] for r in tuned]
+    ran = [r["path"] for r in tuned]
     first = ran.index(once)
     assert [r["loss_hex"] for r in tuned[:first + 1]] == [r["loss_hex"] for r in fixed[:first + 1]]
     assert f"| tune: {once} |" in stdout
@@ -97,7 +98,7 @@ def test_allow_rounding_times_the_dispatch_once_per_rank_and_a_cached_rerun_is_i
     stdout, cached = _train(tmp_path, "cached", ["--tune", "on", "--tune-steps", "1",
                                                  "--tune-allow-rounding", "--tune-cache",
                                                  str(cache)])
-    assert f"tune: cached {once}" in stdout and {r["schedule"] for r in cached} == {once}
+    assert f"tune: cached {once}" in stdout and {r["path"] for r in cached} == {once}
     _, pinned = _train(tmp_path, "pinned", ["--tune", "off", "--moe-dispatch-once-per-rank",
                                             "--delay-wgrad-compute"])
     assert [(r["loss_hex"], r["grad_norm_hex"]) for r in cached] == [

@@ -187,11 +187,11 @@ class RunParts:
     # ----------------------------------------------------------------- a path, built
     def build_path(self, spec: TunePath, lanes, keyed: bool = False) -> ExecutionPath:
         """The one builder of a path (`training.loop.path`): its dispatcher, its nodes (the
-        model's, of its chunks and dispatch), its executor on `lanes` (with
+        model's, of its waves and dispatch), its executor on `lanes` (with
         --overlap-grad-reduce reducing the grad buckets beside the backward), this stage's
         plan, its graph banks (`keyed`: by its name, where the tuner has several paths)."""
         dispatcher = self._dispatcher(spec)
-        specs = self.model.node_specs(spec.chunks, dispatcher)
+        specs = self.model.node_specs(spec.waves, dispatcher)
         per_layer = self.graph_banks is not None and self.cfg.cuda_graph.impl == "local"
         beside = self.cfg.overlap.overlap_grad_reduce and self.groups.dp_size > 1
         executor = Executor(self.faults.wrap_specs(specs), lanes, self.wgrad_queue,
@@ -351,12 +351,12 @@ class RunParts:
 
     def _two_lanes(self, overlap_plan: bool) -> bool:
         """Whether a plan runs on two lanes (a comm stream or thread beside compute): an
-        overlap plan, or any plan of chunked MoE layers (--moe-a2a-chunks: a chunk's
-        all-to-all runs beside another chunk's experts inside one microbatch, the sequential
+        overlap plan, or any plan of MoE layers in waves (--moe-a2a-waves: a wave's
+        all-to-all runs beside another wave's experts inside one microbatch, the sequential
         schedule's too)."""
         o = self.cfg.overlap
         return ((overlap_plan and bool(o.overlap_moe_expert_parallel_comm))
-                or o.moe_a2a_chunks > 1)
+                or o.moe_a2a_waves > 1)
 
     def drop_graphs(self) -> int:
         """Run on without CUDA graphs from the next step (a capture the run cannot hold): every

@@ -1,11 +1,11 @@
 """A run's execution path: one way to run the step, built once, as a value.
 
 Owns `ExecutionPath`. A path is what a step runs by: its spec (`config.tuning.TunePath`: its
-name, its plan's name, weight-grad deferral, chunks of the all-to-alls, dispatch once per rank,
+name, its plan's name, weight-grad deferral, waves of the all-to-alls, dispatch once per rank,
 the all-to-alls' transport), this stage's plan (made from the plan's name through the registry
 `schedule.plan.PLANS`), the dispatcher of its MoE layers (its dispatch form and its
 all-to-alls' transport), the executor of its nodes (the model's pure
-`node_specs(chunks=..., dispatch=...)`) on its lanes, and its CUDA graph banks
+`node_specs(waves=..., dispatch=...)`) on its lanes, and its CUDA graph banks
 (`graphs.banks.StepGraphs`; None without graphs). One builder makes every path
 (`RunParts.build_path` in `training.loop.build`): the flags' path, or with the path tuner one
 per candidate. Nothing is switched between paths: the step is handed the path it runs

@@ -145,7 +145,7 @@ class StepRunner:
         elapsed = self.sync_time() - start
         self._tune_record(step, elapsed)
         result = self._result(step, stats, lr, grad_norm, elapsed)
-        result.schedule = path.name if self.tuner is not None else None
+        result.path = path.name if self.tuner is not None else None
         self._add_dispatch_stats(result, stats, reruns)
         if spans is not None:
             overlap = step_metrics(spans).overlap

@@ -68,7 +68,7 @@ class StepResult:
     comm_ms: Optional[float] = None  # these three: steps with recorded spans only
     exposed_comm_ms: Optional[float] = None
     overlap_ratio: Optional[float] = None
-    schedule: Optional[str] = None  # --tune: the path this step ran
+    path: Optional[str] = None  # --tune: the path this step ran
     tuned_path: Optional[dict] = None  # --tune: the decision, at the step that made it
     megatron_tflops_per_gpu: Optional[float] = None  # by Megatron-LM's formula (no router)
     mfu: Optional[float] = None  # Megatron-LM TFLOP/s / dense bf16 peak: bf16 on a known GPU
@@ -79,6 +79,8 @@ class StepResult:
         record["loss_hex"] = float.hex(self.loss)
         record["grad_norm_hex"] = float.hex(self.grad_norm)
         record["tokens_per_s"] = self.tokens / self.step_time_s
+        if self.path is not None:  # its former key, written beside it for one release
+            record["schedule"] = self.path
         return record
 
 
@@ -319,9 +321,9 @@ class Reporter:
                 if r.exposed_comm_ms is not None else "") + _dispatch_note(r)
         phase = tuner.phase_of(r.step) if tuner is not None else None
         if phase == TIMED:
-            comm += f" | tune: {r.schedule}"
+            comm += f" | tune: {r.path}"
         elif phase == PRIME:
-            comm += f" | tune: {r.schedule} (untimed: its CUDA graphs are captured)"
+            comm += f" | tune: {r.path} (untimed: its CUDA graphs are captured)"
         return (f"step {r.step:4d}/{self.cfg.train.train_iters} | loss {r.loss:.4f} | "
                 f"lr {r.lr:.2e} | grad norm {r.grad_norm:.3f} | aux {r.aux_loss:.4f} | "
                 f"imbalance {r.load_imbalance:.2f} | {r.tokens / r.step_time_s:,.0f} tok/s"

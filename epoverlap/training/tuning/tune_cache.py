@@ -11,6 +11,10 @@ optimizer settings, and the tuning flags themselves. After a decision rank 0 wri
 DIR/<key>.json (atomically); a rerun with the same key reads it and skips tuning. A file that
 does not parse, or names a path this run does not have, is ignored with a warning.
 
+Files written before the all-to-alls' expert groups were named waves still read: the key keeps
+the field's former name (`moe_a2a_chunks`, `_FORMER_FIELDS`), so their keys are this run's, and a
+path name's former `+kK` suffix reads as `+wK` (`_current_name`).
+
 Owns `key_fields` and `cache_key`, `read_decision` and `write_decision`, and
 `agreed_cached_decision` (rank 0 reads, every rank takes what it read).
 """
@@ -21,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -42,6 +47,9 @@ _TRAIN_LEFT_OUT = ("train_iters", "train_samples", "global_batch_size", "lr", "m
                    "exit_duration_in_mins", "exit_interval")
 _OVERLAP_LEFT_OUT = ("tune", "tune_steps", "tune_cache", "overlap_probe_steps")
 LINK_VARIABLES = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE")
+# overlap fields renamed since caches were first written: their former names stay in the key
+_FORMER_FIELDS = {"moe_a2a_waves": "moe_a2a_chunks"}
+_FORMER_WAVES = re.compile(r"\+k(\d+)$")  # a path in waves before its rename: `...+k4`
 
 
 def key_fields(cfg: RunConfig, world_size: int, device: torch.device) -> dict:
@@ -51,7 +59,8 @@ def key_fields(cfg: RunConfig, world_size: int, device: torch.device) -> dict:
     return {"model": section(cfg.model), "moe": section(cfg.moe),
             "parallel": section(cfg.parallel, ("distributed_timeout_minutes",)),
             "train": section(cfg.train, _TRAIN_LEFT_OUT),
-            "overlap": section(cfg.overlap, _OVERLAP_LEFT_OUT),
+            "overlap": {_FORMER_FIELDS.get(k, k): v
+                        for k, v in section(cfg.overlap, _OVERLAP_LEFT_OUT).items()},
             "kernels": section(cfg.kernels), "kernel_backend":
             cfg.resolved_kernel_backend(device.type), "cuda_graph": section(cfg.cuda_graph),
             "world_size": world_size, "dtype": str(model_dtype(cfg)),
@@ -101,16 +110,22 @@ def read_decision(path: Path, names: list[str]) -> tuple[Optional[TuneDecision],
         return None, None
     try:
         body = json.loads(path.read_text())
-        chosen, rows = body["chosen"], body.get("paths") or {}
+        chosen, rows = _current_name(body["chosen"]), body.get("paths") or {}
         if not isinstance(rows, dict):
             raise ValueError("'paths' is not an object")
+        rows = {_current_name(name): row for name, row in rows.items()}
+        dropped = {_current_name(name): why for name, why in (body.get("dropped") or {}).items()}
     except (OSError, ValueError, KeyError, TypeError) as error:
         return None, f"tune: ignoring the cache file {path}: it does not parse ({error})"
     if chosen not in names:
         return None, (f"tune: ignoring the cache file {path}: it names {chosen!r}, not a path "
                       f"of this run ({', '.join(names)})")
-    return TuneDecision(chosen, [], None, dict(body.get("dropped") or {}),
-                        cache_file=str(path), cached_rows=rows), None
+    return TuneDecision(chosen, [], None, dropped, cache_file=str(path), cached_rows=rows), None
+
+
+def _current_name(name):
+    """A path's name as this version spells it (module docstring); others as they are."""
+    return _FORMER_WAVES.sub(r"+w\1", name) if isinstance(name, str) else name
 
 
 def write_decision(path: Path, decision: TuneDecision, fields: dict) -> Optional[str]:

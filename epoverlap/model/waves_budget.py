@@ -1,20 +1,20 @@
-"""The chunked MoE all-to-all over the budget dispatch (--moe-a2a-chunks K with
---moe-dispatch-budget F): `ChunkedBudgetMoE`, the nodes of `model.chunked` with no host read,
-so a graph over the whole iteration can hold them; and `make_chunked`, which picks the form of
+"""The MoE all-to-all in waves over the budget dispatch (--moe-a2a-waves K with
+--moe-dispatch-budget F): `WaveBudgetMoE`, the nodes of `model.waves` with no host read,
+so a graph over the whole iteration can hold them; and `make_waves`, which picks the form of
 a layer's dispatcher.
 
-Chunk k sends every rank one fixed-size block for that rank's expert group k, of
+Wave k sends every rank one fixed-size block for that rank's expert group k, of
 `GroupBudget.rows[k]` slots (`model.budget`: F x the balanced share of the group, per rank
 pair), its rows for the group's experts in order, then empty slots (zero rows, prob 0). The
 counts are exchanged on the device (`ExpertComm.exchange_counts`). A rank whose rows for one
 rank's group overflow the block sends the first block of them and records its demand
 (`GroupBudget.note`); after the step the trainer reruns at the budget level that holds it, as
-for the unchunked budget (`training.loop.step`). The blocks are cut from the permuted rows and put
+for the unsplit budget (`training.loop.step`). The blocks are cut from the permuted rows and put
 back by one row move each way (`model.dispatch.move_rows`: copies, grads copied back), so a
-step that fits gives the unchunked dropless layer's bits: an expert sees its rows from each
+step that fits gives the unsplit dropless layer's bits: an expert sees its rows from each
 source rank, rank by rank, padding after the group's last expert.
 
-Shape legend: R EP ranks, L local experts, G a group's experts, C_k chunk k's slots per rank,
+Shape legend: R EP ranks, L local experts, G a group's experts, C_k wave k's slots per rank,
 N permuted rows.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epoverlap.model.chunked import ChunkedMoE
+from epoverlap.model.waves import WaveMoE
 from epoverlap.model.dispatch import (TokenDispatcher, block_indices, kept_counts, move_rows,
                                       padded_block_transpose)
 from epoverlap.model.moe import GroupedSwiGLUExperts
@@ -32,24 +32,24 @@ from epoverlap.parallel.comm import all_to_all
 
 
 @dataclass
-class ChunkedBudgetMeta:
-    """What a chunked budget layer's nodes need after `dispatch_c0`, all on the device but the
-    static chunk sizes."""
+class WaveBudgetMeta:
+    """What a budget layer in waves's nodes need after `dispatch_w0`, all on the device but the
+    static wave sizes."""
 
-    rows_K: list[int]  # slots per rank in chunk k's buffer (host: the level's sizes)
+    rows_K: list[int]  # slots per rank in wave k's buffer (host: the level's sizes)
     send_index: torch.Tensor  # [sum R*C_k]: slot of the K buffers end to end -> row or -1
     return_index: torch.Tensor  # [N]: permuted row -> slot, or -1 (cut)
     kept_RL: torch.Tensor  # [R, L]: rows received per (source rank, local expert), kept
 
 
-class ChunkedBudgetMoE(ChunkedMoE):
-    """`ChunkedMoE` over a `model.dispatch.BudgetDispatcher` (module docstring)."""
+class WaveBudgetMoE(WaveMoE):
+    """`WaveMoE` over a `model.dispatch.BudgetDispatcher` (module docstring)."""
 
     SIZES = "expert_counts"
 
     def __init__(self, dispatcher: TokenDispatcher, experts: GroupedSwiGLUExperts,
-                 chunks: int, device: torch.device):
-        super().__init__(dispatcher, experts, chunks, device)
+                 waves: int, device: torch.device):
+        super().__init__(dispatcher, experts, waves, device)
         self.budget = dispatcher.budget.group_budget(
             [end - start for start, end in self.groups], dispatcher.topk,
             dispatcher.num_experts)
@@ -58,7 +58,7 @@ class ChunkedBudgetMoE(ChunkedMoE):
 
     def dispatch_first(self, permuted_tokens, permuted_probs, sizes: torch.Tensor):
         """Count the rows per (rank, group) on the device, record the demand, cut the rows into
-        the chunks' fixed blocks; send chunk 0."""
+        the waves' fixed blocks; send wave 0."""
         rows_K, num_rows = self.budget.rows, permuted_tokens.shape[0]
         self.dispatcher.budget.check_rows(num_rows)
         counts_RL = sizes.view(self.ranks, -1)
@@ -74,34 +74,34 @@ class ChunkedBudgetMoE(ChunkedMoE):
         probs = move_rows(permuted_probs, send_index, return_index, gather).split(blocks)
         kept_RL = torch.cat([kept_counts(recv_RL[:, a:b], rows)
                              for (a, b), rows in zip(self.groups, rows_K)], dim=1)
-        meta = ChunkedBudgetMeta(rows_K, send_index, return_index, kept_RL)
-        out = self.dispatch_chunk(0, tokens[0], probs[0], meta)
+        meta = WaveBudgetMeta(rows_K, send_index, return_index, kept_RL)
+        out = self.dispatch_wave(0, tokens[0], probs[0], meta)
         out["meta"] = meta
-        for k in range(1, self.chunks):
-            out[f"send_tokens_c{k}"], out[f"send_probs_c{k}"] = tokens[k], probs[k]
+        for k in range(1, self.waves):
+            out[f"send_tokens_w{k}"], out[f"send_probs_w{k}"] = tokens[k], probs[k]
         return out
 
-    def dispatch_chunk(self, chunk: int, send_tokens, send_probs, meta) -> dict:
-        return {f"recv_tokens_c{chunk}": all_to_all(self.comm, send_tokens, None, None),
-                f"recv_probs_c{chunk}": all_to_all(self.comm, send_probs, None, None)}
+    def dispatch_wave(self, wave: int, send_tokens, send_probs, meta) -> dict:
+        return {f"recv_tokens_w{wave}": all_to_all(self.comm, send_tokens, None, None),
+                f"recv_probs_w{wave}": all_to_all(self.comm, send_probs, None, None)}
 
-    def experts_chunk(self, chunk: int, recv_tokens, recv_probs, meta) -> dict:
-        """Chunk `chunk`'s blocks (source rank: its rows per expert, then padding) -> expert
+    def experts_wave(self, wave: int, recv_tokens, recv_probs, meta) -> dict:
+        """Wave `wave`'s blocks (source rank: its rows per expert, then padding) -> expert
         major, paddings last -> its experts -> back."""
-        start, end = self.groups[chunk]
+        start, end = self.groups[wave]
         to_experts, to_ranks = self._transposes[end - start]
         kept_RG = meta.kept_RL[:, start:end]
-        pad_R1 = meta.rows_K[chunk] - kept_RG.sum(dim=1, keepdim=True)
+        pad_R1 = meta.rows_K[wave] - kept_RG.sum(dim=1, keepdim=True)
         sizes = torch.cat([kept_RG, pad_R1], dim=1).reshape(-1)
         tokens, probs = self.ops.sort_chunks_by_idxs(recv_tokens, sizes, to_experts, recv_probs)
         out = self.experts(tokens, probs, kept_RG.sum(dim=0), None, experts=(start, end))
         back = self.ops.sort_chunks_by_idxs(out, sizes.index_select(0, to_experts), to_ranks)[0]
-        return {f"expert_out_c{chunk}": back}
+        return {f"expert_out_w{wave}": back}
 
-    def return_chunk(self, chunk: int, expert_out, meta) -> dict:
-        return {f"returned_c{chunk}": all_to_all(self.comm, expert_out, None, None)}
+    def return_wave(self, wave: int, expert_out, meta) -> dict:
+        return {f"returned_w{wave}": all_to_all(self.comm, expert_out, None, None)}
 
-    def combine(self, returned, meta: ChunkedBudgetMeta, row_id_map) -> torch.Tensor:
+    def combine(self, returned, meta: WaveBudgetMeta, row_id_map) -> torch.Tensor:
         """The returned blocks onto the permuted rows (a cut row's come back as zeros), each
         token's rows summed."""
         rows = move_rows(torch.cat(list(returned)), meta.return_index, meta.send_index,
@@ -109,9 +109,9 @@ class ChunkedBudgetMoE(ChunkedMoE):
         return self.ops.unpermute(rows, row_id_map)
 
 
-def make_chunked(dispatcher: TokenDispatcher, experts: GroupedSwiGLUExperts, chunks: int,
-                 device: torch.device) -> ChunkedMoE:
-    """The chunked layer of `dispatcher`'s form: host-read split sizes, or the budget's."""
+def make_waves(dispatcher: TokenDispatcher, experts: GroupedSwiGLUExperts, waves: int,
+                 device: torch.device) -> WaveMoE:
+    """The layer in waves of `dispatcher`'s form: host-read split sizes, or the budget's."""
     budget_form = dispatcher.budget is not None and not dispatcher.reads_host
-    return (ChunkedBudgetMoE if budget_form else ChunkedMoE)(dispatcher, experts, chunks,
+    return (WaveBudgetMoE if budget_form else WaveMoE)(dispatcher, experts, waves,
                                                              device)

@@ -1,6 +1,6 @@
-"""--moe-a2a-chunks K over the budget dispatch (issue 46; `model.chunked_budget`). Pure CPU: the
-chunk indices against an index-by-index reference, the group budget's sizes and reruns. gloo
-(2 CPU ranks, EP 2, 3 local experts): training chunked over the budget gives the unchunked
+"""--moe-a2a-waves K over the budget dispatch (issue 46; `model.waves_budget`). Pure CPU: the
+wave indices against an index-by-index reference, the group budget's sizes and reruns. gloo
+(2 CPU ranks, EP 2, 3 local experts): training in waves over the budget gives the unsplit
 dropless sequential run's grads, losses and grad norms bit for bit, sequential and overlapped
 with delayed wgrad, with a budget that overflows every step (reruns) and one that never does;
 under the emulated CUDA graphs, one graph over the whole iteration gives the eager losses,
@@ -19,8 +19,8 @@ from dispatch_workers import graphed_training, mode_runs
 from dist_helpers import run_ranks
 
 
-def test_chunk_indices_put_each_run_in_its_chunk_and_cut_the_overflow():
-    """Runs (rank r, chunk k) of send[r][k] rows; chunk k holds rows_K[k] slots per rank:
+def test_wave_indices_put_each_run_in_its_wave_and_cut_the_overflow():
+    """Runs (rank r, wave k) of send[r][k] rows; wave k holds rows_K[k] slots per rank:
     each slot names its row (or -1), each row its slot in the buffers end to end (or -1)."""
     send_RK, rows_K = [[2, 0], [1, 3], [0, 2]], [2, 2]
     send, ret = block_indices(torch.tensor(send_RK), rows_K, 9)
@@ -38,13 +38,13 @@ def test_chunk_indices_put_each_run_in_its_chunk_and_cut_the_overflow():
             k = 0 if slot < base[1] else 1
             expected_send[k][slot - base[k]] = row
     assert [s.tolist() for s in send] == expected_send
-    assert ret.tolist() == expected_ret  # row 5 (rank 1's 3rd row of chunk 1) is cut
+    assert ret.tolist() == expected_ret  # row 5 (rank 1's 3rd row of wave 1) is cut
 
 
 def test_group_budget_sizes_per_group_and_joins_the_reruns():
-    """2 ranks, 6 experts (groups of 2 and 1 local experts), 16 tokens top-2: chunks of
+    """2 ranks, 6 experts (groups of 2 and 1 local experts), 16 tokens top-2: waves of
     F x the group's balanced share, the top level all a rank can route a group; a group's
-    demand past its chunk makes the step rerun at the first level that holds it."""
+    demand past its wave makes the step rerun at the first level that holds it."""
     budget = DispatchBudget.for_dispatch(0.5, 2, 16, 2, 6, False, torch.device("cpu"))
     group = budget.group_budget([2, 1], 2, 6)
     assert budget.group_budget([2, 1], 2, 6) is group
@@ -65,12 +65,12 @@ OVERLAP = ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
 TINY_BUDGET = ["--moe-dispatch-budget", "0.25"]  # overflows every step
 ROOMY_BUDGET = ["--moe-dispatch-budget", "4.0"]  # one level, holding all: never overflows
 RUNS = [("dropless", SEQ + SIX_EXPERTS),
-        ("tiny_k2", SEQ + SIX_EXPERTS + TINY_BUDGET + ["--moe-a2a-chunks", "2"]),
-        ("tiny_k3_ovl", OVERLAP + SIX_EXPERTS + TINY_BUDGET + ["--moe-a2a-chunks", "3"]),
-        ("roomy_k2_ovl", OVERLAP + SIX_EXPERTS + ROOMY_BUDGET + ["--moe-a2a-chunks", "2"])]
+        ("tiny_k2", SEQ + SIX_EXPERTS + TINY_BUDGET + ["--moe-a2a-waves", "2"]),
+        ("tiny_k3_ovl", OVERLAP + SIX_EXPERTS + TINY_BUDGET + ["--moe-a2a-waves", "3"]),
+        ("roomy_k2_ovl", OVERLAP + SIX_EXPERTS + ROOMY_BUDGET + ["--moe-a2a-waves", "2"])]
 
 
-def test_chunked_budget_training_is_bitwise_the_dropless_sequential(tmp_path):
+def test_waves_budget_training_is_bitwise_the_dropless_sequential(tmp_path):
     from epoverlap.cli.compare_losses import compare_loss_logs
     per_rank = run_ranks(mode_runs, 2, 2, str(tmp_path), 3, RUNS, timeout_s=600)
     for rank, runs in enumerate(per_rank):
@@ -89,11 +89,11 @@ def test_chunked_budget_training_is_bitwise_the_dropless_sequential(tmp_path):
 
 
 FULL_GRAPH = ["--cuda-graph-impl", "full_iteration"]
-CHUNKED_TINY = OVERLAP + SIX_EXPERTS + TINY_BUDGET + ["--moe-a2a-chunks", "2"]
-GRAPH_RUNS = [("eager", CHUNKED_TINY), ("full", CHUNKED_TINY + FULL_GRAPH)]
+WAVES_TINY = OVERLAP + SIX_EXPERTS + TINY_BUDGET + ["--moe-a2a-waves", "2"]
+GRAPH_RUNS = [("eager", WAVES_TINY), ("full", WAVES_TINY + FULL_GRAPH)]
 
 
-def test_full_iteration_graph_of_chunked_budget_gives_the_eager_losses():
+def test_full_iteration_graph_of_the_budget_in_waves_gives_the_eager_losses():
     """Capture emulated, a budget that overflows every step: the base bank and the rerun
     levels' banks are captured and replayed, every step's loss, reruns and budget the eager
     run's."""
