@@ -104,7 +104,8 @@ class Evaluator:
         self.stepper.select_budget_level(level)
         if self.budget is not None:
             self.budget.reset_demand()
-        losses = [self.model.stage_forward(tokens, labels, dispatch=dispatch)
+        chunks = self.cfg.overlap.moe_a2a_chunks  # the flags' chunks, whichever path ran
+        losses = [self.model.stage_forward(tokens, labels, dispatch=dispatch, chunks=chunks)
                   for tokens, labels in inputs]
         return [loss.detach().float() for loss in losses if loss is not None]
 
