@@ -441,7 +441,7 @@ def autograd_share(trainer: Trainer, inputs, iters: int) -> dict:
         for router in trainer.model.routers():
             router.reset_step_stats()
         values = dict(inputs[0])
-        for spec in trainer.model.node_specs():
+        for spec in trainer.model.node_specs(trainer.cfg.overlap.moe_a2a_waves):
             args = {local: values[name] for local, name in spec.inputs.items()}
             leaves = {local: as_node_leaf(value) for local, value in args.items()}
             recorded = _segments_timed(spec, samples) if spec.segments else spec.fn

@@ -60,7 +60,8 @@ class LossSides:
                                         ("torch", cross_entropy_torch))}
         cfg = parse_config(["--preset", "tiny", "--num-layers", "1", "--hidden-size", str(hidden),
                             "--num-attention-heads", "4"]).with_vocab_size(vocab)
-        self.model = MoEModel(cfg, ExpertComm(None, 1), 0, triton_ops, dtype=torch.bfloat16,
+        self.model = MoEModel(cfg.model, cfg.moe, cfg.model_options(),
+                              ExpertComm(None, 1), 0, triton_ops, dtype=torch.bfloat16,
                               device=device)
         self.labels_T = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
         self.logits_TV = (torch.randn(tokens, vocab, generator=gen) * 2).to(

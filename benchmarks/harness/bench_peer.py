@@ -164,7 +164,7 @@ def summarize(samples: list[StepSample], warmup: int, cfg: RunConfig) -> dict:
     tokens = tokens_per_step_per_gpu(cfg)
     return {"step_ms": step_s * 1e3, "step_ms_samples": step_ms_samples,
             "tokens_per_s_per_gpu": tokens / step_s,
-            "tflops_per_gpu": training_flops_per_token(cfg) * tokens / step_s / 1e12,
+            "tflops_per_gpu": training_flops_per_token(cfg.model, cfg.moe) * tokens / step_s / 1e12,
             "peak_gib": (None if timed[0].peak_gib is None
                          else max_over_ranks(max(s.peak_gib for s in timed))),
             "loss_first": samples[0].loss, "loss_last": samples[-1].loss,
@@ -466,7 +466,7 @@ def bench_shape(name: str, systems: list[str], groups: ParallelGroups, args,
         runs.setdefault(system, {})[run_name] = run
         log(f"[bench_peer] {name} {system} {run_name}: {run_line(run)}")
     return {"shape": name, "flags": SHAPES[name] + PEER_FLAGS,
-            "flops_per_token": training_flops_per_token(rated),
+            "flops_per_token": training_flops_per_token(rated.model, rated.moe),
             "tokens_per_step_per_gpu": tokens_per_step_per_gpu(rated), "runs": runs,
             "derived": derived(runs)}
 

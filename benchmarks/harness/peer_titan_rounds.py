@@ -82,8 +82,8 @@ def flops_per_token(shape: str) -> dict:
     from epoverlap.model.flops import megatron_flops_per_token
     cfg = epoverlap_config(SHAPES[shape].preset)
     vocab = cfg.data.vocab_size
-    titan = megatron_flops_per_token(cfg.with_vocab_size(vocab))
-    return {"epoverlap": megatron_flops_per_token(cfg.with_vocab_size(vocab + 1)),
+    titan = megatron_flops_per_token(cfg.with_vocab_size(vocab).model, cfg.moe)
+    return {"epoverlap": megatron_flops_per_token(cfg.with_vocab_size(vocab + 1).model, cfg.moe),
             "titan_eager": titan, "titan_compiled": titan}
 
 

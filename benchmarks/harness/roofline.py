@@ -75,7 +75,7 @@ def work(flags: Sequence[str]) -> dict:
         expert += 3 * m.hidden_size * fe * moe.moe_router_topk if is_moe else 0
     params = _parameters(cfg)
     return {"tokens": tokens, "parameters": params,
-            "megatron_tflop": megatron_flops_per_token(cfg) * tokens / 1e12,
+            "megatron_tflop": megatron_flops_per_token(cfg.model, cfg.moe) * tokens / 1e12,
             "dense GEMMs": (6 * tokens * dense / 1e12, "TFLOP"),
             "expert GEMMs": (6 * tokens * expert / 1e12, "TFLOP"),
             "attention": (6 * tokens * query * m.seq_length * m.num_layers / 1e12, "TFLOP"),

@@ -23,7 +23,7 @@ from epoverlap.config.dispatch import DispatchMode
 from epoverlap.config.parse import CHOICES, FLAGS, build_parser, config_from_args, flag_of, \
     parse_config
 from epoverlap.config.presets import PRESETS
-from epoverlap.config.run import SECTIONS, RunConfig, moe_layer_pattern
+from epoverlap.config.run import SECTIONS, ModelOptions, RunConfig, moe_layer_pattern
 from epoverlap.config.sections import (DEFAULT_SPLIT, CheckpointConfig, DataConfig, KernelConfig,
                                        LogConfig, ModelConfig, MoEConfig, OverlapConfig,
                                        ParallelConfig, TrainConfig)
@@ -33,8 +33,8 @@ from epoverlap.config.validate import nccl_config_unavailable, world_size_from_e
 __all__ = [
     "CHOICES", "DEFAULT_SPLIT", "FLAGS", "PRESETS", "SECTIONS", "CheckpointConfig",
     "CudaGraphConfig", "DataConfig", "DispatchMode", "KernelConfig", "LogConfig", "ModelConfig",
-    "MoEConfig", "OverlapConfig", "ParallelConfig", "RunConfig", "TrainConfig", "build_parser",
-    "config_from_args", "flag_of", "moe_layer_pattern", "nccl_config_unavailable",
+    "ModelOptions", "MoEConfig", "OverlapConfig", "ParallelConfig", "RunConfig", "TrainConfig",
+    "build_parser", "config_from_args", "flag_of", "moe_layer_pattern", "nccl_config_unavailable",
     "parse_blend", "parse_config", "parse_split", "resolve_config", "validate_config",
     "world_size_from_env",
 ]

@@ -1,13 +1,15 @@
 """`RunConfig`: the whole configuration, one field per section (config.sections), and the values
 derived from several sections at once: the plan's name, virtual stages, data-parallel and stage
-sizes, the device and kernel backend `auto` resolves to; `SECTIONS` (each field's section class)
-and `moe_layer_pattern`.
+sizes, the device and kernel backend `auto` resolves to; `ModelOptions` (what the model reads of
+the run beyond its own sections, built by `RunConfig.model_options`); `SECTIONS` (each field's
+section class) and `moe_layer_pattern`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Optional
 
 from epoverlap.config.compat import CompatConfig
 from epoverlap.config.cuda_graphs import CudaGraphConfig
@@ -15,6 +17,23 @@ from epoverlap.config.layer_freq import layer_freq_list
 from epoverlap.config.sections import (CheckpointConfig, DataConfig, EvalConfig, KernelConfig,
                                        LogConfig, ModelConfig, MoEConfig, OverlapConfig,
                                        ParallelConfig, TrainConfig)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelOptions:
+    """What the model (`model.transformer.MoEModel`) reads of the run beyond its own sections
+    (`ModelConfig`, `MoEConfig`): built once from the RunConfig (`RunConfig.model_options`), so
+    the model never sees the whole config. The chunks of the all-to-alls are not here: a path
+    asks for them (`MoEModel.node_specs`)."""
+    seed: int  # --seed: every parameter's init
+    num_microbatches: int  # the router's aux loss is scaled by 1 / microbatches
+    microbatch_tokens: int  # tokens of one microbatch on one rank (the dispatch budget's size)
+    moe_grouped_gemm_sm_carveout: Optional[int]  # the experts' GEMMs' SMs left to the comm
+    pipeline_model_parallel_size: int  # stages (`model.stages`)
+    virtual_stages: int  # model chunks per stage (`RunConfig.virtual_stages`)
+    cp_comm_types: tuple[str, ...]  # --cp-comm-type of each layer
+    dynamic_context_parallel: bool  # --dynamic-context-parallel
+    eod_mask_loss: bool  # --eod-mask-loss: the loss under CP is scaled by counted labels
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -77,6 +96,18 @@ class RunConfig:
         """--cp-comm-type of each layer (one value given: every layer's)."""
         types = self.parallel.cp_comm_type
         return list(types) * self.model.num_layers if len(types) == 1 else list(types)
+
+    def model_options(self) -> ModelOptions:
+        """The model's slice of the other sections (`ModelOptions`), the one place it is made."""
+        p = self.parallel
+        return ModelOptions(
+            seed=self.train.seed, num_microbatches=self.train.num_microbatches,
+            microbatch_tokens=self.microbatch_tokens,
+            moe_grouped_gemm_sm_carveout=p.moe_grouped_gemm_sm_carveout,
+            pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+            virtual_stages=self.virtual_stages, cp_comm_types=tuple(self.cp_comm_types()),
+            dynamic_context_parallel=p.dynamic_context_parallel,
+            eod_mask_loss=self.data.eod_mask_loss)
 
     def resolved_device(self, cuda_available: bool) -> str:
         if self.train.device == "auto":

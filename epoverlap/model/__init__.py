@@ -7,4 +7,7 @@ Owns `transformer` (the model, or one pipeline stage of it, and its layers' node
 `dropout` (dropout masks from each microbatch's seed, whatever the schedule),
 `nodes` (the node protocol a scheduler sees) and `stages` (which layers each pipeline stage and
 model chunk holds; pure arithmetic). May import: config, errors, parallel.comm, epoverlap.kernels.
+It takes its config slices, never the whole `RunConfig`: its own sections (`ModelConfig`,
+`MoEConfig`) and `ModelOptions`, what it reads of the others (made by
+`RunConfig.model_options`; tests/model/test_config_slices.py holds it to that).
 """

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epoverlap.config import RunConfig
+from epoverlap.config import ModelConfig
 from epoverlap.kernels import MoEOps
 from epoverlap.model.context import ContextParallel
 from epoverlap.model.documents import Documents
@@ -51,15 +51,15 @@ class Attention(nn.Module):
     RMSNorm over each head's query (`q_norm`) and key (`k_norm`) before rotary, one weight
     [D] each shared by the heads, as Megatron-core's q_layernorm / k_layernorm."""
 
-    def __init__(self, cfg: RunConfig, layer: int, ops: MoEOps, *, dtype, device, queue,
-                 context: Optional[ContextParallel] = None,
+    def __init__(self, m: ModelConfig, seed: int, layer: int, ops: MoEOps, *, dtype, device,
+                 queue, context: Optional[ContextParallel] = None,
                  documents: Optional[Documents] = None):
-        """`context`: this layer's view of the CP group (None without CP): the rotary
-        positions are its chunks' and the core attention exchanges K/V over it. `documents`:
-        the packed samples' rules (--reset-position-ids, --reset-attention-mask; None:
-        neither): the forward then takes the microbatch's tokens, where the documents end."""
+        """`seed`: the run's (--seed), each parameter's init drawn from it. `context`: this
+        layer's view of the CP group (None without CP): the rotary positions are its chunks'
+        and the core attention exchanges K/V over it. `documents`: the packed samples' rules
+        (--reset-position-ids, --reset-attention-mask; None: neither): the forward then takes
+        the microbatch's tokens, where the documents end."""
         super().__init__()
-        m = cfg.model
         self.ops, self.context, self.documents = ops, context, documents
         self.heads, self.kv_heads, self.head_dim = m.num_attention_heads, m.kv_heads, m.head_dim
         self.seq_length, self.queue = m.seq_length // (context.size if context else 1), queue
@@ -68,7 +68,7 @@ class Attention(nn.Module):
         self.qkv = nn.Parameter(torch.empty(qkv_out, m.hidden_size, dtype=dtype, device=device))
         self.proj = nn.Parameter(torch.empty(m.hidden_size, self.heads * self.head_dim,
                                              dtype=dtype, device=device))
-        seed, std = cfg.train.seed, m.init_method_std
+        std = m.init_method_std
         seeded_normal_(self.qkv, std, param_seed(seed, "qkv", layer))
         seeded_normal_(self.proj, std / math.sqrt(2 * m.num_layers), param_seed(seed, "proj",
                                                                                  layer))

@@ -74,18 +74,18 @@ class DispatchBudget:
         self.fit = BudgetFit(max(memory_steps, 1)) if fit else None
 
     @classmethod
-    def of_model(cls, cfg, mode, comm, device: torch.device,
+    def of_model(cls, moe, tokens: int, mode, comm, device: torch.device,
                  ep_rank: int) -> Optional["DispatchBudget"]:
-        """The one budget every MoE layer's dispatcher shares (`mode`: the model's
-        `DispatchMode`; budget mode only, else None; by host it sizes both stages)."""
+        """The one budget every MoE layer's dispatcher shares (`moe`: the `MoEConfig`; `tokens`:
+        of one microbatch on one rank; `mode`: the model's `DispatchMode`; budget mode only,
+        else None; by host it sizes both stages)."""
         if mode.budget is None:
             return None
         hosts = comm.by_host.hosts if mode.by_host and comm.by_host is not None else 1
-        return cls.for_dispatch(mode.budget, comm.size, cfg.microbatch_tokens,
-                                cfg.moe.moe_router_topk, cfg.moe.num_experts,
-                                mode.once_per_rank, device,
-                                memory_steps=cfg.moe.moe_dispatch_budget_memory, hosts=hosts,
-                                fit=cfg.moe.moe_dispatch_budget_fit, rank=ep_rank)
+        return cls.for_dispatch(mode.budget, comm.size, tokens, moe.moe_router_topk,
+                                moe.num_experts, mode.once_per_rank, device,
+                                memory_steps=moe.moe_dispatch_budget_memory, hosts=hosts,
+                                fit=moe.moe_dispatch_budget_fit, rank=ep_rank)
 
     @classmethod
     def for_dispatch(cls, factor: float, ranks: int, tokens: int, topk: int, num_experts: int,

@@ -178,16 +178,17 @@ def dynamic_sizes(cp_size: int, least: int) -> tuple[int, ...]:
     return tuple(least << k for k in range((cp_size // least).bit_length()))
 
 
-def layer_contexts(cfg, cp_comm: Optional[ContextComm], device: torch.device,
+def layer_contexts(comm_types: tuple[str, ...], seq_length: int, dynamic: bool,
+                   cp_comm: Optional[ContextComm], device: torch.device,
                    documents: Optional[Documents]) -> dict:
     """Every layer's view of the CP group ({} without CP): a `DynamicContext` under
-    --dynamic-context-parallel, else a `ContextParallel`."""
+    --dynamic-context-parallel (`dynamic`), else a `ContextParallel`; `comm_types`: each
+    layer's --cp-comm-type."""
     if cp_comm is None:
         return {}
-    types, seq = cfg.cp_comm_types(), cfg.model.seq_length
-    kind = DynamicContext if cfg.parallel.dynamic_context_parallel else ContextParallel
-    return {layer: kind(cp_comm, types[layer], seq, device, documents)
-            for layer in range(cfg.model.num_layers)}
+    kind = DynamicContext if dynamic else ContextParallel
+    return {layer: kind(cp_comm, comm_type, seq_length, device, documents)
+            for layer, comm_type in enumerate(comm_types)}
 
 
 class DynamicContext:

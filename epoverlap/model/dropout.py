@@ -41,7 +41,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from epoverlap.config import ModelConfig, RunConfig
+from epoverlap.config import ModelConfig
 
 DROPOUT_SEED = "dropout_seed"  # the microbatch-wide value name of a microbatch's dropout seed
 
@@ -67,11 +67,13 @@ def microbatch_seed(run_seed: int, step: int, rank: int, microbatch: int) -> int
     return _mix("dropout", run_seed, step, rank, microbatch)
 
 
-def dropout_inputs(cfg: RunConfig, step: int, rank: int, microbatch: int) -> dict:
-    """What a microbatch dict carries for dropout: {DROPOUT_SEED: seed}, or {} without it."""
-    if not uses_dropout(cfg.model):
+def dropout_inputs(model: ModelConfig, run_seed: int, step: int, rank: int,
+                   microbatch: int) -> dict:
+    """What a microbatch dict carries for dropout: {DROPOUT_SEED: seed}, or {} without it
+    (`run_seed`: --seed)."""
+    if not uses_dropout(model):
         return {}
-    return {DROPOUT_SEED: microbatch_seed(cfg.train.seed, step, rank, microbatch)}
+    return {DROPOUT_SEED: microbatch_seed(run_seed, step, rank, microbatch)}
 
 
 def draw_seed(seed: Optional[int], layer: int, site: str) -> int:

@@ -7,18 +7,17 @@ vocabulary (`ModelConfig.padded_vocab_size`) in both.
 
 from __future__ import annotations
 
-from epoverlap.config import RunConfig
+from epoverlap.config import ModelConfig, MoEConfig, moe_layer_pattern
 
 GEMM_ALIGNMENT = 8  # elements: 16 bytes of bf16, what cuBLAS's tensor-core kernels align to
 
 
-def unaligned_gemm_dims(cfg: RunConfig) -> list[tuple[str, int, str]]:
+def unaligned_gemm_dims(m: ModelConfig, moe: MoEConfig) -> list[tuple[str, int, str]]:
     """The model's GEMM dimensions that are not multiples of GEMM_ALIGNMENT elements, as
     (what, size, the flags that set it): a tensor-core GEMM with such a leading dimension falls
     back to a kernel of narrower loads, several times slower (the logit GEMM at vocabulary
     151937 against 152064, for one)."""
-    m, moe = cfg.model, cfg.moe
-    pattern = cfg.moe_layer_pattern()
+    pattern = moe_layer_pattern(m.num_layers, moe)
     dims = [("hidden size", m.hidden_size, "--hidden-size"),
             ("head dim", m.head_dim, "--kv-channels" if m.kv_channels else
              "--hidden-size / --num-attention-heads")]
@@ -41,19 +40,18 @@ def unaligned_gemm_dims(cfg: RunConfig) -> list[tuple[str, int, str]]:
     return [dim for dim in dims if dim[1] % GEMM_ALIGNMENT]
 
 
-def training_flops_per_token(cfg: RunConfig) -> float:
+def training_flops_per_token(m: ModelConfig, moe: MoEConfig) -> float:
     """Matmul + attention FLOPs per token of one training step (3x forward; causal attention).
     Differs from `megatron_flops_per_token` only by the router GEMM (2 H E per token per MoE
     layer forward), which this counts and Megatron-LM does not; the causal attention (half the
     S x S scores) and the logit GEMM over the padded vocabulary are counted alike. Norms (the
     query/key norms of --qk-layernorm too), rotary and activations are elementwise: no GEMM
     FLOPs, in neither count."""
-    m, moe = cfg.model, cfg.moe
     attn_params = m.hidden_size * (m.num_attention_heads + 2 * m.kv_heads) * m.head_dim \
         + m.num_attention_heads * m.head_dim * m.hidden_size
     attn_scores = 2 * m.seq_length * m.num_attention_heads * m.head_dim
     forward = 2 * m.padded_vocab_size * m.hidden_size
-    for is_moe in cfg.moe_layer_pattern():
+    for is_moe in moe_layer_pattern(m.num_layers, moe):
         if is_moe:
             ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
             mlp = m.hidden_size * moe.num_experts + moe.moe_router_topk * 3 * m.hidden_size * ffn
@@ -64,7 +62,7 @@ def training_flops_per_token(cfg: RunConfig) -> float:
     return 3.0 * forward
 
 
-def megatron_flops_per_token(cfg: RunConfig) -> float:
+def megatron_flops_per_token(m: ModelConfig, moe: MoEConfig) -> float:
     """FLOPs per token of one training step as Megatron-LM counts them (the TFLOP/s it logs):
     `num_floating_point_operations(args, batch_size) / (batch_size * seq_length)`, the
     `transformer_flops()` path of megatron/training/training.py at NVIDIA/Megatron-LM tag
@@ -80,13 +78,12 @@ def megatron_flops_per_token(cfg: RunConfig) -> float:
     NullTokenizer, rounded up to --make-vocab-size-divisible-by), as Megatron-LM counts its
     `padded_vocab_size` (rounded up to --make-vocab-size-divisible-by x TP, TP 1 here): the
     logit GEMM runs over the padding rows too. At vocabulary 151937 that is 152064."""
-    m, moe = cfg.model, cfg.moe
     query, kv = m.num_attention_heads * m.head_dim, m.kv_heads * m.head_dim
     attention = m.hidden_size * (query + 2 * kv) + query * m.seq_length / 2 * 2 \
         + query * m.hidden_size
     expert_ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
     shared_ffn = moe.moe_shared_expert_intermediate_size or 0
     mlp = sum(3 * (moe.moe_router_topk * expert_ffn + shared_ffn) if is_moe
-              else 3 * m.ffn_hidden_size for is_moe in cfg.moe_layer_pattern())
+              else 3 * m.ffn_hidden_size for is_moe in moe_layer_pattern(m.num_layers, moe))
     return 3 * 2 * (m.hidden_size * mlp + m.num_layers * attention
                     + m.hidden_size * m.padded_vocab_size)

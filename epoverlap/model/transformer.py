@@ -55,7 +55,7 @@ from torch import nn
 from epoverlap.kernels import MoEOps
 
 from epoverlap.parallel.comm import ContextComm, ExpertComm, PipelineComm
-from epoverlap.config import ModelConfig, RunConfig
+from epoverlap.config import ModelConfig, ModelOptions, MoEConfig, moe_layer_pattern
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.waves import WaveMoE
@@ -101,9 +101,9 @@ def _by(dispatcher: TokenDispatcher, fn):
 class TransformerLayer(nn.Module):
     """One decoder layer; MoE or dense. Exposes its nodes through `node_specs`."""
 
-    def __init__(self, cfg: RunConfig, layer: int, is_moe: bool, comm: ExpertComm,
-                 ep_rank: int, ops: MoEOps, *, dtype, device, queue,
-                 dispatcher: Optional[TokenDispatcher] = None, one_node: bool = False,
+    def __init__(self, m: ModelConfig, moe: MoEConfig, options: ModelOptions, layer: int,
+                 is_moe: bool, comm: ExpertComm, ep_rank: int, ops: MoEOps, *, dtype, device,
+                 queue, dispatcher: Optional[TokenDispatcher] = None, one_node: bool = False,
                  data_rank: int = 0, context: Optional[ContextParallel] = None,
                  documents: Optional[Documents] = None):
         """`dispatcher`: the model's dispatch strategy (MoE layers; shared by all of them);
@@ -111,7 +111,7 @@ class TransformerLayer(nn.Module):
         attention's view of the CP group, `documents`: its packed samples' rules
         (`Attention`)."""
         super().__init__()
-        m, moe, seed = cfg.model, cfg.moe, cfg.train.seed
+        seed = options.seed
         std, out_std = m.init_method_std, m.init_method_std / math.sqrt(2 * m.num_layers)
         self.layer, self.is_moe, self.one_node = layer, is_moe, one_node
         self.hidden_dropout_p = m.hidden_dropout
@@ -121,7 +121,7 @@ class TransformerLayer(nn.Module):
         # positions or masks (model.documents)
         self._docs = ("tokens",) if documents is not None else ()
         self.input_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
-        self.attention = Attention(cfg, layer, ops, dtype=dtype, device=device, queue=queue,
+        self.attention = Attention(m, seed, layer, ops, dtype=dtype, device=device, queue=queue,
                                    context=context, documents=documents)
         self.pre_mlp_norm = RMSNorm(m.hidden_size, m.norm_epsilon, ops, dtype, device)
         mlp_kwargs = dict(seed=seed, std=std, out_std=out_std, dtype=dtype, device=device,
@@ -134,17 +134,16 @@ class TransformerLayer(nn.Module):
             return
         ffn = moe.moe_ffn_hidden_size or m.ffn_hidden_size
         self.router = Router(moe, m.hidden_size, layer, ops, seed=seed, std=std, dtype=dtype,
-                             device=device, aux_loss_scale=1.0 / cfg.train.num_microbatches,
+                             device=device, aux_loss_scale=1.0 / options.num_microbatches,
                              mode=dispatcher.mode, data_rank=data_rank,
                              seq_length=m.seq_length,
                              cp_comm=context.comm if context is not None else None)
         self.experts = GroupedSwiGLUExperts(
             moe, m.hidden_size, ffn, layer, ep_rank, comm.size, **mlp_kwargs,
-            sm_carveout=cfg.parallel.moe_grouped_gemm_sm_carveout)
+            sm_carveout=options.moe_grouped_gemm_sm_carveout)
         if moe.moe_shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(m.hidden_size, moe.moe_shared_expert_intermediate_size,
                                         name=f"shared{layer}", **mlp_kwargs)
-        self.a2a_waves = 1 if one_node else cfg.overlap.moe_a2a_waves
         self._in_waves: dict[tuple, WaveMoE] = {}  # by (waves, its dispatcher), when asked
         self._device = device
 
@@ -342,10 +341,11 @@ class TransformerLayer(nn.Module):
         """A dropping node's inputs: `values` and the microbatch's dropout seed, if any."""
         return {**values, **{name: name for name in self._seed}}
 
-    def node_specs(self, waves: Optional[int] = None,
+    def node_specs(self, waves: int = 1,
                    dispatch: Optional[TokenDispatcher] = None) -> list[NodeSpec]:
-        """This layer's nodes; an MoE layer's all-to-alls in `waves` waves by `dispatch`
-        (defaults: the flags' waves, the model's dispatcher). Pure: nothing here changes."""
+        """This layer's nodes; an MoE layer's all-to-alls in `waves` waves (1: one wave; one
+        node of the whole layer takes none) by `dispatch` (default: the model's dispatcher).
+        Pure: nothing here changes."""
         if not self.is_moe:
             return self._dense_node_specs()
         dispatcher = dispatch or self.dispatcher
@@ -356,7 +356,7 @@ class TransformerLayer(nn.Module):
                              inputs=self._attn_node_inputs(),
                              outputs={"layer_out": hidden_value(self.layer + 1)},
                              has_weights=True, segments=segments)]
-        return self._moe_node_specs(waves or self.a2a_waves, dispatcher)
+        return self._moe_node_specs(waves, dispatcher)
 
     def _dense_node_specs(self) -> list[NodeSpec]:
         L, attn_segments = self.layer, self._attn_segments()
@@ -427,42 +427,46 @@ class MoEModel(nn.Module):
     layer 0, the final norm and head on the stage holding the last layer, and a `recv` / `send`
     node at every chunk boundary to another stage (through `pipe`)."""
 
-    def __init__(self, cfg: RunConfig, comm: ExpertComm, ep_rank: int, ops: MoEOps, *,
-                 dtype: torch.dtype, device: torch.device, wgrad_queue=None, stage: int = 0,
-                 pipe: Optional[PipelineComm] = None, one_node_moe_layers: bool = False,
-                 data_rank: int = 0, cp_comm: Optional[ContextComm] = None,
-                 documents: Optional[Documents] = None):
+    def __init__(self, m: ModelConfig, moe: MoEConfig, options: ModelOptions, comm: ExpertComm,
+                 ep_rank: int, ops: MoEOps, *, dtype: torch.dtype, device: torch.device,
+                 wgrad_queue=None, stage: int = 0, pipe: Optional[PipelineComm] = None,
+                 one_node_moe_layers: bool = False, data_rank: int = 0,
+                 cp_comm: Optional[ContextComm] = None, documents: Optional[Documents] = None):
         """`data_rank`: the data-parallel rank whose tokens this model reads (0: one token
         stream); the forced balance's routing draw differs by it (`Router`). `cp_comm`: the
         CP group (None without CP): the embed and loss nodes take this rank's chunks of each
         sequence and each layer's attention exchanges K/V over it (`model.context`).
         `documents`: the packed samples' rules (--reset-position-ids, --reset-attention-mask;
-        `model.documents`), None without them."""
+        `model.documents`), None without them. `options`: what the model reads of the run
+        beyond its sections `m` and `moe` (`config.ModelOptions`)."""
         super().__init__()
-        m, seed = cfg.model, cfg.train.seed
-        self.cfg, self.pipe, self.ops = cfg, pipe, ops
-        contexts = layer_contexts(cfg, cp_comm, device, documents)
+        seed = options.seed
+        self.pipe, self.ops = pipe, ops
+        self.vocab_size, self.eod_mask_loss = m.vocab_size, options.eod_mask_loss
+        contexts = layer_contexts(options.cp_comm_types, m.seq_length,
+                                  options.dynamic_context_parallel, cp_comm, device, documents)
         self.context = contexts.get(0)  # whose positions the embed and loss take
-        self.chunks = stage_chunks(m.num_layers, cfg.parallel.pipeline_model_parallel_size,
-                                   cfg.virtual_stages, stage)
+        self.chunks = stage_chunks(m.num_layers, options.pipeline_model_parallel_size,
+                                   options.virtual_stages, stage)
         if len(self.chunks) > 1 or not (self.chunks[0].has_embedding
                                         and self.chunks[0].has_loss):
             if pipe is None:
                 raise ValueError(f"stage {stage} of a pipeline needs a PipelineComm")
         if any(chunk.has_embedding for chunk in self.chunks):
             self.embedding = vocab_parameter(m, seed, "embedding", dtype, device)
-        pattern = cfg.moe_layer_pattern()
-        self.dispatch_mode = DispatchMode.of(cfg.moe)  # the one place the model reads it
+        pattern = moe_layer_pattern(m.num_layers, moe)
+        self.dispatch_mode = DispatchMode.of(moe)  # the one place the model reads it
         self.dispatch_budget = self.dispatcher = None
         if any(pattern):
-            self.dispatch_budget = DispatchBudget.of_model(cfg, self.dispatch_mode, comm, device,
+            self.dispatch_budget = DispatchBudget.of_model(moe, options.microbatch_tokens,
+                                                          self.dispatch_mode, comm, device,
                                                           ep_rank)
-            self.dispatcher = make_dispatcher(comm, cfg.moe.num_experts, cfg.moe.moe_router_topk,
+            self.dispatcher = make_dispatcher(comm, moe.num_experts, moe.moe_router_topk,
                                               ops, device, self.dispatch_mode,
                                               self.dispatch_budget)
         self.layers = nn.ModuleDict({
-            str(layer): TransformerLayer(cfg, layer, pattern[layer], comm, ep_rank, ops,
-                                         dtype=dtype, device=device, queue=wgrad_queue,
+            str(layer): TransformerLayer(m, moe, options, layer, pattern[layer], comm, ep_rank,
+                                         ops, dtype=dtype, device=device, queue=wgrad_queue,
                                          dispatcher=self.dispatcher,
                                          one_node=one_node_moe_layers, data_rank=data_rank,
                                          context=contexts.get(layer), documents=documents)
@@ -485,8 +489,8 @@ class MoEModel(nn.Module):
             labels = self.context.local(labels)
         logits_TV = linear(self.final_norm(hidden), self.head)  # [T, padded V]
         loss = self.ops.cross_entropy(logits_TV, labels.reshape(-1),
-                                      vocab=self.cfg.model.vocab_size)
-        if self.context is not None and self.cfg.data.eod_mask_loss:
+                                      vocab=self.vocab_size)
+        if self.context is not None and self.eod_mask_loss:
             loss = self.context.loss_share(loss, labels)
         return {"loss": loss}
 
@@ -494,11 +498,12 @@ class MoEModel(nn.Module):
         """This stage's layers in forward order of its chunks."""
         return list(self.layers.values())
 
-    def node_specs(self, waves: Optional[int] = None,
+    def node_specs(self, waves: int = 1,
                    dispatch: Optional[TokenDispatcher] = None) -> list[NodeSpec]:
         """Every node of this stage in forward order, chunk by chunk; MoE layers with `waves`
-        waves of experts, by `dispatch` (a path's dispatcher; defaults: the flags' waves, the
-        model's dispatcher). Pure: each call builds nodes, nothing in the model changes."""
+        waves of experts (1: one wave; a path's, `TunePath.waves`, the one source), by
+        `dispatch` (a path's dispatcher; default: the model's). Pure: each call builds nodes,
+        nothing in the model changes."""
         specs = []
         for chunk in self.chunks:
             first, end = chunk.layers[0], chunk.layers[-1] + 1
@@ -542,9 +547,11 @@ class MoEModel(nn.Module):
                         inputs={"hidden": hidden_value(layer + 1)}, outputs={}, p2p=SEND,
                         backward=receive_grad)
 
-    def layout(self) -> list[tuple[str, ...]]:
-        """Node kinds of each layer, in forward order (what plan builders need)."""
-        return [tuple(s.kind for s in layer.node_specs()) for layer in self.transformer_layers()]
+    def layout(self, waves: int = 1) -> list[tuple[str, ...]]:
+        """Node kinds of each layer, in forward order (what plan builders need), its MoE
+        layers' all-to-alls in `waves` waves."""
+        return [tuple(s.kind for s in layer.node_specs(waves))
+                for layer in self.transformer_layers()]
 
     def routers(self) -> list[Router]:
         return [layer.router for layer in self.transformer_layers() if layer.router is not None]
@@ -561,21 +568,23 @@ class MoEModel(nn.Module):
 
     def stage_forward(self, tokens: torch.Tensor, labels: torch.Tensor,
                       dropout_seed: Optional[int] = None,
-                      dispatch: Optional[TokenDispatcher] = None) -> Optional[torch.Tensor]:
+                      dispatch: Optional[TokenDispatcher] = None,
+                      waves: int = 1) -> Optional[torch.Tensor]:
         """One microbatch through this stage's nodes (by `dispatch`, default the model's
-        dispatcher) in order, chunk by chunk, receiving from and sending to the neighbor stages
-        (forward only: evaluation). Every stage running its microbatches in the same order
-        issues its transfers in the one chain's order, so they meet. -> the loss on the stage
-        holding the head, else None."""
+        dispatcher; MoE layers in `waves` waves) in order, chunk by chunk, receiving from and
+        sending to the neighbor stages (forward only: evaluation). Every stage running its
+        microbatches in the same order issues its transfers in the one chain's order, so they
+        meet. -> the loss on the stage holding the head, else None."""
         values = {"tokens": tokens, "labels": labels, DROPOUT_SEED: dropout_seed}
-        for spec in self.node_specs(dispatch=dispatch):
+        for spec in self.node_specs(waves, dispatch):
             out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})
             values.update({spec.outputs[local]: value for local, value in out.items()})
         return values.get("loss")
 
 
-def model_dtype(cfg: RunConfig) -> torch.dtype:
-    return torch.bfloat16 if cfg.train.bf16 else torch.float32
+def model_dtype(bf16: bool) -> torch.dtype:
+    """The parameters' and activations' dtype: bf16 under --bf16, else fp32."""
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def count_parameters(model: MoEModel, ep_size: int) -> dict:

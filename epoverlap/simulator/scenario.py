@@ -132,10 +132,11 @@ def model_layout(cfg, ep: int) -> list:
     by_host = HostComms(ExpertComm(None, hosts), ExpertComm(None, ep // hosts), 0) \
         if cfg.moe.moe_dispatch_hierarchy == "node" else None
     cp = cfg.parallel.context_parallel_size
-    model = MoEModel(cfg, ExpertComm(None, ep, by_host=by_host), 0, make_moe_ops("torch"),
+    model = MoEModel(cfg.model, cfg.moe, cfg.model_options(),
+                     ExpertComm(None, ep, by_host=by_host), 0, make_moe_ops("torch"),
                      dtype=torch.bfloat16, device=torch.device("meta"),
                      cp_comm=_CpGroupShape(cp) if cp > 1 else None)
-    return model.layout()
+    return model.layout(cfg.overlap.moe_a2a_waves)
 
 
 class _CpGroupShape:

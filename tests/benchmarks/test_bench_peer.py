@@ -47,7 +47,8 @@ def test_flop_count_matches_a_hand_count():
     head = 2 * 8 * 16
     forward = qkv + proj + router + experts + attention + head
     assert forward == 1344
-    assert training_flops_per_token(cfg) == 3 * forward  # backward: twice the forward
+    # backward: twice the forward
+    assert training_flops_per_token(cfg.model, cfg.moe) == 3 * forward
 
 
 def _run(step_ms, tokens, loss=(5.5, 5.0)):
@@ -210,8 +211,8 @@ def _check_run(run, steps):
     cfg = parse_config(SHAPES["quick"]).with_vocab_size(256)
     tokens = bench_peer.tokens_per_step_per_gpu(cfg)
     assert math.isclose(run["tokens_per_s_per_gpu"], tokens / (run["step_ms"] / 1e3))
-    assert math.isclose(run["tflops_per_gpu"], training_flops_per_token(cfg) * tokens
-                        / (run["step_ms"] / 1e3) / 1e12)
+    assert math.isclose(run["tflops_per_gpu"], training_flops_per_token(cfg.model, cfg.moe)
+                        * tokens / (run["step_ms"] / 1e3) / 1e12)
 
 
 @pytest.mark.slow

@@ -269,7 +269,8 @@ def test_ops_table_and_the_model_loss(triton_device):
     counting = dataclasses.replace(
         ops, cross_entropy=lambda *a, **k: calls.append(k) or cross_entropy_torch(*a, **k))
     cfg = parse_config(["--preset", "tiny"]).with_vocab_size(300)  # padded to 384
-    model = MoEModel(cfg, ExpertComm(None, 1), 0, counting, dtype=torch.float32,
+    model = MoEModel(cfg.model, cfg.moe, cfg.model_options(),
+                     ExpertComm(None, 1), 0, counting, dtype=torch.float32,
                      device=torch.device("cpu"))
     tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.seq_length))
     loss = model(tokens, tokens)

@@ -22,7 +22,8 @@ DOCS = [[5, 7, 1, 3, 9, 11], [2, 2, 8, 4, 6, 1, 13, 12, 10], [3, 1, 4, 1, 5, 9, 
 
 def _model(documents) -> MoEModel:
     cfg = parse_config(TINY).with_vocab_size(EOD + 1)
-    return MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
+    return MoEModel(cfg.model, cfg.moe, cfg.model_options(),
+                    ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
                     device=torch.device("cpu"), documents=documents).eval()
 
 
@@ -34,7 +35,7 @@ def _logits(model: MoEModel, tokens_BS: torch.Tensor) -> torch.Tensor:
             break
         out = spec.fn(**{local: values[name] for local, name in spec.inputs.items()})
         values.update({spec.outputs[local]: value for local, value in out.items()})
-    hidden = values[hidden_value(model.cfg.model.num_layers)]
+    hidden = values[hidden_value(len(model.layers))]
     return linear(model.final_norm(hidden), model.head).view(*tokens_BS.shape, -1)
 
 

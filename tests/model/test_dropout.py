@@ -28,7 +28,8 @@ DROPOUT = ["--attention-dropout", "0.2", "--hidden-dropout", "0.3"]
 def build(extra=DROPOUT, delay=False, one_node=False):
     cfg = parse_config(SMALL + list(extra))
     queue = WeightGradQueue(enabled=delay)
-    model = MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
+    model = MoEModel(cfg.model, cfg.moe, cfg.model_options(),
+                     ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
                      device=torch.device("cpu"), wgrad_queue=queue,
                      one_node_moe_layers=one_node)
     return cfg, model, queue
@@ -39,7 +40,8 @@ def data(cfg, step=1, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [{"tokens": torch.randint(0, 256, (2, 16), generator=gen),
              "labels": torch.randint(0, 256, (2, 16), generator=gen),
-             **dropout_inputs(cfg, step, 0, mb)} for mb in range(MICROBATCHES)]
+             **dropout_inputs(cfg.model, cfg.train.seed, step, 0, mb)}
+            for mb in range(MICROBATCHES)]
 
 
 def plain_autograd(extra=DROPOUT, one_node=False):
@@ -159,7 +161,7 @@ def test_dropout_leaves_the_global_rng_alone_and_the_backward_redraws_nothing():
 def test_zero_dropout_declares_no_seed_and_microbatches_carry_none():
     cfg, model, _ = build([])
     assert all(DROPOUT_SEED not in spec.inputs.values() for spec in model.node_specs())
-    assert dropout_inputs(cfg, 1, 0, 0) == {}
+    assert dropout_inputs(cfg.model, cfg.train.seed, 1, 0, 0) == {}
     cfg, model, _ = build()
     needing = {spec.key for spec in model.node_specs() if DROPOUT_SEED in spec.inputs}
     # layer 0 dense (attn, mlp); MoE layers: attn and combine, never dispatch or expert mlp

@@ -27,7 +27,8 @@ def test_megatron_formula_two_moe_layers_gqa():
     logits = 128 * 256
     expected = 3 * 2 * (2 * moe + 2 * attention + logits)
     assert expected == 2162688
-    assert megatron_flops_per_token(parse_config(TOP2)) == expected
+    cfg = parse_config(TOP2)
+    assert megatron_flops_per_token(cfg.model, cfg.moe) == expected
 
 
 def test_megatron_formula_shared_expert_dense_first_layer():
@@ -39,7 +40,7 @@ def test_megatron_formula_shared_expert_dense_first_layer():
     logits = 256 * 1024  # Megatron-LM's padded_vocab_size: 1000 rounded up to 8 x 128
     expected = 3 * 2 * (dense + 2 * moe + 3 * attention + logits)
     assert expected == 9535488
-    assert megatron_flops_per_token(cfg) == expected
+    assert megatron_flops_per_token(cfg.model, cfg.moe) == expected
 
 
 @pytest.mark.parametrize("count", [megatron_flops_per_token, training_flops_per_token])
@@ -49,7 +50,7 @@ def test_logits_count_the_padded_vocabulary(count):
     padded = parse_config(SHARED).with_vocab_size(1000)
     unpadded = parse_config(SHARED + ["--make-vocab-size-divisible-by", "1"]
                             ).with_vocab_size(1000)
-    assert count(padded) - count(unpadded) == 3 * 2 * 256 * 24
+    assert count(padded.model, padded.moe) - count(unpadded.model, unpadded.moe) == 3 * 2 * 256 * 24
 
 
 @pytest.mark.parametrize("flags", [TOP2, SHARED])
@@ -59,18 +60,22 @@ def test_epoverlap_count_adds_the_router_only(flags):
     cfg = parse_config(flags)
     moe_layers = sum(cfg.moe_layer_pattern())
     router = 3 * 2 * cfg.model.hidden_size * cfg.moe.num_experts * moe_layers
-    assert training_flops_per_token(cfg) - megatron_flops_per_token(cfg) == router
+    ours = training_flops_per_token(cfg.model, cfg.moe)
+    assert ours - megatron_flops_per_token(cfg.model, cfg.moe) == router
 
 
 @pytest.mark.parametrize("count", [megatron_flops_per_token, training_flops_per_token])
 def test_query_key_norms_add_no_gemm_flops(count):
     """--qk-layernorm: elementwise, as Megatron-LM's formula counts it (not at all)."""
-    assert count(parse_config(TOP2 + ["--qk-layernorm"])) == count(parse_config(TOP2)) > 0
+    normed = parse_config(TOP2 + ["--qk-layernorm"])
+    plain = parse_config(TOP2)
+    assert count(normed.model, normed.moe) == count(plain.model, plain.moe) > 0
 
 
 def test_dense_model_counts_no_router():
     cfg = parse_config(TOP2 + ["--num-experts", "0"])
-    assert training_flops_per_token(cfg) == megatron_flops_per_token(cfg)
+    ours = training_flops_per_token(cfg.model, cfg.moe)
+    assert ours == megatron_flops_per_token(cfg.model, cfg.moe)
 
 
 @pytest.mark.parametrize("name, peak", [

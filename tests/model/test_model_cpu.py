@@ -31,7 +31,8 @@ MICROBATCHES = 3
 def build(extra=(), delay=False):
     cfg = parse_config(SMALL + list(extra))
     queue = WeightGradQueue(enabled=delay)
-    model = MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
+    model = MoEModel(cfg.model, cfg.moe, cfg.model_options(),
+                     ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
                      device=torch.device("cpu"), wgrad_queue=queue)
     return model, queue
 
@@ -230,5 +231,6 @@ def test_grouped_gemm_runs_any_expert_width_forward_and_backward(width_in, width
 def test_flops_formula_counts_active_experts_only():
     cfg = parse_config(SMALL)
     more_experts = parse_config(SMALL + ["--num-experts", "8"])
-    delta = training_flops_per_token(more_experts) - training_flops_per_token(cfg)
+    delta = (training_flops_per_token(more_experts.model, more_experts.moe)
+             - training_flops_per_token(cfg.model, cfg.moe))
     assert delta == 3 * 2 * 32 * 4 * 2  # only the router grows: 4 more experts, 2 MoE layers

@@ -40,7 +40,8 @@ def build(argv, stage=0, device="cpu"):
     pp = cfg.parallel.pipeline_model_parallel_size
     pipe = PipelineComm(_pipeline_group(pp), (16, 32), torch.float32,
                         torch.device(device)) if pp > 1 else None
-    return MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
+    return MoEModel(cfg.model, cfg.moe, cfg.model_options(),
+                    ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
                     device=torch.device(device), stage=stage, pipe=pipe)
 
 
@@ -85,7 +86,8 @@ def test_a_stage_declares_its_pipeline_boundaries_as_p2p_nodes_on_the_comm_lane(
 def test_a_stage_without_a_pipeline_comm_is_refused():
     cfg = parse_config(MODEL + ["--pipeline-model-parallel-size", "2"])
     with pytest.raises(ValueError, match="needs a PipelineComm"):
-        MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
+        MoEModel(cfg.model, cfg.moe, cfg.model_options(),
+                 ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
                  device=torch.device("cpu"), stage=0)
 
 

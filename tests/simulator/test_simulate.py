@@ -362,7 +362,8 @@ def test_flop_model_adds_up_to_the_projects_flops_per_token():
         model = FlopModel(cfg, 4, delay_wgrad=delay)
         plan = sequential_plan(layout, 1, delay)
         total = sum(model.work(a).gemm_flops + model.work(a).attn_flops for a in plan)
-        assert total == pytest.approx(training_flops_per_token(cfg) * tokens, rel=1e-9)
+        assert total == pytest.approx(training_flops_per_token(cfg.model, cfg.moe) * tokens,
+                                      rel=1e-9)
 
 
 def test_flop_model_counts_the_query_key_norms_as_memory_passes():

@@ -97,6 +97,7 @@ def one_process_model(cfg, backend: str, dtype, device, delay: bool = False,
     from epoverlap.training.optimizer.grads import GradBuffers
     from epoverlap.kernels import make_moe_ops
     queue = WeightGradQueue(enabled=delay)
-    model = MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops(backend), dtype=dtype,
+    model = MoEModel(cfg.model, cfg.moe, cfg.model_options(),
+                     ExpertComm(None, 1), 0, make_moe_ops(backend), dtype=dtype,
                      device=torch.device(device), wgrad_queue=queue, one_node_moe_layers=one_node)
     return model, queue, GradBuffers(model, single_rank_groups())

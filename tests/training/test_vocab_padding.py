@@ -41,7 +41,8 @@ UNPADDED = ["--make-vocab-size-divisible-by", "1"]
 
 def _model(extra=(), dtype=torch.float32) -> MoEModel:
     cfg = parse_config(FLAGS + list(extra)).with_vocab_size(VOCAB)
-    return MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=dtype,
+    return MoEModel(cfg.model, cfg.moe, cfg.model_options(),
+                    ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=dtype,
                     device=torch.device("cpu"))
 
 
@@ -60,7 +61,7 @@ def _loss_and_grads(model: MoEModel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_real_rows_start_as_the_unpadded_models(dtype):
     padded, plain = _model(dtype=dtype), _model(UNPADDED, dtype)
-    assert padded.cfg.model.padded_vocab_size == PADDED
+    assert padded.head.shape[0] == padded.embedding.shape[0] == PADDED
     for name in ("embedding", "head"):
         wide, narrow = getattr(padded, name), getattr(plain, name)
         assert wide.shape == (PADDED, 32) and narrow.shape == (VOCAB, 32)
@@ -166,14 +167,14 @@ def test_only_the_unpadded_vocabulary_is_unaligned_at_the_qwen3_proxy():
     """The Qwen3 proxy's every dimension is a multiple of 8 but its vocabulary 151937; padded
     (the default) it is 152064 and nothing is named."""
     cfg = parse_config(["--preset", "qwen3-30b-a3b-proxy"]).with_vocab_size(151937)
-    assert unaligned_gemm_dims(cfg) == []
+    assert unaligned_gemm_dims(cfg.model, cfg.moe) == []
     unpadded = parse_config(["--preset", "qwen3-30b-a3b-proxy"] + UNPADDED
                             ).with_vocab_size(151937)
-    assert unaligned_gemm_dims(unpadded) == [
+    assert unaligned_gemm_dims(unpadded.model, unpadded.moe) == [
         ("vocabulary", 151937, "the data's tokenizer, padded to a multiple of "
                                "--make-vocab-size-divisible-by 1")]
     odd = parse_config(["--num-experts", "6", "--moe-ffn-hidden-size", "36",
                         "--moe-shared-expert-intermediate-size", "20", "--ffn-hidden-size",
                         "100", "--moe-first-k-dense-replace", "1"]).with_vocab_size(256)
-    assert [what for what, _, _ in unaligned_gemm_dims(odd)] == [
+    assert [what for what, _, _ in unaligned_gemm_dims(odd.model, odd.moe)] == [
         "FFN", "expert FFN", "router experts", "shared expert FFN"]

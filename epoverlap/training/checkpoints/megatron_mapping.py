@@ -178,7 +178,8 @@ def _qkv_transforms(m: ModelConfig) -> tuple[Callable, Callable]:
 
 def shape_model(cfg: RunConfig) -> MoEModel:
     """The whole model of `cfg` at EP 1 on the meta device: names and shapes, no values."""
-    return MoEModel(cfg, ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
+    return MoEModel(cfg.model, cfg.moe, cfg.model_options(),
+                    ExpertComm(None, 1), 0, make_moe_ops("torch"), dtype=torch.float32,
                     device=torch.device("meta"))
 
 

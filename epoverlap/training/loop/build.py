@@ -111,8 +111,9 @@ class RunParts:
         self.expert_grads = self._place_expert_grads()
         self.wgrad_queue = WeightGradQueue(enabled=cfg.overlap.delay_wgrad_compute,
                                            **self.expert_grads.queue_options())
-        self.model = MoEModel(cfg, self.comm, groups.ep_rank, make_moe_ops(self.backend),
-                              dtype=model_dtype(cfg), device=self.device,
+        self.model = MoEModel(cfg.model, cfg.moe, cfg.model_options(),
+                              self.comm, groups.ep_rank, make_moe_ops(self.backend),
+                              dtype=model_dtype(cfg.train.bf16), device=self.device,
                               wgrad_queue=self.wgrad_queue, stage=groups.pp_rank,
                               pipe=self._pipeline_comm(),
                               one_node_moe_layers=self.one_node_moe_layers,
@@ -147,7 +148,7 @@ class RunParts:
         if groups.pp_size == 1:
             return None
         return PipelineComm(groups.pp, (cfg.microbatch_tokens, cfg.model.hidden_size),
-                            model_dtype(cfg), self.device)
+                            model_dtype(cfg.train.bf16), self.device)
 
     def _whole_model_parameters(self) -> dict:
         """count_parameters of the whole model: this stage's, summed over the pipeline."""

@@ -104,7 +104,8 @@ class Evaluator:
         self.stepper.select_budget_level(level)
         if self.budget is not None:
             self.budget.reset_demand()
-        losses = [self.model.stage_forward(tokens, labels, dispatch=dispatch)
+        waves = self.cfg.overlap.moe_a2a_waves  # the flags' waves, whichever path ran
+        losses = [self.model.stage_forward(tokens, labels, dispatch=dispatch, waves=waves)
                   for tokens, labels in inputs]
         return [loss.detach().float() for loss in losses if loss is not None]
 

@@ -160,8 +160,8 @@ class StepRunner:
         on_gpu = self.device.type == "cuda"
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if on_gpu else None
         per_gpu = tokens / elapsed / 1e12 / self.groups.world_size
-        tflops = training_flops_per_token(self.cfg) * per_gpu
-        megatron_tflops = megatron_flops_per_token(self.cfg) * per_gpu
+        tflops = training_flops_per_token(m, self.cfg.moe) * per_gpu
+        megatron_tflops = megatron_flops_per_token(m, self.cfg.moe) * per_gpu
         return StepResult(step, stats.loss, lr, grad_norm, stats.aux_loss, stats.load_imbalance,
                           elapsed, tokens, peak, tflops, megatron_tflops_per_gpu=megatron_tflops,
                           mfu=mfu(megatron_tflops, device_peak_tflops(self.device, t.bf16)),
@@ -204,7 +204,7 @@ class StepRunner:
         if context is not None and context.dynamic:  # this rank's segment (model.context)
             batches = [context.segments(tokens, labels) for tokens, labels in batches]
         return [{"tokens": tokens.to(self.device), "labels": labels.to(self.device),
-                 **dropout_inputs(self.cfg, step, rank, mb)}
+                 **dropout_inputs(self.cfg.model, t.seed, step, rank, mb)}
                 for mb, (tokens, labels) in enumerate(batches)]
 
     def path_of(self, step: int) -> ExecutionPath:

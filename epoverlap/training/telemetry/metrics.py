@@ -450,8 +450,8 @@ class Reporter:
                 f"{cfg.model.hidden_size}, {cfg.moe.num_experts or 0} experts top-"
                 f"{cfg.moe.moe_router_topk} | {total:.1f}M params | plan {cfg.plan_name}"
                 f"{' + delayed wgrad' if cfg.overlap.delay_wgrad_compute else ''}"
-                f"{self._tune_text()} | kernels "
-                f"{self.backend} | {model_dtype(cfg)} | data: {self.data.description}")
+                f"{self._tune_text()} | kernels {self.backend} | "
+                f"{model_dtype(cfg.train.bf16)} | data: {self.data.description}")
 
     def _stage_text(self) -> str:
         """A stage's ranks: 'DP 8 (EP 4 x EDP 2)', or under context parallelism 'CP 2 (p2p)
@@ -469,7 +469,7 @@ class Reporter:
     def unaligned_line(self) -> Optional[str]:
         """The start-up line naming the model's GEMM dimensions that are not multiples of
         GEMM_ALIGNMENT elements and the flags that set each (None when every one is)."""
-        dims = unaligned_gemm_dims(self.cfg)
+        dims = unaligned_gemm_dims(self.cfg.model, self.cfg.moe)
         if not dims:
             return None
         named = "; ".join(f"{what} {size} ({flags})" for what, size, flags in dims)

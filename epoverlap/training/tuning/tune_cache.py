@@ -63,7 +63,7 @@ def key_fields(cfg: RunConfig, world_size: int, device: torch.device) -> dict:
                         for k, v in section(cfg.overlap, _OVERLAP_LEFT_OUT).items()},
             "kernels": section(cfg.kernels), "kernel_backend":
             cfg.resolved_kernel_backend(device.type), "cuda_graph": section(cfg.cuda_graph),
-            "world_size": world_size, "dtype": str(model_dtype(cfg)),
+            "world_size": world_size, "dtype": str(model_dtype(cfg.train.bf16)),
             "gpus": _gpus(device), "link": _link(device), "versions": _versions()}
 
 
