@@ -159,6 +159,11 @@ def refusal(choice: DispatchChoice, flag: str, rules: Sequence[Rule] = RULES) ->
     return next((rule.why for rule in rules if rule.flag == flag and rule.covers(choice)), "")
 
 
+def why_refused(choice: DispatchChoice, rules: Sequence[Rule] = RULES) -> str:
+    """Why `choice` does not run: the first rule that covers it, of any flag ('' when none)."""
+    return next((rule.why for rule in rules if rule.covers(choice)), "")
+
+
 def newly_refused(before: DispatchChoice, after: DispatchChoice,
                   rules: Sequence[Rule] = RULES) -> str:
     """Why `after` does not run where `before` ran as far as the table knows: the first rule

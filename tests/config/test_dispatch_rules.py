@@ -87,3 +87,13 @@ def test_tune_blocker_reads_the_tables_graph_rule():
     assert "transformer_engine is not built" in tune_blocker(cfg)
     assert tune_blocker(parse_config(TINY + ["--cuda-graph-impl", "local", "--cuda-graph-modules",
                                              "attn"]).for_world(2)) == ""
+
+
+def test_the_factory_builds_every_pair_of_choices_the_table_lets_run():
+    from epoverlap.config.dispatch_rules import ROUTINGS, SIZINGS, why_refused
+    from epoverlap.model.dispatch_dedup import _DISPATCHERS
+    for sizing in SIZINGS:
+        for routing in ROUTINGS:
+            runs = not why_refused(DispatchChoice(sizing=sizing, routing=routing))
+            assert ((sizing, routing) in _DISPATCHERS) == runs, (sizing, routing)
+    assert not why_refused(DispatchChoice()) and len(_DISPATCHERS) == 7
