@@ -12,7 +12,8 @@ model and the runtime import and that imports neither.
   validate.py          every rule (`check_config`), one ConfigError line naming the flag
   cuda_graph_rules.py  the CUDA-graph rules validate_config runs
   layer_freq.py        --moe-layer-freq's list forms (Megatron-LM's list expressions)
-  dispatch.py          what a dispatch mode is: host reads, dropped tokens, row counts
+  dispatch.py          what a dispatch mode is: its sizing and routing, host reads, row counts
+  dispatch_rules.py    the one table of what the dispatch does not run with (graphs, chunks...)
   tuning.py            the paths --tune chooses between, its pinned axes and window
   aliases.py           the one way an old flag spelling is migrated
 """

@@ -1,8 +1,9 @@
 """The CUDA-graph configuration's cross-field rules: one function per rule, each named as the
 sentence it checks, run in the order of VALIDATION_RULES by `validate_cuda_graph_config` with
 the facts the model and the runtime state about themselves (`_ModelFacts`: which layers the
-model has, whether its dispatch reads the host, whether CUDA and Transformer Engine are here).
-Every rejection is a `ConfigError` naming the flag, the value and what is allowed.
+model has, how its dispatch sizes rows, whether CUDA and Transformer Engine are here).
+Every rejection is a `ConfigError` naming the flag, the value and what is allowed; the rules on
+the dispatch are rows of `config.dispatch_rules.RULES`, which the rules here look up.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from epoverlap.config.cuda_graphs import (AUTO, EP_OVERLAP_MODULES, IMPLEMENTED_
                                           INFERENCE_SCOPES_BY_IMPL, MODULE_LAYER_KINDS,
                                           MODULES_WITH_MOE_PREPROCESS, PER_LAYER_IMPLS,
                                           CudaGraphConfig)
+from epoverlap.config.dispatch_rules import DispatchChoice, graphs_scope, refusal
 from epoverlap.errors import ConfigError
 
 
@@ -27,7 +29,7 @@ class _ModelFacts:
     has_moe_layers: bool
     has_dense_layers: bool
     preprocess_syncs_host: bool
-    dispatch_syncs_host: bool
+    dispatch_sizing: str  # dispatch_rules.SIZINGS: host_splits reads split sizes on the host
     transformer_engine_available: bool
     cuda_available: bool
     implemented_impls: tuple[str, ...]
@@ -39,7 +41,7 @@ class _ModelFacts:
 
 def validate_cuda_graph_config(cfg: CudaGraphConfig, *, overlap_moe_expert_parallel_comm: bool,
                                has_moe_layers: bool, has_dense_layers: bool,
-                               preprocess_syncs_host: bool, dispatch_syncs_host: bool,
+                               preprocess_syncs_host: bool, dispatch_sizing: str,
                                transformer_engine_available: bool, cuda_available: bool,
                                implemented_impls: Sequence[str] = IMPLEMENTED_IMPLS,
                                experts_gemm_reads_host: bool = False) -> None:
@@ -54,7 +56,7 @@ def validate_cuda_graph_config(cfg: CudaGraphConfig, *, overlap_moe_expert_paral
         has_moe_layers=has_moe_layers,
         has_dense_layers=has_dense_layers,
         preprocess_syncs_host=preprocess_syncs_host,
-        dispatch_syncs_host=dispatch_syncs_host,
+        dispatch_sizing=dispatch_sizing,
         transformer_engine_available=transformer_engine_available,
         cuda_available=cuda_available,
         implemented_impls=tuple(implemented_impls),
@@ -118,11 +120,18 @@ def _moe_excludes_moe_router(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
 
 
 def _full_iteration_needs_sync_free_dispatch(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if cfg.impl == "full_iteration" and facts.has_moe_layers and facts.dispatch_syncs_host:
-        raise ConfigError("--cuda-graph-impl", cfg.impl, "one graph over the iteration would "
-                          "hold the all-to-alls, whose split sizes this dispatch reads on the "
-                          "host; use a sync-free dispatch: --moe-dispatch-budget FACTOR, or "
-                          "--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity")
+    _dispatch_rule(cfg, facts, "--cuda-graph-impl", cfg.impl)
+
+
+def _dispatch_rule(cfg: CudaGraphConfig, facts: _ModelFacts, flag: str, value: object) -> None:
+    """The table's rule of `flag` (`config.dispatch_rules`) on the graphs and the dispatch."""
+    if not facts.has_moe_layers:
+        return
+    choice = DispatchChoice(sizing=facts.dispatch_sizing,
+                            graphs=graphs_scope(cfg.impl, cfg.modules))
+    why = refusal(choice, flag)
+    if why:
+        raise ConfigError(flag, value, why)
 
 
 def _ep_overlap_needs_partial_graphs(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
@@ -153,14 +162,7 @@ def _host_syncing_preprocess_stays_eager(cfg: CudaGraphConfig, facts: _ModelFact
 
 
 def _whole_moe_layer_needs_sync_free_dispatch(cfg: CudaGraphConfig, facts: _ModelFacts) -> None:
-    if cfg.impl not in PER_LAYER_IMPLS or not facts.has_moe_layers or not facts.dispatch_syncs_host:
-        return
-    if not cfg.modules or "moe" in cfg.modules:
-        raise ConfigError("--cuda-graph-modules", cfg.modules, "a graph of the whole MoE layer "
-                          "would hold the all-to-all, whose split sizes this dispatch reads on "
-                          "the host; list the pre-dispatch regions (attn moe_router "
-                          "moe_preprocess) or use a sync-free dispatch: --moe-dispatch-budget, or "
-                          "--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity")
+    _dispatch_rule(cfg, facts, "--cuda-graph-modules", cfg.modules)
 
 
 def _graphed_experts_need_a_sync_free_grouped_gemm(cfg: CudaGraphConfig,

@@ -2,8 +2,9 @@
 (dropless, capacity, capacity_padded, budget; once per rank or not), the facts validation and
 the memory estimate need (does the dispatch read split sizes on the host, does it drop tokens,
 how many rows a rank's experts compute), and the pure sizing rules the dispatcher shares
-(`padded_rows`, `budget_block_rows`, `budget_group_rows`, `budget_levels`). The dispatcher
-itself is `epoverlap.model.moe`; it imports these, never the reverse.
+(`padded_rows`, `budget_block_rows`, `budget_group_rows`, `budget_levels`), and a run's
+place in the table of dispatch rules (`dispatch_choice`: `config.dispatch_rules`). The
+dispatcher itself is `epoverlap.model.moe`; it imports these, never the reverse.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from epoverlap.config.dispatch_rules import DispatchChoice, graphs_scope, refusal
 from epoverlap.kernels.capacity import get_capacity
 
 if TYPE_CHECKING:
@@ -51,13 +53,26 @@ class DispatchMode:
         return "capacity_padded" if self.pad_to_capacity else "capacity"
 
     @property
+    def sizing(self) -> str:
+        """How rows are sized (`dispatch_rules.SIZINGS`): host_splits, padded or budget."""
+        return {"dropless": "host_splits", "capacity": "host_splits",
+                "capacity_padded": "padded"}.get(self.name, self.name)
+
+    @property
+    def routing(self) -> str:
+        """How rows are routed (`dispatch_rules.ROUTINGS`): by host before once per rank."""
+        if self.by_host:
+            return "per_host"
+        return "per_rank" if self.once_per_rank else "per_expert"
+
+    @property
     def drops_tokens(self) -> bool:
         return self.capacity_factor is not None
 
     @property
     def dispatch_syncs_host(self) -> bool:
         """True when the dispatch reads split sizes on the host (not capturable in a graph)."""
-        return self.name in ("dropless", "capacity")
+        return self.sizing == "host_splits"
 
     def expert_rows(self, tokens: int, topk: int, num_experts: int, ranks: int) -> int:
         """Rows a rank's dispatch sends (and, routing balanced, its experts compute) for a
@@ -96,22 +111,7 @@ def a2a_waves_blocker(cfg: "RunConfig", waves: int) -> str:
     if waves > local:
         return (f"must be <= the {local} local experts of a rank (--num-experts / "
                 f"--expert-model-parallel-size): a wave is a group of them")
-    mode = DispatchMode.of(cfg.moe)
-    if mode.by_host:
-        return "needs --moe-dispatch-hierarchy flat (one all-to-all to cut into waves)"
-    if mode.name not in ("dropless", "capacity", "budget") or mode.once_per_rank:
-        once = ", once per rank" if mode.once_per_rank else ""
-        return (f"needs the dropless, capacity or budget dispatch, one row per expert (not "
-                f"{mode.name}{once})")
-    graphs = cfg.cuda_graph
-    if graphs.impl == "full_iteration" and mode.budget is not None:
-        return ""
-    if not (graphs.impl == "none" or (graphs.impl == "local" and graphs.modules
-                                      and "moe" not in graphs.modules)):
-        return ("needs nodes no graph merges: --cuda-graph-impl none, local with "
-                "--cuda-graph-modules among attn, moe_router, moe_preprocess, or "
-                "full_iteration with --moe-dispatch-budget")
-    return ""
+    return refusal(dispatch_choice(cfg, waves=waves), "--moe-a2a-waves")
 
 
 def hierarchy_blocker(cfg: "RunConfig", per_host: int) -> str:
@@ -127,9 +127,18 @@ def hierarchy_blocker(cfg: "RunConfig", per_host: int) -> str:
     if ep % per_host or ep // per_host < 2:
         return (f"needs the expert-parallel group to span whole hosts, at least two: EP {ep} "
                 f"over hosts of {per_host} ranks (LOCAL_WORLD_SIZE / --emulate-hosts)")
-    if mode.name not in ("dropless", "capacity", "budget"):
-        return f"needs the dropless, capacity or budget dispatch (not {mode.name})"
-    return ""
+    return refusal(dispatch_choice(cfg), "--moe-dispatch-hierarchy")
+
+
+def dispatch_choice(cfg: "RunConfig", waves: Optional[int] = None) -> DispatchChoice:
+    """`cfg`'s place in the table of dispatch rules (`config.dispatch_rules`), the flags'
+    path; `waves`: --moe-a2a-waves as if given so."""
+    mode, graphs = DispatchMode.of(cfg.moe), cfg.cuda_graph
+    waves = cfg.overlap.moe_a2a_waves if waves is None else waves
+    return DispatchChoice(sizing=mode.sizing, routing=mode.routing,
+                          graphs=graphs_scope(graphs.impl, graphs.modules or ()),
+                          waves="one" if waves == 1 else "several",
+                          transport=cfg.parallel.moe_a2a_transport)
 
 
 BY_HOST_MAX_SHARE = 0.8  # the auto hierarchy's bar: at most this share of flat's rows cross

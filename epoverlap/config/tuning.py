@@ -36,14 +36,16 @@ not a faster step); the SM carveout of the experts' grouped GEMMs (--moe-grouped
 its partner, the all-to-all's CTA limit --moe-a2a-nccl-max-ctas, is fixed when the EP
 communicator is made, so the carveout alone cannot be switched as the lever it is).
 
-Imports only `config.sections` and `config.dispatch`.
+Imports only `config.run`, `config.dispatch` and `config.dispatch_rules` (whose table holds
+the rules of the graphs each path replays and of the once-per-rank path).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from epoverlap.config.dispatch import DispatchMode, a2a_waves_blocker
+from epoverlap.config.dispatch import a2a_waves_blocker, dispatch_choice
+from epoverlap.config.dispatch_rules import newly_refused, refusal
 from epoverlap.config.run import RunConfig
 
 SEQUENTIAL = "sequential"
@@ -52,7 +54,6 @@ PAIRED_ENDS = "combined_1f1b_paired_ends"
 WGRAD = "+wgrad"
 ONCE = "+once"
 GROUP = "+group"  # the process group's all-to-all where the flags' goes through host memory
-GRAPH_IMPLS = ("none", "local", "full_iteration")  # each path can replay its own graphs
 # the wave count the tuner tries: 4 beat 8 and 1 through host memory (benchmarks/chunked.md)
 TUNED_WAVES = 4
 
@@ -128,14 +129,12 @@ def once_per_rank_blocker(cfg: RunConfig) -> str:
     """Why the tuner has no once-per-rank path here ('' when it has): it needs EP > 1, the
     dropless or capacity (unpadded) dispatch one row per expert, flat, and all-to-alls in one
     piece (the budget's buffers and the layer in waves are sized for the flags' dispatch)."""
-    mode = DispatchMode.of(cfg.moe)
     if not cfg.moe.num_experts or (cfg.parallel.expert_model_parallel_size or 1) < 2:
         return "needs --expert-model-parallel-size > 1"
-    if mode.once_per_rank or mode.by_host:
+    flags = dispatch_choice(cfg)
+    if flags.routing != "per_expert":
         return "the flags' dispatch already sends once per rank or host"
-    if mode.name not in ("dropless", "capacity") or cfg.overlap.moe_a2a_waves != 1:
-        return "needs the dropless or capacity dispatch in one piece"
-    return ""
+    return newly_refused(flags, flags.with_(routing="per_rank", tuning="once"))
 
 
 def tuned_waves(cfg: RunConfig) -> int:
@@ -200,10 +199,7 @@ def tune_blocker(cfg: RunConfig) -> str:
         return ("switches paths that each replay their own graphs; under "
                 "--dynamic-context-parallel the graphs are a runner per CP size, not per path: "
                 "use --cuda-graph-impl none")
-    if impl not in GRAPH_IMPLS:
-        return (f"switches paths that each replay their own graphs; --cuda-graph-impl {impl} is "
-                "not built: use --cuda-graph-impl none, local or full_iteration")
-    return ""
+    return refusal(dispatch_choice(cfg).with_(tuning="paths"), "--tune")
 
 
 def may_tune(cfg: RunConfig, device: str) -> bool:

@@ -21,7 +21,9 @@ from typing import Callable, Optional
 from epoverlap.config.aliases import alias_conflict
 from epoverlap.config.compat import compat_rules
 from epoverlap.config.cuda_graph_rules import validate_cuda_graph_config
-from epoverlap.config.dispatch import DispatchMode, a2a_waves_blocker, hierarchy_blocker
+from epoverlap.config.dispatch import (DispatchMode, a2a_waves_blocker, dispatch_choice,
+                                       hierarchy_blocker)
+from epoverlap.config.dispatch_rules import refusal
 from epoverlap.config.flags import _opt_float
 from epoverlap.config.context_rules import validate_context_parallel, validate_documents
 from epoverlap.config.io_rules import validate_io
@@ -38,6 +40,7 @@ from epoverlap.kernels.capacity import get_capacity
 from epoverlap.parallel.transport import ranks_per_host
 
 MAX_LAYERS = 4096
+PAD_FLAG = "--moe-pad-expert-input-to-capacity"
 MIN_TIMEOUT_MINUTES = 0.05
 
 
@@ -240,9 +243,9 @@ def _validate_dispatch(cfg: RunConfig) -> None:
                  "must be > 0 (1.0 = the balanced share of rows per EP rank)")
         require(moe.capacity_factor is None, "moe_dispatch_budget", budget,
                  "is dropless and --moe-expert-capacity-factor drops tokens: give one of them")
-    require(not (moe.moe_dispatch_once_per_rank and pad), "moe_pad_expert_input_to_capacity",
-             True, "cannot be combined with --moe-dispatch-once-per-rank (a padded capacity "
-             "fixes the rows per expert, once per rank sends a row per rank)")
+    if moe.moe_dispatch_once_per_rank:  # the flag's routing, whatever the hierarchy's
+        why = refusal(dispatch_choice(cfg).with_(routing="per_rank"), PAD_FLAG)
+        require(not why, "moe_pad_expert_input_to_capacity", True, why)
     if pad:
         tokens = cfg.microbatch_tokens
         capacity = get_capacity(tokens * moe.moe_router_topk, moe.num_experts, factor)
@@ -451,8 +454,8 @@ def _validate_a2a_transport(cfg: RunConfig) -> None:
     require(cfg.moe.enabled and (p.expert_model_parallel_size or 1) > 1, name, value,
             "carries the expert-parallel all-to-alls: needs MoE layers and "
             "--expert-model-parallel-size > 1")
-    require(not DispatchMode.of(cfg.moe).by_host, name, value,
-            "carries the flat dispatch's all-to-alls: not with --moe-dispatch-hierarchy node")
+    why = refusal(dispatch_choice(cfg), "--moe-a2a-transport")
+    require(not why, name, value, why)
 
 
 def nccl_config_unavailable() -> Optional[str]:
@@ -502,7 +505,7 @@ def _validate_cuda_graphs(cfg: RunConfig, cuda_available: bool) -> None:
         overlap_moe_expert_parallel_comm=cfg.overlap.overlap_moe_expert_parallel_comm,
         has_moe_layers=any(pattern), has_dense_layers=not all(pattern),
         preprocess_syncs_host=mode.preprocess_syncs_host(cfg.resolved_kernel_backend(device)),
-        dispatch_syncs_host=mode.dispatch_syncs_host,
+        dispatch_sizing=mode.sizing,
         transformer_engine_available=te_available, cuda_available=device == "cuda",
         experts_gemm_reads_host=device == "cuda" and not cfg.train.bf16)
 

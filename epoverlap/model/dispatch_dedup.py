@@ -1,7 +1,8 @@
 """Dispatches that send a token once per destination instead of once per chosen expert: once
 per EP rank (--moe-dispatch-once-per-rank), or once per host and then once per rank inside it
-(--moe-dispatch-hierarchy node); and `make_dispatcher`, which picks the strategy of every mode
-(the interface and the one-row-per-expert modes: `model.dispatch`).
+(--moe-dispatch-hierarchy node); and `make_dispatcher`, which picks the strategy of the two
+choices, how rows are sized and how they are routed (the interface and the one-row-per-expert
+strategies: `model.dispatch`; the pairs refused: `config.dispatch_rules`).
 
 Once per rank (dropless, capacity, budget; `OncePerRankHostSplitDispatcher`,
 `OncePerRankBudgetDispatcher`): the preprocess sends each token once to every rank holding one of
@@ -59,6 +60,7 @@ from typing import Optional
 import torch
 
 from epoverlap.config.dispatch import DispatchMode
+from epoverlap.config.dispatch_rules import DispatchChoice, why_refused
 from epoverlap.kernels import MoEOps
 from epoverlap.model.budget import ByHostBudget, DispatchBudget
 from epoverlap.model.dispatch import (BudgetDispatcher, DispatchMeta, HostSplitDispatcher,
@@ -452,44 +454,39 @@ def _send_rows(comm: ExpertComm, rows_NH, probs_NK, recv: list[int], send: list[
     return all_to_all(comm, rows_NH, recv, send), all_to_all(comm, probs_NK, recv, send)
 
 
-_DISPATCHERS = {  # (DispatchMode.name, once per rank) -> strategy
-    ("dropless", False): HostSplitDispatcher,
-    ("capacity", False): HostSplitDispatcher,
-    ("capacity_padded", False): PaddedCapacityDispatcher,
-    ("budget", False): BudgetDispatcher,
-    ("dropless", True): OncePerRankHostSplitDispatcher,
-    ("capacity", True): OncePerRankHostSplitDispatcher,
-    ("budget", True): OncePerRankBudgetDispatcher,
-}
-_BY_HOST = ("dropless", "capacity", "budget")  # the modes --moe-dispatch-hierarchy node serves
+_DISPATCHERS = {  # (how rows are sized, how they are routed): config.dispatch_rules
+    ("host_splits", "per_expert"): HostSplitDispatcher,
+    ("padded", "per_expert"): PaddedCapacityDispatcher,
+    ("budget", "per_expert"): BudgetDispatcher,
+    ("host_splits", "per_rank"): OncePerRankHostSplitDispatcher,
+    ("budget", "per_rank"): OncePerRankBudgetDispatcher,
+    ("host_splits", "per_host"): ByHostDispatcher,
+    ("budget", "per_host"): ByHostBudgetDispatcher,
+}  # a padded capacity routed once per rank or host is refused (`dispatch_rules.RULES`)
 
 
 def make_dispatcher(comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
                     device: torch.device, mode: DispatchMode = DispatchMode(),
                     budget: Optional[DispatchBudget] = None) -> TokenDispatcher:
-    """The strategy of `mode`, built once per model and shared by its MoE layers (it keeps no
-    per-layer state). `budget`: the model's `DispatchBudget`, in budget mode only. Once per
-    rank on one EP rank is the plain dispatch. By host (`mode.by_host`): `ByHostDispatcher`
-    over `comm.by_host`."""
-    if (mode.name == "budget") != (budget is not None):
+    """The strategy of `mode`'s two choices, how rows are sized and how they are routed
+    (`DispatchMode.sizing`, `.routing`), built once per model and shared by its MoE layers (it
+    keeps no per-layer state). `budget`: the model's `DispatchBudget`, in budget mode only.
+    Once per rank on one EP rank is the plain dispatch. By host: over `comm.by_host`."""
+    if (mode.sizing == "budget") != (budget is not None):
         raise ValueError(f"dispatch mode {mode.name} with budget {budget}")
-    if mode.once_per_rank and mode.name == "capacity_padded":
-        raise ValueError("dispatch once per rank with a padded capacity: its rows per rank "
-                         "are not a fixed capacity")
-    once_per_rank = mode.once_per_rank and comm.size > 1
-    if once_per_rank and budget is not None and budget.pairs is None:
+    if (mode.sizing, mode.routing) not in _DISPATCHERS:
+        raise ValueError(f"dispatch {mode.sizing} {mode.routing}: " + why_refused(
+            DispatchChoice(sizing=mode.sizing, routing=mode.routing)))
+    routing = "per_expert" if mode.routing == "per_rank" and comm.size == 1 else mode.routing
+    strategy = _DISPATCHERS[(mode.sizing, routing)]
+    if mode.once_per_rank and comm.size > 1 and budget is not None and budget.pairs is None:
         raise ValueError("dispatch once per rank with a budget that does not budget the "
                          "experts' rows (DispatchBudget pairs_per_dispatch)")
-    if mode.by_host:
-        if comm.by_host is None or mode.name not in _BY_HOST:
-            raise ValueError(f"dispatch by host ({mode.name}) needs the dropless, capacity or "
-                             f"budget dispatch and the communicators between and inside hosts")
-        if budget is not None and not isinstance(budget, ByHostBudget):
-            raise ValueError("dispatch by host with a budget that does not size its stages "
-                             "(model.budget.ByHostBudget)")
-        strategy = ByHostBudgetDispatcher if budget is not None else ByHostDispatcher
-    else:
-        strategy = _DISPATCHERS[(mode.name, once_per_rank)]
+    if routing == "per_host" and comm.by_host is None:
+        raise ValueError("dispatch by host needs the communicators between and inside hosts")
+    if routing == "per_host" and budget is not None and not isinstance(budget, ByHostBudget):
+        raise ValueError("dispatch by host with a budget that does not size its stages "
+                         "(model.budget.ByHostBudget)")
     dispatcher = strategy(comm, num_experts, topk, ops, device, mode, budget)
     if dispatcher.reads_host != mode.dispatch_syncs_host:
         raise AssertionError(f"{strategy.__name__} disagrees with the config on host reads")

@@ -44,7 +44,7 @@ FACTS = dict(
     has_moe_layers=True,
     has_dense_layers=True,
     preprocess_syncs_host=False,
-    dispatch_syncs_host=False,
+    dispatch_sizing="budget",
     transformer_engine_available=True,
     cuda_available=True,
     implemented_impls=CUDA_GRAPH_IMPLS,  # every rule but that one stays testable for every impl
@@ -288,8 +288,8 @@ RULES = {
         (Cfg(**LOCAL, modules=("attn", "moe")), {}),
         "--cuda-graph-modules", "mutually exclusive"),
     "full_iteration-needs-sync-free-dispatch": (
-        (Cfg(impl="full_iteration"), dict(dispatch_syncs_host=True)),
-        (Cfg(impl="full_iteration"), dict(dispatch_syncs_host=True, has_moe_layers=False)),
+        (Cfg(impl="full_iteration"), dict(dispatch_sizing="host_splits")),
+        (Cfg(impl="full_iteration"), dict(dispatch_sizing="host_splits", has_moe_layers=False)),
         "--cuda-graph-impl", "--moe-dispatch-budget"),
     "ep-overlap-rejects-whole-layer": (
         (Cfg(**LOCAL), dict(overlap_moe_expert_parallel_comm=True)),
@@ -322,7 +322,7 @@ RULES = {
         (Cfg(impl="full_iteration"), {}),
         "--cuda-graph-impl", "--kernel-backend triton"),
     "whole-moe-layer-needs-sync-free-dispatch": (
-        (Cfg(**LOCAL, modules=("attn", "moe")), dict(dispatch_syncs_host=True)),
+        (Cfg(**LOCAL, modules=("attn", "moe")), dict(dispatch_sizing="host_splits")),
         (Cfg(**LOCAL, modules=("attn", "moe")), {}),
         "--cuda-graph-modules", "--moe-pad-expert-input-to-capacity"),
 }
@@ -370,13 +370,13 @@ def test_impls_without_capture_are_refused_with_the_one_that_exists(cfg):
                                      ("attn", "moe_router", "moe_preprocess"),
                                      ("moe_router", "moe_preprocess"), ("attn", "mlp")])
 def test_local_capture_of_per_layer_regions_passes(modules):
-    validate(Cfg(**LOCAL, modules=modules), dispatch_syncs_host=True)
+    validate(Cfg(**LOCAL, modules=modules), dispatch_sizing="host_splits")
 
 
 @pytest.mark.parametrize("modules", [(), ("moe",), ("attn", "moe")])
 def test_whole_moe_layer_needs_a_sync_free_dispatcher(modules):
     with pytest.raises(ConfigError) as info:
-        validate(Cfg(**LOCAL, modules=modules), dispatch_syncs_host=True)
+        validate(Cfg(**LOCAL, modules=modules), dispatch_sizing="host_splits")
     assert info.value.flag == "--cuda-graph-modules" and "all-to-all" in str(info.value)
 
 
@@ -384,7 +384,7 @@ def test_whole_moe_layer_needs_a_sync_free_dispatcher(modules):
                                  Cfg(**LOCAL, modules=("attn", "moe")), Cfg(impl="full_iteration")],
                          ids=["whole-layer", "moe", "attn-moe", "full_iteration"])
 def test_sync_free_dispatch_makes_graphs_over_the_dispatch_valid(cfg):
-    validate(cfg, dispatch_syncs_host=False, implemented_impls=IMPLEMENTED_IMPLS)
+    validate(cfg, dispatch_sizing="budget", implemented_impls=IMPLEMENTED_IMPLS)
 
 
 @pytest.mark.parametrize("cfg, flag, fragment", [
@@ -394,17 +394,17 @@ def test_sync_free_dispatch_makes_graphs_over_the_dispatch_valid(cfg):
 def test_graphs_over_the_dispatch_still_exclude_the_ep_overlap(cfg, flag, fragment):
     """Sync-free or not: a graph holding the all-to-all would swallow what the overlap hides."""
     with pytest.raises(ConfigError) as info:
-        validate(cfg, dispatch_syncs_host=False, overlap_moe_expert_parallel_comm=True)
+        validate(cfg, dispatch_sizing="budget", overlap_moe_expert_parallel_comm=True)
     assert info.value.flag == flag and fragment in str(info.value)
 
 
 def test_full_iteration_with_the_ep_overlap_is_valid_with_a_sync_free_dispatch():
     validate(Cfg(impl="full_iteration"), overlap_moe_expert_parallel_comm=True,
-             dispatch_syncs_host=False, implemented_impls=IMPLEMENTED_IMPLS)
+             dispatch_sizing="budget", implemented_impls=IMPLEMENTED_IMPLS)
 
 
 def test_dense_only_model_may_graph_whole_layers():
-    validate(Cfg(**LOCAL), has_moe_layers=False, dispatch_syncs_host=True)
+    validate(Cfg(**LOCAL), has_moe_layers=False, dispatch_sizing="host_splits")
 
 
 def test_capture_needs_one_recorded_warmup_step():
