@@ -68,7 +68,7 @@ import torch.distributed as dist
 from epoverlap.config import parse_config
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.kernels import make_moe_ops
-from epoverlap.model.dispatch_dedup import make_dispatcher
+from epoverlap.model.dispatch import make_dispatcher
 from epoverlap.model.moe import Router
 from epoverlap.parallel.comm import ExpertComm, HostComms
 from epoverlap.parallel.groups import destroy_distributed, init_distributed

@@ -42,7 +42,7 @@ class MoEOps:
     on are an output layer's padding, out of the softmax), grouped_weight_grad(main_grad_EIO,
     x_NI, grad_NO, offsets_E, counts=None, sm_carveout=None) (main_grad[e] += x_e^T @ grad_e in
     fp32), gather_rows(src_X, index_Y) (src[index], a zero row where index < 0: a plain copy,
-    `model.dispatch.move_rows` is its autograd form) and zero_rows_from(x_M, end_1) (rows from
+    `model.dispatch.rows.move_rows` is its autograd form) and zero_rows_from(x_M, end_1) (rows from
     the device-held end on zeroed; the Triton one writes into x: use the returned tensor)."""
 
     backend: str

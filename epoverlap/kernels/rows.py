@@ -2,7 +2,7 @@
 and `zero_rows_from_torch`.
 
   gather_rows(src, index) -> out[y] = src[index[y]], a zero row where index[y] < 0: the budget
-    dispatch's moves between the permuted rows and its fixed blocks (`model.dispatch.
+    dispatch's moves between the permuted rows and its fixed blocks (`model.dispatch.rows.
     move_rows`, its autograd form: a one-to-one index, so the backward is the inverse gather).
   zero_rows_from(x, end) -> x with every row from `end` on zeroed: the experts' padding rows
     past the last expert's end, which the grouped GEMM leaves unwritten (`model.moe`).
@@ -28,7 +28,7 @@ def _rows_mask(mask_Y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def gather_rows_torch(src_X: torch.Tensor, index_Y: torch.Tensor) -> torch.Tensor:
     """src [X, ...], index [Y] int (device; < 0: an empty row) -> [Y, ...], a zero row where
     index < 0. A plain function of index_select and where (differentiable through autograd,
-    the backward a scatter-add); `model.dispatch.move_rows` is the form the model uses."""
+    the backward a scatter-add); `model.dispatch.rows.move_rows` is the form the model uses."""
     picked_Y = src_X.index_select(0, index_Y.clamp(min=0))
     return torch.where(_rows_mask(index_Y >= 0, picked_Y), picked_Y, picked_Y.new_zeros(()))
 

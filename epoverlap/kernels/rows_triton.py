@@ -85,13 +85,13 @@ def _tiles(rows_MH: torch.Tensor):
 def gather_rows_triton(src_X: torch.Tensor, index_Y: torch.Tensor) -> torch.Tensor:
     """src [X, ...], index [Y] int (device; < 0: an empty row) -> [Y, ...], a zero row where
     index < 0. One launch, no host sync. A plain copy with no autograd graph (raises if src
-    needs a grad): `model.dispatch.move_rows` is its differentiable form."""
+    needs a grad): `model.dispatch.rows.move_rows` is its differentiable form."""
     if index_Y.dim() != 1:
         raise ValueError(f"gather_rows: index must be [Y], got shape {tuple(index_Y.shape)}")
     if src_X.dim() == 0:
         raise ValueError("gather_rows: src must have a row dim, got a scalar")
     if src_X.requires_grad and torch.is_grad_enabled():
-        raise ValueError("gather_rows: not differentiable; use model.dispatch.move_rows")
+        raise ValueError("gather_rows: not differentiable; use model.dispatch.rows.move_rows")
     num_src, num_out = src_X.shape[0], index_Y.shape[0]
     check_int32_rows(max(num_src, num_out), "gather_rows rows")
     trailing = tuple(src_X.shape[1:])

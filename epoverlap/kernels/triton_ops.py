@@ -21,7 +21,7 @@ cross_entropy(logits [T, N], labels [T] int64, vocab=None) -> fp32 scalar (mean 
 grouped_weight_grad(main_grad [E, I, O] fp32, x [N, I], grad [N, O], offsets [E] int32,
                     counts=None, sm_carveout=None) -> None (main_grad[e] += x_e^T @ grad_e)
 gather_rows(src [X, ...], index [Y] int) -> [Y, ...] (src[index], a zero row where index < 0;
-    a plain copy, not differentiable: `model.dispatch.move_rows` is its autograd form)
+    a plain copy, not differentiable: `model.dispatch.rows.move_rows` is its autograd form)
 zero_rows_from(x [M, ...], end [1] int) -> x with rows >= end zeroed, written into x when
     contiguous (differentiable)
 

@@ -1,9 +1,10 @@
 """The budget dispatch's buffer size: `DispatchBudget`, one per model, shared by its MoE layers'
-dispatchers (`model.dispatch.BudgetDispatcher`), read by the trainer after each forward-backward to
-decide a rerun (`training.loop.step`) and by the graph banks, which hold one bank per budget level
-(`graphs.banks`). The sizing rules themselves are the config's (`config.dispatch`). `ByHostBudget`
-sizes the hierarchical dispatch's two stages (`model.dispatch_dedup.ByHostBudgetDispatcher`): a
-block per host, then a block per host mate, and the experts' rows.
+dispatchers (`model.dispatch.sizing.BudgetDispatcher`), read by the trainer after each
+forward-backward to decide a rerun (`training.loop.step`) and by the graph banks, which hold one
+bank per budget level (`graphs.banks`). The sizing rules themselves are the config's
+(`config.dispatch`). `ByHostBudget` sizes the hierarchical dispatch's two stages
+(`model.dispatch.by_host.ByHostBudgetDispatcher`): a block per host, then a block per host mate,
+and the experts' rows.
 `GroupBudget` sizes the blocks of a layer in waves, one per (rank pair, group of experts)
 (`model.waves_budget`), at the shared budget's level; its demand joins the budget's.
 

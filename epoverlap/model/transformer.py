@@ -62,9 +62,8 @@ from epoverlap.model.waves import WaveMoE
 from epoverlap.model.attention import Attention, RMSNorm
 from epoverlap.model.waves_budget import make_waves
 from epoverlap.model.context import ContextParallel, layer_contexts
-from epoverlap.model.dispatch import TokenDispatcher
+from epoverlap.model.dispatch import TokenDispatcher, make_dispatcher
 from epoverlap.model.documents import Documents
-from epoverlap.model.dispatch_dedup import make_dispatcher
 from epoverlap.model.dropout import (ATTENTION_OUT, DROPOUT_SEED, MLP_OUT, hidden_dropout,
                                      uses_dropout)
 from epoverlap.model.linear import fused_main_grad, linear

@@ -33,7 +33,8 @@ from typing import Sequence
 
 import torch
 
-from epoverlap.model.dispatch import ExpertOrder, TokenDispatcher
+from epoverlap.model.dispatch import TokenDispatcher
+from epoverlap.model.dispatch.rows import ExpertOrder
 from epoverlap.model.moe import GroupedSwiGLUExperts
 from epoverlap.model.nodes import COMM, COMPUTE, NodeSpec, hidden_value, layer_value
 from epoverlap.parallel.comm import SplitExchange, all_to_all

@@ -10,7 +10,7 @@ counts are exchanged on the device (`ExpertComm.exchange_counts`). A rank whose 
 rank's group overflow the block sends the first block of them and records its demand
 (`GroupBudget.note`); after the step the trainer reruns at the budget level that holds it, as
 for the unsplit budget (`training.loop.step`). The blocks are cut from the permuted rows and put
-back by one row move each way (`model.dispatch.move_rows`: copies, grads copied back), so a
+back by one row move each way (`model.dispatch.rows.move_rows`: copies, grads copied back), so a
 step that fits gives the unsplit dropless layer's bits: an expert sees its rows from each
 source rank, rank by rank, padding after the group's last expert.
 
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from epoverlap.model.waves import WaveMoE
-from epoverlap.model.dispatch import (TokenDispatcher, block_indices, kept_counts, move_rows,
-                                      padded_block_transpose)
+from epoverlap.model.dispatch import TokenDispatcher
+from epoverlap.model.dispatch.rows import (block_indices, kept_counts, move_rows,
+                                           padded_block_transpose)
 from epoverlap.model.moe import GroupedSwiGLUExperts
 from epoverlap.parallel.comm import all_to_all
 
@@ -43,7 +44,7 @@ class WaveBudgetMeta:
 
 
 class WaveBudgetMoE(WaveMoE):
-    """`WaveMoE` over a `model.dispatch.BudgetDispatcher` (module docstring)."""
+    """`WaveMoE` over a `model.dispatch.sizing.BudgetDispatcher` (module docstring)."""
 
     SIZES = "expert_counts"
 

@@ -31,7 +31,7 @@ Comm modes (config `--comm-mode`, benchmarks only): `real`, or `local_copy`, whi
 each all-to-all by a local copy of the same bytes, as if every rank received what it sent: the
 compute-only baseline of the overlap benchmark (the split-size exchange still syncs the host).
 By host, both stages' communicators carry the mode too (`HostComms`; the dispatch then sizes
-its stages from its own counts, `model.dispatch_dedup.HostRoute.mirrored`).
+its stages from its own counts, `model.dispatch.by_host.HostRoute.mirrored`).
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def test_tune_blocker_reads_the_tables_graph_rule():
 
 def test_the_factory_builds_every_pair_of_choices_the_table_lets_run():
     from epoverlap.config.dispatch_rules import ROUTINGS, SIZINGS, why_refused
-    from epoverlap.model.dispatch_dedup import _DISPATCHERS
+    from epoverlap.model.dispatch.factory import _DISPATCHERS
     for sizing in SIZINGS:
         for routing in ROUTINGS:
             runs = not why_refused(DispatchChoice(sizing=sizing, routing=routing))

@@ -1,7 +1,7 @@
 """The row gather and the padding-row zeroing (`rows.py` / `rows_triton.py`) against the torch
 references: bit-identical outputs on bf16 and fp32 ([X], [X, K] and [X, H] rows, mixed valid and
 -1 indices, an empty index, H not a multiple of the tile), identical grads through
-`model.dispatch.move_rows` with either op, the zeroing in place forward and out of place
+`model.dispatch.rows.move_rows` with either op, the zeroing in place forward and out of place
 backward; on a GPU (marker `gpu`) the same with no host sync and inside a CUDA graph."""
 
 import pytest
@@ -12,7 +12,7 @@ pytest.importorskip("triton", reason="triton is not installed (the [triton] or [
 from epoverlap.kernels.rows import gather_rows_torch, zero_rows_from_torch
 from epoverlap.kernels.rows_triton import gather_rows_triton, zero_rows_from_triton
 from epoverlap.kernels.triton_utils import row_tile_config
-from epoverlap.model.dispatch import move_rows
+from epoverlap.model.dispatch.rows import move_rows
 
 from kernel_test_utils import (INTERPRETED, assert_bits_equal, eager_then_graph_replay,
                                generator, sync_is_an_error)
@@ -77,7 +77,7 @@ def test_gather_never_reads_past_the_source(triton_device):
 
 def test_gather_refuses_a_grad():
     src = torch.zeros(3, 2, requires_grad=True)
-    with pytest.raises(ValueError, match="not differentiable; use model.dispatch.move_rows"):
+    with pytest.raises(ValueError, match="not differentiable; use model.dispatch.rows.move_rows"):
         gather_rows_triton(src, torch.tensor([0, 1]))
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from epoverlap.model.budget import ByHostBudget, DispatchBudget
-from epoverlap.model.dispatch_dedup import HostRoute
+from epoverlap.model.dispatch.by_host import HostRoute
 
 from dist_helpers import run_ranks
 from dispatch_workers import by_host_budget_equivalence, by_host_equivalence
@@ -191,7 +191,7 @@ def _local_copy_layer(budget_factor, me: int, hosts=2, per_host=2, experts=8, to
     identity experts: -> (combined [T, H], x [T, H], the experts' rows)."""
     from epoverlap.config.dispatch import DispatchMode
     from epoverlap.kernels import make_moe_ops
-    from epoverlap.model.dispatch_dedup import make_dispatcher
+    from epoverlap.model.dispatch import make_dispatcher
     from epoverlap.parallel.comm import ExpertComm, HostComms
     ranks, cpu = hosts * per_host, torch.device("cpu")
     by_host = HostComms(ExpertComm(None, hosts, "local_copy"),

@@ -15,8 +15,8 @@ import torch
 
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
-from epoverlap.model.dispatch import TokenDispatcher
-from epoverlap.model.dispatch_dedup import cut_expert_pairs, make_dispatcher
+from epoverlap.model.dispatch import TokenDispatcher, make_dispatcher
+from epoverlap.model.dispatch.routing import cut_expert_pairs
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.kernels import make_moe_ops
 from epoverlap.simulator.costs import A2aShape

@@ -10,7 +10,7 @@ import torch
 
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.config import parse_config
-from epoverlap.model.dispatch_dedup import make_dispatcher
+from epoverlap.model.dispatch import make_dispatcher
 from epoverlap.model.linear import grouped_gemm, linear
 from epoverlap.model.flops import training_flops_per_token
 from epoverlap.model.transformer import MoEModel

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from epoverlap.model.budget import DispatchBudget
-from epoverlap.model.dispatch import block_indices
+from epoverlap.model.dispatch.rows import block_indices
 
 from dispatch_workers import graphed_training, mode_runs
 from dist_helpers import run_ranks

@@ -14,7 +14,7 @@ from epoverlap.config import parse_config
 from epoverlap.model.linear import linear
 from epoverlap.config.dispatch import DispatchMode
 from epoverlap.model.budget import DispatchBudget
-from epoverlap.model.dispatch_dedup import make_dispatcher
+from epoverlap.model.dispatch import make_dispatcher
 from epoverlap.model.moe import Router
 from epoverlap.parallel.comm import ExpertComm, HostComms
 from epoverlap.parallel.groups import destroy_distributed, init_distributed

@@ -9,7 +9,7 @@ import torch
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.config import parse_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
-from epoverlap.model.dispatch_dedup import make_dispatcher
+from epoverlap.model.dispatch import make_dispatcher
 from epoverlap.training.loop.trainer import Trainer
 from epoverlap.kernels import make_moe_ops
 

@@ -42,8 +42,7 @@ from epoverlap.graphs.full_iteration import FullIterationGraph
 from epoverlap.kernels import make_moe_ops
 from epoverlap.model.budget import DispatchBudget
 from epoverlap.model.context import dynamic_sizes
-from epoverlap.model.dispatch import TokenDispatcher
-from epoverlap.model.dispatch_dedup import make_dispatcher
+from epoverlap.model.dispatch import TokenDispatcher, make_dispatcher
 from epoverlap.model.documents import Documents
 from epoverlap.model.transformer import MoEModel, count_parameters, model_dtype
 from epoverlap.parallel.comm import ContextComm, ExpertComm, HostComms, PipelineComm

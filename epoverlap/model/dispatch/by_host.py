@@ -1,25 +1,7 @@
-"""Dispatches that send a token once per destination instead of once per chosen expert: once
-per EP rank (--moe-dispatch-once-per-rank), or once per host and then once per rank inside it
-(--moe-dispatch-hierarchy node); and `make_dispatcher`, which picks the strategy of the two
-choices, how rows are sized and how they are routed (the interface and the one-row-per-expert
-strategies: `model.dispatch`; the pairs refused: `config.dispatch_rules`).
-
-Once per rank (dropless, capacity, budget; `OncePerRankHostSplitDispatcher`,
-`OncePerRankBudgetDispatcher`): the preprocess sends each token once to every rank holding one of
-its experts (`permute` over a [T, R] "to rank" map), each row with the probs of that rank's L
-experts (-1 where the expert was not chosen); the receiving rank copies the row to those experts
-(`sort_by_expert`, a second permute) and sums their outputs (`unsort`, its unpermute) before the
-combine returns one row per (token, rank). The experts see the same rows in the same order as
-without it ((local expert, source rank, token)); the combine sums per rank first. Split sizes:
-rows per rank counted apart and exchanged with the expert counts; with the budget nothing is
-exchanged: a rank's block holds its rows for that rank (at most one per token), and each
-received row's probs say which local experts it goes to (an empty slot's: none), so the receiver
-counts its experts' rows itself. Those (row, expert) pairs are budgeted too
-(`DispatchBudget.expert_rows`: the budget times a rank's balanced share, tokens x topk, rather
-than the blocks' rows times min(topk, L), which would size the experts' buffers for a routing
-that can never happen); pairs past it are cut and recorded, and the step reruns.
-On one EP rank once per rank is the plain dispatch (nothing to send once instead of several
-times), and `make_dispatcher` picks that.
+"""The hierarchical dispatch (--moe-dispatch-hierarchy node): rows routed once per host, then
+once per rank inside it (`routing.PerHost`), its two stages sized together with that routing,
+by host splits (`ByHostDispatcher`) or by the budget (`ByHostBudgetDispatcher`); `HostRoute`,
+both stages' split sizes read from the exchanged table.
 
 By host (`ByHostDispatcher`, dropless or capacity): the EP group is G hosts of P ranks, EP rank =
 host x P + index (`parallel.comm.HostComms`). Stage 1, between hosts: each token goes once to
@@ -48,8 +30,8 @@ and recorded (`ByHostBudget.demand`), and the step reruns at a level that holds 
 that counts is the dropless one: the experts see the rows of --moe-dispatch-hierarchy node in
 the same order and the combine sums them in the same order, bit for bit.
 
-Shape legend as `model.dispatch`; G hosts, P ranks per host, M1 rows received between hosts;
-C1, C2 the two stages' block rows.
+Shape legend as `model.dispatch.base`; G hosts, P ranks per host, M1 rows received between
+hosts; C1, C2 the two stages' block rows.
 """
 
 from __future__ import annotations
@@ -60,123 +42,13 @@ from typing import Optional
 import torch
 
 from epoverlap.config.dispatch import DispatchMode
-from epoverlap.config.dispatch_rules import DispatchChoice, why_refused
 from epoverlap.kernels import MoEOps
-from epoverlap.model.budget import ByHostBudget, DispatchBudget
-from epoverlap.model.dispatch import (BudgetDispatcher, DispatchMeta, HostSplitDispatcher,
-                                      PaddedCapacityDispatcher, TokenDispatcher, budget_indices,
-                                      index_tensor, kept_counts, move_rows,
-                                      padded_block_transpose)
+from epoverlap.model.budget import DispatchBudget
+from epoverlap.model.dispatch.base import DispatchMeta, TokenDispatcher
+from epoverlap.model.dispatch.routing import cut_expert_pairs, once_per_peer
+from epoverlap.model.dispatch.rows import (budget_indices, index_tensor, kept_counts,
+                                               move_rows, padded_block_transpose)
 from epoverlap.parallel.comm import ExpertComm, SplitExchange, all_to_all
-
-
-class _OncePerRank:
-    """The once-per-rank layout, mixed into a host-split or budget dispatcher: rows are
-    (token, rank) pairs with [N, L] probs (-1: expert not chosen); the receiver copies each row
-    to its chosen local experts and sums their outputs (see the module docstring)."""
-
-    once_per_rank = True
-
-    def permuted_rows(self, num_tokens: int) -> int:
-        """A token reaches at most min(topk, R) ranks."""
-        return num_tokens * min(self.topk, self.comm.size)
-
-    def preprocess(self, hidden_TH, probs_TE, routing_map_TE):
-        """-> (rows [N, H] rank-major, their probs [N, L], row-id map [T, R])."""
-        return once_per_peer(self.ops, hidden_TH, probs_TE, routing_map_TE, self.comm.size,
-                             self.permuted_rows(hidden_TH.shape[0]))
-
-    def sort_by_expert(self, recv_MH, recv_probs_M, meta: DispatchMeta):
-        """-> (rows, their probs, the row-id map of the copy to the local experts)."""
-        chosen_ML = recv_probs_M >= 0
-        return self.ops.permute(recv_MH, chosen_ML, torch.where(chosen_ML, recv_probs_M, 0.0),
-                                num_out_tokens=self._local_expert_rows(meta))
-
-    def unsort(self, expert_out_MH, meta: DispatchMeta, local_row_id_map=None):
-        """Each received row sums its local experts' outputs."""
-        return self.ops.unpermute(expert_out_MH, local_row_id_map)
-
-    def _local_expert_rows(self, meta: DispatchMeta) -> int:
-        """The local experts' rows: every (received row, chosen expert) pair, as counted."""
-        return sum(meta.tokens_per_local_expert)
-
-
-class OncePerRankHostSplitDispatcher(_OncePerRank, HostSplitDispatcher):
-    """dropless or capacity, once per rank: the rows per rank are counted from the [T, R]
-    row-id map and exchanged with the expert counts."""
-
-    def start_split_exchange(self, counts_E, row_id_map=None) -> SplitExchange:
-        return self.comm.start_split_exchange(counts_E, rows_per_rank(row_id_map))
-
-    def _exchange_now(self, counts_E) -> SplitExchange:
-        raise ValueError("dispatch once per rank: pass the exchange that "
-                         "`start_split_exchange(counts_E, row_id_map)` started")
-
-
-class OncePerRankBudgetDispatcher(_OncePerRank, BudgetDispatcher):
-    """budget, once per rank: the rows per rank come from the [T, R] row-id map, no counts are
-    exchanged: each received row's probs say which local experts it goes to (an empty slot:
-    none); the (row, expert) pairs past `DispatchBudget.expert_rows` are cut and recorded."""
-
-    def _rows_to_send(self, counts_E, row_id_map):
-        return rows_per_rank(row_id_map), None
-
-    def _block_probs(self, send_probs_X, send_index):
-        """An empty slot chooses no expert."""
-        return torch.where((send_index >= 0).unsqueeze(1), send_probs_X, -1.0)
-
-    def _received(self, recv_probs_M, recv_RL, block: int):
-        expert_rows = self.budget.expert_rows
-        recv_probs_M = cut_expert_pairs(self.budget, recv_probs_M, expert_rows, self.topk)
-        return recv_probs_M, (recv_probs_M >= 0).sum(dim=0, keepdim=True), expert_rows
-
-    def _local_expert_rows(self, meta: DispatchMeta) -> int:
-        return meta.expert_rows
-
-
-def cut_expert_pairs(budget: DispatchBudget, probs_ML: torch.Tensor, expert_rows: int,
-                     topk: int) -> torch.Tensor:
-    """The (received row, local expert) pairs in the order the second permute gives them rows
-    (expert-major), those past `expert_rows` unchosen (probs -1); their count is recorded for
-    the rerun."""
-    chosen_ML = probs_ML >= 0
-    budget.note_expert_rows(chosen_ML.sum())
-    if expert_rows >= probs_ML.shape[0] * min(topk, probs_ML.shape[1]):
-        return probs_ML  # every pair fits: nothing to cut
-    row_LM = torch.cumsum(chosen_ML.t().reshape(-1), 0).view(chosen_ML.shape[1], -1) - 1
-    return torch.where(chosen_ML & (row_LM.t() < expert_rows), probs_ML, -1.0)
-
-
-def rows_per_rank(row_id_map_TR: torch.Tensor) -> torch.Tensor:
-    """Once per rank: the rows sent to each rank, from the preprocess's [T, R] row-id map. [R]."""
-    return (row_id_map_TR >= 0).sum(dim=0)
-
-
-def rows_by_pair(row_id_map_TR: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """For each of `num_rows` permuted rows, the flat (t * R + r) entry of the row-id map that
-    names it, -1 past the routed rows. [N] device, no host read: the map's row ids are distinct,
-    so a stable sort of them lists the entries in row order."""
-    unrouted = row_id_map_TR.numel()
-    keys_X = torch.where(row_id_map_TR >= 0, row_id_map_TR, unrouted).reshape(-1)
-    sorted_X, entry_X = torch.sort(keys_X, stable=True)
-    return torch.where(sorted_X[:num_rows] < unrouted, entry_X[:num_rows], -1)
-
-
-def once_per_peer(ops: MoEOps, hidden_TH, probs_TE, routing_map_TE, peers: int,
-                  num_out: int):
-    """Each token's row once to every one of `peers` holding one of its experts (the experts in
-    `peers` equal runs), with the probs of that peer's experts (-1: not chosen). -> (rows [N, H]
-    peer-major, their probs [N, E / peers], row-id map [T, peers])."""
-    tokens, per_peer = hidden_TH.shape[0], routing_map_TE.shape[1] // peers
-    to_peer_TP = routing_map_TE.view(tokens, peers, per_peer).any(dim=2)
-    permuted_NH, _, row_id_map_TP = ops.permute(hidden_TH, to_peer_TP, None,
-                                                num_out_tokens=num_out)
-    chosen_probs_XK = torch.where(routing_map_TE, probs_TE, -1.0).view(
-        tokens * peers, per_peer)  # X = (token, peer) pairs
-    source_N = rows_by_pair(row_id_map_TP, num_out)
-    permuted_probs_NK = move_rows(chosen_probs_XK, source_N, row_id_map_TP.reshape(-1),
-                                  ops.gather_rows)
-    return permuted_NH, permuted_probs_NK, row_id_map_TP
 
 
 @dataclass(frozen=True)
@@ -239,36 +111,7 @@ class ByHostMeta(DispatchMeta):
     blocks_PG: Optional[torch.Tensor] = None  # [P, G] device: rows from (host mate, src host)
 
 
-class _ByHost(_OncePerRank, TokenDispatcher):
-    """What both by-host dispatches share: the EP group's hosts (`comm.by_host`), and the
-    preprocess: its row-id map is [T, G + R]: stage 1's row ids per host, then 1 where the
-    token reaches a rank (counted for the dropless form's exchange; the combine's unpermute
-    reads the first G columns)."""
-
-    def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
-                 device: torch.device, mode: DispatchMode,
-                 budget: Optional[DispatchBudget] = None):
-        super().__init__(comm, num_experts, topk, ops, device, mode, budget)
-        self.route = comm.by_host
-        hosts, per_host = self.route.hosts, self.route.per_host
-        if hosts * per_host != comm.size:
-            raise ValueError(f"{hosts} hosts of {per_host} ranks for an EP group of {comm.size}")
-
-    def permuted_rows(self, num_tokens: int) -> int:
-        """A token reaches at most min(topk, G) hosts."""
-        return num_tokens * min(self.topk, self.route.hosts)
-
-    def preprocess(self, hidden_TH, probs_TE, routing_map_TE):
-        """-> (rows [N, H] host-major, their probs [N, P x L], row-id map [T, G + R])."""
-        hosts, tokens = self.route.hosts, hidden_TH.shape[0]
-        rows_NH, probs_NK, row_id_map_TG = once_per_peer(
-            self.ops, hidden_TH, probs_TE, routing_map_TE, hosts,
-            self.permuted_rows(tokens))
-        to_rank_TR = routing_map_TE.view(tokens, self.comm.size, self.num_local).any(dim=2)
-        return rows_NH, probs_NK, torch.cat([row_id_map_TG, to_rank_TR.to(row_id_map_TG.dtype)],
-                                            dim=1)
-
-class ByHostDispatcher(_ByHost):
+class ByHostDispatcher(TokenDispatcher):
     """--moe-dispatch-hierarchy node, dropless or capacity (module docstring): split sizes
     from the exchanged table (`HostRoute`), read on the host."""
 
@@ -276,8 +119,9 @@ class ByHostDispatcher(_ByHost):
 
     def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
                  device: torch.device, mode: DispatchMode,
-                 budget: Optional[DispatchBudget] = None):
-        super().__init__(comm, num_experts, topk, ops, device, mode, budget)
+                 budget: Optional[DispatchBudget] = None, *, routing):
+        super().__init__(comm, num_experts, topk, ops, device, mode, budget, routing=routing)
+        self.route = routing.route
         hosts, per_host = self.route.hosts, self.route.per_host
         self._to_source_major = index_tensor([p * hosts + h for h in range(hosts)
                                               for p in range(per_host)], device)
@@ -285,17 +129,14 @@ class ByHostDispatcher(_ByHost):
                                             for h in range(hosts)], device)
 
     def start_split_exchange(self, counts_E, row_id_map=None) -> SplitExchange:
-        """Rows per host, (token, rank) pairs, expert counts: to every rank (`HostRoute`)."""
-        hosts = self.route.hosts
-        rows_G = (row_id_map[:, :hosts] >= 0).sum(dim=0)
-        pairs_R = row_id_map[:, hosts:].sum(dim=0)
-        return self.comm.start_table_exchange(torch.cat([
-            rows_G.to(counts_E.dtype), pairs_R.to(counts_E.dtype), counts_E]))
+        """The table of every rank's rows per host, (token, rank) pairs and expert counts
+        (`routing.PerHost.start_split_exchange`), read as `HostRoute`."""
+        return self.routing.start_split_exchange(counts_E, row_id_map)
 
     def dispatch(self, permuted_NH, permuted_probs_N, counts_E=None,
                  exchange: Optional[SplitExchange] = None, row_id_map=None):
         if exchange is None:
-            raise ValueError("dispatch by host: pass the exchange `start_split_exchange` started")
+            exchange = self.routing.exchange_now(counts_E)  # refused: too late for the table
         route = self.route
         sizes, recv_counts_RL, blocks_PG = self._sizes(exchange)
         routed = sum(sizes.between_send)
@@ -366,15 +207,16 @@ class ByHostBudgetMeta(DispatchMeta):
     blocks: Optional[torch.Tensor] = None  # [P, G + 1] device: rows from (mate, source host)
 
 
-class ByHostBudgetDispatcher(_ByHost):
+class ByHostBudgetDispatcher(TokenDispatcher):
     """--moe-dispatch-hierarchy node with --moe-dispatch-budget (module docstring): both
     stages in fixed blocks of `ByHostBudget`, no host read; the rows reach the experts in
     once per rank's order already (`dispatch`)."""
 
     def __init__(self, comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
                  device: torch.device, mode: DispatchMode,
-                 budget: Optional[DispatchBudget] = None):
-        super().__init__(comm, num_experts, topk, ops, device, mode, budget)
+                 budget: Optional[DispatchBudget] = None, *, routing):
+        super().__init__(comm, num_experts, topk, ops, device, mode, budget, routing=routing)
+        self.route = routing.route
         # per mate: a block per source host, then its empty slots -> per source host; and back
         self._blocks_to_source_major, self._blocks_to_mate_major = padded_block_transpose(
             self.route.per_host, self.route.hosts, device)
@@ -422,7 +264,7 @@ class ByHostBudgetDispatcher(_ByHost):
         got_PG = all_to_all(self.route.within, kept_PG.contiguous(), None, None)
         return torch.cat([got_PG, within_rows - got_PG.sum(dim=1, keepdim=True)], dim=1)
 
-    def _local_expert_rows(self, meta: DispatchMeta) -> int:
+    def local_expert_rows(self, meta: DispatchMeta) -> int:
         return meta.expert_rows
 
     def combine(self, expert_out_MH, meta: ByHostBudgetMeta, row_id_map_TE):
@@ -452,42 +294,3 @@ def _send_blocks(ops: MoEOps, comm: ExpertComm, rows_NH, probs_NK, send_index, r
 def _send_rows(comm: ExpertComm, rows_NH, probs_NK, recv: list[int], send: list[int]):
     """One stage's all-to-alls: the rows, then their probs. -> (rows, probs) received."""
     return all_to_all(comm, rows_NH, recv, send), all_to_all(comm, probs_NK, recv, send)
-
-
-_DISPATCHERS = {  # (how rows are sized, how they are routed): config.dispatch_rules
-    ("host_splits", "per_expert"): HostSplitDispatcher,
-    ("padded", "per_expert"): PaddedCapacityDispatcher,
-    ("budget", "per_expert"): BudgetDispatcher,
-    ("host_splits", "per_rank"): OncePerRankHostSplitDispatcher,
-    ("budget", "per_rank"): OncePerRankBudgetDispatcher,
-    ("host_splits", "per_host"): ByHostDispatcher,
-    ("budget", "per_host"): ByHostBudgetDispatcher,
-}  # a padded capacity routed once per rank or host is refused (`dispatch_rules.RULES`)
-
-
-def make_dispatcher(comm: ExpertComm, num_experts: int, topk: int, ops: MoEOps,
-                    device: torch.device, mode: DispatchMode = DispatchMode(),
-                    budget: Optional[DispatchBudget] = None) -> TokenDispatcher:
-    """The strategy of `mode`'s two choices, how rows are sized and how they are routed
-    (`DispatchMode.sizing`, `.routing`), built once per model and shared by its MoE layers (it
-    keeps no per-layer state). `budget`: the model's `DispatchBudget`, in budget mode only.
-    Once per rank on one EP rank is the plain dispatch. By host: over `comm.by_host`."""
-    if (mode.sizing == "budget") != (budget is not None):
-        raise ValueError(f"dispatch mode {mode.name} with budget {budget}")
-    if (mode.sizing, mode.routing) not in _DISPATCHERS:
-        raise ValueError(f"dispatch {mode.sizing} {mode.routing}: " + why_refused(
-            DispatchChoice(sizing=mode.sizing, routing=mode.routing)))
-    routing = "per_expert" if mode.routing == "per_rank" and comm.size == 1 else mode.routing
-    strategy = _DISPATCHERS[(mode.sizing, routing)]
-    if mode.once_per_rank and comm.size > 1 and budget is not None and budget.pairs is None:
-        raise ValueError("dispatch once per rank with a budget that does not budget the "
-                         "experts' rows (DispatchBudget pairs_per_dispatch)")
-    if routing == "per_host" and comm.by_host is None:
-        raise ValueError("dispatch by host needs the communicators between and inside hosts")
-    if routing == "per_host" and budget is not None and not isinstance(budget, ByHostBudget):
-        raise ValueError("dispatch by host with a budget that does not size its stages "
-                         "(model.budget.ByHostBudget)")
-    dispatcher = strategy(comm, num_experts, topk, ops, device, mode, budget)
-    if dispatcher.reads_host != mode.dispatch_syncs_host:
-        raise AssertionError(f"{strategy.__name__} disagrees with the config on host reads")
-    return dispatcher
