@@ -116,6 +116,14 @@ class Layout:
     def data_offset(self, slot: int) -> int:
         return self.data_at + slot * self.chunk_bytes
 
+    def flag_word(self, slot: int) -> int:
+        """Index, in 32-bit words of the region, of the slot's empty/full flag."""
+        return self.flags_at // FLAG_BYTES + slot
+
+    def sizes_word(self, slot: int) -> int:
+        """Index, in 32-bit words, of the slot's two size words (chunk, message)."""
+        return self.sizes_at // FLAG_BYTES + 2 * slot
+
 
 def _reserve(fd: int, path: str, size: int) -> None:
     """Give the file its pages now: a /dev/shm too small for it fails here in one line, not
@@ -298,18 +306,18 @@ class HostMemoryTransport:
         if exchange.streams is not None:
             cuda, flags, stream = driver(), self.region.device_address, \
                 exchange.streams[0].cuda_stream
-            cuda.wait32(stream, flags + layout.flags_at + FLAG_BYTES * slot, EMPTY)
+            cuda.wait32(stream, flags + FLAG_BYTES * layout.flag_word(slot), EMPTY)
             cuda.copy_to_host(self.region.address + layout.data_offset(slot),
                               exchange.input.data_ptr() + at, size, stream)
-            cuda.write32(stream, flags + layout.flags_at + FLAG_BYTES * slot, FULL)
+            cuda.write32(stream, flags + FLAG_BYTES * layout.flag_word(slot), FULL)
         else:
             words = self.region.words
-            self._wait(layout.flags_at // FLAG_BYTES + slot, EMPTY, dest, "take")
+            self._wait(layout.flag_word(slot), EMPTY, dest, "take")
             start = layout.data_offset(slot)
             self.region.data[start:start + size].copy_(exchange.input_u8[at:at + size])
-            sizes = layout.sizes_at // FLAG_BYTES + 2 * slot
+            sizes = layout.sizes_word(slot)
             words[sizes], words[sizes + 1] = size, exchange.send[dest] % _WORD
-            words[layout.flags_at // FLAG_BYTES + slot] = FULL
+            words[layout.flag_word(slot)] = FULL
 
     def _take(self, exchange: "_Exchange", source: int, i: int) -> None:
         """Chunk i of this exchange from `source`: wait for its slot to be full, copy it out,
@@ -322,22 +330,22 @@ class HostMemoryTransport:
         if exchange.streams is not None:
             cuda, flags, stream = driver(), self.region.device_address, \
                 exchange.streams[1].cuda_stream
-            cuda.wait32(stream, flags + layout.flags_at + FLAG_BYTES * slot, FULL)
+            cuda.wait32(stream, flags + FLAG_BYTES * layout.flag_word(slot), FULL)
             cuda.copy_to_device(exchange.output.data_ptr() + at,
                                 self.region.address + layout.data_offset(slot), size, stream)
-            cuda.write32(stream, flags + layout.flags_at + FLAG_BYTES * slot, EMPTY)
+            cuda.write32(stream, flags + FLAG_BYTES * layout.flag_word(slot), EMPTY)
         else:
-            self._wait(layout.flags_at // FLAG_BYTES + slot, FULL, source, "chunk")
+            self._wait(layout.flag_word(slot), FULL, source, "chunk")
             self._check_size(slot, size, exchange.recv[source], source)
             start = layout.data_offset(slot)
             exchange.output_u8[at:at + size].copy_(self.region.data[start:start + size])
-            self.region.words[layout.flags_at // FLAG_BYTES + slot] = EMPTY
+            self.region.words[layout.flag_word(slot)] = EMPTY
 
     def _check_size(self, slot: int, size: int, message: int, source: int) -> None:
         """The chunk's and its message's bytes as the source wrote them: what this rank
         expects, else the ranks' split sizes disagree (CPU only: on CUDA no host reads)."""
         words = self.region.words
-        sizes = self.layout.sizes_at // FLAG_BYTES + 2 * slot
+        sizes = self.layout.sizes_word(slot)
         if (words[sizes], words[sizes + 1]) != (size, message % _WORD):
             raise ValueError(
                 f"all-to-all over host memory: rank {self.peer_names[source]} sent "
