@@ -62,6 +62,10 @@ import torch.distributed as dist
 
 from epoverlap.parallel.watch import CollectiveWatch, Heartbeat
 
+# torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single; the GPU
+# machines run torch 2.11, which has only the old name.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 WORLD, EXPERT_PARALLEL, EXPERT_DATA_PARALLEL = "world", "expert-parallel", "expert-data-parallel"
 PIPELINE, DATA_PARALLEL = "pipeline", "data-parallel"
 CONTEXT_PARALLEL = "context-parallel"
@@ -161,7 +165,7 @@ class Group:
     def all_gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """`output` [size x input's rows, ...]: every rank's `input`, in rank order."""
         with self.watch.collective(self.name, self.ranks, "all_gather"):
-            dist.all_gather_single(output, input, group=self.pg)  # torch 2.13: the new name
+            _ALL_GATHER_SINGLE(output, input, group=self.pg)
 
     def exchange(self, output: torch.Tensor, input: torch.Tensor, dst: int, src: int) -> None:
         """Send `input` to rank `dst` while receiving `output` from rank `src` (global ranks),
