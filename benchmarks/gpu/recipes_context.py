@@ -23,6 +23,13 @@ from benchmarks.gpu.recipe_parts import (EAGER, SEQUENTIAL, TRAIN, WGRAD, Recipe
 
 MODEL = ("--preset megatron-cmp --mock-data --seq-length 4096 --micro-batch-size 1 "
          "--num-microbatches 8 --log-interval 100 --tune off " + EAGER)
+# megatron-cmp's layers with its router learned: its forced balancing draws random logits per
+# token from a per-data-rank generator, so CP N (S / N tokens a rank) would route other tokens
+# than CP 1 and the losses would part by routing, not by CP's math
+LOSS_MODEL = ("--num-layers 4 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16 "
+              "--num-experts 32 --moe-router-topk 4 --moe-ffn-hidden-size 1024 --mock-data "
+              "--seq-length 4096 --micro-batch-size 1 --num-microbatches 8 --log-interval 100 "
+              "--tune off " + EAGER)
 # one GPU of the recipe's, through torchrun as the training command runs (CP 1, DP 1, EP 1)
 ONE_GPU = ("CUDA_VISIBLE_DEVICES=0 {python} -m torch.distributed.run --standalone "
            "--nproc-per-node=1 -m epoverlap.train")
@@ -41,9 +48,9 @@ def _loss_steps(cp: int) -> tuple:
     """CP 1 on one GPU (sequential: EP 1 has nothing to overlap), CP `cp` with each exchange
     on the recipe's GPUs (overlapped, delayed weight grads: the same bits as sequential),
     then their gaps."""
-    steps = [Step("loss_cp1", f"{ONE_GPU} {MODEL}{LOSS_FLAGS} --expert-model-parallel-size 1 "
+    steps = [Step("loss_cp1", f"{ONE_GPU} {LOSS_MODEL}{LOSS_FLAGS} --expert-model-parallel-size 1 "
                   "--log-json {out}/loss_cp1.jsonl", timeout_s=240)]
-    steps += [Step(f"loss_cp{cp}_{kind}", f"{TRAIN} {MODEL}{LOSS_FLAGS} {WGRAD} "
+    steps += [Step(f"loss_cp{cp}_{kind}", f"{TRAIN} {LOSS_MODEL}{LOSS_FLAGS} {WGRAD} "
                    f"--expert-model-parallel-size {cp} {_cp(cp, kind)} --log-json "
                    f"{{out}}/loss_cp{cp}_{kind}.jsonl", timeout_s=240) for kind in COMM_TYPES]
     runs = " ".join(f"{{out}}/loss_cp{cp}_{kind}.jsonl" for kind in COMM_TYPES)

@@ -105,3 +105,5 @@ def validate_documents(cfg: RunConfig) -> None:
     require(not d.reset_attention_mask or m.attention_dropout == 0, "attention_dropout",
             m.attention_dropout, "must be 0 with --reset-attention-mask: attention dropout "
             "with per-document attention is not implemented")
+    require(d.max_documents_per_sample >= 1, "max_documents_per_sample",
+            d.max_documents_per_sample, "at least 1")

@@ -467,6 +467,11 @@ class DataConfig:
     reset_attention_mask: bool = flag(
         False, "attention stays inside each document of a packed sample (a token sees the "
         "earlier tokens of its own document only), as Megatron-LM's; --data-path datasets")
+    max_documents_per_sample: int = flag(
+        64, "with --reset-attention-mask: the most documents one sample may hold (on GPUs the "
+        "variable-length attention's document table has this many entries, one shape every "
+        "step, so CUDA graphs hold it and no step waits on the host); a sample with more "
+        "stops the run naming this flag", metavar="N")
 
     @property
     def reads_documents(self) -> bool:  # the model needs the samples' document ends

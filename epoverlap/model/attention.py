@@ -20,6 +20,7 @@ from epoverlap.config import ModelConfig
 from epoverlap.kernels import MoEOps
 from epoverlap.model.context import ContextParallel
 from epoverlap.model.documents import Documents
+from epoverlap.model.varlen import uses_varlen, varlen_document_attention
 from epoverlap.model.dropout import causal_attention, grouped_kv
 from epoverlap.model.linear import fused_main_grad, linear
 from epoverlap.model.init import param_seed, seeded_normal_
@@ -144,10 +145,14 @@ class Attention(nn.Module):
 
 
 def document_attention(q_BQSD, k_BGSD, v_BGSD, documents: Documents, tokens_BS):
-    """Causal attention kept inside each document (--reset-attention-mask): SDPA with the
-    explicit [B, 1, S, S] mask of `Documents.visible`."""
+    """Causal attention kept inside each document (--reset-attention-mask): on GPUs in 16 bits
+    the variable-length kernel (`model.varlen`), else SDPA with the explicit [B, 1, S, S]
+    mask of `Documents.visible` (the reference)."""
+    doc_BS = documents.ids(tokens_BS)
+    if uses_varlen(q_BQSD):
+        return varlen_document_attention(q_BQSD, k_BGSD, v_BGSD, doc_BS, documents.capacity)
     k_BGSD, v_BGSD, gqa = grouped_kv(q_BQSD, k_BGSD, v_BGSD)
     positions = torch.arange(q_BQSD.shape[2], device=q_BQSD.device)
-    mask = documents.visible(documents.ids(tokens_BS), positions, positions)
+    mask = documents.visible(doc_BS, positions, positions)
     return F.scaled_dot_product_attention(q_BQSD, k_BGSD, v_BGSD, attn_mask=mask,
                                           enable_gqa=gqa)

@@ -64,6 +64,7 @@ from torch.nn.attention.bias import causal_lower_right
 from epoverlap.kernels.cross_entropy import IGNORE_INDEX
 from epoverlap.model.documents import Documents
 from epoverlap.model.dropout import grouped_kv
+from epoverlap.model.varlen import uses_varlen, varlen_document_attention
 from epoverlap.parallel.comm import ContextComm
 
 COMM_TYPES = ("p2p", "allgather")
@@ -122,6 +123,10 @@ class ContextParallel:
         if self.comm_type == "allgather" and self.size > 1:  # (size 1: dynamic CP's, no comm)
             kv_RKBGsD = self.comm.gather(torch.stack([k_BGsD, v_BGsD]))
             return self.attend_gathered(q_BQsD, kv_RKBGsD, tokens_BS)
+        if self.size == 1 and self._varlen(q_BQsD):  # dynamic CP's size 1 on GPUs: no ring
+            return varlen_document_attention(q_BQsD, k_BGsD, v_BGsD,
+                                             self.documents.ids(tokens_BS),
+                                             self.documents.capacity)
         return self._ring(q_BQsD, k_BGsD, v_BGsD, tokens_BS)
 
     def _visible(self, tokens_BS, q_pos, k_pos) -> Optional[torch.Tensor]:
@@ -143,11 +148,21 @@ class ContextParallel:
         outs = []
         for half, chunk in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             end = (chunk + 1) * c
+            if self._varlen(q_BQsD):  # per document, on GPUs in 16 bits (model.varlen)
+                outs.append(varlen_document_attention(
+                    q_BQsD[:, :, half * c:(half + 1) * c], k_BGSD[:, :, :end],
+                    v_BGSD[:, :, :end], self.documents.ids(tokens_BS), self.documents.capacity,
+                    q_lo=chunk * c))
+                continue
             q_pos = self.positions[half * c:(half + 1) * c]
             mask = self._visible(tokens_BS, q_pos, torch.arange(end, device=q_pos.device))
             outs.append(_sdpa(q_BQsD[:, :, half * c:(half + 1) * c], k_BGSD[:, :, :end],
                               v_BGSD[:, :, :end], mask))
         return torch.cat(outs, dim=2)
+
+    def _varlen(self, q_BQsD: torch.Tensor) -> bool:
+        """Whether the gathered attention runs per document on the variable-length kernel."""
+        return self.documents is not None and uses_varlen(q_BQsD)
 
     # ----------------------------------------------------------------- p2p ring
     def _ring(self, q_BQsD, k_BGsD, v_BGsD, tokens_BS=None) -> torch.Tensor:

@@ -24,6 +24,17 @@ class Documents:
     eod: int
     reset_positions: bool
     reset_mask: bool
+    capacity: int  # documents a sample may hold (--max-documents-per-sample)
+
+    def check_capacity(self, tokens_BS: torch.Tensor) -> None:
+        """Stops the run, naming the flag, when a sample of these host tokens holds more
+        documents than the capacity (per-document attention's table, `model.varlen`)."""
+        if not self.reset_mask:
+            return
+        most = int((tokens_BS[:, :-1] == self.eod).sum(dim=1).max()) + 1
+        if most > self.capacity:
+            raise ValueError(f"--max-documents-per-sample={self.capacity}: a sample holds "
+                             f"{most} documents; give at least {most}")
 
     def ids(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """[B, S] the document index of each position (0 for the first document)."""

@@ -440,7 +440,7 @@ class MoEModel(nn.Module):
         beyond its sections `m` and `moe` (`config.ModelOptions`)."""
         super().__init__()
         seed = options.seed
-        self.pipe, self.ops = pipe, ops
+        self.pipe, self.ops, self.documents = pipe, ops, documents
         self.vocab_size, self.eod_mask_loss = m.vocab_size, options.eod_mask_loss
         contexts = layer_contexts(options.cp_comm_types, m.seq_length,
                                   options.dynamic_context_parallel, cp_comm, device, documents)

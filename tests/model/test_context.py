@@ -110,7 +110,8 @@ def _dynamic_views(cp: int, rank: int, seq: int, eod: int):
     sizes = {n: SimpleNamespace(size=n, rank=rank % n, lane=None)
              for n in dynamic_sizes(cp, 1)}
     comm = SimpleNamespace(size=cp, rank=rank, sizes=sizes)
-    return DynamicContext(comm, "p2p", seq, torch.device("cpu"), Documents(eod, False, True))
+    return DynamicContext(comm, "p2p", seq, torch.device("cpu"),
+                          Documents(eod, False, True, capacity=64))
 
 
 def test_dynamic_sizes_are_the_powers_of_2_from_the_least():

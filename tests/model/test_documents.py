@@ -56,7 +56,7 @@ def test_a_packed_document_is_the_document_alone():
     alone; without them a later document sees the earlier ones."""
     packed, alone, offsets = _samples()
     with torch.no_grad():
-        model = _model(Documents(EOD, reset_positions=True, reset_mask=True))
+        model = _model(Documents(EOD, reset_positions=True, reset_mask=True, capacity=64))
         whole = _logits(model, packed)[0]
         plain = _logits(_model(None), packed)[0]
         for doc, sample, start in zip(DOCS, alone, offsets):
@@ -68,13 +68,13 @@ def test_a_packed_document_is_the_document_alone():
 
 
 def test_documents_end_at_each_end_of_document_token_as_megatron_lm_s():
-    rules = Documents(9, reset_positions=True, reset_mask=True)
+    rules = Documents(9, reset_positions=True, reset_mask=True, capacity=64)
     tokens = torch.tensor([[1, 2, 9, 3, 4, 5, 9, 6]])
     assert rules.ids(tokens).tolist() == [[0, 0, 0, 1, 1, 1, 1, 2]]
     assert rules.positions(tokens).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
     positions = torch.arange(8)
     seen = rules.visible(rules.ids(tokens), positions, positions)[0, 0]
     assert seen[4].tolist() == [False, False, False, True, True, False, False, False]
-    kept = Documents(9, reset_positions=False, reset_mask=False)
+    kept = Documents(9, reset_positions=False, reset_mask=False, capacity=64)
     assert kept.positions(tokens).tolist() == [list(range(8))]
     assert kept.visible(kept.ids(tokens), positions, positions)[0, 0, 4].sum() == 5

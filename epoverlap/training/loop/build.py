@@ -140,7 +140,8 @@ class RunParts:
         d = self.cfg.data
         if not d.reads_documents:
             return None
-        return Documents(self.data.eod, d.reset_position_ids, d.reset_attention_mask)
+        return Documents(self.data.eod, d.reset_position_ids, d.reset_attention_mask,
+                         d.max_documents_per_sample)
 
     def _pipeline_comm(self) -> Optional[PipelineComm]:
         cfg, groups = self.cfg, self.groups

@@ -95,9 +95,12 @@ class Evaluator:
         at a larger budget level while the dispatch overflowed, as a training step is
         (`StepRunner.until_it_fits`). -> (losses, reruns)."""
         t = self.cfg.train
-        inputs = [(tokens.to(self.device), labels.to(self.device)) for tokens, labels in
-                  step_batches(self.data, index, self.groups.data_rank, t.num_microbatches,
-                               t.micro_batch_size, self.cfg.model.seq_length)]
+        batches = step_batches(self.data, index, self.groups.data_rank, t.num_microbatches,
+                               t.micro_batch_size, self.cfg.model.seq_length)
+        if self.model.documents is not None:
+            for tokens, _ in batches:
+                self.model.documents.check_capacity(tokens)
+        inputs = [(tokens.to(self.device), labels.to(self.device)) for tokens, labels in batches]
         return self.stepper.until_it_fits(lambda level: self._forward(inputs, level, dispatch))
 
     def _forward(self, inputs: list, level: int, dispatch) -> list[torch.Tensor]:
