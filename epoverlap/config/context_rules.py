@@ -41,7 +41,7 @@ def validate_context_parallel(cfg: RunConfig, world_size: int) -> None:
 def _context_parallel_graphs(cfg: RunConfig) -> None:
     """CUDA graphs at CP > 1 (`graphs.capture`): per-layer graphs of the modules before the
     dispatch, whose attention graphs hold the K/V exchange where it runs inside the attention
-    (the ring; the gather off the comm lane) and compute only where the gather is a node."""
+    (the ring; the gather under dynamic CP) and compute only where the gather is a node."""
     g = cfg.cuda_graph
     require(g.impl in ("none", AUTO, "local"), "cuda_graph_impl", g.impl, "none or local "
             "with --context-parallel-size > 1: one graph of the whole iteration under context "

@@ -3,12 +3,13 @@ CUDA GPUs), over NCCL at CP 2 x EP 2, each graphed run against the eager run's l
 grad-norm bits at every step:
 
   * fixed CP 2, per-layer graphs of attn, moe_router and moe_preprocess: with the ring (the
-    attention graphs hold its sends and receives), with the all-gather on the comm lane (the
-    attention graphs hold compute only) and with the all-gather inside the attention (no
-    overlap: the graphs hold the gather, and its backward's all-to-all);
+    attention graphs hold its sends and receives) and with the all-gather (a node of its own
+    on the comm lane: the attention graphs hold compute only; the router's graphs hold the
+    aux loss's all-reduce over the CP group either way);
   * dynamic CP (sizes 1 and 2): each size's runner captured and replayed, size 2's attention
-    graphs holding the ring. The graphs check their inputs, so a slot buffer that served both
-    sizes (tokens of S / 2 and of S) stops the run."""
+    graphs holding the ring, or the all-gather (inside the attention under dynamic CP) and
+    its backward's all-to-all. The graphs check their inputs, so a slot buffer that served
+    both sizes (tokens of S / 2 and of S) stops the run."""
 
 from __future__ import annotations
 
@@ -44,15 +45,12 @@ def _flags(prefix: str) -> list[str]:
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @needs_gpus
-@pytest.mark.parametrize("comm_type, overlap", [
-    ("p2p", "--overlap-moe-expert-parallel-comm"),
-    ("allgather", "--overlap-moe-expert-parallel-comm"),
-    ("allgather", "--no-overlap-moe-expert-parallel-comm")])
-def test_cp2_graphs_replay_the_eager_bits_over_nccl(tmp_path, comm_type, overlap):
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_cp2_graphs_replay_the_eager_bits_over_nccl(tmp_path, comm_type):
     flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "8",
              "--mock-data", "--log-interval", "1", "--context-parallel-size", "2",
-             "--cp-comm-type", comm_type, "--expert-model-parallel-size", "2", overlap,
-             "--tune", "off"]
+             "--cp-comm-type", comm_type, "--expert-model-parallel-size", "2",
+             "--overlap-moe-expert-parallel-comm", "--tune", "off"]
     _, eager = _train(tmp_path, f"cp2_{comm_type}_eager", 2,
                       flags + ["--cuda-graph-impl", "none"])
     out, graphed = _train(tmp_path, f"cp2_{comm_type}_graphs", 2, flags + GRAPHS + [
@@ -64,12 +62,13 @@ def test_cp2_graphs_replay_the_eager_bits_over_nccl(tmp_path, comm_type, overlap
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @needs_gpus
-def test_dynamic_cp_graphs_of_every_size_replay_the_eager_bits_over_nccl(tmp_path):
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_dynamic_cp_graphs_of_every_size_replay_the_eager_bits_over_nccl(tmp_path, comm_type):
     prefix = write_aligned_documents(str(tmp_path / "docs"), unit=64)  # tiny: S = 128
-    flags = _flags(prefix)
-    eager_out, eager = _train(tmp_path, "dynamic_cp_eager", 2,
+    flags = _flags(prefix) + ["--cp-comm-type", comm_type]
+    eager_out, eager = _train(tmp_path, f"dynamic_cp_{comm_type}_eager", 2,
                               flags + ["--cuda-graph-impl", "none"])
-    out, graphed = _train(tmp_path, "dynamic_cp_graphs", 2, flags + GRAPHS + [
+    out, graphed = _train(tmp_path, f"dynamic_cp_{comm_type}_graphs", 2, flags + GRAPHS + [
         "--cuda-graph-modules", "attn"])
     assert re.search(CAPTURED, out), out[-3000:]
     for size in (1, 2):  # each size's runner, in a line of its own

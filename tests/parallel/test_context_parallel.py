@@ -203,10 +203,10 @@ def _assert_graphed_is_eager(eager, graphed) -> None:
 @pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
 def test_cp2_graphs_replay_the_eager_bits_with_either_exchange(comm_type):
     """CP 2 x EP 2, the overlap, graphs of attention and the router (emulated backend, input
-    checks on): p2p's attention graphs hold the ring, allgather's hold compute only (the
-    gather is the comm lane's `kv_gather` node), the router's hold the aux loss's counts over
-    the CP group. The losses, grad norms and parameters are the eager run's bit for bit, and
-    the graphs replayed."""
+    checks on): the ring's attention graphs hold it; the all-gather is the comm lane's
+    `kv_gather` node, so its attention graphs hold compute only; the router's hold the aux
+    loss's counts over the CP group. The losses, grad norms and parameters are the eager
+    run's bit for bit, and the graphs replayed."""
     from context_workers import cp_graph_runs
     flags = ["--train-iters", "3", "--cp-comm-type", comm_type,
              "--overlap-moe-expert-parallel-comm"]
@@ -214,19 +214,23 @@ def test_cp2_graphs_replay_the_eager_bits_with_either_exchange(comm_type):
     _assert_graphed_is_eager(eager, graphed)
     captured, _, replays = graphed[4][2]
     assert captured and replays > 0
+    assert ("kv_gather" in graphed[5]) == (comm_type == "allgather"), graphed[5]
 
 
-def test_dynamic_cp_graphs_replay_every_sizes_runner_bitwise_and_keep_sizes_apart(tmp_path):
-    """CP 2 (p2p), EP 2, the overlap, graphs of attention (emulated backend, input checks on):
-    each size's runner records in the first step after the warmup that has a microbatch at
-    its size, is captured and replays in later steps; size 2's graphs hold the ring. The
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_dynamic_cp_graphs_replay_every_sizes_runner_bitwise_and_keep_sizes_apart(tmp_path,
+                                                                                   comm_type):
+    """CP 2, EP 2, the overlap, graphs of attention (emulated backend, input checks on): each
+    size's runner records in the first step after the warmup that has a microbatch at its
+    size, is captured and replays in later steps; size 2's graphs hold the ring, or the
+    all-gather (inside the attention under dynamic CP: no `kv_gather` node). The
     losses, grad norms and parameters are the eager run's bit for bit, and each runner's
     slots hold [B, size x S / CP] tokens only: a slot that served both sizes would fail the
     input check or change the bits."""
     from context_workers import dynamic_cp_graph_runs, write_aligned_documents
     prefix = write_aligned_documents(str(tmp_path / "docs"), unit=16)
     flags = ["--train-iters", "6", "--reset-attention-mask", "--eod-mask-loss",
-             "--overlap-moe-expert-parallel-comm"]
+             "--overlap-moe-expert-parallel-comm", "--cp-comm-type", comm_type]
     eager, graphed = run_ranks(dynamic_cp_graph_runs, 2, 2, prefix, flags, timeout_s=600)[0]
     _assert_graphed_is_eager(eager, graphed)
     assert graphed[3] == eager[3] and set(eager[3]) == {1, 2}, eager[3]
@@ -234,6 +238,7 @@ def test_dynamic_cp_graphs_replay_every_sizes_runner_bitwise_and_keep_sizes_apar
     assert {size: state[:2] for size, state in runners.items()} == {
         1: (True, [(2, 16)]), 2: (True, [(2, 32)])}
     assert all(replays > 0 for _, _, replays in runners.values()), runners
+    assert "kv_gather" not in graphed[5], graphed[5]
 
 
 @pytest.mark.slow

@@ -205,7 +205,7 @@ def _eager_and_graphed(groups, argv: list[str], graphs: list[str]) -> list:
     """`argv` run eagerly, then with `graphs` under the emulated backend, in one process
     group: per run (losses, grad norms, the parameters after the last step, the microbatches
     dynamic CP ran at each size ({} when fixed), each runner's `_runner_state` by CP size
-    (the run's size when fixed; {} eager))."""
+    (the run's size when fixed; {} eager), layer 0's node names)."""
     runs = []
     for extra in ([], graphs):
         trainer = Trainer(parse_config(argv + extra), groups, log=lambda msg: None,
@@ -220,8 +220,9 @@ def _eager_and_graphed(groups, argv: list[str], graphs: list[str]) -> list:
                            if context.dynamic else {context.size: _runner_state(bank)})
             params = torch.cat([p.detach().float().flatten()
                                 for p in trainer.model.parameters()])
+            nodes = [spec.name for spec in trainer.model.node_specs() if spec.layer == 0]
             runs.append(([r.loss for r in results], [r.grad_norm for r in results], params,
-                         dict(context.chosen) if context.dynamic else {}, runners))
+                         dict(context.chosen) if context.dynamic else {}, runners, nodes))
         finally:
             trainer.close()
     return runs
