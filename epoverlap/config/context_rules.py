@@ -31,14 +31,25 @@ def validate_context_parallel(cfg: RunConfig, world_size: int) -> None:
     require(m.attention_dropout == 0, "attention_dropout", m.attention_dropout,
             "must be 0 with --context-parallel-size > 1: attention dropout under context "
             "parallelism is not implemented")
-    require(cfg.cuda_graph.impl in ("none", AUTO) or p.dynamic_context_parallel,
-            "cuda_graph_impl", cfg.cuda_graph.impl, "must be none with --context-parallel-size "
-            "> 1: CUDA graphs under context parallelism are not implemented (but for the "
-            "size-1 graphs of --dynamic-context-parallel)")
+    _context_parallel_graphs(cfg)
     require(cfg.moe.moe_router_load_balancing_type != "seq_aux_loss",
             "moe_router_load_balancing_type", "seq_aux_loss", "aux_loss or none with "
             "--context-parallel-size > 1: the per-sequence loss over a sequence split across "
             "the CP ranks is not implemented")
+
+
+def _context_parallel_graphs(cfg: RunConfig) -> None:
+    """CUDA graphs at CP > 1 (`graphs.capture`): per-layer graphs of the modules before the
+    dispatch, whose attention graphs hold the K/V exchange where it runs inside the attention
+    (the ring; the gather under dynamic CP) and compute only where the gather is a node."""
+    g = cfg.cuda_graph
+    require(g.impl in ("none", AUTO, "local"), "cuda_graph_impl", g.impl, "none or local "
+            "with --context-parallel-size > 1: one graph of the whole iteration under context "
+            "parallelism is not implemented")
+    require(g.impl != "local" or (bool(g.modules) and "moe" not in g.modules),
+            "cuda_graph_modules", " ".join(g.modules) or "(every module)", "attn, mlp, "
+            "moe_router and/or moe_preprocess with --context-parallel-size > 1: graphs through "
+            "the dispatch (moe, or whole layers) under context parallelism are not implemented")
 
 
 def _power_of_2(n: int) -> bool:
@@ -73,20 +84,18 @@ def validate_dynamic_context_parallel(cfg: RunConfig) -> None:
 
 def _dynamic_cp_graphs(cfg: RunConfig) -> None:
     """CUDA graphs under dynamic CP (`graphs.banks.SizeBanks`): per-layer graphs of attention
-    and dense MLPs, captured by the size-1 runner only (the larger sizes' graphs would hold the
-    K/V exchange); nothing that holds a collective over ranks choosing sizes apart."""
-    g, least = cfg.cuda_graph, cfg.parallel.min_dynamic_context_parallel_size
+    and dense MLPs, a runner per CP size, each size's attention graphs holding the exchange
+    over that size's group (whose ranks all choose the same sizes); nothing that holds a
+    collective over ranks choosing sizes apart."""
+    g = cfg.cuda_graph
     if g.impl in ("none", AUTO):
         return
     require(g.impl == "local", "cuda_graph_impl", g.impl, "none or local with "
             "--dynamic-context-parallel (a runner per CP size of per-layer graphs)")
     require(bool(g.modules) and set(g.modules) <= {"attn", "mlp"}, "cuda_graph_modules",
             " ".join(g.modules) or "(every module)", "attn and/or mlp with "
-            "--dynamic-context-parallel: the router's aux-loss counts (over the CP group) and "
-            "the dispatch (over EP ranks that choose their sizes apart) are collectives the "
-            "size-1 graphs do not capture")
-    require(least == 1, "min_dynamic_context_parallel_size", least, "1 with --cuda-graph-impl "
-            "local: only the size-1 runner captures (larger sizes run eagerly)")
+            "--dynamic-context-parallel: graphs of the MoE modules under dynamic context "
+            "parallelism are not implemented")
     require(flag_of("cuda_graph_impl") not in cfg.defaulted, "cuda_graph_impl", g.impl,
             "given, not the auto scope's, with --dynamic-context-parallel: the ranks capture "
             "at the steps their sizes come, and the auto scope agrees on a capture over all")
@@ -100,8 +109,8 @@ def validate_documents(cfg: RunConfig) -> None:
     name = "reset_attention_mask" if d.reset_attention_mask else "reset_position_ids"
     require(cfg.cuda_graph.impl in ("none", AUTO) or cfg.parallel.dynamic_context_parallel,
             "cuda_graph_impl", cfg.cuda_graph.impl, f"must be none with {flag_of(name)}: "
-            "per-document attention under CUDA graphs is not implemented (but for the size-1 "
-            "graphs of --dynamic-context-parallel)")
+            "per-document attention under CUDA graphs is not implemented (but for the graphs "
+            "of --dynamic-context-parallel)")
     require(not d.reset_attention_mask or m.attention_dropout == 0, "attention_dropout",
             m.attention_dropout, "must be 0 with --reset-attention-mask: attention dropout "
             "with per-document attention is not implemented")

@@ -22,7 +22,10 @@ values:
                                      demand) when the dispatch is dropless and not through
                                      host memory; elsewhere, or where a rule refuses
                                      that, local capturing attn
-                                     moe_router moe_preprocess
+                                     moe_router moe_preprocess; none
+                                     with --context-parallel-size > 1
+                                     (graphs there are given, not
+                                     chosen: not yet measured)
   --moe-dispatch-hierarchy           node where the EP group spans two or more whole hosts
                                      (torchrun's nodes, or --emulate-hosts) and, routing
                                      balanced, it sends at most 0.8 of the flat dispatch's rows
@@ -117,7 +120,10 @@ def _graph_choices(cfg: RunConfig, link: Link) -> list:
     rank finds the same), one graph of the whole iteration over the sync-free budget dispatch
     (it moves a budget's fixed blocks, more bytes than the dropless dispatch: where bytes bind,
     over PCIe, through host memory or between hosts, that loses, so there the partial graphs
-    come first, as with --moe-a2a-transport host_memory); then partial graphs."""
+    come first, as with --moe-a2a-transport host_memory); then partial graphs. None under
+    context parallelism: its graphs (`config.context_rules`) are the flags' to give."""
+    if cfg.parallel.context_parallel_size > 1:
+        return []
     if (link.fast and DispatchMode.of(cfg.moe).name == "dropless"
             and cfg.parallel.moe_a2a_transport != "host_memory"):
         return [_full_iteration, _partial_graphs]

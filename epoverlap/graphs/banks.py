@@ -19,11 +19,17 @@ hand two live microbatches one slot. The losing paths' banks are released after 
 and a path's banks when its capture failed (`StepGraphs.release_path`).
 
 Under dynamic context parallelism (`model.context.DynamicContext`) the one bank is a
-`SizeBanks`: a `GraphRunner` per CP size of the run's set (made at start: bounded by the set),
-each with its own slot buffers and pool, a microbatch's nodes run by the runner of its size.
-The runner of size 1 records and captures; its graphs hold no CP exchange (a size-1
-segment's attention is local). The runners of larger sizes run their nodes eagerly: their
-graphs would hold the ring or the gather over the size's group, whose capture is not built.
+`SizeBanks`: a `GraphRunner` per CP size of the run's set, each with its own slot buffers and
+pool, a microbatch's nodes run by the runner of its size (read from its tokens' length), so a
+size's graphs and slots only ever serve microbatches of that size. Every runner records and
+captures: size 1's attention graphs hold no exchange (a size-1 segment's attention is local),
+a larger size's hold the ring or the K/V gather over that size's group (its NCCL collectives
+captured; every rank of the group cuts the same segments, so they record and capture at the
+same steps). The bound is explicit and made at start: one runner per size of the set
+(log2(CP / --min-dynamic-context-parallel-size) + 1), each runner's graphs one per (range,
+microbatch, phase) as any runner's, its slots as the plan's liveness gives them; a runner
+records in each step after the warmup until a step with a microbatch at its size gave it
+every signature, and is captured after that step (sizes that never come stay eager).
 
 Why budgets and not token counts: our batches have a fixed sequence length and micro-batch
 size, so the token count per microbatch never varies and banks per token-count bucket (seed
@@ -73,23 +79,19 @@ class GraphBanks:
             self.banks.pop(key).release()
 
 
-GRAPHED_CP_SIZES = (1,)  # dynamic CP's sizes whose runners capture (module docstring)
-
-
 class SizeBanks:
-    """Dynamic CP's bank: a runner per CP size; `route(inputs)` before each run says which
-    runner each microbatch's nodes go to (the length of its tokens: its size x S / CP), so a
-    slot buffer only ever holds one size's tensors. Used where `GraphBanks` holds a
-    `GraphRunner`: `recording`, `captured` and `capture` speak for the runners of the graphed
-    sizes; one records in each step after the warmup until a step with a microbatch at its
-    size gave it every signature, and is captured after that step."""
+    """Dynamic CP's bank: a runner per CP size (`make_runner(size)`); `route(inputs)` before
+    each run says which runner each microbatch's nodes go to (the length of its tokens: its
+    size x S / CP), so a slot buffer only ever holds one size's tensors. Used where
+    `GraphBanks` holds a `GraphRunner`: `recording`, `captured` and `capture` speak for every
+    runner; `captured_now`: the sizes the last `capture` captured."""
 
-    def __init__(self, make_runner: Callable[[], object], sizes: tuple[int, ...],
-                 local_tokens: int, graphed: tuple[int, ...] = GRAPHED_CP_SIZES):
-        self.runners = {size: make_runner() for size in sizes}
-        self.graphed = tuple(size for size in sizes if size in graphed)
+    def __init__(self, make_runner: Callable[[int], object], sizes: tuple[int, ...],
+                 local_tokens: int):
+        self.runners = {size: make_runner(size) for size in sizes}
         self.local_tokens = local_tokens
         self.size_of: dict[int, int] = {}  # microbatch -> its CP size in this run
+        self.captured_now: tuple[int, ...] = ()
 
     def route(self, inputs: list[dict]) -> None:
         self.size_of = {microbatch: values["tokens"].shape[1] // self.local_tokens
@@ -100,24 +102,25 @@ class SizeBanks:
 
     @property
     def recording(self) -> bool:
-        return any(self.runners[size].recording for size in self.graphed)
+        return any(runner.recording for runner in self.runners.values())
 
     @recording.setter
     def recording(self, value: bool) -> None:
-        for size in self.graphed:
-            runner = self.runners[size]
+        for runner in self.runners.values():
             runner.recording = value and not runner.captured
 
     @property
     def captured(self) -> bool:
-        return all(self.runners[size].captured for size in self.graphed)
+        return all(runner.captured for runner in self.runners.values())
 
     def capture(self, plan) -> None:
-        """Capture every graphed runner a step recorded in full (the others wait)."""
-        for size in self.graphed:
-            runner = self.runners[size]
+        """Capture every runner a step recorded in full (the others wait), smallest size
+        first (the same order on every rank of a group: their captures warm up collectives)."""
+        self.captured_now = ()
+        for size, runner in sorted(self.runners.items()):
             if not runner.captured and runner.recorded:
                 runner.capture(plan)
+                self.captured_now += (size,)
 
     def graph_count(self) -> int:
         return sum(runner.graph_count() for runner in self.runners.values())
@@ -131,7 +134,7 @@ class SizeBanks:
 
     @property
     def capture_seconds(self) -> float:
-        return sum(self.runners[size].capture_seconds or 0.0 for size in self.graphed)
+        return sum(runner.capture_seconds or 0.0 for runner in self.runners.values())
 
     def release(self) -> None:
         for runner in self.runners.values():
@@ -209,7 +212,7 @@ class StepGraphs:
                 select_level(level)
                 bank = self.banks.select(key, self.make_bank)
                 bank.capture(plan)
-                if bank.captured or not isinstance(bank, SizeBanks):  # (it may wait: SizeBanks)
+                if not isinstance(bank, SizeBanks) or bank.captured_now:  # (sizes may wait)
                     captured.append((level, bank))
         finally:
             self._due.clear()

@@ -12,7 +12,9 @@ What a range is: a maximal run of consecutive `Segment`s of one node whose names
 `--cuda-graph-modules` (attn, moe_router, moe_preprocess on MoE layers; attn, mlp on dense ones;
 `moe` or the whole layer: the one-node MoE layer's segments through the dispatch, the experts
 and the combine, which a sync-free dispatch (`DispatchMode.dispatch_syncs_host` False) allows:
-the all-to-alls then have static sizes and run inside the graph).
+the all-to-alls then have static sizes and run inside the graph). Under context parallelism
+the `attn` range holds the K/V exchange where it runs inside the attention (`model.context`):
+its collectives on the CP group are captured and replayed in plan order on every rank.
 
 Memory (the rules of `torch.cuda.graph` pools, and how they are kept):
   * One graph per (range, microbatch, phase), all in one private pool, captured in the order
@@ -309,7 +311,8 @@ class CaptureContext:
     generators: tuple = ()
     check_inputs: bool = False
     backend: object = None  # CudaGraphBackend (tests: an emulation with the same methods)
-    # wraps each forward/backward replay: the EP group's watch when graphs hold the dispatch
+    # wraps each forward/backward replay: the watch of the groups whose collectives the graphs
+    # hold (EP: the dispatch; CP: the K/V exchange, the aux loss's counts)
     replay_watch: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def capture(self, body: Callable[[], None], draws_random: bool = False):

@@ -33,6 +33,13 @@ communicator (`ContextComm.lane`): `qkv` (compute: norm, projection, rotary) -> 
 combined 1F1B hides the gather, forward and backward, behind another microbatch's compute
 (`schedule.plan`); without it (one-node layers, tests) the gather runs inside the attention.
 
+Under per-layer CUDA graphs (`graphs.capture`) the attention is captured as it runs: with the
+gather a node of its own the `attn` graph holds compute only (the gather stays eager on the
+comm lane); the ring, or the gather inside the attention, is captured with it (NCCL
+collectives on the CP group, replayed in the same order on every rank). Nothing in the
+attention reads the host or copies from it: every rank's positions are on the device from
+the start (`held`), the masks are made from them on the device.
+
 Dynamic CP (--dynamic-context-parallel, `DynamicContext`): each microbatch runs at a size n
 of a set (powers of 2 from --min-dynamic-context-parallel-size to CP), the smallest whose
 segments of n x s tokens hold whole documents in every sequence (`DynamicContext.size_of`:
@@ -44,7 +51,8 @@ the microbatch, no rank idles and every token is computed once; with per-documen
 The segment is cut on the host before the batch goes to the device (`segments`), and the
 size is read back in each node from the length of the tokens it is given (S: the whole
 group's), so nodes of two microbatches at two sizes interleave under the overlapped
-schedule. The ring or gather runs inside `attn` at the microbatch's size; the counts of
+schedule. The ring or gather runs inside `attn` at the microbatch's size (under CUDA graphs
+in the graphs of that size's runner, `graphs.banks.SizeBanks`); the counts of
 --eod-mask-loss and the aux loss stay summed over the whole CP group (one microbatch).
 
 Shape legend: B sequences, Q query heads, G key/value heads, s = S / CP local tokens,
@@ -92,7 +100,11 @@ class ContextParallel:
         self.comm, self.comm_type = comm, comm_type
         self.documents = documents if documents is not None and documents.reset_mask else None
         self.size, self.rank = comm.size, comm.rank
-        self.positions = local_positions(seq_length, self.size, self.rank).to(device)
+        # every rank's positions on the device, made once: the ring reads a block's source's
+        # (a copy from the host inside attention would not capture in a CUDA graph)
+        self.held = [local_positions(seq_length, self.size, r).to(device)
+                     for r in range(self.size)]
+        self.positions = self.held[self.rank]
         self.seq_length = seq_length
 
     def local(self, x_BS: torch.Tensor) -> torch.Tensor:
@@ -173,7 +185,7 @@ class ContextParallel:
         for step in range(1, self.size):
             kv = self.comm.shift(kv)
             source = (self.rank - step) % self.size
-            theirs = local_positions(self.seq_length, self.size, source).to(mine)
+            theirs = self.held[source]
             if source < self.rank:  # every local query sees the block's first chunk only
                 mask = self._visible(tokens_BS, mine, theirs[:c])
                 part = partial_attention(q_BQsD, kv[0][:, :, :c], kv[1][:, :, :c],

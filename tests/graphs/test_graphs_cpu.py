@@ -175,3 +175,41 @@ def test_check_inputs_names_the_node_microbatch_and_input():
     spec = next(s for s in model.node_specs() if s.key == (1, "attn"))
     with pytest.raises(RuntimeError, match=r"attn.L1 attn microbatch 2 forward.*'hidden'"):
         runner(spec, 2)(hidden=torch.zeros(3, 32, requires_grad=True))
+
+
+class _StubRunner:
+    """A runner that records which microbatches it served and captures when recorded."""
+
+    def __init__(self, size):
+        self.size, self.served = size, []
+        self.recording, self.captured, self.recorded = False, False, False
+
+    def __call__(self, spec, microbatch):
+        self.served.append(microbatch)
+        return spec
+
+    def capture(self, plan):
+        self.captured = True
+
+
+def test_size_banks_route_each_microbatch_to_its_sizes_runner_and_capture_each_size():
+    """Dynamic CP's bank (`SizeBanks`): a microbatch's nodes go to the runner of the size its
+    tokens' length gives (S / CP = 8 here: 8 tokens size 1, 16 size 2), never another's; a
+    runner is captured once a step recorded it, the others wait."""
+    from epoverlap.graphs.banks import SizeBanks
+    bank = SizeBanks(_StubRunner, (1, 2), local_tokens=8)
+    lengths = [8, 16, 16, 8]
+    bank.route([{"tokens": torch.zeros(2, n, dtype=torch.long)} for n in lengths])
+    for microbatch in range(len(lengths)):
+        bank("spec", microbatch)
+    assert bank.runners[1].served == [0, 3] and bank.runners[2].served == [1, 2]
+    bank.recording = True
+    assert bank.runners[1].recording and bank.runners[2].recording
+    bank.runners[2].recorded = True
+    bank.capture(plan=[])
+    assert bank.captured_now == (2,) and not bank.captured
+    bank.runners[1].recorded = True
+    bank.capture(plan=[])
+    assert bank.captured_now == (1,) and bank.captured
+    bank.recording = True
+    assert not bank.recording  # captured runners record no more

@@ -71,10 +71,30 @@ def _refusal(flags: list[str], world: int = 4) -> str:
     (["--context-parallel-size", "2", "--cp-comm-type", "p2p", "p2p", "p2p"],
      "one per layer (--num-layers=2)"),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], "attention dropout"),
-    (["--context-parallel-size", "2", "--cuda-graph-impl", "local"], "CUDA graphs"),
+    (["--context-parallel-size", "2", "--cuda-graph-impl", "full_iteration"],
+     "none or local with --context-parallel-size > 1"),
+    (["--context-parallel-size", "2", "--cuda-graph-impl", "local", "--cuda-graph-modules",
+      "attn", "moe"], "moe_router and/or moe_preprocess with --context-parallel-size > 1"),
+    (["--context-parallel-size", "2", "--cuda-graph-impl", "local", "--cuda-graph-modules",
+      "attn", "--reset-attention-mask"], "must be none with --reset-attention-mask"),
 ])
 def test_what_context_parallelism_does_not_run_with_is_refused_naming_the_flag(flags, says):
     assert says in _refusal(flags)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_partial_graphs_of_the_modules_before_the_dispatch_run_at_cp_2(comm_type):
+    """Per-layer graphs at a fixed CP > 1 (`graphs.capture`), given by the flags; the auto
+    scope leaves them off there (`config.resolve`)."""
+    from epoverlap.config.resolve import _graph_choices
+    from epoverlap.parallel.link import Link
+    nvlink = Link("nvlink", True, "test")
+    cfg = parse_config(TINY + ["--context-parallel-size", "2", "--cp-comm-type", comm_type,
+                               "--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
+                               "moe_router", "moe_preprocess", "--kernel-backend", "triton"])
+    validate_config(cfg, 4, cuda_available=True)
+    assert _graph_choices(cfg, nvlink) == []
+    assert _graph_choices(parse_config(TINY), nvlink) != []
 
 
 def test_a_cp_group_reads_one_data_shard():
@@ -169,9 +189,6 @@ def test_at_every_size_the_ranks_hold_every_position_once(size):
       "--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router"],
      "attn and/or mlp with --dynamic-context-parallel"),
     (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
-      "--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
-      "--min-dynamic-context-parallel-size", "2"], "only the size-1 runner captures"),
-    (["--context-parallel-size", "4", "--dynamic-context-parallel", "--reset-attention-mask",
       "--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "--tune", "on",
       "--overlap-moe-expert-parallel-comm"], "a runner per CP size, not per path"),
     (["--min-dynamic-context-parallel-size", "2"], "read only with it"),
@@ -185,15 +202,16 @@ def test_dynamic_cp_accepts_megatrons_per_rank_length_when_it_is_s_over_cp():
     argv = TINY + ["--context-parallel-size", "4", "--dynamic-context-parallel",
                    "--reset-attention-mask"]
     graphs = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "mlp"]
-    for given in ([], ["--max-seqlen-per-dp-cp-rank", "8"], graphs):
+    for given in ([], ["--max-seqlen-per-dp-cp-rank", "8"], graphs,
+                  graphs + ["--min-dynamic-context-parallel-size", "2"]):
         cfg = parse_config(argv + given)
         validate_dynamic_context_parallel(cfg)  # the data rules need a --data-path
-        assert cfg.parallel.min_dynamic_context_parallel_size == 1
+        assert cfg.parallel.min_dynamic_context_parallel_size in (1, 2)
 
 
 def test_the_auto_graph_scope_never_picks_graphs_under_dynamic_cp():
     """Its capture-failure agreement is an all-reduce over every rank at the step a capture
-    comes; under dynamic CP each CP group's size-1 runner captures at a step of its own."""
+    comes; under dynamic CP each CP group's runners capture at steps of their own."""
     import dataclasses
 
     from epoverlap.config.context_rules import validate_dynamic_context_parallel

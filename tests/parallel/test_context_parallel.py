@@ -2,11 +2,13 @@
 single-rank reference (output and the grads of q, k, v), both K/V exchanges; CP 2 and 4
 train to CP 1's losses (fp32 rounding) with either exchange; the overlap and delayed weight
 grads stay bit-identical to the sequential schedule under CP; dynamic CP switches sizes
-between microbatches and trains to the losses of each fixed size."""
+between microbatches and trains to the losses of each fixed size; per-layer graphs (emulated)
+replay the eager bits at CP 2 with either exchange and under dynamic CP at every size."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from context_workers import (attention_against_reference, cp_checkpoint_run, cp_losses,
                              cp_pipeline_losses)
@@ -191,23 +193,52 @@ def test_dynamic_cp4_uses_sizes_1_2_and_4_and_trains_to_each_fixed_sizes_losses(
     _assert_close(dynamic, cp1)
 
 
-def test_dynamic_cp_graphs_replay_the_size_1_runner_bitwise_and_keep_sizes_apart(tmp_path):
-    """CP 2 (p2p), EP 2, the overlap, graphs of attention (emulated backend, input checks on):
-    the size-1 runner records in the first step after the warmup that has a size-1
-    microbatch, is captured and replays in later steps; size-2 microbatches run eagerly
-    beside it (their runner holds no graph, no slot). The losses are the eager run's bit for
-    bit, and the size-1 slots hold [B, S / CP] tokens only: a slot that served both sizes
-    would fail the input check or change the bits."""
+def _assert_graphed_is_eager(eager, graphed) -> None:
+    """Losses, grad norms and the parameters after the last step, bit for bit."""
+    assert graphed[0] == eager[0]
+    assert graphed[1] == eager[1]
+    assert torch.equal(graphed[2], eager[2])
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_cp2_graphs_replay_the_eager_bits_with_either_exchange(comm_type):
+    """CP 2 x EP 2, the overlap, graphs of attention and the router (emulated backend, input
+    checks on): the ring's attention graphs hold it; the all-gather is the comm lane's
+    `kv_gather` node, so its attention graphs hold compute only; the router's hold the aux
+    loss's counts over the CP group. The losses, grad norms and parameters are the eager
+    run's bit for bit, and the graphs replayed."""
+    from context_workers import cp_graph_runs
+    flags = ["--train-iters", "3", "--cp-comm-type", comm_type,
+             "--overlap-moe-expert-parallel-comm"]
+    eager, graphed = run_ranks(cp_graph_runs, 2, 2, flags, timeout_s=600)[0]
+    _assert_graphed_is_eager(eager, graphed)
+    captured, _, replays = graphed[4][2]
+    assert captured and replays > 0
+    assert ("kv_gather" in graphed[5]) == (comm_type == "allgather"), graphed[5]
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_dynamic_cp_graphs_replay_every_sizes_runner_bitwise_and_keep_sizes_apart(tmp_path,
+                                                                                   comm_type):
+    """CP 2, EP 2, the overlap, graphs of attention (emulated backend, input checks on): each
+    size's runner records in the first step after the warmup that has a microbatch at its
+    size, is captured and replays in later steps; size 2's graphs hold the ring, or the
+    all-gather (inside the attention under dynamic CP: no `kv_gather` node). The
+    losses, grad norms and parameters are the eager run's bit for bit, and each runner's
+    slots hold [B, size x S / CP] tokens only: a slot that served both sizes would fail the
+    input check or change the bits."""
     from context_workers import dynamic_cp_graph_runs, write_aligned_documents
     prefix = write_aligned_documents(str(tmp_path / "docs"), unit=16)
     flags = ["--train-iters", "6", "--reset-attention-mask", "--eod-mask-loss",
-             "--overlap-moe-expert-parallel-comm"]
-    (eager, graphed), replays = run_ranks(dynamic_cp_graph_runs, 2, 2, prefix, flags,
-                                          timeout_s=600)[0]
-    assert graphed[0] == eager[0]
-    assert graphed[1] == eager[1] and set(eager[1]) == {1, 2}, eager[1]
-    assert graphed[2] == {1: (True, [(2, 16)]), 2: (False, [])}
-    assert replays > 0
+             "--overlap-moe-expert-parallel-comm", "--cp-comm-type", comm_type]
+    eager, graphed = run_ranks(dynamic_cp_graph_runs, 2, 2, prefix, flags, timeout_s=600)[0]
+    _assert_graphed_is_eager(eager, graphed)
+    assert graphed[3] == eager[3] and set(eager[3]) == {1, 2}, eager[3]
+    runners = graphed[4]
+    assert {size: state[:2] for size, state in runners.items()} == {
+        1: (True, [(2, 16)]), 2: (True, [(2, 32)])}
+    assert all(replays > 0 for _, _, replays in runners.values()), runners
+    assert "kv_gather" not in graphed[5], graphed[5]
 
 
 @pytest.mark.slow

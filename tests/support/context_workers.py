@@ -173,45 +173,84 @@ DYNAMIC_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
                   "--cuda-graph-warmup-steps", "1", "--cuda-graph-check-inputs"]
 
 
-def dynamic_cp_graph_runs(rank, world_size, ep, prefix, flags):
-    """Dynamic CP at CP = world (EP `ep`) on `prefix`, eager then with per-layer graphs of
-    attention under the emulated graph backend, in one process group: each run's losses, the
-    microbatches at each size, and for the graphed run each size's runner: (captured, the
-    shapes of the tokens its slot buffers hold) and the replays."""
+def _counting_graphs():
+    """The emulated graph backend (`graph_emulation`), one per runner, counting its replays."""
     from graph_emulation import EmulatedGraphs
 
     class Counting(EmulatedGraphs):
-        replays = 0
+        def __init__(self, device):
+            super().__init__(device)
+            self.replays = 0
 
         def capture(self, body, generators):
             graph = super().capture(body, generators)
 
             def replay():
-                Counting.replays += 1
+                self.replays += 1
                 body()
             graph.replay = replay
             return graph
+    return Counting
 
+
+def _runner_state(runner) -> tuple:
+    """(captured, the shapes of the tokens its slot buffers hold, its replays)."""
+    tokens = sorted({tuple(b.inputs["tokens"].shape) for b in runner.slot_buffers.values()
+                     if "tokens" in b.inputs})
+    backend = runner.context.backend
+    return runner.captured, tokens, backend.replays if backend is not None else 0
+
+
+def _eager_and_graphed(groups, argv: list[str], graphs: list[str]) -> list:
+    """`argv` run eagerly, then with `graphs` under the emulated backend, in one process
+    group: per run (losses, grad norms, the parameters after the last step, the microbatches
+    dynamic CP ran at each size ({} when fixed), each runner's `_runner_state` by CP size
+    (the run's size when fixed; {} eager), layer 0's node names)."""
+    runs = []
+    for extra in ([], graphs):
+        trainer = Trainer(parse_config(argv + extra), groups, log=lambda msg: None,
+                          graph_backend=_counting_graphs())
+        try:
+            results = trainer.train()
+            context = trainer.model.context
+            runners = {}
+            if extra:
+                bank = trainer.parts.graph_banks.active
+                runners = ({size: _runner_state(r) for size, r in bank.runners.items()}
+                           if context.dynamic else {context.size: _runner_state(bank)})
+            params = torch.cat([p.detach().float().flatten()
+                                for p in trainer.model.parameters()])
+            nodes = [spec.name for spec in trainer.model.node_specs() if spec.layer == 0]
+            runs.append(([r.loss for r in results], [r.grad_norm for r in results], params,
+                         dict(context.chosen) if context.dynamic else {}, runners, nodes))
+        finally:
+            trainer.close()
+    return runs
+
+
+def dynamic_cp_graph_runs(rank, world_size, ep, prefix, flags):
+    """Dynamic CP at CP = world (EP `ep`) on `prefix`, eager then with per-layer graphs of
+    attention under the emulated graph backend (`_eager_and_graphed`)."""
     groups = init_distributed(ep, "cpu", timeout_minutes=3, cp_size=world_size)
     try:
-        runs = []
-        for graphs in ([], DYNAMIC_GRAPHS):
-            argv = indexed_argv(prefix, world_size, ep) + list(flags) + graphs + [
-                "--dynamic-context-parallel"]
-            trainer = Trainer(parse_config(argv), groups, log=lambda msg: None,
-                              graph_backend=Counting)
-            try:
-                losses = [r.loss for r in trainer.train()]
-                runners = {}
-                if graphs:
-                    bank = trainer.parts.graph_banks.active
-                    runners = {size: (runner.captured, sorted(
-                        {tuple(b.inputs["tokens"].shape) for b in runner.slot_buffers.values()
-                         if "tokens" in b.inputs})) for size, runner in bank.runners.items()}
-                runs.append((losses, dict(trainer.model.context.chosen), runners))
-            finally:
-                trainer.close()
-        return runs, Counting.replays
+        return _eager_and_graphed(groups, indexed_argv(prefix, world_size, ep) + list(flags)
+                                  + ["--dynamic-context-parallel"], DYNAMIC_GRAPHS)
+    finally:
+        destroy_distributed(groups)
+
+
+CP_GRAPHS = ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router",
+             "--cuda-graph-warmup-steps", "1", "--cuda-graph-check-inputs"]
+
+
+def cp_graph_runs(rank, world_size, ep, flags):
+    """Fixed CP = world (EP `ep`), eager then with per-layer graphs of attention and the
+    router under the emulated graph backend (`_eager_and_graphed`)."""
+    groups = init_distributed(ep, "cpu", timeout_minutes=3, cp_size=world_size)
+    try:
+        argv = TINY + ["--expert-model-parallel-size", str(ep), "--context-parallel-size",
+                       str(world_size)] + list(flags)
+        return _eager_and_graphed(groups, argv, CP_GRAPHS)
     finally:
         destroy_distributed(groups)
 

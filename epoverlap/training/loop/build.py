@@ -269,7 +269,7 @@ class RunParts:
     def _bank_factory(self, full: bool, watch, executor: Executor, plan: list,
                       specs: list) -> Callable[[], object]:
         """What makes one bank of a path: a full-iteration graph of its plan, or per-layer
-        graphs of its nodes."""
+        graphs of its nodes (under dynamic CP a runner per CP size, `SizeBanks`)."""
         graph_cfg, generators = self.cfg.cuda_graph, router_generators(self.model)
         if full:
             def make_bank():
@@ -277,16 +277,18 @@ class RunParts:
                                           device=self.device, generators=generators,
                                           backend_factory=self.graph_backend,
                                           replay_watch=watch)
-        else:
-            def make_bank():
-                return GraphRunner(specs, graphed_modules(graph_cfg.modules),
-                                   device=self.device, queue=self.wgrad_queue,
-                                   generators=generators, check_inputs=graph_cfg.check_inputs,
-                                   backend_factory=self.graph_backend, replay_watch=watch)
+            return make_bank
+
+        def make_runner(size: Optional[int] = None):
+            return GraphRunner(specs, graphed_modules(graph_cfg.modules),
+                               device=self.device, queue=self.wgrad_queue,
+                               generators=generators, check_inputs=graph_cfg.check_inputs,
+                               backend_factory=self.graph_backend,
+                               replay_watch=self._with_context_watch(watch, size))
         context = self.model.context
-        if not full and context is not None and context.dynamic:  # a runner per CP size
-            return lambda: SizeBanks(make_bank, context.sizes, context.local_tokens)
-        return make_bank
+        if context is not None and context.dynamic:
+            return lambda: SizeBanks(make_runner, context.sizes, context.local_tokens)
+        return make_runner
 
     def _replay_watch(self, holds_dispatch: bool):
         """What wraps each graph replay: the EP group's watch when the graphs hold the
@@ -294,6 +296,21 @@ class RunParts:
         if not holds_dispatch or self.groups.ep_size == 1:
             return contextlib.nullcontext
         return lambda: self.groups.ep.watched("all_to_all (CUDA graph replay)")
+
+    def _with_context_watch(self, watch, size: Optional[int]):
+        """`watch`, and the CP group's where per-layer graphs may hold its exchanges (the ring,
+        the K/V gather inside the attention, the aux loss's counts): the group of `size`
+        under dynamic CP (None: the run's CP size; size 1 holds none)."""
+        context = self.model.context
+        if context is None or size == 1:
+            return watch
+        group = context.comm.sizes[size or context.comm.size].group
+
+        @contextlib.contextmanager
+        def both():
+            with watch(), group.watched("K/V exchange (CUDA graph replay)"):
+                yield
+        return both
 
     # ----------------------------------------------------------------- the path tuner
     def _tuner(self) -> tuple[Optional[Tuner], dict[str, ExecutionPath]]:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from epoverlap.graphs.banks import SizeBanks
 from epoverlap.model.flops import GEMM_ALIGNMENT, unaligned_gemm_dims
 from epoverlap.model.transformer import model_dtype
 from epoverlap.parallel.watch import host_list
@@ -147,6 +148,14 @@ def _dispatch_note(r: StepResult) -> str:
     if r.dispatch_wire is not None:
         note += f" | a2a rows {r.dispatch_wire:.3f}x exact"
     return note
+
+
+def _captured_runners(bank) -> list:
+    """[(what a capture line reports, its CP size or 0)]: under dynamic CP (`SizeBanks`) each
+    runner captured just now, else the bank itself."""
+    if not isinstance(bank, SizeBanks):
+        return [(bank, 0)]
+    return [(bank.runners[size], size) for size in bank.captured_now]
 
 
 def _record_step(line: str) -> float:
@@ -359,10 +368,12 @@ class Reporter:
         and of all banks when there are several."""
         for level, bank in captured:
             where = f" (budget {self.budget.levels[level]:g})" if graphs.per_level else ""
-            self.log(f"CUDA graphs{where}: {bank.graph_count()} captured after step {step} "
-                     f"in {bank.capture_seconds:.2f} s; graph memory "
-                     f"{bank.pool_bytes / 2**30:.3f} GiB (of it static buffers "
-                     f"{bank.buffer_bytes() / 2**30:.3f} GiB)")
+            for one, size in _captured_runners(bank):
+                self.log(f"CUDA graphs{where}: {one.graph_count()} captured after step {step} "
+                         f"in {one.capture_seconds:.2f} s; graph memory "
+                         f"{one.pool_bytes / 2**30:.3f} GiB (of it static buffers "
+                         f"{one.buffer_bytes() / 2**30:.3f} GiB)"
+                         + (f"; CP size {size}" if size else ""))
         if captured and len(graphs.banks.banks) > 1:
             by = " and ".join(what for what, keyed in (
                 ("budget level", graphs.per_level), ("path", self.tuner is not None))
