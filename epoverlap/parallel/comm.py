@@ -199,9 +199,9 @@ class ExpertComm:
         return view
 
     def close(self) -> None:
-        """Unmap the host-memory transport's region, if any."""
+        """Release the copy-engine transport (its data slots and region), if any."""
         if self.transport is not None:
-            self.transport.region.close()
+            self.transport.close()
             self.transport, self.host_memory = None, False
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:

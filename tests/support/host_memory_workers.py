@@ -68,7 +68,7 @@ def against_gloo(rank, world_size, device_kind: str, exchanges: int, chunk_bytes
             compared += 1
         return compared, gone
     finally:
-        transport.region.close()
+        transport.close()
         destroy_distributed(groups)
 
 
@@ -118,7 +118,7 @@ def captured_against_gloo(rank, world_size, replays: int, chunk_bytes: int):
         torch.cuda.synchronize(device)
         return compared
     finally:
-        transport.region.close()
+        transport.close()
         destroy_distributed(groups)
 
 
