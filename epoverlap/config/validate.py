@@ -440,8 +440,8 @@ MAX_HOST_SLOT_KIB = 1 << 20  # 1 GiB slots: past any all-to-all of one pair
 
 
 def _validate_a2a_transport(cfg: RunConfig) -> None:
-    """--moe-a2a-transport host_memory or peer_memory: an all-to-all to carry (EP > 1), over the flat
-    dispatch (by host the two stages have communicators of their own). CUDA graphs may hold
+    """--moe-a2a-transport host_memory or peer_memory: an all-to-all to carry (EP > 1), over
+    the flat dispatch (by host the two stages have communicators of their own). CUDA graphs may hold
     it (its operations are the same at every replay); a graph that holds the all-to-all
     needs split sizes fixed at capture, a sync-free dispatch, which the CUDA-graph rules
     require already (`_validate_cuda_graphs`)."""

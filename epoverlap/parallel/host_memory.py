@@ -283,9 +283,9 @@ class HostMemoryTransport:
         if self.device.type == "cuda":
             if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
                 raise ConfigError(FLAG, self.placement.kind, "with CUDA_DEVICE_MAX_CONNECTIONS"
-                                  "=1 its flag waits share the compute's hardware queue, where a wait "
-                                  "for a peer holds back the work the peer waits for: unset it "
-                                  "or set it >= 4")
+                                  "=1 its flag waits share the compute's hardware queue, where a "
+                                  "wait for a peer holds back the work the peer waits for: unset "
+                                  "it or set it >= 4")
             region.register(self.device)
 
     def close(self) -> None:
