@@ -38,9 +38,14 @@ from typing import Optional
 
 import torch
 
+from epoverlap.errors import ConfigError
 from epoverlap.parallel.cuda_driver import driver
-from epoverlap.parallel.host_memory import (DEFAULT_SLOTS, HostMemoryTransport, Layout,
+from epoverlap.parallel.host_memory import (DEFAULT_SLOTS, FLAG, HostMemoryTransport, Layout,
                                             SharedRegion, open_region, region_path)
+
+# torch allocator settings whose memory cuIpcGetMemHandle cannot export (it takes cuMemAlloc's)
+_NOT_EXPORTABLE = {"expandable_segments:true": "expandable segments (cuMemCreate)",
+                   "backend:cudamallocasync": "the cudaMallocAsync backend (a memory pool)"}
 
 
 class PeerSlots:
@@ -199,6 +204,9 @@ def open_peer_transport(group, rank_in_group: int, chunk_bytes: int, device: tor
     """Collective over `group` (a `groups.Group`): the flags' region (`host_memory.open_region`,
     which refuses ranks on two hosts in one line on every rank), then every rank's receive
     slots, exported, exchanged and opened (module docstring)."""
+    why = allocator_blocker() if device.type == "cuda" else ""
+    if why:  # the same environment on every rank: each refuses before any collective
+        raise ConfigError(FLAG, PeerSlots.kind, why)
     ranks = group.size
     layout = Layout(ranks, slots, chunk_bytes)
     region = open_region(group, rank_in_group, PeerSlots.region_bytes(layout), PeerSlots)
@@ -215,6 +223,19 @@ def open_peer_transport(group, rank_in_group: int, chunk_bytes: int, device: tor
     return HostMemoryTransport(region, rank_in_group, ranks, chunk_bytes, slots, device,
                                timeout_s, peer_names=list(group.ranks),
                                placement=PeerSlots(layout, blocks))
+
+
+def allocator_blocker(environ=os.environ) -> str:
+    """Why torch's CUDA allocator, as the environment sets it, cannot give memory CUDA IPC
+    exports ('' when it can)."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        conf = environ.get(name, "").replace(" ", "").lower()
+        for setting, what in _NOT_EXPORTABLE.items():
+            if setting in conf:
+                return (f"its slots are exported through CUDA IPC, which cannot export memory "
+                        f"of {what} that {name} asks for: leave it out, or use "
+                        "--moe-a2a-transport host_memory")
+    return ""
 
 
 def peer_slots_together(layout: Layout, device: Optional[torch.device] = None

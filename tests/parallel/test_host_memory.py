@@ -734,3 +734,17 @@ def test_a_killed_rank_is_named_by_the_other_on_copy_engines(kind):
                                           flags=QUICK_JOB + ["--moe-a2a-transport", kind])
     assert after_s is not None and after_s <= TIMEOUT_S + 15, after_s
     _check_named(job, code, survivor=1, victim=0, status=128 + signal.SIGKILL)
+
+
+def test_peer_memory_refuses_an_allocator_whose_memory_ipc_cannot_export():
+    """Expandable segments and the cudaMallocAsync backend allocate memory that
+    cuIpcGetMemHandle does not take: one line naming the setting, before any collective."""
+    from epoverlap.parallel.peer_memory import allocator_blocker
+    assert allocator_blocker({}) == ""
+    assert allocator_blocker({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == ""
+    line = allocator_blocker({"PYTORCH_ALLOC_CONF": "expandable_segments:True"})
+    assert line == ("its slots are exported through CUDA IPC, which cannot export memory of "
+                    "expandable segments (cuMemCreate) that PYTORCH_ALLOC_CONF asks for: leave "
+                    "it out, or use --moe-a2a-transport host_memory")
+    assert "cudaMallocAsync" in allocator_blocker(
+        {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
