@@ -102,7 +102,13 @@ def _free(tensor: torch.Tensor, device: torch.device) -> None:
 
 def _close_ipc(base: int, device: torch.device) -> None:
     _settle(device)
+    if device.type == "cuda":  # a finalizer may run on a thread that never used the device
+        driver().use_device(_index(device))
     driver().ipc_close(base)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 class DeviceSlots:
@@ -211,8 +217,7 @@ def open_peer_transport(group, rank_in_group: int, chunk_bytes: int, device: tor
     layout = Layout(ranks, slots, chunk_bytes)
     region = open_region(group, rank_in_group, PeerSlots.region_bytes(layout), PeerSlots)
     if device.type == "cuda":
-        driver().use_device(device.index if device.index is not None
-                            else torch.cuda.current_device())
+        driver().use_device(_index(device))
     own = own_slots(layout, device)
     records: list = [None] * ranks
     group.all_gather_object(records, own.export())
