@@ -1,6 +1,6 @@
-"""The copy-engine all-to-all's GPU recipes (--moe-a2a-transport host_memory, issue 61;
-benchmarks/copy_engine.md): its GPU tests and contention on one GPU, and for two GPUs NCCL's own
-copy-engine knobs and the training step against NCCL."""
+"""The copy-engine all-to-all's GPU recipes (--moe-a2a-transport host_memory and peer_memory,
+issue 61; benchmarks/copy_engine.md): their GPU tests and contention on one GPU, and for two GPUs
+NCCL's own copy-engine knobs and the training step against NCCL."""
 
 from __future__ import annotations
 
@@ -12,6 +12,12 @@ SHAPES = "megatron_e32_k4_mbs2x8,qwen3_proxy"
 CONTENTION = ("{python} -m benchmarks.harness.bench_contention --shapes " + SHAPES
               + " --computes grouped,gemm --iters 20")
 HOST = " --moe-a2a-transport host_memory"
+PEER = " --moe-a2a-transport peer_memory"
+# the GPU tests of each transport (their ids carry [host_memory] / [peer_memory])
+TESTS = (" -m gpu tests/parallel/test_host_memory.py tests/benchmarks/test_bench_contention.py"
+         " -k ")
+HOST_TESTS = "'host_transport or (test_host_memory and not peer and not device_slots)'"
+PEER_TESTS = "'peer or device_slots'"
 # NCCL's knobs, each the environment of one 2-GPU run (what NCCL 2.28.9 reads: copy_engine.md)
 NCCL_KNOBS = {
     "p2p_default": {},
@@ -40,46 +46,57 @@ def _knob_step(name: str, env: dict) -> Step:
                 env={**env, **log}, timeout_s=100)
 
 
-HOST_STEP = Step("host_memory", "mkdir -p {out}/host_memory && {torchrun} -m "
-                 "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads "
-                 "host_transport --computes grouped --iters 10 --out-dir {out}/host_memory",
-                 timeout_s=100)
+def _transport_step(kind: str, load: str) -> Step:
+    """A copy-engine transport's all-to-all across the GPUs alone and beside the grouped GEMM."""
+    return Step(kind, "mkdir -p {out}/" + kind + " && {torchrun} -m "
+                "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads " + load
+                + " --computes grouped --iters 10 --out-dir {out}/" + kind, timeout_s=100)
 
 STEP_RUN = (TRAIN + " --preset megatron-cmp --mock-data --bf16 --expert-model-parallel-size "
             "{gpus} --train-iters 12 --log-interval 100 --tune off " + GRAPHS)
 STEP_SIDES = {"seq": SEQUENTIAL, "seq_host": SEQUENTIAL + HOST, "ovl_wgrad": WGRAD,
               "ovl_wgrad_host": WGRAD + HOST}
+# over NVLink the peer copies too (P2P off changes NCCL only: CUDA IPC does not read it)
+NVLINK_SIDES = {**STEP_SIDES, "seq_peer": SEQUENTIAL + PEER, "ovl_wgrad_peer": WGRAD + PEER}
 
 COPY_ENGINE_RECIPES = (
     Recipe("copy_transport_1gpu", 1,
-           "the host-memory all-to-all on one GPU: its GPU tests (two ranks sharing the GPU, "
-           "control over gloo, exchanges and training losses against gloo's host copies; two "
-           "ranks' streams in one process) and its contention with the experts' grouped GEMM "
+           "the copy-engine all-to-alls on one GPU: the GPU tests of host_memory and "
+           "peer_memory (two ranks sharing the GPU, control over gloo, exchanges, captured "
+           "replays and training losses against gloo's host copies; two ranks' streams in one "
+           "process) and their contention with the experts' grouped GEMM "
            "and a dense GEMM at megatron-cmp's and the Qwen3 proxy's all-to-all sizes: each "
            "side alone and beside, GB/s, against a device-to-host copy of the same bytes and "
-           "two SM copies (ATen's copy kernel, a copy kernel on every SM and on 16)",
-           "junit.xml; contention_{1,2,3}/bench_contention.json, three rounds (every row: ms "
-           "alone and beside, slowdowns, duty, what the load ran as)",
-           (Step("tests", TIER + " --junitxml={out}/junit.xml -m gpu "
-                 "tests/parallel/test_host_memory.py tests/benchmarks/test_bench_contention.py "
-                 "-k 'host'", timeout_s=170),
-            ) + tuple(Step(f"contention_{i}", CONTENTION + " --loads host_transport,d2h_pinned,"
-                           "sm_copy,triton_copy --copy-ctas sms,16 --out-dir {out}/contention_"
-                           + str(i), timeout_s=120) for i in (1, 2, 3))),
+           "two SM copies (ATen's copy kernel, a copy kernel on every SM and on 16); on one GPU "
+           "peer_memory's copies are within the GPU (the `ran as` column says what ran)",
+           "junit_host.xml, junit_peer.xml; contention_{1,2,3}/bench_contention.json, three "
+           "rounds (every row: ms alone and beside, slowdowns, duty, what the load ran as)",
+           (Step("tests_host", TIER + " --junitxml={out}/junit_host.xml" + TESTS + HOST_TESTS,
+                 timeout_s=170),
+            Step("tests_peer", TIER + " --junitxml={out}/junit_peer.xml" + TESTS + PEER_TESTS,
+                 timeout_s=200),
+            ) + tuple(Step(f"contention_{i}", CONTENTION + " --loads host_transport,"
+                           "peer_transport,d2h_pinned,sm_copy,triton_copy --copy-ctas sms,16 "
+                           "--out-dir {out}/contention_" + str(i), timeout_s=170)
+                      for i in (1, 2, 3))),
     Recipe("copy_engine_a2a_2gpu", 2,
            "the EP all-to-all across 2 GPUs beside the experts' grouped GEMM, alone and "
            "beside (time, GB/s, both sides' slowdowns): NCCL under each of its own copy-engine "
            "and CTA knobs (NCCL_P2P_USE_CUDA_MEMCPY, NCCL_SHM_USE_CUDA_MEMCPY with "
            "NCCL_SHM_MEMCPY_MODE 1 and 3 under P2P off, NCCL_CTA_POLICY 1 and 2), one run per "
-           "knob with NCCL's log of the transport taken, then the host-memory transport",
+           "knob with NCCL's log of the transport taken, then the copy-engine transports: "
+           "through host memory, and by peer copies over NVLink (peer_memory)",
            "KNOB/bench_contention.json and KNOB/nccl.*.log for each knob; "
-           "host_memory/bench_contention.json",
-           tuple(_knob_step(name, env) for name, env in NCCL_KNOBS.items()) + (HOST_STEP,)),
+           "host_memory/bench_contention.json, peer_memory/bench_contention.json",
+           tuple(_knob_step(name, env) for name, env in NCCL_KNOBS.items())
+           + (_transport_step("host_memory", "host_transport"),
+              _transport_step("peer_memory", "peer_transport"))),
     Recipe("copy_transport_step_2gpu", 2,
            "megatron-cmp's training step over host memory against NCCL, sequential and "
-           "overlapped with delayed wgrads, interleaved rounds, over NVLink and with P2P off",
+           "overlapped with delayed wgrads, interleaved rounds, over NVLink (there with "
+           "peer_memory's peer copies too) and with P2P off",
            "nvlink/train_rounds.json, nop2p/train_rounds.json, their logs/",
-           (rounds_step(STEP_SIDES, STEP_RUN, "nvlink", rounds=2, timeout_s=270),
+           (rounds_step(NVLINK_SIDES, STEP_RUN, "nvlink", rounds=2, timeout_s=420),
             rounds_step(STEP_SIDES, STEP_RUN, "nop2p", env={"NCCL_P2P_DISABLE": "1"},
                         rounds=2, timeout_s=270))),
 )

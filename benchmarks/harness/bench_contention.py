@@ -49,6 +49,13 @@ default as the runtime's):
               this process, each sending half the bytes (so the GPU copies the all-to-all's
               bytes once device-to-host and once host-to-device, as one rank of a real pair
               does). Not in the default list.
+  peer_transport  the all-to-all of --moe-a2a-transport peer_memory (parallel/peer_memory.py):
+              the same protocol, each chunk copied device to device straight into the
+              receiver's slots (under torchrun opened through CUDA IPC: a peer copy over
+              NVLink). On one rank: two ranks' transports in this process, their slots on this
+              GPU addressed directly, so the copies are within the GPU (cuMemcpyDtoDAsync, which
+              may run as an SM copy there, as memcpy_d2d: the `ran as` column says). Not in the
+              default list.
 `ran as` is asked of the profiler after all timings (a profiler session leaves CUPTI attached,
 which serialized later pinned copies with kernels on torch 2.11).
 
@@ -95,7 +102,8 @@ from epoverlap.profiling.intervals import intersect, measure, union
 
 DEFAULT_SHAPES = ("megatron_e32_k4_mbs2x8", "megatron_e8_k8_f4096_mbs8x4")
 LOADS = ("nccl", "triton_copy", "sm_copy", "memcpy_d2d", "d2h_pinned", "h2d_pinned",
-         "host_transport")
+         "host_transport", "peer_transport")
+COPY_TRANSPORTS = {"host_transport": "host_memory", "peer_transport": "peer_memory"}
 DEFAULT_LOADS = LOADS[:5]
 COMPUTES = ("gemm", "grouped")
 ROW_ALIGN = 16  # rows per expert: a multiple of this (torch._grouped_mm's alignment)
@@ -180,7 +188,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help=f"comma list of {', '.join(LOADS)}")
     parser.add_argument("--computes", default=",".join(COMPUTES))
     parser.add_argument("--host-slot-kib", type=int, default=4096,
-                        help="slot size of the host_transport load (--moe-a2a-host-slot-kib)")
+                        help="slot size of the host_transport and peer_transport loads "
+                             "(--moe-a2a-host-slot-kib)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0,
@@ -490,25 +499,31 @@ def copy_load(kind: str, sizes: BenchSizes, device) -> Callable[[], None]:
 
 
 def host_transport_load(sizes: BenchSizes, device, slot_kib: int,
-                        groups=None) -> Callable[[], None]:
-    """One exchange of the host-memory transport (module docstring): across the ranks of
+                        groups=None, kind: str = "host_memory") -> Callable[[], None]:
+    """One exchange of a copy-engine transport (`kind`, module docstring): across the ranks of
     `groups.ep` (torchrun, one GPU each: each rank sends the all-to-all's bytes in equal
     splits, as the nccl load does), or, on one rank, of two ranks' transports sharing this GPU,
     each sending sizes.rows / 2 rows, half of them to each rank."""
-    from epoverlap.parallel.host_memory import (HostMemoryTransport, Layout, SharedRegion,
-                                                exchange_together, open_host_transport,
-                                                region_path)
+    from epoverlap.parallel.host_memory import (HostMemoryTransport, HostSlots, Layout,
+                                                SharedRegion, exchange_together,
+                                                open_host_transport, region_path)
+    from epoverlap.parallel.peer_memory import (PeerSlots, open_peer_transport,
+                                                peer_slots_together)
     chunk = slot_kib * 1024
     if groups is not None and groups.ep_size > 1:
-        transport = open_host_transport(groups.ep, groups.ep_rank, chunk, device, 600.0)
+        opener = open_peer_transport if kind == "peer_memory" else open_host_transport
+        transport = opener(groups.ep, groups.ep_rank, chunk, device, 600.0)
         send = torch.randn(sizes.rows, sizes.hidden, dtype=torch.bfloat16, device=device)
         recv = torch.empty_like(send)
         return lambda: transport.all_to_all(recv, send)
     layout = Layout(2, 2, chunk)
-    region = SharedRegion(region_path(f"bench-{os.getpid()}-{id(sizes)}"), layout.total_bytes,
-                          create=True)
+    peer = kind == "peer_memory"
+    region = SharedRegion(region_path(f"bench-{os.getpid()}-{id(sizes)}"),
+                          (PeerSlots if peer else HostSlots).region_bytes(layout), create=True)
     region.unlink()
-    ranks = [HostMemoryTransport(region, r, 2, chunk, device=device) for r in range(2)]
+    placements = peer_slots_together(layout, device) if peer else [None, None]
+    ranks = [HostMemoryTransport(region, r, 2, chunk, device=device, placement=placements[r])
+             for r in range(2)]
     half = sizes.rows // 2
     sends = [torch.randn(half, sizes.hidden, dtype=torch.bfloat16, device=device)
              for _ in ranks]
@@ -565,7 +580,7 @@ class Load:
     kind: str
     budget: Optional[NcclCtaBudget] = None
     ctas: Optional[int] = None
-    slot_kib: int = 4096  # host_transport's slots
+    slot_kib: int = 4096  # host_transport's and peer_transport's slots
 
     def label(self) -> str:
         if self.budget is not None:
@@ -577,9 +592,10 @@ class Load:
             return nccl_load(groups_of(self.budget), sizes, device)
         if self.kind == "triton_copy":
             return triton_copy_load(self.ctas, sizes, device)
-        if self.kind == "host_transport":
+        if self.kind in COPY_TRANSPORTS:
             return host_transport_load(sizes, device, self.slot_kib,
-                                       groups_of(NcclCtaBudget(None, None)))
+                                       groups_of(NcclCtaBudget(None, None)),
+                                       COPY_TRANSPORTS[self.kind])
         return copy_load(self.kind, sizes, device)
 
 
@@ -591,7 +607,7 @@ def loads_of(args, sms: int) -> list[Load]:
             loads += [Load(kind, budget=budget) for budget in args.budgets]
         elif kind == "triton_copy":
             loads += [Load(kind, ctas=sms if c == "sms" else int(c)) for c in args.copy_ctas]
-        elif kind == "host_transport":
+        elif kind in COPY_TRANSPORTS:
             loads.append(Load(kind, slot_kib=args.host_slot_kib))
         else:
             loads.append(Load(kind))

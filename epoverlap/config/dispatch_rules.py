@@ -51,6 +51,7 @@ TUNING = {
 TRANSPORTS = {
     "process_group": "`--moe-a2a-transport process_group` (the default)",
     "host_memory": "`--moe-a2a-transport host_memory`",
+    "peer_memory": "`--moe-a2a-transport peer_memory`",
 }
 ANY = None  # a rule's dimension that any value matches
 DIMENSIONS = (("sizing", SIZINGS), ("routing", ROUTINGS), ("graphs", GRAPHS),
@@ -123,7 +124,7 @@ RULES = (  # within one flag, the first rule a choice breaks is the one its refu
          sizing=("host_splits", "padded")),
     Rule("--moe-a2a-transport",
          "carries the flat dispatch's all-to-alls: not with --moe-dispatch-hierarchy node",
-         routing=("per_host",), transport=("host_memory",)),
+         routing=("per_host",), transport=("host_memory", "peer_memory")),
     Rule("--cuda-graph-impl",
          "one graph over the iteration would hold the all-to-alls, whose split sizes this "
          "dispatch reads on the host; " + _SYNC_FREE,

@@ -55,6 +55,7 @@ import math
 from epoverlap.config.cuda_graphs import AUTO, EP_OVERLAP_MODULES
 from epoverlap.config.dispatch import BY_HOST_MAX_SHARE, DispatchMode, by_host_row_share
 from epoverlap.config.run import RunConfig
+from epoverlap.config.sections import COPY_ENGINE_TRANSPORTS
 from epoverlap.config.tuning import candidate_paths, may_tune
 from epoverlap.config.validate import MAX_LAYERS, check_config
 from epoverlap.errors import ConfigError
@@ -120,12 +121,13 @@ def _graph_choices(cfg: RunConfig, link: Link) -> list:
     rank finds the same), one graph of the whole iteration over the sync-free budget dispatch
     (it moves a budget's fixed blocks, more bytes than the dropless dispatch: where bytes bind,
     over PCIe, through host memory or between hosts, that loses, so there the partial graphs
-    come first, as with --moe-a2a-transport host_memory); then partial graphs. None under
-    context parallelism: its graphs (`config.context_rules`) are the flags' to give."""
+    come first, as with the copy-engine transports, host_memory and peer_memory); then
+    partial graphs. None under context parallelism: its graphs (`config.context_rules`) are
+    the flags' to give."""
     if cfg.parallel.context_parallel_size > 1:
         return []
     if (link.fast and DispatchMode.of(cfg.moe).name == "dropless"
-            and cfg.parallel.moe_a2a_transport != "host_memory"):
+            and cfg.parallel.moe_a2a_transport not in COPY_ENGINE_TRANSPORTS):
         return [_full_iteration, _partial_graphs]
     return [_partial_graphs]
 
@@ -265,8 +267,9 @@ def path_text(cfg: RunConfig, device: str) -> str:
         (f"NCCL max CTAs {p.moe_a2a_nccl_max_ctas}", p.moe_a2a_nccl_max_ctas is not None),
         (f"NCCL min CTAs {p.moe_a2a_nccl_min_ctas}", p.moe_a2a_nccl_min_ctas is not None),
         (f"comm stream priority {o.comm_stream_priority}", o.comm_stream_priority != "high"),
-        (f"all-to-all over host memory ({p.moe_a2a_host_slot_kib} KiB slots)",
-         p.moe_a2a_transport == "host_memory"))
+        (f"all-to-all over {p.moe_a2a_transport.replace('_', ' ')} "
+         f"({p.moe_a2a_host_slot_kib} KiB slots)",
+         p.moe_a2a_transport in COPY_ENGINE_TRANSPORTS))
         if on]
     auto = ", ".join(cfg.defaulted) or "none"
     schedule = (f"schedule {cfg.plan_name} | delayed wgrad "

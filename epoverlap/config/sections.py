@@ -23,7 +23,8 @@ DISPATCH_HIERARCHIES = ("auto", "flat", "node")  # --moe-dispatch-hierarchy (con
 DEVICES = ("auto", "cpu", "cuda")
 OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release", "combined_1f1b_paired_ends")
 COMM_MODES = ("real", "local_copy")
-A2A_TRANSPORTS = ("process_group", "host_memory")  # --moe-a2a-transport
+A2A_TRANSPORTS = ("process_group", "host_memory", "peer_memory")  # --moe-a2a-transport
+COPY_ENGINE_TRANSPORTS = ("host_memory", "peer_memory")  # its transports on copy engines
 CP_COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")  # Megatron-LM's; model.context: 2
 TUNE_MODES = ("auto", "on", "off")
 COMM_STREAM_PRIORITIES = ("high", "normal")
@@ -229,14 +230,17 @@ class ParallelConfig:
         "process_group (NCCL's kernels on GPUs, gloo on CPU); host_memory (a pinned buffer "
         "in shared host memory, filled and drained by the copy engines, ordered by stream "
         "memory operations: no SM kernel, so it takes no SMs from the experts' GEMMs beside "
-        "it; at PCIe's bandwidth, not NVLink's). The "
-        "same bits either way, eager or in CUDA graphs. host_memory needs the "
+        "it; at PCIe's bandwidth, not NVLink's); peer_memory (the same on copy engines, "
+        "but each chunk copied straight into the receiving GPU's memory, opened through "
+        "CUDA IPC: a peer copy over NVLink between GPUs). The "
+        "same bits either way, eager or in CUDA graphs. host_memory and peer_memory need the "
         "expert-parallel group on one host and the flat dispatch; with --tune the process "
         "group's all-to-all is timed as one more path (`+group`)",
         choices=A2A_TRANSPORTS, metavar="KIND")
     moe_a2a_host_slot_kib: int = flag(
-        4096, "--moe-a2a-transport host_memory: the buffer's slot size; each pair of ranks "
-        "has two slots of N KiB (ranks^2 x 2 x N KiB of pinned host memory per host), so a "
+        4096, "--moe-a2a-transport host_memory or peer_memory: the slot size; each pair of "
+        "ranks has two slots of N KiB (host_memory: ranks^2 x 2 x N KiB of pinned host memory "
+        "per host; peer_memory: ranks x 2 x N KiB of each rank's device memory), so a "
         "message moves in pieces of N KiB and one piece is copied in while the one before is "
         "copied out", metavar="N")
     moe_grouped_gemm_sm_carveout: Optional[int] = flag(

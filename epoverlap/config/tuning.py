@@ -18,9 +18,10 @@ changing the math (the overlap contract, docs/overlap.md: every schedule gives t
                         the config can send once per rank (`once_per_rank_blocker`) and the
                         flags did not; it changes the combine's rounding, so a run that takes
                         it is not an untuned run's bits (its --tune-cache rerun is)
-  the process group     with --moe-a2a-transport host_memory: the first overlap plan with
-                        delayed weight grads and the all-to-alls on the process group's own
-                        (NCCL) instead of host memory (a `+group` suffix); the same bits
+  the process group     with --moe-a2a-transport host_memory or peer_memory: the first
+                        overlap plan with delayed weight grads and the all-to-alls on the
+                        process group's own (NCCL) instead of the copy engines (a `+group`
+                        suffix); the same bits
   sequential            last; no overlap
 
 An axis the user pinned is not tuned: --overlap-plan given keeps that plan (it is still timed
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from epoverlap.config.dispatch import a2a_waves_blocker, dispatch_choice
 from epoverlap.config.dispatch_rules import newly_refused, refusal
 from epoverlap.config.run import RunConfig
+from epoverlap.config.sections import COPY_ENGINE_TRANSPORTS
 
 SEQUENTIAL = "sequential"
 DEFAULT_PLAN = "combined_1f1b"
@@ -69,7 +71,8 @@ class TunePath:
     delay_wgrad: bool
     waves: int = 1  # --moe-a2a-waves of the path's MoE layers
     once_per_rank: bool = False  # the dispatch once per rank where the flags' is not
-    host_memory: bool = False  # the all-to-alls through host memory (--moe-a2a-transport)
+    host_memory: bool = False  # the all-to-alls on copy engines (--moe-a2a-transport
+    # host_memory or peer_memory; the name is the first one's)
 
 
 def probe_steps(cfg: RunConfig) -> int:
@@ -121,8 +124,9 @@ def candidate_paths(cfg: RunConfig) -> list[TunePath]:
 
 
 def flags_host_memory(cfg: RunConfig) -> bool:
-    """Whether the flags' all-to-alls go through host memory (--moe-a2a-transport)."""
-    return cfg.parallel.moe_a2a_transport == "host_memory"
+    """Whether the flags' all-to-alls go on copy engines, through host memory or peer memory
+    (--moe-a2a-transport host_memory, peer_memory)."""
+    return cfg.parallel.moe_a2a_transport in COPY_ENGINE_TRANSPORTS
 
 
 def once_per_rank_blocker(cfg: RunConfig) -> str:

@@ -30,7 +30,8 @@ from epoverlap.config.io_rules import validate_io
 from epoverlap.config.layer_freq import layer_freq_list
 from epoverlap.config.parse import FLAGS, flag_of, require
 from epoverlap.config.run import RunConfig
-from epoverlap.config.sections import (COMM_MODES, MAX_SM_CARVEOUT, NCCL_MAX_CHANNELS,
+from epoverlap.config.sections import (COMM_MODES, COPY_ENGINE_TRANSPORTS, MAX_SM_CARVEOUT,
+                                       NCCL_MAX_CHANNELS,
                                        ModelConfig, MoEConfig, OverlapConfig, TrainConfig)
 from epoverlap.config.tuning import (candidate_paths, probe_steps, steps_needed, timed_steps,
                                      tune_blocker, tune_mode, untimed_steps)
@@ -439,8 +440,8 @@ MAX_HOST_SLOT_KIB = 1 << 20  # 1 GiB slots: past any all-to-all of one pair
 
 
 def _validate_a2a_transport(cfg: RunConfig) -> None:
-    """--moe-a2a-transport host_memory: an all-to-all to carry (EP > 1), over the flat
-    dispatch (by host the two stages have communicators of their own). CUDA graphs may hold
+    """--moe-a2a-transport host_memory or peer_memory: an all-to-all to carry (EP > 1), over
+    the flat dispatch (by host the two stages have communicators of their own). CUDA graphs may hold
     it (its operations are the same at every replay); a graph that holds the all-to-all
     needs split sizes fixed at capture, a sync-free dispatch, which the CUDA-graph rules
     require already (`_validate_cuda_graphs`)."""
@@ -448,7 +449,7 @@ def _validate_a2a_transport(cfg: RunConfig) -> None:
     slot = p.moe_a2a_host_slot_kib
     require(4 <= slot <= MAX_HOST_SLOT_KIB, "moe_a2a_host_slot_kib", slot,
             f"must be in [4, {MAX_HOST_SLOT_KIB}] KiB")
-    if p.moe_a2a_transport != "host_memory":
+    if p.moe_a2a_transport not in COPY_ENGINE_TRANSPORTS:
         return
     name, value = "moe_a2a_transport", p.moe_a2a_transport
     require(cfg.moe.enabled and (p.expert_model_parallel_size or 1) > 1, name, value,

@@ -20,8 +20,9 @@ kernels. This stream is the one the executor does not own: it belongs to the exc
 the internal streams of a process group, and nothing but the exchange runs on it.
 
 Transports (config `--moe-a2a-transport`): the all-to-alls go through the EP group's
-`all_to_all_single` (NCCL, gloo), or, given a `host_memory.HostMemoryTransport`, through shared
-host memory on copy engines, tracked by the watch as the EP group's collective all the same;
+`all_to_all_single` (NCCL, gloo), or, given a `host_memory.HostMemoryTransport`, on copy
+engines through shared host memory or peer copies into the receivers' device memory (its
+placement, `peer_memory`), tracked by the watch as the EP group's collective all the same;
 `on_process_group` is a view of the same communicator on the group's own (the tuner times
 both, each path with its own dispatcher). The split sizes the host reads are exchanged over the
 process group either way; the counts kept on the device (`exchange_counts`, the budget
@@ -140,10 +141,8 @@ class ExpertComm:
     """All-to-all over the expert-parallel group (None when size is 1); `counts_group` (the
     same ranks, another communicator) carries the early split-size exchange. `by_host`: the
     hierarchical dispatch's two stages (`HostComms`), where it is on. `transport`: the
-    all-to-all through host memory (--moe-a2a-transport host_memory), used while `host_memory`
-    is True."""
-
-    HOST_MEMORY_OP = "all_to_all over host memory"
+    copy-engine all-to-all (--moe-a2a-transport host_memory or peer_memory), used while
+    `host_memory` is True (the name is the first transport's: either one)."""
 
     def __init__(self, group: Optional[Group], size: int, mode: str = "real",
                  counts_group: Optional[Group] = None, by_host: Optional["HostComms"] = None,
@@ -185,7 +184,7 @@ class ExpertComm:
                output_splits: Optional[list[int]], input_splits: Optional[list[int]]) -> None:
         """One all-to-all, through host memory while `host_memory` is on, else the group's."""
         if self.host_memory:
-            with self.group.watched(self.HOST_MEMORY_OP):
+            with self.group.watched(f"all_to_all over {self.transport.medium}"):
                 self.transport.all_to_all(output, input, output_splits, input_splits)
         else:
             self.group.all_to_all_single(output, input, output_splits, input_splits)
@@ -199,9 +198,9 @@ class ExpertComm:
         return view
 
     def close(self) -> None:
-        """Unmap the host-memory transport's region, if any."""
+        """Release the copy-engine transport (its data slots and region), if any."""
         if self.transport is not None:
-            self.transport.region.close()
+            self.transport.close()
             self.transport, self.host_memory = None, False
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:

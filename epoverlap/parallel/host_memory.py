@@ -2,9 +2,18 @@
 (`--moe-a2a-transport host_memory`): no SM kernel, so it holds no SM the experts' GEMMs need.
 
 Owns `SharedRegion` (one POSIX shared-memory file per EP group, mapped by every rank of it and,
-on CUDA, registered with the driver in each), `HostMemoryTransport` (one rank's side of the
-exchange), `open_host_transport` (made collectively over the EP group) and `exchange_together`
-(several ranks of one process issued from one thread: the one-GPU benchmark).
+on CUDA, registered with the driver in each), `HostSlots` (the data slots in the region),
+`HostMemoryTransport` (one rank's side of the exchange, its data slots where a placement puts
+them), `open_region` / `open_host_transport` (made collectively over the EP group) and
+`exchange_together` (several ranks of one process issued from one thread: the one-GPU
+benchmark).
+
+Placement: the flags and sizes are always in the region (host-mapped, so every process's
+stream memory operations reach them); the data slots are the placement's. `HostSlots`: in the
+region, filled device-to-host and drained host-to-device. `peer_memory.PeerSlots`
+(`--moe-a2a-transport peer_memory`): each rank's receive slots in its own device memory,
+filled by the senders' peer copies and drained device-to-device; everything below holds for
+both.
 
 Layout of the region, R ranks, S slots of C bytes per (source, destination) pair:
 
@@ -57,7 +66,6 @@ Not yet: ranks on more than one host (the region is one host's memory).
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import mmap
 import os
@@ -71,6 +79,7 @@ from typing import Optional, Sequence
 import torch
 
 from epoverlap.errors import ConfigError
+from epoverlap.parallel.cuda_driver import driver
 
 FLAG = "--moe-a2a-transport"
 FLAG_BYTES = 4
@@ -123,6 +132,20 @@ class Layout:
     def sizes_word(self, slot: int) -> int:
         """Index, in 32-bit words, of the slot's two size words (chunk, message)."""
         return self.sizes_at // FLAG_BYTES + 2 * slot
+
+    # where a rank's receive slots lie in memory of its own (`peer_memory.PeerSlots`)
+    @property
+    def receive_bytes(self) -> int:
+        """One rank's receive slots: R sources x S slots of C bytes."""
+        return self.ranks * self.slots * self.chunk_bytes
+
+    def dest_of(self, slot: int) -> int:
+        return slot // self.slots % self.ranks
+
+    def receive_offset(self, slot: int) -> int:
+        """Where the slot lies among its destination's receive slots."""
+        source = slot // (self.ranks * self.slots)
+        return (source * self.slots + slot % self.slots) * self.chunk_bytes
 
 
 def _reserve(fd: int, path: str, size: int) -> None:
@@ -198,8 +221,42 @@ class SharedRegion:
             pass
 
 
+class HostSlots:
+    """Where the data slots lie: here in the region after the flags and sizes (host_memory).
+    A transport's placement: the region's bytes it needs (`region_bytes`), a slot's address
+    and, on CPU, its bytes (`bytes`), the copies into (`put`) and out of (`take`) a slot
+    as a stream issues them, and `close`; `peer_memory.PeerSlots` is the other one."""
+
+    kind, medium = "host_memory", "host memory"
+    one_host = "its all-to-all goes through one host's memory"
+
+    def __init__(self, region: SharedRegion, layout: Layout):
+        self.region, self.layout = region, layout
+
+    @staticmethod
+    def region_bytes(layout: Layout) -> int:
+        return layout.total_bytes
+
+    def address(self, slot: int) -> int:
+        return self.region.address + self.layout.data_offset(slot)
+
+    def bytes(self, slot: int, size: int) -> torch.Tensor:
+        start = self.layout.data_offset(slot)
+        return self.region.data[start:start + size]
+
+    def put(self, cuda, slot: int, source: int, size: int, stream: int) -> None:
+        cuda.copy_to_host(self.address(slot), source, size, stream)
+
+    def take(self, cuda, slot: int, dest: int, size: int, stream: int) -> None:
+        cuda.copy_to_device(dest, self.address(slot), size, stream)
+
+    def close(self) -> None:
+        pass  # the region is the transport's
+
+
 class HostMemoryTransport:
-    """One rank's side of the all-to-all through a `SharedRegion` (module docstring).
+    """One rank's side of the all-to-all through a `SharedRegion` (module docstring), its data
+    slots where `placement` puts them (`HostSlots`, the default: in the region).
 
     `all_to_all(output, input, output_splits, input_splits)`: rows input_splits[r] of the
     contiguous `input` go to rank r, rows output_splits[r] of `output` come from rank r (None:
@@ -208,12 +265,16 @@ class HostMemoryTransport:
 
     def __init__(self, region: SharedRegion, rank: int, ranks: int, chunk_bytes: int,
                  slots: int = DEFAULT_SLOTS, device: Optional[torch.device] = None,
-                 timeout_s: float = 600.0, peer_names: Optional[Sequence[int]] = None):
+                 timeout_s: float = 600.0, peer_names: Optional[Sequence[int]] = None,
+                 placement=None):
         self.layout = Layout(ranks, slots, chunk_bytes)
-        if region.size < self.layout.total_bytes:
-            raise ValueError(f"shared region of {region.size} bytes, {self.layout.total_bytes} "
-                             f"needed for {ranks} ranks x {slots} slots of {chunk_bytes}")
+        self.placement = placement if placement is not None else HostSlots(region, self.layout)
+        needed = self.placement.region_bytes(self.layout)
+        if region.size < needed:
+            raise ValueError(f"shared region of {region.size} bytes, {needed} needed for "
+                             f"{ranks} ranks x {slots} slots of {chunk_bytes}")
         self.region, self.rank, self.ranks = region, rank, ranks
+        self.medium = self.placement.medium
         self.device = device if device is not None else torch.device("cpu")
         self.timeout_s = timeout_s
         self.peer_names = list(peer_names) if peer_names is not None else list(range(ranks))
@@ -221,11 +282,16 @@ class HostMemoryTransport:
         self._streams: Optional[tuple] = None
         if self.device.type == "cuda":
             if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-                raise ConfigError(FLAG, "host_memory", "with CUDA_DEVICE_MAX_CONNECTIONS=1 its "
-                                  "flag waits share the compute's hardware queue, where a wait "
-                                  "for a peer holds back the work the peer waits for: unset it "
-                                  "or set it >= 4")
+                raise ConfigError(FLAG, self.placement.kind, "with CUDA_DEVICE_MAX_CONNECTIONS"
+                                  "=1 its flag waits share the compute's hardware queue, where a "
+                                  "wait for a peer holds back the work the peer waits for: unset "
+                                  "it or set it >= 4")
             region.register(self.device)
+
+    def close(self) -> None:
+        """Release the data slots (`placement`), then unmap the region."""
+        self.placement.close()
+        self.region.close()
 
     # ------------------------------------------------------------------ the exchange
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
@@ -286,12 +352,12 @@ class HostMemoryTransport:
         """Bytes to (from) each rank; bad split sizes fail in one line."""
         if splits is None:
             if rows % self.ranks:
-                raise ValueError(f"all-to-all over host memory: {rows} {side} rows do not "
-                                 f"split equally over {self.ranks} ranks")
+                raise ValueError(f"all-to-all over {self.medium}: {rows} {side} rows do "
+                                 f"not split equally over {self.ranks} ranks")
             splits = [rows // self.ranks] * self.ranks
         if len(splits) != self.ranks or min(splits) < 0 or sum(splits) != rows:
-            raise ValueError(f"all-to-all over host memory: {side} split sizes {list(splits)} "
-                             f"do not cover {rows} rows over {self.ranks} ranks")
+            raise ValueError(f"all-to-all over {self.medium}: {side} split sizes "
+                             f"{list(splits)} do not cover {rows} rows over {self.ranks} ranks")
         return [count * row_bytes for count in splits]
 
     # ------------------------------------------------------------------ one chunk
@@ -307,14 +373,12 @@ class HostMemoryTransport:
             cuda, flags, stream = driver(), self.region.device_address, \
                 exchange.streams[0].cuda_stream
             cuda.wait32(stream, flags + FLAG_BYTES * layout.flag_word(slot), EMPTY)
-            cuda.copy_to_host(self.region.address + layout.data_offset(slot),
-                              exchange.input.data_ptr() + at, size, stream)
+            self.placement.put(cuda, slot, exchange.input.data_ptr() + at, size, stream)
             cuda.write32(stream, flags + FLAG_BYTES * layout.flag_word(slot), FULL)
         else:
             words = self.region.words
             self._wait(layout.flag_word(slot), EMPTY, dest, "take")
-            start = layout.data_offset(slot)
-            self.region.data[start:start + size].copy_(exchange.input_u8[at:at + size])
+            self.placement.bytes(slot, size).copy_(exchange.input_u8[at:at + size])
             sizes = layout.sizes_word(slot)
             words[sizes], words[sizes + 1] = size, exchange.send[dest] % _WORD
             words[layout.flag_word(slot)] = FULL
@@ -331,14 +395,12 @@ class HostMemoryTransport:
             cuda, flags, stream = driver(), self.region.device_address, \
                 exchange.streams[1].cuda_stream
             cuda.wait32(stream, flags + FLAG_BYTES * layout.flag_word(slot), FULL)
-            cuda.copy_to_device(exchange.output.data_ptr() + at,
-                                self.region.address + layout.data_offset(slot), size, stream)
+            self.placement.take(cuda, slot, exchange.output.data_ptr() + at, size, stream)
             cuda.write32(stream, flags + FLAG_BYTES * layout.flag_word(slot), EMPTY)
         else:
             self._wait(layout.flag_word(slot), FULL, source, "chunk")
             self._check_size(slot, size, exchange.recv[source], source)
-            start = layout.data_offset(slot)
-            exchange.output_u8[at:at + size].copy_(self.region.data[start:start + size])
+            exchange.output_u8[at:at + size].copy_(self.placement.bytes(slot, size))
             self.region.words[layout.flag_word(slot)] = EMPTY
 
     def _check_size(self, slot: int, size: int, message: int, source: int) -> None:
@@ -348,7 +410,7 @@ class HostMemoryTransport:
         sizes = self.layout.sizes_word(slot)
         if (words[sizes], words[sizes + 1]) != (size, message % _WORD):
             raise ValueError(
-                f"all-to-all over host memory: rank {self.peer_names[source]} sent "
+                f"all-to-all over {self.medium}: rank {self.peer_names[source]} sent "
                 f"{words[sizes + 1]} bytes in chunks of {words[sizes]}, rank "
                 f"{self.peer_names[self.rank]} expected {message} in chunks of {size} (the "
                 "ranks' split sizes disagree)")
@@ -366,7 +428,7 @@ class HostMemoryTransport:
             deadline = deadline or now + self.timeout_s
             if now > deadline:
                 raise RuntimeError(f"timed out after {self.timeout_s:.0f} s waiting for rank "
-                                   f"{self.peer_names[peer]}'s {what} in host memory")
+                                   f"{self.peer_names[peer]}'s {what} in {self.medium}")
             time.sleep(min(1e-3, 1e-5 * (polls - _SPIN_FAST + 1)))
 
     def _cuda_streams(self) -> tuple:
@@ -448,125 +510,43 @@ def region_path(tag: str) -> str:
 
 def open_host_transport(group, rank_in_group: int, chunk_bytes: int, device: torch.device,
                         timeout_s: float, slots: int = DEFAULT_SLOTS) -> HostMemoryTransport:
-    """Collective over `group` (a `groups.Group`): its first rank makes the region, every
-    rank maps it, then the file is removed (the mappings stay; nothing is left behind when a
-    rank dies). Ranks on two hosts (`watch.host_label`), or a region the first rank could not
-    make, fail on every rank with the same one line (a `ConfigError`)."""
+    """Collective over `group` (a `groups.Group`): the region (`open_region`), the data slots
+    in it."""
+    layout = Layout(group.size, slots, chunk_bytes)
+    region = open_region(group, rank_in_group, HostSlots.region_bytes(layout), HostSlots)
+    return HostMemoryTransport(region, rank_in_group, group.size, chunk_bytes, slots, device,
+                               timeout_s, peer_names=list(group.ranks))
+
+
+def open_region(group, rank_in_group: int, size: int, placement) -> SharedRegion:
+    """Collective over `group`: its first rank makes the region, every rank maps it, then the
+    file is removed (the mappings stay; nothing is left behind when a rank dies). Ranks on two
+    hosts (`watch.host_label`), or a region the first rank could not make, fail on every rank
+    with the same one line (a `ConfigError` naming `placement.kind`)."""
     from epoverlap.parallel.watch import host_label
     ranks = group.size
     seen: list = [None] * ranks
     group.all_gather_object(seen, (uuid.uuid4().hex, host_label()))
     hosts = sorted({host for _, host in seen})
     if len(hosts) > 1:
-        raise ConfigError(FLAG, "host_memory",
+        raise ConfigError(FLAG, placement.kind,
                           f"the expert-parallel group (ranks {','.join(map(str, group.ranks))}) "
-                          f"spans hosts {', '.join(hosts)}; its all-to-all goes through one "
-                          "host's memory: use --moe-a2a-transport process_group")
-    layout = Layout(ranks, slots, chunk_bytes)
+                          f"spans hosts {', '.join(hosts)}; {placement.one_host}: use "
+                          "--moe-a2a-transport process_group")
     path, first = region_path(seen[0][0]), rank_in_group == 0
     region, failed = None, None
     if first:
         try:
-            region = SharedRegion(path, layout.total_bytes, create=True)
+            region = SharedRegion(path, size, create=True)
         except ConfigError as error:
             failed = error.allowed
     outcome: list = [None] * ranks
     group.all_gather_object(outcome, failed)  # the file exists, or every rank learns why not
     if outcome[0] is not None:
-        raise ConfigError(FLAG, "host_memory", outcome[0])
+        raise ConfigError(FLAG, placement.kind, outcome[0])
     if region is None:
-        region = SharedRegion(path, layout.total_bytes, create=False)
+        region = SharedRegion(path, size, create=False)
     group.barrier()  # every rank mapped it
     if first:
         region.unlink()
-    return HostMemoryTransport(region, rank_in_group, ranks, chunk_bytes, slots, device,
-                               timeout_s, peer_names=list(group.ranks))
-
-
-# ---------------------------------------------------------------------- libcuda
-class _Driver:
-    """The few CUDA driver calls the transport needs, through ctypes (torch exposes no stream
-    memory operations); every call checked, a failure one line naming the call."""
-
-    WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
-    HOST_REGISTER = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | _DEVICEMAP
-
-    def __init__(self):
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        self._calls = {}
-        self._thread = threading.local()  # the device whose context this thread has current
-
-    def _fn(self, *names: str):
-        for name in names:
-            if name in self._calls:
-                return self._calls[name]
-            fn = getattr(self.lib, name, None)
-            if fn is not None:
-                fn.restype = ctypes.c_int
-                self._calls[name] = fn
-                return fn
-        raise RuntimeError(f"libcuda has none of {names}")
-
-    def _check(self, result: int, call: str) -> None:
-        if result != 0:
-            text = ctypes.c_char_p()
-            self._fn("cuGetErrorString")(result, ctypes.byref(text))
-            raise RuntimeError(f"host-memory all-to-all: {call} failed with CUDA error "
-                               f"{result} ({(text.value or b'?').decode()})")
-
-    def use_device(self, index: int) -> None:
-        """Make `index`'s primary context (the one torch's runtime calls use) current on this
-        thread, once per thread: a rank whose process group is gloo may not have touched the
-        device yet, and autograd runs the backward's all-to-alls on a thread of its own."""
-        if getattr(self._thread, "index", None) == index:
-            return
-        context = ctypes.c_void_p()
-        self._check(self._fn("cuCtxGetCurrent")(ctypes.byref(context)), "cuCtxGetCurrent")
-        if not context.value:
-            self._check(self._fn("cuInit")(ctypes.c_uint(0)), "cuInit")
-            device = ctypes.c_int()
-            self._check(self._fn("cuDeviceGet")(ctypes.byref(device), ctypes.c_int(index)),
-                        "cuDeviceGet")
-            self._check(self._fn("cuDevicePrimaryCtxRetain")(ctypes.byref(context), device),
-                        "cuDevicePrimaryCtxRetain")
-            self._check(self._fn("cuCtxSetCurrent")(context), "cuCtxSetCurrent")
-        self._thread.index = index
-
-    def register(self, address: int, size: int) -> int:
-        self._check(self._fn("cuMemHostRegister_v2", "cuMemHostRegister")(
-            ctypes.c_void_p(address), ctypes.c_size_t(size), ctypes.c_uint(self.HOST_REGISTER)),
-            "cuMemHostRegister")
-        device_address = ctypes.c_uint64()
-        self._check(self._fn("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")(
-            ctypes.byref(device_address), ctypes.c_void_p(address), ctypes.c_uint(0)),
-            "cuMemHostGetDevicePointer")
-        return device_address.value
-
-    def unregister(self, address: int) -> None:
-        self._fn("cuMemHostUnregister")(ctypes.c_void_p(address))
-
-    def wait32(self, stream: int, device_address: int, value: int) -> None:
-        self._check(self._fn("cuStreamWaitValue32_v2", "cuStreamWaitValue32")(
-            ctypes.c_void_p(stream), ctypes.c_uint64(device_address), ctypes.c_uint32(value),
-            ctypes.c_uint(self.WAIT_EQ)), "cuStreamWaitValue32")
-
-    def write32(self, stream: int, device_address: int, value: int) -> None:
-        self._check(self._fn("cuStreamWriteValue32_v2", "cuStreamWriteValue32")(
-            ctypes.c_void_p(stream), ctypes.c_uint64(device_address), ctypes.c_uint32(value),
-            ctypes.c_uint(0)), "cuStreamWriteValue32")
-
-    def copy_to_host(self, host: int, device: int, size: int, stream: int) -> None:
-        self._check(self._fn("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync")(
-            ctypes.c_void_p(host), ctypes.c_uint64(device), ctypes.c_size_t(size),
-            ctypes.c_void_p(stream)), "cuMemcpyDtoHAsync")
-
-    def copy_to_device(self, device: int, host: int, size: int, stream: int) -> None:
-        self._check(self._fn("cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync")(
-            ctypes.c_uint64(device), ctypes.c_void_p(host), ctypes.c_size_t(size),
-            ctypes.c_void_p(stream)), "cuMemcpyHtoDAsync")
-
-
-@functools.cache
-def driver() -> _Driver:
-    """libcuda, loaded at the first CUDA use of the transport (once per process)."""
-    return _Driver()
+    return region

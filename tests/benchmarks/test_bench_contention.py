@@ -246,3 +246,20 @@ def test_the_host_transport_load_runs_on_copy_engines_beside_both_gemms(tmp_path
         assert row["comm_alone_ms"] > 0 and row["comm_beside_ms"] is not None, row
         assert "Memcpy DtoH" in row["ran_as"] and "Memcpy HtoD" in row["ran_as"], row
         assert "Kernel" not in row["ran_as"] and "kernel" not in row["ran_as"], row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_peer_transport_load_runs_device_to_device_beside_both_gemms(tmp_path):
+    """The peer-memory all-to-all's load (two ranks' transports in this process, their slots
+    on this GPU, 256 KiB: several chunks a pair): timed alone and beside both GEMMs, and the
+    profiler sees device-to-device copies, none through the host."""
+    result = _run_one_rank(tmp_path, "--loads", "peer_transport", "--host-slot-kib", "256",
+                           "--scale", "1.0")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / bc.JSON_FILE).read_text())["rows"]
+    assert [(r["load"], r["compute"]) for r in rows] == [("peer_transport", "gemm"),
+                                                         ("peer_transport", "grouped")]
+    for row in rows:
+        assert row["comm_alone_ms"] > 0 and row["comm_beside_ms"] is not None, row
+        assert "Memcpy DtoD" in row["ran_as"] and "DtoH" not in row["ran_as"], row

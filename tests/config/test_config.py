@@ -383,22 +383,25 @@ def test_global_batch_size_sets_the_microbatch_count():
         PRESETS["tiny"]["num_microbatches"]
 
 
-HOST_MEMORY = ["--moe-a2a-transport", "host_memory"]
+COPY_ENGINE = ["host_memory", "peer_memory"]  # --moe-a2a-transport's copy-engine transports
 
 
+@pytest.mark.parametrize("kind", COPY_ENGINE)
 @pytest.mark.parametrize("argv, world, fragment", [
     (["--expert-model-parallel-size", "1"], 2, "needs MoE layers and "
      "--expert-model-parallel-size > 1"),
     (["--moe-dispatch-hierarchy", "node", "--emulate-hosts", "2"], 4,
      "not with --moe-dispatch-hierarchy node"),
 ])
-def test_the_host_memory_transport_refuses_what_it_cannot_carry(argv, world, fragment):
-    error = str(rejected(HOST_MEMORY + argv, world))
+def test_the_copy_engine_transports_refuse_what_they_cannot_carry(kind, argv, world, fragment):
+    error = str(rejected(["--moe-a2a-transport", kind] + argv, world))
     line = next(line for line in error.splitlines() if line.startswith("--moe-a2a-transport"))
-    assert line.startswith("--moe-a2a-transport=host_memory: ") and fragment in line, error
+    assert line.startswith(f"--moe-a2a-transport={kind}: ") and fragment in line, error
 
 
-def test_the_host_memory_transport_and_its_slots():
+@pytest.mark.parametrize("kind", COPY_ENGINE)
+def test_the_copy_engine_transports_and_their_slots(kind):
+    HOST_MEMORY = ["--moe-a2a-transport", kind]
     check(HOST_MEMORY)
     check(HOST_MEMORY + ["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn",
                          "moe_router", "moe_preprocess"], cuda=True)
@@ -408,9 +411,11 @@ def test_the_host_memory_transport_and_its_slots():
                                   "local", "--cuda-graph-modules", "moe"], cuda=True)
 
 
-def test_graphs_over_host_memory_need_split_sizes_fixed_at_capture():
+@pytest.mark.parametrize("kind", COPY_ENGINE)
+def test_graphs_over_copy_engines_need_split_sizes_fixed_at_capture(kind):
     """A graph that holds the all-to-all replays the sizes it captured: the dispatches that
     read theirs on the host are refused there, in one line naming the flag to add."""
+    HOST_MEMORY = ["--moe-a2a-transport", kind]
     for flag, graphs in (("--cuda-graph-impl=full_iteration",
                           ["--cuda-graph-impl", "full_iteration"]),
                          ("--cuda-graph-modules=moe",

@@ -174,14 +174,17 @@ def test_asking_for_the_grad_reduce_beside_keeps_the_auto_graphs_partial(gpu_rul
     assert cfg.cuda_graph.impl == "local"  # a full-iteration graph would capture the reduces
 
 
-def test_over_host_memory_the_auto_graphs_stop_before_the_dispatch(gpu_rules, monkeypatch):
-    """--moe-a2a-transport host_memory: over NVLink, where the auto scope would be one graph
+@pytest.mark.parametrize("kind, medium", [("host_memory", "host memory"),
+                                          ("peer_memory", "peer memory")])
+def test_on_copy_engines_the_auto_graphs_stop_before_the_dispatch(gpu_rules, monkeypatch, kind,
+                                                                   medium):
+    """--moe-a2a-transport host_memory or peer_memory: over NVLink, where the auto scope would be one graph
     of the iteration over the budget's fixed blocks, it takes the partial graphs instead (its
     bytes bind, and the budget moves more of them than the dropless dispatch); the path line
     names the transport."""
     one_host_over_nvlink(monkeypatch)
-    cfg = resolved(["--moe-a2a-transport", "host_memory"], world=2, cuda=True)
+    cfg = resolved(["--moe-a2a-transport", kind], world=2, cuda=True)
     assert cfg.cuda_graph.impl == "local"
     assert cfg.cuda_graph.modules == ("attn", "moe_router", "moe_preprocess")
     assert cfg.moe.moe_dispatch_budget is None
-    assert "levers all-to-all over host memory (4096 KiB slots)" in path_text(cfg, "cuda")
+    assert f"levers all-to-all over {medium} (4096 KiB slots)" in path_text(cfg, "cuda")

@@ -1,6 +1,7 @@
-"""Per-rank bodies of the host-memory all-to-all's multi-process tests (--moe-a2a-transport
-host_memory): the exchange against gloo's own, training with the transport against the process
-group's, on CPU ranks and on two ranks sharing one GPU (control over gloo)."""
+"""Per-rank bodies of the copy-engine all-to-alls' multi-process tests (--moe-a2a-transport
+host_memory and peer_memory, `kind` below): the exchange against gloo's own, training with the
+transport against the process group's, on CPU ranks and on two ranks sharing one GPU (control
+over gloo)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,39 @@ import torch
 from epoverlap.parallel.comm import ExpertComm
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.parallel.host_memory import open_host_transport, region_path
+from epoverlap.parallel.peer_memory import open_peer_transport, peer_slots_together
 
 from gloo_workers import MODES, mode_grads_and_losses
 
-HOST = ["--moe-a2a-transport", "host_memory", "--moe-a2a-host-slot-kib", "4"]
-# the process group's schedules, and the same over host memory in 4 KiB slots (many chunks)
-HOST_MODES = {"sequential": MODES["sequential"], "overlap": MODES["overlap"],
-              "sequential_host": MODES["sequential"] + HOST,
-              "overlap_host": MODES["overlap"] + HOST,
-              "overlap_wgrad_host": MODES["overlap_wgrad"] + HOST,
-              # the tuner over host memory: its paths include the process group's (+group)
-              "tuned_host": MODES["overlap_wgrad"] + HOST + [
-                  "--overlap-plan", "combined_1f1b", "--tune", "on", "--tune-steps", "1"]}
-ONE_GPU_MODES = {name: flags for name, flags in HOST_MODES.items() if name != "tuned_host"}
+KINDS = ("host_memory", "peer_memory")  # --moe-a2a-transport's copy-engine transports
+OPEN = {"host_memory": open_host_transport, "peer_memory": open_peer_transport}
+MEDIUM = {"host_memory": "host memory", "peer_memory": "peer memory"}  # in its lines
+
+
+def transport_flags(kind: str) -> list[str]:
+    """The transport in 4 KiB slots (many chunks a message)."""
+    return ["--moe-a2a-transport", kind, "--moe-a2a-host-slot-kib", "4"]
+
+
+def host_modes(kind: str = "host_memory") -> dict:
+    """The process group's schedules, and the same over the transport (the `_host` modes)."""
+    host = transport_flags(kind)
+    return {"sequential": MODES["sequential"], "overlap": MODES["overlap"],
+            "sequential_host": MODES["sequential"] + host,
+            "overlap_host": MODES["overlap"] + host,
+            "overlap_wgrad_host": MODES["overlap_wgrad"] + host,
+            # the tuner over the transport: its paths include the process group's (+group)
+            "tuned_host": MODES["overlap_wgrad"] + host + [
+                "--overlap-plan", "combined_1f1b", "--tune", "on", "--tune-steps", "1"]}
+
+
+def one_gpu_modes(kind: str = "host_memory") -> dict:
+    return {name: flags for name, flags in host_modes(kind).items() if name != "tuned_host"}
+
+
+HOST = transport_flags("host_memory")
+HOST_MODES = host_modes()
+ONE_GPU_MODES = one_gpu_modes()
 
 
 def random_splits(rng: random.Random, ranks: int, most: int) -> list[list[int]]:
@@ -46,14 +67,19 @@ def exchange_table(rank: int, ranks: int, exchanges: int, device: torch.device, 
         yield input_NH, [table[s][rank] for s in range(ranks)], table[rank]
 
 
-def against_gloo(rank, world_size, device_kind: str, exchanges: int, chunk_bytes: int):
-    """Every exchange through host memory and through gloo (host copies): equal bits.
-    Returns (exchanges compared, whether the region's file is gone after setup)."""
+def against_gloo(rank, world_size, device_kind: str, exchanges: int, chunk_bytes: int,
+                 kind: str = "host_memory"):
+    """Every exchange through the transport and through gloo (host copies): equal bits.
+    Returns (exchanges compared, whether the files this rank removes after setup are gone:
+    rank 0 the region's, each rank on CPU its peer_memory receive slots')."""
     groups = init_distributed(world_size, "cpu", timeout_minutes=1)
     device = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
-    transport = open_host_transport(groups.ep, groups.ep_rank, chunk_bytes, device, 60.0)
+    transport = OPEN[kind](groups.ep, groups.ep_rank, chunk_bytes, device, 60.0)
     try:
-        gone = rank != 0 or not os.path.exists(transport.region.path)  # rank 0 removed it
+        own = getattr(transport.placement, "blocks", [None] * world_size)[rank]
+        files = ([transport.region.path] if rank == 0 else []) + (
+            [own.region.path] if hasattr(own, "region") else [])
+        gone = not any(os.path.exists(path) for path in files)
         compared = 0
         for input_NH, out_splits, in_splits in exchange_table(rank, world_size, exchanges,
                                                               device):
@@ -68,18 +94,19 @@ def against_gloo(rank, world_size, device_kind: str, exchanges: int, chunk_bytes
             compared += 1
         return compared, gone
     finally:
-        transport.region.close()
+        transport.close()
         destroy_distributed(groups)
 
 
-def captured_against_gloo(rank, world_size, replays: int, chunk_bytes: int):
+def captured_against_gloo(rank, world_size, replays: int, chunk_bytes: int,
+                          kind: str = "host_memory"):
     """One exchange (splits fixed, several chunks a pair) captured in a CUDA graph on cuda:0
     and replayed `replays` times with new rows copied into its input, an eager exchange of
     other splits after every other replay: each result bit-equal to gloo's all-to-all of the
     same rows. Returns the exchanges compared."""
     groups = init_distributed(world_size, "cpu", timeout_minutes=1)
     device = torch.device("cuda", 0)
-    transport = open_host_transport(groups.ep, groups.ep_rank, chunk_bytes, device, 60.0)
+    transport = OPEN[kind](groups.ep, groups.ep_rank, chunk_bytes, device, 60.0)
 
     def check(output, rows, out_splits, in_splits):
         reference = torch.empty((sum(out_splits), 24), dtype=torch.bfloat16)
@@ -118,16 +145,16 @@ def captured_against_gloo(rank, world_size, replays: int, chunk_bytes: int):
         torch.cuda.synchronize(device)
         return compared
     finally:
-        transport.region.close()
+        transport.close()
         destroy_distributed(groups)
 
 
-def expert_comm_against_gloo(rank, world_size, exchanges: int):
+def expert_comm_against_gloo(rank, world_size, exchanges: int, kind: str = "host_memory"):
     """`ExpertComm` with the transport and its view on the process group (the tuner's `+group`
     path): the same rows either way, and the watch sees the exchange as the EP group's
     collective."""
     groups = init_distributed(world_size, "cpu", timeout_minutes=1)
-    transport = open_host_transport(groups.ep, groups.ep_rank, 4096, groups.device, 60.0)
+    transport = OPEN[kind](groups.ep, groups.ep_rank, 4096, groups.device, 60.0)
     comm = ExpertComm(groups.ep, world_size, transport=transport)
     on_group = comm.on_process_group()
     assert comm.host_memory and not on_group.host_memory
@@ -146,8 +173,8 @@ def expert_comm_against_gloo(rank, world_size, exchanges: int):
         destroy_distributed(groups)
 
 
-def training_modes(rank, world_size, out_dir, steps):
-    """`mode_grads_and_losses` over the process group's schedules and host memory's, with the
+def training_modes(rank, world_size, out_dir, steps, kind: str = "host_memory"):
+    """`mode_grads_and_losses` over the process group's schedules and the transport's, with the
     EP all-to-alls counted by what carried them: {"host": .., "group": ..} as `ExpertComm`
     chose, and the exchanges the transport itself carried (must equal "host")."""
     from epoverlap.parallel.host_memory import HostMemoryTransport
@@ -163,11 +190,12 @@ def training_modes(rank, world_size, out_dir, steps):
             chose["host" if self.host_memory else "group"] += 1
         return all_to_all(self, *args)
     HostMemoryTransport.all_to_all, ExpertComm.all_to_all = counted, chosen  # this process
-    results = mode_grads_and_losses(rank, world_size, 2, out_dir, steps, modes=HOST_MODES)
+    results = mode_grads_and_losses(rank, world_size, 2, out_dir, steps,
+                                    modes=host_modes(kind))
     return results, carried[0], chose
 
 
-def training_on_one_gpu(rank, world_size, out_dir, steps, modes=None):
+def training_on_one_gpu(rank, world_size, out_dir, steps, modes=None, kind="host_memory"):
     """Two ranks sharing cuda:0, gloo for control (NCCL refuses two ranks on one GPU): the
     process group's all-to-all there is gloo's, through host copies (the reference), against
     the transport's copy engines; eager, untuned, fp32, deterministic, Triton kernels."""
@@ -181,7 +209,7 @@ def training_on_one_gpu(rank, world_size, out_dir, steps, modes=None):
                  "--kernel-backend", "triton"]  # the GPU tier's deterministic backend
     modes = {name: (flags if "--cuda-graph-impl" in flags else
                     flags + ["--cuda-graph-impl", "none"]) + gpu_flags
-             for name, flags in (modes or ONE_GPU_MODES).items()}
+             for name, flags in (modes or one_gpu_modes(kind)).items()}
     gloo_workers.init_distributed = lambda *args, **kwargs: on_gpu  # this process only
     _all_to_alls_through_host()
     gloo_workers.destroy_distributed = lambda groups: None
@@ -192,16 +220,22 @@ def training_on_one_gpu(rank, world_size, out_dir, steps, modes=None):
         destroy_distributed(made)
 
 
-# the budget dispatch (its counts kept on the device) over the process group and host memory
+# the budget dispatch (its counts kept on the device) over the process group and the transport
 BUDGET = ["--moe-dispatch-budget", "1.25"]
-BUDGET_MODES = {"sequential": MODES["sequential"] + BUDGET,
-                "sequential_host": MODES["sequential"] + BUDGET + HOST,
-                "overlap_host": MODES["overlap"] + BUDGET + HOST}
 
 
-def budget_training_modes(rank, world_size, out_dir, steps):
-    """`mode_grads_and_losses` over `BUDGET_MODES` -> (its results, the integer exchanges the
-    transport carried: the budget's counts, which go with the data)."""
+def budget_modes(kind: str = "host_memory") -> dict:
+    return {"sequential": MODES["sequential"] + BUDGET,
+            "sequential_host": MODES["sequential"] + BUDGET + transport_flags(kind),
+            "overlap_host": MODES["overlap"] + BUDGET + transport_flags(kind)}
+
+
+BUDGET_MODES = budget_modes()
+
+
+def budget_training_modes(rank, world_size, out_dir, steps, kind: str = "host_memory"):
+    """`mode_grads_and_losses` over `budget_modes(kind)` -> (its results, the integer
+    exchanges the transport carried: the budget's counts, which go with the data)."""
     from epoverlap.parallel.host_memory import HostMemoryTransport
     counts = [0]
     exchange = HostMemoryTransport.all_to_all
@@ -210,8 +244,8 @@ def budget_training_modes(rank, world_size, out_dir, steps):
         counts[0] += not input.is_floating_point()
         return exchange(self, output, input, *args)
     HostMemoryTransport.all_to_all = counted  # this process
-    return mode_grads_and_losses(rank, world_size, 2, out_dir, steps, modes=BUDGET_MODES), \
-        counts[0]
+    return mode_grads_and_losses(rank, world_size, 2, out_dir, steps,
+                                 modes=budget_modes(kind)), counts[0]
 
 
 # the reference, eager over the process group, then one graph of the iteration over host
@@ -219,13 +253,20 @@ def budget_training_modes(rank, world_size, out_dir, steps):
 # bank), bf16 (a graph holding the grouped GEMMs needs it), the capture after one step
 GRAPHED_BUDGET = ["--moe-dispatch-budget", "2", "--bf16", "--cuda-graph-warmup-steps", "1"]
 FULL_GRAPH = ["--cuda-graph-impl", "full_iteration"]
-GRAPHED_ONE_GPU_MODES = {
-    "sequential": MODES["sequential"] + GRAPHED_BUDGET + ["--cuda-graph-impl", "none"],
-    "sequential_host_graph": MODES["sequential"] + GRAPHED_BUDGET + HOST + FULL_GRAPH,
-    "overlap_host_graph": MODES["overlap"] + GRAPHED_BUDGET + HOST + FULL_GRAPH}
 
 
-def graphed_training_on_one_gpu(rank, world_size, out_dir, steps):
+def graphed_one_gpu_modes(kind: str = "host_memory") -> dict:
+    host = transport_flags(kind)
+    return {
+        "sequential": MODES["sequential"] + GRAPHED_BUDGET + ["--cuda-graph-impl", "none"],
+        "sequential_host_graph": MODES["sequential"] + GRAPHED_BUDGET + host + FULL_GRAPH,
+        "overlap_host_graph": MODES["overlap"] + GRAPHED_BUDGET + host + FULL_GRAPH}
+
+
+GRAPHED_ONE_GPU_MODES = graphed_one_gpu_modes()
+
+
+def graphed_training_on_one_gpu(rank, world_size, out_dir, steps, kind: str = "host_memory"):
     """`training_on_one_gpu` over `GRAPHED_ONE_GPU_MODES`: the full-iteration graph over host
     memory replays steps 2 onwards; the reference runs eagerly over the process group (gloo,
     whose calls a graph cannot hold). -> (its results, {"captures": .., "replays": ..} of the
@@ -243,22 +284,45 @@ def graphed_training_on_one_gpu(rank, world_size, out_dir, steps):
         return replay(self)
     FullIterationGraph.capture = counted_capture  # this process only
     torch.cuda.CUDAGraph.replay = counted_replay
-    return training_on_one_gpu(rank, world_size, out_dir, steps, GRAPHED_ONE_GPU_MODES), seen
+    return training_on_one_gpu(rank, world_size, out_dir, steps,
+                               graphed_one_gpu_modes(kind)), seen
 
 
-def pair_in_one_process(device_kind: str, exchanges: int, chunk_bytes: int) -> int:
+def transports_in_one_process(kind: str, ranks: int, chunk_bytes: int, device=None,
+                              slots: int = 2, timeout_s: float = 30.0, tag: str = "pair"):
+    """Every rank's transport of `kind` in this process on one region (the one-GPU benchmark's
+    and the thread tests' form): peer_memory's receive slots addressed directly (no IPC)."""
+    from epoverlap.parallel.host_memory import (HostMemoryTransport, HostSlots, Layout,
+                                                SharedRegion)
+    from epoverlap.parallel.peer_memory import PeerSlots
+    layout = Layout(ranks, slots, chunk_bytes)
+    placement = PeerSlots if kind == "peer_memory" else HostSlots
+    region = SharedRegion(region_path(f"{tag}-{os.getpid()}-{random.getrandbits(48):x}"),
+                          placement.region_bytes(layout), create=True)
+    region.unlink()
+    placements = (peer_slots_together(layout, device) if kind == "peer_memory"
+                  else [None] * ranks)
+    return [HostMemoryTransport(region, r, ranks, chunk_bytes, slots, device=device,
+                                timeout_s=timeout_s, placement=placements[r])
+            for r in range(ranks)]
+
+
+def close_all(transports) -> None:
+    """Release every rank's slots, then the region they share."""
+    for transport in transports:
+        transport.placement.close()
+    transports[0].region.close()
+
+
+def pair_in_one_process(device_kind: str, exchanges: int, chunk_bytes: int,
+                        kind: str = "host_memory") -> int:
     """Two ranks' transports on one region in one process, issued from one thread phase by
     phase (`exchange_together`, the benchmark's form): on CUDA their streams order everything,
     nothing waits on the host; on CPU the same order runs with host waits and must not block.
     Against a plain gather of the rows."""
-    from epoverlap.parallel.host_memory import (HostMemoryTransport, Layout, SharedRegion,
-                                                exchange_together)
+    from epoverlap.parallel.host_memory import exchange_together
     device = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
-    layout = Layout(2, 2, chunk_bytes)
-    region = SharedRegion(region_path(f"pair-{os.getpid()}"), layout.total_bytes, create=True)
-    region.unlink()
-    ranks = [HostMemoryTransport(region, r, 2, chunk_bytes, device=device, timeout_s=30)
-             for r in range(2)]
+    ranks = transports_in_one_process(kind, 2, chunk_bytes, device)
     compared = 0
     tables = [list(exchange_table(r, 2, exchanges, device, seed=3)) for r in range(2)]
     outputs = [[None] * exchanges for _ in range(2)]
@@ -280,11 +344,11 @@ def pair_in_one_process(device_kind: str, exchanges: int, chunk_bytes: int) -> i
                 parts.append(input_NH[at:at + in_splits[r]])
             assert torch.equal(outputs[r][e].view(torch.int16), torch.cat(parts).view(torch.int16))
             compared += 1
-    region.close()
+    close_all(ranks)
     return compared
 
 
-def setup_refusals(rank, world_size):
+def setup_refusals(rank, world_size, kind: str = "host_memory"):
     """What each rank raises when the first rank cannot make the region (no room in
     /dev/shm), then when the group spans two hosts: the same one line on every rank."""
     from epoverlap.errors import ConfigError
@@ -296,12 +360,12 @@ def setup_refusals(rank, world_size):
             raise OSError(28, "No space left on device")
         host_memory.os.posix_fallocate = full
         try:
-            open_host_transport(groups.ep, groups.ep_rank, 4096, groups.device, 30.0)
+            OPEN[kind](groups.ep, groups.ep_rank, 4096, groups.device, 30.0)
         except ConfigError as error:
             lines.append(str(error))
         watch.host_label = lambda: f"node{rank}"
         try:
-            open_host_transport(groups.ep, groups.ep_rank, 4096, groups.device, 30.0)
+            OPEN[kind](groups.ep, groups.ep_rank, 4096, groups.device, 30.0)
         except ConfigError as error:
             lines.append(str(error))
         return lines

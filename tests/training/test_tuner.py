@@ -183,11 +183,12 @@ def test_the_once_per_rank_path_only_with_tune_allow_rounding_and_where_it_can_r
     assert names("--delay-wgrad-compute")[-2:] == [OVL + "+once", SEQUENTIAL]
 
 
-def test_the_process_groups_path_where_the_flags_go_through_host_memory():
-    """--moe-a2a-transport host_memory: every path goes through host memory but one more,
-    the first overlap plan with delayed weight grads on the process group (`+group`); with
-    the process group's transport, no such path."""
-    host = ["--moe-a2a-transport", "host_memory"]
+@pytest.mark.parametrize("kind", ["host_memory", "peer_memory"])
+def test_the_process_groups_path_where_the_flags_go_on_copy_engines(kind):
+    """--moe-a2a-transport host_memory or peer_memory: every path goes on copy engines but one
+    more, the first overlap plan with delayed weight grads on the process group (`+group`);
+    with the process group's transport, no such path."""
+    host = ["--moe-a2a-transport", kind]
     paths = candidate_paths(_cfg(*host))
     assert [p.name for p in paths] == [OVL, WG, PE, PE + "+wgrad", WG + "+w4", WG + "+group",
                                        SEQUENTIAL]

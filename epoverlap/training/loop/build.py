@@ -48,6 +48,7 @@ from epoverlap.model.transformer import MoEModel, count_parameters, model_dtype
 from epoverlap.parallel.comm import ContextComm, ExpertComm, HostComms, PipelineComm
 from epoverlap.parallel.groups import ParallelGroups, add_host_groups, context_groups
 from epoverlap.parallel.host_memory import HostMemoryTransport, open_host_transport
+from epoverlap.parallel.peer_memory import open_peer_transport
 from epoverlap.parallel.transport import ranks_per_host
 from epoverlap.parallel.watch import host_list
 from epoverlap.profiling.recorder import SpanRecorder
@@ -106,7 +107,7 @@ class RunParts:
         cfg, groups = self.cfg, self.groups
         self.comm = ExpertComm(groups.ep, groups.ep_size, cfg.overlap.comm_mode,
                                counts_group=groups.ep_splits, by_host=_host_comms(cfg, groups),
-                               transport=_host_transport(cfg, groups))
+                               transport=_copy_transport(cfg, groups))
         self.expert_grads = self._place_expert_grads()
         self.wgrad_queue = WeightGradQueue(enabled=cfg.overlap.delay_wgrad_compute,
                                            **self.expert_grads.queue_options())
@@ -438,14 +439,19 @@ def router_generators(model: MoEModel) -> list[torch.Generator]:
     return [r.balancing_rng for r in model.routers() if r.balancing_rng is not None]
 
 
-def _host_transport(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostMemoryTransport]:
-    """The all-to-all through shared host memory (--moe-a2a-transport host_memory), made
-    collectively over the EP group; None on the process group's own all-to-all."""
+_COPY_TRANSPORTS = {"host_memory": open_host_transport, "peer_memory": open_peer_transport}
+
+
+def _copy_transport(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostMemoryTransport]:
+    """The all-to-all on copy engines, through shared host memory or peer memory
+    (--moe-a2a-transport host_memory, peer_memory), made collectively over the EP group; None
+    on the process group's own all-to-all."""
     p = cfg.parallel
-    if p.moe_a2a_transport != "host_memory" or groups.ep_size == 1:
+    if p.moe_a2a_transport not in _COPY_TRANSPORTS or groups.ep_size == 1:
         return None
-    return open_host_transport(groups.ep, groups.ep_rank, p.moe_a2a_host_slot_kib * 1024,
-                               groups.device, groups.watch.timing.timeout_s)
+    return _COPY_TRANSPORTS[p.moe_a2a_transport](
+        groups.ep, groups.ep_rank, p.moe_a2a_host_slot_kib * 1024, groups.device,
+        groups.watch.timing.timeout_s)
 
 
 def _host_comms(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostComms]:
