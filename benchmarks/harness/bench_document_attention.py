@@ -1,7 +1,9 @@
 """Per-document attention (--reset-attention-mask) on a GPU: the variable-length kernel
 (`epoverlap.model.varlen`, what runs now) against SDPA with the explicit mask (what ran before),
 forward + backward of one microbatch's attention, and plain causal SDPA (one document) as the
-floor.
+floor. Then context parallelism's gathered attention at CP 2 (rank 0's chunks 0 and 3 of 4 over
+the keys up to each chunk's end, one document): the kernel with a one-document table (what runs
+now) against SDPA with the lower-right causal bias (what ran before).
 
     python -m benchmarks.harness.bench_document_attention [--rounds 7] [--iters 10] [--out F]
 
@@ -21,6 +23,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from epoverlap.model.context import _sdpa
 from epoverlap.model.documents import Documents
 from epoverlap.model.varlen import varlen_document_attention
 
@@ -63,6 +66,24 @@ def _sides(mean_doc: int) -> dict:
     return {"varlen": fwd_bwd(varlen), "masked": fwd_bwd(masked), "causal": fwd_bwd(causal)}
 
 
+def _cp_sides() -> dict:
+    """CP 2, rank 0: queries of chunks 0 and 3 (of 4 of 1024) over keys [0, end)."""
+    tokens, (q, k, v) = _inputs(SEQ)
+    doc_BS = torch.zeros_like(tokens)
+    c = SEQ // 4
+    local = [q[:, :, :c].detach().requires_grad_(), q[:, :, 3 * c:].detach().requires_grad_()]
+
+    def run(attend):
+        def step():
+            outs = [attend(local[0], c, 0), attend(local[1], SEQ, 3 * c)]
+            torch.cat(outs, dim=2).backward(torch.ones(1, HEADS, 2 * c, DIM, device="cuda",
+                                                       dtype=torch.bfloat16))
+        return step
+    return {"varlen": run(lambda qc, end, lo: varlen_document_attention(
+                qc, k[:, :, :end], v[:, :, :end], doc_BS, 1, q_lo=lo)),
+            "masked": run(lambda qc, end, lo: _sdpa(qc, k[:, :, :end], v[:, :, :end]))}
+
+
 def _time(fn, iters: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -80,8 +101,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     record, rows = {}, []
-    for mean_doc in (256, 1024, 4096):
-        sides = _sides(mean_doc)
+    for mean_doc in (256, 1024, 4096, "cp2"):
+        sides = _cp_sides() if mean_doc == "cp2" else _sides(mean_doc)
         for fn in sides.values():
             fn()
         samples = {name: [] for name in sides}
@@ -90,13 +111,14 @@ def main() -> None:
                 samples[name].append(_time(fn, args.iters))
         ms = {name: statistics.median(s) for name, s in samples.items()}
         record[str(mean_doc)] = {"samples_ms": samples, "median_ms": ms}
-        rows.append(f"| {mean_doc} | {ms['varlen']:.3f} | {ms['masked']:.3f} | "
-                    f"{ms['causal']:.3f} | {ms['masked'] / ms['varlen']:.2f}x |")
+        causal = f"{ms['causal']:.3f}" if "causal" in ms else "-"
+        rows.append(f"| {mean_doc} | {ms['varlen']:.3f} | {ms['masked']:.3f} | {causal} | "
+                    f"{ms['masked'] / ms['varlen']:.2f}x |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "shape": [1, HEADS, KV_HEADS, SEQ, DIM], "runs": record}, f)
-    print("| mean document | varlen ms | masked SDPA ms | causal SDPA (one document) ms | "
+    print("| mean document (cp2: CP 2's gathered attention) | varlen ms | masked SDPA ms | causal SDPA (one document) ms | "
           "masked / varlen |\n| --- | --- | --- | --- | --- |")
     print("\n".join(rows))
 

@@ -82,3 +82,19 @@ def test_the_kernel_matches_masked_sdpa_on_a_gpu(q_lo, n, m):
     want = torch.autograd.grad(ref, (q, k, v), grad.float())
     for a, b in zip(got, want):
         assert torch.allclose(a.float(), b.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_one_document_table_is_the_lower_right_causal_sdpa_on_a_gpu():
+    """CP's gathered attention without documents: queries of the last chunk over every key."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(1, 8, 256, 128, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(1, 2, 1024, 128, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(1, 2, 1024, 128, device="cuda", generator=gen).bfloat16()
+    out = varlen_document_attention(q, k, v, torch.zeros(1, 1024, dtype=torch.int64,
+                                                         device="cuda"), 1, q_lo=768)
+    visible = torch.ones(256, 1024, dtype=torch.bool, device="cuda").tril(diagonal=768)
+    ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(4, 1),
+                                         v.float().repeat_interleave(4, 1), attn_mask=visible)
+    assert torch.allclose(out.float(), ref, atol=2e-2, rtol=2e-2)
