@@ -102,15 +102,16 @@ def _dynamic_cp_graphs(cfg: RunConfig) -> None:
 
 
 def validate_documents(cfg: RunConfig) -> None:
-    """--reset-attention-mask / --reset-position-ids: what they do not run with yet."""
+    """--reset-attention-mask / --reset-position-ids: what they do not run with yet. Per-layer
+    graphs (`--cuda-graph-impl local`) take the microbatch's tokens as an input of the
+    attention's ranges (`model.transformer`), so a replay reads its own documents."""
     d, m = cfg.data, cfg.model
     if not d.reads_documents:
         return
     name = "reset_attention_mask" if d.reset_attention_mask else "reset_position_ids"
-    require(cfg.cuda_graph.impl in ("none", AUTO) or cfg.parallel.dynamic_context_parallel,
-            "cuda_graph_impl", cfg.cuda_graph.impl, f"must be none with {flag_of(name)}: "
-            "per-document attention under CUDA graphs is not implemented (but for the graphs "
-            "of --dynamic-context-parallel)")
+    require(cfg.cuda_graph.impl != "full_iteration", "cuda_graph_impl", cfg.cuda_graph.impl,
+            f"none or local with {flag_of(name)}: one graph of the whole iteration with "
+            "per-document attention is not tested yet (per-layer graphs are)")
     require(not d.reset_attention_mask or m.attention_dropout == 0, "attention_dropout",
             m.attention_dropout, "must be 0 with --reset-attention-mask: attention dropout "
             "with per-document attention is not implemented")

@@ -188,3 +188,15 @@ def test_on_copy_engines_the_auto_graphs_stop_before_the_dispatch(gpu_rules, mon
     assert cfg.cuda_graph.modules == ("attn", "moe_router", "moe_preprocess")
     assert cfg.moe.moe_dispatch_budget is None
     assert f"levers all-to-all over {medium} (4096 KiB slots)" in path_text(cfg, "cuda")
+
+
+def test_per_document_attention_on_gpus_gets_the_partial_graphs(gpu_rules, monkeypatch):
+    """The graph of the whole iteration is refused with --reset-attention-mask
+    (`config.context_rules`); the per-layer graphs, which take the tokens as an input, are
+    the auto scope's choice over NVLink too."""
+    one_host_over_nvlink(monkeypatch)
+    documents = ["--data-path", "docs", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                 "50", "--reset-attention-mask", "--reset-position-ids"]
+    cfg = resolved(documents, world=2, cuda=True)
+    assert cfg.cuda_graph.impl == "local"
+    assert cfg.cuda_graph.modules == ("attn", "moe_router", "moe_preprocess")

@@ -9,7 +9,10 @@ grad-norm bits at every step:
   * dynamic CP (sizes 1 and 2): each size's runner captured and replayed, size 2's attention
     graphs holding the ring, or the all-gather (inside the attention under dynamic CP) and
     its backward's all-to-all. The graphs check their inputs, so a slot buffer that served
-    both sizes (tokens of S / 2 and of S) stops the run."""
+    both sizes (tokens of S / 2 and of S) stops the run;
+  * fixed CP 2 with per-document attention (--reset-attention-mask --reset-position-ids
+    --eod-mask-loss on short documents): the tokens an input of the attention graphs, each
+    replay reading its own microbatch's documents."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import re
 
 import pytest
 
-from context_workers import EOD_VOCAB, write_aligned_documents
+from context_workers import EOD_VOCAB, write_aligned_documents, write_short_documents
 from gpu_runs import identical_losses, needs_gpus
 from gpu_runs import train_cli as _train
 
@@ -54,6 +57,26 @@ def test_cp2_graphs_replay_the_eager_bits_over_nccl(tmp_path, comm_type):
     _, eager = _train(tmp_path, f"cp2_{comm_type}_eager", 2,
                       flags + ["--cuda-graph-impl", "none"])
     out, graphed = _train(tmp_path, f"cp2_{comm_type}_graphs", 2, flags + GRAPHS + [
+        "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess"])
+    assert re.search(CAPTURED + r" ", out), out[-3000:]
+    assert identical_losses(eager, graphed)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@needs_gpus
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_cp2_per_document_graphs_replay_the_eager_bits_over_nccl(tmp_path, comm_type):
+    prefix = write_short_documents(str(tmp_path / "docs"), count=3000)
+    flags = ["--preset", "tiny", "--bf16", "--deterministic-mode", "--train-iters", "8",
+             "--log-interval", "1", "--data-path", prefix, "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", str(EOD_VOCAB), "--split", "100,0,0", "--context-parallel-size",
+             "2", "--cp-comm-type", comm_type, "--expert-model-parallel-size", "2",
+             "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
+             "--overlap-moe-expert-parallel-comm", "--tune", "off"]
+    _, eager = _train(tmp_path, f"cp2_documents_{comm_type}_eager", 2,
+                      flags + ["--cuda-graph-impl", "none"])
+    out, graphed = _train(tmp_path, f"cp2_documents_{comm_type}_graphs", 2, flags + GRAPHS + [
         "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess"])
     assert re.search(CAPTURED + r" ", out), out[-3000:]
     assert identical_losses(eager, graphed)

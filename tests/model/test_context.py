@@ -75,8 +75,6 @@ def _refusal(flags: list[str], world: int = 4) -> str:
      "none or local with --context-parallel-size > 1"),
     (["--context-parallel-size", "2", "--cuda-graph-impl", "local", "--cuda-graph-modules",
       "attn", "moe"], "moe_router and/or moe_preprocess with --context-parallel-size > 1"),
-    (["--context-parallel-size", "2", "--cuda-graph-impl", "local", "--cuda-graph-modules",
-      "attn", "--reset-attention-mask"], "must be none with --reset-attention-mask"),
 ])
 def test_what_context_parallelism_does_not_run_with_is_refused_naming_the_flag(flags, says):
     assert says in _refusal(flags)
@@ -195,6 +193,22 @@ def test_at_every_size_the_ranks_hold_every_position_once(size):
 ])
 def test_what_dynamic_cp_needs_is_refused_naming_the_flag(flags, says):
     assert says in _refusal(flags)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_per_document_attention_runs_with_per_layer_graphs_not_one_of_the_iteration(cp):
+    """Per-layer graphs take the tokens as an input of the attention's ranges; the graph of the
+    whole iteration is refused, naming the flag."""
+    from epoverlap.config.context_rules import validate_documents
+    argv = TINY + ["--context-parallel-size", str(cp), "--reset-attention-mask",
+                   "--reset-position-ids"]
+    validate_documents(parse_config(argv + ["--cuda-graph-impl", "local",
+                                            "--cuda-graph-modules", "attn", "moe_router"]))
+    with pytest.raises(ConfigError, match="none or local with --reset-attention-mask"):
+        validate_documents(parse_config(argv + ["--cuda-graph-impl", "full_iteration"]))
+    with pytest.raises(ConfigError, match="none or local with --reset-position-ids"):
+        validate_documents(parse_config(TINY + ["--reset-position-ids", "--cuda-graph-impl",
+                                                "full_iteration"]))
 
 
 def test_dynamic_cp_accepts_megatrons_per_rank_length_when_it_is_s_over_cp():

@@ -3,7 +3,8 @@ single-rank reference (output and the grads of q, k, v), both K/V exchanges; CP 
 train to CP 1's losses (fp32 rounding) with either exchange; the overlap and delayed weight
 grads stay bit-identical to the sequential schedule under CP; dynamic CP switches sizes
 between microbatches and trains to the losses of each fixed size; per-layer graphs (emulated)
-replay the eager bits at CP 2 with either exchange and under dynamic CP at every size."""
+replay the eager bits at CP 2 with either exchange and under dynamic CP at every size, and
+with per-document attention at CP 1 and 2."""
 
 from __future__ import annotations
 
@@ -215,6 +216,29 @@ def test_cp2_graphs_replay_the_eager_bits_with_either_exchange(comm_type):
     captured, _, replays = graphed[4][2]
     assert captured and replays > 0
     assert ("kv_gather" in graphed[5]) == (comm_type == "allgather"), graphed[5]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_per_document_graphs_read_each_microbatchs_tokens_bitwise(tmp_path, cp):
+    """--reset-attention-mask --reset-position-ids --eod-mask-loss on short documents (their
+    ends differ from microbatch to microbatch), graphs of attention and the router (emulated
+    backend, input checks on), at CP 1 and at CP 2 (the ring's per-document masks): the tokens
+    are an input of the attention's graphs, so the losses, grad norms and parameters are the
+    eager run's bit for bit. At CP 1 a third run's graphs keep the tokens of their first
+    replay, and its bits differ: the check sees stale documents."""
+    from context_workers import document_graph_runs, write_short_documents
+    prefix = write_short_documents(str(tmp_path / "docs"))
+    flags = ["--train-iters", "4", "--reset-attention-mask", "--reset-position-ids",
+             "--eod-mask-loss", "--cp-comm-type", "p2p"]
+    runs = run_ranks(document_graph_runs, cp, prefix, flags, cp == 1, timeout_s=600)[0]
+    eager, graphed = runs[:2]
+    _assert_graphed_is_eager(eager, graphed)
+    captured, tokens, replays = graphed[4][cp]
+    assert captured and replays > 0 and tokens == [(2, 32)], graphed[4]
+    if cp == 1:
+        stale = runs[2]
+        assert stale[4][1][2] > 0
+        assert stale[0][-1] != eager[0][-1], (stale[0], eager[0])
 
 
 @pytest.mark.parametrize("comm_type", ["p2p", "allgather"])

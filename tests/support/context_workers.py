@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -203,29 +204,32 @@ def _runner_state(runner) -> tuple:
 
 def _eager_and_graphed(groups, argv: list[str], graphs: list[str]) -> list:
     """`argv` run eagerly, then with `graphs` under the emulated backend, in one process
-    group: per run (losses, grad norms, the parameters after the last step, the microbatches
-    dynamic CP ran at each size ({} when fixed), each runner's `_runner_state` by CP size
-    (the run's size when fixed; {} eager), layer 0's node names)."""
-    runs = []
-    for extra in ([], graphs):
-        trainer = Trainer(parse_config(argv + extra), groups, log=lambda msg: None,
-                          graph_backend=_counting_graphs())
-        try:
-            results = trainer.train()
-            context = trainer.model.context
-            runners = {}
-            if extra:
-                bank = trainer.parts.graph_banks.active
-                runners = ({size: _runner_state(r) for size, r in bank.runners.items()}
-                           if context.dynamic else {context.size: _runner_state(bank)})
-            params = torch.cat([p.detach().float().flatten()
-                                for p in trainer.model.parameters()])
-            nodes = [spec.name for spec in trainer.model.node_specs() if spec.layer == 0]
-            runs.append(([r.loss for r in results], [r.grad_norm for r in results], params,
-                         dict(context.chosen) if context.dynamic else {}, runners, nodes))
-        finally:
-            trainer.close()
-    return runs
+    group: a `_run_state` per run."""
+    return [_run_state(groups, argv + extra) for extra in ([], graphs)]
+
+
+def _run_state(groups, argv: list[str]) -> tuple:
+    """A run of `argv` (graphs under the emulated backend): (losses, grad norms, the parameters
+    after the last step, the microbatches dynamic CP ran at each size ({} when fixed), each
+    runner's `_runner_state` by CP size (the run's size when fixed; {} eager), layer 0's node
+    names)."""
+    cfg = parse_config(argv)
+    trainer = Trainer(cfg, groups, log=lambda msg: None, graph_backend=_counting_graphs())
+    try:
+        results = trainer.train()
+        context = trainer.model.context  # None at CP 1
+        dynamic = context is not None and context.dynamic
+        runners = {}
+        if cfg.cuda_graph.impl == "local":
+            bank = trainer.parts.graph_banks.active
+            runners = ({size: _runner_state(r) for size, r in bank.runners.items()}
+                       if dynamic else {context.size if context else 1: _runner_state(bank)})
+        params = torch.cat([p.detach().float().flatten() for p in trainer.model.parameters()])
+        nodes = [spec.name for spec in trainer.model.node_specs() if spec.layer == 0]
+        return ([r.loss for r in results], [r.grad_norm for r in results], params,
+                dict(context.chosen) if dynamic else {}, runners, nodes)
+    finally:
+        trainer.close()
 
 
 def dynamic_cp_graph_runs(rank, world_size, ep, prefix, flags):
@@ -253,6 +257,41 @@ def cp_graph_runs(rank, world_size, ep, flags):
         return _eager_and_graphed(groups, argv, CP_GRAPHS)
     finally:
         destroy_distributed(groups)
+
+
+def document_graph_runs(rank, world_size, prefix, flags, stale=False):
+    """CP = world (EP 1) on the documents of `prefix`, eager then with per-layer graphs of
+    attention and the router under the emulated backend (`_eager_and_graphed`); with `stale`
+    a third run whose range graphs copy the tokens in at their first replay only, as graphs
+    that held the tokens instead of taking them as an input would."""
+    groups = init_distributed(1, "cpu", timeout_minutes=3, cp_size=world_size)
+    argv = indexed_argv(prefix, world_size) + list(flags)
+    try:
+        runs = _eager_and_graphed(groups, argv, CP_GRAPHS)
+        if stale:
+            with _stale_tokens():
+                runs.append(_run_state(groups, argv + CP_GRAPHS))
+        return runs
+    finally:
+        destroy_distributed(groups)
+
+
+@contextlib.contextmanager
+def _stale_tokens():
+    """Range graphs that keep the tokens of their first replay."""
+    from epoverlap.graphs.capture import RangeGraphs
+    original, seen = RangeGraphs.replay_forward, set()
+
+    def replay_forward(self, inputs, where):
+        if "tokens" in inputs and id(self) in seen:
+            inputs = {name: value for name, value in inputs.items() if name != "tokens"}
+        seen.add(id(self))
+        return original(self, inputs, where)
+    RangeGraphs.replay_forward = replay_forward
+    try:
+        yield
+    finally:
+        RangeGraphs.replay_forward = original
 
 
 def cp_pipeline_indexed_losses(rank, world_size, cp, pp, prefix, flags):
