@@ -160,11 +160,11 @@ class ContextParallel:
         outs = []
         for half, chunk in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             end = (chunk + 1) * c
-            if uses_varlen(q_BQsD):  # on GPUs in 16 bits (model.varlen), per document
-                doc_BS, capacity = self._document_table(q_BQsD, tokens_BS)
+            if self._varlen(q_BQsD):  # per document, on GPUs in 16 bits (model.varlen)
                 outs.append(varlen_document_attention(
                     q_BQsD[:, :, half * c:(half + 1) * c], k_BGSD[:, :, :end],
-                    v_BGSD[:, :, :end], doc_BS, capacity, q_lo=chunk * c))
+                    v_BGSD[:, :, :end], self.documents.ids(tokens_BS), self.documents.capacity,
+                    q_lo=chunk * c))
                 continue
             q_pos = self.positions[half * c:(half + 1) * c]
             mask = self._visible(tokens_BS, q_pos, torch.arange(end, device=q_pos.device))
@@ -173,18 +173,11 @@ class ContextParallel:
         return torch.cat(outs, dim=2)
 
     def _varlen(self, q_BQsD: torch.Tensor) -> bool:
-        """Whether attention runs per document on the variable-length kernel."""
+        """Whether attention runs per document on the variable-length kernel (without
+        documents SDPA's lower-right causal bias is the faster: 1.27 against 3.12 ms at CP 2,
+        benchmarks/context_parallel.md)."""
         return self.documents is not None and uses_varlen(q_BQsD)
 
-    def _document_table(self, q_BQsD: torch.Tensor, tokens_BS: Optional[torch.Tensor]):
-        """(each position's document [B, S], the table's documents per sample): one document
-        a sample without per-document attention (the kernel's causal rule over a chunk's
-        queries and the keys up to its end, in place of the lower-right causal SDPA)."""
-        if self.documents is not None:
-            return self.documents.ids(tokens_BS), self.documents.capacity
-        batch = q_BQsD.shape[0]
-        return torch.zeros(batch, self.seq_length, dtype=torch.int64,
-                           device=q_BQsD.device), 1
 
     # ----------------------------------------------------------------- p2p ring
     def _ring(self, q_BQsD, k_BGsD, v_BGsD, tokens_BS=None) -> torch.Tensor:
