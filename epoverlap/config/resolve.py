@@ -55,7 +55,7 @@ import math
 from epoverlap.config.cuda_graphs import AUTO, EP_OVERLAP_MODULES
 from epoverlap.config.dispatch import BY_HOST_MAX_SHARE, DispatchMode, by_host_row_share
 from epoverlap.config.run import RunConfig
-from epoverlap.config.sections import COPY_ENGINE_TRANSPORTS
+from epoverlap.config.sections import COPY_ENGINE_TRANSPORTS, COPY_SLOT_KIB
 from epoverlap.config.tuning import candidate_paths, may_tune
 from epoverlap.config.validate import MAX_LAYERS, check_config
 from epoverlap.errors import ConfigError
@@ -77,6 +77,9 @@ def resolve_config(cfg: RunConfig, world_size: int, cuda_available: bool) -> Run
     """`cfg` for this world (`RunConfig.for_world`) with every `auto` default set (see the
     module docstring). Idempotent."""
     cfg = cfg.for_world(world_size)
+    if cfg.parallel.moe_a2a_host_slot_kib is None:  # not an auto choice: the transport's size
+        cfg = _with(cfg, "parallel", moe_a2a_host_slot_kib=COPY_SLOT_KIB.get(
+            cfg.parallel.moe_a2a_transport, COPY_SLOT_KIB["process_group"]))  # (refused later)
     if not _has_auto(cfg):
         return cfg
     on_cuda = cfg.resolved_device(cuda_available) == "cuda"

@@ -25,6 +25,8 @@ OVERLAP_PLANS = ("combined_1f1b", "combined_1f1b_early_release", "combined_1f1b_
 COMM_MODES = ("real", "local_copy")
 A2A_TRANSPORTS = ("process_group", "host_memory", "peer_memory")  # --moe-a2a-transport
 COPY_ENGINE_TRANSPORTS = ("host_memory", "peer_memory")  # its transports on copy engines
+# --moe-a2a-host-slot-kib's default per transport (benchmarks/copy_engine.md, slot sizes)
+COPY_SLOT_KIB = {"process_group": 4096, "host_memory": 4096, "peer_memory": 65536}
 CP_COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")  # Megatron-LM's; model.context: 2
 TUNE_MODES = ("auto", "on", "off")
 COMM_STREAM_PRIORITIES = ("high", "normal")
@@ -237,8 +239,11 @@ class ParallelConfig:
         "expert-parallel group on one host and the flat dispatch; with --tune the process "
         "group's all-to-all is timed as one more path (`+group`)",
         choices=A2A_TRANSPORTS, metavar="KIND")
-    moe_a2a_host_slot_kib: int = flag(
-        4096, "--moe-a2a-transport host_memory or peer_memory: the slot size; each pair of "
+    moe_a2a_host_slot_kib: Optional[int] = flag(
+        None, "--moe-a2a-transport host_memory or peer_memory: the slot size (default: "
+        f"{COPY_SLOT_KIB['host_memory']} for host_memory, {COPY_SLOT_KIB['peer_memory']} for "
+        "peer_memory, whose NVLink copies reach 410-470 GB/s in 64 MiB pieces against 95-150 "
+        "in 4 MiB ones, where host memory's PCIe copies are fastest in 4 MiB); each pair of "
         "ranks has two slots of N KiB (host_memory: ranks^2 x 2 x N KiB of pinned host memory "
         "per host; peer_memory: ranks x 2 x N KiB of each rank's device memory), so a "
         "message moves in pieces of N KiB and one piece is copied in while the one before is "

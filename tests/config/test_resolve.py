@@ -187,7 +187,8 @@ def test_on_copy_engines_the_auto_graphs_stop_before_the_dispatch(gpu_rules, mon
     assert cfg.cuda_graph.impl == "local"
     assert cfg.cuda_graph.modules == ("attn", "moe_router", "moe_preprocess")
     assert cfg.moe.moe_dispatch_budget is None
-    assert f"levers all-to-all over {medium} (4096 KiB slots)" in path_text(cfg, "cuda")
+    slot = {"host_memory": 4096, "peer_memory": 65536}[kind]  # each transport's default
+    assert f"levers all-to-all over {medium} ({slot} KiB slots)" in path_text(cfg, "cuda")
 
 
 def test_per_document_attention_on_gpus_gets_the_partial_graphs(gpu_rules, monkeypatch):
