@@ -13,7 +13,7 @@ memory). Each recipe:
 
 The model: megatron-cmp's layers at 4096 tokens a sequence, one sequence per microbatch (the
 ring's partial attentions keep fp32 scores of a chunk pair for the backward: s x s per head).
-CUDA graphs are off (refused under CP).
+Eager (`--cuda-graph-impl none`): the step times compare the exchanges, not graphs.
 """
 
 from __future__ import annotations
