@@ -45,6 +45,16 @@ def _flags(prefix: str) -> list[str]:
             "--tune", "off"]
 
 
+def _graphed_equals_eager(tmp_path, name: str, flags: list[str]) -> None:
+    """`flags` eager, then with per-layer graphs of attn, moe_router and moe_preprocess: a
+    capture, and the eager run's loss and grad-norm bits at every step."""
+    _, eager = _train(tmp_path, f"{name}_eager", 2, flags + ["--cuda-graph-impl", "none"])
+    out, graphed = _train(tmp_path, f"{name}_graphs", 2, flags + GRAPHS + [
+        "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess"])
+    assert re.search(CAPTURED + r" ", out), out[-3000:]
+    assert identical_losses(eager, graphed)
+
+
 @pytest.mark.gpu
 @pytest.mark.multigpu
 @needs_gpus
@@ -54,12 +64,7 @@ def test_cp2_graphs_replay_the_eager_bits_over_nccl(tmp_path, comm_type):
              "--mock-data", "--log-interval", "1", "--context-parallel-size", "2",
              "--cp-comm-type", comm_type, "--expert-model-parallel-size", "2",
              "--overlap-moe-expert-parallel-comm", "--tune", "off"]
-    _, eager = _train(tmp_path, f"cp2_{comm_type}_eager", 2,
-                      flags + ["--cuda-graph-impl", "none"])
-    out, graphed = _train(tmp_path, f"cp2_{comm_type}_graphs", 2, flags + GRAPHS + [
-        "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess"])
-    assert re.search(CAPTURED + r" ", out), out[-3000:]
-    assert identical_losses(eager, graphed)
+    _graphed_equals_eager(tmp_path, f"cp2_{comm_type}", flags)
 
 
 @pytest.mark.gpu
@@ -74,12 +79,7 @@ def test_cp2_per_document_graphs_replay_the_eager_bits_over_nccl(tmp_path, comm_
              "2", "--cp-comm-type", comm_type, "--expert-model-parallel-size", "2",
              "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
              "--overlap-moe-expert-parallel-comm", "--tune", "off"]
-    _, eager = _train(tmp_path, f"cp2_documents_{comm_type}_eager", 2,
-                      flags + ["--cuda-graph-impl", "none"])
-    out, graphed = _train(tmp_path, f"cp2_documents_{comm_type}_graphs", 2, flags + GRAPHS + [
-        "--cuda-graph-modules", "attn", "moe_router", "moe_preprocess"])
-    assert re.search(CAPTURED + r" ", out), out[-3000:]
-    assert identical_losses(eager, graphed)
+    _graphed_equals_eager(tmp_path, f"cp2_documents_{comm_type}", flags)
 
 
 @pytest.mark.gpu
