@@ -243,7 +243,7 @@ def run_torchrun(torchrun_args: list[str]) -> int:
         run(parse_args(torchrun_args))
     except ChildFailedError as error:
         print(f"{PROG}: {_failures_line(error.failures)}", file=sys.stderr, flush=True)
-        _, first = error.get_first_failure()
+        _, first = min(error.failures.items(), key=_failure_order)
         return first.exitcode if first.exitcode > 0 else 128 - first.exitcode
     except SignalException as stop:  # the ranks got it forwarded; rank 0 said where they stopped
         return 128 + int(stop.sigval)
@@ -283,10 +283,18 @@ def _stop_workers_within_the_shutdown_timeout() -> None:
     LocalElasticAgent._stop_workers = stop_workers
 
 
+def _failure_order(item: tuple) -> tuple:
+    """First failure first: torch elastic stamps failures in whole seconds, so a rank that
+    exited with a status and the rank the launcher killed after it often share a second;
+    there the exit status comes first (the kill was its consequence), then the lower rank."""
+    rank, failure = item
+    return failure.timestamp, failure.exitcode < 0, rank
+
+
 def _failures_line(failures: dict) -> str:
-    """`rank 1 was killed by SIGKILL; rank 0 exited with status 3`, first failure first."""
+    """`rank 0 exited with status 3; rank 1 was killed by SIGKILL`, first failure first."""
     parts = []
-    for rank, failure in sorted(failures.items(), key=lambda item: item[1].timestamp):
+    for rank, failure in sorted(failures.items(), key=_failure_order):
         if failure.exitcode < 0:
             parts.append(f"rank {rank} was killed by {signal.Signals(-failure.exitcode).name}")
         else:

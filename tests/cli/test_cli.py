@@ -156,3 +156,19 @@ def test_under_torchrun_a_bad_flag_prints_one_usage_block():
     assert result.returncode == 1  # torchrun's own status for any failed rank
     assert result.stderr.count("usage: epoverlap-train") == 1, result.stderr
     assert result.stderr.count("epoverlap-train: error: unrecognized arguments") == 1
+
+
+def test_the_launcher_names_a_ranks_exit_before_the_kill_it_caused_in_the_same_second():
+    """torch elastic stamps failures in whole seconds: a rank that exited with status 3 and
+    the stopped rank the launcher then killed share one; the line and the status put the exit
+    first, whatever order torch lists them in."""
+    from types import SimpleNamespace
+
+    from epoverlap.cli.launch import _failure_order, _failures_line
+    failures = {1: SimpleNamespace(timestamp=100, exitcode=-9),
+                0: SimpleNamespace(timestamp=100, exitcode=3)}
+    assert _failures_line(failures) == \
+        "rank 0 exited with status 3; rank 1 was killed by SIGKILL"
+    assert min(failures.items(), key=_failure_order)[0] == 0
+    failures[1].timestamp = 99  # a kill a second earlier is the first failure
+    assert _failures_line(failures).startswith("rank 1 was killed by SIGKILL")
