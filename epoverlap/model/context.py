@@ -158,13 +158,14 @@ class ContextParallel:
         k_BGSD, v_BGSD = in_sequence_order(kv_RKBGsD)
         c = q_BQsD.shape[2] // 2
         outs = []
+        varlen = self._varlen(q_BQsD)  # per document, on GPUs in 16 bits (model.varlen)
+        doc_BS = self.documents.ids(tokens_BS) if varlen else None
         for half, chunk in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             end = (chunk + 1) * c
-            if self._varlen(q_BQsD):  # per document, on GPUs in 16 bits (model.varlen)
+            if varlen:
                 outs.append(varlen_document_attention(
                     q_BQsD[:, :, half * c:(half + 1) * c], k_BGSD[:, :, :end],
-                    v_BGSD[:, :, :end], self.documents.ids(tokens_BS), self.documents.capacity,
-                    q_lo=chunk * c))
+                    v_BGSD[:, :, :end], doc_BS, self.documents.capacity, q_lo=chunk * c))
                 continue
             q_pos = self.positions[half * c:(half + 1) * c]
             mask = self._visible(tokens_BS, q_pos, torch.arange(end, device=q_pos.device))
@@ -174,10 +175,8 @@ class ContextParallel:
 
     def _varlen(self, q_BQsD: torch.Tensor) -> bool:
         """Whether attention runs per document on the variable-length kernel (without
-        documents SDPA's lower-right causal bias is the faster: 1.27 against 3.12 ms at CP 2,
-        benchmarks/context_parallel.md)."""
+        documents SDPA's lower-right causal bias is the faster: benchmarks/context_parallel.md)."""
         return self.documents is not None and uses_varlen(q_BQsD)
-
 
     # ----------------------------------------------------------------- p2p ring
     def _ring(self, q_BQsD, k_BGsD, v_BGsD, tokens_BS=None) -> torch.Tensor:

@@ -80,8 +80,9 @@ def _varlen_attn():
 
 @lru_cache(maxsize=1)
 def _causal_kwargs() -> dict:
-    """Causal (bottom-right) in the installed torch's spelling: torch 2.13 takes
-    window_size=(-1, 0), earlier releases is_causal=True."""
+    """Causal (bottom-right) in the installed torch's spelling: window_size=(-1, 0) where
+    varlen_attn takes it (torch 2.11 and 2.13), else is_causal=True; grouped-query K/V asked
+    for where the signature has enable_gqa (2.11's kernel takes them without it)."""
     params = inspect.signature(_varlen_attn()).parameters
     kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if "enable_gqa" in params:
