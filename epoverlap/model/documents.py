@@ -36,6 +36,11 @@ class Documents:
             raise ValueError(f"--max-documents-per-sample={self.capacity}: a sample holds "
                              f"{most} documents; give at least {most}")
 
+    def check_batches(self, batches) -> None:
+        """`check_capacity` of each (tokens, labels) of a step's host batches."""
+        for tokens_BS, _ in batches:
+            self.check_capacity(tokens_BS)
+
     def ids(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """[B, S] the document index of each position (0 for the first document)."""
         ends_BS = (tokens_BS == self.eod).long()

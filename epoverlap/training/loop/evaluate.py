@@ -98,8 +98,7 @@ class Evaluator:
         batches = step_batches(self.data, index, self.groups.data_rank, t.num_microbatches,
                                t.micro_batch_size, self.cfg.model.seq_length)
         if self.model.documents is not None:
-            for tokens, _ in batches:
-                self.model.documents.check_capacity(tokens)
+            self.model.documents.check_batches(batches)
         inputs = [(tokens.to(self.device), labels.to(self.device)) for tokens, labels in batches]
         return self.stepper.until_it_fits(lambda level: self._forward(inputs, level, dispatch))
 

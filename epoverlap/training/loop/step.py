@@ -201,8 +201,7 @@ class StepRunner:
                                   t.micro_batch_size, self.cfg.model.seq_length)
         batches = self._feed.batches(step)
         if self.model.documents is not None:  # before the device gets them (model.varlen)
-            for tokens, _ in batches:
-                self.model.documents.check_capacity(tokens)
+            self.model.documents.check_batches(batches)
         context = self.model.context
         if context is not None and context.dynamic:  # this rank's segment (model.context)
             batches = [context.segments(tokens, labels) for tokens, labels in batches]
