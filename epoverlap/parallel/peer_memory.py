@@ -249,14 +249,10 @@ def peer_slots_together(layout: Layout, device: Optional[torch.device] = None
     the one-GPU benchmark and tests): their slots addressed directly, no IPC (a process cannot
     open its own handle); each rank's own slots released by its own `close`."""
     device = device if device is not None else torch.device("cpu")
-    owned = []
-    for _ in range(layout.ranks):
-        if device.type == "cuda":
-            owned.append(DeviceSlots(layout.receive_bytes, device))
-        else:
-            owned.append(FileSlots(region_path(f"slots-{os.getpid()}-{uuid.uuid4().hex}"),
-                                   layout.receive_bytes, create=True))
-            owned[-1].region.unlink()
+    owned = [own_slots(layout, device) for _ in range(layout.ranks)]
+    for own in owned:
+        if isinstance(own, FileSlots):  # no other process maps it
+            own.region.unlink()
     return [PeerSlots(layout, [own if r == rank else _Borrowed(own)
                                for r, own in enumerate(owned)])
             for rank in range(layout.ranks)]
