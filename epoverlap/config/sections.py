@@ -242,8 +242,8 @@ class ParallelConfig:
     moe_a2a_host_slot_kib: Optional[int] = flag(
         None, "--moe-a2a-transport host_memory or peer_memory: the slot size (default: "
         f"{COPY_SLOT_KIB['host_memory']} for host_memory, {COPY_SLOT_KIB['peer_memory']} for "
-        "peer_memory, whose NVLink copies reach 410-470 GB/s in 64 MiB pieces against 95-150 "
-        "in 4 MiB ones, where host memory's PCIe copies are fastest in 4 MiB); each pair of "
+        "peer_memory: peer copies over NVLink need large pieces, host memory's PCIe copies do "
+        "not); each pair of "
         "ranks has two slots of N KiB (host_memory: ranks^2 x 2 x N KiB of pinned host memory "
         "per host; peer_memory: ranks x 2 x N KiB of each rank's device memory), so a "
         "message moves in pieces of N KiB and one piece is copied in while the one before is "
