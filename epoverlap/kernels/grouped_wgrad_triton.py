@@ -62,6 +62,8 @@ class WgradConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # rows loaded by the tensor memory accelerator (sm_90+), not by pointers
+    warp_specialize: bool = False  # TMA only: loads, MMA and epilogue in warps of their own
 
 
 # Half precision, by the rows an expert has on average (bench_wgrad --sweep on an H200,
@@ -101,13 +103,44 @@ def _add_rows(acc, x_ptr, grad_ptr, k0, end, i, o, i_ok, o_ok, stride_x, stride_
 
 
 @triton.jit
+def _add_rows_tma(acc, x_ptr, grad_ptr, start, end, i0, o0, I, O, stride_x, stride_g,
+                  BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                  INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, WS: tl.constexpr):
+    """acc + rows start..end-1 through TMA: one descriptor pair per expert over just its rows,
+    so the hardware reads the rows past its end (the next expert's) as zeros."""
+    rows = (end - start).to(tl.int32)
+    x_desc = tl.make_tensor_descriptor(x_ptr + start * stride_x, shape=[rows, I],
+                                       strides=[stride_x, 1], block_shape=[BLOCK_K, BLOCK_I])
+    g_desc = tl.make_tensor_descriptor(grad_ptr + start * stride_g, shape=[rows, O],
+                                       strides=[stride_g, 1], block_shape=[BLOCK_K, BLOCK_O])
+    if not INTERPRETED:
+        for k0 in tl.range(0, rows, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=WS):
+            acc = tl.dot(x_desc.load([k0, i0]).T, g_desc.load([k0, o0]), acc,
+                         input_precision="ieee", out_dtype=tl.float32)
+    else:  # the interpreter's loop and dot, as in `_add_expert_rows`
+        k0 = 0
+        while k0 < rows:
+            xt = x_desc.load([k0, i0]).T.to(tl.float32)
+            acc = tl.dot(xt, g_desc.load([k0, o0]).to(tl.float32), acc,
+                         input_precision="ieee", out_dtype=tl.float32)
+            k0 += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _add_expert_rows(acc, x_ptr, grad_ptr, offsets_ptr, e, i, o, i_ok, o_ok, stride_x, stride_g,
                      BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-                     NUM_STAGES: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, I=0, O=0, i0=0, o0=0,
+                     BLOCK_I: tl.constexpr = 0, BLOCK_O: tl.constexpr = 0,
+                     TMA: tl.constexpr = False, WS: tl.constexpr = False):
     """acc + expert e's rows of one source (x, grad, offsets), BLOCK_K rows a step in order."""
     start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
     end = tl.load(offsets_ptr + e).to(tl.int64)
-    if not INTERPRETED:
+    if TMA:
+        if end > start:
+            acc = _add_rows_tma(acc, x_ptr, grad_ptr, start, end, i0, o0, I, O, stride_x,
+                                stride_g, BLOCK_I, BLOCK_O, BLOCK_K, INTERPRETED, NUM_STAGES, WS)
+    elif not INTERPRETED:
         for k0 in tl.range(start, end, BLOCK_K, num_stages=NUM_STAGES):
             acc = _add_rows(acc, x_ptr, grad_ptr, k0, end, i, o, i_ok, o_ok, stride_x,
                             stride_g, BLOCK_K, INTERPRETED)
@@ -131,7 +164,7 @@ def _grouped_wgrad_kernel(
     I, O, stride_x, stride_g, stride_x2, stride_g2, num_tiles,
     BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, TWO_SOURCES: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
 ):
     tiles_o = tl.cdiv(O, BLOCK_O)
     tiles_per_expert = tl.cdiv(I, BLOCK_I) * tiles_o
@@ -139,8 +172,10 @@ def _grouped_wgrad_kernel(
     while tile < num_tiles:
         e = tile // tiles_per_expert
         rest = tile % tiles_per_expert
-        i = (rest // tiles_o) * BLOCK_I + tl.arange(0, BLOCK_I)
-        o = (rest % tiles_o) * BLOCK_O + tl.arange(0, BLOCK_O)
+        i0 = (rest // tiles_o) * BLOCK_I
+        o0 = (rest % tiles_o) * BLOCK_O
+        i = i0 + tl.arange(0, BLOCK_I)
+        o = o0 + tl.arange(0, BLOCK_O)
         i_ok = i < I
         o_ok = o < O
         c_ptrs = main_grad_ptr + e.to(tl.int64) * I * O + i[:, None] * O + o[None, :]
@@ -150,10 +185,12 @@ def _grouped_wgrad_kernel(
         else:
             acc = tl.zeros((BLOCK_I, BLOCK_O), dtype=tl.float32)
         acc = _add_expert_rows(acc, x_ptr, grad_ptr, offsets_ptr, e, i, o, i_ok, o_ok,
-                               stride_x, stride_g, BLOCK_K, INTERPRETED, NUM_STAGES)
+                               stride_x, stride_g, BLOCK_K, INTERPRETED, NUM_STAGES, I, O,
+                               i0, o0, BLOCK_I, BLOCK_O, TMA, WS)
         if TWO_SOURCES:
             acc = _add_expert_rows(acc, x2_ptr, grad2_ptr, offsets2_ptr, e, i, o, i_ok, o_ok,
-                                   stride_x2, stride_g2, BLOCK_K, INTERPRETED, NUM_STAGES)
+                                   stride_x2, stride_g2, BLOCK_K, INTERPRETED, NUM_STAGES, I, O,
+                                   i0, o0, BLOCK_I, BLOCK_O, TMA, WS)
         tl.store(c_ptrs, acc, mask=c_ok)
         tile += tl.num_programs(0)
 
@@ -217,9 +254,28 @@ def grouped_weight_grad_triton(main_grad_EIO: torch.Tensor, x_NI: torch.Tensor,
     x_NI, grad_NO, x2, g2 = (_unit_rows(t) for t in (x_NI, grad_NO, x2, g2))
     num_tiles = experts * cdiv(width_in, cfg.block_i) * cdiv(width_out, cfg.block_o)
     programs = _programs(num_tiles, x_NI.device, sm_carveout)
+    if cfg.tma:
+        _check_tma(x_NI, grad_NO, x2, g2)
+        # per thread (a ContextVar), so set at each call
+        triton.set_allocator(functools.partial(_descriptor_scratch, x_NI.device))
     _grouped_wgrad_kernel[(programs,)](
         x_NI, grad_NO, offsets_E, x2, g2, off2, main_grad_EIO, width_in, width_out,
         x_NI.stride(0), grad_NO.stride(0), x2.stride(0), g2.stride(0), num_tiles,
         BLOCK_I=cfg.block_i, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k,
         INTERPRETED=_interpreted(), NUM_STAGES=cfg.num_stages, TWO_SOURCES=more is not None,
-        ACCUMULATE=accumulate, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ACCUMULATE=accumulate, TMA=cfg.tma, WS=cfg.warp_specialize, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+
+
+def _descriptor_scratch(device: torch.device, size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the descriptors the TMA kernel writes (from torch's allocator, so a
+    CUDA graph's capture takes it from the graph's pool)."""
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def _check_tma(*rows: torch.Tensor) -> None:
+    """TMA reads from 16-byte aligned bases with 16-byte aligned row strides."""
+    for t in rows:
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            raise ValueError(f"grouped weight grad: a TMA config needs 16-byte aligned rows, "
+                             f"got stride {t.stride(0)} of {t.dtype}")
