@@ -50,13 +50,18 @@ SWEEP = (WgradConfig(128, 128, 64, 8, 3), WgradConfig(128, 64, 64, 4, 3),
          WgradConfig(64, 128, 64, 4, 3), WgradConfig(64, 64, 64, 4, 4),
          WgradConfig(128, 256, 64, 8, 3), WgradConfig(128, 256, 64, 8, 4),
          WgradConfig(256, 128, 64, 8, 3))
-# the rows through TMA (sm_90+): one CTA an SM at 128 x 256, two at the smaller tiles
-TMA_SWEEP = (WgradConfig(128, 256, 64, 8, 4, tma=True), WgradConfig(128, 256, 64, 8, 3, tma=True),
-             WgradConfig(128, 256, 64, 8, 3, tma=True, warp_specialize=True),
-             WgradConfig(128, 128, 64, 4, 3, tma=True), WgradConfig(128, 128, 64, 8, 3, tma=True),
-             WgradConfig(64, 256, 64, 4, 2, tma=True), WgradConfig(64, 256, 64, 4, 3, tma=True),
-             WgradConfig(128, 128, 64, 8, 4, tma=True, warp_specialize=True),
-             WgradConfig(128, 256, 32, 8, 4, tma=True), WgradConfig(128, 128, 64, 4, 3))
+# the rows through TMA (sm_90+), and tiles taken group_i input blocks at a time (L2 reuse)
+TMA_SWEEP = (WgradConfig(128, 256, 64, 8, 4, group_i=8),
+             WgradConfig(128, 256, 64, 8, 3, group_i=8),
+             WgradConfig(128, 256, 64, 8, 4, tma=True),
+             WgradConfig(128, 256, 64, 8, 4, tma=True, group_i=4),
+             WgradConfig(128, 256, 64, 8, 4, tma=True, group_i=8),
+             WgradConfig(128, 256, 64, 8, 3, tma=True, group_i=8),
+             WgradConfig(128, 256, 64, 8, 4, tma=True, group_i=16),
+             WgradConfig(128, 128, 64, 4, 3), WgradConfig(128, 128, 64, 4, 3, group_i=8),
+             WgradConfig(128, 128, 64, 4, 3, tma=True, group_i=8),
+             WgradConfig(128, 128, 64, 4, 4, group_i=8), WgradConfig(64, 128, 64, 4, 4, group_i=8),
+             WgradConfig(128, 128, 64, 8, 3, group_i=8), WgradConfig(128, 256, 64, 8, 4, group_i=4))
 
 
 @dataclass(frozen=True)
@@ -83,9 +88,16 @@ MIXTRAL = (Case("experts fc1 [8, 4096, 28672]", 8, 4096 * 2, 4096, 28672),
 # the Mixtral proxy's step: 2048 rows an expert, two sources of 1024, the main grad overwritten
 MIXTRAL_STEP = (Case("experts fc1 [8, 4096, 28672], step", 8, 8192 * 2, 4096, 28672, True),
                 Case("experts fc2 [8, 14336, 4096], step", 8, 8192 * 2, 14336, 4096, True),
-                Case("Qwen3 experts fc1 [128, 2048, 1536], step", 128, 8192 * 8, 2048, 1536, True))
+                Case("Qwen3 experts fc1 [128, 2048, 1536], step", 128, 8192 * 8, 2048, 1536, True),
+                Case("Qwen3 experts fc2 [128, 768, 2048], step", 128, 8192 * 8, 768, 2048, True),
+                Case("DeepSeek experts fc1 [64, 2048, 2816], step", 64, 8192 * 6, 2048, 2816,
+                     True),
+                Case("DeepSeek experts fc2 [64, 1408, 2048], step", 64, 8192 * 6, 1408, 2048,
+                     True))
+# one microbatch's rows added into the main grad (the Qwen3 preset's microbatches 2 and 3 of 4)
+QWEN3_EXPERTS = PROXY[:2]
 SHAPES = {"qwen3": PROXY, "qwen3-step": QWEN3_STEP, "mixtral": MIXTRAL,
-          "mixtral-step": MIXTRAL_STEP}
+          "mixtral-step": MIXTRAL_STEP, "qwen3-experts": QWEN3_EXPERTS}
 TINY = (Case("experts [4, 40, 72]", 4, 64, 40, 72), Case("dense [48, 40]", 0, 33, 40, 48))
 
 
@@ -189,7 +201,8 @@ def _blas(library: str):
 def _label(config: WgradConfig) -> str:
     return (f"{config.block_i}x{config.block_o}x{config.block_k} w{config.num_warps} "
             f"s{config.num_stages}" + (" tma" if config.tma else "")
-            + (" ws" if config.warp_specialize else ""))
+            + (" ws" if config.warp_specialize else "")
+            + (f" g{config.group_i}" if config.group_i > 1 else ""))
 
 
 def _check(sides: dict, main_grad: Callable, reference: Callable) -> dict:

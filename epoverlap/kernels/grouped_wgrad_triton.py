@@ -64,6 +64,7 @@ class WgradConfig:
     num_stages: int
     tma: bool = False  # rows loaded by the tensor memory accelerator (sm_90+), not by pointers
     warp_specialize: bool = False  # TMA only: loads, MMA and epilogue in warps of their own
+    group_i: int = 1  # tiles taken group_i input blocks at a time across the output blocks
 
 
 # Half precision, by the rows an expert has on average (bench_wgrad --sweep on an H200,
@@ -164,16 +165,22 @@ def _grouped_wgrad_kernel(
     I, O, stride_x, stride_g, stride_x2, stride_g2, num_tiles,
     BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, TWO_SOURCES: tl.constexpr,
-    ACCUMULATE: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    ACCUMULATE: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, GROUP_I: tl.constexpr,
 ):
     tiles_o = tl.cdiv(O, BLOCK_O)
-    tiles_per_expert = tl.cdiv(I, BLOCK_I) * tiles_o
+    tiles_i = tl.cdiv(I, BLOCK_I)
+    tiles_per_expert = tiles_i * tiles_o
     tile = tl.program_id(0)
     while tile < num_tiles:
         e = tile // tiles_per_expert
         rest = tile % tiles_per_expert
-        i0 = (rest // tiles_o) * BLOCK_I
-        o0 = (rest % tiles_o) * BLOCK_O
+        # GROUP_I input blocks a group, column-major in it: tiles side by side share both
+        # operands' blocks in L2 (at a wide output, a row of tiles would read all of grad)
+        per_group = GROUP_I * tiles_o
+        first_i = (rest // per_group) * GROUP_I
+        group_rows = tl.minimum(tiles_i - first_i, GROUP_I)
+        i0 = (first_i + (rest % per_group) % group_rows) * BLOCK_I
+        o0 = ((rest % per_group) // group_rows) * BLOCK_O
         i = i0 + tl.arange(0, BLOCK_I)
         o = o0 + tl.arange(0, BLOCK_O)
         i_ok = i < I
@@ -263,8 +270,8 @@ def grouped_weight_grad_triton(main_grad_EIO: torch.Tensor, x_NI: torch.Tensor,
         x_NI.stride(0), grad_NO.stride(0), x2.stride(0), g2.stride(0), num_tiles,
         BLOCK_I=cfg.block_i, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k,
         INTERPRETED=_interpreted(), NUM_STAGES=cfg.num_stages, TWO_SOURCES=more is not None,
-        ACCUMULATE=accumulate, TMA=cfg.tma, WS=cfg.warp_specialize, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        ACCUMULATE=accumulate, TMA=cfg.tma, WS=cfg.warp_specialize, GROUP_I=cfg.group_i,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _descriptor_scratch(device: torch.device, size: int, alignment: int, stream) -> torch.Tensor:
