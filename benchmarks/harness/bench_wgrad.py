@@ -17,7 +17,8 @@ mixtral-1gpu-proxy`, 1024 rows an expert):
                  path: cuBLAS, bf16 inputs, fp32 C, beta 1), torch's default BLAS library;
       `cublaslt` the same call with torch.backends.cuda.preferred_blas_library("cublaslt");
       `triton`   the grouped kernel with one group (main_grad [1, O, I] += grad^T @ x).
-`--sweep` adds the grouped kernel at other tiles (`SWEEP`, labelled by their WgradConfig), for
+`--candidates` adds the grouped kernel at the short list `CANDIDATES` only. `--sweep` adds the
+grouped kernel at other tiles (`SWEEP`, labelled by their WgradConfig), for
 the dense weights too, and for the experts one program per SM walking the tiles (the SM
 carveout's form, with a carveout of 0).
 
@@ -51,6 +52,15 @@ SWEEP = (WgradConfig(128, 128, 64, 8, 3), WgradConfig(128, 64, 64, 4, 3),
          WgradConfig(128, 256, 64, 8, 3), WgradConfig(128, 256, 64, 8, 4),
          WgradConfig(256, 128, 64, 8, 3))
 # the rows through TMA (sm_90+), and tiles taken group_i input blocks at a time (L2 reuse)
+# the short list: the defaults before and after session 71 and the best of its sweeps
+CANDIDATES = (WgradConfig(64, 128, 64, 4, 4), WgradConfig(128, 128, 64, 4, 3),
+              WgradConfig(128, 128, 64, 4, 3, flat=True),
+              WgradConfig(128, 256, 64, 8, 4), WgradConfig(128, 256, 64, 8, 4, group_i=4),
+              WgradConfig(128, 256, 64, 8, 4, group_i=8),
+              WgradConfig(128, 256, 64, 8, 4, tma=True, group_i=16),
+              WgradConfig(128, 256, 64, 8, 4, group_i=8, flat=True),
+              WgradConfig(128, 256, 64, 8, 3, group_i=8, flat=True),
+              WgradConfig(128, 256, 64, 8, 4, group_i=4, flat=True))
 TMA_SWEEP = (WgradConfig(128, 256, 64, 8, 4, group_i=8),
              WgradConfig(128, 256, 64, 8, 3, group_i=8),
              WgradConfig(128, 256, 64, 8, 4, tma=True),
@@ -101,7 +111,7 @@ SHAPES = {"qwen3": PROXY, "qwen3-step": QWEN3_STEP, "mixtral": MIXTRAL,
 TINY = (Case("experts [4, 40, 72]", 4, 64, 40, 72), Case("dense [48, 40]", 0, 33, 40, 48))
 
 
-def _grouped_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable, Callable]:
+def _grouped_sides(case: Case, device, sweep: str) -> tuple[dict, Callable, Callable]:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(case.rows, case.width_in, generator=gen, device=device).bfloat16()
     grad = torch.randn(case.rows, case.width_out, generator=gen, device=device).bfloat16()
@@ -139,7 +149,11 @@ def _grouped_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable, Cal
     sides = {"old": old, f"fused {_label(default)}": fused()}
     if not case.step:
         sides.update({"fused, two sources": two_sources, "fused, overwrite": overwrite})
-    if sweep:
+    if sweep == "candidates":
+        sides.update({f"fused {_label(c)}": fused(c) for c in CANDIDATES
+                      if not c.tma or device.type != "cuda"
+                      or torch.cuda.get_device_capability(device)[0] >= 9})
+    elif sweep:
         sides.update({f"fused {_label(c)}": fused(c) for c in SWEEP})
         if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
             sides.update({f"fused {_label(c)}": fused(c) for c in TMA_SWEEP})
@@ -158,7 +172,7 @@ def counts_halves(counts: list[int], half: int) -> tuple[torch.Tensor, torch.Ten
     return first.to(torch.int32), second.to(torch.int32)
 
 
-def _dense_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable, Callable]:
+def _dense_sides(case: Case, device, sweep: str) -> tuple[dict, Callable, Callable]:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(case.rows, case.width_in, generator=gen, device=device).bfloat16()
     grad = torch.randn(case.rows, case.width_out, generator=gen, device=device).bfloat16()
@@ -180,7 +194,7 @@ def _dense_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable, Calla
                                                   one_group, config=config)
 
     sides = {"old": old, "triton": triton()}
-    if sweep:
+    if sweep == "all":
         sides.update({f"triton {_label(c)}": triton(c) for c in SWEEP})
     if device.type == "cuda":
         sides.update(cublas=cublas, cublaslt=cublaslt)
@@ -202,7 +216,8 @@ def _label(config: WgradConfig) -> str:
     return (f"{config.block_i}x{config.block_o}x{config.block_k} w{config.num_warps} "
             f"s{config.num_stages}" + (" tma" if config.tma else "")
             + (" ws" if config.warp_specialize else "")
-            + (f" g{config.group_i}" if config.group_i > 1 else ""))
+            + (f" g{config.group_i}" if config.group_i > 1 else "")
+            + (" flat" if config.flat else ""))
 
 
 def _check(sides: dict, main_grad: Callable, reference: Callable) -> dict:
@@ -249,7 +264,7 @@ def _bytes(case: Case, side: str) -> int:
     return inputs + 8 * grad_elems + (4 * grad_elems if side == "old" else 0)
 
 
-def run_case(case: Case, device, rounds: int, iters: int, sweep: bool) -> list[dict]:
+def run_case(case: Case, device, rounds: int, iters: int, sweep: str) -> list[dict]:
     if case.experts:
         sides, main_grad, reference = _grouped_sides(case, device, sweep)
     else:
@@ -288,6 +303,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="the grouped kernel at more tiles")
+    parser.add_argument("--candidates", action="store_true",
+                        help="the grouped kernel at the short list CANDIDATES only")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--shapes", default="qwen3",
                         help=f"comma-separated, of {', '.join(SHAPES)} (cuda only)")
@@ -302,7 +319,8 @@ def main(argv: list[str]) -> int:
     rows = []
     cases = [c for name in args.shapes.split(",") for c in SHAPES[name]]
     for case in cases if device.type == "cuda" else TINY:
-        rows += run_case(case, device, args.rounds, args.iters, args.sweep)
+        sweep = "candidates" if args.candidates else ("all" if args.sweep else "")
+        rows += run_case(case, device, args.rounds, args.iters, sweep)
         print(f"done: {case.name}", flush=True)
     print(table(rows))
     return 0
