@@ -52,26 +52,12 @@ SWEEP = (WgradConfig(128, 128, 64, 8, 3), WgradConfig(128, 64, 64, 4, 3),
          WgradConfig(128, 256, 64, 8, 3), WgradConfig(128, 256, 64, 8, 4),
          WgradConfig(256, 128, 64, 8, 3))
 # the rows through TMA (sm_90+), and tiles taken group_i input blocks at a time (L2 reuse)
-# the short list: the defaults before and after session 71 and the best of its sweeps
+# the short list: the defaults before and after session 71 and the best of its sweeps (the
+# rows through TMA and a flattened one-program-an-SM loop were measured and dropped: roofline.md)
 CANDIDATES = (WgradConfig(64, 128, 64, 4, 4), WgradConfig(128, 128, 64, 4, 3),
-              WgradConfig(128, 128, 64, 4, 3, flat=True),
               WgradConfig(128, 256, 64, 8, 4), WgradConfig(128, 256, 64, 8, 4, group_i=4),
               WgradConfig(128, 256, 64, 8, 4, group_i=8),
-              WgradConfig(128, 256, 64, 8, 4, tma=True, group_i=16),
-              WgradConfig(128, 256, 64, 8, 4, group_i=8, flat=True),
-              WgradConfig(128, 256, 64, 8, 3, group_i=8, flat=True),
-              WgradConfig(128, 256, 64, 8, 4, group_i=4, flat=True))
-TMA_SWEEP = (WgradConfig(128, 256, 64, 8, 4, group_i=8),
-             WgradConfig(128, 256, 64, 8, 3, group_i=8),
-             WgradConfig(128, 256, 64, 8, 4, tma=True),
-             WgradConfig(128, 256, 64, 8, 4, tma=True, group_i=4),
-             WgradConfig(128, 256, 64, 8, 4, tma=True, group_i=8),
-             WgradConfig(128, 256, 64, 8, 3, tma=True, group_i=8),
-             WgradConfig(128, 256, 64, 8, 4, tma=True, group_i=16),
-             WgradConfig(128, 128, 64, 4, 3), WgradConfig(128, 128, 64, 4, 3, group_i=8),
-             WgradConfig(128, 128, 64, 4, 3, tma=True, group_i=8),
-             WgradConfig(128, 128, 64, 4, 4, group_i=8), WgradConfig(64, 128, 64, 4, 4, group_i=8),
-             WgradConfig(128, 128, 64, 8, 3, group_i=8), WgradConfig(128, 256, 64, 8, 4, group_i=4))
+              WgradConfig(128, 256, 64, 8, 3, group_i=8), WgradConfig(128, 128, 64, 4, 3, group_i=8))
 
 
 @dataclass(frozen=True)
@@ -150,13 +136,9 @@ def _grouped_sides(case: Case, device, sweep: str) -> tuple[dict, Callable, Call
     if not case.step:
         sides.update({"fused, two sources": two_sources, "fused, overwrite": overwrite})
     if sweep == "candidates":
-        sides.update({f"fused {_label(c)}": fused(c) for c in CANDIDATES
-                      if not c.tma or device.type != "cuda"
-                      or torch.cuda.get_device_capability(device)[0] >= 9})
+        sides.update({f"fused {_label(c)}": fused(c) for c in CANDIDATES})
     elif sweep:
         sides.update({f"fused {_label(c)}": fused(c) for c in SWEEP})
-        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-            sides.update({f"fused {_label(c)}": fused(c) for c in TMA_SWEEP})
         if device.type == "cuda":  # one program per SM walking the tiles
             sides["fused persistent (carveout 0)"] = fused(sm_carveout=0)
     return sides, lambda: main_grad, lambda: grouped_weight_grad_torch(main_grad, x, grad,
@@ -214,10 +196,7 @@ def _blas(library: str):
 
 def _label(config: WgradConfig) -> str:
     return (f"{config.block_i}x{config.block_o}x{config.block_k} w{config.num_warps} "
-            f"s{config.num_stages}" + (" tma" if config.tma else "")
-            + (" ws" if config.warp_specialize else "")
-            + (f" g{config.group_i}" if config.group_i > 1 else "")
-            + (" flat" if config.flat else ""))
+            f"s{config.num_stages}" + (f" g{config.group_i}" if config.group_i > 1 else ""))
 
 
 def _check(sides: dict, main_grad: Callable, reference: Callable) -> dict:

@@ -19,7 +19,8 @@ Kernel (deterministic: no atomics, each main-grad element summed by one program 
     are never read.
     Without an SM carveout every tile has its own program; with one, `SMs - carveout` programs
     walk the tiles in turn (a tile's sums do not depend on which program computes it, so the
-    carveout changes no bit).
+    carveout changes no bit). Tiles are numbered `group_i` input blocks at a time (L2 reuse);
+    the numbering, like the carveout, changes no bit.
 
 Tiles (`wgrad_config`): chosen by the rows an expert has on average; every config adds 64
 rows a step, so the sums' order, hence the bits on a GPU, is the same whichever is taken.
@@ -62,16 +63,14 @@ class WgradConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    tma: bool = False  # rows loaded by the tensor memory accelerator (sm_90+), not by pointers
-    warp_specialize: bool = False  # TMA only: loads, MMA and epilogue in warps of their own
     group_i: int = 1  # tiles taken group_i input blocks at a time across the output blocks
-    flat: bool = False  # one program an SM, its tiles in one flattened (pipelined) loop
 
 
-# Half precision, by the rows an expert has on average (bench_wgrad --sweep on an H200,
+# Half precision, by the rows an expert has on average (bench_wgrad's sweeps on an H200,
 # benchmarks/roofline.md): up to ~768 the op is bound by the fp32 main grad's traffic, and
-# small tiles on 4 warps keep more of it in flight (several blocks an SM); from 1024 it is
-# compute-bound, and 128 x 256 tiles on two warpgroups run the tensor cores fastest. Every
+# 128 x 128 tiles on one warpgroup with 3 stages (two blocks an SM) keep most of it in flight;
+# from 1024 it is compute-bound, and 128 x 256 tiles on two warpgroups run the tensor cores
+# fastest, taken 8 input blocks at a time so that a wide output's grad is read from L2. Every
 # config adds 64 rows a step, so on a GPU the sums are the same whichever is taken.
 WGRAD_FEW_ROWS = WgradConfig(128, 128, 64, 4, 3)
 WGRAD_MANY_ROWS = WgradConfig(128, 256, 64, 8, 4, group_i=8)
@@ -105,44 +104,13 @@ def _add_rows(acc, x_ptr, grad_ptr, k0, end, i, o, i_ok, o_ok, stride_x, stride_
 
 
 @triton.jit
-def _add_rows_tma(acc, x_ptr, grad_ptr, start, end, i0, o0, I, O, stride_x, stride_g,
-                  BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-                  INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, WS: tl.constexpr):
-    """acc + rows start..end-1 through TMA: one descriptor pair per expert over just its rows,
-    so the hardware reads the rows past its end (the next expert's) as zeros."""
-    rows = (end - start).to(tl.int32)
-    x_desc = tl.make_tensor_descriptor(x_ptr + start * stride_x, shape=[rows, I],
-                                       strides=[stride_x, 1], block_shape=[BLOCK_K, BLOCK_I])
-    g_desc = tl.make_tensor_descriptor(grad_ptr + start * stride_g, shape=[rows, O],
-                                       strides=[stride_g, 1], block_shape=[BLOCK_K, BLOCK_O])
-    if not INTERPRETED:
-        for k0 in tl.range(0, rows, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=WS):
-            acc = tl.dot(x_desc.load([k0, i0]).T, g_desc.load([k0, o0]), acc,
-                         input_precision="ieee", out_dtype=tl.float32)
-    else:  # the interpreter's loop and dot, as in `_add_expert_rows`
-        k0 = 0
-        while k0 < rows:
-            xt = x_desc.load([k0, i0]).T.to(tl.float32)
-            acc = tl.dot(xt, g_desc.load([k0, o0]).to(tl.float32), acc,
-                         input_precision="ieee", out_dtype=tl.float32)
-            k0 += BLOCK_K
-    return acc
-
-
-@triton.jit
 def _add_expert_rows(acc, x_ptr, grad_ptr, offsets_ptr, e, i, o, i_ok, o_ok, stride_x, stride_g,
                      BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-                     NUM_STAGES: tl.constexpr, I=0, O=0, i0=0, o0=0,
-                     BLOCK_I: tl.constexpr = 0, BLOCK_O: tl.constexpr = 0,
-                     TMA: tl.constexpr = False, WS: tl.constexpr = False):
+                     NUM_STAGES: tl.constexpr):
     """acc + expert e's rows of one source (x, grad, offsets), BLOCK_K rows a step in order."""
     start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
     end = tl.load(offsets_ptr + e).to(tl.int64)
-    if TMA:
-        if end > start:
-            acc = _add_rows_tma(acc, x_ptr, grad_ptr, start, end, i0, o0, I, O, stride_x,
-                                stride_g, BLOCK_I, BLOCK_O, BLOCK_K, INTERPRETED, NUM_STAGES, WS)
-    elif not INTERPRETED:
+    if not INTERPRETED:
         for k0 in tl.range(start, end, BLOCK_K, num_stages=NUM_STAGES):
             acc = _add_rows(acc, x_ptr, grad_ptr, k0, end, i, o, i_ok, o_ok, stride_x,
                             stride_g, BLOCK_K, INTERPRETED)
@@ -166,7 +134,7 @@ def _grouped_wgrad_kernel(
     I, O, stride_x, stride_g, stride_x2, stride_g2, num_tiles,
     BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, TWO_SOURCES: tl.constexpr,
-    ACCUMULATE: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, GROUP_I: tl.constexpr,
+    ACCUMULATE: tl.constexpr, GROUP_I: tl.constexpr,
 ):
     tiles_o = tl.cdiv(O, BLOCK_O)
     tiles_i = tl.cdiv(I, BLOCK_I)
@@ -175,15 +143,14 @@ def _grouped_wgrad_kernel(
     while tile < num_tiles:
         e = tile // tiles_per_expert
         rest = tile % tiles_per_expert
-        # GROUP_I input blocks a group, column-major in it: tiles side by side share both
-        # operands' blocks in L2 (at a wide output, a row of tiles would read all of grad)
+        # GROUP_I input blocks a group, taken column by column: tiles running side by side
+        # share both operands' blocks in L2 (row by row, at a wide output such as Mixtral's
+        # fc1, every row of tiles would read all of the expert's grad from HBM again)
         per_group = GROUP_I * tiles_o
         first_i = (rest // per_group) * GROUP_I
         group_rows = tl.minimum(tiles_i - first_i, GROUP_I)
-        i0 = (first_i + (rest % per_group) % group_rows) * BLOCK_I
-        o0 = ((rest % per_group) // group_rows) * BLOCK_O
-        i = i0 + tl.arange(0, BLOCK_I)
-        o = o0 + tl.arange(0, BLOCK_O)
+        i = (first_i + (rest % per_group) % group_rows) * BLOCK_I + tl.arange(0, BLOCK_I)
+        o = ((rest % per_group) // group_rows) * BLOCK_O + tl.arange(0, BLOCK_O)
         i_ok = i < I
         o_ok = o < O
         c_ptrs = main_grad_ptr + e.to(tl.int64) * I * O + i[:, None] * O + o[None, :]
@@ -193,116 +160,12 @@ def _grouped_wgrad_kernel(
         else:
             acc = tl.zeros((BLOCK_I, BLOCK_O), dtype=tl.float32)
         acc = _add_expert_rows(acc, x_ptr, grad_ptr, offsets_ptr, e, i, o, i_ok, o_ok,
-                               stride_x, stride_g, BLOCK_K, INTERPRETED, NUM_STAGES, I, O,
-                               i0, o0, BLOCK_I, BLOCK_O, TMA, WS)
+                               stride_x, stride_g, BLOCK_K, INTERPRETED, NUM_STAGES)
         if TWO_SOURCES:
             acc = _add_expert_rows(acc, x2_ptr, grad2_ptr, offsets2_ptr, e, i, o, i_ok, o_ok,
-                                   stride_x2, stride_g2, BLOCK_K, INTERPRETED, NUM_STAGES, I, O,
-                                   i0, o0, BLOCK_I, BLOCK_O, TMA, WS)
+                                   stride_x2, stride_g2, BLOCK_K, INTERPRETED, NUM_STAGES)
         tl.store(c_ptrs, acc, mask=c_ok)
         tile += tl.num_programs(0)
-
-
-@triton.jit
-def _source_step(s, steps1, start1, end1, start2, end2, x_ptr, grad_ptr, x2_ptr, grad2_ptr,
-                 stride_x, stride_g, stride_x2, stride_g2, i, o, i_ok, o_ok,
-                 BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Step s of a tile's row walk over both sources: steps1 steps of the first source's
-    rows, then the second's; (x^T block, grad block), rows past the source's end as zero."""
-    second = s >= steps1
-    k = tl.where(second, start2 + (s - steps1) * BLOCK_K, start1 + s * BLOCK_K)
-    k = k + tl.arange(0, BLOCK_K)
-    k_ok = k < tl.where(second, end2, end1)
-    xp = tl.where(second, x2_ptr, x_ptr)
-    gp = tl.where(second, grad2_ptr, grad_ptr)
-    sx = tl.where(second, stride_x2, stride_x)
-    sg = tl.where(second, stride_g2, stride_g)
-    xt = tl.load(xp + k[None, :] * sx + i[:, None], mask=i_ok[:, None] & k_ok[None, :], other=0.0)
-    g = tl.load(gp + k[:, None] * sg + o[None, :], mask=k_ok[:, None] & o_ok[None, :], other=0.0)
-    if INTERPRETED:
-        xt = xt.to(tl.float32)
-        g = g.to(tl.float32)
-    return xt, g
-
-
-@triton.jit
-def _flat_tile(tile, x_ptr, grad_ptr, offsets_ptr, x2_ptr, grad2_ptr, offsets2_ptr,
-               main_grad_ptr, I, O, stride_x, stride_g, stride_x2, stride_g2,
-               BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-               INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr,
-               TWO_SOURCES: tl.constexpr, ACCUMULATE: tl.constexpr, GROUP_I: tl.constexpr):
-    """One output tile of `_grouped_wgrad_flat_kernel`: both sources' rows as one walk."""
-    tiles_o = tl.cdiv(O, BLOCK_O)
-    tiles_i = tl.cdiv(I, BLOCK_I)
-    tiles_per_expert = tiles_i * tiles_o
-    e = tile // tiles_per_expert
-    rest = tile % tiles_per_expert
-    per_group = GROUP_I * tiles_o
-    first_i = (rest // per_group) * GROUP_I
-    group_rows = tl.minimum(tiles_i - first_i, GROUP_I)
-    i = (first_i + (rest % per_group) % group_rows) * BLOCK_I + tl.arange(0, BLOCK_I)
-    o = ((rest % per_group) // group_rows) * BLOCK_O + tl.arange(0, BLOCK_O)
-    i_ok = i < I
-    o_ok = o < O
-    start1 = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
-    end1 = tl.load(offsets_ptr + e).to(tl.int64)
-    steps1 = tl.cdiv(end1 - start1, BLOCK_K)
-    if TWO_SOURCES:
-        start2 = tl.load(offsets2_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
-        end2 = tl.load(offsets2_ptr + e).to(tl.int64)
-    else:
-        start2 = end1
-        end2 = end1
-    steps = steps1 + tl.cdiv(end2 - start2, BLOCK_K)
-    c_ptrs = main_grad_ptr + e.to(tl.int64) * I * O + i[:, None] * O + o[None, :]
-    c_ok = i_ok[:, None] & o_ok[None, :]
-    if ACCUMULATE:
-        acc = tl.load(c_ptrs, mask=c_ok, other=0.0)
-    else:
-        acc = tl.zeros((BLOCK_I, BLOCK_O), dtype=tl.float32)
-    if not INTERPRETED:
-        for s in tl.range(0, steps, num_stages=NUM_STAGES):
-            xt, g = _source_step(s, steps1, start1, end1, start2, end2, x_ptr, grad_ptr,
-                                 x2_ptr, grad2_ptr, stride_x, stride_g, stride_x2, stride_g2,
-                                 i, o, i_ok, o_ok, BLOCK_K, INTERPRETED)
-            acc = tl.dot(xt, g, acc, input_precision="ieee", out_dtype=tl.float32)
-    else:
-        s = 0
-        while s < steps:
-            xt, g = _source_step(s, steps1, start1, end1, start2, end2, x_ptr, grad_ptr,
-                                 x2_ptr, grad2_ptr, stride_x, stride_g, stride_x2, stride_g2,
-                                 i, o, i_ok, o_ok, BLOCK_K, INTERPRETED)
-            acc = tl.dot(xt, g, acc, input_precision="ieee", out_dtype=tl.float32)
-            s += 1
-    tl.store(c_ptrs, acc, mask=c_ok)
-
-
-@launch_cached
-@triton.jit
-def _grouped_wgrad_flat_kernel(
-    x_ptr, grad_ptr, offsets_ptr, x2_ptr, grad2_ptr, offsets2_ptr, main_grad_ptr,
-    I, O, stride_x, stride_g, stride_x2, stride_g2, num_tiles,
-    BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr, TWO_SOURCES: tl.constexpr,
-    ACCUMULATE: tl.constexpr, GROUP_I: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-):
-    """`_grouped_wgrad_kernel`'s sums with one program an SM walking the tiles in one
-    flattened loop, so the compiler can start the next tile's loads while this tile's sums
-    are stored."""
-    if not INTERPRETED:
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
-            _flat_tile(tile, x_ptr, grad_ptr, offsets_ptr, x2_ptr, grad2_ptr, offsets2_ptr,
-                       main_grad_ptr, I, O, stride_x, stride_g, stride_x2, stride_g2, BLOCK_I,
-                       BLOCK_O, BLOCK_K, INTERPRETED, NUM_STAGES, TWO_SOURCES, ACCUMULATE,
-                       GROUP_I)
-    else:
-        tile = tl.program_id(0)
-        while tile < num_tiles:
-            _flat_tile(tile, x_ptr, grad_ptr, offsets_ptr, x2_ptr, grad2_ptr, offsets2_ptr,
-                       main_grad_ptr, I, O, stride_x, stride_g, stride_x2, stride_g2, BLOCK_I,
-                       BLOCK_O, BLOCK_K, INTERPRETED, NUM_STAGES, TWO_SOURCES, ACCUMULATE,
-                       GROUP_I)
-            tile += NUM_PROGRAMS
 
 
 def _interpreted() -> bool:
@@ -364,38 +227,10 @@ def grouped_weight_grad_triton(main_grad_EIO: torch.Tensor, x_NI: torch.Tensor,
     x_NI, grad_NO, x2, g2 = (_unit_rows(t) for t in (x_NI, grad_NO, x2, g2))
     num_tiles = experts * cdiv(width_in, cfg.block_i) * cdiv(width_out, cfg.block_o)
     programs = _programs(num_tiles, x_NI.device, sm_carveout)
-    if cfg.flat:
-        programs = _programs(num_tiles, x_NI.device, sm_carveout or 0)
-        _grouped_wgrad_flat_kernel[(programs,)](
-            x_NI, grad_NO, offsets_E, x2, g2, off2, main_grad_EIO, width_in, width_out,
-            x_NI.stride(0), grad_NO.stride(0), x2.stride(0), g2.stride(0), num_tiles,
-            BLOCK_I=cfg.block_i, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k,
-            INTERPRETED=_interpreted(), NUM_STAGES=cfg.num_stages, TWO_SOURCES=more is not None,
-            ACCUMULATE=accumulate, GROUP_I=cfg.group_i, NUM_PROGRAMS=programs,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        return
-    if cfg.tma:
-        _check_tma(x_NI, grad_NO, x2, g2)
-        # per thread (a ContextVar), so set at each call
-        triton.set_allocator(functools.partial(_descriptor_scratch, x_NI.device))
     _grouped_wgrad_kernel[(programs,)](
         x_NI, grad_NO, offsets_E, x2, g2, off2, main_grad_EIO, width_in, width_out,
         x_NI.stride(0), grad_NO.stride(0), x2.stride(0), g2.stride(0), num_tiles,
         BLOCK_I=cfg.block_i, BLOCK_O=cfg.block_o, BLOCK_K=cfg.block_k,
         INTERPRETED=_interpreted(), NUM_STAGES=cfg.num_stages, TWO_SOURCES=more is not None,
-        ACCUMULATE=accumulate, TMA=cfg.tma, WS=cfg.warp_specialize, GROUP_I=cfg.group_i,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-def _descriptor_scratch(device: torch.device, size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory for the descriptors the TMA kernel writes (from torch's allocator, so a
-    CUDA graph's capture takes it from the graph's pool)."""
-    return torch.empty(size, dtype=torch.int8, device=device)
-
-
-def _check_tma(*rows: torch.Tensor) -> None:
-    """TMA reads from 16-byte aligned bases with 16-byte aligned row strides."""
-    for t in rows:
-        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            raise ValueError(f"grouped weight grad: a TMA config needs 16-byte aligned rows, "
-                             f"got stride {t.stride(0)} of {t.dtype}")
+        ACCUMULATE=accumulate, GROUP_I=cfg.group_i, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)

@@ -38,17 +38,7 @@ from kernel_test_utils import INTERPRETED, eager_then_graph_replay, generator
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = WgradConfig(16, 32, 16, 4, 2)  # several tiles and row steps at small shapes
-# the kernel's other forms at small shapes: tiles in groups of input blocks, one program an SM
-# walking them in a flattened loop, the rows through TMA (sm_90+ on a GPU)
-SMALL_FORMS = {"grouped": replace(SMALL, group_i=2), "flat": replace(SMALL, group_i=3, flat=True),
-               "tma": replace(SMALL, tma=True)}
-
-
-def _form(name, device):
-    if name == "tma" and torch.device(device).type == "cuda" \
-            and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("TMA needs sm_90+")
-    return SMALL_FORMS[name]
+GROUPED = replace(SMALL, group_i=3)  # tiles numbered 3 input blocks at a time
 FP32_CLOSE = dict(rtol=1e-5, atol=1e-4)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED,
                                reason="needs a CUDA GPU (compiled Triton)")
@@ -108,12 +98,11 @@ def test_triton_equals_the_reference(triton_device, counts, width_in, width_out,
             assert torch.equal(out[e], start[e]) and torch.equal(ref[e], start[e])
 
 
-@pytest.mark.parametrize("form", sorted(SMALL_FORMS))
 @pytest.mark.parametrize("counts,width_in,width_out,padding", CASES)
-def test_every_form_equals_the_reference(triton_device, counts, width_in, width_out, padding,
-                                         form):
+def test_tiles_in_groups_equal_the_reference(triton_device, counts, width_in, width_out,
+                                             padding):
     start, x, grad, ref, out = _both(counts, width_in, width_out, torch.bfloat16, triton_device,
-                                     config=_form(form, triton_device), padding=padding)
+                                     config=GROUPED, padding=padding)
     torch.testing.assert_close(out, ref, **FP32_CLOSE)
     torch.testing.assert_close(out.double(), _float64_sum(start, x, grad, counts), **FP32_CLOSE)
 
@@ -148,11 +137,11 @@ def test_default_config_and_a_wave_of_the_experts(triton_device):
     assert torch.equal(whole[0], before[0]) and torch.equal(whole[3], before[3])
 
 
-@pytest.mark.parametrize("op", ["torch", "triton"] + [f"triton {f}" for f in SMALL_FORMS])
+@pytest.mark.parametrize("op", ["torch", "triton", "triton grouped"])
 def test_a_second_source_gives_the_bits_of_a_second_call(triton_device, op):
     """`more` (the next microbatch's rows) in the same launch: the bits of two launches, each
     op against itself (the sums start from the main grad)."""
-    config = SMALL if op in ("torch", "triton") else _form(op.split()[1], triton_device)
+    config = GROUPED if op == "triton grouped" else SMALL
     fn = grouped_weight_grad_torch if op == "torch" else (
         lambda *a, **k: grouped_weight_grad_triton(*a, config=config, **k))
     main_grad, x, grad, offsets = _inputs([7, 0, 40, 2], 40, 72, torch.bfloat16, triton_device)
@@ -166,11 +155,11 @@ def test_a_second_source_gives_the_bits_of_a_second_call(triton_device, op):
     assert not torch.equal(one_call, main_grad)
 
 
-@pytest.mark.parametrize("op", ["torch", "triton"] + [f"triton {f}" for f in SMALL_FORMS])
+@pytest.mark.parametrize("op", ["torch", "triton", "triton grouped"])
 def test_overwrite_gives_the_bits_of_zeroing_then_adding(triton_device, op):
     """`accumulate=False` never reads the old main grad (NaN here) and writes zeros for an
     expert with no rows: the bits of zeroing it first and adding."""
-    config = SMALL if op in ("torch", "triton") else _form(op.split()[1], triton_device)
+    config = GROUPED if op == "triton grouped" else SMALL
     fn = grouped_weight_grad_torch if op == "torch" else (
         lambda *a, **k: grouped_weight_grad_triton(*a, config=config, **k))
     main_grad, x, grad, offsets = _inputs([5, 0, 37, 1], 40, 72, torch.bfloat16, triton_device)
@@ -298,10 +287,7 @@ def test_gpu_every_tile_config_gives_the_same_bits():
     main_grad, x, grad, offsets = _inputs(counts, 2048, 1536, torch.bfloat16, "cuda")
     outs = []
     configs = (WGRAD_FEW_ROWS, WGRAD_MANY_ROWS, WgradConfig(128, 64, 64, 4, 3),
-               WgradConfig(64, 128, 64, 4, 4), WgradConfig(128, 256, 64, 8, 4, group_i=4),
-               WgradConfig(128, 256, 64, 8, 4, group_i=8, flat=True))
-    if torch.cuda.get_device_capability()[0] >= 9:
-        configs += (WgradConfig(128, 256, 64, 8, 4, tma=True, group_i=16),)
+               WgradConfig(64, 128, 64, 4, 4), WgradConfig(128, 256, 64, 8, 4, group_i=4))
     _, x2, grad2, offsets2 = _inputs(counts, 2048, 1536, torch.bfloat16, "cuda", seed=1)
     paired = []  # two microbatches' sources in one launch, overwriting (the step's form)
     for config in configs:
