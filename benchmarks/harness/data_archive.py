@@ -27,7 +27,7 @@ from pathlib import Path
 
 ARCHIVE = "raw.tar.xz"
 RAW_SUFFIXES = (".log", ".jsonl", ".diff", ".out", ".xml", ".tgz", ".gz", ".config.json")
-RAW_PREFIXES = ("spans", "timeline_trace", "trace")
+RAW_PREFIXES = ("spans", "timeline_trace", "trace", "simulated_trace")
 
 
 def is_raw(name: str) -> bool:
