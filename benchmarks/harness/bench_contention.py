@@ -504,7 +504,7 @@ def host_transport_load(sizes: BenchSizes, device, slot_kib: int,
     `groups.ep` (torchrun, one GPU each: each rank sends the all-to-all's bytes in equal
     splits, as the nccl load does), or, on one rank, of two ranks' transports sharing this GPU,
     each sending sizes.rows / 2 rows, half of them to each rank."""
-    from epoverlap.parallel.host_memory import (HostMemoryTransport, HostSlots, Layout,
+    from epoverlap.parallel.host_memory import (CopyEngineTransport, HostSlots, Layout,
                                                 SharedRegion, exchange_together,
                                                 open_host_transport, region_path)
     from epoverlap.parallel.peer_memory import (PeerSlots, open_peer_transport,
@@ -522,7 +522,7 @@ def host_transport_load(sizes: BenchSizes, device, slot_kib: int,
                           (PeerSlots if peer else HostSlots).region_bytes(layout), create=True)
     region.unlink()
     placements = peer_slots_together(layout, device) if peer else [None, None]
-    ranks = [HostMemoryTransport(region, r, 2, chunk, device=device, placement=placements[r])
+    ranks = [CopyEngineTransport(region, r, 2, chunk, device=device, placement=placements[r])
              for r in range(2)]
     half = sizes.rows // 2
     sends = [torch.randn(half, sizes.hidden, dtype=torch.bfloat16, device=device)

@@ -71,8 +71,8 @@ class TunePath:
     delay_wgrad: bool
     waves: int = 1  # --moe-a2a-waves of the path's MoE layers
     once_per_rank: bool = False  # the dispatch once per rank where the flags' is not
-    host_memory: bool = False  # the all-to-alls on copy engines (--moe-a2a-transport
-    # host_memory or peer_memory; the name is the first one's)
+    copy_engine: bool = False  # the all-to-alls on copy engines (--moe-a2a-transport
+    # host_memory or peer_memory)
 
 
 def probe_steps(cfg: RunConfig) -> int:
@@ -96,7 +96,7 @@ def candidate_paths(cfg: RunConfig) -> list[TunePath]:
     o = cfg.overlap
     if not o.overlap_moe_expert_parallel_comm:
         return [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute),
-                         host_memory=flags_host_memory(cfg))]
+                         copy_engine=flags_copy_engine(cfg))]
     if probe_steps(cfg) > 0 or o.overlap_plan is not None:
         plans = [cfg.plan_name]
     else:
@@ -104,26 +104,26 @@ def candidate_paths(cfg: RunConfig) -> list[TunePath]:
     pinned_wgrad = probe_steps(cfg) > 0 or o.delay_wgrad_compute
     wgrads = [bool(o.delay_wgrad_compute)] if pinned_wgrad else [False, True]
     tuned_wgrad = len(wgrads) > 1
-    waves, host = o.moe_a2a_waves, flags_host_memory(cfg)
+    waves, host = o.moe_a2a_waves, flags_copy_engine(cfg)
     paths = [TunePath(plan + (WGRAD if wgrad and tuned_wgrad else ""), plan, wgrad, waves,
-                      host_memory=host)
+                      copy_engine=host)
              for plan in plans for wgrad in wgrads]
     tried = tuned_waves(cfg)
     if tried > 1:
         paths.append(TunePath(plans[0] + (WGRAD if tuned_wgrad else "") + f"+w{tried}",
-                              plans[0], True, tried, host_memory=host))
+                              plans[0], True, tried, copy_engine=host))
     first_wgrad = True if tuned_wgrad else bool(o.delay_wgrad_compute)
     first = plans[0] + (WGRAD if first_wgrad and tuned_wgrad else "")
     if o.tune_allow_rounding and not once_per_rank_blocker(cfg):
         paths.append(TunePath(first + ONCE, plans[0], first_wgrad, waves, once_per_rank=True,
-                              host_memory=host))
+                              copy_engine=host))
     if host and probe_steps(cfg) == 0:
         paths.append(TunePath(first + GROUP, plans[0], first_wgrad, waves))
     return paths + [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute), waves,
-                             host_memory=host)]
+                             copy_engine=host)]
 
 
-def flags_host_memory(cfg: RunConfig) -> bool:
+def flags_copy_engine(cfg: RunConfig) -> bool:
     """Whether the flags' all-to-alls go on copy engines, through host memory or peer memory
     (--moe-a2a-transport host_memory, peer_memory)."""
     return cfg.parallel.moe_a2a_transport in COPY_ENGINE_TRANSPORTS
@@ -162,7 +162,7 @@ def flags_path(cfg: RunConfig) -> TunePath:
     """The path the flags say (what --tune off runs)."""
     plan = cfg.plan_name
     return TunePath(plan, plan, bool(cfg.overlap.delay_wgrad_compute),
-                    cfg.overlap.moe_a2a_waves, host_memory=flags_host_memory(cfg))
+                    cfg.overlap.moe_a2a_waves, copy_engine=flags_copy_engine(cfg))
 
 
 def untimed_steps(cfg: RunConfig, paths: int) -> int:

@@ -20,7 +20,7 @@ kernels. This stream is the one the executor does not own: it belongs to the exc
 the internal streams of a process group, and nothing but the exchange runs on it.
 
 Transports (config `--moe-a2a-transport`): the all-to-alls go through the EP group's
-`all_to_all_single` (NCCL, gloo), or, given a `host_memory.HostMemoryTransport`, on copy
+`all_to_all_single` (NCCL, gloo), or, given a `host_memory.CopyEngineTransport`, on copy
 engines through shared host memory or peer copies into the receivers' device memory (its
 placement, `peer_memory`), tracked by the watch as the EP group's collective all the same;
 `on_process_group` is a view of the same communicator on the group's own (the tuner times
@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from epoverlap.parallel.groups import Group
-from epoverlap.parallel.host_memory import HostMemoryTransport
+from epoverlap.parallel.host_memory import CopyEngineTransport
 from epoverlap.parallel.watch import host_list
 
 
@@ -142,18 +142,18 @@ class ExpertComm:
     same ranks, another communicator) carries the early split-size exchange. `by_host`: the
     hierarchical dispatch's two stages (`HostComms`), where it is on. `transport`: the
     copy-engine all-to-all (--moe-a2a-transport host_memory or peer_memory), used while
-    `host_memory` is True (the name is the first transport's: either one)."""
+    `copy_engine` is True."""
 
     def __init__(self, group: Optional[Group], size: int, mode: str = "real",
                  counts_group: Optional[Group] = None, by_host: Optional["HostComms"] = None,
-                 transport: Optional[HostMemoryTransport] = None):
+                 transport: Optional[CopyEngineTransport] = None):
         self.group = group
         self.size = size
         self.mode = mode
         self.counts_group = counts_group
         self.by_host = by_host
         self.transport = transport
-        self.host_memory = transport is not None
+        self.copy_engine = transport is not None
         self.trace: Optional[list] = None  # set to [] to record every all-to-all's shape
         self._exchange_stream: Optional[torch.cuda.Stream] = None
 
@@ -182,26 +182,26 @@ class ExpertComm:
 
     def _carry(self, output: torch.Tensor, input: torch.Tensor,
                output_splits: Optional[list[int]], input_splits: Optional[list[int]]) -> None:
-        """One all-to-all, through host memory while `host_memory` is on, else the group's."""
-        if self.host_memory:
+        """One all-to-all, on copy engines while `copy_engine` is on, else the group's."""
+        if self.copy_engine:
             with self.group.watched(f"all_to_all over {self.transport.medium}"):
                 self.transport.all_to_all(output, input, output_splits, input_splits)
         else:
             self.group.all_to_all_single(output, input, output_splits, input_splits)
 
     def on_process_group(self) -> "ExpertComm":
-        """This communicator with its all-to-alls on the process group's own, never host
-        memory: a view over the same groups (the tuner's `+group` path); closing stays this
+        """This communicator with its all-to-alls on the process group's own, never the copy
+        engines: a view over the same groups (the tuner's `+group` path); closing stays this
         one's."""
         view = copy.copy(self)
-        view.host_memory = False
+        view.copy_engine = False
         return view
 
     def close(self) -> None:
         """Release the copy-engine transport (its data slots and region), if any."""
         if self.transport is not None:
             self.transport.close()
-            self.transport, self.host_memory = None, False
+            self.transport, self.copy_engine = None, False
 
     def exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
         """Per-expert send counts [E] -> counts received [ep, E_local] (row = source rank).

@@ -3,7 +3,7 @@
 
 Owns `SharedRegion` (one POSIX shared-memory file per EP group, mapped by every rank of it and,
 on CUDA, registered with the driver in each), `HostSlots` (the data slots in the region),
-`HostMemoryTransport` (one rank's side of the exchange, its data slots where a placement puts
+`CopyEngineTransport` (one rank's side of the exchange, its data slots where a placement puts
 them), `open_region` / `open_host_transport` (made collectively over the EP group) and
 `exchange_together` (several ranks of one process issued from one thread: the one-GPU
 benchmark).
@@ -254,7 +254,7 @@ class HostSlots:
         pass  # the region is the transport's
 
 
-class HostMemoryTransport:
+class CopyEngineTransport:
     """One rank's side of the all-to-all through a `SharedRegion` (module docstring), its data
     slots where `placement` puts them (`HostSlots`, the default: in the region).
 
@@ -509,12 +509,12 @@ def region_path(tag: str) -> str:
 
 
 def open_host_transport(group, rank_in_group: int, chunk_bytes: int, device: torch.device,
-                        timeout_s: float, slots: int = DEFAULT_SLOTS) -> HostMemoryTransport:
+                        timeout_s: float, slots: int = DEFAULT_SLOTS) -> CopyEngineTransport:
     """Collective over `group` (a `groups.Group`): the region (`open_region`), the data slots
     in it."""
     layout = Layout(group.size, slots, chunk_bytes)
     region = open_region(group, rank_in_group, HostSlots.region_bytes(layout), HostSlots)
-    return HostMemoryTransport(region, rank_in_group, group.size, chunk_bytes, slots, device,
+    return CopyEngineTransport(region, rank_in_group, group.size, chunk_bytes, slots, device,
                                timeout_s, peer_names=list(group.ranks))
 
 

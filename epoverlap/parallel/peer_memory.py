@@ -5,7 +5,7 @@ into the receiver's slot (cuMemcpyDtoDAsync: a peer copy over NVLink between two
 within the GPU where ranks share one), and the receiver copies it out into its output. One
 copy a chunk crosses the link, not two through host memory.
 
-Owns `PeerSlots` (the placement of `host_memory.HostMemoryTransport`'s data slots: everything
+Owns `PeerSlots` (the placement of `host_memory.CopyEngineTransport`'s data slots: everything
 else, the flags and sizes in the shared host region, the protocol, the chunking, the size
 checks, liveness and graph capture, is that module's, see its docstring), `open_peer_transport`
 (made collectively over the EP group) and `peer_slots_together` (ranks of one process: the
@@ -40,7 +40,7 @@ import torch
 
 from epoverlap.errors import ConfigError
 from epoverlap.parallel.cuda_driver import driver
-from epoverlap.parallel.host_memory import (DEFAULT_SLOTS, FLAG, HostMemoryTransport, Layout,
+from epoverlap.parallel.host_memory import (DEFAULT_SLOTS, FLAG, CopyEngineTransport, Layout,
                                             SharedRegion, open_region, region_path)
 
 # torch allocator settings whose memory cuIpcGetMemHandle cannot export (it takes cuMemAlloc's)
@@ -49,7 +49,7 @@ _NOT_EXPORTABLE = {"expandable_segments:true": "expandable segments (cuMemCreate
 
 
 class PeerSlots:
-    """The data slots of `HostMemoryTransport` in the destinations' own memory: `blocks[r]`
+    """The data slots of `CopyEngineTransport` in the destinations' own memory: `blocks[r]`
     is rank r's receive slots as this process addresses them (its own, or opened)."""
 
     kind, medium = "peer_memory", "peer memory"
@@ -206,7 +206,7 @@ def gather_slots(own, records: list, rank: int, layout: Layout, device: torch.de
 
 # ---------------------------------------------------------------------- the group's slots
 def open_peer_transport(group, rank_in_group: int, chunk_bytes: int, device: torch.device,
-                        timeout_s: float, slots: int = DEFAULT_SLOTS) -> HostMemoryTransport:
+                        timeout_s: float, slots: int = DEFAULT_SLOTS) -> CopyEngineTransport:
     """Collective over `group` (a `groups.Group`): the flags' region (`host_memory.open_region`,
     which refuses ranks on two hosts in one line on every rank), then every rank's receive
     slots, exported, exchanged and opened (module docstring)."""
@@ -225,7 +225,7 @@ def open_peer_transport(group, rank_in_group: int, chunk_bytes: int, device: tor
     group.barrier()  # every rank opened every peer's slots
     if isinstance(own, FileSlots):
         own.region.unlink()
-    return HostMemoryTransport(region, rank_in_group, ranks, chunk_bytes, slots, device,
+    return CopyEngineTransport(region, rank_in_group, ranks, chunk_bytes, slots, device,
                                timeout_s, peer_names=list(group.ranks),
                                placement=PeerSlots(layout, blocks))
 

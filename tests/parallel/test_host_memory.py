@@ -25,7 +25,7 @@ import time
 import pytest
 import torch
 
-from epoverlap.parallel.host_memory import (EMPTY, FULL, HostMemoryTransport, Layout,
+from epoverlap.parallel.host_memory import (EMPTY, FULL, CopyEngineTransport, Layout,
                                             SharedRegion, region_path)
 from epoverlap.parallel.watch import CollectiveWatch
 
@@ -499,9 +499,9 @@ def _exchanges_on_the_cuda_branch(monkeypatch, transports) -> tuple[int, int]:
         exchange = original_begin(self, output, input, output_splits, input_splits)
         exchange.streams = (_Stream(), _Stream())
         return exchange
-    original_begin = HostMemoryTransport._begin
-    monkeypatch.setattr(HostMemoryTransport, "_begin", begin)
-    monkeypatch.setattr(HostMemoryTransport, "_end", lambda self, exchange: None)
+    original_begin = CopyEngineTransport._begin
+    monkeypatch.setattr(CopyEngineTransport, "_begin", begin)
+    monkeypatch.setattr(CopyEngineTransport, "_end", lambda self, exchange: None)
     rng = random.Random(5)
     chunks = across = 0
     for e in range(25):
@@ -595,7 +595,7 @@ def test_peer_memory_opens_its_peers_slots_through_ipc_and_copies_into_them(monk
     placements = [PeerSlots(layout, gather_slots(own[r], records, r, layout, cpu))
                   for r in range(2)]
     assert len(fake.opened) == 2  # each rank opened the other's, none its own
-    transports = [HostMemoryTransport(region, r, 2, 96, 2, placement=placements[r])
+    transports = [CopyEngineTransport(region, r, 2, 96, 2, placement=placements[r])
                   for r in range(2)]
     chunks, across = _exchanges_on_the_cuda_branch(monkeypatch, transports)
     assert fake.calls == {"wait32": 2 * chunks, "write32": 2 * chunks, "copy_to_host": 0,
@@ -671,9 +671,9 @@ def test_recorded_exchanges_replay_right_every_time_with_eager_ones_between(monk
         if capturing[0]:
             exchange.streams = (_Stream(10 * self.rank), _Stream(10 * self.rank + 1))
         return exchange
-    original_begin = HostMemoryTransport._begin
-    monkeypatch.setattr(HostMemoryTransport, "_begin", begin)
-    monkeypatch.setattr(HostMemoryTransport, "_end", lambda self, exchange: None)
+    original_begin = CopyEngineTransport._begin
+    monkeypatch.setattr(CopyEngineTransport, "_begin", begin)
+    monkeypatch.setattr(CopyEngineTransport, "_end", lambda self, exchange: None)
     rng = random.Random(9)
     tables = [random_splits(rng, 2, 30) for _ in range(3)]
     inputs = [[_rows(r, 0, sum(table[r])) for table in tables] for r in range(2)]

@@ -157,7 +157,7 @@ def expert_comm_against_gloo(rank, world_size, exchanges: int, kind: str = "host
     transport = OPEN[kind](groups.ep, groups.ep_rank, 4096, groups.device, 60.0)
     comm = ExpertComm(groups.ep, world_size, transport=transport)
     on_group = comm.on_process_group()
-    assert comm.host_memory and not on_group.host_memory
+    assert comm.copy_engine and not on_group.copy_engine
     seen = []
     begin = groups.watch.begin
     groups.watch.begin = lambda where, peers: seen.append(where) or begin(where, peers)
@@ -177,9 +177,9 @@ def training_modes(rank, world_size, out_dir, steps, kind: str = "host_memory"):
     """`mode_grads_and_losses` over the process group's schedules and the transport's, with the
     EP all-to-alls counted by what carried them: {"host": .., "group": ..} as `ExpertComm`
     chose, and the exchanges the transport itself carried (must equal "host")."""
-    from epoverlap.parallel.host_memory import HostMemoryTransport
+    from epoverlap.parallel.host_memory import CopyEngineTransport
     carried, chose = [0], {"host": 0, "group": 0}
-    exchange, all_to_all = HostMemoryTransport.all_to_all, ExpertComm.all_to_all
+    exchange, all_to_all = CopyEngineTransport.all_to_all, ExpertComm.all_to_all
 
     def counted(self, *args):
         carried[0] += 1
@@ -187,9 +187,9 @@ def training_modes(rank, world_size, out_dir, steps, kind: str = "host_memory"):
 
     def chosen(self, *args):
         if self.size > 1:
-            chose["host" if self.host_memory else "group"] += 1
+            chose["host" if self.copy_engine else "group"] += 1
         return all_to_all(self, *args)
-    HostMemoryTransport.all_to_all, ExpertComm.all_to_all = counted, chosen  # this process
+    CopyEngineTransport.all_to_all, ExpertComm.all_to_all = counted, chosen  # this process
     results = mode_grads_and_losses(rank, world_size, 2, out_dir, steps,
                                     modes=host_modes(kind))
     return results, carried[0], chose
@@ -236,14 +236,14 @@ BUDGET_MODES = budget_modes()
 def budget_training_modes(rank, world_size, out_dir, steps, kind: str = "host_memory"):
     """`mode_grads_and_losses` over `budget_modes(kind)` -> (its results, the integer
     exchanges the transport carried: the budget's counts, which go with the data)."""
-    from epoverlap.parallel.host_memory import HostMemoryTransport
+    from epoverlap.parallel.host_memory import CopyEngineTransport
     counts = [0]
-    exchange = HostMemoryTransport.all_to_all
+    exchange = CopyEngineTransport.all_to_all
 
     def counted(self, output, input, *args):
         counts[0] += not input.is_floating_point()
         return exchange(self, output, input, *args)
-    HostMemoryTransport.all_to_all = counted  # this process
+    CopyEngineTransport.all_to_all = counted  # this process
     return mode_grads_and_losses(rank, world_size, 2, out_dir, steps,
                                  modes=budget_modes(kind)), counts[0]
 
@@ -292,7 +292,7 @@ def transports_in_one_process(kind: str, ranks: int, chunk_bytes: int, device=No
                               slots: int = 2, timeout_s: float = 30.0, tag: str = "pair"):
     """Every rank's transport of `kind` in this process on one region (the one-GPU benchmark's
     and the thread tests' form): peer_memory's receive slots addressed directly (no IPC)."""
-    from epoverlap.parallel.host_memory import (HostMemoryTransport, HostSlots, Layout,
+    from epoverlap.parallel.host_memory import (CopyEngineTransport, HostSlots, Layout,
                                                 SharedRegion)
     from epoverlap.parallel.peer_memory import PeerSlots
     layout = Layout(ranks, slots, chunk_bytes)
@@ -302,7 +302,7 @@ def transports_in_one_process(kind: str, ranks: int, chunk_bytes: int, device=No
     region.unlink()
     placements = (peer_slots_together(layout, device) if kind == "peer_memory"
                   else [None] * ranks)
-    return [HostMemoryTransport(region, r, ranks, chunk_bytes, slots, device=device,
+    return [CopyEngineTransport(region, r, ranks, chunk_bytes, slots, device=device,
                                 timeout_s=timeout_s, placement=placements[r])
             for r in range(ranks)]
 

@@ -192,10 +192,10 @@ def test_the_process_groups_path_where_the_flags_go_on_copy_engines(kind):
     paths = candidate_paths(_cfg(*host))
     assert [p.name for p in paths] == [OVL, WG, PE, PE + "+wgrad", WG + "+w4", WG + "+group",
                                        SEQUENTIAL]
-    assert [p.host_memory for p in paths] == [True] * 5 + [False, True]
+    assert [p.copy_engine for p in paths] == [True] * 5 + [False, True]
     group = paths[5]
     assert (group.plan, group.delay_wgrad, group.waves) == (OVL, True, 1)
-    assert not any(p.host_memory or p.name.endswith("+group") for p in candidate_paths(_cfg()))
+    assert not any(p.copy_engine or p.name.endswith("+group") for p in candidate_paths(_cfg()))
     assert [p.name for p in candidate_paths(_cfg(*host, "--delay-wgrad-compute"))][-2:] == [
         OVL + "+group", SEQUENTIAL]
 

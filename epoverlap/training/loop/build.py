@@ -47,7 +47,7 @@ from epoverlap.model.documents import Documents
 from epoverlap.model.transformer import MoEModel, count_parameters, model_dtype
 from epoverlap.parallel.comm import ContextComm, ExpertComm, HostComms, PipelineComm
 from epoverlap.parallel.groups import ParallelGroups, add_host_groups, context_groups
-from epoverlap.parallel.host_memory import HostMemoryTransport, open_host_transport
+from epoverlap.parallel.host_memory import CopyEngineTransport, open_host_transport
 from epoverlap.parallel.peer_memory import open_peer_transport
 from epoverlap.parallel.transport import ranks_per_host
 from epoverlap.parallel.watch import host_list
@@ -211,7 +211,7 @@ class RunParts:
         model = self.model
         flags = model.dispatch_mode
         once = spec.once_per_rank or flags.once_per_rank
-        on_group = not spec.host_memory and self.comm.transport is not None
+        on_group = not spec.copy_engine and self.comm.transport is not None
         if model.dispatcher is None or (once == flags.once_per_rank and not on_group):
             return model.dispatcher
         return make_dispatcher(self.comm.on_process_group() if on_group else self.comm,
@@ -442,7 +442,7 @@ def router_generators(model: MoEModel) -> list[torch.Generator]:
 _COPY_TRANSPORTS = {"host_memory": open_host_transport, "peer_memory": open_peer_transport}
 
 
-def _copy_transport(cfg: RunConfig, groups: ParallelGroups) -> Optional[HostMemoryTransport]:
+def _copy_transport(cfg: RunConfig, groups: ParallelGroups) -> Optional[CopyEngineTransport]:
     """The all-to-all on copy engines, through shared host memory or peer memory
     (--moe-a2a-transport host_memory, peer_memory), made collectively over the EP group; None
     on the process group's own all-to-all."""
