@@ -55,7 +55,7 @@ DEFAULT_PLAN = "combined_1f1b"
 PAIRED_ENDS = "combined_1f1b_paired_ends"
 WGRAD = "+wgrad"
 ONCE = "+once"
-GROUP = "+group"  # the process group's all-to-all where the flags' goes through host memory
+GROUP = "+group"  # the process group's all-to-all where the flags' goes on copy engines
 # the wave count the tuner tries: 4 beat 8 and 1 through host memory (benchmarks/chunked.md)
 TUNED_WAVES = 4
 
@@ -104,23 +104,23 @@ def candidate_paths(cfg: RunConfig) -> list[TunePath]:
     pinned_wgrad = probe_steps(cfg) > 0 or o.delay_wgrad_compute
     wgrads = [bool(o.delay_wgrad_compute)] if pinned_wgrad else [False, True]
     tuned_wgrad = len(wgrads) > 1
-    waves, host = o.moe_a2a_waves, flags_copy_engine(cfg)
+    waves, copy_engine = o.moe_a2a_waves, flags_copy_engine(cfg)
     paths = [TunePath(plan + (WGRAD if wgrad and tuned_wgrad else ""), plan, wgrad, waves,
-                      copy_engine=host)
+                      copy_engine=copy_engine)
              for plan in plans for wgrad in wgrads]
     tried = tuned_waves(cfg)
     if tried > 1:
         paths.append(TunePath(plans[0] + (WGRAD if tuned_wgrad else "") + f"+w{tried}",
-                              plans[0], True, tried, copy_engine=host))
+                              plans[0], True, tried, copy_engine=copy_engine))
     first_wgrad = True if tuned_wgrad else bool(o.delay_wgrad_compute)
     first = plans[0] + (WGRAD if first_wgrad and tuned_wgrad else "")
     if o.tune_allow_rounding and not once_per_rank_blocker(cfg):
         paths.append(TunePath(first + ONCE, plans[0], first_wgrad, waves, once_per_rank=True,
-                              copy_engine=host))
-    if host and probe_steps(cfg) == 0:
+                              copy_engine=copy_engine))
+    if copy_engine and probe_steps(cfg) == 0:
         paths.append(TunePath(first + GROUP, plans[0], first_wgrad, waves))
     return paths + [TunePath(SEQUENTIAL, SEQUENTIAL, bool(o.delay_wgrad_compute), waves,
-                             copy_engine=host)]
+                             copy_engine=copy_engine)]
 
 
 def flags_copy_engine(cfg: RunConfig) -> bool:

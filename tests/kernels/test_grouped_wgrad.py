@@ -84,11 +84,13 @@ CASES = [  # (counts per expert, I, O, padding rows)
 ]
 
 
+@pytest.mark.parametrize("config", [SMALL, GROUPED], ids=["tiles", "tiles in groups"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("counts,width_in,width_out,padding", CASES)
-def test_triton_equals_the_reference(triton_device, counts, width_in, width_out, padding, dtype):
+def test_triton_equals_the_reference(triton_device, counts, width_in, width_out, padding, dtype,
+                                     config):
     start, x, grad, ref, out = _both(counts, width_in, width_out, dtype, triton_device,
-                                     padding=padding)
+                                     config=config, padding=padding)
     torch.testing.assert_close(out, ref, **FP32_CLOSE)
     expected = _float64_sum(start, x, grad, counts)
     torch.testing.assert_close(out.double(), expected, **FP32_CLOSE)
@@ -96,15 +98,6 @@ def test_triton_equals_the_reference(triton_device, counts, width_in, width_out,
     for e, count in enumerate(counts):
         if count == 0:  # an expert with no rows keeps its values (padding NaNs never read)
             assert torch.equal(out[e], start[e]) and torch.equal(ref[e], start[e])
-
-
-@pytest.mark.parametrize("counts,width_in,width_out,padding", CASES)
-def test_tiles_in_groups_equal_the_reference(triton_device, counts, width_in, width_out,
-                                             padding):
-    start, x, grad, ref, out = _both(counts, width_in, width_out, torch.bfloat16, triton_device,
-                                     config=GROUPED, padding=padding)
-    torch.testing.assert_close(out, ref, **FP32_CLOSE)
-    torch.testing.assert_close(out.double(), _float64_sum(start, x, grad, counts), **FP32_CLOSE)
 
 
 def test_two_runs_and_fewer_programs_give_the_same_bits(triton_device, monkeypatch):
