@@ -39,6 +39,8 @@ import torch
 from epoverlap.config import parse_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.optimizer import flat_adam
+from epoverlap.training.optimizer import grads as grads_module
+from epoverlap.training.optimizer.grads import GradBuffers, is_expert
 from epoverlap.training.optimizer.optim import ADAM_IMPLS, MixedPrecisionAdamW
 from epoverlap.training.loop.trainer import Trainer
 from benchmarks.harness.bench_host import launch_count
@@ -108,15 +110,33 @@ def print_norms(params: list, rounds: int, iters: int, device: torch.device) -> 
     def foreach_norm():
         return float(torch.stack(torch._foreach_norm(grads, 2)).square().sum().sqrt())
 
-    def per_param():  # the form before: a temporary as large as each grad, written and read
+    def per_param():  # the form before that: a temporary as large as each grad
         return float(torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt())
-    runs = {"_foreach_norm (now)": foreach_norm, "pow(2).sum() per parameter": per_param}
+    runs = {"_foreach_norm (before)": foreach_norm, "pow(2).sum() per parameter": per_param}
+    if device.type == "cuda":
+        buffers = GradBuffers.__new__(GradBuffers)  # its squares alone: the flats and sums
+        buffers.params = params
+        buffers.dense_flat = _flat_of([p for p in params if not is_expert(p)])
+        buffers.expert_flat = _flat_of([p for p in params if is_expert(p)])
+        buffers._square_sums = grads_module._square_sums(params, device)
+        runs = {"square sums kernel (now)": lambda: float(buffers._squares().sum().sqrt()),
+                **runs}
     rows, count = alternated(runs, rounds, iters, device)
     values = {name: run() for name, run in runs.items()}
     print("\n| grad norm squares | host CPU ms | GPU ms | wall ms | launches | norm |\n"
           "| --- | --- | --- | --- | --- | --- |")
     for name, runs_of in rows.items():
         print(f"| {name} | {_median_cells(runs_of)} | {count[name]} | {values[name]:.9g} |")
+
+
+def _flat_of(params: list) -> torch.Tensor:
+    """The flat grad buffer `params`' main grads are consecutive views of (GradBuffers')."""
+    if not params:
+        return torch.empty(0)
+    first = params[0].main_grad
+    numel = sum(p.numel() for p in params)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,),
+                                   (1,))
 
 
 SAMPLE = 65536  # values of each master kept (on the host) for the comparison with `single`
@@ -169,6 +189,28 @@ def time_forms(model, cfg, impls: list[str], start: list, args, device):
     return rows, count, samples
 
 
+def time_flat_configs(model, cfg, configs: list[tuple[int, int]], start: list, args, device):
+    """The flat form at each (block, warps) of `configs`, each built, timed over all its rounds
+    and freed in turn (the same bits at every config: compared with the first)."""
+    from epoverlap.kernels import adamw_triton
+    rows, count, samples = {}, {}, {}
+    default_block, default_warps = flat_adam.BLOCK, adamw_triton.num_warps_for
+    try:
+        for block, warps in configs:
+            flat_adam.BLOCK = block
+            adamw_triton.num_warps_for = lambda _block, w=warps: w
+            name = f"flat {block}x{warps}"
+            optimizer, samples[name] = make_form(model, cfg, "flat", start)
+            one, launches_of = alternated({name: lambda: optimizer.step(LR)}, args.rounds,
+                                          args.iters, device)
+            rows[name], count[name] = one[name], launches_of[name]
+            del optimizer, one
+            torch.cuda.empty_cache()
+    finally:
+        flat_adam.BLOCK, adamw_triton.num_warps_for = default_block, default_warps
+    return rows, count, samples
+
+
 def _fits_side_by_side(params: list, impls: list[str], device: torch.device) -> bool:
     """Whether every form's masters and moments (12 bytes a value each) fit in free memory."""
     if device.type != "cuda":
@@ -212,6 +254,9 @@ def main(argv=None) -> int:
                         help="the GPU's memory bandwidth in GB/s (measured; H200: ~4300)")
     parser.add_argument("--flat-block", type=int, default=flat_adam.BLOCK,
                         help="values per program of the flat form's kernel (a power of two)")
+    parser.add_argument("--flat-configs", default="",
+                        help="instead of --impls, the flat form at each BLOCKxWARPS of this "
+                             "comma-separated list (e.g. 4096x8,8192x16), one at a time")
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="build, time and free each form in turn (chosen by itself where "
                              "the forms do not fit side by side)")
@@ -235,7 +280,12 @@ def main(argv=None) -> int:
             param.main_grad.normal_(0.0, 1e-3, generator=gen)
         start = [p.detach().cpu() for p in params]  # on the host: the GPU holds the forms
         args.one_at_a_time = args.one_at_a_time or not _fits_side_by_side(params, impls, device)
-        rows, count, samples = time_forms(model, cfg, impls, start, args, device)
+        if args.flat_configs:
+            configs = [tuple(int(v) for v in c.split("x")) for c in args.flat_configs.split(",")]
+            rows, count, samples = time_flat_configs(model, cfg, configs, start, args, device)
+            samples["single"] = next(iter(samples.values()))  # the diffs: against the first
+        else:
+            rows, count, samples = time_forms(model, cfg, impls, start, args, device)
         print_forms(rows, count, samples, params, args, device)
         print_norms(params, args.rounds, args.iters, device)
         return 0

@@ -23,12 +23,14 @@ forward-backward.
 The global grad norm counts replicated parameters once, sums the expert shards over EP and the
 stages over PP (no parameter is tied across stages). It adds per-parameter squared L2 norms in
 the whole model's parameter order, so it has the same bits at any pipeline size. The
-per-parameter norms are one `_foreach_norm` (one multi-tensor reduction on a GPU, reading each
-grad once; a `pow(2).sum()` per parameter wrote and read a temporary as large as the grad).
+per-parameter squares are, on a GPU, one launch per grad buffer
+(`kernels.square_sums_triton`: each grad read once, in chunks counted from its parameter's
+start); elsewhere one `_foreach_norm`, squared.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from typing import Optional
@@ -86,6 +88,7 @@ class GradBuffers:
             p.fuse_grad_accumulation = fuse_grad_accumulation
         self._hooks = [p.register_post_accumulate_grad_hook(_fold_into_main_grad)
                        for p in params]
+        self._square_sums = _square_sums(params, device)
         slots, self._norm_size = _whole_model_slots([n for n, _ in named], groups)
         # made once: where each parameter's square goes, and which are expert shards
         self._norm_slots = torch.tensor(slots, device=device)
@@ -138,8 +141,7 @@ class GradBuffers:
     def global_norm(self) -> float:
         """L2 norm of the whole (global) gradient. Collective over the EP and PP groups."""
         g = self.groups
-        norms = torch._foreach_norm([p.main_grad for p in self.params], 2)
-        squares = torch.stack(norms).square()
+        squares = self._squares()
         dense_sq = torch.zeros(self._norm_size, device=squares.device)
         expert_sq = torch.zeros_like(dense_sq)
         dense_sq[self._norm_slots] = torch.where(self._is_expert, 0.0, squares)
@@ -150,6 +152,18 @@ class GradBuffers:
         if g.pp_size > 1:
             g.pp.all_reduce(whole_sq)  # one stage per slot, the others 0
         return math.sqrt(host_list(whole_sq.double().sum()))
+
+    def _squares(self) -> torch.Tensor:
+        """[parameters] fp32: each grad's sum of squares, in `self.params`' order."""
+        if self._square_sums is None:
+            return torch.stack(torch._foreach_norm([p.main_grad for p in self.params],
+                                                   2)).square()
+        squares = torch.empty(len(self.params), dtype=torch.float32,
+                              device=self.dense_flat.device)
+        for flat, (sums, where) in zip((self.dense_flat, self.expert_flat), self._square_sums):
+            if len(where):
+                squares[where] = sums(flat)
+        return squares
 
     def clip_factor(self, max_norm: float) -> tuple[float, float]:
         """(the global norm, the factor that brings it to at most max_norm: 1.0 when it is
@@ -163,6 +177,22 @@ class GradBuffers:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def _square_sums(params: list, device: torch.device) -> Optional[list]:
+    """On CUDA, per grad buffer (dense, expert: `GradBuffers._attach` lays each out in
+    `params`' order) its `SquareSums` over its parameters' spans and their places in `params`;
+    None elsewhere (`_foreach_norm`)."""
+    if device.type != "cuda":
+        return None
+    from epoverlap.kernels.square_sums_triton import SquareSums
+    out = []
+    for expert in (False, True):
+        where = [i for i, p in enumerate(params) if is_expert(p) == expert]
+        ends = list(itertools.accumulate(params[i].numel() for i in where))
+        out.append((SquareSums(list(zip([0] + ends[:-1], ends)), device),
+                    torch.tensor(where, dtype=torch.int64, device=device)))
+    return out
 
 
 def bucket_layout(named: list) -> list[tuple[ReduceBucket, bool, tuple[int, int]]]:
