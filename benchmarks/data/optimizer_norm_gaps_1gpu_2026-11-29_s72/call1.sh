@@ -20,6 +20,6 @@ timeout 200 torchrun --nproc-per-node 1 -m epoverlap.train --preset mixtral-1gpu
 kill $SMI
 grep -E "^path|^done" $OUT/c1/run.log
 ls -la /tmp/prof | head
-for f in /tmp/prof/*.json; do gzip -c "$f" > $OUT/c1/$(basename $f).gz; done
+for f in /tmp/prof/*.json; do gzip -c "$f" > $OUT/$(basename $f).gz; done; ls -la $OUT
 ls -la $OUT/c1
 cd $OUT && tar czf s72_call1.tgz c1 && rm -rf c1
