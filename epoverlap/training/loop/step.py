@@ -16,8 +16,14 @@ losses and grads are checked before the optimizer (`numerics`): the local grads,
 --overlap-grad-reduce the reduced ones (a non-finite grad then shows on every rank of its
 data-parallel group).
 
-The step's agreed figures (loss, aux loss, imbalance, stop reason, dropped pairs, the budget's
-rows on the wire) come from one reduction and one host read (`training.telemetry.step_stats`).
+The step's agreed figures (grad norm, loss, aux loss, imbalance, stop reason, dropped pairs,
+the budget's rows on the wire) come from one reduction and one host read
+(`training.telemetry.step_stats`), after which the optimizer is queued. Steps that follow one
+another are timed from the end of the one before, with no device sync between them: the host
+queues the next step's batch copies, resets and graph replay while the device runs the
+optimizer (a sync there left the device idle through them: 5-7 ms a step on one H200 at the
+Mixtral-like shape). A step after anything else (a capture, an evaluation, a save, a profiled
+step) is timed from a sync at its start (`restart_clock`).
 
 MoE dispatch modes (`epoverlap.model.dispatch`): with the budget dispatch, after each
 forward-backward the most rows any dispatch wanted to send to one rank is all-reduced (one host
@@ -53,6 +59,7 @@ from epoverlap.training.setup.data import StepFeed
 from epoverlap.training.telemetry.metrics import StepResult
 from epoverlap.training.telemetry.mfu import device_peak_tflops, mfu
 from epoverlap.training.optimizer.numerics import check_finite
+from epoverlap.training.optimizer.grads import clip_factor
 from epoverlap.training.optimizer.optim import lr_at
 from epoverlap.training.telemetry.step_stats import StepStats, reduce_step_stats
 from epoverlap.training.tuning.tune_cache import write_decision
@@ -108,6 +115,7 @@ class StepRunner:
         self.stop_reason: Optional[str] = None  # every rank's agreed reason to stop now
         self._last_demand: Optional[list] = None  # the budget's, of the last attempt
         self._feed: Optional[StepFeed] = None  # the steps' batches, one made ahead
+        self._clock: Optional[float] = None  # when the step before ended (`restart_clock`)
 
     def close(self) -> None:
         """Ends the data feed's worker (the batch it was making ahead is dropped)."""
@@ -121,7 +129,9 @@ class StepRunner:
         profiled = self._profiled(step)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        start = self.sync_time()
+        # back to back, a step is timed from the end of the one before, with no sync between
+        # (the host queues this step's start while the device runs that one's optimizer)
+        start = self._clock if self._clock is not None and not profiled else self.sync_time()
         if profiled:
             self.recorder.begin_step(step)
         self.faults.begin_step(step)
@@ -133,16 +143,19 @@ class StepRunner:
             check_finite(step, losses, self.model, self.grads, self.groups)
         with self.recorder.part("grad_reduce"):
             self.grads.reduce()
-        with self.recorder.part("grad_clip"):
-            grad_norm, grad_scale = self.grads.clip_factor(self.cfg.train.clip_grad)
-        stats = reduce_step_stats(self.cfg, self.groups, self.model, self.stop, losses)
+        with self.recorder.part("grad_clip"):  # the norm and the step's figures: one read
+            stats = reduce_step_stats(self.cfg, self.groups, self.model, self.stop, losses,
+                                      self.grads.norm_squared())
+        grad_norm = stats.grad_norm
+        grad_scale = clip_factor(grad_norm, self.cfg.train.clip_grad)
         self.stop_reason = stats.stop_reason
         lr = lr_at(step, self.cfg.train)
         if not self.cfg.train.skip_optimizer_step:
             with self.recorder.part("optimizer"):
                 self.optimizer.step(lr, grad_scale)  # the clip, applied as grads are read
         spans = self.recorder.end_step() if profiled else None
-        elapsed = self.sync_time() - start
+        end = self.sync_time() if profiled else time.perf_counter()
+        elapsed, self._clock = end - start, None if profiled else end
         self._tune_record(step, elapsed)
         result = self._result(step, stats, lr, grad_norm, elapsed)
         result.path = path.name if self.tuner is not None else None
@@ -182,6 +195,11 @@ class StepRunner:
         window = self.cfg.log.profile_range
         return window is not None and window[0] <= step <= window[1]
 
+    def restart_clock(self) -> None:
+        """Something other than a step ran since the last one (a capture, an evaluation, a
+        save): the next step is timed from a sync at its start, not from that step's end."""
+        self._clock = None
+
     def sync_time(self) -> float:
         """perf_counter() once the device has finished what was queued."""
         if self.device.type == "cuda":
@@ -205,9 +223,16 @@ class StepRunner:
         context = self.model.context
         if context is not None and context.dynamic:  # this rank's segment (model.context)
             batches = [context.segments(tokens, labels) for tokens, labels in batches]
-        return [{"tokens": tokens.to(self.device), "labels": labels.to(self.device),
+        return [{"tokens": self._to_device(tokens), "labels": self._to_device(labels),
                  **dropout_inputs(self.cfg.model, t.seed, step, rank, mb)}
                 for mb, (tokens, labels) in enumerate(batches)]
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A batch tensor on the device; to CUDA from pinned memory without blocking the host
+        (a copy from pageable memory would wait for the step before's optimizer)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def path_of(self, step: int) -> ExecutionPath:
         """The path step `step` runs: the tuner's for it, else the run's only one."""

@@ -155,17 +155,21 @@ class Trainer:
         if step == self.start_step + 1 and self.cfg.parallel.transport_report(
                 self.groups.device.type == "cuda"):
             self._report_transports()
-        self.reporter.graphs_captured(step, self.stepper.capture_graphs(step),
-                                      self.stepper.path_of(step).graphs)
+        captured = self.stepper.capture_graphs(step)
+        self.reporter.graphs_captured(step, captured, self.stepper.path_of(step).graphs)
         self.parts.compile_watch.after_step(step - self.start_step)
         result.triton_variants = self.parts.compile_watch.total()
         results.append(result)
         if not math.isfinite(result.loss):
             raise FloatingPointError(f"loss is {result.loss} at step {step}")
         tune_lines, result.tuned_path = self.stepper.pop_tune_report()
-        self.reporter.step_done(result, results, tune_lines, self.evaluator.maybe_run(step))
-        if self.parts.checkpointer.due(step):
+        evaluation = self.evaluator.maybe_run(step)
+        self.reporter.step_done(result, results, tune_lines, evaluation)
+        saving = self.parts.checkpointer.due(step)
+        if saving:
             self.parts.checkpointer.save(step)
+        if captured or evaluation is not None or saving:
+            self.stepper.restart_clock()  # the next step's time leaves these out
 
     def _report_transports(self) -> None:
         """After the first step (every all-to-all peer connected): which transport NCCL chose

@@ -138,8 +138,10 @@ class GradBuffers:
             g.edp.all_reduce(view)
         view.div_(g.dp_size)
 
-    def global_norm(self) -> float:
-        """L2 norm of the whole (global) gradient. Collective over the EP and PP groups."""
+    def norm_squared(self) -> torch.Tensor:
+        """The square of the whole (global) gradient's L2 norm, on the device (0-d float64, no
+        host read: the step reads it with its other figures, `telemetry.step_stats`).
+        Collective over the EP and PP groups."""
         g = self.groups
         squares = self._squares()
         dense_sq = torch.zeros(self._norm_size, device=squares.device)
@@ -151,7 +153,11 @@ class GradBuffers:
         whole_sq = dense_sq + expert_sq  # every slot is one of the two, the other is 0
         if g.pp_size > 1:
             g.pp.all_reduce(whole_sq)  # one stage per slot, the others 0
-        return math.sqrt(host_list(whole_sq.double().sum()))
+        return whole_sq.double().sum()
+
+    def global_norm(self) -> float:
+        """L2 norm of the whole (global) gradient (`norm_squared`, read)."""
+        return math.sqrt(host_list(self.norm_squared()))
 
     def _squares(self) -> torch.Tensor:
         """[parameters] fp32: each grad's sum of squares, in `self.params`' order."""
@@ -166,17 +172,21 @@ class GradBuffers:
         return squares
 
     def clip_factor(self, max_norm: float) -> tuple[float, float]:
-        """(the global norm, the factor that brings it to at most max_norm: 1.0 when it is
-        below or max_norm is 0). The grads are left as they are: the optimizer applies it."""
+        """(the global norm, `clip_factor(norm, max_norm)`)."""
         norm = self.global_norm()
-        if max_norm > 0 and norm > max_norm:
-            return norm, max_norm / (norm + 1e-6)
-        return norm, 1.0
-
+        return norm, clip_factor(norm, max_norm)
 
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def clip_factor(norm: float, max_norm: float) -> float:
+    """The factor that brings a grad norm to at most max_norm: 1.0 when it is below or max_norm
+    is 0. The grads are left as they are: the optimizer applies it."""
+    if max_norm > 0 and norm > max_norm:
+        return max_norm / (norm + 1e-6)
+    return 1.0
 
 
 def _square_sums(params: list, device: torch.device) -> Optional[list]:

@@ -1,7 +1,7 @@
 """The figures of a step every rank agrees on, from one reduction and one host read.
 
 Owns `reduce_step_stats` and `StepStats`: the mean loss and aux loss over microbatches and
-data-parallel ranks, the worst MoE layer's expert imbalance, the reason every rank stops after this
+data-parallel ranks, the global grad norm (given as its square on the device, read with the rest), the worst MoE layer's expert imbalance, the reason every rank stops after this
 step (`training.loop.stop`: each rank's flags ride in the reduction), and the dispatch's tallies
 (with a capacity, the routed pairs dropped; with the budget dispatch, the rows its fixed blocks sent
 other ranks and the rows the dropless dispatch would have sent them). The expert biases are updated
@@ -15,6 +15,7 @@ int64); the host reads them all at once, in float64, which holds both exactly.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,11 +36,15 @@ class StepStats:
     dropped_tokens: int  # routed (token, expert) pairs over capacity, all ranks and MoE layers
     dropped_fraction: float  # of all routed pairs
     dispatch_wire: Optional[float]  # None: no fixed block crossed to another rank
+    grad_norm: Optional[float] = None  # the global grad norm, where the step gave its square
 
 
-def reduce_step_stats(cfg, groups, model, stop: Optional[StopRequest], losses: list) -> StepStats:
+def reduce_step_stats(cfg, groups, model, stop: Optional[StopRequest], losses: list,
+                      norm_squared: Optional[torch.Tensor] = None) -> StepStats:
     """After the step's last backward: this step's figures, the same on every rank of `groups`
-    (`stop`: this rank's reasons to stop, None outside the training loop)."""
+    (`stop`: this rank's reasons to stop, None outside the training loop; `norm_squared`: the
+    global grad norm's square on the device, already agreed by every rank, read with the rest:
+    one host read a step)."""
     t, num_layers = cfg.train, cfg.model.num_layers
     routers = model.routers()
     flags = stop.local_flags() if stop is not None else [0.0] * len(REASONS)
@@ -65,15 +70,17 @@ def reduce_step_stats(cfg, groups, model, stop: Optional[StopRequest], losses: l
     moe_layers = [layer for layer, is_moe in enumerate(cfg.moe_layer_pattern()) if is_moe]
     reads = torch.cat([stats[:1], stats[1:1 + num_layers].sum().view(1),
                        _worst_imbalance(counts, moe_layers).view(1), stats[1 + num_layers:]])
-    loss, aux, imbalance, *rest = host_list(torch.cat([reads.double(),
-                                                       ints[-TALLIES:].double()]))
+    norm = [] if norm_squared is None else [norm_squared.view(1)]
+    values = host_list(torch.cat([*norm, reads.double(), ints[-TALLIES:].double()]))
+    norm_read, (loss, aux, imbalance, *rest) = values[:len(norm)], values[len(norm):]
     stop, (dropped, sent, exact) = rest[:-TALLIES], rest[-TALLIES:]
     scale = 1.0 / (t.num_microbatches * groups.dp_size)
     routed = (groups.dp_size * t.num_microbatches * cfg.microbatch_tokens
               * cfg.moe.moe_router_topk * len(moe_layers))
     return StepStats(loss * scale, aux * scale, imbalance, StopRequest.agreed(stop),
                      int(dropped), dropped / routed if routed else 0.0,
-                     sent / exact if sent and exact else None)
+                     sent / exact if sent and exact else None,
+                     math.sqrt(norm_read[0]) if norm_read else None)
 
 
 def _worst_imbalance(counts: torch.Tensor, moe_layers: list) -> torch.Tensor:
