@@ -14,7 +14,7 @@ Fe expert FFN, Q query width, S sequence):
   expert GEMMs     6 T k 3 H Fe                                                       FLOPs
   attention        6 T Q S (causal: half the scores, forward and backward as Megatron counts)
   optimizer        30 bytes a parameter (fp32 master, grad, two moments; the bf16 copy)
-  grad norm        4 bytes a parameter (the fp32 main grads read once)
+  grad norm        4 bytes a parameter (the fp32 main grads read once: `_square_sums_kernel`)
   grad clip        8 bytes a parameter (read and written once)
   grad zero        4 bytes a parameter
 The rest (routing, permutes, norms, rotary, SwiGLU, loss, copies) is listed by time only. The
@@ -41,7 +41,7 @@ CLASSES = (
     ("attention", r"flash|fmha|sdpa"),
     ("dense GEMMs", r"nvjet|gemm|cutlass|cublas|matmul"),
     ("optimizer", r"adamw|adam|multi_tensor_apply_kernel.*(Adam|adam)"),
-    ("grad norm", r"LpNorm|norm_kernel"),
+    ("grad norm", r"LpNorm|norm_kernel|square_sums"),
     ("grad clip", r"MulFunctor<float>"),
     ("grad zero", r"FillFunctor<float>"),
     ("loss", r"_ce_|cross_entropy|softmax"),
