@@ -14,6 +14,7 @@ from checkpoint_workers import FLAGS
 from dist_helpers import single_rank_groups
 from epoverlap.config import parse_config
 from epoverlap.training.loop.trainer import Trainer
+from epoverlap.training.optimizer import grads as grads_module
 from epoverlap.training.telemetry import step_stats as step_stats_module
 
 
@@ -60,10 +61,12 @@ def test_back_to_back_steps_are_timed_end_to_end_with_a_sync_only_after_other_wo
 def test_the_grad_norm_rides_in_the_steps_one_read(trainer, monkeypatch):
     reads = []
     host_list = step_stats_module.host_list
-    monkeypatch.setattr(step_stats_module, "host_list",
-                        lambda values: reads.append(values.numel()) or host_list(values))
+    for module in (step_stats_module, grads_module):  # the norm was read apart before
+        monkeypatch.setattr(module, "host_list",
+                            lambda values: reads.append(values.numel()) or host_list(values))
     stepper = trainer.stepper
     result = stepper.step(1)
     assert len(reads) == 1  # the norm, the loss, aux, imbalance, stop flags and tallies
+    monkeypatch.undo()
     assert result.grad_norm == math.sqrt(stepper.grads.norm_squared().item())
     assert result.grad_norm == stepper.grads.global_norm()
