@@ -200,6 +200,7 @@ def time_flat_configs(model, cfg, configs: list[tuple[int, int]], start: list, a
             flat_adam.BLOCK = block
             adamw_triton.num_warps_for = lambda _block, w=warps: w
             name = f"flat {block}x{warps}"
+            name += f" ({sum(n.startswith(name) for n in rows) + 1})" if name in rows else ""
             optimizer, samples[name] = make_form(model, cfg, "flat", start)
             one, launches_of = alternated({name: lambda: optimizer.step(LR)}, args.rounds,
                                           args.iters, device)
@@ -224,7 +225,7 @@ def print_forms(rows, count, samples, params, args, device) -> None:
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     how = "one form at a time" if args.one_at_a_time else "alternated rounds"
     print(f"\nbench_optim: {where}, preset {args.preset} {' '.join(args.model_flags)}, "
-          f"flat block {flat_adam.BLOCK}, "
+          f"flat block {'per row' if args.flat_configs else flat_adam.BLOCK}, "
           f"{len(params)} parameters, {numel / 1e6:.1f}M values, medians of {args.rounds} "
           f"{how} of {args.iters} steps; {moved / 1e9:.2f} GB a step must move, "
           f"{moved / args.hbm_gbs / 1e6:.2f} ms at {args.hbm_gbs:.0f} GB/s")

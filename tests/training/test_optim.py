@@ -141,6 +141,22 @@ def test_bench_optim_times_every_form_on_cpu():
     assert rows[-1].rstrip().endswith("| 0 |")  # single against itself
 
 
+def test_bench_optim_times_each_flat_config_with_the_same_bits_on_cpu():
+    """--flat-configs: a row per config, a repeated one numbered, every one's masters equal to
+    the first's after 3 steps (the block changes no bit)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.harness.bench_optim", "--preset", "tiny",
+         "--device", "cpu", "--rounds", "1", "--iters", "1", "--flat-configs",
+         "256x4,1024x4,256x4"],
+        capture_output=True, text=True, timeout=300,
+        cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| flat ")]
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "flat 256x4", "flat 1024x4", "flat 256x4 (2)"], result.stdout
+    assert all(row.rstrip().endswith("| 0 |") for row in rows), result.stdout
+
+
 def _clip_in_place(grads, max_norm: float) -> float:
     """The clip as the step applied it before the optimizer took its factor: the grad buffers
     scaled in place. -> the norm before."""
