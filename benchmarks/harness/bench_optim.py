@@ -1,7 +1,8 @@
 """The optimizer step's cost in each AdamW form (`epoverlap.training.optimizer.optim.ADAM_IMPLS`).
 
     python -m benchmarks.harness.bench_optim [--preset megatron-cmp] [--impls flat,fused,...]
-        [--rounds 10] [--iters 5] [--hbm-gbs 4300] [--flat-block 4096] [--one-at-a-time] [FLAGS...]
+        [--rounds 10] [--iters 5] [--hbm-gbs 4300] [--flat-block 1024] [--flat-configs BxW,...]
+        [--one-at-a-time] [FLAGS...]
 
 Builds the training command's model and grad buffers on one GPU (EP 1, bf16: every expert on
 this GPU, so more parameters than one rank of an EP run holds), fills `main_grad` with fixed
@@ -20,9 +21,11 @@ The forms' timed steps are alternated round by round, each form first in turn, a
 at once (each holds its own masters and moments: 12 bytes a value). Where they do not fit beside
 one another (`--one-at-a-time`, or chosen when the GPU's free memory is short; e.g. --preset
 qwen3-30b-a3b-proxy, 4.2B values, 50 GB a form beside the model's 25 GB), each form is built,
-timed over all its rounds and freed before the next. Then the step before it, the global grad
-norm's per-parameter squares (`GradBuffers.global_norm`: one `_foreach_norm`) against the
-per-parameter `pow(2).sum()` they replaced, timed the same way. Extra FLAGS go to the model
+timed over all its rounds and freed before the next; `--flat-configs BxW,...` times the flat
+form at each window x warps instead, one at a time. Then the step before it, the global grad
+norm's per-parameter squares (`GradBuffers.norm_squared`: on a GPU one Triton launch per grad
+buffer) against `_foreach_norm` and the per-parameter `pow(2).sum()` they replaced, timed the
+same way. Extra FLAGS go to the model
 (e.g. --num-layers 8). Prints markdown tables last. `--device cpu` times the CPU forms (the
 tool's test).
 """
@@ -103,7 +106,7 @@ def _median_cells(runs: list[dict]) -> str:
 
 
 def print_norms(params: list, rounds: int, iters: int, device: torch.device) -> None:
-    """The grad norm's per-parameter squares, as `GradBuffers.global_norm` takes them and as
+    """The grad norm's per-parameter squares, as `GradBuffers.norm_squared` takes them and as
     it took them before (the same grads; the slots and the host read left out of both)."""
     grads = [p.main_grad for p in params]
 
