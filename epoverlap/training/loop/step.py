@@ -232,7 +232,7 @@ class StepRunner:
         (a copy from pageable memory would wait for the step before's optimizer)."""
         if self.device.type != "cuda":
             return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return t.contiguous().pin_memory().to(self.device, non_blocking=True)
 
     def path_of(self, step: int) -> ExecutionPath:
         """The path step `step` runs: the tuner's for it, else the run's only one."""
