@@ -36,14 +36,15 @@ NCCL_LOG = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,ENV",
             "NCCL_DEBUG_FILE": "{out}/%s/nccl.%%h.%%p.log"}
 
 
-def _knob_step(name: str, env: dict) -> Step:
-    """NCCL's all-to-all across the GPUs (default CTAs) alone and beside the GEMMs, under one
-    knob's environment, with NCCL's log of what it chose."""
+def _knob_step(name: str, env: dict, ctas: str = "default") -> Step:
+    """NCCL's all-to-all across the GPUs (at each of `ctas`: its communicator's max CTAs)
+    alone and beside the GEMMs, under one knob's environment, with NCCL's log of what it
+    chose."""
     log = {key: value % name if "%s" in value else value for key, value in NCCL_LOG.items()}
     return Step(f"nccl_{name}", "mkdir -p {out}/" + name + " && {torchrun} -m "
                 "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads nccl "
-                "--max-ctas default --computes grouped --iters 10 --out-dir {out}/" + name,
-                env={**env, **log}, timeout_s=100)
+                "--max-ctas " + ctas + " --computes grouped --iters 10 --out-dir {out}/" + name,
+                env={**env, **log}, timeout_s=100 if ctas == "default" else 200)
 
 
 def _transport_step(kind: str, load: str) -> Step:
@@ -84,13 +85,16 @@ COPY_ENGINE_RECIPES = (
            "beside (time, GB/s, both sides' slowdowns): NCCL under each of its own copy-engine "
            "and CTA knobs (NCCL_P2P_USE_CUDA_MEMCPY, NCCL_SHM_USE_CUDA_MEMCPY with "
            "NCCL_SHM_MEMCPY_MODE 1 and 3 under P2P off, NCCL_CTA_POLICY 1 and 2), one run per "
-           "knob with NCCL's log of the transport taken, then the copy-engine transports: "
-           "through host memory, and by peer copies over NVLink (peer_memory)",
-           "KNOB/bench_contention.json and KNOB/nccl.*.log for each knob; "
-           "host_memory/bench_contention.json, peer_memory/bench_contention.json",
+           "knob with NCCL's log of the transport taken, and NCCL over NVLink at 8, 4 and 2 "
+           "CTAs; then the copy-engine transports: through host memory, and by peer copies "
+           "over NVLink (peer_memory); last torch's all_to_all_vdev (NVSHMEM kernels)",
+           "KNOB/bench_contention.json and KNOB/nccl.*.log for each knob, "
+           "p2p_cta_limits/; host_memory/, peer_memory/, symm_vdev/bench_contention.json",
            tuple(_knob_step(name, env) for name, env in NCCL_KNOBS.items())
-           + (_transport_step("host_memory", "host_transport"),
-              _transport_step("peer_memory", "peer_transport"))),
+           + (_knob_step("p2p_cta_limits", {}, ctas="8,4,2"),
+              _transport_step("host_memory", "host_transport"),
+              _transport_step("peer_memory", "peer_transport"),
+              _transport_step("symm_vdev", "symm_vdev"))),
     Recipe("copy_transport_step_2gpu", 2,
            "megatron-cmp's training step over host memory against NCCL, sequential and "
            "overlapped with delayed wgrads, interleaved rounds, over NVLink (there with "

@@ -56,6 +56,11 @@ default as the runtime's):
               GPU addressed directly, so the copies are within the GPU (cuMemcpyDtoDAsync, which
               may run as an SM copy there, as memcpy_d2d: the `ran as` column says). Not in the
               default list.
+  symm_vdev   torch symmetric memory's `all_to_all_vdev` (NVSHMEM kernels reading the split
+              sizes on the device) of the all-to-all's bytes in equal splits over the
+              expert-parallel group (`bench_symm_a2a.Case`): the issue's other SM baseline.
+              Under torchrun across 2+ GPUs only, with NVSHMEM (refused in one line
+              otherwise). Not in the default list.
 `ran as` is asked of the profiler after all timings (a profiler session leaves CUPTI attached,
 which serialized later pinned copies with kernels on torch 2.11).
 
@@ -102,7 +107,7 @@ from epoverlap.profiling.intervals import intersect, measure, union
 
 DEFAULT_SHAPES = ("megatron_e32_k4_mbs2x8", "megatron_e8_k8_f4096_mbs8x4")
 LOADS = ("nccl", "triton_copy", "sm_copy", "memcpy_d2d", "d2h_pinned", "h2d_pinned",
-         "host_transport", "peer_transport")
+         "host_transport", "peer_transport", "symm_vdev")
 COPY_TRANSPORTS = {"host_transport": "host_memory", "peer_transport": "peer_memory"}
 DEFAULT_LOADS = LOADS[:5]
 COMPUTES = ("gemm", "grouped")
@@ -540,6 +545,20 @@ def nccl_load(groups, sizes: BenchSizes, device) -> Callable[[], None]:
     return lambda: groups.ep.all_to_all_single(recv, send)
 
 
+def symm_vdev_load(groups, sizes: BenchSizes, device) -> Callable[[], None]:
+    """`all_to_all_vdev` of the all-to-all's bytes in equal splits over `groups.ep`, the
+    whole world (module docstring)."""
+    import torch.distributed as dist
+    from benchmarks.harness.bench_symm_a2a import Case, unavailable
+    why = unavailable() or ("" if groups.ep_size > 1 and groups.ep_size == dist.get_world_size()
+                            else f"needs the EP group to be the whole world of 2+ GPUs "
+                                 f"(EP {groups.ep_size}, world {dist.get_world_size()})")
+    if why:
+        raise RuntimeError(f"bench_contention --loads symm_vdev: {why}")
+    pg = groups.ep.pg if groups.ep.pg is not None else dist.distributed_c10d._get_default_group()
+    return Case(sizes.rows, 1.0, sizes.hidden, device, pg.group_name).symm_vdev
+
+
 def _agreed(values: Sequence[int], device) -> tuple[int, ...]:
     """The largest of each value over the ranks: every rank issues as many NCCL calls."""
     import torch.distributed as dist
@@ -592,6 +611,8 @@ class Load:
             return nccl_load(groups_of(self.budget), sizes, device)
         if self.kind == "triton_copy":
             return triton_copy_load(self.ctas, sizes, device)
+        if self.kind == "symm_vdev":
+            return symm_vdev_load(groups_of(NcclCtaBudget(None, None)), sizes, device)
         if self.kind in COPY_TRANSPORTS:
             return host_transport_load(sizes, device, self.slot_kib,
                                        groups_of(NcclCtaBudget(None, None)),

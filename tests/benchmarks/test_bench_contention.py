@@ -149,6 +149,22 @@ def test_rows_get_both_slowdowns_and_the_table_prints_them(tmp_path):
     assert json.loads(path.read_text())["rows"][1]["compute_slowdown"] is None
 
 
+def test_the_symm_vdev_load_is_refused_in_one_line_where_it_cannot_run(monkeypatch):
+    """Without CUDA and NVSHMEM (here), or with an EP group short of the world, the load names
+    itself and why, in one line, before touching a buffer."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+    from benchmarks.harness import bench_symm_a2a
+    sizes = bc.bench_sizes("megatron_e32_k4_mbs2x8", 2, 0.05)
+    groups = SimpleNamespace(ep_size=2, ep=SimpleNamespace(pg=None))
+    with pytest.raises(RuntimeError, match=r"^bench_contention --loads symm_vdev: needs CUDA"):
+        bc.symm_vdev_load(groups, sizes, torch.device("cpu"))
+    monkeypatch.setattr(bench_symm_a2a, "unavailable", lambda: "")
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 4)
+    with pytest.raises(RuntimeError, match=r"whole world of 2\+ GPUs \(EP 2, world 4\)"):
+        bc.symm_vdev_load(groups, sizes, torch.device("cpu"))
+
+
 def test_without_a_gpu_it_says_so_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
