@@ -1,5 +1,5 @@
 """Per-parameter sums of squares of a flat fp32 buffer in one Triton launch: `SquareSums`, the
-grad norm's read of the grads on GPUs (`training.optimizer.grads.GradBuffers.global_norm`).
+grad norm's read of the grads on GPUs (`training.optimizer.grads.GradBuffers.norm_squared`).
 
 torch's `_foreach_norm` over the grads is a multi-tensor kernel launched once per 320 chunks of
 64K values: 221 launches a step at 4.6B values (one H200, the Mixtral-like shape), each a
