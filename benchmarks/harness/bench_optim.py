@@ -42,8 +42,7 @@ import torch
 from epoverlap.config import parse_config
 from epoverlap.parallel.groups import destroy_distributed, init_distributed
 from epoverlap.training.optimizer import flat_adam
-from epoverlap.training.optimizer import grads as grads_module
-from epoverlap.training.optimizer.grads import GradBuffers, is_expert
+from epoverlap.training.optimizer.grads import GradBuffers
 from epoverlap.training.optimizer.optim import ADAM_IMPLS, MixedPrecisionAdamW
 from epoverlap.training.loop.trainer import Trainer
 from benchmarks.harness.bench_host import launch_count
@@ -105,10 +104,10 @@ def _median_cells(runs: list[dict]) -> str:
     return f"{med['cpu_ms']:.2f} | {gpu} | {med['wall_ms']:.2f}"
 
 
-def print_norms(params: list, rounds: int, iters: int, device: torch.device) -> None:
+def print_norms(buffers: GradBuffers, rounds: int, iters: int, device: torch.device) -> None:
     """The grad norm's per-parameter squares, as `GradBuffers.norm_squared` takes them and as
     it took them before (the same grads; the slots and the host read left out of both)."""
-    grads = [p.main_grad for p in params]
+    grads = [p.main_grad for p in buffers.params]
 
     def foreach_norm():
         return float(torch.stack(torch._foreach_norm(grads, 2)).square().sum().sqrt())
@@ -117,11 +116,6 @@ def print_norms(params: list, rounds: int, iters: int, device: torch.device) -> 
         return float(torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt())
     runs = {"_foreach_norm (before)": foreach_norm, "pow(2).sum() per parameter": per_param}
     if device.type == "cuda":
-        buffers = GradBuffers.__new__(GradBuffers)  # its squares alone: the flats and sums
-        buffers.params = params
-        buffers.dense_flat = _flat_of([p for p in params if not is_expert(p)])
-        buffers.expert_flat = _flat_of([p for p in params if is_expert(p)])
-        buffers._square_sums = grads_module._square_sums(params, device)
         runs = {"square sums kernel (now)": lambda: float(buffers._squares().sum().sqrt()),
                 **runs}
     rows, count = alternated(runs, rounds, iters, device)
@@ -130,16 +124,6 @@ def print_norms(params: list, rounds: int, iters: int, device: torch.device) -> 
           "| --- | --- | --- | --- | --- | --- |")
     for name, runs_of in rows.items():
         print(f"| {name} | {_median_cells(runs_of)} | {count[name]} | {values[name]:.9g} |")
-
-
-def _flat_of(params: list) -> torch.Tensor:
-    """The flat grad buffer `params`' main grads are consecutive views of (GradBuffers')."""
-    if not params:
-        return torch.empty(0)
-    first = params[0].main_grad
-    numel = sum(p.numel() for p in params)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (numel,),
-                                   (1,))
 
 
 SAMPLE = 65536  # values of each master kept (on the host) for the comparison with `single`
@@ -291,7 +275,7 @@ def main(argv=None) -> int:
         else:
             rows, count, samples = time_forms(model, cfg, impls, start, args, device)
         print_forms(rows, count, samples, params, args, device)
-        print_norms(params, args.rounds, args.iters, device)
+        print_norms(trainer.stepper.grads, args.rounds, args.iters, device)
         return 0
     finally:
         trainer.close()
