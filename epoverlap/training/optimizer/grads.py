@@ -30,7 +30,6 @@ start); elsewhere one `_foreach_norm`, squared.
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 from typing import Optional
@@ -171,11 +170,6 @@ class GradBuffers:
                 squares[where] = sums(flat)
         return squares
 
-    def clip_factor(self, max_norm: float) -> tuple[float, float]:
-        """(the global norm, `clip_factor(norm, max_norm)`)."""
-        norm = self.global_norm()
-        return norm, clip_factor(norm, max_norm)
-
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
@@ -190,17 +184,18 @@ def clip_factor(norm: float, max_norm: float) -> float:
 
 
 def _square_sums(params: list, device: torch.device) -> Optional[list]:
-    """On CUDA, per grad buffer (dense, expert: `GradBuffers._attach` lays each out in
-    `params`' order) its `SquareSums` over its parameters' spans and their places in `params`;
-    None elsewhere (`_foreach_norm`)."""
+    """On CUDA, per grad buffer (dense, expert) its `SquareSums` over its parameters' spans
+    (where `GradBuffers._attach` put each `main_grad` in its buffer) and their places in
+    `params`; None elsewhere (`_foreach_norm`)."""
     if device.type != "cuda":
         return None
     from epoverlap.kernels.square_sums_triton import SquareSums
     out = []
     for expert in (False, True):
         where = [i for i, p in enumerate(params) if is_expert(p) == expert]
-        ends = list(itertools.accumulate(params[i].numel() for i in where))
-        out.append((SquareSums(list(zip([0] + ends[:-1], ends)), device),
+        starts = [params[i].main_grad.storage_offset() for i in where]
+        spans = [(start, start + params[i].numel()) for start, i in zip(starts, where)]
+        out.append((SquareSums(spans, device),
                     torch.tensor(where, dtype=torch.int64, device=device)))
     return out
 

@@ -130,7 +130,7 @@ class MixedPrecisionAdamW:
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
         """One step on the main grads times `grad_scale`, the clip's factor
-        (`GradBuffers.clip_factor`): the flat form multiplies each grad as it reads it, the
+        (`grads.clip_factor`): the flat form multiplies each grad as it reads it, the
         torch forms scale the buffers first; the same fp32 products either way."""
         self.form.step(lr, grad_scale)
 
