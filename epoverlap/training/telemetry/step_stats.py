@@ -1,8 +1,9 @@
 """The figures of a step every rank agrees on, from one reduction and one host read.
 
 Owns `reduce_step_stats` and `StepStats`: the mean loss and aux loss over microbatches and
-data-parallel ranks, the global grad norm (given as its square on the device, read with the rest), the worst MoE layer's expert imbalance, the reason every rank stops after this
-step (`training.loop.stop`: each rank's flags ride in the reduction), and the dispatch's tallies
+data-parallel ranks, the global grad norm (given as its square on the device, read with the
+rest), the worst MoE layer's expert imbalance, the reason every rank stops after this step
+(`training.loop.stop`: each rank's flags ride in the reduction), and the dispatch's tallies
 (with a capacity, the routed pairs dropped; with the budget dispatch, the rows its fixed blocks sent
 other ranks and the rows the dropless dispatch would have sent them). The expert biases are updated
 from the reduced token counts here, since they need the same sums.
