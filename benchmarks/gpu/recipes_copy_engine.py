@@ -36,22 +36,34 @@ NCCL_LOG = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,ENV",
             "NCCL_DEBUG_FILE": "{out}/%s/nccl.%%h.%%p.log"}
 
 
-def _knob_step(name: str, env: dict, ctas: str = "default") -> Step:
-    """NCCL's all-to-all across the GPUs (at each of `ctas`: its communicator's max CTAs)
-    alone and beside the GEMMs, under one knob's environment, with NCCL's log of what it
-    chose."""
+def _knob_step(name: str, env: dict) -> Step:
+    """NCCL's all-to-all across the GPUs (its default CTAs) alone and beside the GEMMs, under
+    one knob's environment, with NCCL's log of what it chose."""
     log = {key: value % name if "%s" in value else value for key, value in NCCL_LOG.items()}
     return Step(f"nccl_{name}", "mkdir -p {out}/" + name + " && {torchrun} -m "
                 "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads nccl "
-                "--max-ctas " + ctas + " --computes grouped --iters 10 --out-dir {out}/" + name,
-                env={**env, **log}, timeout_s=100 if ctas == "default" else 200)
+                "--max-ctas default --computes grouped --iters 10 --out-dir {out}/" + name,
+                env={**env, **log}, timeout_s=100)
 
 
-def _transport_step(kind: str, load: str) -> Step:
-    """A copy-engine transport's all-to-all across the GPUs alone and beside the grouped GEMM."""
-    return Step(kind, "mkdir -p {out}/" + kind + " && {torchrun} -m "
-                "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads " + load
-                + " --computes grouped --iters 10 --out-dir {out}/" + kind, timeout_s=100)
+def _a2a_round(i: int) -> Step:
+    """One round across the GPUs, in one process: NCCL at its default CTAs and at 8, 4 and 2,
+    then both copy-engine transports (host memory, peer copies at the bench's 4 MiB slots),
+    each alone and beside the grouped GEMM."""
+    return Step(f"a2a_{i}", "mkdir -p {out}/a2a_" + str(i) + " && {torchrun} -m "
+                "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads nccl,"
+                "host_transport,peer_transport --max-ctas default,8,4,2 --computes grouped "
+                "--iters 10 --out-dir {out}/a2a_" + str(i), timeout_s=150)
+
+
+def _vdev_round(i: int) -> Step:
+    """torch's all_to_all_vdev (NVSHMEM kernels) alone and beside the grouped GEMM, a process
+    of its own (NVSHMEM's start-up stays out of the other loads' runs)."""
+    return Step(f"symm_vdev_{i}", "mkdir -p {out}/symm_vdev_" + str(i) + " && {torchrun} -m "
+                "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads symm_vdev"
+                " --computes grouped --iters 10 --out-dir {out}/symm_vdev_" + str(i),
+                timeout_s=100)
+
 
 STEP_RUN = (TRAIN + " --preset megatron-cmp --mock-data --bf16 --expert-model-parallel-size "
             "{gpus} --train-iters 12 --log-interval 100 --tune off " + GRAPHS)
@@ -80,27 +92,33 @@ COPY_ENGINE_RECIPES = (
                            "peer_transport,d2h_pinned,sm_copy,triton_copy --copy-ctas sms,16 "
                            "--out-dir {out}/contention_" + str(i), timeout_s=170)
                       for i in (1, 2, 3))),
+    Recipe("nccl_knobs_2gpu", 2,
+           "NCCL's EP all-to-all across 2 GPUs beside the experts' grouped GEMM, alone and "
+           "beside (time, GB/s, both sides' slowdowns) under each of its own copy-engine and "
+           "CTA knobs (NCCL_P2P_USE_CUDA_MEMCPY, NCCL_SHM_USE_CUDA_MEMCPY with "
+           "NCCL_SHM_MEMCPY_MODE 1 and 3 under P2P off, NCCL_CTA_POLICY 1 and 2), one run per "
+           "knob with NCCL's log of the transport taken",
+           "KNOB/bench_contention.json and KNOB/nccl.*.log for each knob",
+           tuple(_knob_step(name, env) for name, env in NCCL_KNOBS.items())),
     Recipe("copy_engine_a2a_2gpu", 2,
            "the EP all-to-all across 2 GPUs beside the experts' grouped GEMM, alone and "
-           "beside (time, GB/s, both sides' slowdowns): NCCL under each of its own copy-engine "
-           "and CTA knobs (NCCL_P2P_USE_CUDA_MEMCPY, NCCL_SHM_USE_CUDA_MEMCPY with "
-           "NCCL_SHM_MEMCPY_MODE 1 and 3 under P2P off, NCCL_CTA_POLICY 1 and 2), one run per "
-           "knob with NCCL's log of the transport taken, and NCCL over NVLink at 8, 4 and 2 "
-           "CTAs; then the copy-engine transports: through host memory, and by peer copies "
-           "over NVLink (peer_memory); last torch's all_to_all_vdev (NVSHMEM kernels)",
-           "KNOB/bench_contention.json and KNOB/nccl.*.log for each knob, "
-           "p2p_cta_limits/; host_memory/, peer_memory/, symm_vdev/bench_contention.json",
-           tuple(_knob_step(name, env) for name, env in NCCL_KNOBS.items())
-           + (_knob_step("p2p_cta_limits", {}, ctas="8,4,2"),
-              _transport_step("host_memory", "host_transport"),
-              _transport_step("peer_memory", "peer_transport"),
-              _transport_step("symm_vdev", "symm_vdev"))),
-    Recipe("copy_transport_step_2gpu", 2,
-           "megatron-cmp's training step over host memory against NCCL, sequential and "
-           "overlapped with delayed wgrads, interleaved rounds, over NVLink (there with "
-           "peer_memory's peer copies too) and with P2P off",
-           "nvlink/train_rounds.json, nop2p/train_rounds.json, their logs/",
-           (rounds_step(NVLINK_SIDES, STEP_RUN, "nvlink", rounds=2, timeout_s=420),
-            rounds_step(STEP_SIDES, STEP_RUN, "nop2p", env={"NCCL_P2P_DISABLE": "1"},
-                        rounds=2, timeout_s=270))),
+           "beside (time, GB/s, both sides' slowdowns), in 3 rounds: NCCL over NVLink at its "
+           "default CTAs and at 8, 4 and 2, the copy-engine transports through host memory "
+           "and by peer copies over NVLink (peer_memory) in the same process; then torch's "
+           "all_to_all_vdev (NVSHMEM kernels) in a process of its own",
+           "a2a_{1,2,3}/, symm_vdev_{1,2,3}/bench_contention.json",
+           tuple(step for i in (1, 2, 3) for step in (_a2a_round(i), _vdev_round(i)))),
+    Recipe("copy_transport_step_nvlink_2gpu", 2,
+           "megatron-cmp's training step over NVLink through NCCL, host memory and "
+           "peer_memory's peer copies, sequential and overlapped with delayed wgrads, 3 "
+           "interleaved rounds",
+           "nvlink/train_rounds.json, nvlink/logs/",
+           (rounds_step(NVLINK_SIDES, STEP_RUN, "nvlink", rounds=3, timeout_s=560),)),
+    Recipe("copy_transport_step_nop2p_2gpu", 2,
+           "megatron-cmp's training step with P2P off (NCCL through host memory) against the "
+           "host-memory transport, sequential and overlapped with delayed wgrads, 3 "
+           "interleaved rounds",
+           "nop2p/train_rounds.json, nop2p/logs/",
+           (rounds_step(STEP_SIDES, STEP_RUN, "nop2p", env={"NCCL_P2P_DISABLE": "1"},
+                        rounds=3, timeout_s=400),)),
 )
