@@ -549,12 +549,13 @@ def symm_vdev_load(groups, sizes: BenchSizes, device) -> Callable[[], None]:
     """`all_to_all_vdev` of the all-to-all's bytes in equal splits over `groups.ep`, the
     whole world (module docstring)."""
     import torch.distributed as dist
-    from benchmarks.harness.bench_symm_a2a import Case, unavailable
+    from benchmarks.harness.bench_symm_a2a import Case, unavailable, use_nvshmem
     why = unavailable() or ("" if groups.ep_size > 1 and groups.ep_size == dist.get_world_size()
                             else f"needs the EP group to be the whole world of 2+ GPUs "
                                  f"(EP {groups.ep_size}, world {dist.get_world_size()})")
     if why:
         raise RuntimeError(f"bench_contention --loads symm_vdev: {why}")
+    use_nvshmem()  # the bench's own loads allocate no symmetric memory before this
     pg = groups.ep.pg if groups.ep.pg is not None else dist.distributed_c10d._get_default_group()
     return Case(sizes.rows, 1.0, sizes.hidden, device, pg.group_name).symm_vdev
 

@@ -87,6 +87,14 @@ def unavailable() -> str:
     return ""
 
 
+def use_nvshmem() -> None:
+    """Symmetric memory on NVSHMEM (its `all_to_all_vdev` is NYI on the CUDA backend, torch's
+    default): before the first symmetric allocation of the process."""
+    import torch.distributed._symmetric_memory as symm_mem
+    if hasattr(symm_mem, "set_backend"):  # older torch: TORCH_SYMMMEM=NVSHMEM in the env
+        symm_mem.set_backend("NVSHMEM")
+
+
 class Case:
     """One (rows, skew): the buffers of the four ways, made once."""
 
@@ -196,8 +204,7 @@ def main(argv=None) -> int:
         print(f"bench_symm_a2a: {why}", file=sys.stderr)
         return 2
     import torch.distributed._symmetric_memory as symm_mem
-    if hasattr(symm_mem, "set_backend"):  # older torch: TORCH_SYMMMEM=NVSHMEM in the env
-        symm_mem.set_backend("NVSHMEM")
+    use_nvshmem()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
