@@ -1,6 +1,7 @@
 """Weight grads accumulated inside the GEMM against the GEMM and then the fp32 add.
 
-    python -m benchmarks.harness.bench_wgrad [--rounds 5] [--iters 10] [--sweep | --candidates]
+    python -m benchmarks.harness.bench_wgrad [--rounds 5] [--iters 10]
+        [--sweep | --candidates | --configs IxOxK/wW/sS[/gG],...]
         [--device cuda|cpu] [--shapes qwen3,qwen3-step,mixtral,mixtral-step,qwen3-experts]
 
 At the Qwen3 proxy's shapes (`--preset qwen3-30b-a3b-proxy`: hidden 2048, 16/4 heads of dim
@@ -18,7 +19,8 @@ step runs them, `qwen3-experts` the Qwen3 proxy's experts alone):
                  path: cuBLAS, bf16 inputs, fp32 C, beta 1), torch's default BLAS library;
       `cublaslt` the same call with torch.backends.cuda.preferred_blas_library("cublaslt");
       `triton`   the grouped kernel with one group (main_grad [1, O, I] += grad^T @ x).
-`--candidates` adds the grouped kernel at the short list `CANDIDATES` only. `--sweep` adds the
+`--candidates` adds the grouped kernel at the short list `CANDIDATES` only; `--configs
+128x256x128/w8/s2/g8,...` at the tiles given (IxOxK, warps, stages, input blocks a group). `--sweep` adds the
 grouped kernel at other tiles (`SWEEP`, labelled by their WgradConfig), for
 the dense weights too, and for the experts one program per SM walking the tiles (the SM
 carveout's form, with a carveout of 0).
@@ -98,7 +100,8 @@ SHAPES = {"qwen3": PROXY, "qwen3-step": QWEN3_STEP, "mixtral": MIXTRAL,
 TINY = (Case("experts [4, 40, 72]", 4, 64, 40, 72), Case("dense [48, 40]", 0, 33, 40, 48))
 
 
-def _grouped_sides(case: Case, device, sweep: str) -> tuple[dict, Callable, Callable]:
+def _grouped_sides(case: Case, device, sweep: str,
+                   configs: tuple = ()) -> tuple[dict, Callable, Callable]:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(case.rows, case.width_in, generator=gen, device=device).bfloat16()
     grad = torch.randn(case.rows, case.width_out, generator=gen, device=device).bfloat16()
@@ -142,6 +145,7 @@ def _grouped_sides(case: Case, device, sweep: str) -> tuple[dict, Callable, Call
         sides.update({f"fused {_label(c)}": fused(c) for c in SWEEP})
         if device.type == "cuda":  # one program per SM walking the tiles
             sides["fused persistent (carveout 0)"] = fused(sm_carveout=0)
+    sides.update({f"fused {_label(c)}": fused(c) for c in configs})
     return sides, lambda: main_grad, lambda: grouped_weight_grad_torch(main_grad, x, grad,
                                                                        offsets, counts)
 
@@ -239,9 +243,10 @@ def _bytes(case: Case, side: str) -> int:
     return inputs + 8 * grad_elems + (4 * grad_elems if side == "old" else 0)
 
 
-def run_case(case: Case, device, rounds: int, iters: int, sweep: str) -> list[dict]:
+def run_case(case: Case, device, rounds: int, iters: int, sweep: str,
+             configs: tuple = ()) -> list[dict]:
     if case.experts:
-        sides, main_grad, reference = _grouped_sides(case, device, sweep)
+        sides, main_grad, reference = _grouped_sides(case, device, sweep, configs)
     else:
         sides, main_grad, reference = _dense_sides(case, device, sweep)
     errors = _check(sides, main_grad, reference)
@@ -273,6 +278,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def parse_configs(text: str) -> tuple:
+    """`IxOxK/wW/sS[/gG],...` (e.g. 128x256x128/w8/s2/g8) -> WgradConfigs; ValueError names the
+    bad one."""
+    configs = []
+    for spec in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            tiles, *opts = spec.split("/")
+            block_i, block_o, block_k = (int(v) for v in tiles.split("x"))
+            named = {opt[0]: int(opt[1:]) for opt in opts}
+            if set(named) - {"w", "s", "g"} or not {"w", "s"} <= set(named):
+                raise ValueError
+            configs.append(WgradConfig(block_i, block_o, block_k, named["w"], named["s"],
+                                       group_i=named.get("g", 1)))
+        except ValueError:
+            raise ValueError(f"--configs {spec!r}: expected IxOxK/wW/sS[/gG], e.g. "
+                             "128x256x128/w8/s2/g8") from None
+    return tuple(configs)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -281,10 +305,16 @@ def main(argv: list[str]) -> int:
     tiles.add_argument("--sweep", action="store_true", help="the grouped kernel at more tiles")
     tiles.add_argument("--candidates", action="store_true",
                        help="the grouped kernel at the short list CANDIDATES only")
+    tiles.add_argument("--configs", default="",
+                       help="the grouped kernel at these tiles only: IxOxK/wW/sS[/gG],...")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--shapes", default="qwen3",
                         help=f"comma-separated, of {', '.join(SHAPES)} (cuda only)")
     args = parser.parse_args(argv)
+    try:
+        configs = parse_configs(args.configs)
+    except ValueError as error:
+        parser.error(str(error))
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_wgrad: no CUDA device (use --device cpu for the tool's own check)")
         return 0
@@ -296,7 +326,7 @@ def main(argv: list[str]) -> int:
     cases = [c for name in args.shapes.split(",") for c in SHAPES[name]]
     for case in cases if device.type == "cuda" else TINY:
         sweep = "candidates" if args.candidates else ("all" if args.sweep else "")
-        rows += run_case(case, device, args.rounds, args.iters, sweep)
+        rows += run_case(case, device, args.rounds, args.iters, sweep, configs)
         print(f"done: {case.name}", flush=True)
     print(table(rows))
     return 0

@@ -23,3 +23,16 @@ def test_bench_wgrad_runs_every_side_on_cpu(capsys):
         assert row[-1] in ("same", "differ")
         error = float(row[-2])
         assert error < 1e-6 if row[1] != "old" else 1e-4 < error < 1e-2, row
+
+
+def test_bench_wgrad_times_the_tiles_given_and_refuses_a_bad_one(capsys):
+    assert bench_wgrad.parse_configs("128x256x128/w8/s2/g8, 64x64x32/w4/s3") == (
+        bench_wgrad.WgradConfig(128, 256, 128, 8, 2, group_i=8),
+        bench_wgrad.WgradConfig(64, 64, 32, 4, 3))
+    assert bench_wgrad.main(["--device", "cpu", "--configs", "32x32x32/w4/s2/g2"]) == 0
+    out = capsys.readouterr().out
+    assert "| experts [4, 40, 72] | fused 32x32x32 w4 s2 g2 |" in out
+    with pytest.raises(SystemExit) as stop:
+        bench_wgrad.main(["--device", "cpu", "--configs", "128x256/w8/s2"])
+    assert stop.value.code == 2
+    assert "--configs '128x256/w8/s2': expected IxOxK/wW/sS[/gG]" in capsys.readouterr().err

@@ -273,14 +273,16 @@ def test_gpu_proxy_shapes(width_in, width_out, skew, padding, dtype):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_every_tile_config_gives_the_same_bits():
-    """The configs differ in tiles, warps and stages, never in the 64 rows a step: on the
-    tensor cores each output element's sums run in the same order, so the bits agree (the
-    kernel's config may follow the rows an expert has)."""
+    """The configs differ in tiles, warps, stages and rows a step: on the tensor cores each
+    output element's sums run 16 rows at a time in row order whatever the step, so the bits
+    agree (the kernel's config may follow the rows an expert has)."""
     counts = _proxy_counts(experts=16, rows=16384, skew=True)
     main_grad, x, grad, offsets = _inputs(counts, 2048, 1536, torch.bfloat16, "cuda")
     outs = []
     configs = (WGRAD_FEW_ROWS, WGRAD_MANY_ROWS, WgradConfig(128, 64, 64, 4, 3),
-               WgradConfig(64, 128, 64, 4, 4), WgradConfig(128, 256, 64, 8, 4, group_i=4))
+               WgradConfig(64, 128, 64, 4, 4), WgradConfig(128, 256, 64, 8, 4, group_i=4),
+               # 128 and 32 rows a step: the tensor cores still add 16 rows at a time in order
+               WgradConfig(128, 256, 128, 8, 2, group_i=8), WgradConfig(128, 256, 32, 8, 6))
     _, x2, grad2, offsets2 = _inputs(counts, 2048, 1536, torch.bfloat16, "cuda", seed=1)
     paired = []  # two microbatches' sources in one launch, overwriting (the step's form)
     for config in configs:
