@@ -20,8 +20,8 @@ step runs them, `qwen3-experts` the Qwen3 proxy's experts alone):
       `cublaslt` the same call with torch.backends.cuda.preferred_blas_library("cublaslt");
       `triton`   the grouped kernel with one group (main_grad [1, O, I] += grad^T @ x).
 `--candidates` adds the grouped kernel at the short list `CANDIDATES` only; `--configs
-128x256x128/w8/s2/g8,...` at the tiles given (IxOxK, warps, stages, input blocks a group). `--sweep` adds the
-grouped kernel at other tiles (`SWEEP`, labelled by their WgradConfig), for
+128x256x128/w8/s2/g8,...` at the tiles given (IxOxK, warps, stages, input blocks a group).
+`--sweep` adds the grouped kernel at other tiles (`SWEEP`, labelled by their WgradConfig), for
 the dense weights too, and for the experts one program per SM walking the tiles (the SM
 carveout's form, with a carveout of 0).
 
@@ -100,7 +100,7 @@ SHAPES = {"qwen3": PROXY, "qwen3-step": QWEN3_STEP, "mixtral": MIXTRAL,
 TINY = (Case("experts [4, 40, 72]", 4, 64, 40, 72), Case("dense [48, 40]", 0, 33, 40, 48))
 
 
-def _grouped_sides(case: Case, device, sweep: str,
+def _grouped_sides(case: Case, device, sweep: bool,
                    configs: tuple = ()) -> tuple[dict, Callable, Callable]:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(case.rows, case.width_in, generator=gen, device=device).bfloat16()
@@ -139,9 +139,7 @@ def _grouped_sides(case: Case, device, sweep: str,
     sides = {"old": old, f"fused {_label(default)}": fused()}
     if not case.step:
         sides.update({"fused, two sources": two_sources, "fused, overwrite": overwrite})
-    if sweep == "candidates":
-        sides.update({f"fused {_label(c)}": fused(c) for c in CANDIDATES})
-    elif sweep:
+    if sweep:
         sides.update({f"fused {_label(c)}": fused(c) for c in SWEEP})
         if device.type == "cuda":  # one program per SM walking the tiles
             sides["fused persistent (carveout 0)"] = fused(sm_carveout=0)
@@ -159,7 +157,7 @@ def counts_halves(counts: list[int], half: int) -> tuple[torch.Tensor, torch.Ten
     return first.to(torch.int32), second.to(torch.int32)
 
 
-def _dense_sides(case: Case, device, sweep: str) -> tuple[dict, Callable, Callable]:
+def _dense_sides(case: Case, device, sweep: bool) -> tuple[dict, Callable, Callable]:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(case.rows, case.width_in, generator=gen, device=device).bfloat16()
     grad = torch.randn(case.rows, case.width_out, generator=gen, device=device).bfloat16()
@@ -181,7 +179,7 @@ def _dense_sides(case: Case, device, sweep: str) -> tuple[dict, Callable, Callab
                                                   one_group, config=config)
 
     sides = {"old": old, "triton": triton()}
-    if sweep == "all":
+    if sweep:
         sides.update({f"triton {_label(c)}": triton(c) for c in SWEEP})
     if device.type == "cuda":
         sides.update(cublas=cublas, cublaslt=cublaslt)
@@ -243,8 +241,10 @@ def _bytes(case: Case, side: str) -> int:
     return inputs + 8 * grad_elems + (4 * grad_elems if side == "old" else 0)
 
 
-def run_case(case: Case, device, rounds: int, iters: int, sweep: str,
+def run_case(case: Case, device, rounds: int, iters: int, sweep: bool,
              configs: tuple = ()) -> list[dict]:
+    """`case`'s sides timed; `sweep` adds the SWEEP tiles, `configs` the grouped kernel at
+    those tiles (CANDIDATES for --candidates)."""
     if case.experts:
         sides, main_grad, reference = _grouped_sides(case, device, sweep, configs)
     else:
@@ -312,7 +312,7 @@ def main(argv: list[str]) -> int:
                         help=f"comma-separated, of {', '.join(SHAPES)} (cuda only)")
     args = parser.parse_args(argv)
     try:
-        configs = parse_configs(args.configs)
+        configs = CANDIDATES if args.candidates else parse_configs(args.configs)
     except ValueError as error:
         parser.error(str(error))
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -325,8 +325,7 @@ def main(argv: list[str]) -> int:
     rows = []
     cases = [c for name in args.shapes.split(",") for c in SHAPES[name]]
     for case in cases if device.type == "cuda" else TINY:
-        sweep = "candidates" if args.candidates else ("all" if args.sweep else "")
-        rows += run_case(case, device, args.rounds, args.iters, sweep, configs)
+        rows += run_case(case, device, args.rounds, args.iters, args.sweep, configs)
         print(f"done: {case.name}", flush=True)
     print(table(rows))
     return 0
