@@ -36,33 +36,35 @@ NCCL_LOG = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,ENV",
             "NCCL_DEBUG_FILE": "{out}/%s/nccl.%%h.%%p.log"}
 
 
+def _across_gpus(name: str, folder: str, loads: str, timeout_s: int, env: dict = None) -> Step:
+    """`bench_contention` under torchrun across the GPUs at both all-to-all sizes: `loads` (its
+    --loads and their options) alone and beside the grouped GEMM, into {out}/`folder`."""
+    return Step(name, "mkdir -p {out}/" + folder + " && {torchrun} -m "
+                "benchmarks.harness.bench_contention --shapes " + SHAPES + " " + loads
+                + " --computes grouped --iters 10 --out-dir {out}/" + folder,
+                env=dict(env or {}), timeout_s=timeout_s)
+
+
 def _knob_step(name: str, env: dict) -> Step:
     """NCCL's all-to-all across the GPUs (its default CTAs) alone and beside the GEMMs, under
     one knob's environment, with NCCL's log of what it chose."""
     log = {key: value % name if "%s" in value else value for key, value in NCCL_LOG.items()}
-    return Step(f"nccl_{name}", "mkdir -p {out}/" + name + " && {torchrun} -m "
-                "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads nccl "
-                "--max-ctas default --computes grouped --iters 10 --out-dir {out}/" + name,
-                env={**env, **log}, timeout_s=100)
+    return _across_gpus(f"nccl_{name}", name, "--loads nccl --max-ctas default", 100,
+                        {**env, **log})
 
 
 def _a2a_round(i: int) -> Step:
     """One round across the GPUs, in one process: NCCL at its default CTAs and at 8, 4 and 2,
     then both copy-engine transports (host memory, peer copies at the bench's 4 MiB slots),
     each alone and beside the grouped GEMM."""
-    return Step(f"a2a_{i}", "mkdir -p {out}/a2a_" + str(i) + " && {torchrun} -m "
-                "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads nccl,"
-                "host_transport,peer_transport --max-ctas default,8,4,2 --computes grouped "
-                "--iters 10 --out-dir {out}/a2a_" + str(i), timeout_s=150)
+    return _across_gpus(f"a2a_{i}", f"a2a_{i}", "--loads nccl,host_transport,peer_transport "
+                        "--max-ctas default,8,4,2", 150)
 
 
 def _vdev_round(i: int) -> Step:
     """torch's all_to_all_vdev (NVSHMEM kernels) alone and beside the grouped GEMM, a process
     of its own (NVSHMEM's start-up stays out of the other loads' runs)."""
-    return Step(f"symm_vdev_{i}", "mkdir -p {out}/symm_vdev_" + str(i) + " && {torchrun} -m "
-                "benchmarks.harness.bench_contention --shapes " + SHAPES + " --loads symm_vdev"
-                " --computes grouped --iters 10 --out-dir {out}/symm_vdev_" + str(i),
-                timeout_s=100)
+    return _across_gpus(f"symm_vdev_{i}", f"symm_vdev_{i}", "--loads symm_vdev", 100)
 
 
 STEP_RUN = (TRAIN + " --preset megatron-cmp --mock-data --bf16 --expert-model-parallel-size "

@@ -7,10 +7,11 @@
 An experiment folder keeps its summaries in the tree, uncompressed, beside the report that cites
 them: JSON (the per-step samples and medians a report's figures come from), markdown tables,
 `summary.txt`, `versions.txt`, scripts. Its raw records (step logs, `--log-json` streams, each
-run's saved config, span files, traces and their kernel tables, tree diffs, archives) go into one `raw.tar.xz` under the
-same relative paths, so `unpack` restores the folder as it was recorded, and a report's path to
-a raw file reads as that file's place in its folder's archive. `read_text` reads such a path
-from the disk or, where it is not there, from the archive of the folder above it.
+run's saved config, span files, traces and their kernel tables, tree diffs, archives) go into
+one `raw.tar.xz` under the same relative paths, so `unpack` restores the folder as it was
+recorded, and a report's path to a raw file reads as that file's place in its folder's archive.
+`read_text` reads such a path from the disk or, where it is not there, from the archive of the
+folder above it.
 
 The archive is deterministic (members sorted, times and owners zeroed, xz preset 9e): packing
 the same files twice gives the same bytes.
